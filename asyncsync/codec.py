@@ -1,0 +1,398 @@
+"""Lossless sparse-delta codecs: how one tensor's change between two versions goes on the wire.
+
+Everything works on *int views* (:func:`int_view`): a tensor's bytes seen as the integer dtype of
+the same width, so a delta is bitwise exact for every dtype (NaN payloads, ``-0.0``, float8 and
+bool included) and float values are never compared. All byte layouts are little-endian (the
+hosts we run on are). Encodings, per tensor, with ``n`` changed elements out of ``numel``:
+
+``indices``      positions as int32 absolute indices (int64 when numel > 2**31-1); values raw.
+``deltas``       positions as gaps ``idx[k] - idx[k-1] - 1`` (``idx[-1] = -1``) in the narrowest
+                 of uint16/uint32/uint64 holding the largest gap; values raw.
+``deltas_zstd``  the ``deltas`` positions blob compressed with zstd level 1; values raw.
+``xef``          (default) Elias-Fano positions; values are ``new ^ old`` (the receiver holds
+                 old) split into byte planes (all byte 0s, then all byte 1s, ...) and zstd'd.
+                 The high planes of a small float update's XOR are almost all zero, so they
+                 vanish under zstd. Above :data:`DENSE_THRESHOLD` changed/numel, no positions
+                 are stored and the whole-tensor XOR (zero where unchanged) is sent instead.
+
+The first three are the generation-1 baselines of the slime project: always mode "sparse",
+patch op "set". xef patches XOR. A sparse xef positions blob is one header byte
+(``L | 0x80`` when the rest is zstd-compressed, which is kept only when smaller) followed by the
+low parts ``idx & (2**L - 1)`` packed as an L-bit field array (LSB-first bits), then the high
+parts as a unary bitvector of ``n + (numel >> L) + 1`` bits with bit ``(idx[i] >> L) + i`` set,
+where ``L = max(0, floor(log2(numel / n)))``: about ``L + 2`` bits per position.
+
+``changed == 0`` encodes as two empty blobs in every encoding. Decoding validates everything and
+raises :class:`~asyncsync.errors.FormatError` on any inconsistency; decompressed sizes are known
+in advance, so a hostile blob cannot make the decoder allocate more than the tensor's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import zstandard
+from numpy.typing import NDArray
+
+from asyncsync.errors import ConfigError, FormatError
+
+__all__ = [
+    "DEFAULT_ENCODING",
+    "DENSE_THRESHOLD",
+    "ENCODINGS",
+    "EncodedDelta",
+    "Patch",
+    "apply_patch",
+    "changed_positions",
+    "decode_delta",
+    "encode_delta",
+    "encoded_size",
+    "int_view",
+]
+
+ENCODINGS: tuple[str, ...] = ("xef", "indices", "deltas", "deltas_zstd")
+DEFAULT_ENCODING = "xef"
+# xef switches to dense mode when changed/numel exceeds this. Measured crossover (docs/CODEC.md):
+# ~0.30 for bf16 Adam-like deltas, ~0.15 for fp32, ~0.5 for random bytes; 0.25 costs <= ~5 %
+# against the better mode at every density measured.
+DENSE_THRESHOLD = 0.25
+
+_INT_BY_WIDTH: dict[int, torch.dtype] = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}
+_WIDTH_BY_INT: dict[torch.dtype, int] = {v: k for k, v in _INT_BY_WIDTH.items()}
+_NP_BY_WIDTH: dict[int, np.dtype[Any]] = {w: np.dtype(f"<i{w}") for w in (2, 4, 8)}
+_NP_BY_WIDTH[1] = np.dtype(np.uint8)
+_GAP_DTYPES: dict[int, np.dtype[Any]] = {w: np.dtype(f"<u{w}") for w in (2, 4, 8)}
+_INDEX32_MAX = 2**31 - 1
+_EF_ZSTD = 0x80
+_EF_ZSTD_LEVEL = 1
+_DELTAS_ZSTD_LEVEL = 1
+
+Int64Array = NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class EncodedDelta:
+    """One tensor's encoded change. ``mode == "dense"``: no positions, values cover every element."""
+
+    encoding: str
+    mode: Literal["sparse", "dense"]
+    changed: int
+    positions: bytes
+    values: bytes
+    raw_bytes: int  # positions + values before any compression (for metrics)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A decoded delta. ``set``: ``flat[pos] = values``; ``xor``: ``flat[pos] ^= values``.
+
+    ``positions`` is sorted int64, or ``None`` for every element (dense); ``values`` has the
+    target's int-view dtype.
+    """
+
+    op: Literal["set", "xor"]
+    positions: torch.Tensor | None
+    values: torch.Tensor
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat 1-D contiguous view of ``t``'s bytes as the integer dtype of the same element width.
+
+    1 byte -> uint8, 2 -> int16, 4 -> int32, 8 -> int64. Copies only when ``t`` is not
+    contiguous; stays on ``t``'s device. A 0-d tensor gives one element.
+    """
+    target = _INT_BY_WIDTH.get(t.element_size())
+    if target is None:
+        raise ConfigError(f"no integer view for {t.dtype} ({t.element_size()}-byte elements)")
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    return flat if flat.dtype == target else flat.view(target)
+
+
+def changed_positions(
+    olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Sorted int64 flat positions where each ``new`` differs bytewise from its ``old``.
+
+    All pairs share one bool mask buffer and one ``torch.nonzero``; the result is split at the
+    tensor boundaries with one host sync. Positions are relative to each tensor's start.
+    """
+    if len(olds) != len(news):
+        raise ConfigError(f"{len(olds)} old tensors but {len(news)} new ones")
+    if not olds:
+        return []
+    device = olds[0].device
+    numels: list[int] = []
+    for i, (old, new) in enumerate(zip(olds, news, strict=True)):
+        if old.dtype != new.dtype or old.shape != new.shape:
+            raise ConfigError(
+                f"tensor {i}: old is {old.dtype}{list(old.shape)}, new is {new.dtype}"
+                f"{list(new.shape)}; they must match"
+            )
+        if old.device != device or new.device != device:
+            raise ConfigError(f"tensor {i}: all tensors must be on {device}")
+        numels.append(old.numel())
+    mask = torch.empty(sum(numels), dtype=torch.bool, device=device)
+    start = 0
+    for old, new, numel in zip(olds, news, numels, strict=True):
+        torch.ne(int_view(old), int_view(new), out=mask[start : start + numel])
+        start += numel
+    pos = torch.nonzero(mask).view(-1)
+    ends = torch.tensor(numels, dtype=torch.int64).cumsum(0).to(device)
+    cuts = torch.searchsorted(pos, ends)  # number of positions before each tensor's end
+    counts = torch.diff(cuts, prepend=cuts.new_zeros(1))
+    starts = ends - torch.tensor(numels, dtype=torch.int64, device=device)
+    rel = pos - starts[torch.searchsorted(ends, pos, right=True)]
+    return list(torch.split(rel, counts.tolist()))
+
+
+def encode_delta(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    positions: torch.Tensor,
+    encoding: str = DEFAULT_ENCODING,
+    *,
+    level: int = 3,
+) -> EncodedDelta:
+    """Encode the change ``old -> new`` (int views) at ``positions`` (from changed_positions)."""
+    _check_encoding(encoding)
+    if old.dtype != new.dtype or old.dtype not in _WIDTH_BY_INT:
+        raise ConfigError(f"old/new must be int views of one dtype, got {old.dtype}, {new.dtype}")
+    if old.dim() != 1 or new.shape != old.shape:
+        raise ConfigError(f"old/new must be 1-D of equal length, got {old.shape}, {new.shape}")
+    if positions.dtype != torch.int64 or positions.dim() != 1:
+        raise ConfigError(f"positions must be 1-D int64, got {positions.dtype}{positions.shape}")
+    if not zstandard.MAX_COMPRESSION_LEVEL >= level >= -(1 << 17):
+        raise ConfigError(f"zstd level {level} out of range")
+    numel, n, width = old.numel(), positions.numel(), old.element_size()
+    if n == 0:
+        return EncodedDelta(encoding, "sparse", 0, b"", b"", 0)
+    if n > numel:
+        raise ConfigError(f"{n} positions for a tensor of {numel} elements")
+    if encoding == "xef" and n > DENSE_THRESHOLD * numel:
+        planes = _planes(torch.bitwise_xor(new, old))
+        return EncodedDelta(encoding, "dense", n, b"", _zstd(planes, level), numel * width)
+    pos = positions.to(old.device)
+    idx: Int64Array = np.ascontiguousarray(positions.cpu().numpy(), dtype=np.int64)
+    if idx[0] < 0 or idx[-1] >= numel or not bool(np.all(idx[1:] > idx[:-1])):
+        raise ConfigError("positions must be strictly increasing and within the tensor")
+    if encoding == "xef":
+        pblob, praw = _ef_encode(idx, numel)
+        values = _zstd(_planes(torch.bitwise_xor(new[pos], old[pos])), level)
+        return EncodedDelta(encoding, "sparse", n, pblob, values, praw + n * width)
+    values = new[pos].cpu().numpy().astype(_NP_BY_WIDTH[width], copy=False).tobytes()
+    if encoding == "indices":
+        pblob = idx.astype("<i4" if numel <= _INDEX32_MAX else "<i8").tobytes()
+        return EncodedDelta(encoding, "sparse", n, pblob, values, len(pblob) + len(values))
+    gaps = np.diff(idx, prepend=-1) - 1
+    top = int(gaps.max())
+    gwidth = 2 if top <= 0xFFFF else 4 if top <= 0xFFFF_FFFF else 8
+    pblob = gaps.astype(_GAP_DTYPES[gwidth]).tobytes()
+    raw = len(pblob) + len(values)
+    if encoding == "deltas_zstd":
+        pblob = _zstd(pblob, _DELTAS_ZSTD_LEVEL)
+    return EncodedDelta(encoding, "sparse", n, pblob, values, raw)
+
+
+def decode_delta(
+    encoding: str,
+    mode: str,
+    positions: bytes,
+    values: bytes,
+    *,
+    changed: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> Patch:
+    """Decode one encoded delta into a CPU :class:`Patch` for an int view of ``dtype``.
+
+    Raises ConfigError for an unknown encoding or a non-int-view dtype, FormatError for
+    anything in the blobs (or mode/changed/numel) that is inconsistent.
+    """
+    _check_encoding(encoding)
+    width = _WIDTH_BY_INT.get(dtype)
+    if width is None:
+        raise ConfigError(f"dtype must be an int-view dtype (uint8/int16/int32/int64), got {dtype}")
+    if numel < 0 or not 0 <= changed <= numel:
+        raise FormatError(f"changed={changed} impossible for numel={numel}")
+    op: Literal["set", "xor"] = "xor" if encoding == "xef" else "set"
+    if mode == "dense":
+        if encoding != "xef" or positions:
+            raise FormatError(f"dense mode is only for xef and has no positions ({encoding})")
+        raw = _unzstd(values, (numel * width,), "dense values")
+        return Patch(op, None, _unplanes(raw, numel, width))
+    if mode != "sparse":
+        raise FormatError(f"unknown mode {mode!r}")
+    if changed == 0:
+        if positions or values:
+            raise FormatError("changed == 0 but the blobs are not empty")
+        return Patch(op, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype))
+    if encoding == "xef":
+        idx = _ef_decode(positions, changed, numel)
+        vals = _unplanes(_unzstd(values, (changed * width,), "values"), changed, width)
+    else:
+        idx = _baseline_positions(encoding, positions, changed, numel)
+        if len(values) != changed * width:
+            raise FormatError(f"values blob is {len(values)} bytes, want {changed * width}")
+        vals = torch.from_numpy(np.frombuffer(values, _NP_BY_WIDTH[width]).copy())
+    return Patch(op, torch.from_numpy(idx), vals)
+
+
+def apply_patch(flat: torch.Tensor, patch: Patch) -> None:
+    """Apply ``patch`` in place to ``flat`` (a 1-D int view, on any device)."""
+    if flat.dim() != 1 or flat.dtype != patch.values.dtype:
+        raise ConfigError(
+            f"patch of {patch.values.dtype} cannot apply to {flat.dtype}{list(flat.shape)}"
+        )
+    if patch.op not in ("set", "xor"):
+        raise ConfigError(f"unknown patch op {patch.op!r}")
+    values = patch.values.to(flat.device)
+    if patch.positions is None:
+        if values.numel() != flat.numel():
+            raise ConfigError(f"dense patch of {values.numel()} values for {flat.numel()}")
+        if patch.op == "set":
+            flat.copy_(values)
+        else:
+            flat.bitwise_xor_(values)
+        return
+    pos = patch.positions
+    if pos.numel() != values.numel():
+        raise ConfigError(f"{pos.numel()} positions but {values.numel()} values")
+    if pos.numel() == 0:
+        return
+    if pos.device.type == "cpu" and int(pos[-1]) >= flat.numel():
+        raise ConfigError(f"position {int(pos[-1])} outside a tensor of {flat.numel()}")
+    pos = pos.to(flat.device)
+    if patch.op == "set":
+        flat.index_copy_(0, pos, values)
+    else:
+        flat.index_put_((pos,), flat.index_select(0, pos).bitwise_xor_(values))
+
+
+def encoded_size(enc: EncodedDelta) -> int:
+    """Wire bytes of ``enc``: positions plus values."""
+    return len(enc.positions) + len(enc.values)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_encoding(encoding: str) -> None:
+    if encoding not in ENCODINGS:
+        raise ConfigError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
+
+
+def _zstd(data: NDArray[np.uint8] | bytes, level: int) -> bytes:
+    return zstandard.ZstdCompressor(level=level).compress(data)
+
+
+def _unzstd(blob: bytes, sizes: tuple[int, ...], what: str) -> bytes:
+    """Decompress one zstd frame whose declared content size must be one of ``sizes``."""
+    try:
+        declared = zstandard.frame_content_size(blob)
+        if declared not in sizes:  # also rejects frames of unknown size (-1): unbounded
+            raise FormatError(f"{what}: zstd frame declares {declared} bytes, want {sizes}")
+        out = zstandard.ZstdDecompressor().decompress(blob) if declared else b""
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{what}: corrupt zstd data: {exc}") from exc
+    if len(out) != declared:
+        raise FormatError(f"{what}: decompressed {len(out)} bytes, frame declares {declared}")
+    return out
+
+
+def _planes(v: torch.Tensor) -> NDArray[np.uint8]:
+    """A 1-D int tensor's bytes as byte planes (all byte 0s, then all byte 1s, ...), on CPU."""
+    b = v.contiguous().view(torch.uint8)
+    if v.element_size() > 1:
+        b = b.view(-1, v.element_size()).t().contiguous()
+    arr: NDArray[np.uint8] = b.reshape(-1).cpu().numpy()
+    return arr
+
+
+def _unplanes(raw: bytes, n: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`_planes`: an owned, writable (n,) tensor of the int-view dtype."""
+    a = np.frombuffer(raw, np.uint8)
+    a = a.reshape(width, n).T.copy() if width > 1 else a.copy()
+    return torch.from_numpy(a.view(_NP_BY_WIDTH[width]).reshape(n))
+
+
+def _ef_low_bits(n: int, numel: int) -> int:
+    return max(0, (numel // n).bit_length() - 1)
+
+
+def _ef_sizes(n: int, numel: int, low_bits: int) -> tuple[int, int]:
+    return (n * low_bits + 7) // 8, (n + (numel >> low_bits) + 1 + 7) // 8
+
+
+def _ef_encode(idx: Int64Array, numel: int) -> tuple[bytes, int]:
+    """Elias-Fano code sorted ``idx``; returns (blob, uncompressed payload size)."""
+    n = idx.size
+    low_bits = _ef_low_bits(n, numel)
+    parts: list[bytes] = []
+    if low_bits:
+        low = idx.view(np.uint8).reshape(n, 8)[:, : (low_bits + 7) // 8]
+        bits = np.unpackbits(low, axis=1, count=low_bits, bitorder="little")
+        parts.append(np.packbits(bits, bitorder="little").tobytes())
+    unary = np.zeros(n + (numel >> low_bits) + 1, dtype=np.uint8)
+    unary[(idx >> low_bits) + np.arange(n)] = 1
+    parts.append(np.packbits(unary, bitorder="little").tobytes())
+    payload = b"".join(parts)
+    packed = _zstd(payload, _EF_ZSTD_LEVEL)
+    if len(packed) < len(payload):
+        return bytes([low_bits | _EF_ZSTD]) + packed, len(payload)
+    return bytes([low_bits]) + payload, len(payload)
+
+
+def _ef_decode(blob: bytes, n: int, numel: int) -> Int64Array:
+    low_bits = _ef_low_bits(n, numel)
+    if not blob or blob[0] & ~_EF_ZSTD != low_bits:
+        raise FormatError(f"Elias-Fano header {blob[:1]!r} does not match L={low_bits}")
+    low_len, high_len = _ef_sizes(n, numel, low_bits)
+    payload = blob[1:]
+    if blob[0] & _EF_ZSTD:
+        payload = _unzstd(payload, (low_len + high_len,), "positions")
+    if len(payload) != low_len + high_len:
+        raise FormatError(f"positions blob is {len(payload)} bytes, want {low_len + high_len}")
+    buf = np.frombuffer(payload, np.uint8)
+    ones = np.flatnonzero(np.unpackbits(buf[low_len:], bitorder="little"))
+    if ones.size != n:
+        raise FormatError(f"Elias-Fano high bits hold {ones.size} positions, want {n}")
+    idx: Int64Array = (ones - np.arange(n)) << low_bits
+    if low_bits:
+        bits = np.unpackbits(buf[:low_len], count=n * low_bits, bitorder="little")
+        low = np.zeros((n, 8), dtype=np.uint8)
+        low[:, : (low_bits + 7) // 8] = np.packbits(
+            bits.reshape(n, low_bits), axis=1, bitorder="little"
+        )
+        idx |= low.view("<i8").reshape(n)
+    _check_increasing(idx, numel)
+    return idx
+
+
+def _baseline_positions(encoding: str, blob: bytes, n: int, numel: int) -> Int64Array:
+    if encoding == "deltas_zstd":
+        blob = _unzstd(blob, (2 * n, 4 * n, 8 * n), "positions")
+    width, rest = divmod(len(blob), n)
+    if rest or width not in ((4, 8) if encoding == "indices" else (2, 4, 8)):
+        raise FormatError(f"{encoding} positions blob of {len(blob)} bytes for {n} positions")
+    if encoding == "indices":
+        idx: Int64Array = np.frombuffer(blob, f"<i{width}").astype(np.int64)
+        _check_increasing(idx, numel)
+        return idx
+    steps = np.frombuffer(blob, _GAP_DTYPES[width]).astype(np.uint64) + np.uint64(1)
+    upos = np.cumsum(steps, dtype=np.uint64) - np.uint64(1)  # a uint64 wrap shows as a decrease
+    _check_increasing(upos, numel)
+    return upos.astype(np.int64)
+
+
+def _check_increasing(idx: NDArray[Any], numel: int) -> None:
+    if idx[0] < 0 or idx[-1] >= numel or not bool(np.all(idx[1:] > idx[:-1])):
+        raise FormatError(f"positions not strictly increasing within [0, {numel})")

@@ -1,0 +1,108 @@
+"""The one error tree of asyncsync, grouped by how a caller reacts.
+
+::
+
+    AsyncSyncError
+    ├── ConfigError (ValueError)        bad argument or option: fix the call
+    ├── FormatError                     the shared directory holds something we cannot trust
+    │   ├── ManifestError               a manifest is malformed, unsafe or of an unknown format
+    │   ├── ChecksumMismatch            bytes differ from what the manifest promises
+    │   └── IncompleteVersion           a committed version lacks a shard it names
+    ├── ChainError                      versions cannot be applied in order from what is on disk
+    │   └── OutOfOrder                  a delta whose base is not the engine's version
+    ├── PublishError                    a publish failed; nothing was committed, the next one works
+    ├── LockHeld                        another live process owns the root or the engine
+    ├── ApplyFailed                     an engine could not take a version; it keeps its last good one
+    │   └── EngineStateError            an engine's persisted state is unreadable or inconsistent
+    └── AckTimeout (TimeoutError)       engines did not acknowledge in time; names who is behind
+
+Foreign errors (OSError, json, safetensors) are translated at the boundary with
+``raise NewError(...) from exc`` so callers catch one family.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AckTimeout",
+    "ApplyFailed",
+    "AsyncSyncError",
+    "ChainError",
+    "ChecksumMismatch",
+    "ConfigError",
+    "EngineStateError",
+    "FormatError",
+    "IncompleteVersion",
+    "LockHeld",
+    "ManifestError",
+    "OutOfOrder",
+    "PublishError",
+]
+
+
+class AsyncSyncError(Exception):
+    """Base of every error asyncsync raises on purpose."""
+
+
+class ConfigError(AsyncSyncError, ValueError):
+    """An argument or option is invalid; the message says which and what is allowed."""
+
+
+class FormatError(AsyncSyncError):
+    """Something in the shared directory cannot be trusted."""
+
+
+class ManifestError(FormatError):
+    """A manifest (or ack, or log line) is malformed, unsafe, or of an unknown format version."""
+
+
+class ChecksumMismatch(FormatError):
+    """Bytes on disk or in an engine differ from the checksum the manifest records.
+
+    ``path`` names the file and ``tensor`` the tensor (when known).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.tensor = tensor
+
+
+class IncompleteVersion(FormatError):
+    """A committed version names a shard that is missing or has the wrong size."""
+
+
+class ChainError(AsyncSyncError):
+    """The versions on disk do not let an engine reach the target version."""
+
+
+class OutOfOrder(ChainError):
+    """A delta's base version is not the version the engine holds."""
+
+
+class PublishError(AsyncSyncError):
+    """Publishing a version failed. Nothing was committed; the next publish starts clean."""
+
+
+class LockHeld(AsyncSyncError):
+    """Another live process holds the lock (one publisher per root, one agent per engine)."""
+
+
+class ApplyFailed(AsyncSyncError):
+    """An engine could not take a version. It still holds (and reports) its last good version."""
+
+
+class EngineStateError(ApplyFailed):
+    """An engine's persisted state is unreadable or inconsistent with its files."""
+
+
+class AckTimeout(AsyncSyncError, TimeoutError):
+    """Engines did not acknowledge a version in time.
+
+    ``behind`` maps each engine that is behind to the version it last acknowledged
+    (``None`` when it never acknowledged anything).
+    """
+
+    def __init__(self, message: str, *, version: int, behind: dict[str, int | None]):
+        super().__init__(message)
+        self.version = version
+        self.behind = behind

@@ -1,0 +1,580 @@
+"""The on-disk protocol both sides share: paths, manifest and ack records, JSON, validation.
+
+``docs/FORMAT.md`` is the normative spec; this module is its executable form. Everything read
+from the shared directory goes through :func:`Manifest.from_json` / :func:`AckRecord.from_json`,
+which reject anything malformed, unsafe (path escapes) or of an unknown format version with a
+:class:`~asyncsync.errors.ManifestError`.
+
+Layout of a root::
+
+    ROOT/
+      asyncsync.json              root identity (format, format_version, run_id)
+      log.jsonl                   one JSON line per committed version (append-only)
+      acks/<engine_id>.json       one ack record per engine, replaced atomically
+      v000000000000/              one directory per version, zero-padded, sortable
+        manifest.json             the commit marker, written last
+        delta-00000.safetensors   delta shards (uint8 blobs)
+        full-00000.safetensors    full shards (tensors by name) for keyframes
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from asyncsync.errors import ManifestError
+
+__all__ = [
+    "ACKS_DIR",
+    "DTYPES",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "LOG_NAME",
+    "MANIFEST_NAME",
+    "ROOT_INFO_NAME",
+    "AckRecord",
+    "DeltaRef",
+    "FullRef",
+    "Manifest",
+    "ShardInfo",
+    "TensorEntry",
+    "Totals",
+    "ack_path",
+    "check_engine_id",
+    "check_file_name",
+    "dtype_from_name",
+    "dtype_name",
+    "manifest_path",
+    "parse_version_dir",
+    "version_dir",
+    "version_dir_name",
+]
+
+FORMAT_NAME = "asyncsync"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+LOG_NAME = "log.jsonl"
+ACKS_DIR = "acks"
+ROOT_INFO_NAME = "asyncsync.json"
+VERSION_DIGITS = 12
+MAX_VERSION = 10**VERSION_DIGITS - 1
+_MAX_INT = 2**53  # every integer in our JSON must be exactly representable as a double
+_MAX_RANK = 64
+
+_VERSION_DIR_RE = re.compile(r"^v(\d{%d})$" % VERSION_DIGITS)
+_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{8,128}$")
+
+DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ManifestError(
+            f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}"
+        ) from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ManifestError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def version_dir_name(version: int) -> str:
+    if not 0 <= version <= MAX_VERSION:
+        raise ManifestError(f"version {version} out of range 0..{MAX_VERSION}")
+    return f"v{version:0{VERSION_DIGITS}d}"
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / version_dir_name(version)
+
+
+def manifest_path(root: Path, version: int) -> Path:
+    return version_dir(root, version) / MANIFEST_NAME
+
+
+def parse_version_dir(name: str) -> int | None:
+    """The version a directory name stands for, or None when it is not a version directory."""
+    m = _VERSION_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def check_file_name(name: object, what: str = "file name") -> str:
+    """A plain file name: no separators, no leading dot, no ``..`` (nothing can leave its directory)."""
+    if not isinstance(name, str) or not _FILE_RE.match(name) or ".." in name:
+        raise ManifestError(f"unsafe or invalid {what} {name!r}: expected [A-Za-z0-9][A-Za-z0-9._-]*")
+    return name
+
+
+def check_engine_id(engine_id: object) -> str:
+    if not isinstance(engine_id, str) or not _ENGINE_ID_RE.match(engine_id) or ".." in engine_id:
+        raise ManifestError(
+            f"invalid engine id {engine_id!r}: use 1-128 characters of [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return engine_id
+
+
+def ack_path(root: Path, engine_id: str) -> Path:
+    return root / ACKS_DIR / f"{check_engine_id(engine_id)}.json"
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+
+def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in d:
+        raise ManifestError(f"{where}: missing field {key!r}")
+    v = d[key]
+    # bool is an int subclass; never accept it where a number is meant.
+    if isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ManifestError(f"{where}: field {key!r} must be {kind}, got a bool")
+    if not isinstance(v, kind):
+        raise ManifestError(f"{where}: field {key!r} must be {kind}, got {type(v).__name__}")
+    return v
+
+
+def _int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX_INT) -> int:
+    v = _get(d, key, int, where)
+    if not lo <= v <= hi:
+        raise ManifestError(f"{where}: field {key!r}={v} out of range {lo}..{hi}")
+    return int(v)
+
+
+def _opt_int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX_INT) -> int | None:
+    if d.get(key) is None:
+        return None
+    return _int(d, key, where, lo=lo, hi=hi)
+
+
+def _float(d: dict[str, Any], key: str, where: str) -> float:
+    v = _get(d, key, (int, float), where)
+    if not math.isfinite(v) or v < 0:
+        raise ManifestError(f"{where}: field {key!r}={v} must be a finite non-negative number")
+    return float(v)
+
+
+def _hex(d: dict[str, Any], key: str, where: str) -> str:
+    v = _get(d, key, str, where)
+    if not _HEX_RE.match(v):
+        raise ManifestError(f"{where}: field {key!r} must be a lowercase hex digest")
+    return str(v)
+
+
+def _str(d: dict[str, Any], key: str, where: str, max_len: int = 4096) -> str:
+    v = _get(d, key, str, where)
+    if len(v) > max_len:
+        raise ManifestError(f"{where}: field {key!r} longer than {max_len}")
+    return str(v)
+
+
+def _dict(v: object, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ManifestError(f"{where}: expected a JSON object, got {type(v).__name__}")
+    return v
+
+
+def _load_json(text: str | bytes, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
+    return _dict(obj, what)
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard file of a version: its name inside the version dir, role, size and checksum."""
+
+    file: str
+    role: Literal["delta", "full"]
+    bytes: int
+    checksum: str
+
+    @classmethod
+    def from_dict(cls, d: object, where: str) -> ShardInfo:
+        d = _dict(d, where)
+        role = _get(d, "role", str, where)
+        if role not in ("delta", "full"):
+            raise ManifestError(f"{where}: role must be 'delta' or 'full', got {role!r}")
+        return cls(
+            file=check_file_name(d.get("file"), f"{where} file"),
+            role=role,
+            bytes=_int(d, "bytes", where),
+            checksum=_hex(d, "checksum", where),
+        )
+
+
+@dataclass(frozen=True)
+class DeltaRef:
+    """Where a tensor's delta lives: two uint8 tensors (positions, values) in a delta shard."""
+
+    shard: int
+    mode: Literal["sparse", "dense"]
+    positions: str
+    values: str
+
+    @classmethod
+    def from_dict(cls, d: object, where: str) -> DeltaRef:
+        d = _dict(d, where)
+        mode = _get(d, "mode", str, where)
+        if mode not in ("sparse", "dense"):
+            raise ManifestError(f"{where}: mode must be 'sparse' or 'dense', got {mode!r}")
+        return cls(
+            shard=_int(d, "shard", where, hi=1 << 20),
+            mode=mode,
+            positions=_str(d, "positions", where, 1024),
+            values=_str(d, "values", where, 1024),
+        )
+
+
+@dataclass(frozen=True)
+class FullRef:
+    """Where a tensor's complete bytes live: a key (the tensor's name) in a full shard."""
+
+    shard: int
+    key: str
+
+    @classmethod
+    def from_dict(cls, d: object, where: str) -> FullRef:
+        d = _dict(d, where)
+        return cls(shard=_int(d, "shard", where, hi=1 << 20), key=_str(d, "key", where, 4096))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    checksum: str  # of the tensor's complete new bytes
+    changed: int
+    delta: DeltaRef | None = None
+    full: FullRef | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: object, where: str) -> TensorEntry:
+        d = _dict(d, where)
+        name = _str(d, "name", where, 4096)
+        if not name:
+            raise ManifestError(f"{where}: empty tensor name")
+        where = f"{where} ({name!r})"
+        dtype = _get(d, "dtype", str, where)
+        dtype_from_name(dtype)
+        shape_raw = _get(d, "shape", list, where)
+        if len(shape_raw) > _MAX_RANK or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < _MAX_INT for s in shape_raw
+        ):
+            raise ManifestError(f"{where}: shape must be a list of non-negative ints, got {shape_raw!r}")
+        shape = tuple(int(s) for s in shape_raw)
+        if math.prod(shape) >= _MAX_INT:
+            raise ManifestError(f"{where}: shape {shape} is too large")
+        entry = cls(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            checksum=_hex(d, "checksum", where),
+            changed=_int(d, "changed", where),
+            delta=None if d.get("delta") is None else DeltaRef.from_dict(d["delta"], where),
+            full=None if d.get("full") is None else FullRef.from_dict(d["full"], where),
+        )
+        if entry.changed > entry.numel:
+            raise ManifestError(f"{where}: changed={entry.changed} exceeds numel={entry.numel}")
+        return entry
+
+
+@dataclass(frozen=True)
+class Totals:
+    tensors: int
+    elements: int
+    changed: int
+    density: float
+    model_bytes: int
+    wire_bytes: int  # bytes of all shards of this version
+    delta_bytes: int  # bytes of the delta shards only
+    raw_bytes: int  # delta payload bytes before compression
+
+    @classmethod
+    def from_dict(cls, d: object, where: str) -> Totals:
+        d = _dict(d, where)
+        return cls(
+            tensors=_int(d, "tensors", where),
+            elements=_int(d, "elements", where),
+            changed=_int(d, "changed", where),
+            density=_float(d, "density", where),
+            model_bytes=_int(d, "model_bytes", where),
+            wire_bytes=_int(d, "wire_bytes", where),
+            delta_bytes=_int(d, "delta_bytes", where),
+            raw_bytes=_int(d, "raw_bytes", where),
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed version. See docs/FORMAT.md for the meaning and invariants of each field."""
+
+    version: int
+    base_version: int | None
+    kind: Literal["full", "delta"]
+    encoding: str
+    checksum_algorithm: str
+    run_id: str
+    shards: tuple[ShardInfo, ...]
+    tensors: tuple[TensorEntry, ...]
+    totals: Totals
+    fingerprint: str
+    created_at: float
+    committed_at: float
+    producer: dict[str, Any] = field(default_factory=dict)
+    shard_dir: str | None = None  # full shards live outside the version dir (registered checkpoint)
+    format_version: int = FORMAT_VERSION
+
+    # -- derived views ------------------------------------------------------------------
+    @property
+    def is_keyframe(self) -> bool:
+        return self.kind == "full"
+
+    @property
+    def has_delta(self) -> bool:
+        """True when an engine at ``base_version`` can reach this version from the delta alone."""
+        return self.base_version is not None
+
+    def tensor_map(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
+
+    def shard_path(self, version_path: Path, shard: ShardInfo) -> Path:
+        base = Path(self.shard_dir) if (self.shard_dir and shard.role == "full") else version_path
+        return base / shard.file
+
+    # -- JSON ---------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "run_id": self.run_id,
+            "version": self.version,
+            "base_version": self.base_version,
+            "kind": self.kind,
+            "encoding": self.encoding,
+            "checksum_algorithm": self.checksum_algorithm,
+            "shard_dir": self.shard_dir,
+            "shards": [asdict(s) for s in self.shards],
+            "tensors": [t.to_dict() for t in self.tensors],
+            "totals": asdict(self.totals),
+            "fingerprint": self.fingerprint,
+            "producer": self.producer,
+            "created_at": self.created_at,
+            "committed_at": self.committed_at,
+        }
+        return json.dumps(d, indent=1, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str = "manifest") -> Manifest:
+        d = _load_json(text, where)
+        if d.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where}: not an asyncsync manifest (format={d.get('format')!r})")
+        fv = _int(d, "format_version", where)
+        if fv != FORMAT_VERSION:
+            raise ManifestError(
+                f"{where}: format_version {fv} is not supported by this reader "
+                f"(it reads {FORMAT_VERSION}); upgrade asyncsync on this host"
+            )
+        kind = _get(d, "kind", str, where)
+        if kind not in ("full", "delta"):
+            raise ManifestError(f"{where}: kind must be 'full' or 'delta', got {kind!r}")
+        version = _int(d, "version", where, hi=MAX_VERSION)
+        shard_dir = d.get("shard_dir")
+        if shard_dir is not None and (not isinstance(shard_dir, str) or not shard_dir):
+            raise ManifestError(f"{where}: shard_dir must be a non-empty string or null")
+        producer = d.get("producer", {})
+        m = cls(
+            version=version,
+            base_version=_opt_int(d, "base_version", where, hi=MAX_VERSION),
+            kind=kind,
+            encoding=_str(d, "encoding", where, 64),
+            checksum_algorithm=_str(d, "checksum_algorithm", where, 64),
+            run_id=_str(d, "run_id", where, 128),
+            shards=tuple(
+                ShardInfo.from_dict(s, f"{where} shards[{i}]")
+                for i, s in enumerate(_get(d, "shards", list, where))
+            ),
+            tensors=tuple(
+                TensorEntry.from_dict(t, f"{where} tensors[{i}]")
+                for i, t in enumerate(_get(d, "tensors", list, where))
+            ),
+            totals=Totals.from_dict(_get(d, "totals", dict, where), f"{where} totals"),
+            fingerprint=_hex(d, "fingerprint", where),
+            created_at=_float(d, "created_at", where),
+            committed_at=_float(d, "committed_at", where),
+            producer=_dict(producer, f"{where} producer"),
+            shard_dir=shard_dir,
+            format_version=fv,
+        )
+        m.validate(where)
+        return m
+
+    def validate(self, where: str = "manifest") -> None:
+        """Cross-field invariants (FORMAT.md, "Invariants"). Raises ManifestError."""
+        if self.kind == "delta" and self.base_version is None:
+            raise ManifestError(f"{where}: a delta version needs a base_version")
+        if self.base_version is not None and self.base_version != self.version - 1:
+            raise ManifestError(
+                f"{where}: base_version {self.base_version} must be version-1 ({self.version - 1})"
+            )
+        if self.shard_dir is not None and self.kind != "full":
+            raise ManifestError(f"{where}: shard_dir is only allowed on full versions")
+        files = [s.file for s in self.shards]
+        if len(set(files)) != len(files):
+            raise ManifestError(f"{where}: duplicate shard file names")
+        if MANIFEST_NAME in files:
+            raise ManifestError(f"{where}: a shard may not be named {MANIFEST_NAME}")
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ManifestError(f"{where}: duplicate tensor names")
+        keys: set[tuple[int, str]] = set()
+        for t in self.tensors:
+            w = f"{where} tensor {t.name!r}"
+            if self.kind == "full" and t.full is None:
+                raise ManifestError(f"{w}: a full version must give every tensor's full data")
+            if self.kind == "delta" and t.full is not None:
+                raise ManifestError(f"{w}: a delta version carries no full data")
+            if t.delta is not None:
+                if self.base_version is None:
+                    raise ManifestError(f"{w}: delta data without a base_version")
+                if t.changed == 0:
+                    raise ManifestError(f"{w}: delta data for an unchanged tensor")
+                self._check_ref(t.delta.shard, "delta", w)
+                for k in (t.delta.positions, t.delta.values):
+                    if (t.delta.shard, k) in keys:
+                        raise ManifestError(f"{w}: shard key {k!r} used twice")
+                    keys.add((t.delta.shard, k))
+            elif self.base_version is not None and t.changed > 0:
+                raise ManifestError(f"{w}: changed={t.changed} but no delta data")
+            if t.full is not None:
+                self._check_ref(t.full.shard, "full", w)
+        tot = self.totals
+        if tot.tensors != len(self.tensors):
+            raise ManifestError(f"{where}: totals.tensors does not match the tensor list")
+        if tot.changed != sum(t.changed for t in self.tensors):
+            raise ManifestError(f"{where}: totals.changed does not match the tensors")
+        if tot.elements != sum(t.numel for t in self.tensors):
+            raise ManifestError(f"{where}: totals.elements does not match the tensors")
+        if tot.wire_bytes != sum(s.bytes for s in self.shards if not self.shard_dir or s.role == "delta"):
+            raise ManifestError(f"{where}: totals.wire_bytes does not match the shards")
+
+    def _check_ref(self, shard: int, role: str, where: str) -> None:
+        if not 0 <= shard < len(self.shards):
+            raise ManifestError(f"{where}: shard index {shard} out of range")
+        if self.shards[shard].role != role:
+            raise ManifestError(f"{where}: shard {shard} is not a {role} shard")
+
+    def log_record(self) -> dict[str, Any]:
+        """The one-line summary appended to ``log.jsonl``."""
+        return {
+            "version": self.version,
+            "base_version": self.base_version,
+            "kind": self.kind,
+            "run_id": self.run_id,
+            "changed": self.totals.changed,
+            "elements": self.totals.elements,
+            "density": self.totals.density,
+            "wire_bytes": self.totals.wire_bytes,
+            "delta_bytes": self.totals.delta_bytes,
+            "shards": len(self.shards),
+            "fingerprint": self.fingerprint,
+            "committed_at": self.committed_at,
+        }
+
+
+def fingerprint(tensors: list[TensorEntry] | tuple[TensorEntry, ...], algorithm: str) -> str:
+    """The checksum of a whole model state: over each tensor's name, dtype, shape and checksum."""
+    from asyncsync.checksum import checksum_bytes
+
+    canon = "\n".join(
+        f"{t.name}\t{t.dtype}\t{','.join(map(str, t.shape))}\t{t.checksum}"
+        for t in sorted(tensors, key=lambda e: e.name)
+    )
+    return checksum_bytes(canon.encode(), algorithm)
+
+
+@dataclass(frozen=True)
+class AckRecord:
+    """What an engine holds: written by its receiver only after the engine holds ``version``."""
+
+    engine_id: str
+    version: int
+    fingerprint: str
+    run_id: str
+    applied_at: float
+    host: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        d = {"format": FORMAT_NAME, **asdict(self)}
+        return json.dumps(d, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str = "ack") -> AckRecord:
+        d = _load_json(text, where)
+        if d.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where}: not an asyncsync ack record")
+        fv = _int(d, "format_version", where)
+        if fv != FORMAT_VERSION:
+            raise ManifestError(f"{where}: unsupported format_version {fv}")
+        return cls(
+            engine_id=check_engine_id(d.get("engine_id")),
+            version=_int(d, "version", where, hi=MAX_VERSION),
+            fingerprint=_hex(d, "fingerprint", where),
+            run_id=_str(d, "run_id", where, 128),
+            applied_at=_float(d, "applied_at", where),
+            host=_str(d, "host", where, 256) if "host" in d else "",
+            format_version=fv,
+        )

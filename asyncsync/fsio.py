@@ -1,0 +1,177 @@
+"""Filesystem primitives: atomic durable writes, directory fsync, temp-file hygiene, locks.
+
+Every file asyncsync writes into a shared root goes through :func:`atomic_write`: it is written
+under a temporary name that starts with :data:`TMP_PREFIX` (readers ignore such names), fsynced,
+renamed to its final name, and the directory is fsynced. A crash leaves either the old state or
+the complete new file, plus at most a temp file that the next writer removes.
+
+These are blocking functions: async callers run them through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO
+
+__all__ = [
+    "TMP_PREFIX",
+    "FileLock",
+    "append_line",
+    "atomic_write",
+    "fsync_dir",
+    "is_temp_name",
+    "read_bytes",
+    "remove_temp_files",
+]
+
+TMP_PREFIX = ".tmp."
+# Errors that mean "this filesystem cannot fsync a directory", not "the data is lost":
+# NFS, FUSE and some overlay filesystems answer EINVAL/ENOTSUP/EBADF/EACCES to a directory fsync.
+_DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES}
+
+# Applied to every file asyncsync creates in a root; directories get 0o755. Documented in FORMAT.md.
+FILE_MODE = 0o644
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(TMP_PREFIX)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so renames in it are durable; a no-op where the filesystem can't."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        if exc.errno in _DIR_FSYNC_UNSUPPORTED:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_all(f: IO[bytes], chunks: Iterable[bytes | bytearray | memoryview]) -> int:
+    n = 0
+    for c in chunks:
+        f.write(c)
+        n += len(c)
+    return n
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    data: bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview],
+    *,
+    fsync: bool = True,
+    sync_dir: bool = True,
+) -> int:
+    """Write ``data`` to ``path`` atomically and durably; return the number of bytes written.
+
+    temp file in the same directory -> write -> fsync -> rename -> fsync(dir). On any error the
+    temp file is removed and the destination is untouched.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(6)}")
+    chunks = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            n = _write_all(f, chunks)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
+    return n
+
+
+def append_line(path: str | os.PathLike[str], line: str) -> None:
+    """Append one line with a single O_APPEND write and fsync it (an append-only log)."""
+    if "\n" in line.rstrip("\n"):
+        raise ValueError("a log line must not contain a newline")
+    data = (line.rstrip("\n") + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_bytes(path: str | os.PathLike[str], *, limit: int | None = None) -> bytes:
+    """Read a whole file; with ``limit``, refuse (ValueError) a file larger than that."""
+    with open(path, "rb") as f:
+        if limit is None:
+            return f.read()
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    return data
+
+
+def remove_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove leftover temp files of interrupted writes in ``directory`` (not recursive)."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as it:
+        for e in it:
+            if is_temp_name(e.name) and e.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
+                removed.append(Path(e.path))
+    return removed
+
+
+class FileLock:
+    """An exclusive, non-blocking ``flock`` held for the life of the object.
+
+    The lock file records the holder's pid and host for the error message of the next taker.
+    The kernel drops the lock when the process dies, so a crash never leaves it stuck.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {os.uname().nodename}\n".encode())
+        self._fd = fd
+        return True
+
+    def holder(self) -> str:
+        try:
+            return self.path.read_text().strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None

@@ -1,0 +1,681 @@
+"""The trainer side: publish versions of a state dict into a root as sparse deltas.
+
+Example::
+
+    async with Publisher("/shared/weights") as pub:
+        await pub.seed(model.state_dict())            # version 0, a full keyframe
+        for step in range(steps):
+            train_step()
+            res = await pub.publish(model.state_dict())
+            await pub.wait_acked(res.version, quorum=1, timeout=60)
+
+A publish runs as a pipeline over buckets of tensors: an encode stage (copy to CPU, bytewise
+diff against the snapshot of the last published version, encode, serialise a shard) and a write
+stage (temp file, fsync, rename), joined by a bounded queue so at most ``max_in_flight``
+encoded buckets wait in memory. When every shard is durable the pre-commit hook runs, then the
+manifest is written atomically: that rename is the commit. Only then is the snapshot advanced,
+so a publish that fails anywhere leaves no manifest, no files and an unchanged snapshot.
+
+The caller must not modify the tensors of ``state_dict`` until ``publish`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import safetensors.torch
+import torch
+
+from asyncsync import acks, codec
+from asyncsync.checksum import DEFAULT_ALGORITHM, checksum_file, checksum_tensor, new_hasher
+from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError
+from asyncsync.format import (
+    MANIFEST_NAME,
+    AckRecord,
+    DeltaRef,
+    FullRef,
+    Manifest,
+    ShardInfo,
+    TensorEntry,
+    Totals,
+    DTYPES,
+    check_file_name,
+    dtype_name,
+    fingerprint,
+    version_dir,
+)
+from asyncsync.fsio import FileLock, atomic_write, fsync_dir, remove_temp_files
+from asyncsync.log import append_manifest
+from asyncsync.shards import BucketItem, EncodedBucket, PendingUpdate, delta_keys, encode_bucket
+from asyncsync.store import ensure_root_info, list_versions, uncommitted_dirs
+
+__all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED = frozenset(DTYPES.values())
+PreCommitHook = Callable[[Path], Any] | Callable[[Path], Awaitable[Any]]
+LOCK_NAME = ".publisher.lock"
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What one publish committed, with its cost per stage (seconds)."""
+
+    version: int
+    kind: Literal["full", "delta"]
+    base_version: int | None
+    changed: int
+    total: int
+    density: float
+    wire_bytes: int
+    delta_bytes: int
+    raw_bytes: int
+    shards: int
+    seconds: Mapping[str, float]
+    path: Path
+
+    @property
+    def zero_diff(self) -> bool:
+        return self.kind == "delta" and self.changed == 0
+
+
+@dataclass(frozen=True)
+class PublisherStats:
+    root: Path
+    run_id: str
+    last_version: int | None
+    published: int
+    keyframes: int
+    zero_diff: int
+    wire_bytes: int
+    changed: int
+    elements: int
+    last: PublishResult | None
+    recent: tuple[PublishResult, ...] = field(default=())
+
+
+@dataclass
+class _Acc:
+    """Accumulates shard and tensor results as buckets are written."""
+
+    shards: list[ShardInfo] = field(default_factory=list)
+    entries: dict[int, TensorEntry] = field(default_factory=dict)
+    pending: list[PendingUpdate] = field(default_factory=list)
+    raw_bytes: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: {"encode": 0.0, "write": 0.0})
+    meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # dtype, shape
+
+
+class Publisher:
+    """Publishes versions of a state dict into ``root`` (see the module docstring).
+
+    Args:
+        root: the shared directory (created if missing). One publisher per root (a lock).
+        encoding: delta encoding, one of ``codec.ENCODINGS`` (default: ours, ``xef``).
+        checksum: checksum algorithm for shards and tensors.
+        bucket_bytes: tensors are grouped into buckets of about this many bytes; one shard each.
+        max_in_flight: encoded buckets allowed to wait for the writer (bounds memory).
+        keyframe_interval: every version divisible by this also carries full data (0: never).
+        zstd_level: compression level of the delta payload.
+        pre_commit_hook: ``hook(version_dir)`` (sync or async), run after the shards are durable
+            and before the manifest, e.g. to flush a filesystem that needs it.
+        producer: extra JSON-able fields recorded in each manifest's ``producer``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        encoding: str = codec.DEFAULT_ENCODING,
+        checksum: str = DEFAULT_ALGORITHM,
+        bucket_bytes: int = 32 << 20,
+        max_in_flight: int = 2,
+        keyframe_interval: int = 20,
+        zstd_level: int = 3,
+        pre_commit_hook: PreCommitHook | None = None,
+        producer: Mapping[str, Any] | None = None,
+    ) -> None:
+        if encoding not in codec.ENCODINGS:
+            raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
+        new_hasher(checksum)  # raises ConfigError for an unknown algorithm
+        if bucket_bytes < 1:
+            raise ConfigError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if keyframe_interval < 0:
+            raise ConfigError(f"keyframe_interval must be >= 0 (0 = never), got {keyframe_interval}")
+        if not 1 <= zstd_level <= 22:
+            raise ConfigError(f"zstd_level must be in 1..22, got {zstd_level}")
+        if pre_commit_hook is not None and not callable(pre_commit_hook):
+            raise ConfigError("pre_commit_hook must be callable: hook(version_dir)")
+        self.root = Path(root)
+        self.encoding = encoding
+        self.checksum = checksum
+        self.bucket_bytes = bucket_bytes
+        self.max_in_flight = max_in_flight
+        self.keyframe_interval = keyframe_interval
+        self.zstd_level = zstd_level
+        self.pre_commit_hook = pre_commit_hook
+        self._producer = {"host": socket.gethostname(), "pid": os.getpid(), **(producer or {})}
+        self._lock = FileLock(self.root / LOCK_NAME)
+        self._busy = asyncio.Lock()
+        self._run_id = ""
+        self._next_version = 0
+        self._last_version: int | None = None
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._checksums: dict[str, str] = {}
+        self._history: list[PublishResult] = []
+        self._counts = {"published": 0, "keyframes": 0, "zero_diff": 0, "wire": 0, "changed": 0}
+        self._elements = 0
+        self._in_flight = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Publisher:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Take the root's lock, clean leftovers of interrupted publishes, find the next version."""
+        if self._lock.held:
+            return
+        await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
+        if not await asyncio.to_thread(self._lock.acquire):
+            raise LockHeld(
+                f"another publisher holds {self._lock.path} ({self._lock.holder()}); "
+                "one publisher per root"
+            )
+        try:
+            info = await asyncio.to_thread(ensure_root_info, self.root)
+            self._run_id = info.run_id
+            await asyncio.to_thread(self._clean_leftovers)
+            versions = await asyncio.to_thread(list_versions, self.root)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._last_version = versions[-1] if versions else None
+        self._next_version = versions[-1] + 1 if versions else 0
+        logger.info("publisher open root=%s run=%s next_version=%d", self.root, self._run_id,
+                    self._next_version)
+
+    async def close(self) -> None:
+        async with self._busy:
+            self._lock.release()
+
+    def _clean_leftovers(self) -> None:
+        for d in uncommitted_dirs(self.root):
+            logger.warning("removing uncommitted version directory %s", d)
+            shutil.rmtree(d, ignore_errors=True)
+        for p in remove_temp_files(self.root):
+            logger.warning("removed leftover temp file %s", p)
+
+    def _require_open(self) -> None:
+        if not self._lock.held:
+            raise PublishError("the publisher is not open: use `async with Publisher(...)`")
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def version(self) -> int | None:
+        """The last committed version in the root (None before the first)."""
+        return self._last_version
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    async def seed(
+        self, source: Mapping[str, torch.Tensor] | str | os.PathLike[str]
+    ) -> PublishResult:
+        """Publish the base version: a full keyframe of ``source``.
+
+        ``source`` is a state dict, or the path of an existing Hugging Face safetensors checkpoint
+        directory, which is registered as the base without being rewritten (its files are
+        checksummed and referenced by the manifest). On a new root this is version 0; on a root
+        that already has versions (a restarted trainer) it is the next version.
+        """
+        self._require_open()
+        async with self._busy:
+            if isinstance(source, Mapping):
+                return await self._publish(source, delta=False, full=True)
+            return await self._register_checkpoint(Path(source))
+
+    async def publish(
+        self, state_dict: Mapping[str, torch.Tensor], *, keyframe: bool = False
+    ) -> PublishResult:
+        """Commit the next version: the delta of ``state_dict`` against the last published one.
+
+        A state dict identical to the last one still commits a version (zero diff, no shards).
+        Every ``keyframe_interval``-th version, or with ``keyframe=True``, the version also
+        carries full data. A changed set of names, dtypes or shapes publishes a full version.
+        """
+        self._require_open()
+        async with self._busy:
+            if self._snapshot is None:
+                raise PublishError("nothing published by this publisher yet: call seed() first")
+            if not self._same_schema(state_dict):
+                logger.info("tensor names, dtypes or shapes changed: publishing a full version")
+                return await self._publish(state_dict, delta=False, full=True)
+            due = self.keyframe_interval > 0 and self._next_version % self.keyframe_interval == 0
+            return await self._publish(state_dict, delta=True, full=keyframe or due)
+
+    async def wait_acked(
+        self,
+        version: int,
+        *,
+        engines: Sequence[str] | None = None,
+        quorum: int | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, AckRecord]:
+        """Wait until ``engines`` (all) or a ``quorum`` of engines hold ``version`` or later.
+
+        Raises :class:`~asyncsync.errors.AckTimeout` naming the engines that are behind.
+        """
+        return await acks.wait_acked(
+            self.root, version, engines=engines, quorum=quorum, timeout=timeout,
+            run_id=self._run_id or None,
+        )
+
+    def statistics(self) -> PublisherStats:
+        return PublisherStats(
+            root=self.root,
+            run_id=self._run_id,
+            last_version=self._last_version,
+            published=self._counts["published"],
+            keyframes=self._counts["keyframes"],
+            zero_diff=self._counts["zero_diff"],
+            wire_bytes=self._counts["wire"],
+            changed=self._counts["changed"],
+            elements=self._elements,
+            last=self._history[-1] if self._history else None,
+            recent=tuple(self._history[-100:]),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Publisher root={str(self.root)!r} version={self._last_version} "
+            f"in_flight={self._in_flight} encoding={self.encoding}>"
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _same_schema(self, state_dict: Mapping[str, torch.Tensor]) -> bool:
+        snap = self._snapshot
+        assert snap is not None
+        if list(state_dict) != list(snap):
+            return False
+        return all(
+            t.dtype == snap[k].dtype and tuple(t.shape) == tuple(snap[k].shape)
+            for k, t in state_dict.items()
+        )
+
+    def _buckets(self, names: list[str], tensors: Mapping[str, torch.Tensor]) -> list[list[int]]:
+        buckets: list[list[int]] = []
+        cur: list[int] = []
+        size = 0
+        for i, name in enumerate(names):
+            nbytes = tensors[name].numel() * tensors[name].element_size()
+            if cur and size + nbytes > self.bucket_bytes:
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += nbytes
+        if cur:
+            buckets.append(cur)
+        return buckets
+
+    async def _publish(
+        self, state_dict: Mapping[str, torch.Tensor], *, delta: bool, full: bool
+    ) -> PublishResult:
+        names = list(state_dict)
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"state dict keys must be non-empty strings, got {name!r}")
+            if not isinstance(state_dict[name], torch.Tensor):
+                raise ConfigError(f"state_dict[{name!r}] is not a tensor")
+            if state_dict[name].dtype not in _SUPPORTED:
+                raise ConfigError(
+                    f"state_dict[{name!r}] has dtype {state_dict[name].dtype}, which the format "
+                    f"does not carry; supported: {', '.join(DTYPES)}"
+                )
+        version = self._next_version
+        vdir = version_dir(self.root, version)
+        t_start = time.perf_counter()
+        created = time.time()
+        acc = _Acc(meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()})
+        stage = "prepare"
+        self._in_flight = 0
+        try:
+            await asyncio.to_thread(vdir.mkdir)
+            queue: asyncio.Queue[EncodedBucket | None] = asyncio.Queue(maxsize=self.max_in_flight)
+            snap = self._snapshot if delta else None
+
+            async def encode_stage() -> None:
+                for bucket in self._buckets(names, state_dict):
+                    t0 = time.perf_counter()
+                    enc = await asyncio.to_thread(
+                        self._encode, bucket, names, state_dict, snap, version, delta, full
+                    )
+                    acc.seconds["encode"] += time.perf_counter() - t0
+                    await queue.put(enc)
+                    self._in_flight = queue.qsize()
+                await queue.put(None)
+
+            async def write_stage() -> None:
+                while (enc := await queue.get()) is not None:
+                    self._in_flight = queue.qsize()
+                    t0 = time.perf_counter()
+                    await asyncio.to_thread(self._write_bucket, vdir, enc, acc)
+                    acc.seconds["write"] += time.perf_counter() - t0
+
+            stage = "encode/write"
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(encode_stage())
+                tg.create_task(write_stage())
+            t_commit = time.perf_counter()
+            stage = "fsync"
+            await asyncio.to_thread(fsync_dir, vdir)
+            await asyncio.to_thread(fsync_dir, self.root)
+            if self.pre_commit_hook is not None:
+                stage = "pre-commit hook"
+                await self._run_hook(vdir)
+            stage = "manifest"
+            entries = tuple(acc.entries[i] for i in range(len(names)))
+            manifest = self._manifest(
+                version, entries, tuple(acc.shards), acc.raw_bytes, created, delta, full
+            )
+            await asyncio.to_thread(atomic_write, vdir / MANIFEST_NAME, manifest.to_json().encode())
+        except BaseException as exc:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
+            if isinstance(exc, BaseExceptionGroup):
+                exc = _first_leaf(exc)
+            if not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, ConfigError):
+                raise exc
+            raise PublishError(
+                f"publishing version {version} failed during {stage}: {exc!r}; "
+                "nothing was committed and the snapshot is unchanged"
+            ) from exc
+        # Committed: from here on the version exists for readers.
+        self._in_flight = 0
+        self._next_version = version + 1
+        self._last_version = version
+        self._advance_snapshot(names, state_dict, acc.pending, entries)
+        try:
+            await asyncio.to_thread(append_manifest, self.root, manifest)
+        except OSError as exc:  # the log is for operators; the version is committed regardless
+            logger.error("version %d committed but the manifest log append failed: %s", version, exc)
+        seconds = dict(acc.seconds)
+        seconds["commit"] = time.perf_counter() - t_commit
+        seconds["total"] = time.perf_counter() - t_start
+        res = PublishResult(
+            version=version,
+            kind=manifest.kind,
+            base_version=manifest.base_version,
+            changed=manifest.totals.changed,
+            total=manifest.totals.elements,
+            density=manifest.totals.density,
+            wire_bytes=manifest.totals.wire_bytes,
+            delta_bytes=manifest.totals.delta_bytes,
+            raw_bytes=manifest.totals.raw_bytes,
+            shards=len(manifest.shards),
+            seconds=seconds,
+            path=vdir,
+        )
+        self._record(res)
+        return res
+
+    def _encode(
+        self,
+        bucket: list[int],
+        names: list[str],
+        state_dict: Mapping[str, torch.Tensor],
+        snap: dict[str, torch.Tensor] | None,
+        version: int,
+        delta: bool,
+        full: bool,
+    ) -> EncodedBucket:
+        items = []
+        for i in bucket:
+            name = names[i]
+            new = state_dict[name].detach()
+            if new.device.type != "cpu":
+                new = new.to("cpu")
+            items.append(
+                BucketItem(
+                    index=i,
+                    name=name,
+                    new=new.contiguous(),
+                    old=snap[name] if snap is not None else None,
+                    cached_checksum=self._checksums.get(name) if delta else None,
+                )
+            )
+        return encode_bucket(
+            items, version=version, run_id=self._run_id, delta=delta, full=full,
+            encoding=self.encoding, level=self.zstd_level, algorithm=self.checksum,
+        )
+
+    def _write_bucket(self, vdir: Path, enc: EncodedBucket, acc: _Acc) -> None:
+        """Write one bucket's shards (tmp + fsync + rename) and record their entries."""
+        shard_of: dict[str, int] = {}
+        for role, blob in (("delta", enc.delta_blob), ("full", enc.full_blob)):
+            if blob is None:
+                continue
+            n = sum(1 for s in acc.shards if s.role == role)
+            fname = f"{role}-{n:05d}.safetensors"
+            atomic_write(vdir / fname, blob, sync_dir=False)
+            shard_of[role] = len(acc.shards)
+            acc.shards.append(
+                ShardInfo(fname, role, len(blob), _checksum_blob(blob, self.checksum))  # type: ignore[arg-type]
+            )
+        for it in enc.items:
+            delta_ref = None
+            if it.mode is not None:
+                pkey, vkey = delta_keys(it.index)
+                delta_ref = DeltaRef(shard_of["delta"], it.mode, pkey, vkey)
+            full_ref = FullRef(shard_of["full"], it.name) if it.has_full else None
+            dtype, shape = acc.meta[it.name]
+            acc.entries[it.index] = TensorEntry(
+                name=it.name, dtype=dtype, shape=shape, checksum=it.checksum, changed=it.changed,
+                delta=delta_ref, full=full_ref,
+            )
+        acc.pending.extend(enc.pending)
+        acc.raw_bytes += enc.raw_bytes
+
+    async def _run_hook(self, vdir: Path) -> None:
+        hook = self.pre_commit_hook
+        assert hook is not None
+        if inspect.iscoroutinefunction(hook):
+            await hook(vdir)
+            return
+        result = await asyncio.to_thread(hook, vdir)
+        if inspect.isawaitable(result):
+            await result
+
+    def _manifest(
+        self,
+        version: int,
+        entries: tuple[TensorEntry, ...],
+        shards: tuple[ShardInfo, ...],
+        raw_bytes: int,
+        created: float,
+        delta: bool,
+        full: bool,
+        shard_dir: str | None = None,
+    ) -> Manifest:
+        elements = sum(e.numel for e in entries)
+        changed = sum(e.changed for e in entries)
+        external = shard_dir is not None
+        totals = Totals(
+            tensors=len(entries),
+            elements=elements,
+            changed=changed,
+            density=changed / elements if elements else 0.0,
+            model_bytes=sum(e.nbytes for e in entries),
+            wire_bytes=sum(s.bytes for s in shards if not external or s.role == "delta"),
+            delta_bytes=sum(s.bytes for s in shards if s.role == "delta"),
+            raw_bytes=raw_bytes,
+        )
+        return Manifest(
+            version=version,
+            base_version=version - 1 if delta else None,
+            kind="full" if full else "delta",
+            encoding=self.encoding,
+            checksum_algorithm=self.checksum,
+            run_id=self._run_id,
+            shards=shards,
+            tensors=entries,
+            totals=totals,
+            fingerprint=fingerprint(entries, self.checksum),
+            created_at=created,
+            committed_at=time.time(),
+            producer=dict(self._producer),
+            shard_dir=shard_dir,
+        )
+
+    def _advance_snapshot(
+        self,
+        names: list[str],
+        state_dict: Mapping[str, torch.Tensor],
+        pending: list[PendingUpdate],
+        entries: tuple[TensorEntry, ...],
+    ) -> None:
+        old = self._snapshot or {}
+        snap: dict[str, torch.Tensor] = {}
+        by_name = {p.name: p for p in pending}
+        pin = torch.cuda.is_available()
+        for name in names:
+            p = by_name.get(name)
+            cur = old.get(name)
+            if p is None:
+                assert cur is not None
+                snap[name] = cur
+            elif p.positions is not None:
+                assert cur is not None
+                codec.int_view(cur)[p.positions] = p.values
+                snap[name] = cur
+            elif cur is not None and cur.dtype == p.values.dtype and cur.shape == p.values.shape:
+                cur.copy_(p.values)
+                snap[name] = cur
+            else:
+                t = p.values.detach().to("cpu").clone().contiguous()
+                snap[name] = t.pin_memory() if pin else t
+        self._snapshot = snap
+        self._checksums = {e.name: e.checksum for e in entries}
+        self._elements = sum(e.numel for e in entries)
+
+    def _record(self, res: PublishResult) -> None:
+        self._history.append(res)
+        del self._history[:-1000]
+        self._counts["published"] += 1
+        self._counts["keyframes"] += res.kind == "full"
+        self._counts["zero_diff"] += res.zero_diff
+        self._counts["wire"] += res.wire_bytes
+        self._counts["changed"] += res.changed
+        logger.info(
+            "committed version %d kind=%s changed=%d/%d (%.3f%%) wire=%d B in %.3fs",
+            res.version, res.kind, res.changed, res.total, 100 * res.density, res.wire_bytes,
+            res.seconds["total"],
+        )
+
+    async def _register_checkpoint(self, path: Path) -> PublishResult:
+        """Seed from an existing HF safetensors checkpoint without rewriting it."""
+        path = path.resolve()
+        files = await asyncio.to_thread(_checkpoint_files, path)
+        version = self._next_version
+        vdir = version_dir(self.root, version)
+        t0 = time.perf_counter()
+        created = time.time()
+
+        def scan() -> tuple[list[ShardInfo], list[TensorEntry], dict[str, torch.Tensor]]:
+            shards, entries, snap = [], [], {}
+            for i, f in enumerate(files):
+                digest, size = checksum_file(path / f, self.checksum)
+                shards.append(ShardInfo(f, "full", size, digest))
+                for name, t in safetensors.torch.load_file(path / f).items():
+                    if name in snap:
+                        raise ConfigError(f"{path}: tensor {name!r} appears in two files")
+                    snap[name] = t
+                    entries.append(
+                        TensorEntry(name, dtype_name(t.dtype), tuple(t.shape),
+                                    checksum_tensor(t, self.checksum), t.numel(), None,
+                                    FullRef(i, name))
+                    )
+            return shards, entries, snap
+
+        try:
+            shards, entries, snap = await asyncio.to_thread(scan)
+        except AsyncSyncError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"cannot register checkpoint {path}: {exc}") from exc
+        manifest = self._manifest(
+            version, tuple(entries), tuple(shards), 0, created, False, True, shard_dir=str(path)
+        )
+        try:
+            await asyncio.to_thread(vdir.mkdir)
+            await asyncio.to_thread(fsync_dir, self.root)
+            if self.pre_commit_hook is not None:
+                await self._run_hook(vdir)
+            await asyncio.to_thread(atomic_write, vdir / MANIFEST_NAME, manifest.to_json().encode())
+        except BaseException as exc:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
+            if not isinstance(exc, Exception):
+                raise
+            raise PublishError(f"registering {path} as version {version} failed: {exc!r}") from exc
+        self._next_version = version + 1
+        self._last_version = version
+        self._snapshot = snap
+        self._checksums = {e.name: e.checksum for e in entries}
+        self._elements = manifest.totals.elements
+        await asyncio.to_thread(append_manifest, self.root, manifest)
+        res = PublishResult(
+            version, "full", None, manifest.totals.changed, manifest.totals.elements,
+            manifest.totals.density, 0, 0, 0, len(shards),
+            {"encode": 0.0, "write": 0.0, "commit": 0.0, "total": time.perf_counter() - t0}, vdir,
+        )
+        self._record(res)
+        return res
+
+
+def _checksum_blob(blob: bytes, algorithm: str) -> str:
+    h = new_hasher(algorithm)
+    h.update(blob)
+    return h.hexdigest()
+
+
+def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _checkpoint_files(path: Path) -> list[str]:
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory of safetensors files")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        import json
+
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path} holds no .safetensors files")
+    for f in files:
+        check_file_name(f, "checkpoint file name")
+    return files

@@ -1,0 +1,217 @@
+"""Shard contents: turning a bucket of tensors into shard bytes and back. No file I/O.
+
+A *delta shard* is a safetensors file of 1-D ``uint8`` tensors: for the tensor at index ``i`` of
+the manifest, ``t{i}.pos`` holds its encoded positions and ``t{i}.val`` its encoded values.
+A *full shard* is a safetensors file of complete tensors stored under their own names, like a
+Hugging Face checkpoint file. Both carry header metadata naming the version and run, so a
+shard copied from another version is refused even if its checksum is intact.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import safetensors.torch
+import torch
+
+from asyncsync import codec
+from asyncsync.checksum import checksum_tensor
+from asyncsync.errors import FormatError
+
+__all__ = [
+    "BucketItem",
+    "EncodedBucket",
+    "ItemResult",
+    "PendingUpdate",
+    "delta_keys",
+    "encode_bucket",
+    "parse_shard",
+    "read_header",
+    "shard_metadata",
+    "to_blob_tensor",
+]
+
+MAX_HEADER = 100 << 20  # safetensors' own limit
+
+
+def delta_keys(index: int) -> tuple[str, str]:
+    return f"t{index}.pos", f"t{index}.val"
+
+
+def shard_metadata(version: int, run_id: str, role: str) -> dict[str, str]:
+    return {
+        "format": "asyncsync",
+        "asyncsync.version": str(version),
+        "asyncsync.run_id": run_id,
+        "asyncsync.role": role,
+    }
+
+
+def to_blob_tensor(data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class BucketItem:
+    """One tensor of a bucket: its index in the manifest, name, snapshot (old) and new value."""
+
+    index: int
+    name: str
+    new: torch.Tensor  # CPU
+    old: torch.Tensor | None  # CPU snapshot, None when there is no base
+    cached_checksum: str | None = None  # checksum of ``old`` (reused when nothing changed)
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """How to bring the snapshot to the new value after commit (sparse scatter or full copy)."""
+
+    name: str
+    positions: torch.Tensor | None  # None: copy the whole ``values`` tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    index: int
+    name: str
+    changed: int
+    checksum: str
+    mode: Literal["sparse", "dense"] | None  # None: no delta data
+    has_full: bool
+
+
+@dataclass
+class EncodedBucket:
+    items: list[ItemResult] = field(default_factory=list)
+    delta_blob: bytes | None = None
+    full_blob: bytes | None = None
+    raw_bytes: int = 0  # delta payload before compression
+    pending: list[PendingUpdate] = field(default_factory=list)
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share storage (tied weights): give each its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for k, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else -id(t)
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
+def encode_bucket(
+    items: Sequence[BucketItem],
+    *,
+    version: int,
+    run_id: str,
+    delta: bool,
+    full: bool,
+    encoding: str,
+    level: int,
+    algorithm: str,
+) -> EncodedBucket:
+    """Diff, encode and serialise one bucket. Pure: tensors in, shard bytes out.
+
+    ``delta``: encode each tensor against ``old`` (one nonzero for the whole bucket).
+    ``full``: also store every tensor whole (a keyframe).
+    """
+    out = EncodedBucket()
+    if delta:
+        olds = [it.old for it in items]
+        if any(o is None for o in olds):
+            raise ValueError("delta encoding needs the old value of every tensor")
+        positions = codec.changed_positions([o for o in olds if o is not None], [it.new for it in items])
+    delta_tensors: dict[str, torch.Tensor] = {}
+    full_tensors: dict[str, torch.Tensor] = {}
+    for k, it in enumerate(items):
+        mode: Literal["sparse", "dense"] | None = None
+        if delta:
+            assert it.old is not None
+            pos = positions[k]
+            changed = int(pos.numel())
+            if changed:
+                new_i = codec.int_view(it.new)
+                enc = codec.encode_delta(codec.int_view(it.old), new_i, pos, encoding, level=level)
+                mode = enc.mode
+                pkey, vkey = delta_keys(it.index)
+                delta_tensors[pkey] = to_blob_tensor(enc.positions)
+                delta_tensors[vkey] = to_blob_tensor(enc.values)
+                out.raw_bytes += enc.raw_bytes
+                if enc.mode == "sparse":
+                    out.pending.append(PendingUpdate(it.name, pos, new_i[pos].clone()))
+                else:
+                    out.pending.append(PendingUpdate(it.name, None, it.new))
+        else:
+            changed = it.new.numel()
+            out.pending.append(PendingUpdate(it.name, None, it.new))
+        if changed == 0 and it.cached_checksum is not None:
+            checksum = it.cached_checksum
+        else:
+            checksum = checksum_tensor(it.new, algorithm)
+        if full:
+            full_tensors[it.name] = it.new
+        out.items.append(ItemResult(it.index, it.name, changed, checksum, mode, full))
+    if delta_tensors:
+        out.delta_blob = safetensors.torch.save(
+            delta_tensors, metadata=shard_metadata(version, run_id, "delta")
+        )
+    if full_tensors:
+        out.full_blob = safetensors.torch.save(
+            _unshare(full_tensors), metadata=shard_metadata(version, run_id, "full")
+        )
+    return out
+
+
+def read_header(data: bytes | memoryview, *, where: str) -> dict[str, object]:
+    """The JSON header of a safetensors blob (validated for size and shape)."""
+    if len(data) < 8:
+        raise FormatError(f"{where}: too short to be a safetensors file ({len(data)} bytes)")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n > MAX_HEADER or 8 + n > len(data):
+        raise FormatError(f"{where}: safetensors header length {n} is invalid")
+    try:
+        header = json.loads(bytes(data[8 : 8 + n]))
+    except ValueError as exc:
+        raise FormatError(f"{where}: safetensors header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise FormatError(f"{where}: safetensors header is not an object")
+    return header
+
+
+def parse_shard(
+    data: bytes,
+    *,
+    where: str,
+    version: int | None = None,
+    run_id: str | None = None,
+    role: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Parse a shard's bytes (already checksum-verified) into tensors; check its metadata.
+
+    With ``version``/``run_id``/``role``, a shard whose header names another version, run or
+    role is refused (it was copied or renamed from elsewhere). Registered external checkpoints
+    carry no asyncsync metadata and are read with those left as None.
+    """
+    header = read_header(data, where=where)
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise FormatError(f"{where}: __metadata__ is not an object")
+    expect = {"asyncsync.version": version, "asyncsync.run_id": run_id, "asyncsync.role": role}
+    for key, want in expect.items():
+        if want is not None and meta.get(key) != str(want):
+            raise FormatError(
+                f"{where}: shard belongs to {key.split('.')[-1]}={meta.get(key)!r}, "
+                f"expected {want!r}: a shard from another version was put here"
+            )
+    try:
+        return safetensors.torch.load(data)
+    except Exception as exc:  # safetensors raises its own SafetensorError and others
+        raise FormatError(f"{where}: not a readable safetensors file: {exc}") from exc

@@ -1,0 +1,138 @@
+"""Reading a root: which versions are committed, their manifests, the root identity.
+
+Blocking functions (async callers wrap them in ``asyncio.to_thread``). A version exists for a
+reader only when its ``manifest.json`` exists: directories without one are in-progress or
+abandoned writes and are invisible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncsync.errors import ManifestError
+from asyncsync.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    ROOT_INFO_NAME,
+    Manifest,
+    manifest_path,
+    parse_version_dir,
+)
+from asyncsync.fsio import atomic_write, read_bytes
+
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "RootInfo",
+    "ensure_root_info",
+    "list_versions",
+    "read_manifest",
+    "read_root_info",
+    "uncommitted_dirs",
+]
+
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+class RootInfo(dict[str, Any]):
+    """The root identity record (``asyncsync.json``): format, format_version, run_id, created_at."""
+
+    @property
+    def run_id(self) -> str:
+        return str(self["run_id"])
+
+
+def read_root_info(root: Path) -> RootInfo | None:
+    try:
+        data = read_bytes(root / ROOT_INFO_NAME, limit=1 << 20)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"cannot read {root / ROOT_INFO_NAME}: {exc}") from exc
+    try:
+        d = json.loads(data)
+    except ValueError as exc:
+        raise ManifestError(f"{root / ROOT_INFO_NAME} is not valid JSON: {exc}") from exc
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME or not isinstance(
+        d.get("run_id"), str
+    ):
+        raise ManifestError(f"{root / ROOT_INFO_NAME} is not an asyncsync root record")
+    if d.get("format_version") != FORMAT_VERSION:
+        raise ManifestError(
+            f"{root} uses format_version {d.get('format_version')}; this asyncsync writes "
+            f"{FORMAT_VERSION}: use a new root or a matching asyncsync"
+        )
+    return RootInfo(d)
+
+
+def ensure_root_info(root: Path) -> RootInfo:
+    """Read the root identity, creating it (with a fresh run id) for a new root."""
+    info = read_root_info(root)
+    if info is not None:
+        return info
+    info = RootInfo(
+        format=FORMAT_NAME,
+        format_version=FORMAT_VERSION,
+        run_id=secrets.token_hex(8),
+        created_at=time.time(),
+        created_by=f"{socket.gethostname()}:{os.getpid()}",
+    )
+    atomic_write(root / ROOT_INFO_NAME, (json.dumps(info, indent=1) + "\n").encode())
+    return info
+
+
+def list_versions(root: Path) -> list[int]:
+    """Committed versions in the root, ascending (a directory scan; may lag on network FS)."""
+    out = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        v = parse_version_dir(e.name)
+        if v is not None and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
+            out.append(v)
+    out.sort()
+    return out
+
+
+def uncommitted_dirs(root: Path) -> list[Path]:
+    """Version directories without a manifest (interrupted publishes)."""
+    out = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        if (
+            parse_version_dir(e.name) is not None
+            and e.is_dir(follow_symlinks=False)
+            and not os.path.exists(os.path.join(e.path, MANIFEST_NAME))
+        ):
+            out.append(Path(e.path))
+    return sorted(out)
+
+
+def read_manifest(root: Path, version: int) -> Manifest:
+    """Read and validate the manifest of ``version``.
+
+    Raises FileNotFoundError when the version is not committed, ManifestError when the file is
+    malformed, unsafe, or names another version.
+    """
+    path = manifest_path(root, version)
+    if path.is_symlink():
+        raise ManifestError(f"{path}: a manifest may not be a symlink")
+    try:
+        data = read_bytes(path, limit=MAX_MANIFEST_BYTES)
+    except ValueError as exc:
+        raise ManifestError(f"{path}: {exc}") from exc
+    m = Manifest.from_json(data, where=str(path))
+    if m.version != version:
+        raise ManifestError(f"{path}: names version {m.version}, but lives in the dir of {version}")
+    return m

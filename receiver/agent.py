@@ -1,0 +1,408 @@
+"""The receiver agent: discover -> fetch + verify -> decode -> apply -> ack.
+
+Example::
+
+    engine = LocalCheckpoint("/local/ckpt")
+    async with ReceiverAgent("/shared/weights", engine, engine_id="node3-gpu0") as agent:
+        await agent.run()               # or: version = await agent.sync_once()
+
+For each committed version after the one the engine holds, in order, the agent reads each shard
+the engine needs, checks its size and checksum (retrying with backoff until ``verify_deadline``,
+since network filesystems can show a renamed file before its bytes), parses and decodes it, and
+hands the tensors to the engine; reading and verifying shard k+1 overlaps applying shard k. The
+engine commits only after every tensor it touched matches the manifest's checksum, and only then
+is the version acknowledged. When a version in the chain is missing (retention) or the engine
+holds nothing, the agent starts from the newest keyframe at or below the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from asyncsync import codec
+from asyncsync.acks import read_acks, write_ack
+from asyncsync.checksum import checksum_bytes
+from asyncsync.errors import (
+    AsyncSyncError,
+    ChainError,
+    ChecksumMismatch,
+    FormatError,
+    IncompleteVersion,
+    ManifestError,
+)
+from asyncsync.format import Manifest, ShardInfo, check_engine_id, manifest_path, version_dir
+from asyncsync.fsio import read_bytes
+from asyncsync.shards import parse_shard
+from asyncsync.store import list_versions, read_manifest
+from receiver.engines.base import Engine, TensorUpdate
+from receiver.watch import wakeups
+
+__all__ = ["AgentStatus", "ReceiverAgent"]
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["delta", "full"]
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    engine_id: str
+    version: int | None
+    latest: int | None
+    lag: int | None
+    applied: int
+    failures: int
+    last_error: str | None
+    last_apply_seconds: float | None
+
+
+@dataclass
+class _Counters:
+    applied: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    last_apply_seconds: float | None = None
+    latest: int | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ReceiverAgent:
+    """Keeps one engine at the newest committed version of ``root``.
+
+    Args:
+        root: the shared directory the publisher writes.
+        engine: where the weights go (``receiver.engines``).
+        engine_id: this engine's name in acks (``[A-Za-z0-9._-]``).
+        poll_interval: seconds between polls (inotify events wake it sooner where they work).
+        verify_deadline: how long a shard that is missing, short or failing its checksum is
+            re-read before the version is refused (network filesystems publish lazily).
+        use_inotify: force inotify on/off (default: on unless ASYNCSYNC_FORCE_POLLING=1).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        engine: Engine,
+        engine_id: str,
+        *,
+        poll_interval: float = 1.0,
+        verify_deadline: float = 10.0,
+        use_inotify: bool | None = None,
+    ) -> None:
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
+        if verify_deadline < 0:
+            raise ValueError(f"verify_deadline must be >= 0, got {verify_deadline}")
+        self.root = Path(root)
+        self.engine = engine
+        self.engine_id = check_engine_id(engine_id)
+        self.poll_interval = poll_interval
+        self.verify_deadline = verify_deadline
+        self.use_inotify = use_inotify
+        self._acked: int | None = None
+        self._opened = False
+        self._sync_lock = asyncio.Lock()
+        self._c = _Counters()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> ReceiverAgent:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        if self._opened:
+            return
+        await self.engine.open()
+        acks = await asyncio.to_thread(read_acks, self.root)
+        mine = acks.get(self.engine_id)
+        self._acked = mine.version if mine else None
+        self._opened = True
+        logger.info("agent %s open: engine at %s", self.engine_id, self.engine.state.version)
+
+    async def close(self) -> None:
+        if self._opened:
+            await self.engine.close()
+            self._opened = False
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def version(self) -> int | None:
+        return self.engine.state.version
+
+    def status(self) -> AgentStatus:
+        v, latest = self.version, self._c.latest
+        return AgentStatus(
+            engine_id=self.engine_id,
+            version=v,
+            latest=latest,
+            lag=None if latest is None else latest - (v if v is not None else -1),
+            applied=self._c.applied,
+            failures=self._c.failures,
+            last_error=self._c.last_error,
+            last_apply_seconds=self._c.last_apply_seconds,
+        )
+
+    async def sync_once(self) -> int | None:
+        """Apply, in order, every committed version after the engine's; return the version held.
+
+        Returns None only when the root has no committed version yet. Raises (and leaves the
+        engine at its last good version) when a version cannot be applied.
+        """
+        await self.open()
+        async with self._sync_lock:
+            try:
+                return await self._sync()
+            except Exception as exc:
+                self._c.failures += 1
+                self._c.last_error = f"{type(exc).__name__}: {exc}"
+                raise
+
+    async def run(self, *, stop: asyncio.Event | None = None) -> None:
+        """Keep the engine current until ``stop`` is set (or the task is cancelled).
+
+        Failures are logged and retried on the next event or poll; the engine keeps serving its
+        last good version meanwhile.
+        """
+        await self.open()
+        stop = stop or asyncio.Event()
+        async for reason in wakeups(
+            self.root, poll_interval=self.poll_interval, use_inotify=self.use_inotify
+        ):
+            if stop.is_set():
+                return
+            try:
+                await self.sync_once()
+            except (AsyncSyncError, OSError) as exc:
+                logger.error("agent %s: sync failed (%s): %s", self.engine_id, reason, exc)
+            if stop.is_set():
+                return
+
+    def __repr__(self) -> str:
+        return (
+            f"<ReceiverAgent engine_id={self.engine_id} version={self.version} "
+            f"latest={self._c.latest} root={str(self.root)!r}>"
+        )
+
+    # ------------------------------------------------------------------ discovery
+    def _latest(self) -> int | None:
+        """Newest committed version: a directory scan, then exact-path probes past it.
+
+        Probing ``v{N+1}/manifest.json`` by name is not served from a stale cached listing the
+        way a scan is on NFS, so a fresh commit is found even when the listing lags.
+        """
+        versions = list_versions(self.root)
+        latest = versions[-1] if versions else None
+        start = max(v for v in (latest, self.version) if v is not None) if (
+            latest is not None or self.version is not None
+        ) else -1
+        probe = start + 1
+        while manifest_path(self.root, probe).is_file():
+            latest = probe
+            probe += 1
+        return latest
+
+    def _newest_keyframe(self, target: int, above: int | None) -> Manifest:
+        for v in reversed(list_versions(self.root)):
+            if v > target or (above is not None and v <= above):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                m = read_manifest(self.root, v)
+                if m.kind == "full":
+                    return m
+        raise ChainError(
+            f"{self.root}: no keyframe at or below version {target}"
+            + (f" and above {above}" if above is not None else "")
+            + " to start from; publish one (publish(..., keyframe=True)) or keep more versions"
+        )
+
+    def _plan_next(self, cur: int | None, latest: int) -> tuple[Manifest, Mode]:
+        """The next version to apply from ``cur`` toward ``latest`` and how."""
+        if cur is not None:
+            try:
+                m = read_manifest(self.root, cur + 1)
+            except FileNotFoundError:
+                m = None
+            if m is not None:
+                if m.run_id != self.engine.state.run_id and self.engine.state.run_id is not None:
+                    logger.warning("version %d is of run %s, engine holds run %s: re-seeding",
+                                   m.version, m.run_id, self.engine.state.run_id)
+                elif m.has_delta:
+                    return m, "delta"
+                elif m.kind == "full":
+                    return m, "full"
+            else:
+                logger.warning("version %d is gone: catching up from a keyframe", cur + 1)
+        return self._newest_keyframe(latest, None), "full"
+
+    # ------------------------------------------------------------------ sync
+    async def _sync(self) -> int | None:
+        latest = await asyncio.to_thread(self._latest)
+        self._c.latest = latest
+        if latest is None:
+            return self.version
+        while (cur := self.version) is None or cur < latest:
+            m, mode = await asyncio.to_thread(self._plan_next, cur, latest)
+            if cur is not None and m.version <= cur:
+                raise ChainError(
+                    f"newest keyframe {m.version} is not past the engine's version {cur} and "
+                    f"version {cur + 1} is missing: cannot reach {latest}"
+                )
+            await self._apply_version(m, mode)
+            await self._ack(m)
+        if cur is not None and cur > latest:
+            raise ChainError(
+                f"engine holds version {cur} but the root's newest is {latest}: was the root "
+                "reset? Point the engine at an empty checkpoint to start over."
+            )
+        if self._acked is None or self._acked < latest:
+            m = await asyncio.to_thread(read_manifest, self.root, latest)
+            await self._ack(m)
+        return self.version
+
+    async def _ack(self, m: Manifest) -> None:
+        await asyncio.to_thread(
+            write_ack, self.root, self.engine_id, m.version, m.fingerprint, m.run_id
+        )
+        self._acked = m.version
+
+    async def _apply_version(self, m: Manifest, mode: Mode) -> None:
+        t0 = time.perf_counter()
+        shards = [(i, s) for i, s in enumerate(m.shards) if s.role == mode]
+        if mode == "delta" and not shards:
+            await self.engine.bump(m)
+        else:
+            await self.engine.begin(m, mode)
+            try:
+                await self._stream(m, mode, shards)
+                await self.engine.commit()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.engine.abort())
+                raise
+        dt = time.perf_counter() - t0
+        self._c.applied += 1
+        self._c.last_apply_seconds = dt
+        self._c.last_error = None
+        logger.info("agent %s applied version %d (%s, %d shards) in %.3fs",
+                    self.engine_id, m.version, mode, len(shards), dt)
+
+    async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
+        """Read+verify+decode shard k+1 while the engine applies shard k."""
+        queue: asyncio.Queue[list[TensorUpdate] | None] = asyncio.Queue(maxsize=1)
+
+        async def fetch() -> None:
+            for idx, shard in shards:
+                updates = await self._fetch_shard(m, mode, idx, shard)
+                await queue.put(updates)
+            await queue.put(None)
+
+        async def apply() -> None:
+            while (updates := await queue.get()) is not None:
+                await self.engine.apply(updates)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(fetch())
+            tg.create_task(apply())
+
+    async def _fetch_shard(
+        self, m: Manifest, mode: Mode, idx: int, shard: ShardInfo
+    ) -> list[TensorUpdate]:
+        path = m.shard_path(version_dir(self.root, m.version), shard)
+        deadline = time.monotonic() + self.verify_deadline
+        delay = 0.05
+        while True:
+            try:
+                data = await asyncio.to_thread(_read_verified, path, shard, m.checksum_algorithm)
+                break
+            except (ChecksumMismatch, IncompleteVersion) as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                logger.info("%s; re-reading in %.2fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        return await asyncio.to_thread(_decode_shard, m, mode, idx, shard, data, str(path))
+
+
+def _read_verified(path: Path, shard: ShardInfo, algorithm: str) -> bytes:
+    if path.is_symlink():
+        raise ManifestError(f"{path}: shards may not be symlinks")
+    try:
+        data = read_bytes(path, limit=shard.bytes)
+    except FileNotFoundError as exc:
+        raise IncompleteVersion(f"{path}: shard named by the manifest is missing") from exc
+    except ValueError as exc:
+        raise IncompleteVersion(f"{path}: larger than the {shard.bytes} bytes it should have") from exc
+    if len(data) != shard.bytes:
+        raise IncompleteVersion(f"{path}: {len(data)} bytes, the manifest says {shard.bytes}")
+    digest = checksum_bytes(data, algorithm)
+    if digest != shard.checksum:
+        raise ChecksumMismatch(
+            f"{path}: checksum {digest} != manifest {shard.checksum}; the shard is corrupt "
+            "or not yet fully visible on this host",
+            path=str(path),
+        )
+    return data
+
+
+def _int_dtype(dtype: torch.dtype) -> torch.dtype:
+    return codec.int_view(torch.empty(0, dtype=dtype)).dtype
+
+
+def _entries_in(m: Manifest, mode: Mode, idx: int) -> Iterator[Any]:
+    for e in m.tensors:
+        ref = e.delta if mode == "delta" else e.full
+        if ref is not None and ref.shard == idx:
+            yield e, ref
+
+
+def _decode_shard(
+    m: Manifest, mode: Mode, idx: int, shard: ShardInfo, data: bytes, where: str
+) -> list[TensorUpdate]:
+    external = m.shard_dir is not None and shard.role == "full"
+    tensors = parse_shard(
+        data,
+        where=where,
+        version=None if external else m.version,
+        run_id=None if external else m.run_id,
+        role=None if external else shard.role,
+    )
+    out = []
+    for e, ref in _entries_in(m, mode, idx):
+        if mode == "delta":
+            pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
+            if pos_t is None or val_t is None:
+                raise FormatError(f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}")
+            if pos_t.dtype != torch.uint8 or val_t.dtype != torch.uint8:
+                raise FormatError(f"{where}: delta blobs of {e.name!r} must be uint8")
+            try:
+                patch = codec.decode_delta(
+                    m.encoding, ref.mode, pos_t.numpy().tobytes(), val_t.numpy().tobytes(),
+                    changed=e.changed, numel=e.numel, dtype=_int_dtype(e.torch_dtype),
+                )
+            except FormatError as exc:
+                raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc
+            out.append(TensorUpdate(e, patch=patch))
+        else:
+            t = tensors.get(ref.key)
+            if t is None:
+                raise FormatError(f"{where}: tensor {ref.key!r} for {e.name!r} is not in the shard")
+            if t.dtype != e.torch_dtype or tuple(t.shape) != e.shape:
+                raise FormatError(
+                    f"{where}: tensor {e.name!r} is {t.dtype}{list(t.shape)}, "
+                    f"the manifest says {e.dtype}{list(e.shape)}"
+                )
+            out.append(TensorUpdate(e, full=t))
+    return out

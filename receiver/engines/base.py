@@ -1,0 +1,90 @@
+"""The contract between the receiver agent and an engine.
+
+The agent owns discovery, reading, verification of shard bytes and decoding; an engine owns
+where the weights live. For each version the agent calls, in order::
+
+    await engine.begin(manifest, mode)      # mode "delta": patch the base; "full": replace all
+    await engine.apply(updates)             # once per shard, any number of times
+    fingerprint = await engine.commit()     # verify per-tensor checksums, persist the version
+
+or ``await engine.abort()`` after any failure, which leaves the engine at the version it held
+before ``begin``. A zero-diff version is ``await engine.bump(manifest)``. ``engine.state`` tells
+the version the engine holds (``None`` when it holds nothing yet); it changes only in
+``commit``/``bump``, so an engine never reports a version it does not fully hold.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from asyncsync.codec import Patch
+from asyncsync.format import Manifest, TensorEntry
+
+__all__ = ["Engine", "EngineState", "TensorUpdate"]
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What an engine holds: version, the run that produced it, and the model fingerprint."""
+
+    version: int | None = None
+    run_id: str | None = None
+    fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorUpdate:
+    """One tensor's new data: either a codec patch on its int view, or its complete new value."""
+
+    entry: TensorEntry
+    patch: Patch | None = None
+    full: torch.Tensor | None = None  # CPU tensor with entry's dtype and shape
+
+    def __post_init__(self) -> None:
+        if (self.patch is None) == (self.full is None):
+            raise ValueError("a TensorUpdate carries exactly one of patch or full")
+
+
+class Engine(abc.ABC):
+    """Base class of engines. Subclasses implement the abstract coroutines."""
+
+    #: the version the engine holds, persisted where the engine can persist it
+    state: EngineState = EngineState()
+
+    async def open(self) -> EngineState:
+        """Load persisted state (recovering from an interrupted apply) and return it."""
+        return self.state
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release locks and files."""
+
+    @abc.abstractmethod
+    async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
+        """Start moving to ``manifest.version``. ``delta`` needs state.version == base_version."""
+
+    @abc.abstractmethod
+    async def apply(self, updates: list[TensorUpdate]) -> None:
+        """Apply some tensors of the version being begun (each tensor at most once)."""
+
+    @abc.abstractmethod
+    async def commit(self) -> str:
+        """Verify the new bytes of every touched tensor against the manifest, persist the version.
+
+        Raises ChecksumMismatch naming the tensor (after rolling back) when they differ.
+        Returns the manifest's fingerprint.
+        """
+
+    @abc.abstractmethod
+    async def abort(self) -> None:
+        """Roll back to the version held before ``begin``."""
+
+    @abc.abstractmethod
+    async def bump(self, manifest: Manifest) -> None:
+        """Take a zero-diff version: no data changes, only the version number."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} version={self.state.version}>"

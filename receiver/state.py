@@ -1,0 +1,274 @@
+"""Persisted state of an engine that lives on disk, and the lock that makes it single-owner.
+
+An engine that survives its receiver process (a checkpoint directory, a module whose weights
+are reloaded from disk) must remember which version it holds, and whether it was in the middle
+of moving to another one when the process died. That record lives in a small *state directory*
+(for a checkpoint: ``<checkpoint>/.asyncsync/``)::
+
+    STATE_DIR/
+      state.json     PersistedState as JSON, replaced atomically (fsio.atomic_write)
+      lock           flock held by the one agent that owns the engine (pid and host inside)
+      journal/       engine-specific undo records of an in-flight delta (see the engine)
+      staging/       engine-specific new files of an in-flight full apply (see the engine)
+
+``state.json`` is written *before* an engine modifies anything in place (``status:
+"applying"`` with the target version) and again after the new version is durable (``status:
+"clean"``), so the next ``open`` knows whether it must recover. The lock is an ``flock``: the
+kernel drops it when the holder dies, so a crash never leaves it stuck, and a second agent on
+the same engine fails fast with :class:`~asyncsync.errors.LockHeld` naming the holder.
+
+Everything here blocks; async engines call it through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from asyncsync import fsio
+from asyncsync.errors import EngineStateError, LockHeld
+
+__all__ = [
+    "JOURNAL_DIR",
+    "LOCK_NAME",
+    "STAGING_DIR",
+    "STATE_DIR_NAME",
+    "STATE_FORMAT",
+    "STATE_FORMAT_VERSION",
+    "STATE_NAME",
+    "PersistedState",
+    "StateStore",
+]
+
+logger = logging.getLogger(__name__)
+
+STATE_DIR_NAME = ".asyncsync"
+STATE_NAME = "state.json"
+LOCK_NAME = "lock"
+JOURNAL_DIR = "journal"
+STAGING_DIR = "staging"
+STATE_FORMAT = "asyncsync-engine-state"
+STATE_FORMAT_VERSION = 1
+_MAX_STATE_BYTES = 256 << 20  # per-tensor checksums of even huge models stay far below this
+
+Status = Literal["clean", "applying"]
+Mode = Literal["delta", "full"]
+
+
+@dataclass(frozen=True)
+class PersistedState:
+    """What ``state.json`` records.
+
+    ``version``/``run_id``/``fingerprint``/``checksums`` describe the version the engine fully
+    holds (``version`` None: nothing yet). ``status`` is ``"applying"`` while the engine moves
+    to ``target_version`` in ``mode``; a reader that finds it so after a crash must recover.
+    ``checksums`` maps each tensor name to its checksum (``checksum_algorithm``) at ``version``.
+    """
+
+    version: int | None = None
+    run_id: str | None = None
+    fingerprint: str | None = None
+    status: Status = "clean"
+    target_version: int | None = None
+    mode: Mode | None = None
+    checksum_algorithm: str | None = None
+    checksums: dict[str, str] = field(default_factory=dict)
+    updated_at: float = 0.0
+
+    # -- views --------------------------------------------------------------------------
+    @property
+    def applying(self) -> bool:
+        return self.status == "applying"
+
+    def begin(self, target_version: int, mode: Mode) -> PersistedState:
+        """This state, marked as moving to ``target_version``."""
+        return replace(self, status="applying", target_version=target_version, mode=mode)
+
+    def clean(self) -> PersistedState:
+        """This state with any in-flight marker cleared (the held version is unchanged)."""
+        return replace(self, status="clean", target_version=None, mode=None)
+
+    # -- JSON ---------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "format_version": STATE_FORMAT_VERSION,
+            "version": self.version,
+            "run_id": self.run_id,
+            "fingerprint": self.fingerprint,
+            "status": self.status,
+            "target_version": self.target_version,
+            "mode": self.mode,
+            "checksum_algorithm": self.checksum_algorithm,
+            "checksums": self.checksums,
+            "updated_at": self.updated_at,
+        }
+        return json.dumps(d, indent=1, sort_keys=False, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str) -> PersistedState:
+        """Parse and validate; anything unexpected is an EngineStateError saying what to do."""
+
+        def bad(what: str) -> EngineStateError:
+            return EngineStateError(f"{where}: {what}. {_REMEDY}")
+
+        try:
+            d = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise bad(f"not valid JSON ({exc})") from exc
+        if not isinstance(d, dict) or d.get("format") != STATE_FORMAT:
+            raise bad("not an asyncsync engine state file")
+        if d.get("format_version") != STATE_FORMAT_VERSION:
+            raise bad(
+                f"format_version {d.get('format_version')!r} is not supported "
+                f"(this reader understands {STATE_FORMAT_VERSION})"
+            )
+
+        def opt_int(key: str) -> int | None:
+            v = d.get(key)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(f"field {key!r} must be a non-negative integer or null, got {v!r}")
+            return v
+
+        def opt_str(key: str) -> str | None:
+            v = d.get(key)
+            if v is not None and not isinstance(v, str):
+                raise bad(f"field {key!r} must be a string or null, got {type(v).__name__}")
+            return v
+
+        status = d.get("status")
+        if status not in ("clean", "applying"):
+            raise bad(f"field 'status' must be 'clean' or 'applying', got {status!r}")
+        mode = d.get("mode")
+        if mode not in (None, "delta", "full"):
+            raise bad(f"field 'mode' must be 'delta', 'full' or null, got {mode!r}")
+        checksums = d.get("checksums", {})
+        if not isinstance(checksums, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in checksums.items()
+        ):
+            raise bad("field 'checksums' must map tensor names to checksum strings")
+        updated_at = d.get("updated_at", 0.0)
+        if (
+            isinstance(updated_at, bool)
+            or not isinstance(updated_at, int | float)
+            or not math.isfinite(updated_at)
+        ):
+            raise bad(f"field 'updated_at' must be a number, got {updated_at!r}")
+        state = cls(
+            version=opt_int("version"),
+            run_id=opt_str("run_id"),
+            fingerprint=opt_str("fingerprint"),
+            status=status,
+            target_version=opt_int("target_version"),
+            mode=mode,
+            checksum_algorithm=opt_str("checksum_algorithm"),
+            checksums=dict(checksums),
+            updated_at=float(updated_at),
+        )
+        if state.applying and (state.target_version is None or state.mode is None):
+            raise bad("status 'applying' without target_version and mode")
+        return state
+
+
+_REMEDY = (
+    "The engine cannot tell which version it holds: remove the checkpoint directory "
+    "(or this state directory together with the weight files next to it) so the receiver "
+    "re-initialises it from the newest keyframe"
+)
+
+
+class StateStore:
+    """The state directory of one engine: ``state.json``, the lock, journal and staging dirs.
+
+    ``open()`` creates the directory, takes the lock (raising LockHeld when another live
+    process holds it) and returns the persisted state, or None when there is none yet.
+    ``save()`` replaces ``state.json`` atomically and durably. ``close()`` releases the lock.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        self.directory = Path(directory)
+        self.path = self.directory / STATE_NAME
+        self.journal_dir = self.directory / JOURNAL_DIR
+        self.staging_dir = self.directory / STAGING_DIR
+        self._lock = fsio.FileLock(self.directory / LOCK_NAME)
+
+    def __repr__(self) -> str:
+        return f"<StateStore {self.directory} locked={self._lock.held}>"
+
+    @property
+    def locked(self) -> bool:
+        return self._lock.held
+
+    @property
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def open(self) -> PersistedState | None:
+        """Create the directory, take the lock, clear temp files, and load the state."""
+        if not self._lock.held:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if not self._lock.acquire():
+                raise LockHeld(
+                    f"engine state {self.directory} is locked by {self._lock.holder()} "
+                    "(pid host): one receiver agent per engine. Stop that agent, or point "
+                    "this one at another engine"
+                )
+        try:
+            fsio.remove_temp_files(self.directory)
+            return self.load()
+        except BaseException:
+            self.close()
+            raise
+
+    def load(self) -> PersistedState | None:
+        """The persisted state, or None when ``state.json`` does not exist."""
+        try:
+            data = fsio.read_bytes(self.path, limit=_MAX_STATE_BYTES)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise EngineStateError(f"cannot read {self.path}: {exc}. {_REMEDY}") from exc
+        return PersistedState.from_json(data, where=str(self.path))
+
+    def save(self, state: PersistedState) -> PersistedState:
+        """Persist ``state`` (stamped with the current time) atomically; return what was saved."""
+        if not self._lock.held:
+            raise EngineStateError(f"{self.directory}: save() without holding the lock")
+        state = replace(state, updated_at=time.time())
+        fsio.atomic_write(self.path, state.to_json().encode())
+        logger.debug(
+            "state %s: version=%s status=%s target=%s",
+            self.directory,
+            state.version,
+            state.status,
+            state.target_version,
+        )
+        return state
+
+    def clear_dir(self, path: Path) -> None:
+        """Remove every file in ``path`` (one level, e.g. journal/ or staging/) and fsync it."""
+        if not path.is_dir():
+            return
+        removed = False
+        for p in path.iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            removed = True
+        if removed:
+            fsio.fsync_dir(path)
+
+    def close(self) -> None:
+        self._lock.release()

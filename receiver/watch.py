@@ -1,0 +1,72 @@
+"""Wake-ups for the receiver: inotify events where they work, polling always.
+
+Inotify (through watchfiles) only sees writes made through this host's mount: NFS and FUSE
+clients never get events for other hosts' writes. So events only make the receiver react
+sooner; a poll every ``poll_interval`` seconds is what guarantees discovery, and the agent looks
+up the exact path of the next version's manifest, which a stale directory listing cannot hide.
+
+Resolution order for inotify: argument ``use_inotify`` > environment ``ASYNCSYNC_FORCE_POLLING``
+(``1`` disables inotify) > on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+__all__ = ["wakeups"]
+
+logger = logging.getLogger(__name__)
+
+
+def _inotify_wanted(use_inotify: bool | None) -> bool:
+    if use_inotify is not None:
+        return use_inotify
+    return os.environ.get("ASYNCSYNC_FORCE_POLLING", "").lower() not in ("1", "true", "yes")
+
+
+async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
+    try:
+        import watchfiles
+    except ImportError:  # pragma: no cover - a declared dependency
+        logger.warning("watchfiles is not installed; polling only")
+        return
+    try:
+        async for _changes in watchfiles.awatch(
+            root, stop_event=stop, debounce=20, step=10, recursive=True, ignore_permission_denied=True
+        ):
+            wake.set()
+    except Exception as exc:  # e.g. inotify watch limit reached, root removed
+        logger.warning("inotify watch on %s stopped (%s); polling only", root, exc)
+
+
+async def wakeups(
+    root: Path, *, poll_interval: float, use_inotify: bool | None = None
+) -> AsyncIterator[str]:
+    """Yield ``"start"`` once, then ``"event"`` or ``"poll"`` each time the root may have changed."""
+    wake = asyncio.Event()
+    stop = asyncio.Event()
+    task = None
+    if _inotify_wanted(use_inotify) and root.is_dir():
+        task = asyncio.create_task(_watch(root, wake, stop), name=f"watch {root}")
+    try:
+        yield "start"
+        while True:
+            try:
+                async with asyncio.timeout(poll_interval):
+                    await wake.wait()
+                reason = "event"
+            except TimeoutError:
+                reason = "poll"
+            wake.clear()
+            yield reason
+    finally:
+        stop.set()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
