@@ -28,7 +28,7 @@ from asyncsync.errors import (
     PublishError,
 )
 from asyncsync.format import FORMAT_VERSION, AckRecord, Manifest, TensorEntry
-from asyncsync.publisher import PublishResult, Publisher, PublisherStats
+from asyncsync.publisher import Publisher, PublisherStats, PublishResult
 
 __version__ = "0.1.0"
 

@@ -37,7 +37,7 @@ def write_ack(root: Path, engine_id: str, version: int, fingerprint: str, run_id
 
 
 def read_acks(root: Path) -> dict[str, AckRecord]:
-    """Every readable ack record in the root, by engine id. Malformed ones are logged and skipped."""
+    """Every readable ack record in the root, by engine id; malformed ones are logged, skipped."""
     out: dict[str, AckRecord] = {}
     d = root / ACKS_DIR
     try:
@@ -102,7 +102,9 @@ async def wait_acked(
         if deadline is not None and time.monotonic() >= deadline:
             watched = engines if engines is not None else sorted(acks)
             behind = {e: (acks[e].version if e in acks else None) for e in watched if e not in ok}
-            desc = ", ".join(f"{e} at {v if v is not None else 'no ack'}" for e, v in behind.items())
+            desc = ", ".join(
+                f"{e} at {v if v is not None else 'no ack'}" for e, v in behind.items()
+            )
             need = f"engines {list(engines)}" if engines is not None else f"a quorum of {quorum}"
             raise AckTimeout(
                 f"version {version} not acknowledged by {need} within {timeout}s; "
@@ -111,5 +113,7 @@ async def wait_acked(
                 version=version,
                 behind=behind,
             )
-        await asyncio.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+        await asyncio.sleep(
+            delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
+        )
         delay = min(delay * 1.5, 0.5)

@@ -62,14 +62,14 @@ def checksum_bytes(data: bytes | bytearray | memoryview, algorithm: str = DEFAUL
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes in row-major order as a memoryview (copies to CPU / contiguous if needed)."""
+    """The tensor's bytes, row-major, as a memoryview (copied to CPU / contiguous if needed)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def checksum_tensor(t: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
@@ -77,7 +77,9 @@ def checksum_tensor(t: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
     return checksum_bytes(tensor_bytes(t), algorithm)
 
 
-def checksum_file(path: str | os.PathLike[str], algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, int]:
+def checksum_file(
+    path: str | os.PathLike[str], algorithm: str = DEFAULT_ALGORITHM
+) -> tuple[str, int]:
     """(checksum, size) of a file, read in chunks."""
     h = new_hasher(algorithm)
     size = 0

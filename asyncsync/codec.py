@@ -146,6 +146,8 @@ def changed_positions(
         torch.ne(int_view(old), int_view(new), out=mask[start : start + numel])
         start += numel
     pos = torch.nonzero(mask).view(-1)
+    if len(numels) == 1:
+        return [pos]
     ends = torch.tensor(numels, dtype=torch.int64).cumsum(0).to(device)
     cuts = torch.searchsorted(pos, ends)  # number of positions before each tensor's end
     counts = torch.diff(cuts, prepend=cuts.new_zeros(1))
@@ -310,18 +312,23 @@ def _unzstd(blob: bytes, sizes: tuple[int, ...], what: str) -> bytes:
 
 def _planes(v: torch.Tensor) -> NDArray[np.uint8]:
     """A 1-D int tensor's bytes as byte planes (all byte 0s, then all byte 1s, ...), on CPU."""
-    b = v.contiguous().view(torch.uint8)
-    if v.element_size() > 1:
-        b = b.view(-1, v.element_size()).t().contiguous()
-    arr: NDArray[np.uint8] = b.reshape(-1).cpu().numpy()
+    width, u8 = v.element_size(), v.contiguous().view(torch.uint8)
+    if width > 1:  # one strided copy per plane: several times faster than a transpose copy
+        planes = torch.empty((width, v.numel()), dtype=torch.uint8, device=v.device)
+        for k in range(width):
+            planes[k].copy_(u8[k::width])
+        u8 = planes.view(-1)
+    arr: NDArray[np.uint8] = u8.cpu().numpy()
     return arr
 
 
 def _unplanes(raw: bytes, n: int, width: int) -> torch.Tensor:
     """Inverse of :func:`_planes`: an owned, writable (n,) tensor of the int-view dtype."""
-    a = np.frombuffer(raw, np.uint8)
-    a = a.reshape(width, n).T.copy() if width > 1 else a.copy()
-    return torch.from_numpy(a.view(_NP_BY_WIDTH[width]).reshape(n))
+    src = np.frombuffer(raw, np.uint8)
+    out = np.empty(n * width, dtype=np.uint8)
+    for k in range(width):
+        out[k::width] = src[k * n : (k + 1) * n]
+    return torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
 
 
 def _ef_low_bits(n: int, numel: int) -> int:

@@ -12,7 +12,7 @@
     │   └── OutOfOrder                  a delta whose base is not the engine's version
     ├── PublishError                    a publish failed; nothing was committed, the next one works
     ├── LockHeld                        another live process owns the root or the engine
-    ├── ApplyFailed                     an engine could not take a version; it keeps its last good one
+    ├── ApplyFailed                     an engine could not take a version; it keeps its last good
     │   └── EngineStateError            an engine's persisted state is unreadable or inconsistent
     └── AckTimeout (TimeoutError)       engines did not acknowledge in time; names who is behind
 

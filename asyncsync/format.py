@@ -67,7 +67,7 @@ MAX_VERSION = 10**VERSION_DIGITS - 1
 _MAX_INT = 2**53  # every integer in our JSON must be exactly representable as a double
 _MAX_RANK = 64
 
-_VERSION_DIR_RE = re.compile(r"^v(\d{%d})$" % VERSION_DIGITS)
+_VERSION_DIR_RE = re.compile(rf"^v(\d{{{VERSION_DIGITS}}})$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{8,128}$")
@@ -129,9 +129,11 @@ def parse_version_dir(name: str) -> int | None:
 
 
 def check_file_name(name: object, what: str = "file name") -> str:
-    """A plain file name: no separators, no leading dot, no ``..`` (nothing can leave its directory)."""
+    """A plain file name: no separator, no leading dot, no ``..``: it cannot leave its directory."""
     if not isinstance(name, str) or not _FILE_RE.match(name) or ".." in name:
-        raise ManifestError(f"unsafe or invalid {what} {name!r}: expected [A-Za-z0-9][A-Za-z0-9._-]*")
+        raise ManifestError(
+            f"unsafe or invalid {what} {name!r}: expected [A-Za-z0-9][A-Za-z0-9._-]*"
+        )
     return name
 
 
@@ -170,7 +172,9 @@ def _int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX
     return int(v)
 
 
-def _opt_int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX_INT) -> int | None:
+def _opt_int(
+    d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX_INT
+) -> int | None:
     if d.get(key) is None:
         return None
     return _int(d, key, where, lo=lo, hi=hi)
@@ -313,7 +317,9 @@ class TensorEntry:
         if len(shape_raw) > _MAX_RANK or not all(
             isinstance(s, int) and not isinstance(s, bool) and 0 <= s < _MAX_INT for s in shape_raw
         ):
-            raise ManifestError(f"{where}: shape must be a list of non-negative ints, got {shape_raw!r}")
+            raise ManifestError(
+                f"{where}: shape must be a list of non-negative ints, got {shape_raw!r}"
+            )
         shape = tuple(int(s) for s in shape_raw)
         if math.prod(shape) >= _MAX_INT:
             raise ManifestError(f"{where}: shape {shape} is too large")
@@ -507,7 +513,9 @@ class Manifest:
             raise ManifestError(f"{where}: totals.changed does not match the tensors")
         if tot.elements != sum(t.numel for t in self.tensors):
             raise ManifestError(f"{where}: totals.elements does not match the tensors")
-        if tot.wire_bytes != sum(s.bytes for s in self.shards if not self.shard_dir or s.role == "delta"):
+        if tot.wire_bytes != sum(
+            s.bytes for s in self.shards if not self.shard_dir or s.role == "delta"
+        ):
             raise ManifestError(f"{where}: totals.wire_bytes does not match the shards")
 
     def _check_ref(self, shard: int, role: str, where: str) -> None:

@@ -40,6 +40,7 @@ from asyncsync import acks, codec
 from asyncsync.checksum import DEFAULT_ALGORITHM, checksum_file, checksum_tensor, new_hasher
 from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError
 from asyncsync.format import (
+    DTYPES,
     MANIFEST_NAME,
     AckRecord,
     DeltaRef,
@@ -48,7 +49,6 @@ from asyncsync.format import (
     ShardInfo,
     TensorEntry,
     Totals,
-    DTYPES,
     check_file_name,
     dtype_name,
     fingerprint,
@@ -154,7 +154,9 @@ class Publisher:
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if keyframe_interval < 0:
-            raise ConfigError(f"keyframe_interval must be >= 0 (0 = never), got {keyframe_interval}")
+            raise ConfigError(
+                f"keyframe_interval must be >= 0 (0 = never), got {keyframe_interval}"
+            )
         if not 1 <= zstd_level <= 22:
             raise ConfigError(f"zstd_level must be in 1..22, got {zstd_level}")
         if pre_commit_hook is not None and not callable(pre_commit_hook):
@@ -208,8 +210,12 @@ class Publisher:
             raise
         self._last_version = versions[-1] if versions else None
         self._next_version = versions[-1] + 1 if versions else 0
-        logger.info("publisher open root=%s run=%s next_version=%d", self.root, self._run_id,
-                    self._next_version)
+        logger.info(
+            "publisher open root=%s run=%s next_version=%d",
+            self.root,
+            self._run_id,
+            self._next_version,
+        )
 
     async def close(self) -> None:
         async with self._busy:
@@ -284,7 +290,11 @@ class Publisher:
         Raises :class:`~asyncsync.errors.AckTimeout` naming the engines that are behind.
         """
         return await acks.wait_acked(
-            self.root, version, engines=engines, quorum=quorum, timeout=timeout,
+            self.root,
+            version,
+            engines=engines,
+            quorum=quorum,
+            timeout=timeout,
             run_id=self._run_id or None,
         )
 
@@ -313,7 +323,7 @@ class Publisher:
     def _same_schema(self, state_dict: Mapping[str, torch.Tensor]) -> bool:
         snap = self._snapshot
         assert snap is not None
-        if list(state_dict) != list(snap):
+        if len(state_dict) != len(snap) or any(k not in snap for k in state_dict):
             return False
         return all(
             t.dtype == snap[k].dtype and tuple(t.shape) == tuple(snap[k].shape)
@@ -416,7 +426,9 @@ class Publisher:
         try:
             await asyncio.to_thread(append_manifest, self.root, manifest)
         except OSError as exc:  # the log is for operators; the version is committed regardless
-            logger.error("version %d committed but the manifest log append failed: %s", version, exc)
+            logger.error(
+                "version %d committed but the manifest log append failed: %s", version, exc
+            )
         seconds = dict(acc.seconds)
         seconds["commit"] = time.perf_counter() - t_commit
         seconds["total"] = time.perf_counter() - t_start
@@ -463,8 +475,14 @@ class Publisher:
                 )
             )
         return encode_bucket(
-            items, version=version, run_id=self._run_id, delta=delta, full=full,
-            encoding=self.encoding, level=self.zstd_level, algorithm=self.checksum,
+            items,
+            version=version,
+            run_id=self._run_id,
+            delta=delta,
+            full=full,
+            encoding=self.encoding,
+            level=self.zstd_level,
+            algorithm=self.checksum,
         )
 
     def _write_bucket(self, vdir: Path, enc: EncodedBucket, acc: _Acc) -> None:
@@ -488,8 +506,13 @@ class Publisher:
             full_ref = FullRef(shard_of["full"], it.name) if it.has_full else None
             dtype, shape = acc.meta[it.name]
             acc.entries[it.index] = TensorEntry(
-                name=it.name, dtype=dtype, shape=shape, checksum=it.checksum, changed=it.changed,
-                delta=delta_ref, full=full_ref,
+                name=it.name,
+                dtype=dtype,
+                shape=shape,
+                checksum=it.checksum,
+                changed=it.changed,
+                delta=delta_ref,
+                full=full_ref,
             )
         acc.pending.extend(enc.pending)
         acc.raw_bytes += enc.raw_bytes
@@ -586,7 +609,12 @@ class Publisher:
         self._counts["changed"] += res.changed
         logger.info(
             "committed version %d kind=%s changed=%d/%d (%.3f%%) wire=%d B in %.3fs",
-            res.version, res.kind, res.changed, res.total, 100 * res.density, res.wire_bytes,
+            res.version,
+            res.kind,
+            res.changed,
+            res.total,
+            100 * res.density,
+            res.wire_bytes,
             res.seconds["total"],
         )
 
@@ -609,9 +637,15 @@ class Publisher:
                         raise ConfigError(f"{path}: tensor {name!r} appears in two files")
                     snap[name] = t
                     entries.append(
-                        TensorEntry(name, dtype_name(t.dtype), tuple(t.shape),
-                                    checksum_tensor(t, self.checksum), t.numel(), None,
-                                    FullRef(i, name))
+                        TensorEntry(
+                            name,
+                            dtype_name(t.dtype),
+                            tuple(t.shape),
+                            checksum_tensor(t, self.checksum),
+                            t.numel(),
+                            None,
+                            FullRef(i, name),
+                        )
                     )
             return shards, entries, snap
 
@@ -642,9 +676,18 @@ class Publisher:
         self._elements = manifest.totals.elements
         await asyncio.to_thread(append_manifest, self.root, manifest)
         res = PublishResult(
-            version, "full", None, manifest.totals.changed, manifest.totals.elements,
-            manifest.totals.density, 0, 0, 0, len(shards),
-            {"encode": 0.0, "write": 0.0, "commit": 0.0, "total": time.perf_counter() - t0}, vdir,
+            version,
+            "full",
+            None,
+            manifest.totals.changed,
+            manifest.totals.elements,
+            manifest.totals.density,
+            0,
+            0,
+            0,
+            len(shards),
+            {"encode": 0.0, "write": 0.0, "commit": 0.0, "total": time.perf_counter() - t0},
+            vdir,
         )
         self._record(res)
         return res

@@ -128,7 +128,9 @@ def encode_bucket(
         olds = [it.old for it in items]
         if any(o is None for o in olds):
             raise ValueError("delta encoding needs the old value of every tensor")
-        positions = codec.changed_positions([o for o in olds if o is not None], [it.new for it in items])
+        positions = codec.changed_positions(
+            [o for o in olds if o is not None], [it.new for it in items]
+        )
     delta_tensors: dict[str, torch.Tensor] = {}
     full_tensors: dict[str, torch.Tensor] = {}
     for k, it in enumerate(items):

@@ -59,8 +59,10 @@ def read_root_info(root: Path) -> RootInfo | None:
         d = json.loads(data)
     except ValueError as exc:
         raise ManifestError(f"{root / ROOT_INFO_NAME} is not valid JSON: {exc}") from exc
-    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME or not isinstance(
-        d.get("run_id"), str
+    if (
+        not isinstance(d, dict)
+        or d.get("format") != FORMAT_NAME
+        or not isinstance(d.get("run_id"), str)
     ):
         raise ManifestError(f"{root / ROOT_INFO_NAME} is not an asyncsync root record")
     if d.get("format_version") != FORMAT_VERSION:

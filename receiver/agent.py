@@ -205,9 +205,11 @@ class ReceiverAgent:
         """
         versions = list_versions(self.root)
         latest = versions[-1] if versions else None
-        start = max(v for v in (latest, self.version) if v is not None) if (
-            latest is not None or self.version is not None
-        ) else -1
+        start = (
+            max(v for v in (latest, self.version) if v is not None)
+            if (latest is not None or self.version is not None)
+            else -1
+        )
         probe = start + 1
         while manifest_path(self.root, probe).is_file():
             latest = probe
@@ -237,8 +239,12 @@ class ReceiverAgent:
                 m = None
             if m is not None:
                 if m.run_id != self.engine.state.run_id and self.engine.state.run_id is not None:
-                    logger.warning("version %d is of run %s, engine holds run %s: re-seeding",
-                                   m.version, m.run_id, self.engine.state.run_id)
+                    logger.warning(
+                        "version %d is of run %s, engine holds run %s: re-seeding",
+                        m.version,
+                        m.run_id,
+                        self.engine.state.run_id,
+                    )
                 elif m.has_delta:
                     return m, "delta"
                 elif m.kind == "full":
@@ -296,8 +302,14 @@ class ReceiverAgent:
         self._c.applied += 1
         self._c.last_apply_seconds = dt
         self._c.last_error = None
-        logger.info("agent %s applied version %d (%s, %d shards) in %.3fs",
-                    self.engine_id, m.version, mode, len(shards), dt)
+        logger.info(
+            "agent %s applied version %d (%s, %d shards) in %.3fs",
+            self.engine_id,
+            m.version,
+            mode,
+            len(shards),
+            dt,
+        )
 
     async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
         """Read+verify+decode shard k+1 while the engine applies shard k."""
@@ -344,7 +356,9 @@ def _read_verified(path: Path, shard: ShardInfo, algorithm: str) -> bytes:
     except FileNotFoundError as exc:
         raise IncompleteVersion(f"{path}: shard named by the manifest is missing") from exc
     except ValueError as exc:
-        raise IncompleteVersion(f"{path}: larger than the {shard.bytes} bytes it should have") from exc
+        raise IncompleteVersion(
+            f"{path}: larger than the {shard.bytes} bytes it should have"
+        ) from exc
     if len(data) != shard.bytes:
         raise IncompleteVersion(f"{path}: {len(data)} bytes, the manifest says {shard.bytes}")
     digest = checksum_bytes(data, algorithm)
@@ -384,13 +398,20 @@ def _decode_shard(
         if mode == "delta":
             pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
             if pos_t is None or val_t is None:
-                raise FormatError(f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}")
+                raise FormatError(
+                    f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}"
+                )
             if pos_t.dtype != torch.uint8 or val_t.dtype != torch.uint8:
                 raise FormatError(f"{where}: delta blobs of {e.name!r} must be uint8")
             try:
                 patch = codec.decode_delta(
-                    m.encoding, ref.mode, pos_t.numpy().tobytes(), val_t.numpy().tobytes(),
-                    changed=e.changed, numel=e.numel, dtype=_int_dtype(e.torch_dtype),
+                    m.encoding,
+                    ref.mode,
+                    pos_t.numpy().tobytes(),
+                    val_t.numpy().tobytes(),
+                    changed=e.changed,
+                    numel=e.numel,
+                    dtype=_int_dtype(e.torch_dtype),
                 )
             except FormatError as exc:
                 raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc

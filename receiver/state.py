@@ -17,6 +17,11 @@ of moving to another one when the process died. That record lives in a small *st
 kernel drops it when the holder dies, so a crash never leaves it stuck, and a second agent on
 the same engine fails fast with :class:`~asyncsync.errors.LockHeld` naming the holder.
 
+The module also holds the two rules every engine enforces before it changes anything:
+:func:`check_base` (a delta or zero-diff version applies only on exactly its base version of
+the same run) and :func:`check_patch` (a codec patch fits its target tensor's int view), so
+a refused version never leaves a half-written engine behind.
+
 Everything here blocks; async engines call it through ``asyncio.to_thread``.
 """
 
@@ -33,8 +38,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from asyncsync import fsio
-from asyncsync.errors import EngineStateError, LockHeld
+from asyncsync.codec import Patch
+from asyncsync.errors import ApplyFailed, EngineStateError, LockHeld, OutOfOrder
+from asyncsync.format import Manifest
 
 __all__ = [
     "JOURNAL_DIR",
@@ -46,6 +55,8 @@ __all__ = [
     "STATE_NAME",
     "PersistedState",
     "StateStore",
+    "check_base",
+    "check_patch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -272,3 +283,43 @@ class StateStore:
 
     def close(self) -> None:
         self._lock.release()
+
+
+# --------------------------------------------------------------------------- transition rules
+
+
+def check_base(version: int | None, run_id: str | None, manifest: Manifest, where: str) -> None:
+    """Raise OutOfOrder unless ``manifest`` applies on (``version``, ``run_id``) as a delta."""
+    if version is None or manifest.base_version != version:
+        raise OutOfOrder(
+            f"{where}: v{manifest.version} applies on v{manifest.base_version}, "
+            f"the engine holds v{version}"
+        )
+    if run_id is not None and manifest.run_id != run_id:
+        raise OutOfOrder(
+            f"{where}: v{manifest.version} is from run {manifest.run_id!r}, the engine holds "
+            f"run {run_id!r}; jump to a keyframe"
+        )
+
+
+def check_patch(patch: Patch, flat: torch.Tensor, name: str) -> Patch:
+    """Validate ``patch`` against ``flat`` (the target's int view); return it on flat's device.
+
+    Engines call this before journaling or writing anything, so a malformed patch is an
+    ApplyFailed naming the tensor instead of a half-applied version.
+    """
+    values = patch.values.detach().reshape(-1)
+    if patch.op not in ("set", "xor") or values.dtype != flat.dtype:
+        raise ApplyFailed(
+            f"tensor {name!r}: patch {patch.op!r} of {values.dtype} does not fit {flat.dtype}"
+        )
+    if patch.positions is None:
+        if values.numel() != flat.numel():
+            raise ApplyFailed(f"tensor {name!r}: dense patch of {values.numel()}/{flat.numel()}")
+        return Patch(patch.op, None, values.to(flat.device))
+    pos = patch.positions.detach().reshape(-1)
+    if pos.dtype != torch.int64 or pos.numel() != values.numel():
+        raise ApplyFailed(f"tensor {name!r}: positions must be int64, one per value")
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= flat.numel()):
+        raise ApplyFailed(f"tensor {name!r}: patch positions outside 0..{flat.numel() - 1}")
+    return Patch(patch.op, pos.to(flat.device), values.to(flat.device))

@@ -37,7 +37,12 @@ async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
         return
     try:
         async for _changes in watchfiles.awatch(
-            root, stop_event=stop, debounce=20, step=10, recursive=True, ignore_permission_denied=True
+            root,
+            stop_event=stop,
+            debounce=20,
+            step=10,
+            recursive=True,
+            ignore_permission_denied=True,
         ):
             wake.set()
     except Exception as exc:  # e.g. inotify watch limit reached, root removed
@@ -47,7 +52,7 @@ async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
 async def wakeups(
     root: Path, *, poll_interval: float, use_inotify: bool | None = None
 ) -> AsyncIterator[str]:
-    """Yield ``"start"`` once, then ``"event"`` or ``"poll"`` each time the root may have changed."""
+    """Yield ``"start"``, then ``"event"`` or ``"poll"`` each time the root may have changed."""
     wake = asyncio.Event()
     stop = asyncio.Event()
     task = None

@@ -1,0 +1,774 @@
+"""LocalCheckpoint: a Hugging Face safetensors directory kept at the newest version, in place.
+
+The directory is what ``from_pretrained`` / vLLM / SGLang load::
+
+    DIR/
+      model-00001-of-00003.safetensors ...   the weights (names = state-dict keys)
+      model.safetensors.index.json           {"metadata": {"total_size", "asyncsync_version"},
+                                              "weight_map": {name: file}}
+      .asyncsync/                            receiver.state: state.json, lock, journal/, staging/
+
+Why in place: a delta touches a small fraction of the bytes, so rewriting multi-GB files per
+version would cost far more than the delta. Each tensor sits at a fixed byte range of its file
+(parsed from the safetensors header), so a delta is applied through ``mmap`` on those ranges.
+
+Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repairs):
+
+* delta: before the first in-place write of a version, ``state.json`` says ``applying``; before
+  each ``apply`` writes, an undo journal file with the OLD values of every position it will
+  write is durable in ``.asyncsync/journal/``. Undo just writes old values back, so it is
+  idempotent: ``abort``, a failed checksum in ``commit`` and ``open`` after a crash all run it,
+  as often as needed, and the checkpoint is back at the old version bit for bit.
+* full: new files are written to ``.asyncsync/staging/`` and verified; only then is the state
+  marked ``applying`` and the files moved into place. A crash in that window leaves old and
+  new files mixed, so ``open`` removes the data files and reports no version: the receiver
+  re-initialises the directory from a keyframe.
+
+Blocking file work runs in ``asyncio.to_thread`` so the receiver's event loop stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+from asyncsync import fsio
+from asyncsync.checksum import checksum_bytes, checksum_tensor, new_hasher
+from asyncsync.codec import Patch, apply_patch, int_view
+from asyncsync.errors import (
+    ApplyFailed,
+    AsyncSyncError,
+    ChecksumMismatch,
+    EngineStateError,
+)
+from asyncsync.format import Manifest, TensorEntry
+from receiver.engines.base import Engine, EngineState, TensorUpdate
+from receiver.state import (
+    STATE_DIR_NAME,
+    STATE_NAME,
+    PersistedState,
+    StateStore,
+    check_base,
+    check_patch,
+)
+
+__all__ = ["LocalCheckpoint", "TensorLocation", "read_layout", "verify_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+_JOURNAL_FORMAT = "asyncsync-journal"
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_T = TypeVar("_T")
+
+
+# --------------------------------------------------------------------------- file layout
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a tensor's bytes are: ``[begin, end)`` absolute offsets in ``file`` (a plain name)."""
+
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def int_dtype(self) -> torch.dtype:
+        return _int_dtype(self.dtype)
+
+
+@functools.cache
+def _int_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype the codec patches ``dtype`` through (same element width)."""
+    return int_view(torch.empty(0, dtype=dtype)).dtype
+
+
+def read_layout(path: Path) -> dict[str, TensorLocation]:
+    """Parse and validate a safetensors file's header: each tensor's dtype, shape, byte range."""
+
+    def bad(what: str) -> EngineStateError:
+        return EngineStateError(f"{path}: {what}; the checkpoint is damaged, remove it to reinit")
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad("too short for a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise bad(f"invalid header length {n}")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        raise bad(f"unreadable safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    data_start = 8 + n
+    out: dict[str, TensorLocation] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
+            raise bad(f"tensor {name!r} has no supported dtype")
+        shape, offs = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
+            raise bad(f"tensor {name!r} has an invalid shape {shape!r}")
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        ):
+            raise bad(f"tensor {name!r} has invalid data_offsets {offs!r}")
+        dtype = _ST_DTYPES[info["dtype"]]
+        b, e = data_start + offs[0], data_start + offs[1]
+        numel = 1
+        for s in shape:
+            numel *= s
+        if not data_start <= b <= e <= size or e - b != numel * dtype.itemsize:
+            raise bad(f"tensor {name!r} byte range {offs} does not fit its shape or the file")
+        out[name] = TensorLocation(name, path.name, dtype, tuple(shape), b, e)
+    return out
+
+
+class _FileMaps:
+    """Writable mmaps of the data files one version touches, opened lazily, closed together."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._open: dict[str, tuple[int, mmap.mmap]] = {}
+
+    def _map(self, file: str) -> mmap.mmap:
+        if file not in self._open:
+            fd = os.open(self.directory / file, os.O_RDWR)
+            try:
+                self._open[file] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE))
+            except BaseException:
+                os.close(fd)
+                raise
+        return self._open[file][1]
+
+    def flat(self, loc: TensorLocation) -> torch.Tensor:
+        """The tensor's bytes in the file as a flat writable int tensor (no copy)."""
+        if loc.nbytes == 0:
+            return torch.empty(0, dtype=loc.int_dtype)
+        arr = np.frombuffer(self._map(loc.file), dtype=np.uint8, count=loc.nbytes, offset=loc.begin)
+        return torch.from_numpy(arr).view(loc.int_dtype)
+
+    def checksum(self, loc: TensorLocation, algorithm: str) -> str:
+        if loc.nbytes == 0:
+            return checksum_bytes(b"", algorithm)
+        with memoryview(self._map(loc.file)) as mv, mv[loc.begin : loc.end] as region:
+            return checksum_bytes(region, algorithm)
+
+    def sync(self) -> None:
+        for fd, mm in self._open.values():
+            mm.flush()
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for file, (fd, mm) in self._open.items():
+            try:
+                mm.close()
+            except BufferError:  # a view is still referenced somewhere; gc unmaps it later
+                logger.debug("mmap of %s still exported at close", file)
+            os.close(fd)
+        self._open.clear()
+
+
+@dataclass
+class _Txn:
+    """The version being applied between begin and commit/abort."""
+
+    manifest: Manifest
+    mode: Literal["delta", "full"]
+    entries: dict[str, TensorEntry]
+    seen: set[str] = field(default_factory=set)
+    staged: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (part, checksum)
+    parts: list[str] = field(default_factory=list)
+    maps: _FileMaps | None = None
+    seq: int = 0
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class LocalCheckpoint(Engine):
+    """A safetensors checkpoint directory patched in place (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, file_prefix: str = "model"):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}", file_prefix):
+            raise ValueError(f"invalid file_prefix {file_prefix!r}")
+        self.directory = Path(directory)
+        self.file_prefix = file_prefix
+        self.index_path = self.directory / f"{file_prefix}.safetensors.index.json"
+        self._data_re = re.compile(
+            rf"^{re.escape(file_prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors$"
+        )
+        self._store = StateStore(self.directory / STATE_DIR_NAME)
+        self._ps = PersistedState()
+        self._layout: dict[str, TensorLocation] = {}
+        self._txn: _Txn | None = None
+        self._broken: str | None = None
+        self._mutex = threading.Lock()
+        self.state = EngineState()
+
+    def __repr__(self) -> str:
+        return f"<LocalCheckpoint {self.directory} version={self.state.version}>"
+
+    # -- public coroutines ----------------------------------------------------------------
+    async def open(self) -> EngineState:
+        return await self._run(self._open)
+
+    async def close(self) -> None:
+        if self._txn is not None:
+            await self.abort()
+        self._store.close()
+
+    async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
+        await self._run(self._begin, manifest, mode)
+
+    async def apply(self, updates: list[TensorUpdate]) -> None:
+        txn = self._need_txn()
+        if txn.mode == "delta":
+            await self._run(self._apply_delta, txn, updates)
+        else:
+            await self._run(self._apply_full, txn, updates)
+
+    async def commit(self) -> str:
+        txn = self._need_txn()
+        if txn.mode == "delta":
+            return await self._run(self._commit_delta, txn)
+        return await self._run(self._commit_full, txn)
+
+    async def abort(self) -> None:
+        await self._run(self._abort)
+
+    async def bump(self, manifest: Manifest) -> None:
+        await self._run(self._bump, manifest)
+
+    # -- read-only helpers -----------------------------------------------------------------
+    def tensor_names(self) -> list[str]:
+        """Names of the tensors in the checkpoint, in index order (none before the first)."""
+        return list(self._read_index()[1]) if self.index_path.exists() else []
+
+    def load_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the checkpoint, read with safetensors (copies in memory)."""
+        if not self.index_path.exists():
+            return {}
+        weight_map = self._read_index()[1]
+        out: dict[str, torch.Tensor] = {}
+        for file in dict.fromkeys(weight_map.values()):
+            out.update(safetensors.torch.load_file(self.directory / file))
+        return {name: out[name] for name in weight_map}
+
+    # -- plumbing -----------------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking work in a thread, one at a time even if a caller was cancelled."""
+
+        def locked() -> _T:
+            with self._mutex:
+                return fn(*args)
+
+        try:
+            return await asyncio.to_thread(locked)
+        except AsyncSyncError:
+            raise
+        except (OSError, RuntimeError, ValueError, safetensors.SafetensorError) as exc:
+            raise ApplyFailed(f"{self.directory}: {type(exc).__name__}: {exc}") from exc
+
+    def _need_txn(self) -> _Txn:
+        if self._txn is None:
+            raise ApplyFailed(f"{self.directory}: apply/commit without begin")
+        return self._txn
+
+    def _set(self, ps: PersistedState) -> None:
+        self._ps = self._store.save(ps)
+        self.state = EngineState(ps.version, ps.run_id, ps.fingerprint)
+
+    def _data_files(self) -> list[Path]:
+        return sorted(p for p in self.directory.iterdir() if self._data_re.match(p.name))
+
+    def _read_index(self) -> tuple[dict[str, Any], dict[str, str]]:
+        try:
+            index = json.loads(self.index_path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise EngineStateError(f"cannot read {self.index_path}: {exc}") from exc
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and self._data_re.match(v)
+            for k, v in wm.items()
+        ):
+            raise EngineStateError(f"{self.index_path}: weight_map is missing or invalid")
+        return index, wm
+
+    def _load_layout(self) -> dict[str, TensorLocation]:
+        _, weight_map = self._read_index()
+        per_file = {f: read_layout(self.directory / f) for f in dict.fromkeys(weight_map.values())}
+        layout = {}
+        for name, file in weight_map.items():
+            if name not in per_file[file]:
+                raise EngineStateError(f"{self.index_path}: {name!r} is not in {file}")
+            layout[name] = per_file[file][name]
+        return layout
+
+    def _write_index(
+        self, version: int, weight_map: dict[str, str] | None = None, total: int = 0
+    ) -> None:
+        """Write the HF index atomically (default: the current layout, only the version new)."""
+        if weight_map is None:
+            weight_map = {n: loc.file for n, loc in self._layout.items()}
+            total = sum(loc.nbytes for loc in self._layout.values())
+        index = {
+            "metadata": {"total_size": total, "asyncsync_version": version},
+            "weight_map": weight_map,
+        }
+        fsio.atomic_write(self.index_path, (json.dumps(index, indent=2) + "\n").encode())
+
+    # -- open / recovery ------------------------------------------------------------------
+    def _open(self) -> EngineState:
+        if self._store.locked:
+            return self.state
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if not (self._store.directory / STATE_NAME).exists():
+            self._refuse_foreign()
+        ps = self._store.open()
+        try:
+            if ps is None:
+                self._refuse_foreign()
+                ps = PersistedState()
+            self._ps = ps
+            for d in (self._store.journal_dir, self._store.staging_dir):
+                d.mkdir(exist_ok=True)
+            if ps.applying and ps.mode == "delta":
+                logger.warning(
+                    "%s: interrupted delta to v%s; undoing", self.directory, ps.target_version
+                )
+                self._layout = self._load_layout()
+                maps = _FileMaps(self.directory)
+                try:
+                    self._undo(maps)
+                finally:
+                    maps.close()
+            elif ps.applying:
+                logger.warning(
+                    "%s: interrupted full apply of v%s; the files are mixed, removing them so "
+                    "the receiver re-initialises from a keyframe",
+                    self.directory,
+                    ps.target_version,
+                )
+                self._wipe()
+            else:
+                self._store.clear_dir(self._store.journal_dir)  # stale: a commit that finished
+                self._store.clear_dir(self._store.staging_dir)
+            self._set(self._ps)
+            if self._ps.version is not None:
+                self._layout = self._load_layout()
+                if self._ps.checksums and set(self._ps.checksums) != set(self._layout):
+                    raise EngineStateError(
+                        f"{self.directory}: the tensors in the files differ from state.json; "
+                        "remove the directory to re-initialise from the newest keyframe"
+                    )
+            elif self._data_files():
+                logger.warning("%s: holds no version but has data files", self.directory)
+        except BaseException:
+            self._store.close()
+            raise
+        logger.info("%s: open at version %s", self.directory, self.state.version)
+        return self.state
+
+    def _refuse_foreign(self) -> None:
+        if self.index_path.exists() or any(
+            p.name.endswith(".safetensors") for p in self.directory.iterdir()
+        ):
+            raise EngineStateError(
+                f"{self.directory} holds safetensors files but is not an asyncsync checkpoint "
+                f"(no {STATE_DIR_NAME}/{STATE_NAME}); point the receiver at an empty directory"
+            )
+
+    def _wipe(self) -> None:
+        """Forget everything: remove data files, index and staging; state holds no version."""
+        for p in self._data_files():
+            p.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.index_path.unlink()
+        fsio.fsync_dir(self.directory)
+        self._store.clear_dir(self._store.staging_dir)
+        self._store.clear_dir(self._store.journal_dir)
+        self._layout = {}
+        self._set(PersistedState())
+
+    # -- begin --------------------------------------------------------------------------------
+    def _begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
+        if not self._store.locked:
+            raise ApplyFailed(f"{self.directory}: begin before open")
+        if self._broken:
+            raise EngineStateError(f"{self.directory}: {self._broken}; close and reopen it")
+        if self._txn is not None:
+            raise ApplyFailed(
+                f"{self.directory}: begin v{manifest.version} while v"
+                f"{self._txn.manifest.version} is in progress; commit or abort it first"
+            )
+        entries = manifest.tensor_map()
+        txn = _Txn(manifest, mode, entries)
+        if mode == "full":
+            self._store.clear_dir(self._store.staging_dir)
+            self._txn = txn
+            return
+        if mode != "delta":
+            raise ApplyFailed(f"unknown apply mode {mode!r}")
+        check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
+        for name, e in entries.items():
+            loc = self._layout.get(name)
+            if loc is None:
+                raise ApplyFailed(
+                    f"tensor {name!r} of v{manifest.version} is not in the checkpoint"
+                )
+            if loc.dtype != e.torch_dtype or loc.shape != e.shape:
+                raise ApplyFailed(
+                    f"tensor {name!r}: v{manifest.version} has {e.dtype}{list(e.shape)}, the "
+                    f"checkpoint has {loc.dtype}{list(loc.shape)}"
+                )
+        extra = set(self._layout) - set(entries)
+        if extra:
+            logger.warning("%s: tensors not in v%s: %s", self.directory, manifest.version, extra)
+        self._store.clear_dir(self._store.journal_dir)
+        self._set(self._ps.begin(manifest.version, "delta"))
+        txn.maps = _FileMaps(self.directory)
+        self._txn = txn
+
+    def _claim(self, txn: _Txn, u: TensorUpdate) -> TensorEntry:
+        """The manifest entry of an update; refuses strangers, repeats and changed shapes."""
+        name = u.entry.name
+        entry = txn.entries.get(name)
+        if entry is None:
+            raise ApplyFailed(f"tensor {name!r} is not in v{txn.manifest.version}")
+        if name in txn.seen:
+            raise ApplyFailed(f"tensor {name!r} updated twice in v{txn.manifest.version}")
+        if (u.entry.dtype, u.entry.shape) != (entry.dtype, entry.shape):
+            raise ApplyFailed(f"tensor {name!r}: update does not match the manifest entry")
+        txn.seen.add(name)
+        return entry
+
+    # -- delta ------------------------------------------------------------------------------
+    def _apply_delta(self, txn: _Txn, updates: list[TensorUpdate]) -> None:
+        assert txn.maps is not None
+        work: list[tuple[str, torch.Tensor, Patch, torch.Tensor]] = []
+        journal: dict[str, torch.Tensor] = {}
+        names: list[str] = []
+        for u in updates:
+            entry = self._claim(txn, u)
+            if u.patch is None:
+                raise ApplyFailed(f"tensor {entry.name!r}: a delta needs a patch, not full data")
+            loc = self._layout[entry.name]
+            flat = txn.maps.flat(loc)
+            patch = check_patch(u.patch, flat, entry.name)
+            if patch.positions is None:
+                old = flat.clone()
+            else:
+                old = flat[patch.positions]
+                journal[f"p{len(names)}"] = patch.positions.clone()
+            journal[f"v{len(names)}"] = old
+            names.append(entry.name)
+            work.append((entry.name, flat, patch, old))
+        if not work:
+            return
+        meta = {
+            "format": _JOURNAL_FORMAT,
+            "target_version": str(txn.manifest.version),
+            "names": json.dumps(names),
+        }
+        path = self._store.journal_dir / f"undo-{txn.seq:06d}.safetensors"
+        txn.seq += 1
+        fsio.atomic_write(path, safetensors.torch.save(journal, metadata=meta))
+        for _name, flat, patch, _old in work:
+            apply_patch(flat, patch)
+
+    def _undo(self, maps: _FileMaps) -> None:
+        """Write back the old values of every journal file (newest first), sync, state clean."""
+        for path in sorted(self._store.journal_dir.glob("undo-*.safetensors"), reverse=True):
+            try:
+                with safetensors.safe_open(str(path), framework="pt") as f:
+                    names = json.loads((f.metadata() or {})["names"])
+                    tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            except Exception as exc:
+                raise EngineStateError(f"undo journal {path} is unreadable: {exc}") from exc
+            for i, name in enumerate(names):
+                loc = self._layout.get(name)
+                if loc is None:
+                    raise EngineStateError(f"undo journal {path} names unknown tensor {name!r}")
+                flat, old = maps.flat(loc), tensors[f"v{i}"]
+                pos = tensors.get(f"p{i}")
+                if pos is None:
+                    flat.copy_(old)
+                elif pos.numel():
+                    flat.index_copy_(0, pos, old)
+                del flat
+        maps.sync()
+        self._set(self._ps.clean())
+        self._store.clear_dir(self._store.journal_dir)
+
+    def _commit_delta(self, txn: _Txn) -> str:
+        assert txn.maps is not None
+        m = txn.manifest
+        try:
+            txn.maps.sync()
+            bad = self._first_mismatch(txn)
+            if bad is None:
+                self._set(
+                    replace(
+                        self._ps.clean(),
+                        version=m.version,
+                        run_id=m.run_id,
+                        fingerprint=m.fingerprint,
+                        checksum_algorithm=m.checksum_algorithm,
+                        checksums={e.name: e.checksum for e in m.tensors},
+                    )
+                )
+        except BaseException:
+            self._rollback(txn)
+            raise
+        if bad is not None:
+            name, got = bad
+            path = str(self.directory / self._layout[name].file)
+            self._rollback(txn)
+            raise ChecksumMismatch(
+                f"tensor {name!r} of v{m.version} in {path}: checksum {got} != "
+                f"{txn.entries[name].checksum}; rolled back to v{self.state.version}",
+                path=path,
+                tensor=name,
+            )
+        self._txn = None
+        txn.maps.close()
+        self._store.clear_dir(self._store.journal_dir)
+        self._write_index(m.version)
+        logger.info("%s: committed delta v%s", self.directory, m.version)
+        return m.fingerprint
+
+    def _first_mismatch(self, txn: _Txn) -> tuple[str, str] | None:
+        """(name, checksum) of the first tensor whose new bytes differ from the manifest.
+
+        Touched tensors and those the manifest says changed are hashed from the file; the
+        others are compared by their recorded checksum when the algorithm is the same.
+        """
+        assert txn.maps is not None
+        algo = txn.manifest.checksum_algorithm
+        same_algo = self._ps.checksum_algorithm == algo
+        for name, e in txn.entries.items():
+            if name in txn.seen or e.changed > 0:
+                got = txn.maps.checksum(self._layout[name], algo)
+            elif same_algo:
+                got = self._ps.checksums.get(name, e.checksum)
+            else:
+                continue
+            if got != e.checksum:
+                return name, got
+        return None
+
+    def _rollback(self, txn: _Txn) -> None:
+        self._txn = None
+        if txn.maps is None:
+            return
+        try:
+            self._undo(txn.maps)
+        except BaseException as exc:
+            self._broken = f"rollback of v{txn.manifest.version} failed ({exc})"
+            raise
+        finally:
+            txn.maps.close()
+
+    # -- full ---------------------------------------------------------------------------------
+    def _apply_full(self, txn: _Txn, updates: list[TensorUpdate]) -> None:
+        algo = txn.manifest.checksum_algorithm
+        tensors: dict[str, torch.Tensor] = {}
+        sums: dict[str, str] = {}
+        ptrs: set[int] = set()
+        for u in updates:
+            entry = self._claim(txn, u)
+            t = u.full
+            if t is None:
+                raise ApplyFailed(f"tensor {entry.name!r}: full mode needs full data, not a patch")
+            if t.dtype != entry.torch_dtype or tuple(t.shape) != entry.shape:
+                raise ApplyFailed(
+                    f"tensor {entry.name!r}: got {t.dtype}{list(t.shape)}, manifest says "
+                    f"{entry.dtype}{list(entry.shape)}"
+                )
+            t = t.detach().cpu().contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if t.numel() and ptr in ptrs:  # safetensors refuses shared storage
+                t = t.clone()
+            ptrs.add(ptr)
+            tensors[entry.name] = t
+            sums[entry.name] = checksum_tensor(t, algo)
+        if not tensors:
+            return
+        part = f"part-{txn.seq:06d}.safetensors"
+        txn.seq += 1
+        path = self._store.staging_dir / part
+        safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        txn.parts.append(part)
+        txn.staged.update({n: (part, s) for n, s in sums.items()})
+
+    def _commit_full(self, txn: _Txn) -> str:
+        m, staging = txn.manifest, self._store.staging_dir
+        self._txn = None
+        try:
+            for name, e in txn.entries.items():
+                if name not in txn.staged:
+                    raise ApplyFailed(f"v{m.version}: tensor {name!r} never arrived")
+                part, got = txn.staged[name]
+                if got != e.checksum:
+                    raise ChecksumMismatch(
+                        f"tensor {name!r} of v{m.version}: checksum {got} != {e.checksum}; "
+                        f"v{m.version} discarded, still at v{self.state.version}",
+                        path=str(staging / part),
+                        tensor=name,
+                    )
+            fsio.fsync_dir(staging)
+        except BaseException:
+            self._store.clear_dir(staging)
+            raise
+        n = len(txn.parts)
+        final = {
+            p: f"{self.file_prefix}-{k:05d}-of-{n:05d}.safetensors"
+            for k, p in enumerate(txn.parts, 1)
+        }
+        weight_map = {name: final[part] for name, (part, _) in txn.staged.items()}
+        try:
+            self._set(self._ps.begin(m.version, "full"))
+            old = set(self._data_files())
+            for part, name in final.items():
+                os.replace(staging / part, self.directory / name)
+            self._write_index(m.version, weight_map, sum(e.nbytes for e in m.tensors))
+            for p in old - {self.directory / name for name in final.values()}:
+                p.unlink()
+            fsio.fsync_dir(self.directory)
+            self._set(
+                PersistedState(
+                    version=m.version,
+                    run_id=m.run_id,
+                    fingerprint=m.fingerprint,
+                    checksum_algorithm=m.checksum_algorithm,
+                    checksums={e.name: e.checksum for e in m.tensors},
+                )
+            )
+            self._layout = self._load_layout()
+        except BaseException as exc:
+            logger.error("%s: full apply of v%s failed midway (%s)", self.directory, m.version, exc)
+            with contextlib.suppress(OSError, AsyncSyncError):
+                self._wipe()
+            raise ApplyFailed(
+                f"{self.directory}: moving v{m.version} into place failed ({exc}); the files "
+                "were removed, the receiver re-initialises from a keyframe"
+            ) from exc
+        logger.info("%s: committed full v%s (%d files)", self.directory, m.version, n)
+        return m.fingerprint
+
+    # -- abort / bump -------------------------------------------------------------------------
+    def _abort(self) -> None:
+        txn = self._txn
+        if txn is None:
+            return
+        if txn.mode == "delta":
+            self._rollback(txn)
+        else:
+            self._txn = None
+            self._store.clear_dir(self._store.staging_dir)
+        logger.info("%s: aborted v%s", self.directory, txn.manifest.version)
+
+    def _bump(self, manifest: Manifest) -> None:
+        if self._txn is not None:
+            raise ApplyFailed(f"{self.directory}: bump while v{self._txn.manifest.version} is open")
+        check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
+        if self._ps.checksum_algorithm == manifest.checksum_algorithm:
+            for e in manifest.tensors:
+                if self._ps.checksums.get(e.name, e.checksum) != e.checksum:
+                    raise ChecksumMismatch(
+                        f"zero-diff v{manifest.version} says tensor {e.name!r} is {e.checksum} "
+                        f"but v{self.state.version} holds {self._ps.checksums[e.name]}",
+                        tensor=e.name,
+                    )
+        self._set(
+            replace(
+                self._ps,
+                version=manifest.version,
+                run_id=manifest.run_id,
+                fingerprint=manifest.fingerprint,
+                checksum_algorithm=manifest.checksum_algorithm,
+                checksums={e.name: e.checksum for e in manifest.tensors} or self._ps.checksums,
+            )
+        )
+        self._write_index(manifest.version)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def verify_checkpoint(
+    directory: str | os.PathLike[str], manifest: Manifest, *, file_prefix: str = "model"
+) -> list[str]:
+    """Names of tensors whose bytes differ from ``manifest`` (missing, extra, other dtype/shape
+    or other checksum). An empty list means the directory holds the version bit for bit.
+    Read-only and lock-free: run it on a quiet checkpoint (e.g. ``asyncsync verify``)."""
+    ckpt = LocalCheckpoint(directory, file_prefix=file_prefix)
+    layout = ckpt._load_layout()
+    bad: list[str] = sorted(set(layout) - {e.name for e in manifest.tensors})
+    for e in manifest.tensors:
+        loc = layout.get(e.name)
+        if loc is None or loc.dtype != e.torch_dtype or loc.shape != e.shape:
+            bad.append(e.name)
+            continue
+        h = new_hasher(manifest.checksum_algorithm)
+        with open(ckpt.directory / loc.file, "rb") as f:
+            f.seek(loc.begin)
+            left = loc.nbytes
+            while left > 0:
+                chunk = f.read(min(left, 8 << 20))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+        if left or h.hexdigest() != e.checksum:
+            bad.append(e.name)
+    return bad

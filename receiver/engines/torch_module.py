@@ -1,0 +1,365 @@
+"""TorchModule: apply versions into a live ``torch.nn.Module`` in place (CPU or CUDA).
+
+The engine for a receiver that runs inside the inference process (or next to a model it can
+reach): parameters AND buffers, named by ``module.state_dict(keep_vars=True)``, are patched
+in place, so the module serves the new weights without a reload and without a second copy.
+
+* delta: each patch is applied to the int view of the tensor's storage (a contiguous copy is
+  patched and copied back when the tensor is not contiguous). Full: ``copy_`` of the new value.
+* Tied weights (one storage under two names) are applied once and verified under both names.
+* Before each write the old values are kept in an in-memory undo journal (positions and old
+  values for a sparse patch, the whole old tensor, on the CPU, for a dense patch or a full
+  copy). ``abort`` and a failed checksum in ``commit`` restore them, so the module is back at
+  the old version bit for bit.
+* The version is kept in memory. With ``state_dir`` it is also persisted there (with the lock
+  of :mod:`receiver.state`), for a module whose weights outlive the receiver; a state found
+  ``applying`` or whose checksums do not match the module at ``open`` is dropped (no version),
+  so the receiver re-initialises the module from a keyframe instead of trusting it.
+
+Work runs in ``asyncio.to_thread``; CUDA kernels are queued on the current stream and
+``commit`` synchronises through the checksum's device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from asyncsync.checksum import checksum_tensor
+from asyncsync.codec import Patch, apply_patch, int_view
+from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
+from asyncsync.format import Manifest, TensorEntry
+from receiver.engines.base import Engine, EngineState, TensorUpdate
+from receiver.state import PersistedState, StateStore, check_base, check_patch
+
+__all__ = ["TorchModule"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_AliasKey = tuple[Any, ...]
+
+
+def _alias_key(name: str, t: torch.Tensor) -> _AliasKey:
+    """Equal for two names that view the very same elements (tied weights)."""
+    if t.numel() == 0:
+        return ("empty", name)
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        t.dtype,
+        tuple(t.shape),
+        t.stride(),
+    )
+
+
+def _write_int(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+    """Run ``fn`` on the flat int view of ``t``'s bytes and make the change land in ``t``."""
+    if t.is_contiguous():
+        fn(int_view(t))
+    else:
+        work = t.contiguous()
+        fn(int_view(work))
+        t.copy_(work)
+
+
+def _restore(positions: torch.Tensor | None, old: torch.Tensor, flat: torch.Tensor) -> None:
+    """Write journaled old values back (idempotent)."""
+    if positions is None:
+        flat.copy_(old)
+    elif positions.numel():
+        flat.index_copy_(0, positions, old.to(flat.device))
+
+
+@dataclass
+class _Txn:
+    manifest: Manifest
+    mode: Literal["delta", "full"]
+    entries: dict[str, TensorEntry]
+    tensors: dict[str, torch.Tensor]
+    seen: set[str] = field(default_factory=set)
+    applied: set[_AliasKey] = field(default_factory=set)
+    # (name, positions or None for the whole tensor, old int values)
+    undo: list[tuple[str, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+
+
+class TorchModule(Engine):
+    """An engine over a live module's parameters and buffers (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        state_dir: str | os.PathLike[str] | None = None,
+        verify_on_open: bool = True,
+    ):
+        self.module = module
+        self.verify_on_open = verify_on_open
+        self._store = StateStore(state_dir) if state_dir is not None else None
+        self._ps = PersistedState()
+        self._txn: _Txn | None = None
+        self._mutex = threading.Lock()
+        self.state = EngineState()
+
+    def __repr__(self) -> str:
+        return f"<TorchModule {type(self.module).__name__} version={self.state.version}>"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer by state-dict name (detached views of the live storage)."""
+        return {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items()}
+
+    # -- public coroutines ----------------------------------------------------------------
+    async def open(self) -> EngineState:
+        return await self._run(self._open)
+
+    async def close(self) -> None:
+        if self._txn is not None:
+            await self.abort()
+        if self._store is not None:
+            self._store.close()
+
+    async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
+        await self._run(self._begin, manifest, mode)
+
+    async def apply(self, updates: list[TensorUpdate]) -> None:
+        await self._run(self._apply, updates)
+
+    async def commit(self) -> str:
+        return await self._run(self._commit)
+
+    async def abort(self) -> None:
+        await self._run(self._abort)
+
+    async def bump(self, manifest: Manifest) -> None:
+        await self._run(self._bump, manifest)
+
+    # -- plumbing -----------------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        def locked() -> _T:
+            with self._mutex, torch.no_grad():
+                return fn(*args)
+
+        try:
+            return await asyncio.to_thread(locked)
+        except AsyncSyncError:
+            raise
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ApplyFailed(f"{self!r}: {type(exc).__name__}: {exc}") from exc
+
+    def _set(self, ps: PersistedState) -> None:
+        self._ps = self._store.save(ps) if self._store is not None else ps
+        self.state = EngineState(ps.version, ps.run_id, ps.fingerprint)
+
+    def _need_txn(self) -> _Txn:
+        if self._txn is None:
+            raise ApplyFailed(f"{self!r}: apply/commit without begin")
+        return self._txn
+
+    # -- open -----------------------------------------------------------------------------------
+    def _open(self) -> EngineState:
+        if self._store is None or self._store.locked:
+            return self.state
+        ps = self._store.open()
+        try:
+            if ps is None:
+                ps = PersistedState()
+            elif ps.applying:
+                logger.warning(
+                    "%s: a previous process died applying v%s; the module's bytes are unknown, "
+                    "starting with no version",
+                    self._store.directory,
+                    ps.target_version,
+                )
+                ps = PersistedState()
+            elif ps.version is not None and self.verify_on_open and ps.checksum_algorithm:
+                bad = self._mismatches(ps)
+                if bad:
+                    logger.warning(
+                        "%s: the module does not hold v%s (%d tensors differ, e.g. %r); "
+                        "starting with no version",
+                        self._store.directory,
+                        ps.version,
+                        len(bad),
+                        bad[0],
+                    )
+                    ps = PersistedState()
+            self._set(ps)
+        except BaseException:
+            self._store.close()
+            raise
+        return self.state
+
+    def _mismatches(self, ps: PersistedState) -> list[str]:
+        tensors = self.tensors()
+        algo = ps.checksum_algorithm or "xxh3-128"
+        bad = sorted(set(ps.checksums) - set(tensors))
+        for name, want in ps.checksums.items():
+            if name in tensors and checksum_tensor(tensors[name], algo) != want:
+                bad.append(name)
+        return bad
+
+    # -- begin / apply --------------------------------------------------------------------------
+    def _begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
+        if self._store is not None and not self._store.locked:
+            raise ApplyFailed(f"{self!r}: begin before open")
+        if self._txn is not None:
+            raise ApplyFailed(
+                f"{self!r}: begin v{manifest.version} while v{self._txn.manifest.version} "
+                "is in progress; commit or abort it first"
+            )
+        if mode not in ("delta", "full"):
+            raise ApplyFailed(f"unknown apply mode {mode!r}")
+        if mode == "delta":
+            check_base(self.state.version, self.state.run_id, manifest, repr(self))
+        tensors = self.tensors()
+        entries = manifest.tensor_map()
+        for name, e in entries.items():
+            t = tensors.get(name)
+            if t is None:
+                raise ApplyFailed(f"tensor {name!r} of v{manifest.version} is not in the module")
+            if t.dtype != e.torch_dtype or tuple(t.shape) != e.shape:
+                raise ApplyFailed(
+                    f"tensor {name!r}: v{manifest.version} has {e.dtype}{list(e.shape)}, the "
+                    f"module has {t.dtype}{list(t.shape)}"
+                )
+        if mode == "full":
+            covered = {_alias_key(n, tensors[n]) for n in entries}
+            extra = [n for n, t in tensors.items() if _alias_key(n, t) not in covered]
+            if extra:
+                logger.warning(
+                    "%r: module tensors not in v%s are left as they are: %s",
+                    self,
+                    manifest.version,
+                    extra,
+                )
+        if self._store is not None:
+            self._set(self._ps.begin(manifest.version, mode))
+        self._txn = _Txn(manifest, mode, entries, tensors)
+
+    def _apply(self, updates: list[TensorUpdate]) -> None:
+        txn = self._need_txn()
+        for u in updates:
+            name = u.entry.name
+            entry = txn.entries.get(name)
+            if entry is None:
+                raise ApplyFailed(f"tensor {name!r} is not in v{txn.manifest.version}")
+            if name in txn.seen:
+                raise ApplyFailed(f"tensor {name!r} updated twice in v{txn.manifest.version}")
+            txn.seen.add(name)
+            t = txn.tensors[name]
+            key = _alias_key(name, t)
+            if key in txn.applied:  # a tied twin already took this data; commit verifies both
+                continue
+            if txn.mode == "delta":
+                if u.patch is None:
+                    raise ApplyFailed(f"tensor {name!r}: a delta needs a patch, not full data")
+                txn.applied.add(key)
+                _write_int(t, functools.partial(self._patch, txn, name, u.patch))
+            else:
+                new = u.full
+                if new is None:
+                    raise ApplyFailed(f"tensor {name!r}: full mode needs full data, not a patch")
+                if new.dtype != t.dtype or tuple(new.shape) != tuple(t.shape):
+                    raise ApplyFailed(
+                        f"tensor {name!r}: got {new.dtype}{list(new.shape)}, the module has "
+                        f"{t.dtype}{list(t.shape)}"
+                    )
+                txn.applied.add(key)
+                txn.undo.append((name, None, int_view(t).to("cpu", copy=True)))
+                t.copy_(new)
+
+    @staticmethod
+    def _patch(txn: _Txn, name: str, patch: Patch, flat: torch.Tensor) -> None:
+        """Validate, journal the old values, then patch ``flat`` in place."""
+        patch = check_patch(patch, flat, name)
+        if patch.positions is None:
+            txn.undo.append((name, None, flat.to("cpu", copy=True)))
+        else:
+            txn.undo.append((name, patch.positions, flat[patch.positions]))
+        apply_patch(flat, patch)
+
+    # -- commit / abort / bump ------------------------------------------------------------------
+    def _commit(self) -> str:
+        txn = self._need_txn()
+        m = txn.manifest
+        algo = m.checksum_algorithm
+        same_algo = self._ps.checksum_algorithm == algo
+        try:
+            if txn.mode == "full":
+                missing = [n for n in txn.entries if n not in txn.seen]
+                if missing:
+                    raise ApplyFailed(f"v{m.version}: tensors never arrived: {missing[:5]}")
+            for name, e in txn.entries.items():
+                if name in txn.seen or e.changed > 0 or txn.mode == "full":
+                    got = checksum_tensor(txn.tensors[name], algo)
+                elif same_algo:
+                    got = self._ps.checksums.get(name, e.checksum)
+                else:
+                    continue
+                if got != e.checksum:
+                    raise ChecksumMismatch(
+                        f"tensor {name!r} of v{m.version}: checksum {got} != {e.checksum}; "
+                        f"rolled back to v{self.state.version}",
+                        tensor=name,
+                    )
+            self._set(
+                replace(
+                    self._ps.clean(),
+                    version=m.version,
+                    run_id=m.run_id,
+                    fingerprint=m.fingerprint,
+                    checksum_algorithm=algo,
+                    checksums={e.name: e.checksum for e in m.tensors},
+                )
+            )
+        except BaseException:
+            self._rollback(txn)
+            raise
+        self._txn = None
+        logger.info("%r: committed %s v%s", self, txn.mode, m.version)
+        return m.fingerprint
+
+    def _rollback(self, txn: _Txn) -> None:
+        self._txn = None
+        for name, pos, old in reversed(txn.undo):
+            _write_int(txn.tensors[name], functools.partial(_restore, pos, old))
+        txn.undo.clear()
+        if self._store is not None and self._ps.applying:
+            self._set(self._ps.clean())
+
+    def _abort(self) -> None:
+        if self._txn is not None:
+            logger.info("%r: aborting v%s", self, self._txn.manifest.version)
+            self._rollback(self._txn)
+
+    def _bump(self, manifest: Manifest) -> None:
+        if self._txn is not None:
+            raise ApplyFailed(f"{self!r}: bump while v{self._txn.manifest.version} is open")
+        check_base(self.state.version, self.state.run_id, manifest, repr(self))
+        if self._ps.checksum_algorithm == manifest.checksum_algorithm:
+            for e in manifest.tensors:
+                if self._ps.checksums.get(e.name, e.checksum) != e.checksum:
+                    raise ChecksumMismatch(
+                        f"zero-diff v{manifest.version} says tensor {e.name!r} is {e.checksum} "
+                        f"but v{self.state.version} holds {self._ps.checksums[e.name]}",
+                        tensor=e.name,
+                    )
+        self._set(
+            replace(
+                self._ps,
+                version=manifest.version,
+                run_id=manifest.run_id,
+                fingerprint=manifest.fingerprint,
+                checksum_algorithm=manifest.checksum_algorithm,
+                checksums={e.name: e.checksum for e in manifest.tensors} or self._ps.checksums,
+            )
+        )

@@ -1,0 +1,67 @@
+"""Shared fixtures: small mixed-dtype state dicts and a way to change a fraction of their bytes."""
+
+from __future__ import annotations
+
+import torch
+
+ALL_DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bit patterns of ``dtype`` (NaNs included: we compare bytes, never values)."""
+    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+def mixed_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
+    """Every supported dtype, 0-d and empty tensors, dotted names, one non-contiguous tensor."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for i, dt in enumerate(ALL_DTYPES):
+        sd[f"model.layers.{i}.weight"] = random_tensor((64 * scale, 33), dt, g)
+    sd["model.scalar"] = random_tensor((), torch.float32, g)
+    sd["model.empty"] = random_tensor((0, 5), torch.bfloat16, g)
+    sd["model.step"] = torch.tensor(7, dtype=torch.int64)
+    sd["model.transposed.weight"] = random_tensor((40, 24), torch.bfloat16, g).t()
+    return sd
+
+
+def mutate(
+    sd: dict[str, torch.Tensor], density: float, seed: int, names: list[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """A copy of ``sd`` with about ``density`` of each tensor's elements given new random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in sd.items():
+        t = t.clone()
+        if (names is None or k in names) and t.numel():
+            flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+            mask = torch.rand(flat.numel(), generator=g) < density
+            repl = random_tensor((flat.numel(),), t.dtype, g)
+            flat[mask] = repl[mask]
+            t = flat.reshape(t.shape)
+        out[k] = t
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ua = a.contiguous().reshape(-1).view(torch.uint8)
+    ub = b.contiguous().reshape(-1).view(torch.uint8)
+    return bool(torch.equal(ua, ub))

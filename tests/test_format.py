@@ -1,0 +1,171 @@
+"""Manifest and ack records: round trip and rejection of malformed or unsafe input."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from asyncsync.errors import ManifestError
+from asyncsync.format import (
+    FORMAT_VERSION,
+    AckRecord,
+    DeltaRef,
+    FullRef,
+    Manifest,
+    ShardInfo,
+    TensorEntry,
+    Totals,
+    check_engine_id,
+    check_file_name,
+    fingerprint,
+    parse_version_dir,
+    version_dir_name,
+)
+
+H = "0123456789abcdef0123456789abcdef"
+
+
+def make_manifest(**over: Any) -> Manifest:
+    tensors = (
+        TensorEntry(
+            "a.weight", "bfloat16", (4, 5), H, 3, DeltaRef(0, "sparse", "t0.pos", "t0.val")
+        ),
+        TensorEntry("b", "int64", (), H, 0),
+    )
+    shards = (ShardInfo("delta-00000.safetensors", "delta", 100, H),)
+    fields: dict[str, Any] = dict(
+        version=5,
+        base_version=4,
+        kind="delta",
+        encoding="xef",
+        checksum_algorithm="xxh3-128",
+        run_id="abc",
+        shards=shards,
+        tensors=tensors,
+        totals=Totals(2, 21, 3, 3 / 21, 48, 100, 100, 80),
+        fingerprint=fingerprint(tensors, "xxh3-128"),
+        created_at=1.0,
+        committed_at=2.0,
+    )
+    fields.update(over)
+    return Manifest(**fields)
+
+
+def test_round_trip() -> None:
+    m = make_manifest()
+    m.validate()
+    back = Manifest.from_json(m.to_json())
+    assert back == m
+    assert back.tensor_map()["a.weight"].numel == 20
+    assert back.tensors[1].shape == ()
+
+
+def mutated(change: Any) -> str:
+    d = json.loads(make_manifest().to_json())
+    change(d)
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d.update(format_version=FORMAT_VERSION + 1),
+        lambda d: d.update(format="other"),
+        lambda d: d.update(version=-1),
+        lambda d: d.update(version=10**15),
+        lambda d: d.update(version="5"),
+        lambda d: d.update(version=True),
+        lambda d: d.update(base_version=2),
+        lambda d: d.update(kind="weird"),
+        lambda d: d.update(shards={}),
+        lambda d: d["shards"][0].update(file="../../etc/passwd"),
+        lambda d: d["shards"][0].update(file="/abs/path"),
+        lambda d: d["shards"][0].update(file=".hidden"),
+        lambda d: d["shards"][0].update(file="manifest.json"),
+        lambda d: d["shards"][0].update(bytes=-5),
+        lambda d: d["shards"][0].update(checksum="XYZ"),
+        lambda d: d["tensors"][0].update(dtype="complex64"),
+        lambda d: d["tensors"][0].update(shape=[-1, 5]),
+        lambda d: d["tensors"][0].update(shape=[2**40, 2**40]),
+        lambda d: d["tensors"][0].update(changed=10**6),
+        lambda d: d["tensors"][0]["delta"].update(shard=7),
+        lambda d: d["tensors"][0].update(delta=None),
+        lambda d: d["tensors"][1].update(name="a.weight"),
+        lambda d: d["totals"].update(changed=4),
+        lambda d: d["totals"].update(density=-1),
+        lambda d: d["totals"].update(wire_bytes=1),
+        lambda d: d.pop("fingerprint"),
+        lambda d: d.update(shard_dir="/elsewhere"),
+    ],
+)
+def test_rejects_bad_manifest(change: Any) -> None:
+    with pytest.raises(ManifestError):
+        Manifest.from_json(mutated(change))
+
+
+@pytest.mark.parametrize(
+    "text", [b"", b"{", b"[]", b"null", b"\xff\xfe", b'{"format": "asyncsync"}']
+)
+def test_rejects_garbage(text: bytes) -> None:
+    with pytest.raises(ManifestError):
+        Manifest.from_json(text)
+
+
+def test_full_version_rules() -> None:
+    t = (TensorEntry("w", "float32", (2,), H, 2, None, FullRef(0, "w")),)
+    shards = (ShardInfo("full-00000.safetensors", "full", 10, H),)
+    m = make_manifest(
+        kind="full",
+        base_version=None,
+        tensors=t,
+        shards=shards,
+        totals=Totals(1, 2, 2, 1.0, 8, 10, 0, 0),
+        fingerprint=fingerprint(t, "xxh3-128"),
+    )
+    assert Manifest.from_json(m.to_json()).is_keyframe
+    bad = json.loads(m.to_json())
+    bad["tensors"][0]["full"] = None
+    with pytest.raises(ManifestError, match="full data"):
+        Manifest.from_json(json.dumps(bad))
+
+
+def test_paths_and_names() -> None:
+    assert version_dir_name(42) == "v000000000042"
+    assert parse_version_dir("v000000000042") == 42
+    assert parse_version_dir("v42") is None
+    assert parse_version_dir(".tmp.v000000000042") is None
+    for bad in ["../x", "a/b", "", ".x", "x" * 300, "a\x00b"]:
+        with pytest.raises(ManifestError):
+            check_file_name(bad)
+    assert check_engine_id("node-1.gpu_0") == "node-1.gpu_0"
+    for bad in ["", "../e", "a/b", "-x", "x" * 200]:
+        with pytest.raises(ManifestError):
+            check_engine_id(bad)
+
+
+def test_ack_round_trip_and_rejection() -> None:
+    a = AckRecord("e1", 3, H, "run", 5.0, "host")
+    assert AckRecord.from_json(a.to_json()) == a
+    d = json.loads(a.to_json())
+    d["engine_id"] = "../evil"
+    with pytest.raises(ManifestError):
+        AckRecord.from_json(json.dumps(d))
+    d = json.loads(a.to_json())
+    d["version"] = -3
+    with pytest.raises(ManifestError):
+        AckRecord.from_json(json.dumps(d))
+
+
+def test_fingerprint_depends_on_every_field() -> None:
+    base = [TensorEntry("w", "float32", (2,), H, 0)]
+    fp = fingerprint(base, "xxh3-128")
+    assert fp == fingerprint(list(reversed(base)), "xxh3-128")
+    for other in [
+        TensorEntry("v", "float32", (2,), H, 0),
+        TensorEntry("w", "int32", (2,), H, 0),
+        TensorEntry("w", "float32", (1, 2), H, 0),
+        TensorEntry("w", "float32", (2,), H[::-1], 0),
+    ]:
+        assert fingerprint([other], "xxh3-128") != fp

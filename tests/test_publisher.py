@@ -1,0 +1,307 @@
+"""Publisher: what it commits, zero diff, keyframes, atomicity under injected failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from asyncsync import AckTimeout, ConfigError, LockHeld, Publisher, PublishError, fsio, shards
+from asyncsync import acks as acks_mod
+from asyncsync.format import MANIFEST_NAME
+from asyncsync.log import read_log
+from asyncsync.store import list_versions, read_manifest
+from tests.conftest import mixed_state, mutate
+
+
+def files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+async def test_seed_publish_and_format(tmp_path: Path) -> None:
+    sd0 = mixed_state(0)
+    async with Publisher(tmp_path, bucket_bytes=4096, keyframe_interval=0) as pub:
+        r0 = await pub.seed(sd0)
+        assert (r0.version, r0.kind, r0.base_version) == (0, "full", None)
+        sd1 = mutate(sd0, 0.05, seed=1)
+        r1 = await pub.publish(sd1)
+    assert (r1.version, r1.kind, r1.base_version) == (1, "delta", 0)
+    assert 0 < r1.changed < r1.total and r1.density == pytest.approx(r1.changed / r1.total)
+    assert r1.shards > 1  # small buckets: several shards
+    assert set(r1.seconds) >= {"encode", "write", "commit", "total"}
+    m0, m1 = read_manifest(tmp_path, 0), read_manifest(tmp_path, 1)
+    # full shards are plain safetensors checkpoints keyed by tensor name
+    full: dict[str, torch.Tensor] = {}
+    for s in m0.shards:
+        with safetensors.safe_open(str(tmp_path / "v000000000000" / s.file), "pt") as f:
+            full.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    for k, t in sd0.items():
+        assert (
+            torch.equal(full[k].view(torch.uint8), t.contiguous().view(torch.uint8))
+            if t.dim()
+            else True
+        )
+        assert full[k].dtype == t.dtype and full[k].shape == t.shape
+    # delta shards: uint8 blobs named in the manifest
+    for e in m1.tensors:
+        if e.delta is not None:
+            path = tmp_path / "v000000000001" / m1.shards[e.delta.shard].file
+            with safetensors.safe_open(str(path), "pt") as f:
+                assert f.get_tensor(e.delta.values).dtype == torch.uint8
+    assert [r["version"] for r in read_log(tmp_path)] == [0, 1]
+    assert m1.totals.wire_bytes == sum(s.bytes for s in m1.shards)
+    assert not [f for f in files_under(tmp_path) if ".tmp." in f]
+
+
+async def test_zero_diff_commits_a_version_without_shards(tmp_path: Path) -> None:
+    sd = mixed_state(0)
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        r = await pub.publish({k: v.clone() for k, v in sd.items()})
+    assert r.zero_diff and r.shards == 0 and r.wire_bytes == 0
+    m = read_manifest(tmp_path, 1)
+    assert m.kind == "delta" and m.shards == () and m.totals.changed == 0
+    assert m.fingerprint == read_manifest(tmp_path, 0).fingerprint
+    assert sorted(os.listdir(tmp_path / "v000000000001")) == [MANIFEST_NAME]
+
+
+async def test_keyframes_by_interval_and_request(tmp_path: Path) -> None:
+    sd = mixed_state(0)
+    async with Publisher(tmp_path, keyframe_interval=3) as pub:
+        await pub.seed(sd)
+        kinds = []
+        for i in range(1, 7):
+            sd = mutate(sd, 0.02, seed=i)
+            kinds.append((await pub.publish(sd, keyframe=(i == 5))).kind)
+    assert kinds == ["delta", "delta", "full", "delta", "full", "full"]
+    m3 = read_manifest(tmp_path, 3)
+    assert m3.base_version == 2 and m3.has_delta  # keyframes also carry the delta
+    assert {s.role for s in m3.shards} == {"delta", "full"}
+
+
+async def test_schema_change_publishes_full(tmp_path: Path) -> None:
+    sd = mixed_state(0)
+    async with Publisher(tmp_path) as pub:
+        await pub.seed(sd)
+        sd2 = dict(sd)
+        sd2["new.tensor"] = torch.ones(3)
+        r = await pub.publish(sd2)
+    assert r.kind == "full" and r.base_version is None
+
+
+async def test_one_publisher_per_root(tmp_path: Path) -> None:
+    async with Publisher(tmp_path):
+        with pytest.raises(LockHeld, match="another publisher"):
+            async with Publisher(tmp_path):
+                pass
+
+
+async def test_publish_needs_seed_and_validates(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        Publisher(tmp_path, encoding="nope")
+    with pytest.raises(ConfigError):
+        Publisher(tmp_path, bucket_bytes=0)
+    async with Publisher(tmp_path) as pub:
+        with pytest.raises(PublishError, match="seed"):
+            await pub.publish({"a": torch.ones(2)})
+        with pytest.raises(ConfigError, match="dtype"):
+            await pub.seed({"a": torch.ones(2, dtype=torch.complex64)})
+    assert list_versions(tmp_path) == []
+
+
+def _fail(*_a: object, **_k: object) -> None:
+    raise OSError(28, "No space left on device (injected)")
+
+
+@pytest.mark.parametrize("stage", ["encode", "write", "fsync", "hook", "manifest"])
+async def test_failure_at_each_stage_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    calls = {"n": 0}
+    hook_fails = {"on": False}
+
+    def hook(vdir: Path) -> None:
+        if hook_fails["on"]:
+            raise RuntimeError("hook failed (injected)")
+
+    async with Publisher(tmp_path, bucket_bytes=4096, pre_commit_hook=hook) as pub:
+        await pub.seed(sd0)
+        before = files_under(tmp_path)
+        with monkeypatch.context() as mp:
+            if stage == "encode":
+                mp.setattr("asyncsync.publisher.encode_bucket", _fail)
+            elif stage == "write":
+                real = fsio.atomic_write
+
+                def flaky(path: Path, data: bytes, **kw: object) -> int:
+                    calls["n"] += 1
+                    if calls["n"] == 2:  # the second shard of the version
+                        _fail()
+                    return real(path, data, **kw)  # type: ignore[arg-type]
+
+                mp.setattr("asyncsync.publisher.atomic_write", flaky)
+            elif stage == "fsync":
+                mp.setattr("asyncsync.publisher.fsync_dir", _fail)
+            elif stage == "hook":
+                hook_fails["on"] = True
+            else:
+                real_aw = fsio.atomic_write
+
+                def fail_manifest(path: Path, data: bytes, **kw: object) -> int:
+                    if path.name == MANIFEST_NAME:
+                        _fail()
+                    return real_aw(path, data, **kw)  # type: ignore[arg-type]
+
+                mp.setattr("asyncsync.publisher.atomic_write", fail_manifest)
+            with pytest.raises(PublishError, match="nothing was committed") as ei:
+                await pub.publish(sd1)
+            assert ei.value.__cause__ is not None
+        hook_fails["on"] = False
+        assert files_under(tmp_path) == before  # no manifest, no shard, no temp file
+        assert list_versions(tmp_path) == [0]
+        r = await pub.publish(sd1)  # the next publish works, against the unchanged snapshot
+        assert r.version == 1 and r.kind == "delta"
+    # the delta of v1 is relative to v0 exactly: its per-tensor checksums match sd1
+    from asyncsync.checksum import checksum_tensor
+
+    m1 = read_manifest(tmp_path, 1)
+    for e in m1.tensors:
+        assert e.checksum == checksum_tensor(sd1[e.name])
+
+
+async def test_cancelled_publish_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd0 = mixed_state(0, scale=4)
+    async with Publisher(tmp_path, bucket_bytes=2048) as pub:
+        await pub.seed(sd0)
+        real = shards.encode_bucket
+        started = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def slow(*a: object, **k: object) -> shards.EncodedBucket:
+            loop.call_soon_threadsafe(started.set)
+            import time
+
+            time.sleep(0.05)
+            return real(*a, **k)  # type: ignore[arg-type]
+
+        monkeypatch.setattr("asyncsync.publisher.encode_bucket", slow)
+        task = asyncio.create_task(pub.publish(mutate(sd0, 0.1, seed=2)))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert list_versions(tmp_path) == [0]
+        assert not (tmp_path / "v000000000001").exists()
+        monkeypatch.setattr("asyncsync.publisher.encode_bucket", real)
+        assert (await pub.publish(mutate(sd0, 0.1, seed=2))).version == 1
+
+
+async def test_leftovers_of_a_crashed_publisher_are_removed(tmp_path: Path) -> None:
+    async with Publisher(tmp_path) as pub:
+        await pub.seed(mixed_state(0))
+    (tmp_path / "v000000000001").mkdir()
+    (tmp_path / "v000000000001" / "delta-00000.safetensors").write_bytes(b"partial")
+    (tmp_path / ".tmp.log.jsonl.abc").write_bytes(b"x")
+    async with Publisher(tmp_path) as pub:
+        assert pub.version == 0
+        assert not (tmp_path / "v000000000001").exists()
+        assert not (tmp_path / ".tmp.log.jsonl.abc").exists()
+        with pytest.raises(PublishError, match="seed"):
+            await pub.publish(mixed_state(0))
+
+
+async def test_hooks_sync_and_async_see_durable_shards(tmp_path: Path) -> None:
+    seen: list[tuple[str, list[str]]] = []
+
+    def sync_hook(vdir: Path) -> None:
+        seen.append(("sync", sorted(os.listdir(vdir))))
+
+    async def async_hook(vdir: Path) -> None:
+        await asyncio.sleep(0)
+        seen.append(("async", sorted(os.listdir(vdir))))
+
+    sd = mixed_state(0)
+    async with Publisher(tmp_path / "a", pre_commit_hook=sync_hook) as pub:
+        await pub.seed(sd)
+    async with Publisher(tmp_path / "b", pre_commit_hook=async_hook) as pub:
+        await pub.seed(sd)
+    assert [s[0] for s in seen] == ["sync", "async"]
+    for _, files in seen:
+        assert (
+            MANIFEST_NAME not in files and files and all(f.endswith(".safetensors") for f in files)
+        )
+
+
+async def test_seed_registers_existing_checkpoint_without_rewriting(tmp_path: Path) -> None:
+    ckpt = tmp_path / "hf"
+    ckpt.mkdir()
+    sd = {k: v.contiguous() for k, v in mixed_state(0).items()}
+    names = list(sd)
+    safetensors.torch.save_file(
+        {k: sd[k] for k in names[:6]}, ckpt / "model-00001-of-00002.safetensors"
+    )
+    safetensors.torch.save_file(
+        {k: sd[k] for k in names[6:]}, ckpt / "model-00002-of-00002.safetensors"
+    )
+    mtimes = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        r0 = await pub.seed(ckpt)
+        assert r0.kind == "full" and r0.wire_bytes == 0
+        r1 = await pub.publish(mutate(sd, 0.05, seed=3))
+        assert r1.kind == "delta" and r1.changed > 0
+    m0 = read_manifest(root, 0)
+    assert m0.shard_dir == str(ckpt.resolve())
+    assert sorted(s.file for s in m0.shards) == sorted(mtimes)
+    assert os.listdir(root / "v000000000000") == [MANIFEST_NAME]
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == mtimes
+
+
+async def test_statistics_and_repr(tmp_path: Path) -> None:
+    sd = mixed_state(0)
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        await pub.publish(mutate(sd, 0.03, seed=1))
+        await pub.publish(mutate(sd, 0.03, seed=1))  # same as before: zero diff
+        st = pub.statistics()
+        assert (st.published, st.keyframes, st.zero_diff, st.last_version) == (3, 1, 1, 2)
+        assert st.last is not None and st.last.zero_diff
+        assert "version=2" in repr(pub)
+    log = read_log(tmp_path)
+    assert [r["kind"] for r in log] == ["full", "delta", "delta"]
+    assert json.loads((tmp_path / "asyncsync.json").read_text())["run_id"] == st.run_id
+
+
+async def test_wait_acked(tmp_path: Path) -> None:
+    async with Publisher(tmp_path) as pub:
+        r = await pub.seed(mixed_state(0))
+        acks_mod.write_ack(tmp_path, "e1", r.version, "ab" * 16, pub.run_id)
+        got = await pub.wait_acked(r.version, engines=["e1"], timeout=5)
+        assert got["e1"].version == 0
+        assert len(await pub.wait_acked(0, quorum=1, timeout=5)) == 1
+        with pytest.raises(AckTimeout) as ei:
+            await pub.wait_acked(0, engines=["e1", "e2"], timeout=0.2)
+        assert ei.value.behind == {"e2": None}
+        assert "e2 at no ack" in str(ei.value)
+        with pytest.raises(AckTimeout, match="e1 at 0"):
+            await pub.wait_acked(1, engines=["e1"], timeout=0.2)
+        with pytest.raises(ConfigError):
+            await pub.wait_acked(0)
+
+        async def late_ack() -> None:
+            await asyncio.sleep(0.2)
+            acks_mod.write_ack(tmp_path, "e2", 0, "ab" * 16, pub.run_id)
+
+        t = asyncio.create_task(late_ack())
+        assert set(await pub.wait_acked(0, engines=["e1", "e2"], timeout=5)) == {"e1", "e2"}
+        await t
