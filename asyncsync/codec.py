@@ -369,7 +369,7 @@ def _ef_decode(blob: bytes, n: int, numel: int) -> Int64Array:
     if len(payload) != low_len + high_len:
         raise FormatError(f"positions blob is {len(payload)} bytes, want {low_len + high_len}")
     buf = np.frombuffer(payload, np.uint8)
-    ones = np.flatnonzero(np.unpackbits(buf[low_len:], bitorder="little"))
+    ones = np.flatnonzero(np.unpackbits(buf[low_len:], bitorder="little").view(np.bool_))
     if ones.size != n:
         raise FormatError(f"Elias-Fano high bits hold {ones.size} positions, want {n}")
     idx: Int64Array = (ones - np.arange(n)) << low_bits

@@ -12,7 +12,7 @@
     │   └── OutOfOrder                  a delta whose base is not the engine's version
     ├── PublishError                    a publish failed; nothing was committed, the next one works
     ├── LockHeld                        another live process owns the root or the engine
-    ├── ApplyFailed                     an engine could not take a version; it keeps its last good
+    ├── ApplyFailed                     an engine refused a version, keeps its last good one
     │   └── EngineStateError            an engine's persisted state is unreadable or inconsistent
     └── AckTimeout (TimeoutError)       engines did not acknowledge in time; names who is behind
 
@@ -21,6 +21,8 @@ Foreign errors (OSError, json, safetensors) are translated at the boundary with
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "AckTimeout",
@@ -106,3 +108,14 @@ class AckTimeout(AsyncSyncError, TimeoutError):
         super().__init__(message)
         self.version = version
         self.behind = behind
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The first leaf of an exception group (what a TaskGroup raises), or ``exc`` itself.
+
+    Our pipelines fail fast on the first error of a stage; callers want that error, not a group.
+    """
+    while isinstance(exc, BaseExceptionGroup):
+        group: BaseExceptionGroup[Any] = exc
+        exc = group.exceptions[0]
+    return exc

@@ -38,7 +38,7 @@ import torch
 
 from asyncsync import acks, codec
 from asyncsync.checksum import DEFAULT_ALGORITHM, checksum_file, checksum_tensor, new_hasher
-from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError
+from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError, first_error
 from asyncsync.format import (
     DTYPES,
     MANIFEST_NAME,
@@ -408,8 +408,7 @@ class Publisher:
             await asyncio.to_thread(atomic_write, vdir / MANIFEST_NAME, manifest.to_json().encode())
         except BaseException as exc:
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
-            if isinstance(exc, BaseExceptionGroup):
-                exc = _first_leaf(exc)
+            exc = first_error(exc)
             if not isinstance(exc, Exception):
                 raise
             if isinstance(exc, ConfigError):
@@ -697,13 +696,6 @@ def _checksum_blob(blob: bytes, algorithm: str) -> str:
     h = new_hasher(algorithm)
     h.update(blob)
     return h.hexdigest()
-
-
-def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _checkpoint_files(path: Path) -> list[str]:

@@ -39,6 +39,7 @@ from asyncsync.errors import (
     FormatError,
     IncompleteVersion,
     ManifestError,
+    first_error,
 )
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, manifest_path, version_dir
 from asyncsync.fsio import read_bytes
@@ -325,9 +326,12 @@ class ReceiverAgent:
             while (updates := await queue.get()) is not None:
                 await self.engine.apply(updates)
 
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(fetch())
-            tg.create_task(apply())
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(fetch())
+                tg.create_task(apply())
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
 
     async def _fetch_shard(
         self, m: Manifest, mode: Mode, idx: int, shard: ShardInfo

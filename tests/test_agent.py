@@ -1,0 +1,208 @@
+"""Receiver agent: apply in order, zero diff, catch-up, refusal of corrupt data, several engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync import ChainError, ChecksumMismatch, FormatError, IncompleteVersion, Publisher
+from asyncsync.acks import read_acks
+from asyncsync.checksum import checksum_bytes
+from asyncsync.store import read_manifest
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.torch_module import TorchModule
+from tests.conftest import mixed_state, mutate, same_bytes
+
+
+class Holder(torch.nn.Module):
+    """A module whose parameters/buffers are exactly the tensors of a state dict."""
+
+    def __init__(self, sd: dict[str, torch.Tensor]):
+        super().__init__()
+        for i, (k, v) in enumerate(sd.items()):
+            self.register_buffer(f"b{i}", torch.zeros_like(v.contiguous()))
+        self._names = list(sd)
+
+    def state_dict(self, *a, **k):  # type: ignore[no-untyped-def,override]
+        return {n: getattr(self, f"b{i}") for i, n in enumerate(self._names)}
+
+
+def assert_holds(sd_engine: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> None:
+    assert set(sd_engine) == set(sd)
+    for k, v in sd.items():
+        assert same_bytes(sd_engine[k], v.contiguous()), k
+
+
+async def publish_chain(root: Path, n: int, **kw: object) -> list[dict[str, torch.Tensor]]:
+    """Seed plus n versions; returns the state dict of every version."""
+    states = [mixed_state(0)]
+    async with Publisher(root, bucket_bytes=8192, **kw) as pub:  # type: ignore[arg-type]
+        await pub.seed(states[0])
+        for i in range(1, n + 1):
+            states.append(mutate(states[-1], 0.03, seed=i))
+            await pub.publish(states[-1])
+    return states
+
+
+async def test_local_checkpoint_follows_every_version(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    states = [mixed_state(0)]
+    async with Publisher(root, bucket_bytes=8192, keyframe_interval=3) as pub:
+        await pub.seed(states[0])
+        agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "ckpt"), "e1", use_inotify=False)
+        async with agent:
+            assert await agent.sync_once() == 0
+            for i in range(1, 7):
+                sd = states[-1] if i == 4 else mutate(states[-1], 0.03, seed=i)  # v4: zero diff
+                states.append(sd)
+                r = await pub.publish(sd)
+                assert await agent.sync_once() == r.version
+                acks = await pub.wait_acked(r.version, engines=["e1"], timeout=5)
+                assert acks["e1"].fingerprint == read_manifest(root, r.version).fingerprint
+                assert_holds(agent.engine.load_state_dict(), sd)  # type: ignore[attr-defined]
+            st = agent.status()
+            assert (st.version, st.lag, st.failures) == (6, 0, 0)
+            assert "version=6" in repr(agent)
+
+
+async def test_torch_module_catch_up_replays_the_chain(tmp_path: Path) -> None:
+    states = await publish_chain(tmp_path, 5, keyframe_interval=0)
+    mod = Holder(states[0])
+    async with ReceiverAgent(tmp_path, TorchModule(mod), "m1", use_inotify=False) as agent:
+        assert await agent.sync_once() == 5
+        assert agent.status().applied == 6  # the keyframe v0 then five deltas
+    assert_holds(mod.state_dict(), states[5])
+    assert read_acks(tmp_path)["m1"].version == 5
+
+
+async def test_missing_version_restarts_from_newest_keyframe(tmp_path: Path) -> None:
+    states = await publish_chain(tmp_path, 8, keyframe_interval=4)
+    ckpt = LocalCheckpoint(tmp_path / "ckpt")
+    async with ReceiverAgent(tmp_path / "x", ckpt, "e", use_inotify=False):
+        pass  # engine exists, empty
+    agent = ReceiverAgent(tmp_path, LocalCheckpoint(tmp_path / "ckpt"), "e", use_inotify=False)
+    async with agent:
+        # hold version 2 first
+        for v in (3, 4, 5, 6, 7, 8):
+            shutil.move(tmp_path / f"v{v:012d}", tmp_path / f"hidden{v}")
+        assert await agent.sync_once() == 2
+        for v in (4, 5, 6, 7, 8):
+            shutil.move(tmp_path / f"hidden{v}", tmp_path / f"v{v:012d}")
+        # version 3 is gone (retention): catch up from keyframe 8 (newest at or below target)
+        assert await agent.sync_once() == 8
+        assert_holds(agent.engine.load_state_dict(), states[8])  # type: ignore[attr-defined]
+
+
+async def test_empty_engine_with_no_keyframe_is_a_chain_error(tmp_path: Path) -> None:
+    await publish_chain(tmp_path, 3, keyframe_interval=0)
+    shutil.rmtree(tmp_path / "v000000000000")
+    async with ReceiverAgent(tmp_path, LocalCheckpoint(tmp_path / "c"), "e", use_inotify=False) as a:
+        with pytest.raises(ChainError, match="no keyframe"):
+            await a.sync_once()
+        assert a.version is None
+
+
+def delta_shard(root: Path, version: int) -> Path:
+    m = read_manifest(root, version)
+    s = next(s for s in m.shards if s.role == "delta")
+    return root / f"v{version:012d}" / s.file
+
+
+async def test_flipped_byte_is_refused_and_engine_keeps_last_good(tmp_path: Path) -> None:
+    states = await publish_chain(tmp_path, 3, keyframe_interval=0)
+    agent = ReceiverAgent(
+        tmp_path, LocalCheckpoint(tmp_path / "ckpt"), "e1", use_inotify=False, verify_deadline=0.2
+    )
+    async with agent:
+        shard = delta_shard(tmp_path, 2)
+        good = shard.read_bytes()
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 0x10
+        shard.write_bytes(bytes(bad))
+        with pytest.raises(ChecksumMismatch) as ei:
+            await agent.sync_once()
+        assert ei.value.path == str(shard) and shard.name in str(ei.value)
+        assert agent.version == 1
+        assert_holds(agent.engine.load_state_dict(), states[1])  # type: ignore[attr-defined]
+        assert read_acks(tmp_path)["e1"].version == 1
+        assert agent.status().last_error is not None
+        shard.write_bytes(good)  # repaired (or fully visible now): the next sync goes through
+        assert await agent.sync_once() == 3
+        assert_holds(agent.engine.load_state_dict(), states[3])  # type: ignore[attr-defined]
+
+
+async def test_truncated_or_missing_shard_refused(tmp_path: Path) -> None:
+    await publish_chain(tmp_path, 3, keyframe_interval=0)
+    hidden = tmp_path / "hidden"
+    shutil.move(tmp_path / "v000000000003", hidden)
+    agent = ReceiverAgent(
+        tmp_path, TorchModule(Holder(mixed_state(0))), "m", use_inotify=False, verify_deadline=0.1
+    )
+    async with agent:
+        assert await agent.sync_once() == 2
+        shutil.move(hidden, tmp_path / "v000000000003")
+        s3 = delta_shard(tmp_path, 3)
+        s3.write_bytes(s3.read_bytes()[:-7])
+        with pytest.raises(IncompleteVersion, match="bytes"):
+            await agent.sync_once()
+        assert agent.version == 2
+        s3.unlink()
+        with pytest.raises(IncompleteVersion, match="missing"):
+            await agent.sync_once()
+        assert agent.version == 2
+
+
+async def test_shard_from_another_version_is_refused(tmp_path: Path) -> None:
+    await publish_chain(tmp_path, 3, keyframe_interval=0)
+    # Put v2's shard in place of v3's, and make v3's manifest agree on size and checksum:
+    # only the shard's own metadata tells the truth.
+    s2, s3 = delta_shard(tmp_path, 2), delta_shard(tmp_path, 3)
+    shutil.copy(s2, s3)
+    mpath = tmp_path / "v000000000003" / "manifest.json"
+    d = json.loads(mpath.read_text())
+    for s in d["shards"]:
+        if s["file"] == s3.name:
+            s["bytes"] = s3.stat().st_size
+            s["checksum"] = checksum_bytes(s3.read_bytes())
+    d["totals"]["wire_bytes"] = sum(s["bytes"] for s in d["shards"])
+    d["totals"]["delta_bytes"] = d["totals"]["wire_bytes"]
+    mpath.write_text(json.dumps(d))
+    agent = ReceiverAgent(tmp_path, LocalCheckpoint(tmp_path / "c"), "e", use_inotify=False)
+    async with agent:
+        with pytest.raises(FormatError, match="another version"):
+            await agent.sync_once()
+        assert agent.version == 2
+
+
+async def test_two_receivers_follow_a_live_publisher(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    stop = asyncio.Event()
+    agents = [
+        ReceiverAgent(root, LocalCheckpoint(tmp_path / "c1"), "e1", poll_interval=0.05),
+        ReceiverAgent(root, TorchModule(Holder(mixed_state(0))), "e2", poll_interval=0.05,
+                      use_inotify=False),
+    ]
+    sd = mixed_state(0)
+    async with asyncio.TaskGroup() as tg:
+        for a in agents:
+            tg.create_task(a.run(stop=stop))
+        async with Publisher(root, bucket_bytes=8192, keyframe_interval=4) as pub:
+            await pub.seed(sd)
+            for i in range(1, 9):
+                sd = mutate(sd, 0.02, seed=i)
+                r = await pub.publish(sd)
+                if i % 3 == 0:  # let the receivers fall behind sometimes
+                    await pub.wait_acked(r.version, engines=["e1", "e2"], timeout=20)
+            await pub.wait_acked(8, engines=["e1", "e2"], timeout=20)
+        stop.set()
+    assert_holds(agents[0].engine.load_state_dict(), sd)  # type: ignore[attr-defined]
+    assert_holds(agents[1].engine.module.state_dict(), sd)  # type: ignore[attr-defined]
+    for a in agents:
+        await a.close()

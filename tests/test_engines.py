@@ -1,0 +1,556 @@
+"""Engines: LocalCheckpoint and TorchModule take full and delta versions bit-exactly, refuse
+what does not fit, roll back on checksum mismatch or abort, and recover after a crash."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import safetensors.torch
+import torch
+
+import receiver.engines.checkpoint as ckpt_mod
+from asyncsync.checksum import checksum_tensor
+from asyncsync.codec import Patch, int_view
+from asyncsync.errors import (
+    ApplyFailed,
+    ChecksumMismatch,
+    EngineStateError,
+    LockHeld,
+    OutOfOrder,
+)
+from asyncsync.format import (
+    DeltaRef,
+    FullRef,
+    Manifest,
+    ShardInfo,
+    TensorEntry,
+    Totals,
+    fingerprint,
+)
+from receiver.engines import TensorUpdate
+from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+from receiver.engines.torch_module import TorchModule
+from tests.conftest import mixed_state, mutate, same_bytes
+
+ALGO = "xxh3-128"
+REPO = Path(__file__).resolve().parents[1]
+Op = Literal["set", "xor"]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def changed_count(old: torch.Tensor, new: torch.Tensor) -> int:
+    return int((int_view(old) != int_view(new)).sum()) if old.numel() else 0
+
+
+def build_manifest(
+    sd: dict[str, torch.Tensor],
+    version: int,
+    *,
+    base: dict[str, torch.Tensor] | None = None,
+    run_id: str = "run-a",
+    bad_checksum: str | None = None,
+) -> Manifest:
+    """A valid manifest for ``sd``: full (keyframe) without ``base``, else a delta on it."""
+    kind: Literal["full", "delta"] = "full" if base is None else "delta"
+    entries = []
+    for i, (name, t) in enumerate(sd.items()):
+        changed = t.numel() if base is None else changed_count(base[name], t)
+        checksum = checksum_tensor(t, ALGO)
+        if name == bad_checksum:
+            checksum = "0" * 32
+        entries.append(
+            TensorEntry(
+                name=name,
+                dtype=str(t.dtype).removeprefix("torch."),
+                shape=tuple(t.shape),
+                checksum=checksum,
+                changed=changed,
+                delta=DeltaRef(0, "sparse", f"t{i}.pos", f"t{i}.val")
+                if base is not None and changed
+                else None,
+                full=FullRef(0, name) if base is None else None,
+            )
+        )
+    elements = sum(e.numel for e in entries)
+    changed_total = sum(e.changed for e in entries)
+    m = Manifest(
+        version=version,
+        base_version=None if base is None else version - 1,
+        kind=kind,
+        encoding="raw",
+        checksum_algorithm=ALGO,
+        run_id=run_id,
+        shards=(ShardInfo(f"{kind}-00000.safetensors", kind, 0, "0" * 32),),
+        tensors=tuple(entries),
+        totals=Totals(
+            tensors=len(entries),
+            elements=elements,
+            changed=changed_total,
+            density=changed_total / elements if elements else 0.0,
+            model_bytes=sum(e.nbytes for e in entries),
+            wire_bytes=0,
+            delta_bytes=0,
+            raw_bytes=0,
+        ),
+        fingerprint=fingerprint(entries, ALGO),
+        created_at=1.0,
+        committed_at=2.0,
+    )
+    m.validate()
+    return m
+
+
+def make_patch(old: torch.Tensor, new: torch.Tensor, op: Op, dense: bool) -> Patch:
+    o, n = int_view(old), int_view(new)
+    if dense:
+        return Patch(op, None, n.clone() if op == "set" else o ^ n)
+    pos = torch.nonzero(o != n).reshape(-1)
+    return Patch(op, pos, n[pos].clone() if op == "set" else o[pos] ^ n[pos])
+
+
+def full_batches(m: Manifest, sd: dict[str, torch.Tensor], n: int = 2) -> list[list[TensorUpdate]]:
+    ups = [TensorUpdate(e, full=sd[e.name]) for e in m.tensors]
+    return [ups[i::n] for i in range(n) if ups[i::n]]
+
+
+def delta_batches(
+    m: Manifest,
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    op: Op = "set",
+    dense: bool = False,
+    n: int = 2,
+) -> list[list[TensorUpdate]]:
+    ups = [
+        TensorUpdate(e, patch=make_patch(old[e.name], new[e.name], op, dense))
+        for e in m.tensors
+        if e.changed
+    ]
+    return [ups[i::n] for i in range(n) if ups[i::n]]
+
+
+async def apply_version(
+    engine: LocalCheckpoint | TorchModule,
+    m: Manifest,
+    batches: list[list[TensorUpdate]],
+    mode: Literal["delta", "full"],
+) -> str:
+    await engine.begin(m, mode)
+    for b in batches:
+        await engine.apply(b)
+    return await engine.commit()
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(sorted(got)) == list(sorted(want))
+    for k in want:
+        assert same_bytes(got[k], want[k]), k
+
+
+async def init_checkpoint(path: Path, sd: dict[str, torch.Tensor]) -> LocalCheckpoint:
+    ck = LocalCheckpoint(path)
+    assert (await ck.open()).version is None
+    m0 = build_manifest(sd, 0)
+    assert await apply_version(ck, m0, full_batches(m0, sd), "full") == m0.fingerprint
+    return ck
+
+
+# --------------------------------------------------------------------------- LocalCheckpoint
+
+
+async def test_full_init_is_a_plain_hf_checkpoint(tmp_path: Path) -> None:
+    sd = mixed_state(0)
+    ck = await init_checkpoint(tmp_path / "ck", sd)
+    assert ck.state.version == 0 and ck.state.run_id == "run-a"
+    index = json.loads((tmp_path / "ck" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["asyncsync_version"] == 0
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sd.values())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    loaded: dict[str, torch.Tensor] = {}
+    for f in files:
+        loaded.update(safetensors.torch.load_file(tmp_path / "ck" / f))
+    assert_same(loaded, sd)
+    assert_same(ck.load_state_dict(), sd)
+    assert sorted(ck.tensor_names()) == sorted(sd)
+    assert verify_checkpoint(tmp_path / "ck", build_manifest(sd, 0)) == []
+    await ck.close()
+    # reopen: state persisted, clean
+    ck2 = LocalCheckpoint(tmp_path / "ck")
+    assert (await ck2.open()).version == 0
+    state = json.loads((tmp_path / "ck" / ".asyncsync" / "state.json").read_text())
+    assert state["status"] == "clean" and set(state["checksums"]) == set(sd)
+    await ck2.close()
+
+
+@pytest.mark.parametrize(
+    ("op", "dense"), [("set", False), ("xor", False), ("set", True), ("xor", True)]
+)
+async def test_delta_bit_exact(tmp_path: Path, op: Op, dense: bool) -> None:
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1, op, dense), "delta")
+    assert ck.state.version == 1
+    assert_same(ck.load_state_dict(), sd1)
+    assert verify_checkpoint(tmp_path, m1) == []
+    assert verify_checkpoint(tmp_path, build_manifest(sd0, 0)) != []
+    assert list((tmp_path / ".asyncsync" / "journal").iterdir()) == []
+    # a second delta on top, then reopen
+    sd2 = mutate(sd1, 0.01, seed=2)
+    m2 = build_manifest(sd2, 2, base=sd1)
+    await apply_version(ck, m2, delta_batches(m2, sd1, sd2, op, dense), "delta")
+    await ck.close()
+    ck = LocalCheckpoint(tmp_path)
+    assert (await ck.open()).version == 2
+    assert_same(ck.load_state_dict(), sd2)
+    assert (
+        json.loads((tmp_path / "model.safetensors.index.json").read_text())["metadata"][
+            "asyncsync_version"
+        ]
+        == 2
+    )
+    await ck.close()
+
+
+async def test_checksum_mismatch_rolls_back(tmp_path: Path) -> None:
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    name = "model.layers.2.weight"
+    bad = build_manifest(sd1, 1, base=sd0, bad_checksum=name)
+    with pytest.raises(ChecksumMismatch) as ei:
+        await apply_version(ck, bad, delta_batches(bad, sd0, sd1), "delta")
+    assert ei.value.tensor == name and ei.value.path and ei.value.path.endswith(".safetensors")
+    assert ck.state.version == 0
+    assert_same(ck.load_state_dict(), sd0)
+    state = json.loads((tmp_path / ".asyncsync" / "state.json").read_text())
+    assert (state["status"], state["version"]) == ("clean", 0)
+    # the engine is usable afterwards
+    good = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, good, delta_batches(good, sd0, sd1), "delta")
+    assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
+
+
+async def test_abort_restores_and_refusals(tmp_path: Path) -> None:
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.3, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await ck.begin(m1, "delta")
+    for b in delta_batches(m1, sd0, sd1, "xor"):
+        await ck.apply(b)
+    with pytest.raises(ApplyFailed, match="updated twice"):
+        await ck.apply(delta_batches(m1, sd0, sd1, "xor", n=1)[0][:1])
+    await ck.abort()
+    assert ck.state.version == 0
+    assert_same(ck.load_state_dict(), sd0)
+    # full abort leaves the old files and an empty staging dir
+    await ck.begin(build_manifest(sd1, 1), "full")
+    await ck.apply(full_batches(build_manifest(sd1, 1), sd1)[0])
+    await ck.abort()
+    assert list((tmp_path / ".asyncsync" / "staging").iterdir()) == []
+    assert_same(ck.load_state_dict(), sd0)
+    # out of order, other run, unknown tensor, other shape: refused before anything changes
+    with pytest.raises(OutOfOrder):
+        await ck.begin(build_manifest(mutate(sd1, 0.1, 3), 2, base=sd1), "delta")
+    with pytest.raises(OutOfOrder, match="run"):
+        await ck.begin(build_manifest(sd1, 1, base=sd0, run_id="run-b"), "delta")
+    with pytest.raises(ApplyFailed, match="not in the checkpoint"):
+        await ck.begin(
+            build_manifest(
+                {**sd1, "extra": torch.zeros(2)}, 1, base={**sd0, "extra": torch.zeros(2)}
+            ),
+            "delta",
+        )
+    reshaped = {**sd0, "model.scalar": torch.zeros(2)}
+    with pytest.raises(ApplyFailed, match=r"model\.scalar"):
+        await ck.begin(build_manifest(reshaped, 1, base=reshaped), "delta")
+    assert ck.state.version == 0
+    assert_same(ck.load_state_dict(), sd0)
+    await ck.close()
+
+
+async def test_bump_and_empty_engine(tmp_path: Path) -> None:
+    sd0 = mixed_state(0)
+    empty = LocalCheckpoint(tmp_path / "e")
+    await empty.open()
+    with pytest.raises(OutOfOrder):
+        await empty.bump(build_manifest(sd0, 1, base=sd0))
+    await empty.close()
+    ck = await init_checkpoint(tmp_path / "c", sd0)
+    m1 = build_manifest(sd0, 1, base=sd0)
+    await ck.bump(m1)
+    assert ck.state == type(ck.state)(1, "run-a", m1.fingerprint)
+    with pytest.raises(OutOfOrder):
+        await ck.bump(m1)
+    await ck.close()
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version == 1
+    assert_same(ck.load_state_dict(), sd0)
+    await ck.close()
+
+
+async def test_full_replaces_and_checks(tmp_path: Path) -> None:
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = {k: v for k, v in mutate(sd0, 0.5, seed=1).items() if k != "model.scalar"}
+    sd1["new.tensor"] = torch.arange(6, dtype=torch.int32)
+    bad = build_manifest(sd1, 1, bad_checksum="new.tensor")
+    with pytest.raises(ChecksumMismatch) as ei:
+        await apply_version(ck, bad, full_batches(bad, sd1), "full")
+    assert ei.value.tensor == "new.tensor"
+    assert_same(ck.load_state_dict(), sd0)
+    m1 = build_manifest(sd1, 1)
+    await ck.begin(m1, "full")
+    await ck.apply(full_batches(m1, sd1)[0])
+    with pytest.raises(ApplyFailed, match="never arrived"):
+        await ck.commit()
+    assert ck.state.version == 0
+    await apply_version(ck, m1, full_batches(m1, sd1, n=3), "full")
+    assert_same(ck.load_state_dict(), sd1)
+    names = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert names == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    await ck.close()
+
+
+async def test_lock_and_foreign_dirs(tmp_path: Path) -> None:
+    ck = await init_checkpoint(tmp_path / "c", {"w": torch.ones(3)})
+    other = LocalCheckpoint(tmp_path / "c")
+    with pytest.raises(LockHeld, match=str(os.getpid())):
+        await other.open()
+    await ck.close()
+    assert (await other.open()).version == 0
+    await other.close()
+    foreign = tmp_path / "f"
+    foreign.mkdir()
+    safetensors.torch.save_file({"w": torch.ones(2)}, foreign / "model.safetensors")
+    with pytest.raises(EngineStateError, match="empty directory"):
+        await LocalCheckpoint(foreign).open()
+    assert not (foreign / ".asyncsync").exists()
+    (tmp_path / "c" / ".asyncsync" / "state.json").write_text("{not json")
+    with pytest.raises(EngineStateError, match="remove"):
+        await LocalCheckpoint(tmp_path / "c").open()
+
+
+_CHILD = r"""
+import asyncio, os, sys, torch
+import receiver.engines.checkpoint as ck
+data = torch.load(sys.argv[2], weights_only=False)
+mode = sys.argv[3]
+n = [0]
+if mode == "delta":
+    real_patch = ck.apply_patch
+    def dying_patch(flat, patch):
+        n[0] += 1
+        if n[0] > 3:
+            os._exit(17)
+        real_patch(flat, patch)
+    ck.apply_patch = dying_patch
+else:
+    real_replace = os.replace
+    def dying_replace(a, b):
+        if "staging" in str(a):
+            n[0] += 1
+            if n[0] == 2:
+                os._exit(17)
+        real_replace(a, b)
+    ck.os.replace = dying_replace
+async def main():
+    e = ck.LocalCheckpoint(sys.argv[1])
+    await e.open()
+    await e.begin(data["manifest"], mode)
+    for batch in data["batches"]:
+        await e.apply(batch)
+    await e.commit()
+asyncio.run(main())
+"""
+
+
+def run_crashing_child(
+    tmp_path: Path, ckdir: Path, m: Manifest, batches: object, mode: str
+) -> None:
+    payload = tmp_path / "payload.pt"
+    torch.save({"manifest": m, "batches": batches}, payload)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(ckdir), str(payload), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 17, proc.stderr
+
+
+async def test_crash_during_delta_recovers_old_bytes(tmp_path: Path) -> None:
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path / "c", sd0)
+    await ck.close()
+    sd1 = mutate(sd0, 0.2, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    run_crashing_child(tmp_path, tmp_path / "c", m1, delta_batches(m1, sd0, sd1, "xor"), "delta")
+    state = json.loads((tmp_path / "c" / ".asyncsync" / "state.json").read_text())
+    assert (state["status"], state["target_version"]) == ("applying", 1)
+    assert verify_checkpoint(tmp_path / "c", build_manifest(sd0, 0)) != []  # half-patched
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version == 0
+    assert_same(ck.load_state_dict(), sd0)
+    assert list((tmp_path / "c" / ".asyncsync" / "journal").iterdir()) == []
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
+
+
+async def test_crash_during_full_leaves_empty_engine(tmp_path: Path) -> None:
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path / "c", sd0)
+    await ck.close()
+    sd1 = mutate(sd0, 0.5, seed=1)
+    m1 = build_manifest(sd1, 1)
+    run_crashing_child(tmp_path, tmp_path / "c", m1, full_batches(m1, sd1, 3), "full")
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version is None
+    assert list((tmp_path / "c").glob("*.safetensors*")) == []
+    assert list((tmp_path / "c" / ".asyncsync" / "staging").iterdir()) == []
+    await apply_version(ck, m1, full_batches(m1, sd1), "full")
+    assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
+
+
+async def test_in_process_crash_then_reopen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.1, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    real = ckpt_mod.apply_patch
+    calls = [0]
+
+    def flaky(flat: torch.Tensor, patch: Patch) -> None:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("injected")
+        real(flat, patch)
+
+    monkeypatch.setattr(ckpt_mod, "apply_patch", flaky)
+    await ck.begin(m1, "delta")
+    with pytest.raises(ApplyFailed, match="injected"):
+        for b in delta_batches(m1, sd0, sd1, dense=True):
+            await ck.apply(b)
+    # "die": drop the object without abort, releasing what the kernel would release
+    assert ck._txn is not None and ck._txn.maps is not None
+    ck._txn.maps.close()
+    ck._store.close()
+    del ck
+    ck = LocalCheckpoint(tmp_path)
+    assert (await ck.open()).version == 0
+    assert_same(ck.load_state_dict(), sd0)
+    await ck.close()
+
+
+# --------------------------------------------------------------------------- TorchModule
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.proj = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.t = torch.nn.Parameter(torch.randn(6, 5).t())  # not contiguous
+        self.register_buffer("steps", torch.tensor(3, dtype=torch.int64))
+        self.register_buffer("mask", torch.ones(7, dtype=torch.bool))
+
+
+def module_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in Tiny().state_dict().items():
+        raw = torch.randint(0, 256, (v.numel() * v.element_size(),), dtype=torch.uint8, generator=g)
+        out[k] = (raw & 1 if v.dtype == torch.bool else raw).view(v.dtype).reshape(v.shape)
+    out["head.weight"] = out["emb.weight"]
+    return out
+
+
+def module_tensors(mod: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in mod.state_dict().items()}
+
+
+@pytest.mark.parametrize(("op", "dense"), [("set", False), ("xor", True)])
+async def test_torch_module_full_and_delta(tmp_path: Path, op: Op, dense: bool) -> None:
+    mod = Tiny()
+    eng = TorchModule(mod)
+    await eng.open()
+    sd0 = module_state(0)
+    m0 = build_manifest(sd0, 0)
+    await apply_version(eng, m0, full_batches(m0, sd0), "full")
+    assert_same(module_tensors(mod), sd0)
+    assert mod.head.weight is mod.emb.weight and not mod.t.is_contiguous()
+    sd1 = mutate(sd0, 0.2, seed=1)
+    sd1["head.weight"] = sd1["emb.weight"]
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(eng, m1, delta_batches(m1, sd0, sd1, op, dense), "delta")
+    assert eng.state.version == 1
+    assert_same(module_tensors(mod), sd1)
+    # checksum mismatch: rollback, named tensor
+    sd2 = mutate(sd1, 0.2, seed=2)
+    sd2["head.weight"] = sd2["emb.weight"]
+    bad = build_manifest(sd2, 2, base=sd1, bad_checksum="t")
+    with pytest.raises(ChecksumMismatch) as ei:
+        await apply_version(eng, bad, delta_batches(bad, sd1, sd2, op, dense), "delta")
+    assert ei.value.tensor == "t" and eng.state.version == 1
+    assert_same(module_tensors(mod), sd1)
+    # abort of a full version restores too
+    await eng.begin(build_manifest(sd2, 2), "full")
+    await eng.apply(full_batches(build_manifest(sd2, 2), sd2, 1)[0])
+    await eng.abort()
+    assert_same(module_tensors(mod), sd1)
+    await eng.bump(build_manifest(sd1, 2, base=sd1))
+    assert eng.state.version == 2
+    await eng.close()
+
+
+async def test_torch_module_refusals_and_persisted_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mod = Tiny()
+    eng = TorchModule(mod, state_dir=tmp_path / "st")
+    assert (await eng.open()).version is None
+    with pytest.raises(LockHeld):
+        await TorchModule(mod, state_dir=tmp_path / "st").open()
+    sd0 = module_state(0)
+    with pytest.raises(ApplyFailed, match="not in the module"):
+        await eng.begin(build_manifest({**sd0, "ghost": torch.zeros(1)}, 0), "full")
+    with pytest.raises(ApplyFailed, match="module has"):
+        await eng.begin(build_manifest({**sd0, "steps": torch.zeros(2)}, 0), "full")
+    partial = {k: v for k, v in sd0.items() if k != "mask"}
+    m0 = build_manifest(partial, 0)
+    with caplog.at_level(logging.WARNING):
+        await apply_version(eng, m0, full_batches(m0, partial), "full")
+    assert "mask" in caplog.text
+    with pytest.raises(OutOfOrder):
+        await eng.begin(build_manifest(partial, 5, base=partial), "delta")
+    await eng.close()
+    # a new engine over the same module finds the version; a changed module loses it
+    eng = TorchModule(mod, state_dir=tmp_path / "st")
+    assert (await eng.open()).version == 0
+    await eng.close()
+    with torch.no_grad():
+        mod.proj.bias.add_(1)
+    eng = TorchModule(mod, state_dir=tmp_path / "st")
+    assert (await eng.open()).version is None
+    await eng.close()
