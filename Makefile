@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check asyncsync receiver tests
-	$(VENV)/bin/ruff format --check asyncsync receiver tests
+	$(VENV)/bin/ruff check asyncsync receiver tests examples
+	$(VENV)/bin/ruff format --check asyncsync receiver tests examples
 	$(VENV)/bin/mypy
 
 test: lint

@@ -339,17 +339,53 @@ def _ef_sizes(n: int, numel: int, low_bits: int) -> tuple[int, int]:
     return (n * low_bits + 7) // 8, (n + (numel >> low_bits) + 1 + 7) // 8
 
 
+def _field_pairs(low_bits: int) -> list[tuple[int, int, int]]:
+    """(element j of a group of 8, byte k of the group's ``low_bits`` bytes, bit shift of the
+    element within that byte) for every element/byte overlap of an L-bit field array."""
+    return [
+        (j, k, j * low_bits - 8 * k)
+        for j in range(8)
+        for k in range(j * low_bits // 8, (j * low_bits + low_bits - 1) // 8 + 1)
+    ]
+
+
+def _pack_fields(low: NDArray[np.uint64], low_bits: int) -> bytes:
+    """Pack values < 2**low_bits as an LSB-first L-bit field array: 8 values -> L bytes."""
+    n, groups = low.size, -(-low.size // 8)
+    vals = np.zeros(groups * 8, dtype=np.uint64)
+    vals[:n] = low
+    vals8 = vals.reshape(groups, 8)
+    out = np.zeros((groups, low_bits), dtype=np.uint8)
+    for j, k, shift in _field_pairs(low_bits):
+        part = vals8[:, j] << shift if shift >= 0 else vals8[:, j] >> -shift
+        out[:, k] |= part.astype(np.uint8)  # keeps the low byte
+    return out.tobytes()[: (n * low_bits + 7) // 8]
+
+
+def _unpack_fields(buf: NDArray[np.uint8], n: int, low_bits: int) -> NDArray[np.uint64]:
+    groups = -(-n // 8)
+    raw = np.zeros(groups * low_bits, dtype=np.uint8)
+    raw[: buf.size] = buf
+    raw8 = raw.reshape(groups, low_bits)
+    out = np.zeros((groups, 8), dtype=np.uint64)
+    for j, k, shift in _field_pairs(low_bits):
+        part = raw8[:, k].astype(np.uint64)
+        out[:, j] |= part >> shift if shift >= 0 else part << -shift
+    out &= np.uint64((1 << low_bits) - 1)
+    return out.reshape(-1)[:n]
+
+
 def _ef_encode(idx: Int64Array, numel: int) -> tuple[bytes, int]:
     """Elias-Fano code sorted ``idx``; returns (blob, uncompressed payload size)."""
     n = idx.size
     low_bits = _ef_low_bits(n, numel)
     parts: list[bytes] = []
     if low_bits:
-        low = idx.view(np.uint8).reshape(n, 8)[:, : (low_bits + 7) // 8]
-        bits = np.unpackbits(low, axis=1, count=low_bits, bitorder="little")
-        parts.append(np.packbits(bits, bitorder="little").tobytes())
-    unary = np.zeros(n + (numel >> low_bits) + 1, dtype=np.uint8)
-    unary[(idx >> low_bits) + np.arange(n)] = 1
+        parts.append(_pack_fields(idx.view(np.uint64) & np.uint64((1 << low_bits) - 1), low_bits))
+    unary = np.zeros(n + (numel >> low_bits) + 1, dtype=np.bool_)
+    ones = idx >> low_bits
+    ones += np.arange(n)
+    unary[ones] = True
     parts.append(np.packbits(unary, bitorder="little").tobytes())
     payload = b"".join(parts)
     packed = _zstd(payload, _EF_ZSTD_LEVEL)
@@ -369,17 +405,13 @@ def _ef_decode(blob: bytes, n: int, numel: int) -> Int64Array:
     if len(payload) != low_len + high_len:
         raise FormatError(f"positions blob is {len(payload)} bytes, want {low_len + high_len}")
     buf = np.frombuffer(payload, np.uint8)
-    ones = np.flatnonzero(np.unpackbits(buf[low_len:], bitorder="little").view(np.bool_))
-    if ones.size != n:
-        raise FormatError(f"Elias-Fano high bits hold {ones.size} positions, want {n}")
-    idx: Int64Array = (ones - np.arange(n)) << low_bits
+    idx: Int64Array = np.flatnonzero(np.unpackbits(buf[low_len:], bitorder="little").view(np.bool_))
+    if idx.size != n:
+        raise FormatError(f"Elias-Fano high bits hold {idx.size} positions, want {n}")
+    idx -= np.arange(n)
     if low_bits:
-        bits = np.unpackbits(buf[:low_len], count=n * low_bits, bitorder="little")
-        low = np.zeros((n, 8), dtype=np.uint8)
-        low[:, : (low_bits + 7) // 8] = np.packbits(
-            bits.reshape(n, low_bits), axis=1, bitorder="little"
-        )
-        idx |= low.view("<i8").reshape(n)
+        idx <<= low_bits
+        idx |= _unpack_fields(buf[:low_len], n, low_bits).view(np.int64)
     _check_increasing(idx, numel)
     return idx
 

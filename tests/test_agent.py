@@ -25,7 +25,7 @@ class Holder(torch.nn.Module):
 
     def __init__(self, sd: dict[str, torch.Tensor]):
         super().__init__()
-        for i, (k, v) in enumerate(sd.items()):
+        for i, v in enumerate(sd.values()):
             self.register_buffer(f"b{i}", torch.zeros_like(v.contiguous()))
         self._names = list(sd)
 
@@ -102,7 +102,9 @@ async def test_missing_version_restarts_from_newest_keyframe(tmp_path: Path) -> 
 async def test_empty_engine_with_no_keyframe_is_a_chain_error(tmp_path: Path) -> None:
     await publish_chain(tmp_path, 3, keyframe_interval=0)
     shutil.rmtree(tmp_path / "v000000000000")
-    async with ReceiverAgent(tmp_path, LocalCheckpoint(tmp_path / "c"), "e", use_inotify=False) as a:
+    async with ReceiverAgent(
+        tmp_path, LocalCheckpoint(tmp_path / "c"), "e", use_inotify=False
+    ) as a:
         with pytest.raises(ChainError, match="no keyframe"):
             await a.sync_once()
         assert a.version is None
@@ -186,8 +188,9 @@ async def test_two_receivers_follow_a_live_publisher(tmp_path: Path) -> None:
     stop = asyncio.Event()
     agents = [
         ReceiverAgent(root, LocalCheckpoint(tmp_path / "c1"), "e1", poll_interval=0.05),
-        ReceiverAgent(root, TorchModule(Holder(mixed_state(0))), "e2", poll_interval=0.05,
-                      use_inotify=False),
+        ReceiverAgent(
+            root, TorchModule(Holder(mixed_state(0))), "e2", poll_interval=0.05, use_inotify=False
+        ),
     ]
     sd = mixed_state(0)
     async with asyncio.TaskGroup() as tg:

@@ -292,14 +292,14 @@ class LocalCheckpoint(Engine):
         return list(self._read_index()[1]) if self.index_path.exists() else []
 
     def load_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the checkpoint, read with safetensors (copies in memory)."""
+        """Every tensor of the checkpoint, copied into memory (later deltas do not alter it)."""
         if not self.index_path.exists():
             return {}
         weight_map = self._read_index()[1]
         out: dict[str, torch.Tensor] = {}
         for file in dict.fromkeys(weight_map.values()):
             out.update(safetensors.torch.load_file(self.directory / file))
-        return {name: out[name] for name in weight_map}
+        return {name: out[name].clone() for name in weight_map}  # load_file maps the file
 
     # -- plumbing -----------------------------------------------------------------------------
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -579,8 +579,7 @@ class LocalCheckpoint(Engine):
             )
         self._txn = None
         txn.maps.close()
-        self._store.clear_dir(self._store.journal_dir)
-        self._write_index(m.version)
+        self._after_commit(m.version)
         logger.info("%s: committed delta v%s", self.directory, m.version)
         return m.fingerprint
 
@@ -739,7 +738,17 @@ class LocalCheckpoint(Engine):
                 checksums={e.name: e.checksum for e in manifest.tensors} or self._ps.checksums,
             )
         )
-        self._write_index(manifest.version)
+        self._after_commit(manifest.version)
+
+    def _after_commit(self, version: int) -> None:
+        """Housekeeping once state.json holds ``version``: never fails the committed version."""
+        try:
+            self._store.clear_dir(self._store.journal_dir)  # also cleared by open and begin
+            self._write_index(version)
+        except OSError as exc:
+            logger.warning(
+                "%s: v%s committed, but housekeeping failed: %s", self.directory, version, exc
+            )
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,0 +1,26 @@
+"""The core slice's acceptance script (examples/acceptance.py), run small."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent.parent / "examples" / "acceptance.py"
+
+
+@pytest.mark.slow
+def test_acceptance_script(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--elements", "2000000", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("ACCEPTANCE OK"), out.stdout
+    assert any("changed=         0" in line for line in lines)  # the zero-diff version
+    assert any(line.startswith("refused v7") for line in lines)

@@ -1,0 +1,146 @@
+"""receiver.state: the persisted engine state, its lock, and the two transition rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync.codec import Patch
+from asyncsync.errors import ApplyFailed, EngineStateError, LockHeld, OutOfOrder
+from receiver.state import PersistedState, StateStore, check_base, check_patch
+from tests.test_engines import build_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_roundtrip_and_transitions(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "st")
+    assert store.open() is None and store.locked
+    ps = PersistedState(
+        version=3,
+        run_id="r",
+        fingerprint="ab" * 8,
+        checksum_algorithm="xxh3-128",
+        checksums={"a.b": "00ff" * 4},
+    )
+    saved = store.save(ps.begin(4, "delta"))
+    assert saved.updated_at > 0 and saved.applying
+    loaded = store.load()
+    assert loaded == saved and (loaded.target_version, loaded.mode) == (4, "delta")
+    assert loaded.clean() == PersistedState(
+        **{**saved.__dict__, "status": "clean", "target_version": None, "mode": None}
+    )
+    d = json.loads(store.path.read_text())
+    assert d["format"] == "asyncsync-engine-state" and d["format_version"] == 1
+    assert set(d) >= {
+        "version",
+        "run_id",
+        "fingerprint",
+        "status",
+        "target_version",
+        "mode",
+        "checksums",
+        "checksum_algorithm",
+        "updated_at",
+    }
+    store.close()
+    assert not store.locked
+    with pytest.raises(EngineStateError, match="without holding the lock"):
+        store.save(ps)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        "[]",
+        '{"format": "other"}',
+        '{"format": "asyncsync-engine-state", "format_version": 99}',
+        '{"format": "asyncsync-engine-state", "format_version": 1, "status": "weird"}',
+        '{"format": "asyncsync-engine-state", "format_version": 1, "status": "clean", '
+        '"version": -1}',
+        '{"format": "asyncsync-engine-state", "format_version": 1, "status": "applying"}',
+        '{"format": "asyncsync-engine-state", "format_version": 1, "status": "clean", '
+        '"checksums": {"a": 1}}',
+    ],
+)
+def test_malformed_state_is_refused_with_remedy(tmp_path: Path, text: str) -> None:
+    store = StateStore(tmp_path)
+    store.path.parent.mkdir(parents=True, exist_ok=True)
+    store.path.write_text(text)
+    with pytest.raises(EngineStateError, match="keyframe"):
+        store.open()
+    assert not store.locked  # a failed open releases the lock
+
+
+def test_lock_names_holder_across_processes(tmp_path: Path) -> None:
+    code = (
+        "import sys; from receiver.state import StateStore; s = StateStore(sys.argv[1]); "
+        "s.open(); print('ready', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        with pytest.raises(LockHeld, match=str(child.pid)):
+            StateStore(tmp_path).open()
+    finally:
+        child.communicate("")
+    store = StateStore(tmp_path)  # released when the holder exits
+    assert store.open() is None
+    store.close()
+
+
+def test_leftover_temp_files_are_removed(tmp_path: Path) -> None:
+    (tmp_path / ".tmp.state.json.abc").write_text("x")
+    store = StateStore(tmp_path)
+    store.open()
+    assert not (tmp_path / ".tmp.state.json.abc").exists()
+    (store.journal_dir / "sub").mkdir(parents=True)
+    (store.journal_dir / "undo-000000.safetensors").write_bytes(b"x")
+    store.clear_dir(store.journal_dir)
+    assert list(store.journal_dir.iterdir()) == []
+    store.close()
+
+
+def test_check_base() -> None:
+    sd = {"w": torch.zeros(3)}
+    m = build_manifest(sd, 5, base=sd)
+    check_base(4, "run-a", m, "e")
+    check_base(4, None, m, "e")
+    for version, run in [(None, None), (3, "run-a"), (5, "run-a"), (4, "run-b")]:
+        with pytest.raises(OutOfOrder):
+            check_base(version, run, m, "e")
+    with pytest.raises(OutOfOrder):
+        check_base(4, "run-a", build_manifest(sd, 5), "e")  # a keyframe is not a delta
+
+
+def test_check_patch() -> None:
+    flat = torch.zeros(10, dtype=torch.int16)
+    ok = check_patch(
+        Patch("set", torch.tensor([0, 9]), torch.tensor([1, 2], dtype=torch.int16)), flat, "w"
+    )
+    assert ok.positions is not None and ok.positions.tolist() == [0, 9]
+    check_patch(Patch("xor", None, torch.ones(10, dtype=torch.int16)), flat, "w")
+    bad = [
+        Patch("set", torch.tensor([0]), torch.tensor([1], dtype=torch.int32)),  # wrong width
+        Patch("set", torch.tensor([10]), torch.tensor([1], dtype=torch.int16)),  # out of range
+        Patch("set", torch.tensor([-1]), torch.tensor([1], dtype=torch.int16)),  # negative
+        Patch("set", torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int16)),  # count
+        Patch("set", torch.tensor([1], dtype=torch.int32), torch.tensor([1], dtype=torch.int16)),
+        Patch("xor", None, torch.ones(9, dtype=torch.int16)),  # dense size
+    ]
+    for p in bad:
+        with pytest.raises(ApplyFailed, match="'w'"):
+            check_patch(p, flat, "w")
