@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -74,24 +75,24 @@ def fmt_density(d: float | None) -> str:
     return "-" if d is None else f"{100 * d:.3f}%"
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Left-aligned text columns (numbers right-aligned), two spaces apart."""
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[str] = ()
+) -> str:
+    """Text columns two spaces apart; columns named in ``right`` are right-aligned."""
     cells = [[str(c) for c in r] for r in rows]
     widths = [len(h) for h in headers]
     for r in cells:
         for i, c in enumerate(r):
             widths[i] = max(widths[i], len(c))
-    numeric = [all(_is_number(r[i]) for r in rows) and bool(rows) for i in range(len(headers))]
+    align_right = [h in right for h in headers]
 
     def line(vals: Sequence[str]) -> str:
-        out = [v.rjust(widths[i]) if numeric[i] else v.ljust(widths[i]) for i, v in enumerate(vals)]
+        out = [
+            v.rjust(widths[i]) if align_right[i] else v.ljust(widths[i]) for i, v in enumerate(vals)
+        ]
         return "  ".join(out).rstrip()
 
     return "\n".join([line(list(headers)), *(line(r) for r in cells)])
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 # --------------------------------------------------------------------------- root helpers
@@ -196,7 +197,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for s in summaries
         ]
         headers = ["version", "kind", "base", "changed", "density", "wire", "shards", "committed"]
-        print(table(headers, rows))
+        print(
+            table(headers, rows, right=("version", "base", "changed", "density", "wire", "shards"))
+        )
         return 0
     m = read_manifest(root, version)
     if args.json:
@@ -215,13 +218,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ]
         for e in m.tensors
     ]
-    print(table(["name", "dtype", "shape", "changed", "mode", "shard"], rows))
+    print(table(["name", "dtype", "shape", "changed", "mode", "shard"], rows, right=("changed",)))
     return 0
 
 
 def _manifest_summary(root: Path, m: Manifest) -> str:
     t = m.totals
-    ratio = f"{t.model_bytes / t.wire_bytes:.1f}x smaller" if t.wire_bytes else "no bytes"
+    ratio = (
+        f"{t.model_bytes / t.wire_bytes:.1f}x smaller than the full model"
+        if t.wire_bytes
+        else "nothing to transfer"
+    )
     lines = [
         f"version      {m.version} ({m.kind}, base {m.base_version})",
         f"path         {root / f'v{m.version:012d}'}",
@@ -232,7 +239,7 @@ def _manifest_summary(root: Path, m: Manifest) -> str:
         f"fingerprint  {m.fingerprint}",
         f"tensors      {t.tensors} ({t.elements:,} elements, {human_bytes(t.model_bytes)})",
         f"changed      {t.changed:,} elements ({fmt_density(t.density)})",
-        f"wire         {human_bytes(t.wire_bytes)} ({ratio} than the full model); "
+        f"wire         {human_bytes(t.wire_bytes)} ({ratio}); "
         f"delta {human_bytes(t.delta_bytes)}, raw payload {human_bytes(t.raw_bytes)}",
         f"shards       {len(m.shards)}"
         + "".join(f"\n  {s.file}  {s.role}  {human_bytes(s.bytes)}" for s in m.shards),
@@ -456,6 +463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # e.g. `asyncsync inspect ROOT | head`: not an error
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit flush
+        return 0
     except (AsyncSyncError, OSError) as exc:
         print(f"asyncsync {args.command}: error: {exc}", file=sys.stderr)
         return 1

@@ -162,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # watchfiles logs every batch of changes at INFO: noise next to the agent's own lines
+    logging.getLogger("watchfiles").setLevel(max(logging.WARNING, getattr(logging, args.log_level)))
     try:
         if args.once:
             version = run_async(lambda: _once(args))

@@ -243,6 +243,19 @@ async def test_checksum_mismatch_rolls_back(tmp_path: Path) -> None:
     await ck.close()
 
 
+async def test_unchanged_tensor_with_other_checksum_is_caught(tmp_path: Path) -> None:
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1, names=["model.layers.0.weight"])
+    bad = build_manifest(sd1, 1, base=sd0, bad_checksum="model.layers.5.weight")
+    assert bad.tensor_map()["model.layers.5.weight"].changed == 0
+    with pytest.raises(ChecksumMismatch) as ei:
+        await apply_version(ck, bad, delta_batches(bad, sd0, sd1), "delta")
+    assert ei.value.tensor == "model.layers.5.weight" and ck.state.version == 0
+    assert_same(ck.load_state_dict(), sd0)
+    await ck.close()
+
+
 async def test_abort_restores_and_refusals(tmp_path: Path) -> None:
     sd0 = mixed_state(0)
     ck = await init_checkpoint(tmp_path, sd0)
@@ -554,3 +567,23 @@ async def test_torch_module_refusals_and_persisted_state(
     eng = TorchModule(mod, state_dir=tmp_path / "st")
     assert (await eng.open()).version is None
     await eng.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_torch_module_on_cuda() -> None:
+    mod = Tiny().cuda()
+    eng = TorchModule(mod)
+    sd0 = module_state(0)
+    m0 = build_manifest(sd0, 0)
+    await apply_version(eng, m0, full_batches(m0, sd0), "full")
+    sd1 = mutate(sd0, 0.2, seed=1)
+    sd1["head.weight"] = sd1["emb.weight"]
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(eng, m1, delta_batches(m1, sd0, sd1, "xor"), "delta")
+    assert_same({k: v.cpu() for k, v in module_tensors(mod).items()}, sd1)
+    sd2 = mutate(sd1, 0.2, seed=2)
+    sd2["head.weight"] = sd2["emb.weight"]
+    bad = build_manifest(sd2, 2, base=sd1, bad_checksum="emb.weight")
+    with pytest.raises(ChecksumMismatch):
+        await apply_version(eng, bad, delta_batches(bad, sd1, sd2, "set", True), "delta")
+    assert_same({k: v.cpu() for k, v in module_tensors(mod).items()}, sd1)
