@@ -56,10 +56,11 @@ __all__ = [
 
 ENCODINGS: tuple[str, ...] = ("xef", "indices", "deltas", "deltas_zstd")
 DEFAULT_ENCODING = "xef"
-# xef switches to dense mode when changed/numel exceeds this. Measured crossover (docs/CODEC.md):
-# ~0.30 for bf16 Adam-like deltas, ~0.15 for fp32, ~0.5 for random bytes; 0.25 costs <= ~5 %
-# against the better mode at every density measured.
-DENSE_THRESHOLD = 0.25
+# xef switches to dense mode (no positions, whole-tensor XOR) when changed/numel exceeds this.
+# Measured (docs/CODEC.md): sparse is smaller up to ~0.75-0.8 for bf16 Adam steps and ~0.99 for
+# fp32 or random bytes, because dense pays for the zero pattern once per byte plane. Above 0.75
+# dense is within ~5 % of sparse (equal at 1.0) and needs no gather, Elias-Fano or positions.
+DENSE_THRESHOLD = 0.75
 
 _INT_BY_WIDTH: dict[int, torch.dtype] = {
     1: torch.uint8,

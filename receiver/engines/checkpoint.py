@@ -31,27 +31,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
-import mmap
 import os
 import re
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import numpy as np
 import safetensors
 import safetensors.torch
 import torch
 
 from asyncsync import fsio
-from asyncsync.checksum import checksum_bytes, checksum_tensor, new_hasher
-from asyncsync.codec import Patch, apply_patch, int_view
+from asyncsync.checksum import checksum_tensor, new_hasher
+from asyncsync.codec import Patch, apply_patch
 from asyncsync.errors import (
     ApplyFailed,
     AsyncSyncError,
@@ -60,6 +56,7 @@ from asyncsync.errors import (
 )
 from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import Engine, EngineState, TensorUpdate
+from receiver.engines.st_layout import FileMaps, TensorLocation, read_layout
 from receiver.state import (
     STATE_DIR_NAME,
     STATE_NAME,
@@ -73,146 +70,8 @@ __all__ = ["LocalCheckpoint", "TensorLocation", "read_layout", "verify_checkpoin
 
 logger = logging.getLogger(__name__)
 
-_MAX_HEADER = 100 << 20  # safetensors' own limit
 _JOURNAL_FORMAT = "asyncsync-journal"
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 _T = TypeVar("_T")
-
-
-# --------------------------------------------------------------------------- file layout
-
-
-@dataclass(frozen=True)
-class TensorLocation:
-    """Where a tensor's bytes are: ``[begin, end)`` absolute offsets in ``file`` (a plain name)."""
-
-    name: str
-    file: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-    @property
-    def int_dtype(self) -> torch.dtype:
-        return _int_dtype(self.dtype)
-
-
-@functools.cache
-def _int_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype the codec patches ``dtype`` through (same element width)."""
-    return int_view(torch.empty(0, dtype=dtype)).dtype
-
-
-def read_layout(path: Path) -> dict[str, TensorLocation]:
-    """Parse and validate a safetensors file's header: each tensor's dtype, shape, byte range."""
-
-    def bad(what: str) -> EngineStateError:
-        return EngineStateError(f"{path}: {what}; the checkpoint is damaged, remove it to reinit")
-
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise bad("too short for a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise bad(f"invalid header length {n}")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as exc:
-        raise bad(f"unreadable safetensors header ({exc})") from exc
-    if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
-    data_start = 8 + n
-    out: dict[str, TensorLocation] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
-            raise bad(f"tensor {name!r} has no supported dtype")
-        shape, offs = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
-        ):
-            raise bad(f"tensor {name!r} has an invalid shape {shape!r}")
-        if not (
-            isinstance(offs, list)
-            and len(offs) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-        ):
-            raise bad(f"tensor {name!r} has invalid data_offsets {offs!r}")
-        dtype = _ST_DTYPES[info["dtype"]]
-        b, e = data_start + offs[0], data_start + offs[1]
-        numel = 1
-        for s in shape:
-            numel *= s
-        if not data_start <= b <= e <= size or e - b != numel * dtype.itemsize:
-            raise bad(f"tensor {name!r} byte range {offs} does not fit its shape or the file")
-        out[name] = TensorLocation(name, path.name, dtype, tuple(shape), b, e)
-    return out
-
-
-class _FileMaps:
-    """Writable mmaps of the data files one version touches, opened lazily, closed together."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self._open: dict[str, tuple[int, mmap.mmap]] = {}
-
-    def _map(self, file: str) -> mmap.mmap:
-        if file not in self._open:
-            fd = os.open(self.directory / file, os.O_RDWR)
-            try:
-                self._open[file] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE))
-            except BaseException:
-                os.close(fd)
-                raise
-        return self._open[file][1]
-
-    def flat(self, loc: TensorLocation) -> torch.Tensor:
-        """The tensor's bytes in the file as a flat writable int tensor (no copy)."""
-        if loc.nbytes == 0:
-            return torch.empty(0, dtype=loc.int_dtype)
-        arr = np.frombuffer(self._map(loc.file), dtype=np.uint8, count=loc.nbytes, offset=loc.begin)
-        return torch.from_numpy(arr).view(loc.int_dtype)
-
-    def checksum(self, loc: TensorLocation, algorithm: str) -> str:
-        if loc.nbytes == 0:
-            return checksum_bytes(b"", algorithm)
-        with memoryview(self._map(loc.file)) as mv, mv[loc.begin : loc.end] as region:
-            return checksum_bytes(region, algorithm)
-
-    def sync(self) -> None:
-        for fd, mm in self._open.values():
-            mm.flush()
-            os.fsync(fd)
-
-    def close(self) -> None:
-        for file, (fd, mm) in self._open.items():
-            try:
-                mm.close()
-            except BufferError:  # a view is still referenced somewhere; gc unmaps it later
-                logger.debug("mmap of %s still exported at close", file)
-            os.close(fd)
-        self._open.clear()
 
 
 @dataclass
@@ -225,7 +84,7 @@ class _Txn:
     seen: set[str] = field(default_factory=set)
     staged: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (part, checksum)
     parts: list[str] = field(default_factory=list)
-    maps: _FileMaps | None = None
+    maps: FileMaps | None = None
     seq: int = 0
 
 
@@ -384,7 +243,7 @@ class LocalCheckpoint(Engine):
                     "%s: interrupted delta to v%s; undoing", self.directory, ps.target_version
                 )
                 self._layout = self._load_layout()
-                maps = _FileMaps(self.directory)
+                maps = FileMaps(self.directory)
                 try:
                     self._undo(maps)
                 finally:
@@ -473,7 +332,7 @@ class LocalCheckpoint(Engine):
             logger.warning("%s: tensors not in v%s: %s", self.directory, manifest.version, extra)
         self._store.clear_dir(self._store.journal_dir)
         self._set(self._ps.begin(manifest.version, "delta"))
-        txn.maps = _FileMaps(self.directory)
+        txn.maps = FileMaps(self.directory)
         self._txn = txn
 
     def _claim(self, txn: _Txn, u: TensorUpdate) -> TensorEntry:
@@ -523,7 +382,7 @@ class LocalCheckpoint(Engine):
         for _name, flat, patch, _old in work:
             apply_patch(flat, patch)
 
-    def _undo(self, maps: _FileMaps) -> None:
+    def _undo(self, maps: FileMaps) -> None:
         """Write back the old values of every journal file (newest first), sync, state clean."""
         for path in sorted(self._store.journal_dir.glob("undo-*.safetensors"), reverse=True):
             try:

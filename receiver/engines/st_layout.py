@@ -1,0 +1,164 @@
+"""Safetensors files as byte ranges: parse a header into tensor locations, map them writable.
+
+``LocalCheckpoint`` patches tensors in place; it needs to know where each tensor's bytes sit in
+its file (from the safetensors header, validated against the file size) and a writable,
+zero-copy integer view of those bytes (``mmap``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from asyncsync.checksum import checksum_bytes
+from asyncsync.codec import int_view
+from asyncsync.errors import EngineStateError
+
+__all__ = ["FileMaps", "TensorLocation", "int_dtype", "read_layout"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a tensor's bytes are: ``[begin, end)`` absolute offsets in ``file`` (a plain name)."""
+
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def int_dtype(self) -> torch.dtype:
+        return int_dtype(self.dtype)
+
+
+@functools.cache
+def int_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype the codec patches ``dtype`` through (same element width)."""
+    return int_view(torch.empty(0, dtype=dtype)).dtype
+
+
+def read_layout(path: Path) -> dict[str, TensorLocation]:
+    """Parse and validate a safetensors file's header: each tensor's dtype, shape, byte range."""
+
+    def bad(what: str) -> EngineStateError:
+        return EngineStateError(f"{path}: {what}; the checkpoint is damaged, remove it to reinit")
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad("too short for a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise bad(f"invalid header length {n}")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        raise bad(f"unreadable safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    data_start = 8 + n
+    out: dict[str, TensorLocation] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
+            raise bad(f"tensor {name!r} has no supported dtype")
+        shape, offs = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
+            raise bad(f"tensor {name!r} has an invalid shape {shape!r}")
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        ):
+            raise bad(f"tensor {name!r} has invalid data_offsets {offs!r}")
+        dtype = _ST_DTYPES[info["dtype"]]
+        b, e = data_start + offs[0], data_start + offs[1]
+        numel = 1
+        for s in shape:
+            numel *= s
+        if not data_start <= b <= e <= size or e - b != numel * dtype.itemsize:
+            raise bad(f"tensor {name!r} byte range {offs} does not fit its shape or the file")
+        out[name] = TensorLocation(name, path.name, dtype, tuple(shape), b, e)
+    return out
+
+
+class FileMaps:
+    """Writable mmaps of the data files one version touches, opened lazily, closed together."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._open: dict[str, tuple[int, mmap.mmap]] = {}
+
+    def _map(self, file: str) -> mmap.mmap:
+        if file not in self._open:
+            fd = os.open(self.directory / file, os.O_RDWR)
+            try:
+                self._open[file] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE))
+            except BaseException:
+                os.close(fd)
+                raise
+        return self._open[file][1]
+
+    def flat(self, loc: TensorLocation) -> torch.Tensor:
+        """The tensor's bytes in the file as a flat writable int tensor (no copy)."""
+        if loc.nbytes == 0:
+            return torch.empty(0, dtype=loc.int_dtype)
+        arr = np.frombuffer(self._map(loc.file), dtype=np.uint8, count=loc.nbytes, offset=loc.begin)
+        return torch.from_numpy(arr).view(loc.int_dtype)
+
+    def checksum(self, loc: TensorLocation, algorithm: str) -> str:
+        if loc.nbytes == 0:
+            return checksum_bytes(b"", algorithm)
+        with memoryview(self._map(loc.file)) as mv, mv[loc.begin : loc.end] as region:
+            return checksum_bytes(region, algorithm)
+
+    def sync(self) -> None:
+        for fd, mm in self._open.values():
+            mm.flush()
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for file, (fd, mm) in self._open.items():
+            try:
+                mm.close()
+            except BufferError:  # a view is still referenced somewhere; gc unmaps it later
+                logger.debug("mmap of %s still exported at close", file)
+            os.close(fd)
+        self._open.clear()
