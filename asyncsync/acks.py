@@ -69,7 +69,8 @@ async def wait_acked(
     quorum: int | None = None,
     timeout: float | None = None,
     run_id: str | None = None,
-    poll_interval: float = 0.05,
+    poll_interval: float = 0.02,
+    max_poll_interval: float = 0.1,
 ) -> dict[str, AckRecord]:
     """Wait until the named ``engines`` (all of them) or any ``quorum`` engines hold ``version``.
 
@@ -109,11 +110,11 @@ async def wait_acked(
             raise AckTimeout(
                 f"version {version} not acknowledged by {need} within {timeout}s; "
                 f"{len(ok)} acked, behind: {desc or 'no engine has acked yet'}. "
-                "Check that the receivers run and see this root (asyncsync status ROOT).",
+                "Are the receivers running and do they see this root? (asyncsync tail ROOT -f)",
                 version=version,
                 behind=behind,
             )
         await asyncio.sleep(
             delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
         )
-        delay = min(delay * 1.5, 0.5)
+        delay = min(delay * 1.5, max_poll_interval)

@@ -264,11 +264,15 @@ def _log_line(rec: dict[str, Any]) -> str:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     root = Path(args.root)
-    _check_root(root)
     if not args.follow:
+        _check_root(root)
         for rec in read_log(root):
             print(_log_line(rec))
         return 0
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a directory: pass the shared root the publisher writes")
+    if read_root_info(root) is None:
+        logger.warning("%s holds no asyncsync root yet: waiting for a publisher", root)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_follow(root, args.interval))
     return 0
@@ -401,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="asyncsync",
         description="Inspect and check an asyncsync shared root (read-only).",
+        epilog="exit status: 0 ok; 1 verify found mismatching tensors, or the command failed "
+        "(one line on stderr); 2 bad usage",
     )
     p.add_argument(
         "--log-level",
@@ -409,15 +415,25 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOG_LEVELS,
         help="logging level on stderr (default WARNING)",
     )
+    # --log-level is accepted after the subcommand too
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS,
+        help=argparse.SUPPRESS,
+    )  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sp = sub.add_parser("inspect", help="list versions, or show one version's manifest")
+    sp = sub.add_parser(
+        "inspect", parents=[common], help="list versions, or show one version's manifest"
+    )
     sp.add_argument("root", metavar="ROOT", help="the shared root")
     sp.add_argument("version", metavar="VERSION", nargs="?", help="a version number or 'latest'")
     sp.add_argument("--json", action="store_true", help="print JSON instead of tables")
     sp.set_defaults(func=cmd_inspect)
 
-    sp = sub.add_parser("tail", help="print the manifest log; -f keeps following (and acks)")
+    sp = sub.add_parser(
+        "tail", parents=[common], help="print the manifest log; -f keeps following (and acks)"
+    )
     sp.add_argument("root", metavar="ROOT", help="the shared root")
     sp.add_argument(
         "-f", "--follow", action="store_true", help="keep printing new versions and acks"
@@ -431,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.set_defaults(func=cmd_tail)
 
-    sp = sub.add_parser("verify", help="check a LocalCheckpoint directory bit for bit")
+    sp = sub.add_parser(
+        "verify", parents=[common], help="check a LocalCheckpoint directory bit for bit"
+    )
     sp.add_argument("root", metavar="ROOT", help="the shared root")
     sp.add_argument("--checkpoint", required=True, metavar="DIR", help="the checkpoint directory")
     sp.add_argument(

@@ -56,11 +56,11 @@ __all__ = [
 
 ENCODINGS: tuple[str, ...] = ("xef", "indices", "deltas", "deltas_zstd")
 DEFAULT_ENCODING = "xef"
-# xef switches to dense mode (no positions, whole-tensor XOR) when changed/numel exceeds this.
-# Measured (docs/CODEC.md): sparse is smaller up to ~0.75-0.8 for bf16 Adam steps and ~0.99 for
-# fp32 or random bytes, because dense pays for the zero pattern once per byte plane. Above 0.75
-# dense is within ~5 % of sparse (equal at 1.0) and needs no gather, Elias-Fano or positions.
-DENSE_THRESHOLD = 0.75
+# xef sends dense (no positions, the whole-tensor XOR) when changed/numel exceeds this. Measured
+# (docs/CODEC.md): sparse is smaller below ~0.8 for bf16 Adam steps and ~0.99 for fp32 or random
+# bytes, as dense pays for the zero pattern once per byte plane. Above 0.8 dense costs at most
+# ~5 % more (nothing at 100 %) and skips the gather and Elias-Fano work, which dominate there.
+DENSE_THRESHOLD = 0.8
 
 _INT_BY_WIDTH: dict[int, torch.dtype] = {
     1: torch.uint8,
@@ -82,7 +82,7 @@ Int64Array = NDArray[np.int64]
 
 @dataclass(frozen=True)
 class EncodedDelta:
-    """One tensor's encoded change. ``mode == "dense"``: no positions, values cover every element."""
+    """One tensor's encoded change; ``mode == "dense"``: no positions, values cover all elements."""
 
     encoding: str
     mode: Literal["sparse", "dense"]
@@ -181,8 +181,9 @@ def encode_delta(
     if n > numel:
         raise ConfigError(f"{n} positions for a tensor of {numel} elements")
     if encoding == "xef" and n > DENSE_THRESHOLD * numel:
-        planes = _planes(torch.bitwise_xor(new, old))
-        return EncodedDelta(encoding, "dense", n, b"", _zstd(planes, level), numel * width)
+        xor = torch.bitwise_xor(new, old)
+        n = int(torch.count_nonzero(xor))  # exact even if positions held unchanged elements
+        return EncodedDelta(encoding, "dense", n, b"", _zstd(_planes(xor), level), numel * width)
     pos = positions.to(old.device)
     idx: Int64Array = np.ascontiguousarray(positions.cpu().numpy(), dtype=np.int64)
     if idx[0] < 0 or idx[-1] >= numel or not bool(np.all(idx[1:] > idx[:-1])):
@@ -230,8 +231,10 @@ def decode_delta(
     if mode == "dense":
         if encoding != "xef" or positions:
             raise FormatError(f"dense mode is only for xef and has no positions ({encoding})")
-        raw = _unzstd(values, (numel * width,), "dense values")
-        return Patch(op, None, _unplanes(raw, numel, width))
+        xor = _unplanes(_unzstd(values, (numel * width,), "dense values"), numel, width)
+        if int(torch.count_nonzero(xor)) != changed:
+            raise FormatError(f"dense values change {int(torch.count_nonzero(xor))}, not {changed}")
+        return Patch(op, None, xor)
     if mode != "sparse":
         raise FormatError(f"unknown mode {mode!r}")
     if changed == 0:
@@ -293,7 +296,7 @@ def _check_encoding(encoding: str) -> None:
         raise ConfigError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
 
 
-def _zstd(data: NDArray[np.uint8] | bytes, level: int) -> bytes:
+def _zstd(data: bytes | memoryview, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level).compress(data)
 
 
@@ -311,7 +314,7 @@ def _unzstd(blob: bytes, sizes: tuple[int, ...], what: str) -> bytes:
     return out
 
 
-def _planes(v: torch.Tensor) -> NDArray[np.uint8]:
+def _planes(v: torch.Tensor) -> memoryview:
     """A 1-D int tensor's bytes as byte planes (all byte 0s, then all byte 1s, ...), on CPU."""
     width, u8 = v.element_size(), v.contiguous().view(torch.uint8)
     if width > 1:  # one strided copy per plane: several times faster than a transpose copy
@@ -319,8 +322,7 @@ def _planes(v: torch.Tensor) -> NDArray[np.uint8]:
         for k in range(width):
             planes[k].copy_(u8[k::width])
         u8 = planes.view(-1)
-    arr: NDArray[np.uint8] = u8.cpu().numpy()
-    return arr
+    return u8.cpu().numpy().data
 
 
 def _unplanes(raw: bytes, n: int, width: int) -> torch.Tensor:

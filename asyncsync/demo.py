@@ -243,7 +243,7 @@ def _summary(run: _Run) -> list[str]:
         acks = sorted(r.ack_seconds for r in deltas)
         ratio = f"{full / wire:.1f}x less" if wire else "nothing sent"
         lines += [
-            f"deltas: {len(deltas)} versions, mean density {100 * dens:.2f}%, "
+            f"deltas: {len(deltas)} versions, mean density {100 * dens:.2f}% (zero-diff included), "
             f"{human_bytes(wire)} on the wire vs {human_bytes(full)} as full checkpoints "
             f"({ratio}; {human_bytes(wire / len(deltas))} per version)",
             f"ack latency after publish: median {acks[len(acks) // 2]:.3f}s, max {acks[-1]:.3f}s",

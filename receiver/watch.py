@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+
+from asyncsync.format import ACKS_DIR
 
 __all__ = ["wakeups"]
 
@@ -27,6 +29,17 @@ def _inotify_wanted(use_inotify: bool | None) -> bool:
     if use_inotify is not None:
         return use_inotify
     return os.environ.get("ASYNCSYNC_FORCE_POLLING", "").lower() not in ("1", "true", "yes")
+
+
+def _version_events(root: Path) -> Callable[[object, str], bool]:
+    """A watchfiles filter keeping events that can mean a new version: not acks (receivers'
+    own writes), not temp files."""
+    acks = str(root / ACKS_DIR)
+
+    def keep(_change: object, path: str) -> bool:
+        return not path.startswith(acks) and not os.path.basename(path).startswith(".")
+
+    return keep
 
 
 async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
@@ -43,6 +56,7 @@ async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
             step=10,
             recursive=True,
             ignore_permission_denied=True,
+            watch_filter=_version_events(root),
         ):
             wake.set()
     except Exception as exc:  # e.g. inotify watch limit reached, root removed

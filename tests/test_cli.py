@@ -1,0 +1,290 @@
+"""The operator CLI (``asyncsync``) and the receiver CLI (``asyncsync-receiver``), against roots a
+real Publisher wrote: output, exit codes, and clean one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncsync import Manifest, Publisher
+from asyncsync.cli import human_bytes, main
+from asyncsync.workload import Workload, WorkloadConfig
+from receiver import ReceiverAgent
+from receiver.cli import main as receiver_main
+from receiver.engines.checkpoint import LocalCheckpoint
+
+REPO = Path(__file__).resolve().parent.parent
+FLIPPED = "model.layers.0.self_attn.q_proj.weight"
+
+
+async def _publish(root: Path) -> None:
+    wl = Workload(WorkloadConfig(layers=1, hidden=32, vocab=64, seed=3))
+    async with Publisher(root) as pub:
+        await pub.seed(wl.state_dict())  # v0
+        for _ in range(2):  # v1, v2
+            wl.step()
+            await pub.publish(wl.state_dict())
+        await pub.publish(wl.state_dict())  # v3: zero diff
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    r = tmp_path_factory.mktemp("cli") / "root"
+    asyncio.run(_publish(r))
+    return r
+
+
+async def _sync(root: Path, ckpt: Path, engine_id: str) -> int | None:
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), engine_id, use_inotify=False) as agent:
+        return await agent.sync_once()
+
+
+@pytest.fixture
+def checkpoint(root: Path, tmp_path: Path) -> Path:
+    ckpt = tmp_path / "ckpt"
+    assert asyncio.run(_sync(root, ckpt, f"cli-{tmp_path.name}"[:100])) == 3
+    return ckpt
+
+
+def _flip_byte(ckpt: Path, name: str) -> None:
+    """Flip one byte of tensor ``name`` in place, in its safetensors file."""
+    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    path = ckpt / weight_map[name]
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        begin = json.loads(f.read(n))[name]["data_offsets"][0]
+        f.seek(8 + n + begin + 1)
+        b = f.read(1)
+        f.seek(8 + n + begin + 1)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def test_inspect_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(root)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split() == [
+        "version", "kind", "base", "changed", "density", "wire", "shards", "committed",
+    ]  # fmt: skip
+    assert len(lines) == 5
+    assert lines[1].split()[:3] == ["0", "full", "-"]
+    assert lines[4].split()[:5] == ["3", "delta", "2", "0", "0.000%"]
+
+
+def test_inspect_json_lists_every_version(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(root), "--json"]) == 0
+    summaries = json.loads(capsys.readouterr().out)
+    assert [s["version"] for s in summaries] == [0, 1, 2, 3]
+    assert summaries[3]["changed"] == 0 and summaries[1]["changed"] > 0
+
+
+def test_inspect_version(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(root), "1"]) == 0
+    out = capsys.readouterr().out
+    assert "version      1 (delta, base 0)" in out
+    assert "smaller than the full model" in out
+    row = next(line for line in out.splitlines() if line.startswith("lm_head.weight "))
+    _name, dtype, shape, changed, mode, shard = row.split()
+    assert (dtype, shape, mode, shard) == ("bfloat16", "64x32", "sparse", "delta-00000.safetensors")
+    assert int(changed) > 0
+    assert "model.global_step" in out and "int64" in out
+
+
+def test_inspect_version_json_is_the_manifest(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["inspect", str(root), "latest", "--json"]) == 0
+    m = Manifest.from_json(capsys.readouterr().out)
+    assert m.version == 3 and m.totals.changed == 0
+
+
+def test_tail_prints_one_line_per_version(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tail", str(root)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["v0", "v1", "v2", "v3"]
+    assert "density=0.000%" in lines[3] and "wire=0 B" in lines[3]
+
+
+def test_tail_follow_prints_new_acks_and_exits_0_on_ctrl_c(root: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncsync", "tail", str(root), "-f", "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        lines.append(proc.stdout.readline())  # the first log line: it is up and following
+        asyncio.run(_sync(root, tmp_path / "ckpt", "tail-follower"))
+        while "ack engine=tail-follower version=3" not in lines[-1]:
+            line = proc.stdout.readline()
+            assert line, "tail -f ended early"
+            lines.append(line)
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=30)
+        out = "".join(lines) + rest
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert out.splitlines()[0].startswith("v0")
+    assert "ack engine=tail-follower version=3" in out
+    assert "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def test_verify_ok(root: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(root), "--checkpoint", str(checkpoint)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"OK: {checkpoint} is bit-exact at version 3 (16 tensors)"
+
+
+def test_verify_flipped_byte_names_the_tensor(
+    root: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _flip_byte(checkpoint, FLIPPED)
+    assert main(["verify", str(root), "--checkpoint", str(checkpoint)]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "1 of 16 tensors" in out
+    assert f"  {FLIPPED}" in out.splitlines()
+
+
+def test_verify_against_an_older_version_lists_the_changed_tensors(
+    root: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", str(root), "--checkpoint", str(checkpoint), "--version", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "lm_head.weight" in out and "model.global_step" in out
+    assert main(["verify", str(root), "--checkpoint", str(checkpoint), "--version", "2"]) == 0
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["inspect"],
+        ["bogus"],
+        ["verify", "ROOT"],  # no --checkpoint
+        ["tail", "ROOT", "--interval", "0"],
+        ["verify", "ROOT", "--checkpoint", "X", "--version", "-1"],
+    ],
+)
+def test_bad_usage_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["inspect", "{missing}"], "is not a directory"),
+        (["inspect", "{empty}"], "is not an asyncsync root"),
+        (["inspect", "{root}", "9"], "version 9 is not committed"),
+        (["inspect", "{root}", "one"], "integer or 'latest'"),
+        (["verify", "{root}", "--checkpoint", "{missing}"], "does not exist"),
+        (["verify", "{root}", "--checkpoint", "{empty}"], "cannot read"),
+        (["verify", "{root}", "--checkpoint", "{empty}", "--version", "7"], "not committed"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(
+    argv: list[str], needle: str, root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty").mkdir()
+    paths = {"root": root, "missing": tmp_path / "missing", "empty": tmp_path / "empty"}
+    assert main([a.format(**paths) for a in argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"asyncsync {argv[0]}: error:") and needle in err, err
+
+
+def test_human_bytes() -> None:
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(1023) == "1023 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(5 << 30) == "5.0 GiB"
+
+
+# --------------------------------------------------------------------------- receiver CLI
+
+
+def test_receiver_once_applies_and_the_checkpoint_verifies(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "engine"
+    out = subprocess.run(
+        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx-once",
+         "--checkpoint", str(ckpt), "--once", "--force-polling", "--log-level", "WARNING"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "rx-once: holds version 3"
+    assert main(["verify", str(root), "--checkpoint", str(ckpt)]) == 0
+    assert "bit-exact at version 3" in capsys.readouterr().out
+    acks = json.loads((root / "acks" / "rx-once.json").read_text())
+    assert acks["version"] == 3
+
+
+def test_receiver_runs_until_sigint_and_exits_0(root: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "engine"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx-run",
+         "--checkpoint", str(ckpt), "--poll-interval", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "acks" / "rx-run.json").exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the receiver never acknowledged"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "stopped at version 3" in err
+
+
+def test_receiver_errors(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--root", str(root), "--checkpoint", str(tmp_path / "c"), "--once"]
+    assert receiver_main([*base, "--engine-id", "bad/id"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "invalid engine id" in err, err
+    assert receiver_main([*base, "--engine-id", "x", "--poll-interval", "0"]) == 2
+    assert receiver_main(["--root", str(root)]) == 2
+    assert "usage:" in capsys.readouterr().err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(b"\0" * 16)
+    argv = ["--root", str(root), "--checkpoint", str(foreign), "--engine-id", "x", "--once"]
+    assert receiver_main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not an asyncsync checkpoint" in err, err
+
+
+def test_python_dash_m_asyncsync(root: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncsync", "inspect", str(root), "--json"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)) == 4
