@@ -77,7 +77,7 @@ _EF_ZSTD = 0x80
 _EF_ZSTD_LEVEL = 1
 _DELTAS_ZSTD_LEVEL = 1
 
-Int64Array = NDArray[np.int64]
+_Int64Array = NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def encode_delta(
         n = int(torch.count_nonzero(xor))  # exact even if positions held unchanged elements
         return EncodedDelta(encoding, "dense", n, b"", _zstd(_planes(xor), level), numel * width)
     pos = positions.to(old.device)
-    idx: Int64Array = np.ascontiguousarray(positions.cpu().numpy(), dtype=np.int64)
+    idx: _Int64Array = np.ascontiguousarray(positions.cpu().numpy(), dtype=np.int64)
     if idx[0] < 0 or idx[-1] >= numel or not bool(np.all(idx[1:] > idx[:-1])):
         raise ConfigError("positions must be strictly increasing and within the tensor")
     if encoding == "xef":
@@ -378,7 +378,7 @@ def _unpack_fields(buf: NDArray[np.uint8], n: int, low_bits: int) -> NDArray[np.
     return out.reshape(-1)[:n]
 
 
-def _ef_encode(idx: Int64Array, numel: int) -> tuple[bytes, int]:
+def _ef_encode(idx: _Int64Array, numel: int) -> tuple[bytes, int]:
     """Elias-Fano code sorted ``idx``; returns (blob, uncompressed payload size)."""
     n = idx.size
     low_bits = _ef_low_bits(n, numel)
@@ -397,7 +397,7 @@ def _ef_encode(idx: Int64Array, numel: int) -> tuple[bytes, int]:
     return bytes([low_bits]) + payload, len(payload)
 
 
-def _ef_decode(blob: bytes, n: int, numel: int) -> Int64Array:
+def _ef_decode(blob: bytes, n: int, numel: int) -> _Int64Array:
     low_bits = _ef_low_bits(n, numel)
     if not blob or blob[0] & ~_EF_ZSTD != low_bits:
         raise FormatError(f"Elias-Fano header {blob[:1]!r} does not match L={low_bits}")
@@ -408,7 +408,9 @@ def _ef_decode(blob: bytes, n: int, numel: int) -> Int64Array:
     if len(payload) != low_len + high_len:
         raise FormatError(f"positions blob is {len(payload)} bytes, want {low_len + high_len}")
     buf = np.frombuffer(payload, np.uint8)
-    idx: Int64Array = np.flatnonzero(np.unpackbits(buf[low_len:], bitorder="little").view(np.bool_))
+    idx: _Int64Array = np.flatnonzero(
+        np.unpackbits(buf[low_len:], bitorder="little").view(np.bool_)
+    )
     if idx.size != n:
         raise FormatError(f"Elias-Fano high bits hold {idx.size} positions, want {n}")
     idx -= np.arange(n)
@@ -419,14 +421,14 @@ def _ef_decode(blob: bytes, n: int, numel: int) -> Int64Array:
     return idx
 
 
-def _baseline_positions(encoding: str, blob: bytes, n: int, numel: int) -> Int64Array:
+def _baseline_positions(encoding: str, blob: bytes, n: int, numel: int) -> _Int64Array:
     if encoding == "deltas_zstd":
         blob = _unzstd(blob, (2 * n, 4 * n, 8 * n), "positions")
     width, rest = divmod(len(blob), n)
     if rest or width not in ((4, 8) if encoding == "indices" else (2, 4, 8)):
         raise FormatError(f"{encoding} positions blob of {len(blob)} bytes for {n} positions")
     if encoding == "indices":
-        idx: Int64Array = np.frombuffer(blob, f"<i{width}").astype(np.int64)
+        idx: _Int64Array = np.frombuffer(blob, f"<i{width}").astype(np.int64)
         _check_increasing(idx, numel)
         return idx
     steps = np.frombuffer(blob, _GAP_DTYPES[width]).astype(np.uint64) + np.uint64(1)

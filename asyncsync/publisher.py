@@ -126,6 +126,8 @@ class Publisher:
         checksum: checksum algorithm for shards and tensors.
         bucket_bytes: tensors are grouped into buckets of about this many bytes; one shard each.
         max_in_flight: encoded buckets allowed to wait for the writer (bounds memory).
+        mode: ``"delta"`` (default) publishes sparse deltas; ``"full"`` publishes every version as
+            a complete safetensors checkpoint (kind ``full``, no delta), like slime's disk mode.
         keyframe_interval: every version divisible by this also carries full data (0: never).
         zstd_level: compression level of the delta payload.
         pre_commit_hook: ``hook(version_dir)`` (sync or async), run after the shards are durable
@@ -141,6 +143,7 @@ class Publisher:
         checksum: str = DEFAULT_ALGORITHM,
         bucket_bytes: int = 32 << 20,
         max_in_flight: int = 2,
+        mode: Literal["delta", "full"] = "delta",
         keyframe_interval: int = 20,
         zstd_level: int = 3,
         pre_commit_hook: PreCommitHook | None = None,
@@ -153,6 +156,8 @@ class Publisher:
             raise ConfigError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if mode not in ("delta", "full"):
+            raise ConfigError(f"mode must be 'delta' or 'full', got {mode!r}")
         if keyframe_interval < 0:
             raise ConfigError(
                 f"keyframe_interval must be >= 0 (0 = never), got {keyframe_interval}"
@@ -166,6 +171,7 @@ class Publisher:
         self.checksum = checksum
         self.bucket_bytes = bucket_bytes
         self.max_in_flight = max_in_flight
+        self.mode = mode
         self.keyframe_interval = keyframe_interval
         self.zstd_level = zstd_level
         self.pre_commit_hook = pre_commit_hook
@@ -269,6 +275,8 @@ class Publisher:
         """
         self._require_open()
         async with self._busy:
+            if self.mode == "full":  # no snapshot needed: every version is complete
+                return await self._publish(state_dict, delta=False, full=True)
             if self._snapshot is None:
                 raise PublishError("nothing published by this publisher yet: call seed() first")
             if not self._same_schema(state_dict):
@@ -421,7 +429,11 @@ class Publisher:
         self._in_flight = 0
         self._next_version = version + 1
         self._last_version = version
-        self._advance_snapshot(names, state_dict, acc.pending, entries)
+        if self.mode == "full":
+            self._checksums = {e.name: e.checksum for e in entries}
+            self._elements = sum(e.numel for e in entries)
+        else:
+            self._advance_snapshot(names, state_dict, acc.pending, entries)
         try:
             await asyncio.to_thread(append_manifest, self.root, manifest)
         except OSError as exc:  # the log is for operators; the version is committed regardless

@@ -209,3 +209,16 @@ async def test_two_receivers_follow_a_live_publisher(tmp_path: Path) -> None:
     assert_holds(agents[1].engine.module.state_dict(), sd)  # type: ignore[attr-defined]
     for a in agents:
         await a.close()
+
+
+async def test_full_mode_versions_replace_the_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    sd = mixed_state(0)
+    async with Publisher(root, mode="full") as pub:
+        agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "c"), "e", use_inotify=False)
+        async with agent:
+            for i in range(3):
+                sd = mutate(sd, 0.05, seed=i)
+                r = await pub.publish(sd)
+                assert await agent.sync_once() == r.version
+                assert_holds(agent.engine.load_state_dict(), sd)  # type: ignore[attr-defined]

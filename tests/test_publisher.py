@@ -305,3 +305,17 @@ async def test_wait_acked(tmp_path: Path) -> None:
         t = asyncio.create_task(late_ack())
         assert set(await pub.wait_acked(0, engines=["e1", "e2"], timeout=5)) == {"e1", "e2"}
         await t
+
+
+async def test_full_mode_publishes_complete_checkpoints(tmp_path: Path) -> None:
+    sd = mixed_state(0)
+    async with Publisher(tmp_path, mode="full") as pub:
+        r1 = await pub.publish(sd)  # no seed needed
+        r2 = await pub.publish(mutate(sd, 0.01, seed=1))
+        assert pub._snapshot in (None, {})  # keeps no model copy
+    for r in (r1, r2):
+        m = read_manifest(tmp_path, r.version)
+        assert (m.kind, m.base_version) == ("full", None)
+        assert all(e.full is not None and e.delta is None for e in m.tensors)
+    with pytest.raises(ConfigError, match="mode"):
+        Publisher(tmp_path, mode="sparse")  # type: ignore[arg-type]
