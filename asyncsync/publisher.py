@@ -56,6 +56,7 @@ from asyncsync.format import (
 )
 from asyncsync.fsio import FileLock, atomic_write, fsync_dir, remove_temp_files
 from asyncsync.log import append_manifest
+from asyncsync.retention import RetentionPolicy, collect
 from asyncsync.shards import BucketItem, EncodedBucket, PendingUpdate, delta_keys, encode_bucket
 from asyncsync.store import ensure_root_info, list_versions, uncommitted_dirs
 
@@ -133,6 +134,8 @@ class Publisher:
         pre_commit_hook: ``hook(version_dir)`` (sync or async), run after the shards are durable
             and before the manifest, e.g. to flush a filesystem that needs it.
         producer: extra JSON-able fields recorded in each manifest's ``producer``.
+        retention: a :class:`~asyncsync.retention.RetentionPolicy` applied after each commit
+            (None: keep everything; ``asyncsync gc ROOT`` can prune later).
     """
 
     def __init__(
@@ -145,9 +148,10 @@ class Publisher:
         max_in_flight: int = 2,
         mode: Literal["delta", "full"] = "delta",
         keyframe_interval: int = 20,
-        zstd_level: int = 3,
+        zstd_level: int = 1,
         pre_commit_hook: PreCommitHook | None = None,
         producer: Mapping[str, Any] | None = None,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         if encoding not in codec.ENCODINGS:
             raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
@@ -175,6 +179,9 @@ class Publisher:
         self.keyframe_interval = keyframe_interval
         self.zstd_level = zstd_level
         self.pre_commit_hook = pre_commit_hook
+        if retention is not None and not isinstance(retention, RetentionPolicy):
+            raise ConfigError("retention must be a RetentionPolicy or None")
+        self.retention = retention
         self._producer = {"host": socket.gethostname(), "pid": os.getpid(), **(producer or {})}
         self._lock = FileLock(self.root / LOCK_NAME)
         self._busy = asyncio.Lock()
@@ -440,6 +447,7 @@ class Publisher:
             logger.error(
                 "version %d committed but the manifest log append failed: %s", version, exc
             )
+        await self._collect_garbage()
         seconds = dict(acc.seconds)
         seconds["commit"] = time.perf_counter() - t_commit
         seconds["total"] = time.perf_counter() - t_start
@@ -459,6 +467,16 @@ class Publisher:
         )
         self._record(res)
         return res
+
+    async def _collect_garbage(self) -> None:
+        if self.retention is None:
+            return
+        try:
+            await asyncio.to_thread(collect, self.root, self.retention)
+        except (OSError, AsyncSyncError) as exc:  # retention must never fail a commit
+            logger.error(
+                "retention on %s failed (retried after the next commit): %s", self.root, exc
+            )
 
     def _encode(
         self,

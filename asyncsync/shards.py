@@ -142,6 +142,7 @@ def encode_bucket(
             if changed:
                 new_i = codec.int_view(it.new)
                 enc = codec.encode_delta(codec.int_view(it.old), new_i, pos, encoding, level=level)
+                changed = enc.changed  # what the decoder will check
                 mode = enc.mode
                 pkey, vkey = delta_keys(it.index)
                 delta_tensors[pkey] = to_blob_tensor(enc.positions)

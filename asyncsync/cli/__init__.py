@@ -1,0 +1,104 @@
+"""``asyncsync``: the operator's command line for a shared root.
+
+::
+
+    asyncsync inspect ROOT                 table of committed versions
+    asyncsync inspect ROOT 42              manifest summary and per-tensor table of version 42
+    asyncsync inspect ROOT latest --json   the manifest JSON
+    asyncsync tail ROOT -f                 the manifest log, then new versions and acks as they land
+    asyncsync verify ROOT --checkpoint DIR [--version N]
+                                           is a LocalCheckpoint directory bit-exact at a version?
+
+Why a CLI: operators debug weight sync on hosts where a Python REPL is a hassle; everything here
+only reads the root (nothing is locked or written), so it is safe next to a live publisher and
+live receivers.
+
+Exit status: 0 on success; 1 when ``verify`` finds mismatching tensors or a command fails (one
+line on stderr saying what to do, no traceback); 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from asyncsync.cli import gc, verify, versions
+from asyncsync.cli.common import human_bytes
+from asyncsync.cli.verify import VerifyReport, verify_checkpoint_dir
+from asyncsync.errors import AsyncSyncError
+
+__all__ = [
+    "VerifyReport",
+    "build_parser",
+    "human_bytes",
+    "main",
+    "verify_checkpoint_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="asyncsync",
+        description="Inspect and check an asyncsync shared root (read-only).",
+        epilog="exit status: 0 ok; 1 verify found mismatching tensors, or the command failed "
+        "(one line on stderr); 2 bad usage",
+    )
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="logging level on stderr (default WARNING)",
+    )
+    # --log-level is accepted after the subcommand too
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS,
+        help=argparse.SUPPRESS,
+    )  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    for module in (versions, verify, gc):
+        module.register(sub, common)
+    return p
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (the console script passes it to ``sys.exit``)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    setup_logging(args.log_level)
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:  # e.g. `asyncsync inspect ROOT | head`: not an error
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit flush
+        return 0
+    except (AsyncSyncError, OSError) as exc:
+        print(f"asyncsync {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

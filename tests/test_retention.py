@@ -1,0 +1,116 @@
+"""Retention: ack-aware, keyframe-preserving deletion of old versions; `asyncsync gc`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync import ConfigError, Publisher
+from asyncsync.acks import write_ack
+from asyncsync.cli import main
+from asyncsync.retention import RetentionPolicy, collect
+from asyncsync.store import list_versions, read_root_info
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+from tests.conftest import mixed_state, mutate, same_bytes
+
+
+async def chain(
+    root: Path, n: int, keyframe_interval: int, **kw: object
+) -> list[dict[str, torch.Tensor]]:
+    states = [mixed_state(0)]
+    async with Publisher(root, keyframe_interval=keyframe_interval, **kw) as pub:  # type: ignore[arg-type]
+        await pub.seed(states[0])
+        for i in range(1, n + 1):
+            states.append(mutate(states[-1], 0.02, seed=i))
+            await pub.publish(states[-1])
+    return states
+
+
+def test_policy_validation() -> None:
+    for bad in [dict(keep_versions=0), dict(keep_bytes=0), dict(ack_ttl=-1)]:
+        with pytest.raises(ConfigError):
+            RetentionPolicy(**bad)  # type: ignore[arg-type]
+
+
+async def test_keeps_newest_keyframe_chain_and_count(tmp_path: Path) -> None:
+    await chain(tmp_path, 11, keyframe_interval=4)  # keyframes at 0, 4, 8
+    report = collect(tmp_path, RetentionPolicy(keep_versions=2, ack_ttl=None))
+    # the newest keyframe (8) and its chain survive even though keep_versions is 2
+    assert list_versions(tmp_path) == [8, 9, 10, 11]
+    assert report.deleted == tuple(range(8))
+    assert "keyframe" in report.reasons[8]
+    assert not any(
+        p.name.startswith("v0000000000") and not (p / "manifest.json").exists()
+        for p in tmp_path.iterdir()
+        if p.is_dir()
+    )
+
+
+async def test_live_engine_pins_what_it_needs_dead_one_does_not(tmp_path: Path) -> None:
+    await chain(tmp_path, 9, keyframe_interval=4)  # keyframes 0, 4, 8
+    run_id = read_root_info(tmp_path).run_id  # type: ignore[union-attr]
+    write_ack(tmp_path, "live", 2, "ab" * 16, run_id)
+    collect(tmp_path, RetentionPolicy(keep_versions=1, ack_ttl=600))
+    assert list_versions(tmp_path) == list(range(3, 10))  # 3.. needed by the engine at 2
+    # the same engine, silent for longer than the TTL, no longer pins anything
+    import json
+
+    p = tmp_path / "acks" / "live.json"
+    d = json.loads(p.read_text())
+    d["applied_at"] = time.time() - 10_000
+    p.write_text(json.dumps(d))
+    collect(tmp_path, RetentionPolicy(keep_versions=1, ack_ttl=600))
+    assert list_versions(tmp_path) == [8, 9]
+
+
+async def test_keep_bytes(tmp_path: Path) -> None:
+    await chain(tmp_path, 6, keyframe_interval=0)  # only v0 is a keyframe: nothing deletable
+    assert collect(tmp_path, RetentionPolicy(keep_versions=1, keep_bytes=1)).deleted == ()
+    await chain(tmp_path / "b", 6, keyframe_interval=3)  # keyframes 0, 3, 6
+    r = collect(tmp_path / "b", RetentionPolicy(keep_versions=None, keep_bytes=10**9))
+    assert r.deleted == ()  # everything fits
+    r = collect(tmp_path / "b", RetentionPolicy(keep_versions=None, keep_bytes=1))
+    assert list_versions(tmp_path / "b") == [6] and r.freed_bytes > 0
+
+
+async def test_engine_that_fell_off_the_chain_catches_up(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    states = [mixed_state(0)]
+    ckpt = tmp_path / "ckpt"
+    async with Publisher(root, keyframe_interval=3) as pub:
+        await pub.seed(states[0])
+        async with ReceiverAgent(root, LocalCheckpoint(ckpt), "slow", use_inotify=False) as a:
+            assert await a.sync_once() == 0
+        for i in range(1, 8):
+            states.append(mutate(states[-1], 0.02, seed=i))
+            await pub.publish(states[-1])
+    # the slow engine's ack (v0) is stale: versions 1..5 go, keyframe 6 and v7 stay
+    collect(root, RetentionPolicy(keep_versions=1, ack_ttl=1e-9))
+    assert list_versions(root) == [6, 7]
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "slow", use_inotify=False) as a:
+        assert await a.sync_once() == 7
+        held = a.engine.load_state_dict()  # type: ignore[attr-defined]
+    assert all(same_bytes(held[k], v.contiguous()) for k, v in states[7].items())
+
+
+async def test_publisher_applies_retention_after_each_commit(tmp_path: Path) -> None:
+    await chain(tmp_path, 8, keyframe_interval=4, retention=RetentionPolicy(keep_versions=2))
+    # keyframes 0, 4, 8: the newest two versions and keyframe 8 survive the last commit
+    assert list_versions(tmp_path) == [7, 8]
+
+
+async def test_gc_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    await chain(tmp_path, 7, keyframe_interval=3)  # keyframes 0, 3, 6
+    assert main(["gc", str(tmp_path), "--keep-versions", "1", "--dry-run"]) == 0
+    assert "would delete 6 versions" in capsys.readouterr().out
+    assert list_versions(tmp_path) == list(range(8))
+    assert main(["gc", str(tmp_path), "--keep-versions", "1", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted 6 versions" in out and "keep v6: newest keyframe" in out
+    assert list_versions(tmp_path) == [6, 7]
+    assert main(["gc", str(tmp_path / "nope")]) == 1
+    assert main(["gc", str(tmp_path), "--keep-versions", "0"]) == 2
