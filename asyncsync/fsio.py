@@ -6,6 +6,11 @@ renamed to its final name, and the directory is fsynced. A crash leaves either t
 the complete new file, plus at most a temp file that the next writer removes.
 
 These are blocking functions: async callers run them through ``asyncio.to_thread``.
+
+A :class:`Throttle` (bandwidth and per-file latency) can be set process-wide, or through the
+environment variable ``ASYNCSYNC_THROTTLE`` (e.g. ``200MB/s,5ms``), to simulate a slow shared
+filesystem: :func:`atomic_write` and :func:`read_bytes` then sleep as such a filesystem would.
+The benchmark uses it; production leaves it unset.
 """
 
 from __future__ import annotations
@@ -14,20 +19,26 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import secrets
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 __all__ = [
     "TMP_PREFIX",
     "FileLock",
+    "Throttle",
     "append_line",
     "atomic_write",
     "fsync_dir",
+    "get_throttle",
     "is_temp_name",
     "read_bytes",
     "remove_temp_files",
+    "set_throttle",
 ]
 
 TMP_PREFIX = ".tmp."
@@ -37,6 +48,70 @@ _DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.E
 
 # Applied to every file asyncsync creates in a root; directories get 0o755. Documented in FORMAT.md.
 FILE_MODE = 0o644
+
+
+_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "KI": 1024, "MI": 1 << 20, "GI": 1 << 30}
+
+
+@dataclass(frozen=True)
+class Throttle:
+    """A simulated slow filesystem: ``bandwidth`` bytes/s (None: unlimited) and ``latency``
+    seconds per file operation."""
+
+    bandwidth: float | None = None
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.bandwidth is not None and self.bandwidth <= 0:
+            raise ValueError(f"throttle bandwidth must be > 0, got {self.bandwidth}")
+        if self.latency < 0:
+            raise ValueError(f"throttle latency must be >= 0, got {self.latency}")
+
+    @classmethod
+    def parse(cls, text: str) -> Throttle:
+        """``"200MB/s,5ms"``, ``"1GiB/s"``, ``"10ms"`` -> Throttle."""
+        bw: float | None = None
+        lat = 0.0
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            m = re.fullmatch(r"([\d.]+)\s*([KMG]I?)?B/S", part.upper())
+            if m:
+                bw = float(m.group(1)) * _UNITS[m.group(2) or ""]
+                continue
+            m = re.fullmatch(r"([\d.]+)\s*(MS|S|US)", part.upper())
+            if m:
+                lat = float(m.group(1)) * {"S": 1.0, "MS": 1e-3, "US": 1e-6}[m.group(2)]
+                continue
+            raise ValueError(f"cannot parse throttle {text!r}: use e.g. '200MB/s,5ms'")
+        return cls(bw, lat)
+
+    def cost(self, nbytes: int) -> float:
+        """Seconds one file operation of ``nbytes`` takes on this filesystem."""
+        return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+
+
+_throttle: Throttle | None = (
+    Throttle.parse(os.environ["ASYNCSYNC_THROTTLE"])
+    if os.environ.get("ASYNCSYNC_THROTTLE")
+    else None
+)
+
+
+def set_throttle(throttle: Throttle | None) -> None:
+    """Simulate a slow filesystem in this process (None: off)."""
+    global _throttle
+    _throttle = throttle
+
+
+def get_throttle() -> Throttle | None:
+    return _throttle
+
+
+def _throttled(nbytes: int, started: float) -> None:
+    t = _throttle
+    if t is not None:
+        remaining = t.cost(nbytes) - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
 
 
 def is_temp_name(name: str) -> bool:
@@ -83,10 +158,12 @@ def atomic_write(
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(6)}")
     chunks = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    started = time.perf_counter()
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             n = _write_all(f, chunks)
+            _throttled(n, started)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -115,11 +192,11 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
 
 def read_bytes(path: str | os.PathLike[str], *, limit: int | None = None) -> bytes:
     """Read a whole file; with ``limit``, refuse (ValueError) a file larger than that."""
+    started = time.perf_counter()
     with open(path, "rb") as f:
-        if limit is None:
-            return f.read()
-        data = f.read(limit + 1)
-    if len(data) > limit:
+        data = f.read() if limit is None else f.read(limit + 1)
+    _throttled(len(data), started)
+    if limit is not None and len(data) > limit:
         raise ValueError(f"{path} is larger than {limit} bytes")
     return data
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import safetensors.torch
 import torch
@@ -57,13 +57,22 @@ from asyncsync.format import (
 from asyncsync.fsio import FileLock, atomic_write, fsync_dir, remove_temp_files
 from asyncsync.log import append_manifest
 from asyncsync.retention import RetentionPolicy, collect
-from asyncsync.shards import BucketItem, EncodedBucket, PendingUpdate, delta_keys, encode_bucket
+from asyncsync.shards import (
+    BucketItem,
+    DiffedBucket,
+    EncodedBucket,
+    PendingUpdate,
+    delta_keys,
+    diff_bucket,
+    encode_bucket,
+)
 from asyncsync.store import ensure_root_info, list_versions, uncommitted_dirs
 
 __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _SUPPORTED = frozenset(DTYPES.values())
 PreCommitHook = Callable[[Path], Any] | Callable[[Path], Awaitable[Any]]
 LOCK_NAME = ".publisher.lock"
@@ -114,7 +123,9 @@ class _Acc:
     entries: dict[int, TensorEntry] = field(default_factory=dict)
     pending: list[PendingUpdate] = field(default_factory=list)
     raw_bytes: int = 0
-    seconds: dict[str, float] = field(default_factory=lambda: {"encode": 0.0, "write": 0.0})
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"diff": 0.0, "encode": 0.0, "write": 0.0}
+    )
     meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # dtype, shape
 
 
@@ -126,7 +137,9 @@ class Publisher:
         encoding: delta encoding, one of ``codec.ENCODINGS`` (default: ours, ``xef``).
         checksum: checksum algorithm for shards and tensors.
         bucket_bytes: tensors are grouped into buckets of about this many bytes; one shard each.
-        max_in_flight: encoded buckets allowed to wait for the writer (bounds memory).
+        max_in_flight: buckets allowed to wait between two stages (bounds memory).
+        pipelined: run the diff, encode and write stages concurrently over buckets (default);
+            False runs them one after another (for measuring what the overlap buys).
         mode: ``"delta"`` (default) publishes sparse deltas; ``"full"`` publishes every version as
             a complete safetensors checkpoint (kind ``full``, no delta), like slime's disk mode.
         keyframe_interval: every version divisible by this also carries full data (0: never).
@@ -146,6 +159,7 @@ class Publisher:
         checksum: str = DEFAULT_ALGORITHM,
         bucket_bytes: int = 32 << 20,
         max_in_flight: int = 2,
+        pipelined: bool = True,
         mode: Literal["delta", "full"] = "delta",
         keyframe_interval: int = 20,
         zstd_level: int = 1,
@@ -175,6 +189,7 @@ class Publisher:
         self.checksum = checksum
         self.bucket_bytes = bucket_bytes
         self.max_in_flight = max_in_flight
+        self.pipelined = pipelined
         self.mode = mode
         self.keyframe_interval = keyframe_interval
         self.zstd_level = zstd_level
@@ -383,31 +398,54 @@ class Publisher:
         self._in_flight = 0
         try:
             await asyncio.to_thread(vdir.mkdir)
-            queue: asyncio.Queue[EncodedBucket | None] = asyncio.Queue(maxsize=self.max_in_flight)
             snap = self._snapshot if delta else None
+            buckets = self._buckets(names, state_dict)
 
-            async def encode_stage() -> None:
-                for bucket in self._buckets(names, state_dict):
-                    t0 = time.perf_counter()
-                    enc = await asyncio.to_thread(
-                        self._encode, bucket, names, state_dict, snap, version, delta, full
-                    )
-                    acc.seconds["encode"] += time.perf_counter() - t0
-                    await queue.put(enc)
-                    self._in_flight = queue.qsize()
-                await queue.put(None)
+            async def timed(key: str, fn: Callable[..., _T], *args: Any) -> _T:
+                t0 = time.perf_counter()
+                try:
+                    return await asyncio.to_thread(fn, *args)
+                finally:
+                    acc.seconds[key] += time.perf_counter() - t0
 
-            async def write_stage() -> None:
-                while (enc := await queue.get()) is not None:
-                    self._in_flight = queue.qsize()
-                    t0 = time.perf_counter()
-                    await asyncio.to_thread(self._write_bucket, vdir, enc, acc)
-                    acc.seconds["write"] += time.perf_counter() - t0
+            def diff(bucket: list[int]) -> DiffedBucket:
+                return diff_bucket(self._items(bucket, names, state_dict, snap, delta), delta=delta)
 
-            stage = "encode/write"
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(encode_stage())
-                tg.create_task(write_stage())
+            def encode(d: DiffedBucket) -> EncodedBucket:
+                return encode_bucket(
+                    d, version=version, run_id=self._run_id, delta=delta, full=full,
+                    encoding=self.encoding, level=self.zstd_level, algorithm=self.checksum,
+                )  # fmt: skip
+
+            stage = "diff/encode/write"
+            if not self.pipelined:
+                for bucket in buckets:
+                    d = await timed("diff", diff, bucket)
+                    e = await timed("encode", encode, d)
+                    await timed("write", self._write_bucket, vdir, e, acc)
+            else:
+                diffed: asyncio.Queue[DiffedBucket | None] = asyncio.Queue(self.max_in_flight)
+                encoded: asyncio.Queue[EncodedBucket | None] = asyncio.Queue(self.max_in_flight)
+
+                async def diff_stage() -> None:
+                    for bucket in buckets:
+                        await diffed.put(await timed("diff", diff, bucket))
+                    await diffed.put(None)
+
+                async def encode_stage() -> None:
+                    while (d := await diffed.get()) is not None:
+                        await encoded.put(await timed("encode", encode, d))
+                        self._in_flight = diffed.qsize() + encoded.qsize()
+                    await encoded.put(None)
+
+                async def write_stage() -> None:
+                    while (e := await encoded.get()) is not None:
+                        await timed("write", self._write_bucket, vdir, e, acc)
+
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(diff_stage())
+                    tg.create_task(encode_stage())
+                    tg.create_task(write_stage())
             t_commit = time.perf_counter()
             stage = "fsync"
             await asyncio.to_thread(fsync_dir, vdir)
@@ -478,16 +516,15 @@ class Publisher:
                 "retention on %s failed (retried after the next commit): %s", self.root, exc
             )
 
-    def _encode(
+    def _items(
         self,
         bucket: list[int],
         names: list[str],
         state_dict: Mapping[str, torch.Tensor],
         snap: dict[str, torch.Tensor] | None,
-        version: int,
         delta: bool,
-        full: bool,
-    ) -> EncodedBucket:
+    ) -> list[BucketItem]:
+        """The bucket's tensors as CPU, contiguous BucketItems (device copies happen here)."""
         items = []
         for i in bucket:
             name = names[i]
@@ -503,16 +540,7 @@ class Publisher:
                     cached_checksum=self._checksums.get(name) if delta else None,
                 )
             )
-        return encode_bucket(
-            items,
-            version=version,
-            run_id=self._run_id,
-            delta=delta,
-            full=full,
-            encoding=self.encoding,
-            level=self.zstd_level,
-            algorithm=self.checksum,
-        )
+        return items
 
     def _write_bucket(self, vdir: Path, enc: EncodedBucket, acc: _Acc) -> None:
         """Write one bucket's shards (tmp + fsync + rename) and record their entries."""
@@ -715,7 +743,13 @@ class Publisher:
             0,
             0,
             len(shards),
-            {"encode": 0.0, "write": 0.0, "commit": 0.0, "total": time.perf_counter() - t0},
+            {
+                "diff": 0.0,
+                "encode": 0.0,
+                "write": 0.0,
+                "commit": 0.0,
+                "total": time.perf_counter() - t0,
+            },
             vdir,
         )
         self._record(res)

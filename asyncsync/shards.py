@@ -24,10 +24,12 @@ from asyncsync.errors import FormatError
 
 __all__ = [
     "BucketItem",
+    "DiffedBucket",
     "EncodedBucket",
     "ItemResult",
     "PendingUpdate",
     "delta_keys",
+    "diff_bucket",
     "encode_bucket",
     "parse_shard",
     "read_header",
@@ -107,8 +109,27 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+@dataclass(frozen=True)
+class DiffedBucket:
+    """A bucket after the diff stage: its items and, for deltas, each one's changed positions."""
+
+    items: Sequence[BucketItem]
+    positions: list[torch.Tensor] | None  # None: no delta (a full version)
+
+
+def diff_bucket(items: Sequence[BucketItem], *, delta: bool) -> DiffedBucket:
+    """The diff stage: bytewise compare against ``old``, one ``nonzero`` for the whole bucket."""
+    if not delta:
+        return DiffedBucket(items, None)
+    olds = [it.old for it in items]
+    if any(o is None for o in olds):
+        raise ValueError("delta encoding needs the old value of every tensor")
+    news = [it.new for it in items]
+    return DiffedBucket(items, codec.changed_positions([o for o in olds if o is not None], news))
+
+
 def encode_bucket(
-    items: Sequence[BucketItem],
+    items: Sequence[BucketItem] | DiffedBucket,
     *,
     version: int,
     run_id: str,
@@ -118,24 +139,19 @@ def encode_bucket(
     level: int,
     algorithm: str,
 ) -> EncodedBucket:
-    """Diff, encode and serialise one bucket. Pure: tensors in, shard bytes out.
+    """Encode and serialise one bucket (diffing it first unless given a DiffedBucket).
 
-    ``delta``: encode each tensor against ``old`` (one nonzero for the whole bucket).
+    Pure: tensors in, shard bytes out. ``delta``: encode each tensor against ``old``.
     ``full``: also store every tensor whole (a keyframe).
     """
+    diffed = items if isinstance(items, DiffedBucket) else diff_bucket(items, delta=delta)
+    positions = diffed.positions
     out = EncodedBucket()
-    if delta:
-        olds = [it.old for it in items]
-        if any(o is None for o in olds):
-            raise ValueError("delta encoding needs the old value of every tensor")
-        positions = codec.changed_positions(
-            [o for o in olds if o is not None], [it.new for it in items]
-        )
     delta_tensors: dict[str, torch.Tensor] = {}
     full_tensors: dict[str, torch.Tensor] = {}
-    for k, it in enumerate(items):
+    for k, it in enumerate(diffed.items):
         mode: Literal["sparse", "dense"] | None = None
-        if delta:
+        if positions is not None:
             assert it.old is not None
             pos = positions[k]
             changed = int(pos.numel())

@@ -46,6 +46,7 @@ from asyncsync.fsio import read_bytes
 from asyncsync.shards import parse_shard
 from asyncsync.store import list_versions, read_manifest
 from receiver.engines.base import Engine, TensorUpdate
+from receiver.prefetch import Prefetcher
 from receiver.watch import wakeups
 
 __all__ = ["AgentStatus", "ReceiverAgent"]
@@ -65,10 +66,12 @@ class AgentStatus:
     failures: int
     last_error: str | None
     last_apply_seconds: float | None
+    prefetched_shards: int = 0  # shards read before their manifest existed, then verified
 
 
 @dataclass
 class _Counters:
+    prefetched: int = 0
     applied: int = 0
     failures: int = 0
     last_error: str | None = None
@@ -88,6 +91,11 @@ class ReceiverAgent:
         verify_deadline: how long a shard that is missing, short or failing its checksum is
             re-read before the version is refused (network filesystems publish lazily).
         use_inotify: force inotify on/off (default: on unless ASYNCSYNC_FORCE_POLLING=1).
+        pipelined: read+verify+decode shard k+1 while the engine applies shard k (default);
+            False does each step of each shard one after another.
+        prefetch: in :meth:`run`, start reading the next version's shards as they land,
+            before its manifest exists (streaming receive; see receiver.prefetch).
+        prefetch_bytes: memory budget of one version's prefetched shards.
     """
 
     def __init__(
@@ -99,6 +107,9 @@ class ReceiverAgent:
         poll_interval: float = 1.0,
         verify_deadline: float = 10.0,
         use_inotify: bool | None = None,
+        pipelined: bool = True,
+        prefetch: bool = True,
+        prefetch_bytes: int = 512 << 20,
     ) -> None:
         if poll_interval <= 0:
             raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
@@ -110,6 +121,11 @@ class ReceiverAgent:
         self.poll_interval = poll_interval
         self.verify_deadline = verify_deadline
         self.use_inotify = use_inotify
+        self.pipelined = pipelined
+        self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
+        self._prefetcher: Prefetcher | None = None
+        self._prefetch_task: asyncio.Task[None] | None = None
         self._acked: int | None = None
         self._opened = False
         self._sync_lock = asyncio.Lock()
@@ -154,6 +170,7 @@ class ReceiverAgent:
             failures=self._c.failures,
             last_error=self._c.last_error,
             last_apply_seconds=self._c.last_apply_seconds,
+            prefetched_shards=self._c.prefetched,
         )
 
     async def sync_once(self) -> int | None:
@@ -179,17 +196,56 @@ class ReceiverAgent:
         """
         await self.open()
         stop = stop or asyncio.Event()
-        async for reason in wakeups(
-            self.root, poll_interval=self.poll_interval, use_inotify=self.use_inotify
-        ):
-            if stop.is_set():
+        wake = asyncio.Event()
+
+        async def watch() -> None:
+            async for _reason in wakeups(
+                self.root, poll_interval=self.poll_interval, use_inotify=self.use_inotify
+            ):
+                wake.set()
+
+        watcher = asyncio.create_task(watch(), name=f"watch {self.engine_id}")
+        try:
+            while not stop.is_set():
+                await _first_of(wake, stop)
+                wake.clear()
+                if stop.is_set():
+                    break
+                try:
+                    await self.sync_once()
+                except (AsyncSyncError, OSError) as exc:
+                    logger.error("agent %s: sync failed: %s", self.engine_id, exc)
+                if self.prefetch:
+                    await self._start_prefetch(wake)
+        finally:
+            for task in (watcher, self._prefetch_task):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            self._prefetcher = self._prefetch_task = None
+
+    async def _start_prefetch(self, wake: asyncio.Event) -> None:
+        """Prefetch version N+1's shards if it is being written now (dir without manifest)."""
+        cur = self.version
+        if cur is None:
+            return
+        nxt = cur + 1
+        if self._prefetcher is not None:
+            if self._prefetcher.version == nxt:
                 return
-            try:
-                await self.sync_once()
-            except (AsyncSyncError, OSError) as exc:
-                logger.error("agent %s: sync failed (%s): %s", self.engine_id, reason, exc)
-            if stop.is_set():
-                return
+            if self._prefetch_task is not None:
+                self._prefetch_task.cancel()
+            self._prefetcher = self._prefetch_task = None
+        vdir = version_dir(self.root, nxt)
+        if not await asyncio.to_thread(vdir.is_dir):
+            return
+        self._prefetcher = Prefetcher(
+            self.root, nxt, on_manifest=wake, max_bytes=self.prefetch_bytes
+        )
+        self._prefetch_task = asyncio.create_task(
+            self._prefetcher.run(), name=f"prefetch v{nxt} {self.engine_id}"
+        )
 
     def __repr__(self) -> str:
         return (
@@ -314,6 +370,10 @@ class ReceiverAgent:
 
     async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
         """Read+verify+decode shard k+1 while the engine applies shard k."""
+        if not self.pipelined:
+            for idx, shard in shards:
+                await self.engine.apply(await self._fetch_shard(m, mode, idx, shard))
+            return
         queue: asyncio.Queue[list[TensorUpdate] | None] = asyncio.Queue(maxsize=1)
 
         async def fetch() -> None:
@@ -339,9 +399,17 @@ class ReceiverAgent:
         path = m.shard_path(version_dir(self.root, m.version), shard)
         deadline = time.monotonic() + self.verify_deadline
         delay = 0.05
+        early = self._prefetched(m, shard)
         while True:
             try:
-                data = await asyncio.to_thread(_read_verified, path, shard, m.checksum_algorithm)
+                if early is not None:
+                    data, early = early, None
+                    await asyncio.to_thread(_verified, data, path, shard, m.checksum_algorithm)
+                    self._c.prefetched += 1
+                else:
+                    data = await asyncio.to_thread(
+                        _read_verified, path, shard, m.checksum_algorithm
+                    )
                 break
             except (ChecksumMismatch, IncompleteVersion) as exc:
                 if time.monotonic() >= deadline:
@@ -350,6 +418,23 @@ class ReceiverAgent:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         return await asyncio.to_thread(_decode_shard, m, mode, idx, shard, data, str(path))
+
+    def _prefetched(self, m: Manifest, shard: ShardInfo) -> bytes | None:
+        p = self._prefetcher
+        if p is None or p.version != m.version or shard.role != "delta":
+            return None
+        return p.take(shard.file)
+
+
+async def _first_of(*events: asyncio.Event) -> None:
+    """Wait until any of ``events`` is set."""
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
 
 
 def _read_verified(path: Path, shard: ShardInfo, algorithm: str) -> bytes:
@@ -363,6 +448,10 @@ def _read_verified(path: Path, shard: ShardInfo, algorithm: str) -> bytes:
         raise IncompleteVersion(
             f"{path}: larger than the {shard.bytes} bytes it should have"
         ) from exc
+    return _verified(data, path, shard, algorithm)
+
+
+def _verified(data: bytes, path: Path, shard: ShardInfo, algorithm: str) -> bytes:
     if len(data) != shard.bytes:
         raise IncompleteVersion(f"{path}: {len(data)} bytes, the manifest says {shard.bytes}")
     digest = checksum_bytes(data, algorithm)

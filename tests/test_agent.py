@@ -222,3 +222,68 @@ async def test_full_mode_versions_replace_the_checkpoint(tmp_path: Path) -> None
                 r = await pub.publish(sd)
                 assert await agent.sync_once() == r.version
                 assert_holds(agent.engine.load_state_dict(), sd)  # type: ignore[attr-defined]
+
+
+async def test_streaming_receive_reads_shards_before_the_manifest(tmp_path: Path) -> None:
+    """On a slow filesystem the receiver reads shards while the publisher still writes."""
+    from asyncsync import fsio
+
+    root = tmp_path / "root"
+    root.mkdir()
+    sd = mixed_state(0, scale=4)
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "c"), "e", poll_interval=0.05)
+    stop = asyncio.Event()
+    fsio.set_throttle(fsio.Throttle(bandwidth=50e6, latency=0.03))
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(agent.run(stop=stop))
+            async with Publisher(root, bucket_bytes=2048, keyframe_interval=0) as pub:
+                await pub.seed(sd)
+                await pub.wait_acked(0, engines=["e"], timeout=30)
+                for i in range(1, 4):
+                    sd = mutate(sd, 0.05, seed=i)
+                    r = await pub.publish(sd)
+                    assert r.shards > 3
+                await pub.wait_acked(3, engines=["e"], timeout=30)
+            stop.set()
+    finally:
+        fsio.set_throttle(None)
+    assert agent.status().prefetched_shards > 0
+    assert_holds(agent.engine.load_state_dict(), sd)  # type: ignore[attr-defined]
+    await agent.close()
+
+
+async def test_prefetched_bytes_are_verified_not_trusted(tmp_path: Path) -> None:
+    from receiver.prefetch import Prefetcher
+
+    states = await publish_chain(tmp_path, 2, keyframe_interval=0)
+    agent = ReceiverAgent(tmp_path, LocalCheckpoint(tmp_path / "c"), "e", use_inotify=False)
+    async with agent:
+        shutil.move(tmp_path / "v000000000002", tmp_path / "hidden")
+        assert await agent.sync_once() == 1
+        shutil.move(tmp_path / "hidden", tmp_path / "v000000000002")
+        # a prefetcher that read garbage for v2's first shard (e.g. a torn read on NFS)
+        p = Prefetcher(tmp_path, 2, on_manifest=asyncio.Event())
+        p.shards["delta-00000.safetensors"] = b"garbage"
+        agent._prefetcher = p
+        assert await agent.sync_once() == 2  # re-read from disk after the mismatch
+        assert agent.status().prefetched_shards == 0
+        assert_holds(agent.engine.load_state_dict(), states[2])  # type: ignore[attr-defined]
+
+
+async def test_serialized_mode_gives_the_same_result(tmp_path: Path) -> None:
+    states = [mixed_state(0)]
+    async with Publisher(tmp_path / "r", bucket_bytes=4096, pipelined=False) as pub:
+        await pub.seed(states[0])
+        for i in range(1, 3):
+            states.append(mutate(states[-1], 0.03, seed=i))
+            r = await pub.publish(states[-1])
+            assert r.seconds["diff"] > 0 and r.seconds["encode"] > 0
+    ref = await publish_chain(tmp_path / "p", 2)
+    assert [read_manifest(tmp_path / "r", v).fingerprint for v in range(3)] == [
+        read_manifest(tmp_path / "p", v).fingerprint for v in range(3)
+    ]
+    eng = LocalCheckpoint(tmp_path / "c")
+    async with ReceiverAgent(tmp_path / "r", eng, "e", pipelined=False, prefetch=False) as a:
+        assert await a.sync_once() == 2
+    assert_holds(eng.load_state_dict(), ref[2])
