@@ -31,13 +31,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NoReturn
 
-import safetensors.torch
 import torch
 
 from asyncsync import acks, codec
-from asyncsync.checksum import DEFAULT_ALGORITHM, checksum_file, checksum_tensor, new_hasher
+from asyncsync.checksum import DEFAULT_ALGORITHM, checksum_bytes, new_hasher
 from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError, first_error
 from asyncsync.format import (
     DTYPES,
@@ -49,13 +48,14 @@ from asyncsync.format import (
     ShardInfo,
     TensorEntry,
     Totals,
-    check_file_name,
     dtype_name,
     fingerprint,
     version_dir,
 )
 from asyncsync.fsio import FileLock, atomic_write, fsync_dir, remove_temp_files
+from asyncsync.hf import scan_checkpoint
 from asyncsync.log import append_manifest
+from asyncsync.pipeline import run_pipeline
 from asyncsync.retention import RetentionPolicy, collect
 from asyncsync.shards import (
     BucketItem,
@@ -66,53 +66,16 @@ from asyncsync.shards import (
     diff_bucket,
     encode_bucket,
 )
+from asyncsync.stats import PublisherStats, PublishResult
 from asyncsync.store import ensure_root_info, list_versions, uncommitted_dirs
 
 __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 _SUPPORTED = frozenset(DTYPES.values())
 PreCommitHook = Callable[[Path], Any] | Callable[[Path], Awaitable[Any]]
 LOCK_NAME = ".publisher.lock"
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    """What one publish committed, with its cost per stage (seconds)."""
-
-    version: int
-    kind: Literal["full", "delta"]
-    base_version: int | None
-    changed: int
-    total: int
-    density: float
-    wire_bytes: int
-    delta_bytes: int
-    raw_bytes: int
-    shards: int
-    seconds: Mapping[str, float]
-    path: Path
-
-    @property
-    def zero_diff(self) -> bool:
-        return self.kind == "delta" and self.changed == 0
-
-
-@dataclass(frozen=True)
-class PublisherStats:
-    root: Path
-    run_id: str
-    last_version: int | None
-    published: int
-    keyframes: int
-    zero_diff: int
-    wire_bytes: int
-    changed: int
-    elements: int
-    last: PublishResult | None
-    recent: tuple[PublishResult, ...] = field(default=())
 
 
 @dataclass
@@ -394,19 +357,12 @@ class Publisher:
         t_start = time.perf_counter()
         created = time.time()
         acc = _Acc(meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()})
-        stage = "prepare"
+        stage_ref = ["prepare"]
         self._in_flight = 0
         try:
             await asyncio.to_thread(vdir.mkdir)
             snap = self._snapshot if delta else None
             buckets = self._buckets(names, state_dict)
-
-            async def timed(key: str, fn: Callable[..., _T], *args: Any) -> _T:
-                t0 = time.perf_counter()
-                try:
-                    return await asyncio.to_thread(fn, *args)
-                finally:
-                    acc.seconds[key] += time.perf_counter() - t0
 
             def diff(bucket: list[int]) -> DiffedBucket:
                 return diff_bucket(self._items(bucket, names, state_dict, snap, delta), delta=delta)
@@ -417,92 +373,72 @@ class Publisher:
                     encoding=self.encoding, level=self.zstd_level, algorithm=self.checksum,
                 )  # fmt: skip
 
-            stage = "diff/encode/write"
-            if not self.pipelined:
-                for bucket in buckets:
-                    d = await timed("diff", diff, bucket)
-                    e = await timed("encode", encode, d)
-                    await timed("write", self._write_bucket, vdir, e, acc)
-            else:
-                diffed: asyncio.Queue[DiffedBucket | None] = asyncio.Queue(self.max_in_flight)
-                encoded: asyncio.Queue[EncodedBucket | None] = asyncio.Queue(self.max_in_flight)
+            def write(e: EncodedBucket) -> None:
+                self._write_bucket(vdir, e, acc)
 
-                async def diff_stage() -> None:
-                    for bucket in buckets:
-                        await diffed.put(await timed("diff", diff, bucket))
-                    await diffed.put(None)
-
-                async def encode_stage() -> None:
-                    while (d := await diffed.get()) is not None:
-                        await encoded.put(await timed("encode", encode, d))
-                        self._in_flight = diffed.qsize() + encoded.qsize()
-                    await encoded.put(None)
-
-                async def write_stage() -> None:
-                    while (e := await encoded.get()) is not None:
-                        await timed("write", self._write_bucket, vdir, e, acc)
-
-                async with asyncio.TaskGroup() as tg:
-                    tg.create_task(diff_stage())
-                    tg.create_task(encode_stage())
-                    tg.create_task(write_stage())
+            stage_ref[0] = "diff/encode/write"
+            await run_pipeline(
+                buckets,
+                [("diff", diff), ("encode", encode), ("write", write)],
+                maxsize=self.max_in_flight,
+                pipelined=self.pipelined,
+                seconds=acc.seconds,
+            )
             t_commit = time.perf_counter()
-            stage = "fsync"
-            await asyncio.to_thread(fsync_dir, vdir)
-            await asyncio.to_thread(fsync_dir, self.root)
-            if self.pre_commit_hook is not None:
-                stage = "pre-commit hook"
-                await self._run_hook(vdir)
-            stage = "manifest"
             entries = tuple(acc.entries[i] for i in range(len(names)))
             manifest = self._manifest(
                 version, entries, tuple(acc.shards), acc.raw_bytes, created, delta, full
             )
-            await asyncio.to_thread(atomic_write, vdir / MANIFEST_NAME, manifest.to_json().encode())
+            await self._commit(vdir, manifest, stage_ref)
         except BaseException as exc:
-            await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
-            exc = first_error(exc)
-            if not isinstance(exc, Exception):
-                raise
-            if isinstance(exc, ConfigError):
-                raise exc
-            raise PublishError(
-                f"publishing version {version} failed during {stage}: {exc!r}; "
-                "nothing was committed and the snapshot is unchanged"
-            ) from exc
+            await self._discard(vdir, exc, version, stage_ref[0])
         # Committed: from here on the version exists for readers.
         self._in_flight = 0
-        self._next_version = version + 1
-        self._last_version = version
-        if self.mode == "full":
-            self._checksums = {e.name: e.checksum for e in entries}
-            self._elements = sum(e.numel for e in entries)
-        else:
-            self._advance_snapshot(names, state_dict, acc.pending, entries)
+        if self.mode == "delta":
+            self._advance_snapshot(names, acc.pending)
+        seconds = dict(acc.seconds)
+        seconds["commit"] = time.perf_counter() - t_commit
+        seconds["total"] = time.perf_counter() - t_start
+        return await self._committed(manifest, seconds, vdir)
+
+    async def _commit(self, vdir: Path, manifest: Manifest, stage: list[str]) -> None:
+        """Make the shards durable, run the hook, write the manifest: the commit."""
+        stage[0] = "fsync"
+        await asyncio.to_thread(fsync_dir, vdir)
+        await asyncio.to_thread(fsync_dir, self.root)
+        if self.pre_commit_hook is not None:
+            stage[0] = "pre-commit hook"
+            await self._run_hook(vdir)
+        stage[0] = "manifest"
+        await asyncio.to_thread(atomic_write, vdir / MANIFEST_NAME, manifest.to_json().encode())
+
+    async def _discard(self, vdir: Path, exc: BaseException, version: int, stage: str) -> NoReturn:
+        """Remove an uncommitted version directory and raise what the caller should see."""
+        await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
+        err = first_error(exc)
+        if not isinstance(err, Exception) or isinstance(err, ConfigError):
+            raise err
+        raise PublishError(
+            f"publishing version {version} failed during {stage}: {err!r}; "
+            "nothing was committed and the snapshot is unchanged"
+        ) from err
+
+    async def _committed(
+        self, manifest: Manifest, seconds: dict[str, float], vdir: Path
+    ) -> PublishResult:
+        """Bookkeeping after the manifest rename: counters, log line, retention, result."""
+        self._next_version = manifest.version + 1
+        self._last_version = manifest.version
+        self._checksums = {e.name: e.checksum for e in manifest.tensors}
+        self._elements = manifest.totals.elements
         try:
             await asyncio.to_thread(append_manifest, self.root, manifest)
         except OSError as exc:  # the log is for operators; the version is committed regardless
             logger.error(
-                "version %d committed but the manifest log append failed: %s", version, exc
+                "version %d committed but the log append failed: %s", manifest.version, exc
             )
         await self._collect_garbage()
-        seconds = dict(acc.seconds)
-        seconds["commit"] = time.perf_counter() - t_commit
-        seconds["total"] = time.perf_counter() - t_start
-        res = PublishResult(
-            version=version,
-            kind=manifest.kind,
-            base_version=manifest.base_version,
-            changed=manifest.totals.changed,
-            total=manifest.totals.elements,
-            density=manifest.totals.density,
-            wire_bytes=manifest.totals.wire_bytes,
-            delta_bytes=manifest.totals.delta_bytes,
-            raw_bytes=manifest.totals.raw_bytes,
-            shards=len(manifest.shards),
-            seconds=seconds,
-            path=vdir,
-        )
+        res = PublishResult.of(manifest, seconds, vdir)
         self._record(res)
         return res
 
@@ -553,7 +489,12 @@ class Publisher:
             atomic_write(vdir / fname, blob, sync_dir=False)
             shard_of[role] = len(acc.shards)
             acc.shards.append(
-                ShardInfo(fname, role, len(blob), _checksum_blob(blob, self.checksum))  # type: ignore[arg-type]
+                ShardInfo(
+                    fname,
+                    role,  # type: ignore[arg-type]
+                    len(blob),
+                    checksum_bytes(blob, self.checksum),
+                )
             )
         for it in enc.items:
             delta_ref = None
@@ -625,13 +566,7 @@ class Publisher:
             shard_dir=shard_dir,
         )
 
-    def _advance_snapshot(
-        self,
-        names: list[str],
-        state_dict: Mapping[str, torch.Tensor],
-        pending: list[PendingUpdate],
-        entries: tuple[TensorEntry, ...],
-    ) -> None:
+    def _advance_snapshot(self, names: list[str], pending: list[PendingUpdate]) -> None:
         old = self._snapshot or {}
         snap: dict[str, torch.Tensor] = {}
         by_name = {p.name: p for p in pending}
@@ -653,8 +588,6 @@ class Publisher:
                 t = p.values.detach().to("cpu").clone().contiguous()
                 snap[name] = t.pin_memory() if pin else t
         self._snapshot = snap
-        self._checksums = {e.name: e.checksum for e in entries}
-        self._elements = sum(e.numel for e in entries)
 
     def _record(self, res: PublishResult) -> None:
         self._history.append(res)
@@ -678,103 +611,25 @@ class Publisher:
     async def _register_checkpoint(self, path: Path) -> PublishResult:
         """Seed from an existing HF safetensors checkpoint without rewriting it."""
         path = path.resolve()
-        files = await asyncio.to_thread(_checkpoint_files, path)
         version = self._next_version
         vdir = version_dir(self.root, version)
         t0 = time.perf_counter()
         created = time.time()
-
-        def scan() -> tuple[list[ShardInfo], list[TensorEntry], dict[str, torch.Tensor]]:
-            shards, entries, snap = [], [], {}
-            for i, f in enumerate(files):
-                digest, size = checksum_file(path / f, self.checksum)
-                shards.append(ShardInfo(f, "full", size, digest))
-                for name, t in safetensors.torch.load_file(path / f).items():
-                    if name in snap:
-                        raise ConfigError(f"{path}: tensor {name!r} appears in two files")
-                    snap[name] = t
-                    entries.append(
-                        TensorEntry(
-                            name,
-                            dtype_name(t.dtype),
-                            tuple(t.shape),
-                            checksum_tensor(t, self.checksum),
-                            t.numel(),
-                            None,
-                            FullRef(i, name),
-                        )
-                    )
-            return shards, entries, snap
-
         try:
-            shards, entries, snap = await asyncio.to_thread(scan)
+            shards, entries, tensors = await asyncio.to_thread(scan_checkpoint, path, self.checksum)
         except AsyncSyncError:
             raise
         except Exception as exc:
-            raise ConfigError(f"cannot register checkpoint {path}: {exc}") from exc
+            raise ConfigError(f"cannot register checkpoint {path}: {exc!r}") from exc
         manifest = self._manifest(
             version, tuple(entries), tuple(shards), 0, created, False, True, shard_dir=str(path)
         )
+        stage = ["mkdir"]
         try:
             await asyncio.to_thread(vdir.mkdir)
-            await asyncio.to_thread(fsync_dir, self.root)
-            if self.pre_commit_hook is not None:
-                await self._run_hook(vdir)
-            await asyncio.to_thread(atomic_write, vdir / MANIFEST_NAME, manifest.to_json().encode())
+            await self._commit(vdir, manifest, stage)
         except BaseException as exc:
-            await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
-            if not isinstance(exc, Exception):
-                raise
-            raise PublishError(f"registering {path} as version {version} failed: {exc!r}") from exc
-        self._next_version = version + 1
-        self._last_version = version
-        self._snapshot = snap
-        self._checksums = {e.name: e.checksum for e in entries}
-        self._elements = manifest.totals.elements
-        await asyncio.to_thread(append_manifest, self.root, manifest)
-        res = PublishResult(
-            version,
-            "full",
-            None,
-            manifest.totals.changed,
-            manifest.totals.elements,
-            manifest.totals.density,
-            0,
-            0,
-            0,
-            len(shards),
-            {
-                "diff": 0.0,
-                "encode": 0.0,
-                "write": 0.0,
-                "commit": 0.0,
-                "total": time.perf_counter() - t0,
-            },
-            vdir,
-        )
-        self._record(res)
-        return res
-
-
-def _checksum_blob(blob: bytes, algorithm: str) -> str:
-    h = new_hasher(algorithm)
-    h.update(blob)
-    return h.hexdigest()
-
-
-def _checkpoint_files(path: Path) -> list[str]:
-    if not path.is_dir():
-        raise ConfigError(f"{path} is not a directory of safetensors files")
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        import json
-
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{path} holds no .safetensors files")
-    for f in files:
-        check_file_name(f, "checkpoint file name")
-    return files
+            await self._discard(vdir, exc, version, stage[0])
+        self._snapshot = tensors
+        t1 = time.perf_counter()
+        return await self._committed(manifest, {"total": t1 - t0, "commit": t1 - t0}, vdir)

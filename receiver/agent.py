@@ -39,10 +39,10 @@ from asyncsync.errors import (
     FormatError,
     IncompleteVersion,
     ManifestError,
-    first_error,
 )
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, manifest_path, version_dir
 from asyncsync.fsio import read_bytes
+from asyncsync.pipeline import run_pipeline
 from asyncsync.shards import parse_shard
 from asyncsync.store import list_versions, read_manifest
 from receiver.engines.base import Engine, TensorUpdate
@@ -370,28 +370,16 @@ class ReceiverAgent:
 
     async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
         """Read+verify+decode shard k+1 while the engine applies shard k."""
-        if not self.pipelined:
-            for idx, shard in shards:
-                await self.engine.apply(await self._fetch_shard(m, mode, idx, shard))
-            return
-        queue: asyncio.Queue[list[TensorUpdate] | None] = asyncio.Queue(maxsize=1)
 
-        async def fetch() -> None:
-            for idx, shard in shards:
-                updates = await self._fetch_shard(m, mode, idx, shard)
-                await queue.put(updates)
-            await queue.put(None)
+        async def fetch(item: tuple[int, ShardInfo]) -> list[TensorUpdate]:
+            return await self._fetch_shard(m, mode, *item)
 
-        async def apply() -> None:
-            while (updates := await queue.get()) is not None:
-                await self.engine.apply(updates)
-
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(fetch())
-                tg.create_task(apply())
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
+        await run_pipeline(
+            shards,
+            [("fetch", fetch), ("apply", self.engine.apply)],
+            maxsize=1,
+            pipelined=self.pipelined,
+        )
 
     async def _fetch_shard(
         self, m: Manifest, mode: Mode, idx: int, shard: ShardInfo
