@@ -126,7 +126,7 @@ class ReceiverAgent:
         self.prefetch_bytes = prefetch_bytes
         self._prefetcher: Prefetcher | None = None
         self._prefetch_task: asyncio.Task[None] | None = None
-        self._acked: int | None = None
+        self._acked: tuple[str, int] | None = None  # (run_id, version) of our last ack
         self._opened = False
         self._sync_lock = asyncio.Lock()
         self._c = _Counters()
@@ -145,7 +145,7 @@ class ReceiverAgent:
         await self.engine.open()
         acks = await asyncio.to_thread(read_acks, self.root)
         mine = acks.get(self.engine_id)
-        self._acked = mine.version if mine else None
+        self._acked = (mine.run_id, mine.version) if mine else None
         self._opened = True
         logger.info("agent %s open: engine at %s", self.engine_id, self.engine.state.version)
 
@@ -273,17 +273,17 @@ class ReceiverAgent:
             probe += 1
         return latest
 
-    def _newest_keyframe(self, target: int, above: int | None) -> Manifest:
+    def _newest_keyframe(self, target: int, run_id: str | None = None) -> Manifest:
         for v in reversed(list_versions(self.root)):
-            if v > target or (above is not None and v <= above):
+            if v > target:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 m = read_manifest(self.root, v)
-                if m.kind == "full":
+                if m.kind == "full" and (run_id is None or m.run_id == run_id):
                     return m
         raise ChainError(
             f"{self.root}: no keyframe at or below version {target}"
-            + (f" and above {above}" if above is not None else "")
+            + (f" of run {run_id}" if run_id else "")
             + " to start from; publish one (publish(..., keyframe=True)) or keep more versions"
         )
 
@@ -294,21 +294,13 @@ class ReceiverAgent:
                 m = read_manifest(self.root, cur + 1)
             except FileNotFoundError:
                 m = None
-            if m is not None:
-                if m.run_id != self.engine.state.run_id and self.engine.state.run_id is not None:
-                    logger.warning(
-                        "version %d is of run %s, engine holds run %s: re-seeding",
-                        m.version,
-                        m.run_id,
-                        self.engine.state.run_id,
-                    )
-                elif m.has_delta:
-                    return m, "delta"
-                elif m.kind == "full":
-                    return m, "full"
-            else:
+            if m is not None and m.run_id == self.engine.state.run_id and m.has_delta:
+                return m, "delta"
+            if m is not None and m.kind == "full":
+                return m, "full"
+            if m is None:
                 logger.warning("version %d is gone: catching up from a keyframe", cur + 1)
-        return self._newest_keyframe(latest, None), "full"
+        return self._newest_keyframe(latest), "full"
 
     # ------------------------------------------------------------------ sync
     async def _sync(self) -> int | None:
@@ -316,6 +308,18 @@ class ReceiverAgent:
         self._c.latest = latest
         if latest is None:
             return self.version
+        newest = await asyncio.to_thread(read_manifest, self.root, latest)
+        held_run = self.engine.state.run_id
+        if self.version is not None and held_run is not None and held_run != newest.run_id:
+            # A new run (a wiped root, another trainer): version numbers say nothing across
+            # runs, so start over from the new run's newest keyframe.
+            logger.warning(
+                "agent %s: engine holds v%s of run %s, the root is now run %s: re-seeding",
+                self.engine_id, self.version, held_run, newest.run_id,
+            )  # fmt: skip
+            kf = await asyncio.to_thread(self._newest_keyframe, latest, newest.run_id)
+            await self._apply_version(kf, "full")
+            await self._ack(kf)
         while (cur := self.version) is None or cur < latest:
             m, mode = await asyncio.to_thread(self._plan_next, cur, latest)
             if cur is not None and m.version <= cur:
@@ -330,16 +334,15 @@ class ReceiverAgent:
                 f"engine holds version {cur} but the root's newest is {latest}: was the root "
                 "reset? Point the engine at an empty checkpoint to start over."
             )
-        if self._acked is None or self._acked < latest:
-            m = await asyncio.to_thread(read_manifest, self.root, latest)
-            await self._ack(m)
+        if self._acked != (newest.run_id, latest):
+            await self._ack(newest)
         return self.version
 
     async def _ack(self, m: Manifest) -> None:
         await asyncio.to_thread(
             write_ack, self.root, self.engine_id, m.version, m.fingerprint, m.run_id
         )
-        self._acked = m.version
+        self._acked = (m.run_id, m.version)
 
     async def _apply_version(self, m: Manifest, mode: Mode) -> None:
         t0 = time.perf_counter()

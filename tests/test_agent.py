@@ -287,3 +287,27 @@ async def test_serialized_mode_gives_the_same_result(tmp_path: Path) -> None:
     async with ReceiverAgent(tmp_path / "r", eng, "e", pipelined=False, prefetch=False) as a:
         assert await a.sync_once() == 2
     assert_holds(eng.load_state_dict(), ref[2])
+
+
+async def test_new_run_is_never_mistaken_for_the_old_one(tmp_path: Path) -> None:
+    """A wiped root restarts version numbers under a new run id: the engine re-seeds."""
+    root = tmp_path / "root"
+    old = await publish_chain(root, 4)
+    ckpt = tmp_path / "ckpt"
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as a:
+        assert await a.sync_once() == 4
+        old_run = a.engine.state.run_id
+    shutil.rmtree(root)
+    new = [mutate(old[0], 0.5, seed=77)]
+    async with Publisher(root) as pub:
+        await pub.seed(new[0])
+        new.append(mutate(new[0], 0.03, seed=78))
+        await pub.publish(new[1])
+        new_run = pub.run_id
+    assert new_run != old_run
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as a:
+        assert await a.sync_once() == 1  # not "4 > 1: nothing to do"
+        assert a.engine.state.run_id == new_run
+        assert_holds(a.engine.load_state_dict(), new[1])  # type: ignore[attr-defined]
+    ack = read_acks(root)["e"]
+    assert (ack.run_id, ack.version) == (new_run, 1)
