@@ -54,6 +54,7 @@ __all__ = ["AgentStatus", "ReceiverAgent"]
 logger = logging.getLogger(__name__)
 
 Mode = Literal["delta", "full"]
+PROGRESS_LOG_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,16 @@ class AgentStatus:
     last_error: str | None
     last_apply_seconds: float | None
     prefetched_shards: int = 0  # shards read before their manifest existed, then verified
+    applying: int | None = None  # the version in flight
+    progress: tuple[int, int] | None = None  # its shards applied / to apply
 
 
 @dataclass
 class _Counters:
     prefetched: int = 0
+    applying: int | None = None
+    progress: tuple[int, int] | None = None
+    progress_logged: float = 0.0
     applied: int = 0
     failures: int = 0
     last_error: str | None = None
@@ -171,6 +177,8 @@ class ReceiverAgent:
             last_error=self._c.last_error,
             last_apply_seconds=self._c.last_apply_seconds,
             prefetched_shards=self._c.prefetched,
+            applying=self._c.applying,
+            progress=self._c.progress,
         )
 
     async def sync_once(self) -> int | None:
@@ -377,12 +385,27 @@ class ReceiverAgent:
         async def fetch(item: tuple[int, ShardInfo]) -> list[TensorUpdate]:
             return await self._fetch_shard(m, mode, *item)
 
-        await run_pipeline(
-            shards,
-            [("fetch", fetch), ("apply", self.engine.apply)],
-            maxsize=1,
-            pipelined=self.pipelined,
-        )
+        c = self._c
+        c.applying, c.progress, c.progress_logged = m.version, (0, len(shards)), time.monotonic()
+
+        async def apply(updates: list[TensorUpdate]) -> None:
+            await self.engine.apply(updates)
+            done = (c.progress[0] + 1) if c.progress else 1
+            c.progress = (done, len(shards))
+            if time.monotonic() - c.progress_logged > PROGRESS_LOG_SECONDS:
+                c.progress_logged = time.monotonic()
+                logger.info("agent %s: applying v%d (%s): %d/%d shards",
+                            self.engine_id, m.version, mode, done, len(shards))  # fmt: skip
+
+        try:
+            await run_pipeline(
+                shards,
+                [("fetch", fetch), ("apply", apply)],
+                maxsize=1,
+                pipelined=self.pipelined,
+            )
+        finally:
+            c.applying = c.progress = None
 
     async def _fetch_shard(
         self, m: Manifest, mode: Mode, idx: int, shard: ShardInfo
