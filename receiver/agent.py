@@ -132,6 +132,7 @@ class ReceiverAgent:
         self.prefetch_bytes = prefetch_bytes
         self._prefetcher: Prefetcher | None = None
         self._prefetch_task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
         self._acked: tuple[str, int] | None = None  # (run_id, version) of our last ack
         self._opened = False
         self._sync_lock = asyncio.Lock()
@@ -190,11 +191,13 @@ class ReceiverAgent:
         await self.open()
         async with self._sync_lock:
             try:
-                return await self._sync()
+                version = await self._sync()
             except Exception as exc:
                 self._c.failures += 1
                 self._c.last_error = f"{type(exc).__name__}: {exc}"
                 raise
+            self._c.last_error = None
+            return version
 
     async def run(self, *, stop: asyncio.Event | None = None) -> None:
         """Keep the engine current until ``stop`` is set (or the task is cancelled).
@@ -204,7 +207,7 @@ class ReceiverAgent:
         """
         await self.open()
         stop = stop or asyncio.Event()
-        wake = asyncio.Event()
+        wake = self._wake = asyncio.Event()
 
         async def watch() -> None:
             async for _reason in wakeups(
@@ -232,6 +235,17 @@ class ReceiverAgent:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             self._prefetcher = self._prefetch_task = None
+            self._wake = None
+
+    def request_sync(self) -> bool:
+        """Ask a running :meth:`run` loop to sync now (e.g. from a control endpoint).
+
+        Returns False when the agent is not running.
+        """
+        if self._wake is None:
+            return False
+        self._wake.set()
+        return True
 
     async def _start_prefetch(self, wake: asyncio.Event) -> None:
         """Prefetch version N+1's shards if it is being written now (dir without manifest)."""

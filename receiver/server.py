@@ -1,0 +1,174 @@
+"""The receiver's HTTP endpoints: what an operator and a monitoring system ask a receiver.
+
+======================  ============================================================
+``GET /healthz``        200 ``{"ok": true}`` while the agent runs and its last sync
+                        succeeded; 503 with the last error otherwise (liveness/readiness)
+``GET /status``         JSON: engine id, applied version, newest version seen, lag, last
+                        error, the version in flight and its progress, counters
+``GET /metrics``        Prometheus text format (prometheus-client)
+``POST /sync``          control: sync now. Needs ``Authorization: Bearer <token>``; with
+                        no token configured, control endpoints answer 403
+======================  ============================================================
+
+It binds ``127.0.0.1`` unless told otherwise: status reveals paths and versions, so exposing it
+is an explicit decision. The token is compared in constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from receiver.agent import ReceiverAgent
+
+__all__ = ["StatusServer"]
+
+logger = logging.getLogger(__name__)
+
+_PROM_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _AgentCollector(Collector):
+    """Reads the agent's status at scrape time (no state of its own)."""
+
+    def __init__(self, agent: ReceiverAgent):
+        self.agent = agent
+
+    def collect(self) -> Iterator[Any]:
+        st = self.agent.status()
+        labels = ["engine_id"]
+        values = [st.engine_id]
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"asyncsync_receiver_{name}", doc, labels=labels)
+            g.add_metric(values, float("nan") if value is None else float(value))
+            return g
+
+        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"asyncsync_receiver_{name}", doc, labels=labels)
+            c.add_metric(values, float(value))
+            return c
+
+        yield gauge("version", "Version the engine holds (NaN: none yet).", st.version)
+        yield gauge("latest_version", "Newest committed version seen in the root.", st.latest)
+        yield gauge("lag_versions", "Versions between the newest and the engine's.", st.lag)
+        yield gauge(
+            "last_apply_seconds", "Seconds the last version took to apply.", st.last_apply_seconds
+        )
+        yield gauge("applying", "1 while a version is being applied.", int(st.applying is not None))
+        yield counter("applied", "Versions applied.", st.applied)
+        yield counter("failures", "Syncs that failed (the engine kept its version).", st.failures)
+        yield counter(
+            "prefetched_shards", "Shards read before their manifest existed.", st.prefetched_shards
+        )
+
+
+class StatusServer:
+    """Serves ``/healthz``, ``/status``, ``/metrics`` and ``POST /sync`` for one agent.
+
+    Example::
+
+        async with StatusServer(agent, port=9500, token=token) as server:
+            await agent.run()
+    """
+
+    def __init__(
+        self,
+        agent: ReceiverAgent,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+    ) -> None:
+        if token is not None and len(token) < 16:
+            raise ValueError("the control token must be at least 16 characters")
+        self.agent = agent
+        self.host = host
+        self.port = port
+        self._token = token
+        self._registry = CollectorRegistry(auto_describe=True)
+        self._registry.register(_AgentCollector(agent))
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    @property
+    def url(self) -> str:
+        if self._site is None:
+            raise RuntimeError("the server is not started")
+        return f"http://{self.host}:{self.port}"
+
+    async def __aenter__(self) -> StatusServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/status", self._status)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/sync", self._sync)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port)
+        await self._site.start()
+        addresses = self._runner.addresses
+        if addresses:
+            self.port = int(addresses[0][1])
+        logger.info("receiver %s serving status on %s", self.agent.engine_id, self.url)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._runner = self._site = None
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        st = self.agent.status()
+        if st.last_error is None:
+            return web.json_response({"ok": True, "version": st.version})
+        return web.json_response(
+            {"ok": False, "version": st.version, "error": st.last_error}, status=503
+        )
+
+    async def _status(self, _request: web.Request) -> web.Response:
+        body = asdict(self.agent.status())
+        body["root"] = str(self.agent.root)
+        return web.json_response(body)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self._registry), headers={"Content-Type": _PROM_CONTENT_TYPE}
+        )
+
+    def _authorized(self, request: web.Request) -> web.Response | None:
+        if self._token is None:
+            return web.json_response(
+                {"error": "control endpoints are disabled: start the receiver with a token"},
+                status=403,
+            )
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+            return web.json_response(
+                {"error": "missing or wrong bearer token"},
+                status=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return None
+
+    async def _sync(self, request: web.Request) -> web.Response:
+        denied = self._authorized(request)
+        if denied is not None:
+            return denied
+        if not self.agent.request_sync():
+            return web.json_response({"error": "the agent is not running"}, status=409)
+        return web.json_response({"ok": True, "requested": True}, status=202)
