@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from asyncsync.cli import gc, verify, versions
+from asyncsync.cli import gc, status, verify, versions
 from asyncsync.cli.common import human_bytes
 from asyncsync.cli.verify import VerifyReport, verify_checkpoint_dir
 from asyncsync.errors import AsyncSyncError
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for module in (versions, verify, gc):
+    for module in (versions, verify, status, gc):
         module.register(sub, common)
     return p
 

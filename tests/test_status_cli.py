@@ -1,0 +1,52 @@
+"""`asyncsync status`: engines, versions, lag and stragglers from the acks."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncsync import Publisher
+from asyncsync.acks import write_ack
+from asyncsync.cli import main
+from tests.conftest import mixed_state, mutate
+
+
+async def test_status_table_json_and_straggler_exit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sd = mixed_state(0)
+    async with Publisher(tmp_path) as pub:
+        await pub.seed(sd)
+        for i in range(1, 6):
+            await pub.publish(mutate(sd, 0.02, seed=i))
+        run = pub.run_id
+    write_ack(tmp_path, "fast", 5, "ab" * 16, run)
+    write_ack(tmp_path, "slow", 1, "ab" * 16, run)
+    write_ack(tmp_path, "ghost", 5, "ab" * 16, "another-run")
+    assert main(["status", str(tmp_path)]) == 3
+    out = capsys.readouterr().out
+    assert "newest version 5, 3 engines, 2 stragglers" in out
+    lines = {line.split()[0]: line for line in out.splitlines()[2:]}
+    assert lines["fast"].rstrip().endswith("ok") and " 0 " in lines["fast"]
+    assert "STRAGGLER" in lines["slow"] and " 4 " in lines["slow"]
+    assert "OTHER RUN" in lines["ghost"]
+
+    assert main(["status", str(tmp_path), "--json", "--max-lag", "10"]) == 3  # ghost remains
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["latest"] == 5 and doc["stragglers"] == ["ghost"]
+    assert {e["engine_id"]: e["lag"] for e in doc["engines"]} == {
+        "fast": 0,
+        "slow": 4,
+        "ghost": None,
+    }
+
+    (tmp_path / "acks" / "ghost.json").unlink()
+    assert main(["status", str(tmp_path), "--max-lag", "10"]) == 0
+    capsys.readouterr()
+    # behind and silent for longer than --stale is a straggler even within --max-lag
+    time.sleep(0.05)
+    assert main(["status", str(tmp_path), "--max-lag", "10", "--stale", "0.01"]) == 3
+    assert main(["status", str(tmp_path / "missing")]) == 1
