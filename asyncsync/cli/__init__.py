@@ -30,6 +30,7 @@ from asyncsync.cli import gc, status, verify, versions
 from asyncsync.cli.common import human_bytes
 from asyncsync.cli.verify import VerifyReport, verify_checkpoint_dir
 from asyncsync.errors import AsyncSyncError
+from asyncsync.logsetup import LOG_FORMATS, setup_logging
 
 __all__ = [
     "VerifyReport",
@@ -47,9 +48,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="asyncsync",
-        description="Inspect and check an asyncsync shared root (read-only).",
+        description="Inspect, check and prune an asyncsync shared root.",
         epilog="exit status: 0 ok; 1 verify found mismatching tensors, or the command failed "
-        "(one line on stderr); 2 bad usage",
+        "(one line on stderr); 2 bad usage; 3 status found stragglers",
     )
     p.add_argument(
         "--log-level",
@@ -58,25 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOG_LEVELS,
         help="logging level on stderr (default WARNING)",
     )
-    # --log-level is accepted after the subcommand too
+    p.add_argument(
+        "--log-format", default="text", choices=LOG_FORMATS,
+        help="text, or json: one JSON object per log record (default text)",
+    )  # fmt: skip
+    # --log-level and --log-format are accepted after the subcommand too
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS,
         help=argparse.SUPPRESS,
     )  # fmt: skip
+    common.add_argument(
+        "--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS, help=argparse.SUPPRESS
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     for module in (versions, verify, status, gc):
         module.register(sub, common)
     return p
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else 2
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     try:
         return int(args.func(args))
     except BrokenPipeError:  # e.g. `asyncsync inspect ROOT | head`: not an error

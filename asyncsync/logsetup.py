@@ -1,0 +1,54 @@
+"""Logging set-up for the command-line tools: human text, or one JSON object per line.
+
+``--log-format json`` is for log shippers (Loki, Elasticsearch, Cloud Logging): every record
+becomes ``{"ts", "level", "logger", "msg", ...}`` with the exception text and any ``extra=``
+fields included, one per line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+__all__ = ["LOG_FORMATS", "JsonFormatter", "setup_logging"]
+
+LOG_FORMATS = ("text", "json")
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record; non-standard record attributes (``extra=``) are kept."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                doc[key] = value
+        return json.dumps(doc, default=str)
+
+
+def setup_logging(level: str = "WARNING", fmt: str = "text") -> None:
+    """Configure the root logger on stderr (replacing earlier handlers)."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
