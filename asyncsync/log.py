@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiofiles
+
 from asyncsync.format import LOG_NAME, Manifest
 from asyncsync.fsio import append_line
 
@@ -54,7 +56,7 @@ async def follow_log(
     """Yield log records as they are appended (polling: works on NFS and FUSE too)."""
     path = root / LOG_NAME
     offset = 0
-    buf = ""
+    buf = b""
     if not from_start and path.exists():
         offset = path.stat().st_size
     while True:
@@ -63,14 +65,15 @@ async def follow_log(
         except FileNotFoundError:
             size = 0
         if size < offset:  # the log was replaced: start over
-            offset, buf = 0, ""
+            offset, buf = 0, b""
         if size > offset:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                f.seek(offset)
-                chunk = f.read(size - offset)
-            offset = size
+            async with aiofiles.open(path, "rb") as f:
+                await f.seek(offset)
+                chunk = await f.read(size - offset)
+            offset += len(chunk)
             buf += chunk
-            *complete, buf = buf.split("\n")
-            for rec in _parse_lines(complete):
+            *complete, buf = buf.split(b"\n")
+            lines = [line.decode("utf-8", errors="replace") for line in complete]
+            for rec in _parse_lines(lines):
                 yield rec
         await asyncio.sleep(poll_interval)
