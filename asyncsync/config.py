@@ -15,10 +15,8 @@ It is validated in one place (``__post_init__``), and every error says how to fi
 Resolution order, highest first: keyword arguments to the loader, command-line arguments,
 environment variables (``ASYNCSYNC_<FIELD>``), the configuration file, the defaults. The file is
 TOML (``.toml``) or JSON (``.json``) with the field names as keys; the loaders find it through
-``file=``, ``--sync-config`` or ``ASYNCSYNC_CONFIG``, in that order. Strings are accepted for
-every field (that is what CLI and environment give): sizes as ``33554432``, ``32MiB`` or ``1G``
-(K/M/G/T and KiB/MiB/... are powers of 1024, KB/MB/... powers of 1000), ``none`` for an optional
-value, ``true``/``false`` for booleans, comma-separated engine ids.
+``file=``, ``--sync-config`` or ``ASYNCSYNC_CONFIG``, in that order. Every field also accepts
+its string form (that is what CLI and environment give), see :mod:`asyncsync.settings`.
 
 The table of fields, with their command-line and environment names, is in docs/INTEGRATION.md.
 """
@@ -30,20 +28,19 @@ import dataclasses
 import difflib
 import json
 import logging
-import math
 import os
-import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync.checksum import ALGORITHMS, DEFAULT_ALGORITHM
-from asyncsync.codec import DEFAULT_ENCODING, ENCODINGS
-from asyncsync.errors import ConfigError, ManifestError
-from asyncsync.format import check_engine_id
-from asyncsync.hooks import check_import_path, describe_callable
+from asyncsync.checksum import DEFAULT_ALGORITHM
+from asyncsync.codec import DEFAULT_ENCODING
+from asyncsync.errors import ConfigError
+from asyncsync.hooks import describe_callable
+from asyncsync.settings import FIELD_SPECS as _SPECS
+from asyncsync.settings import parse_size, parse_value
 from asyncsync.staleness import AckPolicy
 
 __all__ = ["ENV_PREFIX", "FIELD_HELP", "SyncConfig", "parse_size"]
@@ -51,51 +48,6 @@ __all__ = ["ENV_PREFIX", "FIELD_HELP", "SyncConfig", "parse_size"]
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "ASYNCSYNC_"
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-_NONE = frozenset({"", "none", "null"})
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: ``4096``, ``32MiB``, ``1.5G`` (K/M/G/T = 1024^n, KB/MB/... = 1000^n)."""
-    m = _SIZE_RE.match(text.replace("_", ""))
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; write e.g. 33554432, 32MiB or 1G")
-    value = float(m.group(1)) * _UNITS[unit]
-    if value != int(value):
-        raise ValueError(f"{text!r} is not a whole number of bytes")
-    return int(value)
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """How one field is parsed from a string and checked."""
-
-    kind: Literal["path", "choice", "int", "size", "float", "bool", "hook", "engines"]
-    help: str
-    choices: tuple[str, ...] = ()
-    minimum: float | None = None
-    maximum: float | None = None
-    optional: bool = False
-    fix: str = ""  # appended to a failed check: how to fix it
 
 
 @dataclass(frozen=True)
@@ -103,9 +55,15 @@ class SyncConfig:
     """Trainer-side weight-sync settings (see the module docstring for loaders and order).
 
     ``root`` may be given as a ``str``; it is stored as a :class:`~pathlib.Path`. Every other
-    field also accepts its string form. ``pre_commit_hook`` is a callable ``hook(version_dir)``
-    or its import path ``"pkg.module:function"``, resolved by the factory. What each field
-    means: :data:`FIELD_HELP` (and ``--help`` of a parser given :meth:`add_arguments`).
+    field also accepts its string form (``bucket_bytes="64MiB"``, ``ack_engines="a,b"``).
+    ``pre_commit_hook`` is a callable ``hook(version_dir)`` or its import path
+    ``"pkg.module:function"``, resolved by the factory. What each field means:
+    :data:`FIELD_HELP` (and ``--help`` of a parser given :meth:`add_arguments`).
+
+    Example::
+
+        cfg = SyncConfig(root="/shared/weights", ack_quorum=2, max_staleness=1)
+        cfg.ack_policy      # AckPolicy(engines=(), quorum=2, timeout=600.0, max_staleness=1)
     """
 
     root: Path = None  # type: ignore[assignment]  # required; None gives a clear error
@@ -117,7 +75,7 @@ class SyncConfig:
     bucket_bytes: int = 32 << 20
     max_in_flight: int = 2
     keyframe_interval: int = 20
-    zstd_level: int = 3
+    zstd_level: int = 1
     keep_versions: int | None = None
     keep_bytes: int | None = None
     pre_commit_hook: str | Callable[..., Any] | None = None
@@ -126,6 +84,30 @@ class SyncConfig:
     ack_quorum: int | None = None
     ack_timeout: float | None = 600.0
     max_staleness: int = 0
+
+    if TYPE_CHECKING:  # what the constructor accepts: string forms too (the attributes are typed)
+
+        def __init__(
+            self,
+            root: str | os.PathLike[str],
+            mode: str = ...,
+            transport: str = ...,
+            colocate: bool | str = ...,
+            encoding: str = ...,
+            checksum: str = ...,
+            bucket_bytes: int | str = ...,
+            max_in_flight: int | str = ...,
+            keyframe_interval: int | str = ...,
+            zstd_level: int | str = ...,
+            keep_versions: int | str | None = ...,
+            keep_bytes: int | str | None = ...,
+            pre_commit_hook: str | Callable[..., Any] | None = ...,
+            start_version: int | str = ...,
+            ack_engines: Sequence[str] | str = ...,
+            ack_quorum: int | str | None = ...,
+            ack_timeout: float | str | None = ...,
+            max_staleness: int | str = ...,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -193,12 +175,14 @@ class SyncConfig:
         section: str | None = None,
         env_prefix: str = ENV_PREFIX,
         arg_prefix: str = "sync",
+        labels: Mapping[str, str] | None = None,
         **overrides: Any,
     ) -> SyncConfig:
         """Resolve every field: ``overrides`` > ``args`` > ``environ`` > file > defaults.
 
         The file is ``file``, else ``--<arg_prefix>-config``, else ``<env_prefix>CONFIG``.
-        ``environ`` defaults to no environment (pass ``os.environ`` to read it).
+        ``environ`` defaults to no environment (pass ``os.environ`` to read it). ``labels``
+        names where each override came from, for error messages (e.g. a caller's own flag).
         """
         environ = environ if environ is not None else {}
         layers: dict[str, tuple[Any, str]] = {}
@@ -215,7 +199,17 @@ class SyncConfig:
         for name, value in overrides.items():
             if name not in _SPECS:
                 raise ConfigError(_unknown(name, "SyncConfig has no field"))
-            layers[name] = (value, f"argument {name}=")
+            layers[name] = (value, (labels or {}).get(name, f"argument {name}="))
+        return _build(cls, layers)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SyncConfig:
+        """From a mapping of field names to values (strings accepted); unknown keys are refused."""
+        layers = {}
+        for name, value in data.items():
+            if name not in _SPECS:
+                raise ConfigError(_unknown(name, "SyncConfig has no field"))
+            layers[name] = (value, f"{name}=")
         return _build(cls, layers)
 
     @classmethod
@@ -305,72 +299,6 @@ class SyncConfig:
 
 
 # ---------------------------------------------------------------------- parsing and checks
-_SPECS: dict[str, _Spec] = {
-    "root": _Spec("path", "shared directory the versions are written to (one publisher per root)"),
-    "mode": _Spec(
-        "choice",
-        "delta: sparse deltas against the previous version (+ keyframes); full: a complete "
-        "safetensors checkpoint per version",
-        choices=("delta", "full"),
-    ),
-    "transport": _Spec(
-        "choice",
-        "how weights travel; asyncsync moves them through the shared directory only",
-        choices=("disk",),
-        fix="asyncsync writes versions to a shared directory that the receivers read; it has no "
-        "NCCL/RDMA transport. Use 'disk' (and set root), or keep your framework's own updater "
-        "for in-cluster broadcast",
-    ),
-    "colocate": _Spec("bool", "engines share the trainer's GPUs (refused with mode 'delta')"),
-    "encoding": _Spec(
-        "choice",
-        "delta encoding (ignored in full mode)",
-        choices=ENCODINGS,
-        fix="xef is asyncsync's and the smallest; indices, deltas and deltas_zstd are slime's "
-        "generation-1 encodings",
-    ),
-    "checksum": _Spec("choice", "checksum of shards and tensors", choices=ALGORITHMS),
-    "bucket_bytes": _Spec("size", "tensors per shard, in bytes (e.g. 32MiB)", minimum=1),
-    "max_in_flight": _Spec(
-        "int", "encoded buckets waiting for the writer (bounds memory)", minimum=1
-    ),
-    "keyframe_interval": _Spec(
-        "int",
-        "every N-th version also carries full data, for engines that join late (0: never)",
-        minimum=0,
-    ),
-    "zstd_level": _Spec("int", "zstd level of delta payloads (1-22)", minimum=1, maximum=22),
-    "keep_versions": _Spec(
-        "int", "retention: keep the newest N versions (none: keep all)", minimum=1, optional=True
-    ),
-    "keep_bytes": _Spec(
-        "size", "retention: keep at most this many bytes (none: no limit)", minimum=1, optional=True
-    ),
-    "pre_commit_hook": _Spec(
-        "hook",
-        "hook(version_dir) run after the shards are durable, before the commit; an import path "
-        "pkg.module:function",
-        optional=True,
-    ),
-    "start_version": _Spec(
-        "int",
-        "the trainer's weight version of the first publish (slime's update_weight_start_version)",
-        minimum=0,
-    ),
-    "ack_engines": _Spec("engines", "engine ids that must all acknowledge (comma-separated)"),
-    "ack_quorum": _Spec(
-        "int", "or: how many engines (any) must acknowledge", minimum=1, optional=True
-    ),
-    "ack_timeout": _Spec(
-        "float", "seconds to wait for acks before failing (none: forever)", optional=True
-    ),
-    "max_staleness": _Spec(
-        "int",
-        "versions the trainer may run ahead of the engines it waits for (0: wait for each "
-        "version; 1: publish N, wait for N-1)",
-        minimum=0,
-    ),
-}
 assert list(_SPECS) == [f.name for f in dataclasses.fields(SyncConfig)]
 
 #: What each field means, by name.
@@ -384,6 +312,8 @@ def _where(name: str) -> str:
 def _show(v: Any) -> str:
     if v is None:
         return "none"
+    if isinstance(v, bool):
+        return str(v).lower()
     if isinstance(v, tuple):
         return ",".join(v) or "none"
     return str(v)
@@ -400,89 +330,11 @@ def _check(name: str, value: Any, source: str | None = None) -> Any:
     spec = _SPECS[name]
     label = source or f"SyncConfig.{name}"
     try:
-        return _parse(spec, value)
+        return parse_value(spec, value)
     except (ValueError, TypeError) as exc:
         fix = f". {spec.fix}" if spec.fix else ""
         where = "" if source else f" {_where(name)}"
         raise ConfigError(f"{label}: {exc}{fix}{where}") from None
-
-
-def _parse(spec: _Spec, raw: Any) -> Any:
-    if isinstance(raw, str) and spec.kind not in ("path", "hook", "choice"):
-        raw = raw.strip()
-    if spec.optional and (raw is None or (isinstance(raw, str) and raw.lower() in _NONE)):
-        return None
-    if raw is None:
-        raise ValueError("is required")
-    kind = spec.kind
-    value: Any
-    if kind == "path":
-        if not isinstance(raw, str | os.PathLike) or not str(raw).strip():
-            raise ValueError(f"expected a directory path, got {raw!r}")
-        return Path(os.path.expanduser(str(raw).strip()))
-    if kind == "choice":
-        if not isinstance(raw, str) or raw.strip() not in spec.choices:
-            raise ValueError(f"must be one of {', '.join(spec.choices)}; got {raw!r}")
-        return raw.strip()
-    if kind == "bool":
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in _TRUE | _FALSE:
-            return raw.lower() in _TRUE
-        raise ValueError(f"expected true or false, got {raw!r}")
-    if kind == "hook":
-        if callable(raw):
-            return raw
-        if not isinstance(raw, str):
-            raise ValueError(f"expected a callable or 'pkg.module:function', got {raw!r}")
-        try:
-            return check_import_path(raw, what="pre_commit_hook")
-        except ConfigError as exc:
-            raise ValueError(str(exc).removeprefix("pre_commit_hook: ")) from None
-    if kind == "engines":
-        items = raw.split(",") if isinstance(raw, str) else raw
-        if not isinstance(items, list | tuple):
-            raise ValueError(f"expected engine ids (a list or 'a,b,c'), got {raw!r}")
-        out = []
-        for item in items:
-            try:
-                out.append(check_engine_id(item.strip() if isinstance(item, str) else item))
-            except ManifestError as exc:
-                raise ValueError(str(exc)) from None
-        if len(set(out)) != len(out):
-            raise ValueError(f"engine ids repeat: {out}")
-        return tuple(out)
-    if isinstance(raw, bool):
-        raise ValueError(f"expected a number, got {raw!r}")
-    if kind == "float":
-        try:
-            value = float(raw) if isinstance(raw, int | float | str) else math.nan
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            raise ValueError(f"expected a finite number of seconds, got {raw!r}")
-    elif kind == "size":
-        if isinstance(raw, str):
-            value = parse_size(raw)
-        elif isinstance(raw, int):
-            value = raw
-        else:
-            raise ValueError(f"expected a size such as 33554432 or 32MiB, got {raw!r}")
-    else:  # int
-        if isinstance(raw, str):
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ValueError(f"expected a whole number, got {raw!r}") from None
-        elif isinstance(raw, int):
-            value = raw
-        else:
-            raise ValueError(f"expected a whole number, got {raw!r}")
-    if spec.minimum is not None and value < spec.minimum:
-        raise ValueError(f"must be >= {spec.minimum:g}, got {value}")
-    if spec.maximum is not None and value > spec.maximum:
-        raise ValueError(f"must be <= {spec.maximum:g}, got {value}")
-    return value
 
 
 def _build(cls: type[SyncConfig], layers: dict[str, tuple[Any, str]]) -> SyncConfig:

@@ -1,0 +1,84 @@
+"""SyncSession: blocking publishes on a private loop, versions on a reused root, interruption."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync import ConfigError, LockHeld, PublishError
+from asyncsync.config import SyncConfig
+from asyncsync.session import SyncSession, collect_state_dict
+from asyncsync.store import list_versions
+from tests.conftest import mixed_state, mutate
+
+
+def test_seed_then_publish_and_weight_versions(tmp_path: Path) -> None:
+    cfg = SyncConfig(root=tmp_path, start_version=100, keyframe_interval=0)
+    sd = mixed_state(0)
+    with SyncSession(cfg) as sync:
+        first = sync.publish(sd)
+        assert first.seeded and first.result.kind == "full" and first.weight_version == 100
+        second = sync.publish(iter(mutate(sd, 0.02, seed=1).items()))  # (name, tensor) pairs
+        assert not second.seeded and second.result.kind == "delta"
+        assert (second.result.version, second.weight_version) == (1, 101)
+        assert second.ack.target is None  # the policy waits for nobody
+        assert sync.wait_acked().target is None
+        assert "open" in repr(sync) and sync.last_step is second
+        with pytest.raises(LockHeld):
+            SyncSession(cfg).open()  # one publisher per root
+    assert "closed" in repr(sync)
+    with pytest.raises(PublishError, match="closed"):
+        sync.publish(sd)
+    with pytest.raises(PublishError, match="closed"):
+        sync.open()
+    # a restarted trainer on the same root: root versions continue, weight versions restart
+    with SyncSession(cfg.replace(start_version=200)) as sync:
+        step = sync.publish(sd)
+        assert (step.result.version, step.weight_version, sync.seed_version) == (2, 200, 2)
+        assert sync.publish(sd).weight_version == 201
+    assert list_versions(tmp_path) == [0, 1, 2, 3]
+
+
+def test_not_open_and_bad_weights(tmp_path: Path) -> None:
+    sync = SyncSession(SyncConfig(root=tmp_path))
+    with pytest.raises(PublishError, match="not open"):
+        sync.publish({"a": torch.zeros(2)})
+    with pytest.raises(ConfigError, match="twice"):
+        collect_state_dict([("a", torch.zeros(1)), ("a", torch.zeros(1))])
+    sync.close()
+    sync.close()  # idempotent
+
+
+def test_interrupt_cancels_the_publish_and_cleans_up(tmp_path: Path) -> None:
+    """Ctrl-C while a version is being written: nothing is committed, the session still works."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_hook(version_dir: Path) -> None:
+        entered.set()
+        release.wait(30)
+
+    sd = mixed_state(0)
+    cfg = SyncConfig(root=tmp_path, pre_commit_hook=slow_hook)
+    with SyncSession(cfg, cancel_grace=10) as sync:
+
+        def interrupt() -> None:
+            if entered.wait(30):
+                os.kill(os.getpid(), signal.SIGINT)
+
+        killer = threading.Thread(target=interrupt)
+        killer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                sync.publish(sd)
+        finally:
+            release.set()
+            killer.join()
+        assert sync.version is None and list_versions(tmp_path) == []
+        assert not (tmp_path / "v000000000000").exists()
+        release.set()
+        assert sync.publish(sd).result.version == 0
