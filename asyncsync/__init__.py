@@ -12,6 +12,7 @@ The engine side lives in the ``receiver`` package. ``docs/FORMAT.md`` specifies 
 format both sides share.
 """
 
+from asyncsync.config import SyncConfig
 from asyncsync.errors import (
     AckTimeout,
     ApplyFailed,
@@ -27,13 +28,19 @@ from asyncsync.errors import (
     OutOfOrder,
     PublishError,
 )
+from asyncsync.factory import create_publisher
 from asyncsync.format import FORMAT_VERSION, AckRecord, Manifest, TensorEntry
-from asyncsync.publisher import Publisher, PublisherStats, PublishResult
+from asyncsync.publisher import Publisher
+from asyncsync.retention import RetentionPolicy
+from asyncsync.session import SyncSession
+from asyncsync.staleness import AckPolicy
+from asyncsync.stats import PublisherStats, PublishResult
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
+    "AckPolicy",
     "AckRecord",
     "AckTimeout",
     "ApplyFailed",
@@ -52,6 +59,10 @@ __all__ = [
     "PublishResult",
     "Publisher",
     "PublisherStats",
+    "RetentionPolicy",
+    "SyncConfig",
+    "SyncSession",
     "TensorEntry",
     "__version__",
+    "create_publisher",
 ]
