@@ -51,6 +51,7 @@ __all__ = [
     "decode_delta",
     "encode_delta",
     "encoded_size",
+    "gather",
     "int_view",
 ]
 
@@ -123,8 +124,11 @@ def changed_positions(
 ) -> list[torch.Tensor]:
     """Sorted int64 flat positions where each ``new`` differs bytewise from its ``old``.
 
-    All pairs share one bool mask buffer and one ``torch.nonzero``; the result is split at the
-    tensor boundaries with one host sync. Positions are relative to each tensor's start.
+    All pairs share one bool mask buffer and one extraction of its set positions, split at the
+    tensor boundaries with one host sync; positions are relative to each tensor's start. On
+    CPU the compare and the extraction run in NumPy (``!=`` then ``flatnonzero``), which on
+    the machines we measured is about 3x faster than ``torch.ne`` + ``torch.nonzero``; on an
+    accelerator they run in torch (one ``torch.nonzero``).
     """
     if len(olds) != len(news):
         raise ConfigError(f"{len(olds)} old tensors but {len(news)} new ones")
@@ -141,6 +145,15 @@ def changed_positions(
         if old.device != device or new.device != device:
             raise ConfigError(f"tensor {i}: all tensors must be on {device}")
         numels.append(old.numel())
+    if device.type == "cpu":
+        return _changed_positions_numpy(olds, news, numels)
+    return _changed_positions_torch(olds, news, numels)
+
+
+def _changed_positions_torch(
+    olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], numels: list[int]
+) -> list[torch.Tensor]:
+    device = olds[0].device
     mask = torch.empty(sum(numels), dtype=torch.bool, device=device)
     start = 0
     for old, new, numel in zip(olds, news, numels, strict=True):
@@ -155,6 +168,24 @@ def changed_positions(
     starts = ends - torch.tensor(numels, dtype=torch.int64, device=device)
     rel = pos - starts[torch.searchsorted(ends, pos, right=True)]
     return list(torch.split(rel, counts.tolist()))
+
+
+def _changed_positions_numpy(
+    olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], numels: list[int]
+) -> list[torch.Tensor]:
+    mask = np.empty(sum(numels), dtype=np.bool_)
+    start = 0
+    for old, new, numel in zip(olds, news, numels, strict=True):
+        np.not_equal(int_view(old).numpy(), int_view(new).numpy(), out=mask[start : start + numel])
+        start += numel
+    pos = np.flatnonzero(mask)
+    ends = np.cumsum(numels)
+    cuts = np.searchsorted(pos, ends)
+    out, lo, begin = [], 0, 0
+    for cut, numel in zip(cuts.tolist(), numels, strict=True):
+        out.append(torch.from_numpy(pos[lo:cut] - begin))
+        lo, begin = cut, begin + numel
+    return out
 
 
 def encode_delta(
@@ -190,9 +221,10 @@ def encode_delta(
         raise ConfigError("positions must be strictly increasing and within the tensor")
     if encoding == "xef":
         pblob, praw = _ef_encode(idx, numel)
-        values = _zstd(_planes(torch.bitwise_xor(new[pos], old[pos])), level)
+        xor = torch.bitwise_xor(gather(new, pos, idx), gather(old, pos, idx))
+        values = _zstd(_planes(xor), level)
         return EncodedDelta(encoding, "sparse", n, pblob, values, praw + n * width)
-    values = new[pos].cpu().numpy().astype(_NP_BY_WIDTH[width], copy=False).tobytes()
+    values = gather(new, pos, idx).cpu().numpy().astype(_NP_BY_WIDTH[width], copy=False).tobytes()
     if encoding == "indices":
         pblob = idx.astype("<i4" if numel <= _INDEX32_MAX else "<i8").tobytes()
         return EncodedDelta(encoding, "sparse", n, pblob, values, len(pblob) + len(values))
@@ -204,6 +236,20 @@ def encode_delta(
     if encoding == "deltas_zstd":
         pblob = _zstd(pblob, _DELTAS_ZSTD_LEVEL)
     return EncodedDelta(encoding, "sparse", n, pblob, values, raw)
+
+
+def gather(
+    flat: torch.Tensor, positions: torch.Tensor, idx: NDArray[np.int64] | None = None
+) -> torch.Tensor:
+    """``flat[positions]`` as a new tensor; on CPU through NumPy's ``take`` (~2x torch's gather).
+
+    ``idx`` is the same positions as a NumPy array when the caller already has one.
+    """
+    if flat.device.type != "cpu":
+        return flat[positions.to(flat.device)]
+    if idx is None:
+        idx = positions.numpy()
+    return torch.from_numpy(np.take(flat.numpy(), idx))
 
 
 def decode_delta(

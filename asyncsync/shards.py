@@ -165,7 +165,7 @@ def encode_bucket(
                 delta_tensors[vkey] = to_blob_tensor(enc.values)
                 out.raw_bytes += enc.raw_bytes
                 if enc.mode == "sparse":
-                    out.pending.append(PendingUpdate(it.name, pos, new_i[pos].clone()))
+                    out.pending.append(PendingUpdate(it.name, pos, codec.gather(new_i, pos)))
                 else:
                     out.pending.append(PendingUpdate(it.name, None, it.new))
         else:

@@ -20,6 +20,7 @@ from asyncsync.codec import (
     ENCODINGS,
     EncodedDelta,
     Patch,
+    _changed_positions_torch,
     apply_patch,
     changed_positions,
     decode_delta,
@@ -337,20 +338,30 @@ def test_changed_positions_matches_per_tensor_reference(monkeypatch: pytest.Monk
     reference = [
         torch.nonzero(int_view(o) != int_view(n)).view(-1) for o, n in zip(olds, news, strict=True)
     ]
-    calls: list[int] = []
+    calls: list[str] = []
     real_nonzero: Callable[..., Any] = torch.nonzero
+    real_flatnonzero: Callable[..., Any] = np.flatnonzero
 
     def counting_nonzero(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
+        calls.append("torch.nonzero")
         return real_nonzero(*args, **kwargs)
 
+    def counting_flatnonzero(*args: Any, **kwargs: Any) -> Any:
+        calls.append("np.flatnonzero")
+        return real_flatnonzero(*args, **kwargs)
+
     monkeypatch.setattr(torch, "nonzero", counting_nonzero)
-    got = changed_positions(olds, news)
-    assert len(calls) == 1
+    monkeypatch.setattr(np, "flatnonzero", counting_flatnonzero)
+    got = changed_positions(olds, news)  # CPU: the NumPy path
+    assert calls == ["np.flatnonzero"]
+    calls.clear()
+    numels = [o.numel() for o in olds]
+    got_torch = _changed_positions_torch(olds, news, numels)  # the accelerator path, on CPU
+    assert calls == ["torch.nonzero"]
     monkeypatch.undo()
-    assert len(got) == len(reference)
-    for g, r in zip(got, reference, strict=True):
-        assert g.dtype == torch.int64 and g.tolist() == r.tolist()
+    assert len(got) == len(got_torch) == len(reference)
+    for g, gt, r in zip(got, got_torch, reference, strict=True):
+        assert g.dtype == gt.dtype == torch.int64 and g.tolist() == gt.tolist() == r.tolist()
     assert changed_positions([], []) == []
 
 
