@@ -56,10 +56,11 @@ _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "KI": 1024, "MI": 1 << 20, "GI": 
 @dataclass(frozen=True)
 class Throttle:
     """A simulated slow filesystem: ``bandwidth`` bytes/s (None: unlimited) and ``latency``
-    seconds per file operation."""
+    seconds per file operation, for files under ``root`` (None: every file)."""
 
     bandwidth: float | None = None
     latency: float = 0.0
+    root: str | None = None
 
     def __post_init__(self) -> None:
         if self.bandwidth is not None and self.bandwidth <= 0:
@@ -69,9 +70,10 @@ class Throttle:
 
     @classmethod
     def parse(cls, text: str) -> Throttle:
-        """``"200MB/s,5ms"``, ``"1GiB/s"``, ``"10ms"`` -> Throttle."""
+        """``"200MB/s,5ms"``, ``"1GiB/s"``, ``"10ms@/shared/root"`` -> Throttle."""
         bw: float | None = None
         lat = 0.0
+        text, _, root = text.partition("@")
         for part in filter(None, (p.strip() for p in text.split(","))):
             m = re.fullmatch(r"([\d.]+)\s*([KMG]I?)?B/S", part.upper())
             if m:
@@ -81,8 +83,14 @@ class Throttle:
             if m:
                 lat = float(m.group(1)) * {"S": 1.0, "MS": 1e-3, "US": 1e-6}[m.group(2)]
                 continue
-            raise ValueError(f"cannot parse throttle {text!r}: use e.g. '200MB/s,5ms'")
-        return cls(bw, lat)
+            raise ValueError(f"cannot parse throttle {text!r}: use e.g. '200MB/s,5ms@/root'")
+        return cls(bw, lat, os.path.abspath(root) if root else None)
+
+    def applies_to(self, path: str | os.PathLike[str]) -> bool:
+        if self.root is None:
+            return True
+        p = os.path.abspath(path)
+        return p == self.root or p.startswith(self.root.rstrip(os.sep) + os.sep)
 
     def cost(self, nbytes: int) -> float:
         """Seconds one file operation of ``nbytes`` takes on this filesystem."""
@@ -106,9 +114,9 @@ def get_throttle() -> Throttle | None:
     return _throttle
 
 
-def _throttled(nbytes: int, started: float) -> None:
+def _throttled(path: str | os.PathLike[str], nbytes: int, started: float) -> None:
     t = _throttle
-    if t is not None:
+    if t is not None and t.applies_to(path):
         remaining = t.cost(nbytes) - (time.perf_counter() - started)
         if remaining > 0:
             time.sleep(remaining)
@@ -163,7 +171,7 @@ def atomic_write(
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             n = _write_all(f, chunks)
-            _throttled(n, started)
+            _throttled(path, n, started)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -195,7 +203,7 @@ def read_bytes(path: str | os.PathLike[str], *, limit: int | None = None) -> byt
     started = time.perf_counter()
     with open(path, "rb") as f:
         data = f.read() if limit is None else f.read(limit + 1)
-    _throttled(len(data), started)
+    _throttled(path, len(data), started)
     if limit is not None and len(data) > limit:
         raise ValueError(f"{path} is larger than {limit} bytes")
     return data
