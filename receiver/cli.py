@@ -4,6 +4,14 @@
 
     asyncsync-receiver --root /shared/weights --engine-id node3-gpu0 --checkpoint /local/ckpt
     asyncsync-receiver --root /shared/weights --engine-id node3-gpu0 --checkpoint /local/ckpt --once
+    asyncsync-receiver --root /shared/weights --engine-id node3-gpu0 --checkpoint /local/ckpt \
+        --sglang-url http://127.0.0.1:30000 --api-key-file /run/secrets/sglang-api-key
+
+With ``--sglang-url`` (or ``--vllm-url``) the receiver also makes that server reload the
+checkpoint after each version and acknowledges a version only once the server reports it
+(``receiver.engines.SGLang`` / ``VLLM``, docs/ENGINES.md). The server's API key comes from
+``--api-key-file``, else the ``ASYNCSYNC_API_KEY`` environment variable; it is never taken on
+the command line, where ``ps`` would show it.
 
 Why a separate process: the receiver runs next to an inference engine, which reloads (or mmaps)
 the checkpoint directory; the receiver owns that directory (one agent per engine, a lock) and
@@ -20,14 +28,19 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from asyncsync.errors import AsyncSyncError
+from asyncsync.errors import AsyncSyncError, ConfigError
 from receiver.agent import ReceiverAgent
+from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.http_engine import Timeouts
+from receiver.engines.sglang import PAUSE_MODES, SGLang
+from receiver.engines.vllm import VLLM
 
 __all__ = ["build_parser", "main"]
 
@@ -36,6 +49,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a stop signal
+API_KEY_ENV = "ASYNCSYNC_API_KEY"
 
 
 def _positive_float(text: str) -> float:
@@ -76,6 +90,46 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not use inotify (use on NFS/FUSE mounts written by other hosts)",
     )
+    server = p.add_argument_group(
+        "inference server", "make a server reload the checkpoint after each version"
+    )
+    urls = server.add_mutually_exclusive_group()
+    urls.add_argument(
+        "--sglang-url", metavar="URL", help="an SGLang server, e.g. http://127.0.0.1:30000"
+    )
+    urls.add_argument(
+        "--vllm-url", metavar="URL", help="a vLLM server in dev mode (VLLM_SERVER_DEV_MODE=1)"
+    )
+    server.add_argument(
+        "--api-key-file",
+        metavar="F",
+        help=f"file holding the server's API key (default: ${API_KEY_ENV}, if set)",
+    )
+    server.add_argument(
+        "--engine-model-path",
+        metavar="DIR",
+        help="the checkpoint directory as the server sees it (default: --checkpoint)",
+    )
+    server.add_argument(
+        "--pause-mode",
+        choices=PAUSE_MODES,
+        default="abort",
+        help="SGLang pause mode around a reload (default abort; see docs/ENGINES.md)",
+    )
+    server.add_argument(
+        "--engine-update-timeout",
+        type=_positive_float,
+        default=Timeouts.update,
+        metavar="S",
+        help=f"seconds a weight reload may take (default {Timeouts.update:g})",
+    )
+    server.add_argument(
+        "--engine-startup-timeout",
+        type=_positive_float,
+        default=Timeouts.startup,
+        metavar="S",
+        help=f"seconds to wait for the server to come up (default {Timeouts.startup:g})",
+    )
     p.add_argument(
         "--log-level",
         default="INFO",
@@ -96,8 +150,36 @@ def run_async(main_fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
         return runner.run(main_fn())
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key-file, else $ASYNCSYNC_API_KEY, else None (surrounding whitespace stripped)."""
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --api-key-file {args.api_key_file}: {exc}") from exc
+        if not key:
+            raise ConfigError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def _make_engine(args: argparse.Namespace) -> Engine:
+    if not (args.sglang_url or args.vllm_url):
+        return LocalCheckpoint(args.checkpoint)
+    timeouts = Timeouts(update=args.engine_update_timeout, startup=args.engine_startup_timeout)
+    common: dict[str, Any] = {
+        "api_key": _api_key(args),
+        "model_path": args.engine_model_path,
+        "timeouts": timeouts,
+    }
+    if args.sglang_url:
+        return SGLang(args.sglang_url, args.checkpoint, pause_mode=args.pause_mode, **common)
+    return VLLM(args.vllm_url, args.checkpoint, **common)
+
+
 def _make_agent(args: argparse.Namespace) -> ReceiverAgent:
-    engine = LocalCheckpoint(args.checkpoint)
+    engine = _make_engine(args)
     return ReceiverAgent(
         args.root,
         engine,
@@ -121,7 +203,21 @@ async def _serve(args: argparse.Namespace) -> int | None:
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
     try:
-        async with _make_agent(args) as agent:
+        agent = _make_agent(args)
+        # opening waits for an inference server that may take minutes to start: stoppable
+        opening = asyncio.create_task(agent.open(), name=f"open {args.engine_id}")
+        stop_wait = asyncio.create_task(stop.wait())
+        await asyncio.wait({opening, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if not opening.done():
+            logger.info("receiver %s: stopped while starting", args.engine_id)
+            opening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await opening
+            await agent.close()
+            return agent.version
+        opening.result()
+        async with agent:
             logger.info(
                 "receiver %s: root=%s checkpoint=%s holding version %s",
                 args.engine_id,
@@ -155,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if not (args.sglang_url or args.vllm_url) and (args.api_key_file or args.engine_model_path):
+            parser.error("--api-key-file and --engine-model-path need --sglang-url or --vllm-url")
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(

@@ -1,0 +1,287 @@
+"""HTTP plumbing shared by the engines that drive an inference server (SGLang, vLLM).
+
+:class:`HttpClient` is the one way these engines talk to a server:
+
+* one ``aiohttp`` session per engine, created in the running loop, closed by ``close()``;
+* a deadline on every call (``timeout=`` per call; the caller picks it, :class:`Timeouts`);
+* bounded retries with exponential backoff on connection errors, 5xx answers and timeouts
+  (:class:`RetryPolicy`); never a retry on a 4xx: the server understood and said no;
+* ``Authorization: Bearer <key>`` on every call when a key is given. The key never appears in
+  a log line, an error message or a ``repr``;
+* every failure is an :class:`EngineHTTPError` (an :class:`~asyncsync.errors.ApplyFailed`)
+  carrying the endpoint, the HTTP status and the server's own message, with a hint for the
+  statuses an operator can act on (401/403: the key; 404: the server version or mode).
+
+:class:`~receiver.engines.reloading.ReloadingEngine` builds the engines on top of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from asyncsync.errors import ApplyFailed, ConfigError
+
+__all__ = ["EngineHTTPError", "HttpClient", "RetryPolicy", "Timeouts"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_MESSAGE = 600  # characters of a server's error body kept in an exception
+
+
+class EngineHTTPError(ApplyFailed):
+    """A call to the engine's server failed; the engine keeps its last good version.
+
+    ``endpoint`` is e.g. ``"POST /update_weights_from_disk"``; ``status`` the HTTP status, or
+    None when no answer came (connection refused or reset, timeout); ``server_message`` what
+    the server said (its ``message``/``error``/``detail`` field, else the start of its body).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        endpoint: str,
+        status: int | None = None,
+        server_message: str | None = None,
+    ):
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.status = status
+        self.server_message = server_message
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often a failed call is retried: ``attempts`` tries in all, sleeping
+    ``initial * multiplier**k`` seconds (at most ``maximum``, minus up to ``jitter`` of it,
+    at random) between them. Only connection errors, timeouts and 5xx answers are retried."""
+
+    attempts: int = 4
+    initial: float = 0.5
+    multiplier: float = 2.0
+    maximum: float = 8.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if self.initial < 0 or self.maximum < 0 or self.multiplier < 1:
+            raise ConfigError("RetryPolicy: initial/maximum must be >= 0 and multiplier >= 1")
+        if not 0 <= self.jitter < 1:
+            raise ConfigError(f"RetryPolicy.jitter must be in [0, 1), got {self.jitter}")
+
+    def delay(self, retry: int) -> float:
+        """Seconds to sleep before retry number ``retry`` (1 = the first retry)."""
+        d = min(self.initial * self.multiplier ** (retry - 1), self.maximum)
+        return d * (1 - self.jitter * random.random())
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Per-call deadlines in seconds.
+
+    ``control``: pause, continue, version calls, reads. ``update``: a weight reload (a full
+    reload of a large model takes minutes). ``connect``: establishing a connection, within
+    either. ``startup``: how long ``open()`` waits for a server that is still starting.
+    """
+
+    control: float = 30.0
+    update: float = 900.0
+    connect: float = 10.0
+    startup: float = 1800.0
+
+    def __post_init__(self) -> None:
+        for name in ("control", "update", "connect", "startup"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"Timeouts.{name} must be > 0, got {getattr(self, name)}")
+
+
+def check_url(url: str) -> URL:
+    """Parse and validate a server URL (http/https, a host, no credentials in it)."""
+    try:
+        u = URL(url)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid server URL {url!r}: {exc}") from exc
+    if u.scheme not in ("http", "https") or not u.host:
+        raise ConfigError(f"server URL must be http(s)://host[:port], got {url!r}")
+    if u.user is not None or u.password is not None:
+        raise ConfigError("do not put credentials in the server URL; give the API key instead")
+    if u.query_string or u.fragment:
+        raise ConfigError(f"server URL must not have a query or fragment: {url!r}")
+    return u
+
+
+def _server_message(body: str) -> str:
+    """The human part of an error body: JSON ``message``/``error``/``detail``, else the text."""
+    try:
+        d = json.loads(body)
+    except ValueError:
+        d = None
+    if isinstance(d, dict):
+        for key in ("message", "error", "detail"):
+            v = d.get(key)
+            if isinstance(v, str) and v:
+                return v[:_MAX_MESSAGE]
+            if isinstance(v, dict | list):
+                return json.dumps(v)[:_MAX_MESSAGE]
+    text = " ".join(body.split())
+    return text[:_MAX_MESSAGE] or "(empty body)"
+
+
+def _hint(status: int) -> str:
+    if 300 <= status < 400:
+        return "; redirects are not followed: give the server's own URL"
+    if status in (401, 403):
+        return (
+            "; the server refused the API key: give the key it was started with "
+            "(--api-key-file or ASYNCSYNC_API_KEY)"
+        )
+    if status == 404:
+        return "; the server has no such endpoint: check the engine kind and its version/mode"
+    return ""
+
+
+class HttpClient:
+    """A small JSON-over-HTTP client for one server (see the module docstring).
+
+    Example::
+
+        client = HttpClient("http://127.0.0.1:30000", api_key=key, name="sglang")
+        info = await client.request("GET", "/model_info", timeout=10)
+        await client.close()
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        retry: RetryPolicy | None = None,
+        connect_timeout: float = 10.0,
+        name: str = "engine",
+    ):
+        self.url = check_url(url)
+        self.retry = retry or RetryPolicy()
+        self.connect_timeout = connect_timeout
+        self.name = name
+        self._headers = {"Accept": "application/json"}
+        if api_key is not None:
+            if not api_key or any(c.isspace() for c in api_key):
+                raise ConfigError("the API key must be non-empty and contain no whitespace")
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._session: aiohttp.ClientSession | None = None
+
+    def __repr__(self) -> str:  # no headers: they hold the key
+        auth = "yes" if "Authorization" in self._headers else "no"
+        return f"<HttpClient {self.name} {self.url} auth={auth}>"
+
+    async def close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(headers=self._headers, trust_env=False)
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout: float,
+        json_body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        retry_timeouts: bool = True,
+        retries: bool = True,
+    ) -> Any:
+        """Call ``method path`` and return the decoded JSON answer (None for an empty body).
+
+        Retries per :attr:`retry` (none with ``retries=False``); ``retry_timeouts=False`` for
+        calls the server may still be executing after a client timeout (a weight reload): the
+        next sync retries those. Redirects are not followed (the key must not travel on).
+        Raises EngineHTTPError.
+        """
+        endpoint = f"{method} {path}"
+        url = self.url.with_path(self.url.path.rstrip("/") + path)
+        ct = aiohttp.ClientTimeout(total=timeout, connect=min(self.connect_timeout, timeout))
+        attempts = self.retry.attempts if retries else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                async with self._get_session().request(
+                    method, url, json=json_body, params=params, timeout=ct, allow_redirects=False
+                ) as resp:
+                    status = resp.status
+                    body = await resp.text(errors="replace")
+            except TimeoutError as exc:  # aiohttp's timeouts subclass TimeoutError
+                err = EngineHTTPError(
+                    f"{self.name} {endpoint}: no answer within {timeout:g}s",
+                    endpoint=endpoint,
+                )
+                if not retry_timeouts or attempt == attempts:
+                    raise err from exc
+            except aiohttp.ClientError as exc:
+                err = EngineHTTPError(
+                    f"{self.name} {endpoint}: cannot reach {self.url} "
+                    f"({type(exc).__name__}: {exc})",
+                    endpoint=endpoint,
+                )
+                if attempt == attempts:
+                    raise err from exc
+            else:
+                if status < 300:
+                    return _decode(body)
+                msg = _server_message(body)
+                err = EngineHTTPError(
+                    f"{self.name} {endpoint}: HTTP {status}: {msg}{_hint(status)}",
+                    endpoint=endpoint,
+                    status=status,
+                    server_message=msg,
+                )
+                if status < 500 or attempt == attempts:
+                    raise err
+            delay = self.retry.delay(attempt)
+            logger.warning("%s; retry %d/%d in %.2fs", err, attempt, attempts - 1, delay)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def wait_until_up(self, path: str, *, deadline: float, call_timeout: float) -> Any:
+        """GET ``path`` until it answers 2xx (server starting: connection refused, 5xx) or
+        ``deadline`` seconds pass; a 4xx is final at once. Returns the decoded answer."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline
+        delay = self.retry.initial or 0.1
+        while True:
+            try:
+                return await self.request("GET", path, timeout=call_timeout, retries=False)
+            except EngineHTTPError as exc:
+                if exc.status is not None and exc.status < 500:
+                    raise
+                left = end - loop.time()
+                if left <= 0:
+                    raise EngineHTTPError(
+                        f"{self.name} at {self.url} did not come up within {deadline:g}s "
+                        f"(last error: {exc}); is the server running and reachable?",
+                        endpoint=exc.endpoint,
+                    ) from exc
+                logger.info("%s not up yet (%s); waiting", self.name, exc)
+                await asyncio.sleep(min(delay, left))
+                delay = min(delay * 2, max(self.retry.maximum, 0.1))
+
+
+def _decode(body: str) -> Any:
+    if not body.strip():
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body  # some endpoints answer plain text ("OK"); callers check what they need

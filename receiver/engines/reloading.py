@@ -1,0 +1,375 @@
+"""ReloadingEngine: a host-local checkpoint plus an inference server that reloads it over HTTP.
+
+The shared logic of :class:`~receiver.engines.sglang.SGLang` and
+:class:`~receiver.engines.vllm.VLLM`. It composes a
+:class:`~receiver.engines.checkpoint.LocalCheckpoint` (patched in place, verified per tensor,
+crash safe) and a server that loads weights from that directory. For each version::
+
+    begin/apply        patch the local checkpoint while the server keeps serving
+    commit             LocalCheckpoint.commit()  (verify + persist the files)
+                       -> pause -> reload(checkpoint, version N) -> resume (always)
+                       -> read the server's weight version: must be "N"
+    bump (zero diff)   LocalCheckpoint.bump() -> set the server's version label to "N"
+
+``state`` (what the agent acknowledges) is the version the *server* holds: it advances only
+after the server confirmed it, and is persisted in ``<checkpoint>/.asyncsync/engine-<kind>.json``
+(with the server URL and the path it loads from). When the server fails after the checkpoint
+committed N, ``state`` stays at N-1; the agent retries N on its next wake-up, ``begin`` sees
+that the checkpoint already holds N (same fingerprint), skips the patching and ``commit``
+retries only the reload. Failed server calls back off (``failure_backoff``) so a server that
+keeps refusing is not paused once per poll.
+
+``open()`` reconciles: it waits for the server (``Timeouts.startup``), and unless the persisted
+record, the checkpoint and the server's reported version all agree, it reloads the checkpoint
+into the server once (a restarted server serves whatever it loaded at start, labelled with its
+default version). A zero-diff version whose server no longer reports the previous version
+(restarted meanwhile) is loaded in full instead of relabelled.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from asyncsync import fsio
+from asyncsync.errors import ApplyFailed, ConfigError, EngineStateError
+from asyncsync.format import Manifest
+from receiver.engines.base import Engine, EngineState, TensorUpdate
+from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.http_engine import HttpClient, RetryPolicy, Timeouts
+from receiver.state import STATE_DIR_NAME
+
+__all__ = ["ReloadingEngine"]
+
+logger = logging.getLogger(__name__)
+
+_RECORD_FORMAT = "asyncsync-server-state"
+
+
+@dataclass
+class _Txn:
+    manifest: Manifest
+    reload_only: bool  # the checkpoint already holds the version: only the server is behind
+    local_committed: bool = False
+
+
+class ReloadingEngine(Engine, abc.ABC):
+    """Base of the HTTP engines (see the module docstring). Subclasses implement the calls.
+
+    Args:
+        url: the server's base URL, e.g. ``http://127.0.0.1:30000``.
+        checkpoint_dir: the host-local checkpoint directory the receiver owns.
+        api_key: sent as ``Authorization: Bearer <key>`` on every call.
+        model_path: the checkpoint directory as the *server* sees it (default: the same
+            path; differs when the receiver and the server mount the volume differently).
+        timeouts: per-call deadlines; retry: retries of one call (connection errors, 5xx).
+        failure_backoff: (first, max) seconds to wait after a failed server update before the
+            next attempt; doubles per consecutive failure.
+    """
+
+    kind: ClassVar[str] = "engine"
+    #: a GET endpoint that answers once the server is up (``open`` waits for it)
+    ready_path: ClassVar[str] = "/health"
+
+    def __init__(
+        self,
+        url: str,
+        checkpoint_dir: str | os.PathLike[str],
+        *,
+        api_key: str | None = None,
+        model_path: str | None = None,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        failure_backoff: tuple[float, float] = (2.0, 60.0),
+    ):
+        self.timeouts = timeouts or Timeouts()
+        self.client = HttpClient(
+            url,
+            api_key=api_key,
+            retry=retry,
+            connect_timeout=self.timeouts.connect,
+            name=self.kind,
+        )
+        self.checkpoint = LocalCheckpoint(checkpoint_dir)
+        self.model_path = model_path or str(Path(checkpoint_dir).absolute())
+        if failure_backoff[0] < 0 or failure_backoff[1] < failure_backoff[0]:
+            raise ConfigError(
+                f"failure_backoff must be (first >= 0, max >= first), got {failure_backoff}"
+            )
+        self.failure_backoff = failure_backoff
+        self.record_path = self.checkpoint.directory / STATE_DIR_NAME / f"engine-{self.kind}.json"
+        self.state = EngineState()
+        self._txn: _Txn | None = None
+        self._opened = False
+        self._failures = 0
+        self._retry_at = 0.0
+        self._last_failure: str | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.client.url} checkpoint={self.checkpoint.directory} "
+            f"version={self.state.version} checkpoint_version={self.checkpoint.state.version}>"
+        )
+
+    # -- what a server must provide ----------------------------------------------------------
+    @abc.abstractmethod
+    async def _pause(self) -> None:
+        """Stop serving so the weights can change."""
+
+    @abc.abstractmethod
+    async def _load(self, version: int) -> None:
+        """Reload the weights from ``model_path`` and label them ``str(version)``."""
+
+    @abc.abstractmethod
+    async def _resume(self) -> None:
+        """Serve again (idempotent: also called when ``_pause`` or ``_load`` failed)."""
+
+    @abc.abstractmethod
+    async def _relabel(self, version: int) -> None:
+        """Set the server's weight version label without touching the weights (zero diff)."""
+
+    @abc.abstractmethod
+    async def served_version(self) -> str | None:
+        """The weight version label the server reports now."""
+
+    async def _check_server(self) -> None:
+        """Checks at ``open`` once the server answers (e.g. that it serves our checkpoint)."""
+
+    # -- Engine contract ---------------------------------------------------------------------
+    async def open(self) -> EngineState:
+        if self._opened:
+            return self.state
+        local = await self.checkpoint.open()
+        try:
+            record = await asyncio.to_thread(self._read_record)
+            await self.client.wait_until_up(
+                self.ready_path,
+                deadline=self.timeouts.startup,
+                call_timeout=self.timeouts.control,
+            )
+            await self._check_server()
+            label = await self.served_version()
+            if local.version is None:
+                self.state = EngineState()  # nothing to serve yet: the agent seeds the checkpoint
+            elif record == self._record_of(local) and label == str(local.version):
+                self.state = local
+            else:
+                logger.warning(
+                    "%s at %s reports version %r, the checkpoint holds v%s (record: %s): "
+                    "reloading the checkpoint into the server",
+                    self.kind,
+                    self.client.url,
+                    label,
+                    local.version,
+                    "matches" if record == self._record_of(local) else "differs or missing",
+                )
+                await self._reload_server(local.version)
+                await self._set_state(local)
+        except BaseException:
+            await self.client.close()
+            await self.checkpoint.close()
+            raise
+        self._opened = True
+        logger.info("%s at %s: serving version %s", self.kind, self.client.url, self.state.version)
+        return self.state
+
+    async def close(self) -> None:
+        if self._txn is not None:
+            await self.abort()
+        if self._background:  # a resume call still running after a cancellation
+            await asyncio.wait(list(self._background), timeout=self.timeouts.control)
+        await self.client.close()
+        await self.checkpoint.close()
+        self._opened = False
+
+    async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
+        if self._txn is not None:
+            raise ApplyFailed(
+                f"{self.kind}: begin v{manifest.version} while v{self._txn.manifest.version} "
+                "is in progress; commit or abort it first"
+            )
+        self._check_backoff(manifest.version)
+        local = self.checkpoint.state
+        if self._holds(local, manifest):
+            logger.info(
+                "%s: the checkpoint already holds v%s; only reloading the server",
+                self.kind,
+                manifest.version,
+            )
+            self._txn = _Txn(manifest, reload_only=True)
+            return
+        await self.checkpoint.begin(manifest, mode)
+        self._txn = _Txn(manifest, reload_only=False)
+
+    async def apply(self, updates: list[TensorUpdate]) -> None:
+        txn = self._need_txn()
+        if not txn.reload_only:
+            await self.checkpoint.apply(updates)
+
+    async def commit(self) -> str:
+        txn = self._need_txn()
+        m = txn.manifest
+        if not txn.reload_only:
+            await self.checkpoint.commit()
+            txn.local_committed = True
+        self._txn = None
+        await self._reload_server(m.version)
+        await self._set_state(self.checkpoint.state)
+        return m.fingerprint
+
+    async def abort(self) -> None:
+        txn, self._txn = self._txn, None
+        if txn is not None and not txn.reload_only and not txn.local_committed:
+            await self.checkpoint.abort()
+
+    async def bump(self, manifest: Manifest) -> None:
+        if self._txn is not None:
+            raise ApplyFailed(f"{self.kind}: bump while v{self._txn.manifest.version} is open")
+        self._check_backoff(manifest.version)
+        if not self._holds(self.checkpoint.state, manifest):
+            await self.checkpoint.bump(manifest)
+        label = await self._guard(self.served_version())
+        if self.state.version is not None and label == str(self.state.version):
+            try:
+                await self._guard(self._relabel(manifest.version))
+                await self._confirm(manifest.version)
+            except ApplyFailed:
+                self._failed()
+                raise
+        else:
+            logger.warning(
+                "%s reports version %r, expected %s: loading v%s in full instead of relabelling",
+                self.kind,
+                label,
+                self.state.version,
+                manifest.version,
+            )
+            await self._reload_server(manifest.version)
+        await self._set_state(self.checkpoint.state)
+
+    # -- the server protocol -----------------------------------------------------------------
+    async def _reload_server(self, version: int) -> None:
+        """pause -> load -> resume (always, even on failure or cancellation) -> confirm."""
+        t0 = time.perf_counter()
+        try:
+            failed = True
+            try:
+                await self._guard(self._pause())
+                await self._guard(self._load(version))
+                failed = False
+            finally:
+                await self._resume_always(failed)
+            await self._confirm(version)
+        except ApplyFailed:
+            self._failed()
+            raise
+        self._failures, self._retry_at, self._last_failure = 0, 0.0, None
+        logger.info(
+            "%s at %s loaded v%s in %.2fs",
+            self.kind,
+            self.client.url,
+            version,
+            time.perf_counter() - t0,
+        )
+
+    async def _resume_always(self, failed: bool) -> None:
+        """Resume in a task of its own, so a cancelled sync still unpauses the server."""
+        task = asyncio.create_task(self._resume(), name=f"{self.kind} resume")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise  # the task keeps running; close() waits for it
+        except Exception as exc:
+            msg = f"{self.kind}: resuming generation failed, the server may still be paused: {exc}"
+            if failed:
+                logger.error("%s", msg)  # the update's own error is the one raised
+            else:
+                raise ApplyFailed(msg) from exc
+
+    async def _confirm(self, version: int) -> None:
+        label = await self._guard(self.served_version())
+        if label != str(version):
+            raise ApplyFailed(
+                f"{self.kind} at {self.client.url} reports weight version {label!r} after "
+                f"loading v{version}; not acknowledging v{version} (another client may have "
+                "changed the weights, or the server restarted): it is retried on the next sync"
+            )
+
+    async def _guard(self, coro: Any) -> Any:
+        """Await ``coro``, translating anything but our errors into ApplyFailed."""
+        try:
+            return await coro
+        except ApplyFailed:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ApplyFailed(f"{self.kind}: unexpected answer: {exc}") from exc
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _failed(self) -> None:
+        self._failures += 1
+        first, most = self.failure_backoff
+        delay = min(first * 2 ** (self._failures - 1), most)
+        self._retry_at = time.monotonic() + delay
+        self._last_failure = f"{self._failures} consecutive failure(s), next attempt in {delay:g}s"
+
+    def _check_backoff(self, version: int) -> None:
+        left = self._retry_at - time.monotonic()
+        if left > 0:
+            raise ApplyFailed(
+                f"{self.kind}: not trying v{version} yet ({self._last_failure}; {left:.1f}s left)"
+            )
+
+    def _need_txn(self) -> _Txn:
+        if self._txn is None:
+            raise ApplyFailed(f"{self.kind}: apply/commit without begin")
+        return self._txn
+
+    @staticmethod
+    def _holds(local: EngineState, m: Manifest) -> bool:
+        return (local.version, local.run_id, local.fingerprint) == (
+            m.version,
+            m.run_id,
+            m.fingerprint,
+        )
+
+    def _record_of(self, s: EngineState) -> dict[str, Any]:
+        return {
+            "format": _RECORD_FORMAT,
+            "format_version": 1,
+            "engine": self.kind,
+            "url": str(self.client.url),
+            "model_path": self.model_path,
+            "version": s.version,
+            "run_id": s.run_id,
+            "fingerprint": s.fingerprint,
+        }
+
+    def _read_record(self) -> dict[str, Any] | None:
+        try:
+            d = json.loads(fsio.read_bytes(self.record_path, limit=1 << 20))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise EngineStateError(
+                f"cannot read {self.record_path}: {exc}; remove it (the receiver then reloads "
+                "the checkpoint into the server once)"
+            ) from exc
+        if not isinstance(d, dict):
+            return None
+        d.pop("updated_at", None)
+        return d
+
+    async def _set_state(self, s: EngineState) -> None:
+        data = json.dumps({**self._record_of(s), "updated_at": time.time()}, indent=1) + "\n"
+        await asyncio.to_thread(fsio.atomic_write, self.record_path, data.encode())
+        self.state = s

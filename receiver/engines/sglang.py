@@ -1,0 +1,149 @@
+"""SGLang: keep an SGLang server (0.5.15 - 0.5.23) at the newest version over its HTTP API.
+
+Example::
+
+    engine = SGLang("http://127.0.0.1:30000", "/local/ckpt", api_key=key)
+    async with ReceiverAgent("/shared/weights", engine, "node3-gpu0") as agent:
+        await agent.run()
+
+The receiver patches the host-local checkpoint first (the server keeps serving), then::
+
+    POST /pause_generation         {"mode": "abort"}
+    POST /update_weights_from_disk {"model_path": <checkpoint>, "weight_version": "N",
+                                    "flush_cache": true, "abort_all_requests": false}
+    POST /continue_generation      {}                      (always, even after a failure)
+    GET  /model_info               -> weight_version must be "N"
+
+A zero-diff version is ``POST /update_weight_version {"new_version": "N",
+"abort_all_requests": false}`` (no reload; SGLang's default would abort every request).
+
+Pause mode (see docs/ENGINES.md): ``abort`` is the default because it is the only mode after
+which the scheduler is idle, so the KV-cache flush that must follow a weight change succeeds on
+every version. On 0.5.15 a failed flush is an assertion that kills the scheduler; ``retract``
+leaves the requests queued and ``in_place`` leaves them running, so both make the flush fail.
+With those modes ``flush_cache`` is therefore False, and the prefix cache keeps KV entries
+computed with the old weights: opt in only if that staleness is acceptable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar, Literal
+
+from asyncsync.errors import ConfigError
+from receiver.engines.http_engine import EngineHTTPError, RetryPolicy, Timeouts
+from receiver.engines.reloading import ReloadingEngine
+
+__all__ = ["PAUSE_MODES", "SGLang"]
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
+
+
+class SGLang(ReloadingEngine):
+    """An SGLang server that reloads a host-local checkpoint (see the module docstring).
+
+    Args:
+        url: the server, e.g. ``http://127.0.0.1:30000``.
+        checkpoint_dir: the local checkpoint the receiver keeps (created if missing).
+        api_key: the server's ``--api-key`` / ``--admin-api-key``; sent as a Bearer token.
+        model_path: the checkpoint directory as the server sees it (default: the same).
+        pause_mode: ``abort`` (default), ``retract`` or ``in_place``.
+        flush_cache: flush the KV cache with the reload; default True for ``abort``, and it
+            must be False for the other modes (a flush then fails, fatally on 0.5.15).
+        load_format: passed to ``update_weights_from_disk`` when set (default: the server's).
+        timeouts, retry, failure_backoff: see :class:`ReloadingEngine`.
+    """
+
+    kind: ClassVar[str] = "sglang"
+
+    def __init__(
+        self,
+        url: str,
+        checkpoint_dir: str | os.PathLike[str],
+        *,
+        api_key: str | None = None,
+        model_path: str | None = None,
+        pause_mode: PauseMode = "abort",
+        flush_cache: bool | None = None,
+        load_format: str | None = None,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        failure_backoff: tuple[float, float] = (2.0, 60.0),
+    ):
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        if flush_cache is None:
+            flush_cache = pause_mode == "abort"
+        if flush_cache and pause_mode != "abort":
+            raise ConfigError(
+                f"flush_cache=True needs pause_mode='abort': after a {pause_mode!r} pause "
+                "requests are still queued, the flush fails, and SGLang 0.5.15 asserts on it"
+            )
+        super().__init__(
+            url,
+            checkpoint_dir,
+            api_key=api_key,
+            model_path=model_path,
+            timeouts=timeouts,
+            retry=retry,
+            failure_backoff=failure_backoff,
+        )
+        self.pause_mode = pause_mode
+        self.flush_cache = flush_cache
+        self.load_format = load_format
+
+    async def _post(self, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
+        return await self.client.request("POST", path, json_body=body, timeout=timeout, **kw)
+
+    async def _pause(self) -> None:
+        await self._post("/pause_generation", {"mode": self.pause_mode}, self.timeouts.control)
+
+    async def _load(self, version: int) -> None:
+        body: dict[str, Any] = {
+            "model_path": self.model_path,
+            "weight_version": str(version),
+            "flush_cache": self.flush_cache,
+            "abort_all_requests": False,
+        }
+        if self.load_format is not None:
+            body["load_format"] = self.load_format
+        # a timed-out reload may still be running in the server: the next sync retries it
+        answer = await self._post(
+            "/update_weights_from_disk", body, self.timeouts.update, retry_timeouts=False
+        )
+        _check_success(answer, "POST /update_weights_from_disk")
+
+    async def _resume(self) -> None:
+        await self._post("/continue_generation", {}, self.timeouts.control)
+
+    async def _relabel(self, version: int) -> None:
+        answer = await self._post(
+            "/update_weight_version",
+            {"new_version": str(version), "abort_all_requests": False},
+            self.timeouts.control,
+        )
+        _check_success(answer, "POST /update_weight_version")
+
+    async def served_version(self) -> str | None:
+        info = await self.client.request("GET", "/model_info", timeout=self.timeouts.control)
+        if not isinstance(info, dict):
+            raise EngineHTTPError(
+                f"sglang GET /model_info: expected a JSON object, got {type(info).__name__}",
+                endpoint="GET /model_info",
+                status=200,
+            )
+        v = info.get("weight_version")
+        return None if v is None else str(v)
+
+
+def _check_success(answer: Any, endpoint: str) -> None:
+    """SGLang reports some failures as HTTP 200 with ``success: false``."""
+    if isinstance(answer, dict) and answer.get("success") is False:
+        msg = str(answer.get("message") or "(no message)")
+        raise EngineHTTPError(
+            f"sglang {endpoint}: the server refused: {msg}",
+            endpoint=endpoint,
+            status=200,
+            server_message=msg,
+        )

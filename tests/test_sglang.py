@@ -1,0 +1,453 @@
+"""SGLang engine against a fake SGLang server on 127.0.0.1: call sequences per server version,
+zero diff, auth, a 400 and a timeout on update, a restart mid-sync, a wrong reported version,
+backoff, cancellation, reconciliation at open, and the receiver CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncsync import ApplyFailed, ConfigError
+from asyncsync.acks import read_acks
+from asyncsync.store import read_manifest
+from receiver import ReceiverAgent
+from receiver.cli import main as receiver_main
+from receiver.engines import (
+    EngineHTTPError,
+    HttpClient,
+    RetryPolicy,
+    SGLang,
+    Timeouts,
+    verify_checkpoint,
+)
+from tests.fake_engines import FAST, FAST_RETRY, KEY, Chain, FakeSGLang, ServerThread
+
+RELOAD = [
+    "POST /pause_generation",
+    "POST /update_weights_from_disk",
+    "POST /continue_generation",
+    "GET /model_info",
+]
+OPEN = ["GET /health", "GET /model_info"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_engine(srv: FakeSGLang, ckpt: Path, **kw: Any) -> SGLang:
+    kw.setdefault("retry", FAST_RETRY)
+    kw.setdefault("timeouts", FAST)
+    kw.setdefault("failure_backoff", (0.0, 0.0))
+    return SGLang(srv.url, ckpt, **kw)
+
+
+@pytest.fixture
+async def chain(tmp_path: Path) -> AsyncIterator[Chain]:
+    c = Chain(tmp_path / "root")
+    async with c.pub:
+        yield c
+
+
+@pytest.fixture
+async def srv() -> AsyncIterator[FakeSGLang]:
+    async with FakeSGLang() as s:
+        yield s
+
+
+def agent_for(chain: Chain, engine: SGLang, engine_id: str = "e1") -> ReceiverAgent:
+    return ReceiverAgent(chain.root, engine, engine_id, use_inotify=False, verify_deadline=0.2)
+
+
+def since(srv: FakeSGLang, n: int) -> list[str]:
+    return srv.endpoints()[n:]
+
+
+# --------------------------------------------------------------------------- the happy path
+
+
+@pytest.mark.parametrize("version", ["0.5.15", "0.5.23"])
+async def test_call_sequence_per_version(chain: Chain, tmp_path: Path, version: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    async with FakeSGLang(version=version) as srv:
+        agent = agent_for(chain, make_engine(srv, ckpt))
+        async with agent:
+            assert srv.endpoints() == OPEN
+            for expect_version, zero in ((0, False), (1, False), (2, True)):
+                assert await chain.next(zero_diff=zero) == expect_version
+                srv.running = 3  # requests in flight: the default pause must leave it idle
+                n = len(srv.calls)
+                assert await agent.sync_once() == expect_version
+                if zero:
+                    assert since(srv, n) == [
+                        "GET /model_info",
+                        "POST /update_weight_version",
+                        "GET /model_info",
+                    ]
+                    assert srv.bodies("/update_weight_version")[-1] == {
+                        "new_version": "2",
+                        "abort_all_requests": False,
+                    }
+                else:
+                    assert since(srv, n) == RELOAD
+                    assert srv.bodies("/pause_generation")[-1] == {"mode": "abort"}
+                    assert srv.bodies("/update_weights_from_disk")[-1] == {
+                        "model_path": str(ckpt.absolute()),
+                        "weight_version": str(expect_version),
+                        "flush_cache": True,
+                        "abort_all_requests": False,
+                    }
+                assert not srv.crashed and srv.paused is None
+                assert srv.weight_version == str(expect_version)
+                m = read_manifest(chain.root, expect_version)
+                assert verify_checkpoint(ckpt, m) == []
+                assert read_acks(chain.root)["e1"].version == expect_version
+            # the server loaded the checkpoint at v0 then v1 (v2 needed no reload)
+            assert [(ld.version, ld.checkpoint_version) for ld in srv.loads] == [("0", 0), ("1", 1)]
+            assert agent.engine.state.version == 2
+            assert "version=2" in repr(agent.engine)
+            assert "/get_weight_version" not in {c.path for c in srv.calls}
+
+
+async def test_zero_diff_after_a_restart_reloads_in_full(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path
+) -> None:
+    async with agent_for(chain, make_engine(srv, tmp_path / "ckpt")) as agent:
+        await chain.next()
+        await chain.next()
+        assert await agent.sync_once() == 1
+        await srv.restart()  # the server now serves its launch weights as "default"
+        await chain.next(zero_diff=True)
+        n = len(srv.calls)
+        assert await agent.sync_once() == 2
+        assert since(srv, n) == ["GET /model_info", *RELOAD]
+        assert srv.weight_version == "2" and srv.loads[-1].checkpoint_version == 2
+
+
+async def test_open_reconciles_only_when_needed(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    await chain.next()
+    async with agent_for(chain, make_engine(srv, ckpt)) as agent:
+        assert await agent.sync_once() == 0
+    n = len(srv.calls)
+    async with agent_for(chain, make_engine(srv, ckpt)) as agent:  # same server: nothing to do
+        assert agent.engine.state.version == 0
+    assert since(srv, n) == OPEN
+    await srv.restart()
+    n = len(srv.calls)
+    async with agent_for(chain, make_engine(srv, ckpt)) as agent:  # restarted: reload once
+        assert agent.engine.state.version == 0
+    assert since(srv, n) == [*OPEN, *RELOAD]
+    assert srv.weight_version == "0"
+
+
+# --------------------------------------------------------------------------- auth
+
+
+async def test_bearer_token_on_every_call(chain: Chain, tmp_path: Path) -> None:
+    async with FakeSGLang(api_key=KEY) as srv:
+        await chain.next()
+        async with agent_for(chain, make_engine(srv, tmp_path / "ckpt", api_key=KEY)) as agent:
+            assert await agent.sync_once() == 0
+        assert {c.auth for c in srv.calls} == {"ok"}
+        assert srv.weight_version == "0"
+
+
+async def test_wrong_key_fails_at_once_and_is_never_shown(
+    chain: Chain, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    await chain.next()
+    async with FakeSGLang(api_key=KEY) as srv:
+        engine = make_engine(srv, tmp_path / "ckpt", api_key="wrong-key-123")
+        agent = agent_for(chain, engine)
+        with pytest.raises(EngineHTTPError) as ei:
+            await agent.open()
+        assert ei.value.status == 401 and "API key" in str(ei.value)
+        assert srv.endpoints(authorized_only=False) == OPEN  # a 4xx is never retried
+        assert "wrong-key-123" not in str(ei.value) + repr(engine) + repr(engine.client)
+        assert "wrong-key-123" not in caplog.text
+        await agent.close()
+
+
+# --------------------------------------------------------------------------- failures
+
+
+async def seeded(chain: Chain, srv: FakeSGLang, tmp_path: Path, **kw: Any) -> ReceiverAgent:
+    agent = agent_for(chain, make_engine(srv, tmp_path / "ckpt", **kw))
+    await agent.open()
+    await chain.next()
+    assert await agent.sync_once() == 0
+    await chain.next()
+    return agent
+
+
+async def test_400_on_update_surfaces_and_the_next_sync_retries(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path
+) -> None:
+    agent = await seeded(chain, srv, tmp_path)
+    srv.inject("/update_weights_from_disk", status=400, message="Failed to load weights: bad shard")
+    n = len(srv.calls)
+    with pytest.raises(EngineHTTPError, match="bad shard") as ei:
+        await agent.sync_once()
+    assert ei.value.status == 400 and ei.value.server_message == "Failed to load weights: bad shard"
+    assert since(srv, n) == RELOAD[:3]  # one update, no retry; continue all the same
+    assert srv.paused is None
+    assert agent.engine.state.version == 0 and read_acks(chain.root)["e1"].version == 0
+    assert agent.engine.checkpoint.state.version == 1  # type: ignore[attr-defined]
+    assert "bad shard" in (agent.status().last_error or "")
+    n = len(srv.calls)
+    assert await agent.sync_once() == 1  # no OutOfOrder: the checkpoint is reused as is
+    assert since(srv, n) == RELOAD
+    assert read_acks(chain.root)["e1"].version == 1
+    await agent.close()
+
+
+async def test_success_false_with_http_200_is_a_failure(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path
+) -> None:
+    agent = await seeded(chain, srv, tmp_path)
+    srv.inject("/update_weights_from_disk", status=200, message="out of memory")
+    with pytest.raises(EngineHTTPError, match="out of memory"):
+        await agent.sync_once()
+    assert agent.engine.state.version == 0
+    assert await agent.sync_once() == 1
+    await agent.close()
+
+
+async def test_5xx_is_retried_then_succeeds(chain: Chain, srv: FakeSGLang, tmp_path: Path) -> None:
+    agent = await seeded(chain, srv, tmp_path)
+    srv.inject("/pause_generation", status=503, message="busy", times=2)
+    n = len(srv.calls)
+    assert await agent.sync_once() == 1
+    assert since(srv, n) == ["POST /pause_generation"] * 3 + RELOAD[1:]
+    await agent.close()
+
+
+async def test_timeout_on_update(chain: Chain, srv: FakeSGLang, tmp_path: Path) -> None:
+    timeouts = Timeouts(control=2.0, update=0.3, connect=1.0, startup=3.0)
+    agent = await seeded(chain, srv, tmp_path, timeouts=timeouts)
+    srv.inject("/update_weights_from_disk", status=None, delay=1.0)  # answers, but too late
+    n = len(srv.calls)
+    with pytest.raises(EngineHTTPError, match=r"no answer within 0\.3s") as ei:
+        await agent.sync_once()
+    assert ei.value.status is None
+    assert since(srv, n) == RELOAD[:3]  # a timed-out reload is not retried at once
+    assert agent.engine.state.version == 0 and read_acks(chain.root)["e1"].version == 0
+    await asyncio.sleep(1.0)  # the server finishes the slow reload meanwhile
+    assert await agent.sync_once() == 1
+    assert srv.paused is None and srv.weight_version == "1"
+    await agent.close()
+
+
+async def test_server_restart_in_the_middle_of_a_sync(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path
+) -> None:
+    agent = await seeded(chain, srv, tmp_path)
+    srv.inject("/update_weights_from_disk", status=None, delay=30.0)
+    n = len(srv.calls)
+    task = asyncio.create_task(agent.sync_once())
+    while "POST /update_weights_from_disk" not in since(srv, n):
+        await asyncio.sleep(0.01)
+    await srv.restart(down_for=0.3)  # cuts the update in flight; refuses connections a while
+    assert await asyncio.wait_for(task, 10) == 1
+    assert srv.starts == 2
+    assert srv.weight_version == "1" and srv.loads[-1].checkpoint_version == 1
+    assert srv.endpoints()[-3:] == RELOAD[1:]  # the retried update, continue, check
+    assert read_acks(chain.root)["e1"].version == 1
+    await agent.close()
+
+
+async def test_wrong_weight_version_after_update_is_not_acked(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path
+) -> None:
+    agent = await seeded(chain, srv, tmp_path)
+    srv.report_version = "v-other"
+    with pytest.raises(ApplyFailed, match="reports weight version 'v-other' after loading v1"):
+        await agent.sync_once()
+    assert agent.engine.state.version == 0 and read_acks(chain.root)["e1"].version == 0
+    srv.report_version = None
+    assert await agent.sync_once() == 1
+    await agent.close()
+
+
+async def test_failed_updates_back_off(chain: Chain, srv: FakeSGLang, tmp_path: Path) -> None:
+    agent = await seeded(chain, srv, tmp_path, failure_backoff=(30.0, 60.0))
+    srv.inject("/update_weights_from_disk", status=400, message="nope")
+    with pytest.raises(EngineHTTPError):
+        await agent.sync_once()
+    n = len(srv.calls)
+    with pytest.raises(ApplyFailed, match=r"not trying v1 yet \(1 consecutive failure"):
+        await agent.sync_once()
+    assert since(srv, n) == []  # the server is not paused once per poll
+    await agent.close()
+
+
+async def test_cancelled_sync_still_continues_generation(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path
+) -> None:
+    agent = await seeded(chain, srv, tmp_path)
+    srv.inject("/update_weights_from_disk", status=None, delay=0.5)
+    n = len(srv.calls)
+    task = asyncio.create_task(agent.sync_once())
+    while "POST /update_weights_from_disk" not in since(srv, n):
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await agent.close()  # waits for the resume call still in flight
+    assert srv.endpoints()[-1] == "POST /continue_generation"
+    assert srv.paused is None
+
+
+async def test_server_down_at_open(chain: Chain, srv: FakeSGLang, tmp_path: Path) -> None:
+    url = srv.url
+    await srv.stop()
+    timeouts = Timeouts(control=1.0, update=1.0, connect=0.5, startup=0.3)
+    engine = SGLang(url, tmp_path / "ckpt", timeouts=timeouts, retry=FAST_RETRY)
+    with pytest.raises(EngineHTTPError, match=r"did not come up within 0\.3s"):
+        await engine.open()
+    await engine.close()
+
+
+# --------------------------------------------------------------------------- pause modes, config
+
+
+async def test_retract_mode_does_not_flush(chain: Chain, tmp_path: Path) -> None:
+    async with FakeSGLang(version="0.5.15") as srv:
+        await chain.next()
+        engine = make_engine(srv, tmp_path / "ckpt", pause_mode="retract")
+        async with agent_for(chain, engine) as agent:
+            srv.running = 2
+            assert await agent.sync_once() == 0
+        assert srv.bodies("/pause_generation")[-1] == {"mode": "retract"}
+        assert srv.bodies("/update_weights_from_disk")[-1]["flush_cache"] is False
+        assert not srv.crashed and srv.aborted == 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"pause_mode": "retract", "flush_cache": True}, "needs pause_mode='abort'"),
+        ({"pause_mode": "sleep"}, "pause_mode must be one of"),
+        ({"api_key": "two words"}, "no whitespace"),
+    ],
+)
+def test_bad_options(kw: dict[str, Any], needle: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        SGLang("http://127.0.0.1:1", tmp_path, **kw)
+
+
+@pytest.mark.parametrize(
+    "url", ["ftp://h:1", "http://user:pw@h:1", "http://h:1/?x=1", "not a url", "http://"]
+)
+def test_bad_urls(url: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        SGLang(url, tmp_path)
+
+
+async def test_client_messages_redirects_and_retry_policy(srv: FakeSGLang) -> None:
+    client = HttpClient(srv.url, retry=FAST_RETRY, name="sglang")
+    srv.running = 1
+    with pytest.raises(EngineHTTPError, match="HTTP 400: Cache not flushed: requests are running"):
+        await client.request("GET", "/flush_cache", timeout=2)
+    srv.inject("/model_info", status=302, message="moved")
+    with pytest.raises(EngineHTTPError, match="redirects are not followed") as ei:
+        await client.request("GET", "/model_info", timeout=2)
+    assert ei.value.status == 302 and srv.endpoints().count("GET /model_info") == 1
+    assert "auth=no" in repr(client)
+    await client.close()
+    policy = RetryPolicy(attempts=5, initial=1.0, multiplier=2.0, maximum=3.0, jitter=0.0)
+    assert [policy.delay(k) for k in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 3.0]
+    with pytest.raises(ConfigError):
+        RetryPolicy(attempts=0)
+    with pytest.raises(ConfigError):
+        Timeouts(update=0)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _publish(root: Path, n: int) -> None:
+    async def run() -> None:
+        c = Chain(root)
+        async with c.pub:
+            for _ in range(n):
+                await c.next()
+
+    asyncio.run(run())
+
+
+def test_cli_once_with_key_file_and_env(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "root"
+    _publish(root, 2)
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    with ServerThread(FakeSGLang(api_key=KEY)) as srv:
+        base = ["--root", str(root), "--once", "--force-polling", "--log-level", "ERROR",
+                "--sglang-url", srv.url]  # fmt: skip
+        argv = [*base, "--engine-id", "a", "--checkpoint", str(tmp_path / "a"),
+                "--api-key-file", str(key_file)]  # fmt: skip
+        assert receiver_main(argv) == 0
+        assert capsys.readouterr().out.strip() == "a: holds version 1"
+        assert srv.weight_version == "1" and {c.auth for c in srv.calls} == {"ok"}
+
+        monkeypatch.setenv("ASYNCSYNC_API_KEY", KEY)
+        argv = [*base, "--engine-id", "b", "--checkpoint", str(tmp_path / "b")]
+        assert receiver_main(argv) == 0
+        assert read_acks(root)["b"].version == 1
+
+        monkeypatch.delenv("ASYNCSYNC_API_KEY")
+        argv = [*base, "--engine-id", "c", "--checkpoint", str(tmp_path / "c")]
+        assert receiver_main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "HTTP 401" in err, err
+        assert "c" not in read_acks(root)
+
+
+def test_cli_stops_promptly_while_waiting_for_the_server(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "receiver.cli", "--root", str(tmp_path / "root"),
+         "--engine-id", "w", "--checkpoint", str(tmp_path / "c"),
+         "--sglang-url", f"http://127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        lines = [proc.stderr.readline()]
+        while "not up yet" not in lines[-1]:  # it is waiting for a server that never comes
+            assert lines[-1], "".join(lines)
+            lines.append(proc.stderr.readline())
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert time.monotonic() - t0 < 10
+    assert "stopped while starting" in err and "Traceback" not in err
+
+
+def test_cli_option_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--root", str(tmp_path), "--engine-id", "x", "--checkpoint", str(tmp_path / "c")]
+    both = ["--sglang-url", "http://127.0.0.1:1", "--vllm-url", "http://127.0.0.1:2"]
+    assert receiver_main([*base, *both]) == 2
+    assert receiver_main([*base, "--api-key-file", "k"]) == 2
+    assert "need --sglang-url or --vllm-url" in capsys.readouterr().err
+    missing = [*base, "--once", "--sglang-url", "http://127.0.0.1:1", "--api-key-file", "nope"]
+    assert receiver_main(missing) == 1
+    assert "cannot read --api-key-file nope" in capsys.readouterr().err

@@ -1,0 +1,458 @@
+"""The in-engine SGLang loader plugin, against a small torch model that follows SGLang's loader
+conventions: ``stacked_params_mapping`` (q/k/v -> ``qkv_proj`` with shard ids "q"/"k"/"v",
+gate/up -> ``gate_up_proj`` with shard ids 0/1), per-rank slicing (``tp_rank``/``tp_size``:
+column-parallel rows, row-parallel columns, a vocab-parallel embedding) and tied embeddings
+(``lm_head`` shares the embedding and ``load_weights`` skips ``lm_head.weight``).
+
+Versions come from a real Publisher and a ReceiverAgent keeping a LocalCheckpoint; after each,
+the plugin reloads the model and every parameter must equal, bit for bit, a model loaded from
+the full new state dict. No SGLang runs here (see docs/ENGINES.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pkgutil
+import sys
+import types
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from asyncsync import Publisher
+from receiver import ReceiverAgent
+from receiver.engines import LocalCheckpoint
+from receiver.plugins import sglang_loader
+from receiver.plugins.sglang_loader import (
+    HOOK_TARGET,
+    PartialReloader,
+    read_snapshot,
+    update_weights_from_disk_hook,
+)
+from tests.conftest import same_bytes
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 32, 16, 4, 2, 4, 24, 2
+BF16 = torch.bfloat16
+
+
+# --------------------------------------------------------------------------- a toy SGLang model
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded)
+
+
+class ColumnParallel(nn.Module):
+    """Output rows split across ranks; fused shards (``shard_sizes``) laid out per rank."""
+
+    def __init__(self, shard_sizes: dict[Any, int], tp_rank: int, tp_size: int):
+        super().__init__()
+        self.rank, self.tp = tp_rank, tp_size
+        self.offsets: dict[Any, tuple[int, int]] = {}
+        off = 0
+        for sid, full in shard_sizes.items():
+            self.offsets[sid] = (off, full // tp_size)
+            off += full // tp_size
+        self.weight = nn.Parameter(torch.zeros(off, HIDDEN, dtype=BF16), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        off, size = self.offsets[shard_id]
+        param.data.narrow(0, off, size).copy_(loaded.narrow(0, self.rank * size, size))
+
+
+class RowParallel(nn.Module):
+    def __init__(self, out: int, inp: int, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.rank, self.size = tp_rank, inp // tp_size
+        self.weight = nn.Parameter(torch.zeros(out, self.size, dtype=BF16), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(1, self.rank * self.size, self.size))
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.rank, self.size = tp_rank, VOCAB // tp_size
+        self.weight = nn.Parameter(torch.zeros(self.size, HIDDEN, dtype=BF16), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(0, self.rank * self.size, self.size))
+
+
+class Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(HIDDEN, dtype=torch.float32), requires_grad=False)
+
+
+class Layer(nn.Module):
+    def __init__(self, r: int, tp: int):
+        super().__init__()
+        q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        self.self_attn = nn.Module()
+        self.self_attn.qkv_proj = ColumnParallel({"q": q, "k": kv, "v": kv}, r, tp)
+        self.self_attn.o_proj = RowParallel(HIDDEN, q, r, tp)
+        self.mlp = nn.Module()
+        self.mlp.gate_up_proj = ColumnParallel({0: INTER, 1: INTER}, r, tp)
+        self.mlp.down_proj = RowParallel(HIDDEN, INTER, r, tp)
+        self.input_layernorm = Norm()
+        self.post_attention_layernorm = Norm()
+
+
+class ToyForCausalLM(nn.Module):
+    """The shape of an SGLang LlamaForCausalLM, small, with tied embeddings."""
+
+    stacked_params_mapping = (  # (param_name, shard_name, shard_id), as in SGLang's models
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(tp_rank, tp_size)
+        self.model.layers = nn.ModuleList(Layer(tp_rank, tp_size) for _ in range(LAYERS))
+        self.model.norm = Norm()
+        self.lm_head = nn.Module()
+        self.lm_head.weight = self.model.embed_tokens.weight  # tie_word_embeddings
+        self.loaded_names: list[str] = []
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        for name, loaded in weights:
+            self.loaded_names.append(name)
+            if "rotary_emb.inv_freq" in name or name == "lm_head.weight":  # tied: skipped
+                continue
+            for param_name, shard_name, shard_id in self.stacked_params_mapping:
+                if shard_name not in name:
+                    continue
+                param = params[name.replace(shard_name, param_name)]
+                param.weight_loader(param, loaded, shard_id)  # type: ignore[attr-defined]
+                break
+            else:
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, loaded)
+
+
+def hf_state(seed: int) -> dict[str, torch.Tensor]:
+    """An HF-named state dict for the toy model (tied: lm_head equals the embedding)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    sd = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_proj.weight"] = w(HEADS * HEAD_DIM, HIDDEN)
+        sd[p + "self_attn.k_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
+        sd[p + "self_attn.v_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
+        sd[p + "self_attn.o_proj.weight"] = w(HIDDEN, HEADS * HEAD_DIM)
+        sd[p + "mlp.gate_proj.weight"] = w(INTER, HIDDEN)
+        sd[p + "mlp.up_proj.weight"] = w(INTER, HIDDEN)
+        sd[p + "mlp.down_proj.weight"] = w(HIDDEN, INTER)
+        sd[p + "input_layernorm.weight"] = w(HIDDEN, dtype=torch.float32)
+        sd[p + "post_attention_layernorm.weight"] = w(HIDDEN, dtype=torch.float32)
+    sd["model.norm.weight"] = w(HIDDEN, dtype=torch.float32)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    return sd
+
+
+def step(sd: dict[str, torch.Tensor], names: list[str], seed: int) -> dict[str, torch.Tensor]:
+    """A training step that changes ~3% of the elements of ``names`` (the tie kept)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v.clone() for k, v in sd.items()}
+    for n in names:
+        t = out[n]
+        mask = torch.rand(t.shape, generator=g) < 0.03
+        mask.view(-1)[0] = True
+        t[mask] = (t.float()[mask] + 0.5).to(t.dtype)
+    out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+    return out
+
+
+def reference(sd: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> ToyForCausalLM:
+    m = ToyForCausalLM(tp_rank, tp_size)
+    m.load_weights(sd.items())
+    return m
+
+
+def assert_same_params(model: nn.Module, ref: nn.Module) -> None:
+    got, want = model.state_dict(), ref.state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        assert same_bytes(got[k], want[k]), k
+
+
+# --------------------------------------------------------------------------- harness
+
+
+class Harness:
+    """A publisher, a receiver keeping ``ckpt``, and two TP ranks of the toy model."""
+
+    def __init__(self, tmp_path: Path, tp_size: int = 2):
+        self.root, self.ckpt = tmp_path / "root", tmp_path / "ckpt"
+        self.pub = Publisher(self.root, bucket_bytes=4096, keyframe_interval=0)
+        self.agent = ReceiverAgent(self.root, LocalCheckpoint(self.ckpt), "rx", use_inotify=False)
+        self.tp = tp_size
+        self.models = [ToyForCausalLM(r, tp_size) for r in range(tp_size)]
+        self.reloaders = [PartialReloader() for _ in range(tp_size)]
+        self.full_reloads = 0
+        self.sd: dict[str, torch.Tensor] = {}
+
+    async def __aenter__(self) -> Harness:
+        await self.pub.open()
+        await self.agent.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.agent.close()
+        await self.pub.close()
+
+    async def publish(self, sd: dict[str, torch.Tensor], *, sync: bool = True) -> None:
+        self.sd = sd
+        if self.pub.version is None:
+            await self.pub.seed(sd)
+        else:
+            await self.pub.publish(sd)
+        if sync:
+            await self.agent.sync_once()
+
+    def full_reload(self, rank: int) -> Callable[[], tuple[bool, str]]:
+        def run() -> tuple[bool, str]:  # what SGLang's own reload does: every tensor
+            self.full_reloads += 1
+            sd = LocalCheckpoint(self.ckpt).load_state_dict()
+            self.models[rank].load_weights(sd.items())
+            return True, "Succeeded to update model weights."
+
+        return run
+
+    def reload_all(self) -> list[list[str]]:
+        """Reload every rank; returns the names each rank's load_weights received."""
+        seen = []
+        for r, (model, reloader) in enumerate(zip(self.models, self.reloaders, strict=True)):
+            model.loaded_names.clear()
+            ok, msg = reloader.reload(model, self.ckpt, self.full_reload(r))
+            assert ok, msg
+            seen.append(list(model.loaded_names))
+            assert_same_params(model, reference(self.sd, r, self.tp))
+        return seen
+
+
+# --------------------------------------------------------------------------- tests
+
+
+async def test_changed_tensors_only_bit_exact_across_tp_ranks(tmp_path: Path) -> None:
+    async with Harness(tmp_path) as h:
+        sd = hf_state(0)
+        await h.publish(sd)
+        h.reload_all()  # first reload: the plugin does not know what the model holds
+        assert h.full_reloads == 2
+
+        changed = [
+            "model.layers.0.self_attn.k_proj.weight",  # one shard of a fused qkv_proj
+            "model.layers.1.mlp.up_proj.weight",  # one shard of a fused gate_up_proj
+            "model.layers.1.self_attn.o_proj.weight",  # row-parallel
+            "model.embed_tokens.weight",  # vocab-parallel and tied to lm_head
+            "model.norm.weight",  # replicated, fp32
+        ]
+        await h.publish(step(sd, changed, seed=1))
+        seen = h.reload_all()
+        assert h.full_reloads == 2  # no full reload this time
+        expect = sorted([*changed, "lm_head.weight"])  # the checkpoint's lm_head changed too
+        assert [sorted(s) for s in seen] == [expect, expect]  # unchanged tensors are not read
+        for m in h.models:  # the tie holds: lm_head is the (new) embedding
+            assert m.get_parameter("lm_head.weight") is m.get_parameter("model.embed_tokens.weight")
+
+        await h.publish(h.sd)  # zero diff: nothing to load
+        assert h.reload_all() == [[], []]
+
+
+async def test_versions_skipped_between_reloads_are_all_loaded(tmp_path: Path) -> None:
+    async with Harness(tmp_path) as h:
+        sd = hf_state(1)
+        await h.publish(sd)
+        h.reload_all()
+        names = list(sd)
+        sd2 = step(sd, names[1:3], seed=2)
+        await h.publish(sd2)
+        sd3 = step(sd2, names[5:7], seed=3)
+        await h.publish(sd3)  # the server missed v2's reload: v3 must carry both changes
+        seen = h.reload_all()
+        assert set(seen[0]) == set(names[1:3]) | set(names[5:7])
+        assert h.full_reloads == 2
+
+
+async def test_fallbacks_to_a_full_reload(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with Harness(tmp_path, tp_size=1) as h:
+        sd = hf_state(2)
+        await h.publish(sd)
+        h.reload_all()
+        assert h.full_reloads == 1
+
+        # load_weights fails midway: the model may be half-updated, so reload all of it
+        await h.publish(step(sd, ["model.layers.0.mlp.gate_proj.weight"], seed=4))
+        model = h.models[0]
+        real = model.load_weights
+        calls = {"n": 0}
+
+        def flaky(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("CUDA out of memory")
+            real(weights)
+
+        model.load_weights = flaky  # type: ignore[method-assign]
+        ok, _ = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        model.load_weights = real  # type: ignore[method-assign]
+        assert ok and h.full_reloads == 2 and "partial reload failed" in caplog.text
+        assert_same_params(model, reference(h.sd, 0, 1))
+
+        # the checkpoint's bytes disagree with state.json: never load them partially
+        await h.publish(step(h.sd, ["model.layers.1.mlp.down_proj.weight"], seed=5))
+        _corrupt(h.ckpt, "model.layers.1.mlp.down_proj.weight")
+        ok, _ = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        assert ok and h.full_reloads == 3 and "checksum" in caplog.text
+
+        # not an asyncsync checkpoint (or an unclean one): full reload, base forgotten
+        ok, _ = h.reloaders[0].reload(model, tmp_path, h.full_reload(0))
+        assert ok and h.full_reloads == 4 and h.reloaders[0].loaded is None
+
+
+def _corrupt(ckpt: Path, name: str) -> None:
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    path = ckpt / index["weight_map"][name]
+    tensors = safetensors.torch.load_file(path)
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+
+
+async def test_snapshot_of_a_checkpoint(tmp_path: Path) -> None:
+    async with Harness(tmp_path, tp_size=1) as h:
+        assert read_snapshot(h.ckpt) is None  # no version yet
+        await h.publish(hf_state(3))
+        snap = read_snapshot(h.ckpt)
+        assert snap is not None and snap.version == 0 and set(snap.checksums) == set(h.sd)
+        assert snap.algorithm == "xxh3-128"
+    assert read_snapshot(tmp_path / "missing") is None
+
+
+# --------------------------------------------------------------------------- SGLang glue
+
+
+class FakeModelConfig:
+    def __init__(self, quantization: str | None = None):
+        self.quantization = quantization
+        self.model_path = "/models/base"
+
+
+class FakeRunner:
+    """What the hook uses of SGLang's ModelRunner: ``model`` and ``model_config``."""
+
+    def __init__(self, model: ToyForCausalLM, quantization: str | None = None):
+        self.model = model
+        self.model_config = FakeModelConfig(quantization)
+        self.original_calls: list[tuple[str, Any, dict[str, Any]]] = []
+
+
+def original_update(h: Harness) -> Callable[..., tuple[bool, str]]:
+    def update_weights_from_disk(
+        runner: FakeRunner, model_path: str, load_format: Any, **kw: Any
+    ) -> tuple[bool, str]:
+        runner.original_calls.append((model_path, load_format, kw))
+        sd = LocalCheckpoint(model_path).load_state_dict()
+        if kw.get("weight_name_filter") is not None:
+            sd = {k: v for k, v in sd.items() if kw["weight_name_filter"](k)}
+        runner.model.load_weights(sd.items())
+        return True, "Succeeded to update model weights."
+
+    return update_weights_from_disk
+
+
+async def test_hook_partial_after_the_first_reload(tmp_path: Path) -> None:
+    async with Harness(tmp_path, tp_size=1) as h:
+        runner = FakeRunner(h.models[0])
+        orig = original_update(h)
+        await h.publish(hf_state(4))
+        assert update_weights_from_disk_hook(orig, runner, str(h.ckpt), None)[0]
+        assert len(runner.original_calls) == 1
+        await h.publish(step(h.sd, ["model.layers.0.self_attn.q_proj.weight"], seed=6))
+        runner.model.loaded_names.clear()
+        ok, msg = update_weights_from_disk_hook(orig, runner, str(h.ckpt), None)
+        assert ok and "loaded 1 changed of" in msg and len(runner.original_calls) == 1
+        assert runner.original_calls[0][2] == {}  # no keyword an older SGLang would refuse
+        assert runner.model.loaded_names == ["model.layers.0.self_attn.q_proj.weight"]
+        assert runner.model_config.model_path == str(h.ckpt)
+        assert_same_params(runner.model, reference(h.sd, 0, 1))
+
+        # EPLB-style filtered reloads pass through and leave the known base alone
+        only_norms = lambda n: n.endswith("norm.weight")  # noqa: E731
+        update_weights_from_disk_hook(orig, runner, str(h.ckpt), None, only_norms)
+        assert runner.original_calls[-1][2]["weight_name_filter"] is only_norms
+        assert sglang_loader.reloader_for(runner).loaded is not None
+
+
+@pytest.mark.parametrize(
+    ("quantization", "load_format", "env"),
+    [("fp8", None, None), (None, "dummy", None), (None, None, "0")],
+)
+async def test_hook_full_reload_when_partial_is_not_safe(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    quantization: str | None,
+    load_format: str | None,
+    env: str | None,
+) -> None:
+    if env is not None:
+        monkeypatch.setenv(sglang_loader.ENV_PARTIAL, env)
+    async with Harness(tmp_path, tp_size=1) as h:
+        runner = FakeRunner(h.models[0], quantization)
+        orig = original_update(h)
+        await h.publish(hf_state(5))
+        for seed in (7, 8):
+            update_weights_from_disk_hook(orig, runner, str(h.ckpt), load_format)
+            await h.publish(step(h.sd, ["model.norm.weight"], seed=seed))
+        assert len(runner.original_calls) == 2
+
+
+def test_register_hooks_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    registered: list[tuple[str, Any, Any]] = []
+
+    class HookType:
+        AROUND = "around"
+
+    class HookRegistry:
+        @classmethod
+        def register(cls, target: str, hook: Any, hook_type: Any) -> None:
+            registered.append((target, hook, hook_type))
+
+    fake = types.ModuleType("sglang.srt.plugins.hook_registry")
+    fake.HookRegistry = HookRegistry  # type: ignore[attr-defined]
+    fake.HookType = HookType  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", fake)
+    entry_point = pkgutil.resolve_name("receiver.plugins.sglang_loader:register")
+    entry_point()
+    assert registered == [(HOOK_TARGET, update_weights_from_disk_hook, "around")]
+
+
+def test_imports_and_registers_without_sglang(caplog: pytest.LogCaptureFixture) -> None:
+    assert "sglang" not in sys.modules
+    sglang_loader.register()  # no SGLang here: a warning, no exception
+    assert "plugin inactive" in caplog.text

@@ -1,0 +1,128 @@
+"""VLLM engine against a fake vLLM dev-mode server on 127.0.0.1: call sequence, zero diff,
+auth, a failing reload, a wrong reported version, and the served-model check at open."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncsync import ApplyFailed, ConfigError
+from asyncsync.acks import read_acks
+from asyncsync.store import read_manifest
+from receiver import ReceiverAgent
+from receiver.engines import VLLM, EngineHTTPError, verify_checkpoint
+from tests.fake_engines import FAST, FAST_RETRY, KEY, Chain, FakeVLLM
+
+RELOAD = [
+    "POST /pause",
+    "POST /collective_rpc",
+    "POST /update_weight_version",
+    "POST /resume",
+    "GET /weight_info",
+]
+OPEN = ["GET /health", "GET /v1/models", "GET /weight_info"]
+
+
+@pytest.fixture
+async def chain(tmp_path: Path) -> AsyncIterator[Chain]:
+    c = Chain(tmp_path / "root")
+    async with c.pub:
+        yield c
+
+
+def make_engine(srv: FakeVLLM, ckpt: Path, **kw: Any) -> VLLM:
+    kw.setdefault("retry", FAST_RETRY)
+    kw.setdefault("timeouts", FAST)
+    kw.setdefault("failure_backoff", (0.0, 0.0))
+    return VLLM(srv.url, ckpt, **kw)
+
+
+def agent_for(chain: Chain, engine: VLLM) -> ReceiverAgent:
+    return ReceiverAgent(chain.root, engine, "v1", use_inotify=False, verify_deadline=0.2)
+
+
+async def test_call_sequence_and_zero_diff(chain: Chain, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    async with FakeVLLM(str(ckpt.absolute()), api_key=KEY) as srv:
+        async with agent_for(chain, make_engine(srv, ckpt, api_key=KEY)) as agent:
+            assert srv.endpoints() == OPEN
+            for version, zero in ((0, False), (1, False), (2, True)):
+                await chain.next(zero_diff=zero)
+                srv.running = 2
+                n = len(srv.calls)
+                assert await agent.sync_once() == version
+                if zero:
+                    assert srv.endpoints()[n:] == [
+                        "GET /weight_info",
+                        "POST /update_weight_version",
+                        "GET /weight_info",
+                    ]
+                else:
+                    assert srv.endpoints()[n:] == RELOAD
+                    assert srv.calls[n].query == {"mode": "abort"}
+                    assert srv.calls[n + 1].body["method"] == "reload_weights"
+                assert srv.weight_version == str(version) and srv.paused is None
+                assert verify_checkpoint(ckpt, read_manifest(chain.root, version)) == []
+                assert read_acks(chain.root)["v1"].version == version
+        assert [ld.checkpoint_version for ld in srv.loads] == [0, 1]
+        assert srv.aborted == 4 and {c.auth for c in srv.calls} == {"ok"}
+
+
+async def test_failing_reload_resumes_and_is_retried_later(chain: Chain, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    async with (
+        FakeVLLM(str(ckpt.absolute())) as srv,
+        agent_for(chain, make_engine(srv, ckpt)) as agent,
+    ):
+        await chain.next()
+        srv.inject("/collective_rpc", status=500, message="CUDA error", times=FAST_RETRY.attempts)
+        n = len(srv.calls)
+        with pytest.raises(EngineHTTPError, match="CUDA error") as ei:
+            await agent.sync_once()
+        assert ei.value.status == 500
+        calls = srv.endpoints()[n:]
+        assert calls.count("POST /collective_rpc") == FAST_RETRY.attempts  # 5xx: retried
+        assert calls[-1] == "POST /resume" and srv.paused is None
+        assert agent.engine.state.version is None
+        assert await agent.sync_once() == 0
+
+
+async def test_wrong_version_reported(chain: Chain, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    async with (
+        FakeVLLM(str(ckpt.absolute())) as srv,
+        agent_for(chain, make_engine(srv, ckpt)) as agent,
+    ):
+        await chain.next()
+        srv.report_version = "17"
+        with pytest.raises(ApplyFailed, match="reports weight version '17' after loading v0"):
+            await agent.sync_once()
+        assert "v1" not in read_acks(chain.root)
+
+
+async def test_server_serving_another_model_is_refused(chain: Chain, tmp_path: Path) -> None:
+    async with FakeVLLM("/models/base") as srv:
+        engine = make_engine(srv, tmp_path / "ckpt")
+        with pytest.raises(ApplyFailed, match="serves '/models/base', not the checkpoint"):
+            await engine.open()
+        await engine.close()
+        unchecked = make_engine(srv, tmp_path / "ckpt2", check_model_root=False)
+        await unchecked.open()
+        await unchecked.close()
+
+
+async def test_wrong_key(chain: Chain, tmp_path: Path) -> None:
+    async with FakeVLLM(str(tmp_path / "ckpt"), api_key=KEY) as srv:
+        engine = make_engine(srv, tmp_path / "ckpt", api_key="nope")
+        with pytest.raises(EngineHTTPError, match="HTTP 401") as ei:
+            await engine.open()
+        assert ei.value.status == 401 and ei.value.endpoint == "GET /v1/models"
+        await engine.close()
+
+
+def test_bad_pause_mode(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="pause_mode"):
+        VLLM("http://127.0.0.1:1", tmp_path, pause_mode="retract")  # type: ignore[arg-type]
