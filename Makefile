@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo clean
+.PHONY: venv test lint demo bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
@@ -27,6 +27,10 @@ test: lint
 
 demo: $(STAMP)
 	$(PY) -m asyncsync.demo
+
+# < 60 s on 2 cores; BENCHMARKS.md shows how to write the JSON, tables and plots as well
+bench: $(STAMP)
+	$(VENV)/bin/asyncsync bench --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

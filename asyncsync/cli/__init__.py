@@ -26,6 +26,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from asyncsync.bench import cli as bench
 from asyncsync.cli import gc, status, verify, versions
 from asyncsync.cli.common import human_bytes
 from asyncsync.cli.verify import VerifyReport, verify_checkpoint_dir
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for module in (versions, verify, status, gc):
+    for module in (versions, verify, status, gc, bench):
         module.register(sub, common)
     return p
 

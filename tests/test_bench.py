@@ -1,0 +1,189 @@
+"""``asyncsync bench``: its plumbing on tiny sizes (JSON keys and types, plots, tables) and the
+exact byte counts of the baselines. Timings are never asserted: they depend on the machine."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zstandard
+
+from asyncsync import codec
+from asyncsync.bench import TARGETS, BenchConfig, BenchFailed
+from asyncsync.bench.baselines import BASELINES, LABELS, all_sizes, xor_zstd_bytes
+from asyncsync.bench.measure import _finish, _start
+from asyncsync.bench.probes import load_state_dict, reset_peak_rss, rss, save_state_dict
+from asyncsync.bench.worker import Job
+from asyncsync.cli import main
+from asyncsync.workload import Workload, WorkloadConfig
+from tests.conftest import mixed_state, same_bytes
+
+PROMISED = (
+    "publish_vs_ne_pass",
+    "e2e_vs_transfer_bound",
+    "full_sync_vs_ours",
+    "pipelined_vs_serialized",
+    "publisher_peak_rss_vs_model",
+    "receiver_peak_rss_vs_model",
+)
+PLOTS = ("bytes_per_changed.png", "latency.png", "publish_cost.png", "memory.png")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One tiny run of the real command: workloads, five child processes, report."""
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["bench", "--elements", "300000", "--versions", "1", "--workdir", str(out)]
+    argv += ["--json", str(out / "bench.json"), "--plot", str(out / "plots")]
+    argv += ["--markdown", str(out / "bench.md")]
+    assert main(argv) == 0
+    return out, json.loads((out / "bench.json").read_text())
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_json_has_the_promised_keys_as_numbers(run: tuple[Path, dict[str, Any]]) -> None:
+    _, s = run
+    bpc = s["bytes_per_changed"]
+    assert set(bpc) == {"ours", *BASELINES}
+    assert all(_number(v) and v > 0 for v in bpc.values())
+    for key in PROMISED:
+        assert _number(s[key]) and s[key] > 0, key
+    assert set(s["targets"]) == set(TARGETS)
+    for t in s["targets"].values():
+        assert isinstance(t["pass"], bool) and _number(t["value"])
+    assert s["command"].startswith("asyncsync bench --json")
+    assert s["machine"]["cores"] >= 1
+    assert [r["workload"] for r in s["details"]["sweep"]][-1] == "fp32 model"
+
+
+def test_the_bytes_measured_are_the_publishers(run: tuple[Path, dict[str, Any]]) -> None:
+    """``ours`` (computed in the parent) matches what the publisher child actually wrote."""
+    _, s = run
+    published = s["raw"]["cost"]["publishes"][0]
+    d = s["details"]
+    assert published["changed"] == d["changed"]
+    assert published["wire_bytes"] == pytest.approx(s["bytes_per_changed"]["ours"] * d["changed"])
+
+
+def test_plots_are_small_pngs(run: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = run
+    for name in PLOTS:
+        data = (out / "plots" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert len(data) < 200_000
+
+
+def test_markdown_has_every_table(run: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = run
+    text = (out / "bench.md").read_text()
+    for heading in (
+        "Targets",
+        "Wire bytes per changed element",
+        "Publish cost",
+        "End to end",
+        "Receiver apply",
+        "Peak RSS",
+        "cProfile of one publish",
+    ):
+        assert f"### {heading}" in text
+    assert all(f"`{name}`" in text for name in TARGETS)
+    assert all(LABELS[k] in text for k in BASELINES)
+
+
+def test_work_directory_is_removed(run: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = run
+    assert not list(out.glob("asyncsync-bench-*"))
+
+
+# ------------------------------------------------------------------------------ pure parts
+def test_baseline_sizes_are_exact() -> None:
+    wl = Workload(WorkloadConfig(layers=1, hidden=64, vocab=256, seed=5, lr=1e-5))
+    old = wl.state_dict()
+    wl.step()
+    new = wl.state_dict()
+    sizes = all_sizes(old, new, bucket_bytes=1 << 14)
+    names = list(new)
+    views = [(codec.int_view(old[k]), codec.int_view(new[k])) for k in names]
+    pos = codec.changed_positions([a for a, _ in views], [b for _, b in views])
+    n = [p.numel() for p in pos]
+    width = [new[k].element_size() for k in names]
+    assert sizes["changed"] == sum(n) > 0
+    assert (
+        sizes["indices"] == sizes["trl"] == sum(c * (4 + w) for c, w in zip(n, width, strict=True))
+    )
+    assert sizes["full"] == sum(t.numel() * t.element_size() for t in new.values())
+    for enc in ("deltas", "deltas_zstd"):
+        want = sum(
+            codec.encoded_size(codec.encode_delta(a, b, p, enc))
+            for (a, b), p in zip(views, pos, strict=True)
+            if p.numel()
+        )
+        assert sizes[enc] == want
+    assert 0 < sizes["ours_payload"] < sizes["ours"] < sizes["deltas_zstd"]
+
+
+def test_xor_zstd_is_zstd_level_1_of_the_whole_xor() -> None:
+    old = torch.zeros(4096, dtype=torch.bfloat16)
+    new = old.clone()
+    new[17] = 1.0
+    (pos,) = codec.changed_positions([codec.int_view(old)], [codec.int_view(new)])
+    xor = torch.bitwise_xor(codec.int_view(old), codec.int_view(new))
+    want = len(zstandard.ZstdCompressor(level=1).compress(xor.view(torch.uint8).numpy().data))
+    assert xor_zstd_bytes([old], [new], [pos]) == want
+    assert xor_zstd_bytes([old], [old.clone()], [pos[:0]]) == 0  # unchanged tensors are not sent
+
+
+def test_state_files_round_trip_in_place(tmp_path: Path) -> None:
+    sd = mixed_state(seed=1)
+    save_state_dict(sd, tmp_path / "a.safetensors")
+    loaded = load_state_dict(tmp_path / "a.safetensors")
+    assert list(loaded) == list(sd)  # in the state dict's order: the publisher numbers by it
+    assert all(same_bytes(loaded[k], sd[k].contiguous()) for k in sd)
+    other = mixed_state(seed=2)
+    save_state_dict(other, tmp_path / "b.safetensors")
+    ptrs = {k: t.data_ptr() for k, t in loaded.items()}
+    again = load_state_dict(tmp_path / "b.safetensors", into=loaded)
+    assert all(again[k].data_ptr() == ptrs[k] for k in ptrs)  # overwritten, not reallocated
+    assert all(same_bytes(loaded[k], other[k].contiguous()) for k in other)
+    loaded["model.scalar"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="does not fit"):
+        load_state_dict(tmp_path / "b.safetensors", into=loaded)
+
+
+def test_config_sizes_and_validation() -> None:
+    quick = BenchConfig.quick()
+    assert (quick.elements, quick.sweep_elements, quick.versions) == (32_000_000, 8_000_000, 3)
+    assert quick.bucket_size == 4 << 20  # 1/16 of the 64 MB bf16 model
+    assert BenchConfig.full().bucket_size == 11 << 20  # 12 MB, rounded to MiB
+    assert BenchConfig.quick(elements=2000, sweep_elements=2000).bucket_size == 1 << 20
+    assert BenchConfig.quick(bucket_bytes=123).bucket_size == 123
+    with pytest.raises(ValueError):
+        BenchConfig.quick(density=3.0)
+    with pytest.raises(ValueError):
+        BenchConfig.quick(throttle="fast")
+
+
+def test_rss_readings() -> None:
+    r = rss()
+    assert r["peak"] >= r["now"] > 0 and r["anon"] > 0
+    if reset_peak_rss():
+        assert rss()["peak"] <= r["peak"] + (64 << 20)
+
+
+def test_a_failing_child_is_reported_with_its_log(tmp_path: Path) -> None:
+    job = Job(
+        role="cost",
+        root=str(tmp_path / "root"),
+        result=str(tmp_path / "r.json"),
+        states=[str(tmp_path / "missing.safetensors")] * 2,
+    )
+    proc, log = _start(job, tmp_path, "cost")
+    with pytest.raises(BenchFailed, match=r"(?s)exited 1.*missing\.safetensors"):
+        _finish([(proc, log, job)], timeout=120)
