@@ -322,6 +322,13 @@ def apply_patch(flat: torch.Tensor, patch: Patch) -> None:
         return
     if pos.device.type == "cpu" and int(pos[-1]) >= flat.numel():
         raise ConfigError(f"position {int(pos[-1])} outside a tensor of {flat.numel()}")
+    if flat.device.type == "cpu":  # NumPy fancy indexing: no intra-op thread pool to contend on
+        arr, idx, vals = flat.numpy(), pos.numpy(), values.numpy()
+        if patch.op == "set":
+            arr[idx] = vals
+        else:
+            arr[idx] ^= vals
+        return
     pos = pos.to(flat.device)
     if patch.op == "set":
         flat.index_copy_(0, pos, values)

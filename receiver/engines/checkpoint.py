@@ -46,8 +46,8 @@ import safetensors.torch
 import torch
 
 from asyncsync import fsio
-from asyncsync.checksum import checksum_tensor, new_hasher
-from asyncsync.codec import Patch, apply_patch
+from asyncsync.checksum import entry_checksum, new_hasher
+from asyncsync.codec import Patch, apply_patch, gather
 from asyncsync.errors import (
     ApplyFailed,
     AsyncSyncError,
@@ -364,7 +364,7 @@ class LocalCheckpoint(Engine):
             if patch.positions is None:
                 old = flat.clone()
             else:
-                old = flat[patch.positions]
+                old = gather(flat, patch.positions)
                 journal[f"p{len(names)}"] = patch.positions.clone()
             journal[f"v{len(names)}"] = old
             names.append(entry.name)
@@ -453,7 +453,7 @@ class LocalCheckpoint(Engine):
         same_algo = self._ps.checksum_algorithm == algo
         for name, e in txn.entries.items():
             if name in txn.seen or e.changed > 0:
-                got = txn.maps.checksum(self._layout[name], algo)
+                got = txn.maps.checksum(self._layout[name], algo, e.layout)
             elif same_algo:
                 got = self._ps.checksums.get(name, e.checksum)
             else:
@@ -496,7 +496,7 @@ class LocalCheckpoint(Engine):
                 t = t.clone()
             ptrs.add(ptr)
             tensors[entry.name] = t
-            sums[entry.name] = checksum_tensor(t, algo)
+            sums[entry.name] = entry_checksum(entry, t, algo)
         if not tensors:
             return
         part = f"part-{txn.seq:06d}.safetensors"
@@ -626,6 +626,16 @@ def verify_checkpoint(
         loc = layout.get(e.name)
         if loc is None or loc.dtype != e.torch_dtype or loc.shape != e.shape:
             bad.append(e.name)
+            continue
+        if e.parts is not None:  # per-part checksums: hash the tensor's bytes in one piece
+            with open(ckpt.directory / loc.file, "rb") as f:
+                f.seek(loc.begin)
+                data = f.read(loc.nbytes)
+            if (
+                len(data) != loc.nbytes
+                or entry_checksum(e, data, manifest.checksum_algorithm) != e.checksum
+            ):
+                bad.append(e.name)
             continue
         h = new_hasher(manifest.checksum_algorithm)
         with open(ckpt.directory / loc.file, "rb") as f:
