@@ -35,12 +35,14 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from asyncsync.errors import AsyncSyncError, ConfigError
+from asyncsync.logsetup import LOG_FORMATS, setup_logging
 from receiver.agent import ReceiverAgent
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import Timeouts
 from receiver.engines.sglang import PAUSE_MODES, SGLang
 from receiver.engines.vllm import VLLM
+from receiver.server import StatusServer
 
 __all__ = ["build_parser", "main"]
 
@@ -50,6 +52,7 @@ _T = TypeVar("_T")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a stop signal
 API_KEY_ENV = "ASYNCSYNC_API_KEY"
+TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
 
 
 def _positive_float(text: str) -> float:
@@ -130,6 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seconds to wait for the server to come up (default {Timeouts.startup:g})",
     )
+    ops = p.add_argument_group("operator endpoints (/healthz, /status, /metrics, POST /sync)")
+    ops.add_argument(
+        "--status-port", type=int, default=None, metavar="PORT",
+        help="serve the endpoints on this port (0: any free port; default: not served)",
+    )  # fmt: skip
+    ops.add_argument(
+        "--status-host", default="127.0.0.1", metavar="HOST",
+        help="address to bind (default 127.0.0.1; exposing it is an explicit decision)",
+    )  # fmt: skip
+    ops.add_argument(
+        "--control-token-file", default=None, metavar="F",
+        help=f"bearer token for POST /sync (else ${TOKEN_ENV}; none: control disabled)",
+    )  # fmt: skip
     p.add_argument(
         "--log-level",
         default="INFO",
@@ -137,7 +153,25 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOG_LEVELS,
         help="logging level on stderr (default INFO)",
     )
+    p.add_argument(
+        "--log-format", default="text", choices=LOG_FORMATS,
+        help="text, or json: one JSON object per log record (default text)",
+    )  # fmt: skip
     return p
+
+
+def _read_secret(path: str | None, env: str, what: str) -> str | None:
+    """A secret from a file, else from the environment; never from the command line."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {what} {path}: {exc}") from exc
+        if not value:
+            raise ConfigError(f"{what} {path} is empty")
+        return value
+    return os.environ.get(env, "").strip() or None
 
 
 def run_async(main_fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
@@ -152,16 +186,7 @@ def run_async(main_fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
 
 def _api_key(args: argparse.Namespace) -> str | None:
     """--api-key-file, else $ASYNCSYNC_API_KEY, else None (surrounding whitespace stripped)."""
-    if args.api_key_file:
-        try:
-            with open(args.api_key_file, encoding="utf-8") as f:
-                key = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read --api-key-file {args.api_key_file}: {exc}") from exc
-        if not key:
-            raise ConfigError(f"--api-key-file {args.api_key_file} is empty")
-        return key
-    return os.environ.get(API_KEY_ENV, "").strip() or None
+    return _read_secret(args.api_key_file, API_KEY_ENV, "--api-key-file")
 
 
 def _make_engine(args: argparse.Namespace) -> Engine:
@@ -225,6 +250,14 @@ async def _serve(args: argparse.Namespace) -> int | None:
                 args.checkpoint,
                 agent.version,
             )
+            server = None
+            if args.status_port is not None:
+                token = _read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
+                server = StatusServer(
+                    agent, host=args.status_host, port=args.status_port, token=token
+                )
+                await server.start()
+                print(f"{args.engine_id}: status on {server.url}", file=sys.stderr, flush=True)
             task = asyncio.create_task(agent.run(stop=stop), name=f"agent {args.engine_id}")
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -238,6 +271,8 @@ async def _serve(args: argparse.Namespace) -> int | None:
                         "receiver %s: version in flight did not finish; rolled back", args.engine_id
                     )
             stopped.cancel()
+            if server is not None:
+                await server.stop()
             if task.done() and not task.cancelled():
                 task.result()  # re-raise what ended the agent, if anything
             return agent.version
@@ -255,11 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--api-key-file and --engine-model-path need --sglang-url or --vllm-url")
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.log_level, args.log_format)
     # watchfiles logs every batch of changes at INFO: noise next to the agent's own lines
     logging.getLogger("watchfiles").setLevel(max(logging.WARNING, getattr(logging, args.log_level)))
     try:

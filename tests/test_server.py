@@ -84,3 +84,54 @@ async def test_unhealthy_after_a_failed_sync_and_control_disabled_without_token(
             assert r.status == 403
     with pytest.raises(ValueError, match="16 characters"):
         StatusServer(agent, token="short")
+
+
+async def test_receiver_cli_serves_status_with_json_logs(tmp_path: Path) -> None:
+    import json
+    import os
+    import re
+    import signal
+    import sys
+
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed(mixed_state(0))
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "cli0",
+        "--checkpoint", str(tmp_path / "c"), "--status-port", "0",
+        "--control-token-file", str(token_file), "--log-format", "json", "--poll-interval", "0.2",
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, "ASYNCSYNC_RECEIVER_TOKEN": ""},
+    )  # fmt: skip
+    assert proc.stderr is not None
+    url = None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            while url is None:
+                line = (await proc.stderr.readline()).decode()
+                assert line, "receiver exited early: " + "".join(lines)
+                lines.append(line)
+                if m := re.search(r"status on (http://127\.0\.0\.1:\d+)", line):
+                    url = m.group(1)
+            async with aiohttp.ClientSession() as http:
+                for _ in range(200):
+                    async with http.get(f"{url}/status") as r:
+                        if (await r.json())["version"] == 0:
+                            break
+                    await asyncio.sleep(0.05)
+                async with http.post(
+                    f"{url}/sync", headers={"Authorization": f"Bearer {TOKEN}"}
+                ) as r:
+                    assert r.status == 202
+        proc.send_signal(signal.SIGTERM)
+        rest = (await asyncio.wait_for(proc.stderr.read(), 60)).decode()
+        assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    logs = [json.loads(x) for x in (lines + rest.splitlines()) if x.startswith("{")]
+    assert any(r["logger"] == "receiver.agent" for r in logs)
+    assert TOKEN not in "".join(lines) + rest
