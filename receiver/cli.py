@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.logsetup import LOG_FORMATS, setup_logging
+from asyncsync.progress import Progress, ProgressWatcher
 from receiver.agent import ReceiverAgent
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -214,8 +215,16 @@ def _make_agent(args: argparse.Namespace) -> ReceiverAgent:
     )
 
 
+def agent_progress(agent: ReceiverAgent) -> Progress:
+    """The agent's version in flight as a progress source (for a terminal progress bar)."""
+    st = agent.status()
+    if st.applying is None or st.progress is None:
+        return None
+    return (f"{agent.engine_id}: v{st.applying}", *st.progress)
+
+
 async def _once(args: argparse.Namespace) -> int | None:
-    async with _make_agent(args) as agent:
+    async with _make_agent(args) as agent, ProgressWatcher(lambda: agent_progress(agent)):
         return await agent.sync_once()
 
 
@@ -260,7 +269,8 @@ async def _serve(args: argparse.Namespace) -> int | None:
                 print(f"{args.engine_id}: status on {server.url}", file=sys.stderr, flush=True)
             task = asyncio.create_task(agent.run(stop=stop), name=f"agent {args.engine_id}")
             stopped = asyncio.create_task(stop.wait())
-            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            async with ProgressWatcher(lambda: agent_progress(agent)):
+                await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
                 logger.info("receiver %s: stopping", args.engine_id)
                 try:
