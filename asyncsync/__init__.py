@@ -8,11 +8,15 @@ Trainer side::
         res = await pub.publish(model.state_dict())
         await pub.wait_acked(res.version, quorum=1, timeout=60)
 
+Each rank of a trainer can publish its own part of the weights into one version
+(``Publisher(root, coordinator=TorchDistCoordinator())``; see ``asyncsync.distributed``).
+
 The engine side lives in the ``receiver`` package. ``docs/FORMAT.md`` specifies the directory
 format both sides share.
 """
 
 from asyncsync.config import SyncConfig
+from asyncsync.distributed import Coordinator, FileRendezvous, TorchDistCoordinator
 from asyncsync.errors import (
     AckTimeout,
     ApplyFailed,
@@ -20,16 +24,19 @@ from asyncsync.errors import (
     ChainError,
     ChecksumMismatch,
     ConfigError,
+    CoordinationError,
     EngineStateError,
     FormatError,
     IncompleteVersion,
     LockHeld,
     ManifestError,
+    OutcomeUnknown,
     OutOfOrder,
     PublishError,
 )
 from asyncsync.factory import create_publisher
 from asyncsync.format import FORMAT_VERSION, AckRecord, Manifest, TensorEntry
+from asyncsync.merge import TensorSlice
 from asyncsync.publisher import Publisher
 from asyncsync.retention import RetentionPolicy
 from asyncsync.session import SyncSession
@@ -48,13 +55,17 @@ __all__ = [
     "ChainError",
     "ChecksumMismatch",
     "ConfigError",
+    "CoordinationError",
+    "Coordinator",
     "EngineStateError",
+    "FileRendezvous",
     "FormatError",
     "IncompleteVersion",
     "LockHeld",
     "Manifest",
     "ManifestError",
     "OutOfOrder",
+    "OutcomeUnknown",
     "PublishError",
     "PublishResult",
     "Publisher",
@@ -63,6 +74,8 @@ __all__ = [
     "SyncConfig",
     "SyncSession",
     "TensorEntry",
+    "TensorSlice",
+    "TorchDistCoordinator",
     "__version__",
     "create_publisher",
 ]

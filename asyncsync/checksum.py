@@ -10,13 +10,16 @@ can write to the shared directory (whoever can write there can also rewrite the 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import xxhash
 
 from asyncsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from asyncsync.format import TensorEntry
 
 __all__ = [
     "ALGORITHMS",
@@ -25,7 +28,10 @@ __all__ = [
     "checksum_bytes",
     "checksum_file",
     "checksum_tensor",
+    "entry_checksum",
+    "layout_checksum",
     "new_hasher",
+    "parts_checksum",
     "tensor_bytes",
 ]
 
@@ -90,3 +96,46 @@ def checksum_file(
             h.update(view[:n])
             size += n
     return h.hexdigest(), size
+
+
+def parts_checksum(
+    parts: Iterable[tuple[int, int, str]], algorithm: str = DEFAULT_ALGORITHM
+) -> str:
+    """The checksum of a tensor published in parts (docs/FORMAT.md, "Tensors in parts").
+
+    ``parts`` are ``(offset, numel, checksum)``; the result is the checksum of the UTF-8 text of
+    the lines ``offset:numel:checksum`` in offset order, joined by ``\n`` (no trailing newline).
+    """
+    text = "\n".join(f"{o}:{n}:{c}" for o, n, c in sorted(parts))
+    return checksum_bytes(text.encode(), algorithm)
+
+
+def layout_checksum(
+    data: bytes | bytearray | memoryview,
+    itemsize: int,
+    layout: Sequence[tuple[int, int]] | None,
+    algorithm: str = DEFAULT_ALGORITHM,
+) -> str:
+    """Checksum of a tensor's complete bytes ``data``: plain, or, with ``layout`` (the
+    ``(offset, numel)`` of its parts, in elements), the composite of :func:`parts_checksum`."""
+    if layout is None:
+        return checksum_bytes(data, algorithm)
+    with memoryview(data) as mv, mv.cast("B") as flat:
+        return parts_checksum(
+            (
+                (o, n, checksum_bytes(flat[o * itemsize : (o + n) * itemsize], algorithm))
+                for o, n in layout
+            ),
+            algorithm,
+        )
+
+
+def entry_checksum(
+    entry: TensorEntry,
+    data: torch.Tensor | bytes | bytearray | memoryview,
+    algorithm: str = DEFAULT_ALGORITHM,
+) -> str:
+    """The checksum a manifest entry records for a tensor whose complete bytes are ``data``
+    (a tensor, or its row-major bytes), for plain entries and entries in parts alike."""
+    raw = tensor_bytes(data) if isinstance(data, torch.Tensor) else data
+    return layout_checksum(raw, entry.torch_dtype.itemsize, entry.layout, algorithm)

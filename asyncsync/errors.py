@@ -11,6 +11,9 @@
     ├── ChainError                      versions cannot be applied in order from what is on disk
     │   └── OutOfOrder                  a delta whose base is not the engine's version
     ├── PublishError                    a publish failed; nothing was committed, the next one works
+    │   ├── OutcomeUnknown              (multi-rank) this rank missed the commit decision; the
+    │   │                               next publish learns it and resolves the snapshot
+    │   └── CoordinationError           (multi-rank) ranks could not exchange a message in time
     ├── LockHeld                        another live process owns the root or the engine
     ├── ApplyFailed                     an engine refused a version, keeps its last good one
     │   └── EngineStateError            an engine's persisted state is unreadable or inconsistent
@@ -36,7 +39,9 @@ __all__ = [
     "IncompleteVersion",
     "LockHeld",
     "ManifestError",
+    "CoordinationError",
     "OutOfOrder",
+    "OutcomeUnknown",
     "PublishError",
 ]
 
@@ -82,7 +87,27 @@ class OutOfOrder(ChainError):
 
 
 class PublishError(AsyncSyncError):
-    """Publishing a version failed. Nothing was committed; the next publish starts clean."""
+    """Publishing a version failed. Nothing was committed; the next publish starts clean.
+
+    In a multi-rank publish, ``ranks`` names the ranks that failed or never answered.
+    """
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class OutcomeUnknown(PublishError):
+    """A rank of a multi-rank publish could not learn whether its version was committed.
+
+    Its snapshot is unchanged and the changes of the attempt are kept: the next publish of the
+    group tells which attempt was committed last, and the rank advances its snapshot then.
+    """
+
+
+class CoordinationError(PublishError):
+    """The ranks of a multi-rank publisher could not exchange a message in time (a rank died,
+    hung, or the coordinator failed). Raised by coordinators; publishers translate it."""
 
 
 class LockHeld(AsyncSyncError):

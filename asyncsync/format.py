@@ -15,6 +15,12 @@ Layout of a root::
         manifest.json             the commit marker, written last
         delta-00000.safetensors   delta shards (uint8 blobs)
         full-00000.safetensors    full shards (tensors by name) for keyframes
+        r0003-<attempt>-delta-00000.safetensors   the same, written by rank 3 of a multi-rank
+                                  publisher (asyncsync.distributed), with its part record
+                                  part-r0003-<attempt>.json until the commit
+
+Format version 2 added tensors published in parts (:class:`TensorPart`, one part per rank of a
+tensor sliced across ranks); readers accept versions 1 and 2.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from typing import Any, Literal
 
 import torch
 
-from asyncsync.errors import ManifestError
+from asyncsync.checksum import ALGORITHMS, parts_checksum
+from asyncsync.codec import ENCODINGS
+from asyncsync.errors import ConfigError, ManifestError
 
 __all__ = [
     "ACKS_DIR",
@@ -42,8 +50,10 @@ __all__ = [
     "DeltaRef",
     "FullRef",
     "Manifest",
+    "READ_FORMAT_VERSIONS",
     "ShardInfo",
     "TensorEntry",
+    "TensorPart",
     "Totals",
     "ack_path",
     "check_engine_id",
@@ -57,7 +67,8 @@ __all__ = [
 ]
 
 FORMAT_NAME = "asyncsync"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this asyncsync writes
+READ_FORMAT_VERSIONS = (1, 2)  # what it reads: 2 added tensors in parts (multi-rank publish)
 MANIFEST_NAME = "manifest.json"
 LOG_NAME = "log.jsonl"
 ACKS_DIR = "acks"
@@ -201,15 +212,30 @@ def _str(d: dict[str, Any], key: str, where: str, max_len: int = 4096) -> str:
     return str(v)
 
 
+def _known(d: dict[str, Any], key: str, known: tuple[str, ...], where: str) -> str:
+    v = _str(d, key, where, 64)
+    if v not in known:
+        raise ManifestError(
+            f"{where}: {key} {v!r} is unknown to this reader (it reads {', '.join(known)}); "
+            "upgrade asyncsync on this host"
+        )
+    return v
+
+
 def _dict(v: object, where: str) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise ManifestError(f"{where}: expected a JSON object, got {type(v).__name__}")
     return v
 
 
+def _no_constant(name: str) -> Any:
+    # Python's json reads NaN/Infinity, which are not JSON: what we accept must re-serialise.
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _load_json(text: str | bytes, what: str) -> dict[str, Any]:
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
         raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
     return _dict(obj, what)
@@ -278,18 +304,59 @@ class FullRef:
 
 
 @dataclass(frozen=True)
+class TensorPart:
+    """The elements ``[offset, offset + numel)`` (flat, row-major) of a tensor in parts: its own
+    checksum, changed count and data, as a whole tensor's would be (format version 2)."""
+
+    offset: int
+    numel: int
+    checksum: str  # of the part's new bytes
+    changed: int
+    delta: DeltaRef | None = None  # positions relative to the part
+    full: FullRef | None = None  # the part's ``numel`` elements
+
+    @classmethod
+    def from_dict(cls, d: object, where: str) -> TensorPart:
+        d = _dict(d, where)
+        part = cls(
+            offset=_int(d, "offset", where),
+            numel=_int(d, "numel", where, lo=1),
+            checksum=_hex(d, "checksum", where),
+            changed=_int(d, "changed", where),
+            delta=None if d.get("delta") is None else DeltaRef.from_dict(d["delta"], where),
+            full=None if d.get("full") is None else FullRef.from_dict(d["full"], where),
+        )
+        if part.changed > part.numel:
+            raise ManifestError(f"{where}: changed={part.changed} exceeds numel={part.numel}")
+        return part
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    checksum: str  # of the tensor's complete new bytes
+    checksum: str  # of the tensor's complete new bytes (the parts' composite when in parts)
     changed: int
     delta: DeltaRef | None = None
     full: FullRef | None = None
+    parts: tuple[TensorPart, ...] | None = None  # format 2: the tensor in parts, by offset
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def spans(self) -> tuple[TensorPart, ...]:
+        """The entry's parts; a tensor that is not in parts is one part covering it all."""
+        if self.parts is not None:
+            return self.parts
+        return (TensorPart(0, self.numel, self.checksum, self.changed, self.delta, self.full),)
+
+    @property
+    def layout(self) -> tuple[tuple[int, int], ...] | None:
+        """``(offset, numel)`` of each part, or None for a tensor that is not in parts."""
+        return None if self.parts is None else tuple((p.offset, p.numel) for p in self.parts)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -302,6 +369,10 @@ class TensorEntry:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape)
+        if self.parts is None:
+            del d["parts"]  # format-1 shape for tensors that are not in parts
+        else:
+            d["parts"] = [asdict(p) for p in self.parts]
         return d
 
     @classmethod
@@ -331,10 +402,22 @@ class TensorEntry:
             changed=_int(d, "changed", where),
             delta=None if d.get("delta") is None else DeltaRef.from_dict(d["delta"], where),
             full=None if d.get("full") is None else FullRef.from_dict(d["full"], where),
+            parts=None if d.get("parts") is None else _parts(d["parts"], where),
         )
         if entry.changed > entry.numel:
             raise ManifestError(f"{where}: changed={entry.changed} exceeds numel={entry.numel}")
+        if entry.parts is not None and (entry.delta is not None or entry.full is not None):
+            raise ManifestError(f"{where}: a tensor in parts has its delta/full in its parts")
+        for p in entry.parts or ():
+            if p.offset + p.numel > entry.numel:
+                raise ManifestError(f"{where}: part at {p.offset} runs past numel={entry.numel}")
         return entry
+
+
+def _parts(v: object, where: str) -> tuple[TensorPart, ...]:
+    if not isinstance(v, list) or not v or len(v) > 1 << 16:
+        raise ManifestError(f"{where}: parts must be a non-empty list")
+    return tuple(TensorPart.from_dict(p, f"{where} parts[{i}]") for i, p in enumerate(v))
 
 
 @dataclass(frozen=True)
@@ -382,6 +465,7 @@ class Manifest:
     producer: dict[str, Any] = field(default_factory=dict)
     shard_dir: str | None = None  # full shards live outside the version dir (registered checkpoint)
     format_version: int = FORMAT_VERSION
+    attempt: str | None = None  # multi-rank publish: the attempt this manifest commits
 
     # -- derived views ------------------------------------------------------------------
     @property
@@ -420,6 +504,8 @@ class Manifest:
             "created_at": self.created_at,
             "committed_at": self.committed_at,
         }
+        if self.attempt is not None:
+            d["attempt"] = self.attempt
         return json.dumps(d, indent=1, allow_nan=False) + "\n"
 
     @classmethod
@@ -428,11 +514,15 @@ class Manifest:
         if d.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not an asyncsync manifest (format={d.get('format')!r})")
         fv = _int(d, "format_version", where)
-        if fv != FORMAT_VERSION:
+        if fv not in READ_FORMAT_VERSIONS:
             raise ManifestError(
                 f"{where}: format_version {fv} is not supported by this reader "
-                f"(it reads {FORMAT_VERSION}); upgrade asyncsync on this host"
+                f"(it reads {', '.join(map(str, READ_FORMAT_VERSIONS))}); "
+                "upgrade asyncsync on this host"
             )
+        attempt = d.get("attempt")
+        if attempt is not None and (not isinstance(attempt, str) or not _HEX_RE.match(attempt)):
+            raise ManifestError(f"{where}: attempt must be a lowercase hex string or null")
         kind = _get(d, "kind", str, where)
         if kind not in ("full", "delta"):
             raise ManifestError(f"{where}: kind must be 'full' or 'delta', got {kind!r}")
@@ -445,8 +535,8 @@ class Manifest:
             version=version,
             base_version=_opt_int(d, "base_version", where, hi=MAX_VERSION),
             kind=kind,
-            encoding=_str(d, "encoding", where, 64),
-            checksum_algorithm=_str(d, "checksum_algorithm", where, 64),
+            encoding=_known(d, "encoding", ENCODINGS, where),
+            checksum_algorithm=_known(d, "checksum_algorithm", ALGORITHMS, where),
             run_id=_str(d, "run_id", where, 128),
             shards=tuple(
                 ShardInfo.from_dict(s, f"{where} shards[{i}]")
@@ -463,6 +553,7 @@ class Manifest:
             producer=_dict(producer, f"{where} producer"),
             shard_dir=shard_dir,
             format_version=fv,
+            attempt=attempt,
         )
         m.validate(where)
         return m
@@ -488,24 +579,29 @@ class Manifest:
         keys: set[tuple[int, str]] = set()
         for t in self.tensors:
             w = f"{where} tensor {t.name!r}"
-            if self.kind == "full" and t.full is None:
-                raise ManifestError(f"{w}: a full version must give every tensor's full data")
-            if self.kind == "delta" and t.full is not None:
-                raise ManifestError(f"{w}: a delta version carries no full data")
-            if t.delta is not None:
-                if self.base_version is None:
-                    raise ManifestError(f"{w}: delta data without a base_version")
-                if t.changed == 0:
-                    raise ManifestError(f"{w}: delta data for an unchanged tensor")
-                self._check_ref(t.delta.shard, "delta", w)
-                for k in (t.delta.positions, t.delta.values):
-                    if (t.delta.shard, k) in keys:
-                        raise ManifestError(f"{w}: shard key {k!r} used twice")
-                    keys.add((t.delta.shard, k))
-            elif self.base_version is not None and t.changed > 0:
-                raise ManifestError(f"{w}: changed={t.changed} but no delta data")
-            if t.full is not None:
-                self._check_ref(t.full.shard, "full", w)
+            if t.parts is not None:
+                self._check_parts(t, w)
+            for p in t.spans:
+                if t.parts is not None:
+                    w = f"{where} tensor {t.name!r} part at {p.offset}"
+                if self.kind == "full" and p.full is None:
+                    raise ManifestError(f"{w}: a full version must give every tensor's full data")
+                if self.kind == "delta" and p.full is not None:
+                    raise ManifestError(f"{w}: a delta version carries no full data")
+                if p.delta is not None:
+                    if self.base_version is None:
+                        raise ManifestError(f"{w}: delta data without a base_version")
+                    if p.changed == 0:
+                        raise ManifestError(f"{w}: delta data for an unchanged tensor")
+                    self._check_ref(p.delta.shard, "delta", w)
+                    for k in (p.delta.positions, p.delta.values):
+                        if (p.delta.shard, k) in keys:
+                            raise ManifestError(f"{w}: shard key {k!r} used twice")
+                        keys.add((p.delta.shard, k))
+                elif self.base_version is not None and p.changed > 0:
+                    raise ManifestError(f"{w}: changed={p.changed} but no delta data")
+                if p.full is not None:
+                    self._check_ref(p.full.shard, "full", w)
         tot = self.totals
         if tot.tensors != len(self.tensors):
             raise ManifestError(f"{where}: totals.tensors does not match the tensor list")
@@ -517,6 +613,32 @@ class Manifest:
             s.bytes for s in self.shards if not self.shard_dir or s.role == "delta"
         ):
             raise ManifestError(f"{where}: totals.wire_bytes does not match the shards")
+
+    def _check_parts(self, t: TensorEntry, where: str) -> None:
+        """A tensor in parts: format 2, parts tile it in offset order, sums and checksum agree."""
+        parts = t.parts or ()
+        if self.format_version < 2:
+            raise ManifestError(f"{where}: tensors in parts need format_version 2")
+        end = 0
+        for p in parts:
+            if p.offset != end:
+                raise ManifestError(
+                    f"{where}: parts must tile the tensor in offset order; expected a part at "
+                    f"{end}, found one at {p.offset}"
+                )
+            end += p.numel
+        if end != t.numel:
+            raise ManifestError(f"{where}: parts cover {end} of {t.numel} elements")
+        if t.changed != sum(p.changed for p in parts):
+            raise ManifestError(f"{where}: changed is not the sum of its parts' changed")
+        try:
+            want = parts_checksum(
+                ((p.offset, p.numel, p.checksum) for p in parts), self.checksum_algorithm
+            )
+        except ConfigError as exc:
+            raise ManifestError(f"{where}: {exc}") from exc
+        if t.checksum != want:
+            raise ManifestError(f"{where}: checksum is not the composite of its parts' checksums")
 
     def _check_ref(self, shard: int, role: str, where: str) -> None:
         if not 0 <= shard < len(self.shards):
@@ -575,7 +697,7 @@ class AckRecord:
         if d.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not an asyncsync ack record")
         fv = _int(d, "format_version", where)
-        if fv != FORMAT_VERSION:
+        if fv not in READ_FORMAT_VERSIONS:
             raise ManifestError(f"{where}: unsupported format_version {fv}")
         return cls(
             engine_id=check_engine_id(d.get("engine_id")),

@@ -17,6 +17,11 @@ manifest is written atomically: that rename is the commit. Only then is the snap
 so a publish that fails anywhere leaves no manifest, no files and an unchanged snapshot.
 
 The caller must not modify the tensors of ``state_dict`` until ``publish`` returns.
+
+With a ``coordinator`` (:mod:`asyncsync.distributed`), every rank of a trainer publishes its own
+part of the weights (distinct names, or :class:`~asyncsync.merge.TensorSlice` slices of one
+tensor) and rank 0 commits the version once, in one manifest, when every rank's shards are
+durable (:mod:`asyncsync.group`). The pipeline above is the same on every rank.
 """
 
 from __future__ import annotations
@@ -37,9 +42,9 @@ import torch
 
 from asyncsync import acks, codec
 from asyncsync.checksum import DEFAULT_ALGORITHM, checksum_bytes, new_hasher
+from asyncsync.distributed import Coordinator
 from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError, first_error
 from asyncsync.format import (
-    DTYPES,
     MANIFEST_NAME,
     AckRecord,
     DeltaRef,
@@ -53,8 +58,10 @@ from asyncsync.format import (
     version_dir,
 )
 from asyncsync.fsio import FileLock, atomic_write, fsync_dir, remove_temp_files
+from asyncsync.group import Attempt, Plan, RankGroup
 from asyncsync.hf import scan_checkpoint
 from asyncsync.log import append_manifest
+from asyncsync.merge import PartRecord, TensorSlice, as_part, check_state_dict, merge, schema_of
 from asyncsync.pipeline import run_pipeline
 from asyncsync.retention import RetentionPolicy, collect
 from asyncsync.shards import (
@@ -67,13 +74,12 @@ from asyncsync.shards import (
     encode_bucket,
 )
 from asyncsync.stats import PublisherStats, PublishResult
-from asyncsync.store import ensure_root_info, list_versions, uncommitted_dirs
+from asyncsync.store import ensure_root_info, list_versions, read_root_info, uncommitted_dirs
 
 __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED = frozenset(DTYPES.values())
 PreCommitHook = Callable[[Path], Any] | Callable[[Path], Awaitable[Any]]
 LOCK_NAME = ".publisher.lock"
 
@@ -90,6 +96,9 @@ class _Acc:
         default_factory=lambda: {"diff": 0.0, "encode": 0.0, "write": 0.0}
     )
     meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # dtype, shape
+    slices: Mapping[str, TensorSlice] = field(default_factory=dict)
+    prefix: str = ""  # of shard file names: "r0003-<attempt>-" in a multi-rank publish
+    sums: dict[str, str] = field(default_factory=dict)  # checksum of each local tensor
 
 
 class Publisher:
@@ -112,6 +121,9 @@ class Publisher:
         producer: extra JSON-able fields recorded in each manifest's ``producer``.
         retention: a :class:`~asyncsync.retention.RetentionPolicy` applied after each commit
             (None: keep everything; ``asyncsync gc ROOT`` can prune later).
+        coordinator: publish as one rank of a group (:mod:`asyncsync.distributed`); every rank
+            calls seed/publish with its own tensors and the same options. Rank 0 commits, runs
+            the hook, the log and retention; the others hold their own lock and snapshot.
     """
 
     def __init__(
@@ -129,6 +141,7 @@ class Publisher:
         pre_commit_hook: PreCommitHook | None = None,
         producer: Mapping[str, Any] | None = None,
         retention: RetentionPolicy | None = None,
+        coordinator: Coordinator | None = None,
     ) -> None:
         if encoding not in codec.ENCODINGS:
             raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
@@ -161,7 +174,15 @@ class Publisher:
             raise ConfigError("retention must be a RetentionPolicy or None")
         self.retention = retention
         self._producer = {"host": socket.gethostname(), "pid": os.getpid(), **(producer or {})}
-        self._lock = FileLock(self.root / LOCK_NAME)
+        if coordinator is not None and not isinstance(coordinator, Coordinator):
+            raise ConfigError("coordinator must be an asyncsync.distributed.Coordinator")
+        self._group = None
+        if coordinator is not None:
+            config = {"encoding": encoding, "checksum": checksum, "mode": mode}
+            self._group = RankGroup(coordinator, config, keyframe_interval)
+        rank = self._group.rank if self._group is not None else 0
+        self._lock = FileLock(self.root / (f".publisher.r{rank:04d}.lock" if rank else LOCK_NAME))
+        self._slices: dict[str, TensorSlice] = {}  # of the snapshot
         self._busy = asyncio.Lock()
         self._run_id = ""
         self._next_version = 0
@@ -191,11 +212,19 @@ class Publisher:
                 f"another publisher holds {self._lock.path} ({self._lock.holder()}); "
                 "one publisher per root"
             )
+        committer = self._group is None or self._group.is_committer
         try:
-            info = await asyncio.to_thread(ensure_root_info, self.root)
-            self._run_id = info.run_id
-            await asyncio.to_thread(self._clean_leftovers)
+            # only the committer creates the root or removes leftovers: other ranks may be
+            # writing into an uncommitted version directory right now
+            info = await asyncio.to_thread(
+                ensure_root_info if committer else read_root_info, self.root
+            )
+            self._run_id = info.run_id if info is not None else ""
+            if committer:
+                await asyncio.to_thread(self._clean_leftovers)
             versions = await asyncio.to_thread(list_versions, self.root)
+            if self._group is not None:
+                await self._group.open(self.root, versions[-1] if versions else None)
         except BaseException:
             self._lock.release()
             raise
@@ -234,41 +263,59 @@ class Publisher:
         return self._run_id
 
     async def seed(
-        self, source: Mapping[str, torch.Tensor] | str | os.PathLike[str]
+        self,
+        source: Mapping[str, torch.Tensor] | str | os.PathLike[str],
+        *,
+        slices: Mapping[str, TensorSlice] | None = None,
     ) -> PublishResult:
         """Publish the base version: a full keyframe of ``source``.
 
         ``source`` is a state dict, or the path of an existing Hugging Face safetensors checkpoint
         directory, which is registered as the base without being rewritten (its files are
         checksummed and referenced by the manifest). On a new root this is version 0; on a root
-        that already has versions (a restarted trainer) it is the next version.
+        that already has versions (a restarted trainer) it is the next version. ``slices``: see
+        :meth:`publish`.
         """
         self._require_open()
         async with self._busy:
+            if self._group is not None:
+                if not isinstance(source, Mapping):
+                    raise ConfigError("a multi-rank publisher seeds from each rank's state dict")
+                return await self._publish_ranked(source, slices, keyframe=True, base=False)
             if isinstance(source, Mapping):
-                return await self._publish(source, delta=False, full=True)
+                return await self._publish(source, delta=False, full=True, slices=slices)
             return await self._register_checkpoint(Path(source))
 
     async def publish(
-        self, state_dict: Mapping[str, torch.Tensor], *, keyframe: bool = False
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        keyframe: bool = False,
+        slices: Mapping[str, TensorSlice] | None = None,
     ) -> PublishResult:
         """Commit the next version: the delta of ``state_dict`` against the last published one.
 
         A state dict identical to the last one still commits a version (zero diff, no shards).
         Every ``keyframe_interval``-th version, or with ``keyframe=True``, the version also
         carries full data. A changed set of names, dtypes or shapes publishes a full version.
+        ``slices`` declares tensors of which ``state_dict`` holds only a flat element range
+        (:class:`~asyncsync.merge.TensorSlice`); the ranks' slices of a name must tile it.
+        A rank of a group without a snapshot yet (restarted) may publish: the group then
+        publishes a full version.
         """
         self._require_open()
         async with self._busy:
+            if self._group is not None:
+                return await self._publish_ranked(state_dict, slices, keyframe=keyframe, base=True)
             if self.mode == "full":  # no snapshot needed: every version is complete
-                return await self._publish(state_dict, delta=False, full=True)
+                return await self._publish(state_dict, delta=False, full=True, slices=slices)
             if self._snapshot is None:
                 raise PublishError("nothing published by this publisher yet: call seed() first")
-            if not self._same_schema(state_dict):
+            if not self._same_schema(state_dict, check_state_dict(state_dict, slices)):
                 logger.info("tensor names, dtypes or shapes changed: publishing a full version")
-                return await self._publish(state_dict, delta=False, full=True)
+                return await self._publish(state_dict, delta=False, full=True, slices=slices)
             due = self.keyframe_interval > 0 and self._next_version % self.keyframe_interval == 0
-            return await self._publish(state_dict, delta=True, full=keyframe or due)
+            return await self._publish(state_dict, delta=True, full=keyframe or due, slices=slices)
 
     async def wait_acked(
         self,
@@ -307,15 +354,62 @@ class Publisher:
         )
 
     def __repr__(self) -> str:
+        g = self._group
+        rank = f" rank={g.rank}/{g.world_size}" if g is not None else ""
         return (
-            f"<Publisher root={str(self.root)!r} version={self._last_version} "
+            f"<Publisher root={str(self.root)!r}{rank} version={self._last_version} "
             f"in_flight={self._in_flight} encoding={self.encoding}>"
         )
 
     # ------------------------------------------------------------------ internals
-    def _same_schema(self, state_dict: Mapping[str, torch.Tensor]) -> bool:
+    async def _publish_ranked(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        slices: Mapping[str, TensorSlice] | None,
+        *,
+        keyframe: bool,
+        base: bool,
+    ) -> PublishResult:
+        """One rank's publish in a group: agree on the attempt's plan, then the one pipeline.
+        ``base``: diff against the snapshot if every rank can (False for seed)."""
+        group = self._group
+        assert group is not None
+        try:
+            sl, error = check_state_dict(state_dict, slices), None
+        except ConfigError as exc:  # told to rank 0 so that the group fails fast, then raised
+            sl, error = {}, exc
+        ok = base and error is None and self.mode == "delta"
+        u = group.unresolved
+        plan = await group.plan(
+            snapshot=self._last_version if self._snapshot is not None else None,
+            can_delta=ok and self._snapshot is not None and self._same_schema(state_dict, sl),
+            can_delta_after=ok and u is not None and u.schema == schema_of(state_dict, sl),
+            want_full=keyframe,
+            error=error,
+            next_version=self._next_version,
+            last_version=self._last_version,
+            run_id=self._run_id,
+            adopt=self._adopt,
+        )
+        self._run_id, self._next_version = plan.run_id, plan.version
+        return await self._publish(
+            state_dict, delta=plan.delta, full=plan.full, slices=sl, plan=plan
+        )
+
+    def _adopt(self, a: Attempt) -> None:
+        """The group committed an attempt whose outcome this rank missed: advance to it."""
+        if self.mode == "delta":
+            self._advance_snapshot(a.names, a.updates)
+        self._checksums, self._slices = a.checksums, a.slices
+        self._last_version, self._next_version = a.version, a.version + 1
+
+    def _same_schema(
+        self, state_dict: Mapping[str, torch.Tensor], slices: Mapping[str, TensorSlice]
+    ) -> bool:
         snap = self._snapshot
         assert snap is not None
+        if dict(slices) != self._slices:
+            return False
         if len(state_dict) != len(snap) or any(k not in snap for k in state_dict):
             return False
         return all(
@@ -339,28 +433,47 @@ class Publisher:
         return buckets
 
     async def _publish(
-        self, state_dict: Mapping[str, torch.Tensor], *, delta: bool, full: bool
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        delta: bool,
+        full: bool,
+        slices: Mapping[str, TensorSlice] | None = None,
+        plan: Plan | None = None,
     ) -> PublishResult:
+        sl = check_state_dict(state_dict, slices)
         names = list(state_dict)
-        for name in names:
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"state dict keys must be non-empty strings, got {name!r}")
-            if not isinstance(state_dict[name], torch.Tensor):
-                raise ConfigError(f"state_dict[{name!r}] is not a tensor")
-            if state_dict[name].dtype not in _SUPPORTED:
-                raise ConfigError(
-                    f"state_dict[{name!r}] has dtype {state_dict[name].dtype}, which the format "
-                    f"does not carry; supported: {', '.join(DTYPES)}"
-                )
         version = self._next_version
         vdir = version_dir(self.root, version)
         t_start = time.perf_counter()
         created = time.time()
-        acc = _Acc(meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()})
+        rank = self._group.rank if self._group is not None else 0
+        acc = _Acc(
+            meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
+            slices=sl,
+            prefix=plan.shard_prefix(rank) if plan is not None else "",
+        )
         stage_ref = ["prepare"]
         self._in_flight = 0
+
+        async def commit_merged(
+            entries: tuple[TensorEntry, ...],
+            shards: tuple[ShardInfo, ...],
+            raw_bytes: int,
+            producer: dict[str, Any],
+        ) -> Manifest:
+            m = self._manifest(
+                version, entries, shards, raw_bytes, created, delta, full,
+                attempt=plan.attempt if plan is not None else None, producer=producer,
+            )  # fmt: skip
+            await self._commit(vdir, m, stage_ref)
+            return m
+
+        part: PartRecord | BaseException | None = None
         try:
-            await asyncio.to_thread(vdir.mkdir)
+            if plan is not None and delta and self._last_version != version - 1:
+                raise PublishError(f"rank {rank} holds v{self._last_version}, not v{version - 1}")
+            await asyncio.to_thread(vdir.mkdir, exist_ok=plan is not None)
             snap = self._snapshot if delta else None
             buckets = self._buckets(names, state_dict)
 
@@ -386,20 +499,36 @@ class Publisher:
             )
             t_commit = time.perf_counter()
             entries = tuple(acc.entries[i] for i in range(len(names)))
-            manifest = self._manifest(
-                version, entries, tuple(acc.shards), acc.raw_bytes, created, delta, full
-            )
-            await self._commit(vdir, manifest, stage_ref)
+            if plan is None:
+                merged = merge([(entries, acc.shards)], self.checksum)  # slices must tile
+                manifest = await commit_merged(*merged, acc.raw_bytes, {})
+            else:
+                producer = {"rank": rank, **self._producer}
+                part = PartRecord(
+                    version, plan.attempt, rank, plan.run_id, tuple(acc.shards), entries,
+                    acc.raw_bytes, producer,
+                )  # fmt: skip
         except BaseException as exc:
-            await self._discard(vdir, exc, version, stage_ref[0])
+            if plan is None:
+                await self._discard(vdir, exc, version, stage_ref[0])
+            part, t_commit = exc, time.perf_counter()
+        if plan is not None:
+            assert self._group is not None and part is not None
+            attempt = Attempt(
+                version, plan.attempt, names, acc.pending, acc.sums, sl, schema_of(state_dict, sl)
+            )
+            manifest = await self._group.commit(
+                plan, vdir, part, attempt, algorithm=self.checksum, commit_merged=commit_merged
+            )
         # Committed: from here on the version exists for readers.
         self._in_flight = 0
         if self.mode == "delta":
             self._advance_snapshot(names, acc.pending)
+        self._slices = sl
         seconds = dict(acc.seconds)
         seconds["commit"] = time.perf_counter() - t_commit
         seconds["total"] = time.perf_counter() - t_start
-        return await self._committed(manifest, seconds, vdir)
+        return await self._committed(manifest, seconds, vdir, acc.sums)
 
     async def _commit(self, vdir: Path, manifest: Manifest, stage: list[str]) -> None:
         """Make the shards durable, run the hook, write the manifest: the commit."""
@@ -424,13 +553,24 @@ class Publisher:
         ) from err
 
     async def _committed(
-        self, manifest: Manifest, seconds: dict[str, float], vdir: Path
+        self,
+        manifest: Manifest,
+        seconds: dict[str, float],
+        vdir: Path,
+        checksums: dict[str, str] | None = None,
     ) -> PublishResult:
-        """Bookkeeping after the manifest rename: counters, log line, retention, result."""
+        """Bookkeeping after the manifest rename: counters, log line, retention, result.
+        ``checksums``: of this rank's own tensors (the manifest's, by default)."""
         self._next_version = manifest.version + 1
         self._last_version = manifest.version
-        self._checksums = {e.name: e.checksum for e in manifest.tensors}
+        self._checksums = (
+            checksums if checksums is not None else {e.name: e.checksum for e in manifest.tensors}
+        )
         self._elements = manifest.totals.elements
+        if self._group is not None and not self._group.is_committer:
+            res = PublishResult.of(manifest, seconds, vdir)  # the log and retention are rank 0's
+            self._record(res)
+            return res
         try:
             await asyncio.to_thread(append_manifest, self.root, manifest)
         except OSError as exc:  # the log is for operators; the version is committed regardless
@@ -485,7 +625,7 @@ class Publisher:
             if blob is None:
                 continue
             n = sum(1 for s in acc.shards if s.role == role)
-            fname = f"{role}-{n:05d}.safetensors"
+            fname = f"{acc.prefix}{role}-{n:05d}.safetensors"
             atomic_write(vdir / fname, blob, sync_dir=False)
             shard_of[role] = len(acc.shards)
             acc.shards.append(
@@ -503,7 +643,7 @@ class Publisher:
                 delta_ref = DeltaRef(shard_of["delta"], it.mode, pkey, vkey)
             full_ref = FullRef(shard_of["full"], it.name) if it.has_full else None
             dtype, shape = acc.meta[it.name]
-            acc.entries[it.index] = TensorEntry(
+            entry = TensorEntry(
                 name=it.name,
                 dtype=dtype,
                 shape=shape,
@@ -512,6 +652,9 @@ class Publisher:
                 delta=delta_ref,
                 full=full_ref,
             )
+            sl = acc.slices.get(it.name)
+            acc.entries[it.index] = entry if sl is None else as_part(entry, sl, self.checksum)
+            acc.sums[it.name] = it.checksum
         acc.pending.extend(enc.pending)
         acc.raw_bytes += enc.raw_bytes
 
@@ -535,6 +678,9 @@ class Publisher:
         delta: bool,
         full: bool,
         shard_dir: str | None = None,
+        *,
+        attempt: str | None = None,
+        producer: Mapping[str, Any] | None = None,
     ) -> Manifest:
         elements = sum(e.numel for e in entries)
         changed = sum(e.changed for e in entries)
@@ -562,8 +708,9 @@ class Publisher:
             fingerprint=fingerprint(entries, self.checksum),
             created_at=created,
             committed_at=time.time(),
-            producer=dict(self._producer),
+            producer={**self._producer, **(producer or {})},
             shard_dir=shard_dir,
+            attempt=attempt,
         )
 
     def _advance_snapshot(self, names: list[str], pending: list[PendingUpdate]) -> None:

@@ -20,6 +20,7 @@ from asyncsync.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    READ_FORMAT_VERSIONS,
     ROOT_INFO_NAME,
     Manifest,
     manifest_path,
@@ -65,10 +66,10 @@ def read_root_info(root: Path) -> RootInfo | None:
         or not isinstance(d.get("run_id"), str)
     ):
         raise ManifestError(f"{root / ROOT_INFO_NAME} is not an asyncsync root record")
-    if d.get("format_version") != FORMAT_VERSION:
+    if d.get("format_version") not in READ_FORMAT_VERSIONS:
         raise ManifestError(
-            f"{root} uses format_version {d.get('format_version')}; this asyncsync writes "
-            f"{FORMAT_VERSION}: use a new root or a matching asyncsync"
+            f"{root} uses format_version {d.get('format_version')}; this asyncsync reads "
+            f"{', '.join(map(str, READ_FORMAT_VERSIONS))}: use a new root or a matching asyncsync"
         )
     return RootInfo(d)
 
@@ -125,9 +126,15 @@ def read_manifest(root: Path, version: int) -> Manifest:
     """Read and validate the manifest of ``version``.
 
     Raises FileNotFoundError when the version is not committed, ManifestError when the file is
-    malformed, unsafe, or names another version.
+    malformed, unsafe (the manifest or its version directory is a symlink), or names another
+    version.
     """
     path = manifest_path(root, version)
+    if path.parent.is_symlink():
+        raise ManifestError(
+            f"{path.parent}: a version directory may not be a symlink (it can lead outside "
+            "the root); the publisher writes real directories, so this one was put there by hand"
+        )
     if path.is_symlink():
         raise ManifestError(f"{path}: a manifest may not be a symlink")
     try:

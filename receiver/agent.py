@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,12 +41,20 @@ from asyncsync.errors import (
     IncompleteVersion,
     ManifestError,
 )
-from asyncsync.format import Manifest, ShardInfo, check_engine_id, manifest_path, version_dir
+from asyncsync.format import (
+    Manifest,
+    ShardInfo,
+    ack_path,
+    check_engine_id,
+    manifest_path,
+    version_dir,
+)
 from asyncsync.fsio import read_bytes
 from asyncsync.pipeline import run_pipeline
 from asyncsync.shards import parse_shard
 from asyncsync.store import list_versions, read_manifest
 from receiver.engines.base import Engine, TensorUpdate
+from receiver.parts import PartAssembler, PartUpdate
 from receiver.prefetch import Prefetcher
 from receiver.watch import wakeups
 
@@ -153,6 +162,7 @@ class ReceiverAgent:
         acks = await asyncio.to_thread(read_acks, self.root)
         mine = acks.get(self.engine_id)
         self._acked = (mine.run_id, mine.version) if mine else None
+        await self._reconcile_ack()
         self._opened = True
         logger.info("agent %s open: engine at %s", self.engine_id, self.engine.state.version)
 
@@ -360,6 +370,37 @@ class ReceiverAgent:
             await self._ack(newest)
         return self.version
 
+    async def _reconcile_ack(self) -> None:
+        """Make our ack name no more than the engine holds.
+
+        An engine can lose what it held: a full apply that fails or is killed while its files
+        are moved into place leaves none (LocalCheckpoint removes the mixed files), and a
+        restarted in-memory engine starts empty. An ack written before would then claim a
+        version the engine does not hold; it is rewritten to what the engine holds, or removed.
+        """
+        if self._acked is None:
+            return
+        st = self.engine.state
+        run_id, version = self._acked
+        if st.version is not None and st.run_id == run_id and st.version >= version:
+            return
+        if st.version is not None and st.run_id is not None and st.fingerprint is not None:
+            logger.warning(
+                "agent %s: ack names v%d, the engine holds v%d: rewriting the ack",
+                self.engine_id, version, st.version,
+            )  # fmt: skip
+            await asyncio.to_thread(
+                write_ack, self.root, self.engine_id, st.version, st.fingerprint, st.run_id
+            )
+            self._acked = (st.run_id, st.version)
+            return
+        logger.warning(
+            "agent %s: ack names v%d, the engine holds nothing: removing the ack",
+            self.engine_id, version,
+        )  # fmt: skip
+        await asyncio.to_thread(ack_path(self.root, self.engine_id).unlink, missing_ok=True)
+        self._acked = None
+
     async def _ack(self, m: Manifest) -> None:
         await asyncio.to_thread(
             write_ack, self.root, self.engine_id, m.version, m.fingerprint, m.run_id
@@ -379,6 +420,8 @@ class ReceiverAgent:
             except BaseException:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.engine.abort())
+                with contextlib.suppress(Exception):  # a failed full apply can leave nothing
+                    await asyncio.shield(self._reconcile_ack())
                 raise
         dt = time.perf_counter() - t0
         self._c.applied += 1
@@ -395,9 +438,10 @@ class ReceiverAgent:
 
     async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
         """Read+verify+decode shard k+1 while the engine applies shard k."""
+        parts = PartAssembler(m, mode)  # joins the parts of tensors in parts across shards
 
         async def fetch(item: tuple[int, ShardInfo]) -> list[TensorUpdate]:
-            return await self._fetch_shard(m, mode, *item)
+            return await self._fetch_shard(m, mode, *item, parts)
 
         c = self._c
         c.applying, c.progress, c.progress_logged = m.version, (0, len(shards)), time.monotonic()
@@ -418,11 +462,12 @@ class ReceiverAgent:
                 maxsize=1,
                 pipelined=self.pipelined,
             )
+            parts.check_done()
         finally:
             c.applying = c.progress = None
 
     async def _fetch_shard(
-        self, m: Manifest, mode: Mode, idx: int, shard: ShardInfo
+        self, m: Manifest, mode: Mode, idx: int, shard: ShardInfo, parts: PartAssembler
     ) -> list[TensorUpdate]:
         path = m.shard_path(version_dir(self.root, m.version), shard)
         deadline = time.monotonic() + self.verify_deadline
@@ -445,7 +490,9 @@ class ReceiverAgent:
                 logger.info("%s; re-reading in %.2fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        return await asyncio.to_thread(_decode_shard, m, mode, idx, shard, data, str(path))
+        return await asyncio.to_thread(
+            lambda: parts.add(_decode_shard(m, mode, idx, shard, data, str(path)))
+        )
 
     def _prefetched(self, m: Manifest, shard: ShardInfo) -> bytes | None:
         p = self._prefetcher
@@ -466,16 +513,27 @@ async def _first_of(*events: asyncio.Event) -> None:
 
 
 def _read_verified(path: Path, shard: ShardInfo, algorithm: str) -> bytes:
-    if path.is_symlink():
+    missing = f"{path}: shard named by the manifest is missing"
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError as exc:
+        raise IncompleteVersion(missing) from exc
+    except OSError as exc:
+        raise IncompleteVersion(f"{path}: cannot stat the shard ({exc})") from exc
+    if stat.S_ISLNK(mode):
         raise ManifestError(f"{path}: shards may not be symlinks")
+    if not stat.S_ISREG(mode):  # a FIFO would block open() forever, a directory cannot be read
+        raise ManifestError(f"{path}: a shard must be a regular file")
     try:
         data = read_bytes(path, limit=shard.bytes)
     except FileNotFoundError as exc:
-        raise IncompleteVersion(f"{path}: shard named by the manifest is missing") from exc
+        raise IncompleteVersion(missing) from exc
     except ValueError as exc:
         raise IncompleteVersion(
             f"{path}: larger than the {shard.bytes} bytes it should have"
         ) from exc
+    except OSError as exc:  # EACCES, EIO, a stale NFS handle: maybe transient, re-read
+        raise IncompleteVersion(f"{path}: cannot read the shard ({exc})") from exc
     return _verified(data, path, shard, algorithm)
 
 
@@ -497,15 +555,18 @@ def _int_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _entries_in(m: Manifest, mode: Mode, idx: int) -> Iterator[Any]:
+    """(entry, part or None for a whole tensor, ref) of each piece of data in shard ``idx``."""
     for e in m.tensors:
-        ref = e.delta if mode == "delta" else e.full
-        if ref is not None and ref.shard == idx:
-            yield e, ref
+        for p in e.spans:
+            ref = p.delta if mode == "delta" else p.full
+            if ref is not None and ref.shard == idx:
+                yield e, (p if e.parts is not None else None), ref
 
 
 def _decode_shard(
     m: Manifest, mode: Mode, idx: int, shard: ShardInfo, data: bytes, where: str
-) -> list[TensorUpdate]:
+) -> list[TensorUpdate | PartUpdate]:
+    """The shard's updates; a part of a tensor in parts is a PartUpdate (see receiver.parts)."""
     external = m.shard_dir is not None and shard.role == "full"
     tensors = parse_shard(
         data,
@@ -514,8 +575,9 @@ def _decode_shard(
         run_id=None if external else m.run_id,
         role=None if external else shard.role,
     )
-    out = []
-    for e, ref in _entries_in(m, mode, idx):
+    out: list[TensorUpdate | PartUpdate] = []
+    for e, part, ref in _entries_in(m, mode, idx):
+        span = part or e.spans[0]
         if mode == "delta":
             pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
             if pos_t is None or val_t is None:
@@ -530,21 +592,23 @@ def _decode_shard(
                     ref.mode,
                     pos_t.numpy().tobytes(),
                     val_t.numpy().tobytes(),
-                    changed=e.changed,
-                    numel=e.numel,
+                    changed=span.changed,
+                    numel=span.numel,
                     dtype=_int_dtype(e.torch_dtype),
                 )
             except FormatError as exc:
                 raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc
-            out.append(TensorUpdate(e, patch=patch))
+            out.append(TensorUpdate(e, patch=patch) if part is None else PartUpdate(e, part, patch))
         else:
             t = tensors.get(ref.key)
             if t is None:
                 raise FormatError(f"{where}: tensor {ref.key!r} for {e.name!r} is not in the shard")
-            if t.dtype != e.torch_dtype or tuple(t.shape) != e.shape:
+            if t.dtype != e.torch_dtype or (
+                tuple(t.shape) != e.shape if part is None else t.numel() != part.numel
+            ):
                 raise FormatError(
-                    f"{where}: tensor {e.name!r} is {t.dtype}{list(t.shape)}, "
-                    f"the manifest says {e.dtype}{list(e.shape)}"
+                    f"{where}: tensor {e.name!r} is {t.dtype}{list(t.shape)}, the manifest says "
+                    f"{e.dtype}{list(e.shape)}" + ("" if part is None else f" ({span.numel} here)")
                 )
-            out.append(TensorUpdate(e, full=t))
+            out.append(TensorUpdate(e, full=t) if part is None else PartUpdate(e, part, full=t))
     return out

@@ -81,7 +81,9 @@ class PersistedState:
     ``version``/``run_id``/``fingerprint``/``checksums`` describe the version the engine fully
     holds (``version`` None: nothing yet). ``status`` is ``"applying"`` while the engine moves
     to ``target_version`` in ``mode``; a reader that finds it so after a crash must recover.
-    ``checksums`` maps each tensor name to its checksum (``checksum_algorithm``) at ``version``.
+    ``checksums`` maps each tensor name to its checksum (``checksum_algorithm``) at ``version``;
+    ``parts`` gives the ``(offset, numel)`` parts of the tensors published in parts, whose
+    checksum is the composite of their parts' (docs/FORMAT.md).
     """
 
     version: int | None = None
@@ -93,6 +95,7 @@ class PersistedState:
     checksum_algorithm: str | None = None
     checksums: dict[str, str] = field(default_factory=dict)
     updated_at: float = 0.0
+    parts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     # -- views --------------------------------------------------------------------------
     @property
@@ -122,6 +125,8 @@ class PersistedState:
             "checksums": self.checksums,
             "updated_at": self.updated_at,
         }
+        if self.parts:
+            d["parts"] = {k: [list(p) for p in v] for k, v in self.parts.items()}
         return json.dumps(d, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
     @classmethod
@@ -175,6 +180,18 @@ class PersistedState:
             or not math.isfinite(updated_at)
         ):
             raise bad(f"field 'updated_at' must be a number, got {updated_at!r}")
+        parts = d.get("parts", {})
+        if not isinstance(parts, dict) or not all(
+            isinstance(v, list)
+            and all(
+                isinstance(p, list)
+                and len(p) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p)
+                for p in v
+            )
+            for v in parts.values()
+        ):
+            raise bad("field 'parts' must map tensor names to lists of [offset, numel]")
         state = cls(
             version=opt_int("version"),
             run_id=opt_str("run_id"),
@@ -185,6 +202,7 @@ class PersistedState:
             checksum_algorithm=opt_str("checksum_algorithm"),
             checksums=dict(checksums),
             updated_at=float(updated_at),
+            parts={k: [(p[0], p[1]) for p in v] for k, v in parts.items()},
         )
         if state.applying and (state.target_version is None or state.mode is None):
             raise bad("status 'applying' without target_version and mode")

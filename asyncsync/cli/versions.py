@@ -33,20 +33,16 @@ logger = logging.getLogger(__name__)
 
 
 def _tensor_mode(e: TensorEntry) -> str:
-    if e.delta is not None:
-        return e.delta.mode
-    if e.full is not None:
-        return "full"
-    return "-"
+    modes: list[str] = sorted({p.delta.mode for p in e.spans if p.delta is not None})
+    if not modes and any(p.full is not None for p in e.spans):
+        modes = ["full"]
+    mode = "/".join(modes) or "-"
+    return f"{mode} ({len(e.parts)} parts)" if e.parts else mode
 
 
 def _tensor_shard(m: Manifest, e: TensorEntry) -> str:
-    refs = []
-    if e.delta is not None:
-        refs.append(m.shards[e.delta.shard].file)
-    if e.full is not None:
-        refs.append(m.shards[e.full.shard].file)
-    return ",".join(refs) or "-"
+    refs = [m.shards[r.shard].file for p in e.spans for r in (p.delta, p.full) if r is not None]
+    return ",".join(dict.fromkeys(refs)) or "-"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -13,13 +13,14 @@ import logging
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from asyncsync.checksum import checksum_bytes
+from asyncsync.checksum import checksum_bytes, layout_checksum
 from asyncsync.codec import int_view
 from asyncsync.errors import EngineStateError
 
@@ -143,11 +144,17 @@ class FileMaps:
         arr = np.frombuffer(self._map(loc.file), dtype=np.uint8, count=loc.nbytes, offset=loc.begin)
         return torch.from_numpy(arr).view(loc.int_dtype)
 
-    def checksum(self, loc: TensorLocation, algorithm: str) -> str:
+    def checksum(
+        self,
+        loc: TensorLocation,
+        algorithm: str,
+        layout: Sequence[tuple[int, int]] | None = None,
+    ) -> str:
+        """The tensor's checksum as its manifest entry defines it (``layout``: its parts)."""
         if loc.nbytes == 0:
             return checksum_bytes(b"", algorithm)
         with memoryview(self._map(loc.file)) as mv, mv[loc.begin : loc.end] as region:
-            return checksum_bytes(region, algorithm)
+            return layout_checksum(region, loc.dtype.itemsize, layout, algorithm)
 
     def sync(self) -> None:
         for fd, mm in self._open.values():

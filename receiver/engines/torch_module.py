@@ -33,7 +33,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from asyncsync.checksum import checksum_tensor
+from asyncsync.checksum import entry_checksum, layout_checksum, tensor_bytes
 from asyncsync.codec import Patch, apply_patch, int_view
 from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
 from asyncsync.format import Manifest, TensorEntry
@@ -203,7 +203,10 @@ class TorchModule(Engine):
         algo = ps.checksum_algorithm or "xxh3-128"
         bad = sorted(set(ps.checksums) - set(tensors))
         for name, want in ps.checksums.items():
-            if name in tensors and checksum_tensor(tensors[name], algo) != want:
+            if name not in tensors:
+                continue
+            t, layout = tensors[name], ps.parts.get(name)
+            if layout_checksum(tensor_bytes(t), t.element_size(), layout, algo) != want:
                 bad.append(name)
         return bad
 
@@ -300,7 +303,7 @@ class TorchModule(Engine):
                     raise ApplyFailed(f"v{m.version}: tensors never arrived: {missing[:5]}")
             for name, e in txn.entries.items():
                 if name in txn.seen or e.changed > 0 or txn.mode == "full":
-                    got = checksum_tensor(txn.tensors[name], algo)
+                    got = entry_checksum(e, txn.tensors[name], algo)
                 elif same_algo:
                     got = self._ps.checksums.get(name, e.checksum)
                 else:
@@ -319,6 +322,7 @@ class TorchModule(Engine):
                     fingerprint=m.fingerprint,
                     checksum_algorithm=algo,
                     checksums={e.name: e.checksum for e in m.tensors},
+                    parts=_layouts(m),
                 )
             )
         except BaseException:
@@ -361,5 +365,11 @@ class TorchModule(Engine):
                 fingerprint=manifest.fingerprint,
                 checksum_algorithm=manifest.checksum_algorithm,
                 checksums={e.name: e.checksum for e in manifest.tensors} or self._ps.checksums,
+                parts=_layouts(manifest) if manifest.tensors else self._ps.parts,
             )
         )
+
+
+def _layouts(m: Manifest) -> dict[str, list[tuple[int, int]]]:
+    """The parts of each tensor in parts, to verify its checksum at the next open."""
+    return {e.name: list(e.layout) for e in m.tensors if e.layout is not None}

@@ -1,0 +1,199 @@
+"""One rank of a multi-rank publisher, run in its own process by tests/test_distributed.py.
+
+The model is defined here so the test can rebuild it: every rank owns distinct tensors
+(``rank{r}.*``, all dtypes) and a share of two sliced tensors, ``shared.weight`` (dim-0 rows)
+and ``shared.emb`` (uneven flat ranges). Each step mutates a few percent of every tensor; one
+step is a zero diff, one rewrites rank 0's rows of ``shared.weight`` entirely (a dense part next
+to sparse ones). A rank publishes step after step; after a PublishError it retries the same step,
+after OutcomeUnknown (only injected when the attempt was committed) it moves on. It records
+what each call returned in ``out/rank{r}-{incarnation}.json``.
+
+Fault injection (cfg keys): ``kill`` = [rank, step] SIGKILLs that rank after it wrote its first
+shard of that step; ``miss`` = [rank, step] makes that rank miss the commit outcome;
+``fail`` = [rank, step] makes that rank's encode stage raise once; ``exit_on_error`` ends the
+process (code 3) after a failed publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import signal
+import time
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncsync import OutcomeUnknown, Publisher, PublishError
+from asyncsync import publisher as publisher_mod
+from asyncsync.distributed import Coordinator, Decide, FileRendezvous, TorchDistCoordinator
+from asyncsync.errors import CoordinationError
+from asyncsync.format import manifest_path
+from asyncsync.merge import TensorSlice
+from tests.conftest import mixed_state, mutate, random_tensor
+
+ROWS, COLS = 4, 24  # rows of shared.weight per rank
+EMB_SHAPE = (10, 7)
+ZERO_STEP, DENSE_STEP, KEYFRAME_STEP = 2, 3, 4
+
+
+def emb_cuts(world: int) -> list[int]:
+    n = EMB_SHAPE[0] * EMB_SHAPE[1]
+    if world == 4:
+        return [0, 13, 40, 41, n]  # uneven, one single-element part
+    return [n * k // world for k in range(world + 1)]
+
+
+@cache
+def _state(step: int, world: int) -> dict[str, torch.Tensor]:
+    if step == 0:
+        g = torch.Generator().manual_seed(1234)
+        sd = {f"rank{r}.{k}": v for r in range(world) for k, v in mixed_state(r).items()}
+        sd["shared.weight"] = random_tensor((ROWS * world, COLS), torch.bfloat16, g)
+        sd["shared.emb"] = random_tensor(EMB_SHAPE, torch.float32, g)
+        return sd
+    prev = _state(step - 1, world)
+    if step == ZERO_STEP:
+        return prev
+    sd = mutate(prev, 0.03, seed=step)
+    if step == DENSE_STEP:
+        g = torch.Generator().manual_seed(step)
+        sd["shared.weight"][:ROWS] = random_tensor((ROWS, COLS), torch.bfloat16, g)
+    return sd
+
+
+def full_state(step: int, world: int) -> dict[str, torch.Tensor]:
+    """The whole model at ``step`` (what a receiver must end up holding)."""
+    return {k: v.clone() for k, v in _state(step, world).items()}
+
+
+def portion(
+    step: int, rank: int, world: int
+) -> tuple[dict[str, torch.Tensor], dict[str, TensorSlice]]:
+    """Rank ``rank``'s state dict at ``step`` and its slices."""
+    sd = _state(step, world)
+    mine = {k: v.clone() for k, v in sd.items() if k.startswith(f"rank{rank}.")}
+    mine["shared.weight"] = sd["shared.weight"][ROWS * rank : ROWS * (rank + 1)].clone()
+    a, b = emb_cuts(world)[rank : rank + 2]
+    mine["shared.emb"] = sd["shared.emb"].reshape(-1)[a:b].clone()
+    slices = {
+        "shared.weight": TensorSlice(ROWS * rank * COLS, (ROWS * world, COLS)),
+        "shared.emb": TensorSlice(a, EMB_SHAPE),
+    }
+    return mine, slices
+
+
+class MissOutcome(Coordinator):
+    """Delegates to ``inner``; when ``armed``, the next commit exchange completes but this rank
+    acts as if it never heard the result (as when rank 0's answer comes after our timeout)."""
+
+    def __init__(self, inner: Coordinator) -> None:
+        self.inner = inner
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.armed = False
+
+    async def exchange(
+        self, step: str, key: str | None, message: dict[str, Any], decide: Decide
+    ) -> dict[str, Any]:
+        res = await self.inner.exchange(step, key, message, decide)
+        if step == "commit" and self.armed:
+            self.armed = False
+            raise CoordinationError("injected: this rank missed the commit outcome")
+        return res
+
+
+def _arm_kill() -> None:
+    real = publisher_mod.Publisher._write_bucket
+
+    def write_then_die(self: Any, *a: Any, **k: Any) -> None:
+        real(self, *a, **k)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    publisher_mod.Publisher._write_bucket = write_then_die  # type: ignore[method-assign]
+
+
+def _arm_fail() -> None:
+    real = publisher_mod.encode_bucket
+
+    def fail_once(*a: Any, **k: Any) -> Any:
+        publisher_mod.encode_bucket = real
+        raise OSError(28, "No space left on device (injected)")
+
+    publisher_mod.encode_bucket = fail_once  # type: ignore[assignment]
+
+
+async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
+    rank, world = cfg["rank"], cfg["world"]
+    root, out = Path(cfg["root"]), Path(cfg["out"]) / f"rank{rank}-{cfg.get('incarnation', 0)}.json"
+    log: list[dict[str, Any]] = []
+    miss = coord if isinstance(coord, MissOutcome) else None
+    async with Publisher(
+        root, coordinator=coord, bucket_bytes=16 << 10, keyframe_interval=0
+    ) as pub:
+        step, tries = cfg.get("start", 0), 0
+        while step <= cfg["steps"]:
+            sd, slices = portion(step, rank, world)
+            if cfg.get("kill") == [rank, step] and not cfg.get("incarnation"):
+                _arm_kill()
+            if cfg.get("fail") == [rank, step] and tries == 0:
+                _arm_fail()
+            if miss is not None and cfg.get("miss") == [rank, step]:
+                miss.armed = True
+            rec: dict[str, Any] = {"step": step}
+            try:
+                if step == 0:
+                    res = await pub.seed(sd, slices=slices)
+                else:
+                    res = await pub.publish(sd, slices=slices, keyframe=step == KEYFRAME_STEP)
+                rec.update(version=res.version, kind=res.kind, base=res.base_version)
+                step, tries = step + 1, 0
+            except OutcomeUnknown as exc:
+                rec.update(unknown=str(exc))
+                step, tries = step + 1, 0
+            except PublishError as exc:
+                at = pub.statistics().last_version
+                nxt = manifest_path(root, 0 if at is None else at + 1)
+                rec.update(error=str(exc), ranks=list(exc.ranks), at=at)
+                rec.update(manifest_after_error=nxt.exists())
+                tries += 1
+                if tries > 6:
+                    raise
+            log.append(rec)
+            out.write_text(json.dumps(log))
+            if cfg.get("exit_on_error") and ("error" in rec or "unknown" in rec):
+                os._exit(3)  # a torch.distributed group is broken once a rank died
+            if step == 1 and cfg.get("gate"):  # v0 is out: wait until the test has read it
+                while not Path(cfg["gate"]).exists():
+                    await asyncio.sleep(0.01)
+
+
+def main(cfg: dict[str, Any]) -> None:
+    rank, world = cfg["rank"], cfg["world"]
+    coord: Coordinator
+    if cfg["coord"] == "torch":
+        import torch.distributed as dist
+
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(cfg["port"])
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+        )
+        coord = TorchDistCoordinator()
+    else:
+        coord = FileRendezvous(cfg["root"], rank, world, timeout=cfg.get("timeout", 10.0))
+    if cfg.get("miss"):
+        coord = MissOutcome(coord)
+    t0 = time.monotonic()
+    try:
+        asyncio.run(_run(cfg, coord))
+    finally:
+        if cfg["coord"] == "torch":
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    print(f"rank {rank} done in {time.monotonic() - t0:.2f}s", flush=True)
