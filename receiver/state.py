@@ -341,3 +341,9 @@ def check_patch(patch: Patch, flat: torch.Tensor, name: str) -> Patch:
     if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= flat.numel()):
         raise ApplyFailed(f"tensor {name!r}: patch positions outside 0..{flat.numel() - 1}")
     return Patch(patch.op, pos.to(flat.device), values.to(flat.device))
+
+
+def layouts_of(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
+    """The ``(offset, numel)`` parts of each tensor published in parts, as state records them
+    (their checksums are composites: verifying one needs its layout)."""
+    return {e.name: list(e.layout) for e in manifest.tensors if e.layout is not None}

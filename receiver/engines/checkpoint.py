@@ -64,6 +64,7 @@ from receiver.state import (
     StateStore,
     check_base,
     check_patch,
+    layouts_of,
 )
 
 __all__ = ["LocalCheckpoint", "TensorLocation", "read_layout", "verify_checkpoint"]
@@ -421,6 +422,7 @@ class LocalCheckpoint(Engine):
                         fingerprint=m.fingerprint,
                         checksum_algorithm=m.checksum_algorithm,
                         checksums={e.name: e.checksum for e in m.tensors},
+                        parts=layouts_of(m),
                     )
                 )
         except BaseException:
@@ -549,6 +551,7 @@ class LocalCheckpoint(Engine):
                     fingerprint=m.fingerprint,
                     checksum_algorithm=m.checksum_algorithm,
                     checksums={e.name: e.checksum for e in m.tensors},
+                    parts=layouts_of(m),
                 )
             )
             self._layout = self._load_layout()
@@ -595,6 +598,7 @@ class LocalCheckpoint(Engine):
                 fingerprint=manifest.fingerprint,
                 checksum_algorithm=manifest.checksum_algorithm,
                 checksums={e.name: e.checksum for e in manifest.tensors} or self._ps.checksums,
+                parts=layouts_of(manifest) if manifest.tensors else self._ps.parts,
             )
         )
         self._after_commit(manifest.version)

@@ -38,7 +38,7 @@ from asyncsync.codec import Patch, apply_patch, int_view
 from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
 from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import Engine, EngineState, TensorUpdate
-from receiver.state import PersistedState, StateStore, check_base, check_patch
+from receiver.state import PersistedState, StateStore, check_base, check_patch, layouts_of
 
 __all__ = ["TorchModule"]
 
@@ -322,7 +322,7 @@ class TorchModule(Engine):
                     fingerprint=m.fingerprint,
                     checksum_algorithm=algo,
                     checksums={e.name: e.checksum for e in m.tensors},
-                    parts=_layouts(m),
+                    parts=layouts_of(m),
                 )
             )
         except BaseException:
@@ -365,11 +365,6 @@ class TorchModule(Engine):
                 fingerprint=manifest.fingerprint,
                 checksum_algorithm=manifest.checksum_algorithm,
                 checksums={e.name: e.checksum for e in manifest.tensors} or self._ps.checksums,
-                parts=_layouts(manifest) if manifest.tensors else self._ps.parts,
+                parts=layouts_of(manifest) if manifest.tensors else self._ps.parts,
             )
         )
-
-
-def _layouts(m: Manifest) -> dict[str, list[tuple[int, int]]]:
-    """The parts of each tensor in parts, to verify its checksum at the next open."""
-    return {e.name: list(e.layout) for e in m.tensors if e.layout is not None}

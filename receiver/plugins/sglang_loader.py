@@ -39,14 +39,14 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import safetensors
 import torch
 
-from asyncsync.checksum import checksum_tensor
+from asyncsync.checksum import layout_checksum, tensor_bytes
 from asyncsync.errors import AsyncSyncError, ChecksumMismatch
 from asyncsync.fsio import read_bytes
 from receiver.state import STATE_DIR_NAME, STATE_NAME, PersistedState
@@ -85,6 +85,7 @@ class CheckpointSnapshot:
     algorithm: str
     checksums: dict[str, str]
     weight_map: dict[str, str]  # tensor name -> file name
+    parts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # tensors in parts
 
 
 def read_snapshot(directory: str | os.PathLike[str]) -> CheckpointSnapshot | None:
@@ -106,7 +107,13 @@ def read_snapshot(directory: str | os.PathLike[str]) -> CheckpointSnapshot | Non
     ):
         return None
     return CheckpointSnapshot(
-        d, state.version, state.run_id, state.checksum_algorithm, dict(state.checksums), index
+        d,
+        state.version,
+        state.run_id,
+        state.checksum_algorithm,
+        dict(state.checksums),
+        index,
+        dict(state.parts),
     )
 
 
@@ -196,7 +203,9 @@ class PartialReloader:
             with safetensors.safe_open(str(snap.directory / file), framework="pt") as f:
                 for n in file_names:
                     t = f.get_tensor(n)
-                    got = checksum_tensor(t, snap.algorithm)
+                    got = layout_checksum(
+                        tensor_bytes(t), t.element_size(), snap.parts.get(n), snap.algorithm
+                    )
                     if got != snap.checksums[n]:
                         raise ChecksumMismatch(
                             f"{file}: tensor {n!r} has checksum {got}, state.json says "
