@@ -40,7 +40,7 @@ from typing import Any, Literal, NoReturn
 
 import torch
 
-from asyncsync import acks, codec
+from asyncsync import acks, codec, snapshot
 from asyncsync.checksum import DEFAULT_ALGORITHM, checksum_bytes, new_hasher
 from asyncsync.distributed import Coordinator
 from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError, first_error
@@ -65,7 +65,6 @@ from asyncsync.merge import PartRecord, TensorSlice, as_part, check_state_dict, 
 from asyncsync.pipeline import run_pipeline
 from asyncsync.retention import RetentionPolicy, collect
 from asyncsync.shards import (
-    BucketItem,
     DiffedBucket,
     EncodedBucket,
     PendingUpdate,
@@ -406,31 +405,8 @@ class Publisher:
     def _same_schema(
         self, state_dict: Mapping[str, torch.Tensor], slices: Mapping[str, TensorSlice]
     ) -> bool:
-        snap = self._snapshot
-        assert snap is not None
-        if dict(slices) != self._slices:
-            return False
-        if len(state_dict) != len(snap) or any(k not in snap for k in state_dict):
-            return False
-        return all(
-            t.dtype == snap[k].dtype and tuple(t.shape) == tuple(snap[k].shape)
-            for k, t in state_dict.items()
-        )
-
-    def _buckets(self, names: list[str], tensors: Mapping[str, torch.Tensor]) -> list[list[int]]:
-        buckets: list[list[int]] = []
-        cur: list[int] = []
-        size = 0
-        for i, name in enumerate(names):
-            nbytes = tensors[name].numel() * tensors[name].element_size()
-            if cur and size + nbytes > self.bucket_bytes:
-                buckets.append(cur)
-                cur, size = [], 0
-            cur.append(i)
-            size += nbytes
-        if cur:
-            buckets.append(cur)
-        return buckets
+        assert self._snapshot is not None
+        return dict(slices) == self._slices and snapshot.same_schema(self._snapshot, state_dict)
 
     async def _publish(
         self,
@@ -475,10 +451,11 @@ class Publisher:
                 raise PublishError(f"rank {rank} holds v{self._last_version}, not v{version - 1}")
             await asyncio.to_thread(vdir.mkdir, exist_ok=plan is not None)
             snap = self._snapshot if delta else None
-            buckets = self._buckets(names, state_dict)
+            buckets = snapshot.plan_buckets(names, state_dict, self.bucket_bytes)
 
             def diff(bucket: list[int]) -> DiffedBucket:
-                return diff_bucket(self._items(bucket, names, state_dict, snap, delta), delta=delta)
+                items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)
+                return diff_bucket(items, delta=delta)
 
             def encode(d: DiffedBucket) -> EncodedBucket:
                 return encode_bucket(
@@ -592,32 +569,6 @@ class Publisher:
                 "retention on %s failed (retried after the next commit): %s", self.root, exc
             )
 
-    def _items(
-        self,
-        bucket: list[int],
-        names: list[str],
-        state_dict: Mapping[str, torch.Tensor],
-        snap: dict[str, torch.Tensor] | None,
-        delta: bool,
-    ) -> list[BucketItem]:
-        """The bucket's tensors as CPU, contiguous BucketItems (device copies happen here)."""
-        items = []
-        for i in bucket:
-            name = names[i]
-            new = state_dict[name].detach()
-            if new.device.type != "cpu":
-                new = new.to("cpu")
-            items.append(
-                BucketItem(
-                    index=i,
-                    name=name,
-                    new=new.contiguous(),
-                    old=snap[name] if snap is not None else None,
-                    cached_checksum=self._checksums.get(name) if delta else None,
-                )
-            )
-        return items
-
     def _write_bucket(self, vdir: Path, enc: EncodedBucket, acc: _Acc) -> None:
         """Write one bucket's shards (tmp + fsync + rename) and record their entries."""
         shard_of: dict[str, int] = {}
@@ -714,27 +665,7 @@ class Publisher:
         )
 
     def _advance_snapshot(self, names: list[str], pending: list[PendingUpdate]) -> None:
-        old = self._snapshot or {}
-        snap: dict[str, torch.Tensor] = {}
-        by_name = {p.name: p for p in pending}
-        pin = torch.cuda.is_available()
-        for name in names:
-            p = by_name.get(name)
-            cur = old.get(name)
-            if p is None:
-                assert cur is not None
-                snap[name] = cur
-            elif p.positions is not None:
-                assert cur is not None
-                codec.int_view(cur)[p.positions] = p.values
-                snap[name] = cur
-            elif cur is not None and cur.dtype == p.values.dtype and cur.shape == p.values.shape:
-                cur.copy_(p.values)
-                snap[name] = cur
-            else:
-                t = p.values.detach().to("cpu").clone().contiguous()
-                snap[name] = t.pin_memory() if pin else t
-        self._snapshot = snap
+        self._snapshot = snapshot.advance(self._snapshot, names, pending)
 
     def _record(self, res: PublishResult) -> None:
         self._history.append(res)
