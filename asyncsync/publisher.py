@@ -63,6 +63,7 @@ from asyncsync.hf import scan_checkpoint
 from asyncsync.log import append_manifest
 from asyncsync.merge import PartRecord, TensorSlice, as_part, check_state_dict, merge, schema_of
 from asyncsync.pipeline import run_pipeline
+from asyncsync.progress import Progress
 from asyncsync.retention import RetentionPolicy, collect
 from asyncsync.shards import (
     DiffedBucket,
@@ -192,6 +193,7 @@ class Publisher:
         self._counts = {"published": 0, "keyframes": 0, "zero_diff": 0, "wire": 0, "changed": 0}
         self._elements = 0
         self._in_flight = 0
+        self._progress: Progress = None
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Publisher:
@@ -256,6 +258,14 @@ class Publisher:
     def version(self) -> int | None:
         """The last committed version in the root (None before the first)."""
         return self._last_version
+
+    @property
+    def progress(self) -> Progress:
+        """``(label, buckets written, buckets)`` of the publish in flight, or None.
+
+        For progress displays (``asyncsync.progress.ProgressWatcher``) of long publishes: seeds
+        and keyframes of large models."""
+        return self._progress
 
     @property
     def run_id(self) -> str:
@@ -431,6 +441,7 @@ class Publisher:
         )
         stage_ref = ["prepare"]
         self._in_flight = 0
+        self._progress = None
 
         async def commit_merged(
             entries: tuple[TensorEntry, ...],
@@ -465,7 +476,11 @@ class Publisher:
 
             def write(e: EncodedBucket) -> None:
                 self._write_bucket(vdir, e, acc)
+                label, done, total = self._progress or ("", 0, 0)
+                self._progress = (label, done + 1, total)
 
+            kind = "full" if full and not delta else "keyframe" if full else "delta"
+            self._progress = (f"publish v{version} ({kind})", 0, len(buckets))
             stage_ref[0] = "diff/encode/write"
             await run_pipeline(
                 buckets,
@@ -520,6 +535,7 @@ class Publisher:
 
     async def _discard(self, vdir: Path, exc: BaseException, version: int, stage: str) -> NoReturn:
         """Remove an uncommitted version directory and raise what the caller should see."""
+        self._progress = None
         await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
         err = first_error(exc)
         if not isinstance(err, Exception) or isinstance(err, ConfigError):
@@ -538,6 +554,7 @@ class Publisher:
     ) -> PublishResult:
         """Bookkeeping after the manifest rename: counters, log line, retention, result.
         ``checksums``: of this rank's own tensors (the manifest's, by default)."""
+        self._progress = None
         self._next_version = manifest.version + 1
         self._last_version = manifest.version
         self._checksums = (

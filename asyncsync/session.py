@@ -37,6 +37,7 @@ import torch
 
 from asyncsync.config import SyncConfig
 from asyncsync.errors import ConfigError, PublishError
+from asyncsync.progress import ProgressWatcher
 from asyncsync.staleness import AckPolicy, AckWait, StalenessGate
 
 if TYPE_CHECKING:
@@ -309,12 +310,13 @@ class SyncSession:
 
     async def _publish(self, state_dict: dict[str, torch.Tensor], keyframe: bool) -> SyncStep:
         seeded = self._seed_version is None
-        if seeded:
-            result = await self._publisher.seed(state_dict)
-            self._seed_version = result.version
-            self._gate = StalenessGate(self._publisher, self._policy, floor=result.version)
-        else:
-            result = await self._publisher.publish(state_dict, keyframe=keyframe)
+        async with ProgressWatcher(lambda: self._publisher.progress, unit="bucket"):
+            if seeded:
+                result = await self._publisher.seed(state_dict)
+                self._seed_version = result.version
+                self._gate = StalenessGate(self._publisher, self._policy, floor=result.version)
+            else:
+                result = await self._publisher.publish(state_dict, keyframe=keyframe)
         self._last_result = result
         assert self._gate is not None
         ack = await self._gate.wait(result.version)

@@ -319,3 +319,30 @@ async def test_full_mode_publishes_complete_checkpoints(tmp_path: Path) -> None:
         assert all(e.full is not None and e.delta is None for e in m.tensors)
     with pytest.raises(ConfigError, match="mode"):
         Publisher(tmp_path, mode="sparse")  # type: ignore[arg-type]
+
+
+async def test_progress_reports_buckets_of_the_publish_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd = mixed_state(0, scale=4)
+    seen: list[tuple[str, int, int]] = []
+    async with Publisher(tmp_path, bucket_bytes=2048) as pub:
+        assert pub.progress is None
+        real = shards.encode_bucket
+
+        def slow(*a: object, **k: object) -> shards.EncodedBucket:
+            import time
+
+            time.sleep(0.01)
+            return real(*a, **k)  # type: ignore[arg-type]
+
+        monkeypatch.setattr("asyncsync.publisher.encode_bucket", slow)
+        task = asyncio.create_task(pub.seed(sd))
+        while not task.done():
+            if pub.progress is not None:
+                seen.append(pub.progress)
+            await asyncio.sleep(0.005)
+        r = await task
+        assert pub.progress is None
+    assert seen and seen[0][0] == "publish v0 (full)"
+    assert max(t for _, _, t in seen) == r.shards and any(0 < d < t for _, d, t in seen)
