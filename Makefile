@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv test lint demo bench stress clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check asyncsync receiver tests examples
-	$(VENV)/bin/ruff format --check asyncsync receiver tests examples
+	$(VENV)/bin/ruff check asyncsync receiver tests examples stress deploy/ray
+	$(VENV)/bin/ruff format --check asyncsync receiver tests examples stress deploy/ray
 	$(VENV)/bin/mypy
 
 test: lint
@@ -31,6 +31,10 @@ demo: $(STAMP)
 # < 60 s on 2 cores; BENCHMARKS.md shows how to write the JSON, tables and plots as well
 bench: $(STAMP)
 	$(VENV)/bin/asyncsync bench --quick
+
+# kill -9 stress of publisher and receiver, 50 trials each (docs/RELIABILITY.md); a few minutes
+stress: $(STAMP)
+	$(PY) stress/crash.py publisher --trials 50 && $(PY) stress/crash.py receiver --trials 50
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

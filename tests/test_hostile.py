@@ -1,0 +1,197 @@
+"""A hostile or damaged shared directory: path escapes, symlinks and special files are refused.
+
+Every case starts from an engine that holds version 1 of a good chain; version 2 is then made
+hostile. The agent must refuse it with an AsyncSyncError (never another exception, never a
+hang), keep the engine at version 1 with its bytes unchanged, and not acknowledge version 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync import AsyncSyncError, ManifestError, Publisher
+from asyncsync.acks import read_acks
+from asyncsync.checksum import checksum_bytes
+from asyncsync.format import MANIFEST_NAME, version_dir
+from asyncsync.store import list_versions, read_manifest
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+from tests.conftest import mixed_state, mutate
+
+
+class Chain:
+    """A root with v0..v2 and an engine (LocalCheckpoint) that holds v1."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.root = tmp / "root"
+        self.outside = tmp / "outside"
+        self.outside.mkdir()
+        self.ckpt = tmp / "ckpt"
+        self.states = [mixed_state(0)]
+        self.states += [mutate(self.states[0], 0.05, seed=1)]
+        self.states += [mutate(self.states[1], 0.05, seed=2)]
+
+    async def build(self) -> None:
+        async with Publisher(self.root, bucket_bytes=4096, keyframe_interval=0) as pub:
+            await pub.seed(self.states[0])
+            await pub.publish(self.states[1])
+            self.agent = ReceiverAgent(
+                self.root,
+                LocalCheckpoint(self.ckpt),
+                "e1",
+                use_inotify=False,
+                prefetch=False,
+                verify_deadline=0.05,
+            )
+            await self.agent.open()
+            assert await self.agent.sync_once() == 1
+            await pub.publish(self.states[2])
+        self.m1 = read_manifest(self.root, 1)
+        self.v2 = version_dir(self.root, 2)
+
+    def shard(self, version: int = 2) -> Path:
+        m = read_manifest(self.root, version)
+        return version_dir(self.root, version) / m.shards[0].file
+
+    def rewrite_manifest(self, edit: dict[str, object]) -> None:
+        path = self.v2 / MANIFEST_NAME
+        d = json.loads(path.read_text())
+        d.update(edit)
+        path.write_text(json.dumps(d))
+
+    async def assert_refused(self) -> AsyncSyncError:
+        """sync_once refuses (in bounded time) and the engine is untouched at v1."""
+        with pytest.raises(AsyncSyncError) as ei:
+            await asyncio.wait_for(self.agent.sync_once(), 30)
+        self.assert_at_v1()
+        return ei.value
+
+    def assert_at_v1(self) -> None:
+        assert self.agent.version == 1
+        assert verify_checkpoint(self.ckpt, self.m1) == []
+        ack = read_acks(self.root).get("e1")
+        assert ack is not None and ack.version == 1
+
+
+@pytest.fixture
+async def chain(tmp_path: Path) -> Iterator[Chain]:  # type: ignore[misc]
+    c = Chain(tmp_path)
+    await c.build()
+    yield c
+    await c.agent.close()
+
+
+async def test_version_dir_symlink_leaving_the_root_is_refused(chain: Chain) -> None:
+    # A complete, valid v2 of the same run, but reached through a symlink to outside the root.
+    target = chain.outside / "v2"
+    shutil.move(chain.v2, target)
+    chain.v2.symlink_to(target, target_is_directory=True)
+    err = await chain.assert_refused()
+    assert isinstance(err, ManifestError) and "symlink" in str(err)
+
+
+async def test_version_dir_symlink_inside_the_root_is_refused(chain: Chain) -> None:
+    shutil.move(chain.v2, chain.root / "elsewhere")
+    chain.v2.symlink_to(chain.root / "elsewhere", target_is_directory=True)
+    await chain.assert_refused()
+
+
+async def test_manifest_symlink_is_refused(chain: Chain) -> None:
+    target = chain.outside / MANIFEST_NAME
+    shutil.move(chain.v2 / MANIFEST_NAME, target)
+    (chain.v2 / MANIFEST_NAME).symlink_to(target)
+    err = await chain.assert_refused()
+    assert isinstance(err, ManifestError) and "symlink" in str(err)
+
+
+async def test_shard_symlink_is_refused(chain: Chain) -> None:
+    shard = chain.shard()
+    target = chain.outside / shard.name
+    shutil.move(shard, target)
+    shard.symlink_to(target)
+    err = await chain.assert_refused()
+    assert isinstance(err, ManifestError) and "symlink" in str(err)
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "/tmp/x.safetensors", "a/b", "..", ".x"])
+async def test_shard_name_that_leaves_the_version_dir_is_refused(chain: Chain, name: str) -> None:
+    shard = chain.shard()
+    data = shard.read_bytes()
+    (chain.root / "x.safetensors").write_bytes(data)  # where "../x.safetensors" would point
+    d = json.loads((chain.v2 / MANIFEST_NAME).read_text())
+    d["shards"][0]["file"] = name
+    chain.rewrite_manifest({"shards": d["shards"]})
+    err = await chain.assert_refused()
+    assert isinstance(err, ManifestError)
+
+
+async def test_shard_that_is_a_directory_is_refused(chain: Chain) -> None:
+    shard = chain.shard()
+    shard.unlink()
+    shard.mkdir()
+    await chain.assert_refused()
+
+
+async def test_shard_that_is_a_fifo_is_refused_without_hanging(chain: Chain) -> None:
+    shard = chain.shard()
+    shard.unlink()
+    os.mkfifo(shard)
+    try:
+        await chain.assert_refused()
+    finally:
+        # Should a reader be blocked in open(), let it go so the test cannot hang the run.
+        with contextlib.suppress(OSError):
+            os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
+
+
+async def test_manifest_that_is_not_a_regular_file_is_not_a_version(chain: Chain) -> None:
+    (chain.v2 / MANIFEST_NAME).unlink()
+    (chain.v2 / MANIFEST_NAME).mkdir()
+    assert 2 not in list_versions(chain.root)
+    assert await chain.agent.sync_once() == 1  # v2 is not committed: nothing to apply
+    chain.assert_at_v1()
+
+
+async def test_manifest_naming_another_version_is_refused(chain: Chain) -> None:
+    chain.rewrite_manifest({"version": 1, "base_version": 0})
+    await chain.assert_refused()
+
+
+async def test_shard_checksum_fixed_up_but_header_names_another_run(chain: Chain) -> None:
+    shard = chain.shard()
+    data = shard.read_bytes()
+    run = read_manifest(chain.root, 2).run_id
+    forged = data.replace(run.encode(), b"0" * len(run))  # same length: the header still parses
+    assert forged != data
+    shard.write_bytes(forged)
+    d = json.loads((chain.v2 / MANIFEST_NAME).read_text())
+    d["shards"][0]["checksum"] = checksum_bytes(forged)
+    chain.rewrite_manifest({"shards": d["shards"]})
+    err = await chain.assert_refused()
+    assert "another version" in str(err)
+
+
+def test_symlinked_manifest_is_refused_by_read_manifest(tmp_path: Path) -> None:
+    """The store's own check, below the agent (asyncsync inspect/verify read through it)."""
+    root = tmp_path / "r"
+
+    async def publish() -> None:
+        async with Publisher(root) as pub:
+            await pub.seed({"w": torch.zeros(4)})
+
+    asyncio.run(publish())
+    v0 = version_dir(root, 0)
+    shutil.move(v0, tmp_path / "v0")
+    v0.symlink_to(tmp_path / "v0", target_is_directory=True)
+    with pytest.raises(ManifestError, match="symlink"):
+        read_manifest(root, 0)
