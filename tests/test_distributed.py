@@ -217,7 +217,7 @@ async def test_file_rendezvous_four_ranks(tmp_path: Path) -> None:
 
 async def test_killed_rank_leaves_the_version_uncommitted(tmp_path: Path) -> None:
     """Rank 2 is SIGKILLed after writing a shard; rank 0 names it; restarted, the group goes on."""
-    cfg = {"coord": "file", "steps": 4, "timeout": 3.0, "kill": [2, 1]}
+    cfg = {"coord": "file", "steps": 4, "timeout": 8.0, "kill": [2, 1]}
     root, logs, agents = await _run_group(tmp_path, cfg, restart=(2, 1))
     err = next(r for r in logs[0] if r["step"] == 1)
     assert err["ranks"] == [2] and "ranks [2] sent no part record" in err["error"]
