@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import shutil
 import sys
 import time
@@ -90,7 +91,8 @@ class Job:
 
     @property
     def throttle(self) -> fsio.Throttle:
-        return fsio.Throttle(self.bandwidth, self.latency)
+        # the shared root only: the receiver's local checkpoint is on a local disk
+        return fsio.Throttle(self.bandwidth, self.latency, os.path.abspath(self.root))
 
 
 # ------------------------------------------------------------------------------------ roles
