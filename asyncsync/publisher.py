@@ -462,7 +462,8 @@ class Publisher:
                 raise PublishError(f"rank {rank} holds v{self._last_version}, not v{version - 1}")
             await asyncio.to_thread(vdir.mkdir, exist_ok=plan is not None)
             snap = self._snapshot if delta else None
-            buckets = snapshot.plan_buckets(names, state_dict, self.bucket_bytes)
+            sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
+            buckets = snapshot.plan_buckets(sizes, self.bucket_bytes)
 
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)

@@ -18,16 +18,13 @@ from asyncsync.shards import BucketItem, PendingUpdate
 __all__ = ["advance", "bucket_items", "plan_buckets", "same_schema"]
 
 
-def plan_buckets(
-    names: Sequence[str], tensors: Mapping[str, torch.Tensor], bucket_bytes: int
-) -> list[list[int]]:
-    """Consecutive tensors grouped into buckets of about ``bucket_bytes`` (by index in names);
-    a tensor larger than that is a bucket of its own."""
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` (bytes per tensor) grouped into buckets of about
+    ``bucket_bytes``; a tensor larger than that is a bucket of its own."""
     buckets: list[list[int]] = []
     cur: list[int] = []
     size = 0
-    for i, name in enumerate(names):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
+    for i, nbytes in enumerate(sizes):
         if cur and size + nbytes > bucket_bytes:
             buckets.append(cur)
             cur, size = [], 0

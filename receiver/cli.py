@@ -34,6 +34,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from asyncsync.cli.common import positive_float
 from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.logsetup import LOG_FORMATS, setup_logging
 from asyncsync.progress import Progress, ProgressWatcher
@@ -56,16 +57,6 @@ API_KEY_ENV = "ASYNCSYNC_API_KEY"
 TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="asyncsync-receiver",
@@ -84,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="apply what is committed now, then exit")
     p.add_argument(
         "--poll-interval",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         metavar="S",
         help="seconds between polls of the root (inotify wakes it sooner; default 1.0)",
@@ -122,14 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--engine-update-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=Timeouts.update,
         metavar="S",
         help=f"seconds a weight reload may take (default {Timeouts.update:g})",
     )
     server.add_argument(
         "--engine-startup-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=Timeouts.startup,
         metavar="S",
         help=f"seconds to wait for the server to come up (default {Timeouts.startup:g})",

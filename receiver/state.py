@@ -42,7 +42,7 @@ import torch
 
 from asyncsync import fsio
 from asyncsync.codec import Patch
-from asyncsync.errors import ApplyFailed, EngineStateError, LockHeld, OutOfOrder
+from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError, LockHeld, OutOfOrder
 from asyncsync.format import Manifest
 
 __all__ = [
@@ -347,3 +347,28 @@ def layouts_of(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
     """The ``(offset, numel)`` parts of each tensor published in parts, as state records them
     (their checksums are composites: verifying one needs its layout)."""
     return {e.name: list(e.layout) for e in manifest.tensors if e.layout is not None}
+
+
+def bumped(ps: PersistedState, manifest: Manifest) -> PersistedState:
+    """The state after taking the zero-diff ``manifest`` (no data changes, a new version).
+
+    Raises ChecksumMismatch when the manifest claims bytes other than the ones held (a zero diff
+    must carry the checksums of its base).
+    """
+    if ps.checksum_algorithm == manifest.checksum_algorithm:
+        for e in manifest.tensors:
+            if ps.checksums.get(e.name, e.checksum) != e.checksum:
+                raise ChecksumMismatch(
+                    f"zero-diff v{manifest.version} says tensor {e.name!r} is {e.checksum} "
+                    f"but v{ps.version} holds {ps.checksums[e.name]}",
+                    tensor=e.name,
+                )
+    return replace(
+        ps,
+        version=manifest.version,
+        run_id=manifest.run_id,
+        fingerprint=manifest.fingerprint,
+        checksum_algorithm=manifest.checksum_algorithm,
+        checksums={e.name: e.checksum for e in manifest.tensors} or ps.checksums,
+        parts=layouts_of(manifest) if manifest.tensors else ps.parts,
+    )

@@ -32,6 +32,7 @@ import zstandard
 
 from asyncsync import codec
 from asyncsync.shards import BucketItem, encode_bucket
+from asyncsync.snapshot import plan_buckets
 
 __all__ = [
     "BASELINES",
@@ -112,18 +113,7 @@ def full_bytes(news: Sequence[torch.Tensor]) -> int:
 
 def bucketed(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     """Indices grouped in order into buckets of about ``bucket_bytes`` (the publisher's rule)."""
-    buckets: list[list[int]] = []
-    cur: list[int] = []
-    size = 0
-    for i, nbytes in enumerate(sizes):
-        if cur and size + nbytes > bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += nbytes
-    if cur:
-        buckets.append(cur)
-    return buckets
+    return plan_buckets(sizes, bucket_bytes)
 
 
 def ours_bytes(

@@ -62,6 +62,7 @@ from receiver.state import (
     STATE_NAME,
     PersistedState,
     StateStore,
+    bumped,
     check_base,
     check_patch,
     layouts_of,
@@ -582,25 +583,7 @@ class LocalCheckpoint(Engine):
         if self._txn is not None:
             raise ApplyFailed(f"{self.directory}: bump while v{self._txn.manifest.version} is open")
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
-        if self._ps.checksum_algorithm == manifest.checksum_algorithm:
-            for e in manifest.tensors:
-                if self._ps.checksums.get(e.name, e.checksum) != e.checksum:
-                    raise ChecksumMismatch(
-                        f"zero-diff v{manifest.version} says tensor {e.name!r} is {e.checksum} "
-                        f"but v{self.state.version} holds {self._ps.checksums[e.name]}",
-                        tensor=e.name,
-                    )
-        self._set(
-            replace(
-                self._ps,
-                version=manifest.version,
-                run_id=manifest.run_id,
-                fingerprint=manifest.fingerprint,
-                checksum_algorithm=manifest.checksum_algorithm,
-                checksums={e.name: e.checksum for e in manifest.tensors} or self._ps.checksums,
-                parts=layouts_of(manifest) if manifest.tensors else self._ps.parts,
-            )
-        )
+        self._set(bumped(self._ps, manifest))
         self._after_commit(manifest.version)
 
     def _after_commit(self, version: int) -> None:

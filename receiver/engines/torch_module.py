@@ -38,7 +38,14 @@ from asyncsync.codec import Patch, apply_patch, int_view
 from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
 from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import Engine, EngineState, TensorUpdate
-from receiver.state import PersistedState, StateStore, check_base, check_patch, layouts_of
+from receiver.state import (
+    PersistedState,
+    StateStore,
+    bumped,
+    check_base,
+    check_patch,
+    layouts_of,
+)
 
 __all__ = ["TorchModule"]
 
@@ -349,22 +356,4 @@ class TorchModule(Engine):
         if self._txn is not None:
             raise ApplyFailed(f"{self!r}: bump while v{self._txn.manifest.version} is open")
         check_base(self.state.version, self.state.run_id, manifest, repr(self))
-        if self._ps.checksum_algorithm == manifest.checksum_algorithm:
-            for e in manifest.tensors:
-                if self._ps.checksums.get(e.name, e.checksum) != e.checksum:
-                    raise ChecksumMismatch(
-                        f"zero-diff v{manifest.version} says tensor {e.name!r} is {e.checksum} "
-                        f"but v{self.state.version} holds {self._ps.checksums[e.name]}",
-                        tensor=e.name,
-                    )
-        self._set(
-            replace(
-                self._ps,
-                version=manifest.version,
-                run_id=manifest.run_id,
-                fingerprint=manifest.fingerprint,
-                checksum_algorithm=manifest.checksum_algorithm,
-                checksums={e.name: e.checksum for e in manifest.tensors} or self._ps.checksums,
-                parts=layouts_of(manifest) if manifest.tensors else self._ps.parts,
-            )
-        )
+        self._set(bumped(self._ps, manifest))
