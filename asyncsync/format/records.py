@@ -1,33 +1,9 @@
-"""The on-disk protocol both sides share: paths, manifest and ack records, JSON, validation.
-
-``docs/FORMAT.md`` is the normative spec; this module is its executable form. Everything read
-from the shared directory goes through :func:`Manifest.from_json` / :func:`AckRecord.from_json`,
-which reject anything malformed, unsafe (path escapes) or of an unknown format version with a
-:class:`~asyncsync.errors.ManifestError`.
-
-Layout of a root::
-
-    ROOT/
-      asyncsync.json              root identity (format, format_version, run_id)
-      log.jsonl                   one JSON line per committed version (append-only)
-      acks/<engine_id>.json       one ack record per engine, replaced atomically
-      v000000000000/              one directory per version, zero-padded, sortable
-        manifest.json             the commit marker, written last
-        delta-00000.safetensors   delta shards (uint8 blobs)
-        full-00000.safetensors    full shards (tensors by name) for keyframes
-        r0003-<attempt>-delta-00000.safetensors   the same, written by rank 3 of a multi-rank
-                                  publisher (asyncsync.distributed), with its part record
-                                  part-r0003-<attempt>.json until the commit
-
-Format version 2 added tensors published in parts (:class:`TensorPart`, one part per rank of a
-tensor sliced across ranks); readers accept versions 1 and 2.
-"""
+"""The records of the protocol: manifests (shards, tensors, parts, totals) and acks."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -37,211 +13,30 @@ import torch
 from asyncsync.checksum import ALGORITHMS, parts_checksum
 from asyncsync.codec import ENCODINGS
 from asyncsync.errors import ConfigError, ManifestError
-
-__all__ = [
-    "ACKS_DIR",
-    "DTYPES",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "LOG_NAME",
-    "MANIFEST_NAME",
-    "ROOT_INFO_NAME",
-    "AckRecord",
-    "DeltaRef",
-    "FullRef",
-    "Manifest",
-    "READ_FORMAT_VERSIONS",
-    "ShardInfo",
-    "TensorEntry",
-    "TensorPart",
-    "Totals",
-    "ack_path",
-    "check_engine_id",
-    "check_file_name",
-    "dtype_from_name",
-    "dtype_name",
-    "manifest_path",
-    "parse_version_dir",
-    "version_dir",
-    "version_dir_name",
-]
-
-FORMAT_NAME = "asyncsync"
-FORMAT_VERSION = 2  # what this asyncsync writes
-READ_FORMAT_VERSIONS = (1, 2)  # what it reads: 2 added tensors in parts (multi-rank publish)
-MANIFEST_NAME = "manifest.json"
-LOG_NAME = "log.jsonl"
-ACKS_DIR = "acks"
-ROOT_INFO_NAME = "asyncsync.json"
-VERSION_DIGITS = 12
-MAX_VERSION = 10**VERSION_DIGITS - 1
-_MAX_INT = 2**53  # every integer in our JSON must be exactly representable as a double
-_MAX_RANK = 64
-
-_VERSION_DIR_RE = re.compile(rf"^v(\d{{{VERSION_DIGITS}}})$")
-_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_HEX_RE = re.compile(r"^[0-9a-f]{8,128}$")
-
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ManifestError(
-            f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}"
-        ) from None
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except (KeyError, TypeError):
-        raise ManifestError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES)}") from None
-
-
-# --------------------------------------------------------------------------- paths
-
-
-def version_dir_name(version: int) -> str:
-    if not 0 <= version <= MAX_VERSION:
-        raise ManifestError(f"version {version} out of range 0..{MAX_VERSION}")
-    return f"v{version:0{VERSION_DIGITS}d}"
-
-
-def version_dir(root: Path, version: int) -> Path:
-    return root / version_dir_name(version)
-
-
-def manifest_path(root: Path, version: int) -> Path:
-    return version_dir(root, version) / MANIFEST_NAME
-
-
-def parse_version_dir(name: str) -> int | None:
-    """The version a directory name stands for, or None when it is not a version directory."""
-    m = _VERSION_DIR_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def check_file_name(name: object, what: str = "file name") -> str:
-    """A plain file name: no separator, no leading dot, no ``..``: it cannot leave its directory."""
-    if not isinstance(name, str) or not _FILE_RE.match(name) or ".." in name:
-        raise ManifestError(
-            f"unsafe or invalid {what} {name!r}: expected [A-Za-z0-9][A-Za-z0-9._-]*"
-        )
-    return name
-
-
-def check_engine_id(engine_id: object) -> str:
-    if not isinstance(engine_id, str) or not _ENGINE_ID_RE.match(engine_id) or ".." in engine_id:
-        raise ManifestError(
-            f"invalid engine id {engine_id!r}: use 1-128 characters of [A-Za-z0-9._-], "
-            "starting with a letter or digit"
-        )
-    return engine_id
-
-
-def ack_path(root: Path, engine_id: str) -> Path:
-    return root / ACKS_DIR / f"{check_engine_id(engine_id)}.json"
-
-
-# --------------------------------------------------------------------------- validation helpers
-
-
-def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in d:
-        raise ManifestError(f"{where}: missing field {key!r}")
-    v = d[key]
-    # bool is an int subclass; never accept it where a number is meant.
-    if isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise ManifestError(f"{where}: field {key!r} must be {kind}, got a bool")
-    if not isinstance(v, kind):
-        raise ManifestError(f"{where}: field {key!r} must be {kind}, got {type(v).__name__}")
-    return v
-
-
-def _int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX_INT) -> int:
-    v = _get(d, key, int, where)
-    if not lo <= v <= hi:
-        raise ManifestError(f"{where}: field {key!r}={v} out of range {lo}..{hi}")
-    return int(v)
-
-
-def _opt_int(
-    d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX_INT
-) -> int | None:
-    if d.get(key) is None:
-        return None
-    return _int(d, key, where, lo=lo, hi=hi)
-
-
-def _float(d: dict[str, Any], key: str, where: str) -> float:
-    v = _get(d, key, (int, float), where)
-    if not math.isfinite(v) or v < 0:
-        raise ManifestError(f"{where}: field {key!r}={v} must be a finite non-negative number")
-    return float(v)
-
-
-def _hex(d: dict[str, Any], key: str, where: str) -> str:
-    v = _get(d, key, str, where)
-    if not _HEX_RE.match(v):
-        raise ManifestError(f"{where}: field {key!r} must be a lowercase hex digest")
-    return str(v)
-
-
-def _str(d: dict[str, Any], key: str, where: str, max_len: int = 4096) -> str:
-    v = _get(d, key, str, where)
-    if len(v) > max_len:
-        raise ManifestError(f"{where}: field {key!r} longer than {max_len}")
-    return str(v)
-
-
-def _known(d: dict[str, Any], key: str, known: tuple[str, ...], where: str) -> str:
-    v = _str(d, key, where, 64)
-    if v not in known:
-        raise ManifestError(
-            f"{where}: {key} {v!r} is unknown to this reader (it reads {', '.join(known)}); "
-            "upgrade asyncsync on this host"
-        )
-    return v
-
-
-def _dict(v: object, where: str) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise ManifestError(f"{where}: expected a JSON object, got {type(v).__name__}")
-    return v
-
-
-def _no_constant(name: str) -> Any:
-    # Python's json reads NaN/Infinity, which are not JSON: what we accept must re-serialise.
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _load_json(text: str | bytes, what: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
-    return _dict(obj, what)
-
-
-# --------------------------------------------------------------------------- records
+from asyncsync.format.fields import (
+    _dict,
+    _float,
+    _get,
+    _hex,
+    _int,
+    _known,
+    _load_json,
+    _opt_int,
+    _str,
+)
+from asyncsync.format.names import (
+    _HEX_RE,
+    _MAX_INT,
+    _MAX_RANK,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MAX_VERSION,
+    READ_FORMAT_VERSIONS,
+    check_engine_id,
+    check_file_name,
+    dtype_from_name,
+)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,104 @@
+"""Names and paths of the protocol: constants, dtypes, version directories, file names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from asyncsync.errors import ManifestError
+
+FORMAT_NAME = "asyncsync"
+FORMAT_VERSION = 2  # what this asyncsync writes
+READ_FORMAT_VERSIONS = (1, 2)  # what it reads: 2 added tensors in parts (multi-rank publish)
+MANIFEST_NAME = "manifest.json"
+LOG_NAME = "log.jsonl"
+ACKS_DIR = "acks"
+ROOT_INFO_NAME = "asyncsync.json"
+VERSION_DIGITS = 12
+MAX_VERSION = 10**VERSION_DIGITS - 1
+_MAX_INT = 2**53  # every integer in our JSON must be exactly representable as a double
+_MAX_RANK = 64
+
+_VERSION_DIR_RE = re.compile(rf"^v(\d{{{VERSION_DIGITS}}})$")
+_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{8,128}$")
+
+DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ManifestError(
+            f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}"
+        ) from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ManifestError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def version_dir_name(version: int) -> str:
+    if not 0 <= version <= MAX_VERSION:
+        raise ManifestError(f"version {version} out of range 0..{MAX_VERSION}")
+    return f"v{version:0{VERSION_DIGITS}d}"
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / version_dir_name(version)
+
+
+def manifest_path(root: Path, version: int) -> Path:
+    return version_dir(root, version) / MANIFEST_NAME
+
+
+def parse_version_dir(name: str) -> int | None:
+    """The version a directory name stands for, or None when it is not a version directory."""
+    m = _VERSION_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def check_file_name(name: object, what: str = "file name") -> str:
+    """A plain file name: no separator, no leading dot, no ``..``: it cannot leave its directory."""
+    if not isinstance(name, str) or not _FILE_RE.match(name) or ".." in name:
+        raise ManifestError(
+            f"unsafe or invalid {what} {name!r}: expected [A-Za-z0-9][A-Za-z0-9._-]*"
+        )
+    return name
+
+
+def check_engine_id(engine_id: object) -> str:
+    if not isinstance(engine_id, str) or not _ENGINE_ID_RE.match(engine_id) or ".." in engine_id:
+        raise ManifestError(
+            f"invalid engine id {engine_id!r}: use 1-128 characters of [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return engine_id
+
+
+def ack_path(root: Path, engine_id: str) -> Path:
+    return root / ACKS_DIR / f"{check_engine_id(engine_id)}.json"
