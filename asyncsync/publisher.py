@@ -651,19 +651,7 @@ class Publisher:
         attempt: str | None = None,
         producer: Mapping[str, Any] | None = None,
     ) -> Manifest:
-        elements = sum(e.numel for e in entries)
-        changed = sum(e.changed for e in entries)
-        external = shard_dir is not None
-        totals = Totals(
-            tensors=len(entries),
-            elements=elements,
-            changed=changed,
-            density=changed / elements if elements else 0.0,
-            model_bytes=sum(e.nbytes for e in entries),
-            wire_bytes=sum(s.bytes for s in shards if not external or s.role == "delta"),
-            delta_bytes=sum(s.bytes for s in shards if s.role == "delta"),
-            raw_bytes=raw_bytes,
-        )
+        totals = Totals.of(entries, shards, raw_bytes, external_full=shard_dir is not None)
         return Manifest(
             version=version,
             base_version=version - 1 if delta else None,

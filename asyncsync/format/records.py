@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -225,6 +226,30 @@ class Totals:
     wire_bytes: int  # bytes of all shards of this version
     delta_bytes: int  # bytes of the delta shards only
     raw_bytes: int  # delta payload bytes before compression
+
+    @classmethod
+    def of(
+        cls,
+        tensors: Sequence[TensorEntry],
+        shards: Sequence[ShardInfo],
+        raw_bytes: int,
+        *,
+        external_full: bool = False,
+    ) -> Totals:
+        """The totals of a version with these tensors and shards (``external_full``: its full
+        shards belong to a registered checkpoint and are not wire bytes of this version)."""
+        elements = sum(e.numel for e in tensors)
+        changed = sum(e.changed for e in tensors)
+        return cls(
+            tensors=len(tensors),
+            elements=elements,
+            changed=changed,
+            density=changed / elements if elements else 0.0,
+            model_bytes=sum(e.nbytes for e in tensors),
+            wire_bytes=sum(s.bytes for s in shards if not external_full or s.role == "delta"),
+            delta_bytes=sum(s.bytes for s in shards if s.role == "delta"),
+            raw_bytes=raw_bytes,
+        )
 
     @classmethod
     def from_dict(cls, d: object, where: str) -> Totals:
