@@ -61,6 +61,7 @@ from asyncsync.fsio import FileLock, atomic_write, fsync_dir, remove_temp_files
 from asyncsync.group import Attempt, Plan, RankGroup
 from asyncsync.hf import scan_checkpoint
 from asyncsync.log import append_manifest
+from asyncsync.memory import release_large_buffers
 from asyncsync.merge import PartRecord, TensorSlice, as_part, check_state_dict, merge, schema_of
 from asyncsync.pipeline import run_pipeline
 from asyncsync.progress import Progress
@@ -207,6 +208,7 @@ class Publisher:
         """Take the root's lock, clean leftovers of interrupted publishes, find the next version."""
         if self._lock.held:
             return
+        release_large_buffers()
         await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
         if not await asyncio.to_thread(self._lock.acquire):
             raise LockHeld(

@@ -50,6 +50,7 @@ from asyncsync.format import (
     version_dir,
 )
 from asyncsync.fsio import read_bytes
+from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
 from asyncsync.shards import parse_shard
 from asyncsync.store import list_versions, read_manifest
@@ -158,6 +159,7 @@ class ReceiverAgent:
     async def open(self) -> None:
         if self._opened:
             return
+        release_large_buffers()
         await self.engine.open()
         acks = await asyncio.to_thread(read_acks, self.root)
         mine = acks.get(self.engine_id)
