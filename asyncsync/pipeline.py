@@ -11,6 +11,7 @@ baseline the overlap is measured against.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
@@ -18,16 +19,35 @@ from typing import Any
 
 from asyncsync.errors import first_error
 
-__all__ = ["Stage", "run_pipeline"]
+__all__ = ["Stage", "finish_thread", "run_pipeline"]
 
 Stage = tuple[str, Callable[[Any], Any]]
 _DONE = object()
 
 
+async def finish_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``await asyncio.to_thread(fn, *args)``, except that cancellation waits for the thread.
+
+    A thread cannot be stopped; if the caller went on while it still wrote files, cleanup could
+    race it (a shard renamed into a directory being removed, or over a retry's shard). So a
+    cancelled caller waits for the call to finish, then the cancellation proceeds.
+    """
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(fut)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the cancellation is what the caller sees
+        raise
+
+
 async def _call(fn: Callable[[Any], Any], item: Any) -> Any:
     if inspect.iscoroutinefunction(fn):
         return await fn(item)
-    return await asyncio.to_thread(fn, item)
+    return await finish_thread(fn, item)
 
 
 async def run_pipeline(

@@ -27,6 +27,7 @@ durable (:mod:`asyncsync.group`). The pipeline above is the same on every rank.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
@@ -63,7 +64,7 @@ from asyncsync.hf import scan_checkpoint
 from asyncsync.log import append_manifest
 from asyncsync.memory import release_large_buffers
 from asyncsync.merge import PartRecord, TensorSlice, as_part, check_state_dict, merge, schema_of
-from asyncsync.pipeline import run_pipeline
+from asyncsync.pipeline import finish_thread, run_pipeline
 from asyncsync.progress import Progress
 from asyncsync.retention import RetentionPolicy, collect
 from asyncsync.shards import (
@@ -195,6 +196,7 @@ class Publisher:
         self._elements = 0
         self._in_flight = 0
         self._progress: Progress = None
+        self._cancel_after_commit = False
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Publisher:
@@ -534,7 +536,25 @@ class Publisher:
             stage[0] = "pre-commit hook"
             await self._run_hook(vdir)
         stage[0] = "manifest"
-        await asyncio.to_thread(atomic_write, vdir / MANIFEST_NAME, manifest.to_json().encode())
+        path = vdir / MANIFEST_NAME
+        write = functools.partial(atomic_write, path, manifest.to_json().encode(), sync_dir=False)
+        try:
+            await finish_thread(write)
+        except asyncio.CancelledError:
+            if not await asyncio.to_thread(path.exists):
+                raise  # the rename did not happen: nothing is committed
+            self._cancel_after_commit = True  # committed: finish the bookkeeping, then cancel
+            return
+        # The rename is done: the version exists for readers, whatever happens next.
+        try:
+            await finish_thread(fsync_dir, vdir)
+        except asyncio.CancelledError:
+            self._cancel_after_commit = True
+        except OSError as exc:
+            logger.warning(
+                "version %d is committed, but syncing its directory failed (%s); readers see it",
+                manifest.version, exc,
+            )  # fmt: skip
 
     async def _discard(self, vdir: Path, exc: BaseException, version: int, stage: str) -> NoReturn:
         """Remove an uncommitted version directory and raise what the caller should see."""
@@ -567,6 +587,7 @@ class Publisher:
         if self._group is not None and not self._group.is_committer:
             res = PublishResult.of(manifest, seconds, vdir)  # the log and retention are rank 0's
             self._record(res)
+            self._cancel_after_commit = False
             return res
         try:
             await asyncio.to_thread(append_manifest, self.root, manifest)
@@ -577,6 +598,9 @@ class Publisher:
         await self._collect_garbage()
         res = PublishResult.of(manifest, seconds, vdir)
         self._record(res)
+        if self._cancel_after_commit:  # cancelled once the version could no longer be undone
+            self._cancel_after_commit = False
+            raise asyncio.CancelledError
         return res
 
     async def _collect_garbage(self) -> None:

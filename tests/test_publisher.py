@@ -346,3 +346,68 @@ async def test_progress_reports_buckets_of_the_publish_in_flight(
         assert pub.progress is None
     assert seen and seen[0][0] == "publish v0 (full)"
     assert max(t for _, _, t in seen) == r.shards and any(0 < d < t for _, d, t in seen)
+
+
+async def test_cancel_after_the_manifest_rename_keeps_the_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the manifest is renamed into place readers may have seen the version: a cancel
+    that lands then must not delete it, and the publisher must treat it as committed."""
+    import threading
+
+    sd0 = mixed_state(0)
+    sd1, sd2 = mutate(sd0, 0.05, seed=1), mutate(mutate(sd0, 0.05, seed=1), 0.05, seed=2)
+    renamed = threading.Event()
+    release = threading.Event()
+    real = fsio.atomic_write
+
+    def slow_after_rename(path: Path, data: bytes, **kw: object) -> int:
+        n = real(path, data, **kw)  # type: ignore[arg-type]
+        if path.name == MANIFEST_NAME and path.parent.name == "v000000000001":
+            renamed.set()
+            release.wait(5)
+        return n
+
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        monkeypatch.setattr("asyncsync.publisher.atomic_write", slow_after_rename)
+        task = asyncio.create_task(pub.publish(sd1))
+        await asyncio.to_thread(renamed.wait, 5)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert list_versions(tmp_path) == [0, 1]  # still there
+        assert pub.version == 1
+        r = await pub.publish(sd2)  # diffs against v1, not v0
+        assert (r.version, r.base_version) == (2, 1)
+    # the chain v0 -> v1 -> v2 replays to exactly sd2
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+
+    ckpt = LocalCheckpoint(tmp_path.parent / f"{tmp_path.name}-ckpt")
+    async with ReceiverAgent(tmp_path, ckpt, "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 2
+        held = ckpt.load_state_dict()
+    for k, v in sd2.items():
+        assert torch.equal(held[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+
+
+async def test_directory_fsync_failure_after_the_rename_is_not_a_failed_publish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = {"n": 0}
+    real = fsio.fsync_dir
+
+    def flaky(path: Path) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # vdir, root, then the version dir after the manifest rename
+            raise OSError(5, "Input/output error (injected)")
+        real(path)
+
+    sd = mixed_state(0)
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        monkeypatch.setattr("asyncsync.publisher.fsync_dir", flaky)
+        r = await pub.publish(mutate(sd, 0.05, seed=1))
+    assert r.version == 1 and list_versions(tmp_path) == [0, 1] and calls["n"] == 3
