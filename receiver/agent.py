@@ -343,17 +343,13 @@ class ReceiverAgent:
         if latest is None:
             return self.version
         newest = await asyncio.to_thread(read_manifest, self.root, latest)
-        held_run = self.engine.state.run_id
-        if self.version is not None and held_run is not None and held_run != newest.run_id:
-            # A new run (a wiped root, another trainer): version numbers say nothing across
-            # runs, so start over from the new run's newest keyframe.
-            logger.warning(
-                "agent %s: engine holds v%s of run %s, the root is now run %s: re-seeding",
-                self.engine_id, self.version, held_run, newest.run_id,
-            )  # fmt: skip
-            kf = await asyncio.to_thread(self._newest_keyframe, latest, newest.run_id)
-            await self._apply_version(kf, "full")
-            await self._ack(kf)
+        why = await asyncio.to_thread(self._diverged, newest)
+        if why is not None:
+            # Version numbers say nothing across runs (a wiped root, another trainer), nor about
+            # a version republished with other contents: start over from a keyframe.
+            logger.warning("agent %s: %s: re-seeding from a keyframe", self.engine_id, why)
+            await self._reseed(latest, newest.run_id)
+        fell_back = False
         while (cur := self.version) is None or cur < latest:
             m, mode = await asyncio.to_thread(self._plan_next, cur, latest)
             if cur is not None and m.version <= cur:
@@ -361,7 +357,21 @@ class ReceiverAgent:
                     f"newest keyframe {m.version} is not past the engine's version {cur} and "
                     f"version {cur + 1} is missing: cannot reach {latest}"
                 )
-            await self._apply_version(m, mode)
+            try:
+                await self._apply_version(m, mode)
+            except ChecksumMismatch as exc:
+                # A tensor that does not match after a delta was applied (the engine rolled it
+                # back): the engine's bytes are not the delta's base. Once per sync, start over
+                # from the newest keyframe instead of retrying the same delta forever.
+                if mode != "delta" or exc.tensor is None or fell_back:
+                    raise
+                fell_back = True
+                logger.warning(
+                    "agent %s: v%d does not apply to the engine's bytes (%s): re-seeding",
+                    self.engine_id, m.version, exc,
+                )  # fmt: skip
+                await self._reseed(latest, newest.run_id)
+                continue
             await self._ack(m)
         if cur is not None and cur > latest:
             raise ChainError(
@@ -371,6 +381,31 @@ class ReceiverAgent:
         if self._acked != (newest.run_id, latest):
             await self._ack(newest)
         return self.version
+
+    def _diverged(self, newest: Manifest) -> str | None:
+        """Why the engine's state cannot be trusted as a base for ``newest``'s chain, or None."""
+        st = self.engine.state
+        if st.version is None:
+            return None
+        if st.run_id is not None and st.run_id != newest.run_id:
+            return f"engine holds v{st.version} of run {st.run_id}; the root is run {newest.run_id}"
+        if st.fingerprint is None or st.version > newest.version:
+            return None
+        try:
+            mine = newest if st.version == newest.version else read_manifest(self.root, st.version)
+        except FileNotFoundError:
+            return None  # pruned: the chain planner catches up from a keyframe anyway
+        if mine.fingerprint != st.fingerprint:
+            return (
+                f"engine's v{st.version} has fingerprint {st.fingerprint}, the root's "
+                f"v{st.version} has {mine.fingerprint} (republished with other contents)"
+            )
+        return None
+
+    async def _reseed(self, latest: int, run_id: str) -> None:
+        kf = await asyncio.to_thread(self._newest_keyframe, latest, run_id)
+        await self._apply_version(kf, "full")
+        await self._ack(kf)
 
     async def _reconcile_ack(self) -> None:
         """Make our ack name no more than the engine holds.

@@ -311,3 +311,57 @@ async def test_new_run_is_never_mistaken_for_the_old_one(tmp_path: Path) -> None
         assert_holds(a.engine.load_state_dict(), new[1])  # type: ignore[attr-defined]
     ack = read_acks(root)["e"]
     assert (ack.run_id, ack.version) == (new_run, 1)
+
+
+async def test_republished_version_is_not_acked_on_its_number(tmp_path: Path) -> None:
+    """v1 removed and published again with other contents: an engine holding the old v1 is
+    re-seeded, not acked because the number matches."""
+    root = tmp_path / "root"
+    sd0 = mixed_state(0)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        await pub.publish(mutate(sd0, 0.03, seed=1))
+    ckpt = tmp_path / "ckpt"
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 1
+    shutil.rmtree(root / "v000000000001")
+    other = mutate(sd0, 0.03, seed=11)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(other)  # a restarted trainer re-seeds at the next free number: v1 again
+        assert pub.version == 1
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 1
+        assert_holds(agent.engine.load_state_dict(), other)  # type: ignore[attr-defined]
+        assert agent.engine.state.fingerprint == read_manifest(root, 1).fingerprint
+    assert read_acks(root)["e"].fingerprint == read_manifest(root, 1).fingerprint
+
+
+async def test_delta_that_does_not_fit_the_engine_falls_back_to_a_keyframe(tmp_path: Path) -> None:
+    """The engine's bytes were changed behind its back: v2's delta fails its checksums after
+    apply (rolled back); instead of retrying forever the agent re-seeds from keyframe v3."""
+    root = tmp_path / "root"
+    states = [mixed_state(0)]
+    ckpt = tmp_path / "ckpt"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(states[0])
+        states.append(mutate(states[0], 0.03, seed=1))
+        await pub.publish(states[1])
+        async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as a:
+            assert await a.sync_once() == 1
+        # flip every byte of one tensor in the checkpoint file, behind the engine's back
+        from receiver.engines.st_layout import read_layout
+
+        name = "model.layers.0.weight"
+        for f in ckpt.glob("model-*.safetensors"):
+            loc = read_layout(f).get(name)
+            if loc is not None:
+                data = bytearray(f.read_bytes())
+                data[loc.begin : loc.end] = bytes(b ^ 0xFF for b in data[loc.begin : loc.end])
+                f.write_bytes(bytes(data))
+        states.append(mutate(states[1], 0.03, seed=2))
+        await pub.publish(states[2])  # v2: a delta
+        states.append(mutate(states[2], 0.03, seed=3))
+        await pub.publish(states[3], keyframe=True)  # v3: a keyframe
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 3
+        assert_holds(agent.engine.load_state_dict(), states[3])  # type: ignore[attr-defined]
