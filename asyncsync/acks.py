@@ -44,6 +44,9 @@ def read_acks(root: Path) -> dict[str, AckRecord]:
         entries = list(os.scandir(d))
     except FileNotFoundError:
         return out
+    except OSError as exc:  # e.g. acks/ is a file: a damaged root, not a crash of the reader
+        logger.warning("cannot list acks in %s: %s", d, exc)
+        return out
     for e in entries:
         if is_temp_name(e.name) or not e.name.endswith(".json"):
             continue

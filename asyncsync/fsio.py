@@ -239,8 +239,12 @@ class FileLock:
         except BlockingIOError:
             os.close(fd)
             return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {os.uname().nodename}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {os.uname().nodename}\n".encode())
+        except OSError:
+            os.close(fd)  # closing drops the lock too
+            raise
         self._fd = fd
         return True
 

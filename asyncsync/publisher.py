@@ -211,8 +211,14 @@ class Publisher:
         if self._lock.held:
             return
         release_large_buffers()
-        await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
-        if not await asyncio.to_thread(self._lock.acquire):
+        try:
+            await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
+            acquired = await asyncio.to_thread(self._lock.acquire)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot open the root {self.root}: {exc}; pass a directory this process can write"
+            ) from exc
+        if not acquired:
             raise LockHeld(
                 f"another publisher holds {self._lock.path} ({self._lock.holder()}); "
                 "one publisher per root"

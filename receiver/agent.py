@@ -37,6 +37,7 @@ from asyncsync.errors import (
     AsyncSyncError,
     ChainError,
     ChecksumMismatch,
+    ConfigError,
     FormatError,
     IncompleteVersion,
     ManifestError,
@@ -128,9 +129,9 @@ class ReceiverAgent:
         prefetch_bytes: int = 512 << 20,
     ) -> None:
         if poll_interval <= 0:
-            raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
+            raise ConfigError(f"poll_interval must be > 0, got {poll_interval}")
         if verify_deadline < 0:
-            raise ValueError(f"verify_deadline must be >= 0, got {verify_deadline}")
+            raise ConfigError(f"verify_deadline must be >= 0, got {verify_deadline}")
         self.root = Path(root)
         self.engine = engine
         self.engine_id = check_engine_id(engine_id)
@@ -238,6 +239,8 @@ class ReceiverAgent:
                     await self.sync_once()
                 except (AsyncSyncError, OSError) as exc:
                     logger.error("agent %s: sync failed: %s", self.engine_id, exc)
+                except Exception:  # an engine's own bug must not stop the agent for good
+                    logger.exception("agent %s: sync failed unexpectedly", self.engine_id)
                 if self.prefetch:
                     await self._start_prefetch(wake)
         finally:

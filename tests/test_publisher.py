@@ -411,3 +411,15 @@ async def test_directory_fsync_failure_after_the_rename_is_not_a_failed_publish(
         monkeypatch.setattr("asyncsync.publisher.fsync_dir", flaky)
         r = await pub.publish(mutate(sd, 0.05, seed=1))
     assert r.version == 1 and list_versions(tmp_path) == [0, 1] and calls["n"] == 3
+
+
+async def test_bad_roots_raise_our_errors(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ConfigError, match="cannot open the root"):
+        async with Publisher(tmp_path / "file"):
+            pass
+    async with Publisher(tmp_path / "root") as pub:
+        await pub.seed(mixed_state(0))
+        (pub.root / "acks").write_text("a file where the acks directory should be")
+        with pytest.raises(AckTimeout):
+            await pub.wait_acked(0, engines=["e"], timeout=0.1)

@@ -52,6 +52,7 @@ from asyncsync.errors import (
     ApplyFailed,
     AsyncSyncError,
     ChecksumMismatch,
+    ConfigError,
     EngineStateError,
 )
 from asyncsync.format import Manifest, TensorEntry
@@ -98,7 +99,9 @@ class LocalCheckpoint(Engine):
 
     def __init__(self, directory: str | os.PathLike[str], *, file_prefix: str = "model"):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}", file_prefix):
-            raise ValueError(f"invalid file_prefix {file_prefix!r}")
+            raise ConfigError(
+                f"invalid file_prefix {file_prefix!r}: use [A-Za-z0-9][A-Za-z0-9._-]*"
+            )
         self.directory = Path(directory)
         self.file_prefix = file_prefix
         self.index_path = self.directory / f"{file_prefix}.safetensors.index.json"
