@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -47,16 +47,16 @@ from asyncsync.format import (
     ShardInfo,
     ack_path,
     check_engine_id,
-    manifest_path,
     version_dir,
 )
 from asyncsync.fsio import read_bytes
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
 from asyncsync.shards import parse_shard
-from asyncsync.store import list_versions, read_manifest
+from asyncsync.store import read_manifest
 from receiver.engines.base import Engine, TensorUpdate
 from receiver.parts import PartAssembler, PartUpdate
+from receiver.plan import Mode, diverged, latest_version, newest_keyframe, plan_next
 from receiver.prefetch import Prefetcher
 from receiver.watch import wakeups
 
@@ -64,7 +64,6 @@ __all__ = ["AgentStatus", "ReceiverAgent"]
 
 logger = logging.getLogger(__name__)
 
-Mode = Literal["delta", "full"]
 PROGRESS_LOG_SECONDS = 5.0
 
 
@@ -290,63 +289,14 @@ class ReceiverAgent:
             f"latest={self._c.latest} root={str(self.root)!r}>"
         )
 
-    # ------------------------------------------------------------------ discovery
-    def _latest(self) -> int | None:
-        """Newest committed version: a directory scan, then exact-path probes past it.
-
-        Probing ``v{N+1}/manifest.json`` by name is not served from a stale cached listing the
-        way a scan is on NFS, so a fresh commit is found even when the listing lags.
-        """
-        versions = list_versions(self.root)
-        latest = versions[-1] if versions else None
-        start = (
-            max(v for v in (latest, self.version) if v is not None)
-            if (latest is not None or self.version is not None)
-            else -1
-        )
-        probe = start + 1
-        while manifest_path(self.root, probe).is_file():
-            latest = probe
-            probe += 1
-        return latest
-
-    def _newest_keyframe(self, target: int, run_id: str | None = None) -> Manifest:
-        for v in reversed(list_versions(self.root)):
-            if v > target:
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                m = read_manifest(self.root, v)
-                if m.kind == "full" and (run_id is None or m.run_id == run_id):
-                    return m
-        raise ChainError(
-            f"{self.root}: no keyframe at or below version {target}"
-            + (f" of run {run_id}" if run_id else "")
-            + " to start from; publish one (publish(..., keyframe=True)) or keep more versions"
-        )
-
-    def _plan_next(self, cur: int | None, latest: int) -> tuple[Manifest, Mode]:
-        """The next version to apply from ``cur`` toward ``latest`` and how."""
-        if cur is not None:
-            try:
-                m = read_manifest(self.root, cur + 1)
-            except FileNotFoundError:
-                m = None
-            if m is not None and m.run_id == self.engine.state.run_id and m.has_delta:
-                return m, "delta"
-            if m is not None and m.kind == "full":
-                return m, "full"
-            if m is None:
-                logger.warning("version %d is gone: catching up from a keyframe", cur + 1)
-        return self._newest_keyframe(latest), "full"
-
     # ------------------------------------------------------------------ sync
     async def _sync(self) -> int | None:
-        latest = await asyncio.to_thread(self._latest)
+        latest = await asyncio.to_thread(latest_version, self.root, self.version)
         self._c.latest = latest
         if latest is None:
             return self.version
         newest = await asyncio.to_thread(read_manifest, self.root, latest)
-        why = await asyncio.to_thread(self._diverged, newest)
+        why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest)
         if why is not None:
             # Version numbers say nothing across runs (a wiped root, another trainer), nor about
             # a version republished with other contents: start over from a keyframe.
@@ -354,7 +304,7 @@ class ReceiverAgent:
             await self._reseed(latest, newest.run_id)
         fell_back = False
         while (cur := self.version) is None or cur < latest:
-            m, mode = await asyncio.to_thread(self._plan_next, cur, latest)
+            m, mode = await asyncio.to_thread(plan_next, self.root, self.engine.state, latest)
             if cur is not None and m.version <= cur:
                 raise ChainError(
                     f"newest keyframe {m.version} is not past the engine's version {cur} and "
@@ -385,28 +335,8 @@ class ReceiverAgent:
             await self._ack(newest)
         return self.version
 
-    def _diverged(self, newest: Manifest) -> str | None:
-        """Why the engine's state cannot be trusted as a base for ``newest``'s chain, or None."""
-        st = self.engine.state
-        if st.version is None:
-            return None
-        if st.run_id is not None and st.run_id != newest.run_id:
-            return f"engine holds v{st.version} of run {st.run_id}; the root is run {newest.run_id}"
-        if st.fingerprint is None or st.version > newest.version:
-            return None
-        try:
-            mine = newest if st.version == newest.version else read_manifest(self.root, st.version)
-        except FileNotFoundError:
-            return None  # pruned: the chain planner catches up from a keyframe anyway
-        if mine.fingerprint != st.fingerprint:
-            return (
-                f"engine's v{st.version} has fingerprint {st.fingerprint}, the root's "
-                f"v{st.version} has {mine.fingerprint} (republished with other contents)"
-            )
-        return None
-
     async def _reseed(self, latest: int, run_id: str) -> None:
-        kf = await asyncio.to_thread(self._newest_keyframe, latest, run_id)
+        kf = await asyncio.to_thread(newest_keyframe, self.root, latest, run_id)
         await self._apply_version(kf, "full")
         await self._ack(kf)
 

@@ -1,0 +1,100 @@
+"""Planning a receiver's way along a root's chain of versions (blocking reads of manifests).
+
+Given what an engine holds (:class:`~receiver.engines.base.EngineState`) and what the root
+holds, these functions answer: which version is the newest, whether the engine's state can be
+a base for the root's chain at all, and which version to apply next and how (its delta, or full
+data from a keyframe). The agent runs them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Literal
+
+from asyncsync.errors import ChainError
+from asyncsync.format import Manifest, manifest_path
+from asyncsync.store import list_versions, read_manifest
+from receiver.engines.base import EngineState
+
+__all__ = ["Mode", "diverged", "latest_version", "newest_keyframe", "plan_next"]
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["delta", "full"]
+
+
+def latest_version(root: Path, held: int | None) -> int | None:
+    """Newest committed version: a directory scan, then exact-path probes past it.
+
+    Probing ``v{N+1}/manifest.json`` by name is not served from a stale cached listing the way
+    a scan is on NFS, so a fresh commit is found even when the listing lags.
+    """
+    versions = list_versions(root)
+    latest = versions[-1] if versions else None
+    known = [v for v in (latest, held) if v is not None]
+    probe = max(known) + 1 if known else 0
+    while manifest_path(root, probe).is_file():
+        latest = probe
+        probe += 1
+    return latest
+
+
+def newest_keyframe(root: Path, target: int, run_id: str | None = None) -> Manifest:
+    """The newest full version at or below ``target`` (of ``run_id`` when given)."""
+    for v in reversed(list_versions(root)):
+        if v > target:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            m = read_manifest(root, v)
+            if m.kind == "full" and (run_id is None or m.run_id == run_id):
+                return m
+    raise ChainError(
+        f"{root}: no keyframe at or below version {target}"
+        + (f" of run {run_id}" if run_id else "")
+        + " to start from; publish one (publish(..., keyframe=True)) or keep more versions"
+    )
+
+
+def plan_next(root: Path, state: EngineState, latest: int) -> tuple[Manifest, Mode]:
+    """The next version to apply from the engine's version toward ``latest``, and how."""
+    cur = state.version
+    if cur is not None:
+        try:
+            m = read_manifest(root, cur + 1)
+        except FileNotFoundError:
+            m = None
+        if m is not None and m.run_id == state.run_id and m.has_delta:
+            return m, "delta"
+        if m is not None and m.kind == "full":
+            return m, "full"
+        if m is None:
+            logger.warning("version %d is gone: catching up from a keyframe", cur + 1)
+    return newest_keyframe(root, latest), "full"
+
+
+def diverged(root: Path, state: EngineState, newest: Manifest) -> str | None:
+    """Why the engine's state cannot be a base for ``newest``'s chain, or None.
+
+    Another run's version, or a version number whose fingerprint differs from the root's
+    manifest of that number (removed and republished with other contents).
+    """
+    if state.version is None:
+        return None
+    if state.run_id is not None and state.run_id != newest.run_id:
+        return (
+            f"engine holds v{state.version} of run {state.run_id}; the root is run {newest.run_id}"
+        )
+    if state.fingerprint is None or state.version > newest.version:
+        return None
+    try:
+        mine = newest if state.version == newest.version else read_manifest(root, state.version)
+    except FileNotFoundError:
+        return None  # pruned: the planner catches up from a keyframe anyway
+    if mine.fingerprint != state.fingerprint:
+        return (
+            f"engine's v{state.version} has fingerprint {state.fingerprint}, the root's "
+            f"v{state.version} has {mine.fingerprint} (republished with other contents)"
+        )
+    return None
