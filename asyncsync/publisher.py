@@ -35,21 +35,18 @@ import shutil
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import torch
 
 from asyncsync import acks, codec, snapshot
-from asyncsync.checksum import DEFAULT_ALGORITHM, checksum_bytes, new_hasher
+from asyncsync.checksum import DEFAULT_ALGORITHM, new_hasher
 from asyncsync.distributed import Coordinator
 from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError, first_error
 from asyncsync.format import (
     MANIFEST_NAME,
     AckRecord,
-    DeltaRef,
-    FullRef,
     Manifest,
     ShardInfo,
     TensorEntry,
@@ -63,7 +60,7 @@ from asyncsync.group import Attempt, Plan, RankGroup
 from asyncsync.hf import scan_checkpoint
 from asyncsync.log import append_manifest
 from asyncsync.memory import release_large_buffers
-from asyncsync.merge import PartRecord, TensorSlice, as_part, check_state_dict, merge, schema_of
+from asyncsync.merge import PartRecord, TensorSlice, check_state_dict, merge, schema_of
 from asyncsync.pipeline import finish_thread, run_pipeline
 from asyncsync.progress import Progress
 from asyncsync.retention import RetentionPolicy, collect
@@ -71,12 +68,12 @@ from asyncsync.shards import (
     DiffedBucket,
     EncodedBucket,
     PendingUpdate,
-    delta_keys,
     diff_bucket,
     encode_bucket,
 )
 from asyncsync.stats import PublisherStats, PublishResult
 from asyncsync.store import ensure_root_info, list_versions, read_root_info, uncommitted_dirs
+from asyncsync.writer import VersionWriter
 
 __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 
@@ -84,23 +81,6 @@ logger = logging.getLogger(__name__)
 
 PreCommitHook = Callable[[Path], Any] | Callable[[Path], Awaitable[Any]]
 LOCK_NAME = ".publisher.lock"
-
-
-@dataclass
-class _Acc:
-    """Accumulates shard and tensor results as buckets are written."""
-
-    shards: list[ShardInfo] = field(default_factory=list)
-    entries: dict[int, TensorEntry] = field(default_factory=dict)
-    pending: list[PendingUpdate] = field(default_factory=list)
-    raw_bytes: int = 0
-    seconds: dict[str, float] = field(
-        default_factory=lambda: {"diff": 0.0, "encode": 0.0, "write": 0.0}
-    )
-    meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # dtype, shape
-    slices: Mapping[str, TensorSlice] = field(default_factory=dict)
-    prefix: str = ""  # of shard file names: "r0003-<attempt>-" in a multi-rank publish
-    sums: dict[str, str] = field(default_factory=dict)  # checksum of each local tensor
 
 
 class Publisher:
@@ -444,7 +424,9 @@ class Publisher:
         t_start = time.perf_counter()
         created = time.time()
         rank = self._group.rank if self._group is not None else 0
-        acc = _Acc(
+        acc = VersionWriter(
+            vdir=vdir,
+            algorithm=self.checksum,
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
             slices=sl,
             prefix=plan.shard_prefix(rank) if plan is not None else "",
@@ -486,7 +468,7 @@ class Publisher:
                 )  # fmt: skip
 
             def write(e: EncodedBucket) -> None:
-                self._write_bucket(vdir, e, acc)
+                acc.write(e)
                 label, done, total = self._progress or ("", 0, 0)
                 self._progress = (label, done + 1, total)
 
@@ -618,46 +600,6 @@ class Publisher:
             logger.error(
                 "retention on %s failed (retried after the next commit): %s", self.root, exc
             )
-
-    def _write_bucket(self, vdir: Path, enc: EncodedBucket, acc: _Acc) -> None:
-        """Write one bucket's shards (tmp + fsync + rename) and record their entries."""
-        shard_of: dict[str, int] = {}
-        for role, blob in (("delta", enc.delta_blob), ("full", enc.full_blob)):
-            if blob is None:
-                continue
-            n = sum(1 for s in acc.shards if s.role == role)
-            fname = f"{acc.prefix}{role}-{n:05d}.safetensors"
-            atomic_write(vdir / fname, blob, sync_dir=False)
-            shard_of[role] = len(acc.shards)
-            acc.shards.append(
-                ShardInfo(
-                    fname,
-                    role,  # type: ignore[arg-type]
-                    len(blob),
-                    checksum_bytes(blob, self.checksum),
-                )
-            )
-        for it in enc.items:
-            delta_ref = None
-            if it.mode is not None:
-                pkey, vkey = delta_keys(it.index)
-                delta_ref = DeltaRef(shard_of["delta"], it.mode, pkey, vkey)
-            full_ref = FullRef(shard_of["full"], it.name) if it.has_full else None
-            dtype, shape = acc.meta[it.name]
-            entry = TensorEntry(
-                name=it.name,
-                dtype=dtype,
-                shape=shape,
-                checksum=it.checksum,
-                changed=it.changed,
-                delta=delta_ref,
-                full=full_ref,
-            )
-            sl = acc.slices.get(it.name)
-            acc.entries[it.index] = entry if sl is None else as_part(entry, sl, self.checksum)
-            acc.sums[it.name] = it.checksum
-        acc.pending.extend(enc.pending)
-        acc.raw_bytes += enc.raw_bytes
 
     async def _run_hook(self, vdir: Path) -> None:
         hook = self.pre_commit_hook

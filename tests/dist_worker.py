@@ -30,6 +30,7 @@ import torch
 
 from asyncsync import OutcomeUnknown, Publisher, PublishError
 from asyncsync import publisher as publisher_mod
+from asyncsync import writer as writer_mod
 from asyncsync.distributed import Coordinator, Decide, FileRendezvous, TorchDistCoordinator
 from asyncsync.errors import CoordinationError
 from asyncsync.format import manifest_path
@@ -107,13 +108,13 @@ class MissOutcome(Coordinator):
 
 
 def _arm_kill() -> None:
-    real = publisher_mod.Publisher._write_bucket
+    real = writer_mod.VersionWriter.write
 
     def write_then_die(self: Any, *a: Any, **k: Any) -> None:
         real(self, *a, **k)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    publisher_mod.Publisher._write_bucket = write_then_die  # type: ignore[method-assign]
+    writer_mod.VersionWriter.write = write_then_die  # type: ignore[method-assign]
 
 
 def _arm_fail() -> None:

@@ -147,7 +147,7 @@ async def test_failure_at_each_stage_commits_nothing(
                         _fail()
                     return real(path, data, **kw)  # type: ignore[arg-type]
 
-                mp.setattr("asyncsync.publisher.atomic_write", flaky)
+                mp.setattr("asyncsync.writer.atomic_write", flaky)
             elif stage == "fsync":
                 mp.setattr("asyncsync.publisher.fsync_dir", _fail)
             elif stage == "hook":
