@@ -65,3 +65,23 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     ua = a.contiguous().reshape(-1).view(torch.uint8)
     ub = b.contiguous().reshape(-1).view(torch.uint8)
     return bool(torch.equal(ua, ub))
+
+
+class Holder(torch.nn.Module):
+    """A module whose buffers are exactly the tensors of a state dict (zeros to start)."""
+
+    def __init__(self, sd: dict[str, torch.Tensor]):
+        super().__init__()
+        for i, v in enumerate(sd.values()):
+            self.register_buffer(f"b{i}", torch.zeros_like(v.contiguous()))
+        self._names = list(sd)
+
+    def state_dict(self, *a, **k):  # type: ignore[no-untyped-def,override]
+        return {n: getattr(self, f"b{i}") for i, n in enumerate(self._names)}
+
+
+def assert_holds(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """``got`` has exactly ``want``'s names, each with the same bytes."""
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert same_bytes(got[k], v.contiguous()), k

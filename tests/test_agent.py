@@ -17,26 +17,7 @@ from asyncsync.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.torch_module import TorchModule
-from tests.conftest import mixed_state, mutate, same_bytes
-
-
-class Holder(torch.nn.Module):
-    """A module whose parameters/buffers are exactly the tensors of a state dict."""
-
-    def __init__(self, sd: dict[str, torch.Tensor]):
-        super().__init__()
-        for i, v in enumerate(sd.values()):
-            self.register_buffer(f"b{i}", torch.zeros_like(v.contiguous()))
-        self._names = list(sd)
-
-    def state_dict(self, *a, **k):  # type: ignore[no-untyped-def,override]
-        return {n: getattr(self, f"b{i}") for i, n in enumerate(self._names)}
-
-
-def assert_holds(sd_engine: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> None:
-    assert set(sd_engine) == set(sd)
-    for k, v in sd.items():
-        assert same_bytes(sd_engine[k], v.contiguous()), k
+from tests.conftest import Holder, assert_holds, mixed_state, mutate
 
 
 async def publish_chain(root: Path, n: int, **kw: object) -> list[dict[str, torch.Tensor]]:

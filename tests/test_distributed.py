@@ -38,7 +38,7 @@ from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from receiver.engines.torch_module import TorchModule
 from tests import dist_worker
-from tests.conftest import same_bytes
+from tests.conftest import Holder, assert_holds, same_bytes
 from tests.dist_worker import DENSE_STEP, KEYFRAME_STEP, ZERO_STEP, MissOutcome, full_state
 
 WORLD = 4
@@ -60,25 +60,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class Holder(torch.nn.Module):
-    """A module whose buffers are exactly the tensors of a state dict (zeros to start)."""
-
-    def __init__(self, sd: dict[str, torch.Tensor]):
-        super().__init__()
-        for i, v in enumerate(sd.values()):
-            self.register_buffer(f"b{i}", torch.zeros_like(v.contiguous()))
-        self._names = list(sd)
-
-    def state_dict(self, *a, **k):  # type: ignore[no-untyped-def,override]
-        return {n: getattr(self, f"b{i}") for i, n in enumerate(self._names)}
-
-
-def _assert_holds(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want)
-    for k, v in want.items():
-        assert same_bytes(got[k], v.contiguous()), k
 
 
 def _logs(out: Path) -> dict[int, list[dict[str, Any]]]:
@@ -136,7 +117,7 @@ async def _run_group(
         for a in agents:
             await a.open()
             assert await a.sync_once() == 0
-        _assert_holds(agents[0].engine.load_state_dict(), full_state(0, WORLD))  # type: ignore[attr-defined]
+        assert_holds(agents[0].engine.load_state_dict(), full_state(0, WORLD))  # type: ignore[attr-defined]
         gate.touch()
         restarted = False
         while any(p.is_alive() for p in procs):
@@ -167,12 +148,12 @@ async def _final_checks(
 ) -> dict[int, int]:
     step_of = _check_versions(root, logs)
     final = full_state(max(step_of.values()), WORLD)
-    _assert_holds(agents[0].engine.load_state_dict(), final)
-    _assert_holds(agents[1].engine.module.state_dict(), final)
+    assert_holds(agents[0].engine.load_state_dict(), final)
+    assert_holds(agents[1].engine.module.state_dict(), final)
     fresh = Holder(final)  # an empty engine starts from the newest keyframe
     async with ReceiverAgent(root, TorchModule(fresh), "fresh", use_inotify=False) as a:
         assert await a.sync_once() == max(step_of)
-    _assert_holds(fresh.state_dict(), final)
+    assert_holds(fresh.state_dict(), final)
     return step_of
 
 
@@ -255,7 +236,7 @@ async def test_torch_killed_rank_then_the_group_restarts(tmp_path: Path) -> None
     mod = Holder(full_state(3, WORLD))
     async with ReceiverAgent(root, TorchModule(mod), "m", use_inotify=False) as a:
         assert await a.sync_once() == 3
-    _assert_holds(mod.state_dict(), full_state(3, WORLD))
+    assert_holds(mod.state_dict(), full_state(3, WORLD))
 
 
 def test_worker_model_tiles() -> None:
@@ -291,7 +272,7 @@ async def _received(root: Path, tmp_path: Path, step: int) -> None:
     mod = Holder(full_state(step, 2))
     async with ReceiverAgent(root, TorchModule(mod), "m", use_inotify=False) as a:
         await a.sync_once()
-    _assert_holds(mod.state_dict(), full_state(step, 2))
+    assert_holds(mod.state_dict(), full_state(step, 2))
 
 
 async def test_missed_failure_drops_the_kept_changes(tmp_path: Path) -> None:
