@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +37,7 @@ import torch
 
 from asyncsync.acks import read_acks
 from asyncsync.cli import human_bytes, verify_checkpoint_dir
+from asyncsync.cli.common import int_at_least
 from asyncsync.errors import AsyncSyncError
 from asyncsync.publisher import Publisher, PublishResult
 from asyncsync.store import read_manifest
@@ -284,19 +285,6 @@ def run_demo(
     return final_version
 
 
-def _at_least(lo: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            v = int(text.replace("_", ""))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m asyncsync.demo",
@@ -311,21 +299,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the temp directory")
     p.add_argument(
         "--versions",
-        type=_at_least(2),
+        type=int_at_least(2),
         default=12,
         metavar="N",
         help="versions to publish, the keyframe included (default 12)",
     )
     p.add_argument(
         "--elements",
-        type=_at_least(10_000),
+        type=int_at_least(10_000),
         default=3_000_000,
         metavar="N",
         help="model size in elements (default 3,000,000)",
     )
     p.add_argument(
         "--engines",
-        type=_at_least(1),
+        type=int_at_least(1),
         default=2,
         metavar="K",
         help="receiver processes (default 2)",

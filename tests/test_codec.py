@@ -29,20 +29,9 @@ from asyncsync.codec import (
     int_view,
 )
 from asyncsync.errors import ConfigError, FormatError
+from tests.conftest import ALL_DTYPES
 
-DTYPES = [
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.float64,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int8,
-    torch.uint8,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-]
+DTYPES = ALL_DTYPES
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 BASELINES = ("indices", "deltas", "deltas_zstd")
 

@@ -21,20 +21,11 @@ from typing import Any
 
 from asyncsync.bench.measure import BenchConfig, run_bench
 from asyncsync.bench.report import markdown, plot, summarise
+from asyncsync.cli.common import positive_int
 
 __all__ = ["cmd_bench", "config_from_args", "register"]
 
 _THROTTLE = "200MB/s,5ms"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -120,9 +111,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
     # hidden: sizes for plumbing tests and experiments
-    sp.add_argument("--elements", type=_positive_int, help=argparse.SUPPRESS)
-    sp.add_argument("--sweep-elements", type=_positive_int, help=argparse.SUPPRESS)
-    sp.add_argument("--versions", type=_positive_int, help=argparse.SUPPRESS)
-    sp.add_argument("--bucket-bytes", type=_positive_int, help=argparse.SUPPRESS)
+    sp.add_argument("--elements", type=positive_int, help=argparse.SUPPRESS)
+    sp.add_argument("--sweep-elements", type=positive_int, help=argparse.SUPPRESS)
+    sp.add_argument("--versions", type=positive_int, help=argparse.SUPPRESS)
+    sp.add_argument("--bucket-bytes", type=positive_int, help=argparse.SUPPRESS)
     sp.add_argument("--workdir", help=argparse.SUPPRESS)
     sp.set_defaults(func=cmd_bench)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,10 @@ __all__ = [
     "fmt_density",
     "fmt_time",
     "human_bytes",
+    "int_at_least",
     "non_negative_int",
     "positive_float",
+    "positive_int",
     "resolve_version",
     "table",
     "version_summaries",
@@ -129,11 +131,20 @@ def positive_float(text: str) -> float:
     return v
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a version number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: a whole number (``_`` separators allowed) of at least ``lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text.replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+non_negative_int = int_at_least(0)
+positive_int = int_at_least(1)

@@ -6,20 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from asyncsync.cli.common import check_root, human_bytes
+from asyncsync.cli.common import check_root, human_bytes, positive_int
 from asyncsync.retention import RetentionPolicy, collect
 
 __all__ = ["cmd_gc", "register"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _size(text: str) -> int:
@@ -66,7 +56,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("root", metavar="ROOT", help="the shared root")
     sp.add_argument(
-        "--keep-versions", type=_positive_int, default=10, metavar="N",
+        "--keep-versions", type=positive_int, default=10, metavar="N",
         help="keep at least the newest N versions (default 10)",
     )  # fmt: skip
     sp.add_argument(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync.acks import read_acks
-from asyncsync.cli.common import check_root, fmt_time, positive_float, table
+from asyncsync.cli.common import check_root, fmt_time, non_negative_int, positive_float, table
 from asyncsync.store import read_manifest
 
 __all__ = ["cmd_status", "engine_rows", "register"]
@@ -76,16 +76,6 @@ def _row(r: dict[str, Any]) -> list[object]:
     return [r["engine_id"], r["version"], lag, fmt_time(r["acked_at"]), age, r["host"], state]
 
 
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     sp = sub.add_parser(
         "status",
@@ -94,7 +84,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("root", metavar="ROOT", help="the shared root")
     sp.add_argument(
-        "--max-lag", type=_non_negative, default=2, metavar="N",
+        "--max-lag", type=non_negative_int, default=2, metavar="N",
         help="more than N versions behind the newest is a straggler (default 2)",
     )  # fmt: skip
     sp.add_argument(
