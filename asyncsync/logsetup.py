@@ -7,15 +7,17 @@ fields included, one per line on stderr.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
 import time
 from typing import Any
 
-__all__ = ["LOG_FORMATS", "JsonFormatter", "setup_logging"]
+__all__ = ["LOG_FORMATS", "LOG_LEVELS", "JsonFormatter", "add_logging_arguments", "setup_logging"]
 
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
@@ -52,3 +54,21 @@ def setup_logging(level: str = "WARNING", fmt: str = "text") -> None:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
+
+
+def add_logging_arguments(
+    parser: argparse.ArgumentParser, *, default_level: str | None, hidden: bool = False
+) -> None:
+    """``--log-level`` and ``--log-format`` (``hidden``: repeated on subcommands, no defaults,
+    so they may be given after the subcommand too)."""
+    level_default: object = argparse.SUPPRESS if hidden else default_level
+    format_default: object = argparse.SUPPRESS if hidden else "text"
+    parser.add_argument(
+        "--log-level", default=level_default, type=str.upper, choices=LOG_LEVELS,
+        help=argparse.SUPPRESS if hidden else f"logging level on stderr (default {default_level})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--log-format", default=format_default, choices=LOG_FORMATS,
+        help=argparse.SUPPRESS if hidden
+        else "text, or json: one JSON object per log record (default text)",
+    )  # fmt: skip

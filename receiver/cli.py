@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from asyncsync.cli.common import positive_float
 from asyncsync.errors import AsyncSyncError, ConfigError
-from asyncsync.logsetup import LOG_FORMATS, setup_logging
+from asyncsync.logsetup import add_logging_arguments, setup_logging
 from asyncsync.progress import Progress, ProgressWatcher
 from receiver.agent import ReceiverAgent
 from receiver.engines.base import Engine
@@ -51,7 +51,6 @@ __all__ = ["build_parser", "main"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a stop signal
 API_KEY_ENV = "ASYNCSYNC_API_KEY"
 TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
@@ -138,17 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--control-token-file", default=None, metavar="F",
         help=f"bearer token for POST /sync (else ${TOKEN_ENV}; none: control disabled)",
     )  # fmt: skip
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=LOG_LEVELS,
-        help="logging level on stderr (default INFO)",
-    )
-    p.add_argument(
-        "--log-format", default="text", choices=LOG_FORMATS,
-        help="text, or json: one JSON object per log record (default text)",
-    )  # fmt: skip
+    add_logging_arguments(p, default_level="INFO")
     return p
 
 

@@ -31,7 +31,7 @@ from asyncsync.cli import gc, status, verify, versions
 from asyncsync.cli.common import human_bytes
 from asyncsync.cli.verify import VerifyReport, verify_checkpoint_dir
 from asyncsync.errors import AsyncSyncError
-from asyncsync.logsetup import LOG_FORMATS, setup_logging
+from asyncsync.logsetup import add_logging_arguments, setup_logging
 
 __all__ = [
     "VerifyReport",
@@ -43,8 +43,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -53,26 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 ok; 1 verify found mismatching tensors, or the command failed "
         "(one line on stderr); 2 bad usage; 3 status found stragglers",
     )
-    p.add_argument(
-        "--log-level",
-        default="WARNING",
-        type=str.upper,
-        choices=LOG_LEVELS,
-        help="logging level on stderr (default WARNING)",
-    )
-    p.add_argument(
-        "--log-format", default="text", choices=LOG_FORMATS,
-        help="text, or json: one JSON object per log record (default text)",
-    )  # fmt: skip
+    add_logging_arguments(p, default_level="WARNING")
     # --log-level and --log-format are accepted after the subcommand too
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS,
-        help=argparse.SUPPRESS,
-    )  # fmt: skip
-    common.add_argument(
-        "--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS, help=argparse.SUPPRESS
-    )
+    add_logging_arguments(common, default_level=None, hidden=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     for module in (versions, verify, status, gc, bench):
