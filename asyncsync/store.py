@@ -33,6 +33,7 @@ __all__ = [
     "RootInfo",
     "ensure_root_info",
     "list_versions",
+    "ManifestCache",
     "read_manifest",
     "read_root_info",
     "uncommitted_dirs",
@@ -145,3 +146,32 @@ def read_manifest(root: Path, version: int) -> Manifest:
     if m.version != version:
         raise ManifestError(f"{path}: names version {m.version}, but lives in the dir of {version}")
     return m
+
+
+class ManifestCache:
+    """Parsed manifests by version, re-read only when the file changes (size, mtime, inode).
+
+    A receiver polls the newest version every second or so; a manifest lists every tensor, so
+    parsing it again each time would be the largest cost of an idle poll. A republished
+    version is a new file, so the key catches it.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._entries: dict[int, tuple[tuple[int, int, int], Manifest]] = {}
+
+    def get(self, root: Path, version: int) -> Manifest:
+        try:
+            st = os.stat(manifest_path(root, version), follow_symlinks=False)
+        except FileNotFoundError:
+            self._entries.pop(version, None)
+            raise
+        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        hit = self._entries.get(version)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        m = read_manifest(root, version)
+        self._entries[version] = (key, m)
+        while len(self._entries) > self.size:
+            del self._entries[min(self._entries)]
+        return m

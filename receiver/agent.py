@@ -53,7 +53,7 @@ from asyncsync.fsio import read_bytes
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
 from asyncsync.shards import parse_shard
-from asyncsync.store import read_manifest
+from asyncsync.store import ManifestCache
 from receiver.engines.base import Engine, TensorUpdate
 from receiver.parts import PartAssembler, PartUpdate
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe, plan_next
@@ -143,6 +143,7 @@ class ReceiverAgent:
         self._prefetcher: Prefetcher | None = None
         self._prefetch_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
+        self._manifests = ManifestCache()
         self._acked: tuple[str, int] | None = None  # (run_id, version) of our last ack
         self._opened = False
         self._sync_lock = asyncio.Lock()
@@ -295,7 +296,7 @@ class ReceiverAgent:
         self._c.latest = latest
         if latest is None:
             return self.version
-        newest = await asyncio.to_thread(read_manifest, self.root, latest)
+        newest = await asyncio.to_thread(self._manifests.get, self.root, latest)
         why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest)
         if why is not None:
             # Version numbers say nothing across runs (a wiped root, another trainer), nor about

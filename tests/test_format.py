@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,3 +170,23 @@ def test_fingerprint_depends_on_every_field() -> None:
         TensorEntry("w", "float32", (2,), H[::-1], 0),
     ]:
         assert fingerprint([other], "xxh3-128") != fp
+
+
+async def test_manifest_cache_rereads_only_a_changed_file(tmp_path: Path) -> None:
+    from asyncsync import Publisher
+    from asyncsync.store import ManifestCache
+    from tests.conftest import mixed_state
+
+    async with Publisher(tmp_path) as pub:
+        await pub.seed(mixed_state(0))
+    cache = ManifestCache()
+    first = cache.get(tmp_path, 0)
+    assert cache.get(tmp_path, 0) is first  # unchanged file: no re-parse
+    path = tmp_path / "v000000000000" / "manifest.json"
+    text = path.read_text().replace('"producer": {', '"producer": {"note": "again", ', 1)
+    path.write_text(text)  # republished with other contents
+    again = cache.get(tmp_path, 0)
+    assert again is not first and again.producer["note"] == "again"
+    path.unlink()
+    with pytest.raises(FileNotFoundError):
+        cache.get(tmp_path, 0)
