@@ -90,7 +90,10 @@ class Publisher:
         root: the shared directory (created if missing). One publisher per root (a lock).
         encoding: delta encoding, one of ``codec.ENCODINGS`` (default: ours, ``xef``).
         checksum: checksum algorithm for shards and tensors.
-        bucket_bytes: tensors are grouped into buckets of about this many bytes; one shard each.
+        bucket_bytes: tensors are diffed and encoded in buckets of about this many bytes; a
+            keyframe's full shard holds one bucket, and a delta shard collects consecutive
+            buckets' encoded deltas up to about this many bytes (so a sparse version is a few
+            files, not one per bucket).
         max_in_flight: buckets allowed to wait between two stages (bounds memory).
         pipelined: run the diff, encode and write stages concurrently over buckets (default);
             False runs them one after another (for measuring what the overlap buys).
@@ -427,6 +430,9 @@ class Publisher:
         acc = VersionWriter(
             vdir=vdir,
             algorithm=self.checksum,
+            version=version,
+            run_id=self._run_id,
+            shard_bytes=self.bucket_bytes,
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
             slices=sl,
             prefix=plan.shard_prefix(rank) if plan is not None else "",
@@ -482,6 +488,9 @@ class Publisher:
                 pipelined=self.pipelined,
                 seconds=acc.seconds,
             )
+            t_finish = time.perf_counter()
+            await finish_thread(acc.finish)  # the last delta shard
+            acc.seconds["write"] += time.perf_counter() - t_finish
             t_commit = time.perf_counter()
             entries = tuple(acc.entries[i] for i in range(len(names)))
             if plan is None:

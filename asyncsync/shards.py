@@ -1,7 +1,8 @@
 """Shard contents: turning a bucket of tensors into shard bytes and back. No file I/O.
 
 A *delta shard* is a safetensors file of 1-D ``uint8`` tensors: for the tensor at index ``i`` of
-the manifest, ``t{i}.pos`` holds its encoded positions and ``t{i}.val`` its encoded values.
+the manifest, ``t{i}.pos`` holds its encoded positions and ``t{i}.val`` its encoded values. The
+deltas of consecutive buckets share a shard up to a size limit (:class:`DeltaPacker`).
 A *full shard* is a safetensors file of complete tensors stored under their own names, like a
 Hugging Face checkpoint file. Both carry header metadata naming the version and run, so a
 shard copied from another version is refused even if its checksum is intact.
@@ -24,11 +25,13 @@ from asyncsync.errors import FormatError
 
 __all__ = [
     "BucketItem",
+    "DeltaPacker",
     "DiffedBucket",
     "EncodedBucket",
     "ItemResult",
     "PendingUpdate",
     "delta_keys",
+    "delta_shard_blob",
     "diff_bucket",
     "encode_bucket",
     "parse_shard",
@@ -92,7 +95,7 @@ class ItemResult:
 @dataclass
 class EncodedBucket:
     items: list[ItemResult] = field(default_factory=list)
-    delta_blob: bytes | None = None
+    delta_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> uint8 blob
     full_blob: bytes | None = None
     raw_bytes: int = 0  # delta payload before compression
     pending: list[PendingUpdate] = field(default_factory=list)
@@ -178,15 +181,49 @@ def encode_bucket(
         if full:
             full_tensors[it.name] = it.new
         out.items.append(ItemResult(it.index, it.name, changed, checksum, mode, full))
-    if delta_tensors:
-        out.delta_blob = safetensors.torch.save(
-            delta_tensors, metadata=shard_metadata(version, run_id, "delta")
-        )
+    out.delta_tensors = delta_tensors
     if full_tensors:
         out.full_blob = safetensors.torch.save(
             _unshare(full_tensors), metadata=shard_metadata(version, run_id, "full")
         )
     return out
+
+
+def delta_shard_blob(tensors: dict[str, torch.Tensor], *, version: int, run_id: str) -> bytes:
+    """The bytes of one delta shard holding ``tensors`` (``t{i}.pos``/``t{i}.val`` blobs)."""
+    return safetensors.torch.save(tensors, metadata=shard_metadata(version, run_id, "delta"))
+
+
+@dataclass
+class DeltaPacker:
+    """Groups the delta blobs of consecutive buckets into delta shards of about ``limit`` bytes.
+
+    Buckets are cut by *model* bytes, so at 3 % density a bucket's delta is ~1/50 of its size;
+    one shard per bucket would make many small files, and each file costs a round trip on a
+    network filesystem. A shard therefore collects buckets' blobs until adding the next
+    bucket would pass ``limit`` (a bucket whose delta alone exceeds it is a shard of its own).
+    """
+
+    limit: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Take one bucket's blobs; return the groups now complete (in order), each a shard."""
+        size = sum(t.numel() for t in tensors.values())
+        out = []
+        if self.tensors and self.nbytes + size > self.limit:
+            out.append(self.take())
+        self.tensors.update(tensors)
+        self.nbytes += size
+        if self.nbytes >= self.limit:
+            out.append(self.take())
+        return out
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The blobs collected so far (possibly none), emptying the packer."""
+        out, self.tensors, self.nbytes = self.tensors, {}, 0
+        return out
 
 
 def read_header(data: bytes | memoryview, *, where: str) -> dict[str, object]:

@@ -423,3 +423,52 @@ async def test_bad_roots_raise_our_errors(tmp_path: Path) -> None:
         (pub.root / "acks").write_text("a file where the acks directory should be")
         with pytest.raises(AckTimeout):
             await pub.wait_acked(0, engines=["e"], timeout=0.1)
+
+
+def test_delta_packer_fills_shards_in_order() -> None:
+    def blobs(*sizes: int) -> dict[str, torch.Tensor]:
+        return {f"k{s}.{i}": torch.zeros(s, dtype=torch.uint8) for i, s in enumerate(sizes)}
+
+    p = shards.DeltaPacker(100)
+    assert p.add(blobs(30)) == [] and p.add({}) == []
+    assert p.add(blobs(40)) == [] and p.nbytes == 70
+    done = p.add(blobs(50))  # would pass the limit: the first two buckets go out first
+    assert [sorted(g) for g in done] == [["k30.0", "k40.0"]] and p.nbytes == 50
+    done = p.add(blobs(20, 30))  # reaches the limit exactly: out at once
+    assert [sorted(g) for g in done] == [["k20.0", "k30.1", "k50.0"]] and p.take() == {}
+    done = p.add(blobs(300))  # larger than the limit: a shard of its own
+    assert [list(g) for g in done] == [["k300.0"]]
+
+
+async def test_sparse_deltas_share_shards_and_full_shards_keep_buckets(tmp_path: Path) -> None:
+    """Buckets are cut by model bytes; delta shards by encoded bytes, so a sparse delta is
+    a few files, and every tensor's entry names the shard that holds its blobs."""
+    sd0 = mixed_state(0, scale=4)
+    async with Publisher(tmp_path, bucket_bytes=8192, keyframe_interval=3) as pub:
+        await pub.seed(sd0)
+        sd1 = mutate(sd0, 0.01, seed=1)
+        r1 = await pub.publish(sd1)
+        sd2 = mutate(sd1, 0.01, seed=2)
+        await pub.publish(sd2)
+        r3 = await pub.publish(mutate(sd2, 0.01, seed=3))  # a keyframe
+    m1, m3 = read_manifest(tmp_path, 1), read_manifest(tmp_path, 3)
+    nbuckets = len(read_manifest(tmp_path, 0).shards)  # full shards: one per bucket
+    assert nbuckets > 4 and m3.is_keyframe and m3.has_delta and r3.kind == "full"
+    assert r1.shards == len(m1.shards) < nbuckets / 2
+    assert sum(s.role == "full" for s in m3.shards) == nbuckets
+    assert 0 < sum(s.role == "delta" for s in m3.shards) < nbuckets / 2
+    for m in (m1, m3):
+        for s in m.shards:
+            if s.role == "delta":
+                assert s.bytes < 2 * 8192
+        held: dict[int, set[str]] = {}
+        for i, s in enumerate(m.shards):
+            if s.role == "delta":
+                path = tmp_path / f"v{m.version:012d}" / s.file
+                with safetensors.safe_open(str(path), "pt") as f:
+                    held[i] = set(f.keys())
+        refs = [e.delta for e in m.tensors if e.delta is not None]
+        assert refs and all({r.positions, r.values} <= held[r.shard] for r in refs)
+        assert sorted(k for keys in held.values() for k in keys) == sorted(
+            k for r in refs for k in (r.positions, r.values)
+        )

@@ -31,7 +31,7 @@ import torch
 import zstandard
 
 from asyncsync import codec
-from asyncsync.shards import BucketItem, encode_bucket
+from asyncsync.shards import BucketItem, DeltaPacker, delta_shard_blob, encode_bucket
 from asyncsync.snapshot import plan_buckets
 
 __all__ = [
@@ -126,20 +126,24 @@ def ours_bytes(
 ) -> tuple[int, int]:
     """(delta shard bytes, bare xef payload bytes) of the version the publisher would write."""
     sizes = [t.numel() * t.element_size() for t in news]
-    shard_bytes = 0
+    packer = DeltaPacker(bucket_bytes)  # the publisher's rule for filling delta shards
+    groups: list[dict[str, torch.Tensor]] = []
     for bucket in bucketed(sizes, bucket_bytes):
         items = [BucketItem(i, f"t{i}", news[i].contiguous(), olds[i].contiguous()) for i in bucket]
         enc = encode_bucket(
             items,
             version=1,
-            run_id="0" * 16,  # the length of a real run id: same header size
+            run_id="0" * 16,
             delta=True,
             full=False,
             encoding="xef",
             level=level,
             algorithm="xxh3-64",
         )
-        shard_bytes += len(enc.delta_blob or b"")
+        groups += packer.add(enc.delta_tensors)
+    groups.append(packer.take())
+    run_id = "0" * 16  # the length of a real run id: same header size
+    shard_bytes = sum(len(delta_shard_blob(g, version=1, run_id=run_id)) for g in groups if g)
     o, n = _views(olds, news)
     payload = sum(
         codec.encoded_size(codec.encode_delta(a, b, p, "xef", level=level))
