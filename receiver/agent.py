@@ -8,8 +8,9 @@ Example::
 
 For each committed version after the one the engine holds, in order, the agent reads each shard
 the engine needs, checks its size and checksum (retrying with backoff until ``verify_deadline``,
-since network filesystems can show a renamed file before its bytes), parses and decodes it, and
-hands the tensors to the engine; reading and verifying shard k+1 overlaps applying shard k. The
+since network filesystems can show a renamed file before its bytes), parses it, and decodes it
+in groups of bounded size (``receiver.shard_reader``) that it hands to the engine; decoding
+group k+1 (and reading the next shard) overlaps the engine applying group k. The
 engine commits only after every tensor it touched matches the manifest's checksum, and only then
 is the version acknowledged. When a version in the chain is missing (retention) or the engine
 holds nothing, the agent starts from the newest keyframe at or below the target.
@@ -21,26 +22,20 @@ import asyncio
 import contextlib
 import logging
 import os
-import stat
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncsync import codec
 from asyncsync.acks import read_acks, write_ack
-from asyncsync.checksum import checksum_bytes
 from asyncsync.errors import (
     AsyncSyncError,
     ChainError,
     ChecksumMismatch,
     ConfigError,
-    FormatError,
     IncompleteVersion,
-    ManifestError,
 )
 from asyncsync.format import (
     Manifest,
@@ -49,15 +44,21 @@ from asyncsync.format import (
     check_engine_id,
     version_dir,
 )
-from asyncsync.fsio import read_bytes
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
-from asyncsync.shards import parse_shard
 from asyncsync.store import ManifestCache
 from receiver.engines.base import Engine, TensorUpdate
-from receiver.parts import PartAssembler, PartUpdate
+from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe, plan_next
 from receiver.prefetch import Prefetcher
+from receiver.shard_reader import (
+    Piece,
+    apply_groups,
+    decode_pieces,
+    open_shard,
+    read_verified,
+    verified,
+)
 from receiver.watch import wakeups
 
 __all__ = ["AgentStatus", "ReceiverAgent"]
@@ -107,8 +108,8 @@ class ReceiverAgent:
         verify_deadline: how long a shard that is missing, short or failing its checksum is
             re-read before the version is refused (network filesystems publish lazily).
         use_inotify: force inotify on/off (default: on unless ASYNCSYNC_FORCE_POLLING=1).
-        pipelined: read+verify+decode shard k+1 while the engine applies shard k (default);
-            False does each step of each shard one after another.
+        pipelined: read, verify and decode the next group of tensors while the engine applies
+            this one (default); False does each step of each group one after another.
         prefetch: in :meth:`run`, start reading the next version's shards as they land,
             before its manifest exists (streaming receive; see receiver.prefetch).
         prefetch_bytes: memory budget of one version's prefetched shards.
@@ -408,17 +409,35 @@ class ReceiverAgent:
         )
 
     async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
-        """Read+verify+decode shard k+1 while the engine applies shard k."""
+        """Read+verify each shard once; decode group k+1 while the engine applies group k."""
         parts = PartAssembler(m, mode)  # joins the parts of tensors in parts across shards
+        work = [
+            (idx, shard, group, g == 0, g == len(groups) - 1)
+            for idx, shard in shards
+            for groups in [apply_groups(m, mode, idx)]
+            for g, group in enumerate(groups)
+        ]
+        opened: dict[int, dict[str, torch.Tensor]] = {}  # the parsed shard, until its last group
 
-        async def fetch(item: tuple[int, ShardInfo]) -> list[TensorUpdate]:
-            return await self._fetch_shard(m, mode, *item, parts)
+        async def fetch(item: tuple[int, ShardInfo, list[Piece], bool, bool]) -> Any:
+            idx, shard, group, first, last = item
+            where = str(m.shard_path(version_dir(self.root, m.version), shard))
+            if first:
+                opened[idx] = await self._open_shard(m, idx, shard)
+            tensors = opened.pop(idx) if last else opened[idx]
+            updates = await asyncio.to_thread(
+                lambda: parts.add(decode_pieces(m, mode, tensors, group, where))
+            )
+            return updates, last
 
         c = self._c
         c.applying, c.progress, c.progress_logged = m.version, (0, len(shards)), time.monotonic()
 
-        async def apply(updates: list[TensorUpdate]) -> None:
+        async def apply(item: tuple[list[TensorUpdate], bool]) -> None:
+            updates, last = item
             await self.engine.apply(updates)
+            if not last:
+                return
             done = (c.progress[0] + 1) if c.progress else 1
             c.progress = (done, len(shards))
             if time.monotonic() - c.progress_logged > PROGRESS_LOG_SECONDS:
@@ -428,7 +447,7 @@ class ReceiverAgent:
 
         try:
             await run_pipeline(
-                shards,
+                work,
                 [("fetch", fetch), ("apply", apply)],
                 maxsize=1,
                 pipelined=self.pipelined,
@@ -437,9 +456,9 @@ class ReceiverAgent:
         finally:
             c.applying = c.progress = None
 
-    async def _fetch_shard(
-        self, m: Manifest, mode: Mode, idx: int, shard: ShardInfo, parts: PartAssembler
-    ) -> list[TensorUpdate]:
+    async def _open_shard(self, m: Manifest, idx: int, shard: ShardInfo) -> dict[str, torch.Tensor]:
+        """Read (or take prefetched), verify and parse one shard, re-reading until the deadline
+        while it is missing, short or fails its checksum (not yet visible on this host)."""
         path = m.shard_path(version_dir(self.root, m.version), shard)
         deadline = time.monotonic() + self.verify_deadline
         delay = 0.05
@@ -448,12 +467,10 @@ class ReceiverAgent:
             try:
                 if early is not None:
                     data, early = early, None
-                    await asyncio.to_thread(_verified, data, path, shard, m.checksum_algorithm)
+                    await asyncio.to_thread(verified, data, path, shard, m.checksum_algorithm)
                     self._c.prefetched += 1
                 else:
-                    data = await asyncio.to_thread(
-                        _read_verified, path, shard, m.checksum_algorithm
-                    )
+                    data = await asyncio.to_thread(read_verified, path, shard, m.checksum_algorithm)
                 break
             except (ChecksumMismatch, IncompleteVersion) as exc:
                 if time.monotonic() >= deadline:
@@ -461,9 +478,7 @@ class ReceiverAgent:
                 logger.info("%s; re-reading in %.2fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        return await asyncio.to_thread(
-            lambda: parts.add(_decode_shard(m, mode, idx, shard, data, str(path)))
-        )
+        return await asyncio.to_thread(open_shard, m, shard, data, str(path))
 
     def _prefetched(self, m: Manifest, shard: ShardInfo) -> bytes | None:
         p = self._prefetcher
@@ -481,105 +496,3 @@ async def _first_of(*events: asyncio.Event) -> None:
         for w in waiters:
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
-
-
-def _read_verified(path: Path, shard: ShardInfo, algorithm: str) -> bytes:
-    missing = f"{path}: shard named by the manifest is missing"
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError as exc:
-        raise IncompleteVersion(missing) from exc
-    except OSError as exc:
-        raise IncompleteVersion(f"{path}: cannot stat the shard ({exc})") from exc
-    if stat.S_ISLNK(mode):
-        raise ManifestError(f"{path}: shards may not be symlinks")
-    if not stat.S_ISREG(mode):  # a FIFO would block open() forever, a directory cannot be read
-        raise ManifestError(f"{path}: a shard must be a regular file")
-    try:
-        data = read_bytes(path, limit=shard.bytes)
-    except FileNotFoundError as exc:
-        raise IncompleteVersion(missing) from exc
-    except ValueError as exc:
-        raise IncompleteVersion(
-            f"{path}: larger than the {shard.bytes} bytes it should have"
-        ) from exc
-    except OSError as exc:  # EACCES, EIO, a stale NFS handle: maybe transient, re-read
-        raise IncompleteVersion(f"{path}: cannot read the shard ({exc})") from exc
-    return _verified(data, path, shard, algorithm)
-
-
-def _verified(data: bytes, path: Path, shard: ShardInfo, algorithm: str) -> bytes:
-    if len(data) != shard.bytes:
-        raise IncompleteVersion(f"{path}: {len(data)} bytes, the manifest says {shard.bytes}")
-    digest = checksum_bytes(data, algorithm)
-    if digest != shard.checksum:
-        raise ChecksumMismatch(
-            f"{path}: checksum {digest} != manifest {shard.checksum}; the shard is corrupt "
-            "or not yet fully visible on this host",
-            path=str(path),
-        )
-    return data
-
-
-def _int_dtype(dtype: torch.dtype) -> torch.dtype:
-    return codec.int_view(torch.empty(0, dtype=dtype)).dtype
-
-
-def _entries_in(m: Manifest, mode: Mode, idx: int) -> Iterator[Any]:
-    """(entry, part or None for a whole tensor, ref) of each piece of data in shard ``idx``."""
-    for e in m.tensors:
-        for p in e.spans:
-            ref = p.delta if mode == "delta" else p.full
-            if ref is not None and ref.shard == idx:
-                yield e, (p if e.parts is not None else None), ref
-
-
-def _decode_shard(
-    m: Manifest, mode: Mode, idx: int, shard: ShardInfo, data: bytes, where: str
-) -> list[TensorUpdate | PartUpdate]:
-    """The shard's updates; a part of a tensor in parts is a PartUpdate (see receiver.parts)."""
-    external = m.shard_dir is not None and shard.role == "full"
-    tensors = parse_shard(
-        data,
-        where=where,
-        version=None if external else m.version,
-        run_id=None if external else m.run_id,
-        role=None if external else shard.role,
-    )
-    out: list[TensorUpdate | PartUpdate] = []
-    for e, part, ref in _entries_in(m, mode, idx):
-        span = part or e.spans[0]
-        if mode == "delta":
-            pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
-            if pos_t is None or val_t is None:
-                raise FormatError(
-                    f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}"
-                )
-            if pos_t.dtype != torch.uint8 or val_t.dtype != torch.uint8:
-                raise FormatError(f"{where}: delta blobs of {e.name!r} must be uint8")
-            try:
-                patch = codec.decode_delta(
-                    m.encoding,
-                    ref.mode,
-                    pos_t.numpy().tobytes(),
-                    val_t.numpy().tobytes(),
-                    changed=span.changed,
-                    numel=span.numel,
-                    dtype=_int_dtype(e.torch_dtype),
-                )
-            except FormatError as exc:
-                raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc
-            out.append(TensorUpdate(e, patch=patch) if part is None else PartUpdate(e, part, patch))
-        else:
-            t = tensors.get(ref.key)
-            if t is None:
-                raise FormatError(f"{where}: tensor {ref.key!r} for {e.name!r} is not in the shard")
-            if t.dtype != e.torch_dtype or (
-                tuple(t.shape) != e.shape if part is None else t.numel() != part.numel
-            ):
-                raise FormatError(
-                    f"{where}: tensor {e.name!r} is {t.dtype}{list(t.shape)}, the manifest says "
-                    f"{e.dtype}{list(e.shape)}" + ("" if part is None else f" ({span.numel} here)")
-                )
-            out.append(TensorUpdate(e, full=t) if part is None else PartUpdate(e, part, full=t))
-    return out

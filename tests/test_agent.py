@@ -14,7 +14,8 @@ from asyncsync import ChainError, ChecksumMismatch, FormatError, IncompleteVersi
 from asyncsync.acks import read_acks
 from asyncsync.checksum import checksum_bytes
 from asyncsync.store import read_manifest
-from receiver import ReceiverAgent
+from receiver import ReceiverAgent, shard_reader
+from receiver.engines.base import TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.torch_module import TorchModule
 from tests.conftest import Holder, assert_holds, mixed_state, mutate
@@ -346,3 +347,43 @@ async def test_delta_that_does_not_fit_the_engine_falls_back_to_a_keyframe(tmp_p
     async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
         assert await agent.sync_once() == 3
         assert_holds(agent.engine.load_state_dict(), states[3])  # type: ignore[attr-defined]
+
+
+def test_apply_groups_cover_a_shard_in_order_within_the_limit(tmp_path: Path) -> None:
+    asyncio.run(publish_chain(tmp_path, 1, keyframe_interval=0))
+    m = read_manifest(tmp_path, 1)
+    (idx,) = [i for i, s in enumerate(m.shards) if s.role == "delta"]  # one shard: it packs
+    pieces = shard_reader.pieces_in(m, "delta", idx)
+    groups = shard_reader.apply_groups(m, "delta", idx, limit=2000)
+    assert len(groups) > 2 and [p for g in groups for p in g] == pieces
+    for g in groups:
+        size = sum(e.changed * (8 + e.torch_dtype.itemsize) for e, _, _ in g)
+        assert size <= 2000 or len(g) == 1
+    assert shard_reader.apply_groups(m, "delta", idx) == [pieces]  # default limit: 4 MiB
+    assert shard_reader.apply_groups(read_manifest(tmp_path, 0), "full", 0) != []
+
+
+async def test_a_packed_delta_shard_is_applied_in_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine gets bounded groups of one shard, each journaled; the result is exact."""
+    states = await publish_chain(tmp_path, 2, keyframe_interval=0)
+    monkeypatch.setattr(shard_reader, "APPLY_GROUP_BYTES", 1500)
+    eng = LocalCheckpoint(tmp_path / "c")
+    calls: list[int] = []
+    apply = eng.apply
+
+    async def counting(updates: list[TensorUpdate]) -> None:
+        calls.append(len(updates))
+        await apply(updates)
+
+    monkeypatch.setattr(eng, "apply", counting)
+    async with ReceiverAgent(tmp_path, eng, "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 2  # v0 (full), v1, v2
+    m0, m1, m2 = (read_manifest(tmp_path, v) for v in range(3))
+    full, delta = len(m0.shards), sum(s.role == "delta" for m in (m1, m2) for s in m.shards)
+    assert len(calls) > full + 2 * delta
+    assert sum(calls) == len(m0.tensors) + sum(
+        e.delta is not None for m in (m1, m2) for e in m.tensors
+    )
+    assert_holds(eng.load_state_dict(), states[2])

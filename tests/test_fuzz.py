@@ -55,8 +55,8 @@ from asyncsync.format import FORMAT_VERSION, MAX_VERSION, Manifest, ShardInfo, c
 from asyncsync.shards import parse_shard
 from asyncsync.store import read_manifest
 from receiver import ReceiverAgent
-from receiver.agent import _decode_shard, _int_dtype
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+from receiver.shard_reader import decode_shard, int_dtype
 from receiver.state import check_patch
 from tests.conftest import mixed_state, mutate
 
@@ -456,7 +456,7 @@ def fuzzed_shard(draw: st.DrawFn) -> tuple[Sample, int, ShardInfo, bytes]:
 def check_shard(m: Manifest, idx: int, info: ShardInfo, data: bytes) -> None:
     """The property: FormatError, or updates an engine can take (or refuse with ApplyFailed)."""
     try:
-        updates = _decode_shard(m, info.role, idx, info, data, "fuzz")
+        updates = decode_shard(m, info.role, idx, info, data, "fuzz")
     except FormatError as exc:
         event(f"refused: {_reason(exc)}")
         return
@@ -464,7 +464,7 @@ def check_shard(m: Manifest, idx: int, info: ShardInfo, data: bytes) -> None:
     for u in updates:
         e = u.entry
         if u.patch is not None:
-            flat = torch.zeros(e.numel, dtype=_int_dtype(e.torch_dtype))
+            flat = torch.zeros(e.numel, dtype=int_dtype(e.torch_dtype))
             with contextlib.suppress(AsyncSyncError):  # an engine may still refuse it
                 check_patch(u.patch, flat, e.name)
         else:
@@ -485,7 +485,8 @@ def test_shard_metadata_naming_another_version_run_or_role_is_refused() -> None:
     sample = samples()[0]
     _idx, info, data = sample.shards[0]
     m = sample.manifest
-    for kw in ({"version": m.version + 1}, {"run_id": "0" * 16}, {"role": "full"}):
+    other = "delta" if info.role == "full" else "full"
+    for kw in ({"version": m.version + 1}, {"run_id": "0" * 16}, {"role": other}):
         args: dict[str, Any] = {"version": m.version, "run_id": m.run_id, "role": info.role}
         args.update(kw)
         with pytest.raises(FormatError, match="another version"):
@@ -520,7 +521,7 @@ def blobs() -> tuple[Blob, ...]:
             t = tensors[e.delta.shard]
             pos = t[e.delta.positions].numpy().tobytes()
             val = t[e.delta.values].numpy().tobytes()
-            dt = _int_dtype(e.torch_dtype)
+            dt = int_dtype(e.torch_dtype)
             out.append(Blob(m.encoding, e.delta.mode, pos, val, e.changed, e.numel, dt))
     return tuple(out)
 

@@ -1,0 +1,199 @@
+"""Reading a version's shards: verify the bytes, then decode them in groups the engine applies.
+
+Pure except for :func:`read_verified` (one file read). The agent reads and verifies a shard
+once, parses it, and decodes its tensors in *apply groups* of a bounded decoded size: a delta
+shard can hold the deltas of many buckets (``asyncsync.shards.DeltaPacker``), and decoding all
+of it before the engine applies anything would hold every decoded patch (positions as int64,
+~10 bytes per changed element) and the engine's undo journal for all of them at once. Groups
+bound that memory and let the agent decode group k+1 while the engine applies group k.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncsync import codec
+from asyncsync.checksum import checksum_bytes
+from asyncsync.errors import ChecksumMismatch, FormatError, IncompleteVersion, ManifestError
+from asyncsync.format import Manifest, ShardInfo, TensorEntry, TensorPart
+from asyncsync.fsio import read_bytes
+from asyncsync.shards import parse_shard
+from receiver.engines.base import TensorUpdate
+from receiver.parts import PartUpdate
+
+__all__ = [
+    "APPLY_GROUP_BYTES",
+    "Piece",
+    "apply_groups",
+    "decode_pieces",
+    "decode_shard",
+    "int_dtype",
+    "open_shard",
+    "pieces_in",
+    "read_verified",
+    "verified",
+]
+
+APPLY_GROUP_BYTES = 4 << 20  # decoded bytes (positions + values) handed to the engine at once
+
+Piece = tuple[TensorEntry, TensorPart | None, Any]  # entry, its part (None: whole), its ref
+
+
+def read_verified(path: Path, shard: ShardInfo, algorithm: str) -> bytes:
+    """The shard's bytes, checked against the manifest's size and checksum.
+
+    Raises IncompleteVersion (missing, short, unreadable: maybe not yet visible on this host),
+    ChecksumMismatch, or ManifestError (a symlink or not a regular file).
+    """
+    missing = f"{path}: shard named by the manifest is missing"
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError as exc:
+        raise IncompleteVersion(missing) from exc
+    except OSError as exc:
+        raise IncompleteVersion(f"{path}: cannot stat the shard ({exc})") from exc
+    if stat.S_ISLNK(mode):
+        raise ManifestError(f"{path}: shards may not be symlinks")
+    if not stat.S_ISREG(mode):  # a FIFO would block open() forever, a directory cannot be read
+        raise ManifestError(f"{path}: a shard must be a regular file")
+    try:
+        data = read_bytes(path, limit=shard.bytes)
+    except FileNotFoundError as exc:
+        raise IncompleteVersion(missing) from exc
+    except ValueError as exc:
+        raise IncompleteVersion(
+            f"{path}: larger than the {shard.bytes} bytes it should have"
+        ) from exc
+    except OSError as exc:  # EACCES, EIO, a stale NFS handle: maybe transient, re-read
+        raise IncompleteVersion(f"{path}: cannot read the shard ({exc})") from exc
+    return verified(data, path, shard, algorithm)
+
+
+def verified(data: bytes, path: Path, shard: ShardInfo, algorithm: str) -> bytes:
+    """``data`` if its size and checksum are the manifest's, else IncompleteVersion/Mismatch."""
+    if len(data) != shard.bytes:
+        raise IncompleteVersion(f"{path}: {len(data)} bytes, the manifest says {shard.bytes}")
+    digest = checksum_bytes(data, algorithm)
+    if digest != shard.checksum:
+        raise ChecksumMismatch(
+            f"{path}: checksum {digest} != manifest {shard.checksum}; the shard is corrupt "
+            "or not yet fully visible on this host",
+            path=str(path),
+        )
+    return data
+
+
+def int_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer type deltas of ``dtype`` are computed in (FORMAT.md 4.1)."""
+    return codec.int_view(torch.empty(0, dtype=dtype)).dtype
+
+
+def pieces_in(m: Manifest, mode: str, idx: int) -> list[Piece]:
+    """(entry, part or None for a whole tensor, ref) of each piece of data in shard ``idx``."""
+    out: list[Piece] = []
+    for e in m.tensors:
+        for p in e.spans:
+            ref = p.delta if mode == "delta" else p.full
+            if ref is not None and ref.shard == idx:
+                out.append((e, p if e.parts is not None else None, ref))
+    return out
+
+
+def _decoded_bytes(piece: Piece) -> int:
+    e, part, ref = piece
+    span = part or e.spans[0]
+    width = torch.empty(0, dtype=e.torch_dtype).element_size()
+    if getattr(ref, "mode", "dense") == "sparse":
+        return span.changed * (8 + width)
+    return span.numel * width
+
+
+def apply_groups(m: Manifest, mode: str, idx: int, limit: int | None = None) -> list[list[Piece]]:
+    """The pieces of shard ``idx`` in consecutive groups of at most ``limit`` decoded bytes
+    (default APPLY_GROUP_BYTES; a piece larger than that is a group of its own).
+
+    A full shard is one group (it holds one bucket of whole tensors, already in memory).
+    """
+    limit = APPLY_GROUP_BYTES if limit is None else limit
+    pieces = pieces_in(m, mode, idx)
+    if mode != "delta":
+        return [pieces] if pieces else []
+    groups: list[list[Piece]] = []
+    size = 0
+    for piece in pieces:
+        n = _decoded_bytes(piece)
+        if groups and groups[-1] and size + n <= limit:
+            groups[-1].append(piece)
+            size += n
+        else:
+            groups.append([piece])
+            size = n
+    return groups
+
+
+def open_shard(m: Manifest, shard: ShardInfo, data: bytes, where: str) -> dict[str, torch.Tensor]:
+    """Parse verified shard bytes; refuse a shard whose metadata names another version/run."""
+    external = m.shard_dir is not None and shard.role == "full"
+    return parse_shard(
+        data,
+        where=where,
+        version=None if external else m.version,
+        run_id=None if external else m.run_id,
+        role=None if external else shard.role,
+    )
+
+
+def decode_pieces(
+    m: Manifest, mode: str, tensors: dict[str, torch.Tensor], pieces: list[Piece], where: str
+) -> list[TensorUpdate | PartUpdate]:
+    """The updates of ``pieces`` from a parsed shard; a part of a tensor in parts is a
+    PartUpdate (see receiver.parts). Anything malformed raises FormatError."""
+    out: list[TensorUpdate | PartUpdate] = []
+    for e, part, ref in pieces:
+        span = part or e.spans[0]
+        if mode == "delta":
+            pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
+            if pos_t is None or val_t is None:
+                raise FormatError(
+                    f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}"
+                )
+            if pos_t.dtype != torch.uint8 or val_t.dtype != torch.uint8:
+                raise FormatError(f"{where}: delta blobs of {e.name!r} must be uint8")
+            try:
+                patch = codec.decode_delta(
+                    m.encoding,
+                    ref.mode,
+                    pos_t.numpy().tobytes(),
+                    val_t.numpy().tobytes(),
+                    changed=span.changed,
+                    numel=span.numel,
+                    dtype=int_dtype(e.torch_dtype),
+                )
+            except FormatError as exc:
+                raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc
+            out.append(TensorUpdate(e, patch=patch) if part is None else PartUpdate(e, part, patch))
+        else:
+            t = tensors.get(ref.key)
+            if t is None:
+                raise FormatError(f"{where}: tensor {ref.key!r} for {e.name!r} is not in the shard")
+            if t.dtype != e.torch_dtype or (
+                tuple(t.shape) != e.shape if part is None else t.numel() != part.numel
+            ):
+                raise FormatError(
+                    f"{where}: tensor {e.name!r} is {t.dtype}{list(t.shape)}, the manifest says "
+                    f"{e.dtype}{list(e.shape)}" + ("" if part is None else f" ({span.numel} here)")
+                )
+            out.append(TensorUpdate(e, full=t) if part is None else PartUpdate(e, part, full=t))
+    return out
+
+
+def decode_shard(
+    m: Manifest, mode: str, idx: int, shard: ShardInfo, data: bytes, where: str
+) -> list[TensorUpdate | PartUpdate]:
+    """Every update of one verified shard (all its groups at once)."""
+    return decode_pieces(m, mode, open_shard(m, shard, data, where), pieces_in(m, mode, idx), where)
