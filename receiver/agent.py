@@ -52,6 +52,7 @@ from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe, plan_next
 from receiver.prefetch import Prefetcher
 from receiver.shard_reader import (
+    APPLY_GROUP_BYTES,
     Piece,
     apply_groups,
     decode_pieces,
@@ -113,6 +114,8 @@ class ReceiverAgent:
         prefetch: in :meth:`run`, start reading the next version's shards as they land,
             before its manifest exists (streaming receive; see receiver.prefetch).
         prefetch_bytes: memory budget of one version's prefetched shards.
+        apply_group_bytes: decoded bytes (positions + values) of a delta handed to the engine
+            at once; bounds the decoded patches and the engine's undo journal in memory.
     """
 
     def __init__(
@@ -127,7 +130,10 @@ class ReceiverAgent:
         pipelined: bool = True,
         prefetch: bool = True,
         prefetch_bytes: int = 512 << 20,
+        apply_group_bytes: int = APPLY_GROUP_BYTES,
     ) -> None:
+        if apply_group_bytes < 1:
+            raise ConfigError(f"apply_group_bytes must be >= 1, got {apply_group_bytes}")
         if poll_interval <= 0:
             raise ConfigError(f"poll_interval must be > 0, got {poll_interval}")
         if verify_deadline < 0:
@@ -141,6 +147,7 @@ class ReceiverAgent:
         self.pipelined = pipelined
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
+        self.apply_group_bytes = apply_group_bytes
         self._prefetcher: Prefetcher | None = None
         self._prefetch_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -414,7 +421,7 @@ class ReceiverAgent:
         work = [
             (idx, shard, group, g == 0, g == len(groups) - 1)
             for idx, shard in shards
-            for groups in [apply_groups(m, mode, idx)]
+            for groups in [apply_groups(m, mode, idx, self.apply_group_bytes)]
             for g, group in enumerate(groups)
         ]
         opened: dict[int, dict[str, torch.Tensor]] = {}  # the parsed shard, until its last group

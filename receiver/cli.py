@@ -34,7 +34,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from asyncsync.cli.common import positive_float
+from asyncsync.cli.common import positive_float, positive_int
 from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.logsetup import add_logging_arguments, setup_logging
 from asyncsync.progress import Progress, ProgressWatcher
@@ -42,9 +42,11 @@ from receiver.agent import ReceiverAgent
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import Timeouts
+from receiver.engines.reloading import ReloadingEngine
 from receiver.engines.sglang import PAUSE_MODES, SGLang
 from receiver.engines.vllm import VLLM
 from receiver.server import StatusServer
+from receiver.shard_reader import APPLY_GROUP_BYTES
 
 __all__ = ["build_parser", "main"]
 
@@ -72,6 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="local checkpoint directory (created if missing; must be empty the first time)",
     )
     p.add_argument("--once", action="store_true", help="apply what is committed now, then exit")
+    p.add_argument(
+        "--apply-group-bytes",
+        type=positive_int,
+        default=APPLY_GROUP_BYTES,
+        metavar="N",
+        help="decoded delta bytes handed to the engine at once (bounds memory; default "
+        f"{APPLY_GROUP_BYTES})",
+    )
+    p.add_argument(
+        "--sync-before-ack",
+        action="store_true",
+        help="flush each delta to disk before acknowledging it (default: acknowledge once it "
+        "is verified in the page cache and flush in the background; see LocalCheckpoint)",
+    )
     p.add_argument(
         "--poll-interval",
         type=positive_float,
@@ -171,8 +187,16 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def _make_engine(args: argparse.Namespace) -> Engine:
+    engine = _server_engine(args)
+    if engine is None:
+        return LocalCheckpoint(args.checkpoint, sync_before_ack=args.sync_before_ack)
+    engine.checkpoint.sync_before_ack = args.sync_before_ack
+    return engine
+
+
+def _server_engine(args: argparse.Namespace) -> ReloadingEngine | None:
     if not (args.sglang_url or args.vllm_url):
-        return LocalCheckpoint(args.checkpoint)
+        return None
     timeouts = Timeouts(update=args.engine_update_timeout, startup=args.engine_startup_timeout)
     common: dict[str, Any] = {
         "api_key": _api_key(args),
@@ -192,6 +216,7 @@ def _make_agent(args: argparse.Namespace) -> ReceiverAgent:
         args.engine_id,
         poll_interval=args.poll_interval,
         use_inotify=False if args.force_polling else None,
+        apply_group_bytes=args.apply_group_bytes,
     )
 
 

@@ -113,13 +113,14 @@ def _decoded_bytes(piece: Piece) -> int:
     return span.numel * width
 
 
-def apply_groups(m: Manifest, mode: str, idx: int, limit: int | None = None) -> list[list[Piece]]:
+def apply_groups(
+    m: Manifest, mode: str, idx: int, limit: int = APPLY_GROUP_BYTES
+) -> list[list[Piece]]:
     """The pieces of shard ``idx`` in consecutive groups of at most ``limit`` decoded bytes
-    (default APPLY_GROUP_BYTES; a piece larger than that is a group of its own).
+    (a piece larger than that is a group of its own).
 
     A full shard is one group (it holds one bucket of whole tensors, already in memory).
     """
-    limit = APPLY_GROUP_BYTES if limit is None else limit
     pieces = pieces_in(m, mode, idx)
     if mode != "delta":
         return [pieces] if pieces else []

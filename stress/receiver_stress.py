@@ -1,13 +1,14 @@
 """Receiver crash stress: SIGKILL ``python -m receiver.cli`` at random points of an apply.
 
 The driver keeps a trainer in-process (a :class:`~asyncsync.workload.Workload` of 4M elements,
-bf16 Adam steps, published in 256 KiB buckets so a delta is ~30 shards and its apply ~30
-journaled ``apply`` calls; a zero-diff version every 7th, a keyframe every 10th, and a trainer
-restart every 8th, whose re-seed is a full version the engine must apply whole). Each trial
-tops the root up to ``ahead`` versions past what the engine holds, starts ``receiver.cli
---once`` on a LocalCheckpoint, waits until it holds the engine lock, picks one of the pending
-versions and kills the receiver inside it (see :class:`_Aim`): at a random fraction of its
-apply, or, for full versions, also the instant staging begins or the files start moving in.
+bf16 Adam steps, published in 256 KiB buckets; a delta packs into one or two shards, which
+the receiver applies in 48 KiB groups, ~30 journaled ``apply`` calls; a zero-diff version every
+7th, a keyframe every 10th, and a trainer restart every 8th, whose re-seed is a full version
+the engine must apply whole). Each trial tops the root up to ``ahead`` versions past what the
+engine holds, starts ``receiver.cli --once`` on a LocalCheckpoint, waits until it holds the
+engine lock, picks one of the pending versions and kills the receiver inside it (see
+:class:`_Aim`): at a random fraction of its apply, or, for full versions, also the instant
+staging begins or the files start moving in.
 
 After every kill, before the next start:
 
@@ -48,12 +49,15 @@ from asyncsync.store import list_versions, read_manifest
 from asyncsync.workload import Workload
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+from receiver.shard_reader import apply_groups
 from receiver.state import JOURNAL_DIR, LOCK_NAME, STAGING_DIR, STATE_DIR_NAME, StateStore
 from stress.ondisk import state_diff
 from stress.procs import Child, Launch
 from stress.report import Ema, StressReport
 
 __all__ = ["ReceiverParams", "run_receiver_stress"]
+
+APPLY_GROUP_BYTES = 48 << 10  # small apply groups: a delta is many journaled apply calls
 
 ENGINE_ID = "stress-engine"
 Trigger = Literal["time", "staging", "swap"]
@@ -63,7 +67,7 @@ _FINAL_TIMEOUT = 600.0
 
 @dataclass(frozen=True)
 class ReceiverParams:
-    """Sizes of the receiver stress (defaults: 4M elements, ~30 shards per delta)."""
+    """Sizes of the receiver stress (defaults: 4M elements, ~30 apply groups per delta)."""
 
     trials: int = 50
     seed: int = 0
@@ -232,7 +236,12 @@ def _classify(root: Path, ckpt: Path) -> tuple[str, str | None, bool]:
     if st is not None and st.applying and st.mode == "delta":
         assert st.target_version is not None
         m = read_manifest(root, st.target_version)
-        n = max(1, sum(1 for s in m.shards if s.role == "delta"))
+        groups = [
+            apply_groups(m, "delta", i, APPLY_GROUP_BYTES)
+            for i, s in enumerate(m.shards)
+            if s.role == "delta"
+        ]
+        n = max(1, sum(len(g) for g in groups))  # one journal file per apply group
         return "state applying a delta", _quarter("delta", len(journal) / n), True
     if st is not None and st.applying:
         return "state applying a full version (moving files in)", "full swap", True
@@ -242,6 +251,8 @@ def _classify(root: Path, ckpt: Path) -> tuple[str, str | None, bool]:
         return "delta committed, journal not yet cleared", "delta commit", True
     if st is None or st.version is None:
         return "no version yet (opening)", None, False
+    if not st.synced:
+        return "delta committed and acked, flush to disk in progress", "delta flush", False
     return "clean between versions", None, False
 
 
@@ -323,6 +334,7 @@ def run_receiver_stress(
     rep.extra["aimed"] = Counter[str]()
     argv = [
         "--root", str(root), "--engine-id", ENGINE_ID, "--checkpoint", str(ckpt), "--once",
+        "--apply-group-bytes", str(APPLY_GROUP_BYTES),
         "--force-polling", "--log-level", "WARNING",
     ]  # fmt: skip
     lock = ckpt / STATE_DIR_NAME / LOCK_NAME

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncsync import ChainError, ChecksumMismatch, FormatError, IncompleteVersion, Publisher
+from asyncsync import (
+    ChainError,
+    ChecksumMismatch,
+    ConfigError,
+    FormatError,
+    IncompleteVersion,
+    Publisher,
+)
 from asyncsync.acks import read_acks
 from asyncsync.checksum import checksum_bytes
 from asyncsync.store import read_manifest
@@ -368,7 +375,6 @@ async def test_a_packed_delta_shard_is_applied_in_groups(
 ) -> None:
     """The engine gets bounded groups of one shard, each journaled; the result is exact."""
     states = await publish_chain(tmp_path, 2, keyframe_interval=0)
-    monkeypatch.setattr(shard_reader, "APPLY_GROUP_BYTES", 1500)
     eng = LocalCheckpoint(tmp_path / "c")
     calls: list[int] = []
     apply = eng.apply
@@ -378,7 +384,10 @@ async def test_a_packed_delta_shard_is_applied_in_groups(
         await apply(updates)
 
     monkeypatch.setattr(eng, "apply", counting)
-    async with ReceiverAgent(tmp_path, eng, "e", use_inotify=False) as agent:
+    with pytest.raises(ConfigError, match="apply_group_bytes"):
+        ReceiverAgent(tmp_path, eng, "e", apply_group_bytes=0)
+    agent = ReceiverAgent(tmp_path, eng, "e", use_inotify=False, apply_group_bytes=1500)
+    async with agent:
         assert await agent.sync_once() == 2  # v0 (full), v1, v2
     m0, m1, m2 = (read_manifest(tmp_path, v) for v in range(3))
     full, delta = len(m0.shards), sum(s.role == "delta" for m in (m1, m2) for s in m.shards)
