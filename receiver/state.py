@@ -83,7 +83,10 @@ class PersistedState:
     to ``target_version`` in ``mode``; a reader that finds it so after a crash must recover.
     ``checksums`` maps each tensor name to its checksum (``checksum_algorithm``) at ``version``;
     ``parts`` gives the ``(offset, numel)`` parts of the tensors published in parts, whose
-    checksum is the composite of their parts' (docs/FORMAT.md).
+    checksum is the composite of their parts' (docs/FORMAT.md). ``synced`` False: ``version``
+    was committed while its bytes were still only in the page cache (an engine that makes a
+    version durable after acknowledging it); a reader that finds it so after a crash must
+    check the bytes against ``checksums`` before trusting ``version``.
     """
 
     version: int | None = None
@@ -96,6 +99,7 @@ class PersistedState:
     checksums: dict[str, str] = field(default_factory=dict)
     updated_at: float = 0.0
     parts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    synced: bool = True
 
     # -- views --------------------------------------------------------------------------
     @property
@@ -127,6 +131,8 @@ class PersistedState:
         }
         if self.parts:
             d["parts"] = {k: [list(p) for p in v] for k, v in self.parts.items()}
+        if not self.synced:
+            d["synced"] = False
         return json.dumps(d, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
     @classmethod
@@ -192,6 +198,9 @@ class PersistedState:
             for v in parts.values()
         ):
             raise bad("field 'parts' must map tensor names to lists of [offset, numel]")
+        synced = d.get("synced", True)
+        if not isinstance(synced, bool):
+            raise bad(f"field 'synced' must be true or false, got {synced!r}")
         state = cls(
             version=opt_int("version"),
             run_id=opt_str("run_id"),
@@ -203,6 +212,7 @@ class PersistedState:
             checksums=dict(checksums),
             updated_at=float(updated_at),
             parts={k: [(p[0], p[1]) for p in v] for k, v in parts.items()},
+            synced=synced,
         )
         if state.applying and (state.target_version is None or state.mode is None):
             raise bad("status 'applying' without target_version and mode")

@@ -8,8 +8,9 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import safetensors.torch
@@ -36,7 +37,9 @@ from asyncsync.format import (
 )
 from receiver.engines import TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+from receiver.engines.st_layout import FileMaps, read_layout
 from receiver.engines.torch_module import TorchModule
+from receiver.state import PersistedState
 from tests.conftest import mixed_state, mutate, same_bytes
 
 ALGO = "xxh3-128"
@@ -587,3 +590,87 @@ async def test_torch_module_on_cuda() -> None:
     with pytest.raises(ChecksumMismatch):
         await apply_version(eng, bad, delta_batches(bad, sd1, sd2, "set", True), "delta")
     assert_same({k: v.cpu() for k, v in module_tensors(mod).items()}, sd1)
+
+
+# --------------------------------------------------------------------------- durability after ack
+
+
+def _state(path: Path) -> dict[str, Any]:
+    return json.loads((path / ".asyncsync" / "state.json").read_text())
+
+
+@pytest.mark.parametrize("before", [False, True])
+async def test_a_delta_is_made_durable_after_or_before_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: bool
+) -> None:
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    ck.sync_before_ack = before
+    gate = threading.Event()
+    synced = FileMaps.sync
+
+    def slow_sync(self: FileMaps) -> None:  # hold the flush until the test has looked
+        gate.wait(10)
+        synced(self)
+
+    monkeypatch.setattr(FileMaps, "sync", slow_sync)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    if before:
+        gate.set()
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    assert ck.state.version == 1 and verify_checkpoint(tmp_path, m1) == []
+    st = _state(tmp_path)
+    assert (st["status"], st["version"], st.get("synced", True)) == ("clean", 1, before)
+    gate.set()
+    await ck.flushed()
+    assert _state(tmp_path).get("synced", True) is True
+    # the next delta starts only after the flush, and ends the same way
+    sd2 = mutate(sd1, 0.05, seed=2)
+    m2 = build_manifest(sd2, 2, base=sd1)
+    await apply_version(ck, m2, delta_batches(m2, sd1, sd2), "delta")
+    await ck.close()  # waits for the flush
+    assert _state(tmp_path).get("synced", True) is True
+    assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd2)
+
+
+async def test_reopen_after_a_crash_before_the_flush(tmp_path: Path) -> None:
+    """state.json says committed but not synced: a process crash (page cache intact) keeps the
+    version; lost pages (the machine went down) wipe it so the receiver re-seeds."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    await ck.close()
+    st = _state(tmp_path)
+    st["synced"] = False  # as if killed between the commit and the background flush
+    (tmp_path / ".asyncsync" / "state.json").write_text(json.dumps(st))
+    ck = LocalCheckpoint(tmp_path)
+    assert (await ck.open()).version == 1  # the bytes still match: kept, and now durable
+    assert _state(tmp_path).get("synced", True) is True
+    assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
+    # now lose a page of one tensor's new bytes
+    st["synced"] = False
+    (tmp_path / ".asyncsync" / "state.json").write_text(json.dumps(st))
+    loc = read_layout(tmp_path / "model-00001-of-00002.safetensors")
+    first = min(loc.values(), key=lambda t: t.begin)
+    with open(tmp_path / first.file, "r+b") as f:
+        f.seek(first.begin)
+        f.write(bytes(b ^ 0xFF for b in f.read(16)))
+    ck = LocalCheckpoint(tmp_path)
+    assert (await ck.open()).version is None  # the receiver re-initialises from a keyframe
+    assert list(tmp_path.glob("*.safetensors*")) == []
+    await ck.close()
+
+
+def test_state_synced_field_round_trips_and_is_validated() -> None:
+    ps = PersistedState(version=3, run_id="r", synced=False)
+    assert '"synced": false' in ps.to_json()
+    assert PersistedState.from_json(ps.to_json(), where="x") == ps
+    assert "synced" not in PersistedState(version=3).to_json()  # the default stays implicit
+    bad = json.loads(ps.to_json())
+    bad["synced"] = "no"
+    with pytest.raises(EngineStateError, match="synced"):
+        PersistedState.from_json(json.dumps(bad), where="x")
