@@ -230,11 +230,14 @@ def test_receiver_once_applies_and_the_checkpoint_verifies(
     ckpt = tmp_path / "engine"
     out = subprocess.run(
         [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx-once",
-         "--checkpoint", str(ckpt), "--once", "--force-polling", "--log-level", "WARNING"],
+         "--checkpoint", str(ckpt), "--once", "--force-polling", "--log-level", "WARNING",
+         "--apply-group-bytes", "4096"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "rx-once: holds version 3"
+    state = json.loads((ckpt / ".asyncsync" / "state.json").read_text())
+    assert state.get("synced", True) is True  # flushed before the process exited
     assert main(["verify", str(root), "--checkpoint", str(ckpt)]) == 0
     assert "bit-exact at version 3" in capsys.readouterr().out
     acks = json.loads((root / "acks" / "rx-once.json").read_text())
@@ -245,7 +248,7 @@ def test_receiver_runs_until_sigint_and_exits_0(root: Path, tmp_path: Path) -> N
     ckpt = tmp_path / "engine"
     proc = subprocess.Popen(
         [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx-run",
-         "--checkpoint", str(ckpt), "--poll-interval", "0.1"],
+         "--checkpoint", str(ckpt), "--poll-interval", "0.1", "--sync-before-ack"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
     try:
@@ -269,6 +272,7 @@ def test_receiver_errors(root: Path, tmp_path: Path, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "invalid engine id" in err, err
     assert receiver_main([*base, "--engine-id", "x", "--poll-interval", "0"]) == 2
+    assert receiver_main([*base, "--engine-id", "x", "--apply-group-bytes", "0"]) == 2
     assert receiver_main(["--root", str(root)]) == 2
     assert "usage:" in capsys.readouterr().err
     foreign = tmp_path / "foreign"
