@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test lint demo bench stress clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml asyncsync/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -37,4 +37,4 @@ stress: $(STAMP)
 	$(PY) stress/crash.py publisher --trials 50 && $(PY) stress/crash.py receiver --trials 50
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info asyncsync/_native*.so

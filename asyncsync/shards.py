@@ -114,21 +114,23 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class DiffedBucket:
-    """A bucket after the diff stage: its items and, for deltas, each one's changed positions."""
+    """A bucket after the diff stage: its items and, for deltas, each one's change (positions,
+    new values and XORs there)."""
 
     items: Sequence[BucketItem]
-    positions: list[torch.Tensor] | None  # None: no delta (a full version)
+    changes: list[codec.Change] | None  # None: no delta (a full version)
 
 
 def diff_bucket(items: Sequence[BucketItem], *, delta: bool) -> DiffedBucket:
-    """The diff stage: bytewise compare against ``old``, one ``nonzero`` for the whole bucket."""
+    """The diff stage: bytewise compare against ``old`` (:func:`asyncsync.codec.diff_tensors`,
+    the fused C kernel on CPU when built)."""
     if not delta:
         return DiffedBucket(items, None)
     olds = [it.old for it in items]
     if any(o is None for o in olds):
         raise ValueError("delta encoding needs the old value of every tensor")
     news = [it.new for it in items]
-    return DiffedBucket(items, codec.changed_positions([o for o in olds if o is not None], news))
+    return DiffedBucket(items, codec.diff_tensors([o for o in olds if o is not None], news))
 
 
 def encode_bucket(
@@ -148,19 +150,27 @@ def encode_bucket(
     ``full``: also store every tensor whole (a keyframe).
     """
     diffed = items if isinstance(items, DiffedBucket) else diff_bucket(items, delta=delta)
-    positions = diffed.positions
+    changes = diffed.changes
     out = EncodedBucket()
     delta_tensors: dict[str, torch.Tensor] = {}
     full_tensors: dict[str, torch.Tensor] = {}
     for k, it in enumerate(diffed.items):
         mode: Literal["sparse", "dense"] | None = None
-        if positions is not None:
+        if changes is not None:
             assert it.old is not None
-            pos = positions[k]
+            ch = changes[k]
+            pos = ch.positions
             changed = int(pos.numel())
             if changed:
-                new_i = codec.int_view(it.new)
-                enc = codec.encode_delta(codec.int_view(it.old), new_i, pos, encoding, level=level)
+                enc = codec.encode_delta(
+                    codec.int_view(it.old),
+                    codec.int_view(it.new),
+                    pos,
+                    encoding,
+                    level=level,
+                    values=ch.values,
+                    xor=ch.xor,
+                )
                 changed = enc.changed  # what the decoder will check
                 mode = enc.mode
                 pkey, vkey = delta_keys(it.index)
@@ -168,7 +178,7 @@ def encode_bucket(
                 delta_tensors[vkey] = to_blob_tensor(enc.values)
                 out.raw_bytes += enc.raw_bytes
                 if enc.mode == "sparse":
-                    out.pending.append(PendingUpdate(it.name, pos, codec.gather(new_i, pos)))
+                    out.pending.append(PendingUpdate(it.name, pos, ch.values))
                 else:
                     out.pending.append(PendingUpdate(it.name, None, it.new))
         else:

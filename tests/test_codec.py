@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncsync import codec
+from asyncsync.checksum import DEFAULT_ALGORITHM
 from asyncsync.codec import (
     DEFAULT_ENCODING,
     ENCODINGS,
@@ -29,7 +31,8 @@ from asyncsync.codec import (
     int_view,
 )
 from asyncsync.errors import ConfigError, FormatError
-from tests.conftest import ALL_DTYPES
+from asyncsync.shards import BucketItem, encode_bucket
+from tests.conftest import ALL_DTYPES, mixed_state, mutate
 
 DTYPES = ALL_DTYPES
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -339,18 +342,21 @@ def test_changed_positions_matches_per_tensor_reference(monkeypatch: pytest.Monk
         calls.append("np.flatnonzero")
         return real_flatnonzero(*args, **kwargs)
 
+    got_native = changed_positions(olds, news)  # CPU: the C kernel when built
+    monkeypatch.setattr(codec, "_native", None)
     monkeypatch.setattr(torch, "nonzero", counting_nonzero)
     monkeypatch.setattr(np, "flatnonzero", counting_flatnonzero)
-    got = changed_positions(olds, news)  # CPU: the NumPy path
+    got = changed_positions(olds, news)  # CPU without the kernel: the NumPy path
     assert calls == ["np.flatnonzero"]
     calls.clear()
     numels = [o.numel() for o in olds]
     got_torch = _changed_positions_torch(olds, news, numels)  # the accelerator path, on CPU
     assert calls == ["torch.nonzero"]
     monkeypatch.undo()
-    assert len(got) == len(got_torch) == len(reference)
-    for g, gt, r in zip(got, got_torch, reference, strict=True):
-        assert g.dtype == gt.dtype == torch.int64 and g.tolist() == gt.tolist() == r.tolist()
+    assert len(got) == len(got_torch) == len(got_native) == len(reference)
+    for g, gt, gn, r in zip(got, got_torch, got_native, reference, strict=True):
+        assert g.dtype == gt.dtype == gn.dtype == torch.int64
+        assert g.tolist() == gt.tolist() == gn.tolist() == r.tolist()
     assert changed_positions([], []) == []
 
 
@@ -362,6 +368,214 @@ def test_changed_positions_rejects_mismatch() -> None:
         changed_positions([a], [a.view(2, 2)])
     with pytest.raises(ConfigError):
         changed_positions([a, a], [a])
+
+
+# ------------------------------------------------------------- native kernel vs NumPy fallback
+
+needs_native = pytest.mark.skipif(
+    not codec.NATIVE, reason="asyncsync._native is not built (or ASYNCSYNC_NATIVE=0)"
+)
+
+
+@pytest.fixture(params=["native", "numpy"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on the C kernel and again on the NumPy fallback (``_native`` set to None)."""
+    if request.param == "native" and not codec.NATIVE:
+        pytest.skip("asyncsync._native is not built (or ASYNCSYNC_NATIVE=0)")
+    if request.param == "numpy":
+        monkeypatch.setattr(codec, "_native", None)
+    return str(request.param)
+
+
+def _native_and_numpy(fn: Callable[[], Any]) -> list[Any]:
+    """``fn()`` on the native path (when built), then on the fallback."""
+    out = [fn()] if codec.NATIVE else []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codec, "_native", None)
+        out.append(fn())
+    return out
+
+
+def _check_change(change: codec.Change, old: torch.Tensor, new: torch.Tensor) -> None:
+    o, n = int_view(old), int_view(new)
+    pos = torch.nonzero(o != n).view(-1)
+    assert change.positions.dtype == torch.int64 and torch.equal(change.positions, pos)
+    assert change.values.dtype == change.xor.dtype == o.dtype
+    assert torch.equal(change.values, n[pos]) and torch.equal(change.xor, o[pos] ^ n[pos])
+
+
+def test_native_loader_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (codec._native is not None) == codec.NATIVE
+    monkeypatch.setenv("ASYNCSYNC_NATIVE", "0")
+    assert codec._load_native() is None
+    monkeypatch.setenv("ASYNCSYNC_NATIVE", "1")
+    try:
+        built = importlib.import_module("asyncsync._native") is not None
+    except ImportError:
+        built = False
+    assert (codec._load_native() is not None) == built
+
+    def missing(name: str) -> None:
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(importlib, "import_module", missing)  # as when the build failed
+    assert codec._load_native() is None
+
+
+def test_diff_tensors_matches_reference(kernel: str) -> None:
+    cases = [(dt, (37, 5), d) for dt in DTYPES for d in (0.0, 0.03, 0.5, 1.0)]
+    cases += [(torch.bfloat16, (), 1.0), (torch.float32, (0, 3), 0.5), (torch.int64, (9,), 0.3)]
+    pairs = [_make_pair(i, dt, sh, d, special=True) for i, (dt, sh, d) in enumerate(cases)]
+    olds = [_noncontiguous(o, "transpose") for o, _ in pairs]
+    news = [_noncontiguous(n, "slice") for _, n in pairs]
+    changes = codec.diff_tensors(olds, news)
+    assert len(changes) == len(pairs)
+    for change, old, new in zip(changes, olds, news, strict=True):
+        _check_change(change, old, new)
+    assert codec.diff_tensors([], []) == []
+    with pytest.raises(ConfigError):
+        codec.diff_tensors([olds[0]], [news[-1]])
+    with pytest.raises(ConfigError):
+        codec.diff_tensors(olds, news[:-1])
+
+
+@_examples(200)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from(DTYPES),
+    shape=shapes,
+    density=densities,
+)
+def test_diff_tensors_native_equals_fallback(
+    seed: int, dtype: torch.dtype, shape: tuple[int, ...], density: float
+) -> None:
+    old, new = _make_pair(seed, dtype, shape, density, special=True)
+    results = _native_and_numpy(lambda: codec.diff_tensors([old], [new])[0])
+    for change in results:
+        _check_change(change, old, new)
+
+
+@needs_native
+@pytest.mark.parametrize("initial", [1, 3, 1024])
+def test_diff_tensors_capacity_grows_and_resumes(
+    initial: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sparse then dense: the rate seen early underestimates the rest, so it grows repeatedly."""
+    n = 60_000
+    old = torch.zeros(n, dtype=torch.int16)
+    new = old.clone()
+    new[: n // 2 : 97] = 1
+    new[n // 2 :: 2] = 2
+    new[-1] = 3
+    calls: list[int] = []
+    real = codec._native.diff_extract
+
+    def counting(*args: Any) -> Any:
+        calls.append(len(args[4]))
+        return real(*args)
+
+    monkeypatch.setattr(codec, "_initial_capacity", lambda numel: min(numel, initial))
+    monkeypatch.setattr(codec._native, "diff_extract", counting)
+    [change] = codec.diff_tensors([old], [new])
+    _check_change(change, old, new)
+    assert len(calls) >= 3 and calls[0] == initial
+    [pos] = changed_positions([old], [new])
+    assert torch.equal(pos, change.positions)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("density", [0.01, 0.3, codec.DENSE_THRESHOLD + 0.05, 1.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.bool, torch.float64])
+def test_encode_delta_with_precomputed_values_is_identical(
+    encoding: str, density: float, dtype: torch.dtype
+) -> None:
+    old, new = _make_pair(3, dtype, (3001,), density, special=True)
+    o, n = int_view(old), int_view(new)
+    [pos] = changed_positions([old], [new])
+    plain = encode_delta(o, n, pos, encoding)
+    for change in _native_and_numpy(lambda: codec.diff_tensors([old], [new])[0]):
+        fused = encode_delta(o, n, change.positions, encoding, values=change.values, xor=change.xor)
+        assert fused == plain
+
+
+def test_encode_delta_rejects_bad_precomputed_values() -> None:
+    o = torch.arange(10, dtype=torch.int16)
+    n = o ^ 1
+    pos = torch.arange(10)
+    with pytest.raises(ConfigError, match="values"):
+        encode_delta(o, n, pos, "indices", values=n[:9])
+    with pytest.raises(ConfigError, match="xor"):
+        encode_delta(o, n, pos, "xef", xor=(o ^ n).to(torch.int32))
+
+
+@pytest.mark.parametrize("op", ["set", "xor"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_apply_patch_saves_old_values(kernel: str, op: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randint(0, 100, (1000,), generator=g).to(dtype)
+    pos = torch.unique(torch.randint(0, 1000, (300,), generator=g))
+    values = torch.randint(1, 100, (pos.numel(),), generator=g).to(dtype)
+    for patch in (Patch(op, pos, values), Patch(op, None, torch.randint(0, 9, (1000,)).to(dtype))):
+        want = flat.clone()
+        apply_patch(want, patch)
+        target = flat.clone()
+        old = torch.full(((pos if patch.positions is not None else flat).numel(),), 7, dtype=dtype)
+        apply_patch(target, patch, old_out=old)
+        assert torch.equal(target, want)
+        assert torch.equal(old, flat if patch.positions is None else flat[pos])
+    strided = torch.zeros(2000, dtype=dtype)[::2]  # not contiguous: the NumPy fallback
+    old = torch.empty(pos.numel(), dtype=dtype)
+    apply_patch(strided, Patch(op, pos, values), old_out=old)
+    assert torch.equal(strided[pos], values) and not old.any()
+
+
+def test_apply_patch_old_out_and_bounds_checks(kernel: str) -> None:
+    flat = torch.arange(8, dtype=torch.int32)
+    patch = Patch("xor", torch.tensor([1, 3]), torch.tensor([5, 5], dtype=torch.int32))
+    for bad in (torch.empty(3, dtype=torch.int32), torch.empty(2, dtype=torch.int64)):
+        with pytest.raises(ConfigError, match="old_out"):
+            apply_patch(flat, patch, old_out=bad)
+    with pytest.raises(ConfigError, match="old_out"):
+        apply_patch(
+            flat, Patch("set", None, flat.clone()), old_out=torch.empty(2, dtype=flat.dtype)
+        )
+    # unsorted, so the last-position check passes: the kernel (or NumPy) refuses before writing
+    for pos in ([9, 1], [-20, 1]):
+        old = torch.zeros(2, dtype=torch.int32)
+        bad = Patch("set", torch.tensor(pos), torch.tensor([5, 5], dtype=torch.int32))
+        with pytest.raises(IndexError):
+            apply_patch(flat, bad, old_out=old)
+        assert torch.equal(flat, torch.arange(8, dtype=torch.int32)) and not old.any()
+    assert flat.tolist() == list(range(8))
+
+
+def test_encode_bucket_same_bytes_native_and_numpy() -> None:
+    old = mixed_state(seed=3, scale=4)
+    new = mutate(old, 0.1, seed=4)
+    items = [BucketItem(i, k, new[k], old[k]) for i, k in enumerate(old)]
+
+    def run() -> Any:
+        return encode_bucket(
+            items,
+            version=2,
+            run_id="r",
+            delta=True,
+            full=False,
+            encoding="xef",
+            level=3,
+            algorithm=DEFAULT_ALGORITHM,
+        )
+
+    results = _native_and_numpy(run)
+    for got in results[1:]:
+        assert got.items == results[0].items and got.raw_bytes == results[0].raw_bytes
+        assert got.delta_tensors.keys() == results[0].delta_tensors.keys()
+        for k, t in got.delta_tensors.items():
+            assert torch.equal(t, results[0].delta_tensors[k])
+        for a, b in zip(got.pending, results[0].pending, strict=True):
+            assert a.name == b.name and torch.equal(a.values, b.values)
+            assert (a.positions is None) == (b.positions is None)
+            assert a.positions is None or torch.equal(a.positions, b.positions)
 
 
 # ------------------------------------------------------------------------------ hostile input

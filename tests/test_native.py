@@ -1,0 +1,280 @@
+"""Tests of the C kernels in asyncsync._native against NumPy references.
+
+``diff_extract`` (positions, new values and XORs of the differing elements, resumable) and
+``xor_patch``/``set_patch`` (save old values, then patch; bounds-checked before any write), for
+every element width, densities from 0 to 100 %, lengths whose tail is not a whole 8-byte word,
+unaligned buffers, tiny capacities, and bad arguments. The codec-level equivalence of the
+native and NumPy paths is in test_codec.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+try:
+    native: Any = importlib.import_module("asyncsync._native")
+except ImportError as exc:
+    pytest.skip(
+        f"the optional C extension asyncsync._native is not built: {exc}", allow_module_level=True
+    )
+
+WIDTHS = (1, 2, 4, 8)
+DT = {w: np.dtype(f"<u{w}") for w in WIDTHS}
+
+
+def _examples(n: int) -> settings:
+    return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _unaligned(a: np.ndarray, offset: int) -> np.ndarray:
+    """A writable copy of ``a`` whose data starts ``offset`` bytes into a fresh buffer."""
+    raw = bytearray(a.nbytes + offset)
+    out = np.frombuffer(raw, dtype=a.dtype, count=a.size, offset=offset)
+    out[:] = a
+    return out
+
+
+def _pair(rng: np.random.Generator, width: int, n: int, density: float) -> tuple[np.ndarray, ...]:
+    """old = random; new = old with about ``density`` of the elements changed (by one byte)."""
+    old = rng.integers(0, 256, n * width, dtype=np.uint8).view(DT[width])
+    new = old.copy()
+    mask = rng.random(n) < density
+    flip = np.zeros((n, width), dtype=np.uint8)
+    flip[np.arange(n), rng.integers(0, width, n)] = rng.integers(1, 256, n, dtype=np.uint8)
+    new[mask] ^= flip.view(DT[width]).reshape(-1)[mask]
+    return old, new
+
+
+def _reference(old: np.ndarray, new: np.ndarray, start: int = 0) -> tuple[np.ndarray, ...]:
+    pos = np.flatnonzero(old[start:] != new[start:]) + start
+    return pos, new[pos], old[pos] ^ new[pos]
+
+
+def _extract_all(
+    old: np.ndarray, new: np.ndarray, width: int, cap: int, start: int = 0, offset: int = 0
+) -> tuple[np.ndarray, ...]:
+    """Run diff_extract to the end with outputs of ``cap`` slots (unaligned by ``offset``)."""
+    got: list[list[np.ndarray]] = [[], [], []]
+    while True:
+        pos = _unaligned(np.zeros(cap, np.int64), offset)
+        vals = _unaligned(np.zeros(cap, DT[width]), offset)
+        xor = _unaligned(np.zeros(cap, DT[width]), offset)
+        count, nxt = native.diff_extract(old, new, width, start, pos, vals, xor)
+        assert 0 <= count <= cap and start <= nxt <= old.size
+        assert count == cap or nxt == old.size  # it stops early only when full
+        for acc, arr in zip(got, (pos, vals, xor), strict=True):
+            acc.append(arr[:count].copy())
+        if nxt == old.size:
+            return tuple(np.concatenate(a) for a in got)
+        assert nxt > start or count > 0
+        start = nxt
+
+
+# ------------------------------------------------------------------------------ diff_extract
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+@pytest.mark.parametrize("n", [0, 1, 7, 1001, 4099])
+def test_diff_extract_matches_reference(width: int, density: float, n: int) -> None:
+    old, new = _pair(np.random.default_rng(n + width), width, n, density)
+    cap = max(1, n)
+    for offset in (0, 3):  # aligned and unaligned inputs and outputs
+        o, nw = _unaligned(old, offset), _unaligned(new, offset)
+        got = _extract_all(o, nw, width, cap, offset=offset)
+        for g, r in zip(got, _reference(old, new), strict=True):
+            assert g.dtype == r.dtype and np.array_equal(g, r)
+
+
+@_examples(300)
+@given(
+    width=st.sampled_from(WIDTHS),
+    n=st.integers(0, 200),
+    density=st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]),
+    cap=st.integers(1, 40),
+    start_frac=st.floats(0, 1),
+    offset=st.integers(0, 7),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_diff_extract_resumes_from_any_start_and_capacity(
+    width: int, n: int, density: float, cap: int, start_frac: float, offset: int, seed: int
+) -> None:
+    old, new = _pair(np.random.default_rng(seed), width, n, density)
+    start = int(start_frac * n)
+    o, nw = _unaligned(old, offset), _unaligned(new, (offset * 5) % 8)
+    got = _extract_all(o, nw, width, cap, start=start, offset=offset)
+    for g, r in zip(got, _reference(old, new, start), strict=True):
+        assert np.array_equal(g, r)
+
+
+def test_diff_extract_every_byte_of_a_word_counts() -> None:
+    """A change in any byte of any lane is found, including the last lane of the tail."""
+    for width in WIDTHS:
+        n = 8 // width * 3 + 1  # three whole words and a one-element tail
+        for byte in range(n * width):
+            old = np.zeros(n * width, np.uint8)
+            new = old.copy()
+            new[byte] = 0x80
+            got = _extract_all(old.view(DT[width]), new.view(DT[width]), width, 4)
+            assert got[0].tolist() == [byte // width]
+
+
+def test_diff_extract_positions_only_and_views() -> None:
+    old, new = _pair(np.random.default_rng(1), 2, 5000, 0.2)
+    pos = np.empty(5000, np.int64)
+    count, nxt = native.diff_extract(old, new, 2, 0, pos, None, None)
+    assert nxt == 5000 and np.array_equal(pos[:count], np.flatnonzero(old != new))
+    # any buffer works: bytes in, memoryview/bytearray out; widths reinterpret the same bytes
+    raw_old, raw_new = old.tobytes(), new.tobytes()
+    out = bytearray(8 * 10000)
+    count8, _ = native.diff_extract(raw_old, raw_new, 1, 0, memoryview(out), None, None)
+    ref = np.flatnonzero(old.view(np.uint8) != new.view(np.uint8))
+    assert np.array_equal(np.frombuffer(out, np.int64)[:count8], ref)
+
+
+def test_diff_extract_capacity_exactly_full_at_the_end() -> None:
+    old, new = _pair(np.random.default_rng(2), 4, 100, 1.0)
+    pos, vals, xor = np.empty(100, np.int64), np.empty(100, DT[4]), np.empty(100, DT[4])
+    assert native.diff_extract(old, new, 4, 0, pos, vals, xor) == (100, 100)
+    assert native.diff_extract(old, new, 4, 100, pos, vals, xor) == (0, 100)
+    assert native.diff_extract(old, new, 4, 0, pos[:99], vals, xor) == (99, 99)
+
+
+def test_diff_extract_rejects_bad_arguments() -> None:
+    a = np.zeros(16, np.uint16)
+    pos, vals = np.empty(16, np.int64), np.empty(16, np.uint16)
+    ok = (a, a, 2, 0, pos, vals, vals.copy())
+
+    def call(**kw: object) -> None:
+        names = ("old", "new", "width", "start", "pos_out", "new_out", "xor_out")
+        args = dict(zip(names, ok, strict=True)) | kw
+        native.diff_extract(*args.values())
+
+    call()
+    for width in (0, 3, 16, -2):
+        with pytest.raises(ValueError, match="width"):
+            call(width=width)
+    with pytest.raises(ValueError, match="old is 32 bytes but new is 30"):
+        call(new=np.zeros(15, np.uint16))
+    with pytest.raises(ValueError, match="whole number"):
+        call(old=np.zeros(33, np.uint8), new=np.zeros(33, np.uint8), width=2)
+    with pytest.raises(ValueError, match="start"):
+        call(start=17)
+    with pytest.raises(ValueError, match="start"):
+        call(start=-1)
+    with pytest.raises(TypeError, match="pos_out must be a writable"):
+        call(pos_out=bytes(128))
+    with pytest.raises(TypeError, match="xor_out must be a writable"):
+        call(xor_out=bytes(32))
+    with pytest.raises(TypeError, match="buffer protocol"):
+        call(old=[0] * 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        call(old=np.zeros(32, np.uint16)[::2])
+    with pytest.raises(ValueError, match="int64"):
+        call(pos_out=np.zeros(13, np.uint8))
+    with pytest.raises(ValueError, match="must hold"):
+        call(new_out=np.zeros(15, np.uint16))
+    with pytest.raises(TypeError, match="both"):
+        call(new_out=None)
+    with pytest.raises(ValueError, match="capacity 0"):
+        call(pos_out=np.zeros(0, np.int64))
+    with pytest.raises(TypeError):
+        native.diff_extract(a, a, 2, 0, pos)  # too few arguments
+
+
+def test_diff_extract_runs_alongside_other_threads() -> None:
+    """The GIL is released around the loop; concurrent calls on shared inputs agree."""
+    old, new = _pair(np.random.default_rng(3), 2, 400_000, 0.03)
+    ref = np.flatnonzero(old != new)
+    results: list[bool] = []
+
+    def work() -> None:
+        pos = np.empty(old.size, np.int64)
+        count, _ = native.diff_extract(old, new, 2, 0, pos, None, None)
+        results.append(bool(np.array_equal(pos[:count], ref)))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4
+
+
+# ------------------------------------------------------------------------- xor/set patches
+
+
+def _patch_reference(flat: np.ndarray, pos: np.ndarray, vals: np.ndarray, op: str) -> np.ndarray:
+    out = flat.copy()
+    for p, v in zip(pos.tolist(), vals, strict=True):  # in order, repeats included
+        out[p] = out[p] ^ v if op == "xor" else v
+    return out
+
+
+@pytest.mark.parametrize("op", ["xor", "set"])
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("offset", [0, 1, 5])
+def test_patch_matches_reference(op: str, width: int, offset: int) -> None:
+    rng = np.random.default_rng(width * 10 + offset)
+    n = 1003
+    flat = rng.integers(0, 256, n * width, dtype=np.uint8).view(DT[width])
+    for k in (0, 1, 17, n, 3 * n):  # 3n: repeated positions, applied in order
+        pos = np.sort(rng.choice(n, k, replace=False) if k <= n else rng.integers(0, n, k))
+        vals = rng.integers(0, 256, k * width, dtype=np.uint8).view(DT[width])
+        want = _patch_reference(flat, pos, vals, op)
+        kernel = native.xor_patch if op == "xor" else native.set_patch
+        target = _unaligned(flat, offset)
+        kernel(target, width, _unaligned(pos, offset), _unaligned(vals, offset), None)
+        assert np.array_equal(target, want)
+        if k <= n:  # distinct positions: old_out holds exactly the overwritten values
+            target, old = _unaligned(flat, offset), _unaligned(np.zeros(k, DT[width]), offset)
+            kernel(target, width, pos, vals, old)
+            assert np.array_equal(target, want) and np.array_equal(old, flat[pos])
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 2**40, -(2**63)])
+@pytest.mark.parametrize("where", [0, 2, 4])
+def test_patch_bounds_checked_before_any_write(bad: int, where: int) -> None:
+    flat = np.arange(10, dtype=np.uint32)
+    before = flat.copy()
+    pos = np.array([1, 3, 5, 7, 9], dtype=np.int64)
+    pos[where] = bad
+    vals = np.full(5, 0xFFFF, np.uint32)
+    old = np.zeros(5, np.uint32)
+    for kernel in (native.xor_patch, native.set_patch):
+        with pytest.raises(IndexError, match=rf"positions\[{where}\] = {bad} is outside"):
+            kernel(flat, 4, pos, vals, old)
+        assert np.array_equal(flat, before) and not old.any()
+
+
+def test_patch_rejects_bad_arguments() -> None:
+    flat = np.zeros(8, np.uint16)
+    pos, vals = np.array([1, 2], np.int64), np.array([5, 6], np.uint16)
+    native.set_patch(flat, 2, pos, vals, None)
+    assert flat.tolist() == [0, 5, 6, 0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="width"):
+        native.xor_patch(flat, 5, pos, vals, None)
+    with pytest.raises(ValueError, match="values is 6 bytes, want 4"):
+        native.xor_patch(flat, 2, pos, np.zeros(3, np.uint16), None)
+    with pytest.raises(ValueError, match="old_out is 2 bytes"):
+        native.xor_patch(flat, 2, pos, vals, np.zeros(1, np.uint16))
+    with pytest.raises(ValueError, match="int64"):
+        native.xor_patch(flat, 2, np.zeros(3, np.int32), vals, None)
+    with pytest.raises(ValueError, match="whole number"):
+        native.xor_patch(np.zeros(3, np.uint8), 2, pos, vals, None)
+    with pytest.raises(TypeError, match="flat must be a writable"):
+        native.set_patch(flat.tobytes(), 2, pos, vals, None)
+    with pytest.raises(TypeError, match="old_out must be a writable"):
+        native.set_patch(flat, 2, pos, vals, bytes(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.set_patch(np.zeros(16, np.uint16)[::2], 2, pos, vals, None)
+    with pytest.raises(TypeError, match="buffer protocol"):
+        native.set_patch(flat, 2, [1, 2], vals, None)
+    assert flat.tolist() == [0, 5, 6, 0, 0, 0, 0, 0]
