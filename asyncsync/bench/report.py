@@ -110,6 +110,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "publish_components": cost["publish_components"],
             "receive_components": cost["receive_components"],
             "apply": apply_s,
+            "flush_after_ack": _median(cost.get("flushes") or [0.0]),
             "e2e_pipelined": e2e_s["pipelined"],
             "e2e_serialized": e2e_s["serialized"],
             "e2e_publish_part": {
@@ -261,6 +262,7 @@ def markdown(s: dict[str, Any]) -> str:
         ["  verify shards (checksum)", _ms(rec["verify"])],
         ["  decode", _ms(rec["decode"])],
         ["  checksum of every touched tensor", _ms(rec["checksum_model"])],
+        ["flush to disk after the ack (background, not in the above)", _ms(sec["flush_after_ack"])],
         ["throughput: changed elements / s", f"{d['apply_changed_per_s'] / 1e6:.1f} M"],
         ["throughput: model bytes / s", f"{d['apply_model_bytes_per_s'] / _MB:.0f} MB"],
     ]

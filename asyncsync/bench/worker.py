@@ -248,11 +248,11 @@ async def run_cost(job: Job) -> dict[str, Any]:
     ne: list[float] = []
     publishes: list[dict[str, Any]] = []
     applies: list[float] = []
+    flushes: list[float] = []  # the background flush after each ack (off the latency path)
+    engine = LocalCheckpoint(job.checkpoint)
     async with (
         Publisher(root, bucket_bytes=job.bucket_bytes, keyframe_interval=0) as pub,
-        ReceiverAgent(
-            root, LocalCheckpoint(job.checkpoint), job.engine_id, use_inotify=False
-        ) as agent,
+        ReceiverAgent(root, engine, job.engine_id, use_inotify=False) as agent,
     ):
         await pub.seed(bufs[0])
         await agent.sync_once()
@@ -264,7 +264,10 @@ async def run_cost(job: Job) -> dict[str, Any]:
             res = await pub.publish(cur)
             t0 = time.perf_counter()
             await agent.sync_once()
-            applies.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            applies.append(t1 - t0)
+            await engine.flushed()
+            flushes.append(time.perf_counter() - t1)
             publishes.append(
                 {
                     "total": res.seconds["total"],
@@ -286,6 +289,7 @@ async def run_cost(job: Job) -> dict[str, Any]:
         "ne_pass": ne,
         "publishes": publishes,
         "applies": applies,
+        "flushes": flushes,
         "publish_components": components,
         "receive_components": receiving,
         "profile": profile,
