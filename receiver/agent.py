@@ -305,7 +305,8 @@ class ReceiverAgent:
         if latest is None:
             return self.version
         newest = await asyncio.to_thread(self._manifests.get, self.root, latest)
-        why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest)
+        read = self._manifests.get  # every manifest is parsed once (the poll, plan, divergence)
+        why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest, read)
         if why is not None:
             # Version numbers say nothing across runs (a wiped root, another trainer), nor about
             # a version republished with other contents: start over from a keyframe.
@@ -313,7 +314,7 @@ class ReceiverAgent:
             await self._reseed(latest, newest.run_id)
         fell_back = False
         while (cur := self.version) is None or cur < latest:
-            m, mode = await asyncio.to_thread(plan_next, self.root, self.engine.state, latest)
+            m, mode = await asyncio.to_thread(plan_next, self.root, self.engine.state, latest, read)
             if cur is not None and m.version <= cur:
                 raise ChainError(
                     f"newest keyframe {m.version} is not past the engine's version {cur} and "
@@ -345,7 +346,9 @@ class ReceiverAgent:
         return self.version
 
     async def _reseed(self, latest: int, run_id: str) -> None:
-        kf = await asyncio.to_thread(newest_keyframe, self.root, latest, run_id)
+        kf = await asyncio.to_thread(
+            newest_keyframe, self.root, latest, run_id, self._manifests.get
+        )
         await self._apply_version(kf, "full")
         await self._ack(kf)
 

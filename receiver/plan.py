@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -23,6 +24,7 @@ __all__ = ["Mode", "diverged", "latest_version", "newest_keyframe", "plan_next"]
 logger = logging.getLogger(__name__)
 
 Mode = Literal["delta", "full"]
+Reader = Callable[[Path, int], Manifest]  # read_manifest, or a cache's get (store.ManifestCache)
 
 
 def latest_version(root: Path, held: int | None) -> int | None:
@@ -41,13 +43,15 @@ def latest_version(root: Path, held: int | None) -> int | None:
     return latest
 
 
-def newest_keyframe(root: Path, target: int, run_id: str | None = None) -> Manifest:
+def newest_keyframe(
+    root: Path, target: int, run_id: str | None = None, read: Reader = read_manifest
+) -> Manifest:
     """The newest full version at or below ``target`` (of ``run_id`` when given)."""
     for v in reversed(list_versions(root)):
         if v > target:
             continue
         with contextlib.suppress(FileNotFoundError):
-            m = read_manifest(root, v)
+            m = read(root, v)
             if m.kind == "full" and (run_id is None or m.run_id == run_id):
                 return m
     raise ChainError(
@@ -57,12 +61,14 @@ def newest_keyframe(root: Path, target: int, run_id: str | None = None) -> Manif
     )
 
 
-def plan_next(root: Path, state: EngineState, latest: int) -> tuple[Manifest, Mode]:
+def plan_next(
+    root: Path, state: EngineState, latest: int, read: Reader = read_manifest
+) -> tuple[Manifest, Mode]:
     """The next version to apply from the engine's version toward ``latest``, and how."""
     cur = state.version
     if cur is not None:
         try:
-            m = read_manifest(root, cur + 1)
+            m = read(root, cur + 1)
         except FileNotFoundError:
             m = None
         if m is not None and m.run_id == state.run_id and m.has_delta:
@@ -71,10 +77,12 @@ def plan_next(root: Path, state: EngineState, latest: int) -> tuple[Manifest, Mo
             return m, "full"
         if m is None:
             logger.warning("version %d is gone: catching up from a keyframe", cur + 1)
-    return newest_keyframe(root, latest), "full"
+    return newest_keyframe(root, latest, read=read), "full"
 
 
-def diverged(root: Path, state: EngineState, newest: Manifest) -> str | None:
+def diverged(
+    root: Path, state: EngineState, newest: Manifest, read: Reader = read_manifest
+) -> str | None:
     """Why the engine's state cannot be a base for ``newest``'s chain, or None.
 
     Another run's version, or a version number whose fingerprint differs from the root's
@@ -89,7 +97,7 @@ def diverged(root: Path, state: EngineState, newest: Manifest) -> str | None:
     if state.fingerprint is None or state.version > newest.version:
         return None
     try:
-        mine = newest if state.version == newest.version else read_manifest(root, state.version)
+        mine = newest if state.version == newest.version else read(root, state.version)
     except FileNotFoundError:
         return None  # pruned: the planner catches up from a keyframe anyway
     if mine.fingerprint != state.fingerprint:
