@@ -674,3 +674,37 @@ def test_state_synced_field_round_trips_and_is_validated() -> None:
     bad["synced"] = "no"
     with pytest.raises(EngineStateError, match="synced"):
         PersistedState.from_json(json.dumps(bad), where="x")
+
+
+async def test_open_undoes_a_journal_in_the_earlier_one_tensor_per_patch_layout(
+    tmp_path: Path,
+) -> None:
+    """A receiver upgraded while a delta was interrupted still rolls it back."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    await ck.close()
+    name = "model.layers.2.weight"
+    loc = (
+        read_layout(tmp_path / "model-00001-of-00002.safetensors").get(name)
+        or read_layout(tmp_path / "model-00002-of-00002.safetensors")[name]
+    )
+    maps = FileMaps(tmp_path)
+    flat = maps.flat(loc)
+    pos = torch.tensor([0, 5, 9], dtype=torch.int64)
+    old = flat[pos].clone()
+    flat[pos] = flat[pos] ^ 0x5A5A  # a half-applied delta
+    del flat
+    maps.sync()
+    maps.close()
+    st = _state(tmp_path)
+    st.update(status="applying", target_version=1, mode="delta")
+    (tmp_path / ".asyncsync" / "state.json").write_text(json.dumps(st))
+    meta = {"format": "asyncsync-journal", "target_version": "1", "names": json.dumps([name])}
+    safetensors.torch.save_file(
+        {"p0": pos, "v0": old}, tmp_path / ".asyncsync" / "journal" / "undo-000000.safetensors",
+        metadata=meta,
+    )  # fmt: skip
+    ck = LocalCheckpoint(tmp_path)
+    assert (await ck.open()).version == 0
+    assert_same(ck.load_state_dict(), sd0)
+    await ck.close()

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import mmap
 import os
 import re
 import threading
@@ -51,13 +52,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import safetensors
 import safetensors.torch
 import torch
 
 from asyncsync import fsio
 from asyncsync.checksum import entry_checksum, new_hasher
-from asyncsync.codec import Patch, apply_patch, gather
+from asyncsync.codec import Patch, apply_patch
 from asyncsync.errors import (
     ApplyFailed,
     AsyncSyncError,
@@ -425,53 +427,40 @@ class LocalCheckpoint(Engine):
 
     # -- delta ------------------------------------------------------------------------------
     def _apply_delta(self, txn: _Txn, updates: list[TensorUpdate]) -> None:
+        """Journal the old bytes of every position the updates write (durably), then patch."""
         assert txn.maps is not None
-        work: list[tuple[str, torch.Tensor, Patch, torch.Tensor]] = []
-        journal: dict[str, torch.Tensor] = {}
-        names: list[str] = []
+        work: list[tuple[str, TensorLocation, torch.Tensor, Patch]] = []
         for u in updates:
             entry = self._claim(txn, u)
             if u.patch is None:
                 raise ApplyFailed(f"tensor {entry.name!r}: a delta needs a patch, not full data")
             loc = self._layout[entry.name]
             flat = txn.maps.flat(loc)
-            patch = check_patch(u.patch, flat, entry.name)
-            if patch.positions is None:
-                old = flat.clone()
-            else:
-                old = gather(flat, patch.positions)
-                journal[f"p{len(names)}"] = patch.positions.clone()
-            journal[f"v{len(names)}"] = old
-            names.append(entry.name)
-            work.append((entry.name, flat, patch, old))
+            work.append((entry.name, loc, flat, check_patch(u.patch, flat, entry.name)))
         if not work:
             return
-        meta = {
-            "format": _JOURNAL_FORMAT,
-            "target_version": str(txn.manifest.version),
-            "names": json.dumps(names),
-        }
+        for _name, loc, _flat, patch in work:
+            if _touches_most_pages(patch, loc):
+                txn.maps.prefault(loc)
         path = self._store.journal_dir / f"undo-{txn.seq:06d}.safetensors"
         txn.seq += 1
-        fsio.atomic_write(path, safetensors.torch.save(journal, metadata=meta))
-        for _name, flat, patch, _old in work:
+        fsio.atomic_write(path, _journal(work, txn.manifest.version))
+        for _name, _loc, flat, patch in work:
             apply_patch(flat, patch)
 
     def _undo(self, maps: FileMaps) -> None:
         """Write back the old values of every journal file (newest first), sync, state clean."""
         for path in sorted(self._store.journal_dir.glob("undo-*.safetensors"), reverse=True):
             try:
-                with safetensors.safe_open(str(path), framework="pt") as f:
-                    names = json.loads((f.metadata() or {})["names"])
-                    tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+                records = _read_journal(path)
             except Exception as exc:
                 raise EngineStateError(f"undo journal {path} is unreadable: {exc}") from exc
-            for i, name in enumerate(names):
+            for name, pos, old in records:
                 loc = self._layout.get(name)
                 if loc is None:
                     raise EngineStateError(f"undo journal {path} names unknown tensor {name!r}")
-                flat, old = maps.flat(loc), tensors[f"v{i}"]
-                pos = tensors.get(f"p{i}")
+                flat = maps.flat(loc)
+                old = old.view(flat.dtype)
                 if pos is None:
                     flat.copy_(old)
                 elif pos.numel():
@@ -687,6 +676,84 @@ class LocalCheckpoint(Engine):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _journal(work: list[tuple[str, TensorLocation, torch.Tensor, Patch]], version: int) -> bytes:
+    """One undo record (a safetensors file) for a batch of patches: ``positions`` (int64, the
+    sparse patches' positions one after another) and ``values`` (uint8, the old bytes at those
+    positions, or a dense patch's whole tensor, each padded to 8 bytes), with each tensor's
+    name, element count, width and density in the metadata. Two tensors, however many were
+    patched: serialising one tensor per patched tensor cost more than the patching."""
+    counts = [
+        flat.numel() if p.positions is None else p.positions.numel() for _, _, flat, p in work
+    ]
+    widths = [flat.element_size() for _, _, flat, _ in work]
+    npos = sum(p.positions.numel() for *_, p in work if p.positions is not None)
+    positions = torch.empty(npos, dtype=torch.int64)
+    values = torch.empty(
+        sum(_align8(c * w) for c, w in zip(counts, widths, strict=True)), dtype=torch.uint8
+    )
+    pi = vi = 0
+    for (_name, _loc, flat, patch), n, w in zip(work, counts, widths, strict=True):
+        out = values[vi : vi + n * w].view(flat.dtype)
+        if patch.positions is None:
+            out.copy_(flat)
+        else:
+            np.take(flat.numpy(), patch.positions.numpy(), out=out.numpy())
+            positions[pi : pi + n].copy_(patch.positions)
+            pi += n
+        vi += _align8(n * w)
+    meta = {
+        "format": _JOURNAL_FORMAT,
+        "layout": "packed",
+        "target_version": str(version),
+        "names": json.dumps([name for name, *_ in work]),
+        "counts": json.dumps(counts),
+        "dense": json.dumps([p.positions is None for *_, p in work]),
+        "widths": json.dumps(widths),
+    }
+    return safetensors.torch.save({"positions": positions, "values": values}, metadata=meta)
+
+
+def _align8(nbytes: int) -> int:
+    """Each tensor's old bytes start 8-aligned in ``values``, so they view as their dtype."""
+    return -(-nbytes // 8) * 8
+
+
+def _read_journal(path: Path) -> list[tuple[str, torch.Tensor | None, torch.Tensor]]:
+    """(name, positions or None for a whole tensor, old bytes as uint8) of each journaled patch.
+
+    Also reads the one-tensor-per-patch layout earlier versions wrote (``p{i}``/``v{i}``).
+    """
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        names = json.loads(meta["names"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if meta.get("layout") != "packed":
+        return [
+            (name, tensors.get(f"p{i}"), tensors[f"v{i}"].view(torch.uint8).view(-1))
+            for i, name in enumerate(names)
+        ]
+    counts, dense, widths = (json.loads(meta[k]) for k in ("counts", "dense", "widths"))
+    positions, values = tensors["positions"], tensors["values"]
+    out: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
+    pi = vi = 0
+    for name, n, d, w in zip(names, counts, dense, widths, strict=True):
+        pos = None if d else positions[pi : pi + n]
+        out.append((name, pos, values[vi : vi + n * w]))
+        pi += 0 if d else n
+        vi += _align8(n * w)
+    if pi != positions.numel() or vi != values.numel():
+        raise ValueError("positions/values do not match the recorded counts")
+    return out
+
+
+def _touches_most_pages(patch: Patch, loc: TensorLocation) -> bool:
+    """At least one changed element per page on average (then ~2/3 of the pages or more are
+    written): prefaulting the whole range is cheaper than faulting page by page."""
+    if patch.positions is None:
+        return True
+    return patch.positions.numel() * mmap.PAGESIZE >= loc.nbytes
 
 
 def verify_checkpoint(

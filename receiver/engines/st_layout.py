@@ -28,6 +28,9 @@ __all__ = ["FileMaps", "TensorLocation", "int_dtype", "read_layout"]
 
 logger = logging.getLogger(__name__)
 
+# Linux >= 5.14: fault a range in writable in one call (Python's mmap module may not name it).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 _ST_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -143,6 +146,21 @@ class FileMaps:
             return torch.empty(0, dtype=loc.int_dtype)
         arr = np.frombuffer(self._map(loc.file), dtype=np.uint8, count=loc.nbytes, offset=loc.begin)
         return torch.from_numpy(arr).view(loc.int_dtype)
+
+    def prefault(self, loc: TensorLocation) -> bool:
+        """Map the tensor's pages writable now, in one ``madvise(MADV_POPULATE_WRITE)``, instead
+        of one read fault and one write fault per page as a patch touches them (several times
+        faster for a patch that touches most pages). It marks every page dirty, so call it only
+        when most pages will be written anyway. False where the kernel does not support it."""
+        if loc.nbytes == 0 or not hasattr(mmap.mmap, "madvise"):
+            return False
+        mm = self._map(loc.file)
+        start = loc.begin - loc.begin % mmap.PAGESIZE
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE, start, loc.end - start)
+        except OSError:  # EINVAL: an older kernel; the patch faults pages in as it goes
+            return False
+        return True
 
     def checksum(
         self,
