@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from asyncsync.checksum import checksum_bytes
 from asyncsync.format import DeltaRef, FullRef, ShardInfo, TensorEntry
 from asyncsync.fsio import atomic_write
@@ -71,7 +69,7 @@ class VersionWriter:
                 self._record(it, None, full_shard)
             else:
                 self._waiting.append((it, full_shard))
-        for group in self._packer.add(enc.delta_tensors):
+        for group in self._packer.add(enc.delta_blobs):
             self._write_deltas(group)
         self.pending.extend(enc.pending)
         self.raw_bytes += enc.raw_bytes
@@ -92,7 +90,7 @@ class VersionWriter:
         self.shards.append(ShardInfo(fname, role, len(blob), checksum))  # type: ignore[arg-type]
         return len(self.shards) - 1
 
-    def _write_deltas(self, group: dict[str, torch.Tensor]) -> None:
+    def _write_deltas(self, group: dict[str, bytes]) -> None:
         """Write one delta shard and record the entries of the tensors whose deltas it holds."""
         shard = self._write_shard(
             "delta", delta_shard_blob(group, version=self.version, run_id=self.run_id)

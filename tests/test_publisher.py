@@ -426,8 +426,8 @@ async def test_bad_roots_raise_our_errors(tmp_path: Path) -> None:
 
 
 def test_delta_packer_fills_shards_in_order() -> None:
-    def blobs(*sizes: int) -> dict[str, torch.Tensor]:
-        return {f"k{s}.{i}": torch.zeros(s, dtype=torch.uint8) for i, s in enumerate(sizes)}
+    def blobs(*sizes: int) -> dict[str, bytes]:
+        return {f"k{s}.{i}": bytes(s) for i, s in enumerate(sizes)}
 
     p = shards.DeltaPacker(100)
     assert p.add(blobs(30)) == [] and p.add({}) == []
@@ -472,3 +472,15 @@ async def test_sparse_deltas_share_shards_and_full_shards_keep_buckets(tmp_path:
         assert sorted(k for keys in held.values() for k in keys) == sorted(
             k for r in refs for k in (r.positions, r.values)
         )
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [5, 0, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1000, 1]])
+def test_delta_shard_blob_is_a_safetensors_file(sizes: list[int]) -> None:
+    blobs = {f"t{i}.{'pos' if i % 2 else 'val'}": os.urandom(n) for i, n in enumerate(sizes)}
+    data = shards.delta_shard_blob(blobs, version=7, run_id="ab" * 8)
+    assert int.from_bytes(data[:8], "little") % 8 == 0  # header padded like safetensors' own
+    loaded = safetensors.torch.load(data)
+    assert {k: t.numpy().tobytes() for k, t in loaded.items()} == blobs
+    assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in loaded.values())
+    got = shards.parse_shard(data, where="x", version=7, run_id="ab" * 8, role="delta")
+    assert {k: t.numpy().tobytes() for k, t in got.items()} == blobs

@@ -127,7 +127,7 @@ def ours_bytes(
     """(delta shard bytes, bare xef payload bytes) of the version the publisher would write."""
     sizes = [t.numel() * t.element_size() for t in news]
     packer = DeltaPacker(bucket_bytes)  # the publisher's rule for filling delta shards
-    groups: list[dict[str, torch.Tensor]] = []
+    groups: list[dict[str, bytes]] = []
     for bucket in bucketed(sizes, bucket_bytes):
         items = [BucketItem(i, f"t{i}", news[i].contiguous(), olds[i].contiguous()) for i in bucket]
         enc = encode_bucket(
@@ -140,7 +140,7 @@ def ours_bytes(
             level=level,
             algorithm="xxh3-64",
         )
-        groups += packer.add(enc.delta_tensors)
+        groups += packer.add(enc.delta_blobs)
     groups.append(packer.take())
     run_id = "0" * 16  # the length of a real run id: same header size
     shard_bytes = sum(len(delta_shard_blob(g, version=1, run_id=run_id)) for g in groups if g)

@@ -27,7 +27,7 @@ import torch
 from asyncsync import codec, fsio
 from asyncsync.checksum import checksum_bytes, checksum_tensor
 from asyncsync.publisher import Publisher
-from asyncsync.shards import parse_shard, to_blob_tensor
+from asyncsync.shards import delta_shard_blob, parse_shard
 from asyncsync.store import read_manifest
 from receiver.agent import ReceiverAgent
 from receiver.engines.st_layout import read_layout
@@ -151,7 +151,7 @@ def publish_components(
 
     ``ne``: the floor; ``changed_positions``: ne + one nonzero + split; ``encode``: xef of
     every changed tensor; ``checksum``: the new bytes of every changed tensor (the manifest
-    needs them); ``serialise``: safetensors of the blobs.
+    needs them); ``serialise``: the delta shard of the blobs.
     """
     names = list(new)
     olds = [codec.int_view(old[k]) for k in names]
@@ -159,16 +159,16 @@ def publish_components(
     out = {"ne": ne_pass(old, new)}
     out["changed_positions"], positions = timed(codec.changed_positions, olds, news)
     t0 = time.perf_counter()
-    blobs: dict[str, torch.Tensor] = {}
+    blobs: dict[str, bytes] = {}
     for i, (a, b, p) in enumerate(zip(olds, news, positions, strict=True)):
         if p.numel():
             enc = codec.encode_delta(a, b, p, "xef", level=level)
-            blobs[f"t{i}.pos"] = to_blob_tensor(enc.positions)
-            blobs[f"t{i}.val"] = to_blob_tensor(enc.values)
+            blobs[f"t{i}.pos"] = enc.positions
+            blobs[f"t{i}.val"] = enc.values
     out["encode"] = time.perf_counter() - t0
     changed = [new[k] for k, p in zip(names, positions, strict=True) if p.numel()]
     out["checksum"], _ = timed(lambda: [checksum_tensor(t) for t in changed])
-    out["serialise"], _ = timed(safetensors.torch.save, blobs)
+    out["serialise"], _ = timed(lambda: delta_shard_blob(blobs, version=1, run_id="0" * 16))
     return out
 
 
