@@ -18,28 +18,24 @@ hosts we run on are). Encodings, per tensor, with ``n`` changed elements out of 
 The first three are the generation-1 baselines of the slime project: always mode "sparse",
 patch op "set". xef patches XOR. A sparse xef positions blob is one header byte
 (``L | 0x80`` when the rest is zstd-compressed, which is kept only when smaller) followed by the
-low parts ``idx & (2**L - 1)`` packed as an L-bit field array (LSB-first bits), then the high
-parts as a unary bitvector of ``n + (numel >> L) + 1`` bits with bit ``(idx[i] >> L) + i`` set,
-where ``L = max(0, floor(log2(numel / n)))``: about ``L + 2`` bits per position.
+Elias-Fano payload of :mod:`asyncsync.ef` (about ``L + 2`` bits per position).
 
 ``changed == 0`` encodes as two empty blobs in every encoding. Decoding validates everything and
 raises :class:`~asyncsync.errors.FormatError` on any inconsistency; decompressed sizes are known
 in advance, so a hostile blob cannot make the decoder allocate more than the tensor's size.
 
-The diff (:func:`diff_tensors`) and the sparse patch (:func:`apply_patch`) have a fused C kernel
-on CPU, the optional extension ``asyncsync._native`` (``asyncsync/_native.c``): one pass over the
-8-byte words of old and new that skips equal words and, for each differing element, writes its
-position, new value and ``old ^ new`` (the NumPy path needs a ``!=`` pass, ``flatnonzero`` and
-two ``take`` gathers: about 3x the time, while the kernel costs about one ``torch.ne``); and one
-loop that saves the old values and sets or XORs the patch. :data:`NATIVE` says whether it is in
-use: it is not when the extension did not build or ``ASYNCSYNC_NATIVE=0`` is set, and then the
-NumPy path runs, with byte-identical results. Accelerator tensors always take the torch path.
+On CPU the diff (:func:`diff_tensors`), the sparse patch (:func:`apply_patch`) and the
+Elias-Fano coder run in the optional C extension ``asyncsync._native`` (``asyncsync/_native.c``):
+one pass over the 8-byte words of old and new that writes each differing element's position,
+new value and ``old ^ new`` (about one ``torch.ne``; the NumPy path's ``!=``, ``flatnonzero``
+and two ``take`` gathers cost ~3x), and one loop that saves the old values and patches.
+:data:`NATIVE` says whether it is in use (not when it did not build or ``ASYNCSYNC_NATIVE=0``);
+the switch is :data:`asyncsync.native.kernels`, read at call time, and the NumPy fallback's
+results are byte-identical. Accelerator tensors always take the torch path.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -49,6 +45,7 @@ import torch
 import zstandard
 from numpy.typing import NDArray
 
+from asyncsync import ef, native
 from asyncsync.errors import ConfigError, FormatError
 
 __all__ = [
@@ -93,20 +90,7 @@ _EF_ZSTD_LEVEL = 1
 _DELTAS_ZSTD_LEVEL = 1
 
 _Int64Array = NDArray[np.int64]
-
-
-def _load_native() -> Any:
-    """``asyncsync._native``, or None if it is disabled (``ASYNCSYNC_NATIVE=0``) or not built."""
-    if os.environ.get("ASYNCSYNC_NATIVE", "1").strip() == "0":
-        return None
-    try:
-        return importlib.import_module("asyncsync._native")
-    except ImportError:
-        return None
-
-
-_native: Any = _load_native()  # tests set this to None to run the NumPy fallback
-NATIVE: bool = _native is not None  # the fused C kernels run on CPU (see the module docstring)
+NATIVE: bool = native.kernels is not None  # the C kernels run on CPU (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -174,7 +158,7 @@ def changed_positions(
         return []
     if olds[0].device.type != "cpu":
         return _changed_positions_torch(olds, news, numels)
-    if _native is not None:
+    if native.kernels is not None:
         return [
             torch.from_numpy(_native_diff(o, n, False)[0]) for o, n in zip(olds, news, strict=True)
         ]
@@ -191,7 +175,7 @@ def diff_tensors(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> 
     if not olds:
         return []
     cpu = olds[0].device.type == "cpu"
-    if cpu and _native is not None:
+    if cpu and native.kernels is not None:
         return [
             Change(*map(torch.from_numpy, _native_diff(o, n, True)))
             for o, n in zip(olds, news, strict=True)
@@ -203,6 +187,11 @@ def diff_tensors(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> 
         values = gather(n, pos)
         out.append(Change(pos, values, gather(o, pos).bitwise_xor_(values)))
     return out
+
+
+def _native_diff(old: torch.Tensor, new: torch.Tensor, values: bool) -> list[NDArray[Any]]:
+    """One CPU pair through the C diff kernel (:func:`asyncsync.native.diff`)."""
+    return native.diff(int_view(old).numpy(), int_view(new).numpy(), values)
 
 
 def _check_pairs(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> list[int]:
@@ -220,37 +209,6 @@ def _check_pairs(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> 
             raise ConfigError(f"tensor {i}: all tensors must be on {olds[0].device}")
         numels.append(old.numel())
     return numels
-
-
-def _native_diff(old: torch.Tensor, new: torch.Tensor, values: bool) -> list[NDArray[Any]]:
-    """One CPU pair through the C kernel: [positions, values, xor], or [positions] only.
-
-    The outputs start at ``max(1024, numel // 16)`` elements (room for 6 % changed) and grow
-    from where the kernel stopped, by the rate seen so far; they are trimmed in place at the end.
-    """
-    o, n = int_view(old).numpy(), int_view(new).numpy()
-    cap = _initial_capacity(o.size)
-    outs = [np.empty(cap, np.int64)]
-    if values:
-        outs += [np.empty(cap, o.dtype), np.empty(cap, o.dtype)]
-    count, start = 0, 0
-    while start < o.size:
-        if count == cap:  # full before the end: grow by the rate of change seen so far
-            guess = count + int((o.size - start) * count / max(1, start) * 1.25)
-            cap = min(o.size, max(2 * cap, 1, guess))
-            outs = [np.concatenate([a, np.empty(cap - count, a.dtype)]) for a in outs]
-        tails = [a[count:] for a in outs] + ([] if values else [None, None])
-        got, start = _native.diff_extract(o, n, o.itemsize, start, *tails)
-        del tails  # no views may remain when the arrays are resized below
-        count += got
-    for a in outs:
-        a.resize(count, refcheck=False)  # realloc in place: frees the unused capacity
-    return outs
-
-
-def _initial_capacity(numel: int) -> int:
-    """Output slots the native diff starts with (tests shrink it to exercise the growth)."""
-    return min(numel, max(1024, numel // 16))
 
 
 def _changed_positions_torch(
@@ -330,14 +288,14 @@ def encode_delta(
         return EncodedDelta(encoding, "dense", n, b"", _zstd(_planes(dense), level), numel * width)
     pos = positions.to(old.device)
     idx: _Int64Array = np.ascontiguousarray(positions.cpu().numpy(), dtype=np.int64)
-    if idx[0] < 0 or idx[-1] >= numel or not bool(np.all(idx[1:] > idx[:-1])):
-        raise ConfigError("positions must be strictly increasing and within the tensor")
     if encoding == "xef":
-        pblob, praw = _ef_encode(idx, numel)
+        pblob, praw = _ef_encode(idx, numel)  # checks the positions (ConfigError)
         if xor is None:
             xor = torch.bitwise_xor(gather(new, pos, idx), gather(old, pos, idx))
         vblob = _zstd(_planes(xor), level)
         return EncodedDelta(encoding, "sparse", n, pblob, vblob, praw + n * width)
+    if idx[0] < 0 or idx[-1] >= numel or not bool(np.all(idx[1:] > idx[:-1])):
+        raise ConfigError("positions must be strictly increasing and within the tensor")
     if values is None:
         values = gather(new, pos, idx)
     vblob = values.cpu().numpy().astype(_NP_BY_WIDTH[width], copy=False).tobytes()
@@ -449,7 +407,7 @@ def apply_patch(flat: torch.Tensor, patch: Patch, *, old_out: torch.Tensor | Non
         return
     if pos.device.type == "cpu" and int(pos[-1]) >= flat.numel():
         raise ConfigError(f"position {int(pos[-1])} outside a tensor of {flat.numel()}")
-    if _native is not None and _native_patch(flat, patch.op, pos, values, old_out):
+    if native.kernels is not None and _native_patch(flat, patch.op, pos, values, old_out):
         return
     if old_out is not None:
         old_out.copy_(gather(flat, pos))
@@ -476,7 +434,7 @@ def _native_patch(
         t.device.type != "cpu" or not t.is_contiguous() for t in tensors
     ):
         return False
-    kernel = _native.set_patch if op == "set" else _native.xor_patch
+    kernel = native.kernels.set_patch if op == "set" else native.kernels.xor_patch
     kernel(
         flat.numpy(),
         flat.element_size(),
@@ -538,63 +496,9 @@ def _unplanes(raw: bytes, n: int, width: int) -> torch.Tensor:
     return torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
 
 
-def _ef_low_bits(n: int, numel: int) -> int:
-    return max(0, (numel // n).bit_length() - 1)
-
-
-def _ef_sizes(n: int, numel: int, low_bits: int) -> tuple[int, int]:
-    return (n * low_bits + 7) // 8, (n + (numel >> low_bits) + 1 + 7) // 8
-
-
-def _field_pairs(low_bits: int) -> list[tuple[int, int, int]]:
-    """(element j of a group of 8, byte k of the group's ``low_bits`` bytes, bit shift of the
-    element within that byte) for every element/byte overlap of an L-bit field array."""
-    return [
-        (j, k, j * low_bits - 8 * k)
-        for j in range(8)
-        for k in range(j * low_bits // 8, (j * low_bits + low_bits - 1) // 8 + 1)
-    ]
-
-
-def _pack_fields(low: NDArray[np.uint64], low_bits: int) -> bytes:
-    """Pack values < 2**low_bits as an LSB-first L-bit field array: 8 values -> L bytes."""
-    n, groups = low.size, -(-low.size // 8)
-    vals = np.zeros(groups * 8, dtype=np.uint64)
-    vals[:n] = low
-    vals8 = vals.reshape(groups, 8)
-    out = np.zeros((groups, low_bits), dtype=np.uint8)
-    for j, k, shift in _field_pairs(low_bits):
-        part = vals8[:, j] << shift if shift >= 0 else vals8[:, j] >> -shift
-        out[:, k] |= part.astype(np.uint8)  # keeps the low byte
-    return out.tobytes()[: (n * low_bits + 7) // 8]
-
-
-def _unpack_fields(buf: NDArray[np.uint8], n: int, low_bits: int) -> NDArray[np.uint64]:
-    groups = -(-n // 8)
-    raw = np.zeros(groups * low_bits, dtype=np.uint8)
-    raw[: buf.size] = buf
-    raw8 = raw.reshape(groups, low_bits)
-    out = np.zeros((groups, 8), dtype=np.uint64)
-    for j, k, shift in _field_pairs(low_bits):
-        part = raw8[:, k].astype(np.uint64)
-        out[:, j] |= part >> shift if shift >= 0 else part << -shift
-    out &= np.uint64((1 << low_bits) - 1)
-    return out.reshape(-1)[:n]
-
-
 def _ef_encode(idx: _Int64Array, numel: int) -> tuple[bytes, int]:
-    """Elias-Fano code sorted ``idx``; returns (blob, uncompressed payload size)."""
-    n = idx.size
-    low_bits = _ef_low_bits(n, numel)
-    parts: list[bytes] = []
-    if low_bits:
-        parts.append(_pack_fields(idx.view(np.uint64) & np.uint64((1 << low_bits) - 1), low_bits))
-    unary = np.zeros(n + (numel >> low_bits) + 1, dtype=np.bool_)
-    ones = idx >> low_bits
-    ones += np.arange(n)
-    unary[ones] = True
-    parts.append(np.packbits(unary, bitorder="little").tobytes())
-    payload = b"".join(parts)
+    """The xef positions blob of sorted ``idx``, and the size of its uncompressed payload."""
+    payload, low_bits = ef.encode(idx, numel)
     packed = _zstd(payload, _EF_ZSTD_LEVEL)
     if len(packed) < len(payload):
         return bytes([low_bits | _EF_ZSTD]) + packed, len(payload)
@@ -602,27 +506,14 @@ def _ef_encode(idx: _Int64Array, numel: int) -> tuple[bytes, int]:
 
 
 def _ef_decode(blob: bytes, n: int, numel: int) -> _Int64Array:
-    low_bits = _ef_low_bits(n, numel)
+    """The ``n`` positions of an xef positions blob (FormatError if it is not valid)."""
+    low_bits = ef.low_bits(n, numel)
     if not blob or blob[0] & ~_EF_ZSTD != low_bits:
         raise FormatError(f"Elias-Fano header {blob[:1]!r} does not match L={low_bits}")
-    low_len, high_len = _ef_sizes(n, numel, low_bits)
-    payload = blob[1:]
+    payload: bytes | memoryview = memoryview(blob)[1:]
     if blob[0] & _EF_ZSTD:
-        payload = _unzstd(payload, (low_len + high_len,), "positions")
-    if len(payload) != low_len + high_len:
-        raise FormatError(f"positions blob is {len(payload)} bytes, want {low_len + high_len}")
-    buf = np.frombuffer(payload, np.uint8)
-    idx: _Int64Array = np.flatnonzero(
-        np.unpackbits(buf[low_len:], bitorder="little").view(np.bool_)
-    )
-    if idx.size != n:
-        raise FormatError(f"Elias-Fano high bits hold {idx.size} positions, want {n}")
-    idx -= np.arange(n)
-    if low_bits:
-        idx <<= low_bits
-        idx |= _unpack_fields(buf[:low_len], n, low_bits).view(np.int64)
-    _check_increasing(idx, numel)
-    return idx
+        payload = _unzstd(blob[1:], (sum(ef.sizes(n, numel, low_bits)),), "positions")
+    return ef.decode(payload, n, numel)
 
 
 def _baseline_positions(encoding: str, blob: bytes, n: int, numel: int) -> _Int64Array:

@@ -15,7 +15,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncsync import codec
+from asyncsync import codec, ef, native
 from asyncsync.checksum import DEFAULT_ALGORITHM
 from asyncsync.codec import (
     DEFAULT_ENCODING,
@@ -33,6 +33,7 @@ from asyncsync.codec import (
 from asyncsync.errors import ConfigError, FormatError
 from asyncsync.shards import BucketItem, encode_bucket
 from tests.conftest import ALL_DTYPES, mixed_state, mutate
+from tests.test_ef import reference_payload
 
 DTYPES = ALL_DTYPES
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -343,7 +344,7 @@ def test_changed_positions_matches_per_tensor_reference(monkeypatch: pytest.Monk
         return real_flatnonzero(*args, **kwargs)
 
     got_native = changed_positions(olds, news)  # CPU: the C kernel when built
-    monkeypatch.setattr(codec, "_native", None)
+    monkeypatch.setattr(native, "kernels", None)
     monkeypatch.setattr(torch, "nonzero", counting_nonzero)
     monkeypatch.setattr(np, "flatnonzero", counting_flatnonzero)
     got = changed_positions(olds, news)  # CPU without the kernel: the NumPy path
@@ -379,11 +380,11 @@ needs_native = pytest.mark.skipif(
 
 @pytest.fixture(params=["native", "numpy"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test on the C kernel and again on the NumPy fallback (``_native`` set to None)."""
+    """Run a test on the C kernel and again on the NumPy fallback (``kernels`` set to None)."""
     if request.param == "native" and not codec.NATIVE:
         pytest.skip("asyncsync._native is not built (or ASYNCSYNC_NATIVE=0)")
     if request.param == "numpy":
-        monkeypatch.setattr(codec, "_native", None)
+        monkeypatch.setattr(native, "kernels", None)
     return str(request.param)
 
 
@@ -391,7 +392,7 @@ def _native_and_numpy(fn: Callable[[], Any]) -> list[Any]:
     """``fn()`` on the native path (when built), then on the fallback."""
     out = [fn()] if codec.NATIVE else []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(codec, "_native", None)
+        mp.setattr(native, "kernels", None)
         out.append(fn())
     return out
 
@@ -405,21 +406,21 @@ def _check_change(change: codec.Change, old: torch.Tensor, new: torch.Tensor) ->
 
 
 def test_native_loader_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert (codec._native is not None) == codec.NATIVE
+    assert (native.kernels is not None) == codec.NATIVE
     monkeypatch.setenv("ASYNCSYNC_NATIVE", "0")
-    assert codec._load_native() is None
+    assert native.load() is None
     monkeypatch.setenv("ASYNCSYNC_NATIVE", "1")
     try:
         built = importlib.import_module("asyncsync._native") is not None
     except ImportError:
         built = False
-    assert (codec._load_native() is not None) == built
+    assert (native.load() is not None) == built
 
     def missing(name: str) -> None:
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.setattr(importlib, "import_module", missing)  # as when the build failed
-    assert codec._load_native() is None
+    assert native.load() is None
 
 
 def test_diff_tensors_matches_reference(kernel: str) -> None:
@@ -468,14 +469,14 @@ def test_diff_tensors_capacity_grows_and_resumes(
     new[n // 2 :: 2] = 2
     new[-1] = 3
     calls: list[int] = []
-    real = codec._native.diff_extract
+    real = native.kernels.diff_extract
 
     def counting(*args: Any) -> Any:
         calls.append(len(args[4]))
         return real(*args)
 
-    monkeypatch.setattr(codec, "_initial_capacity", lambda numel: min(numel, initial))
-    monkeypatch.setattr(codec._native, "diff_extract", counting)
+    monkeypatch.setattr(native, "_initial_capacity", lambda numel: min(numel, initial))
+    monkeypatch.setattr(native.kernels, "diff_extract", counting)
     [change] = codec.diff_tensors([old], [new])
     _check_change(change, old, new)
     assert len(calls) >= 3 and calls[0] == initial
@@ -569,9 +570,7 @@ def test_encode_bucket_same_bytes_native_and_numpy() -> None:
     results = _native_and_numpy(run)
     for got in results[1:]:
         assert got.items == results[0].items and got.raw_bytes == results[0].raw_bytes
-        assert got.delta_tensors.keys() == results[0].delta_tensors.keys()
-        for k, t in got.delta_tensors.items():
-            assert torch.equal(t, results[0].delta_tensors[k])
+        assert got.delta_blobs == results[0].delta_blobs
         for a, b in zip(got.pending, results[0].pending, strict=True):
             assert a.name == b.name and torch.equal(a.values, b.values)
             assert (a.positions is None) == (b.positions is None)
@@ -660,13 +659,23 @@ def test_positions_out_of_range_or_not_increasing() -> None:
         dec("deltas", np.array([0, 2**64 - 1, 3], "<u8").tobytes())  # uint64 wrap
     with pytest.raises(FormatError):
         dec("deltas", np.array([2**64 - 1, 0, 0], "<u8").tobytes())
-    for idx in ([1, 1, 2], [3, 2, 9]):
-        blob, _ = codec._ef_encode(np.array(idx, dtype=np.int64), 100)
-        with pytest.raises(FormatError):
+    for idx in ([1, 1, 2], [3, 2, 9]):  # the encoder refuses these: write the bits by hand
+        blob = bytes([ef.low_bits(3, 100)]) + reference_payload(idx, 100)
+        with pytest.raises(FormatError, match="not strictly increasing"):
             decode_delta("xef", "sparse", blob, b"", changed=3, numel=100, dtype=torch.int16)
     blob, _ = codec._ef_encode(np.array([1, 2, 99], dtype=np.int64), 100)
-    with pytest.raises(FormatError):  # right sizes, but 99 >= 90 is out of range
+    with pytest.raises(FormatError, match="header"):  # L is 4 for numel 90, not 5
         codec._ef_decode(blob, 3, 90)
+    blob = bytes([ef.low_bits(3, 90)]) + reference_payload([1, 2, 99], 90)
+    with pytest.raises(FormatError, match="not strictly increasing"):  # 99 >= 90
+        codec._ef_decode(blob, 3, 90)
+    with pytest.raises(ConfigError, match=r"positions\[1\] = 1: .*strictly increasing"):
+        encode_delta(
+            torch.zeros(100, dtype=torch.int16),
+            torch.ones(100, dtype=torch.int16),
+            torch.tensor([1, 1, 2]),
+            "xef",
+        )
 
 
 def test_hostile_zstd_frames() -> None:

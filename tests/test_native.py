@@ -3,8 +3,9 @@
 ``diff_extract`` (positions, new values and XORs of the differing elements, resumable) and
 ``xor_patch``/``set_patch`` (save old values, then patch; bounds-checked before any write), for
 every element width, densities from 0 to 100 %, lengths whose tail is not a whole 8-byte word,
-unaligned buffers, tiny capacities, and bad arguments. The codec-level equivalence of the
-native and NumPy paths is in test_codec.py.
+unaligned buffers, tiny capacities, and bad arguments; ``ef_encode``/``ef_decode`` for any L
+against the spec's reference, with bad arguments and sizes that would overflow. The codec-level
+equivalence of the native and NumPy paths is in test_codec.py and test_ef.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.test_ef import reference_payload
 
 try:
     native: Any = importlib.import_module("asyncsync._native")
@@ -278,3 +281,173 @@ def test_patch_rejects_bad_arguments() -> None:
     with pytest.raises(TypeError, match="buffer protocol"):
         native.set_patch(flat, 2, [1, 2], vals, None)
     assert flat.tolist() == [0, 5, 6, 0, 0, 0, 0, 0]
+
+
+# ------------------------------------------------------------------------ Elias-Fano kernels
+
+
+def _ef_roundtrip(idx: np.ndarray, numel: int, low_bits: int, offset: int = 0) -> bytes:
+    payload = native.ef_encode(_unaligned(idx, offset), numel, low_bits)
+    assert isinstance(payload, bytes)
+    assert payload == reference_payload(idx.tolist(), numel, low_bits)
+    out = _unaligned(np.full(idx.size, -7, np.int64), offset)
+    src = memoryview(bytes(offset) + payload)[offset:]
+    assert native.ef_decode(src, idx.size, numel, low_bits, out) is None
+    assert np.array_equal(out, idx)
+    return payload
+
+
+@pytest.mark.parametrize("low_bits", [0, 1, 3, 7, 8, 9, 31, 32, 33, 56, 57, 58, 63])
+def test_ef_any_low_bits_matches_reference(low_bits: int) -> None:
+    """Any L in [0, 63], not only the rule's: the field packing across 64-bit word edges."""
+    rng = np.random.default_rng(low_bits)
+    for numel in (1, 9, 1000, 2**40, 2**63 - 1):
+        if numel >> low_bits > 2**20:
+            continue  # a high part of millions of bits: the reference would be slow
+        for n in (1, 2, 7, 8, 9, 65, 200):
+            if n <= numel:
+                idx = np.unique(rng.integers(0, numel, n, dtype=np.int64))
+                for offset in (0, 3):
+                    _ef_roundtrip(idx, numel, low_bits, offset)
+
+
+def test_ef_empty_and_full() -> None:
+    assert native.ef_encode(np.zeros(0, np.int64), 0, 0) == b"\x00"  # one high bit, zero
+    assert native.ef_encode(b"", 17, 2) == bytes(1)  # 0 + (17 >> 2) + 1 = 5 bits
+    native.ef_decode(b"\x00", 0, 0, 0, bytearray())
+    _ef_roundtrip(np.arange(100, dtype=np.int64), 100, 0)
+
+
+@pytest.mark.parametrize("where", [0, 1, 4])
+@pytest.mark.parametrize("kind", ["negative", "repeat", "decrease", "numel"])
+def test_ef_encode_names_the_first_bad_position(where: int, kind: str) -> None:
+    idx = np.array([10, 20, 30, 40, 50], dtype=np.int64)
+    bad = {"negative": -5, "repeat": idx[where - 1] if where else -1, "numel": 64}.get(kind, 1)
+    idx[where] = bad
+    if kind == "decrease" and where == 0:
+        idx[1] = 0  # 10 > 0: the first bad one is index 1
+    at = 1 if kind == "decrease" and where == 0 else where
+    with pytest.raises(ValueError, match=rf"positions\[{at}\] = {idx[at]}: .*\[0, 64\)"):
+        native.ef_encode(idx, 64, 3)
+
+
+def test_ef_encode_rejects_bad_arguments() -> None:
+    idx = np.array([1, 5], np.int64)
+    with pytest.raises(ValueError, match="low_bits"):
+        native.ef_encode(idx, 10, 64)
+    with pytest.raises(ValueError, match="low_bits"):
+        native.ef_encode(idx, 10, -1)
+    with pytest.raises(ValueError, match="numel"):
+        native.ef_encode(idx, -1, 0)
+    with pytest.raises(ValueError, match="int64"):
+        native.ef_encode(np.zeros(3, np.int32)[:1].tobytes() + b"x", 10, 0)
+    with pytest.raises(TypeError, match="buffer protocol"):
+        native.ef_encode([1, 5], 10, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.ef_encode(np.arange(10, dtype=np.int64)[::2], 10, 0)
+    with pytest.raises(OverflowError):
+        native.ef_encode(idx, 2**63, 0)
+
+
+def test_ef_decode_rejects_bad_arguments() -> None:
+    idx = np.array([1, 5, 9], np.int64)
+    payload = native.ef_encode(idx, 10, 1)
+    out = np.zeros(3, np.int64)
+    native.ef_decode(payload, 3, 10, 1, out)
+    assert out.tolist() == [1, 5, 9]
+    with pytest.raises(ValueError, match=f"positions blob is {len(payload) - 1} bytes, want"):
+        native.ef_decode(payload[:-1], 3, 10, 1, out)
+    with pytest.raises(ValueError, match="out_positions is 16 bytes, want 3 int64"):
+        native.ef_decode(payload, 3, 10, 1, np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="out_positions is 25 bytes"):
+        native.ef_decode(payload, 3, 10, 1, bytearray(25))
+    with pytest.raises(TypeError, match="out_positions must be a writable"):
+        native.ef_decode(payload, 3, 10, 1, bytes(24))
+    with pytest.raises(ValueError, match="low_bits"):
+        native.ef_decode(payload, 3, 10, 99, out)
+    with pytest.raises(ValueError, match=">= 0"):
+        native.ef_decode(payload, -3, 10, 1, out)
+    # sizes that do not fit in memory: refused before anything is allocated or read
+    with pytest.raises(OverflowError):
+        native.ef_decode(payload, 2**62, 2**62, 63, out)
+    with pytest.raises(ValueError, match="bytes, want"):
+        native.ef_decode(payload, 2**62, 2**62, 0, out)
+    with pytest.raises(ValueError, match="bytes, want"):
+        native.ef_decode(payload, 3, 2**63 - 1, 0, out)
+    assert out.tolist() == [1, 5, 9]
+
+
+def test_ef_decode_errors() -> None:
+    idx = [3, 17, 18, 60, 61, 62, 95]  # L = 3: 21 low bits, 20 high bits
+    good = reference_payload(idx, 100, 3)
+    out = np.zeros(7, np.int64)
+
+    def dec(payload: bytes) -> None:
+        native.ef_decode(payload, 7, 100, 3, out)
+
+    dec(good)
+    assert out.tolist() == idx
+    for byte, bit, msg in (
+        (2, 5, "low part has bits set past its 21 bits"),
+        (5, 4, "high part has bits set past its 20 bits"),
+        (3, 0, "high bits hold 6 positions, want 7"),
+        (3, 1, "high bits hold 8 positions, want 7"),
+    ):
+        bad = bytearray(good)
+        bad[byte] ^= 1 << bit
+        with pytest.raises(ValueError, match=msg):
+            dec(bytes(bad))
+    for wrong in (
+        [3, 3, 18, 60, 61, 62, 95],
+        [3, 17, 18, 61, 60, 62, 95],
+        [3, 17, 18, 60, 61, 62, 101],
+    ):
+        with pytest.raises(ValueError, match=r"not strictly increasing within \[0, 100\)"):
+            dec(reference_payload(wrong, 100, 3))
+
+
+@_examples(400)
+@given(
+    n=st.integers(0, 80),
+    numel=st.one_of(st.integers(0, 400), st.integers(0, 2**63 - 1)),
+    low_bits=st.integers(0, 63),
+    data=st.data(),
+)
+def test_ef_decode_any_bytes_never_crashes(
+    n: int, numel: int, low_bits: int, data: st.DataObject
+) -> None:
+    """Random bytes (mostly of the expected size) and arguments: positions that re-encode to
+    the same bytes, or ValueError/OverflowError; never a crash or a write outside ``out``."""
+    size = -(-n * low_bits // 8) + -(-(n + (numel >> low_bits) + 1) // 8)
+    exact = size <= 64 and data.draw(st.integers(0, 3), label="exact") > 0
+    payload = data.draw(
+        st.binary(min_size=size, max_size=size) if exact else st.binary(max_size=64)
+    )
+    out = np.zeros(n + 2, np.int64)
+    try:
+        native.ef_decode(payload, n, numel, low_bits, out[1 : n + 1])
+    except (ValueError, OverflowError):
+        return
+    assert out[0] == 0 and out[-1] == 0
+    assert native.ef_encode(out[1 : n + 1], numel, low_bits) == payload
+
+
+def test_ef_runs_alongside_other_threads() -> None:
+    rng = np.random.default_rng(4)
+    numel = 4_000_000
+    idx = np.flatnonzero(rng.random(numel) < 0.03).astype(np.int64)
+    want = native.ef_encode(idx, numel, 5)
+    results: list[bool] = []
+
+    def work() -> None:
+        payload = native.ef_encode(idx, numel, 5)
+        out = np.empty(idx.size, np.int64)
+        native.ef_decode(payload, idx.size, numel, 5, out)
+        results.append(payload == want and bool(np.array_equal(out, idx)))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4

@@ -1,0 +1,326 @@
+"""Tests of asyncsync.ef (Elias-Fano payloads) on the C kernel and on the NumPy fallback.
+
+Both paths are checked against a bit-by-bit reference written from docs/FORMAT.md section 4.2,
+against each other (byte-identical payloads; the same FormatError message for every damaged
+payload), for every L from 0 to 61, n == numel, clustered and random positions, and universes
+up to 2**62. The kernels' own argument handling is in test_native.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncsync import codec, ef, native
+from asyncsync.errors import ConfigError, FormatError
+
+ORDER = "not strictly increasing"
+
+
+def _examples(n: int) -> settings:
+    return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def reference_payload(idx: Sequence[int], numel: int, low_bits: int | None = None) -> bytes:
+    """The EF payload of ``idx`` straight from the spec, with no checks (bad inputs welcome)."""
+    n = len(idx)
+    bits = (numel // n).bit_length() - 1 if low_bits is None else low_bits
+    low = high = 0
+    for k, p in enumerate(idx):
+        low |= (p & ((1 << bits) - 1)) << (k * bits)
+        high |= 1 << ((p >> bits) + k)
+    high_bits = n + (numel >> bits) + 1
+    return low.to_bytes(-(-n * bits // 8), "little") + high.to_bytes(-(-high_bits // 8), "little")
+
+
+def _reference_decode(payload: bytes, n: int, numel: int) -> list[int]:
+    bits = ef.low_bits(n, numel)
+    low_len = -(-n * bits // 8)
+    low, high = int.from_bytes(payload[:low_len], "little"), payload[low_len:]
+    ones = [i for i in range(len(high) * 8) if high[i // 8] >> (i % 8) & 1]
+    return [(p - k) << bits | (low >> (k * bits)) & ((1 << bits) - 1) for k, p in enumerate(ones)]
+
+
+@pytest.fixture(params=["native", "numpy"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on the C kernel and again on the NumPy fallback."""
+    if request.param == "native" and native.kernels is None:
+        pytest.skip("asyncsync._native is not built (or ASYNCSYNC_NATIVE=0)")
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "kernels", None)
+    return str(request.param)
+
+
+def _both(fn: Callable[[], Any]) -> list[Any]:
+    """``fn()`` on each available path: its result, or the (type, message) of what it raised."""
+    out = []
+    kernels = [native.kernels, None] if native.kernels is not None else [None]
+    for k in kernels:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native, "kernels", k)
+            try:
+                got = fn()
+                out.append(got.tolist() if isinstance(got, np.ndarray) else got)
+            except (ConfigError, FormatError) as exc:
+                out.append((type(exc).__name__, str(exc)))
+    return out
+
+
+def _check(idx: np.ndarray, numel: int, reference: bool = True) -> bytes:
+    payload, bits = ef.encode(idx, numel)
+    assert (
+        bits == ef.low_bits(idx.size, numel) == max(b for b in range(63) if idx.size << b <= numel)
+    )
+    assert len(payload) == sum(ef.sizes(idx.size, numel, bits))
+    if reference:
+        assert payload == reference_payload(idx.tolist(), numel)
+    got = ef.decode(payload, idx.size, numel)
+    assert got.dtype == np.int64 and got.flags.writeable and np.array_equal(got, idx)
+    return payload
+
+
+def _random(rng: np.random.Generator, n: int, numel: int) -> np.ndarray:
+    """``n`` sorted distinct positions (about ``n`` when both are large: a full shuffle is slow)."""
+    if numel > 10**5 and 10 * n > numel:
+        return np.flatnonzero(rng.random(numel) < n / numel).astype(np.int64)
+    return np.sort(rng.choice(numel, size=n, replace=False)).astype(np.int64)
+
+
+def _clustered(rng: np.random.Generator, n: int, numel: int) -> np.ndarray:
+    """Runs of about 50 consecutive positions at random places (rows of a weight that moved)."""
+    runs = max(1, n // 50)
+    lengths = np.diff(np.linspace(0, n, runs + 1).astype(np.int64))
+    free = np.sort(rng.choice(numel - n, size=runs, replace=False))  # unchanged ones before each
+    starts = free + np.cumsum(lengths) - lengths
+    return np.concatenate([s + np.arange(k) for s, k in zip(starts, lengths, strict=True)])
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000])
+def test_roundtrip_every_low_bits(path: str, n: int) -> None:
+    rng = np.random.default_rng(n)
+    for bits in range(0, 42):
+        for numel in {n << bits, (n << bits) + n - 1, ((n << bits) * 3) // 2}:
+            if numel.bit_length() > 62:
+                continue
+            idx = (
+                _random(rng, n, numel)
+                if numel < 10**6
+                else np.unique(rng.integers(0, numel, n, dtype=np.int64))
+            )
+            if idx.size == n:
+                _check(idx, numel)
+        assert ef.low_bits(n, n << bits) == bits
+
+
+@pytest.mark.parametrize("numel", [1, 2, 7, 8, 9, 64, 1001, 2**20 + 3])
+def test_every_position_changed(path: str, numel: int) -> None:
+    """n == numel: L = 0, the high part is all ones but the last bit."""
+    idx = np.arange(numel, dtype=np.int64)
+    payload = _check(idx, numel, reference=numel < 10**4)
+    assert ef.low_bits(numel, numel) == 0 and len(payload) == -(-(2 * numel + 1) // 8)
+
+
+@pytest.mark.parametrize("density", [1e-6, 1e-3, 0.03, 0.3, 0.8, 1.0])
+@pytest.mark.parametrize("shape", ["random", "clustered", "edges"])
+def test_roundtrip_millions(path: str, density: float, shape: str) -> None:
+    numel = 3_000_017
+    rng = np.random.default_rng(int(density * 1e6))
+    n = max(1, int(numel * density))
+    if shape == "random":
+        idx = _random(rng, n, numel)
+    elif shape == "clustered":
+        idx = _clustered(rng, n, numel) if n < numel else np.arange(numel, dtype=np.int64)
+    else:  # the first and the last positions always in
+        idx = _random(rng, n, numel)
+        idx = np.r_[0, idx[(idx > 0) & (idx < numel - 1)], numel - 1].astype(np.int64)
+    _check(idx, numel, reference=False)
+
+
+def test_native_and_numpy_payloads_identical_at_scale() -> None:
+    rng = np.random.default_rng(5)
+    numel = 32_500_000 // 8
+    for n in (1, 40_000, 121_875, 2_000_000):
+        idx = _random(rng, n, numel)
+        encoded = _both(lambda idx=idx: ef.encode(idx, numel))
+        assert all(e == encoded[0] for e in encoded)
+        payload = encoded[0][0]
+        decoded = _both(lambda p=payload, k=idx.size: ef.decode(p, k, numel))
+        assert all(d == idx.tolist() for d in decoded)
+
+
+def test_huge_universes(path: str) -> None:
+    for numel in (2**31, 2**33 + 1, 2**62 - 1, 2**62):
+        for idx in ([0], [numel - 1], [0, 1, numel - 2, numel - 1], [3, numel // 2 + 5, numel - 1]):
+            _check(np.array(idx, dtype=np.int64), numel)
+
+
+def test_encode_accepts_a_strided_view(path: str) -> None:
+    idx = np.arange(0, 4000, 3, dtype=np.int64)
+    _check(idx[::2], 4000)
+    _check(np.arange(10, dtype=np.int64)[2:], 10)
+
+
+@_examples(300)
+@given(
+    numel=st.integers(1, 2**62),
+    data=st.data(),
+)
+def test_property_roundtrip_identical_on_both_paths(numel: int, data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, min(numel, 200)), label="n")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    rng = np.random.default_rng(seed)
+    if data.draw(st.booleans(), label="clustered") and numel > n:
+        start = int(rng.integers(0, numel - n + 1))
+        idx = np.arange(start, start + n, dtype=np.int64)
+    elif numel <= 10 * n:
+        idx = _random(rng, n, numel)
+    else:
+        idx = np.unique(rng.integers(0, numel, size=n, dtype=np.int64))
+    want = reference_payload(idx.tolist(), numel)
+    for payload, bits in _both(lambda: ef.encode(idx, numel)):
+        assert payload == want and bits == ef.low_bits(idx.size, numel)
+    assert _both(lambda: ef.decode(want, idx.size, numel)) in ([idx.tolist()] * 2, [idx.tolist()])
+
+
+# -------------------------------------------------------------------------- bad positions
+
+
+@pytest.mark.parametrize(
+    ("idx", "at"),
+    [([-1, 2, 3], 0), ([1, 1, 2], 1), ([5, 3, 9], 1), ([1, 2, 100], 2), ([0, 2**40], 1)],
+)
+def test_encode_names_the_first_bad_position(path: str, idx: list[int], at: int) -> None:
+    with pytest.raises(ConfigError, match=rf"positions\[{at}\] = {idx[at]}: .*\[0, 100\)"):
+        ef.encode(np.array(idx, dtype=np.int64), 100)
+
+
+def test_encode_rejects_bad_arrays(path: str) -> None:
+    with pytest.raises(ConfigError, match="1 <= n <= numel"):
+        ef.encode(np.zeros(0, np.int64), 10)
+    with pytest.raises(ConfigError, match="1 <= n <= numel"):
+        ef.encode(np.arange(4, dtype=np.int64), 3)
+    with pytest.raises(ConfigError, match="int64"):
+        ef.encode(np.arange(4, dtype=np.int32), 10)
+    with pytest.raises(ConfigError, match="1-D"):
+        ef.encode(np.arange(4, dtype=np.int64).reshape(2, 2), 10)
+
+
+# ------------------------------------------------------------------------ hostile payloads
+
+
+def _decode_errors(payload: bytes, n: int, numel: int) -> list[Any]:
+    got = _both(lambda: ef.decode(payload, n, numel))
+    assert all(g == got[0] for g in got), got  # the same outcome, message included
+    return got
+
+
+def _refused(payload: bytes, n: int, numel: int, match: str) -> None:
+    got = _decode_errors(payload, n, numel)
+    assert got[0][0] == "FormatError" and match in got[0][1], got
+
+
+def test_wrong_sizes_are_refused() -> None:
+    idx = [1, 5, 40, 41, 99]
+    good = reference_payload(idx, 100)
+    assert _decode_errors(good, 5, 100)[0] == idx
+    for bad in (b"", good[:-1], good + b"\0", good[1:], bytes(len(good) + 8)):
+        _refused(bad, 5, 100, "bytes, want")
+    _refused(good, 9, 100, "bytes, want")  # n and numel decide the size
+    _refused(good, 5, 50, "bytes, want")
+    for n, numel in ((0, 100), (101, 100), (-1, 100), (1, 0)):
+        _refused(good, n, numel, "impossible")
+
+
+def test_set_bit_count_must_be_n() -> None:
+    idx = [3, 17, 18, 60, 61, 62, 95]  # L = 3, high part: 7 + 12 + 1 = 20 bits, 3 bytes
+    good = bytearray(reference_payload(idx, 100))
+    low_len = ef.sizes(7, 100, 3)[0]
+    assert len(good) == low_len + 3
+    for bit in range(20):
+        bad = bytearray(good)
+        bad[low_len + bit // 8] ^= 1 << (bit % 8)
+        got = _decode_errors(bytes(bad), 7, 100)[0]
+        ones = 7 + (1 if bad[low_len + bit // 8] >> (bit % 8) & 1 else -1)
+        assert got == ("FormatError", f"Elias-Fano high bits hold {ones} positions, want 7")
+    _refused(bytes(low_len) + b"\0\0\0", 7, 100, "hold 0 positions, want 7")
+    _refused(bytes(low_len) + b"\xff\xff\x0f", 7, 100, "hold 20 positions, want 7")
+
+
+def test_bits_past_the_end_are_refused() -> None:
+    idx = [3, 17, 18, 60, 61, 62, 95]  # 21 low bits (3 bytes), 20 high bits (3 bytes)
+    good = reference_payload(idx, 100)
+    for byte, bit, what in ((2, 5, "low part"), (2, 7, "low part"), (5, 4, "high part")):
+        bad = bytearray(good)
+        bad[byte] |= 1 << bit
+        _refused(bytes(bad), 7, 100, f"Elias-Fano {what} has bits set past its")
+    # a trailing high bit that stands in for a missing one: caught as trailing, not counted
+    bad = bytearray(good)
+    bad[5] = (bad[5] & 0x07) | 0x10
+    bad[3] &= 0xFE
+    _refused(bytes(bad), 7, 100, "high part has bits set past its 20 bits")
+
+
+@pytest.mark.parametrize(
+    ("idx", "numel"),
+    [
+        ([1, 1, 2], 100),  # repeated
+        ([3, 2, 9], 100),  # decreasing low parts within one high bucket
+        ([33, 34, 40, 35], 100),  # decreasing within a later high bucket
+        ([1, 2, 99], 90),  # high part past numel >> L
+        ([1, 2, 95], 90),  # high part == numel >> L, low part makes it >= numel
+        ([0, 2**62 + 5], 2**62),  # the largest universe: no overflow on the way
+        ([0, 3 << 61], 2**62),  # high part past numel >> L, where the shift would overflow
+    ],
+)
+def test_positions_must_increase_within_the_tensor(idx: list[int], numel: int) -> None:
+    payload = reference_payload(idx, numel)
+    _refused(payload, len(idx), numel, f"positions {ORDER} within [0, {numel})")
+    blob = bytes([ef.low_bits(len(idx), numel)]) + payload
+    with pytest.raises(FormatError, match=ORDER):
+        codec._ef_decode(blob, len(idx), numel)
+
+
+@_examples(400)
+@given(data=st.data())
+def test_damaged_payloads_same_outcome_on_both_paths(data: st.DataObject) -> None:
+    """Random bit flips, or random bytes of the right size: never a crash, and the two paths
+    agree on the positions or on the exact error."""
+    numel = data.draw(st.sampled_from([1, 5, 64, 100, 1000, 4097, 2**40, 2**62]), label="numel")
+    n = data.draw(st.integers(1, min(numel, 60)), label="n")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    idx = (
+        _random(rng, n, numel)
+        if numel < 10**6
+        else np.unique(rng.integers(0, numel, n, dtype=np.int64))
+    )
+    payload = bytearray(reference_payload(idx.tolist(), numel))
+    if data.draw(st.booleans(), label="random bytes"):
+        payload = bytearray(data.draw(st.binary(min_size=len(payload), max_size=len(payload))))
+    else:
+        for bit in data.draw(st.lists(st.integers(0, 8 * len(payload) - 1), max_size=4)):
+            payload[bit // 8] ^= 1 << (bit % 8)
+    got = _decode_errors(bytes(payload), idx.size, numel)[0]
+    if isinstance(got, list):  # accepted: it must be what the spec says the bytes mean
+        assert got == _reference_decode(bytes(payload), idx.size, numel)
+        assert got == sorted(set(got)) and got[0] >= 0 and got[-1] < numel
+        assert reference_payload(got, numel) == bytes(payload)  # one payload per position set
+
+
+def test_decode_takes_any_buffer_and_returns_a_fresh_array(path: str) -> None:
+    idx = np.array([2, 3, 500, 9999], dtype=np.int64)
+    payload = _check(idx, 10_000)
+    for buf in (bytearray(payload), memoryview(payload), np.frombuffer(payload, np.uint8)):
+        got = ef.decode(buf, 4, 10_000)
+        assert np.array_equal(got, idx)
+    blob = memoryview(b"\0" + payload)[1:]  # unaligned
+    a, b = ef.decode(blob, 4, 10_000), ef.decode(blob, 4, 10_000)
+    a[0] = 7
+    assert b[0] == 2
