@@ -183,7 +183,7 @@ async def test_manifest_cache_rereads_only_a_changed_file(tmp_path: Path) -> Non
     first = cache.get(tmp_path, 0)
     assert cache.get(tmp_path, 0) is first  # unchanged file: no re-parse
     path = tmp_path / "v000000000000" / "manifest.json"
-    text = path.read_text().replace('"producer": {', '"producer": {"note": "again", ', 1)
+    text = path.read_text().replace('"producer":{', '"producer":{"note":"again",', 1)
     path.write_text(text)  # republished with other contents
     again = cache.get(tmp_path, 0)
     assert again is not first and again.producer["note"] == "again"
