@@ -348,7 +348,8 @@ def check_patch(patch: Patch, flat: torch.Tensor, name: str) -> Patch:
     pos = patch.positions.detach().reshape(-1)
     if pos.dtype != torch.int64 or pos.numel() != values.numel():
         raise ApplyFailed(f"tensor {name!r}: positions must be int64, one per value")
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= flat.numel()):
+    lo, hi = torch.aminmax(pos) if pos.numel() else (None, None)  # one pass, not two
+    if lo is not None and hi is not None and (int(lo) < 0 or int(hi) >= flat.numel()):
         raise ApplyFailed(f"tensor {name!r}: patch positions outside 0..{flat.numel() - 1}")
     return Patch(patch.op, pos.to(flat.device), values.to(flat.device))
 

@@ -52,8 +52,8 @@ async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
         async for _changes in watchfiles.awatch(
             root,
             stop_event=stop,
-            debounce=20,
-            step=10,
+            debounce=5,  # ms: a commit is seen at most this late (a version is a few events)
+            step=2,
             recursive=True,
             ignore_permission_denied=True,
             watch_filter=_version_events(root),

@@ -37,7 +37,7 @@ from asyncsync.format import (
 )
 from receiver.engines import TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
-from receiver.engines.st_layout import FileMaps, read_layout
+from receiver.engines.st_layout import FileMaps, TensorLocation, read_layout
 from receiver.engines.torch_module import TorchModule
 from receiver.state import PersistedState
 from tests.conftest import mixed_state, mutate, same_bytes
@@ -708,3 +708,34 @@ async def test_open_undoes_a_journal_in_the_earlier_one_tensor_per_patch_layout(
     assert (await ck.open()).version == 0
     assert_same(ck.load_state_dict(), sd0)
     await ck.close()
+
+
+def test_undo_journal_round_trips_every_kind_of_patch(tmp_path: Path) -> None:
+    """Elias-Fano coded positions, raw ones (not increasing), dense patches, mixed widths."""
+    g = torch.Generator().manual_seed(0)
+    flats = [
+        torch.randint(-(2**15), 2**15, (1000,), dtype=torch.int16, generator=g),
+        torch.randint(-(2**31), 2**31 - 1, (77,), dtype=torch.int32, generator=g),
+        torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g),
+        torch.randint(-(2**15), 2**15, (50,), dtype=torch.int16, generator=g),
+    ]
+    patches = [
+        Patch(
+            "xor", torch.tensor([0, 3, 999], dtype=torch.int64), torch.ones(3, dtype=torch.int16)
+        ),
+        Patch("set", torch.tensor([5, 1, 70], dtype=torch.int64), torch.ones(3, dtype=torch.int32)),
+        Patch("xor", None, torch.ones(9, dtype=torch.uint8)),
+        Patch("set", torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16)),
+    ]
+    loc = TensorLocation("x", "f", torch.int16, (1,), 0, 2)  # unused by the journal itself
+    work = [(f"t{i}", loc, f, p) for i, (f, p) in enumerate(zip(flats, patches, strict=True))]
+    path = tmp_path / "undo.safetensors"
+    path.write_bytes(ckpt_mod._journal(work, 3))
+    got = ckpt_mod._read_journal(path)
+    assert [name for name, _, _ in got] == ["t0", "t1", "t2", "t3"]
+    for (_, pos, old), f, p in zip(got, flats, patches, strict=True):
+        if p.positions is None:
+            assert pos is None and torch.equal(old.view(f.dtype), f)
+        else:
+            assert pos is not None and torch.equal(pos, p.positions)
+            assert torch.equal(old.view(f.dtype), f[p.positions])
