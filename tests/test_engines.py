@@ -35,7 +35,7 @@ from asyncsync.format import (
     Totals,
     fingerprint,
 )
-from receiver.engines import TensorUpdate
+from receiver.engines import TensorUpdate, journal
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from receiver.engines.st_layout import FileMaps, TensorLocation, read_layout
 from receiver.engines.torch_module import TorchModule
@@ -730,8 +730,8 @@ def test_undo_journal_round_trips_every_kind_of_patch(tmp_path: Path) -> None:
     loc = TensorLocation("x", "f", torch.int16, (1,), 0, 2)  # unused by the journal itself
     work = [(f"t{i}", loc, f, p) for i, (f, p) in enumerate(zip(flats, patches, strict=True))]
     path = tmp_path / "undo.safetensors"
-    path.write_bytes(ckpt_mod._journal(work, 3))
-    got = ckpt_mod._read_journal(path)
+    path.write_bytes(journal.encode(work, 3))
+    got = journal.read(path)
     assert [name for name, _, _ in got] == ["t0", "t1", "t2", "t3"]
     for (_, pos, old), f, p in zip(got, flats, patches, strict=True):
         if p.positions is None:
