@@ -27,9 +27,12 @@ def test_threshold_is_set_once_and_can_be_disabled() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
-@pytest.mark.parametrize(("setting", "retained_mib"), [("1", 0), ("0", 8)])
-def test_freed_buffers_leave_rss_only_with_the_fix(setting: str, retained_mib: int) -> None:
-    """glibc's dynamic threshold keeps a freed 8 MiB buffer resident; the fixed one does not."""
+@pytest.mark.parametrize(("setting", "retained_mib"), [("1", (0, 1)), ("0", (6, 9))])
+def test_freed_buffers_leave_rss_only_with_the_fix(
+    setting: str, retained_mib: tuple[int, int]
+) -> None:
+    """glibc's dynamic threshold keeps a freed 8 MiB buffer resident; the fixed one does not.
+    (A range: the interpreter's own pages move RSS by a few hundred KiB either way.)"""
     script = """
 import numpy as np
 from asyncsync import memory
@@ -45,4 +48,5 @@ print((rss() - base) >> 20)
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env
     )
-    assert int(out.stdout.strip()) == retained_mib
+    lo, hi = retained_mib
+    assert lo <= int(out.stdout.strip()) <= hi
