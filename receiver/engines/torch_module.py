@@ -293,9 +293,11 @@ class TorchModule(Engine):
         patch = check_patch(patch, flat, name)
         if patch.positions is None:
             txn.undo.append((name, None, flat.to("cpu", copy=True)))
-        else:
-            txn.undo.append((name, patch.positions, flat[patch.positions]))
-        apply_patch(flat, patch)
+            apply_patch(flat, patch)
+            return
+        old = torch.empty(patch.positions.numel(), dtype=flat.dtype, device=flat.device)
+        apply_patch(flat, patch, old_out=old)  # one pass: save the old values, patch (C on CPU)
+        txn.undo.append((name, patch.positions, old))
 
     # -- commit / abort / bump ------------------------------------------------------------------
     def _commit(self) -> str:
