@@ -342,14 +342,18 @@ class LocalCheckpoint(Engine):
             )  # fmt: skip
             self._wipe()
             return
+        self._fsync_data_files()
+        self._ps = replace(ps, synced=True)
+        logger.info("%s: v%s verified and made durable after a restart", self.directory, ps.version)
+
+    def _fsync_data_files(self) -> None:
+        """fsync every data file: dirty pages of any version, whoever wrote them, reach disk."""
         for p in self._data_files():
             fd = os.open(p, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        self._ps = replace(ps, synced=True)
-        logger.info("%s: v%s verified and made durable after a restart", self.directory, ps.version)
 
     def _refuse_foreign(self) -> None:
         if self.index_path.exists() or any(
@@ -513,6 +517,7 @@ class LocalCheckpoint(Engine):
         """Background, after the commit: flush the data files, then record ``synced``."""
         try:
             maps.sync()
+            self._fsync_data_files()  # also pages an interrupted earlier flush left dirty
             if self._ps.version == version:  # begin and bump wait for this: nothing came between
                 self._set(replace(self._ps, synced=True))
         except BaseException as exc:
