@@ -98,7 +98,9 @@ FIELD_SPECS: dict[str, FieldSpec] = {
         "generation-1 encodings",
     ),
     "checksum": FieldSpec("choice", "checksum of shards and tensors", choices=ALGORITHMS),
-    "bucket_bytes": FieldSpec("size", "tensors per shard, in bytes (e.g. 32MiB)", minimum=1),
+    "bucket_bytes": FieldSpec(
+        "size", "tensors per bucket and most bytes per delta shard (e.g. 32MiB)", minimum=1
+    ),
     "max_in_flight": FieldSpec(
         "int", "encoded buckets waiting for the writer (bounds memory)", minimum=1
     ),
