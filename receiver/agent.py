@@ -388,6 +388,7 @@ class ReceiverAgent:
             write_ack, self.root, self.engine_id, m.version, m.fingerprint, m.run_id
         )
         self._acked = (m.run_id, m.version)
+        await self.engine.acknowledged()
 
     async def _apply_version(self, m: Manifest, mode: Mode) -> None:
         t0 = time.perf_counter()

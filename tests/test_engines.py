@@ -3,6 +3,7 @@ what does not fit, roll back on checksum mismatch or abort, and recover after a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -608,8 +609,10 @@ async def test_a_delta_is_made_durable_after_or_before_the_commit(
     ck.sync_before_ack = before
     gate = threading.Event()
     synced = FileMaps.sync
+    calls: list[int] = []
 
     def slow_sync(self: FileMaps) -> None:  # hold the flush until the test has looked
+        calls.append(1)
         gate.wait(10)
         synced(self)
 
@@ -622,8 +625,12 @@ async def test_a_delta_is_made_durable_after_or_before_the_commit(
     assert ck.state.version == 1 and verify_checkpoint(tmp_path, m1) == []
     st = _state(tmp_path)
     assert (st["status"], st["version"], st.get("synced", True)) == ("clean", 1, before)
+    await asyncio.sleep(0.05)
+    assert len(calls) == int(before)  # deferred: nothing flushes before the ack
+    await ck.acknowledged()  # the agent calls this once the ack is written
     gate.set()
     await ck.flushed()
+    assert len(calls) == 1
     assert _state(tmp_path).get("synced", True) is True
     # the next delta starts only after the flush, and ends the same way
     sd2 = mutate(sd1, 0.05, seed=2)

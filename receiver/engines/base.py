@@ -86,5 +86,9 @@ class Engine(abc.ABC):
     async def bump(self, manifest: Manifest) -> None:
         """Take a zero-diff version: no data changes, only the version number."""
 
+    async def acknowledged(self) -> None:  # noqa: B027 - optional hook
+        """The agent has acknowledged the version just committed: the place for deferred work
+        that should not delay the ack (LocalCheckpoint flushes its pages to disk here)."""
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} version={self.state.version}>"

@@ -21,14 +21,15 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   as often as needed, and the checkpoint is back at the old version bit for bit.
 * durability after the ack (default): a delta commits once every touched tensor's bytes match
   the manifest's checksums *in the page cache*; ``state.json`` then says ``clean`` at the new
-  version with ``synced: false`` and the receiver acknowledges it, while ``msync``/``fsync`` of
-  the data files run in the background (the next ``begin`` waits for them), then ``synced``
-  becomes true. The flush is the largest single cost of an apply (a 3 % delta dirties every
-  page of a bf16 tensor), so this takes it off the version's latency. A process crash loses
-  nothing (the page cache survives it); if the machine itself fails before the flush,
-  ``open`` finds ``synced: false``, re-checks every tensor against the recorded checksums and,
-  if any differs, removes the data files so the receiver re-initialises from the newest
-  keyframe. ``sync_before_ack=True`` flushes before the commit instead.
+  version with ``synced: false`` and the receiver acknowledges it; then (``acknowledged``)
+  ``msync``/``fsync`` of the data files run in the background (the next ``begin`` waits for
+  them), and ``synced`` becomes true. The flush is the largest single cost of an apply (a 3 %
+  delta dirties every page of a bf16 tensor), so this takes it off the version's latency. A
+  process crash loses nothing (the page cache survives it); if the machine itself fails
+  before the flush, ``open`` finds ``synced: false``, re-checks every tensor against the
+  recorded checksums and, if any differs, removes the data files so the receiver
+  re-initialises from the newest keyframe. ``sync_before_ack=True`` flushes before the
+  commit instead.
 * full: new files are written to ``.asyncsync/staging/`` and verified; only then is the state
   marked ``applying`` and the files moved into place. A crash in that window leaves old and
   new files mixed, so ``open`` removes the data files and reports no version: the receiver
@@ -133,6 +134,7 @@ class LocalCheckpoint(Engine):
         self._mutex = threading.Lock()
         self.sync_before_ack = sync_before_ack
         self._flushing: asyncio.Future[None] | None = None  # the last delta's background sync
+        self._unflushed: tuple[FileMaps, int] | None = None  # committed, flush not yet started
         self.state = EngineState()
 
     def __repr__(self) -> str:
@@ -153,7 +155,9 @@ class LocalCheckpoint(Engine):
         await self._run(self._begin, manifest, mode)
 
     async def flushed(self) -> None:
-        """Wait until the last committed delta is durable (a no-op with sync_before_ack)."""
+        """Wait until the last committed delta is durable (a no-op with sync_before_ack);
+        start its flush first if nobody called :meth:`acknowledged`."""
+        await self.acknowledged()
         pending, self._flushing = self._flushing, None
         if pending is not None:
             with contextlib.suppress(AsyncSyncError):  # logged; the engine is marked broken
@@ -172,10 +176,17 @@ class LocalCheckpoint(Engine):
             return await self._run(self._commit_full, txn)
         fingerprint = await self._run(self._commit_delta, txn)
         if not self.sync_before_ack:
-            maps, version = txn.maps, txn.manifest.version
-            assert maps is not None
-            self._flushing = asyncio.ensure_future(self._run(self._make_durable, maps, version))
+            assert txn.maps is not None
+            self._unflushed = (txn.maps, txn.manifest.version)
         return fingerprint
+
+    async def acknowledged(self) -> None:
+        """Start flushing the delta just committed (in the background): after the ack, so the
+        ack's own small write is not queued behind the flush on the same disk."""
+        if self._unflushed is not None and self._flushing is None:
+            maps, version = self._unflushed
+            self._unflushed = None
+            self._flushing = asyncio.ensure_future(self._run(self._make_durable, maps, version))
 
     async def abort(self) -> None:
         await self._run(self._abort)

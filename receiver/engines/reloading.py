@@ -230,6 +230,9 @@ class ReloadingEngine(Engine, abc.ABC):
         if txn is not None and not txn.reload_only and not txn.local_committed:
             await self.checkpoint.abort()
 
+    async def acknowledged(self) -> None:
+        await self.checkpoint.acknowledged()
+
     async def bump(self, manifest: Manifest) -> None:
         if self._txn is not None:
             raise ApplyFailed(f"{self.kind}: bump while v{self._txn.manifest.version} is open")
