@@ -39,7 +39,7 @@ __all__ = [
     "verified",
 ]
 
-APPLY_GROUP_BYTES = 2 << 20  # decoded bytes (positions + values) handed to the engine at once
+APPLY_GROUP_BYTES = 1 << 20  # decoded bytes (positions + values) handed to the engine at once
 
 Piece = tuple[TensorEntry, TensorPart | None, Any]  # entry, its part (None: whole), its ref
 

@@ -366,7 +366,7 @@ def test_apply_groups_cover_a_shard_in_order_within_the_limit(tmp_path: Path) ->
     for g in groups:
         size = sum(e.changed * (8 + e.torch_dtype.itemsize) for e, _, _ in g)
         assert size <= 2000 or len(g) == 1
-    assert shard_reader.apply_groups(m, "delta", idx) == [pieces]  # default limit: 2 MiB
+    assert shard_reader.apply_groups(m, "delta", idx) == [pieces]  # default limit: 1 MiB
     assert shard_reader.apply_groups(read_manifest(tmp_path, 0), "full", 0) != []
 
 
