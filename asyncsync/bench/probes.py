@@ -27,8 +27,9 @@ import torch
 from asyncsync import codec, fsio
 from asyncsync.checksum import checksum_bytes, checksum_tensor
 from asyncsync.publisher import Publisher
-from asyncsync.shards import delta_shard_blob, parse_shard
+from asyncsync.shards import delta_shard_blob
 from asyncsync.store import read_manifest
+from receiver import shard_reader
 from receiver.agent import ReceiverAgent
 from receiver.engines.st_layout import read_layout
 
@@ -173,8 +174,9 @@ def publish_components(
 
 
 def receive_components(root: Path, version: int) -> dict[str, float]:
-    """Seconds of the receiver's pure work on one delta version: verify and decode its shards,
-    and checksum every tensor it touches (what the engine's commit verifies)."""
+    """Seconds of the receiver's pure work on one delta version: verify and decode its shards
+    (``receiver.shard_reader``, as the agent does), and checksum every tensor it touches (what
+    the engine's commit verifies)."""
     m = read_manifest(root, version)
     vdir = root / f"v{version:012d}"
     out = {"verify": 0.0, "decode": 0.0}
@@ -185,19 +187,7 @@ def receive_components(root: Path, version: int) -> dict[str, float]:
         dt, _ = timed(checksum_bytes, data, m.checksum_algorithm)
         out["verify"] += dt
         t0 = time.perf_counter()
-        blobs = parse_shard(data, where=shard.file)
-        for e in m.tensors:
-            if e.delta is None or e.delta.shard != idx:
-                continue
-            codec.decode_delta(
-                m.encoding,
-                e.delta.mode,
-                blobs[e.delta.positions].numpy().tobytes(),
-                blobs[e.delta.values].numpy().tobytes(),
-                changed=e.changed,
-                numel=e.numel,
-                dtype=codec.int_view(torch.empty(0, dtype=e.torch_dtype)).dtype,
-            )
+        shard_reader.decode_shard(m, "delta", idx, shard, data, shard.file)  # the agent's decode
         out["decode"] += time.perf_counter() - t0
     return out
 
