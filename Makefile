@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test lint demo bench stress clean
 
-$(STAMP): pyproject.toml asyncsync/_native.c
+$(STAMP): pyproject.toml asyncsync/codec/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -26,7 +26,7 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 demo: $(STAMP)
-	$(PY) -m asyncsync.demo
+	$(PY) -m asyncsync.ops.demo
 
 # < 60 s on 2 cores; BENCHMARKS.md shows how to write the JSON, tables and plots as well
 bench: $(STAMP)

@@ -9,14 +9,12 @@ Trainer side::
         await pub.wait_acked(res.version, quorum=1, timeout=60)
 
 Each rank of a trainer can publish its own part of the weights into one version
-(``Publisher(root, coordinator=TorchDistCoordinator())``; see ``asyncsync.distributed``).
+(``Publisher(root, coordinator=TorchDistCoordinator())``; see ``asyncsync.publish.distributed``).
 
 The engine side lives in the ``receiver`` package. ``docs/FORMAT.md`` specifies the directory
 format both sides share.
 """
 
-from asyncsync.config import SyncConfig
-from asyncsync.distributed import Coordinator, FileRendezvous, TorchDistCoordinator
 from asyncsync.errors import (
     AckTimeout,
     ApplyFailed,
@@ -34,14 +32,16 @@ from asyncsync.errors import (
     OutOfOrder,
     PublishError,
 )
-from asyncsync.factory import create_publisher
 from asyncsync.format import FORMAT_VERSION, AckRecord, Manifest, TensorEntry
-from asyncsync.merge import TensorSlice
-from asyncsync.publisher import Publisher
-from asyncsync.retention import RetentionPolicy
-from asyncsync.session import SyncSession
-from asyncsync.staleness import AckPolicy
-from asyncsync.stats import PublisherStats, PublishResult
+from asyncsync.publish.distributed import Coordinator, FileRendezvous, TorchDistCoordinator
+from asyncsync.publish.merge import TensorSlice
+from asyncsync.publish.publisher import Publisher
+from asyncsync.publish.retention import RetentionPolicy
+from asyncsync.publish.stats import PublisherStats, PublishResult
+from asyncsync.training.config import SyncConfig
+from asyncsync.training.factory import create_publisher
+from asyncsync.training.session import SyncSession
+from asyncsync.training.staleness import AckPolicy
 
 __version__ = "0.1.0"
 

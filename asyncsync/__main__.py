@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from asyncsync.cli import main
+from asyncsync.ops.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

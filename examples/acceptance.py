@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from asyncsync import ChecksumMismatch, Publisher
-from asyncsync.store import read_manifest
+from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncsync.config import SyncConfig
-from asyncsync.session import SyncSession
+from asyncsync.training.config import SyncConfig
+from asyncsync.training.session import SyncSession
 from receiver import ReceiverAgent
 from receiver.engines import TorchModule
 

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from asyncsync.acks import read_acks, write_ack
 from asyncsync.errors import (
     AsyncSyncError,
     ChainError,
@@ -44,9 +43,10 @@ from asyncsync.format import (
     check_engine_id,
     version_dir,
 )
+from asyncsync.format.acks import read_acks, write_ack
+from asyncsync.format.store import ManifestCache
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
-from asyncsync.store import ManifestCache
 from receiver.engines.base import Engine, TensorUpdate
 from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe, plan_next

@@ -16,7 +16,7 @@ from typing import Literal
 
 from asyncsync.errors import ChainError
 from asyncsync.format import Manifest, manifest_path
-from asyncsync.store import list_versions, read_manifest
+from asyncsync.format.store import list_versions, read_manifest
 from receiver.engines.base import EngineState
 
 __all__ = ["Mode", "diverged", "latest_version", "newest_keyframe", "plan_next"]

@@ -2,7 +2,7 @@
 
 Pure except for :func:`read_verified` (one file read). The agent reads and verifies a shard
 once, parses it, and decodes its tensors in *apply groups* of a bounded decoded size: a delta
-shard can hold the deltas of many buckets (``asyncsync.shards.DeltaPacker``), and decoding all
+shard can hold the deltas of many buckets (``asyncsync.codec.shards.DeltaPacker``), and decoding all
 of it before the engine applies anything would hold every decoded patch (positions as int64,
 ~10 bytes per changed element) and the engine's undo journal for all of them at once. Groups
 bound that memory and let the agent decode group k+1 while the engine applies group k.
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from asyncsync import codec
-from asyncsync.checksum import checksum_bytes
+from asyncsync.codec.shards import parse_shard
 from asyncsync.errors import ChecksumMismatch, FormatError, IncompleteVersion, ManifestError
 from asyncsync.format import Manifest, ShardInfo, TensorEntry, TensorPart
+from asyncsync.format.checksum import checksum_bytes
 from asyncsync.fsio import read_bytes
-from asyncsync.shards import parse_shard
 from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
 

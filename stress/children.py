@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncsync.fsio import atomic_write
-from asyncsync.publisher import Publisher
+from asyncsync.publish.publisher import Publisher
 from stress.states import VersionedState
 
 __all__ = ["WORKLOAD_NAME", "main"]

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from asyncsync.checksum import checksum_bytes, checksum_tensor
+from asyncsync.codec.shards import parse_shard
 from asyncsync.errors import AsyncSyncError
 from asyncsync.format import MANIFEST_NAME, parse_version_dir, version_dir
+from asyncsync.format.checksum import checksum_bytes, checksum_tensor
+from asyncsync.format.log import read_log
+from asyncsync.format.store import list_versions, read_manifest, read_root_info
 from asyncsync.fsio import is_temp_name
-from asyncsync.log import read_log
-from asyncsync.shards import parse_shard
-from asyncsync.store import list_versions, read_manifest, read_root_info
 
 __all__ = ["Leftovers", "RootChecker", "leftovers", "state_diff", "temp_files"]
 

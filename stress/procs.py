@@ -29,7 +29,13 @@ __all__ = ["REPO", "Child", "Launch"]
 
 Launch = Literal["exec", "fork"]
 REPO = Path(__file__).resolve().parent.parent
-_PRELOAD = ["torch", "asyncsync.publisher", "receiver.agent", "receiver.cli", "stress.children"]
+_PRELOAD = [
+    "torch",
+    "asyncsync.publish.publisher",
+    "receiver.agent",
+    "receiver.cli",
+    "stress.children",
+]
 _ctx: multiprocessing.context.ForkServerContext | None = None
 
 

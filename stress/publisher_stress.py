@@ -26,8 +26,8 @@ from typing import Any
 
 from asyncsync.errors import AsyncSyncError
 from asyncsync.format import ROOT_INFO_NAME, version_dir
-from asyncsync.publisher import Publisher
-from asyncsync.store import list_versions, read_manifest
+from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from stress.ondisk import Leftovers, RootChecker, leftovers, state_diff

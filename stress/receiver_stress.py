@@ -1,6 +1,6 @@
 """Receiver crash stress: SIGKILL ``python -m receiver.cli`` at random points of an apply.
 
-The driver keeps a trainer in-process (a :class:`~asyncsync.workload.Workload` of 4M elements,
+The driver keeps a trainer in-process (a :class:`~asyncsync.ops.workload.Workload` of 4M elements,
 bf16 Adam steps, published in 256 KiB buckets; a delta packs into one or two shards, which
 the receiver applies in 48 KiB groups, ~30 journaled ``apply`` calls; a zero-diff version every
 7th, a keyframe every 10th, and a trainer restart every 8th, whose re-seed is a full version
@@ -40,13 +40,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from asyncsync.acks import read_acks
-from asyncsync.cli.verify import verify_checkpoint_dir
 from asyncsync.errors import AsyncSyncError
 from asyncsync.format import ACKS_DIR, ROOT_INFO_NAME
-from asyncsync.publisher import Publisher
-from asyncsync.store import list_versions, read_manifest
-from asyncsync.workload import Workload
+from asyncsync.format.acks import read_acks
+from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.ops.cli.verify import verify_checkpoint_dir
+from asyncsync.ops.workload import Workload
+from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from receiver.shard_reader import apply_groups

@@ -29,12 +29,12 @@ from typing import Any
 import torch
 
 from asyncsync import OutcomeUnknown, Publisher, PublishError
-from asyncsync import publisher as publisher_mod
-from asyncsync import writer as writer_mod
-from asyncsync.distributed import Coordinator, Decide, FileRendezvous, TorchDistCoordinator
 from asyncsync.errors import CoordinationError
 from asyncsync.format import manifest_path
-from asyncsync.merge import TensorSlice
+from asyncsync.publish import publisher as publisher_mod
+from asyncsync.publish import writer as writer_mod
+from asyncsync.publish.distributed import Coordinator, Decide, FileRendezvous, TorchDistCoordinator
+from asyncsync.publish.merge import TensorSlice
 from tests.conftest import mixed_state, mutate, random_tensor
 
 ROWS, COLS = 4, 24  # rows of shared.weight per rank

@@ -18,9 +18,9 @@ from asyncsync import (
     IncompleteVersion,
     Publisher,
 )
-from asyncsync.acks import read_acks
-from asyncsync.checksum import checksum_bytes
-from asyncsync.store import read_manifest
+from asyncsync.format.acks import read_acks
+from asyncsync.format.checksum import checksum_bytes
+from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent, shard_reader
 from receiver.engines.base import TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint

@@ -13,13 +13,13 @@ import torch
 import zstandard
 
 from asyncsync import codec
-from asyncsync.bench import TARGETS, BenchConfig, BenchFailed
-from asyncsync.bench.baselines import BASELINES, LABELS, all_sizes, xor_zstd_bytes
-from asyncsync.bench.measure import _finish, _start
-from asyncsync.bench.probes import load_state_dict, reset_peak_rss, rss, save_state_dict
-from asyncsync.bench.worker import Job
-from asyncsync.cli import main
-from asyncsync.workload import Workload, WorkloadConfig
+from asyncsync.ops.bench import TARGETS, BenchConfig, BenchFailed
+from asyncsync.ops.bench.baselines import BASELINES, LABELS, all_sizes, xor_zstd_bytes
+from asyncsync.ops.bench.measure import _finish, _start
+from asyncsync.ops.bench.probes import load_state_dict, reset_peak_rss, rss, save_state_dict
+from asyncsync.ops.bench.worker import Job
+from asyncsync.ops.cli import main
+from asyncsync.ops.workload import Workload, WorkloadConfig
 from tests.conftest import mixed_state, same_bytes
 
 PROMISED = (

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from asyncsync import Manifest, Publisher
-from asyncsync.cli import human_bytes, main
-from asyncsync.workload import Workload, WorkloadConfig
+from asyncsync.ops.cli import human_bytes, main
+from asyncsync.ops.workload import Workload, WorkloadConfig
 from receiver import ReceiverAgent
 from receiver.cli import main as receiver_main
 from receiver.engines.checkpoint import LocalCheckpoint

@@ -15,8 +15,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncsync import codec, ef, native
-from asyncsync.checksum import DEFAULT_ALGORITHM
+from asyncsync import codec
 from asyncsync.codec import (
     DEFAULT_ENCODING,
     ENCODINGS,
@@ -26,12 +25,15 @@ from asyncsync.codec import (
     apply_patch,
     changed_positions,
     decode_delta,
+    ef,
     encode_delta,
     encoded_size,
     int_view,
+    native,
 )
+from asyncsync.codec.shards import BucketItem, encode_bucket
 from asyncsync.errors import ConfigError, FormatError
-from asyncsync.shards import BucketItem, encode_bucket
+from asyncsync.format.checksum import DEFAULT_ALGORITHM
 from tests.conftest import ALL_DTYPES, mixed_state, mutate
 from tests.test_ef import reference_payload
 
@@ -374,7 +376,7 @@ def test_changed_positions_rejects_mismatch() -> None:
 # ------------------------------------------------------------- native kernel vs NumPy fallback
 
 needs_native = pytest.mark.skipif(
-    not codec.NATIVE, reason="asyncsync._native is not built (or ASYNCSYNC_NATIVE=0)"
+    not codec.NATIVE, reason="asyncsync.codec._native is not built (or ASYNCSYNC_NATIVE=0)"
 )
 
 
@@ -382,7 +384,7 @@ needs_native = pytest.mark.skipif(
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test on the C kernel and again on the NumPy fallback (``kernels`` set to None)."""
     if request.param == "native" and not codec.NATIVE:
-        pytest.skip("asyncsync._native is not built (or ASYNCSYNC_NATIVE=0)")
+        pytest.skip("asyncsync.codec._native is not built (or ASYNCSYNC_NATIVE=0)")
     if request.param == "numpy":
         monkeypatch.setattr(native, "kernels", None)
     return str(request.param)
@@ -411,7 +413,7 @@ def test_native_loader_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert native.load() is None
     monkeypatch.setenv("ASYNCSYNC_NATIVE", "1")
     try:
-        built = importlib.import_module("asyncsync._native") is not None
+        built = importlib.import_module("asyncsync.codec._native") is not None
     except ImportError:
         built = False
     assert (native.load() is not None) == built

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from asyncsync import ConfigError
-from asyncsync.config import FIELD_HELP, SyncConfig, parse_size
 from asyncsync.format import AckRecord
-from asyncsync.hooks import check_import_path, describe_callable, resolve_callable
-from asyncsync.staleness import AckPolicy, AckWait, StalenessGate
+from asyncsync.publish.hooks import check_import_path, describe_callable, resolve_callable
+from asyncsync.training.config import FIELD_HELP, SyncConfig, parse_size
+from asyncsync.training.staleness import AckPolicy, AckWait, StalenessGate
 
 
 def _ack(engine: str, version: int) -> AckRecord:
@@ -120,7 +120,7 @@ def test_typed_constructor_signature_lists_every_field() -> None:
     import ast
     import inspect
 
-    import asyncsync.config as config_module
+    import asyncsync.training.config as config_module
 
     tree = ast.parse(inspect.getsource(config_module))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SyncConfig")
@@ -206,7 +206,7 @@ def test_from_env_and_its_errors(tmp_path: Path, caplog: pytest.LogCaptureFixtur
         "ASYNCSYNC_KEEP_VERSION": "3",  # a typo: ignored with a warning
         "OTHER": "x",
     }
-    with caplog.at_level(logging.WARNING, logger="asyncsync.config"):
+    with caplog.at_level(logging.WARNING, logger="asyncsync.training.config"):
         cfg = SyncConfig.from_env(environ=env)
     assert (cfg.root, cfg.mode, cfg.ack_quorum) == (tmp_path, "full", 2)
     assert "did you mean ASYNCSYNC_KEEP_VERSIONS" in caplog.text

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from asyncsync import Publisher
-from asyncsync.acks import read_acks
+from asyncsync.format.acks import read_acks
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.state import STATE_DIR_NAME, StateStore

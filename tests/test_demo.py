@@ -1,4 +1,4 @@
-"""``python -m asyncsync.demo`` end to end, small: a trainer, two receiver processes, bit-exact."""
+"""``python -m asyncsync.ops.demo`` end to end, small: a trainer, two receivers, bit-exact."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from asyncsync.demo import main
+from asyncsync.ops.demo import main
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_demo_end_to_end() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "asyncsync.demo",
+        [sys.executable, "-m", "asyncsync.ops.demo",
          "--versions", "4", "--elements", "200000", "--engines", "2"],
         capture_output=True, text=True, timeout=240, cwd=REPO,
     )  # fmt: skip

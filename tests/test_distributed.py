@@ -30,10 +30,10 @@ from asyncsync import (
     TensorSlice,
     TorchDistCoordinator,
 )
-from asyncsync.checksum import entry_checksum
-from asyncsync.cli import main as cli_main
 from asyncsync.format import manifest_path
-from asyncsync.store import list_versions, read_manifest
+from asyncsync.format.checksum import entry_checksum
+from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.ops.cli import main as cli_main
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from receiver.engines.torch_module import TorchModule

@@ -1,4 +1,4 @@
-"""Tests of asyncsync.ef (Elias-Fano payloads) on the C kernel and on the NumPy fallback.
+"""Tests of asyncsync.codec.ef (Elias-Fano payloads) on the C kernel and on the NumPy fallback.
 
 Both paths are checked against a bit-by-bit reference written from docs/FORMAT.md section 4.2,
 against each other (byte-identical payloads; the same FormatError message for every damaged
@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncsync import codec, ef, native
+from asyncsync import codec
+from asyncsync.codec import ef, native
 from asyncsync.errors import ConfigError, FormatError
 
 ORDER = "not strictly increasing"
@@ -50,7 +51,7 @@ def _reference_decode(payload: bytes, n: int, numel: int) -> list[int]:
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test on the C kernel and again on the NumPy fallback."""
     if request.param == "native" and native.kernels is None:
-        pytest.skip("asyncsync._native is not built (or ASYNCSYNC_NATIVE=0)")
+        pytest.skip("asyncsync.codec._native is not built (or ASYNCSYNC_NATIVE=0)")
     if request.param == "numpy":
         monkeypatch.setattr(native, "kernels", None)
     return str(request.param)

@@ -17,8 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 
-import receiver.engines.checkpoint as ckpt_mod
-from asyncsync.checksum import checksum_tensor
+import receiver.engines.checkpoint.inplace as ckpt_mod
 from asyncsync.codec import Patch, int_view
 from asyncsync.errors import (
     ApplyFailed,
@@ -36,6 +35,7 @@ from asyncsync.format import (
     Totals,
     fingerprint,
 )
+from asyncsync.format.checksum import checksum_tensor
 from receiver.engines import TensorUpdate, journal
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from receiver.engines.st_layout import FileMaps, TensorLocation, read_layout
@@ -364,17 +364,18 @@ async def test_lock_and_foreign_dirs(tmp_path: Path) -> None:
 _CHILD = r"""
 import asyncio, os, sys, torch
 import receiver.engines.checkpoint as ck
+import receiver.engines.checkpoint.inplace as ckip
 data = torch.load(sys.argv[2], weights_only=False)
 mode = sys.argv[3]
 n = [0]
 if mode == "delta":
-    real_patch = ck.apply_patch
+    real_patch = ckip.apply_patch
     def dying_patch(flat, patch):
         n[0] += 1
         if n[0] > 3:
             os._exit(17)
         real_patch(flat, patch)
-    ck.apply_patch = dying_patch
+    ckip.apply_patch = dying_patch
 else:
     real_replace = os.replace
     def dying_replace(a, b):

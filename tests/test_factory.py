@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 
 from asyncsync import ConfigError, Publisher
-from asyncsync.config import SyncConfig
-from asyncsync.factory import create_publisher
-from asyncsync.store import read_manifest
+from asyncsync.format.store import read_manifest
+from asyncsync.training.config import SyncConfig
+from asyncsync.training.factory import create_publisher
 from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
 from tests.conftest import mixed_state, mutate, same_bytes
 
 
 class _FakePublisher:
-    """Stands in for asyncsync.publisher.Publisher (imported lazily by the factory)."""
+    """Stands in for asyncsync.publish.publisher.Publisher (imported lazily by the factory)."""
 
     def __init__(self, root: Path, **kwargs: Any) -> None:
         self.root = root
@@ -37,15 +37,15 @@ class _FakeRetentionPublisher(_FakePublisher):
 
 @pytest.fixture
 def fake_publisher(monkeypatch: pytest.MonkeyPatch) -> type[_FakePublisher]:
-    module = types.ModuleType("asyncsync.publisher")
+    module = types.ModuleType("asyncsync.publish.publisher")
     module.Publisher = _FakePublisher  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "asyncsync.publisher", module)
+    monkeypatch.setitem(sys.modules, "asyncsync.publish.publisher", module)
     return _FakePublisher
 
 
 @pytest.fixture
 def no_retention(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "asyncsync.retention", None)  # import raises
+    monkeypatch.setitem(sys.modules, "asyncsync.publish.retention", None)  # import raises
 
 
 COMBINATIONS = list(itertools.product(("delta", "full"), ("disk", "nccl", "rdma"), (False, True)))
@@ -151,7 +151,7 @@ def test_retention_not_available_keeps_everything(
     no_retention: None,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="asyncsync.factory"):
+    with caplog.at_level(logging.WARNING, logger="asyncsync.training.factory"):
         pub = create_publisher(SyncConfig(root=tmp_path, keep_versions=3))
     assert "retention" not in pub.kwargs
     assert "every version is kept" in caplog.text
@@ -165,17 +165,17 @@ def _fake_retention_module(monkeypatch: pytest.MonkeyPatch) -> type:
         def __init__(self, keep_versions: int | None = None, keep_bytes: int | None = None):
             self.keep_versions, self.keep_bytes = keep_versions, keep_bytes
 
-    module = types.ModuleType("asyncsync.retention")
+    module = types.ModuleType("asyncsync.publish.retention")
     module.RetentionPolicy = RetentionPolicy  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "asyncsync.retention", module)
+    monkeypatch.setitem(sys.modules, "asyncsync.publish.retention", module)
     return RetentionPolicy
 
 
 def test_retention_passed_when_supported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     policy_cls = _fake_retention_module(monkeypatch)
-    module = types.ModuleType("asyncsync.publisher")
+    module = types.ModuleType("asyncsync.publish.publisher")
     module.Publisher = _FakeRetentionPublisher  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "asyncsync.publisher", module)
+    monkeypatch.setitem(sys.modules, "asyncsync.publish.publisher", module)
     pub = create_publisher(SyncConfig(root=tmp_path, keep_versions=3, keep_bytes="1GiB"))
     policy = pub.kwargs["retention"]
     assert isinstance(policy, policy_cls)
@@ -190,7 +190,7 @@ def test_retention_module_without_publisher_support(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     _fake_retention_module(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="asyncsync.factory"):
+    with caplog.at_level(logging.WARNING, logger="asyncsync.training.factory"):
         pub = create_publisher(SyncConfig(root=tmp_path, keep_bytes=10))
     assert "retention" not in pub.kwargs and "every version is kept" in caplog.text
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from asyncsync import Publisher, PublishError, fsio
-from asyncsync.store import list_versions
+from asyncsync.format.store import list_versions
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.watch import wakeups

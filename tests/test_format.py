@@ -174,7 +174,7 @@ def test_fingerprint_depends_on_every_field() -> None:
 
 async def test_manifest_cache_rereads_only_a_changed_file(tmp_path: Path) -> None:
     from asyncsync import Publisher
-    from asyncsync.store import ManifestCache
+    from asyncsync.format.store import ManifestCache
     from tests.conftest import mixed_state
 
     async with Publisher(tmp_path) as pub:

@@ -48,12 +48,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from asyncsync import AsyncSyncError, FormatError, ManifestError, Publisher
-from asyncsync.acks import read_acks, write_ack
-from asyncsync.checksum import checksum_bytes
 from asyncsync.codec import ENCODINGS, decode_delta
+from asyncsync.codec.shards import parse_shard
 from asyncsync.format import FORMAT_VERSION, MAX_VERSION, Manifest, ShardInfo, check_file_name
-from asyncsync.shards import parse_shard
-from asyncsync.store import read_manifest
+from asyncsync.format.acks import read_acks, write_ack
+from asyncsync.format.checksum import checksum_bytes
+from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from receiver.shard_reader import decode_shard, int_dtype

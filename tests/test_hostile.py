@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from asyncsync import AsyncSyncError, ManifestError, Publisher
-from asyncsync.acks import read_acks
-from asyncsync.checksum import checksum_bytes
 from asyncsync.format import MANIFEST_NAME, version_dir
-from asyncsync.store import list_versions, read_manifest
+from asyncsync.format.acks import read_acks
+from asyncsync.format.checksum import checksum_bytes
+from asyncsync.format.store import list_versions, read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from tests.conftest import mixed_state, mutate

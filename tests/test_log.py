@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from asyncsync.format import LOG_NAME
-from asyncsync.log import follow_log, read_log
+from asyncsync.format.log import follow_log, read_log
 
 
 async def test_follow_sees_appends_and_waits_for_whole_lines(tmp_path: Path) -> None:

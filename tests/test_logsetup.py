@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from asyncsync import Publisher
-from asyncsync.cli import main
-from asyncsync.logsetup import JsonFormatter, setup_logging
+from asyncsync.ops.cli import main
+from asyncsync.ops.logsetup import JsonFormatter, setup_logging
 from tests.conftest import mixed_state, mutate
 
 
@@ -47,7 +47,9 @@ async def test_cli_log_format_json(tmp_path: Path, capsys: pytest.CaptureFixture
     ]
     assert main(argv) == 0
     records = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
-    assert any(r["logger"] == "asyncsync.retention" and "deleted" in r["msg"] for r in records)
+    assert any(
+        r["logger"] == "asyncsync.publish.retention" and "deleted" in r["msg"] for r in records
+    )
     with pytest.raises(ValueError):
         setup_logging("INFO", "xml")
     setup_logging("WARNING", "text")

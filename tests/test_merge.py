@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 
-from asyncsync.checksum import checksum_bytes, checksum_tensor, entry_checksum, parts_checksum
 from asyncsync.errors import ConfigError, ManifestError
 from asyncsync.format import (
     FORMAT_VERSION,
@@ -23,8 +22,14 @@ from asyncsync.format import (
     Totals,
     fingerprint,
 )
-from asyncsync.merge import PartRecord, TensorSlice, as_part, merge
-from asyncsync.store import ensure_root_info
+from asyncsync.format.checksum import (
+    checksum_bytes,
+    checksum_tensor,
+    entry_checksum,
+    parts_checksum,
+)
+from asyncsync.format.store import ensure_root_info
+from asyncsync.publish.merge import PartRecord, TensorSlice, as_part, merge
 
 H = "0123456789abcdef0123456789abcdef"
 ALGO = "xxh3-128"

@@ -1,4 +1,4 @@
-"""Tests of the C kernels in asyncsync._native against NumPy references.
+"""Tests of the C kernels in asyncsync.codec._native against NumPy references.
 
 ``diff_extract`` (positions, new values and XORs of the differing elements, resumable) and
 ``xor_patch``/``set_patch`` (save old values, then patch; bounds-checked before any write), for
@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 from tests.test_ef import reference_payload
 
 try:
-    native: Any = importlib.import_module("asyncsync._native")
+    native: Any = importlib.import_module("asyncsync.codec._native")
 except ImportError as exc:
     pytest.skip(
-        f"the optional C extension asyncsync._native is not built: {exc}", allow_module_level=True
+        f"the optional C extension asyncsync.codec._native is not built: {exc}",
+        allow_module_level=True,
     )
 
 WIDTHS = (1, 2, 4, 8)

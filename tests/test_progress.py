@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 
-from asyncsync.progress import Progress, ProgressWatcher
+from asyncsync.ops.progress import Progress, ProgressWatcher
 
 
 class Tty(io.StringIO):

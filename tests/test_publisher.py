@@ -12,11 +12,12 @@ import safetensors
 import safetensors.torch
 import torch
 
-from asyncsync import AckTimeout, ConfigError, LockHeld, Publisher, PublishError, fsio, shards
-from asyncsync import acks as acks_mod
+from asyncsync import AckTimeout, ConfigError, LockHeld, Publisher, PublishError, fsio
+from asyncsync.codec import shards
 from asyncsync.format import MANIFEST_NAME
-from asyncsync.log import read_log
-from asyncsync.store import list_versions, read_manifest
+from asyncsync.format import acks as acks_mod
+from asyncsync.format.log import read_log
+from asyncsync.format.store import list_versions, read_manifest
 from tests.conftest import mixed_state, mutate
 
 
@@ -137,7 +138,7 @@ async def test_failure_at_each_stage_commits_nothing(
         before = files_under(tmp_path)
         with monkeypatch.context() as mp:
             if stage == "encode":
-                mp.setattr("asyncsync.publisher.encode_bucket", _fail)
+                mp.setattr("asyncsync.publish.publisher.encode_bucket", _fail)
             elif stage == "write":
                 real = fsio.atomic_write
 
@@ -147,9 +148,9 @@ async def test_failure_at_each_stage_commits_nothing(
                         _fail()
                     return real(path, data, **kw)  # type: ignore[arg-type]
 
-                mp.setattr("asyncsync.writer.atomic_write", flaky)
+                mp.setattr("asyncsync.publish.writer.atomic_write", flaky)
             elif stage == "fsync":
-                mp.setattr("asyncsync.publisher.fsync_dir", _fail)
+                mp.setattr("asyncsync.publish.publisher.fsync_dir", _fail)
             elif stage == "hook":
                 hook_fails["on"] = True
             else:
@@ -160,7 +161,7 @@ async def test_failure_at_each_stage_commits_nothing(
                         _fail()
                     return real_aw(path, data, **kw)  # type: ignore[arg-type]
 
-                mp.setattr("asyncsync.publisher.atomic_write", fail_manifest)
+                mp.setattr("asyncsync.publish.publisher.atomic_write", fail_manifest)
             with pytest.raises(PublishError, match="nothing was committed") as ei:
                 await pub.publish(sd1)
             assert ei.value.__cause__ is not None
@@ -170,7 +171,7 @@ async def test_failure_at_each_stage_commits_nothing(
         r = await pub.publish(sd1)  # the next publish works, against the unchanged snapshot
         assert r.version == 1 and r.kind == "delta"
     # the delta of v1 is relative to v0 exactly: its per-tensor checksums match sd1
-    from asyncsync.checksum import checksum_tensor
+    from asyncsync.format.checksum import checksum_tensor
 
     m1 = read_manifest(tmp_path, 1)
     for e in m1.tensors:
@@ -194,7 +195,7 @@ async def test_cancelled_publish_leaves_nothing(
             time.sleep(0.05)
             return real(*a, **k)  # type: ignore[arg-type]
 
-        monkeypatch.setattr("asyncsync.publisher.encode_bucket", slow)
+        monkeypatch.setattr("asyncsync.publish.publisher.encode_bucket", slow)
         task = asyncio.create_task(pub.publish(mutate(sd0, 0.1, seed=2)))
         await started.wait()
         task.cancel()
@@ -202,7 +203,7 @@ async def test_cancelled_publish_leaves_nothing(
             await task
         assert list_versions(tmp_path) == [0]
         assert not (tmp_path / "v000000000001").exists()
-        monkeypatch.setattr("asyncsync.publisher.encode_bucket", real)
+        monkeypatch.setattr("asyncsync.publish.publisher.encode_bucket", real)
         assert (await pub.publish(mutate(sd0, 0.1, seed=2))).version == 1
 
 
@@ -336,7 +337,7 @@ async def test_progress_reports_buckets_of_the_publish_in_flight(
             time.sleep(0.01)
             return real(*a, **k)  # type: ignore[arg-type]
 
-        monkeypatch.setattr("asyncsync.publisher.encode_bucket", slow)
+        monkeypatch.setattr("asyncsync.publish.publisher.encode_bucket", slow)
         task = asyncio.create_task(pub.seed(sd))
         while not task.done():
             if pub.progress is not None:
@@ -370,7 +371,7 @@ async def test_cancel_after_the_manifest_rename_keeps_the_version(
 
     async with Publisher(tmp_path, keyframe_interval=0) as pub:
         await pub.seed(sd0)
-        monkeypatch.setattr("asyncsync.publisher.atomic_write", slow_after_rename)
+        monkeypatch.setattr("asyncsync.publish.publisher.atomic_write", slow_after_rename)
         task = asyncio.create_task(pub.publish(sd1))
         await asyncio.to_thread(renamed.wait, 5)
         task.cancel()
@@ -408,7 +409,7 @@ async def test_directory_fsync_failure_after_the_rename_is_not_a_failed_publish(
     sd = mixed_state(0)
     async with Publisher(tmp_path, keyframe_interval=0) as pub:
         await pub.seed(sd)
-        monkeypatch.setattr("asyncsync.publisher.fsync_dir", flaky)
+        monkeypatch.setattr("asyncsync.publish.publisher.fsync_dir", flaky)
         r = await pub.publish(mutate(sd, 0.05, seed=1))
     assert r.version == 1 and list_versions(tmp_path) == [0, 1] and calls["n"] == 3
 

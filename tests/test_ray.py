@@ -16,7 +16,6 @@ import safetensors.torch
 import torch
 
 from asyncsync import ConfigError, LockHeld
-from asyncsync.config import SyncConfig
 from asyncsync.errors import AckTimeout
 from asyncsync.ray import (
     ReceiverActor,
@@ -29,6 +28,7 @@ from asyncsync.ray import (
     unpack_state_dict,
 )
 from asyncsync.ray.base import import_ray, placement_options, plain
+from asyncsync.training.config import SyncConfig
 from tests.conftest import mixed_state, mutate, same_bytes
 
 ENGINE_RESOURCE = "asyncsync_engine"

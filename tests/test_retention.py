@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from asyncsync import ConfigError, Publisher
-from asyncsync.acks import write_ack
-from asyncsync.cli import main
-from asyncsync.retention import RetentionPolicy, collect
-from asyncsync.store import list_versions, read_root_info
+from asyncsync.format.acks import write_ack
+from asyncsync.format.store import list_versions, read_root_info
+from asyncsync.ops.cli import main
+from asyncsync.publish.retention import RetentionPolicy, collect
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import mixed_state, mutate, same_bytes

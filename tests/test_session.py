@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from asyncsync import ConfigError, LockHeld, PublishError
-from asyncsync.config import SyncConfig
-from asyncsync.session import SyncSession, collect_state_dict
-from asyncsync.store import list_versions
+from asyncsync.format.store import list_versions
+from asyncsync.training.config import SyncConfig
+from asyncsync.training.session import SyncSession, collect_state_dict
 from tests.conftest import mixed_state, mutate
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from asyncsync import ApplyFailed, ConfigError
-from asyncsync.acks import read_acks
-from asyncsync.store import read_manifest
+from asyncsync.format.acks import read_acks
+from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.cli import main as receiver_main
 from receiver.engines import (

@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from asyncsync import AckTimeout, ConfigError, Publisher, PublishError
-from asyncsync.integrations import slime
-from asyncsync.integrations.slime import (
+from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.training import slime
+from asyncsync.training.slime import (
     AsyncSyncWeightUpdater,
     create_weight_updater,
     sync_config_from_args,
 )
-from asyncsync.staleness import AckPolicy
-from asyncsync.store import list_versions, read_manifest
+from asyncsync.training.staleness import AckPolicy
 from receiver import ReceiverAgent
 from receiver.engines import TorchModule
 from tests.conftest import same_bytes

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from asyncsync import Publisher
-from asyncsync.acks import write_ack
-from asyncsync.cli import main
+from asyncsync.format.acks import write_ack
+from asyncsync.ops.cli import main
 from tests.conftest import mixed_state, mutate
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from asyncsync import ApplyFailed, ConfigError
-from asyncsync.acks import read_acks
-from asyncsync.store import read_manifest
+from asyncsync.format.acks import read_acks
+from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines import VLLM, EngineHTTPError, verify_checkpoint
 from tests.fake_engines import FAST, FAST_RETRY, KEY, Chain, FakeVLLM

@@ -7,7 +7,7 @@ import torch
 
 from asyncsync.codec import int_view
 from asyncsync.errors import ConfigError
-from asyncsync.workload import Workload, WorkloadConfig, config_for_elements, lr_for_density
+from asyncsync.ops.workload import Workload, WorkloadConfig, config_for_elements, lr_for_density
 from tests.conftest import same_bytes
 
 SMALL = WorkloadConfig(layers=2, hidden=96, vocab=512)

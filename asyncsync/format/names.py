@@ -16,6 +16,9 @@ MANIFEST_NAME = "manifest.json"
 LOG_NAME = "log.jsonl"
 ACKS_DIR = "acks"
 ROOT_INFO_NAME = "asyncsync.json"
+# the delta encodings a manifest may name (asyncsync.codec implements them; docs/CODEC.md)
+ENCODINGS: tuple[str, ...] = ("xef", "indices", "deltas", "deltas_zstd")
+DEFAULT_ENCODING = "xef"
 VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
 _MAX_INT = 2**53  # every integer in our JSON must be exactly representable as a double

@@ -3,7 +3,7 @@
 ::
 
     import ray
-    from asyncsync.config import SyncConfig
+    from asyncsync.training.config import SyncConfig
     from asyncsync.ray import ReceiverSpec, engine_nodes, start_receivers, start_trainers
 
     ray.init(address="auto")

@@ -166,7 +166,7 @@ class ReceiverActor:
         Returns ``{"version": N, "mismatched": [tensor names]}`` (an empty list: bit-exact).
         A version applied meanwhile makes it check again, up to ``attempts`` times.
         """
-        from asyncsync.store import read_manifest
+        from asyncsync.format.store import read_manifest
         from receiver.engines import verify_checkpoint
 
         agent = self._agent

@@ -8,7 +8,7 @@ Example::
     group.wait_acked(res["version"], timeout=120)
     group.close()
 
-A :class:`TrainerActor` holds a :class:`~asyncsync.publisher.Publisher` on the actor's event
+A :class:`TrainerActor` holds a :class:`~asyncsync.publish.publisher.Publisher` on the actor's event
 loop. Weights reach it either as an argument of :meth:`TrainerActor.publish` (copied through
 Ray's object store: fine for small models and tests), or, without copies, from the actor's own
 model: subclass it, keep the model in the actor, override :meth:`TrainerActor.state_dict`, and
@@ -28,7 +28,7 @@ call ``publish()`` with no argument::
 
 With ``world_size > 1`` the ranks publish one version together: each rank's state dict holds
 its own tensors (distinct names, or slices of one tensor), coordinated through files in the
-root (:class:`~asyncsync.distributed.FileRendezvous`), and rank 0 commits the manifest.
+root (:class:`~asyncsync.publish.distributed.FileRendezvous`), and rank 0 commits the manifest.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncsync.config import SyncConfig
 from asyncsync.errors import ConfigError, PublishError
 from asyncsync.ray.base import import_ray, plain, where
+from asyncsync.training.config import SyncConfig
 
 if TYPE_CHECKING:
-    from asyncsync.publisher import Publisher
-    from asyncsync.staleness import StalenessGate
+    from asyncsync.publish.publisher import Publisher
+    from asyncsync.training.staleness import StalenessGate
 
 __all__ = ["TrainerActor", "TrainerGroup", "pack_state_dict", "start_trainers", "unpack_state_dict"]
 
@@ -107,9 +107,9 @@ class TrainerActor:
     """The body of one trainer rank's Ray actor (:func:`start_trainers` wraps it).
 
     Args:
-        config: the trainer's :class:`~asyncsync.config.SyncConfig` (or a mapping of it); its
-            ack policy (``ack_engines``/``ack_quorum``, ``max_staleness``) is applied after
-            each publish, as :class:`~asyncsync.session.SyncSession` does.
+        config: the trainer's :class:`~asyncsync.training.config.SyncConfig` (or a mapping of
+            it); its ack policy (``ack_engines``/``ack_quorum``, ``max_staleness``) is applied after
+            each publish, as :class:`~asyncsync.training.session.SyncSession` does.
         rank, world_size: this rank of a multi-rank publisher (``world_size`` 1: alone).
         rendezvous_timeout: seconds rank 0 waits for the other ranks at each publish.
         producer: extra fields for each manifest's ``producer`` record.
@@ -124,8 +124,8 @@ class TrainerActor:
         rendezvous_timeout: float = 300.0,
         producer: Mapping[str, Any] | None = None,
     ) -> None:
-        from asyncsync.factory import publisher_kwargs
-        from asyncsync.publisher import Publisher
+        from asyncsync.publish.publisher import Publisher
+        from asyncsync.training.factory import publisher_kwargs
 
         self.config = _config(config)
         self.rank, self.world_size = rank, world_size
@@ -133,7 +133,7 @@ class TrainerActor:
             self.config, Publisher, producer={"rank": rank, **(producer or {})}
         )
         if world_size != 1 or rank != 0:
-            from asyncsync.distributed import FileRendezvous
+            from asyncsync.publish.distributed import FileRendezvous
 
             kwargs["coordinator"] = FileRendezvous(
                 self.config.root, rank, world_size, timeout=rendezvous_timeout
@@ -165,17 +165,17 @@ class TrainerActor:
         slices: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Seed (this actor's first call) or publish the next version, then wait per the ack
-        policy. Returns the :class:`~asyncsync.stats.PublishResult` as a dict, plus ``ack``:
+        policy. Returns the :class:`~asyncsync.publish.stats.PublishResult` as a dict, plus ``ack``:
         ``{"target", "seconds", "engines": {engine_id: version}}``.
 
         ``state_dict``: tensors, or a :func:`pack_state_dict` of them (float8 tensors sent
         through Ray must be packed; :meth:`TrainerGroup.publish` does it); None: this actor's
         own :meth:`state_dict`.
 
-        ``slices`` (multi-rank): :class:`~asyncsync.merge.TensorSlice` per tensor of which
+        ``slices`` (multi-rank): :class:`~asyncsync.publish.merge.TensorSlice` per tensor of which
         this rank holds a flat range.
         """
-        from asyncsync.staleness import StalenessGate
+        from asyncsync.training.staleness import StalenessGate
 
         weights = self.state_dict() if state_dict is None else unpack_state_dict(state_dict)
         await self.publisher.open()
@@ -222,7 +222,7 @@ class TrainerActor:
         return self.publisher.version
 
     def statistics(self) -> dict[str, Any]:
-        """The publisher's :class:`~asyncsync.stats.PublisherStats` as a dict."""
+        """The publisher's :class:`~asyncsync.publish.stats.PublisherStats` as a dict."""
         return plain(self.publisher.statistics())
 
     async def close(self) -> None:
@@ -275,7 +275,7 @@ class TrainerGroup:
     ) -> list[dict[str, Any]]:
         """Publish one version: every rank at once, each with its state dict (a list, one per
         rank; one dict for a single rank; None: each actor's own :meth:`~TrainerActor.state_dict`).
-        ``slices``: each rank's :class:`~asyncsync.merge.TensorSlice` mapping (or None).
+        ``slices``: each rank's :class:`~asyncsync.publish.merge.TensorSlice` mapping (or None).
         Returns each rank's result (:meth:`TrainerActor.publish`); every rank reports the
         version the group committed."""
         if state_dicts is None or isinstance(state_dicts, Mapping):

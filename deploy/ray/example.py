@@ -11,7 +11,7 @@ On one machine (a throwaway local Ray cluster, root and checkpoints in a tempora
 
     python deploy/ray/example.py --local --versions 3 --elements 200000
 
-Each trainer rank is an actor that keeps its own toy model (asyncsync.workload, an Adam-like
+Each trainer rank is an actor that keeps its own toy model (asyncsync.ops.workload, an Adam-like
 step that changes ~2 % of the bf16 elements) and publishes its share of the tensors; rank 0
 commits each version. One receiver actor per engine keeps a local checkpoint on its node. The
 example waits for every engine to hold each version, then checks each checkpoint bit for bit
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from asyncsync.config import SyncConfig
+from asyncsync.ops.workload import Workload
 from asyncsync.ray import (
     DEFAULT_RESOURCE,
     ReceiverSpec,
@@ -44,7 +44,7 @@ from asyncsync.ray import (
     start_receivers,
     start_trainers,
 )
-from asyncsync.workload import Workload
+from asyncsync.training.config import SyncConfig
 
 logger = logging.getLogger("asyncsync.example")
 

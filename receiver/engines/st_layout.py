@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from asyncsync.checksum import checksum_bytes, layout_checksum
 from asyncsync.codec import int_view
 from asyncsync.errors import EngineStateError
+from asyncsync.format.checksum import checksum_bytes, layout_checksum
 
 __all__ = ["FileMaps", "TensorLocation", "int_dtype", "read_layout"]
 

@@ -33,10 +33,10 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from asyncsync.checksum import entry_checksum, layout_checksum, tensor_bytes
 from asyncsync.codec import Patch, apply_patch, int_view
 from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
 from asyncsync.format import Manifest, TensorEntry
+from asyncsync.format.checksum import entry_checksum, layout_checksum, tensor_bytes
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.state import (
     PersistedState,

@@ -46,8 +46,8 @@ from typing import Any, Protocol
 import safetensors
 import torch
 
-from asyncsync.checksum import layout_checksum, tensor_bytes
 from asyncsync.errors import AsyncSyncError, ChecksumMismatch
+from asyncsync.format.checksum import layout_checksum, tensor_bytes
 from asyncsync.fsio import read_bytes
 from receiver.state import STATE_DIR_NAME, STATE_NAME, PersistedState
 

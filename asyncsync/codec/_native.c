@@ -1,0 +1,686 @@
+/*
+ * asyncsync.codec._native: the publisher's fused diff kernel, the receiver's fused patch kernel and
+ * Elias-Fano position coding for both.
+ *
+ * Only Python.h and the buffer protocol (no NumPy headers): every argument is any object that
+ * exports a C-contiguous buffer (a NumPy array, a bytearray, a memoryview, ...). Elements are
+ * opaque `width`-byte words (1, 2, 4 or 8) compared bytewise, so float payloads are never
+ * interpreted. The loops run with the GIL released.
+ *
+ * diff_extract(old, new, width, start, pos_out, new_out, xor_out) -> (count, next_start)
+ *     Scans elements from `start`; for each element whose bytes differ writes its index (int64)
+ *     to pos_out, the new element to new_out and old ^ new to xor_out, until the outputs are
+ *     full (capacity: len(pos_out) // 8 elements) or the end. Returns how many it wrote and
+ *     the element to resume from (== number of elements when done). new_out and xor_out may
+ *     both be None (positions only). Slots past `count` in the outputs may be overwritten.
+ *     Fast path: compare 8-byte words of old and new and skip equal ones; a differing word is
+ *     emitted branch-free, one slot per lane, advancing `count` only for lanes that differ.
+ *
+ * xor_patch(flat, width, positions, values, old_out) / set_patch(...same...)
+ *     For k in range(len(positions)): if old_out is not None: old_out[k] = flat[pos[k]];
+ *     then flat[pos[k]] ^= values[k] (xor_patch) or flat[pos[k]] = values[k] (set_patch).
+ *     Positions are int64 and all are bounds-checked before the first write (IndexError,
+ *     flat unchanged). Repeated positions are applied in order.
+ *
+ * ef_encode(positions, numel, low_bits) -> bytes
+ *     The uncompressed Elias-Fano payload of docs/FORMAT.md section 4.2 ("xef") for int64
+ *     positions, which must be strictly increasing within [0, numel) (ValueError naming the
+ *     first bad index otherwise): the low parts `p & (2**L - 1)` as an L-bit LSB-first field
+ *     array (ceil(n*L/8) bytes), then the high bitvector of n + (numel >> L) + 1 bits with bit
+ *     (p[i] >> L) + i set (LSB-first, ceil(bits/8) bytes). 0 <= low_bits <= 63.
+ *
+ * ef_decode(payload, n, numel, low_bits, out_positions) -> None
+ *     The inverse, into a writable buffer of exactly n int64. ValueError unless the payload has
+ *     exactly the size above, no bit is set past the n*L bits of the low part or past the end of
+ *     the high bitvector, the high bitvector has exactly n set bits, and the decoded positions
+ *     are strictly increasing within [0, numel). Messages match asyncsync.codec.ef's NumPy decoder.
+ *
+ * All byte buffers are accessed with memcpy, so no alignment is required of any of them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------ buffer helpers */
+
+typedef struct {
+    Py_buffer views[5];
+    int held;
+} Buffers;
+
+static void release_all(Buffers *b) {
+    while (b->held > 0) {
+        PyBuffer_Release(&b->views[--b->held]);
+    }
+}
+
+/* Acquire a C-contiguous buffer of `obj` (writable if asked); NULL with an exception set. */
+static Py_buffer *acquire(Buffers *b, PyObject *obj, const char *name, int writable) {
+    if (!PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must support the buffer protocol, not %.100s", name,
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    Py_buffer *v = &b->views[b->held];
+    if (PyObject_GetBuffer(obj, v, PyBUF_FULL_RO) < 0) {
+        return NULL;
+    }
+    b->held++;
+    if (!PyBuffer_IsContiguous(v, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous buffer", name);
+        return NULL;
+    }
+    if (writable && v->readonly) {
+        PyErr_Format(PyExc_TypeError, "%s must be a writable buffer", name);
+        return NULL;
+    }
+    return v;
+}
+
+static int check_width(Py_ssize_t width) {
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_Format(PyExc_ValueError, "width must be 1, 2, 4 or 8, not %zd", width);
+        return -1;
+    }
+    return 0;
+}
+
+/* Number of `width`-byte elements in `v`, or -1 with ValueError when it is not whole. */
+static Py_ssize_t elements(Py_buffer *v, Py_ssize_t width, const char *name) {
+    if (v->len % width) {
+        PyErr_Format(PyExc_ValueError, "%s is %zd bytes, not a whole number of %zd-byte elements",
+                     name, v->len, width);
+        return -1;
+    }
+    return v->len / width;
+}
+
+/* ------------------------------------------------------------------------------ diff kernel */
+
+/* Emit element i unconditionally into slot c (the caller advances c only if it differs). */
+#define DIFF_SLOT(T, W, i, c)                                                                 \
+    do {                                                                                      \
+        T ea_, eb_, ex_;                                                                      \
+        int64_t p_ = (int64_t)(i);                                                            \
+        memcpy(&ea_, o + (i) * (W), (W));                                                     \
+        memcpy(&eb_, nw + (i) * (W), (W));                                                    \
+        ex_ = (T)(ea_ ^ eb_);                                                                 \
+        memcpy(pos + (c) * 8, &p_, 8);                                                        \
+        if (nv) {                                                                             \
+            memcpy(nv + (c) * (W), &eb_, (W));                                                \
+            memcpy(xv + (c) * (W), &ex_, (W));                                                \
+        }                                                                                     \
+        (c) += (ex_ != 0);                                                                    \
+    } while (0)
+
+/* One element with a capacity check: jumps to `full` (resume at i) when no slot is left. */
+#define DIFF_ONE(T, W, i, c)                                                                  \
+    do {                                                                                      \
+        T ea_, eb_;                                                                           \
+        memcpy(&ea_, o + (i) * (W), (W));                                                     \
+        memcpy(&eb_, nw + (i) * (W), (W));                                                    \
+        if (ea_ != eb_) {                                                                     \
+            if ((c) == cap) {                                                                 \
+                *resume = (i);                                                                \
+                return (c);                                                                   \
+            }                                                                                 \
+            DIFF_SLOT(T, W, i, c);                                                            \
+        }                                                                                     \
+    } while (0)
+
+#define DEFINE_DIFF(T, W)                                                                     \
+    static Py_ssize_t diff_##W(const char *o, const char *nw, Py_ssize_t n, Py_ssize_t i,      \
+                               char *pos, char *nv, char *xv, Py_ssize_t cap,                 \
+                               Py_ssize_t *resume) {                                          \
+        const Py_ssize_t lanes = 8 / (W);                                                     \
+        const Py_ssize_t body_end = n - n % lanes;                                            \
+        Py_ssize_t c = 0;                                                                     \
+        for (; i < n && i % lanes; i++) {                                                     \
+            DIFF_ONE(T, W, i, c);                                                             \
+        }                                                                                     \
+        for (; i < body_end; i += lanes) {                                                    \
+            uint64_t a, b;                                                                    \
+            memcpy(&a, o + i * (W), 8);                                                       \
+            memcpy(&b, nw + i * (W), 8);                                                      \
+            if (a == b) {                                                                     \
+                continue;                                                                     \
+            }                                                                                 \
+            if (cap - c >= lanes) {                                                           \
+                for (Py_ssize_t k = 0; k < lanes; k++) {                                      \
+                    DIFF_SLOT(T, W, i + k, c);                                                \
+                }                                                                             \
+            } else {                                                                          \
+                for (Py_ssize_t k = 0; k < lanes; k++) {                                      \
+                    DIFF_ONE(T, W, i + k, c);                                                 \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (; i < n; i++) {                                                                  \
+            DIFF_ONE(T, W, i, c);                                                             \
+        }                                                                                     \
+        *resume = n;                                                                          \
+        return c;                                                                             \
+    }
+
+DEFINE_DIFF(uint8_t, 1)
+DEFINE_DIFF(uint16_t, 2)
+DEFINE_DIFF(uint32_t, 4)
+DEFINE_DIFF(uint64_t, 8)
+
+static PyObject *diff_extract(PyObject *self, PyObject *args) {
+    PyObject *old_o, *new_o, *pos_o, *nv_o, *xv_o;
+    Py_ssize_t width, start;
+    if (!PyArg_ParseTuple(args, "OOnnOOO:diff_extract", &old_o, &new_o, &width, &start, &pos_o,
+                          &nv_o, &xv_o)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    if ((nv_o == Py_None) != (xv_o == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "new_out and xor_out must both be buffers or both None");
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *old, *new, *pos, *nv = NULL, *xv = NULL;
+    Py_ssize_t n, cap, count = 0, resume = 0;
+    if (!(old = acquire(&b, old_o, "old", 0)) || !(new = acquire(&b, new_o, "new", 0)) ||
+        !(pos = acquire(&b, pos_o, "pos_out", 1))) {
+        goto fail;
+    }
+    if (nv_o != Py_None &&
+        (!(nv = acquire(&b, nv_o, "new_out", 1)) || !(xv = acquire(&b, xv_o, "xor_out", 1)))) {
+        goto fail;
+    }
+    if (old->len != new->len) {
+        PyErr_Format(PyExc_ValueError, "old is %zd bytes but new is %zd", old->len, new->len);
+        goto fail;
+    }
+    if ((n = elements(old, width, "old")) < 0) {
+        goto fail;
+    }
+    if (start < 0 || start > n) {
+        PyErr_Format(PyExc_ValueError, "start %zd outside [0, %zd]", start, n);
+        goto fail;
+    }
+    if (pos->len % 8) {
+        PyErr_Format(PyExc_ValueError, "pos_out is %zd bytes, not a whole number of int64",
+                     pos->len);
+        goto fail;
+    }
+    cap = pos->len / 8;
+    if (nv && (nv->len / width < cap || xv->len / width < cap)) {
+        PyErr_Format(PyExc_ValueError,
+                     "new_out/xor_out (%zd/%zd bytes) must hold %zd elements of %zd bytes",
+                     nv->len, xv->len, cap, width);
+        goto fail;
+    }
+    if (cap == 0 && start < n) {
+        PyErr_SetString(PyExc_ValueError, "pos_out has no room (capacity 0)");
+        goto fail;
+    }
+    {
+        const char *po = old->buf, *pn = new->buf;
+        char *pp = pos->buf, *pv = nv ? nv->buf : NULL, *px = xv ? xv->buf : NULL;
+        Py_BEGIN_ALLOW_THREADS;
+        switch (width) {
+        case 1: count = diff_1(po, pn, n, start, pp, pv, px, cap, &resume); break;
+        case 2: count = diff_2(po, pn, n, start, pp, pv, px, cap, &resume); break;
+        case 4: count = diff_4(po, pn, n, start, pp, pv, px, cap, &resume); break;
+        default: count = diff_8(po, pn, n, start, pp, pv, px, cap, &resume); break;
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    release_all(&b);
+    return Py_BuildValue("nn", count, resume);
+fail:
+    release_all(&b);
+    return NULL;
+}
+
+/* ----------------------------------------------------------------------------- patch kernel */
+
+#define DEFINE_PATCH(T, W)                                                                    \
+    static void patch_##W(char *flat, const char *pos, const char *vals, char *old,           \
+                          Py_ssize_t k, int is_xor) {                                         \
+        for (Py_ssize_t j = 0; j < k; j++) {                                                  \
+            int64_t p;                                                                        \
+            T cur, v;                                                                         \
+            memcpy(&p, pos + j * 8, 8);                                                       \
+            memcpy(&cur, flat + p * (W), (W));                                                \
+            memcpy(&v, vals + j * (W), (W));                                                  \
+            if (old) {                                                                        \
+                memcpy(old + j * (W), &cur, (W));                                             \
+            }                                                                                 \
+            cur = is_xor ? (T)(cur ^ v) : v;                                                  \
+            memcpy(flat + p * (W), &cur, (W));                                                \
+        }                                                                                     \
+    }
+
+DEFINE_PATCH(uint8_t, 1)
+DEFINE_PATCH(uint16_t, 2)
+DEFINE_PATCH(uint32_t, 4)
+DEFINE_PATCH(uint64_t, 8)
+
+/* Index of the first position outside [0, n), or -1 when all are inside. */
+static Py_ssize_t first_out_of_bounds(const char *pos, Py_ssize_t k, Py_ssize_t n,
+                                      int64_t *bad) {
+    for (Py_ssize_t j = 0; j < k; j++) {
+        int64_t p;
+        memcpy(&p, pos + j * 8, 8);
+        if ((uint64_t)p >= (uint64_t)n) {
+            *bad = p;
+            return j;
+        }
+    }
+    return -1;
+}
+
+static PyObject *patch(PyObject *args, int is_xor) {
+    PyObject *flat_o, *pos_o, *val_o, *old_o;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, is_xor ? "OnOOO:xor_patch" : "OnOOO:set_patch", &flat_o, &width,
+                          &pos_o, &val_o, &old_o)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *flat, *pos, *vals, *old = NULL;
+    Py_ssize_t n, k, bad_at = -1;
+    int64_t bad = 0;
+    if (!(flat = acquire(&b, flat_o, "flat", 1)) || !(pos = acquire(&b, pos_o, "positions", 0)) ||
+        !(vals = acquire(&b, val_o, "values", 0))) {
+        goto fail;
+    }
+    if (old_o != Py_None && !(old = acquire(&b, old_o, "old_out", 1))) {
+        goto fail;
+    }
+    if ((n = elements(flat, width, "flat")) < 0) {
+        goto fail;
+    }
+    if (pos->len % 8) {
+        PyErr_Format(PyExc_ValueError, "positions is %zd bytes, not a whole number of int64",
+                     pos->len);
+        goto fail;
+    }
+    k = pos->len / 8;
+    if (vals->len != k * width) {
+        PyErr_Format(PyExc_ValueError, "values is %zd bytes, want %zd (%zd positions of %zd)",
+                     vals->len, k * width, k, width);
+        goto fail;
+    }
+    if (old && old->len < k * width) {
+        PyErr_Format(PyExc_ValueError, "old_out is %zd bytes, want at least %zd", old->len,
+                     k * width);
+        goto fail;
+    }
+    {
+        char *pf = flat->buf, *pold = old ? old->buf : NULL;
+        const char *pp = pos->buf, *pv = vals->buf;
+        Py_BEGIN_ALLOW_THREADS;
+        bad_at = first_out_of_bounds(pp, k, n, &bad);
+        if (bad_at < 0) {
+            switch (width) {
+            case 1: patch_1(pf, pp, pv, pold, k, is_xor); break;
+            case 2: patch_2(pf, pp, pv, pold, k, is_xor); break;
+            case 4: patch_4(pf, pp, pv, pold, k, is_xor); break;
+            default: patch_8(pf, pp, pv, pold, k, is_xor); break;
+            }
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    if (bad_at >= 0) {
+        PyErr_Format(PyExc_IndexError, "positions[%zd] = %lld is outside a tensor of %zd elements",
+                     bad_at, (long long)bad, n);
+        goto fail;
+    }
+    release_all(&b);
+    Py_RETURN_NONE;
+fail:
+    release_all(&b);
+    return NULL;
+}
+
+static PyObject *xor_patch(PyObject *self, PyObject *args) { return patch(args, 1); }
+
+static PyObject *set_patch(PyObject *self, PyObject *args) { return patch(args, 0); }
+
+/* ---------------------------------------------------------------------------- Elias-Fano */
+
+#if defined(__GNUC__) || defined(__clang__)
+#define POPCOUNT64(x) ((Py_ssize_t)__builtin_popcountll(x))
+#define CTZ64(x) ((unsigned)__builtin_ctzll(x))
+#else
+static Py_ssize_t POPCOUNT64(uint64_t x) {
+    x = x - ((x >> 1) & 0x5555555555555555ULL);
+    x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+    return (Py_ssize_t)((x * 0x0101010101010101ULL) >> 56);
+}
+static unsigned CTZ64(uint64_t x) { /* x != 0 */
+    unsigned c = 0;
+    while (!(x & 1)) {
+        x >>= 1;
+        c++;
+    }
+    return c;
+}
+#endif
+
+/* The payload is a little-endian bit stream whatever the host's byte order. */
+static uint64_t load_le64(const unsigned char *p) {
+#if PY_LITTLE_ENDIAN
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+#else
+    uint64_t v = 0;
+    for (int k = 7; k >= 0; k--) {
+        v = (v << 8) | p[k];
+    }
+    return v;
+#endif
+}
+
+/* The `len` (< 8) bytes at p as the low bytes of a word, the rest zero. */
+static uint64_t load_le_tail(const unsigned char *p, Py_ssize_t len) {
+    uint64_t v = 0;
+    for (Py_ssize_t k = 0; k < len; k++) {
+        v |= (uint64_t)p[k] << (8 * k);
+    }
+    return v;
+}
+
+static void store_le64(unsigned char *p, uint64_t v) {
+#if PY_LITTLE_ENDIAN
+    memcpy(p, &v, 8);
+#else
+    for (int k = 0; k < 8; k++) {
+        p[k] = (unsigned char)(v >> (8 * k));
+    }
+#endif
+}
+
+typedef struct {
+    Py_ssize_t low_len, high_len; /* bytes of the low part and of the high bitvector */
+    uint64_t low_bits, high_bits; /* bits of each */
+} EfLayout;
+
+/* The payload layout for n positions in [0, numel) with L low bits; -1 with an exception when
+ * an argument is out of range or the payload could not be addressed. */
+static int ef_layout(Py_ssize_t n, Py_ssize_t numel, int L, EfLayout *lay) {
+    if (n < 0 || numel < 0) {
+        PyErr_Format(PyExc_ValueError, "n (%zd) and numel (%zd) must be >= 0", n, numel);
+        return -1;
+    }
+    if (L < 0 || L > 63) {
+        PyErr_Format(PyExc_ValueError, "low_bits must be in [0, 63], not %d", L);
+        return -1;
+    }
+    if (L && (uint64_t)n > UINT64_MAX / (uint64_t)L) {
+        PyErr_SetString(PyExc_OverflowError, "Elias-Fano low part too large");
+        return -1;
+    }
+    lay->low_bits = (uint64_t)n * (uint64_t)L;
+    lay->high_bits = (uint64_t)n + ((uint64_t)numel >> L) + 1; /* both < 2**63: no wrap */
+    uint64_t low_len = lay->low_bits / 8 + (lay->low_bits % 8 != 0);
+    uint64_t high_len = lay->high_bits / 8 + (lay->high_bits % 8 != 0);
+    if (low_len > (uint64_t)PY_SSIZE_T_MAX || high_len > (uint64_t)PY_SSIZE_T_MAX - low_len) {
+        PyErr_SetString(PyExc_OverflowError, "Elias-Fano payload too large");
+        return -1;
+    }
+    lay->low_len = (Py_ssize_t)low_len;
+    lay->high_len = (Py_ssize_t)high_len;
+    return 0;
+}
+
+/* Encode n int64 positions into low (lay->low_len bytes) and high (lay->high_len bytes).
+ * Returns -1, or the index of the first position that is not strictly increasing within
+ * [0, numel) (its value in *bad; the output is then incomplete). */
+static Py_ssize_t ef_pack(const char *pos, Py_ssize_t n, uint64_t numel, int L,
+                          const EfLayout *lay, unsigned char *low, unsigned char *high,
+                          int64_t *bad) {
+    const uint64_t mask = ((uint64_t)1 << L) - 1; /* L <= 63 */
+    uint64_t acc = 0;                              /* low bits not yet stored */
+    unsigned fill = 0;                             /* how many (< 64) */
+    int64_t prev = -1;
+    memset(high, 0, (size_t)lay->high_len);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int64_t p;
+        memcpy(&p, pos + j * 8, 8);
+        if (p <= prev || (uint64_t)p >= numel) {
+            *bad = p;
+            return j;
+        }
+        prev = p;
+        const uint64_t v = (uint64_t)p & mask;
+        acc |= v << fill;
+        fill += (unsigned)L;
+        if (fill >= 64) { /* the word is full: store it, keep v's bits that did not fit */
+            store_le64(low, acc);
+            low += 8;
+            fill -= 64;
+            acc = v >> (L - fill); /* L - fill = 64 - old fill, in [1, 63] as L <= 63 */
+        }
+        const uint64_t bit = ((uint64_t)p >> L) + (uint64_t)j; /* < lay->high_bits */
+        high[bit >> 3] |= (unsigned char)(1u << (bit & 7));
+    }
+    for (; fill > 0; fill = fill > 8 ? fill - 8 : 0) {
+        *low++ = (unsigned char)acc;
+        acc >>= 8;
+    }
+    return -1;
+}
+
+enum { EF_OK, EF_LOW_TAIL, EF_HIGH_TAIL, EF_COUNT, EF_ORDER };
+
+/* Decode into out (n int64). Never reads or writes outside the given lengths, whatever the
+ * bytes (even if they change meanwhile). *count: set bits of the high part (for EF_COUNT). */
+static int ef_unpack(const unsigned char *low, const unsigned char *high, const EfLayout *lay,
+                     Py_ssize_t n, uint64_t numel, int L, char *out, Py_ssize_t *count) {
+    const unsigned low_tail = (unsigned)(lay->low_bits % 8);
+    const unsigned high_tail = (unsigned)(lay->high_bits % 8);
+    if (low_tail && low[lay->low_len - 1] >> low_tail) {
+        return EF_LOW_TAIL;
+    }
+    if (high_tail && high[lay->high_len - 1] >> high_tail) {
+        return EF_HIGH_TAIL;
+    }
+    const Py_ssize_t words = lay->high_len / 8, tail = lay->high_len % 8;
+    Py_ssize_t c = 0;
+    for (Py_ssize_t w = 0; w < words; w++) {
+        c += POPCOUNT64(load_le64(high + w * 8));
+    }
+    c += POPCOUNT64(load_le_tail(high + words * 8, tail));
+    *count = c;
+    if (c != n) {
+        return EF_COUNT;
+    }
+    const uint64_t mask = ((uint64_t)1 << L) - 1, top = numel >> L;
+    const unsigned char *src = low, *src_end = low + lay->low_len;
+    uint64_t acc = 0, prev = 0; /* acc: the next `have` low bits, already loaded */
+    unsigned have = 0;
+    Py_ssize_t i = 0;
+    for (Py_ssize_t w = 0; w <= words; w++) {
+        uint64_t word = w < words ? load_le64(high + w * 8) : load_le_tail(high + w * 8, tail);
+        while (word) {
+            const uint64_t hi = (uint64_t)w * 64 + CTZ64(word) - (uint64_t)i;
+            word &= word - 1;
+            if (i >= n) {
+                return EF_COUNT; /* the buffer changed since it was counted */
+            }
+            uint64_t lo = 0;
+            if (have >= (unsigned)L) {
+                lo = acc & mask;
+                acc = L ? acc >> L : acc; /* have >= L; L <= 63 */
+                have -= (unsigned)L;
+            } else { /* have < L: take the rest from the next (zero-padded) word */
+                uint64_t next;
+                if (src_end - src >= 8) {
+                    next = load_le64(src);
+                    src += 8;
+                } else {
+                    next = load_le_tail(src, src_end - src);
+                    src = src_end;
+                }
+                const unsigned need = (unsigned)L - have; /* in [1, 63] */
+                lo = (acc | next << have) & mask;
+                acc = next >> need;
+                have = 64 - need;
+            }
+            if (hi > top) { /* then (hi << L) >= numel, and the shift could overflow */
+                return EF_ORDER;
+            }
+            const uint64_t p = hi << L | lo;
+            if (p >= numel || (i > 0 && p <= prev)) {
+                return EF_ORDER;
+            }
+            const int64_t sp = (int64_t)p;
+            memcpy(out + i * 8, &sp, 8);
+            prev = p;
+            i++;
+        }
+    }
+    return i == n ? EF_OK : EF_COUNT;
+}
+
+static PyObject *ef_encode(PyObject *self, PyObject *args) {
+    PyObject *pos_o, *out = NULL;
+    Py_ssize_t numel, n, bad_at = -1;
+    int L;
+    int64_t bad = 0;
+    EfLayout lay;
+    if (!PyArg_ParseTuple(args, "Oni:ef_encode", &pos_o, &numel, &L)) {
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *pos;
+    if (!(pos = acquire(&b, pos_o, "positions", 0))) {
+        goto fail;
+    }
+    if (pos->len % 8) {
+        PyErr_Format(PyExc_ValueError, "positions is %zd bytes, not a whole number of int64",
+                     pos->len);
+        goto fail;
+    }
+    n = pos->len / 8;
+    if (ef_layout(n, numel, L, &lay) < 0) {
+        goto fail;
+    }
+    if (!(out = PyBytes_FromStringAndSize(NULL, lay.low_len + lay.high_len))) {
+        goto fail;
+    }
+    {
+        unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+        const char *pp = pos->buf;
+        Py_BEGIN_ALLOW_THREADS;
+        bad_at = ef_pack(pp, n, (uint64_t)numel, L, &lay, dst, dst + lay.low_len, &bad);
+        Py_END_ALLOW_THREADS;
+    }
+    if (bad_at >= 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "positions[%zd] = %lld: positions must be strictly increasing within "
+                     "[0, %zd)",
+                     bad_at, (long long)bad, numel);
+        goto fail;
+    }
+    release_all(&b);
+    return out;
+fail:
+    Py_XDECREF(out);
+    release_all(&b);
+    return NULL;
+}
+
+static PyObject *ef_decode(PyObject *self, PyObject *args) {
+    PyObject *pay_o, *out_o;
+    Py_ssize_t n, numel, count = 0;
+    int L, err;
+    EfLayout lay;
+    if (!PyArg_ParseTuple(args, "OnniO:ef_decode", &pay_o, &n, &numel, &L, &out_o)) {
+        return NULL;
+    }
+    if (ef_layout(n, numel, L, &lay) < 0) {
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *pay, *out;
+    if (!(pay = acquire(&b, pay_o, "payload", 0)) ||
+        !(out = acquire(&b, out_o, "out_positions", 1))) {
+        goto fail;
+    }
+    if (pay->len != lay.low_len + lay.high_len) {
+        PyErr_Format(PyExc_ValueError, "positions blob is %zd bytes, want %zd", pay->len,
+                     lay.low_len + lay.high_len);
+        goto fail;
+    }
+    if (out->len / 8 != n || out->len % 8) {
+        PyErr_Format(PyExc_ValueError, "out_positions is %zd bytes, want %zd int64", out->len, n);
+        goto fail;
+    }
+    {
+        const unsigned char *pl = pay->buf;
+        char *po = out->buf;
+        Py_BEGIN_ALLOW_THREADS;
+        err = ef_unpack(pl, pl + lay.low_len, &lay, n, (uint64_t)numel, L, po, &count);
+        Py_END_ALLOW_THREADS;
+    }
+    switch (err) {
+    case EF_OK: release_all(&b); Py_RETURN_NONE;
+    case EF_LOW_TAIL:
+        PyErr_Format(PyExc_ValueError, "Elias-Fano low part has bits set past its %llu bits",
+                     (unsigned long long)lay.low_bits);
+        break;
+    case EF_HIGH_TAIL:
+        PyErr_Format(PyExc_ValueError, "Elias-Fano high part has bits set past its %llu bits",
+                     (unsigned long long)lay.high_bits);
+        break;
+    case EF_COUNT:
+        PyErr_Format(PyExc_ValueError, "Elias-Fano high bits hold %zd positions, want %zd",
+                     count, n);
+        break;
+    default:
+        PyErr_Format(PyExc_ValueError, "positions not strictly increasing within [0, %zd)",
+                     numel);
+        break;
+    }
+fail:
+    release_all(&b);
+    return NULL;
+}
+
+/* --------------------------------------------------------------------------------- module */
+
+static PyMethodDef methods[] = {
+    {"diff_extract", diff_extract, METH_VARARGS,
+     "diff_extract(old, new, width, start, pos_out, new_out, xor_out) -> (count, next_start)\n\n"
+     "Write the int64 index, new element and old^new of each differing element from `start`\n"
+     "until the outputs (capacity len(pos_out) // 8) are full or the end is reached."},
+    {"xor_patch", xor_patch, METH_VARARGS,
+     "xor_patch(flat, width, positions, values, old_out) -> None\n\n"
+     "old_out[k] = flat[pos[k]] (unless None); flat[pos[k]] ^= values[k]. Bounds-checked first."},
+    {"set_patch", set_patch, METH_VARARGS,
+     "set_patch(flat, width, positions, values, old_out) -> None\n\n"
+     "old_out[k] = flat[pos[k]] (unless None); flat[pos[k]] = values[k]. Bounds-checked first."},
+    {"ef_encode", ef_encode, METH_VARARGS,
+     "ef_encode(positions, numel, low_bits) -> bytes\n\n"
+     "The uncompressed Elias-Fano payload of strictly increasing int64 positions in [0, numel)."},
+    {"ef_decode", ef_decode, METH_VARARGS,
+     "ef_decode(payload, n, numel, low_bits, out_positions) -> None\n\n"
+     "Decode an Elias-Fano payload into n int64 positions; ValueError if it is not valid."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "asyncsync.codec._native",
+    .m_doc = "Fused diff and patch kernels and Elias-Fano coding over the buffer protocol.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

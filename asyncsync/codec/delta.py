@@ -1,0 +1,258 @@
+"""Encoding and decoding one tensor's change (the four encodings of :mod:`asyncsync.codec`).
+
+Decoding validates everything and raises :class:`~asyncsync.errors.FormatError` on any
+inconsistency; decompressed sizes are known in advance, so a hostile blob cannot make the
+decoder allocate more than the tensor's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import zstandard
+from numpy.typing import NDArray
+
+from asyncsync.codec import ef
+from asyncsync.codec.patch import Patch
+from asyncsync.codec.views import _NP_BY_WIDTH, _WIDTH_BY_INT, gather
+from asyncsync.errors import ConfigError, FormatError
+from asyncsync.format.names import DEFAULT_ENCODING, ENCODINGS
+
+__all__ = [
+    "DEFAULT_ENCODING",
+    "DENSE_THRESHOLD",
+    "ENCODINGS",
+    "EncodedDelta",
+    "decode_delta",
+    "encode_delta",
+    "encoded_size",
+]
+
+# xef sends dense (no positions, the whole-tensor XOR) when changed/numel exceeds this. Measured
+# (docs/CODEC.md): sparse is smaller below ~0.8 for bf16 Adam steps and ~0.99 for fp32 or random
+# bytes, as dense pays for the zero pattern once per byte plane. Above 0.8 dense costs at most
+# ~5 % more (nothing at 100 %) and skips the gather and Elias-Fano work, which dominate there.
+DENSE_THRESHOLD = 0.8
+_GAP_DTYPES: dict[int, np.dtype[Any]] = {w: np.dtype(f"<u{w}") for w in (2, 4, 8)}
+_INDEX32_MAX = 2**31 - 1
+_EF_ZSTD = 0x80
+_EF_ZSTD_LEVEL = 1
+_DELTAS_ZSTD_LEVEL = 1
+
+_Int64Array = NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class EncodedDelta:
+    """One tensor's encoded change; ``mode == "dense"``: no positions, values cover all elements."""
+
+    encoding: str
+    mode: Literal["sparse", "dense"]
+    changed: int
+    positions: bytes
+    values: bytes
+    raw_bytes: int  # positions + values before any compression (for metrics)
+
+
+def encode_delta(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    positions: torch.Tensor,
+    encoding: str = DEFAULT_ENCODING,
+    *,
+    level: int = 3,
+    values: torch.Tensor | None = None,
+    xor: torch.Tensor | None = None,
+) -> EncodedDelta:
+    """Encode the change ``old -> new`` (int views) at ``positions`` (from changed_positions).
+
+    ``values`` (``new`` at ``positions``) and ``xor`` (``old ^ new`` there), as a
+    :class:`Change` from :func:`diff_tensors` holds them, spare the gathers when given; the
+    result is byte-identical either way.
+    """
+    _check_encoding(encoding)
+    if old.dtype != new.dtype or old.dtype not in _WIDTH_BY_INT:
+        raise ConfigError(f"old/new must be int views of one dtype, got {old.dtype}, {new.dtype}")
+    if old.dim() != 1 or new.shape != old.shape:
+        raise ConfigError(f"old/new must be 1-D of equal length, got {old.shape}, {new.shape}")
+    if positions.dtype != torch.int64 or positions.dim() != 1:
+        raise ConfigError(f"positions must be 1-D int64, got {positions.dtype}{positions.shape}")
+    if not zstandard.MAX_COMPRESSION_LEVEL >= level >= -(1 << 17):
+        raise ConfigError(f"zstd level {level} out of range")
+    numel, n, width = old.numel(), positions.numel(), old.element_size()
+    if n == 0:
+        return EncodedDelta(encoding, "sparse", 0, b"", b"", 0)
+    if n > numel:
+        raise ConfigError(f"{n} positions for a tensor of {numel} elements")
+    for what, given in (("values", values), ("xor", xor)):
+        if given is not None and (given.dtype != old.dtype or given.shape != positions.shape):
+            raise ConfigError(f"{what} must be {old.dtype}[{n}], got {given.dtype}{given.shape}")
+    if encoding == "xef" and n > DENSE_THRESHOLD * numel:
+        dense = torch.bitwise_xor(new, old)
+        n = int(torch.count_nonzero(dense))  # exact even if positions held unchanged elements
+        return EncodedDelta(encoding, "dense", n, b"", _zstd(_planes(dense), level), numel * width)
+    pos = positions.to(old.device)
+    idx: _Int64Array = np.ascontiguousarray(positions.cpu().numpy(), dtype=np.int64)
+    if encoding == "xef":
+        pblob, praw = _ef_encode(idx, numel)  # checks the positions (ConfigError)
+        if xor is None:
+            xor = torch.bitwise_xor(gather(new, pos, idx), gather(old, pos, idx))
+        vblob = _zstd(_planes(xor), level)
+        return EncodedDelta(encoding, "sparse", n, pblob, vblob, praw + n * width)
+    if idx[0] < 0 or idx[-1] >= numel or not bool(np.all(idx[1:] > idx[:-1])):
+        raise ConfigError("positions must be strictly increasing and within the tensor")
+    if values is None:
+        values = gather(new, pos, idx)
+    vblob = values.cpu().numpy().astype(_NP_BY_WIDTH[width], copy=False).tobytes()
+    if encoding == "indices":
+        pblob = idx.astype("<i4" if numel <= _INDEX32_MAX else "<i8").tobytes()
+        return EncodedDelta(encoding, "sparse", n, pblob, vblob, len(pblob) + len(vblob))
+    gaps = np.diff(idx, prepend=-1) - 1
+    top = int(gaps.max())
+    gwidth = 2 if top <= 0xFFFF else 4 if top <= 0xFFFF_FFFF else 8
+    pblob = gaps.astype(_GAP_DTYPES[gwidth]).tobytes()
+    raw = len(pblob) + len(vblob)
+    if encoding == "deltas_zstd":
+        pblob = _zstd(pblob, _DELTAS_ZSTD_LEVEL)
+    return EncodedDelta(encoding, "sparse", n, pblob, vblob, raw)
+
+
+def decode_delta(
+    encoding: str,
+    mode: str,
+    positions: bytes,
+    values: bytes,
+    *,
+    changed: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> Patch:
+    """Decode one encoded delta into a CPU :class:`Patch` for an int view of ``dtype``.
+
+    Raises ConfigError for an unknown encoding or a non-int-view dtype, FormatError for
+    anything in the blobs (or mode/changed/numel) that is inconsistent.
+    """
+    _check_encoding(encoding)
+    width = _WIDTH_BY_INT.get(dtype)
+    if width is None:
+        raise ConfigError(f"dtype must be an int-view dtype (uint8/int16/int32/int64), got {dtype}")
+    if numel < 0 or not 0 <= changed <= numel:
+        raise FormatError(f"changed={changed} impossible for numel={numel}")
+    op: Literal["set", "xor"] = "xor" if encoding == "xef" else "set"
+    if mode == "dense":
+        if encoding != "xef" or positions:
+            raise FormatError(f"dense mode is only for xef and has no positions ({encoding})")
+        xor = _unplanes(_unzstd(values, (numel * width,), "dense values"), numel, width)
+        if int(torch.count_nonzero(xor)) != changed:
+            raise FormatError(f"dense values change {int(torch.count_nonzero(xor))}, not {changed}")
+        return Patch(op, None, xor)
+    if mode != "sparse":
+        raise FormatError(f"unknown mode {mode!r}")
+    if changed == 0:
+        if positions or values:
+            raise FormatError("changed == 0 but the blobs are not empty")
+        return Patch(op, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype))
+    if encoding == "xef":
+        idx = _ef_decode(positions, changed, numel)
+        vals = _unplanes(_unzstd(values, (changed * width,), "values"), changed, width)
+    else:
+        idx = _baseline_positions(encoding, positions, changed, numel)
+        if len(values) != changed * width:
+            raise FormatError(f"values blob is {len(values)} bytes, want {changed * width}")
+        vals = torch.from_numpy(np.frombuffer(values, _NP_BY_WIDTH[width]).copy())
+    return Patch(op, torch.from_numpy(idx), vals)
+
+
+def encoded_size(enc: EncodedDelta) -> int:
+    """Wire bytes of ``enc``: positions plus values."""
+    return len(enc.positions) + len(enc.values)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_encoding(encoding: str) -> None:
+    if encoding not in ENCODINGS:
+        raise ConfigError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
+
+
+def _zstd(data: bytes | memoryview, level: int) -> bytes:
+    return zstandard.ZstdCompressor(level=level).compress(data)
+
+
+def _unzstd(blob: bytes, sizes: tuple[int, ...], what: str) -> bytes:
+    """Decompress one zstd frame whose declared content size must be one of ``sizes``."""
+    try:
+        declared = zstandard.frame_content_size(blob)
+        if declared not in sizes:  # also rejects frames of unknown size (-1): unbounded
+            raise FormatError(f"{what}: zstd frame declares {declared} bytes, want {sizes}")
+        out = zstandard.ZstdDecompressor().decompress(blob) if declared else b""
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{what}: corrupt zstd data: {exc}") from exc
+    if len(out) != declared:
+        raise FormatError(f"{what}: decompressed {len(out)} bytes, frame declares {declared}")
+    return out
+
+
+def _planes(v: torch.Tensor) -> memoryview:
+    """A 1-D int tensor's bytes as byte planes (all byte 0s, then all byte 1s, ...), on CPU."""
+    width, u8 = v.element_size(), v.contiguous().view(torch.uint8)
+    if width > 1:  # one strided copy per plane: several times faster than a transpose copy
+        planes = torch.empty((width, v.numel()), dtype=torch.uint8, device=v.device)
+        for k in range(width):
+            planes[k].copy_(u8[k::width])
+        u8 = planes.view(-1)
+    return u8.cpu().numpy().data
+
+
+def _unplanes(raw: bytes, n: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`_planes`: an owned, writable (n,) tensor of the int-view dtype."""
+    src = np.frombuffer(raw, np.uint8)
+    out = np.empty(n * width, dtype=np.uint8)
+    for k in range(width):
+        out[k::width] = src[k * n : (k + 1) * n]
+    return torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
+
+
+def _ef_encode(idx: _Int64Array, numel: int) -> tuple[bytes, int]:
+    """The xef positions blob of sorted ``idx``, and the size of its uncompressed payload."""
+    payload, low_bits = ef.encode(idx, numel)
+    packed = _zstd(payload, _EF_ZSTD_LEVEL)
+    if len(packed) < len(payload):
+        return bytes([low_bits | _EF_ZSTD]) + packed, len(payload)
+    return bytes([low_bits]) + payload, len(payload)
+
+
+def _ef_decode(blob: bytes, n: int, numel: int) -> _Int64Array:
+    """The ``n`` positions of an xef positions blob (FormatError if it is not valid)."""
+    low_bits = ef.low_bits(n, numel)
+    if not blob or blob[0] & ~_EF_ZSTD != low_bits:
+        raise FormatError(f"Elias-Fano header {blob[:1]!r} does not match L={low_bits}")
+    payload: bytes | memoryview = memoryview(blob)[1:]
+    if blob[0] & _EF_ZSTD:
+        payload = _unzstd(blob[1:], (sum(ef.sizes(n, numel, low_bits)),), "positions")
+    return ef.decode(payload, n, numel)
+
+
+def _baseline_positions(encoding: str, blob: bytes, n: int, numel: int) -> _Int64Array:
+    if encoding == "deltas_zstd":
+        blob = _unzstd(blob, (2 * n, 4 * n, 8 * n), "positions")
+    width, rest = divmod(len(blob), n)
+    if rest or width not in ((4, 8) if encoding == "indices" else (2, 4, 8)):
+        raise FormatError(f"{encoding} positions blob of {len(blob)} bytes for {n} positions")
+    if encoding == "indices":
+        idx: _Int64Array = np.frombuffer(blob, f"<i{width}").astype(np.int64)
+        _check_increasing(idx, numel)
+        return idx
+    steps = np.frombuffer(blob, _GAP_DTYPES[width]).astype(np.uint64) + np.uint64(1)
+    upos = np.cumsum(steps, dtype=np.uint64) - np.uint64(1)  # a uint64 wrap shows as a decrease
+    _check_increasing(upos, numel)
+    return upos.astype(np.int64)
+
+
+def _check_increasing(idx: NDArray[Any], numel: int) -> None:
+    if idx[0] < 0 or idx[-1] >= numel or not bool(np.all(idx[1:] > idx[:-1])):
+        raise FormatError(f"positions not strictly increasing within [0, {numel})")

@@ -1,0 +1,62 @@
+"""The one switch between the C kernels and the NumPy fallback, and the diff kernel's driver.
+
+``kernels`` is the optional extension ``asyncsync.codec._native`` (``asyncsync/codec/_native.c``),
+or None when it did not build or ``ASYNCSYNC_NATIVE=0`` is set. Every user (:mod:`asyncsync.codec`,
+:mod:`asyncsync.codec.ef`) reads ``native.kernels`` at call time, so setting it to None (as the
+tests do) sends all of them down the NumPy path, whose results are byte-identical.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["diff", "kernels", "load"]
+
+
+def load() -> Any:
+    """``asyncsync.codec._native``, or None if disabled (``ASYNCSYNC_NATIVE=0``) or not built."""
+    if os.environ.get("ASYNCSYNC_NATIVE", "1").strip() == "0":
+        return None
+    try:
+        return importlib.import_module("asyncsync.codec._native")
+    except ImportError:
+        return None
+
+
+kernels: Any = load()
+
+
+def diff(old: NDArray[Any], new: NDArray[Any], values: bool) -> list[NDArray[Any]]:
+    """Where 1-D int arrays ``old`` and ``new`` differ, by the C kernel (which must be loaded):
+    [positions (int64), new values there, ``old ^ new`` there], or [positions] only.
+
+    The outputs start at ``max(1024, numel // 16)`` elements (room for 6 % changed) and grow
+    from where the kernel stopped, by the rate seen so far; they are trimmed in place at the end.
+    """
+    cap = _initial_capacity(old.size)
+    outs = [np.empty(cap, np.int64)]
+    if values:
+        outs += [np.empty(cap, old.dtype), np.empty(cap, old.dtype)]
+    count, start = 0, 0
+    while start < old.size:
+        if count == cap:  # full before the end: grow by the rate of change seen so far
+            guess = count + int((old.size - start) * count / max(1, start) * 1.25)
+            cap = min(old.size, max(2 * cap, 1, guess))
+            outs = [np.concatenate([a, np.empty(cap - count, a.dtype)]) for a in outs]
+        tails = [a[count:] for a in outs] + ([] if values else [None, None])
+        got, start = kernels.diff_extract(old, new, old.itemsize, start, *tails)
+        del tails  # no views may remain when the arrays are resized below
+        count += got
+    for a in outs:
+        a.resize(count, refcheck=False)  # realloc in place: frees the unused capacity
+    return outs
+
+
+def _initial_capacity(numel: int) -> int:
+    """Output slots :func:`diff` starts with (tests shrink it to exercise the growth)."""
+    return min(numel, max(1024, numel // 16))

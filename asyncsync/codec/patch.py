@@ -1,0 +1,100 @@
+"""Patches: a decoded delta applied in place to a flat int view (``set`` or ``xor``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from asyncsync.codec import native
+from asyncsync.codec.views import gather
+from asyncsync.errors import ConfigError
+
+__all__ = ["Patch", "apply_patch"]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A decoded delta. ``set``: ``flat[pos] = values``; ``xor``: ``flat[pos] ^= values``.
+
+    ``positions`` is sorted int64, or ``None`` for every element (dense); ``values`` has the
+    target's int-view dtype.
+    """
+
+    op: Literal["set", "xor"]
+    positions: torch.Tensor | None
+    values: torch.Tensor
+
+
+def apply_patch(flat: torch.Tensor, patch: Patch, *, old_out: torch.Tensor | None = None) -> None:
+    """Apply ``patch`` in place to ``flat`` (a 1-D int view, on any device).
+
+    ``old_out``: first save there the values the patch overwrites: ``flat[positions]`` (one per
+    position) or, for a dense patch, all of ``flat``; it must have ``flat``'s dtype. On CPU with
+    the native kernel a sparse patch saves and patches in one pass.
+    """
+    if flat.dim() != 1 or flat.dtype != patch.values.dtype:
+        raise ConfigError(
+            f"patch of {patch.values.dtype} cannot apply to {flat.dtype}{list(flat.shape)}"
+        )
+    if patch.op not in ("set", "xor"):
+        raise ConfigError(f"unknown patch op {patch.op!r}")
+    pos, values = patch.positions, patch.values.to(flat.device)
+    want = flat.numel() if pos is None else pos.numel()
+    if old_out is not None and (old_out.dtype != flat.dtype or old_out.shape != (want,)):
+        raise ConfigError(
+            f"old_out must be {flat.dtype}[{want}], got {old_out.dtype}{old_out.shape}"
+        )
+    if pos is None:
+        if values.numel() != flat.numel():
+            raise ConfigError(f"dense patch of {values.numel()} values for {flat.numel()}")
+        if old_out is not None:
+            old_out.copy_(flat)
+        if patch.op == "set":
+            flat.copy_(values)
+        else:
+            flat.bitwise_xor_(values)
+        return
+    if pos.numel() != values.numel():
+        raise ConfigError(f"{pos.numel()} positions but {values.numel()} values")
+    if pos.numel() == 0:
+        return
+    if pos.device.type == "cpu" and int(pos[-1]) >= flat.numel():
+        raise ConfigError(f"position {int(pos[-1])} outside a tensor of {flat.numel()}")
+    if native.kernels is not None and _native_patch(flat, patch.op, pos, values, old_out):
+        return
+    if old_out is not None:
+        old_out.copy_(gather(flat, pos))
+    if flat.device.type == "cpu":  # NumPy fancy indexing: no intra-op thread pool to contend on
+        arr, idx, vals = flat.numpy(), pos.numpy(), values.numpy()
+        if patch.op == "set":
+            arr[idx] = vals
+        else:
+            arr[idx] ^= vals
+        return
+    pos = pos.to(flat.device)
+    if patch.op == "set":
+        flat.index_copy_(0, pos, values)
+    else:
+        flat.index_put_((pos,), flat.index_select(0, pos).bitwise_xor_(values))
+
+
+def _native_patch(
+    flat: torch.Tensor, op: str, pos: torch.Tensor, values: torch.Tensor, old: torch.Tensor | None
+) -> bool:
+    """Save-and-patch in the C kernel; False (nothing done) when a tensor does not suit it."""
+    tensors = (flat, pos, values) if old is None else (flat, pos, values, old)
+    if pos.dtype != torch.int64 or any(
+        t.device.type != "cpu" or not t.is_contiguous() for t in tensors
+    ):
+        return False
+    kernel = native.kernels.set_patch if op == "set" else native.kernels.xor_patch
+    kernel(
+        flat.numpy(),
+        flat.element_size(),
+        pos.numpy(),
+        values.numpy(),
+        None if old is None else old.numpy(),
+    )
+    return True

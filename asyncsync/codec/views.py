@@ -1,0 +1,54 @@
+"""Int views: a tensor's bytes seen as the integer dtype of the same width, and gathers.
+
+Every diff, encoding and patch works on int views, so a delta is bitwise exact for every dtype
+(NaN payloads, ``-0.0``, float8 and bool included) and float values are never compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from asyncsync.errors import ConfigError
+
+__all__ = ["gather", "int_view"]
+
+_INT_BY_WIDTH: dict[int, torch.dtype] = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}
+_WIDTH_BY_INT: dict[torch.dtype, int] = {v: k for k, v in _INT_BY_WIDTH.items()}
+_NP_BY_WIDTH: dict[int, np.dtype[Any]] = {w: np.dtype(f"<i{w}") for w in (2, 4, 8)}
+_NP_BY_WIDTH[1] = np.dtype(np.uint8)
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat 1-D contiguous view of ``t``'s bytes as the integer dtype of the same element width.
+
+    1 byte -> uint8, 2 -> int16, 4 -> int32, 8 -> int64. Copies only when ``t`` is not
+    contiguous; stays on ``t``'s device. A 0-d tensor gives one element.
+    """
+    target = _INT_BY_WIDTH.get(t.element_size())
+    if target is None:
+        raise ConfigError(f"no integer view for {t.dtype} ({t.element_size()}-byte elements)")
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    return flat if flat.dtype == target else flat.view(target)
+
+
+def gather(
+    flat: torch.Tensor, positions: torch.Tensor, idx: NDArray[np.int64] | None = None
+) -> torch.Tensor:
+    """``flat[positions]`` as a new tensor; on CPU through NumPy's ``take`` (~2x torch's gather).
+
+    ``idx`` is the same positions as a NumPy array when the caller already has one.
+    """
+    if flat.device.type != "cpu":
+        return flat[positions.to(flat.device)]
+    if idx is None:
+        idx = positions.numpy()
+    return torch.from_numpy(np.take(flat.numpy(), idx))

@@ -1,0 +1,173 @@
+"""Acknowledgements: each receiver writes ``ROOT/acks/<engine_id>.json`` after its engine holds a
+version; the trainer reads them to wait for engines (:func:`wait_acked`).
+
+The record (:class:`AckRecord`) and the reading and writing of the files live together here:
+:func:`wait_acked` is a read loop over the same files and holds no trainer state, so it is part
+of the protocol both sides share, not of the publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from asyncsync.errors import AckTimeout, ConfigError, ManifestError
+from asyncsync.format.fields import _float, _hex, _int, _load_json, _str
+from asyncsync.format.names import (
+    ACKS_DIR,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_VERSION,
+    READ_FORMAT_VERSIONS,
+    ack_path,
+    check_engine_id,
+)
+from asyncsync.fsio import atomic_write, is_temp_name
+
+__all__ = ["AckRecord", "read_acks", "wait_acked", "write_ack"]
+
+logger = logging.getLogger(__name__)
+_MAX_ACK_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class AckRecord:
+    """What an engine holds: written by its receiver only after the engine holds ``version``."""
+
+    engine_id: str
+    version: int
+    fingerprint: str
+    run_id: str
+    applied_at: float
+    host: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        d = {"format": FORMAT_NAME, **asdict(self)}
+        return json.dumps(d, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str = "ack") -> AckRecord:
+        d = _load_json(text, where)
+        if d.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where}: not an asyncsync ack record")
+        fv = _int(d, "format_version", where)
+        if fv not in READ_FORMAT_VERSIONS:
+            raise ManifestError(f"{where}: unsupported format_version {fv}")
+        return cls(
+            engine_id=check_engine_id(d.get("engine_id")),
+            version=_int(d, "version", where, hi=MAX_VERSION),
+            fingerprint=_hex(d, "fingerprint", where),
+            run_id=_str(d, "run_id", where, 128),
+            applied_at=_float(d, "applied_at", where),
+            host=_str(d, "host", where, 256) if "host" in d else "",
+            format_version=fv,
+        )
+
+
+def write_ack(root: Path, engine_id: str, version: int, fingerprint: str, run_id: str) -> AckRecord:
+    rec = AckRecord(
+        engine_id=check_engine_id(engine_id),
+        version=version,
+        fingerprint=fingerprint,
+        run_id=run_id,
+        applied_at=time.time(),
+        host=socket.gethostname(),
+    )
+    (root / ACKS_DIR).mkdir(parents=True, exist_ok=True)
+    atomic_write(ack_path(root, engine_id), rec.to_json().encode())
+    return rec
+
+
+def read_acks(root: Path) -> dict[str, AckRecord]:
+    """Every readable ack record in the root, by engine id; malformed ones are logged, skipped."""
+    out: dict[str, AckRecord] = {}
+    d = root / ACKS_DIR
+    try:
+        entries = list(os.scandir(d))
+    except FileNotFoundError:
+        return out
+    except OSError as exc:  # e.g. acks/ is a file: a damaged root, not a crash of the reader
+        logger.warning("cannot list acks in %s: %s", d, exc)
+        return out
+    for e in entries:
+        if is_temp_name(e.name) or not e.name.endswith(".json"):
+            continue
+        try:
+            if not e.is_file(follow_symlinks=False) or e.stat().st_size > _MAX_ACK_BYTES:
+                continue
+            rec = AckRecord.from_json(Path(e.path).read_bytes(), where=f"ack {e.name}")
+        except (OSError, ManifestError) as exc:
+            logger.warning("ignoring unreadable ack %s: %s", e.path, exc)
+            continue
+        if f"{rec.engine_id}.json" != e.name:
+            logger.warning("ignoring ack %s: it names engine %r", e.path, rec.engine_id)
+            continue
+        out[rec.engine_id] = rec
+    return out
+
+
+async def wait_acked(
+    root: Path,
+    version: int,
+    *,
+    engines: Sequence[str] | None = None,
+    quorum: int | None = None,
+    timeout: float | None = None,
+    run_id: str | None = None,
+    poll_interval: float = 0.02,
+    max_poll_interval: float = 0.1,
+) -> dict[str, AckRecord]:
+    """Wait until the named ``engines`` (all of them) or any ``quorum`` engines hold ``version``.
+
+    An engine holds it when its ack names ``version`` or a later one (of ``run_id`` when given).
+    Returns the acks that satisfied the wait. On timeout raises :class:`AckTimeout` naming the
+    engines that are behind and the versions they hold.
+    """
+    if (engines is None) == (quorum is None):
+        raise ConfigError("wait_acked needs exactly one of engines=[...] or quorum=N")
+    if engines is not None:
+        engines = [check_engine_id(e) for e in engines]
+        if not engines:
+            raise ConfigError("wait_acked: engines=[] names no engine")
+    if quorum is not None and quorum < 1:
+        raise ConfigError(f"wait_acked: quorum must be >= 1, got {quorum}")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = poll_interval
+    while True:
+        acks = await asyncio.to_thread(read_acks, root)
+        ok = {
+            e: a
+            for e, a in acks.items()
+            if a.version >= version and (run_id is None or a.run_id == run_id)
+        }
+        if engines is not None:
+            if all(e in ok for e in engines):
+                return {e: ok[e] for e in engines}
+        elif quorum is not None and len(ok) >= quorum:
+            return ok
+        if deadline is not None and time.monotonic() >= deadline:
+            watched = engines if engines is not None else sorted(acks)
+            behind = {e: (acks[e].version if e in acks else None) for e in watched if e not in ok}
+            desc = ", ".join(
+                f"{e} at {v if v is not None else 'no ack'}" for e, v in behind.items()
+            )
+            need = f"engines {list(engines)}" if engines is not None else f"a quorum of {quorum}"
+            raise AckTimeout(
+                f"version {version} not acknowledged by {need} within {timeout}s; "
+                f"{len(ok)} acked, behind: {desc or 'no engine has acked yet'}. "
+                "Are the receivers running and do they see this root? (asyncsync tail ROOT -f)",
+                version=version,
+                behind=behind,
+            )
+        await asyncio.sleep(
+            delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
+        )
+        delay = min(delay * 1.5, max_poll_interval)

@@ -1,0 +1,119 @@
+"""``asyncsync bench``: measure wire bytes, publish cost, end-to-end latency, overlap and memory.
+
+::
+
+    asyncsync bench --quick                          < 60 s on 2 cores; tables on stdout
+    asyncsync bench --quick --json out.json --plot docs/bench --markdown out.md
+    asyncsync bench                                  the full run (minutes)
+
+Exit status 0 whether or not the targets are met (the tables say which are missed); 1 when a
+measurement fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncsync.ops.bench.measure import BenchConfig, run_bench
+from asyncsync.ops.bench.report import markdown, plot, summarise
+from asyncsync.ops.cli.common import positive_int
+
+__all__ = ["cmd_bench", "config_from_args", "register"]
+
+_THROTTLE = "200MB/s,5ms"
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The run's configuration: ``--quick`` or the full run, with the hidden overrides."""
+    overrides: dict[str, Any] = {"throttle": args.throttle, "keep": args.keep}
+    if args.elements is not None:
+        overrides["elements"] = args.elements
+        overrides["sweep_elements"] = min(args.elements, args.sweep_elements or args.elements)
+    elif args.sweep_elements is not None:
+        overrides["sweep_elements"] = args.sweep_elements
+    if args.versions is not None:
+        overrides["versions"] = args.versions
+    if args.bucket_bytes is not None:
+        overrides["bucket_bytes"] = args.bucket_bytes
+    if args.workdir is not None:
+        overrides["workdir"] = args.workdir
+    if args.elements is not None and args.elements < 1_000_000:  # plumbing checks: be brief
+        overrides.update(repeats=1, full_repeats=1, name="tiny")
+    return (BenchConfig.quick if args.quick else BenchConfig.full)(**overrides)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"bench [{time.perf_counter() - t0:5.1f}s]: {msg}", file=sys.stderr, flush=True)
+
+    summary = summarise(run_bench(cfg, progress=progress))
+    summary["command"] = _command(args)
+    text = markdown(summary)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    if args.plot:
+        for path in plot(summary, args.plot):
+            progress(f"wrote {path}")
+    return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (recorded in the JSON)."""
+    words = ["asyncsync", "bench"]
+    if args.quick:
+        words.append("--quick")
+    for flag in (
+        "json",
+        "plot",
+        "markdown",
+        "throttle",
+        "elements",
+        "sweep_elements",
+        "versions",
+        "bucket_bytes",
+    ):
+        value = getattr(args, flag)
+        if value is not None and not (flag == "throttle" and value == _THROTTLE):
+            words += [f"--{flag.replace('_', '-')}", str(value)]
+    return " ".join(words)
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    sp = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="benchmark: wire bytes vs baselines, publish cost, latency, overlap, memory",
+        description="Run the benchmark suite (see BENCHMARKS.md). Prints markdown tables.",
+    )
+    sp.add_argument("--quick", action="store_true", help="the < 60 s run (32M elements)")
+    sp.add_argument("--json", metavar="FILE", help="write the summary (ratios, targets) as JSON")
+    sp.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    sp.add_argument("--markdown", metavar="FILE", help="write the tables to FILE as well")
+    sp.add_argument(
+        "--throttle",
+        default=_THROTTLE,
+        metavar="SPEC",
+        help="the simulated shared filesystem: bandwidth and per-file latency "
+        "(default 200MB/s,5ms)",
+    )
+    sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
+    # hidden: sizes for plumbing tests and experiments
+    sp.add_argument("--elements", type=positive_int, help=argparse.SUPPRESS)
+    sp.add_argument("--sweep-elements", type=positive_int, help=argparse.SUPPRESS)
+    sp.add_argument("--versions", type=positive_int, help=argparse.SUPPRESS)
+    sp.add_argument("--bucket-bytes", type=positive_int, help=argparse.SUPPRESS)
+    sp.add_argument("--workdir", help=argparse.SUPPRESS)
+    sp.set_defaults(func=cmd_bench)

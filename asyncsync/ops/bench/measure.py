@@ -1,0 +1,319 @@
+"""Run the benchmark: make the workloads, start the child processes, gather their numbers.
+
+Everything comes from one run: the workloads are generated here, every timing and memory
+figure is measured by a fresh child (:mod:`asyncsync.ops.bench.worker`) in the same run, and the
+ratios are computed from those numbers (:func:`summarise`).
+
+Sizes (``BenchConfig.quick()``): the main workload is 32M master elements (a ~64 MB bf16
+publish view) stepped at ~3 % density; the density sweep (0.5, 1, 10 % and an fp32 model) uses
+8M elements, since bytes per changed element barely depend on the size. The full run uses 96M
+elements throughout and more repeats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncsync import fsio
+from asyncsync.errors import AsyncSyncError
+from asyncsync.ops.bench.baselines import all_sizes
+from asyncsync.ops.bench.probes import save_state_dict
+from asyncsync.ops.bench.worker import Job
+from asyncsync.ops.workload import Workload
+
+__all__ = ["BenchConfig", "BenchFailed", "machine_info", "run_bench"]
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+class BenchFailed(AsyncSyncError):
+    """A benchmark child failed; the message names its log."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Sizes and settings of one benchmark run (see :meth:`quick` and :meth:`full`)."""
+
+    elements: int = 96_000_000
+    sweep_elements: int = 96_000_000
+    versions: int = 5  # timed delta versions per end-to-end run
+    density: float = 0.03  # the main workload
+    sweep_densities: tuple[float, ...] = (0.005, 0.01, 0.10)  # plus the main one and fp32
+    throttle: str = "200MB/s,5ms"
+    bucket_bytes: int | None = None  # None: model / 16, in [1, 32] MiB (see bucket_size)
+    repeats: int = 3  # torch.ne passes per version
+    full_repeats: int = 3
+    seed: int = 0
+    workdir: str | None = None
+    keep: bool = False
+    timeout: float = 900.0
+    name: str = "full"
+
+    def __post_init__(self) -> None:
+        if self.elements < 1000 or self.sweep_elements < 1000:
+            raise ValueError("elements and sweep_elements must be >= 1000")
+        if self.versions < 1 or self.repeats < 1 or self.full_repeats < 1:
+            raise ValueError("versions, repeats and full_repeats must be >= 1")
+        if not 0 < self.density < 1 or not all(0 < d < 1 for d in self.sweep_densities):
+            raise ValueError("densities must be in (0, 1)")
+        fsio.Throttle.parse(self.throttle)  # raises ValueError when malformed
+
+    @classmethod
+    def quick(cls, **kw: Any) -> BenchConfig:
+        """< 60 s on 2 cores: 32M elements (~64 MB bf16), sweep at 8M, 3 timed versions."""
+        base = cls(
+            elements=32_000_000,
+            sweep_elements=8_000_000,
+            versions=3,
+            repeats=3,
+            full_repeats=2,
+            timeout=300.0,
+            name="quick",
+        )
+        return replace(base, **kw)
+
+    @classmethod
+    def full(cls, **kw: Any) -> BenchConfig:
+        return replace(cls(), **kw)
+
+    @property
+    def throttle_spec(self) -> fsio.Throttle:
+        return fsio.Throttle.parse(self.throttle)
+
+    @property
+    def bucket_size(self) -> int:
+        """Bytes per bucket (= per shard). By default 1/16 of the bf16 model, in [1, 32] MiB.
+
+        A production model (GBs) is hundreds of the publisher's default 32 MiB buckets; a
+        benchmark model of tens of MB in 32 MiB buckets would be two or three shards, which
+        leaves the pipelines nothing to overlap and makes the bounded per-bucket buffers look
+        like a large share of the model. Sixteen buckets keeps the production shape.
+        """
+        if self.bucket_bytes is not None:
+            return self.bucket_bytes
+        return min(32 << 20, max(1 << 20, (2 * self.elements // 16 + (1 << 19)) >> 20 << 20))
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    with contextlib.suppress(ValueError, OSError):
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": mem,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+# ------------------------------------------------------------------------------------ workloads
+def _workload(elements: int, density: float | None, cfg: BenchConfig, **kw: Any) -> Workload:
+    return Workload.for_elements(elements, density=density, seed=cfg.seed, **kw)
+
+
+def _make_states(cfg: BenchConfig, work: Path) -> tuple[list[str], dict[str, int]]:
+    """Write version 0..N of the main workload's publish view; sizes of the 0 -> 1 change."""
+    wl = _workload(cfg.elements, cfg.density, cfg)
+    paths: list[str] = []
+    prev = wl.state_dict()
+    sizes: dict[str, int] = {}
+    for v in range(cfg.versions + 1):
+        if v:
+            wl.step()
+            cur = wl.state_dict()
+            if v == 1:
+                sizes = all_sizes(prev, cur, bucket_bytes=cfg.bucket_size)
+            prev = cur
+        path = work / f"state-{v:03d}.safetensors"
+        save_state_dict(prev, path)
+        paths.append(str(path))
+    return paths, sizes
+
+
+def _sweep(cfg: BenchConfig, main: dict[str, int], progress: Progress) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    cases: list[tuple[str, float | None, torch.dtype]] = [
+        (f"bf16 ~{100 * d:g} %", d, torch.bfloat16) for d in cfg.sweep_densities
+    ]
+    cases.append(("fp32 model", None, torch.float32))
+    for label, density, dtype in cases:
+        progress(f"sweep: {label}")
+        wl = _workload(cfg.sweep_elements, density, cfg, publish_dtype=dtype)
+        old = wl.state_dict()
+        wl.step()
+        rows.append(
+            {
+                "workload": label,
+                "dtype": str(dtype).removeprefix("torch."),
+                "target_density": density,
+                **all_sizes(old, wl.state_dict(), bucket_bytes=cfg.bucket_size),
+            }
+        )
+        del wl, old
+        gc.collect()
+    main_row = {
+        "workload": f"bf16 ~{100 * cfg.density:g} % (main)",
+        "dtype": "bfloat16",
+        "target_density": cfg.density,
+        **main,
+    }
+    rows.append(main_row)
+    rows.sort(key=lambda r: (r["dtype"] != "bfloat16", r["changed"] / r["elements"]))
+    return rows
+
+
+# ------------------------------------------------------------------------------------ children
+def _start(job: Job, work: Path, tag: str) -> tuple[subprocess.Popen[bytes], Path]:
+    job_path = work / f"job-{tag}.json"
+    replace(job, spawned_at=time.time()).write(job_path)
+    log = work / f"log-{tag}.txt"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncsync.ops.bench", str(job_path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "ASYNCSYNC_THROTTLE": ""},  # children set it themselves
+        )
+    return proc, log
+
+
+def _finish(procs: list[tuple[subprocess.Popen[bytes], Path, Job]], timeout: float) -> list[Any]:
+    """Wait for the children; their results, or BenchFailed naming the first that failed."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, log, _ in procs:
+            try:
+                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise BenchFailed(
+                    f"benchmark child timed out after {timeout:.0f}s; rerun with --keep to "
+                    f"keep its log {log}"
+                ) from None
+            if rc != 0:
+                tail = log.read_text(errors="replace")[-2000:]
+                raise BenchFailed(f"benchmark child exited {rc}; {log} ends with:\n{tail}")
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [json.loads(Path(job.result).read_text()) for _, _, job in procs]
+
+
+def _run_cost(cfg: BenchConfig, work: Path, states: list[str]) -> dict[str, Any]:
+    t = cfg.throttle_spec
+    job = Job(
+        role="cost",
+        root=str(work / "root-cost"),
+        result=str(work / "result-cost.json"),
+        states=states,
+        checkpoint=str(work / "ckpt-cost"),
+        bandwidth=t.bandwidth,
+        latency=t.latency,
+        bucket_bytes=cfg.bucket_size,
+        repeats=cfg.repeats,
+        full_repeats=cfg.full_repeats,
+        timeout=cfg.timeout,
+    )
+    proc, log = _start(job, work, "cost")
+    (out,) = _finish([(proc, log, job)], cfg.timeout)
+    return dict(out)
+
+
+def _run_e2e(cfg: BenchConfig, work: Path, states: list[str], pipelined: bool) -> dict[str, Any]:
+    """A publisher child and a receiver child over one throttled root."""
+    tag = "pipelined" if pipelined else "serialized"
+    t = cfg.throttle_spec
+    root = work / f"root-{tag}"
+    root.mkdir()
+    pub = Job(
+        role="publish",
+        root=str(root),
+        result=str(work / f"result-pub-{tag}.json"),
+        states=states,
+        bandwidth=t.bandwidth,
+        latency=t.latency,
+        pipelined=pipelined,
+        prefetch=pipelined,
+        bucket_bytes=cfg.bucket_size,
+        ready=str(work / f"ready-{tag}"),
+        timeout=cfg.timeout,
+    )
+    rec = replace(
+        pub,
+        role="receive",
+        result=str(work / f"result-rec-{tag}.json"),
+        checkpoint=str(work / f"ckpt-{tag}"),
+    )
+    p_rec, l_rec = _start(rec, work, f"rec-{tag}")
+    p_pub, l_pub = _start(pub, work, f"pub-{tag}")
+    publisher, receiver = _finish([(p_pub, l_pub, pub), (p_rec, l_rec, rec)], cfg.timeout)
+    return {"publisher": publisher, "receiver": receiver}
+
+
+def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Run every measurement of the benchmark once; return the raw results (see summarise)."""
+    say = progress or (lambda msg: logger.info("%s", msg))
+    t0 = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="asyncsync-bench-", dir=cfg.workdir))
+    try:
+        say(
+            f"workload: {cfg.elements:,} elements at ~{100 * cfg.density:g} %, "
+            f"{cfg.versions + 1} versions"
+        )
+        states, main = _make_states(cfg, work)
+        gc.collect()
+        sweep = _sweep(cfg, main, say)
+        say("publish cost, apply throughput, full-checkpoint sync (one child)")
+        cost = _run_cost(cfg, work, states)
+        say(f"end to end over {cfg.throttle}: pipelined")
+        pipelined = _run_e2e(cfg, work, states, pipelined=True)
+        say(f"end to end over {cfg.throttle}: serialized")
+        serialized = _run_e2e(cfg, work, states, pipelined=False)
+    finally:
+        if cfg.keep:
+            say(f"kept the work directory {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return {
+        "config": {
+            **{k: v for k, v in cfg.__dict__.items() if k not in ("workdir", "keep")},
+            "bucket_bytes": cfg.bucket_size,
+        },
+        "machine": machine_info(),
+        "main": main,
+        "sweep": sweep,
+        "cost": cost,
+        "e2e": {"pipelined": pipelined, "serialized": serialized},
+        "seconds": time.perf_counter() - t0,
+    }

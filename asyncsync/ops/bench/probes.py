@@ -1,0 +1,251 @@
+"""What the benchmark's children measure: memory, state files, floors, components, profiles.
+
+Plain functions, used by :mod:`asyncsync.ops.bench.worker` inside fresh child processes (and by
+the tests on tiny inputs): RSS readings from ``/proc``, the state-dict files the parent writes
+for the children, one ``torch.ne`` pass (the floor a publish is compared with), a per-component
+breakdown of a publish and of a receive, the full-checkpoint sync over the throttle, and a
+cProfile of one publish and one receive with the worker-thread jobs run inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import cProfile
+import json
+import pstats
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+
+from asyncsync import codec, fsio
+from asyncsync.codec.shards import delta_shard_blob
+from asyncsync.format.checksum import checksum_bytes, checksum_tensor
+from asyncsync.format.store import read_manifest
+from asyncsync.publish.publisher import Publisher
+from receiver import shard_reader
+from receiver.agent import ReceiverAgent
+from receiver.engines.st_layout import read_layout
+
+__all__ = [
+    "full_sync",
+    "load_state_dict",
+    "model_bytes",
+    "ne_pass",
+    "profile_round_trip",
+    "publish_components",
+    "receive_components",
+    "reset_peak_rss",
+    "rss",
+    "save_state_dict",
+    "timed",
+]
+
+
+# ------------------------------------------------------------------------------------ memory
+def _status(key: str) -> int:
+    """A ``kB`` line of /proc/self/status in bytes (0 where /proc is missing)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss() -> dict[str, int]:
+    """Bytes: ``now`` the current RSS, ``peak`` the highest since start or the last reset,
+    ``anon``/``file`` the current anonymous and file-backed (mmap'd files) parts."""
+    return {
+        "now": _status("VmRSS"),
+        "peak": _status("VmHWM"),
+        "anon": _status("RssAnon"),
+        "file": _status("RssFile"),
+    }
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak RSS to the current RSS (Linux >= 4.0); False where not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------ states
+def save_state_dict(sd: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Store one version's publish view for the children (local disk, not throttled).
+
+    The state dict's order is kept in the metadata: the publisher numbers tensors by it.
+    """
+    tensors = {k: v.contiguous() for k, v in sd.items()}
+    safetensors.torch.save_file(tensors, str(path), metadata={"order": json.dumps(list(sd))})
+
+
+def load_state_dict(
+    path: str | Path, into: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Read a file of :func:`save_state_dict` straight into tensors: fresh ones, or ``into``'s.
+
+    Each tensor's byte range is read with ``readinto``: no mmap and no intermediate copy. With
+    ``into`` (same names, dtypes and shapes) the tensors are overwritten in place, as a
+    trainer's parameters are, so the process holds one copy of the model and the bench adds no
+    allocation churn of its own to the publisher's memory. The result is in the saved order.
+    """
+    path = Path(path)
+    layout = sorted(read_layout(path).values(), key=lambda loc: loc.begin)
+    out: dict[str, torch.Tensor] = {}
+    with open(path, "rb", buffering=0) as f:
+        for loc in layout:
+            t = into[loc.name] if into is not None else torch.empty(loc.shape, dtype=loc.dtype)
+            if t.dtype != loc.dtype or tuple(t.shape) != loc.shape or not t.is_contiguous():
+                raise ValueError(f"{path}: {loc.name} does not fit the tensor it is loaded into")
+            if loc.nbytes:
+                f.seek(loc.begin)
+                buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                got = 0
+                while got < loc.nbytes:
+                    n = f.readinto(buf[got:])
+                    if not n:
+                        raise EOFError(f"{path}: {loc.name} is truncated")
+                    got += n
+            out[loc.name] = t
+    with safetensors.safe_open(str(path), "pt") as f:
+        order = json.loads((f.metadata() or {}).get("order", "[]"))
+    return {k: out[k] for k in order} if sorted(order) == sorted(out) else out
+
+
+def model_bytes(sd: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+# ------------------------------------------------------------------------------------ floors
+def ne_pass(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> float:
+    """Seconds of one bytewise ``torch.ne`` over every tensor pair into one bool buffer."""
+    pairs = [(codec.int_view(old[k]), codec.int_view(new[k])) for k in new]
+    mask = torch.empty(sum(b.numel() for _, b in pairs), dtype=torch.bool)
+    t0 = time.perf_counter()
+    start = 0
+    for a, b in pairs:
+        n = b.numel()
+        torch.ne(a, b, out=mask[start : start + n])
+        start += n
+    return time.perf_counter() - t0
+
+
+def timed(fn: Any, *args: Any) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+def publish_components(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], level: int = 1
+) -> dict[str, float]:
+    """Seconds of each piece of a publish, run one after another on this thread (a profile).
+
+    ``ne``: the floor; ``changed_positions``: ne + one nonzero + split; ``encode``: xef of
+    every changed tensor; ``checksum``: the new bytes of every changed tensor (the manifest
+    needs them); ``serialise``: the delta shard of the blobs.
+    """
+    names = list(new)
+    olds = [codec.int_view(old[k]) for k in names]
+    news = [codec.int_view(new[k]) for k in names]
+    out = {"ne": ne_pass(old, new)}
+    out["changed_positions"], positions = timed(codec.changed_positions, olds, news)
+    t0 = time.perf_counter()
+    blobs: dict[str, bytes] = {}
+    for i, (a, b, p) in enumerate(zip(olds, news, positions, strict=True)):
+        if p.numel():
+            enc = codec.encode_delta(a, b, p, "xef", level=level)
+            blobs[f"t{i}.pos"] = enc.positions
+            blobs[f"t{i}.val"] = enc.values
+    out["encode"] = time.perf_counter() - t0
+    changed = [new[k] for k, p in zip(names, positions, strict=True) if p.numel()]
+    out["checksum"], _ = timed(lambda: [checksum_tensor(t) for t in changed])
+    out["serialise"], _ = timed(lambda: delta_shard_blob(blobs, version=1, run_id="0" * 16))
+    return out
+
+
+def receive_components(root: Path, version: int) -> dict[str, float]:
+    """Seconds of the receiver's pure work on one delta version: verify and decode its shards
+    (``receiver.shard_reader``, as the agent does), and checksum every tensor it touches (what
+    the engine's commit verifies)."""
+    m = read_manifest(root, version)
+    vdir = root / f"v{version:012d}"
+    out = {"verify": 0.0, "decode": 0.0}
+    for idx, shard in enumerate(m.shards):
+        if shard.role != "delta":
+            continue
+        data = (vdir / shard.file).read_bytes()
+        dt, _ = timed(checksum_bytes, data, m.checksum_algorithm)
+        out["verify"] += dt
+        t0 = time.perf_counter()
+        shard_reader.decode_shard(m, "delta", idx, shard, data, shard.file)  # the agent's decode
+        out["decode"] += time.perf_counter() - t0
+    return out
+
+
+def full_sync(sd: Mapping[str, torch.Tensor], path: Path, throttle: fsio.Throttle) -> float:
+    """Seconds of a full-checkpoint sync over ``throttle``: safetensors save -> bytes ->
+    atomic_write (trainer), then read_bytes -> safetensors load (engine)."""
+    previous = fsio.get_throttle()
+    fsio.set_throttle(throttle)
+    try:
+        t0 = time.perf_counter()
+        fsio.atomic_write(path, safetensors.torch.save(dict(sd)))
+        loaded = safetensors.torch.load(fsio.read_bytes(path))
+        dt = time.perf_counter() - t0
+    finally:
+        fsio.set_throttle(previous)
+    del loaded
+    path.unlink()
+    return dt
+
+
+class _InlineExecutor(concurrent.futures.ThreadPoolExecutor):
+    """Runs each job on the submitting thread, at submit: ``asyncio.to_thread`` work then shows
+    up in a cProfile of the event loop's thread (the stages run one after another)."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        return fut
+
+
+def _top(prof: cProfile.Profile, n: int = 12) -> list[dict[str, Any]]:
+    """The ``n`` functions with the most own time, as plain records."""
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = []
+    for (file, line, func), (_, calls, tottime, cumtime, _) in stats.items():
+        where = func if file == "~" else f"{Path(file).name}:{line}({func})"
+        rows.append({"function": where, "calls": calls, "tottime": tottime, "cumtime": cumtime})
+    rows.sort(key=lambda r: -r["tottime"])
+    return rows[:n]
+
+
+async def profile_round_trip(
+    pub: Publisher, agent: ReceiverAgent, state: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """cProfile of one more publish (of ``state``) and of the receiver taking it, with every
+    worker-thread job run inline so the profile sees it."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(_InlineExecutor(max_workers=1))
+    out: dict[str, Any] = {}
+    for side, step in (("publish", lambda: pub.publish(state)), ("receive", agent.sync_once)):
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        await step()
+        prof.disable()
+        out[side] = {"seconds": time.perf_counter() - t0, "top": _top(prof)}
+    return out

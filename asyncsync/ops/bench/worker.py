@@ -1,0 +1,317 @@
+"""The benchmark's child processes: ``python -m asyncsync.ops.bench JOB.json``.
+
+Why separate processes: peak RSS is per process, and a trainer and an inference engine never
+share one. Each child is started fresh (so its peak measures only its own side), reads its
+:class:`Job` from a JSON file, does one role and writes a JSON result next to it:
+
+``publish``  a Publisher: seed version 0, wait for the receiver, then per version load the
+             state dict, ``publish`` it over the throttled filesystem and wait for the ack
+             (the end-to-end latency, publish start to ack).
+``receive``  a ReceiverAgent with a LocalCheckpoint: take version 0, then ``run()`` until the
+             last version is acked.
+``cost``     the unthrottled costs: one ``torch.ne`` pass over the tensors (the floor), the
+             publish, the receiver's apply, a per-component breakdown of both, and the
+             full-checkpoint sync (safetensors save + load) over the throttle.
+
+Memory is reported relative to the *baseline* RSS of the child after its imports (Python plus
+torch) and a warm-up round trip on a tiny model (:func:`warm_up`: code pages, thread pools),
+so the ratio says what the data costs, not what the interpreter costs. Peak RSS is
+``VmHWM``; ``/proc/self/clear_refs`` resets it between the start-up phase (seed / first full
+sync) and the steady phase (deltas), so both are reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from asyncsync import fsio
+from asyncsync.format import acks
+from asyncsync.format.checksum import checksum_tensor
+from asyncsync.ops.bench.probes import (
+    full_sync,
+    load_state_dict,
+    model_bytes,
+    ne_pass,
+    profile_round_trip,
+    publish_components,
+    receive_components,
+    reset_peak_rss,
+    rss,
+    timed,
+)
+from asyncsync.ops.workload import Workload, WorkloadConfig
+from asyncsync.publish.publisher import Publisher
+from receiver.agent import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+
+__all__ = ["Job", "main", "run_cost", "run_publish", "run_receive", "warm_up"]
+
+Role = Literal["publish", "receive", "cost"]
+_ACK_POLL = 0.002  # seconds; the ack wait must not add more than this to the latency
+
+
+@dataclass
+class Job:
+    """What one child does (written as JSON by the parent, read back here)."""
+
+    role: Role
+    root: str
+    result: str
+    states: list[str] = field(default_factory=list)  # safetensors files: version 0, 1, ...
+    checkpoint: str = ""
+    ready: str = ""  # the receiver creates it once it holds version 0 and is throttled
+    engine_id: str = "bench"
+    pipelined: bool = True
+    prefetch: bool = True
+    bandwidth: float | None = None
+    latency: float = 0.0
+    bucket_bytes: int = 32 << 20
+    poll_interval: float = 0.05
+    settle: float = 0.1
+    repeats: int = 5
+    full_repeats: int = 2
+    timeout: float = 300.0
+    spawned_at: float = 0.0  # time.time() when the parent started this child
+
+    @classmethod
+    def read(cls, path: str | Path) -> Job:
+        return cls(**json.loads(Path(path).read_text()))
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @property
+    def throttle(self) -> fsio.Throttle:
+        # the shared root only: the receiver's local checkpoint is on a local disk
+        return fsio.Throttle(self.bandwidth, self.latency, os.path.abspath(self.root))
+
+
+# ------------------------------------------------------------------------------------ roles
+async def _wait_file(path: Path, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while not path.exists():
+            await asyncio.sleep(0.005)
+
+
+def _mark(job: Job, marks: dict[str, float], name: str) -> None:
+    """Seconds since the parent spawned this child, for the timeline in the results."""
+    marks[name] = time.time() - job.spawned_at
+
+
+async def warm_up(scratch: Path) -> None:
+    """One tiny publish and receive, so the code pages and thread pools every later step uses
+    are already in the baseline RSS: the ratios then measure what the data costs."""
+    wl = Workload(WorkloadConfig(layers=1, hidden=32, vocab=64, seed=0))
+    root = scratch / "root"
+    engine = LocalCheckpoint(scratch / "ckpt")
+    async with (
+        Publisher(root, keyframe_interval=0) as pub,
+        ReceiverAgent(root, engine, "warmup", use_inotify=False) as agent,
+    ):
+        await pub.seed(wl.state_dict())
+        await agent.sync_once()
+        wl.step()
+        await pub.publish(wl.state_dict())
+        await agent.sync_once()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def _baseline(job: Job, marks: dict[str, float]) -> dict[str, int]:
+    _mark(job, marks, "imported")
+    await warm_up(Path(job.result).with_suffix(".warmup"))
+    _mark(job, marks, "warmed up")
+    return rss()
+
+
+async def run_publish(job: Job) -> dict[str, Any]:
+    marks: dict[str, float] = {}
+    base = await _baseline(job, marks)
+    sd = load_state_dict(job.states[0])  # the "trainer's parameters": updated in place below
+    size = model_bytes(sd)
+    root = Path(job.root)
+    versions: list[dict[str, Any]] = []
+    async with Publisher(
+        root, bucket_bytes=job.bucket_bytes, keyframe_interval=0, pipelined=job.pipelined
+    ) as pub:
+        await pub.seed(sd)
+        _mark(job, marks, "seeded")
+        await _wait_file(Path(job.ready), job.timeout)
+        _mark(job, marks, "receiver ready")
+        gc.collect()
+        startup = rss()
+        reset_peak_rss()
+        fsio.set_throttle(job.throttle)
+        for path in job.states[1:]:
+            load_state_dict(path, into=sd)
+            await asyncio.sleep(job.settle)
+            t0 = time.perf_counter()
+            res = await pub.publish(sd)
+            t1 = time.perf_counter()
+            await acks.wait_acked(
+                root,
+                res.version,
+                engines=[job.engine_id],
+                timeout=job.timeout,
+                poll_interval=_ACK_POLL,
+                max_poll_interval=_ACK_POLL,
+            )
+            t2 = time.perf_counter()
+            versions.append(
+                {
+                    "version": res.version,
+                    "publish": t1 - t0,
+                    "e2e": t2 - t0,
+                    "wire_bytes": res.wire_bytes,
+                    "shards": res.shards,
+                    "changed": res.changed,
+                    "elements": res.total,
+                    "stages": dict(res.seconds),
+                }
+            )
+        fsio.set_throttle(None)
+    _mark(job, marks, "done")
+    return {
+        "model_bytes": size,
+        "rss": {"base": base, "startup": startup, "steady": rss()},
+        "versions": versions,
+        "marks": marks,
+    }
+
+
+async def run_receive(job: Job) -> dict[str, Any]:
+    marks: dict[str, float] = {}
+    base = await _baseline(job, marks)
+    root = Path(job.root)
+    final = len(job.states) - 1
+    agent = ReceiverAgent(
+        root,
+        LocalCheckpoint(job.checkpoint),
+        job.engine_id,
+        poll_interval=job.poll_interval,
+        pipelined=job.pipelined,
+        prefetch=job.prefetch,
+    )
+    applies: list[float] = []
+    async with agent, asyncio.timeout(job.timeout):
+        while await agent.sync_once() is None:  # version 0, unthrottled
+            await asyncio.sleep(0.01)
+        _mark(job, marks, "synced v0")
+        gc.collect()
+        startup = rss()
+        reset_peak_rss()
+        fsio.set_throttle(job.throttle)
+        Path(job.ready).write_text("ready\n")
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            seen = agent.status().applied
+            while True:
+                s = agent.status()
+                if s.applied != seen and s.last_apply_seconds is not None:
+                    applies.append(s.last_apply_seconds)
+                    seen = s.applied
+                mine = (await asyncio.to_thread(acks.read_acks, root)).get(job.engine_id)
+                if mine is not None and mine.version >= final:
+                    stop.set()
+                    return
+                await asyncio.sleep(0.005)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(agent.run(stop=stop))
+            tg.create_task(watch())
+        fsio.set_throttle(None)
+        _mark(job, marks, "last acked")
+        status = agent.status()
+    _mark(job, marks, "done")
+    return {
+        "marks": marks,
+        "rss": {"base": base, "startup": startup, "steady": rss()},
+        "applies": applies,
+        "prefetched_shards": status.prefetched_shards,
+    }
+
+
+async def run_cost(job: Job) -> dict[str, Any]:
+    root = Path(job.root)
+    # two buffers, alternately overwritten: the previous and the current version
+    bufs = [load_state_dict(job.states[0]), load_state_dict(job.states[1])]
+    size = model_bytes(bufs[0])
+    ne: list[float] = []
+    publishes: list[dict[str, Any]] = []
+    applies: list[float] = []
+    flushes: list[float] = []  # the background flush after each ack (off the latency path)
+    engine = LocalCheckpoint(job.checkpoint)
+    async with (
+        Publisher(root, bucket_bytes=job.bucket_bytes, keyframe_interval=0) as pub,
+        ReceiverAgent(root, engine, job.engine_id, use_inotify=False) as agent,
+    ):
+        await pub.seed(bufs[0])
+        await agent.sync_once()
+        for k in range(1, len(job.states)):
+            prev, cur = bufs[(k - 1) % 2], bufs[k % 2]
+            if k > 1:
+                load_state_dict(job.states[k], into=cur)
+            ne.extend(ne_pass(prev, cur) for _ in range(job.repeats))
+            res = await pub.publish(cur)
+            t0 = time.perf_counter()
+            await agent.sync_once()
+            t1 = time.perf_counter()
+            applies.append(t1 - t0)
+            await engine.flushed()
+            flushes.append(time.perf_counter() - t1)
+            publishes.append(
+                {
+                    "total": res.seconds["total"],
+                    "stages": dict(res.seconds),
+                    "wire_bytes": res.wire_bytes,
+                    "changed": res.changed,
+                    "elements": res.total,
+                }
+            )
+        components = publish_components(prev, cur)
+        receiving = receive_components(root, res.version)
+        receiving["checksum_model"], _ = timed(lambda: [checksum_tensor(t) for t in cur.values()])
+        profile = await profile_round_trip(pub, agent, prev)
+    full = [
+        full_sync(cur, root / "full.safetensors", job.throttle) for _ in range(job.full_repeats)
+    ]
+    return {
+        "model_bytes": size,
+        "ne_pass": ne,
+        "publishes": publishes,
+        "applies": applies,
+        "flushes": flushes,
+        "publish_components": components,
+        "receive_components": receiving,
+        "profile": profile,
+        "full_sync": full,
+    }
+
+
+_ROLES = {"publish": run_publish, "receive": run_receive, "cost": run_cost}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the job in ``argv[0]`` and write its result JSON; 1 on failure (traceback on stderr)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m asyncsync.ops.bench.worker JOB.json", file=sys.stderr)
+        return 2
+    job = Job.read(args[0])
+    result = asyncio.run(_ROLES[job.role](job))
+    Path(job.result).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

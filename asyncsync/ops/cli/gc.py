@@ -1,0 +1,73 @@
+"""``asyncsync gc``: delete old versions no live engine needs (see asyncsync.publish.retention)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from asyncsync.ops.cli.common import check_root, human_bytes, positive_int
+from asyncsync.publish.retention import RetentionPolicy, collect
+
+__all__ = ["cmd_gc", "register"]
+
+
+def _size(text: str) -> int:
+    """``500M``, ``2G``, ``1048576``: bytes (K/M/G/T are powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = units.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in units else t
+    try:
+        v = int(float(num) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 500M or 2G, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
+    return v
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    check_root(root)
+    policy = RetentionPolicy(
+        keep_versions=args.keep_versions,
+        keep_bytes=args.keep_bytes,
+        ack_ttl=None if args.ack_ttl == 0 else args.ack_ttl,
+    )
+    report = collect(root, policy, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    if report.deleted:
+        vs = ", ".join(f"v{v}" for v in report.deleted)
+        print(f"{verb} {len(report.deleted)} versions ({human_bytes(report.freed_bytes)}): {vs}")
+    else:
+        print("nothing to delete")
+    if args.verbose:
+        for v in report.kept:
+            print(f"  keep v{v}: {report.reasons[v]}")
+    return 0
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    sp = sub.add_parser(
+        "gc",
+        parents=[common],
+        help="delete old versions no live engine needs (keeps the newest keyframe and its chain)",
+    )
+    sp.add_argument("root", metavar="ROOT", help="the shared root")
+    sp.add_argument(
+        "--keep-versions", type=positive_int, default=10, metavar="N",
+        help="keep at least the newest N versions (default 10)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--keep-bytes", type=_size, default=None, metavar="SIZE",
+        help="also keep the newest versions that fit in SIZE (e.g. 20G)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--ack-ttl", type=float, default=3600.0, metavar="S",
+        help="acks older than S seconds no longer pin versions (0: acks pin forever; "
+        "default 3600)",
+    )  # fmt: skip
+    sp.add_argument("--dry-run", action="store_true", help="say what would be deleted")
+    sp.add_argument("-v", "--verbose", action="store_true", help="say why each version is kept")
+    sp.set_defaults(func=cmd_gc)

@@ -1,0 +1,95 @@
+"""``asyncsync status ROOT``: which engines hold which version, who lags, who went quiet.
+
+Read from the ack records in the root, so it works from any host that mounts the root, without
+reaching the receivers. An engine is a *straggler* when it is more than ``--max-lag`` versions
+behind the newest, or its last ack is older than ``--stale`` seconds while it is behind.
+Exit status 0, or 3 when there are stragglers (for scripts and alerts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncsync.format.acks import read_acks
+from asyncsync.format.store import read_manifest
+from asyncsync.ops.cli.common import check_root, fmt_time, non_negative_int, positive_float, table
+
+__all__ = ["cmd_status", "engine_rows", "register"]
+
+STRAGGLERS_EXIT = 3
+
+
+def engine_rows(
+    root: Path, *, max_lag: int, stale: float
+) -> tuple[int | None, list[dict[str, Any]]]:
+    """(newest version, one row per engine with its version, lag, ack age and straggler flag)."""
+    versions = check_root(root)
+    latest = versions[-1] if versions else None
+    run_id = read_manifest(root, latest).run_id if latest is not None else None
+    now = time.time()
+    rows = []
+    for engine, ack in sorted(read_acks(root).items()):
+        other_run = run_id is not None and ack.run_id != run_id
+        lag = None if latest is None or other_run else latest - ack.version
+        age = max(0.0, now - ack.applied_at)
+        behind = other_run or (lag is not None and lag > 0)
+        straggler = other_run or (lag is not None and lag > max_lag) or (behind and age > stale)
+        rows.append(
+            {
+                "engine_id": engine,
+                "version": ack.version,
+                "lag": lag,
+                "acked_at": ack.applied_at,
+                "ack_age_seconds": round(age, 3),
+                "host": ack.host,
+                "run_id": ack.run_id,
+                "other_run": other_run,
+                "straggler": straggler,
+            }
+        )
+    return latest, rows
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    latest, rows = engine_rows(root, max_lag=args.max_lag, stale=args.stale)
+    stragglers = [r["engine_id"] for r in rows if r["straggler"]]
+    if args.json:
+        print(json.dumps({"latest": latest, "engines": rows, "stragglers": stragglers}, indent=1))
+    else:
+        print(f"root {root}: newest version {latest if latest is not None else '-'}, "
+              f"{len(rows)} engines, {len(stragglers)} stragglers")  # fmt: skip
+        if rows:
+            headers = ["engine", "version", "lag", "acked", "age s", "host", "state"]
+            print(table(headers, [_row(r) for r in rows], right=["version", "lag", "age s"]))
+    return STRAGGLERS_EXIT if stragglers else 0
+
+
+def _row(r: dict[str, Any]) -> list[object]:
+    state = "OTHER RUN" if r["other_run"] else "STRAGGLER" if r["straggler"] else "ok"
+    lag = "-" if r["lag"] is None else r["lag"]
+    age = f"{r['ack_age_seconds']:.1f}"
+    return [r["engine_id"], r["version"], lag, fmt_time(r["acked_at"]), age, r["host"], state]
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    sp = sub.add_parser(
+        "status",
+        parents=[common],
+        help="engines, their versions, lag and stragglers (from the acks); exit 3 on stragglers",
+    )
+    sp.add_argument("root", metavar="ROOT", help="the shared root")
+    sp.add_argument(
+        "--max-lag", type=non_negative_int, default=2, metavar="N",
+        help="more than N versions behind the newest is a straggler (default 2)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--stale", type=positive_float, default=300.0, metavar="S",
+        help="behind and silent for more than S seconds is a straggler (default 300)",
+    )  # fmt: skip
+    sp.add_argument("--json", action="store_true", help="print JSON")
+    sp.set_defaults(func=cmd_status)

@@ -1,0 +1,111 @@
+"""``asyncsync verify``: is a LocalCheckpoint directory bit-exact at a version?"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncsync.errors import ConfigError
+from asyncsync.format.store import read_manifest
+from asyncsync.ops.cli.common import check_root, non_negative_int
+
+__all__ = ["VerifyReport", "cmd_verify", "register", "verify_checkpoint_dir"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of checking a checkpoint directory against one version's manifest."""
+
+    directory: Path
+    version: int
+    tensors: int
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched
+
+    def describe(self) -> str:
+        if self.ok:
+            return (
+                f"OK: {self.directory} is bit-exact at version {self.version} "
+                f"({self.tensors} tensors)"
+            )
+        return (
+            f"MISMATCH: {self.directory} differs from version {self.version} in "
+            f"{len(self.mismatched)} of {self.tensors} tensors: " + ", ".join(self.mismatched)
+        )
+
+
+def verify_checkpoint_dir(
+    root: str | Path, checkpoint: str | Path, version: int | None = None
+) -> VerifyReport:
+    """Check every tensor of a LocalCheckpoint directory against ``version``'s checksums.
+
+    ``version`` defaults to the version the checkpoint's state says it holds, else the newest
+    in ``root``. Read-only and lock-free: run it when no receiver is applying to the directory.
+    """
+    from receiver.engines.checkpoint import verify_checkpoint
+    from receiver.state import STATE_DIR_NAME, StateStore
+
+    root, checkpoint = Path(root), Path(checkpoint)
+    versions = check_root(root)
+    if not checkpoint.is_dir():
+        raise ConfigError(f"checkpoint directory {checkpoint} does not exist")
+    if version is None:
+        state = StateStore(checkpoint / STATE_DIR_NAME).load()
+        if state is not None and state.applying:
+            logger.warning(
+                "%s is in the middle of applying version %s: stop its receiver for a stable answer",
+                checkpoint,
+                state.target_version,
+            )
+        if state is not None and state.version is not None:
+            version = state.version
+        elif versions:
+            version = versions[-1]
+        else:
+            raise ConfigError(f"{root} has no committed version to verify against")
+    try:
+        manifest = read_manifest(root, version)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"version {version} is not committed in {root}; pass --version with one that is"
+        ) from None
+    bad = verify_checkpoint(checkpoint, manifest)
+    return VerifyReport(checkpoint, version, len(manifest.tensors), list(bad))
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    report = verify_checkpoint_dir(args.root, args.checkpoint, args.version)
+    if report.ok:
+        print(report.describe())
+        return 0
+    print(
+        f"MISMATCH: {report.directory} differs from version {report.version} in "
+        f"{len(report.mismatched)} of {report.tensors} tensors:"
+    )
+    for name in report.mismatched:
+        print(f"  {name}")
+    return 1
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    sp = sub.add_parser(
+        "verify", parents=[common], help="check a LocalCheckpoint directory bit for bit"
+    )
+    sp.add_argument("root", metavar="ROOT", help="the shared root")
+    sp.add_argument("--checkpoint", required=True, metavar="DIR", help="the checkpoint directory")
+    sp.add_argument(
+        "--version",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="version to check against (default: the one the checkpoint holds, else the newest)",
+    )
+    sp.set_defaults(func=cmd_verify)

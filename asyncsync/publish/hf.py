@@ -1,0 +1,69 @@
+"""Existing Hugging Face safetensors checkpoints: registering one as a root's base version.
+
+A trainer often starts from a checkpoint that already sits on the shared filesystem. Instead of
+writing it again, ``Publisher.seed(path)`` references its files from the base manifest
+(``shard_dir``): they are read once here to checksum them and to build the publisher's snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from asyncsync.errors import ConfigError
+from asyncsync.format import FullRef, ShardInfo, TensorEntry, check_file_name, dtype_name
+from asyncsync.format.checksum import checksum_file, checksum_tensor
+
+__all__ = ["checkpoint_files", "scan_checkpoint"]
+
+
+def checkpoint_files(path: Path) -> list[str]:
+    """The safetensors files of a checkpoint directory (from its index when there is one)."""
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory of safetensors files")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{index} is not a valid safetensors index: {exc!r}") from exc
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path} holds no .safetensors files")
+    for f in files:
+        check_file_name(f, "checkpoint file name")
+    return files
+
+
+def scan_checkpoint(
+    path: Path, algorithm: str
+) -> tuple[list[ShardInfo], list[TensorEntry], dict[str, torch.Tensor]]:
+    """Checksum a checkpoint's files and tensors: (full shards, tensor entries, the tensors)."""
+    shards, entries, tensors = [], [], {}
+    for i, f in enumerate(checkpoint_files(path)):
+        digest, size = checksum_file(path / f, algorithm)
+        shards.append(ShardInfo(f, "full", size, digest))
+        try:
+            loaded = safetensors.torch.load_file(path / f)
+        except Exception as exc:  # safetensors raises its own error types
+            raise ConfigError(f"{path / f} is not a readable safetensors file: {exc}") from exc
+        for name, t in loaded.items():
+            if name in tensors:
+                raise ConfigError(f"{path}: tensor {name!r} appears in two files")
+            tensors[name] = t
+            entries.append(
+                TensorEntry(
+                    name=name,
+                    dtype=dtype_name(t.dtype),
+                    shape=tuple(t.shape),
+                    checksum=checksum_tensor(t, algorithm),
+                    changed=t.numel(),
+                    full=FullRef(i, name),
+                )
+            )
+    return shards, entries, tensors

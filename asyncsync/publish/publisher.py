@@ -1,0 +1,608 @@
+"""The trainer side: publish versions of a state dict into a root as sparse deltas.
+
+Example::
+
+    async with Publisher("/shared/weights") as pub:
+        await pub.seed(model.state_dict())            # version 0, a full keyframe
+        for step in range(steps):
+            train_step()
+            res = await pub.publish(model.state_dict())
+            await pub.wait_acked(res.version, quorum=1, timeout=60)
+
+A publish runs as a pipeline of three stages over buckets of tensors, joined by bounded queues so at
+most ``max_in_flight`` buckets wait between two stages: **diff** (copy to CPU, bytewise diff against
+the snapshot of the last published version), **encode** (encode each changed tensor, checksum it,
+serialise a full shard on keyframes) and **write** (temp file, fsync, rename; consecutive buckets'
+deltas share a delta shard). When every shard is durable the pre-commit hook runs, then the manifest
+is written atomically: that rename is the commit. Only then is the snapshot advanced, so a publish
+that fails anywhere leaves no manifest, no files and an unchanged snapshot.
+The caller must not modify the tensors of ``state_dict`` until ``publish`` returns.
+
+How a round begins and ends is the publisher's *committer* (:mod:`asyncsync.publish.ranked`):
+alone, or, with a ``coordinator`` (:mod:`asyncsync.publish.distributed`), as one rank of a
+trainer whose ranks each publish their own part of the weights (distinct names, or
+:class:`~asyncsync.publish.merge.TensorSlice` slices of one tensor) while rank 0 commits the
+version once, in one manifest, when every rank's shards are durable
+(:mod:`asyncsync.publish.group`). The pipeline above is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from asyncsync import codec
+from asyncsync.codec.shards import (
+    DiffedBucket,
+    EncodedBucket,
+    PendingUpdate,
+    diff_bucket,
+    encode_bucket,
+)
+from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError
+from asyncsync.format import (
+    AckRecord,
+    Manifest,
+    ShardInfo,
+    TensorEntry,
+    acks,
+    dtype_name,
+    version_dir,
+)
+from asyncsync.format.checksum import DEFAULT_ALGORITHM, new_hasher
+from asyncsync.format.log import append_manifest
+from asyncsync.format.store import (
+    ensure_root_info,
+    list_versions,
+    read_root_info,
+    uncommitted_dirs,
+)
+from asyncsync.fsio import FileLock, remove_temp_files
+from asyncsync.memory import release_large_buffers
+from asyncsync.pipeline import finish_thread, run_pipeline
+from asyncsync.publish import snapshot
+from asyncsync.publish.commit import PreCommitHook, build_manifest, commit_version, discard
+from asyncsync.publish.distributed import Coordinator
+from asyncsync.publish.group import Attempt
+from asyncsync.publish.hf import scan_checkpoint
+from asyncsync.publish.merge import TensorSlice
+from asyncsync.publish.ranked import Committer, RankedCommitter, Round, SoloCommitter, Written
+from asyncsync.publish.retention import RetentionPolicy, collect
+from asyncsync.publish.stats import PublisherStats, PublishResult
+from asyncsync.publish.writer import VersionWriter
+
+__all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".publisher.lock"
+#: (label, done, total) of the publish in flight, or None (asyncsync.ops.progress draws it)
+Progress = tuple[str, int, int] | None
+
+
+class Publisher:
+    """Publishes versions of a state dict into ``root`` (see the module docstring).
+
+    Args:
+        root: the shared directory (created if missing). One publisher per root (a lock).
+        encoding: delta encoding, one of ``codec.ENCODINGS`` (default: ours, ``xef``).
+        checksum: checksum algorithm for shards and tensors.
+        bucket_bytes: tensors are diffed and encoded in buckets of about this many bytes; a
+            keyframe's full shard holds one bucket, and a delta shard collects consecutive
+            buckets' encoded deltas up to about this many bytes (so a sparse version is a few
+            files, not one per bucket).
+        max_in_flight: buckets allowed to wait between two stages (bounds memory).
+        pipelined: run the diff, encode and write stages concurrently over buckets (default);
+            False runs them one after another (for measuring what the overlap buys).
+        mode: ``"delta"`` (default) publishes sparse deltas; ``"full"`` publishes every version as
+            a complete safetensors checkpoint (kind ``full``, no delta), like slime's disk mode.
+        keyframe_interval: every version divisible by this also carries full data (0: never).
+        zstd_level: compression level of the delta payload.
+        pre_commit_hook: ``hook(version_dir)`` (sync or async), run after the shards are durable
+            and before the manifest, e.g. to flush a filesystem that needs it.
+        producer: extra JSON-able fields recorded in each manifest's ``producer``.
+        retention: a :class:`~asyncsync.publish.retention.RetentionPolicy` applied after each commit
+            (None: keep everything; ``asyncsync gc ROOT`` can prune later).
+        coordinator: publish as one rank of a group (:mod:`asyncsync.publish.distributed`); every
+            rank calls seed/publish with its own tensors and the same options. Rank 0 commits, runs
+            the hook, the log and retention; the others hold their own lock and snapshot.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        encoding: str = codec.DEFAULT_ENCODING,
+        checksum: str = DEFAULT_ALGORITHM,
+        bucket_bytes: int = 32 << 20,
+        max_in_flight: int = 2,
+        pipelined: bool = True,
+        mode: Literal["delta", "full"] = "delta",
+        keyframe_interval: int = 20,
+        zstd_level: int = 1,
+        pre_commit_hook: PreCommitHook | None = None,
+        producer: Mapping[str, Any] | None = None,
+        retention: RetentionPolicy | None = None,
+        coordinator: Coordinator | None = None,
+    ) -> None:
+        if encoding not in codec.ENCODINGS:
+            raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
+        new_hasher(checksum)  # raises ConfigError for an unknown algorithm
+        if bucket_bytes < 1:
+            raise ConfigError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if mode not in ("delta", "full"):
+            raise ConfigError(f"mode must be 'delta' or 'full', got {mode!r}")
+        if keyframe_interval < 0:
+            raise ConfigError(
+                f"keyframe_interval must be >= 0 (0 = never), got {keyframe_interval}"
+            )
+        if not 1 <= zstd_level <= 22:
+            raise ConfigError(f"zstd_level must be in 1..22, got {zstd_level}")
+        if pre_commit_hook is not None and not callable(pre_commit_hook):
+            raise ConfigError("pre_commit_hook must be callable: hook(version_dir)")
+        self.root = Path(root)
+        self.encoding = encoding
+        self.checksum = checksum
+        self.bucket_bytes = bucket_bytes
+        self.max_in_flight = max_in_flight
+        self.pipelined = pipelined
+        self.mode = mode
+        self.keyframe_interval = keyframe_interval
+        self.zstd_level = zstd_level
+        self.pre_commit_hook = pre_commit_hook
+        if retention is not None and not isinstance(retention, RetentionPolicy):
+            raise ConfigError("retention must be a RetentionPolicy or None")
+        self.retention = retention
+        self._producer = {"host": socket.gethostname(), "pid": os.getpid(), **(producer or {})}
+        if coordinator is not None and not isinstance(coordinator, Coordinator):
+            raise ConfigError("coordinator must be an asyncsync.publish.distributed.Coordinator")
+        self._committer: Committer = SoloCommitter()
+        if coordinator is not None:
+            config = {"encoding": encoding, "checksum": checksum, "mode": mode}
+            self._committer = RankedCommitter(coordinator, config, keyframe_interval)
+        rank = self._committer.rank
+        self._lock = FileLock(self.root / (f".publisher.r{rank:04d}.lock" if rank else LOCK_NAME))
+        self._slices: dict[str, TensorSlice] = {}  # of the snapshot
+        self._busy = asyncio.Lock()
+        self._run_id = ""
+        self._next_version = 0
+        self._last_version: int | None = None
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._checksums: dict[str, str] = {}
+        self._history: list[PublishResult] = []
+        self._counts = {"published": 0, "keyframes": 0, "zero_diff": 0, "wire": 0, "changed": 0}
+        self._elements = 0
+        self._in_flight = 0
+        self._progress: Progress = None
+        self._cancel_after_commit = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Publisher:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Take the root's lock, clean leftovers of interrupted publishes, find the next version."""
+        if self._lock.held:
+            return
+        release_large_buffers()
+        try:
+            await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
+            acquired = await asyncio.to_thread(self._lock.acquire)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot open the root {self.root}: {exc}; pass a directory this process can write"
+            ) from exc
+        if not acquired:
+            raise LockHeld(
+                f"another publisher holds {self._lock.path} ({self._lock.holder()}); "
+                "one publisher per root"
+            )
+        committer = self._committer.is_committer
+        try:
+            # only the committer creates the root or removes leftovers: other ranks may be
+            # writing into an uncommitted version directory right now
+            info = await asyncio.to_thread(
+                ensure_root_info if committer else read_root_info, self.root
+            )
+            self._run_id = info.run_id if info is not None else ""
+            if committer:
+                await asyncio.to_thread(self._clean_leftovers)
+            versions = await asyncio.to_thread(list_versions, self.root)
+            await self._committer.open(self.root, versions[-1] if versions else None)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._last_version = versions[-1] if versions else None
+        self._next_version = versions[-1] + 1 if versions else 0
+        logger.info(
+            "publisher open root=%s run=%s next_version=%d",
+            self.root,
+            self._run_id,
+            self._next_version,
+        )
+
+    async def close(self) -> None:
+        async with self._busy:
+            self._lock.release()
+
+    def _clean_leftovers(self) -> None:
+        for d in uncommitted_dirs(self.root):
+            logger.warning("removing uncommitted version directory %s", d)
+            shutil.rmtree(d, ignore_errors=True)
+        for p in remove_temp_files(self.root):
+            logger.warning("removed leftover temp file %s", p)
+
+    def _require_open(self) -> None:
+        if not self._lock.held:
+            raise PublishError("the publisher is not open: use `async with Publisher(...)`")
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def version(self) -> int | None:
+        """The last committed version in the root (None before the first)."""
+        return self._last_version
+
+    @property
+    def progress(self) -> Progress:
+        """``(label, buckets written, buckets)`` of the publish in flight, or None.
+
+        For progress displays (``asyncsync.ops.progress.ProgressWatcher``) of long publishes: seeds
+        and keyframes of large models."""
+        return self._progress
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    async def seed(
+        self,
+        source: Mapping[str, torch.Tensor] | str | os.PathLike[str],
+        *,
+        slices: Mapping[str, TensorSlice] | None = None,
+    ) -> PublishResult:
+        """Publish the base version: a full keyframe of ``source``.
+
+        ``source`` is a state dict, or the path of an existing Hugging Face safetensors checkpoint
+        directory, which is registered as the base without being rewritten (its files are
+        checksummed and referenced by the manifest). On a new root this is version 0; on a root
+        that already has versions (a restarted trainer) it is the next version. ``slices``: see
+        :meth:`publish`.
+        """
+        self._require_open()
+        async with self._busy:
+            if not isinstance(source, Mapping):
+                if self._committer.ranked:
+                    raise ConfigError("a multi-rank publisher seeds from each rank's state dict")
+                return await self._register_checkpoint(Path(source))
+            rnd = await self._committer.begin(self, source, slices, keyframe=True, base=False)
+            return await self._publish(source, rnd)
+
+    async def publish(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        keyframe: bool = False,
+        slices: Mapping[str, TensorSlice] | None = None,
+    ) -> PublishResult:
+        """Commit the next version: the delta of ``state_dict`` against the last published one.
+
+        A state dict identical to the last one still commits a version (zero diff, no shards).
+        Every ``keyframe_interval``-th version, or with ``keyframe=True``, the version also
+        carries full data. A changed set of names, dtypes or shapes publishes a full version.
+        ``slices`` declares tensors of which ``state_dict`` holds only a flat element range
+        (:class:`~asyncsync.publish.merge.TensorSlice`); the ranks' slices of a name must tile it.
+        A rank of a group without a snapshot yet (restarted) may publish: the group then
+        publishes a full version.
+        """
+        self._require_open()
+        async with self._busy:
+            rnd = await self._committer.begin(
+                self, state_dict, slices, keyframe=keyframe, base=True
+            )
+            return await self._publish(state_dict, rnd)
+
+    async def wait_acked(
+        self,
+        version: int,
+        *,
+        engines: Sequence[str] | None = None,
+        quorum: int | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, AckRecord]:
+        """Wait until ``engines`` (all) or a ``quorum`` of engines hold ``version`` or later.
+
+        Raises :class:`~asyncsync.errors.AckTimeout` naming the engines that are behind.
+        """
+        return await acks.wait_acked(
+            self.root,
+            version,
+            engines=engines,
+            quorum=quorum,
+            timeout=timeout,
+            run_id=self._run_id or None,
+        )
+
+    def statistics(self) -> PublisherStats:
+        return PublisherStats(
+            root=self.root,
+            run_id=self._run_id,
+            last_version=self._last_version,
+            published=self._counts["published"],
+            keyframes=self._counts["keyframes"],
+            zero_diff=self._counts["zero_diff"],
+            wire_bytes=self._counts["wire"],
+            changed=self._counts["changed"],
+            elements=self._elements,
+            last=self._history[-1] if self._history else None,
+            recent=tuple(self._history[-100:]),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Publisher root={str(self.root)!r}{self._committer.describe()} "
+            f"version={self._last_version} "
+            f"in_flight={self._in_flight} encoding={self.encoding}>"
+        )
+
+    # ------------------------------------------------------------------ for the committer
+    @property
+    def next_version(self) -> int:
+        return self._next_version
+
+    @property
+    def last_version(self) -> int | None:
+        return self._last_version
+
+    @property
+    def has_snapshot(self) -> bool:
+        return self._snapshot is not None
+
+    def same_schema(
+        self, state_dict: Mapping[str, torch.Tensor], slices: Mapping[str, TensorSlice]
+    ) -> bool:
+        """Whether ``state_dict`` can be diffed against the snapshot (names, dtypes, shapes,
+        slices)."""
+        assert self._snapshot is not None
+        return dict(slices) == self._slices and snapshot.same_schema(self._snapshot, state_dict)
+
+    def set_round(self, run_id: str, next_version: int) -> None:
+        self._run_id, self._next_version = run_id, next_version
+
+    def adopt(self, a: Attempt) -> None:
+        """The group committed an attempt whose outcome this rank missed: advance to it."""
+        if self.mode == "delta":
+            self._advance_snapshot(a.names, a.updates)
+        self._checksums, self._slices = a.checksums, a.slices
+        self._last_version, self._next_version = a.version, a.version + 1
+
+    # ------------------------------------------------------------------ internals
+    async def _publish(self, state_dict: Mapping[str, torch.Tensor], rnd: Round) -> PublishResult:
+        """The one pipeline (diff, encode, write) of a round, then the committer's end of it."""
+        sl, version, delta, full = rnd.slices, rnd.version, rnd.delta, rnd.full
+        names = list(state_dict)
+        vdir = version_dir(self.root, version)
+        t_start = time.perf_counter()
+        created = time.time()
+        acc = VersionWriter(
+            vdir=vdir,
+            algorithm=self.checksum,
+            version=version,
+            run_id=self._run_id,
+            shard_bytes=self.bucket_bytes,
+            meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
+            slices=sl,
+            prefix=rnd.prefix,
+        )
+        stage_ref = ["prepare"]
+        self._in_flight = 0
+        self._progress = None
+
+        async def commit_merged(
+            entries: tuple[TensorEntry, ...],
+            shards: tuple[ShardInfo, ...],
+            raw_bytes: int,
+            producer: dict[str, Any],
+        ) -> Manifest:
+            m = self._manifest(
+                version, entries, shards, raw_bytes, created, delta, full,
+                attempt=rnd.attempt, producer=producer,
+            )  # fmt: skip
+            await self._commit(vdir, m, stage_ref)
+            return m
+
+        error: BaseException | None = None
+        entries: tuple[TensorEntry, ...] = ()
+        try:
+            if rnd.refuse is not None:
+                raise PublishError(rnd.refuse)
+            await asyncio.to_thread(vdir.mkdir, exist_ok=rnd.shared_dir)
+            snap = self._snapshot if delta else None
+            sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
+            buckets = snapshot.plan_buckets(sizes, self.bucket_bytes)
+
+            def diff(bucket: list[int]) -> DiffedBucket:
+                items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)
+                return diff_bucket(items, delta=delta)
+
+            def encode(d: DiffedBucket) -> EncodedBucket:
+                return encode_bucket(
+                    d, version=version, run_id=self._run_id, delta=delta, full=full,
+                    encoding=self.encoding, level=self.zstd_level, algorithm=self.checksum,
+                )  # fmt: skip
+
+            def write(e: EncodedBucket) -> None:
+                acc.write(e)
+                label, done, total = self._progress or ("", 0, 0)
+                self._progress = (label, done + 1, total)
+
+            kind = "full" if full and not delta else "keyframe" if full else "delta"
+            self._progress = (f"publish v{version} ({kind})", 0, len(buckets))
+            stage_ref[0] = "diff/encode/write"
+            await run_pipeline(
+                buckets,
+                [("diff", diff), ("encode", encode), ("write", write)],
+                maxsize=self.max_in_flight,
+                pipelined=self.pipelined,
+                seconds=acc.seconds,
+            )
+            t_finish = time.perf_counter()
+            await finish_thread(acc.finish)  # the last delta shard
+            acc.seconds["write"] += time.perf_counter() - t_finish
+            entries = tuple(acc.entries[i] for i in range(len(names)))
+        except BaseException as exc:
+            error = exc
+        t_commit = time.perf_counter()
+        written = Written(
+            names, entries, tuple(acc.shards), acc.raw_bytes, acc.pending, acc.sums,
+            dict(self._producer), error,
+        )  # fmt: skip
+        try:
+            manifest = await self._committer.finish(
+                rnd, vdir, written, stage_ref[0], self.checksum, commit_merged
+            )
+        except BaseException:
+            self._progress = None
+            raise
+        # Committed: from here on the version exists for readers.
+        self._in_flight = 0
+        if self.mode == "delta":
+            self._advance_snapshot(names, acc.pending)
+        self._slices = sl
+        seconds = dict(acc.seconds)
+        seconds["commit"] = time.perf_counter() - t_commit
+        seconds["total"] = time.perf_counter() - t_start
+        return await self._committed(manifest, seconds, vdir, acc.sums)
+
+    async def _commit(self, vdir: Path, manifest: Manifest, stage: list[str]) -> None:
+        if await commit_version(self.root, vdir, manifest, stage, self.pre_commit_hook):
+            self._cancel_after_commit = True  # committed: finish the bookkeeping, then cancel
+
+    async def _committed(
+        self,
+        manifest: Manifest,
+        seconds: dict[str, float],
+        vdir: Path,
+        checksums: dict[str, str] | None = None,
+    ) -> PublishResult:
+        """Bookkeeping after the manifest rename: counters, log line, retention, result.
+        ``checksums``: of this rank's own tensors (the manifest's, by default)."""
+        self._progress = None
+        self._next_version = manifest.version + 1
+        self._last_version = manifest.version
+        self._checksums = (
+            checksums if checksums is not None else {e.name: e.checksum for e in manifest.tensors}
+        )
+        self._elements = manifest.totals.elements
+        if not self._committer.is_committer:
+            res = PublishResult.of(manifest, seconds, vdir)  # the log and retention are rank 0's
+            self._record(res)
+            self._cancel_after_commit = False
+            return res
+        try:
+            await asyncio.to_thread(append_manifest, self.root, manifest)
+        except OSError as exc:  # the log is for operators; the version is committed regardless
+            logger.error(
+                "version %d committed but the log append failed: %s", manifest.version, exc
+            )
+        await self._collect_garbage()
+        res = PublishResult.of(manifest, seconds, vdir)
+        self._record(res)
+        if self._cancel_after_commit:  # cancelled once the version could no longer be undone
+            self._cancel_after_commit = False
+            raise asyncio.CancelledError
+        return res
+
+    async def _collect_garbage(self) -> None:
+        if self.retention is None:
+            return
+        try:
+            await asyncio.to_thread(collect, self.root, self.retention)
+        except (OSError, AsyncSyncError) as exc:  # retention must never fail a commit
+            logger.error(
+                "retention on %s failed (retried after the next commit): %s", self.root, exc
+            )
+
+    def _manifest(
+        self,
+        version: int,
+        entries: tuple[TensorEntry, ...],
+        shards: tuple[ShardInfo, ...],
+        raw_bytes: int,
+        created: float,
+        delta: bool,
+        full: bool,
+        shard_dir: str | None = None,
+        *,
+        attempt: str | None = None,
+        producer: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        return build_manifest(
+            version=version, entries=entries, shards=shards, raw_bytes=raw_bytes,
+            created=created, delta=delta, full=full, encoding=self.encoding,
+            checksum=self.checksum, run_id=self._run_id,
+            producer={**self._producer, **(producer or {})}, shard_dir=shard_dir, attempt=attempt,
+        )  # fmt: skip
+
+    def _advance_snapshot(self, names: list[str], pending: list[PendingUpdate]) -> None:
+        self._snapshot = snapshot.advance(self._snapshot, names, pending)
+
+    def _record(self, res: PublishResult) -> None:
+        self._history.append(res)
+        del self._history[:-1000]
+        self._counts["published"] += 1
+        self._counts["keyframes"] += res.kind == "full"
+        self._counts["zero_diff"] += res.zero_diff
+        self._counts["wire"] += res.wire_bytes
+        self._counts["changed"] += res.changed
+        logger.info(
+            "committed version %d kind=%s changed=%d/%d (%.3f%%) wire=%d B in %.3fs",
+            res.version,
+            res.kind,
+            res.changed,
+            res.total,
+            100 * res.density,
+            res.wire_bytes,
+            res.seconds["total"],
+        )
+
+    async def _register_checkpoint(self, path: Path) -> PublishResult:
+        """Seed from an existing HF safetensors checkpoint without rewriting it."""
+        path = path.resolve()
+        version = self._next_version
+        vdir = version_dir(self.root, version)
+        t0 = time.perf_counter()
+        created = time.time()
+        try:
+            shards, entries, tensors = await asyncio.to_thread(scan_checkpoint, path, self.checksum)
+        except AsyncSyncError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"cannot register checkpoint {path}: {exc!r}") from exc
+        manifest = self._manifest(
+            version, tuple(entries), tuple(shards), 0, created, False, True, shard_dir=str(path)
+        )
+        stage = ["mkdir"]
+        try:
+            await asyncio.to_thread(vdir.mkdir)
+            await self._commit(vdir, manifest, stage)
+        except BaseException as exc:
+            self._progress = None
+            await discard(vdir, exc, version, stage[0])
+        self._snapshot = tensors
+        t1 = time.perf_counter()
+        return await self._committed(manifest, {"total": t1 - t0, "commit": t1 - t0}, vdir)

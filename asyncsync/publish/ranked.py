@@ -1,0 +1,269 @@
+"""Who commits a version: the publisher alone, or rank 0 of a group for every rank.
+
+The :class:`~asyncsync.publish.publisher.Publisher` runs one pipeline (diff, encode, write) for
+every version. What differs between a single publisher and one rank of a multi-rank trainer is
+how a version's round begins (which version, delta or full) and how it ends (commit, or report
+a part to rank 0 and learn the outcome). That is a *committer*, given to the publisher:
+
+* :class:`SoloCommitter`: the publisher decides alone and commits its own manifest.
+* :class:`RankedCommitter`: the ranks agree on a plan (:mod:`asyncsync.publish.group`), each
+  writes its shards and part record, and rank 0 merges the parts into one manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from asyncsync.codec.shards import PendingUpdate
+from asyncsync.errors import ConfigError, PublishError
+from asyncsync.format import Manifest, ShardInfo, TensorEntry
+from asyncsync.publish.commit import discard
+from asyncsync.publish.distributed import Coordinator
+from asyncsync.publish.group import Attempt, Plan, RankGroup
+from asyncsync.publish.merge import PartRecord, TensorSlice, check_state_dict, merge, schema_of
+
+__all__ = ["Committer", "RankedCommitter", "Round", "SoloCommitter", "Written"]
+
+logger = logging.getLogger(__name__)
+
+CommitMerged = Callable[
+    [tuple[TensorEntry, ...], tuple[ShardInfo, ...], int, dict[str, Any]], Awaitable[Manifest]
+]
+
+
+@dataclass(frozen=True)
+class Round:
+    """One version's publish as the committer set it up."""
+
+    version: int
+    delta: bool
+    full: bool
+    slices: dict[str, TensorSlice]
+    prefix: str = ""  # of this process's shard file names
+    shared_dir: bool = False  # other processes write into the version directory too
+    refuse: str | None = None  # raised inside the pipeline, so that the group learns it
+    plan: Plan | None = None
+    schema: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def attempt(self) -> str | None:
+        return self.plan.attempt if self.plan is not None else None
+
+
+@dataclass(frozen=True)
+class Written:
+    """What the pipeline wrote for one round: the entries, shards and what the snapshot needs,
+    or the ``error`` that stopped it (then ``entries`` is empty)."""
+
+    names: list[str]
+    entries: tuple[TensorEntry, ...]
+    shards: tuple[ShardInfo, ...]
+    raw_bytes: int
+    pending: list[PendingUpdate]
+    sums: dict[str, str]
+    producer: dict[str, Any]
+    error: BaseException | None = None
+
+
+class PublisherView(Protocol):
+    """What a committer reads of its publisher."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def keyframe_interval(self) -> int: ...
+    @property
+    def next_version(self) -> int: ...
+    @property
+    def last_version(self) -> int | None: ...
+    @property
+    def has_snapshot(self) -> bool: ...
+    @property
+    def run_id(self) -> str: ...
+    def same_schema(
+        self, state_dict: Mapping[str, torch.Tensor], slices: Mapping[str, TensorSlice]
+    ) -> bool: ...
+    def set_round(self, run_id: str, next_version: int) -> None: ...
+    def adopt(self, a: Attempt) -> None: ...
+
+
+class Committer(Protocol):
+    """How a publisher's rounds begin and end (see the module docstring)."""
+
+    rank: int
+    ranked: bool  # one rank of a group
+    is_committer: bool  # commits manifests, appends the log, runs retention
+
+    async def open(self, root: Path, latest: int | None) -> None: ...
+    async def begin(
+        self,
+        pub: PublisherView,
+        state_dict: Mapping[str, torch.Tensor],
+        slices: Mapping[str, TensorSlice] | None,
+        *,
+        keyframe: bool,
+        base: bool,
+    ) -> Round: ...
+    async def finish(
+        self,
+        rnd: Round,
+        vdir: Path,
+        written: Written,
+        stage: str,
+        checksum: str,
+        commit_merged: CommitMerged,
+    ) -> Manifest: ...
+    def describe(self) -> str: ...
+
+
+class SoloCommitter:
+    """A publisher that is the only writer of its root."""
+
+    rank = 0
+    ranked = False
+    is_committer = True
+
+    async def open(self, root: Path, latest: int | None) -> None:
+        return None
+
+    async def begin(
+        self,
+        pub: PublisherView,
+        state_dict: Mapping[str, torch.Tensor],
+        slices: Mapping[str, TensorSlice] | None,
+        *,
+        keyframe: bool,
+        base: bool,
+    ) -> Round:
+        """Seed (``base=False``) or publish: a full version, or a delta against the snapshot."""
+        sl = check_state_dict(state_dict, slices)
+        version = pub.next_version
+        if not base or pub.mode == "full":  # no snapshot needed: the version is complete
+            return Round(version, delta=False, full=True, slices=sl)
+        if not pub.has_snapshot:
+            raise PublishError("nothing published by this publisher yet: call seed() first")
+        if not pub.same_schema(state_dict, sl):
+            logger.info("tensor names, dtypes or shapes changed: publishing a full version")
+            return Round(version, delta=False, full=True, slices=sl)
+        due = pub.keyframe_interval > 0 and version % pub.keyframe_interval == 0
+        return Round(version, delta=True, full=keyframe or due, slices=sl)
+
+    async def finish(
+        self,
+        rnd: Round,
+        vdir: Path,
+        written: Written,
+        stage: str,
+        checksum: str,
+        commit_merged: CommitMerged,
+    ) -> Manifest:
+        """Commit the version, or remove its directory and raise PublishError."""
+        try:
+            if written.error is not None:
+                raise written.error
+            merged = merge([(written.entries, written.shards)], checksum)  # slices must tile
+            return await commit_merged(*merged, written.raw_bytes, {})
+        except BaseException as exc:
+            await discard(vdir, exc, rnd.version, stage)
+
+    def describe(self) -> str:
+        return ""
+
+
+class RankedCommitter:
+    """One rank of a group of publishers that commit each version in one manifest."""
+
+    ranked = True
+
+    def __init__(
+        self, coordinator: Coordinator, config: dict[str, Any], keyframe_interval: int
+    ) -> None:
+        self.group = RankGroup(coordinator, config, keyframe_interval)
+        self.rank = self.group.rank
+        self.is_committer = self.group.is_committer
+
+    async def open(self, root: Path, latest: int | None) -> None:
+        await self.group.open(root, latest)
+
+    async def begin(
+        self,
+        pub: PublisherView,
+        state_dict: Mapping[str, torch.Tensor],
+        slices: Mapping[str, TensorSlice] | None,
+        *,
+        keyframe: bool,
+        base: bool,
+    ) -> Round:
+        """Agree on the attempt's plan. ``base``: diff against the snapshot if every rank can
+        (False for seed). A rank without a snapshot (restarted) makes the group publish full."""
+        group = self.group
+        try:
+            sl, error = check_state_dict(state_dict, slices), None
+        except ConfigError as exc:  # told to rank 0 so that the group fails fast, then raised
+            sl, error = {}, exc
+        ok = base and error is None and pub.mode == "delta"
+        u = group.unresolved
+        schema = schema_of(state_dict, sl) if error is None else {}
+        plan = await group.plan(
+            snapshot=pub.last_version if pub.has_snapshot else None,
+            can_delta=ok and pub.has_snapshot and pub.same_schema(state_dict, sl),
+            can_delta_after=ok and u is not None and u.schema == schema,
+            want_full=keyframe,
+            error=error,
+            next_version=pub.next_version,
+            last_version=pub.last_version,
+            run_id=pub.run_id,
+            adopt=pub.adopt,
+        )
+        pub.set_round(plan.run_id, plan.version)
+        refuse = None
+        if plan.delta and pub.last_version != plan.version - 1:
+            refuse = f"rank {self.rank} holds v{pub.last_version}, not v{plan.version - 1}"
+        return Round(
+            plan.version,
+            delta=plan.delta,
+            full=plan.full,
+            slices=check_state_dict(state_dict, sl),
+            prefix=plan.shard_prefix(self.rank),
+            shared_dir=True,
+            refuse=refuse,
+            plan=plan,
+            schema=schema,
+        )
+
+    async def finish(
+        self,
+        rnd: Round,
+        vdir: Path,
+        written: Written,
+        stage: str,
+        checksum: str,
+        commit_merged: CommitMerged,
+    ) -> Manifest:
+        """Report this rank's part record (or its failure) and learn the outcome."""
+        plan = rnd.plan
+        assert plan is not None
+        part: PartRecord | BaseException
+        if written.error is not None:
+            part = written.error
+        else:
+            part = PartRecord(
+                rnd.version, plan.attempt, self.rank, plan.run_id, written.shards,
+                written.entries, written.raw_bytes, {"rank": self.rank, **written.producer},
+            )  # fmt: skip
+        attempt = Attempt(
+            rnd.version, plan.attempt, written.names, written.pending, written.sums,
+            rnd.slices, rnd.schema,
+        )  # fmt: skip
+        return await self.group.commit(
+            plan, vdir, part, attempt, algorithm=checksum, commit_merged=commit_merged
+        )
+
+    def describe(self) -> str:
+        return f" rank={self.group.rank}/{self.group.world_size}"

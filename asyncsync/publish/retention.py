@@ -1,0 +1,149 @@
+"""Retention: delete old versions without ever taking one a live engine still needs.
+
+What is always kept:
+
+* the newest keyframe and every version after it (the chain any engine can start from);
+* every version after the one a *live* engine acknowledged (it will replay them), where live
+  means its ack is younger than ``ack_ttl`` seconds;
+* the newest ``keep_versions`` versions and, counting from the newest, as many versions as fit
+  in ``keep_bytes`` (when set).
+
+Everything older is deleted, oldest first. A version is deleted by removing its manifest first
+(so readers stop seeing it at once), then its files and directory; a reader that was in the
+middle of it gets a missing shard, refuses the version, and catches up from the keyframe.
+Files of a registered external checkpoint (``shard_dir``) are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncsync.errors import ConfigError, ManifestError
+from asyncsync.format import MANIFEST_NAME, version_dir
+from asyncsync.format.acks import read_acks
+from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.fsio import fsync_dir
+
+__all__ = ["GcReport", "RetentionPolicy", "collect"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """How much history a root keeps (see the module docstring for what is always kept).
+
+    Args:
+        keep_versions: keep at least the newest N versions (None: no count-based floor).
+        keep_bytes: keep, from the newest, the versions whose cumulative size fits (None: no
+            size-based floor). With both None only the protected versions survive.
+        ack_ttl: seconds after which an engine's ack no longer pins versions (a dead engine
+            must not keep the whole history); None: acks pin forever.
+    """
+
+    keep_versions: int | None = 10
+    keep_bytes: int | None = None
+    ack_ttl: float | None = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.keep_versions is not None and self.keep_versions < 1:
+            raise ConfigError(f"keep_versions must be >= 1 or None, got {self.keep_versions}")
+        if self.keep_bytes is not None and self.keep_bytes < 1:
+            raise ConfigError(f"keep_bytes must be >= 1 or None, got {self.keep_bytes}")
+        if self.ack_ttl is not None and self.ack_ttl <= 0:
+            raise ConfigError(f"ack_ttl must be > 0 seconds or None, got {self.ack_ttl}")
+
+
+@dataclass(frozen=True)
+class GcReport:
+    deleted: tuple[int, ...]
+    kept: tuple[int, ...]
+    freed_bytes: int
+    reasons: dict[int, str] = field(default_factory=dict)  # why each kept version is kept
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(path) as it:
+        for e in it:
+            with contextlib.suppress(FileNotFoundError):
+                if e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+    return total
+
+
+def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> GcReport:
+    """Apply ``policy`` to ``root`` once. Blocking; safe to run beside a live publisher."""
+    versions = list_versions(root)
+    if not versions:
+        return GcReport((), (), 0)
+    reasons: dict[int, str] = {}
+
+    def keep(v: int, why: str) -> None:
+        reasons.setdefault(v, why)
+
+    newest_keyframe = None
+    for v in reversed(versions):
+        try:
+            if read_manifest(root, v).kind == "full":
+                newest_keyframe = v
+                break
+        except (FileNotFoundError, ManifestError) as exc:
+            logger.warning("gc: cannot read version %d (%s); keeping it", v, exc)
+            keep(v, "unreadable manifest")
+    if newest_keyframe is None:
+        for v in versions:
+            keep(v, "no keyframe: the whole chain is needed")
+    else:
+        for v in versions:
+            if v >= newest_keyframe:
+                keep(v, "newest keyframe and its chain")
+    now = time.time()
+    for ack in read_acks(root).values():
+        if policy.ack_ttl is not None and now - ack.applied_at > policy.ack_ttl:
+            continue
+        for v in versions:
+            if v > ack.version:
+                keep(v, f"engine {ack.engine_id} at {ack.version} needs it")
+    newest_first = list(reversed(versions))
+    if policy.keep_versions is not None:
+        for v in newest_first[: policy.keep_versions]:
+            keep(v, f"within the newest {policy.keep_versions}")
+    sizes = {v: _dir_bytes(version_dir(root, v)) for v in versions}
+    if policy.keep_bytes is not None:
+        used = 0
+        for v in newest_first:
+            used += sizes[v]
+            if used > policy.keep_bytes:
+                break
+            keep(v, f"within {policy.keep_bytes} bytes")
+    doomed = [v for v in versions if v not in reasons]
+    freed = 0
+    for v in doomed:
+        freed += sizes[v]
+        if not dry_run:
+            _delete_version(root, v)
+    if doomed:
+        logger.info(
+            "gc %s: deleted %d versions (%d bytes)%s",
+            root,
+            len(doomed),
+            freed,
+            " [dry run]" if dry_run else "",
+        )
+    return GcReport(tuple(doomed), tuple(sorted(reasons)), freed, reasons)
+
+
+def _delete_version(root: Path, version: int) -> None:
+    vdir = version_dir(root, version)
+    with contextlib.suppress(FileNotFoundError):
+        (vdir / MANIFEST_NAME).unlink()  # uncommit first: readers stop seeing it
+        fsync_dir(vdir)
+    shutil.rmtree(vdir, ignore_errors=True)
+    fsync_dir(root)

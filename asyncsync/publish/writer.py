@@ -1,0 +1,125 @@
+"""The write stage of a publish: shard files for one version, and what they hold.
+
+A :class:`VersionWriter` lives for one publish. An encoded bucket's full tensors (keyframes)
+become one full shard; its deltas join those of the buckets before it until they fill a delta
+shard of about ``shard_bytes`` (:class:`~asyncsync.codec.shards.DeltaPacker`), and :meth:`finish`
+writes the last one. Every shard is written atomically (temp + fsync + rename; the directory is
+synced once before the commit), and the writer records each shard's size and checksum and each
+tensor's manifest entry, so that when every bucket is written the manifest can be built from
+it. It also collects the snapshot updates that the publisher applies after the commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncsync.codec.shards import (
+    DeltaPacker,
+    EncodedBucket,
+    ItemResult,
+    PendingUpdate,
+    delta_keys,
+    delta_shard_blob,
+)
+from asyncsync.format import DeltaRef, FullRef, ShardInfo, TensorEntry
+from asyncsync.format.checksum import checksum_bytes
+from asyncsync.fsio import atomic_write
+from asyncsync.publish.merge import TensorSlice, as_part
+
+__all__ = ["VersionWriter"]
+
+
+@dataclass
+class VersionWriter:
+    """Writes one version's shards into ``vdir`` and accumulates their manifest entries.
+
+    Call :meth:`write` for each encoded bucket in order, then :meth:`finish` once.
+    """
+
+    vdir: Path
+    algorithm: str
+    version: int
+    run_id: str
+    shard_bytes: int  # a delta shard collects buckets' deltas up to about this many bytes
+    meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # dtype, shape
+    slices: Mapping[str, TensorSlice] = field(default_factory=dict)
+    prefix: str = ""  # of shard file names: "r0003-<attempt>-" in a multi-rank publish
+    shards: list[ShardInfo] = field(default_factory=list)
+    entries: dict[int, TensorEntry] = field(default_factory=dict)
+    pending: list[PendingUpdate] = field(default_factory=list)
+    raw_bytes: int = 0
+    sums: dict[str, str] = field(default_factory=dict)  # checksum of each local tensor
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"diff": 0.0, "encode": 0.0, "write": 0.0}
+    )
+
+    def __post_init__(self) -> None:
+        self._packer = DeltaPacker(self.shard_bytes)
+        self._waiting: list[tuple[ItemResult, int | None]] = []  # (item, its full shard)
+
+    def write(self, enc: EncodedBucket) -> None:
+        """Take one encoded bucket: write its full shard now and its deltas when a shard fills."""
+        full_shard = None
+        if enc.full_blob is not None:
+            full_shard = self._write_shard("full", enc.full_blob)
+        for it in enc.items:
+            if it.mode is None:
+                self._record(it, None, full_shard)
+            else:
+                self._waiting.append((it, full_shard))
+        for group in self._packer.add(enc.delta_blobs):
+            self._write_deltas(group)
+        self.pending.extend(enc.pending)
+        self.raw_bytes += enc.raw_bytes
+
+    def finish(self) -> None:
+        """Write the last delta shard (the deltas no shard has taken yet)."""
+        group = self._packer.take()
+        if group:
+            self._write_deltas(group)
+        if self._waiting:
+            raise AssertionError(f"{len(self._waiting)} tensors' deltas were never written")
+
+    def _write_shard(self, role: str, blob: bytes) -> int:
+        n = sum(1 for s in self.shards if s.role == role)
+        fname = f"{self.prefix}{role}-{n:05d}.safetensors"
+        atomic_write(self.vdir / fname, blob, sync_dir=False)
+        checksum = checksum_bytes(blob, self.algorithm)
+        self.shards.append(ShardInfo(fname, role, len(blob), checksum))  # type: ignore[arg-type]
+        return len(self.shards) - 1
+
+    def _write_deltas(self, group: dict[str, bytes]) -> None:
+        """Write one delta shard and record the entries of the tensors whose deltas it holds."""
+        shard = self._write_shard(
+            "delta", delta_shard_blob(group, version=self.version, run_id=self.run_id)
+        )
+        rest = []
+        for it, full_shard in self._waiting:
+            if delta_keys(it.index)[0] in group:
+                self._record(it, shard, full_shard)
+            else:
+                rest.append((it, full_shard))
+        self._waiting = rest
+
+    def _record(self, it: ItemResult, delta_shard: int | None, full_shard: int | None) -> None:
+        delta_ref = None
+        if it.mode is not None:
+            assert delta_shard is not None
+            pkey, vkey = delta_keys(it.index)
+            delta_ref = DeltaRef(delta_shard, it.mode, pkey, vkey)
+        full_ref = FullRef(full_shard, it.name) if full_shard is not None else None
+        dtype, shape = self.meta[it.name]
+        entry = TensorEntry(
+            name=it.name,
+            dtype=dtype,
+            shape=shape,
+            checksum=it.checksum,
+            changed=it.changed,
+            delta=delta_ref,
+            full=full_ref,
+        )
+        sl = self.slices.get(it.name)
+        self.entries[it.index] = entry if sl is None else as_part(entry, sl, self.algorithm)
+        self.sums[it.name] = it.checksum

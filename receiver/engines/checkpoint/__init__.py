@@ -1,0 +1,57 @@
+"""LocalCheckpoint: a Hugging Face safetensors directory kept at the newest version, in place.
+
+The directory is what ``from_pretrained`` / vLLM / SGLang load::
+
+    DIR/
+      model-00001-of-00003.safetensors ...   the weights (names = state-dict keys)
+      model.safetensors.index.json           {"metadata": {"total_size", "asyncsync_version"},
+                                              "weight_map": {name: file}}
+      .asyncsync/                            receiver.state: state.json, lock, journal/, staging/
+
+Why in place: a delta touches a small fraction of the bytes, so rewriting multi-GB files per
+version would cost far more than the delta. Each tensor sits at a fixed byte range of its file
+(parsed from the safetensors header), so a delta is applied through ``mmap`` on those ranges.
+
+Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repairs):
+
+* delta: before the first in-place write of a version, ``state.json`` says ``applying``; before
+  each ``apply`` writes, an undo journal file with the OLD values of every position it will
+  write is durable in ``.asyncsync/journal/``. Undo just writes old values back, so it is
+  idempotent: ``abort``, a failed checksum in ``commit`` and ``open`` after a crash all run it,
+  as often as needed, and the checkpoint is back at the old version bit for bit.
+* durability after the ack (default): a delta commits once every touched tensor's bytes match
+  the manifest's checksums *in the page cache*; ``state.json`` then says ``clean`` at the new
+  version with ``synced: false`` and the receiver acknowledges it; then (``acknowledged``)
+  ``msync``/``fsync`` of the data files run in the background (the next ``begin`` waits for
+  them), and ``synced`` becomes true. The flush is the largest single cost of an apply (a 3 %
+  delta dirties every page of a bf16 tensor), so this takes it off the version's latency. A
+  process crash loses nothing (the page cache survives it); if the machine itself fails
+  before the flush, ``open`` finds ``synced: false``, re-checks every tensor against the
+  recorded checksums and, if any differs, removes the data files so the receiver
+  re-initialises from the newest keyframe. ``sync_before_ack=True`` flushes before the
+  commit instead.
+* full: new files are written to ``.asyncsync/staging/`` and verified; only then is the state
+  marked ``applying`` and the files moved into place. A crash in that window leaves old and
+  new files mixed, so ``open`` removes the data files and reports no version: the receiver
+  re-initialises the directory from a keyframe.
+
+Blocking file work runs in ``asyncio.to_thread`` so the receiver's event loop stays free.
+
+The package: :mod:`~receiver.engines.checkpoint.engine` (:class:`LocalCheckpoint`: transactions,
+recovery at open, the flush after the ack), :mod:`~receiver.engines.checkpoint.files` (data
+files, index, layout; :func:`verify_checkpoint`), :mod:`~receiver.engines.checkpoint.inplace`
+(undoable in-place deltas), :mod:`~receiver.engines.checkpoint.journal` (the undo record's
+format) and :mod:`~receiver.engines.checkpoint.staging` (full versions through staged files).
+"""
+
+from receiver.engines.checkpoint.engine import LocalCheckpoint
+from receiver.engines.checkpoint.files import CheckpointFiles, verify_checkpoint
+from receiver.engines.st_layout import TensorLocation, read_layout
+
+__all__ = [
+    "CheckpointFiles",
+    "LocalCheckpoint",
+    "TensorLocation",
+    "read_layout",
+    "verify_checkpoint",
+]

@@ -1,0 +1,531 @@
+"""The LocalCheckpoint engine: its transactions, recovery at open and the flush after the ack
+(the directory layout and crash-safety rules are in :mod:`receiver.engines.checkpoint`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import safetensors
+import safetensors.torch
+import torch
+
+from asyncsync import fsio
+from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch, EngineStateError
+from asyncsync.format import Manifest, TensorEntry
+from receiver.engines.base import Engine, EngineState, TensorUpdate
+from receiver.engines.checkpoint import inplace, staging
+from receiver.engines.checkpoint.files import CheckpointFiles
+from receiver.engines.st_layout import FileMaps, TensorLocation
+from receiver.state import (
+    STATE_DIR_NAME,
+    STATE_NAME,
+    PersistedState,
+    StateStore,
+    bumped,
+    check_base,
+    check_patch,
+    layouts_of,
+)
+
+__all__ = ["LocalCheckpoint"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class _Txn:
+    """The version being applied between begin and commit/abort."""
+
+    manifest: Manifest
+    mode: Literal["delta", "full"]
+    entries: dict[str, TensorEntry]
+    seen: set[str] = field(default_factory=set)
+    staged: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (part, checksum)
+    parts: list[str] = field(default_factory=list)
+    maps: FileMaps | None = None
+    seq: int = 0
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class LocalCheckpoint(Engine):
+    """A safetensors checkpoint directory patched in place (see :mod:`receiver.engines.checkpoint`).
+
+    Its data files and index are :attr:`files` (:mod:`~receiver.engines.checkpoint.files`); a
+    delta is applied undoably in place (:mod:`~receiver.engines.checkpoint.inplace`), a full
+    version through staged files (:mod:`~receiver.engines.checkpoint.staging`); and a committed
+    delta is flushed after its ack (:meth:`acknowledged`, :meth:`flushed`).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        file_prefix: str = "model",
+        sync_before_ack: bool = False,
+    ):
+        self.files = CheckpointFiles(directory, file_prefix)  # raises for a bad prefix
+        self.directory = Path(directory)
+        self.file_prefix = file_prefix
+        self.index_path = self.files.index_path
+        self._store = StateStore(self.directory / STATE_DIR_NAME)
+        self._ps = PersistedState()
+        self._layout: dict[str, TensorLocation] = {}
+        self._txn: _Txn | None = None
+        self._broken: str | None = None
+        self._mutex = threading.Lock()
+        self.sync_before_ack = sync_before_ack
+        self._flushing: asyncio.Future[None] | None = None  # the last delta's background sync
+        self._unflushed: tuple[FileMaps, int] | None = None  # committed, flush not yet started
+        self.state = EngineState()
+
+    def __repr__(self) -> str:
+        return f"<LocalCheckpoint {self.directory} version={self.state.version}>"
+
+    # -- public coroutines ----------------------------------------------------------------
+    async def open(self) -> EngineState:
+        return await self._run(self._open)
+
+    async def close(self) -> None:
+        if self._txn is not None:
+            await self.abort()
+        await self.flushed()
+        self._store.close()
+
+    async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
+        await self.flushed()
+        await self._run(self._begin, manifest, mode)
+
+    async def flushed(self) -> None:
+        """Wait until the last committed delta is durable (a no-op with sync_before_ack);
+        start its flush first if nobody called :meth:`acknowledged`."""
+        await self.acknowledged()
+        pending, self._flushing = self._flushing, None
+        if pending is not None:
+            with contextlib.suppress(AsyncSyncError):  # logged; the engine is marked broken
+                await pending
+
+    async def apply(self, updates: list[TensorUpdate]) -> None:
+        txn = self._need_txn()
+        if txn.mode == "delta":
+            await self._run(self._apply_delta, txn, updates)
+        else:
+            await self._run(self._apply_full, txn, updates)
+
+    async def commit(self) -> str:
+        txn = self._need_txn()
+        if txn.mode == "full":
+            return await self._run(self._commit_full, txn)
+        fingerprint = await self._run(self._commit_delta, txn)
+        if not self.sync_before_ack:
+            assert txn.maps is not None
+            self._unflushed = (txn.maps, txn.manifest.version)
+        return fingerprint
+
+    async def acknowledged(self) -> None:
+        """Start flushing the delta just committed (in the background): after the ack, so the
+        ack's own small write is not queued behind the flush on the same disk."""
+        if self._unflushed is not None and self._flushing is None:
+            maps, version = self._unflushed
+            self._unflushed = None
+            self._flushing = asyncio.ensure_future(self._run(self._make_durable, maps, version))
+
+    async def abort(self) -> None:
+        await self._run(self._abort)
+
+    async def bump(self, manifest: Manifest) -> None:
+        await self.flushed()
+        await self._run(self._bump, manifest)
+
+    # -- read-only helpers -----------------------------------------------------------------
+    def tensor_names(self) -> list[str]:
+        """Names of the tensors in the checkpoint, in index order (none before the first)."""
+        return self.files.tensor_names()
+
+    def load_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the checkpoint, copied into memory (later deltas do not alter it)."""
+        if not self.index_path.exists():
+            return {}
+        weight_map = self.files.read_index()[1]
+        out: dict[str, torch.Tensor] = {}
+        for file in dict.fromkeys(weight_map.values()):
+            out.update(safetensors.torch.load_file(self.directory / file))
+        return {name: out[name].clone() for name in weight_map}  # load_file maps the file
+
+    # -- plumbing -----------------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking work in a thread, one at a time even if a caller was cancelled."""
+
+        def locked() -> _T:
+            with self._mutex:
+                return fn(*args)
+
+        try:
+            return await asyncio.to_thread(locked)
+        except AsyncSyncError:
+            raise
+        except (OSError, RuntimeError, ValueError, safetensors.SafetensorError) as exc:
+            raise ApplyFailed(f"{self.directory}: {type(exc).__name__}: {exc}") from exc
+
+    def _need_txn(self) -> _Txn:
+        if self._txn is None:
+            raise ApplyFailed(f"{self.directory}: apply/commit without begin")
+        return self._txn
+
+    def _set(self, ps: PersistedState) -> None:
+        self._ps = self._store.save(ps)
+        self.state = EngineState(ps.version, ps.run_id, ps.fingerprint)
+
+    def _write_index(self, version: int) -> None:
+        """Write the HF index of the current layout, only the version new."""
+        weight_map = {n: loc.file for n, loc in self._layout.items()}
+        self.files.write_index(
+            version, weight_map, sum(loc.nbytes for loc in self._layout.values())
+        )
+
+    # -- open / recovery ------------------------------------------------------------------
+    def _open(self) -> EngineState:
+        if self._store.locked:
+            return self.state
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if not (self._store.directory / STATE_NAME).exists():
+            self.files.refuse_foreign()
+        ps = self._store.open()
+        try:
+            if ps is None:
+                self.files.refuse_foreign()
+                ps = PersistedState()
+            self._ps = ps
+            for d in (self._store.journal_dir, self._store.staging_dir):
+                d.mkdir(exist_ok=True)
+            if ps.applying and ps.mode == "delta":
+                logger.warning(
+                    "%s: interrupted delta to v%s; undoing", self.directory, ps.target_version
+                )
+                self._layout = self.files.load_layout()
+                maps = FileMaps(self.directory)
+                try:
+                    self._undo(maps)
+                finally:
+                    maps.close()
+            elif ps.applying:
+                logger.warning(
+                    "%s: interrupted full apply of v%s; the files are mixed, removing them so "
+                    "the receiver re-initialises from a keyframe",
+                    self.directory,
+                    ps.target_version,
+                )
+                self._wipe()
+            else:
+                self._store.clear_dir(self._store.journal_dir)  # stale: a commit that finished
+                self._store.clear_dir(self._store.staging_dir)
+            if not self._ps.synced and self._ps.version is not None:
+                self._check_unsynced()
+            self._set(self._ps)
+            if self._ps.version is not None:
+                self._layout = self.files.load_layout()
+                if self._ps.checksums and set(self._ps.checksums) != set(self._layout):
+                    raise EngineStateError(
+                        f"{self.directory}: the tensors in the files differ from state.json; "
+                        "remove the directory to re-initialise from the newest keyframe"
+                    )
+            elif self.files.data_files():
+                logger.warning("%s: holds no version but has data files", self.directory)
+        except BaseException:
+            self._store.close()
+            raise
+        logger.info("%s: open at version %s", self.directory, self.state.version)
+        return self.state
+
+    def _check_unsynced(self) -> None:
+        """The held version was committed before it was durable and the receiver stopped: if
+        the machine went down, some of its pages may be lost. Keep it if every tensor still
+        matches, else wipe (the receiver re-initialises from a keyframe)."""
+        ps = self._ps
+        self._layout = self.files.load_layout()
+        maps = FileMaps(self.directory)
+        try:
+            bad = [
+                name
+                for name, loc in self._layout.items()
+                if ps.checksum_algorithm is None
+                or maps.checksum(loc, ps.checksum_algorithm, ps.parts.get(name))
+                != ps.checksums.get(name)
+            ]
+        finally:
+            maps.close()
+        if bad:
+            logger.warning(
+                "%s: v%s was committed but not yet durable when the receiver stopped, and "
+                "%d tensors (e.g. %r) no longer match it; removing the files so the receiver "
+                "re-initialises from a keyframe",
+                self.directory, ps.version, len(bad), bad[0],
+            )  # fmt: skip
+            self._wipe()
+            return
+        self.files.fsync_data_files()
+        self._ps = replace(ps, synced=True)
+        logger.info("%s: v%s verified and made durable after a restart", self.directory, ps.version)
+
+    def _wipe(self) -> None:
+        """Forget everything: remove data files, index and staging; state holds no version."""
+        self.files.remove_data()
+        self._store.clear_dir(self._store.staging_dir)
+        self._store.clear_dir(self._store.journal_dir)
+        self._layout = {}
+        self._set(PersistedState())
+
+    # -- begin --------------------------------------------------------------------------------
+    def _begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
+        if not self._store.locked:
+            raise ApplyFailed(f"{self.directory}: begin before open")
+        if self._broken:
+            raise EngineStateError(f"{self.directory}: {self._broken}; close and reopen it")
+        if self._txn is not None:
+            raise ApplyFailed(
+                f"{self.directory}: begin v{manifest.version} while v"
+                f"{self._txn.manifest.version} is in progress; commit or abort it first"
+            )
+        entries = manifest.tensor_map()
+        txn = _Txn(manifest, mode, entries)
+        if mode == "full":
+            self._store.clear_dir(self._store.staging_dir)
+            self._txn = txn
+            return
+        if mode != "delta":
+            raise ApplyFailed(f"unknown apply mode {mode!r}")
+        check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
+        for name, e in entries.items():
+            loc = self._layout.get(name)
+            if loc is None:
+                raise ApplyFailed(
+                    f"tensor {name!r} of v{manifest.version} is not in the checkpoint"
+                )
+            if loc.dtype != e.torch_dtype or loc.shape != e.shape:
+                raise ApplyFailed(
+                    f"tensor {name!r}: v{manifest.version} has {e.dtype}{list(e.shape)}, the "
+                    f"checkpoint has {loc.dtype}{list(loc.shape)}"
+                )
+        extra = set(self._layout) - set(entries)
+        if extra:
+            logger.warning("%s: tensors not in v%s: %s", self.directory, manifest.version, extra)
+        self._store.clear_dir(self._store.journal_dir)
+        self._set(self._ps.begin(manifest.version, "delta"))
+        txn.maps = FileMaps(self.directory)
+        self._txn = txn
+
+    def _claim(self, txn: _Txn, u: TensorUpdate) -> TensorEntry:
+        """The manifest entry of an update; refuses strangers, repeats and changed shapes."""
+        name = u.entry.name
+        entry = txn.entries.get(name)
+        if entry is None:
+            raise ApplyFailed(f"tensor {name!r} is not in v{txn.manifest.version}")
+        if name in txn.seen:
+            raise ApplyFailed(f"tensor {name!r} updated twice in v{txn.manifest.version}")
+        if (u.entry.dtype, u.entry.shape) != (entry.dtype, entry.shape):
+            raise ApplyFailed(f"tensor {name!r}: update does not match the manifest entry")
+        txn.seen.add(name)
+        return entry
+
+    # -- delta ------------------------------------------------------------------------------
+    def _apply_delta(self, txn: _Txn, updates: list[TensorUpdate]) -> None:
+        """Journal the old bytes of every position the updates write (durably), then patch."""
+        assert txn.maps is not None
+        work: list[inplace.Work] = []
+        for u in updates:
+            entry = self._claim(txn, u)
+            if u.patch is None:
+                raise ApplyFailed(f"tensor {entry.name!r}: a delta needs a patch, not full data")
+            loc = self._layout[entry.name]
+            flat = txn.maps.flat(loc)
+            work.append((entry.name, loc, flat, check_patch(u.patch, flat, entry.name)))
+        if not work:
+            return
+        seq, txn.seq = txn.seq, txn.seq + 1
+        inplace.journal_and_patch(
+            txn.maps, self._store.journal_dir, seq, txn.manifest.version, work
+        )
+
+    def _undo(self, maps: FileMaps) -> None:
+        """Write back the old values of every journal file (newest first), sync, state clean."""
+        inplace.undo(self._store.journal_dir, self._layout, maps)
+        self._set(self._ps.clean())
+        self._store.clear_dir(self._store.journal_dir)
+
+    def _commit_delta(self, txn: _Txn) -> str:
+        assert txn.maps is not None
+        m = txn.manifest
+        try:
+            if self.sync_before_ack:
+                txn.maps.sync()
+            bad = self._first_mismatch(txn)
+            if bad is None:
+                self._set(
+                    replace(
+                        self._ps.clean(),
+                        version=m.version,
+                        run_id=m.run_id,
+                        fingerprint=m.fingerprint,
+                        checksum_algorithm=m.checksum_algorithm,
+                        checksums={e.name: e.checksum for e in m.tensors},
+                        parts=layouts_of(m),
+                        synced=self.sync_before_ack,
+                    )
+                )
+        except BaseException:
+            self._rollback(txn)
+            raise
+        if bad is not None:
+            name, got = bad
+            path = str(self.directory / self._layout[name].file)
+            self._rollback(txn)
+            raise ChecksumMismatch(
+                f"tensor {name!r} of v{m.version} in {path}: checksum {got} != "
+                f"{txn.entries[name].checksum}; rolled back to v{self.state.version}",
+                path=path,
+                tensor=name,
+            )
+        self._txn = None
+        if self.sync_before_ack:
+            txn.maps.close()
+        self._after_commit(m.version)
+        logger.info("%s: committed delta v%s", self.directory, m.version)
+        return m.fingerprint
+
+    def _make_durable(self, maps: FileMaps, version: int) -> None:
+        """Background, after the commit: flush the data files, then record ``synced``."""
+        try:
+            maps.sync()
+            self.files.fsync_data_files()  # also pages an interrupted earlier flush left dirty
+            if self._ps.version == version:  # begin and bump wait for this: nothing came between
+                self._set(replace(self._ps, synced=True))
+        except BaseException as exc:
+            self._broken = f"making v{version} durable failed ({exc})"
+            logger.error("%s: %s", self.directory, self._broken)
+            raise
+        finally:
+            maps.close()
+
+    def _first_mismatch(self, txn: _Txn) -> tuple[str, str] | None:
+        """(name, checksum) of the first tensor whose new bytes differ from the manifest.
+
+        Touched tensors and those the manifest says changed are hashed from the file; the
+        others are compared by their recorded checksum when the algorithm is the same.
+        """
+        assert txn.maps is not None
+        algo = txn.manifest.checksum_algorithm
+        held = self._ps.checksums if self._ps.checksum_algorithm == algo else None
+        return inplace.first_mismatch(txn.maps, self._layout, txn.entries, txn.seen, algo, held)
+
+    def _rollback(self, txn: _Txn) -> None:
+        self._txn = None
+        if txn.maps is None:
+            return
+        try:
+            self._undo(txn.maps)
+        except BaseException as exc:
+            self._broken = f"rollback of v{txn.manifest.version} failed ({exc})"
+            raise
+        finally:
+            txn.maps.close()
+
+    # -- full ---------------------------------------------------------------------------------
+    def _apply_full(self, txn: _Txn, updates: list[TensorUpdate]) -> None:
+        items: list[tuple[TensorEntry, torch.Tensor]] = []
+        for u in updates:
+            entry = self._claim(txn, u)
+            if u.full is None:
+                raise ApplyFailed(f"tensor {entry.name!r}: full mode needs full data, not a patch")
+            items.append((entry, u.full))
+        if not items:
+            return
+        part = f"part-{txn.seq:06d}.safetensors"
+        txn.seq += 1
+        sums = staging.stage_part(
+            self._store.staging_dir, part, items, txn.manifest.checksum_algorithm
+        )
+        txn.parts.append(part)
+        txn.staged.update({n: (part, s) for n, s in sums.items()})
+
+    def _commit_full(self, txn: _Txn) -> str:
+        m, staged = txn.manifest, self._store.staging_dir
+        self._txn = None
+        try:
+            staging.check_staged(txn.entries, txn.staged, m.version, self.state.version, staged)
+            fsio.fsync_dir(staged)
+        except BaseException:
+            self._store.clear_dir(staged)
+            raise
+        n = len(txn.parts)
+        final = {p: self.files.file_name(k, n) for k, p in enumerate(txn.parts, 1)}
+        weight_map = {name: final[part] for name, (part, _) in txn.staged.items()}
+        try:
+            self._set(self._ps.begin(m.version, "full"))
+            old = set(self.files.data_files())
+            for part, name in final.items():
+                os.replace(staged / part, self.directory / name)
+            self.files.write_index(m.version, weight_map, sum(e.nbytes for e in m.tensors))
+            for p in old - {self.directory / name for name in final.values()}:
+                p.unlink()
+            fsio.fsync_dir(self.directory)
+            self._set(
+                PersistedState(
+                    version=m.version,
+                    run_id=m.run_id,
+                    fingerprint=m.fingerprint,
+                    checksum_algorithm=m.checksum_algorithm,
+                    checksums={e.name: e.checksum for e in m.tensors},
+                    parts=layouts_of(m),
+                )
+            )
+            self._layout = self.files.load_layout()
+        except BaseException as exc:
+            logger.error("%s: full apply of v%s failed midway (%s)", self.directory, m.version, exc)
+            with contextlib.suppress(OSError, AsyncSyncError):
+                self._wipe()
+            raise ApplyFailed(
+                f"{self.directory}: moving v{m.version} into place failed ({exc}); the files "
+                "were removed, the receiver re-initialises from a keyframe"
+            ) from exc
+        logger.info("%s: committed full v%s (%d files)", self.directory, m.version, n)
+        return m.fingerprint
+
+    # -- abort / bump -------------------------------------------------------------------------
+    def _abort(self) -> None:
+        txn = self._txn
+        if txn is None:
+            return
+        if txn.mode == "delta":
+            self._rollback(txn)
+        else:
+            self._txn = None
+            self._store.clear_dir(self._store.staging_dir)
+        logger.info("%s: aborted v%s", self.directory, txn.manifest.version)
+
+    def _bump(self, manifest: Manifest) -> None:
+        if self._txn is not None:
+            raise ApplyFailed(f"{self.directory}: bump while v{self._txn.manifest.version} is open")
+        check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
+        self._set(bumped(self._ps, manifest))
+        self._after_commit(manifest.version)
+
+    def _after_commit(self, version: int) -> None:
+        """Housekeeping once state.json holds ``version``: never fails the committed version."""
+        try:
+            self._store.clear_dir(self._store.journal_dir)  # also cleared by open and begin
+            self._write_index(version)
+        except OSError as exc:
+            logger.warning(
+                "%s: v%s committed, but housekeeping failed: %s", self.directory, version, exc
+            )

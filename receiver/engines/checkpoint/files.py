@@ -1,0 +1,149 @@
+"""The files of a checkpoint directory: data files, the HF index, the layout of each tensor.
+
+Everything here reads or writes the directory's *data* (``model-*.safetensors`` and
+``model.safetensors.index.json``); the receiver's own state lives in ``.asyncsync/``
+(:mod:`receiver.state`). :func:`verify_checkpoint` compares a directory with a manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from asyncsync import fsio
+from asyncsync.errors import ConfigError, EngineStateError
+from asyncsync.format import Manifest
+from asyncsync.format.checksum import entry_checksum, new_hasher
+from receiver.engines.st_layout import TensorLocation, read_layout
+from receiver.state import STATE_DIR_NAME, STATE_NAME
+
+__all__ = ["CheckpointFiles", "verify_checkpoint"]
+
+
+class CheckpointFiles:
+    """The data files and index of a checkpoint directory named ``<file_prefix>-*``."""
+
+    def __init__(self, directory: str | os.PathLike[str], file_prefix: str = "model") -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}", file_prefix):
+            raise ConfigError(
+                f"invalid file_prefix {file_prefix!r}: use [A-Za-z0-9][A-Za-z0-9._-]*"
+            )
+        self.directory = Path(directory)
+        self.file_prefix = file_prefix
+        self.index_path = self.directory / f"{file_prefix}.safetensors.index.json"
+        self._data_re = re.compile(
+            rf"^{re.escape(file_prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors$"
+        )
+
+    def data_files(self) -> list[Path]:
+        return sorted(p for p in self.directory.iterdir() if self._data_re.match(p.name))
+
+    def file_name(self, k: int, n: int) -> str:
+        """The name of data file ``k`` of ``n`` (1-based), as Hugging Face names shards."""
+        return f"{self.file_prefix}-{k:05d}-of-{n:05d}.safetensors"
+
+    def read_index(self) -> tuple[dict[str, Any], dict[str, str]]:
+        try:
+            index = json.loads(self.index_path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise EngineStateError(f"cannot read {self.index_path}: {exc}") from exc
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and self._data_re.match(v)
+            for k, v in wm.items()
+        ):
+            raise EngineStateError(f"{self.index_path}: weight_map is missing or invalid")
+        return index, wm
+
+    def tensor_names(self) -> list[str]:
+        """Names of the tensors in the index, in index order (none before the first version)."""
+        return list(self.read_index()[1]) if self.index_path.exists() else []
+
+    def load_layout(self) -> dict[str, TensorLocation]:
+        """Where each tensor of the index lies: its file and byte range (from the headers)."""
+        _, weight_map = self.read_index()
+        per_file = {f: read_layout(self.directory / f) for f in dict.fromkeys(weight_map.values())}
+        layout = {}
+        for name, file in weight_map.items():
+            if name not in per_file[file]:
+                raise EngineStateError(f"{self.index_path}: {name!r} is not in {file}")
+            layout[name] = per_file[file][name]
+        return layout
+
+    def write_index(self, version: int, weight_map: dict[str, str], total: int) -> None:
+        """Write the HF index atomically."""
+        index = {
+            "metadata": {"total_size": total, "asyncsync_version": version},
+            "weight_map": weight_map,
+        }
+        fsio.atomic_write(self.index_path, (json.dumps(index, indent=2) + "\n").encode())
+
+    def fsync_data_files(self) -> None:
+        """fsync every data file: dirty pages of any version, whoever wrote them, reach disk."""
+        for p in self.data_files():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def refuse_foreign(self) -> None:
+        """Refuse a directory of safetensors files that this project did not write."""
+        if self.index_path.exists() or any(
+            p.name.endswith(".safetensors") for p in self.directory.iterdir()
+        ):
+            raise EngineStateError(
+                f"{self.directory} holds safetensors files but is not an asyncsync checkpoint "
+                f"(no {STATE_DIR_NAME}/{STATE_NAME}); point the receiver at an empty directory"
+            )
+
+    def remove_data(self) -> None:
+        """Remove the data files and the index, durably."""
+        for p in self.data_files():
+            p.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.index_path.unlink()
+        fsio.fsync_dir(self.directory)
+
+
+def verify_checkpoint(
+    directory: str | os.PathLike[str], manifest: Manifest, *, file_prefix: str = "model"
+) -> list[str]:
+    """Names of tensors whose bytes differ from ``manifest`` (missing, extra, other dtype/shape
+    or other checksum). An empty list means the directory holds the version bit for bit.
+    Read-only and lock-free: run it on a quiet checkpoint (e.g. ``asyncsync verify``)."""
+    files = CheckpointFiles(directory, file_prefix)
+    layout = files.load_layout()
+    bad: list[str] = sorted(set(layout) - {e.name for e in manifest.tensors})
+    for e in manifest.tensors:
+        loc = layout.get(e.name)
+        if loc is None or loc.dtype != e.torch_dtype or loc.shape != e.shape:
+            bad.append(e.name)
+            continue
+        if e.parts is not None:  # per-part checksums: hash the tensor's bytes in one piece
+            with open(files.directory / loc.file, "rb") as f:
+                f.seek(loc.begin)
+                data = f.read(loc.nbytes)
+            if (
+                len(data) != loc.nbytes
+                or entry_checksum(e, data, manifest.checksum_algorithm) != e.checksum
+            ):
+                bad.append(e.name)
+            continue
+        h = new_hasher(manifest.checksum_algorithm)
+        with open(files.directory / loc.file, "rb") as f:
+            f.seek(loc.begin)
+            left = loc.nbytes
+            while left > 0:
+                chunk = f.read(min(left, 8 << 20))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+        if left or h.hexdigest() != e.checksum:
+            bad.append(e.name)
+    return bad

@@ -1,0 +1,140 @@
+"""The undo journal of a LocalCheckpoint delta, one record per apply group (pure but `read`).
+
+Before an apply group writes into the checkpoint in place, the old bytes of every position it
+will write are made durable in ``.asyncsync/journal/undo-NNNNNN.safetensors``; undoing writes
+them back, which is idempotent (``receiver/engines/checkpoint.py``). A record is a safetensors
+file of two uint8 tensors, however many tensors the group patched (serialising one tensor per
+patched tensor cost more than the patching):
+
+* ``positions``: each sparse patch's positions, Elias-Fano coded (``asyncsync.codec.ef``, ~0.3x the
+  bytes of int64; raw little-endian int64 when they are not strictly increasing);
+* ``values``: the old bytes at those positions (a dense patch: the whole tensor's);
+
+each piece 8-aligned, with per-tensor name, count, width, numel, positions coding and
+positions bytes in the metadata. :func:`read` also accepts the one-tensor-pair-per-patch
+layout (``p{i}``/``v{i}``) that earlier versions wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+from asyncsync.codec import Patch, ef
+from asyncsync.errors import ConfigError
+from receiver.engines.st_layout import TensorLocation
+
+__all__ = ["JOURNAL_FORMAT", "Work", "encode", "read"]
+
+JOURNAL_FORMAT = "asyncsync-journal"
+
+Work = list[tuple[str, TensorLocation, torch.Tensor, Patch]]  # name, location, flat view, patch
+
+
+def encode(work: Work, version: int) -> bytes:
+    """One undo record (a safetensors file) for a batch of patches, two uint8 tensors however
+    many tensors were patched (serialising one tensor per patch cost more than the patching):
+
+    * ``positions``: each sparse patch's positions, Elias-Fano coded (``asyncsync.codec.ef``, ~0.3x
+      the bytes of int64; raw int64 if they are not strictly increasing), one after another;
+    * ``values``: the old bytes at those positions (or a dense patch's whole tensor).
+
+    Each piece starts 8-aligned; the metadata gives each tensor's name, count, width, numel,
+    positions coding and positions bytes.
+    """
+    pos_blobs: list[bytes] = []
+    encs: list[str] = []
+    counts = [
+        flat.numel() if p.positions is None else p.positions.numel() for _, _, flat, p in work
+    ]
+    widths = [flat.element_size() for _, _, flat, _ in work]
+    for *_, flat, patch in work:
+        if patch.positions is None:
+            pos_blobs.append(b"")
+            encs.append("dense")
+            continue
+        idx = patch.positions.numpy()
+        try:
+            pos_blobs.append(ef.encode(idx, flat.numel())[0] if idx.size else b"")
+            encs.append("ef")
+        except ConfigError:  # not strictly increasing: keep them as they are
+            pos_blobs.append(idx.astype("<i8").tobytes())
+            encs.append("raw")
+    packed = b"".join(b + bytes(align8(len(b)) - len(b)) for b in pos_blobs)
+    positions = (
+        torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+        if packed
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    values = torch.empty(
+        sum(align8(c * w) for c, w in zip(counts, widths, strict=True)), dtype=torch.uint8
+    )
+    vi = 0
+    for (_name, _loc, flat, patch), n, w in zip(work, counts, widths, strict=True):
+        out = values[vi : vi + n * w].view(flat.dtype)
+        if patch.positions is None:
+            out.copy_(flat)
+        else:
+            np.take(flat.numpy(), patch.positions.numpy(), out=out.numpy())
+        vi += align8(n * w)
+    meta = {
+        "format": JOURNAL_FORMAT,
+        "layout": "packed",
+        "target_version": str(version),
+        "names": json.dumps([name for name, *_ in work]),
+        "counts": json.dumps(counts),
+        "widths": json.dumps(widths),
+        "numels": json.dumps([flat.numel() for *_, flat, _ in work]),
+        "positions": json.dumps(encs),
+        "position_bytes": json.dumps([len(b) for b in pos_blobs]),
+    }
+    return safetensors.torch.save({"positions": positions, "values": values}, metadata=meta)
+
+
+def align8(nbytes: int) -> int:
+    """Each tensor's old bytes start 8-aligned in ``values``, so they view as their dtype."""
+    return -(-nbytes // 8) * 8
+
+
+def read(path: Path) -> list[tuple[str, torch.Tensor | None, torch.Tensor]]:
+    """(name, positions or None for a whole tensor, old bytes as uint8) of each journaled patch.
+
+    Also reads the one-tensor-per-patch layout earlier versions wrote (``p{i}``/``v{i}``).
+    """
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        names = json.loads(meta["names"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if meta.get("layout") != "packed":
+        return [
+            (name, tensors.get(f"p{i}"), tensors[f"v{i}"].view(torch.uint8).view(-1))
+            for i, name in enumerate(names)
+        ]
+    keys = ("counts", "widths", "numels", "positions", "position_bytes")
+    counts, widths, numels, encs, pos_bytes = (json.loads(meta[k]) for k in keys)
+    positions, values = tensors["positions"], tensors["values"]
+    out: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
+    pi = vi = 0
+    for name, n, w, numel, enc, nb in zip(
+        names, counts, widths, numels, encs, pos_bytes, strict=True
+    ):
+        blob = positions[pi : pi + nb].numpy()
+        pos = None
+        if enc == "ef":
+            pos = torch.from_numpy(ef.decode(blob.tobytes(), n, numel)) if n else None
+            pos = pos if pos is not None else torch.empty(0, dtype=torch.int64)
+        elif enc == "raw":
+            pos = torch.from_numpy(blob.view("<i8").astype(np.int64))
+        elif enc != "dense":
+            raise ValueError(f"unknown positions coding {enc!r}")
+        out.append((name, pos, values[vi : vi + n * w]))
+        pi += align8(nb)
+        vi += align8(n * w)
+    if pi != positions.numel() or vi != values.numel():
+        raise ValueError("positions/values do not match the recorded counts")
+    return out
