@@ -37,4 +37,4 @@ stress: $(STAMP)
 	$(PY) stress/crash.py publisher --trials 50 && $(PY) stress/crash.py receiver --trials 50
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info asyncsync/_native*.so
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info asyncsync/codec/_native*.so

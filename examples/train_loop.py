@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncsync.training.config import SyncConfig
+from asyncsync import SyncConfig
 from asyncsync.training.session import SyncSession
 from receiver import ReceiverAgent
 from receiver.engines import TorchModule

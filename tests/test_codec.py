@@ -21,7 +21,6 @@ from asyncsync.codec import (
     ENCODINGS,
     EncodedDelta,
     Patch,
-    _changed_positions_torch,
     apply_patch,
     changed_positions,
     decode_delta,
@@ -31,6 +30,8 @@ from asyncsync.codec import (
     int_view,
     native,
 )
+from asyncsync.codec import delta as codec_delta
+from asyncsync.codec.diff import _changed_positions_torch
 from asyncsync.codec.shards import BucketItem, encode_bucket
 from asyncsync.errors import ConfigError, FormatError
 from asyncsync.format.checksum import DEFAULT_ALGORITHM
@@ -235,9 +236,9 @@ def test_elias_fano_roundtrip_any_universe(numel: int, data: st.DataObject) -> N
         idx = np.sort(rng.choice(numel, size=n, replace=False)).astype(np.int64)
     else:
         idx = np.unique(rng.integers(0, numel, size=n, dtype=np.int64))
-    blob, raw = codec._ef_encode(idx, numel)
+    blob, raw = codec_delta._ef_encode(idx, numel)
     assert raw >= len(blob) - 1 - 32  # header + zstd frame overhead at worst
-    assert np.array_equal(codec._ef_decode(blob, idx.size, numel), idx)
+    assert np.array_equal(codec_delta._ef_decode(blob, idx.size, numel), idx)
 
 
 def test_large_universe_baseline_positions_decode() -> None:
@@ -665,12 +666,12 @@ def test_positions_out_of_range_or_not_increasing() -> None:
         blob = bytes([ef.low_bits(3, 100)]) + reference_payload(idx, 100)
         with pytest.raises(FormatError, match="not strictly increasing"):
             decode_delta("xef", "sparse", blob, b"", changed=3, numel=100, dtype=torch.int16)
-    blob, _ = codec._ef_encode(np.array([1, 2, 99], dtype=np.int64), 100)
+    blob, _ = codec_delta._ef_encode(np.array([1, 2, 99], dtype=np.int64), 100)
     with pytest.raises(FormatError, match="header"):  # L is 4 for numel 90, not 5
-        codec._ef_decode(blob, 3, 90)
+        codec_delta._ef_decode(blob, 3, 90)
     blob = bytes([ef.low_bits(3, 90)]) + reference_payload([1, 2, 99], 90)
     with pytest.raises(FormatError, match="not strictly increasing"):  # 99 >= 90
-        codec._ef_decode(blob, 3, 90)
+        codec_delta._ef_decode(blob, 3, 90)
     with pytest.raises(ConfigError, match=r"positions\[1\] = 1: .*strictly increasing"):
         encode_delta(
             torch.zeros(100, dtype=torch.int16),

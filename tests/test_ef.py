@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncsync import codec
+from asyncsync.codec import delta as codec_delta
 from asyncsync.codec import ef, native
 from asyncsync.errors import ConfigError, FormatError
 
@@ -286,7 +286,7 @@ def test_positions_must_increase_within_the_tensor(idx: list[int], numel: int) -
     _refused(payload, len(idx), numel, f"positions {ORDER} within [0, {numel})")
     blob = bytes([ef.low_bits(len(idx), numel)]) + payload
     with pytest.raises(FormatError, match=ORDER):
-        codec._ef_decode(blob, len(idx), numel)
+        codec_delta._ef_decode(blob, len(idx), numel)
 
 
 @_examples(400)

@@ -36,8 +36,8 @@ from asyncsync.format import (
     fingerprint,
 )
 from asyncsync.format.checksum import checksum_tensor
-from receiver.engines import TensorUpdate, journal
-from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+from receiver.engines import TensorUpdate
+from receiver.engines.checkpoint import LocalCheckpoint, journal, verify_checkpoint
 from receiver.engines.st_layout import FileMaps, TensorLocation, read_layout
 from receiver.engines.torch_module import TorchModule
 from receiver.state import PersistedState
@@ -384,7 +384,7 @@ else:
             if n[0] == 2:
                 os._exit(17)
         real_replace(a, b)
-    ck.os.replace = dying_replace
+    os.replace = dying_replace
 async def main():
     e = ck.LocalCheckpoint(sys.argv[1])
     await e.open()

@@ -150,7 +150,7 @@ async def test_failure_at_each_stage_commits_nothing(
 
                 mp.setattr("asyncsync.publish.writer.atomic_write", flaky)
             elif stage == "fsync":
-                mp.setattr("asyncsync.publish.publisher.fsync_dir", _fail)
+                mp.setattr("asyncsync.publish.commit.fsync_dir", _fail)
             elif stage == "hook":
                 hook_fails["on"] = True
             else:
@@ -161,7 +161,7 @@ async def test_failure_at_each_stage_commits_nothing(
                         _fail()
                     return real_aw(path, data, **kw)  # type: ignore[arg-type]
 
-                mp.setattr("asyncsync.publish.publisher.atomic_write", fail_manifest)
+                mp.setattr("asyncsync.publish.commit.atomic_write", fail_manifest)
             with pytest.raises(PublishError, match="nothing was committed") as ei:
                 await pub.publish(sd1)
             assert ei.value.__cause__ is not None
@@ -371,7 +371,7 @@ async def test_cancel_after_the_manifest_rename_keeps_the_version(
 
     async with Publisher(tmp_path, keyframe_interval=0) as pub:
         await pub.seed(sd0)
-        monkeypatch.setattr("asyncsync.publish.publisher.atomic_write", slow_after_rename)
+        monkeypatch.setattr("asyncsync.publish.commit.atomic_write", slow_after_rename)
         task = asyncio.create_task(pub.publish(sd1))
         await asyncio.to_thread(renamed.wait, 5)
         task.cancel()
@@ -409,7 +409,7 @@ async def test_directory_fsync_failure_after_the_rename_is_not_a_failed_publish(
     sd = mixed_state(0)
     async with Publisher(tmp_path, keyframe_interval=0) as pub:
         await pub.seed(sd)
-        monkeypatch.setattr("asyncsync.publish.publisher.fsync_dir", flaky)
+        monkeypatch.setattr("asyncsync.publish.commit.fsync_dir", flaky)
         r = await pub.publish(mutate(sd, 0.05, seed=1))
     assert r.version == 1 and list_versions(tmp_path) == [0, 1] and calls["n"] == 3
 

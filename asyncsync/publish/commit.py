@@ -19,12 +19,20 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from asyncsync.errors import ConfigError, PublishError, first_error
+from asyncsync.errors import AsyncSyncError, ConfigError, PublishError, first_error
 from asyncsync.format import MANIFEST_NAME, Manifest, ShardInfo, TensorEntry, Totals, fingerprint
 from asyncsync.fsio import atomic_write, fsync_dir
 from asyncsync.pipeline import finish_thread
+from asyncsync.publish.retention import RetentionPolicy, collect
 
-__all__ = ["PreCommitHook", "build_manifest", "commit_version", "discard", "run_hook"]
+__all__ = [
+    "PreCommitHook",
+    "build_manifest",
+    "collect_garbage",
+    "commit_version",
+    "discard",
+    "run_hook",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -129,3 +137,11 @@ async def run_hook(hook: PreCommitHook, vdir: Path) -> None:
     result = await asyncio.to_thread(hook, vdir)
     if inspect.isawaitable(result):
         await result
+
+
+async def collect_garbage(root: Path, retention: RetentionPolicy) -> None:
+    """Apply the retention policy after a commit; never fails the commit."""
+    try:
+        await asyncio.to_thread(collect, root, retention)
+    except (OSError, AsyncSyncError) as exc:
+        logger.error("retention on %s failed (retried after the next commit): %s", root, exc)

@@ -70,14 +70,20 @@ from asyncsync.fsio import FileLock, remove_temp_files
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import finish_thread, run_pipeline
 from asyncsync.publish import snapshot
-from asyncsync.publish.commit import PreCommitHook, build_manifest, commit_version, discard
+from asyncsync.publish.commit import (
+    PreCommitHook,
+    build_manifest,
+    collect_garbage,
+    commit_version,
+    discard,
+)
 from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.group import Attempt
 from asyncsync.publish.hf import scan_checkpoint
 from asyncsync.publish.merge import TensorSlice
 from asyncsync.publish.ranked import Committer, RankedCommitter, Round, SoloCommitter, Written
-from asyncsync.publish.retention import RetentionPolicy, collect
-from asyncsync.publish.stats import PublisherStats, PublishResult
+from asyncsync.publish.retention import RetentionPolicy
+from asyncsync.publish.stats import PublisherStats, PublishResult, Tally
 from asyncsync.publish.writer import VersionWriter
 
 __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
@@ -180,9 +186,7 @@ class Publisher:
         self._last_version: int | None = None
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._checksums: dict[str, str] = {}
-        self._history: list[PublishResult] = []
-        self._counts = {"published": 0, "keyframes": 0, "zero_diff": 0, "wire": 0, "changed": 0}
-        self._elements = 0
+        self._tally = Tally()
         self._in_flight = 0
         self._progress: Progress = None
         self._cancel_after_commit = False
@@ -338,19 +342,7 @@ class Publisher:
         )
 
     def statistics(self) -> PublisherStats:
-        return PublisherStats(
-            root=self.root,
-            run_id=self._run_id,
-            last_version=self._last_version,
-            published=self._counts["published"],
-            keyframes=self._counts["keyframes"],
-            zero_diff=self._counts["zero_diff"],
-            wire_bytes=self._counts["wire"],
-            changed=self._counts["changed"],
-            elements=self._elements,
-            last=self._history[-1] if self._history else None,
-            recent=tuple(self._history[-100:]),
-        )
+        return self._tally.stats(self.root, self._run_id, self._last_version)
 
     def __repr__(self) -> str:
         return (
@@ -507,10 +499,10 @@ class Publisher:
         self._checksums = (
             checksums if checksums is not None else {e.name: e.checksum for e in manifest.tensors}
         )
-        self._elements = manifest.totals.elements
+        self._tally.elements = manifest.totals.elements
         if not self._committer.is_committer:
             res = PublishResult.of(manifest, seconds, vdir)  # the log and retention are rank 0's
-            self._record(res)
+            self._tally.record(res)
             self._cancel_after_commit = False
             return res
         try:
@@ -519,23 +511,14 @@ class Publisher:
             logger.error(
                 "version %d committed but the log append failed: %s", manifest.version, exc
             )
-        await self._collect_garbage()
+        if self.retention is not None:
+            await collect_garbage(self.root, self.retention)
         res = PublishResult.of(manifest, seconds, vdir)
-        self._record(res)
+        self._tally.record(res)
         if self._cancel_after_commit:  # cancelled once the version could no longer be undone
             self._cancel_after_commit = False
             raise asyncio.CancelledError
         return res
-
-    async def _collect_garbage(self) -> None:
-        if self.retention is None:
-            return
-        try:
-            await asyncio.to_thread(collect, self.root, self.retention)
-        except (OSError, AsyncSyncError) as exc:  # retention must never fail a commit
-            logger.error(
-                "retention on %s failed (retried after the next commit): %s", self.root, exc
-            )
 
     def _manifest(
         self,
@@ -560,25 +543,6 @@ class Publisher:
 
     def _advance_snapshot(self, names: list[str], pending: list[PendingUpdate]) -> None:
         self._snapshot = snapshot.advance(self._snapshot, names, pending)
-
-    def _record(self, res: PublishResult) -> None:
-        self._history.append(res)
-        del self._history[:-1000]
-        self._counts["published"] += 1
-        self._counts["keyframes"] += res.kind == "full"
-        self._counts["zero_diff"] += res.zero_diff
-        self._counts["wire"] += res.wire_bytes
-        self._counts["changed"] += res.changed
-        logger.info(
-            "committed version %d kind=%s changed=%d/%d (%.3f%%) wire=%d B in %.3fs",
-            res.version,
-            res.kind,
-            res.changed,
-            res.total,
-            100 * res.density,
-            res.wire_bytes,
-            res.seconds["total"],
-        )
 
     async def _register_checkpoint(self, path: Path) -> PublishResult:
         """Seed from an existing HF safetensors checkpoint without rewriting it."""

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from asyncsync import SyncConfig
 from asyncsync.ops.workload import Workload
 from asyncsync.ray import (
     DEFAULT_RESOURCE,
@@ -44,7 +45,6 @@ from asyncsync.ray import (
     start_receivers,
     start_trainers,
 )
-from asyncsync.training.config import SyncConfig
 
 logger = logging.getLogger("asyncsync.example")
 

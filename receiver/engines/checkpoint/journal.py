@@ -2,9 +2,9 @@
 
 Before an apply group writes into the checkpoint in place, the old bytes of every position it
 will write are made durable in ``.asyncsync/journal/undo-NNNNNN.safetensors``; undoing writes
-them back, which is idempotent (``receiver/engines/checkpoint.py``). A record is a safetensors
-file of two uint8 tensors, however many tensors the group patched (serialising one tensor per
-patched tensor cost more than the patching):
+them back, which is idempotent (:mod:`receiver.engines.checkpoint.inplace`). A record is a
+safetensors file of two uint8 tensors, however many tensors the group patched (serialising one
+tensor per patched tensor cost more than the patching):
 
 * ``positions``: each sparse patch's positions, Elias-Fano coded (``asyncsync.codec.ef``, ~0.3x the
   bytes of int64; raw little-endian int64 when they are not strictly increasing);
