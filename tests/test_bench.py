@@ -187,3 +187,74 @@ def test_a_failing_child_is_reported_with_its_log(tmp_path: Path) -> None:
     proc, log = _start(job, tmp_path, "cost")
     with pytest.raises(BenchFailed, match=r"(?s)exited 1.*missing\.safetensors"):
         _finish([(proc, log, job)], timeout=120)
+
+
+# ------------------------------------------------------------------------------ the scale sweep
+SCALE_KEYS = (
+    "model_bytes",
+    "trainer_floor_s",
+    "receiver_floor_s",
+    "transfer_floor_s",
+    "floor_s",
+    "floor_production_s",
+    "publish_s",
+    "apply_s",
+    "e2e_s",
+    "full_sync_s",
+    "publisher_peak_rss_vs_model",
+    "receiver_peak_rss_vs_model",
+)
+
+
+def test_scale_sweep_writes_the_promised_keys(tmp_path: Path) -> None:
+    """``--scale`` with two tiny sizes: the real children, the JSON keys, the plots."""
+    argv = ["bench", "--scale", "--scale-sizes", "2MiB,4MiB", "--versions", "1"]
+    argv += ["--workdir", str(tmp_path), "--json", str(tmp_path / "s.json")]
+    argv += ["--plot", str(tmp_path / "plots")]
+    assert main(argv) == 0
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert [r["model_bytes"] for r in s["scale"]] == sorted(r["model_bytes"] for r in s["scale"])
+    for row in s["scale"]:
+        for key in SCALE_KEYS:
+            assert _number(row[key]) and row[key] > 0, key
+        assert row["floor_s"] >= max(
+            row["trainer_floor_s"], row["receiver_floor_s"], row["transfer_floor_s"]
+        )
+        assert row["floor_s"] >= row["floor_production_s"]
+        assert 0.02 < row["density"] < 0.04
+    assert s["command"].startswith("asyncsync bench --scale --scale-sizes")
+    assert set(s["scale_targets"]) >= {"publish_linear", "apply_linear"}
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "scale_ratios.png",
+        "scale_seconds_per_gb.png",
+    ]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncsync-bench")] == []
+
+
+def test_scale_states_are_seeded_and_change_one_ulp() -> None:
+    from asyncsync.ops.bench.scale import make_state, step_state
+
+    def same(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> bool:
+        return list(x) == list(y) and all(same_bytes(x[k], y[k]) for k in x)
+
+    a, b = make_state(1 << 20, seed=3), make_state(1 << 20, seed=3)
+    assert same(a, b)
+    assert 0.9 * (1 << 20) < sum(t.numel() * 2 for t in a.values()) < 1.1 * (1 << 20)
+    old = {k: t.clone() for k, t in a.items()}
+    step_state(a, 1, 0.03, seed=3)
+    step_state(b, 1, 0.03, seed=3)
+    assert same(a, b)
+    changed = total = 0
+    for k, t in a.items():
+        d = (t.view(torch.int16).int() - old[k].view(torch.int16).int()).abs()
+        assert int(d.max()) <= 1  # one ulp (the sign bit never moves)
+        changed += int((d != 0).sum())
+        total += t.numel()
+    assert 0.025 < changed / total < 0.031  # ~3 %, less the positions drawn twice
+
+
+def test_scale_flag_validation(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--scale", "--scale-sizes", "12"]) == 2  # under 1 MiB
+    assert "at least 1 MiB" in capsys.readouterr().err
+    assert main(["bench", "--scale", "--scale-sizes", "lots"]) == 2
+    assert "is not a size" in capsys.readouterr().err

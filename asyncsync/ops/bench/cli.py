@@ -4,7 +4,8 @@
 
     asyncsync bench --quick                          < 60 s on 2 cores; tables on stdout
     asyncsync bench --quick --json out.json --plot docs/bench --markdown out.md
-    asyncsync bench                                  the full run (minutes)
+    asyncsync bench --scale --json scale.json        the scale sweep alone: 256 MB, 1 GB, 4 GB
+    asyncsync bench                                  the full run (minutes), the sweep included
 
 Exit status 0 whether or not the targets are met (the tables say which are missed); 1 when a
 measurement fails.
@@ -14,14 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from asyncsync.errors import ConfigError
 from asyncsync.ops.bench.measure import BenchConfig, run_bench
 from asyncsync.ops.bench.report import markdown, plot, summarise
+from asyncsync.ops.bench.scale import DEFAULT_SIZES
+from asyncsync.ops.bench.scale_report import scale_markdown, scale_plot, scale_summary
 from asyncsync.ops.cli.common import positive_int
+from asyncsync.training.settings import parse_size
 
 __all__ = ["cmd_bench", "config_from_args", "register"]
 
@@ -44,7 +50,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overrides["workdir"] = args.workdir
     if args.elements is not None and args.elements < 1_000_000:  # plumbing checks: be brief
         overrides.update(repeats=1, full_repeats=1, name="tiny")
-    return (BenchConfig.quick if args.quick else BenchConfig.full)(**overrides)
+    if args.elements is not None:  # an experiment at one size: no sweep unless asked for
+        overrides["scale_sizes"] = ()
+    if args.scale_sizes is not None:
+        overrides["scale_sizes"] = tuple(args.scale_sizes)
+    if args.scale:
+        overrides["scale_only"] = True
+        overrides.setdefault("scale_sizes", DEFAULT_SIZES)
+        overrides.setdefault("name", "scale")
+        if args.versions is not None:
+            overrides["scale_versions"] = args.versions
+    return (BenchConfig.quick if args.quick and not args.scale else BenchConfig.full)(**overrides)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -54,9 +70,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"bench [{time.perf_counter() - t0:5.1f}s]: {msg}", file=sys.stderr, flush=True)
 
-    summary = summarise(run_bench(cfg, progress=progress))
+    raw = run_bench(cfg, progress=progress)
+    if cfg.scale_only:
+        summary: dict[str, Any] = {"config": raw["config"], "machine": raw["machine"]}
+    else:
+        summary = summarise(raw)
+    if raw.get("scale"):
+        summary.update(scale_summary(raw["scale"], {**raw["config"], "cores": os.cpu_count()}))
     summary["command"] = _command(args)
-    text = markdown(summary)
+    text = "" if cfg.scale_only else markdown(summary)
+    text += scale_markdown(summary)
     print(text)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +88,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     if args.plot:
-        for path in plot(summary, args.plot):
+        for path in ([] if cfg.scale_only else plot(summary, args.plot)) + scale_plot(
+            summary, args.plot
+        ):
             progress(f"wrote {path}")
     return 0
 
@@ -73,8 +98,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (recorded in the JSON)."""
     words = ["asyncsync", "bench"]
-    if args.quick:
+    if args.quick and not args.scale:
         words.append("--quick")
+    if args.scale:
+        words.append("--scale")
+    if args.scale_sizes is not None:
+        words += ["--scale-sizes", ",".join(str(x) for x in args.scale_sizes)]
     for flag in (
         "json",
         "plot",
@@ -89,6 +118,16 @@ def _command(args: argparse.Namespace) -> str:
         if value is not None and not (flag == "throttle" and value == _THROTTLE):
             words += [f"--{flag.replace('_', '-')}", str(value)]
     return " ".join(words)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [parse_size(x) for x in text.split(",") if x.strip()]
+    except (ValueError, ConfigError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from exc
+    if not sizes or min(sizes) < (1 << 20):
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes of at least 1 MiB, e.g. 1GiB")
+    return sizes
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -108,6 +147,17 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="the simulated shared filesystem: bandwidth and per-file latency "
         "(default 200MB/s,5ms)",
+    )
+    sp.add_argument(
+        "--scale",
+        action="store_true",
+        help="the scale sweep alone (bf16 256 MB, 1 GB, 4 GB at ~3 %%; minutes; BENCHMARKS.md)",
+    )
+    sp.add_argument(
+        "--scale-sizes",
+        type=_sizes,
+        metavar="N,N,...",
+        help="model bytes of the scale sweep (default 256MiB,1GiB,4GiB)",
     )
     sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
     # hidden: sizes for plumbing tests and experiments

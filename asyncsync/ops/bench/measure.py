@@ -32,6 +32,7 @@ import torch
 
 from asyncsync import fsio
 from asyncsync.errors import AsyncSyncError
+from asyncsync.ops.bench import scale
 from asyncsync.ops.bench.baselines import all_sizes
 from asyncsync.ops.bench.probes import save_state_dict
 from asyncsync.ops.bench.worker import Job
@@ -66,6 +67,9 @@ class BenchConfig:
     keep: bool = False
     timeout: float = 900.0
     name: str = "full"
+    scale_sizes: tuple[int, ...] = ()  # model bytes of the scale sweep (empty: not run)
+    scale_versions: int = 3
+    scale_only: bool = False  # --scale: the sweep alone
 
     def __post_init__(self) -> None:
         if self.elements < 1000 or self.sweep_elements < 1000:
@@ -92,7 +96,8 @@ class BenchConfig:
 
     @classmethod
     def full(cls, **kw: Any) -> BenchConfig:
-        return replace(cls(), **kw)
+        """The full run: 96M elements and the scale sweep (:mod:`asyncsync.ops.bench.scale`)."""
+        return replace(cls(scale_sizes=scale.DEFAULT_SIZES), **kw)
 
     @property
     def throttle_spec(self) -> fsio.Throttle:
@@ -281,11 +286,48 @@ def _run_e2e(cfg: BenchConfig, work: Path, states: list[str], pipelined: bool) -
     return {"publisher": publisher, "receiver": receiver}
 
 
+def _run_scale(cfg: BenchConfig, work: Path, say: Progress) -> list[dict[str, Any]]:
+    """The scale sweep: per size a floors child, then a publisher and a receiver child."""
+    t = cfg.throttle_spec
+    shared = Job(
+        role="scale-cost", root="", result="", bandwidth=t.bandwidth, latency=t.latency,
+        bucket_bytes=32 << 20, repeats=cfg.repeats, full_repeats=1, timeout=cfg.timeout,
+        versions=cfg.scale_versions, density=cfg.density, seed=cfg.seed,
+    )  # fmt: skip
+    rows = []
+    for size in cfg.scale_sizes:
+        jobs = scale.jobs_for(shared, work, size)
+        say(f"scale {size / 1e9:.2f} GB: floors and full-checkpoint sync")
+        (cost,) = _finish([(*_start(jobs["cost"], work, f"scale-cost-{size}"), jobs["cost"])],
+                          cfg.timeout)  # fmt: skip
+        say(f"scale {size / 1e9:.2f} GB: end to end over {cfg.throttle}")
+        rec, pub = jobs["receive"], jobs["publish"]
+        p_rec = (*_start(rec, work, f"scale-rec-{size}"), rec)
+        p_pub = (*_start(pub, work, f"scale-pub-{size}"), pub)
+        publisher, receiver = _finish([p_pub, p_rec], cfg.timeout)
+        shutil.rmtree(rec.checkpoint, ignore_errors=True)
+        shutil.rmtree(pub.root, ignore_errors=True)
+        shutil.rmtree(jobs["cost"].checkpoint, ignore_errors=True)
+        rows.append({"size": size, "cost": cost, "publisher": publisher, "receiver": receiver})
+    return rows
+
+
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Run every measurement of the benchmark once; return the raw results (see summarise)."""
     say = progress or (lambda msg: logger.info("%s", msg))
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="asyncsync-bench-", dir=cfg.workdir))
+    if cfg.scale_only:
+        try:
+            rows = _run_scale(cfg, work, say)
+        finally:
+            shutil.rmtree(work, ignore_errors=True) if not cfg.keep else say(f"kept {work}")
+        return {
+            "config": _config(cfg),
+            "machine": machine_info(),
+            "scale": rows,
+            "seconds": time.perf_counter() - t0,
+        }
     try:
         say(
             f"workload: {cfg.elements:,} elements at ~{100 * cfg.density:g} %, "
@@ -300,20 +342,26 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
         pipelined = _run_e2e(cfg, work, states, pipelined=True)
         say(f"end to end over {cfg.throttle}: serialized")
         serialized = _run_e2e(cfg, work, states, pipelined=False)
+        scale_rows = _run_scale(cfg, work, say) if cfg.scale_sizes else []
     finally:
         if cfg.keep:
             say(f"kept the work directory {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
     return {
-        "config": {
-            **{k: v for k, v in cfg.__dict__.items() if k not in ("workdir", "keep")},
-            "bucket_bytes": cfg.bucket_size,
-        },
+        "config": _config(cfg),
         "machine": machine_info(),
         "main": main,
         "sweep": sweep,
         "cost": cost,
         "e2e": {"pipelined": pipelined, "serialized": serialized},
+        "scale": scale_rows,
         "seconds": time.perf_counter() - t0,
+    }
+
+
+def _config(cfg: BenchConfig) -> dict[str, Any]:
+    return {
+        **{k: v for k, v in cfg.__dict__.items() if k not in ("workdir", "keep")},
+        "bucket_bytes": cfg.bucket_size,
     }

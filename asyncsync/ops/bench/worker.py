@@ -9,6 +9,7 @@ share one. Each child is started fresh (so its peak measures only its own side),
              (the end-to-end latency, publish start to ack).
 ``receive``  a ReceiverAgent with a LocalCheckpoint: take version 0, then ``run()`` until the
              last version is acked.
+``scale-*``  the scale sweep's publisher, receiver and floors (:mod:`asyncsync.ops.bench.scale`).
 ``cost``     the unthrottled costs: one ``torch.ne`` pass over the tensors (the floor), the
              publish, the receiver's apply, a per-component breakdown of both, and the
              full-checkpoint sync (safetensors save + load) over the throttle.
@@ -37,6 +38,7 @@ from typing import Any, Literal
 from asyncsync import fsio
 from asyncsync.format import acks
 from asyncsync.format.checksum import checksum_tensor
+from asyncsync.ops.bench import scale
 from asyncsync.ops.bench.probes import (
     full_sync,
     load_state_dict,
@@ -56,7 +58,7 @@ from receiver.engines.checkpoint import LocalCheckpoint
 
 __all__ = ["Job", "main", "run_cost", "run_publish", "run_receive", "warm_up"]
 
-Role = Literal["publish", "receive", "cost"]
+Role = Literal["publish", "receive", "cost", "scale-publish", "scale-receive", "scale-cost"]
 _ACK_POLL = 0.002  # seconds; the ack wait must not add more than this to the latency
 
 
@@ -82,6 +84,11 @@ class Job:
     full_repeats: int = 2
     timeout: float = 300.0
     spawned_at: float = 0.0  # time.time() when the parent started this child
+    # the scale sweep (asyncsync.ops.bench.scale): states are generated, not read from files
+    scale_bytes: int = 0
+    versions: int = 3
+    density: float = 0.03
+    seed: int = 0
 
     @classmethod
     def read(cls, path: str | Path) -> Job:
@@ -298,7 +305,14 @@ async def run_cost(job: Job) -> dict[str, Any]:
     }
 
 
-_ROLES = {"publish": run_publish, "receive": run_receive, "cost": run_cost}
+_ROLES = {
+    "publish": run_publish,
+    "receive": run_receive,
+    "cost": run_cost,
+    "scale-publish": scale.run_scale_publish,
+    "scale-receive": scale.run_scale_receive,
+    "scale-cost": scale.run_scale_cost,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,358 @@
+"""The scale sweep (``asyncsync bench --scale``): cost against model size, against the floors.
+
+For each size (bf16, 256 MB, 1 GB and 4 GB by default, ~3 % of elements changed per version)
+three fresh children run over one root (:func:`run_scale_publish`, :func:`run_scale_receive`
+over the throttled filesystem, :func:`run_scale_cost` unthrottled), and the parent computes,
+from numbers measured in that run:
+
+* the **trainer floor**: one ``torch.ne`` pass over the int views of new and snapshot;
+* the **receiver floor**: dirtying every page of the tensors the version changes in a mapped
+  file that holds the old bytes (one store per 4 KiB page). At ~3 % density every page of a
+  bf16 tensor holds changed elements (2048 elements a page), so any receiver that keeps the
+  engine's weights in a host-local checkpoint in place must write every one of those pages:
+  this is the page-fault and copy-on-write cost of the page cache itself, whatever the
+  decoder. It is a physical bound of the machine, not a timing of our apply (no decode, no
+  journal, no verification, no flush);
+* the **transfer floor**: wire bytes / bandwidth + per-file latency of the files written and
+  read (the simulated shared filesystem, ``200MB/s,5ms``);
+* **floor** = max(the three, (trainer CPU-seconds + receiver CPU-seconds) / cores): in the
+  bench both sides share this machine's cores; ``floor_production_s`` leaves that term out
+  (in production they run on different hosts).
+
+Then publish, apply (to the ack), end to end (publish start to ack), full-checkpoint sync
+(safetensors save + load over the throttle), peak RSS of each process, and their ratios.
+
+The states are made cheaply, so 4 GB fits this machine with publisher and receiver in separate
+processes: weights are random bf16 of typical magnitude (1e-3..6e-2, alternating signs), and a
+step moves ~``density`` of the elements by one ulp up or down, the pattern Adam steps leave in
+a bf16 view (the changes sit in the low mantissa bits; :mod:`asyncsync.ops.workload` measures
+the real thing at small sizes). The generator is seeded: every child makes the same versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import math
+import mmap
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from asyncsync import codec, fsio
+from asyncsync.format import acks
+from asyncsync.ops.bench.probes import full_sync, ne_pass, reset_peak_rss, rss
+from asyncsync.ops.workload import config_for_elements
+from asyncsync.publish.publisher import Publisher
+from receiver.agent import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+
+if TYPE_CHECKING:
+    from asyncsync.ops.bench.worker import Job
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "make_state",
+    "receiver_floor",
+    "run_scale_cost",
+    "run_scale_publish",
+    "run_scale_receive",
+    "step_state",
+]
+
+DEFAULT_SIZES = (256 << 20, 1 << 30, 4 << 30)
+_LOW, _HIGH = 0x3A80, 0x3D80  # bf16 bit patterns of about 1e-3 .. 6e-2
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def make_state(model_bytes: int, seed: int) -> dict[str, torch.Tensor]:
+    """Version 0: a transformer-shaped bf16 state dict of about ``model_bytes``."""
+    cfg = config_for_elements(max(1000, model_bytes // 2), extras=False)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in cfg.param_shapes().items():
+        bits = torch.randint(_LOW, _HIGH, shape, dtype=torch.int16, generator=g)
+        bits.view(-1)[1::2] |= -32768  # the sign bit on every other element
+        out[name] = bits.view(torch.bfloat16)
+    return out
+
+
+def step_state(sd: dict[str, torch.Tensor], step: int, density: float, seed: int) -> None:
+    """Version ``step`` from version ``step - 1``, in place: ~``density`` of the elements of
+    every tensor move one ulp (positions and directions drawn from ``seed`` and ``step``)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    for t in sd.values():
+        flat = t.view(-1).view(torch.int16)
+        k = max(1, round(flat.numel() * density))
+        pos = torch.randint(0, flat.numel(), (k,), generator=g)
+        delta = torch.randint(0, 2, (k,), dtype=torch.int16, generator=g) * 2 - 1
+        flat[pos] += delta
+
+
+def _state_at(job: Job, version: int, sd: dict[str, torch.Tensor] | None = None) -> Any:
+    if sd is None:
+        sd = make_state(job.scale_bytes, job.seed)
+    for k in range(1, version + 1):
+        step_state(sd, k, job.density, job.seed)
+    return sd
+
+
+def receiver_floor(
+    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], scratch: Path
+) -> tuple[float, float]:
+    """(wall, CPU) seconds to dirty every page of the changed tensors' bytes in a mapped file
+    holding the old version (see the module docstring): the cheaper of one store per page
+    and ``madvise(MADV_POPULATE_WRITE)`` (one call that write-faults the whole range) followed
+    by the stores. The file is written and fsynced first, so its pages are in the page cache
+    and clean, as after the last flush, and mapped afresh, as each version maps them."""
+    names = [k for k in new if not torch.equal(codec.int_view(old[k]), codec.int_view(new[k]))]
+    offsets, total = {}, 0
+    for k in names:
+        offsets[k] = total
+        total += -(-old[k].numel() * old[k].element_size() // _PAGE) * _PAGE
+    path = scratch / "receiver-floor.bin"
+    best = (math.inf, math.inf)
+    try:
+        for populate in (False, True):
+            with open(path, "wb") as out:
+                for k in names:
+                    out.seek(offsets[k])
+                    out.write(codec.int_view(old[k]).numpy().tobytes())
+                out.truncate(total)
+                out.flush()
+                os.fsync(out.fileno())
+            if total == 0:
+                return 0.0, 0.0
+            with open(path, "r+b") as f, mmap.mmap(f.fileno(), total) as mm:
+                t0, c0 = time.perf_counter(), time.process_time()
+                if populate:
+                    # an older kernel refuses: the stores below fault the pages instead
+                    with contextlib.suppress(OSError, AttributeError):
+                        mm.madvise(_MADV_POPULATE_WRITE, 0, total)
+                pages = np.frombuffer(mm, dtype=np.uint8)[::_PAGE]
+                pages += 0  # one store per page, as a patch into the page makes
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                del pages
+            best = min(best, (wall, cpu))
+    finally:
+        path.unlink(missing_ok=True)
+    return best
+
+
+async def run_scale_publish(job: Job) -> dict[str, Any]:
+    """Seed version 0 (unthrottled), then publish versions 1..N over the throttle, each
+    timed from publish start to the receiver's ack."""
+    base = rss()
+    sd = _state_at(job, 0)
+    size = sum(t.numel() * t.element_size() for t in sd.values())
+    root = Path(job.root)
+    versions: list[dict[str, Any]] = []
+    async with Publisher(root, bucket_bytes=job.bucket_bytes, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        await _wait(Path(job.ready), job.timeout)
+        gc.collect()
+        startup = rss()
+        reset_peak_rss()
+        for v in range(1, job.versions + 1):
+            step_state(sd, v, job.density, job.seed)
+            fsio.set_throttle(job.throttle)
+            t0 = time.perf_counter()
+            res = await pub.publish(sd)
+            t1 = time.perf_counter()
+            await acks.wait_acked(
+                root, res.version, engines=[job.engine_id], timeout=job.timeout,
+                poll_interval=0.002, max_poll_interval=0.002,
+            )  # fmt: skip
+            t2 = time.perf_counter()
+            fsio.set_throttle(None)
+            versions.append(
+                {
+                    "version": res.version, "publish": t1 - t0, "e2e": t2 - t0,
+                    "wire_bytes": res.wire_bytes, "shards": res.shards, "changed": res.changed,
+                    "elements": res.total, "stages": dict(res.seconds),
+                }
+            )  # fmt: skip
+    return {
+        "model_bytes": size,
+        "rss": {"base": base, "startup": startup, "steady": rss()},
+        "versions": versions,
+    }
+
+
+async def run_scale_receive(job: Job) -> dict[str, Any]:
+    """Take version 0 (unthrottled), then run until the last version is acked."""
+    base = rss()
+    root = Path(job.root)
+    engine = LocalCheckpoint(job.checkpoint)
+    agent = ReceiverAgent(root, engine, job.engine_id, poll_interval=job.poll_interval)
+    applies: list[float] = []
+    async with agent, asyncio.timeout(job.timeout):
+        while await agent.sync_once() is None:
+            await asyncio.sleep(0.01)
+        await engine.flushed()
+        gc.collect()
+        startup = rss()
+        reset_peak_rss()
+        fsio.set_throttle(job.throttle)
+        Path(job.ready).write_text("ready\n")
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            seen = agent.status().applied
+            while True:
+                s = agent.status()
+                if s.applied != seen and s.last_apply_seconds is not None:
+                    applies.append(s.last_apply_seconds)
+                    seen = s.applied
+                mine = (await asyncio.to_thread(acks.read_acks, root)).get(job.engine_id)
+                if mine is not None and mine.version >= job.versions:
+                    stop.set()
+                    return
+                await asyncio.sleep(0.005)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(agent.run(stop=stop))
+            tg.create_task(watch())
+        fsio.set_throttle(None)
+    return {"rss": {"base": base, "startup": startup, "steady": rss()}, "applies": applies}
+
+
+async def run_scale_cost(job: Job) -> dict[str, Any]:
+    """The floors (unthrottled) and the full-checkpoint sync (over the throttle)."""
+    old = _state_at(job, 0)
+    new = {k: t.clone() for k, t in old.items()}
+    step_state(new, 1, job.density, job.seed)
+    ne_wall, ne_cpu = [], []
+    for _ in range(job.repeats):
+        c0 = time.process_time()
+        ne_wall.append(ne_pass(old, new))
+        ne_cpu.append(time.process_time() - c0)
+    scratch = Path(job.checkpoint)
+    scratch.mkdir(parents=True, exist_ok=True)
+    floors = [receiver_floor(old, new, scratch) for _ in range(job.repeats)]
+    del old
+    gc.collect()
+    full = [
+        full_sync(new, scratch / "full.safetensors", job.throttle) for _ in range(job.full_repeats)
+    ]
+    return {
+        "ne_pass": ne_wall,
+        "ne_pass_cpu": ne_cpu,
+        "receiver_floor": [w for w, _ in floors],
+        "receiver_floor_cpu": [c for _, c in floors],
+        "full_sync": full,
+    }
+
+
+async def _wait(path: Path, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while not path.exists():
+            await asyncio.sleep(0.005)
+
+
+def jobs_for(job: Job, work: Path, size: int) -> dict[str, Job]:
+    """The three children of one size (``job`` carries the shared settings)."""
+    tag = f"{size >> 20}M"
+    root = work / f"root-scale-{tag}"
+    root.mkdir()
+    pub = replace(
+        job,
+        role="scale-publish",
+        root=str(root),
+        result=str(work / f"result-scale-pub-{tag}.json"),
+        ready=str(work / f"ready-scale-{tag}"),
+        scale_bytes=size,
+    )
+    return {
+        "cost": replace(
+            pub,
+            role="scale-cost",
+            root=str(work / f"root-scale-cost-{tag}"),
+            result=str(work / f"result-scale-cost-{tag}.json"),
+            checkpoint=str(work / f"scratch-scale-{tag}"),
+        ),
+        "publish": pub,
+        "receive": replace(
+            pub,
+            role="scale-receive",
+            result=str(work / f"result-scale-rec-{tag}.json"),
+            checkpoint=str(work / f"ckpt-scale-{tag}"),
+        ),
+    }
+
+
+def summarise_size(
+    size: int, cost: dict[str, Any], pub: dict[str, Any], rec: dict[str, Any], cfg: dict[str, Any]
+) -> dict[str, Any]:
+    """One row of ``scale`` in the JSON summary (see the module docstring)."""
+    med = _median
+    throttle = fsio.Throttle.parse(cfg["throttle"])
+    bandwidth = throttle.bandwidth or math.inf
+    cores = cfg.get("cores") or os.cpu_count() or 1
+    vs = pub["versions"]
+    wire, shards = med(v["wire_bytes"] for v in vs), med(v["shards"] for v in vs)
+    model = pub["model_bytes"]
+    trainer, receiver = med(cost["ne_pass"]), med(cost["receiver_floor"])
+    # files written and read: the shards and the manifest, once each way
+    transfer = wire / bandwidth + 2 * (shards + 1) * throttle.latency
+    shared = (med(cost["ne_pass_cpu"]) + med(cost["receiver_floor_cpu"])) / cores
+    production = max(trainer, receiver, transfer)
+    floor = max(production, shared)
+    publish, e2e = med(v["publish"] for v in vs), med(v["e2e"] for v in vs)
+    apply_s, full = med(rec["applies"]), med(cost["full_sync"])
+    gb = model / 1e9
+    return {
+        "model_bytes": model,
+        "density": med(v["changed"] / v["elements"] for v in vs),
+        "wire_bytes": wire,
+        "shards": shards,
+        "trainer_floor_s": trainer,
+        "receiver_floor_s": receiver,
+        "transfer_floor_s": transfer,
+        "shared_cores_floor_s": shared,
+        "floor_s": floor,
+        "floor_production_s": production,
+        "publish_s": publish,
+        "apply_s": apply_s,
+        "e2e_s": e2e,
+        "full_sync_s": full,
+        "publish_vs_trainer_floor": publish / trainer,
+        "apply_vs_receiver_floor": apply_s / receiver,
+        "e2e_vs_floor": e2e / floor,
+        "e2e_vs_production_floor": e2e / production,
+        "full_sync_vs_e2e": full / e2e,
+        "publish_s_per_gb": publish / gb,
+        "apply_s_per_gb": apply_s / gb,
+        "publisher_peak_rss_vs_model": _peak(pub, model),
+        "receiver_peak_rss_vs_model": _peak(rec, model),
+        "repeats": {
+            "versions": len(vs),
+            "publish": [v["publish"] for v in vs],
+            "e2e": [v["e2e"] for v in vs],
+            "apply": rec["applies"],
+            "trainer_floor": cost["ne_pass"],
+            "receiver_floor": cost["receiver_floor"],
+            "full_sync": cost["full_sync"],
+        },
+    }
+
+
+def _peak(side: dict[str, Any], model: int) -> float:
+    r = side["rss"]
+    base = r["base"]["now"]
+    return max(r["startup"]["peak"] - base, r["steady"]["peak"] - base) / model
+
+
+def _median(xs: Any) -> float:
+    values = sorted(xs)
+    if not values:
+        return math.nan
+    mid = len(values) // 2
+    return float(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2)
