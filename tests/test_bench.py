@@ -258,3 +258,19 @@ def test_scale_flag_validation(capsys: pytest.CaptureFixture[str]) -> None:
     assert "at least 1 MiB" in capsys.readouterr().err
     assert main(["bench", "--scale", "--scale-sizes", "lots"]) == 2
     assert "is not a size" in capsys.readouterr().err
+
+
+def test_device_check_runs_on_cpu(tmp_path: Path) -> None:
+    """``--device`` is for a GPU; on the CPU the same code checks itself (bit-exact asserts)."""
+    argv = ["bench", "--device", "cpu", "--scale-sizes", "2MiB", "--versions", "1"]
+    assert main([*argv, "--json", str(tmp_path / "d.json")]) == 0
+    d = json.loads((tmp_path / "d.json").read_text())["device"]
+    assert d["bit_exact"] is True and d["device"] == "cpu" and d["changed"] > 0
+    for key in ("ne_pass_s", "diff_s", "publish_s", "apply_on_device_s"):
+        assert _number(d[key]) and d[key] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+def test_device_cuda_without_a_gpu_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--device", "cuda", "--scale-sizes", "2MiB"]) != 0
+    assert "no CUDA device" in capsys.readouterr().err

@@ -64,6 +64,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.device is not None:
+        return _cmd_device(args)
     cfg = config_from_args(args)
     t0 = time.perf_counter()
 
@@ -95,6 +97,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_device(args: argparse.Namespace) -> int:
+    """``--device cuda``: the accelerator paths, bit-exact and timed (``bench/device.py``)."""
+    from asyncsync.ops.bench.device import device_markdown, run_device_check
+
+    size = args.scale_sizes[0] if args.scale_sizes else 1 << 30
+    result = run_device_check(args.device, size, versions=args.versions or 3)
+    result["command"] = _command(args)
+    text = device_markdown(result)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"device": result}, indent=1) + "\n")
+    return 0
+
+
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (recorded in the JSON)."""
     words = ["asyncsync", "bench"]
@@ -102,6 +121,8 @@ def _command(args: argparse.Namespace) -> str:
         words.append("--quick")
     if args.scale:
         words.append("--scale")
+    if args.device is not None:
+        words += ["--device", args.device]
     if args.scale_sizes is not None:
         words += ["--scale-sizes", ",".join(str(x) for x in args.scale_sizes)]
     for flag in (
@@ -158,6 +179,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         type=_sizes,
         metavar="N,N,...",
         help="model bytes of the scale sweep (default 256MiB,1GiB,4GiB)",
+    )
+    sp.add_argument(
+        "--device",
+        metavar="DEV",
+        help="check the accelerator paths on DEV (e.g. cuda) bit-exact and time the diff; "
+        "the model size is the first --scale-sizes (default 1GiB)",
     )
     sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
     # hidden: sizes for plumbing tests and experiments
