@@ -45,10 +45,23 @@ async def test_two_tp_ranks_publish_one_version_sidecars_reload(tmp_path: Path) 
     ckpts = [tmp_path / f"ckpt{i}" for i in range(2)]
     receivers = [
         await _run(
-            sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", f"e{i}",
-            "--checkpoint", str(ckpts[i]), "--sglang-url", servers[i].url,
-            "--poll-interval", "0.05", "--force-polling", "--engine-startup-timeout", "30",
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "receiver.cli",
+            "--root",
+            str(root),
+            "--engine-id",
+            f"e{i}",
+            "--checkpoint",
+            str(ckpts[i]),
+            "--sglang-url",
+            servers[i].url,
+            "--poll-interval",
+            "0.05",
+            "--force-polling",
+            "--engine-startup-timeout",
+            "30",
+        )
         for i in range(2)
     ]
     steps = 4
@@ -75,7 +88,13 @@ async def test_two_tp_ranks_publish_one_version_sidecars_reload(tmp_path: Path) 
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     try:
         ranks = [
-            await _run(sys.executable, "-m", "tests.slime_stubs.actor_loop", str(tmp_path / "cfg.json"), str(r))
+            await _run(
+                sys.executable,
+                "-m",
+                "tests.slime_stubs.actor_loop",
+                str(tmp_path / "cfg.json"),
+                str(r),
+            )
             for r in range(2)
         ]
         try:
@@ -96,7 +115,10 @@ async def test_two_tp_ranks_publish_one_version_sidecars_reload(tmp_path: Path) 
     # delta: the first call seeds (weight_version stays 0), every later one adds 1, on every rank
     assert reports[0]["versions"] == reports[1]["versions"] == list(range(steps))
     assert reports[0]["mismatched"] == [[], []] * steps, logs[0][0].decode()[-3000:]
-    assert len(reports[0]["metrics"]) == steps and reports[0]["metrics"][1]["perf/update_weights_density"] < 0.2
+    assert (
+        len(reports[0]["metrics"]) == steps
+        and reports[0]["metrics"][1]["perf/update_weights_density"] < 0.2
+    )
     for s in servers:  # each server was told slime's weight_version, and serves the last one
         assert [ld.version for ld in s.loads] == [str(v) for v in range(steps)]
         assert s.weight_version == str(steps - 1)
@@ -175,7 +197,9 @@ def test_ray_receivers_beside_engines_are_told_slime_versions(cluster: Any, tmp_
                 assert all(v["mismatched"] == [] for v in fleet.verify().values())
                 view = tmp_path / "disk" / f"weight_v{updater.weight_version:06d}"
                 assert (view / "model.safetensors.index.json").exists()
-            assert sorted(p.name for p in (tmp_path / "disk").glob("weight_v*")) == ["weight_v000008"]
+            assert sorted(p.name for p in (tmp_path / "disk").glob("weight_v*")) == [
+                "weight_v000008"
+            ]
         for s in servers:
             assert [ld.version for ld in s.loads] == ["6", "7", "8"] and s.weight_version == "8"
     finally:

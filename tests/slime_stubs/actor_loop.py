@@ -35,7 +35,11 @@ def checkpoint_matches(directory: Path, want: dict[str, torch.Tensor]) -> list[s
     for f in sorted(directory.glob("*.safetensors")):
         got.update(safetensors.torch.load_file(f))
     bad = sorted(set(want) ^ set(got))
-    bad += [k for k in want if k in got and not torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))]
+    bad += [
+        k
+        for k in want
+        if k in got and not torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))
+    ]
     return bad
 
 
@@ -44,7 +48,9 @@ def main() -> int:
 
     cfg = json.loads(Path(sys.argv[1]).read_text())
     rank, world = int(sys.argv[2]), int(cfg["world"])
-    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world
+    )
     args = argparse.Namespace(**vars(rules.namespace(cfg["gen"], **cfg["args"])))
     step = 0
     updater = create_weight_updater(
@@ -56,7 +62,9 @@ def main() -> int:
     )
     report: dict = {"rank": rank, "versions": [], "mismatched": [], "metrics": []}
     try:
-        updater.connect_rollout_engines([FakeEngineHandle(i) for i in range(2)], None, [1, 1], [0, 1])
+        updater.connect_rollout_engines(
+            [FakeEngineHandle(i) for i in range(2)], None, [1, 1], [0, 1]
+        )
         for step in range(cfg["steps"]):
             updater.update_weights()
             report["versions"].append(updater.weight_version)

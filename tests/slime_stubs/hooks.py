@@ -25,7 +25,9 @@ def record(args: Any, version_dir: str, rollout_engines: list[Any]) -> None:
         f.write(json.dumps(line) + "\n")
 
 
-def deferred(args: Any, version_dir: str, rollout_engines: list[Any]) -> concurrent.futures.Future[None]:
+def deferred(
+    args: Any, version_dir: str, rollout_engines: list[Any]
+) -> concurrent.futures.Future[None]:
     """Returns a Future that a thread resolves later (slime gen1 lets a hook do that)."""
     fut: concurrent.futures.Future[None] = concurrent.futures.Future()
 

@@ -53,7 +53,10 @@ def hf_state(step: int) -> dict[str, torch.Tensor]:
 
 def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Megatron's fused QKV: per query group (one per head here) [q_g; k_g; v_g]."""
-    groups = [torch.cat([q[g * HD : (g + 1) * HD], k[g * HD : (g + 1) * HD], v[g * HD : (g + 1) * HD]]) for g in range(HEADS)]
+    groups = [
+        torch.cat([q[g * HD : (g + 1) * HD], k[g * HD : (g + 1) * HD], v[g * HD : (g + 1) * HD]])
+        for g in range(HEADS)
+    ]
     return torch.cat(groups)
 
 
@@ -70,20 +73,32 @@ def shards(step: int, rank: int, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
     yield P + "embedding.word_embeddings.weight", col(sd["model.embed_tokens.weight"])
     for i in range(LAYERS):
         h, m = f"model.layers.{i}.", f"{P}decoder.layers.{i}."
-        qkv = _qkv(sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"], sd[h + "self_attn.v_proj.weight"])
+        qkv = _qkv(
+            sd[h + "self_attn.q_proj.weight"],
+            sd[h + "self_attn.k_proj.weight"],
+            sd[h + "self_attn.v_proj.weight"],
+        )
         yield m + "self_attention.linear_qkv.weight", col(qkv)  # whole groups per rank
-        yield m + "self_attention.linear_qkv.layer_norm_weight", sd[h + "input_layernorm.weight"].clone()
+        yield (
+            m + "self_attention.linear_qkv.layer_norm_weight",
+            sd[h + "input_layernorm.weight"].clone(),
+        )
         yield m + "self_attention.linear_proj.weight", row(sd[h + "self_attn.o_proj.weight"])
         gate, up = col(sd[h + "mlp.gate_proj.weight"]), col(sd[h + "mlp.up_proj.weight"])
         yield m + "mlp.linear_fc1.weight", torch.cat([gate, up])
-        yield m + "mlp.linear_fc1.layer_norm_weight", sd[h + "post_attention_layernorm.weight"].clone()
+        yield (
+            m + "mlp.linear_fc1.layer_norm_weight",
+            sd[h + "post_attention_layernorm.weight"].clone(),
+        )
         yield m + "mlp.linear_fc2.weight", row(sd[h + "mlp.down_proj.weight"])
     yield P + "decoder.final_layernorm.weight", sd["model.norm.weight"].clone()
     yield P + "output_layer.weight", col(sd["lm_head.weight"])
 
 
 def _partition(name: str) -> int | None:
-    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")):
+    if name.endswith(
+        ("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")
+    ):
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1
@@ -124,7 +139,10 @@ def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         ]
     if rest == "mlp.linear_fc1.weight":
         gate, up = t.chunk(2, 0)
-        return [(h + "mlp.gate_proj.weight", gate.contiguous()), (h + "mlp.up_proj.weight", up.contiguous())]
+        return [
+            (h + "mlp.gate_proj.weight", gate.contiguous()),
+            (h + "mlp.up_proj.weight", up.contiguous()),
+        ]
     simple = {
         "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
         "self_attention.linear_proj.weight": "self_attn.o_proj.weight",

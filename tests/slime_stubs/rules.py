@@ -93,21 +93,28 @@ def validate(gen: str, args: Any) -> None:
         _resolve_disk_dir_gen1(args)
         if mode == "delta":
             if transport not in ("nccl", "disk"):
-                raise ValueError("--update-weight-mode=delta supports only --update-weight-transport=nccl or disk")
+                raise ValueError(
+                    "--update-weight-mode=delta supports only "
+                    "--update-weight-transport=nccl or disk"
+                )
             if colocate:
                 raise ValueError("--update-weight-mode=delta is not supported with --colocate.")
         return
     if transport == "disk" and not args.update_weight_disk_dir:
         raise ValueError("--update-weight-transport=disk requires --update-weight-disk-dir")
     if getattr(args, "release_train", False) and (mode != "full" or transport != "disk"):
-        raise ValueError("--release-train requires --update-weight-mode=full and --update-weight-transport=disk.")
+        raise ValueError(
+            "--release-train requires --update-weight-mode=full and --update-weight-transport=disk."
+        )
     if mode == "delta":
         if transport != "disk":
             raise ValueError("--update-weight-mode=delta requires --update-weight-transport=disk")
         if colocate:
             raise ValueError("--update-weight-mode=delta is not supported with --colocate.")
         if not args.update_weight_local_checkpoint_dir:
-            raise ValueError("--update-weight-mode=delta requires --update-weight-local-checkpoint-dir")
+            raise ValueError(
+                "--update-weight-mode=delta requires --update-weight-local-checkpoint-dir"
+            )
 
 
 def actor_choice(gen: str, args: Any) -> str:
@@ -124,7 +131,9 @@ def actor_choice(gen: str, args: Any) -> str:
         return "UpdateWeightFromDistributed"
     if mode == "delta":
         assert not colocate, "--update-weight-mode=delta is not supported with --colocate"
-        assert transport == "disk", "--update-weight-mode=delta requires --update-weight-transport=disk"
+        assert transport == "disk", (
+            "--update-weight-mode=delta requires --update-weight-transport=disk"
+        )
         return "UpdateWeightFromDiskDelta"
     if transport == "disk":
         return "UpdateWeightFromDisk"
