@@ -328,6 +328,7 @@ class AsyncSyncWeightUpdater:
         m["perf/update_weights_disk_bytes_pre_compress"] = float(r.raw_bytes)
         m["perf/update_weights_disk_bytes_post_compress"] = float(post)
         m["perf/update_weights_compression_ratio"] = r.raw_bytes / post if post else 1.0
+        m["perf/update_weights_diff_ms"] = 1000 * sec.get("diff", 0.0)
         m["perf/update_weights_encode_ms"] = 1000 * (sec.get("diff", 0.0) + sec.get("encode", 0.0))
         m["perf/update_weights_write_ms"] = 1000 * sec.get("write", 0.0)
         m["perf/update_weights_commit_ms"] = 1000 * sec.get("commit", 0.0)
