@@ -77,6 +77,9 @@ class ReceiverSpec:
             (None: not served; 0: any free port), bound to ``status_host``.
         agent_options: more :class:`~receiver.agent.ReceiverAgent` keywords
             (``verify_deadline``, ``prefetch`` ...).
+        version_offset: the server is told weight version ``v + version_offset`` for root
+            version ``v`` (sglang and vllm; slime's ``weight_version`` when it does not start
+            at the root's first version).
 
     Example::
 
@@ -97,6 +100,7 @@ class ReceiverSpec:
     status_port: int | None = None
     status_host: str = "127.0.0.1"
     agent_options: Mapping[str, Any] = field(default_factory=dict)
+    version_offset: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -115,6 +119,8 @@ class ReceiverSpec:
             )
         if self.engine == "checkpoint" and (self.api_key_file or self.model_path):
             raise ConfigError(f"{self.engine_id}: api_key_file and model_path need a server url")
+        if self.engine == "checkpoint" and self.version_offset:
+            raise ConfigError(f"{self.engine_id}: version_offset needs a server url")
         if not self.poll_interval > 0:
             raise ConfigError(f"{self.engine_id}: poll_interval must be > 0")
         if self.status_port is not None and not 0 <= self.status_port <= 65535:

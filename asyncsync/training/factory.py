@@ -42,19 +42,26 @@ RETENTION_MODULE = "asyncsync.publish.retention"
 
 
 def create_publisher(
-    config: SyncConfig | Mapping[str, Any], *, producer: Mapping[str, Any] | None = None
+    config: SyncConfig | Mapping[str, Any],
+    *,
+    producer: Mapping[str, Any] | None = None,
+    coordinator: Any = None,
 ) -> Publisher:
     """The publisher for ``config`` (a :class:`SyncConfig` or a mapping of its fields).
 
     The publisher is not opened: use it as ``async with publisher:`` (or
     :class:`asyncsync.training.session.SyncSession` from synchronous code). ``producer`` adds fields
     to every manifest's ``producer`` record (the factory adds ``mode`` and ``start_version``). The
-    ack policy is not the publisher's business: see ``config.ack_policy``.
+    ack policy is not the publisher's business: see ``config.ack_policy``. ``coordinator``: this
+    process is one rank of a multi-rank publisher (:mod:`asyncsync.publish.distributed`).
     """
     from asyncsync.publish.publisher import Publisher
 
     config = _as_config(config)
-    return Publisher(**publisher_kwargs(config, Publisher, producer=producer))
+    kwargs = publisher_kwargs(config, Publisher, producer=producer)
+    if coordinator is not None:
+        kwargs["coordinator"] = coordinator
+    return Publisher(**kwargs)
 
 
 def publisher_kwargs(

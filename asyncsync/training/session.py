@@ -158,6 +158,8 @@ class SyncSession:
         config: the settings; the publisher is built by
             :func:`asyncsync.training.factory.create_publisher`.
         producer: extra fields for each manifest's ``producer`` record.
+        coordinator: a :class:`~asyncsync.publish.distributed.Coordinator` when this process is
+            one rank of a multi-rank publisher (each rank publishes its own tensors).
         cancel_grace: seconds an interrupted call waits for the cancelled work to clean up.
     """
 
@@ -166,12 +168,15 @@ class SyncSession:
         config: SyncConfig,
         *,
         producer: Mapping[str, Any] | None = None,
+        coordinator: Any = None,
         cancel_grace: float = 30.0,
     ) -> None:
         from asyncsync.training.factory import create_publisher
 
         self.config = config
-        self._publisher: Publisher = create_publisher(config, producer=producer)
+        self._publisher: Publisher = create_publisher(
+            config, producer=producer, coordinator=coordinator
+        )
         self._policy = config.ack_policy
         self._gate: StalenessGate | None = None
         self._seed_version: int | None = None

@@ -1,0 +1,167 @@
+"""Who moves slime's engines to a version: receivers beside them, or sidecars the user runs.
+
+slime's updaters call the engines themselves (pause, reload, resume; gen2 ``/pull_weights``).
+With asyncsync a *receiver* beside each engine does: it patches a host-local checkpoint from
+the shared root, reloads its SGLang server over HTTP, and acknowledges the version once the
+server serves it. The updater waits for those acks. The switch ``--asyncsync-receivers``
+(``ASYNCSYNC_SLIME_RECEIVERS``) says where the receivers come from:
+
+* ``ray`` (default): :class:`RayReceivers` starts one :class:`~asyncsync.ray.ReceiverActor` per
+  slime engine, on the engine's Ray node (hard affinity), pointed at the engine's URL
+  (``engine.get_url``) and at ``<--update-weight-local-checkpoint-dir>/<engine id>``;
+* ``sidecar``: :class:`Sidecars`: receivers the user runs (``asyncsync-receiver --sglang-url
+  ... --engine-id ...``); the updater waits for ``--asyncsync-engine-ids`` (or any
+  ``len(engines)`` of them);
+* ``none``: nobody: slime reloads the engines (gen2 full mode: ``RayTrainGroup`` reloads
+  ``<disk_dir>/weight_v{N:06d}``, which the updater writes).
+
+Ray is imported only when the ``ray`` link is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from asyncsync.errors import AckTimeout, ConfigError
+from asyncsync.training.staleness import AckPolicy
+
+if TYPE_CHECKING:
+    from asyncsync.ray import ReceiverFleet
+
+__all__ = ["EngineLink", "NoEngines", "RayReceivers", "Sidecars", "engine_id_of_url"]
+
+logger = logging.getLogger(__name__)
+
+
+def engine_id_of_url(url: str) -> str:
+    """A stable engine id for the server at ``url``: ``sglang-10.0.0.3-30000``."""
+    hostport = re.sub(r"^[a-z]+://", "", url).strip("/[]").replace("]:", ":")
+    return "sglang-" + re.sub(r"[^A-Za-z0-9.]+", "-", hostport).strip("-")
+
+
+class EngineLink:
+    """Base: whom ``update_weights`` waits for. ``connect`` returns the ack policy."""
+
+    kind = "none"
+
+    def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
+        return base
+
+    def check(self) -> None:
+        """Raise when a version can never be acknowledged (a receiver stopped)."""
+
+    def close(self) -> None:
+        """Stop what :meth:`connect` started."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}>"
+
+
+class NoEngines(EngineLink):
+    """slime drives the engines itself: nothing to wait for."""
+
+
+class Sidecars(EngineLink):
+    """Receivers the user runs beside the engines, acking under ``engine_ids``."""
+
+    kind = "sidecar"
+
+    def __init__(self, engine_ids: Sequence[str] | None) -> None:
+        self.engine_ids = tuple(engine_ids) if engine_ids else None
+
+    def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
+        if base.waits:
+            return base  # the configuration decides whom to wait for
+        if self.engine_ids:
+            return _policy(base, engines=self.engine_ids)
+        return _policy(base, quorum=len(engines)) if engines else base
+
+
+class RayReceivers(EngineLink):
+    """One receiver actor per slime engine, on the engine's node (see the module docstring).
+
+    Args:
+        root: the shared root as the engine nodes see it (slime's ``--update-weight-disk-dir``).
+        local_checkpoint_dir: the host-local directory; each engine's receiver keeps
+            ``<dir>/<engine id>``.
+        version_offset: the server's weight version label for root version ``v`` is
+            ``v + version_offset`` (slime's ``weight_version``).
+        spec_options: more :class:`~asyncsync.ray.ReceiverSpec` fields (``poll_interval``...).
+    """
+
+    kind = "ray"
+
+    def __init__(
+        self,
+        root: str,
+        local_checkpoint_dir: str,
+        *,
+        version_offset: int = 0,
+        ready_timeout: float | None = 600.0,
+        spec_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.root = root
+        self.local_checkpoint_dir = local_checkpoint_dir.rstrip("/")
+        self.version_offset = version_offset
+        self.ready_timeout = ready_timeout
+        self.spec_options = dict(spec_options or {})
+        self.fleet: ReceiverFleet | None = None
+        self._urls: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"<RayReceivers root={self.root!r} fleet={self.fleet!r}>"
+
+    def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
+        from asyncsync.ray import ReceiverSpec, import_ray, start_receivers
+
+        ray = import_ray()
+        urls = [u for u in ray.get([e.get_url.remote() for e in engines]) if u]
+        if not urls:
+            raise ConfigError("none of slime's engines reports a URL (engine.get_url)")
+        nodes = ray.get([e.__ray_call__.remote(_node_id) for e in engines])
+        if tuple(urls) != self._urls:
+            self.close()
+            specs = [
+                ReceiverSpec(
+                    engine_id_of_url(url),
+                    f"{self.local_checkpoint_dir}/{engine_id_of_url(url)}",
+                    engine="sglang",
+                    url=url,
+                    node_id=node,
+                    version_offset=self.version_offset,
+                    **self.spec_options,
+                )
+                for url, node in zip(urls, nodes, strict=False)
+            ]
+            self.fleet = start_receivers(self.root, specs, ready_timeout=self.ready_timeout)
+            self._urls = tuple(urls)
+            logger.info("asyncsync: started receivers beside %d engines: %s", len(specs), urls)
+        assert self.fleet is not None
+        ids = tuple(self.fleet.actors)
+        return base if base.waits else _policy(base, engines=ids)
+
+    def check(self) -> None:
+        if self.fleet is None:
+            return
+        dead = {e: s["stopped_by"] for e, s in self.fleet.statuses().items() if not s["running"]}
+        if dead:
+            raise AckTimeout(f"receivers stopped: {dead}", version=-1, behind={})
+
+    def close(self) -> None:
+        fleet, self.fleet = self.fleet, None
+        self._urls = ()
+        if fleet is not None:
+            fleet.stop()
+
+
+def _node_id(actor: Any) -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def _policy(base: AckPolicy, **who: Any) -> AckPolicy:
+    return AckPolicy(timeout=base.timeout, max_staleness=base.max_staleness, **who)
