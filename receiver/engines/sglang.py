@@ -48,9 +48,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any, ClassVar, Literal
 
 import aiohttp
-from typing import Any, ClassVar, Literal
 
 from asyncsync.errors import ConfigError
 from receiver.engines.http_engine import EngineHTTPError, RetryPolicy, Timeouts
