@@ -214,7 +214,7 @@ class SGLangServer(Process):
 
     def plugin_lines(self) -> list[str]:
         """The asyncsync plugin's reload lines in the server log, in order."""
-        return re.findall(r"asyncsync: (?:partial reload|full reload|refused)[^\n]*", self.text())
+        return re.findall(r"asyncsync: (?:partial reload|full reload|refused)[^\n\]]*", self.text())
 
 
 class Receiver(Process):
