@@ -31,7 +31,12 @@ from tests.sglang_env.chain import Trainer, base_state, checkpoint_state
 from tests.sglang_env.fixtures import require_env
 from tests.sglang_env.server import Receiver, SGLangServer, run_env_python, wait_for
 
-pytestmark = [pytest.mark.sglang_real, pytest.mark.asyncio(loop_scope="module")]
+# a server start (in the first test's setup) takes ~15 s idle, minutes on a loaded host
+pytestmark = [
+    pytest.mark.sglang_real,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(600),
+]
 
 USER_KEY, ADMIN_KEY = "user-key-0123456789", "admin-key-0123456789"
 EID = "sglang-real-0"

@@ -18,7 +18,12 @@ from tests.sglang_env.chain import Trainer, base_state
 from tests.sglang_env.fixtures import require_env
 from tests.sglang_env.server import Receiver, SGLangServer, run_env_python
 
-pytestmark = [pytest.mark.sglang_real, pytest.mark.asyncio(loop_scope="module")]
+# a server start (in the first test's setup) takes ~15 s idle, minutes on a loaded host
+pytestmark = [
+    pytest.mark.sglang_real,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(600),
+]
 
 EID = "qwen2-0"
 PROMPT = [24, 978, 642, 484, 20]
