@@ -79,7 +79,8 @@ async def test_no_hook_target_warns_and_status_says_partial_is_off(
             assert server.model_info_version() == str(v)
             out = server.generate(PROMPT, 8)
             assert out["meta_info"]["weight_version"] == str(v)
-            assert out["output_ids"] == greedy_reference(env, server, tmp_path / "ckpt")
+            if names:  # (a zero diff changes no weight: one transformers run is enough)
+                assert out["output_ids"] == greedy_reference(env, server, tmp_path / "ckpt")
         status = receiver.status()["engine"]
         assert status["partial_reload"]["active"] is False
         assert "no asyncsync marker" in status["partial_reload"]["why"]

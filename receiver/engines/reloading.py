@@ -25,12 +25,12 @@ into the server once (a restarted server serves whatever it loaded at start, lab
 default version). A zero-diff version whose server no longer reports the previous version
 (restarted meanwhile) is loaded in full instead of relabelled.
 
-A server that stops answering in the middle of a reload (SGLang's scheduler dies on a checkpoint
-it cannot load, and the client sees a dropped connection) or that reports another version than
-the one it was given is marked *lost*: nothing is acknowledged, and before the next attempt the
-engine waits for the server to answer again (``Timeouts.startup``) and reconciles it
-(:meth:`reconcile`: reload the checkpoint when the server's label is not the version held).
-:meth:`serving_version` is what the server serves *now* (the receiver's ``/readyz``).
+A server that gives no answer to a reload (SGLang's scheduler dies on a checkpoint it cannot
+load, and the client sees a dropped connection), or that :meth:`serving_version` (the
+receiver's ``/readyz``) finds unreachable or reporting another version than the one held, is
+marked *lost*: nothing is acknowledged, and before the next attempt the engine waits for the
+server to answer again (``Timeouts.startup``). With no newer version to apply, the agent calls
+:meth:`reconcile`, which reloads the checkpoint when the server's label is not the version held.
 """
 
 from __future__ import annotations
