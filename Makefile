@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo bench stress clean
+.PHONY: venv test lint demo bench stress clean sglang-env bench-sglang
 
 $(STAMP): pyproject.toml asyncsync/codec/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
@@ -22,8 +22,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check asyncsync receiver tests examples stress deploy/ray
 	$(VENV)/bin/mypy
 
-test: lint
+# The real SGLang 0.5.23 the tests/test_sglang_real*.py servers run (CPU torch, no CUDA package):
+# built once into ${XDG_CACHE_HOME:-~/.cache}/asyncsync/sglang-<hash of its pinned list> (~2-4 min),
+# then a hash check plus installing this checkout into build/sglang-plugin (seconds). A build that
+# fails stops `make test` with the reason (tests/sglang_env/build.py).
+sglang-env:
+	$(PYTHON) tests/sglang_env/build.py
+
+test: lint sglang-env
 	$(VENV)/bin/pytest -q
+
+# full vs partial reload times on the real server (BENCHMARKS.md); a few minutes
+bench-sglang: $(STAMP) sglang-env
+	$(PY) -m tests.sglang_env.bench_reload
 
 demo: $(STAMP)
 	$(PY) -m asyncsync.ops.demo

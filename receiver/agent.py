@@ -82,6 +82,7 @@ class AgentStatus:
     prefetched_shards: int = 0  # shards read before their manifest existed, then verified
     applying: int | None = None  # the version in flight
     progress: tuple[int, int] | None = None  # its shards applied / to apply
+    engine: dict[str, Any] | None = None  # engine-specific facts (Engine.info())
 
 
 @dataclass
@@ -201,6 +202,7 @@ class ReceiverAgent:
             prefetched_shards=self._c.prefetched,
             applying=self._c.applying,
             progress=self._c.progress,
+            engine=self.engine.info(),
         )
 
     async def sync_once(self) -> int | None:
@@ -304,6 +306,8 @@ class ReceiverAgent:
         self._c.latest = latest
         if latest is None:
             return self.version
+        if self.version is not None and self.version >= latest:
+            await self.engine.reconcile()  # nothing newer: a restarted server gets what we hold
         newest = await asyncio.to_thread(self._manifests.get, self.root, latest)
         read = self._manifests.get  # every manifest is parsed once (the poll, plan, divergence)
         why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest, read)

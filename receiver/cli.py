@@ -10,8 +10,9 @@
 With ``--sglang-url`` (or ``--vllm-url``) the receiver also makes that server reload the
 checkpoint after each version and acknowledges a version only once the server reports it
 (``receiver.engines.SGLang`` / ``VLLM``, docs/ENGINES.md). The server's API key comes from
-``--api-key-file``, else the ``ASYNCSYNC_API_KEY`` environment variable; it is never taken on
-the command line, where ``ps`` would show it.
+``--api-key-file``, else the ``ASYNCSYNC_API_KEY`` environment variable; SGLang's admin key
+(``--admin-api-key``) from ``--admin-api-key-file``, else ``ASYNCSYNC_ADMIN_API_KEY``. Keys are
+never taken on the command line, where ``ps`` would show them.
 
 Why a separate process: the receiver runs next to an inference engine, which reloads (or mmaps)
 the checkpoint directory; the receiver owns that directory (one agent per engine, a lock) and
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a stop signal
 API_KEY_ENV = "ASYNCSYNC_API_KEY"
+ADMIN_API_KEY_ENV = "ASYNCSYNC_ADMIN_API_KEY"
 TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
 
 
@@ -116,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"file holding the server's API key (default: ${API_KEY_ENV}, if set)",
     )
     server.add_argument(
+        "--admin-api-key-file",
+        metavar="F",
+        help="file holding SGLang's --admin-api-key, sent on the weight, pause, flush and "
+        f"version endpoints (default: ${ADMIN_API_KEY_ENV}, if set; none: the API key)",
+    )
+    server.add_argument(
         "--engine-model-path",
         metavar="DIR",
         help="the checkpoint directory as the server sees it (default: --checkpoint)",
@@ -140,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seconds to wait for the server to come up (default {Timeouts.startup:g})",
     )
-    ops = p.add_argument_group("operator endpoints (/healthz, /status, /metrics, POST /sync)")
+    ops = p.add_argument_group(
+        "operator endpoints (/healthz, /readyz, /status, /metrics, POST /sync)"
+    )
     ops.add_argument(
         "--status-port", type=int, default=None, metavar="PORT",
         help="serve the endpoints on this port (0: any free port; default: not served)",
@@ -148,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument(
         "--status-host", default="127.0.0.1", metavar="HOST",
         help="address to bind (default 127.0.0.1; exposing it is an explicit decision)",
+    )  # fmt: skip
+    ops.add_argument(
+        "--ready-max-lag", type=int, default=0, metavar="N",
+        help="/readyz answers 200 while the engine serves a version at most N behind the "
+        "newest committed one (default 0: the newest)",
     )  # fmt: skip
     ops.add_argument(
         "--control-token-file", default=None, metavar="F",
@@ -203,8 +218,17 @@ def _server_engine(args: argparse.Namespace) -> ReloadingEngine | None:
         "model_path": args.engine_model_path,
         "timeouts": timeouts,
     }
+    admin = _read_secret(args.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key-file")
     if args.sglang_url:
-        return SGLang(args.sglang_url, args.checkpoint, pause_mode=args.pause_mode, **common)
+        return SGLang(
+            args.sglang_url,
+            args.checkpoint,
+            pause_mode=args.pause_mode,
+            admin_api_key=admin,
+            **common,
+        )
+    if admin is not None:
+        raise ConfigError("an admin API key is an SGLang option; vLLM takes one --api-key-file")
     return VLLM(args.vllm_url, args.checkpoint, **common)
 
 
@@ -268,7 +292,11 @@ async def _serve(args: argparse.Namespace) -> int | None:
             if args.status_port is not None:
                 token = _read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
                 server = StatusServer(
-                    agent, host=args.status_host, port=args.status_port, token=token
+                    agent,
+                    host=args.status_host,
+                    port=args.status_port,
+                    token=token,
+                    ready_max_lag=args.ready_max_lag,
                 )
                 await server.start()
                 print(f"{args.engine_id}: status on {server.url}", file=sys.stderr, flush=True)
@@ -301,8 +329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        if not (args.sglang_url or args.vllm_url) and (args.api_key_file or args.engine_model_path):
-            parser.error("--api-key-file and --engine-model-path need --sglang-url or --vllm-url")
+        if not (args.sglang_url or args.vllm_url) and (
+            args.api_key_file or args.admin_api_key_file or args.engine_model_path
+        ):
+            parser.error(
+                "--api-key-file, --admin-api-key-file and --engine-model-path need "
+                "--sglang-url or --vllm-url"
+            )
+        if args.ready_max_lag < 0:
+            parser.error("--ready-max-lag must be >= 0")
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     setup_logging(args.log_level, args.log_format)

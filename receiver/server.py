@@ -2,7 +2,12 @@
 
 ======================  ============================================================
 ``GET /healthz``        200 ``{"ok": true}`` while the agent runs and its last sync
-                        succeeded; 503 with the last error otherwise (liveness/readiness)
+                        succeeded; 503 with the last error otherwise (liveness)
+``GET /readyz``         200 only while the engine *serves* the newest committed version
+                        (or one at most ``ready_max_lag`` behind); 503 otherwise. For a
+                        server engine the server is asked (``Engine.serving_version``), so
+                        a restarted SGLang is not ready until the receiver reloaded it:
+                        the readiness gate of the inference container
 ``GET /status``         JSON: engine id, applied version, newest version seen, lag, last
                         error, the version in flight and its progress, counters
 ``GET /metrics``        Prometheus text format (prometheus-client)
@@ -16,6 +21,7 @@ is an explicit decision. The token is compared in constant time and never logged
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Iterator
@@ -28,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from receiver.agent import ReceiverAgent
+from receiver.plan import latest_version
 
 __all__ = ["StatusServer"]
 
@@ -87,9 +94,15 @@ class StatusServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
+        ready_max_lag: int = 0,
+        ready_timeout: float = 5.0,
     ) -> None:
         if token is not None and len(token) < 16:
             raise ValueError("the control token must be at least 16 characters")
+        if ready_max_lag < 0:
+            raise ValueError(f"ready_max_lag must be >= 0, got {ready_max_lag}")
+        self.ready_max_lag = ready_max_lag
+        self.ready_timeout = ready_timeout
         self.agent = agent
         self.host = host
         self.port = port
@@ -115,6 +128,7 @@ class StatusServer:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/status", self._status)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/sync", self._sync)
@@ -139,6 +153,26 @@ class StatusServer:
         return web.json_response(
             {"ok": False, "version": st.version, "error": st.last_error}, status=503
         )
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        agent = self.agent
+        latest = await asyncio.to_thread(latest_version, agent.root, agent.version)
+        try:
+            async with asyncio.timeout(self.ready_timeout):
+                serving = await agent.engine.serving_version()
+        except TimeoutError:
+            serving = None
+        body: dict[str, Any] = {"serving": serving, "latest": latest}
+        if latest is None:
+            body.update(ready=False, why="nothing committed yet")
+        elif serving is None:
+            body.update(ready=False, why="the engine serves no version the receiver applied")
+            agent.request_sync()  # a restarted server: reconcile it now
+        elif latest - serving > self.ready_max_lag:
+            body.update(ready=False, why=f"{latest - serving} version(s) behind")
+        else:
+            body.update(ready=True)
+        return web.json_response(body, status=200 if body["ready"] else 503)
 
     async def _status(self, _request: web.Request) -> web.Response:
         body = asdict(self.agent.status())

@@ -66,6 +66,7 @@ class _Fault:
     message: str
     delay: float
     times: int
+    drop: bool = False  # close the connection without an answer (a dying server)
 
 
 @dataclass
@@ -116,6 +117,10 @@ class FakeServer:
 
     def needs_auth(self, path: str) -> bool:
         return not path.startswith(self.auth_exempt) if self.auth_exempt else True
+
+    def key_for(self, path: str) -> str | None:
+        """The key a call to ``path`` must carry (None: any)."""
+        return self.api_key
 
     def __init__(self, *, api_key: str | None = None):
         self.api_key = api_key
@@ -180,8 +185,9 @@ class FakeServer:
         message: str = "injected failure",
         delay: float = 0.0,
         times: int = 1,
+        drop: bool = False,
     ) -> None:
-        self._faults.setdefault(path, []).append(_Fault(status, message, delay, times))
+        self._faults.setdefault(path, []).append(_Fault(status, message, delay, times, drop))
 
     def endpoints(self, *, authorized_only: bool = True) -> list[str]:
         return [c.endpoint for c in self.calls if c.auth != "wrong" or not authorized_only]
@@ -204,15 +210,10 @@ class FakeServer:
             except ValueError:
                 bad_json = True
         auth = "none-needed"
-        if self.api_key is not None:
+        want = self.key_for(request.path)
+        if want is not None:
             header = request.headers.get("Authorization")
-            auth = (
-                "missing"
-                if header is None
-                else "ok"
-                if header == f"Bearer {self.api_key}"
-                else "wrong"
-            )
+            auth = "missing" if header is None else "ok" if header == f"Bearer {want}" else "wrong"
         self.calls.append(Call(request.method, request.path, body, dict(request.query), auth))
         if auth in ("missing", "wrong") and self.needs_auth(request.path):
             return _json({"error": "Unauthorized"}, 401)
@@ -228,6 +229,9 @@ class FakeServer:
                 queue.pop(0)
             if fault.delay:
                 await asyncio.sleep(fault.delay)
+            if fault.drop and request.transport is not None:
+                request.transport.abort()
+                return web.Response()
             if fault.status is not None:
                 return _json({"success": False, "message": fault.message}, fault.status)
         request[BODY] = body
@@ -265,11 +269,32 @@ class FakeSGLang(FakeServer):
     }
     PAUSE: Spec = {"mode": ((str,), False)}  # noqa: RUF012
 
-    def __init__(self, *, version: str = "0.5.23", api_key: str | None = None):
+    #: with --admin-api-key, these want the admin key and the others the api key (0.5.23)
+    ADMIN_PATHS = (
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+    )
+
+    def __init__(
+        self,
+        *,
+        version: str = "0.5.23",
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+    ):
         if version not in ("0.5.15", "0.5.23"):
             raise ValueError(f"unknown fake SGLang version {version}")
         self.version = version
+        self.admin_api_key = admin_api_key
         super().__init__(api_key=api_key)
+
+    def key_for(self, path: str) -> str | None:
+        if self.admin_api_key is not None and path in self.ADMIN_PATHS:
+            return self.admin_api_key
+        return self.api_key
 
     def routes(self, app: web.Application) -> None:
         r = app.router

@@ -84,6 +84,10 @@ def test_k8s_receiver_args_parse_and_match_the_server(statefulset: dict[str, Any
     sgl_env = {e["name"]: e for e in sgl["env"]}
     assert "--api-key=$(SGLANG_API_KEY)" in sgl["args"]
     assert sgl_env["SGLANG_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == secret
+    assert "--admin-api-key=$(SGLANG_ADMIN_API_KEY)" in sgl["args"]
+    admin_ref = sgl_env["SGLANG_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert admin_ref["name"] == secret
+    assert Path(args.admin_api_key_file) == Path(key_dir) / admin_ref["key"]
     assert not any("api-key" in a and "file" not in a for a in rx["args"])  # never inline
 
     # every mount has a volume; the grace period covers the receiver's 120 s stop window
@@ -372,12 +376,14 @@ def test_k8s_structure_ports_probes_and_security(
     assert len(volumes) == len(set(volumes))
     mounted = {m["name"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
     assert mounted == set(volumes), "every mount has a volume and every volume is mounted"
+    pod_ports = {p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
     for c in pod["containers"]:
         ports = {p["containerPort"] for p in c.get("ports", [])}
         ports |= {p["name"] for p in c.get("ports", []) if "name" in p}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             if probe in c:
-                assert c[probe]["httpGet"]["port"] in ports, (c["name"], probe)
+                port = c[probe]["httpGet"]["port"]
+                assert port in ports or port in pod_ports, (c["name"], probe)
 
     rx = _container(sts, "asyncsync-receiver")
     args = build_parser().parse_args([_k8s_expand(a, {"POD_NAME": "sglang-0"}) for a in rx["args"]])
@@ -390,6 +396,15 @@ def test_k8s_structure_ports_probes_and_security(
     assert startup["periodSeconds"] * startup["failureThreshold"] >= args.engine_startup_timeout
     live = rx["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] >= 120  # not on a transient failure
+
+    # SGLang's readiness is the receiver's /readyz; its other probes use a /health that runs no
+    # generation (a generating /health blocks and fails while the receiver has SGLang paused)
+    sgl = _container(sts, "sglang")
+    assert sgl["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": status["containerPort"]}
+    sgl_env = {e["name"]: e.get("value") for e in sgl["env"]}
+    for probe in ("startupProbe", "livenessProbe"):
+        if sgl[probe]["httpGet"]["path"] == "/health":
+            assert sgl_env.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION") == "0", probe
 
     # runs as the image's non-root user; the key file is readable by it (group fsGroup)
     final = _stages(dockerfile)[-1]

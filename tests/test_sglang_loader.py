@@ -11,6 +11,7 @@ the full new state dict. No SGLang runs here (see docs/ENGINES.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pkgutil
@@ -31,6 +32,7 @@ from receiver.engines import LocalCheckpoint
 from receiver.plugins import sglang_loader
 from receiver.plugins.sglang_loader import (
     HOOK_TARGET,
+    HOOK_TARGETS,
     PartialReloader,
     read_snapshot,
     update_weights_from_disk_hook,
@@ -322,15 +324,55 @@ async def test_fallbacks_to_a_full_reload(tmp_path: Path, caplog: pytest.LogCapt
         assert ok and h.full_reloads == 2 and "partial reload failed" in caplog.text
         assert_same_params(model, reference(h.sd, 0, 1))
 
-        # the checkpoint's bytes disagree with state.json: never load them partially
+        # the checkpoint's bytes disagree with state.json: refused, neither partial nor full
+        # (a checkpoint SGLang cannot load kills it); nothing was loaded
+        before = dict(h.sd)
         await h.publish(step(h.sd, ["model.layers.1.mlp.down_proj.weight"], seed=5))
         _corrupt(h.ckpt, "model.layers.1.mlp.down_proj.weight")
-        ok, _ = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
-        assert ok and h.full_reloads == 3 and "checksum" in caplog.text
+        ok, msg = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        assert not ok and "refused" in msg and "checksum" in msg and h.full_reloads == 2
+        assert_same_params(model, reference(before, 0, 1))
+        assert h.reloaders[0].loaded is not None  # still what the model holds
 
-        # not an asyncsync checkpoint (or an unclean one): full reload, base forgotten
-        ok, _ = h.reloaders[0].reload(model, tmp_path, h.full_reload(0))
-        assert ok and h.full_reloads == 4 and h.reloaders[0].loaded is None
+        # a version being applied is not verified: refused as well
+        state_file = h.ckpt / ".asyncsync" / "state.json"
+        clean = state_file.read_bytes()
+        applying = {"status": "applying", "target_version": 99, "mode": "delta"}
+        state_file.write_text(json.dumps({**json.loads(clean), **applying}))
+        ok, msg = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        assert not ok and "being applied" in msg and h.full_reloads == 2
+        state_file.write_bytes(clean)
+
+        # not an asyncsync checkpoint: full reload, base forgotten
+        ok, msg = h.reloaders[0].reload(model, tmp_path, h.full_reload(0))
+        assert ok and h.full_reloads == 3 and h.reloaders[0].loaded is None
+        assert "[asyncsync: full reload (not an asyncsync checkpoint)]" in msg
+
+
+async def test_a_mismatch_after_the_first_batch_is_an_error_midway(tmp_path: Path) -> None:
+    """Changed tensors larger than one batch are verified, then read again batch by batch; a
+    tensor that changes on disk in between fails midway: a full reload, base forgotten."""
+    async with Harness(tmp_path, tp_size=1) as h:
+        sd = hf_state(6)
+        await h.publish(sd)
+        h.reload_all()
+        names = ["model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+        await h.publish(step(sd, names, seed=9))
+        model, reloader = h.models[0], h.reloaders[0]
+        reloader.batch_bytes = 1  # one tensor per load_weights call
+        real = model.load_weights
+
+        def damage_after_first(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            real(weights)
+            if len(model.loaded_names) == 1:
+                _corrupt(h.ckpt, names[1])
+
+        model.loaded_names.clear()
+        model.load_weights = damage_after_first  # type: ignore[method-assign]
+        ok, msg = reloader.reload(model, h.ckpt, h.full_reload(0))
+        model.load_weights = real  # type: ignore[method-assign]
+        assert ok and "partial reload failed midway" in msg and h.full_reloads == 2
+        assert reloader.loaded is None  # the files no longer match state.json
 
 
 def _corrupt(ckpt: Path, name: str) -> None:
@@ -394,7 +436,7 @@ async def test_hook_partial_after_the_first_reload(tmp_path: Path) -> None:
         await h.publish(step(h.sd, ["model.layers.0.self_attn.q_proj.weight"], seed=6))
         runner.model.loaded_names.clear()
         ok, msg = update_weights_from_disk_hook(orig, runner, str(h.ckpt), None)
-        assert ok and "loaded 1 changed of" in msg and len(runner.original_calls) == 1
+        assert ok and "partial reload: loaded 1 of" in msg and len(runner.original_calls) == 1
         assert runner.original_calls[0][2] == {}  # no keyword an older SGLang would refuse
         assert runner.model.loaded_names == ["model.layers.0.self_attn.q_proj.weight"]
         assert runner.model_config.model_path == str(h.ckpt)
@@ -404,7 +446,7 @@ async def test_hook_partial_after_the_first_reload(tmp_path: Path) -> None:
         only_norms = lambda n: n.endswith("norm.weight")  # noqa: E731
         update_weights_from_disk_hook(orig, runner, str(h.ckpt), None, only_norms)
         assert runner.original_calls[-1][2]["weight_name_filter"] is only_norms
-        assert sglang_loader.reloader_for(runner).loaded is not None
+        assert sglang_loader.reloader_for(runner.model).loaded is not None
 
 
 @pytest.mark.parametrize(
@@ -430,7 +472,9 @@ async def test_hook_full_reload_when_partial_is_not_safe(
         assert len(runner.original_calls) == 2
 
 
-def test_register_hooks_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_sglang(monkeypatch: pytest.MonkeyPatch, *, owners: dict[str, str]) -> list[Any]:
+    """A stand-in SGLang: the plugin registry, and ``owners`` {module: class} that have an
+    ``update_weights_from_disk``."""
     registered: list[tuple[str, Any, Any]] = []
 
     class HookType:
@@ -447,9 +491,67 @@ def test_register_hooks_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", fake)
+    for module, cls in owners.items():
+        parts = module.split(".")
+        for i in range(3, len(parts)):
+            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(parts[i - 1]))
+        mod = types.ModuleType(module)
+        setattr(mod, cls, type(cls, (), {"update_weights_from_disk": lambda self: None}))
+        monkeypatch.setitem(sys.modules, module, mod)
+    return registered
+
+
+def test_register_hooks_what_this_sglang_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.5.23's WeightUpdater first; the older ModelRunner method where only that exists."""
+    wu = "sglang.srt.model_executor.model_runner_components.weight_updater"
+    mr = "sglang.srt.model_executor.model_runner"
+    registered = _fake_sglang(monkeypatch, owners={wu: "WeightUpdater", mr: "ModelRunner"})
     entry_point = pkgutil.resolve_name("receiver.plugins.sglang_loader:register")
     entry_point()
     assert registered == [(HOOK_TARGET, update_weights_from_disk_hook, "around")]
+    assert f"{wu}.WeightUpdater.update_weights_from_disk" == HOOK_TARGET
+
+    monkeypatch.delitem(sys.modules, wu)
+    registered.clear()
+    entry_point()
+    assert registered == [(HOOK_TARGETS[1], update_weights_from_disk_hook, "around")]
+
+
+def test_register_without_a_target_warns_and_hooks_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    registered = _fake_sglang(monkeypatch, owners={})
+    sglang_loader.register()
+    assert registered == [] and "plugin INACTIVE" in caplog.text and "OFF" in caplog.text
+
+
+async def test_hook_on_a_weight_updater(tmp_path: Path) -> None:
+    """0.5.23 calls the hook with a WeightUpdater: a frozen, slotted dataclass (no weak
+    reference, no hash) that reaches the model through ``get_model()``."""
+
+    @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+    class WeightUpdater:
+        model_config: FakeModelConfig
+        get_model: Callable[[], Any]
+
+    async with Harness(tmp_path, tp_size=1) as h:
+        model = h.models[0]
+        owner = WeightUpdater(model_config=FakeModelConfig(), get_model=lambda: model)
+        calls: list[str] = []
+
+        def orig(o: Any, path: str, load_format: Any, **kw: Any) -> tuple[bool, str]:
+            calls.append(path)
+            model.load_weights(LocalCheckpoint(path).load_state_dict().items())
+            return True, "Succeeded to update model weights."
+
+        await h.publish(hf_state(7))
+        ok, msg = update_weights_from_disk_hook(orig, owner, str(h.ckpt), None)
+        assert ok and "full reload (first reload" in msg and calls == [str(h.ckpt)]
+        await h.publish(step(h.sd, ["model.norm.weight"], seed=11))
+        ok, msg = update_weights_from_disk_hook(orig, owner, str(h.ckpt), None)
+        assert ok and "loaded 1 of" in msg and "model.norm.weight" in msg and len(calls) == 1
+        assert owner.model_config.model_path == str(h.ckpt)
+        assert_same_params(model, reference(h.sd, 0, 1))
 
 
 def test_imports_and_registers_without_sglang(caplog: pytest.LogCaptureFixture) -> None:

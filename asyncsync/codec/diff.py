@@ -82,7 +82,7 @@ def diff_tensors(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> 
 
 
 def _native_diff(old: torch.Tensor, new: torch.Tensor, values: bool) -> list[NDArray[Any]]:
-    """One CPU pair through the C diff kernel (:func:`asyncsync.native.diff`)."""
+    """One CPU pair through the C diff kernel (:func:`asyncsync.codec.native.diff`)."""
     return native.diff(int_view(old).numpy(), int_view(new).numpy(), values)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -85,6 +85,19 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def bump(self, manifest: Manifest) -> None:
         """Take a zero-diff version: no data changes, only the version number."""
+
+    async def serving_version(self) -> int | None:
+        """The version being served right now (the receiver's ``/readyz``); an engine behind a
+        server asks the server. Default: ``state.version``."""
+        return self.state.version
+
+    async def reconcile(self) -> None:  # noqa: B027 - optional hook
+        """Called when there is no newer version to apply: bring a server that lost the
+        version held (restarted) back to it."""
+
+    def info(self) -> dict[str, Any] | None:
+        """Engine-specific facts for ``/status`` (None: nothing to add)."""
+        return None
 
     async def acknowledged(self) -> None:  # noqa: B027 - optional hook
         """The agent has acknowledged the version just committed: the place for deferred work

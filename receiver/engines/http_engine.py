@@ -6,8 +6,9 @@
 * a deadline on every call (``timeout=`` per call; the caller picks it, :class:`Timeouts`);
 * bounded retries with exponential backoff on connection errors, 5xx answers and timeouts
   (:class:`RetryPolicy`); never a retry on a 4xx: the server understood and said no;
-* ``Authorization: Bearer <key>`` on every call when a key is given. The key never appears in
-  a log line, an error message or a ``repr``;
+* ``Authorization: Bearer <key>`` on every call when a key is given; with an admin key as well
+  (SGLang's ``--admin-api-key``), the calls marked ``admin=True`` carry that one instead. A key
+  never appears in a log line, an error message or a ``repr``;
 * every failure is an :class:`EngineHTTPError` (an :class:`~asyncsync.errors.ApplyFailed`)
   carrying the endpoint, the HTTP status and the server's own message, with a hint for the
   statuses an operator can act on (401/403: the key; 404: the server version or mode).
@@ -154,8 +155,9 @@ class HttpClient:
 
     Example::
 
-        client = HttpClient("http://127.0.0.1:30000", api_key=key, name="sglang")
-        info = await client.request("GET", "/model_info", timeout=10)
+        client = HttpClient(url, api_key=key, admin_api_key=admin, name="sglang")
+        info = await client.request("GET", "/model_info", timeout=10)           # user key
+        await client.request("POST", "/flush_cache", timeout=10, admin=True)  # admin key
         await client.close()
     """
 
@@ -164,6 +166,7 @@ class HttpClient:
         url: str,
         *,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         retry: RetryPolicy | None = None,
         connect_timeout: float = 10.0,
         name: str = "engine",
@@ -173,15 +176,15 @@ class HttpClient:
         self.connect_timeout = connect_timeout
         self.name = name
         self._headers = {"Accept": "application/json"}
-        if api_key is not None:
-            if not api_key or any(c.isspace() for c in api_key):
-                raise ConfigError("the API key must be non-empty and contain no whitespace")
-            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._auth = _bearer(api_key, "API key")
+        # without an admin key the one key opens every endpoint (as SGLang treats --api-key alone)
+        self._admin_auth = _bearer(admin_api_key, "admin API key") or self._auth
         self._session: aiohttp.ClientSession | None = None
 
     def __repr__(self) -> str:  # no headers: they hold the key
-        auth = "yes" if "Authorization" in self._headers else "no"
-        return f"<HttpClient {self.name} {self.url} auth={auth}>"
+        auth = "yes" if self._auth else "no"
+        admin = "yes" if self._admin_auth and self._admin_auth != self._auth else "no"
+        return f"<HttpClient {self.name} {self.url} auth={auth} admin_auth={admin}>"
 
     async def close(self) -> None:
         if self._session is not None:
@@ -203,22 +206,31 @@ class HttpClient:
         params: dict[str, str] | None = None,
         retry_timeouts: bool = True,
         retries: bool = True,
+        admin: bool = False,
     ) -> Any:
         """Call ``method path`` and return the decoded JSON answer (None for an empty body).
 
         Retries per :attr:`retry` (none with ``retries=False``); ``retry_timeouts=False`` for
         calls the server may still be executing after a client timeout (a weight reload): the
         next sync retries those. Redirects are not followed (the key must not travel on).
-        Raises EngineHTTPError.
+        ``admin=True``: send the admin key (when one is configured). Raises EngineHTTPError.
         """
         endpoint = f"{method} {path}"
         url = self.url.with_path(self.url.path.rstrip("/") + path)
         ct = aiohttp.ClientTimeout(total=timeout, connect=min(self.connect_timeout, timeout))
         attempts = self.retry.attempts if retries else 1
+        auth = self._admin_auth if admin else self._auth
+        headers = {"Authorization": auth} if auth else None
         for attempt in range(1, attempts + 1):
             try:
                 async with self._get_session().request(
-                    method, url, json=json_body, params=params, timeout=ct, allow_redirects=False
+                    method,
+                    url,
+                    json=json_body,
+                    params=params,
+                    headers=headers,
+                    timeout=ct,
+                    allow_redirects=False,
                 ) as resp:
                     status = resp.status
                     body = await resp.text(errors="replace")
@@ -276,6 +288,14 @@ class HttpClient:
                 logger.info("%s not up yet (%s); waiting", self.name, exc)
                 await asyncio.sleep(min(delay, left))
                 delay = min(delay * 2, max(self.retry.maximum, 0.1))
+
+
+def _bearer(key: str | None, what: str) -> str | None:
+    if key is None:
+        return None
+    if not key or any(c.isspace() for c in key):
+        raise ConfigError(f"the {what} must be non-empty and contain no whitespace")
+    return f"Bearer {key}"
 
 
 def _decode(body: str) -> Any:

@@ -24,6 +24,13 @@ record, the checkpoint and the server's reported version all agree, it reloads t
 into the server once (a restarted server serves whatever it loaded at start, labelled with its
 default version). A zero-diff version whose server no longer reports the previous version
 (restarted meanwhile) is loaded in full instead of relabelled.
+
+A server that gives no answer to a reload (SGLang's scheduler dies on a checkpoint it cannot
+load, and the client sees a dropped connection), or that :meth:`serving_version` (the
+receiver's ``/readyz``) finds unreachable or reporting another version than the one held, is
+marked *lost*: nothing is acknowledged, and before the next attempt the engine waits for the
+server to answer again (``Timeouts.startup``). With no newer version to apply, the agent calls
+:meth:`reconcile`, which reloads the checkpoint when the server's label is not the version held.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from asyncsync.errors import ApplyFailed, ConfigError, EngineStateError
 from asyncsync.format import Manifest
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
-from receiver.engines.http_engine import HttpClient, RetryPolicy, Timeouts
+from receiver.engines.http_engine import EngineHTTPError, HttpClient, RetryPolicy, Timeouts
 from receiver.state import STATE_DIR_NAME
 
 __all__ = ["ReloadingEngine"]
@@ -67,6 +74,8 @@ class ReloadingEngine(Engine, abc.ABC):
         url: the server's base URL, e.g. ``http://127.0.0.1:30000``.
         checkpoint_dir: the host-local checkpoint directory the receiver owns.
         api_key: sent as ``Authorization: Bearer <key>`` on every call.
+        admin_api_key: when set, sent instead of ``api_key`` on the calls that change the
+            server (the subclass marks them; SGLang's ``--admin-api-key``).
         model_path: the checkpoint directory as the *server* sees it (default: the same
             path; differs when the receiver and the server mount the volume differently).
         timeouts: per-call deadlines; retry: retries of one call (connection errors, 5xx).
@@ -84,6 +93,7 @@ class ReloadingEngine(Engine, abc.ABC):
         checkpoint_dir: str | os.PathLike[str],
         *,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         model_path: str | None = None,
         timeouts: Timeouts | None = None,
         retry: RetryPolicy | None = None,
@@ -93,6 +103,7 @@ class ReloadingEngine(Engine, abc.ABC):
         self.client = HttpClient(
             url,
             api_key=api_key,
+            admin_api_key=admin_api_key,
             retry=retry,
             connect_timeout=self.timeouts.connect,
             name=self.kind,
@@ -111,6 +122,7 @@ class ReloadingEngine(Engine, abc.ABC):
         self._failures = 0
         self._retry_at = 0.0
         self._last_failure: str | None = None
+        self._lost = False  # the server dropped a call or reported another version: reconcile
         self._background: set[asyncio.Task[Any]] = set()
 
     def __repr__(self) -> str:
@@ -142,6 +154,64 @@ class ReloadingEngine(Engine, abc.ABC):
 
     async def _check_server(self) -> None:
         """Checks at ``open`` once the server answers (e.g. that it serves our checkpoint)."""
+
+    def info(self) -> dict[str, Any]:
+        """What ``/status`` shows about the server (subclasses add to it)."""
+        return {"kind": self.kind, "url": str(self.client.url), "server_lost": self._lost}
+
+    async def serving_version(self) -> int | None:
+        """The version the server serves now: ``state.version`` when the server reports it,
+        else None (restarted, down, or behind); a mismatch marks the server lost, so the next
+        sync reconciles it."""
+        if self.state.version is None:
+            return None
+        try:
+            label = await self._guard(self.served_version())
+        except ApplyFailed as exc:
+            logger.info("%s at %s: cannot read its version: %s", self.kind, self.client.url, exc)
+            self._lost = True
+            return None
+        if label != str(self.state.version):
+            if self._txn is None and not self._lost:
+                logger.warning(
+                    "%s at %s reports version %r, the receiver holds v%s: it is reconciled on "
+                    "the next sync",
+                    self.kind,
+                    self.client.url,
+                    label,
+                    self.state.version,
+                )
+                self._lost = True
+            return None
+        return self.state.version
+
+    async def reconcile(self) -> None:
+        """When the server was lost: wait for it, and reload the checkpoint into it unless it
+        reports the version held. A no-op otherwise (the agent calls it when it has no newer
+        version to apply; a newer version's own reload reconciles the server anyway)."""
+        if not self._lost or self._txn is not None:
+            return
+        await self._wait_for_server()
+        label = await self._guard(self.served_version())
+        held = self.state.version
+        if held is not None and label != str(held) and self.checkpoint.state.version == held:
+            logger.warning(
+                "%s at %s reports version %r after it was lost; reloading v%s",
+                self.kind,
+                self.client.url,
+                label,
+                held,
+            )
+            self._check_backoff(held)
+            await self._reload_server(held)
+        self._lost = False
+
+    async def _wait_for_server(self) -> None:
+        logger.info("%s at %s: waiting for the server to answer", self.kind, self.client.url)
+        await self.client.wait_until_up(
+            self.ready_path, deadline=self.timeouts.startup, call_timeout=self.timeouts.control
+        )
+        await self._check_server()
 
     # -- Engine contract ---------------------------------------------------------------------
     async def open(self) -> EngineState:
@@ -239,6 +309,8 @@ class ReloadingEngine(Engine, abc.ABC):
         self._check_backoff(manifest.version)
         if not self._holds(self.checkpoint.state, manifest):
             await self.checkpoint.bump(manifest)
+        if self._lost:
+            await self._wait_for_server()
         label = await self._guard(self.served_version())
         if self.state.version is not None and label == str(self.state.version):
             try:
@@ -262,6 +334,8 @@ class ReloadingEngine(Engine, abc.ABC):
     async def _reload_server(self, version: int) -> None:
         """pause -> load -> resume (always, even on failure or cancellation) -> confirm."""
         t0 = time.perf_counter()
+        if self._lost:
+            await self._wait_for_server()
         try:
             failed = True
             try:
@@ -271,9 +345,15 @@ class ReloadingEngine(Engine, abc.ABC):
             finally:
                 await self._resume_always(failed)
             await self._confirm(version)
+        except EngineHTTPError as exc:
+            if exc.status is None:  # no answer: the server may have died (or be restarting)
+                self._lost = True
+            self._failed()
+            raise
         except ApplyFailed:
             self._failed()
             raise
+        self._lost = False
         self._failures, self._retry_at, self._last_failure = 0, 0.0, None
         logger.info(
             "%s at %s loaded v%s in %.2fs",

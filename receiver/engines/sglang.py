@@ -17,6 +17,24 @@ The receiver patches the host-local checkpoint first (the server keeps serving),
 A zero-diff version is ``POST /update_weight_version {"new_version": "N",
 "abort_all_requests": false}`` (no reload; SGLang's default would abort every request).
 
+Keys (0.5.23): with ``--admin-api-key`` the server wants it on the weight, pause, continue,
+flush and version endpoints, and the ``--api-key`` on ``/model_info`` and ``/generate``; give
+both (``api_key``, ``admin_api_key``). With ``--api-key`` alone that key opens everything.
+
+What the real server does that shapes this (docs/ENGINES.md, "Behaviours of the real server"):
+
+* ``/health`` runs a generation: while paused it blocks ~20 s and answers 503. The receiver
+  never calls it; ``open`` waits on ``/model_info`` and then sends ``/continue_generation``
+  (clears a pause left by a receiver killed mid-reload).
+* A checkpoint SGLang cannot load kills its scheduler: the reload's connection drops. That is
+  an error naming the cause, the server is marked lost, and the next attempt first waits for
+  it to answer (``ReloadingEngine``); nothing is acknowledged.
+* ``400 "Weights were updated, but the cache was not flushed"``: the weights changed but the
+  label may not have. Not guessed either way: the receiver flushes the cache and sends the
+  same reload again (idempotent: the plugin then loads nothing), then reads ``/model_info``.
+* The reload's answer says whether the asyncsync plugin ran in the server (its message carries
+  ``asyncsync:``); :meth:`SGLang.info` (the receiver's ``/status``) reports it.
+
 Pause mode (see docs/ENGINES.md): ``abort`` is the default because it is the only mode after
 which the scheduler is idle, so the KV-cache flush that must follow a weight change succeeds on
 every version. On 0.5.15 a failed flush is an assertion that kills the scheduler; ``retract``
@@ -27,14 +45,25 @@ computed with the old weights: opt in only if that staleness is acceptable.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any, ClassVar, Literal
+
+import aiohttp
 
 from asyncsync.errors import ConfigError
 from receiver.engines.http_engine import EngineHTTPError, RetryPolicy, Timeouts
 from receiver.engines.reloading import ReloadingEngine
 
 __all__ = ["PAUSE_MODES", "SGLang"]
+
+logger = logging.getLogger(__name__)
+
+#: in the message of a reload that went through receiver.plugins.sglang_loader
+PLUGIN_MARKER = "asyncsync:"
+#: SGLang 0.5.23's 400 when the reload succeeded but the KV-cache flush after it did not
+CACHE_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
@@ -46,7 +75,8 @@ class SGLang(ReloadingEngine):
     Args:
         url: the server, e.g. ``http://127.0.0.1:30000``.
         checkpoint_dir: the local checkpoint the receiver keeps (created if missing).
-        api_key: the server's ``--api-key`` / ``--admin-api-key``; sent as a Bearer token.
+        api_key: the server's ``--api-key``; sent as a Bearer token.
+        admin_api_key: the server's ``--admin-api-key``, for the endpoints that change it.
         model_path: the checkpoint directory as the server sees it (default: the same).
         pause_mode: ``abort`` (default), ``retract`` or ``in_place``.
         flush_cache: flush the KV cache with the reload; default True for ``abort``, and it
@@ -56,6 +86,8 @@ class SGLang(ReloadingEngine):
     """
 
     kind: ClassVar[str] = "sglang"
+    #: not /health: it runs a generation, which blocks ~20 s and fails while paused
+    ready_path: ClassVar[str] = "/model_info"
 
     def __init__(
         self,
@@ -63,6 +95,7 @@ class SGLang(ReloadingEngine):
         checkpoint_dir: str | os.PathLike[str],
         *,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         model_path: str | None = None,
         pause_mode: PauseMode = "abort",
         flush_cache: bool | None = None,
@@ -84,6 +117,7 @@ class SGLang(ReloadingEngine):
             url,
             checkpoint_dir,
             api_key=api_key,
+            admin_api_key=admin_api_key,
             model_path=model_path,
             timeouts=timeouts,
             retry=retry,
@@ -92,9 +126,33 @@ class SGLang(ReloadingEngine):
         self.pause_mode = pause_mode
         self.flush_cache = flush_cache
         self.load_format = load_format
+        self.last_reload: dict[str, Any] | None = None  # what the server said about the last one
+
+    def info(self) -> dict[str, Any]:
+        """``/status``'s view of the server: whether the in-engine plugin ran, the last reload."""
+        out = super().info()
+        msg = None if self.last_reload is None else self.last_reload["message"]
+        if msg is None:
+            partial: dict[str, Any] = {"active": None, "why": "no reload seen yet"}
+        elif PLUGIN_MARKER in msg:
+            partial = {"active": True, "why": None}
+        else:
+            partial = {
+                "active": False,
+                "why": "the server's reload answer carries no asyncsync marker: the loader "
+                "plugin is not installed in SGLang's environment, or found no reload method "
+                "to hook (see the server's start-up log); every reload is SGLang's full one",
+            }
+        return {**out, "partial_reload": partial, "last_reload": self.last_reload}
 
     async def _post(self, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
-        return await self.client.request("POST", path, json_body=body, timeout=timeout, **kw)
+        return await self.client.request(
+            "POST", path, json_body=body, timeout=timeout, admin=True, **kw
+        )
+
+    async def _check_server(self) -> None:
+        # a receiver killed between pause and continue leaves the server paused: clear it
+        await self._resume()
 
     async def _pause(self) -> None:
         await self._post("/pause_generation", {"mode": self.pause_mode}, self.timeouts.control)
@@ -108,11 +166,49 @@ class SGLang(ReloadingEngine):
         }
         if self.load_format is not None:
             body["load_format"] = self.load_format
-        # a timed-out reload may still be running in the server: the next sync retries it
-        answer = await self._post(
-            "/update_weights_from_disk", body, self.timeouts.update, retry_timeouts=False
+        endpoint = "POST /update_weights_from_disk"
+        t0 = time.perf_counter()
+        try:
+            answer = await self._update(body)
+        except EngineHTTPError as exc:
+            cause = exc.__cause__
+            if exc.status is None and not isinstance(
+                cause, TimeoutError | aiohttp.ClientConnectorError
+            ):
+                raise EngineHTTPError(
+                    f"sglang {endpoint}: the connection dropped during the reload of v{version}"
+                    " (SGLang's scheduler dies on a checkpoint it cannot load: see the server's"
+                    " log); not acknowledged, the server is waited for before the next attempt"
+                    f": {exc}",
+                    endpoint=endpoint,
+                ) from exc
+            if not (exc.server_message and CACHE_NOT_FLUSHED in exc.server_message):
+                raise
+            # The weights may or may not have changed and the label may lag: do not guess.
+            # Flush (we are paused, so nothing runs now) and send the same reload again.
+            logger.warning(
+                "sglang: v%s: %s; flushing the cache and reloading again to reconcile",
+                version,
+                exc.server_message,
+            )
+            await self.client.request(
+                "POST", "/flush_cache", timeout=self.timeouts.control, admin=True
+            )
+            answer = await self._update(body)
+        message = answer.get("message") if isinstance(answer, dict) else None
+        self.last_reload = {
+            "version": version,
+            "seconds": round(time.perf_counter() - t0, 4),
+            "message": None if message is None else str(message)[:400],
+        }
+        _check_success(answer, endpoint)
+
+    async def _update(self, body: dict[str, Any]) -> Any:
+        # Not retried here: a timed-out reload may still be running in the server, and after a
+        # dropped connection the server is waited for first. The next sync retries it.
+        return await self._post(
+            "/update_weights_from_disk", body, self.timeouts.update, retries=False
         )
-        _check_success(answer, "POST /update_weights_from_disk")
 
     async def _resume(self) -> None:
         await self._post("/continue_generation", {}, self.timeouts.control)

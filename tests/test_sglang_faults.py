@@ -1,0 +1,176 @@
+"""SGLang engine behaviours the real server shows but cannot be made to show on demand, against
+the fake server (tests/fake_engines.py): the two keys, a connection dropped mid-reload (the
+scheduler died), the 400 "Weights were updated, but the cache was not flushed" race, /readyz
+and the reconciliation of a restarted server, and what /status says about the plugin. The
+same paths against the real server: tests/test_sglang_real*.py (docs/ENGINES.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from asyncsync import ApplyFailed
+from asyncsync.format.acks import read_acks
+from receiver import ReceiverAgent
+from receiver.engines import SGLang
+from receiver.engines.sglang import CACHE_NOT_FLUSHED
+from receiver.server import StatusServer
+from tests.fake_engines import FAST, FAST_RETRY, Chain, FakeSGLang
+
+ADMIN = "admin-key-0123456789"
+USER = "user-key-0123456789"
+
+
+@pytest.fixture
+async def chain(tmp_path: Path) -> AsyncIterator[Chain]:
+    c = Chain(tmp_path / "root")
+    async with c.pub:
+        yield c
+
+
+def engine_for(srv: FakeSGLang, ckpt: Path, **kw: Any) -> SGLang:
+    kw.setdefault("retry", FAST_RETRY)
+    kw.setdefault("timeouts", FAST)
+    kw.setdefault("failure_backoff", (0.0, 0.0))
+    return SGLang(srv.url, ckpt, **kw)
+
+
+def agent_for(chain: Chain, engine: SGLang) -> ReceiverAgent:
+    return ReceiverAgent(chain.root, engine, "e1", use_inotify=False, verify_deadline=0.2)
+
+
+def acked(chain: Chain) -> int | None:
+    rec = read_acks(chain.root).get("e1")
+    return None if rec is None else rec.version
+
+
+async def test_admin_key_on_the_admin_endpoints_user_key_on_the_others(
+    chain: Chain, tmp_path: Path
+) -> None:
+    async with FakeSGLang(api_key=USER, admin_api_key=ADMIN) as srv:
+        engine = engine_for(srv, tmp_path / "ckpt", api_key=USER, admin_api_key=ADMIN)
+        async with agent_for(chain, engine) as agent:
+            await chain.next()
+            await chain.next()
+            assert await agent.sync_once() == 1
+        assert {c.auth for c in srv.calls} == {"ok"}
+        assert {c.path for c in srv.calls} >= {"/model_info", "/update_weights_from_disk"}
+        assert "admin_auth=yes" in repr(engine.client) and ADMIN not in repr(engine.client)
+
+
+async def test_a_dropped_connection_mid_reload_is_an_error_then_a_wait(
+    chain: Chain, tmp_path: Path
+) -> None:
+    async with FakeSGLang() as srv:
+        agent = agent_for(chain, engine_for(srv, tmp_path / "ckpt"))
+        async with agent:
+            await chain.next()
+            assert await agent.sync_once() == 0
+            await chain.next()
+            srv.inject("/update_weights_from_disk", drop=True)
+            with pytest.raises(ApplyFailed, match="connection dropped during the reload of v1"):
+                await agent.sync_once()
+            assert acked(chain) == 0
+            # the scheduler died: the server comes back with its initial weights
+            await srv.stop()
+            n = len(srv.calls)
+            sync = asyncio.create_task(agent.sync_once())
+            await asyncio.sleep(0.3)  # waiting for the server (no reload sent to nothing)
+            assert not sync.done()
+            srv.reset()
+            await srv.start()
+            assert await sync == 1
+            assert acked(chain) == 1 and srv.weight_version == "1"
+            assert srv.endpoints()[n] == "GET /model_info"  # the wait, before any pause
+
+
+async def test_cache_not_flushed_is_reconciled_not_guessed(chain: Chain, tmp_path: Path) -> None:
+    async with FakeSGLang() as srv:
+        agent = agent_for(chain, engine_for(srv, tmp_path / "ckpt"))
+        async with agent:
+            await chain.next()
+            assert await agent.sync_once() == 0
+            await chain.next()
+            n = len(srv.calls)
+            srv.inject(
+                "/update_weights_from_disk",
+                status=400,
+                message=f"{CACHE_NOT_FLUSHED} because requests are still running or queued.",
+            )
+            assert await agent.sync_once() == 1
+            assert srv.endpoints()[n:] == [
+                "POST /pause_generation",
+                "POST /update_weights_from_disk",  # 400: weights maybe updated, label maybe not
+                "POST /flush_cache",
+                "POST /update_weights_from_disk",  # the same reload again (idempotent)
+                "POST /continue_generation",
+                "GET /model_info",  # only what the server reports is acknowledged
+            ]
+            assert acked(chain) == 1
+
+
+async def test_readyz_follows_what_the_server_serves(chain: Chain, tmp_path: Path) -> None:
+    async with FakeSGLang() as srv:
+        agent = ReceiverAgent(
+            chain.root, engine_for(srv, tmp_path / "ckpt"), "e1", poll_interval=0.05
+        )
+        async with agent, StatusServer(agent, ready_max_lag=1) as status:
+            http = aiohttp.ClientSession()
+
+            async def readyz() -> tuple[int, Any]:
+                async with http.get(status.url + "/readyz") as r:
+                    return r.status, await r.json()
+
+            run = asyncio.create_task(agent.run())
+            try:
+                assert (await readyz())[0] == 503  # nothing committed
+                await chain.next()
+                await wait(lambda: agent.version == 0)
+                assert await readyz() == (200, {"serving": 0, "latest": 0, "ready": True})
+                await srv.restart()  # SGLang restarted: serves its initial weights as "default"
+                code, body = await readyz()
+                assert code == 503 and body["serving"] is None
+                await wait(lambda: srv.weight_version == "0")  # reconciled, no new version
+                assert (await readyz())[0] == 200
+                assert srv.loads[-1].checkpoint_version == 0
+
+                await srv.stop()  # down: not ready; versions pile up
+                await chain.next()
+                await chain.next()
+                assert (await readyz())[0] == 503
+                srv.reset()
+                await srv.start()
+                await wait(lambda: agent.version == 2)
+                assert (await readyz())[1]["ready"] is True
+                srv.report_version = "1"  # one behind: within --ready-max-lag 1
+                assert (await readyz())[0] == 503  # not the version the receiver holds
+            finally:
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+                await http.close()
+
+
+async def test_status_says_whether_the_plugin_ran(chain: Chain, tmp_path: Path) -> None:
+    async with FakeSGLang() as srv:
+        engine = engine_for(srv, tmp_path / "ckpt")
+        async with agent_for(chain, engine) as agent:
+            assert agent.status().engine["partial_reload"]["active"] is None  # type: ignore[index]
+            await chain.next()
+            await agent.sync_once()
+            info = agent.status().engine
+            assert info is not None and info["partial_reload"]["active"] is False
+            assert "not installed" in info["partial_reload"]["why"]
+            assert info["last_reload"]["version"] == 0
+
+
+async def wait(cond: Any, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.02)

@@ -1,0 +1,235 @@
+"""The asyncsync loader plugin inside the real SGLang 0.5.23 server (tiny float32 Llama, CPU).
+
+The checkpoint is kept by an in-process receiver (``ReceiverAgent`` + ``LocalCheckpoint``) fed
+by a real Publisher; each test then sends ``POST /update_weights_from_disk`` itself, so it can
+also hand the server what the receiver never would (a tampered tensor, a checkpoint mid-apply).
+What the plugin did is read from the server's side: its log line per reload (``asyncsync:
+partial reload: loaded K of N tensors (checkpoint vV): names`` / ``asyncsync: full reload
+(why)`` / ``asyncsync: refused ...``), and the served weights (``/get_weights_by_name``).
+
+``ASYNCSYNC_SGLANG_BATCH_BYTES=1`` makes each tensor its own ``load_weights`` call, so an error
+midway leaves the model half-updated; ``fault_plugin/`` (a second, test-only SGLang plugin)
+makes ``load_weights`` fail once on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import safetensors.torch
+import torch
+
+from receiver import ReceiverAgent
+from receiver.engines import LocalCheckpoint
+from tests.sglang_env import build
+from tests.sglang_env.chain import Trainer, base_state
+from tests.sglang_env.fixtures import require_env
+from tests.sglang_env.server import SGLangServer
+
+# a server start (in the first test's setup) takes ~15 s idle, minutes on a loaded host
+pytestmark = [
+    pytest.mark.sglang_real,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(600),
+]
+
+FAULTS = build.HERE / "fault_plugin"
+ONE = "model.layers.0.mlp.gate_proj.weight"
+THREE = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight", ONE]
+
+
+@dataclass
+class Chain:
+    dir: Path
+    server: SGLangServer
+    trainer: Trainer
+    agent: ReceiverAgent
+    marker: Path
+
+    @property
+    def ckpt(self) -> Path:
+        return self.dir / "ckpt"
+
+    @property
+    def n(self) -> int:
+        return len(self.trainer.sd)
+
+    async def next(self, names: list[str]) -> int:
+        v = await self.trainer.step(names)
+        assert await self.agent.sync_once() == v
+        return v
+
+    def reload(self, version: int, path: Path | None = None) -> tuple[int, Any, list[str]]:
+        """POST the reload; returns (status, answer, the plugin lines it logged)."""
+        before = len(self.server.plugin_lines())
+        code, answer = self.server.update(path or self.ckpt, str(version))
+        return code, answer, self.server.plugin_lines()[before:]
+
+    def served(self) -> dict[str, torch.Tensor]:
+        return {
+            n: torch.tensor(self.server.weights(n), dtype=t.dtype)
+            for n, t in self.trainer.sd.items()
+        }
+
+    def assert_serves(self, want: dict[str, torch.Tensor], version: int) -> None:
+        assert self.server.model_info_version() == str(version)
+        got = self.served()
+        for name, t in want.items():
+            assert torch.equal(got[name], t), f"served {name} differs"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    env = require_env()
+    d = tmp_path_factory.mktemp("sglang-plugin")
+    srv = SGLangServer(
+        env,
+        build.model_dir(env, "llama"),
+        d / "sglang.log",
+        extra_path=[FAULTS],
+        extra_env={
+            "ASYNCSYNC_SGLANG_BATCH_BYTES": "1",
+            "ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS": str(d / "fail-load-weights"),
+        },
+    )
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def chain(
+    server: SGLangServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Chain]:
+    d = tmp_path_factory.mktemp("plugin-chain")
+    trainer = Trainer(d / "root", base_state(server.model))
+    agent = ReceiverAgent(d / "root", LocalCheckpoint(d / "ckpt"), "plugin-0", use_inotify=False)
+    marker = Path(server.env["ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS"])
+    c = Chain(d, server, trainer, agent, marker)
+    v = await trainer.open()
+    await agent.open()
+    assert await agent.sync_once() == v
+    try:
+        yield c
+    finally:
+        await agent.close()
+        await trainer.close()
+
+
+async def test_registered_without_a_failed_hook(chain: Chain) -> None:
+    """SGLang logs a warning for a hook it cannot apply (what 0.5.23 said about the old
+    ModelRunner target); the next test proves the hook runs (INFO lines of plugin
+    registration come before SGLang configures its logging, so they are not in the log)."""
+    log = chain.server.text()
+    assert "Failed to apply hooks" not in log and "plugin INACTIVE" not in log
+
+
+async def test_first_reload_is_full(chain: Chain) -> None:
+    code, answer, lines = chain.reload(0)
+    assert code == 200 and answer["success"], answer
+    assert lines == [
+        "asyncsync: full reload (first reload: the weights the server holds are not known): "
+        "Succeeded to update model weights."
+    ]
+    assert "[asyncsync: full reload (first reload" in answer["message"]
+    chain.assert_serves(chain.trainer.sd, 0)
+
+
+async def test_one_tensor_loads_exactly_that_tensor(chain: Chain) -> None:
+    v = await chain.next([ONE])
+    code, answer, lines = chain.reload(v)
+    assert code == 200 and answer["success"], answer
+    assert lines == [
+        f"asyncsync: partial reload: loaded 1 of {chain.n} tensors (checkpoint v{v}): {ONE}"
+    ]
+    chain.assert_serves(chain.trainer.sd, v)
+
+
+async def test_a_changed_tensor_set_is_a_full_reload(chain: Chain) -> None:
+    dropped = "model.norm.weight"
+    held = chain.trainer.sd[dropped].clone()
+    full = dict(chain.trainer.sd)
+    del chain.trainer.sd[dropped]  # the trainer stops publishing one tensor: a full version
+    chain.trainer.change(["lm_head.weight"])
+    v = await chain.trainer.pub.publish(chain.trainer.sd)
+    assert await chain.agent.sync_once() == v.version
+    code, answer, lines = chain.reload(v.version)
+    assert code == 200 and answer["success"], answer
+    assert lines[0].startswith("asyncsync: full reload (the set of tensors changed)")
+    chain.assert_serves(chain.trainer.sd, v.version)
+    served = torch.tensor(chain.server.weights(dropped), dtype=held.dtype)
+    assert torch.equal(served, held)  # not in the checkpoint: SGLang leaves it as it was
+
+    chain.trainer.sd[dropped] = full[dropped]  # back to the full set: full again, then partial
+    v2 = await chain.next(["lm_head.weight"])
+    assert chain.reload(v2)[2][0].startswith("asyncsync: full reload (the set of tensors changed)")
+    v3 = await chain.next([ONE])
+    assert chain.reload(v3)[2][0].startswith("asyncsync: partial reload: loaded 1 of")
+    chain.assert_serves(chain.trainer.sd, v3)
+
+
+async def test_a_checksum_mismatch_is_refused_and_nothing_is_loaded(chain: Chain) -> None:
+    held, held_version = dict(chain.trainer.sd), int(chain.server.model_info_version())
+    v = await chain.next(THREE[:2])
+    index = json.loads((chain.ckpt / "model.safetensors.index.json").read_text())
+    victim = chain.ckpt / index["weight_map"][THREE[1]]
+    good = victim.read_bytes()
+    tensors = safetensors.torch.load_file(victim)
+    tensors[THREE[1]] = tensors[THREE[1]].clone()
+    tensors[THREE[1]].view(-1)[0] += 1  # bit rot, or another writer: shape and header intact
+    safetensors.torch.save_file(tensors, victim, metadata={"format": "pt"})
+    try:
+        code, answer, lines = chain.reload(v)
+    finally:
+        victim.write_bytes(good)
+    assert code == 400 and not answer["success"]
+    assert answer["message"].startswith("asyncsync: refused to load:")
+    assert "checksum" in answer["message"] and THREE[1] in answer["message"]
+    assert lines and all(line.startswith("asyncsync: refused to load:") for line in lines)
+    assert chain.server.user("GET", "/health")[0] == 200  # SGLang stays up
+    chain.assert_serves(held, held_version)  # not even the verified tensor was loaded
+
+    code, answer, lines = chain.reload(v)  # the bytes are back: partial from the old base
+    assert code == 200 and lines[0].startswith("asyncsync: partial reload: loaded 2 of")
+    chain.assert_serves(chain.trainer.sd, v)
+
+
+async def test_an_error_midway_is_a_full_reload(chain: Chain) -> None:
+    v = await chain.next(THREE)
+    chain.marker.write_text("2")  # the second load_weights call (the second tensor) fails
+    code, answer, lines = chain.reload(v)
+    assert not chain.marker.exists(), "the fault plugin did not run"
+    assert code == 200 and answer["success"], answer
+    assert lines[0] == (
+        f"asyncsync: partial reload of v{v} failed midway (injected failure in load_weights "
+        "(asyncsync test fault plugin))"
+    )
+    assert lines[1].startswith(
+        "asyncsync: full reload (partial reload failed midway: injected failure in load_weights"
+    )
+    chain.assert_serves(chain.trainer.sd, v)  # the half-updated model was reloaded whole
+    v2 = await chain.next([ONE])  # the full reload's files were verified: partial again
+    assert chain.reload(v2)[2][0].startswith("asyncsync: partial reload: loaded 1 of")
+    chain.assert_serves(chain.trainer.sd, v2)
+
+
+async def test_a_checkpoint_mid_apply_is_refused(chain: Chain) -> None:
+    held_version = chain.server.model_info_version()
+    copy = chain.dir / "mid-apply"
+    shutil.copytree(chain.ckpt, copy)
+    state_file = copy / ".asyncsync" / "state.json"
+    state = json.loads(state_file.read_text())
+    state.update(status="applying", target_version=state["version"] + 1, mode="delta")
+    state_file.write_text(json.dumps(state))
+    code, answer, lines = chain.reload(999, copy)
+    assert code == 400 and "a version is being applied" in answer["message"]
+    assert lines[0].startswith("asyncsync: refused to load:")
+    assert chain.server.model_info_version() == held_version
+    assert chain.server.user("GET", "/health")[0] == 200
