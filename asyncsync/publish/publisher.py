@@ -75,7 +75,10 @@ from asyncsync.publish.commit import (
     build_manifest,
     collect_garbage,
     commit_version,
+    complete,
     discard,
+    finish_interrupted,
+    through_commit,
 )
 from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.group import Attempt
@@ -190,6 +193,7 @@ class Publisher:
         self._in_flight = 0
         self._progress: Progress = None
         self._cancel_after_commit = False
+        self._renamed = False  # the manifest of the round in flight is in place
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Publisher:
@@ -226,6 +230,7 @@ class Publisher:
             self._run_id = info.run_id if info is not None else ""
             if committer:
                 await asyncio.to_thread(self._clean_leftovers)
+                await asyncio.to_thread(finish_interrupted, self.root)
             versions = await asyncio.to_thread(list_versions, self.root)
             await self._committer.open(self.root, versions[-1] if versions else None)
         except BaseException:
@@ -293,8 +298,11 @@ class Publisher:
                 if self._committer.ranked:
                     raise ConfigError("a multi-rank publisher seeds from each rank's state dict")
                 return await self._register_checkpoint(Path(source))
-            rnd = await self._committer.begin(self, source, slices, keyframe=True, base=False)
-            return await self._publish(source, rnd)
+            try:
+                rnd = await self._committer.begin(self, source, slices, keyframe=True, base=False)
+                return await self._publish(source, rnd)
+            finally:
+                await self._committer.end()
 
     async def publish(
         self,
@@ -315,10 +323,13 @@ class Publisher:
         """
         self._require_open()
         async with self._busy:
-            rnd = await self._committer.begin(
-                self, state_dict, slices, keyframe=keyframe, base=True
-            )
-            return await self._publish(state_dict, rnd)
+            try:
+                rnd = await self._committer.begin(
+                    self, state_dict, slices, keyframe=keyframe, base=True
+                )
+                return await self._publish(state_dict, rnd)
+            finally:
+                await self._committer.end()
 
     async def wait_acked(
         self,
@@ -463,13 +474,16 @@ class Publisher:
             names, entries, tuple(acc.shards), acc.raw_bytes, acc.pending, acc.sums,
             dict(self._producer), error,
         )  # fmt: skip
+        self._renamed = False
         try:
-            manifest = await self._committer.finish(
+            finish = self._committer.finish(
                 rnd, vdir, written, stage_ref[0], self.checksum, commit_merged
             )
+            manifest, cancelled = await through_commit(finish, lambda: self._renamed)
         except BaseException:
             self._progress = None
             raise
+        self._cancel_after_commit |= cancelled
         # Committed: from here on the version exists for readers.
         self._in_flight = 0
         if self.mode == "delta":
@@ -483,6 +497,7 @@ class Publisher:
     async def _commit(self, vdir: Path, manifest: Manifest, stage: list[str]) -> None:
         if await commit_version(self.root, vdir, manifest, stage, self.pre_commit_hook):
             self._cancel_after_commit = True  # committed: finish the bookkeeping, then cancel
+        self._renamed = True
 
     async def _committed(
         self,
@@ -505,6 +520,16 @@ class Publisher:
             self._tally.record(res)
             self._cancel_after_commit = False
             return res
+        _, cancelled = await complete(self._log_and_collect(manifest))
+        self._cancel_after_commit |= cancelled
+        res = PublishResult.of(manifest, seconds, vdir)
+        self._tally.record(res)
+        if self._cancel_after_commit:  # cancelled once the version could no longer be undone
+            self._cancel_after_commit = False
+            raise asyncio.CancelledError
+        return res
+
+    async def _log_and_collect(self, manifest: Manifest) -> None:
         try:
             await asyncio.to_thread(append_manifest, self.root, manifest)
         except OSError as exc:  # the log is for operators; the version is committed regardless
@@ -513,12 +538,6 @@ class Publisher:
             )
         if self.retention is not None:
             await collect_garbage(self.root, self.retention)
-        res = PublishResult.of(manifest, seconds, vdir)
-        self._tally.record(res)
-        if self._cancel_after_commit:  # cancelled once the version could no longer be undone
-            self._cancel_after_commit = False
-            raise asyncio.CancelledError
-        return res
 
     def _manifest(
         self,
