@@ -36,7 +36,6 @@ from asyncsync.format.store import list_versions
 from asyncsync.publish import commit as commit_mod
 from asyncsync.publish import distributed as distributed_mod
 from asyncsync.publish import group as group_mod
-from asyncsync.publish import publisher as publisher_mod
 from asyncsync.publish import writer as writer_mod
 from tests.dist_worker import portion
 
@@ -111,7 +110,7 @@ def _install_probes(rank: int) -> None:
         lambda n: ("manifest-before", "manifest-after") if n == "manifest.json" else (None, None),
     )
     _wrap(group_mod, "_remove_unnamed", lambda n: ("cleanup-before", "cleanup-after"))
-    _wrap(publisher_mod, "append_manifest", lambda n: ("log-before", "log-after"))
+    _wrap(commit_mod, "append_manifest", lambda n: ("log-before", "log-after"))
 
 
 def rank_main(cfg: dict[str, Any]) -> None:

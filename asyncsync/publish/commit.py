@@ -51,6 +51,7 @@ __all__ = [
     "complete",
     "discard",
     "finish_interrupted",
+    "log_and_collect",
     "run_hook",
     "through_commit",
 ]
@@ -170,6 +171,18 @@ async def run_hook(hook: PreCommitHook, vdir: Path) -> None:
     result = await asyncio.to_thread(hook, vdir)
     if inspect.isawaitable(result):
         await result
+
+
+async def log_and_collect(
+    root: Path, manifest: Manifest, retention: RetentionPolicy | None
+) -> None:
+    """After a commit: append its log line, then apply the retention policy; never fails."""
+    try:
+        await asyncio.to_thread(append_manifest, root, manifest)
+    except OSError as exc:  # the log is for operators; the version is committed regardless
+        logger.error("version %d committed but the log append failed: %s", manifest.version, exc)
+    if retention is not None:
+        await collect_garbage(root, retention)
 
 
 async def collect_garbage(root: Path, retention: RetentionPolicy) -> None:

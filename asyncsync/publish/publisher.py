@@ -59,7 +59,6 @@ from asyncsync.format import (
     version_dir,
 )
 from asyncsync.format.checksum import DEFAULT_ALGORITHM, new_hasher
-from asyncsync.format.log import append_manifest
 from asyncsync.format.store import (
     ensure_root_info,
     list_versions,
@@ -73,11 +72,11 @@ from asyncsync.publish import snapshot
 from asyncsync.publish.commit import (
     PreCommitHook,
     build_manifest,
-    collect_garbage,
     commit_version,
     complete,
     discard,
     finish_interrupted,
+    log_and_collect,
     through_commit,
 )
 from asyncsync.publish.distributed import Coordinator
@@ -298,11 +297,7 @@ class Publisher:
                 if self._committer.ranked:
                     raise ConfigError("a multi-rank publisher seeds from each rank's state dict")
                 return await self._register_checkpoint(Path(source))
-            try:
-                rnd = await self._committer.begin(self, source, slices, keyframe=True, base=False)
-                return await self._publish(source, rnd)
-            finally:
-                await self._committer.end()
+            return await self._round(source, slices, keyframe=True, base=False)
 
     async def publish(
         self,
@@ -323,13 +318,7 @@ class Publisher:
         """
         self._require_open()
         async with self._busy:
-            try:
-                rnd = await self._committer.begin(
-                    self, state_dict, slices, keyframe=keyframe, base=True
-                )
-                return await self._publish(state_dict, rnd)
-            finally:
-                await self._committer.end()
+            return await self._round(state_dict, slices, keyframe=keyframe, base=True)
 
     async def wait_acked(
         self,
@@ -394,6 +383,15 @@ class Publisher:
         self._last_version, self._next_version = a.version, a.version + 1
 
     # ------------------------------------------------------------------ internals
+    async def _round(
+        self, sd: Mapping[str, torch.Tensor], slices: Any, *, keyframe: bool, base: bool
+    ) -> PublishResult:
+        try:  # the committer sets the round up (a plan), the pipeline runs, the committer ends it
+            rnd = await self._committer.begin(self, sd, slices, keyframe=keyframe, base=base)
+            return await self._publish(sd, rnd)
+        finally:
+            await self._committer.end()
+
     async def _publish(self, state_dict: Mapping[str, torch.Tensor], rnd: Round) -> PublishResult:
         """The one pipeline (diff, encode, write) of a round, then the committer's end of it."""
         sl, version, delta, full = rnd.slices, rnd.version, rnd.delta, rnd.full
@@ -520,7 +518,7 @@ class Publisher:
             self._tally.record(res)
             self._cancel_after_commit = False
             return res
-        _, cancelled = await complete(self._log_and_collect(manifest))
+        _, cancelled = await complete(log_and_collect(self.root, manifest, self.retention))
         self._cancel_after_commit |= cancelled
         res = PublishResult.of(manifest, seconds, vdir)
         self._tally.record(res)
@@ -528,16 +526,6 @@ class Publisher:
             self._cancel_after_commit = False
             raise asyncio.CancelledError
         return res
-
-    async def _log_and_collect(self, manifest: Manifest) -> None:
-        try:
-            await asyncio.to_thread(append_manifest, self.root, manifest)
-        except OSError as exc:  # the log is for operators; the version is committed regardless
-            logger.error(
-                "version %d committed but the log append failed: %s", manifest.version, exc
-            )
-        if self.retention is not None:
-            await collect_garbage(self.root, self.retention)
 
     def _manifest(
         self,
