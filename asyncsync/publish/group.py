@@ -280,7 +280,9 @@ class RankGroup:
 
         async def decide(msgs: list[Message | None]) -> Message:
             assert isinstance(part, PartRecord)  # rank 0 with an error decides "failed" first
-            msgs = [m if m is None or _round(m) == _round(message) else None for m in msgs]
+            # a message of another round is no message (one without a round is the transport's)
+            msgs = [None if m is not None and _round(m) not in (_round(message), (None, None))
+                    else m for m in msgs]  # fmt: skip
             try:
                 m = await self._merge_and_commit(plan, vdir, part, msgs, algorithm, commit_merged)
             except Exception as exc:
