@@ -43,9 +43,11 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/asyncsync bench --quick
 
-# kill -9 stress of publisher and receiver, 50 trials each (docs/RELIABILITY.md); a few minutes
+# kill -9 stress of publisher and receiver, 50 trials each, and the multi-rank model, 10 seeds
+# of 40 steps (docs/RELIABILITY.md); a few minutes each
 stress: $(STAMP)
 	$(PY) stress/crash.py publisher --trials 50 && $(PY) stress/crash.py receiver --trials 50
+	$(PY) stress/multirank.py --seeds 10 --steps 40
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info asyncsync/codec/_native*.so

@@ -11,7 +11,10 @@ what each call returned in ``out/rank{r}-{incarnation}.json``.
 Fault injection (cfg keys): ``kill`` = [rank, step] SIGKILLs that rank after it wrote its first
 shard of that step; ``miss`` = [rank, step] makes that rank miss the commit outcome;
 ``fail`` = [rank, step] makes that rank's encode stage raise once; ``exit_on_error`` ends the
-process (code 3) after a failed publish.
+process (code 3) after a failed publish; ``kill_after_rename`` = [0, step] SIGKILLs rank 0 right
+after it renamed that step's manifest into place; ``cancel_after_rename`` = [0, step] cancels
+rank 0's publish of that step once its manifest exists, while ``slow_broadcast`` = [rank, step]
+makes that rank join rank 0's broadcast of the commit result a second late (torch only).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from asyncsync import OutcomeUnknown, Publisher, PublishError
 from asyncsync.errors import CoordinationError
 from asyncsync.format import manifest_path
+from asyncsync.publish import commit as commit_mod
 from asyncsync.publish import publisher as publisher_mod
 from asyncsync.publish import writer as writer_mod
 from asyncsync.publish.distributed import Coordinator, Decide, FileRendezvous, TorchDistCoordinator
@@ -127,6 +131,43 @@ def _arm_fail() -> None:
     publisher_mod.encode_bucket = fail_once  # type: ignore[assignment]
 
 
+def _arm_kill_after_rename() -> None:
+    real = commit_mod.atomic_write
+
+    def write_then_die(path: Any, *a: Any, **k: Any) -> int:
+        n = real(path, *a, **k)
+        if Path(path).name == "manifest.json":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+    commit_mod.atomic_write = write_then_die  # type: ignore[assignment]
+
+
+def _arm_slow_broadcast(coord: Any) -> None:
+    """The next commit result (the second broadcast from now) is joined a second late."""
+    real, calls = coord._broadcast, [0]
+
+    def late(result: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            time.sleep(1.0)
+            coord._broadcast = real
+        return real(result)
+
+    coord._broadcast = late
+
+
+async def _cancelled_after_rename(pub: Publisher, root: Path, call: Any) -> None:
+    """Run ``call``; cancel it once the manifest of the version it commits exists."""
+    version = 0 if pub.version is None else pub.version + 1
+    task = asyncio.ensure_future(call)
+    while not task.done() and not manifest_path(root, version).exists():
+        await asyncio.sleep(0.002)
+    await asyncio.sleep(0.3)  # past the rename: rank 0 is sending the result
+    task.cancel()
+    await task
+
+
 async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
     rank, world = cfg["rank"], cfg["world"]
     root, out = Path(cfg["root"]), Path(cfg["out"]) / f"rank{rank}-{cfg.get('incarnation', 0)}.json"
@@ -144,14 +185,26 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 _arm_fail()
             if miss is not None and cfg.get("miss") == [rank, step]:
                 miss.armed = True
+            first = not cfg.get("incarnation") and tries == 0
+            if cfg.get("kill_after_rename") == [rank, step] and first:
+                _arm_kill_after_rename()
+            if cfg.get("slow_broadcast") == [rank, step] and first:
+                _arm_slow_broadcast(coord)
             rec: dict[str, Any] = {"step": step}
             try:
                 if step == 0:
-                    res = await pub.seed(sd, slices=slices)
+                    call = pub.seed(sd, slices=slices)
                 else:
-                    res = await pub.publish(sd, slices=slices, keyframe=step == KEYFRAME_STEP)
+                    call = pub.publish(sd, slices=slices, keyframe=step == KEYFRAME_STEP)
+                if cfg.get("cancel_after_rename") == [rank, step] and first:
+                    await _cancelled_after_rename(pub, root, call)
+                    raise AssertionError("the publish was not cancelled")
+                res = await call
                 rec.update(version=res.version, kind=res.kind, base=res.base_version)
                 step, tries = step + 1, 0
+            except asyncio.CancelledError:
+                rec.update(cancelled=True, version=pub.version)
+                step, tries = step + 1, 0  # the version was committed: the step is out
             except OutcomeUnknown as exc:
                 rec.update(unknown=str(exc))
                 step, tries = step + 1, 0

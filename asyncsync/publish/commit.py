@@ -2,25 +2,43 @@
 
 The rename of ``vN/manifest.json`` is the commit (docs/FORMAT.md). Before it, a failed or
 cancelled publish removes the version directory (:func:`discard`) and nothing exists for
-readers; after it, the version exists whatever happens next, so a cancellation that arrives
-once the rename may have happened is deferred until the caller's bookkeeping is done
-(:func:`commit_version` returns True).
+readers; after it, the version exists whatever happens next: a manifest once renamed into place
+is never rewritten nor removed by a publish, and every step after the rename (telling the other
+ranks, removing unnamed files, the log line) either completes or is completed later. So a
+cancellation that arrives once the rename may have happened is deferred until the caller's
+bookkeeping is done (:func:`commit_version` returns True, :func:`through_commit`,
+:func:`complete`), and a publisher that opens a root finishes a commit a kill interrupted
+(:func:`finish_interrupted`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
+import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from asyncsync.errors import AsyncSyncError, ConfigError, PublishError, first_error
-from asyncsync.format import MANIFEST_NAME, Manifest, ShardInfo, TensorEntry, Totals, fingerprint
+from asyncsync.format import (
+    LOG_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    TensorEntry,
+    Totals,
+    fingerprint,
+    version_dir,
+)
+from asyncsync.format.log import append_manifest
+from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import atomic_write, fsync_dir
 from asyncsync.pipeline import finish_thread
 from asyncsync.publish.retention import RetentionPolicy, collect
@@ -30,9 +48,15 @@ __all__ = [
     "build_manifest",
     "collect_garbage",
     "commit_version",
+    "complete",
     "discard",
+    "finish_interrupted",
+    "log_and_collect",
     "run_hook",
+    "through_commit",
 ]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +116,15 @@ async def commit_version(
     stage[0] = "fsync"
     await asyncio.to_thread(fsync_dir, vdir)
     await asyncio.to_thread(fsync_dir, root)
+    path = vdir / MANIFEST_NAME
+    if await asyncio.to_thread(path.exists):  # never rewrite a committed version
+        raise PublishError(
+            f"version {manifest.version} is already committed ({path}); refusing to rewrite it"
+        )
     if hook is not None:
         stage[0] = "pre-commit hook"
         await run_hook(hook, vdir)
     stage[0] = "manifest"
-    path = vdir / MANIFEST_NAME
     write = functools.partial(atomic_write, path, manifest.to_json().encode(), sync_dir=False)
     try:
         await finish_thread(write)
@@ -118,8 +146,14 @@ async def commit_version(
 
 
 async def discard(vdir: Path, exc: BaseException, version: int, stage: str) -> NoReturn:
-    """Remove an uncommitted version directory and raise what the caller should see."""
-    await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
+    """Remove an uncommitted version directory and raise what the caller should see (a
+    directory that holds a manifest is committed: it stays)."""
+
+    def remove() -> None:
+        if not (vdir / MANIFEST_NAME).exists():
+            shutil.rmtree(vdir, ignore_errors=True)
+
+    await asyncio.shield(asyncio.to_thread(remove))
     err = first_error(exc)
     if not isinstance(err, Exception) or isinstance(err, ConfigError):
         raise err
@@ -139,9 +173,102 @@ async def run_hook(hook: PreCommitHook, vdir: Path) -> None:
         await result
 
 
+async def log_and_collect(
+    root: Path, manifest: Manifest, retention: RetentionPolicy | None
+) -> None:
+    """After a commit: append its log line, then apply the retention policy; never fails."""
+    try:
+        await asyncio.to_thread(append_manifest, root, manifest)
+    except OSError as exc:  # the log is for operators; the version is committed regardless
+        logger.error("version %d committed but the log append failed: %s", manifest.version, exc)
+    if retention is not None:
+        await collect_garbage(root, retention)
+
+
 async def collect_garbage(root: Path, retention: RetentionPolicy) -> None:
     """Apply the retention policy after a commit; never fails the commit."""
     try:
         await asyncio.to_thread(collect, root, retention)
     except (OSError, AsyncSyncError) as exc:
         logger.error("retention on %s failed (retried after the next commit): %s", root, exc)
+
+
+async def through_commit(aw: Awaitable[T], renamed: Callable[[], bool]) -> tuple[T, bool]:
+    """Await ``aw`` (the end of a round: commit, tell the others, clean up); return its result
+    and whether a cancellation arrived meanwhile.
+
+    A cancellation before the manifest rename (``renamed()`` False) is passed on to ``aw``,
+    whose handlers undo the version; one after it is held back: ``aw`` runs to its end, and
+    the caller finishes its bookkeeping and then raises ``CancelledError``.
+    """
+    fut = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(fut), cancelled
+        except asyncio.CancelledError:
+            if fut.done():
+                raise
+            cancelled = True
+            if not renamed():
+                fut.cancel()
+
+
+async def complete(aw: Awaitable[T]) -> tuple[T, bool]:
+    """Await ``aw`` to its end even if cancelled meanwhile; return (result, cancelled)."""
+    return await through_commit(aw, lambda: True)
+
+
+def finish_interrupted(root: Path) -> list[int]:
+    """Finish the commits a kill interrupted after the manifest rename; return their versions.
+
+    A version not yet in ``log.jsonl`` (or the newest one) may still hold files its manifest
+    does not name (part records, files of failed attempts): they are removed, then its log
+    line appended. Run by the committer when it opens the root, before it publishes.
+    """
+    versions = list_versions(root)
+    if not versions:
+        return []
+    logged = _last_logged(root)
+    todo = [v for v in versions if logged is None or v > logged] or versions[-1:]
+    done = []
+    for v in todo:
+        try:
+            m = read_manifest(root, v)
+        except (OSError, AsyncSyncError) as exc:
+            logger.warning("cannot finish version %d: %s", v, exc)
+            continue
+        vdir = version_dir(root, v)
+        keep = (
+            {MANIFEST_NAME, *(s.file for s in m.shards)} if m.shard_dir is None else {MANIFEST_NAME}
+        )
+        with contextlib.suppress(OSError):
+            for name in os.listdir(vdir):
+                if name not in keep:
+                    logger.warning("removing %s/%s, which its manifest does not name", vdir, name)
+                    with contextlib.suppress(OSError):
+                        os.unlink(vdir / name)
+        if logged is None or v > logged:
+            append_manifest(root, m)
+            done.append(v)
+    if done:
+        logger.warning("finished the interrupted commit of versions %s (log lines added)", done)
+    return done
+
+
+def _last_logged(root: Path) -> int | None:
+    """The newest version ``log.jsonl`` lists (its last 1 MiB is read), or None."""
+    try:
+        with open(root / LOG_NAME, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 20)))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    newest = None
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            v = rec.get("version") if isinstance(rec, dict) else None
+            if isinstance(v, int) and (newest is None or v > newest):
+                newest = v
+    return newest

@@ -47,6 +47,7 @@ from asyncsync.errors import (
 from asyncsync.format import MANIFEST_NAME, Manifest, ShardInfo, TensorEntry
 from asyncsync.format.store import read_manifest
 from asyncsync.fsio import atomic_write, fsync_dir, read_bytes
+from asyncsync.pipeline import finish_thread
 from asyncsync.publish.distributed import Coordinator, Message
 from asyncsync.publish.merge import PartRecord, TensorSlice, merge, part_file_name, shard_prefix
 
@@ -110,7 +111,9 @@ class RankGroup:
         return f"<RankGroup rank={self.rank}/{self.world_size} last_attempt={self.last_attempt}>"
 
     async def open(self, root: Path, latest: int | None) -> None:
-        """Rank 0 learns the attempt of the newest committed version (None if not multi-rank)."""
+        """Start the coordinator's run of the group; rank 0 learns the attempt of the newest
+        committed version (None if not multi-rank)."""
+        await self.coordinator.open()
         if self.is_committer and latest is not None:
             with contextlib.suppress(FileNotFoundError, AsyncSyncError):
                 m = await asyncio.to_thread(read_manifest, root, latest)
@@ -192,7 +195,8 @@ class RankGroup:
 
         silent = [r for r, h in enumerate(hellos) if h is None]
         if silent:
-            return refuse(silent, f"ranks {silent} did not join the publish of v{next_version}")
+            return refuse(silent, f"ranks {silent} did not join the publish of v{next_version} "
+                          "in time (slow to call publish, or not running)")  # fmt: skip
         ready = [h for h in hellos if h is not None]
         failed = [(r, h["error"]) for r, h in enumerate(ready) if h.get("error")]
         if failed:
@@ -250,15 +254,18 @@ class RankGroup:
 
         Returns the committed manifest, or raises: PublishError when the attempt failed (rank 0
         has removed the version directory), OutcomeUnknown when this rank could not learn the
-        outcome (``pending`` is kept for the next plan to resolve).
+        outcome (``pending`` is kept for the next plan to resolve). On rank 0, once the manifest
+        is renamed into place nothing removes the version: a failure to tell the others is
+        logged (they resolve it at the next plan) and the manifest returned. (The publisher
+        defers a cancellation that arrives after the rename until this returns.)
         """
         if isinstance(part, BaseException) and not isinstance(part, Exception):
             if self.is_committer:  # cancelled: the others time out; leave nothing behind
-                await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
+                await _remove_uncommitted(vdir)
             raise part
-        message: Message
+        message: Message = {"version": plan.version, "attempt": plan.attempt}  # the round
         if isinstance(part, BaseException):
-            message = {"error": f"{type(part).__name__}: {first_error(part)}"}
+            message["error"] = f"{type(part).__name__}: {first_error(part)}"
         else:
             try:
                 await asyncio.to_thread(fsync_dir, vdir)  # this rank's shard renames are durable
@@ -266,13 +273,16 @@ class RankGroup:
                 await asyncio.to_thread(
                     atomic_write, vdir / part_file_name(self.rank, plan.attempt), data
                 )
-                message = {"part": part_file_name(self.rank, plan.attempt)}
+                message["part"] = part_file_name(self.rank, plan.attempt)
             except OSError as exc:
-                message = {"error": f"writing its part record failed: {exc!r}"}
+                message["error"] = f"writing its part record failed: {exc!r}"
         committed: list[Manifest] = []
 
         async def decide(msgs: list[Message | None]) -> Message:
             assert isinstance(part, PartRecord)  # rank 0 with an error decides "failed" first
+            # a message of another round is no message (one without a round is the transport's)
+            msgs = [None if m is not None and _round(m) not in (_round(message), (None, None))
+                    else m for m in msgs]  # fmt: skip
             try:
                 m = await self._merge_and_commit(plan, vdir, part, msgs, algorithm, commit_merged)
             except Exception as exc:
@@ -285,6 +295,7 @@ class RankGroup:
             if m is None:
                 return self._failure(plan, vdir, msgs)
             committed.append(m)
+            self.last_attempt = plan.attempt  # before any other await: the version exists
             return {"committed": True, "manifest": m.to_json()}
 
         async def decide_failed(msgs: list[Message | None]) -> Message:
@@ -302,32 +313,40 @@ class RankGroup:
                 "commit", plan.attempt, message, decide_failed if "error" in message else decide
             )
         except Exception as exc:  # CoordinationError, or any failure of the transport
-            if self.is_committer:  # the result may not have reached anyone: undo the commit
-                await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
+            if committed:  # rank 0, after the rename: the version stands
+                logger.error(
+                    "rank 0: version %d is committed, but telling the other ranks failed "
+                    "(%r); they resolve it at the next plan", plan.version, exc,
+                )  # fmt: skip
+                res = {"committed": True}
+            elif self.is_committer:  # nothing was renamed: undo
+                await _remove_uncommitted(vdir)
                 raise PublishError(
                     f"rank 0: the commit exchange of version {plan.version} failed ({exc!r}); "
                     "the version was removed and every rank keeps its snapshot"
                 ) from exc
-            if "error" in message:  # rank 0 cannot commit without this rank's part
+            elif "error" in message:  # rank 0 cannot commit without this rank's part
                 raise own_failure() from exc
-            if pending is not None:
-                self.unresolved = _kept(pending)
-            raise OutcomeUnknown(
-                f"rank {self.rank}: could not learn whether version {plan.version} (attempt "
-                f"{plan.attempt}) was committed ({exc}); the snapshot is unchanged and the next "
-                "publish resolves it",
-                ranks=(0,),
-            ) from exc
-        except BaseException:
-            if self.is_committer:  # cancelled mid-commit: as in a single-rank publish, undo
-                await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
+            else:
+                if pending is not None:
+                    self.unresolved = _kept(pending)
+                raise OutcomeUnknown(
+                    f"rank {self.rank}: could not learn whether version {plan.version} "
+                    f"(attempt {plan.attempt}) was committed ({exc}); the snapshot is unchanged "
+                    "and the next publish resolves it",
+                    ranks=(0,),
+                ) from exc
+        except BaseException:  # cancelled before the rename (the publisher defers later ones)
+            if self.is_committer and not committed:
+                await _remove_uncommitted(vdir)
+            elif not self.is_committer and pending is not None and "error" not in message:
+                self.unresolved = _kept(pending)  # rank 0 may commit it: the next plan tells
             raise
         if self.is_committer:
             if committed:
-                await asyncio.to_thread(_remove_unnamed, vdir, committed[0])
-                self.last_attempt = plan.attempt
+                await finish_thread(_remove_unnamed, vdir, committed[0])
                 return committed[0]
-            await asyncio.shield(asyncio.to_thread(shutil.rmtree, vdir, True))
+            await _remove_uncommitted(vdir)
         elif res.get("committed"):
             self.last_attempt = plan.attempt
             try:
@@ -351,7 +370,11 @@ class RankGroup:
         failed = [(r, m["error"]) for r, m in enumerate(msgs) if m is not None and "error" in m]
         why = [f"rank {r} failed: {e}" for r, e in failed]
         if silent:
-            why.insert(0, f"ranks {silent} sent no part record in time (died or hung?)")
+            why.insert(
+                0,
+                f"ranks {silent} went silent: no part record and no heartbeat within the "
+                "timeout (died or hung?)",
+            )
         return {
             "committed": False,
             "ranks": sorted({*silent, *(r for r, _ in failed)}),
@@ -391,6 +414,22 @@ def _kept(a: Attempt) -> Attempt:
     """``a`` made independent of the caller's tensors (whole-tensor updates reference them)."""
     ups = [u if u.positions is not None else replace(u, values=u.values.clone()) for u in a.updates]
     return replace(a, updates=ups)
+
+
+def _round(m: Message) -> tuple[object, object]:
+    return m.get("version"), m.get("attempt")
+
+
+async def _remove_uncommitted(vdir: Path) -> None:
+    """Remove the directory of a version that was not committed; never one with a manifest."""
+
+    def remove() -> None:
+        if (vdir / MANIFEST_NAME).exists():
+            logger.error("%s holds a manifest: it is committed and stays", vdir)
+            return
+        shutil.rmtree(vdir, ignore_errors=True)
+
+    await asyncio.shield(asyncio.to_thread(remove))
 
 
 def _remove_unnamed(vdir: Path, m: Manifest) -> None:

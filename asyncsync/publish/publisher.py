@@ -59,7 +59,6 @@ from asyncsync.format import (
     version_dir,
 )
 from asyncsync.format.checksum import DEFAULT_ALGORITHM, new_hasher
-from asyncsync.format.log import append_manifest
 from asyncsync.format.store import (
     ensure_root_info,
     list_versions,
@@ -73,9 +72,12 @@ from asyncsync.publish import snapshot
 from asyncsync.publish.commit import (
     PreCommitHook,
     build_manifest,
-    collect_garbage,
     commit_version,
+    complete,
     discard,
+    finish_interrupted,
+    log_and_collect,
+    through_commit,
 )
 from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.group import Attempt
@@ -190,6 +192,7 @@ class Publisher:
         self._in_flight = 0
         self._progress: Progress = None
         self._cancel_after_commit = False
+        self._renamed = False  # the manifest of the round in flight is in place
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Publisher:
@@ -226,6 +229,7 @@ class Publisher:
             self._run_id = info.run_id if info is not None else ""
             if committer:
                 await asyncio.to_thread(self._clean_leftovers)
+                await asyncio.to_thread(finish_interrupted, self.root)
             versions = await asyncio.to_thread(list_versions, self.root)
             await self._committer.open(self.root, versions[-1] if versions else None)
         except BaseException:
@@ -293,8 +297,7 @@ class Publisher:
                 if self._committer.ranked:
                     raise ConfigError("a multi-rank publisher seeds from each rank's state dict")
                 return await self._register_checkpoint(Path(source))
-            rnd = await self._committer.begin(self, source, slices, keyframe=True, base=False)
-            return await self._publish(source, rnd)
+            return await self._round(source, slices, keyframe=True, base=False)
 
     async def publish(
         self,
@@ -315,10 +318,7 @@ class Publisher:
         """
         self._require_open()
         async with self._busy:
-            rnd = await self._committer.begin(
-                self, state_dict, slices, keyframe=keyframe, base=True
-            )
-            return await self._publish(state_dict, rnd)
+            return await self._round(state_dict, slices, keyframe=keyframe, base=True)
 
     async def wait_acked(
         self,
@@ -383,6 +383,15 @@ class Publisher:
         self._last_version, self._next_version = a.version, a.version + 1
 
     # ------------------------------------------------------------------ internals
+    async def _round(
+        self, sd: Mapping[str, torch.Tensor], slices: Any, *, keyframe: bool, base: bool
+    ) -> PublishResult:
+        try:  # the committer sets the round up (a plan), the pipeline runs, the committer ends it
+            rnd = await self._committer.begin(self, sd, slices, keyframe=keyframe, base=base)
+            return await self._publish(sd, rnd)
+        finally:
+            await self._committer.end()
+
     async def _publish(self, state_dict: Mapping[str, torch.Tensor], rnd: Round) -> PublishResult:
         """The one pipeline (diff, encode, write) of a round, then the committer's end of it."""
         sl, version, delta, full = rnd.slices, rnd.version, rnd.delta, rnd.full
@@ -463,13 +472,16 @@ class Publisher:
             names, entries, tuple(acc.shards), acc.raw_bytes, acc.pending, acc.sums,
             dict(self._producer), error,
         )  # fmt: skip
+        self._renamed = False
         try:
-            manifest = await self._committer.finish(
+            finish = self._committer.finish(
                 rnd, vdir, written, stage_ref[0], self.checksum, commit_merged
             )
+            manifest, cancelled = await through_commit(finish, lambda: self._renamed)
         except BaseException:
             self._progress = None
             raise
+        self._cancel_after_commit |= cancelled
         # Committed: from here on the version exists for readers.
         self._in_flight = 0
         if self.mode == "delta":
@@ -483,6 +495,7 @@ class Publisher:
     async def _commit(self, vdir: Path, manifest: Manifest, stage: list[str]) -> None:
         if await commit_version(self.root, vdir, manifest, stage, self.pre_commit_hook):
             self._cancel_after_commit = True  # committed: finish the bookkeeping, then cancel
+        self._renamed = True
 
     async def _committed(
         self,
@@ -505,14 +518,8 @@ class Publisher:
             self._tally.record(res)
             self._cancel_after_commit = False
             return res
-        try:
-            await asyncio.to_thread(append_manifest, self.root, manifest)
-        except OSError as exc:  # the log is for operators; the version is committed regardless
-            logger.error(
-                "version %d committed but the log append failed: %s", manifest.version, exc
-            )
-        if self.retention is not None:
-            await collect_garbage(self.root, self.retention)
+        _, cancelled = await complete(log_and_collect(self.root, manifest, self.retention))
+        self._cancel_after_commit |= cancelled
         res = PublishResult.of(manifest, seconds, vdir)
         self._tally.record(res)
         if self._cancel_after_commit:  # cancelled once the version could no longer be undone

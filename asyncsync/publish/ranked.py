@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -119,6 +120,7 @@ class Committer(Protocol):
         checksum: str,
         commit_merged: CommitMerged,
     ) -> Manifest: ...
+    async def end(self) -> None: ...
     def describe(self) -> str: ...
 
 
@@ -172,6 +174,9 @@ class SoloCommitter:
         except BaseException as exc:
             await discard(vdir, exc, rnd.version, stage)
 
+    async def end(self) -> None:
+        return None
+
     def describe(self) -> str:
         return ""
 
@@ -187,6 +192,7 @@ class RankedCommitter:
         self.group = RankGroup(coordinator, config, keyframe_interval)
         self.rank = self.group.rank
         self.is_committer = self.group.is_committer
+        self._beating = AsyncExitStack()  # this rank's heartbeat, from the plan to end()
 
     async def open(self, root: Path, latest: int | None) -> None:
         await self.group.open(root, latest)
@@ -222,6 +228,7 @@ class RankedCommitter:
             adopt=pub.adopt,
         )
         pub.set_round(plan.run_id, plan.version)
+        await self._beating.enter_async_context(group.coordinator.heartbeat(plan.attempt))
         refuse = None
         if plan.delta and pub.last_version != plan.version - 1:
             refuse = f"rank {self.rank} holds v{pub.last_version}, not v{plan.version - 1}"
@@ -264,6 +271,10 @@ class RankedCommitter:
         return await self.group.commit(
             plan, vdir, part, attempt, algorithm=checksum, commit_merged=commit_merged
         )
+
+    async def end(self) -> None:
+        """The round is over (committed or not): stop the heartbeat."""
+        await self._beating.aclose()
 
     def describe(self) -> str:
         return f" rank={self.group.rank}/{self.group.world_size}"
