@@ -29,6 +29,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,12 @@ class _HookedCoordinator(Coordinator):
         self.inner, self.run_hook = inner, run_hook
         self.rank, self.world_size = inner.rank, inner.world_size
         self._version: int | None = None
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    def heartbeat(self, key: str) -> AbstractAsyncContextManager[None]:
+        return self.inner.heartbeat(key)
 
     async def exchange(
         self, step: str, key: str | None, message: Message, decide: Decide
