@@ -29,7 +29,7 @@ from asyncsync.format.names import (
     ack_path,
     check_engine_id,
 )
-from asyncsync.fsio import atomic_write, is_temp_name
+from asyncsync.fsio import atomic_write, is_temp_name, make_dir
 
 __all__ = ["AckRecord", "read_acks", "wait_acked", "write_ack"]
 
@@ -81,7 +81,7 @@ def write_ack(root: Path, engine_id: str, version: int, fingerprint: str, run_id
         applied_at=time.time(),
         host=socket.gethostname(),
     )
-    (root / ACKS_DIR).mkdir(parents=True, exist_ok=True)
+    make_dir(root / ACKS_DIR, parents=True, exist_ok=True)
     atomic_write(ack_path(root, engine_id), rec.to_json().encode())
     return rec
 
