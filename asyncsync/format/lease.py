@@ -151,7 +151,7 @@ class EngineLease:
         for _ in range(8):
             if self._create():
                 self.held = True
-                logger.info("engine id %s: lease taken (%s)", self.engine_id, self.path)
+                logger.debug("engine id %s: lease taken (%s)", self.engine_id, self.path)
                 return
             found = read_lease(self.root, self.engine_id)
             if found is None:
