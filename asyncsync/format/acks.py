@@ -20,6 +20,7 @@ from pathlib import Path
 
 from asyncsync.errors import AckTimeout, ConfigError, ManifestError
 from asyncsync.format.fields import _float, _hex, _int, _load_json, _str
+from asyncsync.format.lease import read_lease
 from asyncsync.format.names import (
     ACKS_DIR,
     FORMAT_NAME,
@@ -29,9 +30,18 @@ from asyncsync.format.names import (
     ack_path,
     check_engine_id,
 )
-from asyncsync.fsio import atomic_write, is_temp_name, make_dir
+from asyncsync.fsio import atomic_write, fs_now, is_temp_name, make_dir
 
-__all__ = ["AckRecord", "read_ack", "read_acks", "wait_acked", "write_ack"]
+__all__ = [
+    "AckAge",
+    "AckRecord",
+    "ack_ages",
+    "read_ack",
+    "read_acks",
+    "root_now",
+    "wait_acked",
+    "write_ack",
+]
 
 logger = logging.getLogger(__name__)
 _MAX_ACK_BYTES = 64 << 10
@@ -159,6 +169,42 @@ def read_acks(root: Path) -> dict[str, AckRecord]:
             logger.warning("ignoring ack %s: it names engine %r", e.path, rec.engine_id)
             continue
         out[rec.engine_id] = rec
+    return out
+
+
+def root_now(root: Path) -> float:
+    """Now on the clock of the root's filesystem (the mtime of a probe file, see
+    :func:`asyncsync.fsio.fs_now`); this host's clock where the root is not writable."""
+    try:
+        return fs_now(root)
+    except OSError:
+        return time.time()
+
+
+@dataclass(frozen=True)
+class AckAge:
+    """How long ago an engine was last heard of, on one clock (the root's filesystem).
+
+    ``age``: seconds since the later of its ack's write and its lease's last heartbeat (file
+    mtimes, so no receiver's clock is trusted); ``skew``: the receiver's clock minus the
+    filesystem's when it wrote the ack (``applied_at - mtime``; large means a wrong clock).
+    """
+
+    age: float
+    skew: float
+
+
+def ack_ages(root: Path, acks: dict[str, AckRecord], now: float | None = None) -> dict[str, AckAge]:
+    """:class:`AckAge` of each ack (read by :func:`read_acks`, which records the mtimes)."""
+    now = root_now(root) if now is None else now
+    out = {}
+    for engine_id, ack in acks.items():
+        seen = ack.mtime if ack.mtime is not None else ack.applied_at
+        lease = read_lease(root, engine_id)
+        if lease is not None:
+            seen = max(seen, lease[1])
+        skew = 0.0 if ack.mtime is None else ack.applied_at - ack.mtime
+        out[engine_id] = AckAge(age=max(0.0, now - seen), skew=skew)
     return out
 
 
