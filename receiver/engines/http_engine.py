@@ -178,17 +178,29 @@ class HttpClient:
                 raise ConfigError("the API key must be non-empty and contain no whitespace")
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     def __repr__(self) -> str:  # no headers: they hold the key
         auth = "yes" if "Authorization" in self._headers else "no"
         return f"<HttpClient {self.name} {self.url} auth={auth}>"
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
+        """Close the session; a closed client refuses requests (it never opens another)."""
+        self._closed = True
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
 
-    def _get_session(self) -> aiohttp.ClientSession:
+    def _get_session(self, endpoint: str) -> aiohttp.ClientSession:
+        if self._closed:
+            raise EngineHTTPError(
+                f"{self.name} {endpoint}: the client is closed (the engine was closed)",
+                endpoint=endpoint,
+            )
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(headers=self._headers, trust_env=False)
         return self._session
@@ -217,7 +229,7 @@ class HttpClient:
         attempts = self.retry.attempts if retries else 1
         for attempt in range(1, attempts + 1):
             try:
-                async with self._get_session().request(
+                async with self._get_session(endpoint).request(
                     method, url, json=json_body, params=params, timeout=ct, allow_redirects=False
                 ) as resp:
                     status = resp.status
