@@ -54,8 +54,9 @@ class BadVersions:
 
     def for_run(self, run_id: str) -> None:
         """Marks are per run: a new run in the root starts with none."""
-        if self.run != run_id:
-            self.marks, self.run = {}, run_id
+        if self.run is not None and self.run != run_id:
+            self.marks = {}
+        self.run = run_id
 
     def mark(self, version: int, exc: BaseException) -> None:
         if version not in self.marks:
