@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 LEASE_FORMAT = "asyncsync-lease"
 DEFAULT_LEASE_TTL = 30.0
+_HELD: set[str] = set()  # owners of the leases this process holds
 
 
 def lease_path(root: Path, engine_id: str) -> Path:
@@ -140,8 +141,11 @@ class EngineLease:
         )  # fmt: skip
 
     def stale(self, rec: LeaseRecord, mtime: float) -> bool:
-        if rec.host == socket.gethostname() and (rec.pid == os.getpid() or not _pid_alive(rec.pid)):
-            return True  # this host's holder is gone (or was this process before a restart)
+        if rec.host == socket.gethostname():
+            if rec.pid == os.getpid():  # this process: live if one of its leases holds it
+                return rec.owner not in _HELD  # else a previous life (a container's pid 1)
+            if not _pid_alive(rec.pid):
+                return True  # this host's holder is gone (kill -9): free at once
         return fs_now(self.path.parent) - mtime > rec.ttl
 
     def acquire(self) -> None:
@@ -151,6 +155,7 @@ class EngineLease:
         for _ in range(8):
             if self._create():
                 self.held = True
+                _HELD.add(self.owner)
                 logger.debug("engine id %s: lease taken (%s)", self.engine_id, self.path)
                 return
             found = read_lease(self.root, self.engine_id)
@@ -159,6 +164,7 @@ class EngineLease:
             rec, mtime = found
             if rec.owner == self.owner:
                 self.held = True
+                _HELD.add(self.owner)
                 return
             if not self.stale(rec, mtime):
                 age = fs_now(self.path.parent) - mtime
@@ -214,6 +220,7 @@ class EngineLease:
         rec, _ = found
         if rec.owner != self.owner:
             self.held = False
+            _HELD.discard(self.owner)
             raise LockHeld(
                 f"engine id {self.engine_id!r}: the lease was taken over by {rec.describe()} "
                 "(this receiver's heartbeat was late by more than the lease ttl)"
@@ -224,6 +231,7 @@ class EngineLease:
         if not self.held:
             return
         self.held = False
+        _HELD.discard(self.owner)
         found = read_lease(self.root, self.engine_id)
         if found is not None and found[0].owner == self.owner:
             with contextlib.suppress(FileNotFoundError):
