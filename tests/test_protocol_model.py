@@ -160,21 +160,29 @@ class ProtocolModel(RuleBasedStateMachine):
             child.wait()
         self._start("ck")
 
-    @rule(data=st.data(), how=st.sampled_from(["flip", "truncate", "delete"]))
-    def damage(self, data: st.DataObject, how: str) -> None:
+    @rule(
+        which=st.integers(0, 2**16),
+        file=st.integers(0, 2**16),
+        at=st.integers(0, 2**16),
+        how=st.sampled_from(["flip", "truncate", "delete"]),
+    )
+    def damage(self, which: int, file: int, at: int, how: str) -> None:
+        # indices, not draws from what is on disk: the strategy must not depend on the state
         versions = list_versions(self.root)
-        v = data.draw(st.sampled_from(versions))
+        v = versions[which % len(versions)]
         vdir = self.root / f"v{v:012d}"
         files = sorted(p for p in vdir.iterdir() if not p.name.startswith("."))
-        p = data.draw(st.sampled_from(files))
+        if not files:
+            return
+        p = files[file % len(files)]
         raw = p.read_bytes()
         if how == "delete":
             p.unlink()
         elif how == "truncate":
             p.write_bytes(raw[: len(raw) // 2])
-        else:
+        elif raw:
             b = bytearray(raw)
-            b[data.draw(st.integers(0, max(len(b) - 1, 0)))] ^= 0x01
+            b[at % len(b)] ^= 0x01
             p.write_bytes(bytes(b))
         self.damaged.add(v)
 
