@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo bench stress clean sglang-env bench-sglang
+.PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang
 
 $(STAMP): pyproject.toml asyncsync/codec/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
@@ -43,11 +43,18 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/asyncsync bench --quick
 
-# kill -9 stress of publisher and receiver, 50 trials each, and the multi-rank model, 10 seeds
-# of 40 steps (docs/RELIABILITY.md); a few minutes each
+# kill -9 stress of publisher and receiver, 50 trials each, the multi-rank model (10 seeds of 40
+# steps) and the long protocol model (docs/RELIABILITY.md); several minutes each
 stress: $(STAMP)
 	$(PY) stress/crash.py publisher --trials 50 && $(PY) stress/crash.py receiver --trials 50
 	$(PY) stress/multirank.py --seeds 10 --steps 40
+	ASYNCSYNC_LONG=1 $(VENV)/bin/pytest -q tests/test_protocol_model.py
+
+# mutation testing of the protocol-critical modules ([tool.mutmut] in pyproject.toml); long
+mutation: $(STAMP)
+	$(VENV)/bin/python -m pip install -q 'mutmut==3.8.1'
+	$(VENV)/bin/mutmut run
+	$(VENV)/bin/mutmut results
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info asyncsync/codec/_native*.so
+	rm -rf $(VENV) mutants .pytest_cache .mypy_cache .ruff_cache build *.egg-info asyncsync/codec/_native*.so

@@ -16,7 +16,8 @@
     │   └── CoordinationError           (multi-rank) ranks could not exchange a message in time
     ├── LockHeld                        another live process owns the root or the engine
     ├── ApplyFailed                     an engine refused a version, keeps its last good one
-    │   └── EngineStateError            an engine's persisted state is unreadable or inconsistent
+    │   ├── EngineStateError            an engine's persisted state is unreadable or inconsistent
+    │   └── IncompatibleVersion         a delta/zero diff names other tensors than the engine holds
     └── AckTimeout (TimeoutError)       engines did not acknowledge in time; names who is behind
 
 Foreign errors (OSError, json, safetensors) are translated at the boundary with
@@ -36,6 +37,7 @@ __all__ = [
     "ConfigError",
     "EngineStateError",
     "FormatError",
+    "IncompatibleVersion",
     "IncompleteVersion",
     "LockHeld",
     "ManifestError",
@@ -120,6 +122,12 @@ class ApplyFailed(AsyncSyncError):
 
 class EngineStateError(ApplyFailed):
     """An engine's persisted state is unreadable or inconsistent with its files."""
+
+
+class IncompatibleVersion(ApplyFailed):
+    """A delta or zero-diff version names another tensor set (names, dtypes, shapes) than the
+    version the engine holds. Refused before the engine changes anything; the agent treats the
+    version as bad and moves on from a keyframe (docs/FORMAT.md section 8)."""
 
 
 class AckTimeout(AsyncSyncError, TimeoutError):

@@ -33,7 +33,9 @@ __all__ = [
     "Throttle",
     "append_line",
     "atomic_write",
+    "fs_now",
     "fsync_dir",
+    "make_dir",
     "get_throttle",
     "is_temp_name",
     "read_bytes",
@@ -46,8 +48,10 @@ TMP_PREFIX = ".tmp."
 # NFS, FUSE and some overlay filesystems answer EINVAL/ENOTSUP/EBADF/EACCES to a directory fsync.
 _DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES}
 
-# Applied to every file asyncsync creates in a root; directories get 0o755. Documented in FORMAT.md.
+# Set on every file and directory asyncsync creates in a root, whatever the umask (FORMAT.md,
+# "Permissions"): receivers often run as another uid (the Docker image runs as uid 10001).
 FILE_MODE = 0o644
+DIR_MODE = 0o755
 
 
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "KI": 1024, "MI": 1 << 20, "GI": 1 << 30}
@@ -143,6 +147,49 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def _set_mode(fd: int, mode: int = FILE_MODE) -> None:
+    """Give an open file ``mode`` exactly (the umask only narrows what ``open`` asked for)."""
+    if os.fstat(fd).st_mode & 0o7777 != mode:
+        os.fchmod(fd, mode)
+
+
+def make_dir(
+    path: str | os.PathLike[str], *, parents: bool = False, exist_ok: bool = False
+) -> Path:
+    """``mkdir`` with the documented mode (:data:`DIR_MODE`) whatever the umask.
+
+    Only directories this call creates are changed; an existing one keeps its mode.
+    """
+    path = Path(path)
+    if parents and not path.parent.exists():
+        make_dir(path.parent, parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if not exist_ok or not path.is_dir():
+            raise
+        return path
+    os.chmod(path, DIR_MODE)
+    return path
+
+
+def fs_now(directory: str | os.PathLike[str]) -> float:
+    """The current time on the clock of the filesystem holding ``directory``.
+
+    A file created there gets its mtime from that filesystem (on NFS: the server's clock), so
+    comparing it with other files' mtimes measures ages on one clock, whatever the local
+    clock says. The probe file is a temp name (readers ignore it) and is removed at once.
+    """
+    tmp = Path(directory) / f"{TMP_PREFIX}clock.{secrets.token_hex(6)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
 def _write_all(f: IO[bytes], chunks: Iterable[bytes | bytearray | memoryview]) -> int:
     n = 0
     for c in chunks:
@@ -169,6 +216,11 @@ def atomic_write(
     started = time.perf_counter()
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            _set_mode(fd)
+        except BaseException:
+            os.close(fd)
+            raise
         with os.fdopen(fd, "wb") as f:
             n = _write_all(f, chunks)
             _throttled(path, n, started)
@@ -192,6 +244,7 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
     data = (line.rstrip("\n") + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
     try:
+        _set_mode(fd)
         os.write(fd, data)
         os.fsync(fd)
     finally:
@@ -199,10 +252,21 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
 
 
 def read_bytes(path: str | os.PathLike[str], *, limit: int | None = None) -> bytes:
-    """Read a whole file; with ``limit``, refuse (ValueError) a file larger than that."""
+    """Read a whole file; with ``limit``, refuse (ValueError) a file larger than that.
+
+    The size is taken from ``fstat`` before anything is allocated, so a hostile ``limit``
+    (a manifest claiming 2^40 bytes) never allocates more than the file holds (plus one byte,
+    to notice a file that grew).
+    """
     started = time.perf_counter()
     with open(path, "rb") as f:
-        data = f.read() if limit is None else f.read(limit + 1)
+        size = os.fstat(f.fileno()).st_size
+        if limit is not None and size > limit:
+            raise ValueError(f"{path} is larger than {limit} bytes ({size})")
+        want = size + 1 if limit is None else min(size, limit) + 1
+        data = f.read(want)
+        if len(data) == want and limit is None:
+            data += f.read()  # it grew while we read: take the rest
     _throttled(path, len(data), started)
     if limit is not None and len(data) > limit:
         raise ValueError(f"{path} is larger than {limit} bytes")
@@ -240,6 +304,7 @@ class FileLock:
             os.close(fd)
             return False
         try:
+            _set_mode(fd)
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()} {os.uname().nodename}\n".encode())
         except OSError:

@@ -34,22 +34,19 @@ from asyncsync.errors import (
     ChainError,
     ChecksumMismatch,
     ConfigError,
+    FormatError,
+    IncompatibleVersion,
     IncompleteVersion,
 )
-from asyncsync.format import (
-    Manifest,
-    ShardInfo,
-    ack_path,
-    check_engine_id,
-    version_dir,
-)
-from asyncsync.format.acks import read_acks, write_ack
-from asyncsync.format.store import ManifestCache
+from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
+from asyncsync.format.lease import DEFAULT_LEASE_TTL
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
+from receiver.acking import RootPresence
+from receiver.badversions import BadVersions
 from receiver.engines.base import Engine, TensorUpdate
 from receiver.parts import PartAssembler
-from receiver.plan import Mode, diverged, latest_version, newest_keyframe, plan_next
+from receiver.plan import Mode, diverged, latest_version, newest_keyframe
 from receiver.prefetch import Prefetcher
 from receiver.shard_reader import (
     APPLY_GROUP_BYTES,
@@ -83,6 +80,7 @@ class AgentStatus:
     applying: int | None = None  # the version in flight
     progress: tuple[int, int] | None = None  # its shards applied / to apply
     engine: dict[str, Any] | None = None  # engine-specific facts (Engine.info())
+    bad_versions: tuple[int, ...] = ()  # versions found damaged or unusable, and gone past
 
 
 @dataclass
@@ -117,6 +115,14 @@ class ReceiverAgent:
         prefetch_bytes: memory budget of one version's prefetched shards.
         apply_group_bytes: decoded bytes (positions + values) of a delta handed to the engine
             at once; bounds the decoded patches and the engine's undo journal in memory.
+        lease_ttl: seconds after its last heartbeat that the engine id's lease in the root
+            goes stale (another receiver may then take the id; FORMAT.md section 7.1).
+
+    A version that stays damaged after the re-reads (a shard missing, short, of the wrong size
+    or failing its checksum, a manifest that does not parse) or that names other tensors than
+    the engine holds is *bad*: the agent goes on from the newest keyframe past it, reports it
+    (``status().bad_versions``, the ack, the log) and, while no keyframe follows it, stays at
+    its version and tries it once more on each sync (FORMAT.md section 8).
     """
 
     def __init__(
@@ -132,6 +138,7 @@ class ReceiverAgent:
         prefetch: bool = True,
         prefetch_bytes: int = 512 << 20,
         apply_group_bytes: int = APPLY_GROUP_BYTES,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
     ) -> None:
         if apply_group_bytes < 1:
             raise ConfigError(f"apply_group_bytes must be >= 1, got {apply_group_bytes}")
@@ -152,8 +159,8 @@ class ReceiverAgent:
         self._prefetcher: Prefetcher | None = None
         self._prefetch_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
-        self._manifests = ManifestCache()
-        self._acked: tuple[str, int] | None = None  # (run_id, version) of our last ack
+        self._bad = BadVersions(self.root, self.engine_id, verify_deadline)
+        self._presence = RootPresence(self.root, self.engine_id, engine, lease_ttl=lease_ttl)
         self._opened = False
         self._sync_lock = asyncio.Lock()
         self._c = _Counters()
@@ -170,18 +177,25 @@ class ReceiverAgent:
         if self._opened:
             return
         release_large_buffers()
-        await self.engine.open()
-        acks = await asyncio.to_thread(read_acks, self.root)
-        mine = acks.get(self.engine_id)
-        self._acked = (mine.run_id, mine.version) if mine else None
-        await self._reconcile_ack()
+        await self._presence.hold()  # before the engine or the ack is touched
+        try:
+            await self.engine.open()
+            await self._presence.load()
+            await self._reconcile_ack()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._presence.release())
+            raise
         self._opened = True
         logger.info("agent %s open: engine at %s", self.engine_id, self.engine.state.version)
 
     async def close(self) -> None:
         if self._opened:
-            await self.engine.close()
             self._opened = False
+            try:
+                await self.engine.close()
+            finally:
+                await self._presence.release()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -203,6 +217,7 @@ class ReceiverAgent:
             applying=self._c.applying,
             progress=self._c.progress,
             engine=self.engine.info(),
+            bad_versions=self._bad.versions(),
         )
 
     async def sync_once(self) -> int | None:
@@ -214,10 +229,13 @@ class ReceiverAgent:
         await self.open()
         async with self._sync_lock:
             try:
+                await self._presence.hold()
                 version = await self._sync()
             except Exception as exc:
                 self._c.failures += 1
                 self._c.last_error = f"{type(exc).__name__}: {exc}"
+                if self._bad.waiting is not None:
+                    self._c.last_error += f" ({self._bad.waiting})"
                 raise
             self._c.last_error = None
             return version
@@ -238,7 +256,19 @@ class ReceiverAgent:
             ):
                 wake.set()
 
+        async def heartbeat() -> None:
+            while True:
+                await asyncio.sleep(self._presence.lease.ttl / 3)
+                try:
+                    await self._presence.renew()
+                except AsyncSyncError:
+                    wake.set()  # the next sync reports it
+                    return
+                except OSError as exc:  # the root's filesystem hiccuped: try again next beat
+                    logger.warning("agent %s: lease heartbeat failed: %s", self.engine_id, exc)
+
         watcher = asyncio.create_task(watch(), name=f"watch {self.engine_id}")
+        beat = asyncio.create_task(heartbeat(), name=f"lease {self.engine_id}")
         try:
             while not stop.is_set():
                 await _first_of(wake, stop)
@@ -254,7 +284,7 @@ class ReceiverAgent:
                 if self.prefetch:
                     await self._start_prefetch(wake)
         finally:
-            for task in (watcher, self._prefetch_task):
+            for task in (watcher, beat, self._prefetch_task):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -302,23 +332,46 @@ class ReceiverAgent:
 
     # ------------------------------------------------------------------ sync
     async def _sync(self) -> int | None:
-        latest = await asyncio.to_thread(latest_version, self.root, self.version)
-        self._c.latest = latest
-        if latest is None:
+        found = await asyncio.to_thread(latest_version, self.root, self.version)
+        self._c.latest = found
+        if found is None:
             return self.version
+        bad = self._bad
+        newest, damaged = await asyncio.to_thread(bad.newest_readable, found)
+        if newest is None:
+            if damaged is not None:
+                raise damaged
+            raise ChainError(f"{self.root}: no readable manifest near v{found}")
+        latest = newest.version
+        bad.for_run(newest.run_id)
         if self.version is not None and self.version >= latest:
             await self.engine.reconcile()  # nothing newer: a restarted server gets what we hold
-        newest = await asyncio.to_thread(self._manifests.get, self.root, latest)
-        read = self._manifests.get  # every manifest is parsed once (the poll, plan, divergence)
-        why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest, read)
+        why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest, bad.read)
         if why is not None:
             # Version numbers say nothing across runs (a wiped root, another trainer), nor about
             # a version republished with other contents: start over from a keyframe.
             logger.warning("agent %s: %s: re-seeding from a keyframe", self.engine_id, why)
             await self._reseed(latest, newest.run_id)
+        bad.waiting = None
+        try:
+            await self._walk(latest, newest.run_id)
+            if damaged is not None:  # the newest version's manifest does not read: say so
+                bad.stuck(found, latest)
+                raise damaged
+        except AsyncSyncError:
+            if bad.waiting is not None:
+                logger.warning("agent %s: %s", self.engine_id, bad.waiting)
+                with contextlib.suppress(OSError, AsyncSyncError):  # say which versions are bad
+                    await self._presence.ensure(bad.versions())
+            raise
+        await self._presence.ensure(bad.versions())  # also rewrites an ack removed from outside
+        return self.version
+
+    async def _walk(self, latest: int, run_id: str) -> None:
+        """Apply versions until the engine holds ``latest``, going past bad ones."""
         fell_back = False
         while (cur := self.version) is None or cur < latest:
-            m, mode = await asyncio.to_thread(plan_next, self.root, self.engine.state, latest, read)
+            m, mode = await asyncio.to_thread(self._bad.plan, self.engine.state, latest)
             if cur is not None and m.version <= cur:
                 raise ChainError(
                     f"newest keyframe {m.version} is not past the engine's version {cur} and "
@@ -326,72 +379,49 @@ class ReceiverAgent:
                 )
             try:
                 await self._apply_version(m, mode)
-            except ChecksumMismatch as exc:
-                # A tensor that does not match after a delta was applied (the engine rolled it
-                # back): the engine's bytes are not the delta's base. Once per sync, start over
-                # from the newest keyframe instead of retrying the same delta forever.
-                if mode != "delta" or exc.tensor is None or fell_back:
+            except (FormatError, IncompatibleVersion) as exc:
+                if mode == "delta" and getattr(exc, "tensor", None) is not None and not fell_back:
+                    # A tensor that does not match after a delta was applied (the engine rolled
+                    # it back): the engine's bytes are not the delta's base. Once per sync, start
+                    # over from the newest keyframe instead of retrying the same delta forever.
+                    fell_back = True
+                    logger.warning(
+                        "agent %s: v%d does not apply to the engine's bytes (%s): re-seeding",
+                        self.engine_id, m.version, exc,
+                    )  # fmt: skip
+                    await self._reseed(latest, run_id)
+                    continue
+                self._bad.mark(m.version, exc)
+                if not await asyncio.to_thread(self._bad.can_go_past, m.version, cur, latest):
                     raise
-                fell_back = True
-                logger.warning(
-                    "agent %s: v%d does not apply to the engine's bytes (%s): re-seeding",
-                    self.engine_id, m.version, exc,
-                )  # fmt: skip
-                await self._reseed(latest, newest.run_id)
-                continue
+                continue  # the plan goes past it
             await self._ack(m)
-        if cur is not None and cur > latest:
+        if cur > latest:
             raise ChainError(
                 f"engine holds version {cur} but the root's newest is {latest}: was the root "
                 "reset? Point the engine at an empty checkpoint to start over."
             )
-        if self._acked != (newest.run_id, latest):
-            await self._ack(newest)
-        return self.version
 
     async def _reseed(self, latest: int, run_id: str) -> None:
-        kf = await asyncio.to_thread(
-            newest_keyframe, self.root, latest, run_id, self._manifests.get
-        )
-        await self._apply_version(kf, "full")
-        await self._ack(kf)
+        while True:
+            kf = await asyncio.to_thread(
+                newest_keyframe, self.root, latest, run_id, self._bad.read, set(self._bad.marks)
+            )
+            try:
+                await self._apply_version(kf, "full")
+            except (FormatError, IncompatibleVersion) as exc:
+                self._bad.mark(kf.version, exc)  # then the keyframe before it, if any
+                if not await asyncio.to_thread(self._bad.can_go_past, kf.version, None, latest):
+                    raise
+                continue
+            await self._ack(kf)
+            return
 
     async def _reconcile_ack(self) -> None:
-        """Make our ack name no more than the engine holds.
-
-        An engine can lose what it held: a full apply that fails or is killed while its files
-        are moved into place leaves none (LocalCheckpoint removes the mixed files), and a
-        restarted in-memory engine starts empty. An ack written before would then claim a
-        version the engine does not hold; it is rewritten to what the engine holds, or removed.
-        """
-        if self._acked is None:
-            return
-        st = self.engine.state
-        run_id, version = self._acked
-        if st.version is not None and st.run_id == run_id and st.version >= version:
-            return
-        if st.version is not None and st.run_id is not None and st.fingerprint is not None:
-            logger.warning(
-                "agent %s: ack names v%d, the engine holds v%d: rewriting the ack",
-                self.engine_id, version, st.version,
-            )  # fmt: skip
-            await asyncio.to_thread(
-                write_ack, self.root, self.engine_id, st.version, st.fingerprint, st.run_id
-            )
-            self._acked = (st.run_id, st.version)
-            return
-        logger.warning(
-            "agent %s: ack names v%d, the engine holds nothing: removing the ack",
-            self.engine_id, version,
-        )  # fmt: skip
-        await asyncio.to_thread(ack_path(self.root, self.engine_id).unlink, missing_ok=True)
-        self._acked = None
+        await self._presence.reconcile(self.engine.state, self._bad.versions())
 
     async def _ack(self, m: Manifest) -> None:
-        await asyncio.to_thread(
-            write_ack, self.root, self.engine_id, m.version, m.fingerprint, m.run_id
-        )
-        self._acked = (m.run_id, m.version)
+        await self._presence.ack(m.version, m.fingerprint, m.run_id, self._bad.versions())
         await self.engine.acknowledged()
 
     async def _apply_version(self, m: Manifest, mode: Mode) -> None:
@@ -411,6 +441,7 @@ class ReceiverAgent:
                     await asyncio.shield(self._reconcile_ack())
                 raise
         dt = time.perf_counter() - t0
+        self._bad.cleared(m.version)
         self._c.applied += 1
         self._c.last_apply_seconds = dt
         self._c.last_error = None
@@ -475,7 +506,7 @@ class ReceiverAgent:
         """Read (or take prefetched), verify and parse one shard, re-reading until the deadline
         while it is missing, short or fails its checksum (not yet visible on this host)."""
         path = m.shard_path(version_dir(self.root, m.version), shard)
-        deadline = time.monotonic() + self.verify_deadline
+        deadline = time.monotonic() + self._bad.patience(m.version)  # known bad: read once
         delay = 0.05
         early = self._prefetched(m, shard)
         while True:

@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         "operator endpoints (/healthz, /readyz, /status, /metrics, POST /sync)"
     )
     ops.add_argument(
-        "--status-port", type=int, default=None, metavar="PORT",
+        "--status-port", type=_port, default=None, metavar="PORT",
         help="serve the endpoints on this port (0: any free port; default: not served)",
     )  # fmt: skip
     ops.add_argument(
@@ -170,6 +170,43 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_logging_arguments(p, default_level="INFO")
     return p
+
+
+def _port(text: str) -> int:
+    """A TCP port for argparse: 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} out of range 0..65535")
+    return port
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse, before anything is opened, paths that cannot work.
+
+    A checkpoint equal to or inside the root would write engine files into the shared root;
+    a root that does not exist is an error for ``--once`` (nothing to apply) and is waited
+    for, with a log line saying so, by the daemon (the trainer may create it later).
+    """
+    root = os.path.realpath(args.root)
+    ckpt = os.path.realpath(args.checkpoint)
+    if ckpt == root or ckpt.startswith(root.rstrip(os.sep) + os.sep):
+        raise ConfigError(
+            f"--checkpoint {args.checkpoint} is inside --root {args.root}: the checkpoint is "
+            "this host's own copy; give a local directory outside the shared root"
+        )
+    if root.startswith(ckpt.rstrip(os.sep) + os.sep):
+        raise ConfigError(f"--root {args.root} is inside --checkpoint {args.checkpoint}")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"--root {args.root} is not a directory")
+    if not os.path.exists(root):
+        if args.once:
+            raise ConfigError(f"--root {args.root} does not exist: nothing to apply")
+        logger.warning(
+            "root %s does not exist (yet); waiting for the publisher to create it", args.root
+        )
 
 
 def _read_secret(path: str | None, env: str, what: str) -> str | None:
@@ -344,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # watchfiles logs every batch of changes at INFO: noise next to the agent's own lines
     logging.getLogger("watchfiles").setLevel(max(logging.WARNING, getattr(logging, args.log_level)))
     try:
+        check_paths(args)
         if args.once:
             version = run_async(lambda: _once(args))
             if version is None:
@@ -355,10 +393,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("receiver %s: stopped at version %s", args.engine_id, version)
         return 0
     except (AsyncSyncError, OSError, ValueError) as exc:
-        print(f"asyncsync-receiver {args.engine_id}: error: {exc}", file=sys.stderr)
+        print(f"asyncsync-receiver {args.engine_id}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a signal before the handlers were installed
         return 0
+    except Exception as exc:  # bad input must never end in a traceback (it is logged at DEBUG)
+        logger.debug("asyncsync-receiver %s failed", args.engine_id, exc_info=True)
+        print(
+            f"asyncsync-receiver {args.engine_id}: error: {type(exc).__name__}: {_one_line(exc)}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":

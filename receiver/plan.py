@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Literal
 
-from asyncsync.errors import ChainError
+from asyncsync.errors import ChainError, FormatError
 from asyncsync.format import Manifest, manifest_path
 from asyncsync.format.store import list_versions, read_manifest
 from receiver.engines.base import EngineState
 
-__all__ = ["Mode", "diverged", "latest_version", "newest_keyframe", "plan_next"]
+__all__ = [
+    "Mode",
+    "diverged",
+    "keyframe_after",
+    "keyframes_in",
+    "latest_version",
+    "newest_keyframe",
+    "plan_next",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +51,40 @@ def latest_version(root: Path, held: int | None) -> int | None:
     return latest
 
 
-def newest_keyframe(
-    root: Path, target: int, run_id: str | None = None, read: Reader = read_manifest
-) -> Manifest:
-    """The newest full version at or below ``target`` (of ``run_id`` when given)."""
+def keyframes_in(
+    root: Path, lo: int, hi: int, run_id: str | None, read: Reader, bad: Collection[int]
+) -> Manifest | None:
+    """The newest full version in ``lo..hi`` not in ``bad`` (damaged manifests skipped)."""
     for v in reversed(list_versions(root)):
-        if v > target:
+        if v > hi or v < lo or v in bad:
             continue
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, FormatError):  # gone, or damaged
             m = read(root, v)
             if m.kind == "full" and (run_id is None or m.run_id == run_id):
                 return m
+    return None
+
+
+def keyframe_after(
+    root: Path, bad: int, target: int, read: Reader = read_manifest, skip: Collection[int] = ()
+) -> Manifest | None:
+    """The newest keyframe past the bad version ``bad`` (at most ``target``, not in ``skip``):
+    where a receiver that cannot take ``bad`` goes instead (FORMAT.md section 8)."""
+    return keyframes_in(root, bad + 1, target, None, read, skip)
+
+
+def newest_keyframe(
+    root: Path,
+    target: int,
+    run_id: str | None = None,
+    read: Reader = read_manifest,
+    skip: Collection[int] = (),
+) -> Manifest:
+    """The newest full version at or below ``target`` (of ``run_id`` when given), not in
+    ``skip`` (versions known to be bad)."""
+    m = keyframes_in(root, 0, target, run_id, read, skip)
+    if m is not None:
+        return m
     raise ChainError(
         f"{root}: no keyframe at or below version {target}"
         + (f" of run {run_id}" if run_id else "")
@@ -62,9 +93,16 @@ def newest_keyframe(
 
 
 def plan_next(
-    root: Path, state: EngineState, latest: int, read: Reader = read_manifest
+    root: Path,
+    state: EngineState,
+    latest: int,
+    read: Reader = read_manifest,
+    skip: Collection[int] = (),
 ) -> tuple[Manifest, Mode]:
-    """The next version to apply from the engine's version toward ``latest``, and how."""
+    """The next version to apply from the engine's version toward ``latest``, and how.
+
+    Raises FormatError when the next version's manifest is damaged (the caller decides).
+    """
     cur = state.version
     if cur is not None:
         try:
@@ -77,7 +115,7 @@ def plan_next(
             return m, "full"
         if m is None:
             logger.warning("version %d is gone: catching up from a keyframe", cur + 1)
-    return newest_keyframe(root, latest, read=read), "full"
+    return newest_keyframe(root, latest, read=read, skip=skip), "full"
 
 
 def diverged(
@@ -98,8 +136,8 @@ def diverged(
         return None
     try:
         mine = newest if state.version == newest.version else read(root, state.version)
-    except FileNotFoundError:
-        return None  # pruned: the planner catches up from a keyframe anyway
+    except (FileNotFoundError, FormatError):
+        return None  # pruned or damaged: the planner moves on from the next version anyway
     if mine.fingerprint != state.fingerprint:
         return (
             f"engine's v{state.version} has fingerprint {state.fingerprint}, the root's "

@@ -71,6 +71,16 @@ class _AgentCollector(Collector):
             "last_apply_seconds", "Seconds the last version took to apply.", st.last_apply_seconds
         )
         yield gauge("applying", "1 while a version is being applied.", int(st.applying is not None))
+        yield gauge(
+            "bad_versions",
+            "Versions found damaged or unusable and gone past.",
+            len(st.bad_versions),
+        )
+        yield gauge(
+            "newest_bad_version",
+            "The newest bad version (NaN: none).",
+            st.bad_versions[-1] if st.bad_versions else None,
+        )
         yield counter("applied", "Versions applied.", st.applied)
         yield counter("failures", "Syncs that failed (the engine kept its version).", st.failures)
         yield counter(

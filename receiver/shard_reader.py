@@ -52,15 +52,17 @@ def read_verified(path: Path, shard: ShardInfo, algorithm: str) -> bytes:
     """
     missing = f"{path}: shard named by the manifest is missing"
     try:
-        mode = os.lstat(path).st_mode
+        st = os.lstat(path)
     except FileNotFoundError as exc:
         raise IncompleteVersion(missing) from exc
     except OSError as exc:
         raise IncompleteVersion(f"{path}: cannot stat the shard ({exc})") from exc
-    if stat.S_ISLNK(mode):
+    if stat.S_ISLNK(st.st_mode):
         raise ManifestError(f"{path}: shards may not be symlinks")
-    if not stat.S_ISREG(mode):  # a FIFO would block open() forever, a directory cannot be read
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block open() forever, a dir cannot be read
         raise ManifestError(f"{path}: a shard must be a regular file")
+    if st.st_size != shard.bytes:  # before allocating anything for the claimed size
+        raise IncompleteVersion(f"{path}: {st.st_size} bytes, the manifest says {shard.bytes}")
     try:
         data = read_bytes(path, limit=shard.bytes)
     except FileNotFoundError as exc:

@@ -17,10 +17,11 @@ of moving to another one when the process died. That record lives in a small *st
 kernel drops it when the holder dies, so a crash never leaves it stuck, and a second agent on
 the same engine fails fast with :class:`~asyncsync.errors.LockHeld` naming the holder.
 
-The module also holds the two rules every engine enforces before it changes anything:
+The module also holds the rules every engine enforces before it changes anything:
 :func:`check_base` (a delta or zero-diff version applies only on exactly its base version of
-the same run) and :func:`check_patch` (a codec patch fits its target tensor's int view), so
-a refused version never leaves a half-written engine behind.
+the same run), :func:`check_tensor_set` (it names exactly the tensors the engine holds, with
+their dtypes and shapes) and :func:`check_patch` (a codec patch fits its target tensor's int
+view), so a refused version never leaves a half-written engine behind.
 
 Everything here blocks; async engines call it through ``asyncio.to_thread``.
 """
@@ -34,6 +35,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -42,7 +44,14 @@ import torch
 
 from asyncsync import fsio
 from asyncsync.codec import Patch
-from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError, LockHeld, OutOfOrder
+from asyncsync.errors import (
+    ApplyFailed,
+    ChecksumMismatch,
+    EngineStateError,
+    IncompatibleVersion,
+    LockHeld,
+    OutOfOrder,
+)
 from asyncsync.format import Manifest
 
 __all__ = [
@@ -57,6 +66,7 @@ __all__ = [
     "StateStore",
     "check_base",
     "check_patch",
+    "check_tensor_set",
 ]
 
 logger = logging.getLogger(__name__)
@@ -330,6 +340,37 @@ def check_base(version: int | None, run_id: str | None, manifest: Manifest, wher
         )
 
 
+def check_tensor_set(
+    held: Mapping[str, tuple[torch.dtype | None, tuple[int, ...]]], manifest: Manifest, where: str
+) -> None:
+    """Raise IncompatibleVersion unless a delta or zero-diff ``manifest`` names exactly the
+    tensors of ``held`` (name -> dtype, shape: the version the engine holds).
+
+    A version that dropped, added or reshaped a tensor is not a delta of the engine's version
+    (a publisher sends a full version for that); taking it would leave an engine whose files
+    and recorded state disagree, and that never opens again.
+    """
+    names = {e.name for e in manifest.tensors}
+    missing, extra = sorted(set(held) - names), sorted(names - set(held))
+    if missing or extra:
+        raise IncompatibleVersion(
+            f"{where}: v{manifest.version} is not a delta of the engine's tensors: "
+            + "; ".join(
+                f"{what} {len(ns)} (e.g. {ns[0]!r})"
+                for what, ns in (("lacks", missing), ("adds", extra))
+                if ns
+            )
+            + "; refused (a change of tensor set needs a full version)"
+        )
+    for e in manifest.tensors:
+        dtype, shape = held[e.name]
+        if dtype != e.torch_dtype or tuple(shape) != e.shape:
+            raise IncompatibleVersion(
+                f"{where}: tensor {e.name!r}: v{manifest.version} has {e.dtype}{list(e.shape)}, "
+                f"the engine holds {dtype}{list(shape)}; refused (needs a full version)"
+            )
+
+
 def check_patch(patch: Patch, flat: torch.Tensor, name: str) -> Patch:
     """Validate ``patch`` against ``flat`` (the target's int view); return it on flat's device.
 
@@ -366,6 +407,11 @@ def bumped(ps: PersistedState, manifest: Manifest) -> PersistedState:
     Raises ChecksumMismatch when the manifest claims bytes other than the ones held (a zero diff
     must carry the checksums of its base).
     """
+    if ps.checksums and set(ps.checksums) != {e.name for e in manifest.tensors}:
+        raise IncompatibleVersion(
+            f"zero-diff v{manifest.version} names other tensors than v{ps.version} holds; "
+            "refused (a change of tensor set needs a full version)"
+        )
     if ps.checksum_algorithm == manifest.checksum_algorithm:
         for e in manifest.tensors:
             if ps.checksums.get(e.name, e.checksum) != e.checksum:

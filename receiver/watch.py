@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from asyncsync.format import ACKS_DIR
+from asyncsync.format.names import LEASES_DIR
 
 __all__ = ["wakeups"]
 
@@ -32,12 +33,15 @@ def _inotify_wanted(use_inotify: bool | None) -> bool:
 
 
 def _version_events(root: Path) -> Callable[[object, str], bool]:
-    """A watchfiles filter keeping events that can mean a new version: not acks (receivers'
-    own writes), not temp files."""
-    acks = str(root / ACKS_DIR)
+    """A watchfiles filter keeping events that can mean a new version: not acks or leases
+    (receivers' own writes and heartbeats), not temp files."""
+    own = tuple(str(root / d) + os.sep for d in (ACKS_DIR, LEASES_DIR))
+    own_dirs = tuple(str(root / d) for d in (ACKS_DIR, LEASES_DIR))
 
     def keep(_change: object, path: str) -> bool:
-        return not path.startswith(acks) and not os.path.basename(path).startswith(".")
+        if path.startswith(own) or path in own_dirs:
+            return False
+        return not os.path.basename(path).startswith(".")
 
     return keep
 

@@ -284,7 +284,7 @@ async def test_abort_restores_and_refusals(tmp_path: Path) -> None:
         await ck.begin(build_manifest(mutate(sd1, 0.1, 3), 2, base=sd1), "delta")
     with pytest.raises(OutOfOrder, match="run"):
         await ck.begin(build_manifest(sd1, 1, base=sd0, run_id="run-b"), "delta")
-    with pytest.raises(ApplyFailed, match="not in the checkpoint"):
+    with pytest.raises(ApplyFailed, match=r"adds 1 \(e\.g\. 'extra'\)"):
         await ck.begin(
             build_manifest(
                 {**sd1, "extra": torch.zeros(2)}, 1, base={**sd0, "extra": torch.zeros(2)}

@@ -70,39 +70,46 @@ def mutated(change: Any) -> str:
 
 
 @pytest.mark.parametrize(
-    "change",
+    ("change", "message"),
     [
-        lambda d: d.update(format_version=FORMAT_VERSION + 1),
-        lambda d: d.update(format="other"),
-        lambda d: d.update(version=-1),
-        lambda d: d.update(version=10**15),
-        lambda d: d.update(version="5"),
-        lambda d: d.update(version=True),
-        lambda d: d.update(base_version=2),
-        lambda d: d.update(kind="weird"),
-        lambda d: d.update(shards={}),
-        lambda d: d["shards"][0].update(file="../../etc/passwd"),
-        lambda d: d["shards"][0].update(file="/abs/path"),
-        lambda d: d["shards"][0].update(file=".hidden"),
-        lambda d: d["shards"][0].update(file="manifest.json"),
-        lambda d: d["shards"][0].update(bytes=-5),
-        lambda d: d["shards"][0].update(checksum="XYZ"),
-        lambda d: d["tensors"][0].update(dtype="complex64"),
-        lambda d: d["tensors"][0].update(shape=[-1, 5]),
-        lambda d: d["tensors"][0].update(shape=[2**40, 2**40]),
-        lambda d: d["tensors"][0].update(changed=10**6),
-        lambda d: d["tensors"][0]["delta"].update(shard=7),
-        lambda d: d["tensors"][0].update(delta=None),
-        lambda d: d["tensors"][1].update(name="a.weight"),
-        lambda d: d["totals"].update(changed=4),
-        lambda d: d["totals"].update(density=-1),
-        lambda d: d["totals"].update(wire_bytes=1),
-        lambda d: d.pop("fingerprint"),
-        lambda d: d.update(shard_dir="/elsewhere"),
+        (
+            lambda d: d.update(format_version=FORMAT_VERSION + 1),
+            r"format_version 3 is not supported",
+        ),
+        (lambda d: d.update(format="other"), r"not an asyncsync manifest"),
+        (lambda d: d.update(version=-1), r"'version'=-1 out of range"),
+        (lambda d: d.update(version=10**15), r"'version'=1000000000000000 out of range"),
+        (lambda d: d.update(version="5"), r"'version' must be .*got str"),
+        (lambda d: d.update(version=True), r"'version' must be .*got a bool"),
+        (lambda d: d.update(base_version=2), r"base_version 2 must be version-1"),
+        (lambda d: d.update(kind="weird"), r"kind must be 'full' or 'delta'"),
+        (lambda d: d.update(shards={}), r"'shards' must be .*list"),
+        (lambda d: d["shards"][0].update(file="../../etc/passwd"), r"file '\.\./\.\./etc/passwd'"),
+        (lambda d: d["shards"][0].update(file="/abs/path"), r"file '/abs/path'"),
+        (lambda d: d["shards"][0].update(file=".hidden"), r"file '\.hidden'"),
+        (lambda d: d["shards"][0].update(file="manifest.json"), r"may not be named manifest\.json"),
+        (lambda d: d["shards"][0].update(bytes=-5), r"'bytes'=-5 out of range"),
+        (lambda d: d["shards"][0].update(checksum="XYZ"), r"'checksum' must be a lowercase hex"),
+        (lambda d: d["tensors"][0].update(dtype="complex64"), r"unknown dtype 'complex64'"),
+        (
+            lambda d: d["tensors"][0].update(shape=[-1, 5]),
+            r"shape must be a list of non-negative ints",
+        ),
+        (lambda d: d["tensors"][0].update(shape=[2**40, 2**40]), r"shape .* is too large"),
+        (lambda d: d["tensors"][0].update(changed=10**6), r"changed=1000000 exceeds numel"),
+        (lambda d: d["tensors"][0]["delta"].update(shard=7), r"shard index 7 out of range"),
+        (lambda d: d["tensors"][0].update(delta=None), r"changed=3 but no delta data"),
+        (lambda d: d["tensors"][1].update(name="a.weight"), r"duplicate tensor names"),
+        (lambda d: d["totals"].update(changed=4), r"totals\.changed does not match"),
+        (lambda d: d["totals"].update(density=-1), r"'density'=-1 must be"),
+        (lambda d: d["totals"].update(wire_bytes=1), r"totals\.wire_bytes does not match"),
+        (lambda d: d.pop("fingerprint"), r"missing field 'fingerprint'"),
+        (lambda d: d.update(shard_dir="/elsewhere"), r"shard_dir is only allowed on full versions"),
     ],
 )
-def test_rejects_bad_manifest(change: Any) -> None:
-    with pytest.raises(ManifestError):
+def test_rejects_bad_manifest(change: Any, message: str) -> None:
+    """Each case with its own message: a regression hidden behind an earlier check fails."""
+    with pytest.raises(ManifestError, match=message):
         Manifest.from_json(mutated(change))
 
 

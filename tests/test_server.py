@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from asyncsync import IncompleteVersion, Publisher
+from asyncsync.format.acks import read_acks
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.server import StatusServer
@@ -116,11 +117,12 @@ async def test_receiver_cli_serves_status_with_json_logs(tmp_path: Path) -> None
                 if m := re.search(r"status on (http://127\.0\.0\.1:\d+)", line):
                     url = m.group(1)
             async with aiohttp.ClientSession() as http:
-                for _ in range(200):
+                version = None
+                while version != 0:  # bounded by the timeout above: fails if it never syncs
                     async with http.get(f"{url}/status") as r:
-                        if (await r.json())["version"] == 0:
-                            break
-                    await asyncio.sleep(0.05)
+                        version = (await r.json())["version"]
+                    if version != 0:
+                        await asyncio.sleep(0.05)  # polling another process's HTTP state
                 async with http.post(
                     f"{url}/sync", headers={"Authorization": f"Bearer {TOKEN}"}
                 ) as r:
@@ -132,6 +134,7 @@ async def test_receiver_cli_serves_status_with_json_logs(tmp_path: Path) -> None
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+    assert read_acks(root)["cli0"].version == 0  # it did sync, and said so in the root
     logs = [json.loads(x) for x in (lines + rest.splitlines()) if x.startswith("{")]
     assert any(r["logger"] == "receiver.agent" for r in logs)
     assert TOKEN not in "".join(lines) + rest

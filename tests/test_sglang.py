@@ -449,7 +449,15 @@ def test_cli_stops_promptly_while_waiting_for_the_server(tmp_path: Path) -> None
 
 
 def test_cli_option_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["--root", str(tmp_path), "--engine-id", "x", "--checkpoint", str(tmp_path / "c")]
+    (tmp_path / "root").mkdir()  # a checkpoint inside the root is refused first
+    base = [
+        "--root",
+        str(tmp_path / "root"),
+        "--engine-id",
+        "x",
+        "--checkpoint",
+        str(tmp_path / "c"),
+    ]
     both = ["--sglang-url", "http://127.0.0.1:1", "--vllm-url", "http://127.0.0.1:2"]
     assert receiver_main([*base, *both]) == 2
     assert receiver_main([*base, "--api-key-file", "k"]) == 2

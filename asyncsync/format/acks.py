@@ -15,11 +15,12 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from asyncsync.errors import AckTimeout, ConfigError, ManifestError
 from asyncsync.format.fields import _float, _hex, _int, _load_json, _str
+from asyncsync.format.lease import read_lease
 from asyncsync.format.names import (
     ACKS_DIR,
     FORMAT_NAME,
@@ -29,9 +30,18 @@ from asyncsync.format.names import (
     ack_path,
     check_engine_id,
 )
-from asyncsync.fsio import atomic_write, is_temp_name
+from asyncsync.fsio import atomic_write, fs_now, is_temp_name, make_dir
 
-__all__ = ["AckRecord", "read_acks", "wait_acked", "write_ack"]
+__all__ = [
+    "AckAge",
+    "AckRecord",
+    "ack_ages",
+    "read_ack",
+    "read_acks",
+    "root_now",
+    "wait_acked",
+    "write_ack",
+]
 
 logger = logging.getLogger(__name__)
 _MAX_ACK_BYTES = 64 << 10
@@ -48,9 +58,18 @@ class AckRecord:
     applied_at: float
     host: str = ""
     format_version: int = FORMAT_VERSION
+    #: versions the receiver found damaged or unusable and went past (FORMAT.md section 8)
+    bad_versions: tuple[int, ...] = ()
+    #: the ack file's mtime on the shared filesystem's clock (set by read_acks; not written)
+    mtime: float | None = field(default=None, compare=False)
 
     def to_json(self) -> str:
         d = {"format": FORMAT_NAME, **asdict(self)}
+        del d["mtime"]
+        if not self.bad_versions:
+            del d["bad_versions"]
+        else:
+            d["bad_versions"] = list(self.bad_versions)
         return json.dumps(d, allow_nan=False) + "\n"
 
     @classmethod
@@ -69,10 +88,30 @@ class AckRecord:
             applied_at=_float(d, "applied_at", where),
             host=_str(d, "host", where, 256) if "host" in d else "",
             format_version=fv,
+            bad_versions=_bad_versions(d, where),
         )
 
 
-def write_ack(root: Path, engine_id: str, version: int, fingerprint: str, run_id: str) -> AckRecord:
+def _bad_versions(d: dict[str, object], where: str) -> tuple[int, ...]:
+    raw = d.get("bad_versions", [])
+    if not isinstance(raw, list) or len(raw) > 1024:
+        raise ManifestError(f"{where}: bad_versions must be a list of versions")
+    out = []
+    for v in raw:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_VERSION:
+            raise ManifestError(f"{where}: bad_versions holds {v!r}, not a version")
+        out.append(v)
+    return tuple(out)
+
+
+def write_ack(
+    root: Path,
+    engine_id: str,
+    version: int,
+    fingerprint: str,
+    run_id: str,
+    bad_versions: tuple[int, ...] = (),
+) -> AckRecord:
     rec = AckRecord(
         engine_id=check_engine_id(engine_id),
         version=version,
@@ -80,10 +119,27 @@ def write_ack(root: Path, engine_id: str, version: int, fingerprint: str, run_id
         run_id=run_id,
         applied_at=time.time(),
         host=socket.gethostname(),
+        bad_versions=tuple(bad_versions),
     )
-    (root / ACKS_DIR).mkdir(parents=True, exist_ok=True)
+    make_dir(root / ACKS_DIR, parents=True, exist_ok=True)
     atomic_write(ack_path(root, engine_id), rec.to_json().encode())
     return rec
+
+
+def read_ack(root: Path, engine_id: str) -> AckRecord | None:
+    """The ack of one engine (None when there is none). Raises ManifestError or OSError when
+    it exists but cannot be read."""
+    path = ack_path(root, engine_id)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if st.st_size > _MAX_ACK_BYTES:
+            raise ManifestError(f"{path}: larger than {_MAX_ACK_BYTES} bytes")
+        rec = AckRecord.from_json(path.read_bytes(), where=f"ack {path.name}")
+    except FileNotFoundError:
+        return None
+    if rec.engine_id != engine_id:
+        raise ManifestError(f"{path}: names engine {rec.engine_id!r}")
+    return replace(rec, mtime=st.st_mtime)
 
 
 def read_acks(root: Path) -> dict[str, AckRecord]:
@@ -101,9 +157,11 @@ def read_acks(root: Path) -> dict[str, AckRecord]:
         if is_temp_name(e.name) or not e.name.endswith(".json"):
             continue
         try:
-            if not e.is_file(follow_symlinks=False) or e.stat().st_size > _MAX_ACK_BYTES:
+            st = e.stat(follow_symlinks=False)
+            if not e.is_file(follow_symlinks=False) or st.st_size > _MAX_ACK_BYTES:
                 continue
             rec = AckRecord.from_json(Path(e.path).read_bytes(), where=f"ack {e.name}")
+            rec = replace(rec, mtime=st.st_mtime)
         except (OSError, ManifestError) as exc:
             logger.warning("ignoring unreadable ack %s: %s", e.path, exc)
             continue
@@ -111,6 +169,42 @@ def read_acks(root: Path) -> dict[str, AckRecord]:
             logger.warning("ignoring ack %s: it names engine %r", e.path, rec.engine_id)
             continue
         out[rec.engine_id] = rec
+    return out
+
+
+def root_now(root: Path) -> float:
+    """Now on the clock of the root's filesystem (the mtime of a probe file, see
+    :func:`asyncsync.fsio.fs_now`); this host's clock where the root is not writable."""
+    try:
+        return fs_now(root)
+    except OSError:
+        return time.time()
+
+
+@dataclass(frozen=True)
+class AckAge:
+    """How long ago an engine was last heard of, on one clock (the root's filesystem).
+
+    ``age``: seconds since the later of its ack's write and its lease's last heartbeat (file
+    mtimes, so no receiver's clock is trusted); ``skew``: the receiver's clock minus the
+    filesystem's when it wrote the ack (``applied_at - mtime``; large means a wrong clock).
+    """
+
+    age: float
+    skew: float
+
+
+def ack_ages(root: Path, acks: dict[str, AckRecord], now: float | None = None) -> dict[str, AckAge]:
+    """:class:`AckAge` of each ack (read by :func:`read_acks`, which records the mtimes)."""
+    now = root_now(root) if now is None else now
+    out = {}
+    for engine_id, ack in acks.items():
+        seen = ack.mtime if ack.mtime is not None else ack.applied_at
+        lease = read_lease(root, engine_id)
+        if lease is not None:
+            seen = max(seen, lease[1])
+        skew = 0.0 if ack.mtime is None else ack.applied_at - ack.mtime
+        out[engine_id] = AckAge(age=max(0.0, now - seen), skew=skew)
     return out
 
 

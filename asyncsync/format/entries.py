@@ -13,6 +13,7 @@ from asyncsync.format.fields import _dict, _get, _hex, _int, _str
 from asyncsync.format.names import (
     _MAX_INT,
     _MAX_RANK,
+    MAX_SHARD_BYTES,
     check_file_name,
     dtype_from_name,
 )
@@ -44,7 +45,7 @@ class ShardInfo:
         return cls(
             file=check_file_name(d.get("file"), f"{where} file"),
             role=role,
-            bytes=_int(d, "bytes", where),
+            bytes=_int(d, "bytes", where, hi=MAX_SHARD_BYTES),
             checksum=_hex(d, "checksum", where),
         )
 

@@ -4,6 +4,10 @@ It is for operators (``asyncsync tail -f``); receivers never depend on it. A lin
 after the manifest is durable, so the log may lag a crash by one version but never lists a
 version that is not committed. Lines that do not parse (a torn last line after a crash) are
 skipped by readers.
+
+Retention trims it (:func:`trim_log`): the lines of deleted versions are dropped by writing
+the rest to a new file that replaces the log atomically (FORMAT.md section 6), so the log
+grows with the versions kept, not with the versions ever published.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +23,9 @@ from typing import Any
 import aiofiles
 
 from asyncsync.format import LOG_NAME, Manifest
-from asyncsync.fsio import append_line
+from asyncsync.fsio import append_line, atomic_write
 
-__all__ = ["append_manifest", "follow_log", "read_log"]
+__all__ = ["append_manifest", "follow_log", "read_log", "trim_log"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,52 @@ def read_log(root: Path) -> list[dict[str, Any]]:
     return list(_parse_lines(text.splitlines()))
 
 
+def _line_version(line: bytes) -> int | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    v = rec.get("version") if isinstance(rec, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def trim_log(root: Path, first_kept: int) -> int:
+    """Drop the lines of versions below ``first_kept``; return how many were dropped.
+
+    The kept lines go to a new file that atomically replaces the log. A line the publisher
+    appends meanwhile lands in the old file, which is still open here: it is copied over
+    after the rename. An unparseable line is kept unless a complete line follows it.
+    """
+    path = root / LOG_NAME
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - held open across the replace
+    except FileNotFoundError:
+        return 0
+    with f:
+        data = f.read()
+        *complete, tail = data.split(b"\n")
+        keep = []
+        for i, line in enumerate(complete):
+            v = _line_version(line)
+            if v is None:
+                if line.strip() and i == len(complete) - 1:
+                    keep.append(line)  # maybe a torn line: readers skip it anyway
+            elif v >= first_kept:
+                keep.append(line)
+        dropped = len([ln for ln in complete if ln.strip()]) - len(keep)
+        if dropped <= 0:
+            return 0
+        atomic_write(path, b"".join(ln + b"\n" for ln in keep) + tail)
+        late = os.pread(f.fileno(), 1 << 24, len(data))  # appended before the rename
+    if late:
+        with open(path, "ab") as out:
+            out.write(late)
+            out.flush()
+            os.fsync(out.fileno())
+    logger.info("log %s: dropped %d lines of versions below %d", path, dropped, first_kept)
+    return dropped
+
+
 async def follow_log(
     root: Path, *, poll_interval: float = 0.5, from_start: bool = True
 ) -> AsyncIterator[dict[str, Any]]:
@@ -57,15 +108,20 @@ async def follow_log(
     path = root / LOG_NAME
     offset = 0
     buf = b""
+    inode: int | None = None
+    last = -1  # the newest version yielded: a trimmed (replaced) log is re-read past it
     if not from_start and path.exists():
-        offset = path.stat().st_size
+        st = path.stat()
+        offset, inode = st.st_size, st.st_ino
     while True:
         try:
-            size = path.stat().st_size
+            st = path.stat()
+            size, ino = st.st_size, st.st_ino
         except FileNotFoundError:
-            size = 0
-        if size < offset:  # the log was replaced: start over
+            size, ino = 0, inode or 0
+        if size < offset or (inode is not None and ino != inode):  # replaced: start over
             offset, buf = 0, b""
+        inode = ino
         if size > offset:
             async with aiofiles.open(path, "rb") as f:
                 await f.seek(offset)
@@ -75,5 +131,10 @@ async def follow_log(
             *complete, buf = buf.split(b"\n")
             lines = [line.decode("utf-8", errors="replace") for line in complete]
             for rec in _parse_lines(lines):
+                v = rec.get("version")
+                if isinstance(v, int):
+                    if v <= last:
+                        continue  # seen before the log was trimmed
+                    last = v
                 yield rec
         await asyncio.sleep(poll_interval)

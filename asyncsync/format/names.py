@@ -15,6 +15,7 @@ READ_FORMAT_VERSIONS = (1, 2)  # what it reads: 2 added tensors in parts (multi-
 MANIFEST_NAME = "manifest.json"
 LOG_NAME = "log.jsonl"
 ACKS_DIR = "acks"
+LEASES_DIR = "leases"  # engine-id leases (FORMAT.md section 7.1)
 ROOT_INFO_NAME = "asyncsync.json"
 # the delta encodings a manifest may name (asyncsync.codec implements them; docs/CODEC.md)
 ENCODINGS: tuple[str, ...] = ("xef", "indices", "deltas", "deltas_zstd")
@@ -23,6 +24,9 @@ VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
 _MAX_INT = 2**53  # every integer in our JSON must be exactly representable as a double
 _MAX_RANK = 64
+# The largest shard a reader accepts (FORMAT.md section 3): a claim above it is refused by
+# validation, before a reader allocates anything for it.
+MAX_SHARD_BYTES = (1 << 40) - 1
 
 _VERSION_DIR_RE = re.compile(rf"^v(\d{{{VERSION_DIGITS}}})$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")

@@ -65,7 +65,7 @@ from asyncsync.format.store import (
     read_root_info,
     uncommitted_dirs,
 )
-from asyncsync.fsio import FileLock, remove_temp_files
+from asyncsync.fsio import FileLock, make_dir, remove_temp_files
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import finish_thread, run_pipeline
 from asyncsync.publish import snapshot
@@ -208,7 +208,7 @@ class Publisher:
             return
         release_large_buffers()
         try:
-            await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(make_dir, self.root, parents=True, exist_ok=True)
             acquired = await asyncio.to_thread(self._lock.acquire)
         except OSError as exc:
             raise ConfigError(
@@ -431,7 +431,7 @@ class Publisher:
         try:
             if rnd.refuse is not None:
                 raise PublishError(rnd.refuse)
-            await asyncio.to_thread(vdir.mkdir, exist_ok=rnd.shared_dir)
+            await asyncio.to_thread(make_dir, vdir, exist_ok=rnd.shared_dir)
             snap = self._snapshot if delta else None
             sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
             buckets = snapshot.plan_buckets(sizes, self.bucket_bytes)
@@ -569,7 +569,7 @@ class Publisher:
         )
         stage = ["mkdir"]
         try:
-            await asyncio.to_thread(vdir.mkdir)
+            await asyncio.to_thread(make_dir, vdir)
             await self._commit(vdir, manifest, stage)
         except BaseException as exc:
             self._progress = None

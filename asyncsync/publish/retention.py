@@ -4,7 +4,9 @@ What is always kept:
 
 * the newest keyframe and every version after it (the chain any engine can start from);
 * every version after the one a *live* engine acknowledged (it will replay them), where live
-  means its ack is younger than ``ack_ttl`` seconds;
+  means its ack was written, or its lease renewed, less than ``ack_ttl`` seconds ago: both
+  measured by file mtimes against a freshly created file, on the shared filesystem's one
+  clock (a receiver host's clock, in ``applied_at``, is never compared with ours);
 * the newest ``keep_versions`` versions and, counting from the newest, as many versions as fit
   in ``keep_bytes`` (when set).
 
@@ -20,13 +22,13 @@ import contextlib
 import logging
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncsync.errors import ConfigError, ManifestError
 from asyncsync.format import MANIFEST_NAME, version_dir
-from asyncsync.format.acks import read_acks
+from asyncsync.format.acks import ack_ages, read_acks
+from asyncsync.format.log import trim_log
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import fsync_dir
 
@@ -104,9 +106,10 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
         for v in versions:
             if v >= newest_keyframe:
                 keep(v, "newest keyframe and its chain")
-    now = time.time()
-    for ack in read_acks(root).values():
-        if policy.ack_ttl is not None and now - ack.applied_at > policy.ack_ttl:
+    acks = read_acks(root)
+    ages = ack_ages(root, acks)  # on the filesystem's clock: receivers' clocks may be wrong
+    for ack in acks.values():
+        if policy.ack_ttl is not None and ages[ack.engine_id].age > policy.ack_ttl:
             continue
         for v in versions:
             if v > ack.version:
@@ -129,6 +132,11 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
         freed += sizes[v]
         if not dry_run:
             _delete_version(root, v)
+    if doomed and not dry_run:
+        try:
+            trim_log(root, min(reasons))  # the log lists the versions kept, not all ever made
+        except OSError as exc:
+            logger.warning("gc %s: could not trim the log: %s", root, exc)
     if doomed:
         logger.info(
             "gc %s: deleted %d versions (%d bytes)%s",

@@ -180,18 +180,30 @@ class HttpClient:
         # without an admin key the one key opens every endpoint (as SGLang treats --api-key alone)
         self._admin_auth = _bearer(admin_api_key, "admin API key") or self._auth
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     def __repr__(self) -> str:  # no headers: they hold the key
         auth = "yes" if self._auth else "no"
         admin = "yes" if self._admin_auth and self._admin_auth != self._auth else "no"
         return f"<HttpClient {self.name} {self.url} auth={auth} admin_auth={admin}>"
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
+        """Close the session; a closed client refuses requests (it never opens another)."""
+        self._closed = True
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
 
-    def _get_session(self) -> aiohttp.ClientSession:
+    def _get_session(self, endpoint: str) -> aiohttp.ClientSession:
+        if self._closed:
+            raise EngineHTTPError(
+                f"{self.name} {endpoint}: the client is closed (the engine was closed)",
+                endpoint=endpoint,
+            )
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(headers=self._headers, trust_env=False)
         return self._session
@@ -223,7 +235,7 @@ class HttpClient:
         headers = {"Authorization": auth} if auth else None
         for attempt in range(1, attempts + 1):
             try:
-                async with self._get_session().request(
+                async with self._get_session(endpoint).request(
                     method,
                     url,
                     json=json_body,

@@ -256,6 +256,12 @@ class ReloadingEngine(Engine, abc.ABC):
             await self.abort()
         if self._background:  # a resume call still running after a cancellation
             await asyncio.wait(list(self._background), timeout=self.timeouts.control)
+        pending = list(self._background)
+        for task in pending:  # still running after its deadline: it must not outlive close()
+            task.cancel()
+        if pending:
+            logger.warning("%s: a resume call was still running at close: cancelled", self.kind)
+            await asyncio.gather(*pending, return_exceptions=True)
         await self.client.close()
         await self.checkpoint.close()
         self._opened = False
@@ -367,7 +373,7 @@ class ReloadingEngine(Engine, abc.ABC):
         """Resume in a task of its own, so a cancelled sync still unpauses the server."""
         task = asyncio.create_task(self._resume(), name=f"{self.kind} resume")
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -378,6 +384,13 @@ class ReloadingEngine(Engine, abc.ABC):
                 logger.error("%s", msg)  # the update's own error is the one raised
             else:
                 raise ApplyFailed(msg) from exc
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        """Forget a finished background task, retrieving its error (logged, never lost)."""
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("%s: background %s failed: %s", self.kind, task.get_name(),
+                           task.exception())  # fmt: skip
 
     async def _confirm(self, version: int) -> None:
         label = await self._guard(self.served_version())

@@ -44,6 +44,7 @@ from receiver.state import (
     bumped,
     check_base,
     check_patch,
+    check_tensor_set,
     layouts_of,
 )
 
@@ -205,6 +206,14 @@ class TorchModule(Engine):
             raise
         return self.state
 
+    def _held(self) -> dict[str, tuple[torch.dtype | None, tuple[int, ...]]]:
+        """dtype and shape of each tensor of the held version (as the module has them)."""
+        tensors = self.tensors()
+        return {
+            n: (tensors[n].dtype, tuple(tensors[n].shape)) if n in tensors else (None, ())
+            for n in self._ps.checksums
+        }
+
     def _mismatches(self, ps: PersistedState) -> list[str]:
         tensors = self.tensors()
         algo = ps.checksum_algorithm or "xxh3-128"
@@ -230,6 +239,8 @@ class TorchModule(Engine):
             raise ApplyFailed(f"unknown apply mode {mode!r}")
         if mode == "delta":
             check_base(self.state.version, self.state.run_id, manifest, repr(self))
+            if self._ps.checksums:
+                check_tensor_set(self._held(), manifest, repr(self))
         tensors = self.tensors()
         entries = manifest.tensor_map()
         for name, e in entries.items():
@@ -358,4 +369,6 @@ class TorchModule(Engine):
         if self._txn is not None:
             raise ApplyFailed(f"{self!r}: bump while v{self._txn.manifest.version} is open")
         check_base(self.state.version, self.state.run_id, manifest, repr(self))
+        if self._ps.checksums:
+            check_tensor_set(self._held(), manifest, repr(self))
         self._set(bumped(self._ps, manifest))

@@ -1,8 +1,11 @@
 """``asyncsync status ROOT``: which engines hold which version, who lags, who went quiet.
 
 Read from the ack records in the root, so it works from any host that mounts the root, without
-reaching the receivers. An engine is a *straggler* when it is more than ``--max-lag`` versions
-behind the newest, or its last ack is older than ``--stale`` seconds while it is behind.
+reaching the receivers. Ages are measured on the root filesystem's clock (file mtimes); the
+``skew`` column is how far a receiver's clock was from it when it wrote its ack, and ``bad``
+lists the versions a receiver found damaged and went past. An engine is a *straggler* when it
+is more than ``--max-lag`` versions behind the newest, or was last heard of (its ack, its
+lease's heartbeat) more than ``--stale`` seconds ago while it is behind.
 Exit status 0, or 3 when there are stragglers (for scripts and alerts).
 """
 
@@ -10,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
-from asyncsync.format.acks import read_acks
+from asyncsync.format.acks import ack_ages, read_acks
 from asyncsync.format.store import read_manifest
 from asyncsync.ops.cli.common import check_root, fmt_time, non_negative_int, positive_float, table
 
@@ -30,12 +32,13 @@ def engine_rows(
     versions = check_root(root)
     latest = versions[-1] if versions else None
     run_id = read_manifest(root, latest).run_id if latest is not None else None
-    now = time.time()
+    acks = read_acks(root)
+    ages = ack_ages(root, acks)  # on the root filesystem's clock, not the receivers'
     rows = []
-    for engine, ack in sorted(read_acks(root).items()):
+    for engine, ack in sorted(acks.items()):
         other_run = run_id is not None and ack.run_id != run_id
         lag = None if latest is None or other_run else latest - ack.version
-        age = max(0.0, now - ack.applied_at)
+        age = ages[engine].age
         behind = other_run or (lag is not None and lag > 0)
         straggler = other_run or (lag is not None and lag > max_lag) or (behind and age > stale)
         rows.append(
@@ -45,6 +48,8 @@ def engine_rows(
                 "lag": lag,
                 "acked_at": ack.applied_at,
                 "ack_age_seconds": round(age, 3),
+                "clock_skew_seconds": round(ages[engine].skew, 3),
+                "bad_versions": list(ack.bad_versions),
                 "host": ack.host,
                 "run_id": ack.run_id,
                 "other_run": other_run,
@@ -64,16 +69,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"root {root}: newest version {latest if latest is not None else '-'}, "
               f"{len(rows)} engines, {len(stragglers)} stragglers")  # fmt: skip
         if rows:
-            headers = ["engine", "version", "lag", "acked", "age s", "host", "state"]
-            print(table(headers, [_row(r) for r in rows], right=["version", "lag", "age s"]))
+            headers = ["engine", "version", "lag", "acked", "age s", "skew s", "host", "state"]
+            right = ["version", "lag", "age s", "skew s"]
+            print(table(headers, [_row(r) for r in rows], right=right))
     return STRAGGLERS_EXIT if stragglers else 0
 
 
 def _row(r: dict[str, Any]) -> list[object]:
     state = "OTHER RUN" if r["other_run"] else "STRAGGLER" if r["straggler"] else "ok"
     lag = "-" if r["lag"] is None else r["lag"]
-    age = f"{r['ack_age_seconds']:.1f}"
-    return [r["engine_id"], r["version"], lag, fmt_time(r["acked_at"]), age, r["host"], state]
+    if r["bad_versions"]:
+        state += " bad " + ",".join(f"v{v}" for v in r["bad_versions"])
+    age, skew = f"{r['ack_age_seconds']:.1f}", f"{r['clock_skew_seconds']:+.1f}"
+    return [r["engine_id"], r["version"], lag, fmt_time(r["acked_at"]), age, skew, r["host"], state]
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:

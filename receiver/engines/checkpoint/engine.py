@@ -32,6 +32,7 @@ from receiver.state import (
     bumped,
     check_base,
     check_patch,
+    check_tensor_set,
     layouts_of,
 )
 
@@ -306,24 +307,14 @@ class LocalCheckpoint(Engine):
         if mode != "delta":
             raise ApplyFailed(f"unknown apply mode {mode!r}")
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
-        for name, e in entries.items():
-            loc = self._layout.get(name)
-            if loc is None:
-                raise ApplyFailed(
-                    f"tensor {name!r} of v{manifest.version} is not in the checkpoint"
-                )
-            if loc.dtype != e.torch_dtype or loc.shape != e.shape:
-                raise ApplyFailed(
-                    f"tensor {name!r}: v{manifest.version} has {e.dtype}{list(e.shape)}, the "
-                    f"checkpoint has {loc.dtype}{list(loc.shape)}"
-                )
-        extra = set(self._layout) - set(entries)
-        if extra:
-            logger.warning("%s: tensors not in v%s: %s", self.directory, manifest.version, extra)
+        check_tensor_set(self._held(), manifest, str(self.directory))
         self._store.clear_dir(self._store.journal_dir)
         self._set(self._ps.begin(manifest.version, "delta"))
         txn.maps = FileMaps(self.directory)
         self._txn = txn
+
+    def _held(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {n: (loc.dtype, tuple(loc.shape)) for n, loc in self._layout.items()}
 
     def _claim(self, txn: _Txn, u: TensorUpdate) -> TensorEntry:
         """The manifest entry of an update; refuses strangers, repeats and changed shapes."""
@@ -517,6 +508,7 @@ class LocalCheckpoint(Engine):
         if self._txn is not None:
             raise ApplyFailed(f"{self.directory}: bump while v{self._txn.manifest.version} is open")
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
+        check_tensor_set(self._held(), manifest, str(self.directory))
         self._set(bumped(self._ps, manifest))
         self._after_commit(manifest.version)
 

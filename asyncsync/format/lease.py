@@ -1,0 +1,238 @@
+"""Engine-id leases: ``ROOT/leases/<engine_id>.json``, one live receiver per engine id.
+
+Acks are keyed by engine id, so two receivers that share an id (a copied config, a second
+pod) would overwrite each other's ack and retention would protect neither. A receiver
+therefore holds its id's *lease* while it runs (FORMAT.md section 7.1):
+
+* **take** it by writing a temp file and ``link``-ing it to the lease name: ``link`` fails
+  when the name exists, on every host, because it is an exact-path operation (it does not
+  depend on a cached listing, and is the classic NFS lock-file primitive). A lost reply is
+  detected by the temp file's link count;
+* **renew** it (the heartbeat) by replacing the file atomically every ``ttl / 3`` seconds,
+  after checking that it still names this holder;
+* a lease is **stale** when its file's mtime is older than its ``ttl`` on the *filesystem's*
+  clock (:func:`asyncsync.fsio.fs_now`: the hosts' clocks are never compared), or when it
+  names this host and a process that is gone (a receiver restarted after ``kill -9`` takes its
+  id back at once). A stale lease is taken over by ``rename``-ing it aside first: only one
+  contender's rename of that exact path succeeds, and the winner checks that what it moved is
+  the stale record it judged before it creates its own;
+* **release** removes the file if it still names this holder.
+
+Blocking functions: async callers use ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from asyncsync.errors import LockHeld, ManifestError
+from asyncsync.format.fields import _float, _int, _load_json, _str
+from asyncsync.format.names import LEASES_DIR, check_engine_id
+from asyncsync.fsio import TMP_PREFIX, atomic_write, fs_now, make_dir, read_bytes
+
+__all__ = ["DEFAULT_LEASE_TTL", "EngineLease", "LeaseRecord", "lease_path", "read_lease"]
+
+logger = logging.getLogger(__name__)
+
+LEASE_FORMAT = "asyncsync-lease"
+DEFAULT_LEASE_TTL = 30.0
+_HELD: set[str] = set()  # owners of the leases this process holds
+
+
+def lease_path(root: Path, engine_id: str) -> Path:
+    return root / LEASES_DIR / f"{check_engine_id(engine_id)}.json"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    engine_id: str
+    owner: str  # a random id of the holding agent instance
+    host: str
+    pid: int
+    ttl: float
+    acquired_at: float  # the holder's clock: for people only
+    heartbeat_at: float  # the holder's clock: for people only; staleness uses the file's mtime
+
+    def to_json(self) -> bytes:
+        d = {"format": LEASE_FORMAT, "format_version": 1, **asdict(self)}
+        return (json.dumps(d) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> LeaseRecord:
+        d = _load_json(data, where)
+        if d.get("format") != LEASE_FORMAT:
+            raise ManifestError(f"{where}: not an asyncsync lease")
+        return cls(
+            engine_id=check_engine_id(d.get("engine_id")),
+            owner=_str(d, "owner", where, 64),
+            host=_str(d, "host", where, 256),
+            pid=_int(d, "pid", where),
+            ttl=_float(d, "ttl", where),
+            acquired_at=_float(d, "acquired_at", where),
+            heartbeat_at=_float(d, "heartbeat_at", where),
+        )
+
+    def describe(self) -> str:
+        return f"host {self.host} pid {self.pid} (owner {self.owner})"
+
+
+def read_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | None:
+    """The lease of ``engine_id`` and its file's mtime, or None (no lease, or unreadable)."""
+    path = lease_path(root, engine_id)
+    try:
+        mtime = os.stat(path, follow_symlinks=False).st_mtime
+        rec = LeaseRecord.from_json(read_bytes(path, limit=64 << 10), str(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, ManifestError) as exc:
+        logger.warning("unreadable lease %s: %s", path, exc)
+        return None
+    return rec, mtime
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class EngineLease:
+    """The lease of one engine id, held by one agent (see the module docstring).
+
+    Example::
+
+        lease = EngineLease(root, "node3-gpu0")
+        lease.acquire()          # LockHeld naming the holder when another receiver runs
+        ...                      # lease.renew() at least every ttl / 3 seconds
+        lease.release()
+    """
+
+    def __init__(self, root: Path, engine_id: str, *, ttl: float = DEFAULT_LEASE_TTL):
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be > 0, got {ttl}")
+        self.root = Path(root)
+        self.engine_id = check_engine_id(engine_id)
+        self.path = lease_path(self.root, engine_id)
+        self.ttl = ttl
+        self.owner = secrets.token_hex(8)
+        self.held = False
+        self._acquired_at = 0.0
+
+    def __repr__(self) -> str:
+        return f"<EngineLease {self.engine_id} owner={self.owner} held={self.held}>"
+
+    def _record(self) -> LeaseRecord:
+        now = time.time()
+        return LeaseRecord(
+            self.engine_id, self.owner, socket.gethostname(), os.getpid(), self.ttl,
+            self._acquired_at or now, now,
+        )  # fmt: skip
+
+    def stale(self, rec: LeaseRecord, mtime: float) -> bool:
+        if rec.host == socket.gethostname():
+            if rec.pid == os.getpid():  # this process: live if one of its leases holds it
+                return rec.owner not in _HELD  # else a previous life (a container's pid 1)
+            if not _pid_alive(rec.pid):
+                return True  # this host's holder is gone (kill -9): free at once
+        return fs_now(self.path.parent) - mtime > rec.ttl
+
+    def acquire(self) -> None:
+        """Take the lease, or raise LockHeld naming the live holder."""
+        make_dir(self.path.parent, parents=True, exist_ok=True)
+        self._acquired_at = time.time()
+        for _ in range(8):
+            if self._create():
+                self.held = True
+                _HELD.add(self.owner)
+                logger.debug("engine id %s: lease taken (%s)", self.engine_id, self.path)
+                return
+            found = read_lease(self.root, self.engine_id)
+            if found is None:
+                continue  # released (or unreadable) meanwhile: try again
+            rec, mtime = found
+            if rec.owner == self.owner:
+                self.held = True
+                _HELD.add(self.owner)
+                return
+            if not self.stale(rec, mtime):
+                age = fs_now(self.path.parent) - mtime
+                raise LockHeld(
+                    f"engine id {self.engine_id!r} is in use by the receiver on {rec.describe()}, "
+                    f"last heartbeat {max(age, 0.0):.0f}s ago (a lease goes stale after "
+                    f"{rec.ttl:g}s): give this receiver another --engine-id, or stop that one"
+                )
+            logger.warning(
+                "engine id %s: taking over the stale lease of %s", self.engine_id, rec.describe()
+            )
+            self._remove_stale(rec)
+        raise LockHeld(f"engine id {self.engine_id!r}: could not take {self.path} (contended)")
+
+    def _create(self) -> bool:
+        tmp = self.path.with_name(f"{TMP_PREFIX}{self.path.name}.{secrets.token_hex(6)}")
+        atomic_write(tmp, self._record().to_json(), sync_dir=False)
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                return os.stat(tmp).st_nlink == 2  # the link was made, its reply was lost
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def _remove_stale(self, rec: LeaseRecord) -> None:
+        aside = self.path.with_name(f"{TMP_PREFIX}stale.{self.path.name}.{secrets.token_hex(6)}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another contender moved it first
+        try:
+            moved = LeaseRecord.from_json(read_bytes(aside, limit=64 << 10), str(aside))
+        except (OSError, ValueError, ManifestError):
+            moved = None
+        if moved is not None and moved.owner != rec.owner:
+            # we moved a lease taken after we judged the old one stale: put it back
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)
+        with contextlib.suppress(OSError):
+            os.unlink(aside)
+
+    def renew(self) -> None:
+        """The heartbeat: rewrite the lease. Raises LockHeld when another receiver took it."""
+        found = read_lease(self.root, self.engine_id)
+        if found is None:  # removed from outside: take it again
+            self.held = False
+            self.acquire()
+            return
+        rec, _ = found
+        if rec.owner != self.owner:
+            self.held = False
+            _HELD.discard(self.owner)
+            raise LockHeld(
+                f"engine id {self.engine_id!r}: the lease was taken over by {rec.describe()} "
+                "(this receiver's heartbeat was late by more than the lease ttl)"
+            )
+        atomic_write(self.path, self._record().to_json())
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        _HELD.discard(self.owner)
+        found = read_lease(self.root, self.engine_id)
+        if found is not None and found[0].owner == self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)

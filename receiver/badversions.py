@@ -1,0 +1,153 @@
+"""Bad versions: what a receiver does past a version it cannot take (FORMAT.md section 8).
+
+A version is *bad* for a receiver when, after the bounded re-reads that cover a network
+filesystem showing a file before its bytes, it is still damaged (a shard missing, short, of
+the wrong size or failing its checksum; a shard header naming another version; a manifest
+that does not parse), or when it names other tensors than the engine holds. The receiver then:
+
+1. marks it bad (per run; reported in ``AgentStatus.bad_versions``, the ack's
+   ``bad_versions``, ``/metrics`` and the log);
+2. goes on from the newest keyframe past it, so one damaged version never stalls it;
+3. with no keyframe past it, stays at its version, says why, and on each sync tries the version
+   once more (no re-read window: it may have been repaired) and looks for a keyframe again.
+
+:class:`BadVersions` holds the marks and plans a receiver's next step around them. Its
+methods block (manifest reads); the agent calls them through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from asyncsync.errors import ManifestError
+from asyncsync.format import Manifest
+from asyncsync.format.store import ManifestCache
+from receiver.engines.base import EngineState
+from receiver.plan import Mode, keyframe_after, keyframes_in, plan_next
+
+__all__ = ["MAX_BAD_KEPT", "BadVersions"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BAD_KEPT = 16  # bad versions remembered (and reported) per run
+
+
+class BadVersions:
+    """The bad versions of the root's current run, and planning past them."""
+
+    def __init__(self, root: Path, engine_id: str, verify_deadline: float):
+        self.root = root
+        self.engine_id = engine_id
+        self.verify_deadline = verify_deadline
+        self.manifests = ManifestCache()
+        self.marks: dict[int, str] = {}  # version -> why
+        self.run: str | None = None
+        self.waiting: str | None = None  # why the last sync stayed where it was
+
+    def __contains__(self, version: object) -> bool:
+        return version in self.marks
+
+    def versions(self) -> tuple[int, ...]:
+        return tuple(sorted(self.marks))
+
+    def for_run(self, run_id: str) -> None:
+        """Marks are per run: a new run in the root starts with none."""
+        if self.run is not None and self.run != run_id:
+            self.marks = {}
+        self.run = run_id
+
+    def mark(self, version: int, exc: BaseException) -> None:
+        if version not in self.marks:
+            logger.error(
+                "agent %s: v%d is bad (%s: %s)", self.engine_id, version, type(exc).__name__, exc
+            )
+        self.marks[version] = f"{type(exc).__name__}: {exc}"
+        while len(self.marks) > MAX_BAD_KEPT:
+            del self.marks[min(self.marks)]
+
+    def cleared(self, version: int) -> None:
+        """``version`` was applied after all (repaired): no longer bad."""
+        if self.marks.pop(version, None) is not None:
+            logger.info("agent %s: v%d was bad and is now applied", self.engine_id, version)
+
+    def patience(self, version: int) -> float:
+        """Seconds to re-read a version's files: none for a version already known bad."""
+        return 0.0 if version in self.marks else self.verify_deadline
+
+    # -- reading and planning (blocking) ----------------------------------------------------
+    def read(self, root: Path, version: int) -> Manifest:
+        """A manifest (cached); one that does not parse is re-read until ``verify_deadline``,
+        then marked bad and its ManifestError raised."""
+        deadline, delay = time.monotonic() + self.patience(version), 0.05
+        while True:
+            try:
+                return self.manifests.get(root, version)
+            except ManifestError as exc:
+                if time.monotonic() >= deadline:
+                    self.mark(version, exc)
+                    raise
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 1.0)
+
+    def newest_readable(self, found: int) -> tuple[Manifest | None, ManifestError | None]:
+        """The newest committed version at or below ``found`` whose manifest reads, and the
+        error of the newest one when it does not."""
+        first: ManifestError | None = None
+        for v in range(found, max(found - MAX_BAD_KEPT, 0) - 1, -1):
+            try:
+                return self.read(self.root, v), first
+            except FileNotFoundError:
+                continue
+            except ManifestError as exc:
+                first = first or exc
+        return None, first
+
+    def keyframe_after(self, version: int, latest: int) -> Manifest | None:
+        return keyframe_after(self.root, version, latest, self.read, set(self.marks))
+
+    def plan(self, state: EngineState, latest: int) -> tuple[Manifest, Mode]:
+        """The next step toward ``latest``: the newest keyframe past a bad next version, else
+        what :func:`receiver.plan.plan_next` says. Re-raises the ManifestError (and records
+        why, :attr:`waiting`) when the next version's manifest is damaged and no keyframe
+        follows it."""
+        cur = state.version
+        if cur is not None and cur + 1 in self.marks:
+            kf = self.keyframe_after(cur + 1, latest)
+            if kf is not None:
+                logger.warning(
+                    "agent %s: v%d is bad: going on from keyframe v%d",
+                    self.engine_id, cur + 1, kf.version,
+                )  # fmt: skip
+                return kf, "full"
+        try:
+            return plan_next(self.root, state, latest, self.read, set(self.marks))
+        except ManifestError:  # the next version's manifest is damaged (now marked)
+            if cur is None:
+                raise
+            kf = self.keyframe_after(cur + 1, latest)
+            if kf is None:
+                self.stuck(cur + 1, cur)
+                raise
+            return kf, "full"
+
+    def can_go_past(self, version: int, cur: int | None, latest: int) -> bool:
+        """Whether a receiver at ``cur`` has a way around the bad ``version``: a keyframe past
+        it, or (an empty engine) any keyframe that is not bad. Records why not."""
+        if cur is None:
+            if keyframes_in(self.root, 0, latest, None, self.read, set(self.marks)) is not None:
+                return True
+            self.waiting = f"v{version} is bad and no other keyframe is readable"
+            return False
+        if self.keyframe_after(version, latest) is not None:
+            return True
+        self.stuck(version, cur)
+        return False
+
+    def stuck(self, version: int, cur: int) -> None:
+        """Record why a receiver stays at ``cur``: ``version`` is bad, nothing follows it."""
+        self.waiting = (
+            f"v{version} is bad and no keyframe follows it yet: the engine stays at v{cur} "
+            "and goes on from the next keyframe as soon as one is published"
+        )

@@ -1,0 +1,202 @@
+"""One damaged version never stalls a receiver (issue 13, failure 1; FORMAT.md section 8).
+
+Publish v0-v2, sync to v2, publish v3-v5, damage v3 (a flipped byte, a truncated, missing or
+wrong-size shard, a damaged manifest), publish a keyframe v6 and v7-v8: the receiver marks v3
+bad after its bounded re-reads, goes on from v6 and reaches v8 bit-exact, reports v3 (status,
+ack, /metrics, ``asyncsync status``), and v3 no longer pins retention. With no keyframe past
+the damage it stays at v2, says why, and takes the next keyframe as soon as it is published.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from asyncsync import ChecksumMismatch, FormatError, IncompleteVersion, Publisher
+from asyncsync.format.acks import read_acks
+from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.ops.cli import main as cli_main
+from asyncsync.publish.retention import RetentionPolicy, collect
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.torch_module import TorchModule
+from receiver.server import StatusServer
+from tests.conftest import Holder, assert_holds, mixed_state, mutate
+
+
+def _vdir(root: Path, v: int) -> Path:
+    return root / f"v{v:012d}"
+
+
+def _delta_shard(root: Path, v: int) -> Path:
+    m = read_manifest(root, v)
+    return _vdir(root, v) / next(s.file for s in m.shards if s.role == "delta")
+
+
+def flip(root: Path, v: int) -> None:
+    p = _delta_shard(root, v)
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x40
+    p.write_bytes(bytes(b))
+
+
+def truncate(root: Path, v: int) -> None:
+    p = _delta_shard(root, v)
+    p.write_bytes(p.read_bytes()[:-9])
+
+
+def delete(root: Path, v: int) -> None:
+    _delta_shard(root, v).unlink()
+
+
+def grow(root: Path, v: int) -> None:  # the wrong size: longer than the manifest says
+    p = _delta_shard(root, v)
+    p.write_bytes(p.read_bytes() + b"\0" * 16)
+
+
+def break_manifest(root: Path, v: int) -> None:
+    p = _vdir(root, v) / "manifest.json"
+    p.write_bytes(p.read_bytes()[:-40])
+
+
+DAMAGE = {
+    "flip": (flip, ChecksumMismatch),
+    "truncate": (truncate, IncompleteVersion),
+    "delete": (delete, IncompleteVersion),
+    "wrong_size": (grow, IncompleteVersion),
+    "manifest": (break_manifest, FormatError),
+}
+
+
+class Trainer:
+    def __init__(self, root: Path):
+        self.root = root
+        self.pub = Publisher(root, bucket_bytes=8192, keyframe_interval=0)
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    async def publish(self, n: int = 1, *, keyframe: bool = False) -> None:
+        for _ in range(n):
+            if not self.states:
+                self.states.append(mixed_state(0))
+                await self.pub.seed(self.states[0])
+                continue
+            self.states.append(mutate(self.states[-1], 0.03, seed=len(self.states)))
+            await self.pub.publish(self.states[-1], keyframe=keyframe)
+
+
+def _agent(root: Path, engine: object, engine_id: str = "e1") -> ReceiverAgent:
+    return ReceiverAgent(root, engine, engine_id, use_inotify=False, verify_deadline=0.1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+async def test_a_damaged_version_is_gone_past_from_the_next_keyframe(
+    tmp_path: Path, damage: str
+) -> None:
+    root = tmp_path / "root"
+    t = Trainer(root)
+    async with t.pub:
+        await t.publish(3)  # v0..v2
+        agent = _agent(root, LocalCheckpoint(tmp_path / "ckpt"))
+        async with agent:
+            assert await agent.sync_once() == 2
+            await t.publish(3)  # v3..v5
+            DAMAGE[damage][0](root, 3)
+            await t.publish(1, keyframe=True)  # v6
+            await t.publish(2)  # v7, v8
+            assert await agent.sync_once() == 8
+            assert_holds(agent.engine.load_state_dict(), t.states[8])  # type: ignore[attr-defined]
+            st = agent.status()
+            assert st.bad_versions == (3,) and st.last_error is None
+            ack = read_acks(root)["e1"]
+            assert (ack.version, ack.bad_versions) == (8, (3,))
+            # the bad version no longer pins retention: the engine is past it
+            collect(root, RetentionPolicy(keep_versions=1, ack_ttl=600))
+            assert list_versions(root) == [6, 7, 8]
+
+
+async def test_no_keyframe_past_the_damage_stays_says_why_then_takes_the_next_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    t = Trainer(root)
+    async with t.pub:
+        await t.publish(3)
+        module = Holder(mixed_state(0))
+        agent = _agent(root, TorchModule(module), "m1")
+        async with agent:
+            assert await agent.sync_once() == 2
+            await t.publish(3)
+            flip(root, 3)
+            with pytest.raises(ChecksumMismatch):
+                await agent.sync_once()
+            st = agent.status()
+            assert st.version == 2 and st.bad_versions == (3,)
+            assert st.last_error is not None and "no keyframe follows it" in st.last_error
+            assert read_acks(root)["m1"].bad_versions == (3,)  # reported in the ack as well
+            assert cli_main(["status", str(root), "--json"]) == 3  # behind: a straggler
+            rows = json.loads(capsys.readouterr().out)["engines"]
+            assert rows[0]["bad_versions"] == [3]
+            await t.publish(1, keyframe=True)  # v6
+            assert await agent.sync_once() == 6
+            assert_holds(module.state_dict(), t.states[6])
+            assert agent.status().last_error is None
+
+
+async def test_a_repaired_version_is_taken_after_all(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    t = Trainer(root)
+    async with t.pub:
+        await t.publish(3)
+        agent = _agent(root, LocalCheckpoint(tmp_path / "ckpt"))
+        async with agent:
+            assert await agent.sync_once() == 2
+            await t.publish(1)
+            shard = _delta_shard(root, 3)
+            good = shard.read_bytes()
+            flip(root, 3)
+            with pytest.raises(ChecksumMismatch):
+                await agent.sync_once()
+            shard.write_bytes(good)
+            assert await agent.sync_once() == 3
+            assert agent.status().bad_versions == ()
+            assert read_acks(root)["e1"].bad_versions == ()
+
+
+async def test_a_damaged_newest_manifest_is_reported_and_waited_past(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    t = Trainer(root)
+    async with t.pub:
+        await t.publish(3)
+        agent = _agent(root, LocalCheckpoint(tmp_path / "ckpt"))
+        async with agent:
+            break_manifest(root, 2)  # the newest: v0, v1 are still reachable
+            with pytest.raises(FormatError):
+                await agent.sync_once()
+            assert agent.version == 1 and agent.status().bad_versions == (2,)
+            await t.publish(1, keyframe=True)
+            assert await agent.sync_once() == 3
+            assert_holds(agent.engine.load_state_dict(), t.states[3])  # type: ignore[attr-defined]
+
+
+async def test_bad_versions_in_metrics(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    t = Trainer(root)
+    async with t.pub:
+        await t.publish(3)
+        agent = _agent(root, LocalCheckpoint(tmp_path / "ckpt"))
+        async with agent, StatusServer(agent) as server, aiohttp.ClientSession() as http:
+            assert await agent.sync_once() == 2
+            await t.publish(2)
+            flip(root, 3)
+            await t.publish(1, keyframe=True)
+            assert await agent.sync_once() == 5
+            async with http.get(f"{server.url}/metrics") as resp:
+                text = await resp.text()
+            assert 'asyncsync_receiver_bad_versions{engine_id="e1"} 1.0' in text
+            assert 'asyncsync_receiver_newest_bad_version{engine_id="e1"} 3.0' in text
+            async with http.get(f"{server.url}/status") as resp:
+                assert (await resp.json())["bad_versions"] == [3]

@@ -1,0 +1,120 @@
+"""Bad input to the receiver: hostile sizes and arguments (issue 13, failures 6 and 7).
+
+A size is checked against the file (``fstat``) and sane limits before anything is allocated;
+``asyncsync-receiver`` refuses bad arguments up front and prints one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from asyncsync import IncompleteVersion, ManifestError, Publisher
+from asyncsync.format.manifest import Manifest
+from asyncsync.format.store import read_manifest
+from asyncsync.fsio import read_bytes
+from receiver.cli import build_parser, check_paths
+from receiver.cli import main as receiver_main
+from receiver.shard_reader import read_verified
+from tests.conftest import mixed_state, mutate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def _root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    async with Publisher(root, bucket_bytes=8192, keyframe_interval=0) as pub:
+        sd = mixed_state(0)
+        await pub.seed(sd)
+        await pub.publish(mutate(sd, 0.03, seed=1))
+    return root
+
+
+def _claim(root: Path, v: int, nbytes: int) -> Path:
+    p = root / f"v{v:012d}" / "manifest.json"
+    d = json.loads(p.read_text())
+    d["shards"][0]["bytes"] = nbytes
+    p.write_text(json.dumps(d))
+    return p
+
+
+async def test_a_hostile_shard_size_is_refused_by_validation(tmp_path: Path) -> None:
+    root = await _root(tmp_path)
+    _claim(root, 1, 1 << 40)
+    with pytest.raises(ManifestError, match="bytes"):
+        read_manifest(root, 1)
+
+
+async def test_a_claimed_size_is_checked_against_fstat_before_reading(tmp_path: Path) -> None:
+    root = await _root(tmp_path)
+    m = read_manifest(root, 1)
+    shard = m.shards[0]
+    big = Manifest.from_json(m.to_json())  # a valid claim far above the file's size
+    claim = type(shard)(shard.file, shard.role, (1 << 40) - 1, shard.checksum)
+    path = root / "v000000000001" / shard.file
+    tracemalloc.start()
+    try:
+        with pytest.raises(IncompleteVersion, match="the manifest says"):
+            read_verified(path, claim, big.checksum_algorithm)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    with pytest.raises(ValueError, match="larger than 10 bytes"):
+        read_bytes(path, limit=10)  # refused from fstat, nothing read
+
+
+def _run_receiver(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "receiver.cli", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+async def test_hostile_input_prints_one_line_never_a_traceback(tmp_path: Path) -> None:
+    root = await _root(tmp_path)
+    _claim(root, 0, 1 << 40)  # the keyframe an empty engine starts from
+    r = _run_receiver("--root", str(root), "--engine-id", "e1",
+                      "--checkpoint", str(tmp_path / "ck"), "--once")  # fmt: skip
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1, r.stderr
+    assert "1099511627776" in r.stderr  # the bad version and why are in the log
+
+
+@pytest.mark.parametrize("port", ["70000", "-5", "http"])
+def test_status_port_out_of_range_is_refused_up_front(tmp_path: Path, port: str) -> None:
+    argv = ["--root", str(tmp_path), "--engine-id", "e", "--checkpoint", str(tmp_path / "c"),
+            "--status-port", port]  # fmt: skip
+    assert receiver_main(argv) == 2
+    assert not (tmp_path / "c").exists()  # nothing was opened
+
+
+def test_checkpoint_inside_or_equal_to_the_root_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    for ckpt in (root, root / "ckpt", root / "a" / ".." / "b"):
+        assert receiver_main(["--root", str(root), "--engine-id", "e",
+                              "--checkpoint", str(ckpt), "--once"]) == 1  # fmt: skip
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "inside --root" in err
+    assert sorted(p.name for p in root.iterdir()) == []
+
+
+def test_a_missing_root_is_refused_by_once_and_logged_by_the_daemon(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = tmp_path / "nope"
+    argv = ["--root", str(missing), "--engine-id", "e", "--checkpoint", str(tmp_path / "c")]
+    check_paths(build_parser().parse_args(argv))  # the daemon waits for it, and says so
+    assert any("does not exist (yet); waiting" in r.getMessage() for r in caplog.records)
+    assert receiver_main([*argv, "--once"]) == 1
+    assert "does not exist" in capsys.readouterr().err
