@@ -55,6 +55,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from asyncsync import fsio
 from asyncsync.errors import ConfigError, CoordinationError
 from asyncsync.fsio import atomic_write, read_bytes
 from asyncsync.pipeline import finish_thread
@@ -274,7 +275,7 @@ class FileRendezvous(Coordinator):
             self._group = self._chain = await asyncio.to_thread(self._start_group)
 
     def _start_group(self) -> str:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        fsio.make_dir(self.dir, parents=True, exist_ok=True)
         for p in self.dir.iterdir():
             if p.name != GROUP_FILE:
                 with contextlib.suppress(OSError):
@@ -292,7 +293,7 @@ class FileRendezvous(Coordinator):
             if self._group is None:
                 await self.open()
             return await self._lead(step, key, message, decide)
-        await asyncio.to_thread(self.dir.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(fsio.make_dir, self.dir, parents=True, exist_ok=True)
         return await self._follow(step, key, message)
 
     # ------------------------------------------------------------------ the other ranks
