@@ -129,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the checkpoint directory as the server sees it (default: --checkpoint)",
     )
     server.add_argument(
+        "--version-offset",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tell the server weight version v+N for root version v (slime's weight_version "
+        "when its start version is not the root's; docs/INTEGRATION.md); acks still name v",
+    )
+    server.add_argument(
         "--pause-mode",
         choices=PAUSE_MODES,
         default="abort",
@@ -254,6 +262,7 @@ def _server_engine(args: argparse.Namespace) -> ReloadingEngine | None:
         "api_key": _api_key(args),
         "model_path": args.engine_model_path,
         "timeouts": timeouts,
+        "version_offset": args.version_offset,
     }
     admin = _read_secret(args.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key-file")
     if args.sglang_url:
@@ -367,11 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if not (args.sglang_url or args.vllm_url) and (
-            args.api_key_file or args.admin_api_key_file or args.engine_model_path
+            args.api_key_file
+            or args.admin_api_key_file
+            or args.engine_model_path
+            or args.version_offset
         ):
             parser.error(
-                "--api-key-file, --admin-api-key-file and --engine-model-path need "
-                "--sglang-url or --vllm-url"
+                "--api-key-file, --admin-api-key-file, --engine-model-path and "
+                "--version-offset need --sglang-url or --vllm-url"
             )
         if args.ready_max_lag < 0:
             parser.error("--ready-max-lag must be >= 0")

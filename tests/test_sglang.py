@@ -118,6 +118,32 @@ async def test_call_sequence_per_version(chain: Chain, tmp_path: Path, version: 
             assert "/get_weight_version" not in {c.path for c in srv.calls}
 
 
+async def test_version_offset_labels_the_server_and_acks_root_versions(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path
+) -> None:
+    """``version_offset`` (slime's start version): the server is told v + 5, a restarted
+    receiver reads the label back as v (no needless reload), and the ack names v."""
+    engine = make_engine(srv, tmp_path / "ckpt", version_offset=5)
+    async with agent_for(chain, engine) as agent:
+        for expect, zero in ((0, False), (1, False), (2, True)):
+            assert await chain.next(zero_diff=zero) == expect
+            assert await agent.sync_once() == expect
+            assert srv.weight_version == str(expect + 5)
+            assert read_acks(chain.root)["e1"].version == expect
+    n = len(srv.calls)
+    async with agent_for(chain, make_engine(srv, tmp_path / "ckpt", version_offset=5)) as agent:
+        assert await agent.sync_once() == 2
+    assert "POST /update_weights_from_disk" not in since(srv, n)  # label 7 read as v2: held
+    with pytest.raises(ConfigError, match="version_offset must be an int"):
+        make_engine(srv, tmp_path / "ckpt", version_offset="5")
+
+
+def test_cli_version_offset_needs_a_server(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--root", "/tmp", "--engine-id", "e", "--checkpoint", "/tmp/c", "--version-offset", "3"]
+    assert receiver_main(argv) == 2
+    assert "--version-offset need --sglang-url" in capsys.readouterr().err
+
+
 async def test_zero_diff_after_a_restart_reloads_in_full(
     chain: Chain, srv: FakeSGLang, tmp_path: Path
 ) -> None:

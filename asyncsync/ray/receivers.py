@@ -67,30 +67,13 @@ def build_engine(spec: ReceiverSpec) -> Engine:
             raise ConfigError(f"{spec.engine_id}: cannot read api_key_file: {exc}") from exc
     assert spec.url is not None  # checked by the spec
     cls: type[SGLang] | type[VLLM] = SGLang if spec.engine == "sglang" else VLLM
-    if spec.version_offset:
-        cls = _labelled(cls, spec.version_offset)
-    return cls(spec.url, spec.checkpoint, api_key=key, model_path=spec.model_path)
-
-
-def _labelled(cls: Any, offset: int) -> Any:
-    """``cls`` telling its server weight version ``v + offset`` for root version ``v``."""
-
-    class Labelled(cls):
-        async def _load(self, version: int) -> None:
-            await super()._load(version + offset)
-
-        async def _relabel(self, version: int) -> None:
-            await super()._relabel(version + offset)
-
-        async def served_version(self) -> str | None:
-            label = await super().served_version()
-            try:
-                return str(int(label) - offset) if label is not None else None
-            except ValueError:
-                return label  # "default" and other labels no version of ours has
-
-    Labelled.__name__ = Labelled.__qualname__ = f"{cls.__name__}Offset{offset:+d}"
-    return Labelled
+    return cls(
+        spec.url,
+        spec.checkpoint,
+        api_key=key,
+        model_path=spec.model_path,
+        version_offset=spec.version_offset,
+    )
 
 
 class ReceiverActor:

@@ -81,6 +81,9 @@ class ReloadingEngine(Engine, abc.ABC):
         timeouts: per-call deadlines; retry: retries of one call (connection errors, 5xx).
         failure_backoff: (first, max) seconds to wait after a failed server update before the
             next attempt; doubles per consecutive failure.
+        version_offset: the server is told weight version ``v + version_offset`` for root
+            version ``v`` (a trainer that numbers its steps from elsewhere, e.g. slime's
+            ``--update-weight-start-version``); the ack still names ``v``.
     """
 
     kind: ClassVar[str] = "engine"
@@ -98,7 +101,11 @@ class ReloadingEngine(Engine, abc.ABC):
         timeouts: Timeouts | None = None,
         retry: RetryPolicy | None = None,
         failure_backoff: tuple[float, float] = (2.0, 60.0),
+        version_offset: int = 0,
     ):
+        if not isinstance(version_offset, int) or isinstance(version_offset, bool):
+            raise ConfigError(f"version_offset must be an int, got {version_offset!r}")
+        self.version_offset = version_offset
         self.timeouts = timeouts or Timeouts()
         self.client = HttpClient(
             url,
@@ -152,6 +159,16 @@ class ReloadingEngine(Engine, abc.ABC):
     async def served_version(self) -> str | None:
         """The weight version label the server reports now."""
 
+    async def _served(self) -> str | None:
+        """The root version the server's label names (its label less ``version_offset``)."""
+        label = await self.served_version()
+        if not self.version_offset or label is None:
+            return label
+        try:
+            return str(int(label) - self.version_offset)
+        except ValueError:
+            return label  # "default" and other labels that no version of ours has
+
     async def _check_server(self) -> None:
         """Checks at ``open`` once the server answers (e.g. that it serves our checkpoint)."""
 
@@ -166,7 +183,7 @@ class ReloadingEngine(Engine, abc.ABC):
         if self.state.version is None:
             return None
         try:
-            label = await self._guard(self.served_version())
+            label = await self._guard(self._served())
         except ApplyFailed as exc:
             logger.info("%s at %s: cannot read its version: %s", self.kind, self.client.url, exc)
             self._lost = True
@@ -192,7 +209,7 @@ class ReloadingEngine(Engine, abc.ABC):
         if not self._lost or self._txn is not None:
             return
         await self._wait_for_server()
-        label = await self._guard(self.served_version())
+        label = await self._guard(self._served())
         held = self.state.version
         if held is not None and label != str(held) and self.checkpoint.state.version == held:
             logger.warning(
@@ -226,7 +243,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 call_timeout=self.timeouts.control,
             )
             await self._check_server()
-            label = await self.served_version()
+            label = await self._served()
             if local.version is None:
                 self.state = EngineState()  # nothing to serve yet: the agent seeds the checkpoint
             elif record == self._record_of(local) and label == str(local.version):
@@ -317,10 +334,10 @@ class ReloadingEngine(Engine, abc.ABC):
             await self.checkpoint.bump(manifest)
         if self._lost:
             await self._wait_for_server()
-        label = await self._guard(self.served_version())
+        label = await self._guard(self._served())
         if self.state.version is not None and label == str(self.state.version):
             try:
-                await self._guard(self._relabel(manifest.version))
+                await self._guard(self._relabel(manifest.version + self.version_offset))
                 await self._confirm(manifest.version)
             except ApplyFailed:
                 self._failed()
@@ -346,7 +363,7 @@ class ReloadingEngine(Engine, abc.ABC):
             failed = True
             try:
                 await self._guard(self._pause())
-                await self._guard(self._load(version))
+                await self._guard(self._load(version + self.version_offset))
                 failed = False
             finally:
                 await self._resume_always(failed)
@@ -393,7 +410,7 @@ class ReloadingEngine(Engine, abc.ABC):
                            task.exception())  # fmt: skip
 
     async def _confirm(self, version: int) -> None:
-        label = await self._guard(self.served_version())
+        label = await self._guard(self._served())
         if label != str(version):
             raise ApplyFailed(
                 f"{self.kind} at {self.client.url} reports weight version {label!r} after "

@@ -103,6 +103,7 @@ class SGLang(ReloadingEngine):
         timeouts: Timeouts | None = None,
         retry: RetryPolicy | None = None,
         failure_backoff: tuple[float, float] = (2.0, 60.0),
+        version_offset: int = 0,
     ):
         if pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
@@ -122,6 +123,7 @@ class SGLang(ReloadingEngine):
             timeouts=timeouts,
             retry=retry,
             failure_backoff=failure_backoff,
+            version_offset=version_offset,
         )
         self.pause_mode = pause_mode
         self.flush_cache = flush_cache

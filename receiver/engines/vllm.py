@@ -58,6 +58,7 @@ class VLLM(ReloadingEngine):
         timeouts: Timeouts | None = None,
         retry: RetryPolicy | None = None,
         failure_backoff: tuple[float, float] = (2.0, 60.0),
+        version_offset: int = 0,
     ):
         if pause_mode not in _MODES:
             raise ConfigError(f"pause_mode must be one of {_MODES}, got {pause_mode!r}")
@@ -69,6 +70,7 @@ class VLLM(ReloadingEngine):
             timeouts=timeouts,
             retry=retry,
             failure_backoff=failure_backoff,
+            version_offset=version_offset,
         )
         self.pause_mode = pause_mode
         self.check_model_root = check_model_root

@@ -188,6 +188,13 @@ class AsyncSyncWeightUpdater:
             self._link = Sidecars(engine_ids)
         if isinstance(self._link, RayReceivers):
             self._link.version_offset = self._version_offset()
+        elif isinstance(self._link, Sidecars) and self._version_offset():
+            logger.warning(
+                "asyncsync updater: slime's weight_version is the root version %+d: start each "
+                "sidecar with `asyncsync-receiver --version-offset %d` so that its server reports "
+                "slime's versions",
+                self._version_offset(), self._version_offset(),
+            )  # fmt: skip
         self._session.ack_policy = self._link.connect(self.rollout_engines, self.config.ack_policy)
         logger.info("asyncsync updater: waiting for %s", self._session.ack_policy.describe())
 
