@@ -236,7 +236,7 @@ class RankedCommitter:
             plan.version,
             delta=plan.delta,
             full=plan.full,
-            slices=check_state_dict(state_dict, sl),
+            slices=sl,  # checked above: plan() raised if it was not valid
             prefix=plan.shard_prefix(self.rank),
             shared_dir=True,
             refuse=refuse,

@@ -26,6 +26,7 @@ import torch
 
 from asyncsync import codec, fsio
 from asyncsync.codec.shards import delta_shard_blob
+from asyncsync.format.acks import read_acks
 from asyncsync.format.checksum import checksum_bytes, checksum_tensor
 from asyncsync.format.store import read_manifest
 from asyncsync.publish.publisher import Publisher
@@ -43,6 +44,7 @@ __all__ = [
     "receive_components",
     "reset_peak_rss",
     "rss",
+    "run_until_acked",
     "save_state_dict",
     "timed",
 ]
@@ -190,6 +192,31 @@ def receive_components(root: Path, version: int) -> dict[str, float]:
         shard_reader.decode_shard(m, "delta", idx, shard, data, shard.file)  # the agent's decode
         out["decode"] += time.perf_counter() - t0
     return out
+
+
+async def run_until_acked(agent: ReceiverAgent, final: int) -> list[float]:
+    """Run ``agent`` until its ack names ``final`` or later; the apply seconds of each version
+    it applied meanwhile (``status().last_apply_seconds``)."""
+    applies: list[float] = []
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        seen = agent.status().applied
+        while True:
+            s = agent.status()
+            if s.applied != seen and s.last_apply_seconds is not None:
+                applies.append(s.last_apply_seconds)
+                seen = s.applied
+            mine = (await asyncio.to_thread(read_acks, agent.root)).get(agent.engine_id)
+            if mine is not None and mine.version >= final:
+                stop.set()
+                return
+            await asyncio.sleep(0.005)
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(agent.run(stop=stop))
+        tg.create_task(watch())
+    return applies
 
 
 def full_sync(sd: Mapping[str, torch.Tensor], path: Path, throttle: fsio.Throttle) -> float:

@@ -48,7 +48,7 @@ import torch
 
 from asyncsync import codec, fsio
 from asyncsync.format import acks
-from asyncsync.ops.bench.probes import full_sync, reset_peak_rss, rss
+from asyncsync.ops.bench.probes import full_sync, reset_peak_rss, rss, run_until_acked
 from asyncsync.ops.workload import config_for_elements
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
@@ -208,7 +208,6 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
     root = Path(job.root)
     engine = LocalCheckpoint(job.checkpoint)
     agent = ReceiverAgent(root, engine, job.engine_id, poll_interval=job.poll_interval)
-    applies: list[float] = []
     async with agent, asyncio.timeout(job.timeout):
         while await agent.sync_once() is None:
             await asyncio.sleep(0.01)
@@ -218,24 +217,7 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
         reset_peak_rss()
         fsio.set_throttle(job.throttle)
         Path(job.ready).write_text("ready\n")
-        stop = asyncio.Event()
-
-        async def watch() -> None:
-            seen = agent.status().applied
-            while True:
-                s = agent.status()
-                if s.applied != seen and s.last_apply_seconds is not None:
-                    applies.append(s.last_apply_seconds)
-                    seen = s.applied
-                mine = (await asyncio.to_thread(acks.read_acks, root)).get(job.engine_id)
-                if mine is not None and mine.version >= job.versions:
-                    stop.set()
-                    return
-                await asyncio.sleep(0.005)
-
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(agent.run(stop=stop))
-            tg.create_task(watch())
+        applies = await run_until_acked(agent, job.versions)
         fsio.set_throttle(None)
     return {"rss": {"base": base, "startup": startup, "steady": rss()}, "applies": applies}
 

@@ -49,6 +49,7 @@ from asyncsync.ops.bench.probes import (
     receive_components,
     reset_peak_rss,
     rss,
+    run_until_acked,
     timed,
 )
 from asyncsync.ops.workload import Workload, WorkloadConfig
@@ -208,7 +209,6 @@ async def run_receive(job: Job) -> dict[str, Any]:
         pipelined=job.pipelined,
         prefetch=job.prefetch,
     )
-    applies: list[float] = []
     async with agent, asyncio.timeout(job.timeout):
         while await agent.sync_once() is None:  # version 0, unthrottled
             await asyncio.sleep(0.01)
@@ -218,24 +218,7 @@ async def run_receive(job: Job) -> dict[str, Any]:
         reset_peak_rss()
         fsio.set_throttle(job.throttle)
         Path(job.ready).write_text("ready\n")
-        stop = asyncio.Event()
-
-        async def watch() -> None:
-            seen = agent.status().applied
-            while True:
-                s = agent.status()
-                if s.applied != seen and s.last_apply_seconds is not None:
-                    applies.append(s.last_apply_seconds)
-                    seen = s.applied
-                mine = (await asyncio.to_thread(acks.read_acks, root)).get(job.engine_id)
-                if mine is not None and mine.version >= final:
-                    stop.set()
-                    return
-                await asyncio.sleep(0.005)
-
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(agent.run(stop=stop))
-            tg.create_task(watch())
+        applies = await run_until_acked(agent, final)
         fsio.set_throttle(None)
         _mark(job, marks, "last acked")
         status = agent.status()
