@@ -1,6 +1,10 @@
-"""Shared fixtures: small mixed-dtype state dicts and a way to change a fraction of their bytes."""
+"""Shared fixtures: small mixed-dtype state dicts and a way to change a fraction of their bytes;
+``eventually``, the one way tests wait for something another task or thread does."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
 
 import torch
 
@@ -85,3 +89,18 @@ def assert_holds(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     assert set(got) == set(want)
     for k, v in want.items():
         assert same_bytes(got[k], v.contiguous()), k
+
+
+async def eventually(cond: Callable[[], object], what: str, *, timeout: float = 10.0) -> None:
+    """Wait until ``cond()`` is true, polling; fail naming ``what`` after ``timeout`` seconds.
+
+    For synchronising with work in another task or thread: the deadline is generous (a loaded
+    machine only makes the wait longer), so it decides nothing about timing, only whether the
+    condition comes true at all.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"still waiting after {timeout}s for {what}")
+        await asyncio.sleep(0.005)

@@ -3,32 +3,72 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import types
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
+
+import aiofiles
+import pytest
 
 from asyncsync.format import LOG_NAME
+from asyncsync.format import log as log_module
 from asyncsync.format.log import follow_log, read_log
+from tests.conftest import eventually
 
 
-async def test_follow_sees_appends_and_waits_for_whole_lines(tmp_path: Path) -> None:
+class RecordedReads:
+    """Stands in for ``aiofiles`` in ``asyncsync.format.log``: every read ``follow_log`` makes,
+    with the versions it had yielded when the read began. The follower reads the file again
+    only after it has dealt with the bytes of its previous read, so the next read's record says
+    what those bytes made it yield; no test has to guess how long that takes."""
+
+    def __init__(self, got: list[dict[str, Any]]) -> None:
+        self.got = got
+        self.reads: list[tuple[bytes, list[object]]] = []
+
+    @contextlib.asynccontextmanager
+    async def open(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async with aiofiles.open(*args, **kwargs) as f:
+            yield types.SimpleNamespace(seek=f.seek, read=lambda n: self._read(f, n))
+
+    async def _read(self, f: Any, n: int) -> bytes:
+        before = [r["version"] for r in self.got]
+        data: bytes = await f.read(n)
+        self.reads.append((data, before))
+        return data
+
+    def read_bytes(self) -> int:
+        return sum(len(data) for data, _ in self.reads)
+
+
+async def test_follow_sees_appends_and_waits_for_whole_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     log = tmp_path / LOG_NAME
     log.write_bytes(b'{"version": 0}\n{"version": 1, "note": "\xc3\xa9t\xc3\xa9"}\n')
-    got: list[dict[str, object]] = []
+    got: list[dict[str, Any]] = []
+    rec = RecordedReads(got)
+    monkeypatch.setattr(log_module, "aiofiles", rec)
 
     async def follow() -> None:
-        async for rec in follow_log(tmp_path, poll_interval=0.01):
-            got.append(rec)
+        async for r in follow_log(tmp_path, poll_interval=0.01):
+            got.append(r)
             if len(got) == 4:
                 return
 
     task = asyncio.create_task(follow())
-    await asyncio.sleep(0.05)
+    await eventually(lambda: len(got) == 2, "the two lines already in the log")
     with open(log, "ab") as f:
         f.write(b'{"version": 2')  # a torn line: not yielded until its newline lands
         f.flush()
-        await asyncio.sleep(0.05)
-        assert [r["version"] for r in got] == [0, 1]
+        size = log.stat().st_size
+        await eventually(lambda: rec.read_bytes() == size, "the follower to read the torn line")
+        after_torn = len(rec.reads)
         f.write(b'}\nnot json\n{"version": 3}\n')
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(task, 10)
+    assert rec.reads[after_torn][1] == [0, 1]  # what the torn line made it yield: nothing
     assert [r["version"] for r in got] == [0, 1, 2, 3]
     assert got[1]["note"] == "été"
     assert [r["version"] for r in read_log(tmp_path)] == [0, 1, 2, 3]
