@@ -24,6 +24,9 @@ Progress = tuple[str, int, int] | None
 class ProgressWatcher:
     """Poll ``source`` every ``interval`` seconds and mirror it in a tqdm bar.
 
+    A bar appears once an operation (a label) has been in flight for ``delay`` seconds of
+    ``clock`` (the event loop's clock by default; tests pass one they advance by hand).
+
     Example::
 
         async with ProgressWatcher(lambda: agent_progress(agent)):
@@ -39,6 +42,7 @@ class ProgressWatcher:
         stream: TextIO | None = None,
         force: bool = False,
         unit: str = "shard",
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.source = source
         self.interval = interval
@@ -46,6 +50,7 @@ class ProgressWatcher:
         self.stream = stream or sys.stderr
         self.enabled = force or (hasattr(self.stream, "isatty") and self.stream.isatty())
         self.unit = unit
+        self.clock = clock
         self._task: asyncio.Task[None] | None = None
         self.drawn = 0  # bars shown (for tests)
 
@@ -66,11 +71,11 @@ class ProgressWatcher:
         bar: Any = None
         label: str | None = None
         seen_since: float | None = None
-        loop = asyncio.get_running_loop()
+        clock = self.clock or asyncio.get_running_loop().time
         try:
             while True:
                 p = self.source()
-                now = loop.time()
+                now = clock()
                 if p is None:
                     if bar is not None:
                         bar.close()
