@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import threading
-import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -24,26 +27,41 @@ async def test_items_flow_in_order_through_every_stage() -> None:
     assert set(seconds) == {"a", "b", "c"}
 
 
-async def test_stages_overlap_when_pipelined_and_not_otherwise() -> None:
+def meeting_stages(wait: float) -> tuple[list[tuple[str, Any]], Callable[[], int]]:
+    """Stages a and b, and the most calls of them ever in flight at once.
+
+    ``a(1)`` and ``b(0)`` wait (up to ``wait`` seconds) for each other at a barrier: pipelined,
+    they run at the same time, so they meet whatever the machine's load; serialized, they never
+    do (each gives up after ``wait`` and goes on).
+    """
     active = 0
     peak = 0
     lock = threading.Lock()
+    meet = threading.Barrier(2)
 
-    def work(x: int) -> int:
+    def work(stage: str, x: int) -> int:
         nonlocal active, peak
         with lock:
             active += 1
             peak = max(peak, active)
-        time.sleep(0.02)
+        if (stage, x) in (("a", 1), ("b", 0)):
+            with contextlib.suppress(threading.BrokenBarrierError):
+                meet.wait(wait)
         with lock:
             active -= 1
         return x
 
-    await run_pipeline(range(6), [("a", work), ("b", work)], pipelined=True)
-    assert peak == 2
-    peak = 0
-    await run_pipeline(range(6), [("a", work), ("b", work)], pipelined=False)
-    assert peak == 1
+    stages = [("a", functools.partial(work, "a")), ("b", functools.partial(work, "b"))]
+    return stages, lambda: peak
+
+
+async def test_stages_overlap_when_pipelined_and_not_otherwise() -> None:
+    stages, peak = meeting_stages(wait=30)  # only a pipeline that does not overlap waits it out
+    await run_pipeline(range(6), stages, pipelined=True)
+    assert peak() == 2
+    stages, peak = meeting_stages(wait=0.3)  # what a serialized run costs: b(0) waits alone
+    await run_pipeline(range(6), stages, pipelined=False)
+    assert peak() == 1
 
 
 async def test_backpressure_bounds_items_in_flight() -> None:
