@@ -8,8 +8,9 @@ missing required field is a 400, so the tests prove the receiver sends only what
 
 Control from a test:
 
-* ``inject(path, status=..., message=..., delay=..., times=...)``: the next calls to ``path``
-  sleep ``delay`` seconds, then fail with ``status`` (None: answer normally after the delay);
+* ``inject(path, status=..., message=..., delay=..., hold=..., times=...)``: the next calls to
+  ``path`` sleep ``delay`` seconds or wait until the event ``hold`` is set (a server that
+  stalls until the test says), then fail with ``status`` (None: answer normally after it);
 * ``report_version``: make ``/model_info`` (``/weight_info``) report this instead of the truth;
 * ``running``: requests in flight (a pause decides what happens to them);
 * ``restart()``: stop (in-flight calls are cut) and start on the same port with fresh state,
@@ -67,6 +68,7 @@ class _Fault:
     delay: float
     times: int
     drop: bool = False  # close the connection without an answer (a dying server)
+    hold: asyncio.Event | None = None  # answer only once the test sets it
 
 
 @dataclass
@@ -186,8 +188,10 @@ class FakeServer:
         delay: float = 0.0,
         times: int = 1,
         drop: bool = False,
+        hold: asyncio.Event | None = None,
     ) -> None:
-        self._faults.setdefault(path, []).append(_Fault(status, message, delay, times, drop))
+        fault = _Fault(status, message, delay, times, drop, hold)
+        self._faults.setdefault(path, []).append(fault)
 
     def endpoints(self, *, authorized_only: bool = True) -> list[str]:
         return [c.endpoint for c in self.calls if c.auth != "wrong" or not authorized_only]
@@ -229,6 +233,8 @@ class FakeServer:
                 queue.pop(0)
             if fault.delay:
                 await asyncio.sleep(fault.delay)
+            if fault.hold is not None:
+                await fault.hold.wait()
             if fault.drop and request.transport is not None:
                 request.transport.abort()
                 return web.Response()

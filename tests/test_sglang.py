@@ -30,6 +30,7 @@ from receiver.engines import (
     Timeouts,
     verify_checkpoint,
 )
+from tests.conftest import eventually
 from tests.fake_engines import FAST, FAST_RETRY, KEY, Chain, FakeSGLang, ServerThread
 
 RELOAD = [
@@ -264,14 +265,16 @@ async def test_5xx_is_retried_then_succeeds(chain: Chain, srv: FakeSGLang, tmp_p
 async def test_timeout_on_update(chain: Chain, srv: FakeSGLang, tmp_path: Path) -> None:
     timeouts = Timeouts(control=2.0, update=0.3, connect=1.0, startup=3.0)
     agent = await seeded(chain, srv, tmp_path, timeouts=timeouts)
-    srv.inject("/update_weights_from_disk", status=None, delay=1.0)  # answers, but too late
-    n = len(srv.calls)
+    stalled = asyncio.Event()  # the server answers the reload only once the client gave up
+    srv.inject("/update_weights_from_disk", status=None, hold=stalled)
+    n, loads = len(srv.calls), len(srv.loads)
     with pytest.raises(EngineHTTPError, match=r"no answer within 0\.3s") as ei:
         await agent.sync_once()
     assert ei.value.status is None
     assert since(srv, n) == RELOAD[:3]  # a timed-out reload is not retried at once
     assert agent.engine.state.version == 0 and read_acks(chain.root)["e1"].version == 0
-    await asyncio.sleep(1.0)  # the server finishes the slow reload meanwhile
+    stalled.set()  # the server finishes the stalled reload meanwhile
+    await eventually(lambda: len(srv.loads) > loads, "the server to finish the stalled reload")
     assert await agent.sync_once() == 1
     assert srv.paused is None and srv.weight_version == "1"
     await agent.close()
