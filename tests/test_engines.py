@@ -610,10 +610,11 @@ async def test_a_delta_is_made_durable_after_or_before_the_commit(
     ck.sync_before_ack = before
     gate = threading.Event()
     synced = FileMaps.sync
-    calls: list[int] = []
+    acked = False
+    calls: list[bool] = []  # for each flush: had the ack been given when it began?
 
     def slow_sync(self: FileMaps) -> None:  # hold the flush until the test has looked
-        calls.append(1)
+        calls.append(acked)
         gate.wait(10)
         synced(self)
 
@@ -626,12 +627,15 @@ async def test_a_delta_is_made_durable_after_or_before_the_commit(
     assert ck.state.version == 1 and verify_checkpoint(tmp_path, m1) == []
     st = _state(tmp_path)
     assert (st["status"], st["version"], st.get("synced", True)) == ("clean", 1, before)
-    await asyncio.sleep(0.05)
-    assert len(calls) == int(before)  # deferred: nothing flushes before the ack
+    # deferred: nothing flushes before the ack, and nothing is on its way to (a flush runs in
+    # a thread started by a task of this loop: none may be waiting to start)
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+    assert calls == [False] * int(before)
+    acked = True
     await ck.acknowledged()  # the agent calls this once the ack is written
     gate.set()
     await ck.flushed()
-    assert len(calls) == 1
+    assert calls == [not before]  # the one flush: at the commit, or after the ack
     assert _state(tmp_path).get("synced", True) is True
     # the next delta starts only after the flush, and ends the same way
     sd2 = mutate(sd1, 0.05, seed=2)
