@@ -627,8 +627,8 @@ async def test_a_delta_is_made_durable_after_or_before_the_commit(
     assert ck.state.version == 1 and verify_checkpoint(tmp_path, m1) == []
     st = _state(tmp_path)
     assert (st["status"], st["version"], st.get("synced", True)) == ("clean", 1, before)
-    # deferred: nothing flushes before the ack, and nothing is on its way to (a flush runs in
-    # a thread started by a task of this loop: none may be waiting to start)
+    # deferred: no flush before the ack, neither started nor about to start (a flush is a
+    # thread that a task of this loop starts: no task may be pending)
     assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
     assert calls == [False] * int(before)
     acked = True
