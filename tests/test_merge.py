@@ -135,7 +135,10 @@ def test_bad_parts_are_refused(change: Any, match: str) -> None:
 def test_format_1_records_are_still_read(tmp_path: Path) -> None:
     m = _parted_manifest(tensors=(TensorEntry("b", "int64", (), H, 0),))
     d = json.loads(m.to_json())
-    d.update(format_version=1, totals={**d["totals"], "tensors": 1, "elements": 1, "changed": 0})
+    d.update(
+        format_version=1,
+        totals={**d["totals"], "tensors": 1, "elements": 1, "changed": 0, "density": 0.0},
+    )
     d.pop("attempt")
     assert Manifest.from_json(json.dumps(d)).format_version == 1
     ack = AckRecord("e1", 3, H, "run", 1.0, format_version=1)

@@ -169,13 +169,13 @@ class TensorEntry:
         dtype_from_name(dtype)
         shape_raw = _get(d, "shape", list, where)
         if len(shape_raw) > _MAX_RANK or not all(
-            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < _MAX_INT for s in shape_raw
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_INT for s in shape_raw
         ):
             raise ManifestError(
                 f"{where}: shape must be a list of non-negative ints, got {shape_raw!r}"
             )
         shape = tuple(int(s) for s in shape_raw)
-        if math.prod(shape) >= _MAX_INT:
+        if math.prod(shape) > _MAX_INT:
             raise ManifestError(f"{where}: shape {shape} is too large")
         entry = cls(
             name=name,

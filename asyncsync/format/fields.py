@@ -39,6 +39,8 @@ def _opt_int(
 
 def _float(d: dict[str, Any], key: str, where: str) -> float:
     v = _get(d, key, (int, float), where)
+    if isinstance(v, int) and v > _MAX_INT:  # not exact as a double (and 10**400 overflows)
+        raise ManifestError(f"{where}: field {key!r}={v} out of range 0..{_MAX_INT}")
     if not math.isfinite(v) or v < 0:
         raise ManifestError(f"{where}: field {key!r}={v} must be a finite non-negative number")
     return float(v)
@@ -80,6 +82,12 @@ def _no_constant(name: str) -> Any:
 
 
 def _load_json(text: str | bytes, what: str) -> dict[str, Any]:
+    if isinstance(text, bytes | bytearray):
+        # json.loads(bytes) would also read UTF-16/32; the files are UTF-8 without a BOM
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ManifestError(f"{what} is not UTF-8: {exc}") from exc
     try:
         obj = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:

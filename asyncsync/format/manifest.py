@@ -8,6 +8,7 @@ anything malformed, unsafe (path escapes) or of an unknown format version with a
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,6 +253,10 @@ class Manifest:
                     raise ManifestError(f"{w}: changed={p.changed} but no delta data")
                 if p.full is not None:
                     self._check_ref(p.full.shard, "full", w)
+                    if (p.full.shard, p.full.key) in keys:
+                        raise ManifestError(f"{w}: shard key {p.full.key!r} used twice")
+                    keys.add((p.full.shard, p.full.key))
+        self._check_digests(where)
         tot = self.totals
         if tot.tensors != len(self.tensors):
             raise ManifestError(f"{where}: totals.tensors does not match the tensor list")
@@ -263,6 +268,30 @@ class Manifest:
             s.bytes for s in self.shards if not self.shard_dir or s.role == "delta"
         ):
             raise ManifestError(f"{where}: totals.wire_bytes does not match the shards")
+        if tot.delta_bytes != sum(s.bytes for s in self.shards if s.role == "delta"):
+            raise ManifestError(f"{where}: totals.delta_bytes does not match the delta shards")
+        density = tot.changed / tot.elements if tot.elements else 0.0
+        if not math.isclose(tot.density, density, rel_tol=1e-9, abs_tol=0.0):
+            raise ManifestError(
+                f"{where}: totals.density {tot.density} is not changed/elements ({density})"
+            )
+
+    def _check_digests(self, where: str) -> None:
+        """Every checksum has the length of a digest of the manifest's algorithm."""
+        n = len(checksum_bytes(b"", self.checksum_algorithm))
+        digests = [("fingerprint", self.fingerprint)]
+        digests += [(f"shard {s.file!r}", s.checksum) for s in self.shards]
+        for t in self.tensors:
+            digests.append((f"tensor {t.name!r}", t.checksum))
+            digests += [
+                (f"tensor {t.name!r} part at {p.offset}", p.checksum) for p in t.parts or ()
+            ]
+        for what, digest in digests:
+            if len(digest) != n:
+                raise ManifestError(
+                    f"{where}: {what}: checksum {digest!r} is not a {self.checksum_algorithm} "
+                    f"digest ({n} hex digits)"
+                )
 
     def _check_parts(self, t: TensorEntry, where: str) -> None:
         """A tensor in parts: format 2, parts tile it in offset order, sums and checksum agree."""

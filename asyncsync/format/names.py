@@ -22,7 +22,7 @@ ENCODINGS: tuple[str, ...] = ("xef", "indices", "deltas", "deltas_zstd")
 DEFAULT_ENCODING = "xef"
 VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
-_MAX_INT = 2**53  # every integer in our JSON must be exactly representable as a double
+_MAX_INT = 2**53 - 1  # the largest integer our JSON may hold: all are exact doubles (< 2^53)
 _MAX_RANK = 64
 # The largest shard a reader accepts (FORMAT.md section 3): a claim above it is refused by
 # validation, before a reader allocates anything for it.
