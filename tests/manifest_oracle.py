@@ -88,9 +88,9 @@ class _Rules:
         return self.check(_is_int(v, lo, hi), rule)
 
     def number(self, v: Any, rule: str) -> bool:
-        ok = type(v) in (int, float) and math.isfinite(v) and v >= 0
         if type(v) is int and v >= INT_LIMIT:
-            self.check(False, "integers below 2^53")
+            return self.check(False, "integers below 2^53")  # (float(10**400) overflows)
+        ok = type(v) in (int, float) and math.isfinite(v) and v >= 0
         return self.check(ok, rule)
 
     def digest(self, v: Any, algorithm: str | None, rule: str) -> bool:

@@ -557,6 +557,13 @@ def test_rules_the_reader_once_let_through_are_refused(rule: str) -> None:
         Manifest.from_json(data)
 
 
+def test_a_huge_integer_timestamp_is_a_manifest_error() -> None:
+    data = _gap(lambda d: d.update(created_at=10**400))(json.loads(samples()[0].text))
+    assert oracle.broken_rules_of_bytes(data) == ["integers below 2^53"]
+    with pytest.raises(ManifestError, match="created_at"):  # was a bare OverflowError
+        Manifest.from_json(data)
+
+
 def test_optional_fields_read_as_null_when_absent() -> None:
     """FORMAT.md section 3: readers take an absent base_version, shard_dir, delta or full as
     null, an absent producer as {}, and attempt or parts null as absent."""
