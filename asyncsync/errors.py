@@ -41,6 +41,7 @@ __all__ = [
     "IncompleteVersion",
     "LockHeld",
     "ManifestError",
+    "ManifestUnreadable",
     "CoordinationError",
     "OutOfOrder",
     "OutcomeUnknown",
@@ -62,6 +63,11 @@ class FormatError(AsyncSyncError):
 
 class ManifestError(FormatError):
     """A manifest (or ack, or log line) is malformed, unsafe, or of an unknown format version."""
+
+
+class ManifestUnreadable(ManifestError):
+    """The file's bytes are not (yet) a JSON object: on a network filesystem a file can show
+    before its data, so a reader may read it again; anything else wrong is final."""
 
 
 class ChecksumMismatch(FormatError):

@@ -21,7 +21,7 @@ import logging
 import time
 from pathlib import Path
 
-from asyncsync.errors import ManifestError
+from asyncsync.errors import ManifestError, ManifestUnreadable
 from asyncsync.format import Manifest
 from asyncsync.format.store import ManifestCache
 from receiver.engines.base import EngineState
@@ -79,13 +79,14 @@ class BadVersions:
     # -- reading and planning (blocking) ----------------------------------------------------
     def read(self, root: Path, version: int) -> Manifest:
         """A manifest (cached); one that does not parse is re-read until ``verify_deadline``,
-        then marked bad and its ManifestError raised."""
+        then marked bad and its ManifestError raised. One that parses but breaks a rule is
+        marked bad at once: a file renamed into place never shows another complete object."""
         deadline, delay = time.monotonic() + self.patience(version), 0.05
         while True:
             try:
                 return self.manifests.get(root, version)
             except ManifestError as exc:
-                if time.monotonic() >= deadline:
+                if not isinstance(exc, ManifestUnreadable) or time.monotonic() >= deadline:
                     self.mark(version, exc)
                     raise
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))

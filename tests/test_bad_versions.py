@@ -9,6 +9,7 @@ the damage it stays at v2, says why, and takes the next keyframe as soon as it i
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -90,6 +91,35 @@ class Trainer:
 
 def _agent(root: Path, engine: object, engine_id: str = "e1") -> ReceiverAgent:
     return ReceiverAgent(root, engine, engine_id, use_inotify=False, verify_deadline=0.1)  # type: ignore[arg-type]
+
+
+def invalidate_manifest(root: Path, v: int) -> None:  # parses, breaks a rule (totals)
+    p = _vdir(root, v) / "manifest.json"
+    d = json.loads(p.read_bytes())
+    d["totals"]["changed"] += 1
+    p.write_text(json.dumps(d))
+
+
+async def test_a_manifest_that_parses_but_breaks_a_rule_is_bad_without_the_re_reads(
+    tmp_path: Path,
+) -> None:
+    """Only bytes that are not yet JSON are worth re-reading: with an hour of patience, a
+    manifest that breaks a rule is still called bad on the first sync that meets it."""
+    root = tmp_path / "root"
+    t = Trainer(root)
+    async with t.pub:
+        await t.publish(3)
+        agent = ReceiverAgent(
+            root, LocalCheckpoint(tmp_path / "ckpt"), "e1", use_inotify=False, verify_deadline=3600
+        )
+        async with agent:
+            assert await agent.sync_once() == 2
+            await t.publish(1)  # v3
+            invalidate_manifest(root, 3)
+            await t.publish(1, keyframe=True)  # v4
+            assert await asyncio.wait_for(agent.sync_once(), 120) == 4
+            assert agent.status().bad_versions == (3,)
+            assert_holds(agent.engine.load_state_dict(), t.states[4])  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))

@@ -6,7 +6,7 @@ import json
 import math
 from typing import Any
 
-from asyncsync.errors import ManifestError
+from asyncsync.errors import ManifestError, ManifestUnreadable
 from asyncsync.format.names import _HEX_RE, _MAX_INT
 
 
@@ -87,9 +87,9 @@ def _load_json(text: str | bytes, what: str) -> dict[str, Any]:
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ManifestError(f"{what} is not UTF-8: {exc}") from exc
+            raise ManifestUnreadable(f"{what} is not UTF-8: {exc}") from exc
     try:
         obj = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
-        raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
+        raise ManifestUnreadable(f"{what} is not valid JSON: {exc}") from exc
     return _dict(obj, what)
