@@ -263,9 +263,15 @@ def _torn(old: bytes, new: bytes) -> bytes | None:
     return bytes(out[: len(new)])
 
 
-def crash_states(w: Window, cap: int, seed: int = 0) -> Iterator[CrashState]:
-    """Every crash state of ``w`` the model allows (at most about ``cap`` per crash point)."""
+def crash_states(
+    w: Window, cap: int, seed: int = 0, stats: dict[str, int] | None = None
+) -> Iterator[CrashState]:
+    """Every crash state of ``w`` the model allows (at most about ``cap`` per crash point).
+
+    ``stats`` (if given) counts ``allowed`` (the states the model allows, summed over crash
+    points) and ``sampled_points`` (crash points with more than ``cap``)."""
     rng = random.Random(seed)
+    stats = {} if stats is None else stats
     durable = {d: dict(n) for d, n in w.base.entries.items()}
     ddata = {ino: w.blobs[dg] for ino, dg in w.base.data.items()}
     pending: dict[str, list[tuple[int, Change]]] = {}
@@ -282,7 +288,9 @@ def crash_states(w: Window, cap: int, seed: int = 0) -> Iterator[CrashState]:
                 for _gid, c in pending.pop(ev[1], []):
                     _set(durable, c)
         current = {ino: w.blobs[dg] for ino, dg in walk.data.items()}
-        yield from _states_at(point, durable, ddata, current, pending, frozenset(dirs), cap, rng)
+        yield from _states_at(
+            point, durable, ddata, current, pending, frozenset(dirs), cap, rng, stats
+        )
 
 
 def _set(entries: dict[str, dict[str, int]], c: Change) -> None:
@@ -302,6 +310,7 @@ def _states_at(
     dirs: frozenset[int],
     cap: int,
     rng: random.Random,
+    stats: dict[str, int],
 ) -> Iterator[CrashState]:
     groups = sorted({gid for ops in pending.values() for gid, _ in ops})
     changes = {gid: [c for ops in pending.values() for g, c in ops if g == gid] for gid in groups}
@@ -317,6 +326,8 @@ def _states_at(
     for ino in dirty:
         n_total *= len(opts[ino])
     picks: list[tuple[tuple[bool, ...], tuple[int, ...]]]
+    stats["allowed"] = stats.get("allowed", 0) + n_total
+    stats["sampled_points"] = stats.get("sampled_points", 0) + (n_total > cap)
     if n_total <= cap:
         picks = [
             (inc, ch)
