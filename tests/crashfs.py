@@ -16,7 +16,8 @@ The persistence model (:func:`crash_states`), a weak POSIX one:
 * a directory entry change (create, rename, link, unlink, mkdir, rmdir) is durable only after
   an ``fsync`` of its directory; until then *any subset* of one directory's pending changes may
   have reached the disk, in any order (ALICE's weaker model, not its default "directory
-  operations persist in order"); a rename is atomic, also across two directories;
+  operations persist in order"); a rename is atomic, also across two directories (the fsync
+  of either makes all of it durable);
 * the state before the window is durable.
 
 For each crash point every combination of (subset of each directory's pending changes) x
@@ -284,9 +285,13 @@ def crash_states(
                     pending.setdefault(c.directory, []).append((ev[1], c))
             elif ev[0] == "fsync":
                 ddata[ev[1]] = w.blobs[ev[2]]
-            else:
-                for _gid, c in pending.pop(ev[1], []):
-                    _set(durable, c)
+            else:  # a directory fsync: its changes, and the other half of a rename, durable
+                gids = {gid for gid, _ in pending.get(ev[1], [])}
+                for d in list(pending):
+                    for gid, c in pending[d]:
+                        if gid in gids:
+                            _set(durable, c)
+                    pending[d] = [(g, c) for g, c in pending[d] if g not in gids]
         current = {ino: w.blobs[dg] for ino, dg in walk.data.items()}
         yield from _states_at(
             point, durable, ddata, current, pending, frozenset(dirs), cap, rng, stats
