@@ -53,7 +53,7 @@ from tests.module_child import SharedHolder, layout_of
 LONG = os.environ.get("ASYNCSYNC_LONG") == "1"
 REPO = Path(__file__).resolve().parent.parent
 SYNCS_TO_CONVERGE = 3
-KILLS = 3 if LONG else 2  # kill_module_child per example
+KILLS = 3 if LONG else 1  # kill_module_child per example
 
 
 def _small_state(extra: int = 0) -> dict[str, torch.Tensor]:
@@ -333,7 +333,7 @@ def test_protocol_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 def test_kill_of_a_module_receiver_mid_apply(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The model's ``kill_module_child`` at fixed moments of dense deltas (the hypothesis run
+    """The model's ``kill_module_child`` 20 and 50 ms into dense deltas (the hypothesis run
     may draw it rarely): after each kill the restarted receiver takes the lease over, holds
     a committed version bit for bit or none, its ack names no more, and it then catches up."""
     monkeypatch.setenv("ASYNCSYNC_MODEL_TMP", str(tmp_path))
@@ -341,7 +341,7 @@ def test_kill_of_a_module_receiver_mid_apply(
     held: list[int | None] = []  # the version each restarted receiver found
     try:
         m.sync("mod")
-        for i, delay in enumerate([0.0, 0.03, 0.06, 2.0]):
+        for i, delay in enumerate([0.02, 0.05]):
             m.publish(0.9, False, 1, i)  # dense: many apply groups of 2 KiB
             m.kill_module_child(delay)
             agent = m.agents["mod"]
