@@ -44,11 +44,12 @@ bench: $(STAMP)
 	$(VENV)/bin/asyncsync bench --quick
 
 # kill -9 stress of publisher and receiver, 50 trials each, the multi-rank model (10 seeds of 40
-# steps) and the long protocol model (docs/RELIABILITY.md); several minutes each
+# steps), the long protocol model and every crash state of test_durability (docs/RELIABILITY.md);
+# several minutes each
 stress: $(STAMP)
 	$(PY) stress/crash.py publisher --trials 50 && $(PY) stress/crash.py receiver --trials 50
 	$(PY) stress/multirank.py --seeds 10 --steps 40
-	ASYNCSYNC_LONG=1 $(VENV)/bin/pytest -q tests/test_protocol_model.py
+	ASYNCSYNC_LONG=1 $(VENV)/bin/pytest -q tests/test_protocol_model.py tests/test_durability.py
 
 # mutation testing of the protocol-critical modules ([tool.mutmut] in pyproject.toml); long
 mutation: $(STAMP)

@@ -266,6 +266,9 @@ class StateStore:
         """Create the directory, take the lock, clear temp files, and load the state."""
         if not self._lock.held:
             self.directory.mkdir(parents=True, exist_ok=True)
+            # its entry durable before anything next to it refers to it (a crash must never
+            # leave the engine's files without the state that says what they hold)
+            fsio.fsync_dir(self.directory.parent)
             if not self._lock.acquire():
                 raise LockHeld(
                     f"engine state {self.directory} is locked by {self._lock.holder()} "

@@ -1,10 +1,14 @@
 """A model-based test of the whole protocol (hypothesis ``RuleBasedStateMachine``, issue 13).
 
-A real publisher, two receivers (a LocalCheckpoint and a TorchModule) and ``gc`` over one real
-root, driven by random interleavings of: publish (random density, zero diff, keyframe on
-request, a change of tensor set), receiver restart, ``kill -9`` of a receiver child process at a
-random moment, damage to a random file of a random version (flip, truncate, delete), deletion of
-an ack, gc with random policies, and a publisher restart. After every step:
+A real publisher, two receivers (a LocalCheckpoint and a TorchModule persisting its version in
+a state directory) and ``gc`` over one real root, driven by random interleavings of: publish
+(random density, zero diff, keyframe on request, a change of tensor set), receiver restart,
+``kill -9`` of a receiver child process at a random moment, of either engine kind (the
+checkpoint: ``asyncsync-receiver --once``; the module: ``tests/module_child.py``, whose
+module's bytes live in a shared file and so outlive it, as a module of an inference process
+outlives a receiver thread), damage to a random file of a random version (flip, truncate,
+delete), deletion of an ack, gc with random policies, and a publisher restart. After every
+step:
 
 * an engine's bytes equal the bytes of the committed version its state names;
 * an ack never names a version its engine does not hold (same run, version, fingerprint);
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -36,16 +41,19 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from asyncsync import AsyncSyncError, Publisher
 from asyncsync.format.acks import read_acks
+from asyncsync.format.lease import read_lease
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.publish.retention import RetentionPolicy, collect
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.torch_module import TorchModule
 from tests.conftest import Holder, mixed_state, mutate, same_bytes
+from tests.module_child import SharedHolder, layout_of
 
 LONG = os.environ.get("ASYNCSYNC_LONG") == "1"
 REPO = Path(__file__).resolve().parent.parent
 SYNCS_TO_CONVERGE = 3
+KILLS = 3 if LONG else 1  # kill_module_child per example
 
 
 def _small_state(extra: int = 0) -> dict[str, torch.Tensor]:
@@ -65,6 +73,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.current = _small_state()
         self.extra = 0
         self.damaged: set[int] = set()
+        self.kills = 0
         self.pub = self._publisher()
         self.run(self.pub.open())
         self.states[self.run(self.pub.seed(self.current)).version] = self.current
@@ -80,12 +89,13 @@ class ProtocolModel(RuleBasedStateMachine):
     def _publisher(self) -> Publisher:
         return Publisher(self.root, bucket_bytes=4096, keyframe_interval=0)
 
-    def _start(self, name: str) -> None:
+    def _start(self, name: str, *, keep_module: bool = False) -> None:
         if name == "ck":
             engine: Any = LocalCheckpoint(self.tmp / "ck")
         else:
-            self.module = Holder(self.current)  # a restarted process: an empty module
-            engine = TorchModule(self.module)
+            if not keep_module:
+                self.module = Holder(self.current)  # a restarted process: an empty module
+            engine = TorchModule(self.module, state_dir=self.tmp / "modstate")
         agent = ReceiverAgent(self.root, engine, name, use_inotify=False, verify_deadline=0.05)
         self.run(agent.open())
         self.agents[name] = agent
@@ -151,14 +161,46 @@ class ProtocolModel(RuleBasedStateMachine):
         argv = [sys.executable, "-m", "receiver.cli", "--root", str(self.root),
                 "--engine-id", "ck", "--checkpoint", str(self.tmp / "ck"), "--once",
                 "--apply-group-bytes", "2048"]  # fmt: skip
-        child = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)  # fmt: skip
-        try:
-            child.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGKILL)
-            child.wait()
+        self._run_and_kill(argv, delay)
         self._start("ck")
+
+    @precondition(lambda self: self._held_version("mod") is not None and self.kills < KILLS)
+    @rule(delay=st.floats(0.0, 0.6))
+    def kill_module_child(self, delay: float) -> None:
+        """``kill -9`` of a real receiver process applying into a TorchModule whose weights
+        outlive it (a shared file holding the module's bytes) and whose version is in its
+        state directory, ``delay`` seconds after it is ready to sync; the restarted receiver
+        takes that module and state (at most ``KILLS`` per example: each child imports
+        torch)."""
+        self._stop("mod")
+        self.kills += 1
+        layout = layout_of(self.module.state_dict())
+        mem = self.tmp / f"modmem{self.kills}"
+        shared = SharedHolder(mem, layout)
+        for k, t in self.module.state_dict().items():
+            shared.state_dict()[k].copy_(t)
+        argv = [sys.executable, "-m", "tests.module_child", str(self.root), "mod",
+                str(self.tmp / "modstate"), str(mem), json.dumps(layout)]  # fmt: skip
+        self._run_and_kill(argv, delay, ready=True)
+        self.module = shared  # what the child left in the shared memory
+        self._start("mod", keep_module=True)
+
+    def _held_version(self, name: str) -> int | None:
+        agent = self.agents[name]
+        return agent.version if agent is not None else None
+
+    def _run_and_kill(self, argv: list[str], delay: float, *, ready: bool = False) -> None:
+        """Run ``argv``; SIGKILL it ``delay`` s after its start (``ready``: after it prints a
+        line saying it is about to sync) unless it exits first."""
+        out = subprocess.PIPE if ready else subprocess.DEVNULL
+        with subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.DEVNULL) as child:
+            if ready and child.stdout is not None:
+                child.stdout.readline()  # blocks until the child is ready, or exits
+            try:
+                child.wait(timeout=delay)
+            except subprocess.TimeoutExpired:
+                child.send_signal(signal.SIGKILL)
+                child.wait()
 
     @rule(
         which=st.integers(0, 2**16),
@@ -286,3 +328,32 @@ def test_protocol_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("ASYNCSYNC_MODEL_TMP", str(tmp_path))
     ProtocolModel.TestCase.settings = LONG_SETTINGS if LONG else SHORT
     ProtocolModel.TestCase().runTest()
+
+
+def test_kill_of_a_module_receiver_mid_apply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's ``kill_module_child`` 20 and 50 ms into dense deltas (the hypothesis run
+    may draw it rarely): after each kill the restarted receiver takes the lease over, holds
+    a committed version bit for bit or none, its ack names no more, and it then catches up."""
+    monkeypatch.setenv("ASYNCSYNC_MODEL_TMP", str(tmp_path))
+    m = ProtocolModel()
+    held: list[int | None] = []  # the version each restarted receiver found
+    try:
+        m.sync("mod")
+        for i, delay in enumerate([0.02, 0.05]):
+            m.publish(0.9, False, 1, i)  # dense: many apply groups of 2 KiB
+            m.kill_module_child(delay)
+            agent = m.agents["mod"]
+            assert agent is not None
+            found = read_lease(m.root, "mod")
+            assert found is not None and found[0].owner == agent._presence.lease.owner
+            held.append(agent.version)
+            m.engines_hold_a_committed_version_bit_for_bit()
+            m.acks_never_name_more_than_the_engine_holds()
+            m.sync("mod")
+            assert m.agents["mod"] is not None and m.agents["mod"].version == max(m.states)
+            m.acks_never_name_more_than_the_engine_holds()
+    finally:
+        m.teardown()
+    print("versions held after each kill:", held, "published:", sorted(m.states))

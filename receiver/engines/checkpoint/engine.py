@@ -210,6 +210,7 @@ class LocalCheckpoint(Engine):
             self._ps = ps
             for d in (self._store.journal_dir, self._store.staging_dir):
                 d.mkdir(exist_ok=True)
+            fsio.fsync_dir(self._store.directory)  # durable before a journal record or staged file
             if ps.applying and ps.mode == "delta":
                 logger.warning(
                     "%s: interrupted delta to v%s; undoing", self.directory, ps.target_version
