@@ -35,10 +35,14 @@ def journal_and_patch(
     for _name, loc, _flat, patch in work:
         if _touches_most_pages(patch, loc):
             maps.prefault(loc)
-    path = journal_dir / f"undo-{seq:06d}.safetensors"
-    fsio.atomic_write(path, journal.encode(work, version))
+    write_record(journal_dir / f"undo-{seq:06d}.safetensors", journal.encode(work, version))
     for _name, _loc, flat, patch in work:
         apply_patch(flat, patch)
+
+
+def write_record(path: Path, record: bytes) -> None:
+    """Make one undo record durable (temp file, fsync, rename, fsync of the directory)."""
+    fsio.atomic_write(path, record)
 
 
 def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps) -> None:
