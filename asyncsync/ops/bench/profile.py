@@ -90,9 +90,11 @@ APPLY_STAGES: tuple[tuple[int, str, str], ...] = (
     (2, "engine apply group", "receiver.engines.checkpoint.engine:LocalCheckpoint._apply_delta"),
     (3, "journal + patch", "receiver.engines.checkpoint.inplace:journal_and_patch"),
     (4, "prefault (MADV_POPULATE_WRITE)", "receiver.engines.st_layout:FileMaps.prefault"),
+    (4, "journal encode (gather old values)", "receiver.engines.checkpoint.journal:encode_parts"),
     (4, "journal encode (old values, EF)", "receiver.engines.checkpoint.journal:encode"),
     (4, "journal write+fsync", "receiver.engines.checkpoint.inplace:write_record"),
     (4, "patch (XOR)", "receiver.engines.checkpoint.inplace:apply_patch"),
+    (4, "patch + checksum (one pass)", "receiver.engines.checkpoint.inplace:patch_and_checksum"),
     (2, "commit", "receiver.engines.checkpoint.engine:LocalCheckpoint._commit_delta"),
     (3, "verify tensors (full checksum)", "receiver.engines.checkpoint.inplace:first_mismatch"),
     (3, "state.json write+fsync", "receiver.state:StateStore.save"),
@@ -104,7 +106,7 @@ APPLY_STAGES: tuple[tuple[int, str, str], ...] = (
     (1, "ack (throttled)", "receiver.agent:ReceiverAgent._ack"),
     (
         0,
-        "flush after the ack (background)",
+        "flush after the ack (not in apply)",
         "receiver.engines.checkpoint.engine:LocalCheckpoint._make_durable",
     ),
 )
@@ -138,8 +140,11 @@ class StageTimers:
     def installed(self) -> Iterator[StageTimers]:
         saved = []
         for _, label, target in self.stages:
-            owner, attr = _resolve(target)
-            fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+            try:
+                owner, attr = _resolve(target)
+                fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+            except (AttributeError, KeyError):  # a stage of another version of the code
+                continue
             saved.append((owner, attr, fn))
             setattr(owner, attr, self._wrap(label, fn))
         try:
