@@ -28,7 +28,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from asyncsync.codec import Patch, decode_xef_positions, ef
+from asyncsync.codec import Patch, decode_xef_positions, ef, native
 from asyncsync.errors import ConfigError
 from receiver.engines.st_layout import TensorLocation
 
@@ -88,7 +88,7 @@ def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
         if patch.positions is None:
             out.copy_(flat)
         else:
-            np.take(flat.numpy(), patch.positions.numpy(), out=out.numpy())
+            native.take(flat.numpy(), patch.positions.numpy(), out.numpy())
         vi += align8(n * w)
     meta = {
         "format": JOURNAL_FORMAT,
