@@ -5,6 +5,7 @@
     asyncsync bench --quick                          < 60 s on 2 cores; tables on stdout
     asyncsync bench --quick --json out.json --plot docs/bench --markdown out.md
     asyncsync bench --scale --json scale.json        the scale sweep alone: 256 MB, 1 GB, 4 GB
+    asyncsync bench --profile docs/bench             publish and apply at 1 GB, by stage and sampled
     asyncsync bench                                  the full run (minutes), the sweep included
 
 Exit status 0 whether or not the targets are met (the tables say which are missed); 1 when a
