@@ -465,13 +465,45 @@ def run_crashing_child(
     assert proc.returncode == 17, proc.stderr
 
 
-async def test_crash_during_delta_recovers_old_bytes(tmp_path: Path) -> None:
+def xef_batches(
+    m: Manifest, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], n: int = 2
+) -> list[list[TensorUpdate]]:
+    """Delta batches as the agent decodes them from xef shards (patches carry positions_xef)."""
+    from asyncsync import codec
+
+    ups = []
+    for e in m.tensors:
+        if not e.changed:
+            continue
+        o, w = int_view(old[e.name]), int_view(new[e.name])
+        pos = torch.nonzero(o != w).reshape(-1)
+        enc = codec.encode_delta(o.reshape(-1), w.reshape(-1), pos, "xef")
+        patch = codec.decode_delta(
+            "xef", enc.mode, enc.positions, enc.values,
+            changed=enc.changed, numel=o.numel(), dtype=o.dtype,
+        )  # fmt: skip
+        ups.append(TensorUpdate(e, patch=patch))
+    return [ups[i::n] for i in range(n) if ups[i::n]]
+
+
+@pytest.mark.parametrize("decoded", [False, True], ids=["made-up", "xef-decoded"])
+async def test_crash_during_delta_recovers_old_bytes(tmp_path: Path, decoded: bool) -> None:
+    """Killed mid-patch, reopened: the old bytes are back (with xef-decoded patches the undo
+    records keep the shards' positions blobs, journal coding ``xef``)."""
     sd0 = mixed_state(0)
     ck = await init_checkpoint(tmp_path / "c", sd0)
     await ck.close()
     sd1 = mutate(sd0, 0.2, seed=1)
     m1 = build_manifest(sd1, 1, base=sd0)
-    run_crashing_child(tmp_path, tmp_path / "c", m1, delta_batches(m1, sd0, sd1, "xor"), "delta")
+    batches = xef_batches(m1, sd0, sd1) if decoded else delta_batches(m1, sd0, sd1, "xor")
+    if decoded:
+        assert all(u.patch is not None and u.patch.positions_xef for b in batches for u in b)
+    run_crashing_child(tmp_path, tmp_path / "c", m1, batches, "delta")
+    codings = [
+        json.loads((safetensors.safe_open(str(p), "pt").metadata() or {})["positions"])
+        for p in (tmp_path / "c" / ".asyncsync" / "journal").glob("undo-*.safetensors")
+    ]
+    assert codings and ({"xef"} if decoded else {"ef"}) == {c for cs in codings for c in cs}
     state = json.loads((tmp_path / "c" / ".asyncsync" / "state.json").read_text())
     assert (state["status"], state["target_version"]) == ("applying", 1)
     assert verify_checkpoint(tmp_path / "c", build_manifest(sd0, 0)) != []  # half-patched
