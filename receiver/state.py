@@ -388,14 +388,15 @@ def check_patch(patch: Patch, flat: torch.Tensor, name: str) -> Patch:
     if patch.positions is None:
         if values.numel() != flat.numel():
             raise ApplyFailed(f"tensor {name!r}: dense patch of {values.numel()}/{flat.numel()}")
-        return Patch(patch.op, None, values.to(flat.device))
+        return replace(patch, positions=None, values=values.to(flat.device))
     pos = patch.positions.detach().reshape(-1)
     if pos.dtype != torch.int64 or pos.numel() != values.numel():
         raise ApplyFailed(f"tensor {name!r}: positions must be int64, one per value")
     lo, hi = torch.aminmax(pos) if pos.numel() else (None, None)  # one pass, not two
     if lo is not None and hi is not None and (int(lo) < 0 or int(hi) >= flat.numel()):
         raise ApplyFailed(f"tensor {name!r}: patch positions outside 0..{flat.numel() - 1}")
-    return Patch(patch.op, pos.to(flat.device), values.to(flat.device))
+    # the same positions: an xef blob they were decoded from still describes them
+    return replace(patch, positions=pos.to(flat.device), values=values.to(flat.device))
 
 
 def layouts_of(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:

@@ -274,3 +274,31 @@ def test_device_check_runs_on_cpu(tmp_path: Path) -> None:
 def test_device_cuda_without_a_gpu_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--device", "cuda", "--scale-sizes", "2MiB"]) != 0
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_profile_writes_both_sides_and_unwraps(tmp_path: Path) -> None:
+    """``--profile DIR``: a stage table and a sampled top-N per side; every stage function is
+    put back afterwards and the work directory is removed."""
+    from asyncsync.ops.bench.profile import APPLY_STAGES, PUBLISH_STAGES, _resolve
+
+    def current() -> list[Any]:
+        out = []
+        for _, _, target in PUBLISH_STAGES + APPLY_STAGES:
+            owner, attr = _resolve(target)
+            out.append(owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr))
+        return out
+
+    before = current()
+    out = tmp_path / "prof"
+    argv = ["bench", "--profile", str(out), "--scale-sizes", "2MiB", "--versions", "1"]
+    assert main([*argv, "--workdir", str(tmp_path)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "profile_apply_2m.txt",
+        "profile_publish_2m.txt",
+    ]
+    apply_text = (out / "profile_apply_2m.txt").read_text()
+    for label in ("journal write+fsync", "patch", "verify tensors", "read shard", "top 25 by self"):
+        assert label in apply_text, label
+    assert "diff (C kernel" in (out / "profile_publish_2m.txt").read_text()
+    assert current() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncsync-profile")] == []

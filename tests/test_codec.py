@@ -832,3 +832,22 @@ def test_report_bytes_per_changed_table() -> None:
         print(f"{name:28} {density:8.2%} {cells}  (xef {mode})")
         if density < codec.DENSE_THRESHOLD:
             assert sizes["xef"] < min(sizes[e] for e in BASELINES)
+
+
+def test_native_take_is_numpys_take(kernel: str) -> None:
+    """``native.take`` (the C gather when built) matches ``np.take``, negative positions and
+    errors included (the kernel refuses those and NumPy then decides), for every width."""
+    rng = np.random.default_rng(11)
+    for dtype in (np.uint8, np.int16, np.int32, np.int64):
+        src = rng.integers(0, 100, 500).astype(dtype)
+        for idx in (np.arange(500), rng.integers(0, 500, 77), np.array([], np.int64)):
+            out = np.empty(idx.size, dtype)
+            native.take(src, idx.astype(np.int64), out)
+            assert np.array_equal(out, np.take(src, idx))
+        out = np.empty(2, dtype)
+        native.take(src, np.array([-1, 3], np.int64), out)  # NumPy wraps a negative position
+        assert out.tolist() == [src[-1], src[3]]
+        with pytest.raises(IndexError):
+            native.take(src, np.array([500], np.int64), np.empty(1, dtype))
+    t = torch.arange(10, dtype=torch.int16)
+    assert torch.equal(codec.gather(t, torch.tensor([9, 0, 4])), torch.tensor([9, 0, 4]).short())

@@ -247,6 +247,57 @@ async def test_checksum_mismatch_rolls_back(tmp_path: Path) -> None:
     await ck.close()
 
 
+@pytest.mark.parametrize("op", ["set", "xor"])
+async def test_patched_tensors_are_verified_by_the_checksum_of_the_patch_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, op: Op
+) -> None:
+    """The commit checks each patched tensor by the checksum taken as it was patched: a patch
+    made against other bytes is caught and rolled back, and a good version is not hashed from
+    the files again; with tensors that share bytes in the files, it is (the digests could be
+    stale)."""
+    from receiver.engines.checkpoint import inplace
+
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    other = mutate(sd0, 0.05, seed=2)  # patches from other bytes: wrong results on sd0
+    with pytest.raises(ChecksumMismatch):
+        await apply_version(ck, m1, delta_batches(m1, other, sd1, op), "delta")
+    assert ck.state.version == 0
+    assert_same(ck.load_state_dict(), sd0)
+    hashed: list[str] = []
+    real = FileMaps.checksum
+
+    def counting(self: FileMaps, loc: TensorLocation, *args: Any) -> str:
+        hashed.append(loc.name)
+        return real(self, loc, *args)
+
+    monkeypatch.setattr(FileMaps, "checksum", counting)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1, op), "delta")
+    assert_same(ck.load_state_dict(), sd1)
+    assert hashed == []
+    sd2 = mutate(sd1, 0.05, seed=3)
+    m2 = build_manifest(sd2, 2, base=sd1)
+    monkeypatch.setattr(inplace, "disjoint", lambda layout: False)
+    await apply_version(ck, m2, delta_batches(m2, sd1, sd2, op), "delta")
+    assert_same(ck.load_state_dict(), sd2)
+    assert sorted(hashed) == sorted(e.name for e in m2.tensors if e.changed)
+    await ck.close()
+
+
+def test_disjoint_tensor_locations() -> None:
+    from receiver.engines.checkpoint.inplace import disjoint
+
+    def loc(name: str, file: str, begin: int, end: int) -> TensorLocation:
+        return TensorLocation(name, file, torch.uint8, (end - begin,), begin, end)
+
+    apart = {"a": loc("a", "f", 8, 16), "b": loc("b", "f", 16, 20), "c": loc("c", "g", 8, 30)}
+    assert disjoint(apart)
+    assert disjoint({**apart, "e": loc("e", "f", 12, 12)})  # empty: shares no byte
+    assert not disjoint({**apart, "d": loc("d", "f", 15, 17)})
+
+
 async def test_unchanged_tensor_with_other_checksum_is_caught(tmp_path: Path) -> None:
     sd0 = mixed_state(0)
     ck = await init_checkpoint(tmp_path, sd0)
@@ -369,13 +420,15 @@ data = torch.load(sys.argv[2], weights_only=False)
 mode = sys.argv[3]
 n = [0]
 if mode == "delta":
-    real_patch = ckip.apply_patch
-    def dying_patch(flat, patch):
-        n[0] += 1
-        if n[0] > 3:
-            os._exit(17)
-        real_patch(flat, patch)
-    ckip.apply_patch = dying_patch
+    def dying(real):  # the patch alone, or the patch that also takes the checksum
+        def patch(*args):
+            n[0] += 1
+            if n[0] > 3:
+                os._exit(17)
+            return real(*args)
+        return patch
+    ckip.apply_patch = dying(ckip.apply_patch)
+    ckip.patch_and_checksum = dying(ckip.patch_and_checksum)
 else:
     real_replace = os.replace
     def dying_replace(a, b):
@@ -412,13 +465,45 @@ def run_crashing_child(
     assert proc.returncode == 17, proc.stderr
 
 
-async def test_crash_during_delta_recovers_old_bytes(tmp_path: Path) -> None:
+def xef_batches(
+    m: Manifest, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], n: int = 2
+) -> list[list[TensorUpdate]]:
+    """Delta batches as the agent decodes them from xef shards (patches carry positions_xef)."""
+    from asyncsync import codec
+
+    ups = []
+    for e in m.tensors:
+        if not e.changed:
+            continue
+        o, w = int_view(old[e.name]), int_view(new[e.name])
+        pos = torch.nonzero(o != w).reshape(-1)
+        enc = codec.encode_delta(o.reshape(-1), w.reshape(-1), pos, "xef")
+        patch = codec.decode_delta(
+            "xef", enc.mode, enc.positions, enc.values,
+            changed=enc.changed, numel=o.numel(), dtype=o.dtype,
+        )  # fmt: skip
+        ups.append(TensorUpdate(e, patch=patch))
+    return [ups[i::n] for i in range(n) if ups[i::n]]
+
+
+@pytest.mark.parametrize("decoded", [False, True], ids=["made-up", "xef-decoded"])
+async def test_crash_during_delta_recovers_old_bytes(tmp_path: Path, decoded: bool) -> None:
+    """Killed mid-patch, reopened: the old bytes are back (with xef-decoded patches the undo
+    records keep the shards' positions blobs, journal coding ``xef``)."""
     sd0 = mixed_state(0)
     ck = await init_checkpoint(tmp_path / "c", sd0)
     await ck.close()
     sd1 = mutate(sd0, 0.2, seed=1)
     m1 = build_manifest(sd1, 1, base=sd0)
-    run_crashing_child(tmp_path, tmp_path / "c", m1, delta_batches(m1, sd0, sd1, "xor"), "delta")
+    batches = xef_batches(m1, sd0, sd1) if decoded else delta_batches(m1, sd0, sd1, "xor")
+    if decoded:
+        assert all(u.patch is not None and u.patch.positions_xef for b in batches for u in b)
+    run_crashing_child(tmp_path, tmp_path / "c", m1, batches, "delta")
+    codings = [
+        json.loads((safetensors.safe_open(str(p), "pt").metadata() or {})["positions"])
+        for p in (tmp_path / "c" / ".asyncsync" / "journal").glob("undo-*.safetensors")
+    ]
+    assert codings and ({"xef"} if decoded else {"ef"}) == {c for cs in codings for c in cs}
     state = json.loads((tmp_path / "c" / ".asyncsync" / "state.json").read_text())
     assert (state["status"], state["target_version"]) == ("applying", 1)
     assert verify_checkpoint(tmp_path / "c", build_manifest(sd0, 0)) != []  # half-patched
@@ -454,16 +539,19 @@ async def test_in_process_crash_then_reopen(
     ck = await init_checkpoint(tmp_path, sd0)
     sd1 = mutate(sd0, 0.1, seed=1)
     m1 = build_manifest(sd1, 1, base=sd0)
-    real = ckpt_mod.apply_patch
     calls = [0]
 
-    def flaky(flat: torch.Tensor, patch: Patch) -> None:
-        calls[0] += 1
-        if calls[0] == 4:
-            raise RuntimeError("injected")
-        real(flat, patch)
+    def flaky(real: Any) -> Any:  # the patch alone, or the patch that also takes the checksum
+        def patch(*args: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 4:
+                raise RuntimeError("injected")
+            return real(*args)
 
-    monkeypatch.setattr(ckpt_mod, "apply_patch", flaky)
+        return patch
+
+    monkeypatch.setattr(ckpt_mod, "apply_patch", flaky(ckpt_mod.apply_patch))
+    monkeypatch.setattr(ckpt_mod, "patch_and_checksum", flaky(ckpt_mod.patch_and_checksum))
     await ck.begin(m1, "delta")
     with pytest.raises(ApplyFailed, match="injected"):
         for b in delta_batches(m1, sd0, sd1, dense=True):
@@ -720,6 +808,35 @@ async def test_open_undoes_a_journal_in_the_earlier_one_tensor_per_patch_layout(
     assert (await ck.open()).version == 0
     assert_same(ck.load_state_dict(), sd0)
     await ck.close()
+
+
+def test_undo_journal_keeps_the_xef_positions_blob_as_it_came(tmp_path: Path) -> None:
+    """A decoded xef patch carries its positions blob through check_patch; the journal stores
+    that blob (no Elias-Fano coding again) and reads back the same positions and old values."""
+    from asyncsync import codec
+    from receiver.state import check_patch
+
+    g = torch.Generator().manual_seed(1)
+    old = torch.randint(-(2**15), 2**15, (10_000,), dtype=torch.int16, generator=g)
+    new = old.clone()
+    pos = torch.randperm(10_000, generator=g)[:700].sort().values
+    new[pos] ^= 1
+    enc = codec.encode_delta(old, new, pos, "xef")
+    patch = codec.decode_delta(
+        "xef", enc.mode, enc.positions, enc.values, changed=700, numel=10_000, dtype=torch.int16
+    )
+    checked = check_patch(patch, old, "w")
+    assert checked.positions_xef == enc.positions
+    loc = TensorLocation("w", "f", torch.int16, (10_000,), 0, 20_000)
+    parts = journal.encode_parts([("w", loc, old, checked)], 7)
+    path = tmp_path / "undo.safetensors"
+    path.write_bytes(b"".join(parts))
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert json.loads((f.metadata() or {})["positions"]) == ["xef"]
+    ((name, got_pos, got_old),) = journal.read(path)
+    assert name == "w" and got_pos is not None and torch.equal(got_pos, pos)
+    assert torch.equal(got_old.view(torch.int16), old[pos])
+    assert b"".join(parts) == journal.encode([("w", loc, old, checked)], 7)
 
 
 def test_undo_journal_round_trips_every_kind_of_patch(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Tests of the C kernels in asyncsync.codec._native against NumPy references.
 
 ``diff_extract`` (positions, new values and XORs of the differing elements, resumable) and
-``xor_patch``/``set_patch`` (save old values, then patch; bounds-checked before any write), for
+``xor_patch``/``set_patch`` (save old values, then patch; bounds-checked before any write) and
+``gather`` (``np.take`` of int64 positions, bounds-checked before any read), for
 every element width, densities from 0 to 100 %, lengths whose tail is not a whole 8-byte word,
 unaligned buffers, tiny capacities, and bad arguments; ``ef_encode``/``ef_decode`` for any L
 against the spec's reference, with bad arguments and sizes that would overflow. The codec-level
@@ -282,6 +283,57 @@ def test_patch_rejects_bad_arguments() -> None:
     with pytest.raises(TypeError, match="buffer protocol"):
         native.set_patch(flat, 2, [1, 2], vals, None)
     assert flat.tolist() == [0, 5, 6, 0, 0, 0, 0, 0]
+
+
+# ---------------------------------------------------------------------------- gather kernel
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("offset", [0, 1, 5])
+def test_gather_matches_take(width: int, offset: int) -> None:
+    rng = np.random.default_rng(width * 7 + offset)
+    n = 1003
+    flat = rng.integers(0, 256, n * width, dtype=np.uint8).view(DT[width])
+    for k in (0, 1, 17, n, 3 * n):  # any order, repeats
+        pos = rng.integers(0, n, k).astype(np.int64)
+        if k == n:
+            pos = np.arange(n, dtype=np.int64)  # every element, the last included
+        out = _unaligned(np.full(k, 7, DT[width]), offset)
+        native.gather(_unaligned(flat, offset), width, _unaligned(pos, offset), out)
+        assert np.array_equal(out, np.take(flat, pos))
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 2**40, -(2**63)])
+@pytest.mark.parametrize("where", [0, 2, 4])
+def test_gather_bounds_checked_before_any_read(bad: int, where: int) -> None:
+    flat = np.arange(10, dtype=np.uint32)
+    pos = np.array([1, 3, 5, 7, 9], dtype=np.int64)
+    pos[where] = bad
+    out = np.zeros(5, np.uint32)
+    with pytest.raises(IndexError, match=rf"positions\[{where}\] = {bad} is outside"):
+        native.gather(flat, 4, pos, out)
+    assert not out.any()
+
+
+def test_gather_rejects_bad_arguments() -> None:
+    flat, pos = np.arange(8, dtype=np.uint16), np.array([1, 2], np.int64)
+    out = np.zeros(2, np.uint16)
+    native.gather(flat.tobytes(), 2, pos, out)  # flat is only read
+    assert out.tolist() == [1, 2]
+    with pytest.raises(ValueError, match="width"):
+        native.gather(flat, 3, pos, out)
+    with pytest.raises(ValueError, match="out is 6 bytes, want 4"):
+        native.gather(flat, 2, pos, np.zeros(3, np.uint16))
+    with pytest.raises(ValueError, match="int64"):
+        native.gather(flat, 2, np.zeros(3, np.int32), out)
+    with pytest.raises(ValueError, match="whole number"):
+        native.gather(np.zeros(3, np.uint8), 2, pos, out)
+    with pytest.raises(TypeError, match="out must be a writable"):
+        native.gather(flat, 2, pos, bytes(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.gather(np.zeros(16, np.uint16)[::2], 2, pos, out)
+    with pytest.raises(TypeError, match="buffer protocol"):
+        native.gather(flat, 2, [1, 2], out)
 
 
 # ------------------------------------------------------------------------ Elias-Fano kernels

@@ -49,29 +49,33 @@ from asyncsync.codec.delta import (
     ENCODINGS,
     EncodedDelta,
     decode_delta,
+    decode_xef_positions,
     encode_delta,
     encoded_size,
 )
 from asyncsync.codec.diff import Change, changed_positions, diff_tensors
 from asyncsync.codec.patch import Patch, apply_patch
+from asyncsync.codec.patch_hash import patch_and_checksum
 from asyncsync.codec.views import gather, int_view
 
 __all__ = [
+    "Change",
     "DEFAULT_ENCODING",
     "DENSE_THRESHOLD",
     "ENCODINGS",
-    "NATIVE",
-    "Change",
     "EncodedDelta",
+    "NATIVE",
     "Patch",
     "apply_patch",
     "changed_positions",
     "decode_delta",
+    "decode_xef_positions",
     "diff_tensors",
     "encode_delta",
     "encoded_size",
     "gather",
     "int_view",
+    "patch_and_checksum",
 ]
 
 NATIVE: bool = native.kernels is not None  # the C kernels run on CPU (see the module docstring)

@@ -22,6 +22,10 @@
  *     Positions are int64 and all are bounds-checked before the first write (IndexError,
  *     flat unchanged). Repeated positions are applied in order.
  *
+ * gather(flat, width, positions, out) -> None
+ *     out[k] = flat[pos[k]] for every k; out must hold exactly len(positions) elements. All
+ *     positions are bounds-checked before the first read (IndexError, out unchanged).
+ *
  * ef_encode(positions, numel, low_bits) -> bytes
  *     The uncompressed Elias-Fano payload of docs/FORMAT.md section 4.2 ("xef") for int64
  *     positions, which must be strictly increasing within [0, numel) (ValueError naming the
@@ -347,6 +351,80 @@ fail:
 
 static PyObject *xor_patch(PyObject *self, PyObject *args) { return patch(args, 1); }
 
+#define DEFINE_GATHER(T, W)                                                                   \
+    static void gather_##W(const char *flat, const char *pos, char *out, Py_ssize_t k) {     \
+        for (Py_ssize_t j = 0; j < k; j++) {                                                  \
+            int64_t p;                                                                        \
+            T v;                                                                              \
+            memcpy(&p, pos + j * 8, 8);                                                       \
+            memcpy(&v, flat + p * (W), (W));                                                  \
+            memcpy(out + j * (W), &v, (W));                                                   \
+        }                                                                                     \
+    }
+
+DEFINE_GATHER(uint8_t, 1)
+DEFINE_GATHER(uint16_t, 2)
+DEFINE_GATHER(uint32_t, 4)
+DEFINE_GATHER(uint64_t, 8)
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *flat_o, *pos_o, *out_o;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "OnOO:gather", &flat_o, &width, &pos_o, &out_o)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *flat, *pos, *out;
+    Py_ssize_t n, k, bad_at = -1;
+    int64_t bad = 0;
+    if (!(flat = acquire(&b, flat_o, "flat", 0)) || !(pos = acquire(&b, pos_o, "positions", 0)) ||
+        !(out = acquire(&b, out_o, "out", 1))) {
+        goto fail;
+    }
+    if ((n = elements(flat, width, "flat")) < 0) {
+        goto fail;
+    }
+    if (pos->len % 8) {
+        PyErr_Format(PyExc_ValueError, "positions is %zd bytes, not a whole number of int64",
+                     pos->len);
+        goto fail;
+    }
+    k = pos->len / 8;
+    if (out->len != k * width) {
+        PyErr_Format(PyExc_ValueError, "out is %zd bytes, want %zd (%zd positions of %zd)",
+                     out->len, k * width, k, width);
+        goto fail;
+    }
+    {
+        const char *pf = flat->buf, *pp = pos->buf;
+        char *po = out->buf;
+        Py_BEGIN_ALLOW_THREADS;
+        bad_at = first_out_of_bounds(pp, k, n, &bad);
+        if (bad_at < 0) {
+            switch (width) {
+            case 1: gather_1(pf, pp, po, k); break;
+            case 2: gather_2(pf, pp, po, k); break;
+            case 4: gather_4(pf, pp, po, k); break;
+            default: gather_8(pf, pp, po, k); break;
+            }
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    if (bad_at >= 0) {
+        PyErr_Format(PyExc_IndexError, "positions[%zd] = %lld is outside a tensor of %zd elements",
+                     bad_at, (long long)bad, n);
+        goto fail;
+    }
+    release_all(&b);
+    Py_RETURN_NONE;
+fail:
+    release_all(&b);
+    return NULL;
+}
+
 static PyObject *set_patch(PyObject *self, PyObject *args) { return patch(args, 0); }
 
 /* ---------------------------------------------------------------------------- Elias-Fano */
@@ -666,6 +744,9 @@ static PyMethodDef methods[] = {
     {"set_patch", set_patch, METH_VARARGS,
      "set_patch(flat, width, positions, values, old_out) -> None\n\n"
      "old_out[k] = flat[pos[k]] (unless None); flat[pos[k]] = values[k]. Bounds-checked first."},
+    {"gather", gather, METH_VARARGS,
+     "gather(flat, width, positions, out) -> None\n\n"
+     "out[k] = flat[pos[k]] for every k (out holds exactly len(positions)). Bounds-checked first."},
     {"ef_encode", ef_encode, METH_VARARGS,
      "ef_encode(positions, numel, low_bits) -> bytes\n\n"
      "The uncompressed Elias-Fano payload of strictly increasing int64 positions in [0, numel)."},
@@ -678,7 +759,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "asyncsync.codec._native",
-    .m_doc = "Fused diff and patch kernels and Elias-Fano coding over the buffer protocol.",
+    .m_doc = "Fused diff, patch and gather kernels and Elias-Fano coding over the buffer "
+             "protocol.",
     .m_size = -1,
     .m_methods = methods,
 };

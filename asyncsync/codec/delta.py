@@ -27,6 +27,7 @@ __all__ = [
     "ENCODINGS",
     "EncodedDelta",
     "decode_delta",
+    "decode_xef_positions",
     "encode_delta",
     "encoded_size",
 ]
@@ -158,12 +159,18 @@ def decode_delta(
     if encoding == "xef":
         idx = _ef_decode(positions, changed, numel)
         vals = _unplanes(_unzstd(values, (changed * width,), "values"), changed, width)
-    else:
-        idx = _baseline_positions(encoding, positions, changed, numel)
-        if len(values) != changed * width:
-            raise FormatError(f"values blob is {len(values)} bytes, want {changed * width}")
-        vals = torch.from_numpy(np.frombuffer(values, _NP_BY_WIDTH[width]).copy())
+        return Patch(op, torch.from_numpy(idx), vals, positions_xef=positions)
+    idx = _baseline_positions(encoding, positions, changed, numel)
+    if len(values) != changed * width:
+        raise FormatError(f"values blob is {len(values)} bytes, want {changed * width}")
+    vals = torch.from_numpy(np.frombuffer(values, _NP_BY_WIDTH[width]).copy())
     return Patch(op, torch.from_numpy(idx), vals)
+
+
+def decode_xef_positions(blob: bytes, n: int, numel: int) -> NDArray[np.int64]:
+    """The ``n`` positions (int64, strictly increasing within ``[0, numel)``) of a sparse xef
+    positions blob, as :func:`decode_delta` reads them; FormatError if it is not valid."""
+    return _ef_decode(blob, n, numel)
 
 
 def encoded_size(enc: EncodedDelta) -> int:

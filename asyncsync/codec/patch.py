@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -19,12 +19,15 @@ class Patch:
     """A decoded delta. ``set``: ``flat[pos] = values``; ``xor``: ``flat[pos] ^= values``.
 
     ``positions`` is sorted int64, or ``None`` for every element (dense); ``values`` has the
-    target's int-view dtype.
+    target's int-view dtype. ``positions_xef``: the xef positions blob (FORMAT.md 4.2) that
+    ``positions`` were decoded from, when they were; an undo journal keeps it as it is instead
+    of coding the positions again.
     """
 
     op: Literal["set", "xor"]
     positions: torch.Tensor | None
     values: torch.Tensor
+    positions_xef: bytes | None = field(default=None, compare=False, repr=False)
 
 
 def apply_patch(flat: torch.Tensor, patch: Patch, *, old_out: torch.Tensor | None = None) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from asyncsync.codec import native
 from asyncsync.errors import ConfigError
 
 __all__ = ["gather", "int_view"]
@@ -43,7 +44,8 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 def gather(
     flat: torch.Tensor, positions: torch.Tensor, idx: NDArray[np.int64] | None = None
 ) -> torch.Tensor:
-    """``flat[positions]`` as a new tensor; on CPU through NumPy's ``take`` (~2x torch's gather).
+    """``flat[positions]`` as a new tensor; on CPU by :func:`asyncsync.codec.native.take` (the C
+    kernel, else NumPy's ``take``, ~2x torch's gather).
 
     ``idx`` is the same positions as a NumPy array when the caller already has one.
     """
@@ -51,4 +53,7 @@ def gather(
         return flat[positions.to(flat.device)]
     if idx is None:
         idx = positions.numpy()
-    return torch.from_numpy(np.take(flat.numpy(), idx))
+    src = flat.numpy()
+    out = np.empty(idx.shape, dtype=src.dtype)
+    native.take(src, idx, out)
+    return torch.from_numpy(out)

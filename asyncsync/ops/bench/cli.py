@@ -5,6 +5,7 @@
     asyncsync bench --quick                          < 60 s on 2 cores; tables on stdout
     asyncsync bench --quick --json out.json --plot docs/bench --markdown out.md
     asyncsync bench --scale --json scale.json        the scale sweep alone: 256 MB, 1 GB, 4 GB
+    asyncsync bench --profile docs/bench             publish and apply at 1 GB, by stage and sampled
     asyncsync bench                                  the full run (minutes), the sweep included
 
 Exit status 0 whether or not the targets are met (the tables say which are missed); 1 when a
@@ -66,6 +67,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.device is not None:
         return _cmd_device(args)
+    if args.profile is not None:
+        return _cmd_profile(args)
     cfg = config_from_args(args)
     t0 = time.perf_counter()
 
@@ -111,6 +114,24 @@ def _cmd_device(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"device": result}, indent=1) + "\n")
+    return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    """``--profile DIR``: per-stage and sampled profiles of publish and apply at one size
+    (``bench/profile.py``), written to DIR as ``profile_{publish,apply}_<size>.txt``."""
+    from asyncsync.ops.bench.profile import main
+
+    size = args.scale_sizes[0] if args.scale_sizes else 1 << 30
+    paths = main(
+        size,
+        Path(args.profile),
+        versions=args.versions or 3,
+        throttle=args.throttle,
+        workdir=None if args.workdir is None else Path(args.workdir),
+    )
+    for path in paths.values():
+        print(path.read_text())
     return 0
 
 
@@ -185,6 +206,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="DEV",
         help="check the accelerator paths on DEV (e.g. cuda) bit-exact and time the diff; "
         "the model size is the first --scale-sizes (default 1GiB)",
+    )
+    sp.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="profile publish and apply by stage and by sampling (the sweep's setup) at the "
+        "first --scale-sizes (default 1GiB); write profile_{publish,apply}_<size>.txt into DIR",
     )
     sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
     # hidden: sizes for plumbing tests and experiments

@@ -55,6 +55,8 @@ class _Txn:
     parts: list[str] = field(default_factory=list)
     maps: FileMaps | None = None
     seq: int = 0
+    digests: dict[str, str] = field(default_factory=dict)  # name -> checksum taken at its patch
+    digest_on_patch: bool = False  # the files' tensors are disjoint (inplace.disjoint)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -312,6 +314,7 @@ class LocalCheckpoint(Engine):
         self._store.clear_dir(self._store.journal_dir)
         self._set(self._ps.begin(manifest.version, "delta"))
         txn.maps = FileMaps(self.directory)
+        txn.digest_on_patch = inplace.disjoint(self._layout)
         self._txn = txn
 
     def _held(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -345,9 +348,12 @@ class LocalCheckpoint(Engine):
         if not work:
             return
         seq, txn.seq = txn.seq, txn.seq + 1
-        inplace.journal_and_patch(
-            txn.maps, self._store.journal_dir, seq, txn.manifest.version, work
+        algorithm = txn.manifest.checksum_algorithm if txn.digest_on_patch else None
+        layouts = {name: txn.entries[name].layout for name, *_ in work}
+        vdigests = inplace.journal_and_patch(
+            txn.maps, self._store.journal_dir, seq, txn.manifest.version, work, algorithm, layouts
         )
+        txn.digests.update(vdigests)
 
     def _undo(self, maps: FileMaps) -> None:
         """Write back the old values of every journal file (newest first), sync, state clean."""
@@ -412,13 +418,16 @@ class LocalCheckpoint(Engine):
     def _first_mismatch(self, txn: _Txn) -> tuple[str, str] | None:
         """(name, checksum) of the first tensor whose new bytes differ from the manifest.
 
-        Touched tensors and those the manifest says changed are hashed from the file; the
-        others are compared by their recorded checksum when the algorithm is the same.
+        Touched tensors are checked by the checksum taken as they were patched (hashed from
+        the file if there is none), the others the manifest says changed are hashed from the
+        file, the rest compared by their recorded checksum when the algorithm is the same.
         """
         assert txn.maps is not None
         algo = txn.manifest.checksum_algorithm
         held = self._ps.checksums if self._ps.checksum_algorithm == algo else None
-        return inplace.first_mismatch(txn.maps, self._layout, txn.entries, txn.seen, algo, held)
+        return inplace.first_mismatch(
+            txn.maps, self._layout, txn.entries, txn.seen, algo, held, txn.digests
+        )
 
     def _rollback(self, txn: _Txn) -> None:
         self._txn = None

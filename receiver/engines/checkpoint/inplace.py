@@ -1,6 +1,14 @@
 """Applying a delta in place, undoably: the undo journal written before every patch, undo, and
 the check of the patched bytes against the manifest.
 
+Each tensor's checksum is taken in the pass that patches it
+(:func:`asyncsync.codec.patch_and_checksum`: a chunk is patched, then hashed while in cache),
+so the commit compares digests instead of reading every page of the patched tensors again. A
+version patches each tensor once (the engine refuses a second update of one tensor), so that
+digest is of the tensor's bytes as committed: unless tensors share bytes in the files (a
+damaged checkpoint; :func:`disjoint` says so), when the commit hashes them from the files as
+before.
+
 Before an apply group writes, an undo record with the OLD values of every position it will
 write is durable in the journal directory (:mod:`receiver.engines.checkpoint.journal`). Undo
 writes the old values back, newest record first, so it is idempotent: a failed checksum, an
@@ -9,36 +17,57 @@ abort and a restart after a crash all run it, as often as needed.
 
 from __future__ import annotations
 
+import itertools
 import mmap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from asyncsync import fsio
-from asyncsync.codec import Patch, apply_patch
+from asyncsync.codec import Patch, apply_patch, patch_and_checksum
 from asyncsync.errors import EngineStateError
 from asyncsync.format import TensorEntry
 from receiver.engines.checkpoint import journal
 from receiver.engines.st_layout import FileMaps, TensorLocation
 
-__all__ = ["first_mismatch", "journal_and_patch", "undo"]
+__all__ = ["disjoint", "first_mismatch", "journal_and_patch", "undo", "write_record"]
 
 #: (name, location, flat int view of the mapped bytes, checked patch) of one tensor
 Work = tuple[str, TensorLocation, torch.Tensor, Patch]
 
 
 def journal_and_patch(
-    maps: FileMaps, journal_dir: Path, seq: int, version: int, work: list[Work]
-) -> None:
-    """Write the undo record ``undo-{seq}`` of ``work`` durably, then patch the mapped bytes."""
+    maps: FileMaps,
+    journal_dir: Path,
+    seq: int,
+    version: int,
+    work: list[Work],
+    algorithm: str | None = None,
+    layouts: Mapping[str, Sequence[tuple[int, int]] | None] | None = None,
+) -> dict[str, str]:
+    """Write the undo record ``undo-{seq}`` of ``work`` durably, then patch the mapped bytes.
+
+    With ``algorithm``, each tensor is checksummed in the pass that patches it (``layouts``: the
+    parts of the tensors published in parts); returns those checksums by tensor name.
+    """
     for _name, loc, _flat, patch in work:
         if _touches_most_pages(patch, loc):
             maps.prefault(loc)
-    path = journal_dir / f"undo-{seq:06d}.safetensors"
-    fsio.atomic_write(path, journal.encode(work, version))
-    for _name, _loc, flat, patch in work:
-        apply_patch(flat, patch)
+    write_record(journal_dir / f"undo-{seq:06d}.safetensors", journal.encode_parts(work, version))
+    digests: dict[str, str] = {}
+    for name, _loc, flat, patch in work:
+        if algorithm is None:
+            apply_patch(flat, patch)
+        else:
+            layout = None if layouts is None else layouts.get(name)
+            digests[name] = patch_and_checksum(flat, patch, algorithm, layout)
+    return digests
+
+
+def write_record(path: Path, record: list[bytes | memoryview]) -> None:
+    """Make one undo record durable (temp file, fsync, rename, fsync of the directory)."""
+    fsio.atomic_write(path, record)
 
 
 def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps) -> None:
@@ -69,16 +98,20 @@ def first_mismatch(
     touched: set[str],
     algorithm: str,
     held: Mapping[str, str] | None,
+    patched: Mapping[str, str] | None = None,
 ) -> tuple[str, str] | None:
     """(name, checksum) of the first tensor whose new bytes differ from its manifest entry.
 
-    Touched tensors and those the manifest says changed are hashed from the files; the others
-    are compared by the checksum recorded for the version held (``held``: None when it was
-    recorded with another algorithm, then they are not compared).
+    Touched tensors and those the manifest says changed are checked by the checksum taken when
+    they were patched (``patched``, from :func:`journal_and_patch`), else hashed from the files;
+    the others are compared by the checksum recorded for the version held (``held``: None when
+    it was recorded with another algorithm, then they are not compared).
     """
     for name, e in entries.items():
         if name in touched or e.changed > 0:
-            got = maps.checksum(layout[name], algorithm, e.layout)
+            got = None if patched is None else patched.get(name)
+            if got is None:
+                got = maps.checksum(layout[name], algorithm, e.layout)
         elif held is not None:
             got = held.get(name, e.checksum)
         else:
@@ -86,6 +119,13 @@ def first_mismatch(
         if got != e.checksum:
             return name, got
     return None
+
+
+def disjoint(layout: Mapping[str, TensorLocation]) -> bool:
+    """No two tensors share a byte of the files (as safetensors writes them): then patching
+    one leaves every other tensor's checksum, taken when it was patched, as it is."""
+    ranges = sorted((loc.file, loc.begin, loc.end) for loc in layout.values() if loc.nbytes)
+    return all(a[0] != b[0] or a[2] <= b[1] for a, b in itertools.pairwise(ranges))
 
 
 def _touches_most_pages(patch: Patch, loc: TensorLocation) -> bool:

@@ -6,8 +6,10 @@ them back, which is idempotent (:mod:`receiver.engines.checkpoint.inplace`). A r
 safetensors file of two uint8 tensors, however many tensors the group patched (serialising one
 tensor per patched tensor cost more than the patching):
 
-* ``positions``: each sparse patch's positions, Elias-Fano coded (``asyncsync.codec.ef``, ~0.3x the
-  bytes of int64; raw little-endian int64 when they are not strictly increasing);
+* ``positions``: each sparse patch's positions: the xef positions blob the patch was decoded from
+  (``xef``: kept as it came, nothing coded again), else Elias-Fano coded (``ef``:
+  ``asyncsync.codec.ef``, ~0.3x the bytes of int64), or raw little-endian int64 when they are
+  not strictly increasing (``raw``);
 * ``values``: the old bytes at those positions (a dense patch: the whole tensor's);
 
 each piece 8-aligned, with per-tensor name, count, width, numel, positions coding and
@@ -18,6 +20,7 @@ layout (``p{i}``/``v{i}``) that earlier versions wrote.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +28,11 @@ import safetensors
 import safetensors.torch
 import torch
 
-from asyncsync.codec import Patch, ef
+from asyncsync.codec import Patch, decode_xef_positions, ef, native
 from asyncsync.errors import ConfigError
 from receiver.engines.st_layout import TensorLocation
 
-__all__ = ["JOURNAL_FORMAT", "Work", "encode", "read"]
+__all__ = ["JOURNAL_FORMAT", "Work", "encode", "encode_parts", "read"]
 
 JOURNAL_FORMAT = "asyncsync-journal"
 
@@ -37,11 +40,17 @@ Work = list[tuple[str, TensorLocation, torch.Tensor, Patch]]  # name, location, 
 
 
 def encode(work: Work, version: int) -> bytes:
-    """One undo record (a safetensors file) for a batch of patches, two uint8 tensors however
-    many tensors were patched (serialising one tensor per patch cost more than the patching):
+    """One undo record (a safetensors file) for a batch of patches: :func:`encode_parts` joined."""
+    return b"".join(encode_parts(work, version))
 
-    * ``positions``: each sparse patch's positions, Elias-Fano coded (``asyncsync.codec.ef``, ~0.3x
-      the bytes of int64; raw int64 if they are not strictly increasing), one after another;
+
+def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
+    """One undo record for a batch of patches, as the buffers to write one after another (the
+    old values are not copied again into one blob). A safetensors file of two uint8 tensors
+    however many tensors were patched (one tensor per patch cost more than the patching):
+
+    * ``positions``: each sparse patch's positions (the xef blob it was decoded from, else
+      Elias-Fano coded, else raw int64 if they are not strictly increasing), one after another;
     * ``values``: the old bytes at those positions (or a dense patch's whole tensor).
 
     Each piece starts 8-aligned; the metadata gives each tensor's name, count, width, numel,
@@ -59,6 +68,10 @@ def encode(work: Work, version: int) -> bytes:
             encs.append("dense")
             continue
         idx = patch.positions.numpy()
+        if patch.positions_xef is not None and idx.size:
+            pos_blobs.append(patch.positions_xef)
+            encs.append("xef")
+            continue
         try:
             pos_blobs.append(ef.encode(idx, flat.numel())[0] if idx.size else b"")
             encs.append("ef")
@@ -66,11 +79,6 @@ def encode(work: Work, version: int) -> bytes:
             pos_blobs.append(idx.astype("<i8").tobytes())
             encs.append("raw")
     packed = b"".join(b + bytes(align8(len(b)) - len(b)) for b in pos_blobs)
-    positions = (
-        torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-        if packed
-        else torch.empty(0, dtype=torch.uint8)
-    )
     values = torch.empty(
         sum(align8(c * w) for c, w in zip(counts, widths, strict=True)), dtype=torch.uint8
     )
@@ -80,7 +88,7 @@ def encode(work: Work, version: int) -> bytes:
         if patch.positions is None:
             out.copy_(flat)
         else:
-            np.take(flat.numpy(), patch.positions.numpy(), out=out.numpy())
+            native.take(flat.numpy(), patch.positions.numpy(), out.numpy())
         vi += align8(n * w)
     meta = {
         "format": JOURNAL_FORMAT,
@@ -93,7 +101,18 @@ def encode(work: Work, version: int) -> bytes:
         "positions": json.dumps(encs),
         "position_bytes": json.dumps([len(b) for b in pos_blobs]),
     }
-    return safetensors.torch.save({"positions": positions, "values": values}, metadata=meta)
+    header = {
+        "__metadata__": meta,
+        "positions": {"dtype": "U8", "shape": [len(packed)], "data_offsets": [0, len(packed)]},
+        "values": {
+            "dtype": "U8",
+            "shape": [values.numel()],
+            "data_offsets": [len(packed), len(packed) + values.numel()],
+        },
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # as safetensors pads it
+    return [struct.pack("<Q", len(text)) + text, packed, memoryview(values.numpy())]  # type: ignore[arg-type]
 
 
 def align8(nbytes: int) -> int:
@@ -125,7 +144,9 @@ def read(path: Path) -> list[tuple[str, torch.Tensor | None, torch.Tensor]]:
     ):
         blob = positions[pi : pi + nb].numpy()
         pos = None
-        if enc == "ef":
+        if enc == "xef":
+            pos = torch.from_numpy(decode_xef_positions(blob.tobytes(), n, numel))
+        elif enc == "ef":
             pos = torch.from_numpy(ef.decode(blob.tobytes(), n, numel)) if n else None
             pos = pos if pos is not None else torch.empty(0, dtype=torch.int64)
         elif enc == "raw":
