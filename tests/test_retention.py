@@ -117,3 +117,83 @@ async def test_gc_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert list_versions(tmp_path) == [6, 7]
     assert main(["gc", str(tmp_path / "nope")]) == 1
     assert main(["gc", str(tmp_path), "--keep-versions", "0"]) == 2
+
+
+def test_policy_validation_messages() -> None:
+    """Each bound, at its edge: 0 is refused for every field, with the field named."""
+    for bad, field in [
+        (dict(keep_versions=0), "keep_versions"),
+        (dict(keep_bytes=0), "keep_bytes"),
+        (dict(ack_ttl=0), "ack_ttl"),
+        (dict(ack_ttl=-1), "ack_ttl"),
+    ]:
+        with pytest.raises(ConfigError, match=f"{field} must be"):
+            RetentionPolicy(**bad)  # type: ignore[arg-type]
+    RetentionPolicy(keep_versions=1, keep_bytes=1, ack_ttl=1e-9)  # the smallest allowed
+
+
+def _files_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+async def test_freed_bytes_are_the_deleted_files_and_a_dry_run_deletes_nothing(
+    tmp_path: Path,
+) -> None:
+    await chain(tmp_path, 7, keyframe_interval=3)  # keyframes 0, 3, 6
+    sizes = {v: _files_bytes(tmp_path / f"v{v:012d}") for v in list_versions(tmp_path)}
+    log = (tmp_path / "log.jsonl").read_bytes()
+    policy = RetentionPolicy(keep_versions=1, ack_ttl=None)
+    dry = collect(tmp_path, policy, dry_run=True)
+    assert dry.deleted == tuple(range(6))
+    assert dry.freed_bytes == sum(sizes[v] for v in range(6))
+    assert list_versions(tmp_path) == list(range(8))
+    assert (tmp_path / "log.jsonl").read_bytes() == log  # not trimmed either
+    real = collect(tmp_path, policy)
+    assert (real.deleted, real.freed_bytes) == (dry.deleted, dry.freed_bytes)
+    assert list_versions(tmp_path) == [6, 7]
+    assert (tmp_path / "log.jsonl").read_bytes() != log
+    assert real.reasons == {6: "newest keyframe and its chain", 7: "newest keyframe and its chain"}
+    assert collect(tmp_path, policy).deleted == ()
+
+
+async def test_keep_bytes_keeps_what_fits_exactly(tmp_path: Path) -> None:
+    await chain(tmp_path, 6, keyframe_interval=3)  # keyframes 0, 3, 6
+    sizes = {v: _files_bytes(tmp_path / f"v{v:012d}") for v in list_versions(tmp_path)}
+    fits = sizes[6] + sizes[5]
+    r = collect(
+        tmp_path, RetentionPolicy(keep_versions=None, keep_bytes=fits, ack_ttl=None), dry_run=True
+    )
+    assert r.kept == (5, 6) and r.reasons[5] == f"within {fits} bytes"
+    r = collect(tmp_path, RetentionPolicy(keep_versions=None, keep_bytes=fits - 1, ack_ttl=None))
+    assert r.kept == (6,) and list_versions(tmp_path) == [6]
+
+
+async def test_a_silent_engine_does_not_hide_a_live_one(tmp_path: Path) -> None:
+    """Every ack is weighed: a dead engine's ack, whichever order the acks are read in, never
+    stops the others from pinning what they need."""
+    await chain(tmp_path, 9, keyframe_interval=4)  # keyframes 0, 4, 8
+    run_id = read_root_info(tmp_path).run_id  # type: ignore[union-attr]
+    old = time.time() - 10_000
+    for dead in ("a-dead", "m-dead", "z-dead"):
+        write_ack(tmp_path, dead, 0, "ab" * 16, run_id)
+        os.utime(tmp_path / "acks" / f"{dead}.json", (old, old))
+    write_ack(tmp_path, "live", 2, "ab" * 16, run_id)
+    r = collect(tmp_path, RetentionPolicy(keep_versions=1, ack_ttl=600))
+    assert list_versions(tmp_path) == list(range(3, 10))
+    assert all(r.reasons[v] == "engine live at 2 needs it" for v in range(3, 8))
+
+
+async def test_an_unreadable_manifest_is_kept_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    await chain(tmp_path, 7, keyframe_interval=3)  # keyframes 0, 3, 6
+    (tmp_path / f"v{7:012d}" / "manifest.json").write_text("{")
+    with caplog.at_level("WARNING"):
+        r = collect(tmp_path, RetentionPolicy(keep_versions=1, ack_ttl=None))
+    assert r.reasons[7] == "unreadable manifest" and list_versions(tmp_path) == [6, 7]
+    assert "gc: cannot read version 7" in caplog.text and "keeping it" in caplog.text
+
+
+def test_gc_of_an_empty_root(tmp_path: Path) -> None:
+    r = collect(tmp_path, RetentionPolicy())
+    assert (r.deleted, r.kept, r.freed_bytes, r.reasons) == ((), (), 0, {})
