@@ -51,10 +51,12 @@ stress: $(STAMP)
 	$(PY) stress/multirank.py --seeds 10 --steps 40
 	ASYNCSYNC_LONG=1 $(VENV)/bin/pytest -q tests/test_protocol_model.py tests/test_durability.py
 
-# mutation testing of the protocol-critical modules ([tool.mutmut] in pyproject.toml); long
+# mutation testing of the protocol-critical modules ([tool.mutmut] in pyproject.toml); long.
+# One OpenMP thread: mutmut forks its workers after torch started its pool, and a forked
+# child that touches that pool hangs (a hang is not a verdict on the mutant).
 mutation: $(STAMP)
 	$(VENV)/bin/python -m pip install -q 'mutmut==3.8.1'
-	$(VENV)/bin/mutmut run
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VENV)/bin/mutmut run
 	$(VENV)/bin/mutmut results
 
 clean:
