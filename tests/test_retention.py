@@ -197,3 +197,12 @@ async def test_an_unreadable_manifest_is_kept_and_said(
 def test_gc_of_an_empty_root(tmp_path: Path) -> None:
     r = collect(tmp_path, RetentionPolicy())
     assert (r.deleted, r.kept, r.freed_bytes, r.reasons) == ((), (), 0, {})
+
+
+async def test_without_a_readable_keyframe_gc_keeps_the_whole_chain(tmp_path: Path) -> None:
+    await chain(tmp_path, 5, keyframe_interval=0)  # only v0 is a keyframe
+    (tmp_path / f"v{0:012d}" / "manifest.json").write_text("{")
+    r = collect(tmp_path, RetentionPolicy(keep_versions=1, ack_ttl=None))
+    assert r.deleted == () and list_versions(tmp_path) == list(range(6))
+    assert r.reasons[0] == "unreadable manifest"
+    assert all(r.reasons[v] == "no keyframe: the whole chain is needed" for v in range(1, 6))
