@@ -156,3 +156,106 @@ async def test_a_crash_between_the_engine_commit_and_the_ack_is_acked_at_restart
     async with _agent(root, tmp_path / "a") as agent:
         assert await agent.sync_once() == 2
     assert read_acks(root)["e1"].version == 2
+
+
+# An unreadable lease file (FORMAT.md section 7.1): honoured while fresh, taken over once stale.
+_UNREADABLE = {
+    "empty": b"",
+    "garbage": b"\x00\xff\xfe garbage \x80",
+    "truncated": LeaseRecord("e1", "f" * 16, "other-host", 4242, 30.0, 0.0, 0.0).to_json()[:40],
+    "other-format": json.dumps({"format": "someone-elses-lock", "owner": "x"}).encode(),
+}
+
+
+def _unreadable_lease(root: Path, data: bytes, age: float) -> Path:
+    path = lease_path(root, "e1")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    t = time.time() - age
+    os.utime(path, (t, t))
+    return path
+
+
+@pytest.mark.parametrize("kind", sorted(_UNREADABLE))
+def test_an_unreadable_lease_is_refused_while_fresh_and_taken_over_when_stale(
+    tmp_path: Path, kind: str
+) -> None:
+    path = _unreadable_lease(tmp_path, _UNREADABLE[kind], age=1.0)
+    with pytest.raises(LockHeld, match=rf"lease file {path} is unreadable .*retry in \d+s"):
+        EngineLease(tmp_path, "e1").acquire()
+    assert path.read_bytes() == _UNREADABLE[kind]  # left as it was
+    _unreadable_lease(tmp_path, _UNREADABLE[kind], age=120.0)
+    lease = EngineLease(tmp_path, "e1")
+    lease.acquire()
+    found = read_lease(tmp_path, "e1")
+    assert lease.held and found is not None and found[0].owner == lease.owner
+    with pytest.raises(LockHeld, match="in use by"):  # the second live receiver still refused
+        EngineLease(tmp_path, "e1").acquire()
+
+
+def test_a_takeover_that_moved_a_lease_taken_meanwhile_puts_it_back(tmp_path: Path) -> None:
+    from asyncsync.format.lease import UnreadableLease, inspect_lease
+
+    _unreadable_lease(tmp_path, b"", age=120.0)
+    judged = inspect_lease(tmp_path, "e1")
+    assert isinstance(judged, UnreadableLease)
+    winner, late = EngineLease(tmp_path, "e1"), EngineLease(tmp_path, "e1")
+    winner.acquire()
+    late._remove_stale(judged)  # judged the old file stale, moves the winner's lease: put back
+    found = read_lease(tmp_path, "e1")
+    assert found is not None and found[0].owner == winner.owner
+
+
+_CONTENDER = """
+import sys
+from asyncsync.errors import LockHeld
+from asyncsync.format.lease import EngineLease
+lease = EngineLease(sys.argv[1], "e1")
+sys.stdin.readline()  # go
+try:
+    lease.acquire()
+    print("won", flush=True)
+except LockHeld as exc:
+    print("refused", exc, flush=True)
+sys.stdin.readline()  # hold it until every contender answered
+"""
+
+
+def test_two_processes_taking_over_one_stale_unreadable_lease_give_one_winner(
+    tmp_path: Path,
+) -> None:
+    for data in (b"", b"garbage"):
+        _unreadable_lease(tmp_path, data, age=120.0)
+        argv = [sys.executable, "-c", _CONTENDER, str(tmp_path)]
+        procs = [
+            subprocess.Popen(
+                argv, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            for _ in range(2)
+        ]
+        try:
+            time.sleep(1.0)  # both imported
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("\n")
+                p.stdin.flush()
+            answers = [p.stdout.readline() for p in procs]  # type: ignore[union-attr]
+        finally:
+            for p in procs:
+                p.communicate("\n", timeout=30)
+        assert sorted(a.split()[0] for a in answers) == ["refused", "won"], answers
+        assert "in use by" in next(a for a in answers if a.startswith("refused"))
+        lease_path(tmp_path, "e1").unlink()  # both exited: free it for the next round
+
+
+async def test_status_shows_an_unreadable_lease(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncsync.ops.cli import main
+
+    await _publish(tmp_path, 1)
+    _unreadable_lease(tmp_path, b"", age=5.0)
+    main(["status", str(tmp_path), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert [b["engine_id"] for b in doc["unreadable_leases"]] == ["e1"]
+    assert doc["unreadable_leases"][0]["reason"] == "empty file"

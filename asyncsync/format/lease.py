@@ -16,6 +16,11 @@ therefore holds its id's *lease* while it runs (FORMAT.md section 7.1):
   id back at once). A stale lease is taken over by ``rename``-ing it aside first: only one
   contender's rename of that exact path succeeds, and the winner checks that what it moved is
   the stale record it judged before it creates its own;
+* a lease file that cannot be read (empty, truncated, garbage, another format: outside damage,
+  or a filesystem that showed the name before its data) is judged like a holder that stopped
+  heartbeating: it is refused with :class:`~asyncsync.errors.LockHeld` naming the file while
+  its mtime is younger than this receiver's own ``ttl`` (the file cannot say its own), and taken
+  over the same way once older; the winner checks that what it moved is that same file;
 * **release** removes the file if it still names this holder.
 
 Blocking functions: async callers use ``asyncio.to_thread``.
@@ -38,7 +43,16 @@ from asyncsync.format.fields import _float, _int, _load_json, _str
 from asyncsync.format.names import LEASES_DIR, check_engine_id
 from asyncsync.fsio import TMP_PREFIX, atomic_write, fs_now, make_dir, read_bytes
 
-__all__ = ["DEFAULT_LEASE_TTL", "EngineLease", "LeaseRecord", "lease_path", "read_lease"]
+__all__ = [
+    "DEFAULT_LEASE_TTL",
+    "EngineLease",
+    "LeaseRecord",
+    "UnreadableLease",
+    "inspect_lease",
+    "lease_path",
+    "read_lease",
+    "unreadable_leases",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +98,64 @@ class LeaseRecord:
         return f"host {self.host} pid {self.pid} (owner {self.owner})"
 
 
-def read_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | None:
-    """The lease of ``engine_id`` and its file's mtime, or None (no lease, or unreadable)."""
-    path = lease_path(root, engine_id)
+@dataclass(frozen=True)
+class UnreadableLease:
+    """A lease file that exists but cannot be read as a lease (FORMAT.md section 7.1)."""
+
+    path: Path
+    mtime: float
+    reason: str
+    ident: tuple[int, int]  # (st_ino, st_mtime_ns): the takeover moves this very file only
+
+
+def _read_lease_file(path: Path) -> tuple[LeaseRecord, float] | UnreadableLease | None:
     try:
-        mtime = os.stat(path, follow_symlinks=False).st_mtime
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    ident = (st.st_ino, st.st_mtime_ns)
+    try:
         rec = LeaseRecord.from_json(read_bytes(path, limit=64 << 10), str(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, ManifestError) as exc:
-        logger.warning("unreadable lease %s: %s", path, exc)
+        reason = "empty file" if st.st_size == 0 else str(exc) or type(exc).__name__
+        return UnreadableLease(path, st.st_mtime, reason, ident)
+    return rec, st.st_mtime
+
+
+def inspect_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | UnreadableLease | None:
+    """The lease of ``engine_id`` and its file's mtime, an :class:`UnreadableLease`, or None."""
+    return _read_lease_file(lease_path(root, engine_id))
+
+
+def read_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | None:
+    """The lease of ``engine_id`` and its file's mtime, or None (no lease, or unreadable)."""
+    found = inspect_lease(root, engine_id)
+    if isinstance(found, UnreadableLease):
+        logger.warning("unreadable lease %s: %s", found.path, found.reason)
         return None
-    return rec, mtime
+    return found
+
+
+def unreadable_leases(root: Path) -> dict[str, UnreadableLease]:
+    """The lease files in ``ROOT/leases/`` that cannot be read, by engine id (for status)."""
+    try:
+        names = sorted(os.listdir(root / LEASES_DIR))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    out = {}
+    for name in names:
+        if name.startswith(".") or not name.endswith(".json"):
+            continue
+        try:
+            engine_id = check_engine_id(name[: -len(".json")])
+        except ValueError:
+            continue
+        found = _read_lease_file(root / LEASES_DIR / name)
+        if isinstance(found, UnreadableLease):
+            out[engine_id] = found
+    return out
 
 
 def _pid_alive(pid: int) -> bool:
@@ -149,7 +209,7 @@ class EngineLease:
         return fs_now(self.path.parent) - mtime > rec.ttl
 
     def acquire(self) -> None:
-        """Take the lease, or raise LockHeld naming the live holder."""
+        """Take the lease, or raise LockHeld naming the live holder (or the unreadable file)."""
         make_dir(self.path.parent, parents=True, exist_ok=True)
         self._acquired_at = time.time()
         for _ in range(8):
@@ -158,9 +218,12 @@ class EngineLease:
                 _HELD.add(self.owner)
                 logger.debug("engine id %s: lease taken (%s)", self.engine_id, self.path)
                 return
-            found = read_lease(self.root, self.engine_id)
+            found = _read_lease_file(self.path)
             if found is None:
-                continue  # released (or unreadable) meanwhile: try again
+                continue  # released meanwhile: try again
+            if isinstance(found, UnreadableLease):
+                self._take_over_unreadable(found)
+                continue
             rec, mtime = found
             if rec.owner == self.owner:
                 self.held = True
@@ -179,6 +242,26 @@ class EngineLease:
             self._remove_stale(rec)
         raise LockHeld(f"engine id {self.engine_id!r}: could not take {self.path} (contended)")
 
+    def _take_over_unreadable(self, bad: UnreadableLease) -> None:
+        """Move an unreadable lease aside once its mtime is older than this lease's ttl.
+
+        The file cannot say its holder nor its ttl, so it is honoured as a live holder's lease
+        for ``self.ttl`` after its last write (a holder rewrites it at its next heartbeat).
+        """
+        age = fs_now(self.path.parent) - bad.mtime
+        if age <= self.ttl:
+            raise LockHeld(
+                f"engine id {self.engine_id!r}: the lease file {self.path} is unreadable "
+                f"({bad.reason}), last written {max(age, 0.0):.0f}s ago; it is honoured as a "
+                f"live receiver's lease until it is {self.ttl:g}s old, then taken over: retry "
+                f"in {self.ttl - age:.0f}s, or remove it if no receiver of this id runs"
+            )
+        logger.warning(
+            "engine id %s: taking over the unreadable lease %s (%s, %.0fs old)",
+            self.engine_id, self.path, bad.reason, age,
+        )  # fmt: skip
+        self._remove_stale(bad)
+
     def _create(self) -> bool:
         tmp = self.path.with_name(f"{TMP_PREFIX}{self.path.name}.{secrets.token_hex(6)}")
         atomic_write(tmp, self._record().to_json(), sync_dir=False)
@@ -193,17 +276,20 @@ class EngineLease:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
-    def _remove_stale(self, rec: LeaseRecord) -> None:
+    def _remove_stale(self, judged: LeaseRecord | UnreadableLease) -> None:
+        """Move the lease judged stale aside and remove it; put back anything else moved."""
         aside = self.path.with_name(f"{TMP_PREFIX}stale.{self.path.name}.{secrets.token_hex(6)}")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return  # another contender moved it first
-        try:
-            moved = LeaseRecord.from_json(read_bytes(aside, limit=64 << 10), str(aside))
-        except (OSError, ValueError, ManifestError):
-            moved = None
-        if moved is not None and moved.owner != rec.owner:
+        moved = _read_lease_file(aside)
+        if isinstance(judged, UnreadableLease):
+            # the very file judged: same inode, not written since (else a lease taken meanwhile)
+            same = isinstance(moved, UnreadableLease) and moved.ident == judged.ident
+        else:
+            same = not isinstance(moved, tuple) or moved[0].owner == judged.owner
+        if not same:
             # we moved a lease taken after we judged the old one stale: put it back
             with contextlib.suppress(OSError):
                 os.link(aside, self.path)
@@ -212,10 +298,15 @@ class EngineLease:
 
     def renew(self) -> None:
         """The heartbeat: rewrite the lease. Raises LockHeld when another receiver took it."""
-        found = read_lease(self.root, self.engine_id)
+        found = _read_lease_file(self.path)
         if found is None:  # removed from outside: take it again
             self.held = False
             self.acquire()
+            return
+        if isinstance(found, UnreadableLease):  # damaged from outside: ours until it went stale
+            logger.warning("engine id %s: rewriting the unreadable lease %s (%s)",
+                           self.engine_id, self.path, found.reason)  # fmt: skip
+            atomic_write(self.path, self._record().to_json())
             return
         rec, _ = found
         if rec.owner != self.owner:

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from asyncsync.format.acks import ack_ages, read_acks
+from asyncsync.format.acks import ack_ages, read_acks, root_now
+from asyncsync.format.lease import unreadable_leases
 from asyncsync.format.store import read_manifest
 from asyncsync.ops.cli.common import check_root, fmt_time, non_negative_int, positive_float, table
 
@@ -63,8 +64,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     root = Path(args.root)
     latest, rows = engine_rows(root, max_lag=args.max_lag, stale=args.stale)
     stragglers = [r["engine_id"] for r in rows if r["straggler"]]
+    now = root_now(root)
+    bad = [
+        {"engine_id": e, "path": str(u.path), "reason": u.reason,
+         "age_seconds": round(max(now - u.mtime, 0.0), 3)}
+        for e, u in unreadable_leases(root).items()
+    ]  # fmt: skip
     if args.json:
-        print(json.dumps({"latest": latest, "engines": rows, "stragglers": stragglers}, indent=1))
+        doc = {"latest": latest, "engines": rows, "stragglers": stragglers}
+        print(json.dumps({**doc, "unreadable_leases": bad}, indent=1))
     else:
         print(f"root {root}: newest version {latest if latest is not None else '-'}, "
               f"{len(rows)} engines, {len(stragglers)} stragglers")  # fmt: skip
@@ -72,6 +80,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             headers = ["engine", "version", "lag", "acked", "age s", "skew s", "host", "state"]
             right = ["version", "lag", "age s", "skew s"]
             print(table(headers, [_row(r) for r in rows], right=right))
+        for b in bad:
+            print(
+                f"lease of {b['engine_id']} UNREADABLE: {b['path']} ({b['reason']}), written "
+                f"{b['age_seconds']:.0f}s ago; taken over once older than a receiver's ttl"
+            )
     return STRAGGLERS_EXIT if stragglers else 0
 
 
