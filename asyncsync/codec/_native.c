@@ -101,6 +101,22 @@ static Py_ssize_t elements(Py_buffer *v, Py_ssize_t width, const char *name) {
     return v->len / width;
 }
 
+/* The number of int64 positions in v, or -1 with a ValueError. */
+static Py_ssize_t int64s(Py_buffer *v, const char *name) {
+    if (v->len % 8) {
+        PyErr_Format(PyExc_ValueError, "%s is %zd bytes, not a whole number of int64", name,
+                     v->len);
+        return -1;
+    }
+    return v->len / 8;
+}
+
+/* The IndexError of a position outside the tensor (found by first_out_of_bounds). */
+static void out_of_bounds(Py_ssize_t at, int64_t value, Py_ssize_t n) {
+    PyErr_Format(PyExc_IndexError, "positions[%zd] = %lld is outside a tensor of %zd elements", at,
+                 (long long)value, n);
+}
+
 /* ------------------------------------------------------------------------------ diff kernel */
 
 /* Emit element i unconditionally into slot c (the caller advances c only if it differs). */
@@ -209,12 +225,9 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "start %zd outside [0, %zd]", start, n);
         goto fail;
     }
-    if (pos->len % 8) {
-        PyErr_Format(PyExc_ValueError, "pos_out is %zd bytes, not a whole number of int64",
-                     pos->len);
+    if ((cap = int64s(pos, "pos_out")) < 0) {
         goto fail;
     }
-    cap = pos->len / 8;
     if (nv && (nv->len / width < cap || xv->len / width < cap)) {
         PyErr_Format(PyExc_ValueError,
                      "new_out/xor_out (%zd/%zd bytes) must hold %zd elements of %zd bytes",
@@ -306,12 +319,9 @@ static PyObject *patch(PyObject *args, int is_xor) {
     if ((n = elements(flat, width, "flat")) < 0) {
         goto fail;
     }
-    if (pos->len % 8) {
-        PyErr_Format(PyExc_ValueError, "positions is %zd bytes, not a whole number of int64",
-                     pos->len);
+    if ((k = int64s(pos, "positions")) < 0) {
         goto fail;
     }
-    k = pos->len / 8;
     if (vals->len != k * width) {
         PyErr_Format(PyExc_ValueError, "values is %zd bytes, want %zd (%zd positions of %zd)",
                      vals->len, k * width, k, width);
@@ -338,8 +348,7 @@ static PyObject *patch(PyObject *args, int is_xor) {
         Py_END_ALLOW_THREADS;
     }
     if (bad_at >= 0) {
-        PyErr_Format(PyExc_IndexError, "positions[%zd] = %lld is outside a tensor of %zd elements",
-                     bad_at, (long long)bad, n);
+        out_of_bounds(bad_at, bad, n);
         goto fail;
     }
     release_all(&b);
@@ -387,12 +396,9 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     if ((n = elements(flat, width, "flat")) < 0) {
         goto fail;
     }
-    if (pos->len % 8) {
-        PyErr_Format(PyExc_ValueError, "positions is %zd bytes, not a whole number of int64",
-                     pos->len);
+    if ((k = int64s(pos, "positions")) < 0) {
         goto fail;
     }
-    k = pos->len / 8;
     if (out->len != k * width) {
         PyErr_Format(PyExc_ValueError, "out is %zd bytes, want %zd (%zd positions of %zd)",
                      out->len, k * width, k, width);
@@ -414,8 +420,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS;
     }
     if (bad_at >= 0) {
-        PyErr_Format(PyExc_IndexError, "positions[%zd] = %lld is outside a tensor of %zd elements",
-                     bad_at, (long long)bad, n);
+        out_of_bounds(bad_at, bad, n);
         goto fail;
     }
     release_all(&b);
@@ -640,12 +645,9 @@ static PyObject *ef_encode(PyObject *self, PyObject *args) {
     if (!(pos = acquire(&b, pos_o, "positions", 0))) {
         goto fail;
     }
-    if (pos->len % 8) {
-        PyErr_Format(PyExc_ValueError, "positions is %zd bytes, not a whole number of int64",
-                     pos->len);
+    if ((n = int64s(pos, "positions")) < 0) {
         goto fail;
     }
-    n = pos->len / 8;
     if (ef_layout(n, numel, L, &lay) < 0) {
         goto fail;
     }
