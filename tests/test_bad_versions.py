@@ -89,8 +89,16 @@ class Trainer:
             await self.pub.publish(self.states[-1], keyframe=keyframe)
 
 
-def _agent(root: Path, engine: object, engine_id: str = "e1") -> ReceiverAgent:
-    return ReceiverAgent(root, engine, engine_id, use_inotify=False, verify_deadline=0.1)  # type: ignore[arg-type]
+def _agent(
+    root: Path, engine: object, engine_id: str = "e1", verify_deadline: float = 0.1
+) -> ReceiverAgent:
+    return ReceiverAgent(
+        root,
+        engine,  # type: ignore[arg-type]
+        engine_id,
+        use_inotify=False,
+        verify_deadline=verify_deadline,
+    )
 
 
 def invalidate_manifest(root: Path, v: int) -> None:  # parses, breaks a rule (totals)
@@ -109,9 +117,7 @@ async def test_a_manifest_that_parses_but_breaks_a_rule_is_bad_without_the_re_re
     t = Trainer(root)
     async with t.pub:
         await t.publish(3)
-        agent = ReceiverAgent(
-            root, LocalCheckpoint(tmp_path / "ckpt"), "e1", use_inotify=False, verify_deadline=3600
-        )
+        agent = _agent(root, LocalCheckpoint(tmp_path / "ckpt"), verify_deadline=3600)
         async with agent:
             assert await agent.sync_once() == 2
             await t.publish(1)  # v3
