@@ -19,8 +19,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
+from asyncsync import fsio
 from asyncsync.errors import LockHeld, ManifestError
 from asyncsync.format import ack_path
 from asyncsync.format.acks import AckRecord, read_ack, write_ack
@@ -139,5 +141,6 @@ class RootPresence:
             "agent %s: ack names v%d, the engine holds nothing: removing the ack",
             self.engine_id, version,
         )  # fmt: skip
-        await asyncio.to_thread(ack_path(self.root, self.engine_id).unlink, missing_ok=True)
+        path = ack_path(self.root, self.engine_id)
+        await asyncio.to_thread(partial(fsio.remove, path, root=self.root))  # never followed
         self.acked = None

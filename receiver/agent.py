@@ -22,13 +22,16 @@ import asyncio
 import contextlib
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from asyncsync import fsio
 from asyncsync.errors import (
     AsyncSyncError,
     ChainError,
@@ -55,6 +58,7 @@ from receiver.shard_reader import (
     decode_pieces,
     open_shard,
     read_verified,
+    shard_source,
     verified,
 )
 from receiver.watch import wakeups
@@ -315,7 +319,7 @@ class ReceiverAgent:
                 self._prefetch_task.cancel()
             self._prefetcher = self._prefetch_task = None
         vdir = version_dir(self.root, nxt)
-        if not await asyncio.to_thread(vdir.is_dir):
+        if not await asyncio.to_thread(_is_real_dir, vdir, self.root):
             return
         self._prefetcher = Prefetcher(
             self.root, nxt, on_manifest=wake, max_bytes=self.prefetch_bytes
@@ -332,6 +336,7 @@ class ReceiverAgent:
 
     # ------------------------------------------------------------------ sync
     async def _sync(self) -> int | None:
+        self._bad.begin_sync()
         found = await asyncio.to_thread(latest_version, self.root, self.version)
         self._c.latest = found
         if found is None:
@@ -405,7 +410,7 @@ class ReceiverAgent:
     async def _reseed(self, latest: int, run_id: str) -> None:
         while True:
             kf = await asyncio.to_thread(
-                newest_keyframe, self.root, latest, run_id, self._bad.read, set(self._bad.marks)
+                newest_keyframe, self.root, latest, run_id, self._bad.read, self._bad.skip()
             )
             try:
                 await self._apply_version(kf, "full")
@@ -505,7 +510,7 @@ class ReceiverAgent:
     async def _open_shard(self, m: Manifest, idx: int, shard: ShardInfo) -> dict[str, torch.Tensor]:
         """Read (or take prefetched), verify and parse one shard, re-reading until the deadline
         while it is missing, short or fails its checksum (not yet visible on this host)."""
-        path = m.shard_path(version_dir(self.root, m.version), shard)
+        path, root = shard_source(self.root, m, shard)  # never follows a symlink in the root
         deadline = time.monotonic() + self._bad.patience(m.version)  # known bad: read once
         delay = 0.05
         early = self._prefetched(m, shard)
@@ -516,7 +521,8 @@ class ReceiverAgent:
                     await asyncio.to_thread(verified, data, path, shard, m.checksum_algorithm)
                     self._c.prefetched += 1
                 else:
-                    data = await asyncio.to_thread(read_verified, path, shard, m.checksum_algorithm)
+                    read = partial(read_verified, path, shard, m.checksum_algorithm, root=root)
+                    data = await asyncio.to_thread(read)
                 break
             except (ChecksumMismatch, IncompleteVersion) as exc:
                 if time.monotonic() >= deadline:
@@ -531,6 +537,15 @@ class ReceiverAgent:
         if p is None or p.version != m.version or shard.role != "delta":
             return None
         return p.take(shard.file)
+
+
+def _is_real_dir(path: Path, root: Path) -> bool:
+    """A directory, not a symlink to one (nothing below the root is followed)."""
+    try:
+        st = fsio.lstat(path, root=root)
+    except OSError:
+        return False
+    return st is not None and stat.S_ISDIR(st.st_mode)
 
 
 async def _first_of(*events: asyncio.Event) -> None:

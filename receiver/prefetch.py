@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import stat
+from functools import partial
 from pathlib import Path
 
+from asyncsync import fsio
 from asyncsync.format import MANIFEST_NAME, version_dir
 from asyncsync.fsio import read_bytes
 
@@ -43,6 +45,7 @@ class Prefetcher:
         interval: float = 0.005,
     ) -> None:
         self.version = version
+        self.root = root
         self.dir = version_dir(root, version)
         self.on_manifest = on_manifest
         self.max_bytes = max_bytes
@@ -63,14 +66,15 @@ class Prefetcher:
         manifest = self.dir / MANIFEST_NAME
         delay = self.interval
         while True:
-            if await asyncio.to_thread(manifest.exists):
-                self.on_manifest.set()
+            if await asyncio.to_thread(_kind, manifest, self.root) is not None:
+                self.on_manifest.set()  # whatever it is: the agent reads (or refuses) it
                 return
             name = f"delta-{k:05d}.safetensors"
             path = self.dir / name
-            if self.bytes < self.max_bytes and await asyncio.to_thread(_is_file, path):
+            if self.bytes < self.max_bytes and await asyncio.to_thread(_kind, path, self.root) == 1:
+                read = partial(read_bytes, path, limit=self.max_bytes, root=self.root)
                 try:
-                    data = await asyncio.to_thread(read_bytes, path, limit=self.max_bytes)
+                    data = await asyncio.to_thread(read)
                 except (OSError, ValueError) as exc:  # vanished or huge: the agent reads it later
                     logger.debug("prefetch of %s skipped: %s", path, exc)
                 else:
@@ -83,8 +87,10 @@ class Prefetcher:
             delay = min(delay * 1.25, 0.1)  # an abandoned write must not spin the CPU
 
 
-def _is_file(path: Path) -> bool:
+def _kind(path: Path, root: Path) -> int | None:
+    """None: nothing there; 1: a regular file; 0: anything else (never followed: fsio)."""
     try:
-        return os.stat(path, follow_symlinks=False).st_mode & 0o170000 == 0o100000
-    except OSError:
-        return False
+        st = fsio.lstat(path, root=root)
+    except OSError:  # a symlinked version directory: let the agent say why
+        return 0
+    return None if st is None else int(stat.S_ISREG(st.st_mode))

@@ -41,7 +41,16 @@ from pathlib import Path
 from asyncsync.errors import LockHeld, ManifestError
 from asyncsync.format.fields import _float, _int, _load_json, _str
 from asyncsync.format.names import LEASES_DIR, check_engine_id
-from asyncsync.fsio import TMP_PREFIX, atomic_write, fs_now, make_dir, read_bytes
+from asyncsync.fsio import (
+    TMP_PREFIX,
+    atomic_write,
+    fs_now,
+    lstat,
+    make_dir,
+    read_file,
+    remove,
+    scan,
+)
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
@@ -108,14 +117,18 @@ class UnreadableLease:
     ident: tuple[int, int]  # (st_ino, st_mtime_ns): the takeover moves this very file only
 
 
-def _read_lease_file(path: Path) -> tuple[LeaseRecord, float] | UnreadableLease | None:
+def _read_lease_file(path: Path, root: Path) -> tuple[LeaseRecord, float] | UnreadableLease | None:
+    # read through asyncsync.fsio: a symlinked leases/ or a lease that is a FIFO or a symlink
+    # is an unreadable lease, never followed nor blocked on (FORMAT.md section 1)
     try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
+        st = lstat(path, root=root)
+    except OSError as exc:  # leases/ is not a directory
+        return UnreadableLease(path, 0.0, str(exc), (0, 0))
+    if st is None:
         return None
     ident = (st.st_ino, st.st_mtime_ns)
     try:
-        rec = LeaseRecord.from_json(read_bytes(path, limit=64 << 10), str(path))
+        rec = LeaseRecord.from_json(read_file(path, limit=64 << 10, root=root)[0], str(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, ManifestError) as exc:
@@ -126,7 +139,7 @@ def _read_lease_file(path: Path) -> tuple[LeaseRecord, float] | UnreadableLease 
 
 def inspect_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | UnreadableLease | None:
     """The lease of ``engine_id`` and its file's mtime, an :class:`UnreadableLease`, or None."""
-    return _read_lease_file(lease_path(root, engine_id))
+    return _read_lease_file(lease_path(root, engine_id), root)
 
 
 def read_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | None:
@@ -141,8 +154,8 @@ def read_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | None:
 def unreadable_leases(root: Path) -> dict[str, UnreadableLease]:
     """The lease files in ``ROOT/leases/`` that cannot be read, by engine id (for status)."""
     try:
-        names = sorted(os.listdir(root / LEASES_DIR))
-    except (FileNotFoundError, NotADirectoryError):
+        names = sorted(name for name, _ in scan(root / LEASES_DIR, root=root))
+    except OSError:  # none, or leases/ is not a directory
         return {}
     out = {}
     for name in names:
@@ -152,7 +165,7 @@ def unreadable_leases(root: Path) -> dict[str, UnreadableLease]:
             engine_id = check_engine_id(name[: -len(".json")])
         except ValueError:
             continue
-        found = _read_lease_file(root / LEASES_DIR / name)
+        found = _read_lease_file(root / LEASES_DIR / name, root)
         if isinstance(found, UnreadableLease):
             out[engine_id] = found
     return out
@@ -206,11 +219,11 @@ class EngineLease:
                 return rec.owner not in _HELD  # else a previous life (a container's pid 1)
             if not _pid_alive(rec.pid):
                 return True  # this host's holder is gone (kill -9): free at once
-        return fs_now(self.path.parent) - mtime > rec.ttl
+        return fs_now(self.path.parent, root=self.root) - mtime > rec.ttl
 
     def acquire(self) -> None:
         """Take the lease, or raise LockHeld naming the live holder (or the unreadable file)."""
-        make_dir(self.path.parent, parents=True, exist_ok=True)
+        make_dir(self.path.parent, root=self.root, exist_ok=True)
         self._acquired_at = time.time()
         for _ in range(8):
             if self._create():
@@ -218,7 +231,7 @@ class EngineLease:
                 _HELD.add(self.owner)
                 logger.debug("engine id %s: lease taken (%s)", self.engine_id, self.path)
                 return
-            found = _read_lease_file(self.path)
+            found = _read_lease_file(self.path, self.root)
             if found is None:
                 continue  # released meanwhile: try again
             if isinstance(found, UnreadableLease):
@@ -230,7 +243,7 @@ class EngineLease:
                 _HELD.add(self.owner)
                 return
             if not self.stale(rec, mtime):
-                age = fs_now(self.path.parent) - mtime
+                age = fs_now(self.path.parent, root=self.root) - mtime
                 raise LockHeld(
                     f"engine id {self.engine_id!r} is in use by the receiver on {rec.describe()}, "
                     f"last heartbeat {max(age, 0.0):.0f}s ago (a lease goes stale after "
@@ -248,7 +261,7 @@ class EngineLease:
         The file cannot say its holder nor its ttl, so it is honoured as a live holder's lease
         for ``self.ttl`` after its last write (a holder rewrites it at its next heartbeat).
         """
-        age = fs_now(self.path.parent) - bad.mtime
+        age = fs_now(self.path.parent, root=self.root) - bad.mtime
         if age <= self.ttl:
             raise LockHeld(
                 f"engine id {self.engine_id!r}: the lease file {self.path} is unreadable "
@@ -264,7 +277,7 @@ class EngineLease:
 
     def _create(self) -> bool:
         tmp = self.path.with_name(f"{TMP_PREFIX}{self.path.name}.{secrets.token_hex(6)}")
-        atomic_write(tmp, self._record().to_json(), sync_dir=False)
+        atomic_write(tmp, self._record().to_json(), root=self.root, sync_dir=False)
         try:
             os.link(tmp, self.path)
             return True
@@ -283,7 +296,7 @@ class EngineLease:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return  # another contender moved it first
-        moved = _read_lease_file(aside)
+        moved = _read_lease_file(aside, self.root)
         if isinstance(judged, UnreadableLease):
             # the very file judged: same inode, not written since (else a lease taken meanwhile)
             same = isinstance(moved, UnreadableLease) and moved.ident == judged.ident
@@ -298,7 +311,7 @@ class EngineLease:
 
     def renew(self) -> None:
         """The heartbeat: rewrite the lease. Raises LockHeld when another receiver took it."""
-        found = _read_lease_file(self.path)
+        found = _read_lease_file(self.path, self.root)
         if found is None:  # removed from outside: take it again
             self.held = False
             self.acquire()
@@ -306,7 +319,7 @@ class EngineLease:
         if isinstance(found, UnreadableLease):  # damaged from outside: ours until it went stale
             logger.warning("engine id %s: rewriting the unreadable lease %s (%s)",
                            self.engine_id, self.path, found.reason)  # fmt: skip
-            atomic_write(self.path, self._record().to_json())
+            atomic_write(self.path, self._record().to_json(), root=self.root)
             return
         rec, _ = found
         if rec.owner != self.owner:
@@ -316,7 +329,7 @@ class EngineLease:
                 f"engine id {self.engine_id!r}: the lease was taken over by {rec.describe()} "
                 "(this receiver's heartbeat was late by more than the lease ttl)"
             )
-        atomic_write(self.path, self._record().to_json())
+        atomic_write(self.path, self._record().to_json(), root=self.root)
 
     def release(self) -> None:
         if not self.held:
@@ -325,5 +338,4 @@ class EngineLease:
         _HELD.discard(self.owner)
         found = read_lease(self.root, self.engine_id)
         if found is not None and found[0].owner == self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            remove(self.path, root=self.root)

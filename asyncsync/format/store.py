@@ -1,8 +1,11 @@
 """Reading a root: which versions are committed, their manifests, the root identity.
 
 Blocking functions (async callers wrap them in ``asyncio.to_thread``). A version exists for a
-reader only when its ``manifest.json`` exists: directories without one are in-progress or
-abandoned writes and are invisible.
+reader only when its ``manifest.json`` exists (FORMAT.md section 1): directories without one
+are in-progress or abandoned writes and are invisible. Every access goes through
+:mod:`asyncsync.fsio` with ``root=``: nothing below the root is followed or blocked on, so a
+symlinked version directory or a manifest that is a FIFO is a version that is *bad*
+(:class:`~asyncsync.errors.ManifestError`), never a hang nor a read outside the root.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ import json
 import os
 import secrets
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
-from asyncsync.errors import ManifestError
+from asyncsync import fsio
+from asyncsync.errors import ManifestError, ManifestUnreadable
 from asyncsync.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -25,13 +30,15 @@ from asyncsync.format import (
     Manifest,
     manifest_path,
     parse_version_dir,
+    version_dir,
 )
-from asyncsync.fsio import atomic_write, read_bytes
+from asyncsync.format.fields import _load_json
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
     "RootInfo",
     "ensure_root_info",
+    "is_committed",
     "list_versions",
     "ManifestCache",
     "read_manifest",
@@ -52,20 +59,13 @@ class RootInfo(dict[str, Any]):
 
 def read_root_info(root: Path) -> RootInfo | None:
     try:
-        data = read_bytes(root / ROOT_INFO_NAME, limit=1 << 20)
+        data = fsio.read_bytes(root / ROOT_INFO_NAME, limit=1 << 20, root=root)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
         raise ManifestError(f"cannot read {root / ROOT_INFO_NAME}: {exc}") from exc
-    try:
-        d = json.loads(data)
-    except ValueError as exc:
-        raise ManifestError(f"{root / ROOT_INFO_NAME} is not valid JSON: {exc}") from exc
-    if (
-        not isinstance(d, dict)
-        or d.get("format") != FORMAT_NAME
-        or not isinstance(d.get("run_id"), str)
-    ):
+    d = _load_json(data, str(root / ROOT_INFO_NAME))
+    if d.get("format") != FORMAT_NAME or not isinstance(d.get("run_id"), str):
         raise ManifestError(f"{root / ROOT_INFO_NAME} is not an asyncsync root record")
     if d.get("format_version") not in READ_FORMAT_VERSIONS:
         raise ManifestError(
@@ -87,20 +87,49 @@ def ensure_root_info(root: Path) -> RootInfo:
         created_at=time.time(),
         created_by=f"{socket.gethostname()}:{os.getpid()}",
     )
-    atomic_write(root / ROOT_INFO_NAME, (json.dumps(info, indent=1) + "\n").encode())
+    fsio.atomic_write(
+        root / ROOT_INFO_NAME, (json.dumps(info, indent=1) + "\n").encode(), root=root
+    )
     return info
+
+
+def _committed(root: Path, name: str, st: os.stat_result) -> bool:
+    """Whether the entry ``name`` (lstat ``st``) of the root is a committed version: a
+    directory holding a ``manifest.json`` entry of any type, or a symlink (a bad version:
+    readers refuse it without following it, FORMAT.md section 8)."""
+    if stat.S_ISLNK(st.st_mode):
+        return True
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    try:
+        return fsio.lstat(root / name / MANIFEST_NAME, root=root) is not None
+    except OSError:  # unreadable or replaced by a symlink meanwhile: read_manifest says why
+        return True
+
+
+def is_committed(root: Path, version: int) -> bool:
+    """Whether ``version`` is committed (an exact-path lookup, not a listing)."""
+    path = version_dir(root, version)
+    try:
+        st = fsio.lstat(path, root=root)
+    except OSError:
+        return False  # the root itself is gone or unreadable
+    return st is not None and _committed(root, path.name, st)
+
+
+def _entries(root: Path) -> list[tuple[str, os.stat_result]]:
+    try:
+        return fsio.scan(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def list_versions(root: Path) -> list[int]:
     """Committed versions in the root, ascending (a directory scan; may lag on network FS)."""
     out = []
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
-    for e in entries:
-        v = parse_version_dir(e.name)
-        if v is not None and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
+    for name, st in _entries(root):
+        v = parse_version_dir(name)
+        if v is not None and _committed(root, name, st):
             out.append(v)
     out.sort()
     return out
@@ -109,39 +138,38 @@ def list_versions(root: Path) -> list[int]:
 def uncommitted_dirs(root: Path) -> list[Path]:
     """Version directories without a manifest (interrupted publishes)."""
     out = []
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
-    for e in entries:
+    for name, st in _entries(root):
         if (
-            parse_version_dir(e.name) is not None
-            and e.is_dir(follow_symlinks=False)
-            and not os.path.exists(os.path.join(e.path, MANIFEST_NAME))
+            parse_version_dir(name) is not None
+            and stat.S_ISDIR(st.st_mode)
+            and not _committed(root, name, st)
         ):
-            out.append(Path(e.path))
+            out.append(root / name)
     return sorted(out)
 
 
 def read_manifest(root: Path, version: int) -> Manifest:
     """Read and validate the manifest of ``version``.
 
-    Raises FileNotFoundError when the version is not committed, ManifestError when the file is
-    malformed, unsafe (the manifest or its version directory is a symlink), or names another
-    version.
+    Raises FileNotFoundError when the version is not committed; ManifestError when the file is
+    malformed, unsafe (a symlink, a FIFO or anything but a regular file, or in a version
+    directory that is a symlink) or names another version; ManifestUnreadable when it cannot
+    be read now (EACCES, EIO: a reader may try again, then the version is bad).
     """
     path = manifest_path(root, version)
-    if path.parent.is_symlink():
-        raise ManifestError(
-            f"{path.parent}: a version directory may not be a symlink (it can lead outside "
-            "the root); the publisher writes real directories, so this one was put there by hand"
-        )
-    if path.is_symlink():
-        raise ManifestError(f"{path}: a manifest may not be a symlink")
     try:
-        data = read_bytes(path, limit=MAX_MANIFEST_BYTES)
+        data = fsio.read_bytes(path, limit=MAX_MANIFEST_BYTES, root=root)
+    except FileNotFoundError:
+        raise
+    except fsio.UnsafePath as exc:
+        raise ManifestError(
+            f"{exc.strerror}; the publisher writes a real directory and a regular file, so "
+            "this version was changed by hand"
+        ) from exc
     except ValueError as exc:
         raise ManifestError(f"{path}: {exc}") from exc
+    except OSError as exc:
+        raise ManifestUnreadable(f"{path}: cannot read the manifest ({exc})") from exc
     m = Manifest.from_json(data, where=str(path))
     if m.version != version:
         raise ManifestError(f"{path}: names version {m.version}, but lives in the dir of {version}")
@@ -162,10 +190,13 @@ class ManifestCache:
 
     def get(self, root: Path, version: int) -> Manifest:
         try:
-            st = os.stat(manifest_path(root, version), follow_symlinks=False)
-        except FileNotFoundError:
+            st = fsio.lstat(manifest_path(root, version), root=root)
+        except OSError:  # a symlinked or unreadable version directory: read_manifest says why
             self._entries.pop(version, None)
-            raise
+            return read_manifest(root, version)
+        if st is None:
+            self._entries.pop(version, None)
+            raise FileNotFoundError(manifest_path(root, version))
         key = (st.st_size, st.st_mtime_ns, st.st_ino)
         hit = self._entries.get(version)
         if hit is not None and hit[0] == key:

@@ -34,6 +34,8 @@ from asyncsync.format import (
     TensorPart,
 )
 from asyncsync.format.checksum import parts_checksum
+from asyncsync.format.fields import _load_json
+from asyncsync.format.names import MAX_NAME_CHARS, SAFETENSORS_METADATA
 
 __all__ = [
     "PART_RECORD",
@@ -88,8 +90,16 @@ def check_state_dict(
 ) -> dict[str, TensorSlice]:
     """Raise ConfigError for a state dict or slices the format cannot carry; return the slices."""
     for name in state_dict:
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"state dict keys must be non-empty strings, got {name!r}")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+            raise ConfigError(
+                f"state dict keys must be strings of 1 to {MAX_NAME_CHARS} characters, "
+                f"got {name!r:.80}"
+            )
+        if name == SAFETENSORS_METADATA:  # safetensors' header key: no shard can hold it
+            raise ConfigError(
+                f"a tensor may not be named {name!r} (the key safetensors reserves for its "
+                "header metadata): rename it in the state dict"
+            )
         if not isinstance(state_dict[name], torch.Tensor):
             raise ConfigError(f"state_dict[{name!r}] is not a tensor")
         if state_dict[name].dtype not in _SUPPORTED:
@@ -255,11 +265,8 @@ class PartRecord:
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "part record") -> PartRecord:
         """Parse and check a part record (its entries are checked as a manifest's would be)."""
-        try:
-            d = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise ManifestError(f"{where} is not valid JSON: {exc}") from exc
-        if not isinstance(d, dict) or d.get("format") != PART_RECORD:
+        d = _load_json(text, where)  # the strict reader of every JSON file of a root
+        if d.get("format") != PART_RECORD:
             raise ManifestError(f"{where}: not an asyncsync part record")
         if d.get("format_version") != FORMAT_VERSION:
             raise ManifestError(f"{where}: format_version {d.get('format_version')!r} unknown")
