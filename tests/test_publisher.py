@@ -400,11 +400,11 @@ async def test_directory_fsync_failure_after_the_rename_is_not_a_failed_publish(
     calls = {"n": 0}
     real = fsio.fsync_dir
 
-    def flaky(path: Path, **kw: Any) -> None:
+    def flaky(path: Path, **kw: object) -> None:
         calls["n"] += 1
         if calls["n"] == 3:  # vdir, root, then the version dir after the manifest rename
             raise OSError(5, "Input/output error (injected)")
-        real(path, **kw)
+        real(path, **kw)  # type: ignore[arg-type]
 
     sd = mixed_state(0)
     async with Publisher(tmp_path, keyframe_interval=0) as pub:
