@@ -63,6 +63,9 @@ class UnsafePath(OSError):
     """A symlink, a special file (FIFO, socket, device), a directory where a file is expected,
     a hard-linked file to write in place, or a path through a symlink: never followed."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)
+
 
 # --------------------------------------------------------------------------- the throttle
 
@@ -392,12 +395,9 @@ def make_dir(
     parents: bool = False,
     exist_ok: bool = False,
 ) -> Path:
-    """``mkdir`` with the documented mode (:data:`DIR_MODE`) whatever the umask.
-
-    Only directories this call creates are changed; an existing one keeps its mode. With
-    ``root``, no component below it is followed: an existing symlink (or anything but a
-    directory) there raises :class:`UnsafePath`, also with ``exist_ok``.
-    """
+    """``mkdir`` with the documented mode (:data:`DIR_MODE`) whatever the umask; an existing
+    directory keeps its mode. With ``root``, no component below it is followed: an existing
+    symlink (or anything but a directory) raises :class:`UnsafePath`, also with ``exist_ok``."""
     path = Path(path)
     if root is None:
         if parents and not path.parent.exists():

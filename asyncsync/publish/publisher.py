@@ -234,6 +234,9 @@ class Publisher:
                 await asyncio.to_thread(finish_interrupted, self.root)
             versions = await asyncio.to_thread(list_versions, self.root)
             await self._committer.open(self.root, versions[-1] if versions else None)
+        except OSError as exc:  # e.g. fsio.UnsafePath: a symlink where .rendezvous/ should be
+            self._lock.release()
+            raise ConfigError(f"cannot open the root {self.root}: {exc}") from exc
         except BaseException:
             self._lock.release()
             raise
