@@ -201,6 +201,11 @@ class StatusServer:
         self._site: web.TCPSite | None = None
 
     @property
+    def open_connections(self) -> int:
+        """Connections open now (at most ``max_connections``)."""
+        return 0 if self._runner is None else self._runner.open
+
+    @property
     def url(self) -> str:
         if self._site is None:
             raise RuntimeError("the server is not started")

@@ -105,3 +105,66 @@ COMPONENTS: dict[str, Callable[..., None]] = {
     "publisher": publisher,
     "gc": gc,
 }
+
+
+# --------------------------------------------------------------------------- single findings
+
+
+def _cap_memory(extra: int) -> None:
+    """Let this process allocate at most ``extra`` more bytes (RLIMIT_AS): an unbounded read
+    ends in MemoryError here instead of in the machine's memory."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + extra, resource.RLIM_INFINITY))
+
+
+def publish_bounded(root: str, out: str) -> None:
+    """Finding 2: a publish with retention under ``asyncio.wait_for`` (a FIFO lease in the root
+    must not make it outlive its timeout, nor keep the process from exiting)."""
+
+    async def main() -> None:
+        policy = RetentionPolicy(keep_versions=2, ack_ttl=3600)
+        async with Publisher(root, keyframe_interval=0, retention=policy) as pub:
+            await asyncio.wait_for(pub.seed(state(12)), 20)
+
+    _report(out, _arun(main))
+
+
+def read_ack_capped(root: str, out: str) -> None:
+    """Finding 4: read this engine's ack with 512 MiB of memory to spare."""
+    from asyncsync.format.acks import read_ack
+
+    _cap_memory(512 << 20)
+    _report(out, lambda: print(repr(read_ack(Path(root), "e1"))))
+
+
+def parse_capped(path: str, out: str) -> None:
+    """Finding 7: parse a manifest file with 1 GiB of memory to spare."""
+    from asyncsync.format import Manifest
+
+    _cap_memory(1 << 30)
+    _report(out, lambda: print(Manifest.from_json(Path(path).read_bytes(), where=path)))
+
+
+def receive_as_nobody(root: str, out: str, checkpoint: str) -> None:
+    """Finding 3: a receiver of another uid (65534) than the publisher's, which may not read a
+    manifest of mode 0000 (EACCES). A short re-read window: the version is then bad."""
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+
+    os.setgid(65534)
+    os.setuid(65534)
+
+    async def main() -> int | None:
+        engine = LocalCheckpoint(checkpoint)
+        agent = ReceiverAgent(
+            root, engine, "e1", use_inotify=False, prefetch=False, verify_deadline=0.5
+        )
+        async with agent:
+            version = await agent.sync_once()
+            print(f"holds {version}; bad {list(agent.status().bad_versions)}")
+            return 0
+
+    _report(out, _arun(main))

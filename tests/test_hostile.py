@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,12 +155,37 @@ async def test_shard_that_is_a_fifo_is_refused_without_hanging(chain: Chain) -> 
             os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
 
 
-async def test_manifest_that_is_not_a_regular_file_is_not_a_version(chain: Chain) -> None:
-    (chain.v2 / MANIFEST_NAME).unlink()
-    (chain.v2 / MANIFEST_NAME).mkdir()
-    assert 2 not in list_versions(chain.root)
-    assert await chain.agent.sync_once() == 1  # v2 is not committed: nothing to apply
-    chain.assert_at_v1()
+@pytest.mark.parametrize("kind", ["directory", "socket", "fifo"])
+async def test_a_manifest_that_is_not_a_regular_file_is_a_bad_version(
+    chain: Chain, kind: str
+) -> None:
+    """Issue 22, finding 3: a ``manifest.json`` that is a directory, a socket or a FIFO was a
+    bare OSError at every sync (or a read blocked forever), never a bad version, so the
+    receiver stayed behind it though a keyframe followed. Now it is a committed version that
+    is bad at once: refused, reported, and gone past as soon as a keyframe follows."""
+    path = chain.v2 / MANIFEST_NAME
+    path.unlink()
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        sock.close()
+    assert 2 in list_versions(chain.root)  # committed: the name exists (FORMAT.md section 1)
+    try:
+        err = await chain.assert_refused()
+    finally:  # should a reader be blocked in open() (today's main), let it go
+        if kind == "fifo":
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert isinstance(err, ManifestError) and "not a regular file" in str(err)
+    assert 2 in chain.agent.status().bad_versions
+    async with Publisher(chain.root) as pub:  # a restarted trainer seeds a keyframe: v3
+        await pub.seed(chain.states[2])
+    assert await asyncio.wait_for(chain.agent.sync_once(), 30) == 3
+    assert verify_checkpoint(chain.ckpt, read_manifest(chain.root, 3)) == []
 
 
 async def test_manifest_naming_another_version_is_refused(chain: Chain) -> None:

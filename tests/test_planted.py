@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -146,21 +147,26 @@ def plant(case: Path, name: str, kind: str) -> Path:
 
 
 def run(ctx: Any, component: str, case: Path) -> dict[str, Any]:
-    """Run one component as its own process; kill it past the deadline."""
+    """Run one component on ``case`` as its own process."""
     out = case / f"{component.replace(' ', '_')}.json"
     args: list[str] = [str(case / "root"), str(out)]
     if component == "receiver":
         args.append(str(case / "ckpt"))
-    proc = ctx.Process(target=planted_child.COMPONENTS[component], args=args)
+    return run_process(ctx, planted_child.COMPONENTS[component], *args)
+
+
+def run_process(ctx: Any, fn: Any, where: str, out: str, *args: str) -> dict[str, Any]:
+    """Run ``fn(where, out, *args)`` as its own process; kill it past the deadline."""
+    proc = ctx.Process(target=fn, args=(where, out, *args))
     proc.start()
     proc.join(DEADLINE)
     if proc.is_alive():
         proc.kill()
         proc.join()
         return {"ok": False, "error": f"HUNG: still running after {DEADLINE:g}s (killed)"}
-    if proc.exitcode != 0 or not out.exists():
+    if proc.exitcode != 0 or not Path(out).exists():
         return {"ok": False, "error": f"UNEXPECTED: died with exit code {proc.exitcode}"}
-    result: dict[str, Any] = json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(Path(out).read_text())
     return result
 
 
@@ -190,3 +196,91 @@ def test_a_planted_entry_never_reaches_outside_the_root_nor_hangs_a_process(
         if error.startswith(("HUNG", "UNEXPECTED")) or "Traceback" in output:
             problems.append(f"{component}: {error} {output[-1500:]}")
     assert problems == [], "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- single findings
+# Each reproduces one finding of issue 22 in its own process (a hang or an unbounded read in
+# the test process itself would take the test run down with it).
+
+
+def _copy_template(template: Path, case: Path) -> Path:
+    shutil.copytree(template / "root", case / "root", symlinks=True)
+    shutil.copytree(template / "ckpt", case / "ckpt", symlinks=True)
+    return case / "root"
+
+
+def test_a_fifo_lease_never_hangs_a_publish_under_wait_for(
+    template: Path, forkserver: Any, tmp_path: Path
+) -> None:
+    """Finding 2: retention reads the lease of each engine with an ack (its age); a FIFO at
+    ``leases/<id>.json`` blocked that read in a worker thread, so ``asyncio.wait_for`` could
+    not end the publish and the process could not exit. Now: the publish commits at once."""
+    root = _copy_template(template, tmp_path)
+    os.mkfifo(root / "leases" / "e1.json")  # e1 has an ack: its lease is read
+    res = run_process(forkserver, planted_child.publish_bounded, str(root), str(tmp_path / "o"))
+    assert res["ok"], res
+    assert (root / "v000000000004" / "manifest.json").is_file()
+
+
+def test_an_ack_symlinked_to_dev_zero_is_refused_unread(
+    template: Path, forkserver: Any, tmp_path: Path
+) -> None:
+    """Finding 4: the size was checked on the link, the read followed it (2.2 GiB from
+    /dev/zero, then a bare MemoryError). Now: refused as a symlink before a byte is read."""
+    root = _copy_template(template, tmp_path)
+    (root / "acks" / "e1.json").unlink()
+    (root / "acks" / "e1.json").symlink_to("/dev/zero")
+    res = run_process(forkserver, planted_child.read_ack_capped, str(root), str(tmp_path / "o"))
+    assert not res["ok"] and res["error"].startswith("UnsafePath"), res
+    assert "symlink" in res["error"]
+
+
+def test_a_manifest_of_empty_objects_is_refused_before_it_is_parsed(
+    forkserver: Any, tmp_path: Path
+) -> None:
+    """Finding 7: 3 bytes of ``{},`` cost ~80 bytes of memory to parse (a 125 MiB manifest of
+    them needed 2.6 GiB). A manifest denser than any valid one is refused unparsed."""
+    path = tmp_path / "manifest.json"
+    with open(path, "wb") as f:
+        f.write(b'{"format": "asyncsync", "tensors": [')
+        f.write(b"{}," * (16 << 20))  # 48 MiB: > 1 GiB to parse
+        f.write(b"{}]}")
+    res = run_process(forkserver, planted_child.parse_capped, str(path), str(tmp_path / "o"))
+    assert not res["ok"] and res["error"].startswith("ManifestError"), res
+    assert "denser than any valid record" in res["error"]
+
+
+def test_a_manifest_another_uid_may_not_read_is_a_bad_version(
+    template: Path, forkserver: Any
+) -> None:
+    """Finding 3 (EACCES): a receiver running as another uid than the publisher (the Docker
+    image's receiver is uid 10001) that may not read a manifest got a bare PermissionError at
+    every sync and stayed behind it for good, though a keyframe followed. Now: re-read within
+    the window, then bad; the receiver goes on from the keyframe past it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a receiver as another uid")
+    base = Path(tempfile.mkdtemp(prefix="asyncsync-uid-"))  # not under pytest's 0700 tmp
+    try:
+        os.chmod(base, 0o755)
+        root = _copy_template(template, base)
+        asyncio.run(_seed(root, 4))  # v4: a keyframe past the unreadable v2
+        os.chmod(root / "v000000000002" / "manifest.json", 0)
+        for d in (root / "acks", root / "leases"):
+            os.chmod(d, 0o777)  # the receiver writes its ack and lease there
+        for p in [base / "ckpt", *(base / "ckpt").rglob("*")]:
+            os.chown(p, 65534, 65534, follow_symlinks=False)
+        (base / "out").mkdir(mode=0o777)
+        os.chmod(base / "out", 0o777)  # where the receiver of uid 65534 reports
+        out = base / "out" / "o.json"
+        res = run_process(
+            forkserver, planted_child.receive_as_nobody, str(root), str(out), str(base / "ckpt")
+        )
+        assert res["ok"], res
+        assert "holds 4; bad [2]" in res["output"], res
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+async def _seed(root: Path, step: int) -> None:
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(planted_child.state(step))

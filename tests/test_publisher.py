@@ -485,3 +485,16 @@ def test_delta_shard_blob_is_a_safetensors_file(sizes: list[int]) -> None:
     assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in loaded.values())
     got = shards.parse_shard(data, where="x", version=7, run_id="ab" * 8, role="delta")
     assert {k: t.numpy().tobytes() for k, t in got.items()} == blobs
+
+
+@pytest.mark.parametrize("name", ["__metadata__", "x" * 4097])
+async def test_a_tensor_name_no_reader_takes_is_refused_at_publish(
+    tmp_path: Path, name: str
+) -> None:
+    """Issue 22, finding 6: a tensor named ``__metadata__`` (the safetensors header's key) was
+    published without error and broke every receiver; names readers refuse (FORMAT.md section
+    3: 1 to 4096 characters, not ``__metadata__``) are refused at publish, nothing written."""
+    async with Publisher(tmp_path) as pub:
+        with pytest.raises(ConfigError, match="__metadata__|4096"):
+            await pub.seed({"w": torch.zeros(4), name: torch.zeros(2)})
+    assert list_versions(tmp_path) == []
