@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -221,3 +221,28 @@ def test_symlinked_manifest_is_refused_by_read_manifest(tmp_path: Path) -> None:
     v0.symlink_to(tmp_path / "v0", target_is_directory=True)
     with pytest.raises(ManifestError, match="symlink"):
         read_manifest(root, 0)
+
+
+async def test_the_inotify_watch_never_walks_a_symlink_in_the_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22: a recursive watch follows symlinks (watchfiles walks them and watches their
+    targets: one to ``/`` planted in the root made it walk the whole filesystem, in the event
+    loop). The receiver watches the root alone; commits wake it by the log line they append."""
+    import watchfiles
+
+    from receiver.watch import wakeups
+
+    seen: dict[str, object] = {}
+
+    async def spy(*paths: object, **kw: object) -> AsyncIterator[set[object]]:
+        seen.update(kw, paths=paths)
+        return
+        yield set()
+
+    monkeypatch.setattr(watchfiles, "awatch", spy)
+    (tmp_path / "link").symlink_to("/", target_is_directory=True)
+    async for reason in wakeups(tmp_path, poll_interval=0.01, use_inotify=True):
+        if reason == "poll":
+            break
+    assert seen["recursive"] is False and seen["paths"] == (tmp_path,)
