@@ -292,6 +292,11 @@ class ReceiverAgent:
             self._prefetcher = self._prefetch_task = None
             self._wake = None
 
+    def exclusive(self) -> asyncio.Lock:
+        """``async with agent.exclusive():`` no version is applied meanwhile (the sync lock;
+        the served-bytes audit holds it, ``receiver.audit``)."""
+        return self._sync_lock
+
     def request_sync(self) -> bool:
         """Ask a running :meth:`run` loop to sync now (e.g. from a control endpoint).
 

@@ -147,6 +147,11 @@ class ReloadingEngine(Engine, abc.ABC):
     async def _load(self, version: int) -> None:
         """Reload the weights from ``model_path`` and label them ``str(version)``."""
 
+    async def _load_full(self, version: int) -> None:
+        """Like :meth:`_load`, but every tensor (a repair): servers whose reload may load
+        only some tensors override it."""
+        await self._load(version)
+
     @abc.abstractmethod
     async def _resume(self) -> None:
         """Serve again (idempotent: also called when ``_pause`` or ``_load`` failed)."""
@@ -222,6 +227,18 @@ class ReloadingEngine(Engine, abc.ABC):
             self._check_backoff(held)
             await self._reload_server(held)
         self._lost = False
+
+    async def repair(self) -> None:
+        """Reload the held version into the server in full (after a failed audit)."""
+        held = self.state.version
+        if held is None or self.checkpoint.state.version != held:
+            raise ApplyFailed(
+                f"{self.kind}: cannot repair: the checkpoint holds "
+                f"v{self.checkpoint.state.version}, the server should serve v{held}"
+            )
+        logger.warning("%s at %s: reloading v%s in full", self.kind, self.client.url, held)
+        self._failures, self._retry_at = 0, 0.0  # an audit's repair is not a retried update
+        await self._reload_server(held, full=True)
 
     async def _wait_for_server(self) -> None:
         logger.info("%s at %s: waiting for the server to answer", self.kind, self.client.url)
@@ -354,7 +371,7 @@ class ReloadingEngine(Engine, abc.ABC):
         await self._set_state(self.checkpoint.state)
 
     # -- the server protocol -----------------------------------------------------------------
-    async def _reload_server(self, version: int) -> None:
+    async def _reload_server(self, version: int, *, full: bool = False) -> None:
         """pause -> load -> resume (always, even on failure or cancellation) -> confirm."""
         t0 = time.perf_counter()
         if self._lost:
@@ -363,7 +380,8 @@ class ReloadingEngine(Engine, abc.ABC):
             failed = True
             try:
                 await self._guard(self._pause())
-                await self._guard(self._load(version + self.version_offset))
+                load = self._load_full if full else self._load
+                await self._guard(load(version + self.version_offset))
                 failed = False
             finally:
                 await self._resume_always(failed)

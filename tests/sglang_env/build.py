@@ -120,7 +120,8 @@ def is_complete(env: Path) -> bool:
     return (env / "COMPLETE").is_file() and python_of(env).exists()
 
 
-def _run(cmd: list[str], log: Path, what: str, **kw: Any) -> None:
+def _run(cmd: list[str], log: Path, what: str, *, label: str = "SGLang", **kw: Any) -> None:
+    """Run one build step, its output appended to ``log``; BuildError with the log's tail."""
     t0 = time.monotonic()
     with open(log, "ab") as out:
         out.write(f"\n$ {' '.join(map(str, cmd))}\n".encode())
@@ -129,10 +130,11 @@ def _run(cmd: list[str], log: Path, what: str, **kw: Any) -> None:
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-25:]
         raise BuildError(
-            f"building the SGLang test environment failed at: {what} (exit {proc.returncode}); "
+            f"building the {label} test environment failed at: {what} (exit {proc.returncode}); "
             f"full log: {log}\n" + "\n".join(tail)
         )
-    print(f"[sglang-env] {what}: {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+    tag = f"[{label.lower()}-env]"
+    print(f"{tag} {what}: {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
 def _patch_torchvision(py: Path, log: Path) -> None:
@@ -249,7 +251,7 @@ def install_plugin(env: Path, target: Path = PLUGIN_DIR) -> Path:
                 str(REPO),
             ],
             log,
-            "asyncsync into build/sglang-plugin",
+            f"asyncsync into build/{target.name}",
         )
     finally:
         with contextlib.suppress(OSError):
