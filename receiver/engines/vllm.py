@@ -4,7 +4,9 @@ vLLM exposes its weight-update endpoints only with ``VLLM_SERVER_DEV_MODE=1``. v
 ``reload_weights`` re-reads the directory the server was started from, so start it with
 ``--model <checkpoint_dir>`` (the directory holds ``config.json`` and the tokenizer files too;
 the receiver only manages the weight files and their index). ``open`` checks that the served
-model's root is that directory. For each version::
+model's root is that directory, and resumes generation (a receiver killed between pause and
+resume leaves the server paused, with a label that may already be right). For each
+version::
 
     POST /pause?mode=abort
     POST /collective_rpc        {"method": "reload_weights"}
@@ -92,6 +94,8 @@ class VLLM(ReloadingEngine):
         self.audit_unsupported: str | None = None  # why the server cannot be audited
 
     async def _check_server(self) -> None:
+        # a receiver killed between pause and resume leaves vLLM paused: clear it
+        await self._resume()
         if not self.check_model_root:
             return
         models = await self.client.request("GET", "/v1/models", timeout=self.timeouts.control)
