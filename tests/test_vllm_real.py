@@ -91,10 +91,18 @@ def receiver_args(d: Path, url: str, *extra: str) -> list[str]:
 
 
 def seed_checkpoint(d: Path, model: Path) -> None:
-    """``asyncsync-receiver --once`` (no server yet), then the model's side files copied in:
-    the documented way to give vLLM a directory to start from."""
+    """``asyncsync-receiver --once`` (no server yet, an engine id of its own: its ack must not
+    claim a version for vLLM), then the model's side files copied in: the documented way to
+    give vLLM a directory to start from (docs/ENGINES.md)."""
     exe = Path(sys.executable).with_name("asyncsync-receiver")
-    args = ["--root", str(d / "root"), "--engine-id", EID, "--checkpoint", str(d / "ckpt")]
+    args = [
+        "--root",
+        str(d / "root"),
+        "--engine-id",
+        f"{EID}-seed",
+        "--checkpoint",
+        str(d / "ckpt"),
+    ]
     out = subprocess.run([str(exe), *args, "--once"], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     for name in SIDE_FILES:
@@ -133,7 +141,11 @@ def served_checksums(server: VLLMServer, sd: dict[str, torch.Tensor]) -> dict[st
     spec = {
         "algorithm": "xxh3-128",
         "tensors": {
-            n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "layout": None}
+            n: {
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "layout": None,
+            }
             for n, t in sd.items()
         },
     }
@@ -160,9 +172,13 @@ def assert_serves(server: VLLMServer, sd: dict[str, torch.Tensor], what: str) ->
 async def check_served(s: Stack, version: int) -> None:
     """Ack, the server's label, every served tensor equal to the trainer's bytes; records the
     greedy tokens served (compared with transformers' in a later test)."""
-    await s.trainer.wait_acked(version, EID, timeout=300)
+    wait_for(
+        f"vLLM to be labelled v{version}",
+        lambda: s.server.weight_version() == str(version),
+        timeout=300,
+    )
+    await s.trainer.wait_acked(version, EID, timeout=60)
     assert s.trainer.ack_of(EID) == version
-    assert s.server.weight_version() == str(version)
     assert_serves(s.server, s.trainer.sd, f"v{version}")
     s.served[version] = s.server.complete(PROMPT, TOKENS)
     safetensors.torch.save_file(s.trainer.sd, s.dir / f"trainer-v{version}.safetensors")
@@ -234,8 +250,10 @@ async def test_the_audit_finds_weights_changed_behind_its_back_and_repairs(stack
     assert code == 200
     wait_for(
         "the audit to find the zeroed weights and repair them",
-        lambda: s.receiver.status()["audit"]["repairs"] > before["repairs"]
-        and s.receiver.status()["audit"]["healthy"],
+        lambda: (
+            s.receiver.status()["audit"]["repairs"] > before["repairs"]
+            and s.receiver.status()["audit"]["healthy"]
+        ),
         timeout=180,
     )
     audit = s.receiver.status()["audit"]
