@@ -169,10 +169,9 @@ class _Packed(torch.nn.Module):
 
 
 class _Model(torch.nn.Module):
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm: torch.Tensor):
         super().__init__()
+        self.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
         self.attn = torch.nn.Module()
         self.attn.qkv_proj = _Packed(torch.cat([q, k, v]))
         self.norm = torch.nn.Module()
