@@ -87,6 +87,7 @@ class Auditor:
         self.last_error: str | None = None
         self.supported: bool | None = None  # None: not tried yet
         self._failing: AuditReport | None = None  # the mismatch not yet repaired
+        self.last_ok_version: int | None = None  # (a passing audit of it again logs at debug)
         self._audited_version: int | None = None
 
     @property
@@ -139,8 +140,9 @@ class Auditor:
             self.last_error = None
             self.stats.audits += 1
             if report.ok:
-                self._failing = None
-                logger.info(
+                quiet = self._failing is None and self.last_ok_version == version
+                self._failing, self.last_ok_version = None, version
+                (logger.debug if quiet else logger.info)(
                     "audit of v%s: %d tensors served as published (%s%s)",
                     version,
                     report.checked,

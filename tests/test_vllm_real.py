@@ -222,6 +222,7 @@ async def test_greedy_output_equals_transformers_on_the_same_bytes(stack: Stack)
         str(TOKENS),
         ",".join(map(str, PROMPT)),
         *(str(s.dir / f"trainer-v{v}.safetensors") for v in versions),
+        environ=build.server_env(s.env),
     )
     ref = json.loads(out)
     assert {v: s.served[v] for v in versions} == dict(zip(versions, ref, strict=True))

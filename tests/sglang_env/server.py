@@ -254,11 +254,14 @@ def wait_for(what: str, fn: Any, timeout: float = 120.0, interval: float = 0.2) 
     raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
-def run_env_python(env_dir: Path, *args: str, timeout: float = 300.0) -> str:
-    """Run a script with the SGLang environment's python (transformers lives there)."""
+def run_env_python(
+    env_dir: Path, *args: str, timeout: float = 300.0, environ: dict[str, str] | None = None
+) -> str:
+    """Run a script with the SGLang environment's python (transformers lives there); another
+    environment's (the vLLM one) with its own ``environ``."""
     out = subprocess.run(
         [str(build.python_of(env_dir)), *args],
-        env=build.server_env(env_dir),
+        env=build.server_env(env_dir) if environ is None else environ,
         capture_output=True,
         text=True,
         timeout=timeout,
