@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang vllm-env
+.PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang vllm-env bench-vllm
 
 $(STAMP): pyproject.toml asyncsync/codec/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
@@ -43,6 +43,11 @@ test: lint sglang-env vllm-env
 # full vs partial reload times on the real server (BENCHMARKS.md); a few minutes
 bench-sglang: $(STAMP) sglang-env
 	$(PY) -m tests.sglang_env.bench_reload
+
+# the pause a client sees while vLLM takes a version (reload_weights), 1/3/10 % of every tensor;
+# a 256 MiB model, a few minutes (BENCHMARKS.md)
+bench-vllm: $(STAMP) vllm-env
+	$(PY) -m tests.vllm_env.bench_pause
 
 demo: $(STAMP)
 	$(PY) -m asyncsync.ops.demo
