@@ -87,6 +87,9 @@ class ReloadingEngine(Engine, abc.ABC):
     """
 
     kind: ClassVar[str] = "engine"
+    #: a reload the server answered with an error may have left its weights half-loaded (vLLM's
+    #: layerwise reload leaves layers on the meta device): not ready until a reload succeeds
+    failed_load_leaves_weights_unknown: ClassVar[bool] = False
     #: a GET endpoint that answers once the server is up (``open`` waits for it)
     ready_path: ClassVar[str] = "/health"
 
@@ -130,6 +133,7 @@ class ReloadingEngine(Engine, abc.ABC):
         self._retry_at = 0.0
         self._last_failure: str | None = None
         self._lost = False  # the server dropped a call or reported another version: reconcile
+        self._weights_unknown: str | None = None  # why the served weights cannot be trusted
         self._background: set[asyncio.Task[Any]] = set()
 
     def __repr__(self) -> str:
@@ -179,13 +183,18 @@ class ReloadingEngine(Engine, abc.ABC):
 
     def info(self) -> dict[str, Any]:
         """What ``/status`` shows about the server (subclasses add to it)."""
-        return {"kind": self.kind, "url": str(self.client.url), "server_lost": self._lost}
+        return {
+            "kind": self.kind,
+            "url": str(self.client.url),
+            "server_lost": self._lost,
+            "weights_unknown": self._weights_unknown,
+        }
 
     async def serving_version(self) -> int | None:
         """The version the server serves now: ``state.version`` when the server reports it,
         else None (restarted, down, or behind); a mismatch marks the server lost, so the next
         sync reconciles it."""
-        if self.state.version is None:
+        if self.state.version is None or self._weights_unknown is not None:
             return None
         try:
             label = await self._guard(self._served())
@@ -376,25 +385,34 @@ class ReloadingEngine(Engine, abc.ABC):
         t0 = time.perf_counter()
         if self._lost:
             await self._wait_for_server()
+        loading = False
         try:
             failed = True
             try:
                 await self._guard(self._pause())
                 load = self._load_full if full else self._load
+                loading = True
                 await self._guard(load(version + self.version_offset))
                 failed = False
             finally:
                 await self._resume_always(failed)
             await self._confirm(version)
-        except EngineHTTPError as exc:
-            if exc.status is None:  # no answer: the server may have died (or be restarting)
-                self._lost = True
-            self._failed()
-            raise
-        except ApplyFailed:
+        except ApplyFailed as exc:
+            if isinstance(exc, EngineHTTPError) and exc.status is None:
+                self._lost = True  # no answer: the server may have died (or be restarting)
+            if loading and failed and self.failed_load_leaves_weights_unknown:
+                self._weights_unknown = f"the reload of v{version} failed: {exc}"[:300]
+                logger.error(
+                    "%s at %s: the reload of v%s failed; what the server serves is unknown "
+                    "(not ready) until a reload succeeds",
+                    self.kind,
+                    self.client.url,
+                    version,
+                )
             self._failed()
             raise
         self._lost = False
+        self._weights_unknown = None
         self._failures, self._retry_at, self._last_failure = 0, 0.0, None
         logger.info(
             "%s at %s loaded v%s in %.2fs",

@@ -61,6 +61,8 @@ class VLLM(ReloadingEngine):
     """
 
     kind: ClassVar[str] = "vllm"
+    #: seen on 0.32: a refused reload_weights leaves layers on the meta device
+    failed_load_leaves_weights_unknown: ClassVar[bool] = True
     ready_path: ClassVar[str] = "/health"
 
     def __init__(
