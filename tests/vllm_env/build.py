@@ -41,11 +41,9 @@ console script looks for the metadata of a package named ``vllm`` and fails), wi
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import time
 from functools import partial
@@ -59,9 +57,6 @@ if str(REPO) not in sys.path:  # run as a script: make `tests.sglang_env` import
 from tests.sglang_env import build as sglang_build  # noqa: E402
 from tests.sglang_env.build import (  # noqa: E402
     TORCH_PIN,
-    BuildError,
-    _locked,
-    is_complete,
     project_dependencies,
     python_of,
 )
@@ -165,37 +160,13 @@ def build(env: Path) -> None:
 
 def ensure() -> Path:
     """The built environment's directory, building it first when it is missing or partial."""
-    env = env_dir()
-    if is_complete(env):
-        return env
-    with _locked(env):
-        if not is_complete(env):  # another process may have built it while we waited
-            print(f"[vllm-env] building {env} (about 5 minutes)", file=sys.stderr, flush=True)
-            build(env)
-    return env
+    return sglang_build.ensure_built(env_dir(), build, "vLLM", "about 5 minutes")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="only check that it is built")
-    p.add_argument("--no-plugin", action="store_true", help="do not install this checkout")
-    args = p.parse_args()
-    env = env_dir()
-    if args.check:
-        if not is_complete(env):
-            print(f"the vLLM test environment {env} is not built: run `make vllm-env`")
-            return 1
-        print(env)
-        return 0
-    try:
-        env = ensure()
-        if not args.no_plugin:
-            sglang_build.install_plugin(env, PLUGIN_DIR)
-    except (BuildError, OSError, subprocess.CalledProcessError) as exc:
-        print(f"[vllm-env] {exc}", file=sys.stderr)
-        return 1
-    print(env)
-    return 0
+    return sglang_build.cli(
+        __doc__, label="vLLM", env=env_dir(), ensure_fn=ensure, plugin_dir=PLUGIN_DIR
+    )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ is the SGLang tests' own.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,15 +76,7 @@ class VLLMServer(Process):
         self.wait_healthy(timeout)
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if not self.alive:
-                raise RuntimeError(f"vLLM exited during start; its log ends:\n{self.tail()}")
-            with contextlib.suppress(OSError):
-                if http(self.url + "/health", timeout=30)[0] == 200:
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM not healthy within {timeout:g}s; its log ends:\n{self.tail()}")
+        self.wait_ok(self.url + "/health", "vLLM", timeout)
 
     def call(self, method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
         return http(self.url + path, method, body, key=self.api_key, **kw)
