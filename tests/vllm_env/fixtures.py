@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.sglang_env.build import is_complete
 from tests.vllm_env import build
 
 
@@ -13,7 +14,7 @@ def require_env() -> Path:
     """The cached vLLM environment with this checkout installed for the servers. Missing is a
     failure, not a skip: ``make test`` builds it first (``make vllm-env``)."""
     env = build.env_dir()
-    if not build.is_complete(env):
+    if not is_complete(env):
         pytest.fail(
             f"the real vLLM test environment {env} is not built: run `make vllm-env` "
             "(make test does; see tests/vllm_env/build.py)",
