@@ -206,3 +206,15 @@ def test_the_read_back_maps_fused_blocks_and_unpacks_through_the_kernel() -> Non
     _, _, unmapped = served_tensors(model, spec)
     assert "not all of them are published" in unmapped["attn.q_proj.weight"]
     assert "served as torch.float32" in unmapped["norm.weight"]
+
+
+def test_the_read_back_in_blocks_of_identity_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer wider than one block of identity rows is read back block by block, exactly."""
+    from receiver.plugins import vllm_worker
+
+    monkeypatch.setattr(vllm_worker, "_ROWS", 3)
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(5, 8, generator=g)
+    layer = _Packed(w)
+    got = vllm_worker._read_back(layer, layer.weight, (5, 8))
+    assert got is not None and torch.equal(got, w)
