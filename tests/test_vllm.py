@@ -159,3 +159,19 @@ async def test_a_refused_version_is_not_ready_and_a_keyframe_after_it_is_taken_i
         assert await agent.engine.serving_version() == v
         assert agent.engine.info()["weights_unknown"] is None
         assert read_acks(chain.root)["v1"].version == v
+
+
+async def test_a_server_without_the_worker_extension_cannot_audit(
+    chain: Chain, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    async with (
+        FakeVLLM(str(ckpt.absolute())) as srv,
+        agent_for(chain, make_engine(srv, ckpt)) as agent,
+    ):
+        await chain.next()
+        assert await agent.sync_once() == 0
+        engine = agent.engine
+        assert isinstance(engine, VLLM)
+        assert await engine.audit(read_manifest(chain.root, 0)) is None
+        assert "--worker-extension-cls" in (engine.info()["audit_unsupported"] or "")
