@@ -14,16 +14,18 @@ version::
     POST /resume                                          (always, even after a failure)
     GET  /weight_info           -> weight_version must be "N"
 
-A zero-diff version is ``POST /update_weight_version`` alone.
+A zero-diff version is ``POST /update_weight_version`` alone. ``pause_mode="abort"`` (the
+default) aborts in-flight requests and clears vLLM's prefix cache, so no KV computed with the
+old weights survives; ``keep`` and ``wait`` are available for callers that accept otherwise.
+A reload the server answers with an error leaves its weights unknown (0.32 leaves layers on
+the meta device under the old label): not ready until a reload succeeds.
 
 The served-bytes audit (:meth:`VLLM.audit`, ``receiver.audit``) needs the worker extension:
 start vLLM with ``--worker-extension-cls receiver.plugins.vllm_worker.AsyncSyncWorkerExtension``
 (asyncsync installed in vLLM's environment); it is called as ``POST /collective_rpc
 {"method": "asyncsync_served_checksums"}`` and answers the checksum of the bytes each HF
 tensor is served from (``receiver.plugins.vllm_worker`` says how, and why vLLM's own
-``/weight_checker`` cannot tell on its CPU build). ``pause_mode="abort"`` (the
-default) aborts in-flight requests and clears vLLM's prefix cache, so no KV computed with the
-old weights survives; ``keep`` and ``wait`` are available for callers that accept otherwise.
+``/weight_checker`` cannot tell on its CPU build).
 """
 
 from __future__ import annotations
@@ -187,14 +189,20 @@ class VLLM(ReloadingEngine):
         entries = manifest.tensor_map()
         expected = {n: entries[n].checksum for n in sums}
         if canonical:  # read back through a kernel: compare with the checkpoint's bytes so read
-            expected.update(await asyncio.to_thread(self._canonical_checksums, entries, canonical))
+            expected.update(
+                await asyncio.to_thread(
+                    self._canonical_checksums, entries, canonical, manifest.checksum_algorithm
+                )
+            )
         bad = tuple(sorted(n for n, c in sums.items() if c != expected[n]))
         how = "vllm worker extension read-back"
         if canonical:
             how += f" ({len(canonical)} packed CPU linear weights through their kernel)"
         return AuditReport(manifest.version, len(sums), bad, skipped, how)
 
-    def _canonical_checksums(self, entries: dict[str, Any], names: set[str]) -> dict[str, str]:
+    def _canonical_checksums(
+        self, entries: dict[str, Any], names: set[str], algorithm: str
+    ) -> dict[str, str]:
         """The checksums of the checkpoint's tensors with ``-0.0`` made ``+0.0``, for the
         tensors whose served bytes were read back that way; a checkpoint tensor that does not
         match its manifest checksum gets ``"checkpoint differs"`` (so it reads as mismatched)."""
@@ -207,10 +215,10 @@ class VLLM(ReloadingEngine):
             with safetensors.safe_open(self.checkpoint.directory / file, "pt") as f:
                 for n in group:
                     t = f.get_tensor(n)
-                    if entry_checksum(entries[n], t) != entries[n].checksum:
+                    if entry_checksum(entries[n], t, algorithm) != entries[n].checksum:
                         out[n] = "checkpoint differs"
                     else:
-                        out[n] = entry_checksum(entries[n], canonical_zeros(t))
+                        out[n] = entry_checksum(entries[n], canonical_zeros(t), algorithm)
         return out
 
     def info(self) -> dict[str, Any]:
