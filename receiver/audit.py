@@ -139,6 +139,9 @@ class Auditor:
             self.last_seconds = round(time.perf_counter() - t0, 4)
             self.last_error = None
             self.stats.audits += 1
+            if report.checked == 0:  # passes, but proves nothing: say so every time
+                why = next(iter(report.skipped.values()), "the engine named no tensor")
+                logger.warning("audit of v%s compared no tensor (%s)", version, why)
             if report.ok:
                 quiet = self._failing is None and self.last_ok_version == version
                 self._failing, self.last_ok_version = None, version
