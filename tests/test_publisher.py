@@ -495,6 +495,6 @@ async def test_a_tensor_name_no_reader_takes_is_refused_at_publish(
     published without error and broke every receiver; names readers refuse (FORMAT.md section
     3: 1 to 4096 characters, not ``__metadata__``) are refused at publish, nothing written."""
     async with Publisher(tmp_path) as pub:
-        with pytest.raises(ConfigError, match="__metadata__|4096"):
+        with pytest.raises(ConfigError, match=r"__metadata__|4096"):
             await pub.seed({"w": torch.zeros(4), name: torch.zeros(2)})
     assert list_versions(tmp_path) == []
