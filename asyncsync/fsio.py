@@ -276,12 +276,21 @@ def open_file(path: _Path, *, root: _Root = None, follow_symlinks: bool = False)
     """
     flags = _READ_FLAGS | (0 if follow_symlinks else os.O_NOFOLLOW)
     with _parent(path, root) as (dfd, name):
-        try:
-            fd = os.open(name, flags, dir_fd=dfd)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
-                raise _unsafe(exc.errno, path, _entry_kind(dfd, name)) from None
-            raise
+        return _open_regular(dfd, name, flags, path)[0]
+
+
+_UNSAFE_ERRNOS = (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP, errno.EISDIR)
+
+
+def _open_regular(dfd: int, name: str, flags: int, path: object) -> tuple[int, os.stat_result]:
+    """``openat`` and ``fstat`` for :func:`open_file` and :func:`_open_write`: never blocks
+    (``O_NONBLOCK``), anything but a regular file raises UnsafePath (fd closed)."""
+    try:
+        fd = os.open(name, flags | os.O_NONBLOCK | _CLOEXEC, FILE_MODE, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in _UNSAFE_ERRNOS:  # ELOOP: O_NOFOLLOW met a symlink; ENXIO: a socket
+            raise _unsafe(exc.errno, path, _entry_kind(dfd, name)) from None
+        raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -289,7 +298,7 @@ def open_file(path: _Path, *, root: _Root = None, follow_symlinks: bool = False)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def _unsafe(err: int, path: object, what: str) -> UnsafePath:
@@ -365,17 +374,8 @@ def _open_write(dfd: int, name: str, flags: int, path: object) -> int:
     (no ``O_EXCL``) must be a regular file with one link, checked before its mode or bytes are
     touched; the mode is set to :data:`FILE_MODE` on the descriptor.
     """
-    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+    fd, st = _open_regular(dfd, name, flags | os.O_NOFOLLOW, path)
     try:
-        fd = os.open(name, flags, FILE_MODE, dir_fd=dfd)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP, errno.EISDIR):
-            raise _unsafe(exc.errno, path, _entry_kind(dfd, name)) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _unsafe(errno.EINVAL, path, _kind(st.st_mode))
         if st.st_nlink > 1 and not flags & os.O_EXCL:
             raise UnsafePath(
                 errno.EMLINK, f"{path} has {st.st_nlink} hard links: writing it in place would "
