@@ -59,9 +59,7 @@ def shard_source(root: Path, m: Manifest, shard: ShardInfo) -> tuple[Path, Path 
     return path, root if inside else None
 
 
-def read_verified(
-    path: Path, shard: ShardInfo, algorithm: str, *, root: Path | None = None
-) -> bytes:
+def read_verified(path: Path, shard: ShardInfo, algorithm: str, *, root: Path | None) -> bytes:
     """The shard's bytes, checked against the manifest's size and checksum.
 
     Read through :func:`asyncsync.fsio.read_bytes`: with ``root`` nothing below it is followed
