@@ -886,3 +886,15 @@ def test_native_take_is_numpys_take(kernel: str) -> None:
             native.take(src, np.array([500], np.int64), np.empty(1, dtype))
     t = torch.arange(10, dtype=torch.int16)
     assert torch.equal(codec.gather(t, torch.tensor([9, 0, 4])), torch.tensor([9, 0, 4]).short())
+
+
+def test_int64_indices_are_read_for_any_numel() -> None:
+    """FORMAT.md 11.6: readers take int32 or int64 ``indices`` positions whatever numel (the
+    width is len / n); writers write int32 up to numel 2^31 - 1."""
+    vals = np.array([7, 8, 9], "<i2").tobytes()
+    for width in ("<i4", "<i8"):
+        patch = decode_delta(
+            "indices", "sparse", np.array([1, 2, 99], width).tobytes(), vals,
+            changed=3, numel=100, dtype=torch.int16,
+        )  # fmt: skip
+        assert patch.positions is not None and patch.positions.tolist() == [1, 2, 99]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -498,3 +499,29 @@ async def test_a_tensor_name_no_reader_takes_is_refused_at_publish(
         with pytest.raises(ConfigError, match=r"__metadata__|4096"):
             await pub.seed({"w": torch.zeros(4), name: torch.zeros(2)})
     assert list_versions(tmp_path) == []
+
+
+async def test_a_registered_checkpoint_of_symlinks_is_taken_by_receivers(tmp_path: Path) -> None:
+    """FORMAT.md 11.5 (issue 22): a Hugging Face cache snapshot is a directory of symlinks to
+    blobs. Registered as ``shard_dir`` (outside the root), receivers follow those symlinks,
+    and only there; a checkpoint inside the root is refused (nothing there is followed)."""
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+
+    sd = {k: v.contiguous() for k, v in mixed_state(0).items()}
+    blobs, snap = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    safetensors.torch.save_file(sd, blobs / "0f1e2d3c")
+    (snap / "model.safetensors").symlink_to("../../blobs/0f1e2d3c")
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed(snap)
+        inside = root / "ckpt"
+        shutil.copytree(snap, inside, symlinks=True)
+        with pytest.raises(ConfigError, match="inside the root"):
+            await pub.seed(inside)
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "c"), "e1", use_inotify=False)
+    async with agent:
+        assert await agent.sync_once() == 0  # today's main: "shards may not be symlinks"
+    assert verify_checkpoint(tmp_path / "c", read_manifest(root, 0)) == []
