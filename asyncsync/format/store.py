@@ -10,6 +10,7 @@ symlinked version directory or a manifest that is a FIFO is a version that is *b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -118,10 +119,21 @@ def is_committed(root: Path, version: int) -> bool:
 
 
 def _entries(root: Path) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of the entries of the root named like a version (only those are stat'ed:
+    a root holds acks, leases, the log and whatever else was put there)."""
     try:
-        return fsio.scan(root)
+        fd = fsio.open_dir(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    out = []
+    try:
+        for name in os.listdir(fd):
+            if parse_version_dir(name) is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+    finally:
+        os.close(fd)
+    return out
 
 
 def list_versions(root: Path) -> list[int]:
