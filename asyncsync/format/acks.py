@@ -29,7 +29,15 @@ from asyncsync.format.names import (
     ack_path,
     check_engine_id,
 )
-from asyncsync.fsio import atomic_write, fs_now, is_temp_name, make_dir, read_file, scan
+from asyncsync.fsio import (
+    UnsafePath,
+    atomic_write,
+    fs_now,
+    is_temp_name,
+    make_dir,
+    read_file,
+    scan,
+)
 
 __all__ = [
     "AckAge",
@@ -165,6 +173,9 @@ def read_acks(root: Path) -> dict[str, AckRecord]:
         try:
             rec = _read(root, d / name)
         except FileNotFoundError:
+            continue
+        except UnsafePath as exc:  # not a regular file: skipped as before, quietly (polled)
+            logger.debug("ignoring %s: %s", d / name, exc)
             continue
         except (OSError, ManifestError) as exc:
             logger.warning("ignoring unreadable ack %s: %s", d / name, exc)
