@@ -153,9 +153,11 @@ def _dispatcher(original: type) -> type:
     a subclass's ``super().__init__`` or a caller may pass ``weights_getter`` positionally).
     It stays a class: ``issubclass``, class attributes and subclassing keep working."""
 
+    base: Any = original
+
     def __new__(cls: type, *a: Any, **kw: Any) -> Any:
         if cls is not dispatcher:  # a subclass of the dispatcher: an ordinary instance
-            return original.__new__(cls)
+            return base.__new__(cls)
         args = a[0] if a else kw.get("args")
         if args is not None and choose(args) == ASYNCSYNC:
             return AsyncSyncWeightUpdater(*a, **kw)
