@@ -161,20 +161,24 @@ class HostReceivers(RayReceivers):
                 specs += super()._specs([engines[i]], [url], [node])
                 continue
             eid = engine_id_of_url(url)
-            path = f"{self.local_checkpoint_dir}/{eid}"
             others = _get([a.__ray_call__.remote(_node_id) for a in actors[1:]])
             for k, host_node in enumerate([node, *others]):
                 specs.append(
                     ReceiverSpec(
                         f"{eid}.host{k}",
-                        path,
+                        self.host_checkpoint(eid, k),
                         engine="checkpoint",
                         node_id=host_node,
                         **self.spec_options,
                     )
                 )
-            self._multi.append((engines[i], path))
+            self._multi.append((engines[i], self.host_checkpoint(eid, 0)))
         return specs
+
+    def host_checkpoint(self, engine_id: str, host: int) -> str:
+        """The local checkpoint of ``engine_id`` on its host ``host``: the same path on every
+        host, since the engine loads one ``model_path`` everywhere."""
+        return f"{self.local_checkpoint_dir}/{engine_id}"
 
     def after_ack(self, weight_version: int, view: Path | None) -> None:
         for engine, path in self._multi:

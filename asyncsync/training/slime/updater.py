@@ -142,7 +142,9 @@ class AsyncSyncWeightUpdater:
     ) -> None:
         self.args, self.model, self.weights_getter = args, model, weights_getter
         self.model_name, self.quantization_config = model_name, quantization_config
-        self.weight_version = 0
+        # slime's actor sets it after building the updater (gen2a, gen2); gen1's does not, and
+        # has no such flag: asyncsync's --update-weight-start-version then counts
+        self.weight_version = getattr(args, "update_weight_start_version", None) or 0
         self.update_weight_metrics: dict[str, float] = {}
         self.rollout_engines: list[Any] = []
         self.rollout_engine_lock: Any = None
