@@ -453,11 +453,10 @@ def test_gen2a_pre_read_hook_is_known(tmp_path: Path) -> None:
 
 
 def test_installed_classes_take_any_call(fake_slime: dict[str, Any], tmp_path: Path) -> None:
-    install(fake_slime)
     module = slime.factory.SLIME_CLASSES["UpdateWeightFromDiskDelta"]
+    original = fake_slime[module].UpdateWeightFromDiskDelta
+    install(fake_slime)
     cls = fake_slime[module].UpdateWeightFromDiskDelta
-    original = vars(cls)[slime.factory.ASYNCSYNC_ORIGINAL]
-    assert isinstance(cls, type) and issubclass(cls, original) and cls.__name__ == original.__name__
     disk = ns(
         "gen2",
         update_weight_mode="delta",
@@ -477,6 +476,8 @@ def test_installed_classes_take_any_call(fake_slime: dict[str, Any], tmp_path: P
 
     sub = Sub(ns("gen2"), None, weights_getter=dict, model_name="m", quantization_config=None)
     assert type(sub) is Sub and sub.kw["weights_getter"] is dict
+    assert isinstance(cls, type) and issubclass(cls, original) and cls.__name__ == original.__name__
+    assert vars(cls)[slime.factory.ASYNCSYNC_ORIGINAL] is original
     actor = fake_slime["slime.backends.megatron_utils.actor"]
     disk_module = fake_slime[slime.factory.SLIME_CLASSES["UpdateWeightFromDisk"]]
     assert actor.UpdateWeightFromDisk is disk_module.UpdateWeightFromDisk  # one dispatcher
