@@ -365,3 +365,31 @@ def test_engines_on_several_hosts_are_never_half_updated(tmp_path: Path) -> None
     )
     assert hosts == [["a"], ["b", "b1"]]
     assert engine_hosts(["a"], gpu_counts=None, gpus_per_node=8, all_engine_actors=None) == [["a"]]
+    uniform = engine_hosts(["a", "b"], gpu_counts=None, gpus_per_node=8, all_engine_actors="aAbB")
+    assert uniform == [["a", "A"], ["b", "B"]]
+    for counts, actors in (([8, 8], ["a", "b", "b1"]), (None, ["a", "b", "b1"])):
+        with pytest.raises(ConfigError, match="cannot be told"):
+            engine_hosts(["a", "b"], gpu_counts=counts, gpus_per_node=8, all_engine_actors=actors)
+
+
+def boom(args: Any, version_dir: str, rollout_engines: list[Any]) -> None:
+    raise OSError("the object store is down")
+
+
+def test_a_failing_hook_fails_the_call_and_the_committed_version_counts(tmp_path: Path) -> None:
+    provider = FakeProvider()
+    args = slime_args(
+        tmp_path,
+        "gen2",
+        update_weight_mode="full",
+        custom_update_weight_post_write_path="tests.test_slime_integration.boom",
+    )
+    with create_weight_updater(
+        args, None, provider.state_dict, model_name="m", quantization_config=None,
+        engine_link=NoEngines(),
+    ) as updater:  # fmt: skip
+        with pytest.raises(OSError, match="object store is down"):
+            updater.update_weights()
+        assert updater.weight_version == 1  # v0 is committed: slime's counter advanced too
+        m = updater.pop_metrics()
+        assert m["perf/update_weights_failed"] == 1 and m["perf/update_weights_version"] == 0

@@ -78,14 +78,21 @@ def engine_hosts(
     (``max(1, gpus_per_engine // num_gpus_per_node)``); slime's ``all_engine_actors`` lists
     every engine's hosts in engine order."""
     n = len(engines)
-    spans = [1] * n
-    if gpu_counts is not None and gpus_per_node and len(gpu_counts) == n:
-        spans = [max(1, int(c) // int(gpus_per_node)) for c in gpu_counts]
+    counted = gpu_counts is not None and bool(gpus_per_node) and len(gpu_counts) == n
+    spans = [max(1, int(c) // int(gpus_per_node or 1)) for c in gpu_counts or ()] if counted else []
+    spans = spans or [1] * n
     actors = list(all_engine_actors or ())
-    if actors and len(actors) != sum(spans) and n and len(actors) % n == 0:
-        spans = [len(actors) // n] * n  # counts not given: slime's groups are uniform
-    if not actors or len(actors) != sum(spans):
+    if not actors:
         return [[e] if s == 1 else None for e, s in zip(engines, spans, strict=True)]
+    if len(actors) != sum(spans):
+        if counted or not n or len(actors) % n:
+            raise ConfigError(
+                f"slime passed {len(actors)} engine actors (all_engine_actors) for {n} engines "
+                f"that span {sum(spans)} hosts (engine_gpu_counts {list(gpu_counts or ())}, "
+                f"--num-gpus-per-node {gpus_per_node}): which host serves which engine cannot "
+                "be told, so no engine is updated half"
+            )
+        spans = [len(actors) // n] * n  # counts not given: slime's groups are uniform
     out: list[list[Any] | None] = []
     start = 0
     for engine, span in zip(engines, spans, strict=True):
@@ -147,7 +154,13 @@ class HostReceivers(RayReceivers):
                 "engines on several hosts are reloaded by the trainer once every host holds the "
                 "version, which needs --update-weight-max-staleness 0"
             )
-        return super().connect(engines, base)
+        policy = super().connect(engines, base)
+        if self._multi and base.waits and self.fleet is not None:
+            # the trainer reloads those engines once every host holds the version: wait for all
+            ids = tuple(dict.fromkeys([*(base.engines or ()), *self.fleet.actors]))
+            logger.warning("engines on several hosts: waiting for every receiver too: %s", ids)
+            policy = AckPolicy(timeout=base.timeout, max_staleness=base.max_staleness, engines=ids)
+        return policy
 
     def _specs(self, engines: Sequence[Any], urls: list[str], nodes: list[str]) -> list[Any]:
         from asyncsync.ray import ReceiverSpec
