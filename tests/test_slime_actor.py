@@ -23,7 +23,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +174,7 @@ def cluster() -> Iterator[Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(280)
 def test_ray_receivers_beside_engines_are_told_slime_versions(cluster: Any, tmp_path: Path) -> None:
-    from asyncsync.training.slime import RayReceivers, create_weight_updater
+    from asyncsync.training.slime import RayReceivers
 
     ray = cluster
     fakes = [ServerThread(FakeSGLang()), ServerThread(FakeSGLang())]
@@ -192,13 +192,7 @@ def test_ray_receivers_beside_engines_are_told_slime_versions(cluster: Any, tmp_
             asyncsync_converter="tests.slime_stubs.megatron:convert",
         )
         step = 0
-        updater = create_weight_updater(
-            argparse.Namespace(**vars(ns)),
-            None,
-            lambda: megatron.shards(step, 0, 1),
-            model_name="llama",
-            quantization_config=None,
-        )
+        updater = _llama_updater(ns, lambda: step)
         with updater:
             assert isinstance(updater.engine_link, RayReceivers)
             assert updater.weight_version == 5
@@ -223,6 +217,20 @@ def test_ray_receivers_beside_engines_are_told_slime_versions(cluster: Any, tmp_
             f.__exit__(None, None, None)
 
 
+def _llama_updater(ns: Any, step: Callable[[], int], **kw: Any) -> Any:
+    """slime's factory on ``ns``, its getter yielding the tiny Llama's shards at ``step()``."""
+    from asyncsync.training.slime import create_weight_updater
+
+    return create_weight_updater(
+        argparse.Namespace(**vars(ns)),
+        None,
+        lambda: megatron.shards(step(), 0, 1),
+        model_name="llama",
+        quantization_config=None,
+        **kw,
+    )
+
+
 class _PerHostDirs(HostReceivers):
     """Both "hosts" of the test's engine are this machine: give each its own directory, as
     each host has its own disk in a cluster (the engine's node-0 path is the one it loads)."""
@@ -239,7 +247,6 @@ def test_engine_on_two_hosts_is_reloaded_once_both_hold_the_version(
     """slime c74877886 passes every host's engine actor (all_engine_actors): a receiver on each
     host, and rank 0 reloads the engine through its node-0 actor once both acknowledged; the
     pre-read hook runs inside each host's actor first (real Ray actors, slime's calls)."""
-    from asyncsync.training.slime import create_weight_updater
 
     ray = cluster
     root, local = tmp_path / "disk", tmp_path / "local"
@@ -259,14 +266,7 @@ def test_engine_on_two_hosts_is_reloaded_once_both_hold_the_version(
     )
     step = 0
     link = _PerHostDirs(str(root), str(local))
-    updater = create_weight_updater(
-        argparse.Namespace(**vars(ns)),
-        None,
-        lambda: megatron.shards(step, 0, 1),
-        model_name="llama",
-        quantization_config=None,
-        engine_link=link,
-    )
+    updater = _llama_updater(ns, lambda: step, engine_link=link)
     with updater:
         updater.connect_rollout_engines([host0], None, [16], [0], all_engine_actors=[host0, host1])
         assert link.fleet is not None
@@ -295,7 +295,6 @@ def test_engine_on_two_hosts_is_reloaded_once_both_hold_the_version(
 @pytest.mark.slow
 @pytest.mark.timeout(280)
 def test_gen1_engines_reloaded_through_their_ray_handles(cluster: Any, tmp_path: Path) -> None:
-    from asyncsync.training.slime import create_weight_updater
 
     ray = cluster
     root = tmp_path / "disk"
@@ -307,13 +306,7 @@ def test_gen1_engines_reloaded_through_their_ray_handles(cluster: Any, tmp_path:
         asyncsync_converter="tests.slime_stubs.megatron:convert",
     )  # slime 90c212b5c's own flags (and the converter this test's model needs)
     step = 0
-    with create_weight_updater(
-        argparse.Namespace(**vars(ns)),
-        None,
-        lambda: megatron.shards(step, 0, 1),
-        model_name="llama",
-        quantization_config=None,
-    ) as updater:
+    with _llama_updater(ns, lambda: step) as updater:
         updater.connect_rollout_engines(engines, None, [1, 1], [0, 1])
         for step in range(2):
             updater.update_weights()
