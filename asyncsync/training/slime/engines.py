@@ -12,8 +12,11 @@ server serves it. The updater waits for those acks. The switch ``--asyncsync-rec
 * ``sidecar``: :class:`Sidecars`: receivers the user runs (``asyncsync-receiver --sglang-url
   ... --engine-id ...``); the updater waits for ``--asyncsync-engine-ids`` (or any
   ``len(engines)`` of them);
-* ``none``: nobody: slime reloads the engines (gen2 full mode: ``RayTrainGroup`` reloads
-  ``<disk_dir>/weight_v{N:06d}``, which the updater writes).
+* ``none``: nobody: slime reloads the engines (gen2a and gen2 full mode: ``RayTrainGroup``
+  reloads ``<disk_dir>/weight_v{N:06d}``, which the updater writes);
+* ``slime`` (gen1 full mode) and engines on several hosts: the updater reloads the engines
+  itself through slime's actors (:mod:`~asyncsync.training.slime.reload`, whose
+  ``HostReceivers`` is the ``ray`` link the updater builds).
 
 Ray is imported only when the ``ray`` link is used.
 """
