@@ -6,9 +6,10 @@ the shared root, reloads its SGLang server over HTTP, and acknowledges the versi
 server serves it. The updater waits for those acks. The switch ``--asyncsync-receivers``
 (``ASYNCSYNC_SLIME_RECEIVERS``) says where the receivers come from:
 
-* ``ray`` (default): :class:`RayReceivers` starts one :class:`~asyncsync.ray.ReceiverActor` per
-  slime engine, on the engine's Ray node (hard affinity), pointed at the engine's URL
-  (``engine.get_url``) and at ``<--update-weight-local-checkpoint-dir>/<engine id>``;
+* ``ray`` (default in delta mode): :class:`RayReceivers` starts one
+  :class:`~asyncsync.ray.ReceiverActor` per slime engine, on the engine's Ray node (hard
+  affinity), pointed at the engine's URL (``engine.get_url``) and at
+  ``<--update-weight-local-checkpoint-dir>/<engine id>``;
 * ``sidecar``: :class:`Sidecars`: receivers the user runs (``asyncsync-receiver --sglang-url
   ... --engine-id ...``); the updater waits for ``--asyncsync-engine-ids`` (or any
   ``len(engines)`` of them);
