@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from asyncsync.errors import (
+    ApplyFailed,
     AsyncSyncError,
     ChainError,
     ChecksumMismatch,
@@ -163,6 +164,7 @@ class ReceiverAgent:
         self._presence = RootPresence(self.root, self.engine_id, engine, lease_ttl=lease_ttl)
         self._opened = False
         self._sync_lock = asyncio.Lock()
+        self._refused: set[int] = set()  # versions the engine refused (a keyframe follows)
         self._c = _Counters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -292,6 +294,11 @@ class ReceiverAgent:
             self._prefetcher = self._prefetch_task = None
             self._wake = None
 
+    def exclusive(self) -> asyncio.Lock:
+        """``async with agent.exclusive():`` no version is applied meanwhile (the sync lock;
+        the served-bytes audit holds it, ``receiver.audit``)."""
+        return self._sync_lock
+
     def request_sync(self) -> bool:
         """Ask a running :meth:`run` loop to sync now (e.g. from a control endpoint).
 
@@ -372,6 +379,12 @@ class ReceiverAgent:
         fell_back = False
         while (cur := self.version) is None or cur < latest:
             m, mode = await asyncio.to_thread(self._bad.plan, self.engine.state, latest)
+            if m.version in self._refused:
+                kf = await asyncio.to_thread(self._bad.keyframe_after, m.version, latest)
+                if kf is not None:
+                    logger.info("agent %s: v%d was refused by the engine: going on from "
+                                "keyframe v%d", self.engine_id, m.version, kf.version)  # fmt: skip
+                    m, mode = kf, "full"
             if cur is not None and m.version <= cur:
                 raise ChainError(
                     f"newest keyframe {m.version} is not past the engine's version {cur} and "
@@ -395,6 +408,19 @@ class ReceiverAgent:
                 if not await asyncio.to_thread(self._bad.can_go_past, m.version, cur, latest):
                     raise
                 continue  # the plan goes past it
+            except ApplyFailed:
+                # The engine refused it (a server that cannot load it, or down). Not bad for
+                # good: it may be the server's fault. But when a keyframe follows it, the next
+                # attempt goes on from that keyframe instead of retrying this version until
+                # the server takes it (the keyframe alone makes the engine whole).
+                kf = await asyncio.to_thread(self._bad.keyframe_after, m.version, latest)
+                if kf is not None and m.version not in self._refused:
+                    self._refused.add(m.version)
+                    logger.warning(
+                        "agent %s: the engine refused v%d: the next attempt goes on from the "
+                        "keyframe after it", self.engine_id, m.version,
+                    )  # fmt: skip
+                raise
             await self._ack(m)
         if cur > latest:
             raise ChainError(
