@@ -117,6 +117,10 @@ class ReceiverAgent:
             at once; bounds the decoded patches and the engine's undo journal in memory.
         lease_ttl: seconds after its last heartbeat that the engine id's lease in the root
             goes stale (another receiver may then take the id; FORMAT.md section 7.1).
+        lease_settle: seconds between writing this receiver's claim on the engine id and
+            reading the others' (FORMAT.md section 7.1): above the time the root's filesystem
+            takes to show a file written on another host. None: 0 on a local filesystem,
+            5 s on NFS, FUSE and the rest.
 
     A version that stays damaged after the re-reads (a shard missing, short, of the wrong size
     or failing its checksum, a manifest that does not parse) or that names other tensors than
@@ -139,6 +143,7 @@ class ReceiverAgent:
         prefetch_bytes: int = 512 << 20,
         apply_group_bytes: int = APPLY_GROUP_BYTES,
         lease_ttl: float = DEFAULT_LEASE_TTL,
+        lease_settle: float | None = None,
     ) -> None:
         if apply_group_bytes < 1:
             raise ConfigError(f"apply_group_bytes must be >= 1, got {apply_group_bytes}")
@@ -160,7 +165,9 @@ class ReceiverAgent:
         self._prefetch_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._bad = BadVersions(self.root, self.engine_id, verify_deadline)
-        self._presence = RootPresence(self.root, self.engine_id, engine, lease_ttl=lease_ttl)
+        self._presence = RootPresence(
+            self.root, self.engine_id, engine, lease_ttl=lease_ttl, lease_settle=lease_settle
+        )
         self._opened = False
         self._sync_lock = asyncio.Lock()
         self._c = _Counters()

@@ -36,7 +36,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from asyncsync.errors import AsyncSyncError, ConfigError
-from asyncsync.ops.cli.common import positive_float, positive_int
+from asyncsync.ops.cli.common import non_negative_float, positive_float, positive_int
 from asyncsync.ops.logsetup import add_logging_arguments, setup_logging
 from asyncsync.ops.progress import Progress, ProgressWatcher
 from receiver.agent import ReceiverAgent
@@ -101,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--force-polling",
         action="store_true",
         help="do not use inotify (use on NFS/FUSE mounts written by other hosts)",
+    )
+    p.add_argument(
+        "--lease-settle",
+        type=non_negative_float,
+        default=None,
+        metavar="S",
+        help="seconds between claiming the engine id and reading rival claims: above the time "
+        "the root's filesystem takes to show another host's write (default: 0 on a local "
+        "filesystem, 5 on NFS/FUSE; docs/FORMAT.md section 7.1)",
     )
     server = p.add_argument_group(
         "inference server", "make a server reload the checkpoint after each version"
@@ -287,6 +296,7 @@ def _make_agent(args: argparse.Namespace) -> ReceiverAgent:
         poll_interval=args.poll_interval,
         use_inotify=False if args.force_polling else None,
         apply_group_bytes=args.apply_group_bytes,
+        lease_settle=args.lease_settle,
     )
 
 

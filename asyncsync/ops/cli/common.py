@@ -11,6 +11,7 @@ from typing import Any
 from asyncsync.errors import ConfigError
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest, read_root_info
+from asyncsync.fsio import parse_size
 
 __all__ = [
     "check_root",
@@ -18,10 +19,12 @@ __all__ = [
     "fmt_time",
     "human_bytes",
     "int_at_least",
+    "non_negative_float",
     "non_negative_int",
     "positive_float",
     "positive_int",
     "resolve_version",
+    "size_bytes",
     "table",
     "version_summaries",
 ]
@@ -128,6 +131,28 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def size_bytes(text: str) -> int:
+    """An argparse type: a size as SyncConfig takes it (``500M``, ``2GiB``, ``1MB``, ``4096``;
+    K/M/G/T and KiB... are powers of 1024, KB/MB... of 1000), at least 1 byte."""
+    try:
+        v = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return v
 
 
