@@ -97,6 +97,8 @@ class RootPresence:
         self.lease = EngineLease(root, engine_id, ttl=lease_ttl, settle=lease_settle)
         self.acked: tuple[str, int] | None = None  # (run_id, version) of our last ack
         self.lost: str | None = None  # why the lease was lost, if it was
+        # the ack file as we last wrote or read it, and what it said
+        self._written: tuple[tuple[int, int, int], tuple[object, ...]] | None = None
         self._renewed = 0.0
 
     # -- the lease -------------------------------------------------------------------------
@@ -153,6 +155,20 @@ class RootPresence:
         except PermissionError as exc:
             raise ConfigError(not_writable(self.root, exc.filename or "")) from exc
         self.acked = (run_id, version)
+        ident = await asyncio.to_thread(self._ident)
+        self._written = (
+            None if ident is None else (ident, (version, fingerprint, run_id, tuple(bad)))
+        )
+
+    def _ident(self) -> tuple[int, int, int] | None:
+        """(inode, size, mtime) of the ack file: an ack replaced or edited from outside changes
+        it. Compared instead of reading the file at every sync: on rclone each open of a file
+        whose upload is pending postpones the upload (the ack would never reach the root)."""
+        try:
+            st = os.stat(ack_path(self.root, self.engine_id))
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     async def ensure(self, bad: Sequence[int]) -> bool:
         """Rewrite the ack if it does not say what the engine holds; True if it was written."""
@@ -161,13 +177,17 @@ class RootPresence:
             return False
         if not await asyncio.to_thread(self.root.is_dir):
             return False
-        on_disk = await asyncio.to_thread(self._read)
         want = (st.version, st.fingerprint, st.run_id, tuple(bad))
+        ident = await asyncio.to_thread(self._ident)
+        if ident is not None and (ident, want) == self._written:
+            return False  # the file we wrote, untouched (a stat: the ack is not opened)
+        on_disk = await asyncio.to_thread(self._read)
         if (
             on_disk is not None
             and (on_disk.version, on_disk.fingerprint, on_disk.run_id, on_disk.bad_versions) == want
         ):
             self.acked = (st.run_id, st.version)
+            self._written = (ident, want) if ident is not None else None
             return False
         if on_disk is None and self.acked is not None:
             logger.warning("agent %s: its ack is gone: writing it again", self.engine_id)
@@ -199,4 +219,4 @@ class RootPresence:
             self.engine_id, version,
         )  # fmt: skip
         await asyncio.to_thread(ack_path(self.root, self.engine_id).unlink, missing_ok=True)
-        self.acked = None
+        self.acked = self._written = None

@@ -300,7 +300,7 @@ def test_two_receivers_as_pid_1_of_their_own_pid_namespaces_do_not_displace_each
     why = _can_unshare_pid()
     if why:
         pytest.skip(why)
-    ns = ("unshare", "--pid", "--fork")
+    ns = ("unshare", "--pid", "--fork", "--kill-child")
     procs = _takers(tmp_path, 2, prefix=ns)
     try:
         assert _go(procs[0]).startswith("won")

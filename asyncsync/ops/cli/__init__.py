@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from asyncsync.errors import AsyncSyncError
 from asyncsync.ops.bench import cli as bench
-from asyncsync.ops.cli import gc, status, verify, versions
+from asyncsync.ops.cli import gc, prepare, status, verify, versions
 from asyncsync.ops.cli.common import human_bytes
 from asyncsync.ops.cli.verify import VerifyReport, verify_checkpoint_dir
 from asyncsync.ops.logsetup import add_logging_arguments, setup_logging
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_arguments(common, default_level=None, hidden=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for module in (versions, verify, status, gc, bench):
+    for module in (versions, verify, status, gc, prepare, bench):
         module.register(sub, common)
     return p
 
