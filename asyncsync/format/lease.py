@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import random
+import re
 import secrets
 import socket
 import time
@@ -129,7 +130,7 @@ def filesystem_type(path: str | os.PathLike[str]) -> str:
         fields = left.split()
         if len(fields) < 5 or not right:
             continue
-        mnt = fields[4].encode().decode("unicode_escape")  # \040 for a space
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: " "
         inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
         if inside and len(mnt) >= len(best):
             best, kind = mnt, right.split()[0]

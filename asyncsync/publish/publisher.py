@@ -559,13 +559,22 @@ class Publisher:
         t0 = time.perf_counter()
         created = time.time()
         try:
-            shards, entries, tensors = await asyncio.to_thread(scan_checkpoint, path, self.checksum)
+            shards, entries, tensors, shard_dir = await asyncio.to_thread(
+                scan_checkpoint, path, self.checksum
+            )
         except AsyncSyncError:
             raise
         except Exception as exc:
             raise ConfigError(f"cannot register checkpoint {path}: {exc!r}") from exc
         manifest = self._manifest(
-            version, tuple(entries), tuple(shards), 0, created, False, True, shard_dir=str(path)
+            version,
+            tuple(entries),
+            tuple(shards),
+            0,
+            created,
+            False,
+            True,
+            shard_dir=str(shard_dir),
         )
         stage = ["mkdir"]
         try:
