@@ -64,6 +64,7 @@ __all__ = ["AgentStatus", "ReceiverAgent"]
 logger = logging.getLogger(__name__)
 
 PROGRESS_LOG_SECONDS = 5.0
+REPEAT_LOG_SECONDS = 60.0  # a failure that recurs is logged again after this long
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class ReceiverAgent:
         )
         self._opened = False
         self._sync_lock = asyncio.Lock()
+        self._said_waiting: str | None = None
         self._c = _Counters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -276,6 +278,7 @@ class ReceiverAgent:
 
         watcher = asyncio.create_task(watch(), name=f"watch {self.engine_id}")
         beat = asyncio.create_task(heartbeat(), name=f"lease {self.engine_id}")
+        failing = _Repeats()
         try:
             while not stop.is_set():
                 await _first_of(wake, stop)
@@ -284,8 +287,15 @@ class ReceiverAgent:
                     break
                 try:
                     await self.sync_once()
+                    failing.clear()
                 except (AsyncSyncError, OSError) as exc:
-                    logger.error("agent %s: sync failed: %s", self.engine_id, exc)
+                    if failing.should_log(str(exc)):
+                        logger.error("agent %s: sync failed%s: %s",
+                                     self.engine_id, failing.since(), exc)  # fmt: skip
+                    # the same failure again and again (a damaged version, no keyframe after
+                    # it): retry less often, up to every REPEAT_LOG_SECONDS / 6
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), failing.backoff(self.poll_interval))
                 except Exception:  # an engine's own bug must not stop the agent for good
                     logger.exception("agent %s: sync failed unexpectedly", self.engine_id)
                 if self.prefetch:
@@ -366,8 +376,9 @@ class ReceiverAgent:
                 bad.stuck(found, latest)
                 raise damaged
         except AsyncSyncError:
-            if bad.waiting is not None:
+            if bad.waiting is not None and bad.waiting != self._said_waiting:
                 logger.warning("agent %s: %s", self.engine_id, bad.waiting)
+                self._said_waiting = bad.waiting  # said once: the sync error repeats it
                 with contextlib.suppress(OSError, AsyncSyncError):  # say which versions are bad
                     await self._presence.ensure(bad.versions())
             raise
@@ -538,6 +549,36 @@ class ReceiverAgent:
         if p is None or p.version != m.version or shard.role != "delta":
             return None
         return p.take(shard.file)
+
+
+class _Repeats:
+    """One failure said once per REPEAT_LOG_SECONDS, however often it recurs."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.message: str | None = None
+        self.logged = 0.0
+        self.count = 0  # failures since it was last logged
+        self.repeated = 0  # failures that were not logged before the last line
+        self.streak = 0  # failures in a row
+
+    def should_log(self, message: str) -> bool:
+        now = time.monotonic()
+        self.streak += 1
+        if message != self.message or now - self.logged >= REPEAT_LOG_SECONDS:
+            self.repeated, self.count = (self.count if message == self.message else 0), 0
+            self.message, self.logged = message, now
+            return True
+        self.count += 1
+        return False
+
+    def since(self) -> str:
+        return f" ({self.repeated + 1} times in {REPEAT_LOG_SECONDS:g}s)" if self.repeated else ""
+
+    def backoff(self, poll: float) -> float:
+        return min(poll * 2 ** min(self.streak - 1, 10), REPEAT_LOG_SECONDS / 6)
 
 
 async def _first_of(*events: asyncio.Event) -> None:

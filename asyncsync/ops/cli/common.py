@@ -25,6 +25,7 @@ __all__ = [
     "positive_int",
     "resolve_version",
     "size_bytes",
+    "version_spec",
     "table",
     "version_summaries",
 ]
@@ -82,6 +83,13 @@ def check_root(root: Path) -> list[int]:
             "pass the directory given to Publisher(...)"
         )
     return versions
+
+
+def version_spec(text: str) -> str:
+    """An argparse type: a version number or ``latest`` (anything else is a usage error)."""
+    if text != "latest" and not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"VERSION must be a number or 'latest', got {text!r}")
+    return text
 
 
 def resolve_version(root: Path, versions: list[int], spec: str | None) -> int | None:
