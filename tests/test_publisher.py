@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -86,14 +87,24 @@ async def test_keyframes_by_interval_and_request(tmp_path: Path) -> None:
     assert {s.role for s in m3.shards} == {"delta", "full"}
 
 
-async def test_schema_change_publishes_full(tmp_path: Path) -> None:
+async def test_schema_change_publishes_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sd = mixed_state(0)
     async with Publisher(tmp_path) as pub:
         await pub.seed(sd)
         sd2 = dict(sd)
         sd2["new.tensor"] = torch.ones(3)
-        r = await pub.publish(sd2)
+        gone, retyped = sorted(sd)[:2]
+        del sd2[gone]
+        sd2[retyped] = sd[retyped].double().reshape(-1)
+        with caplog.at_level(logging.WARNING, logger="asyncsync"):
+            r = await pub.publish(sd2)
     assert r.kind == "full" and r.base_version is None
+    # (issue 20, operator) a WARNING naming what changed
+    (msg,) = [r.getMessage() for r in caplog.records if "tensor set changed" in r.getMessage()]
+    assert "added: new.tensor" in msg and f"removed: {gone}" in msg
+    assert f"re-typed: {retyped} {sd[retyped].dtype}" in msg and "torch.float64" in msg
 
 
 async def test_one_publisher_per_root(tmp_path: Path) -> None:

@@ -372,6 +372,10 @@ class Publisher:
         assert self._snapshot is not None
         return dict(slices) == self._slices and snapshot.same_schema(self._snapshot, state_dict)
 
+    def schema_changes(self, state_dict: Mapping[str, torch.Tensor]) -> str:
+        assert self._snapshot is not None
+        return snapshot.schema_changes(self._snapshot, state_dict)
+
     def set_round(self, run_id: str, next_version: int) -> None:
         self._run_id, self._next_version = run_id, next_version
 
