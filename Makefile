@@ -36,8 +36,9 @@ test: lint sglang-env
 bench-sglang: $(STAMP) sglang-env
 	$(PY) -m tests.sglang_env.bench_reload
 
+# `make demo DEMO_ARGS=--keep` keeps the working directory (python -m asyncsync.ops.demo --help)
 demo: $(STAMP)
-	$(PY) -m asyncsync.ops.demo
+	$(PY) -m asyncsync.ops.demo $(DEMO_ARGS)
 
 # < 60 s on 2 cores; BENCHMARKS.md shows how to write the JSON, tables and plots as well
 bench: $(STAMP)

@@ -21,6 +21,7 @@ from asyncsync.ops.workload import Workload, WorkloadConfig
 from receiver import ReceiverAgent
 from receiver.cli import main as receiver_main
 from receiver.engines.checkpoint import LocalCheckpoint
+from tests.conftest import mixed_state, mutate
 
 REPO = Path(__file__).resolve().parent.parent
 FLIPPED = "model.layers.0.self_attn.q_proj.weight"
@@ -292,3 +293,16 @@ def test_python_dash_m_asyncsync(root: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)) == 4
+
+
+async def test_gc_with_nothing_to_delete_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(issue 20, operator) not a bare "nothing to delete": the reason the oldest is kept."""
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:
+        sd = mixed_state(0)
+        await pub.seed(sd)
+        await pub.publish(mutate(sd, 0.05, seed=1))
+    assert main(["gc", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("nothing to delete: v0 (the oldest) is kept: ") and "-v" in out, out

@@ -25,8 +25,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if report.deleted:
         vs = ", ".join(f"v{v}" for v in report.deleted)
         print(f"{verb} {len(report.deleted)} versions ({human_bytes(report.freed_bytes)}): {vs}")
+    elif report.kept:
+        # the oldest kept version is the one a deletion would have taken: say why it stays
+        oldest = report.kept[0]
+        print(f"nothing to delete: v{oldest} (the oldest) is kept: {report.reasons[oldest]}"
+              + ("" if args.verbose else " (-v: why each version is kept)"))  # fmt: skip
     else:
-        print("nothing to delete")
+        print("nothing to delete: the root has no committed version")
     if args.verbose:
         for v in report.kept:
             print(f"  keep v{v}: {report.reasons[v]}")
