@@ -22,7 +22,8 @@ def main() -> int:
     p.add_argument("--ttl", type=float, default=30.0)
     p.add_argument("--engine-id", default="e1")
     args = p.parse_args()
-    lease = EngineLease(args.root, args.engine_id, ttl=args.ttl, settle=args.settle)
+    kw = {} if args.settle is None else {"settle": args.settle}  # (a build without claims)
+    lease = EngineLease(args.root, args.engine_id, ttl=args.ttl, **kw)
     print("ready", flush=True)
     sys.stdin.readline()
     try:

@@ -132,14 +132,25 @@ def version_summaries(root: Path, versions: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
+def _seconds(zero_ok: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, > 0 (or >= 0 with ``zero_ok``)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a number of seconds, got {text!r}"
+            ) from None
+        if not (v >= 0 if zero_ok else v > 0) or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
+        return v
+
+    return parse
+
+
+positive_float = _seconds(zero_ok=False)
+non_negative_float = _seconds(zero_ok=True)
 
 
 def size_bytes(text: str) -> int:
@@ -151,16 +162,6 @@ def size_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
-    return v
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return v
 
 
