@@ -368,7 +368,9 @@ class EngineLease:
         try:
             self._take(settle, deadline)
         except BaseException:
-            _HELD.discard(self.owner)
+            if not self.held:  # refused, or interrupted while taking: leave no claim behind
+                _HELD.discard(self.owner)
+                self._withdraw()
             raise
 
     def _take(self, settle: float, deadline: float) -> None:
@@ -388,7 +390,8 @@ class EngineLease:
                     self._withdraw()
                     raise
                 self.held = True
-                self._remove_stale_claims()
+                with contextlib.suppress(OSError):  # housekeeping: never fails a take
+                    self._remove_stale_claims()
                 logger.debug("engine id %s: lease taken (%s)", self.engine_id, self.path)
                 return
             self._withdraw()
