@@ -185,6 +185,7 @@ def test_verify_against_an_older_version_lists_the_changed_tensors(
         ["verify", "ROOT"],  # no --checkpoint
         ["tail", "ROOT", "--interval", "0"],
         ["verify", "ROOT", "--checkpoint", "X", "--version", "-1"],
+        ["inspect", "ROOT", "one"],  # (issue 20) a VERSION that is no number is bad usage
     ],
 )
 def test_bad_usage_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -198,10 +199,9 @@ def test_bad_usage_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) 
         (["inspect", "{missing}"], "is not a directory"),
         (["inspect", "{empty}"], "is not an asyncsync root"),
         (["inspect", "{root}", "9"], "version 9 is not committed"),
-        (["inspect", "{root}", "one"], "integer or 'latest'"),
         (["verify", "{root}", "--checkpoint", "{missing}"], "does not exist"),
-        (["verify", "{root}", "--checkpoint", "{empty}"], "cannot read"),
-        (["verify", "{root}", "--checkpoint", "{empty}", "--version", "7"], "not committed"),
+        (["verify", "{root}", "--checkpoint", "{empty}"], "is not an asyncsync checkpoint"),
+        (["verify", "{root}", "--checkpoint", "{empty}", "--version", "7"], "not an asyncsync"),
     ],
 )
 def test_errors_are_one_line_without_traceback(

@@ -84,6 +84,9 @@ def _stop(procs: Sequence[subprocess.Popen[str]]) -> None:
     for p in procs:
         if p.poll() is None:
             p.communicate("", timeout=60)
+        for pipe in (p.stdin, p.stdout):  # those of a killed taker too (no ResourceWarning)
+            if pipe is not None and not pipe.closed:
+                pipe.close()
 
 
 def test_concurrent_takers_through_two_rclone_mounts_give_one_winner_and_a_dead_one_is_taken_over(

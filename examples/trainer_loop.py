@@ -1,9 +1,9 @@
 """The trainer side of the README, whole: publish a model's weights after each training step.
 
-    python examples/trainer.py ROOT [--steps 5] [--engine gpu0 ...]
+    python examples/trainer_loop.py ROOT [--steps 5] [--engine gpu0 ...]
 
 With ``--engine``, each version waits until those receivers acknowledge it (run
-examples/receiver.py beside it). The model and its "training" are stand-ins: a small bf16 MLP
+examples/engine_receiver.py beside it). The model and its "training" are stand-ins: a small bf16 MLP
 whose step changes about 2 % of the weights, as an optimizer step does.
 """
 

@@ -1,6 +1,6 @@
 """The engine side of the README, whole: keep a local checkpoint at the newest version.
 
-    python examples/receiver.py ROOT CHECKPOINT_DIR [--engine-id gpu0] [--once]
+    python examples/engine_receiver.py ROOT CHECKPOINT_DIR [--engine-id gpu0] [--once]
 
 The same as ``asyncsync-receiver --root ROOT --engine-id gpu0 --checkpoint CHECKPOINT_DIR``;
 Ctrl-C stops it after the version in flight.
