@@ -1,4 +1,5 @@
-"""The README's trainer and receiver snippets are examples/trainer_loop.py and examples/engine_receiver.py,
+"""The README's trainer and receiver snippets are examples/trainer_loop.py and
+examples/engine_receiver.py,
 shown whole in the README and run here as pasted (issue 20: they did not run)."""
 
 from __future__ import annotations
