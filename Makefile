@@ -49,8 +49,9 @@ bench-sglang: $(STAMP) sglang-env
 bench-vllm: $(STAMP) vllm-env
 	$(PY) -m tests.vllm_env.bench_pause
 
+# `make demo DEMO_ARGS=--keep` keeps the working directory (python -m asyncsync.ops.demo --help)
 demo: $(STAMP)
-	$(PY) -m asyncsync.ops.demo
+	$(PY) -m asyncsync.ops.demo $(DEMO_ARGS)
 
 # < 60 s on 2 cores; BENCHMARKS.md shows how to write the JSON, tables and plots as well
 bench: $(STAMP)
