@@ -72,7 +72,8 @@ def encode_delta(
 
     ``values`` (``new`` at ``positions``) and ``xor`` (``old ^ new`` there), as a
     :class:`Change` from :func:`diff_tensors` holds them, spare the gathers when given; the
-    result is byte-identical either way.
+    result is byte-identical either way. With ``xor`` given (``positions`` then being exactly
+    the changed elements) ``old`` is not read, so it may already have been advanced to ``new``.
     """
     _check_encoding(encoding)
     if old.dtype != new.dtype or old.dtype not in _WIDTH_BY_INT:
@@ -92,7 +93,11 @@ def encode_delta(
         if given is not None and (given.dtype != old.dtype or given.shape != positions.shape):
             raise ConfigError(f"{what} must be {old.dtype}[{n}], got {given.dtype}{given.shape}")
     if encoding == "xef" and n > DENSE_THRESHOLD * numel:
-        dense = torch.bitwise_xor(new, old)
+        if xor is not None:  # from the changes alone: ``old`` may already hold the new bytes
+            dense = torch.zeros_like(new)
+            dense[positions.to(new.device)] = xor.to(new.device)
+        else:
+            dense = torch.bitwise_xor(new, old)
         n = int(torch.count_nonzero(dense))  # exact even if positions held unchanged elements
         return EncodedDelta(encoding, "dense", n, b"", _zstd(_planes(dense), level), numel * width)
     pos = positions.to(old.device)

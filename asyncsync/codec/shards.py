@@ -112,18 +112,30 @@ class DiffedBucket:
 
     items: Sequence[BucketItem]
     changes: list[codec.Change] | None  # None: no delta (a full version)
+    advanced: bool = False  # the olds already hold the new bytes (diff_bucket's ``advance``)
 
 
-def diff_bucket(items: Sequence[BucketItem], *, delta: bool) -> DiffedBucket:
+def diff_bucket(
+    items: Sequence[BucketItem],
+    *,
+    delta: bool,
+    algorithm: str | None = None,
+    advance: bool = False,
+) -> DiffedBucket:
     """The diff stage: bytewise compare against ``old`` (:func:`asyncsync.codec.diff_tensors`,
-    the fused C kernel on CPU when built)."""
+    the fused C kernel on CPU when built). ``algorithm``: checksum each new tensor in the same
+    pass; ``advance``: make each ``old`` equal to its ``new`` in it (the publisher's snapshot;
+    :func:`asyncsync.codec.revert` undoes it)."""
     if not delta:
         return DiffedBucket(items, None)
     olds = [it.old for it in items]
     if any(o is None for o in olds):
         raise ValueError("delta encoding needs the old value of every tensor")
     news = [it.new for it in items]
-    return DiffedBucket(items, codec.diff_tensors([o for o in olds if o is not None], news))
+    changes = codec.diff_tensors(
+        [o for o in olds if o is not None], news, algorithm=algorithm, advance=advance
+    )
+    return DiffedBucket(items, changes, advanced=advance)
 
 
 def encode_bucket(
@@ -149,6 +161,7 @@ def encode_bucket(
     full_tensors: dict[str, torch.Tensor] = {}
     for k, it in enumerate(diffed.items):
         mode: Literal["sparse", "dense"] | None = None
+        ch: codec.Change | None = None
         if changes is not None:
             assert it.old is not None
             ch = changes[k]
@@ -170,14 +183,18 @@ def encode_bucket(
                 delta_blobs[pkey] = enc.positions
                 delta_blobs[vkey] = enc.values
                 out.raw_bytes += enc.raw_bytes
-                if enc.mode == "sparse":
+                if diffed.advanced:
+                    pass  # the diff already brought the snapshot to the new bytes
+                elif enc.mode == "sparse":
                     out.pending.append(PendingUpdate(it.name, pos, ch.values))
                 else:
                     out.pending.append(PendingUpdate(it.name, None, it.new))
         else:
             changed = it.new.numel()
             out.pending.append(PendingUpdate(it.name, None, it.new))
-        if changed == 0 and it.cached_checksum is not None:
+        if ch is not None and ch.checksum is not None:
+            checksum = ch.checksum  # taken in the diff's pass
+        elif changed == 0 and it.cached_checksum is not None:
             checksum = it.cached_checksum
         else:
             checksum = checksum_tensor(it.new, algorithm)

@@ -50,6 +50,7 @@ from asyncsync.codec.shards import (
 )
 from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError
 from asyncsync.format import (
+    MANIFEST_NAME,
     AckRecord,
     Manifest,
     ShardInfo,
@@ -428,6 +429,11 @@ class Publisher:
 
         error: BaseException | None = None
         entries: tuple[TensorEntry, ...] = ()
+        # A single publisher's delta advances its snapshot in the diff's own pass (the snapshot
+        # is read there anyway) and undoes that if the version is not committed. A rank of a
+        # group keeps its changes apart instead: it may not learn the outcome (adopt()).
+        advance = delta and not self._committer.ranked
+        advanced: list[DiffedBucket] = []
         try:
             if rnd.refuse is not None:
                 raise PublishError(rnd.refuse)
@@ -438,7 +444,10 @@ class Publisher:
 
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)
-                return diff_bucket(items, delta=delta)
+                d = diff_bucket(items, delta=delta, algorithm=self.checksum, advance=advance)
+                if d.advanced:
+                    advanced.append(d)  # undone if the version is not committed
+                return d
 
             def encode(d: DiffedBucket) -> EncodedBucket:
                 return encode_bucket(
@@ -480,6 +489,8 @@ class Publisher:
             manifest, cancelled = await through_commit(finish, lambda: self._renamed)
         except BaseException:
             self._progress = None
+            if advanced and not self._renamed:
+                await asyncio.shield(asyncio.to_thread(_revert, vdir, advanced))
             raise
         self._cancel_after_commit |= cancelled
         # Committed: from here on the version exists for readers.
@@ -577,3 +588,13 @@ class Publisher:
         self._snapshot = tensors
         t1 = time.perf_counter()
         return await self._committed(manifest, {"total": t1 - t0, "commit": t1 - t0}, vdir)
+
+
+def _revert(vdir: Path, advanced: list[DiffedBucket]) -> None:
+    """Put the snapshot back where the diff advanced it, unless the version is committed after
+    all (its manifest is in place: then the snapshot is right as it is)."""
+    if (vdir / MANIFEST_NAME).exists():
+        return
+    for d in reversed(advanced):
+        assert d.changes is not None
+        codec.revert([it.old for it in d.items if it.old is not None], d.changes)
