@@ -23,6 +23,7 @@ from asyncsync.errors import ChecksumMismatch, FormatError, IncompleteVersion, M
 from asyncsync.format import Manifest, ShardInfo, TensorEntry, TensorPart
 from asyncsync.format.checksum import checksum_bytes
 from asyncsync.fsio import read_bytes
+from asyncsync.pipeline import parallel_map
 from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
 
@@ -160,43 +161,45 @@ def decode_pieces(
 ) -> list[TensorUpdate | PartUpdate]:
     """The updates of ``pieces`` from a parsed shard; a part of a tensor in parts is a
     PartUpdate (see receiver.parts). Anything malformed raises FormatError."""
-    out: list[TensorUpdate | PartUpdate] = []
-    for e, part, ref in pieces:
-        span = part or e.spans[0]
-        if mode == "delta":
-            pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
-            if pos_t is None or val_t is None:
-                raise FormatError(
-                    f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}"
-                )
-            if pos_t.dtype != torch.uint8 or val_t.dtype != torch.uint8:
-                raise FormatError(f"{where}: delta blobs of {e.name!r} must be uint8")
-            try:
-                patch = codec.decode_delta(
-                    m.encoding,
-                    ref.mode,
-                    pos_t.numpy().tobytes(),
-                    val_t.numpy().tobytes(),
-                    changed=span.changed,
-                    numel=span.numel,
-                    dtype=int_dtype(e.torch_dtype),
-                )
-            except FormatError as exc:
-                raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc
-            out.append(TensorUpdate(e, patch=patch) if part is None else PartUpdate(e, part, patch))
-        else:
-            t = tensors.get(ref.key)
-            if t is None:
-                raise FormatError(f"{where}: tensor {ref.key!r} for {e.name!r} is not in the shard")
-            if t.dtype != e.torch_dtype or (
-                tuple(t.shape) != e.shape if part is None else t.numel() != part.numel
-            ):
-                raise FormatError(
-                    f"{where}: tensor {e.name!r} is {t.dtype}{list(t.shape)}, the manifest says "
-                    f"{e.dtype}{list(e.shape)}" + ("" if part is None else f" ({span.numel} here)")
-                )
-            out.append(TensorUpdate(e, full=t) if part is None else PartUpdate(e, part, full=t))
-    return out
+    return parallel_map(lambda piece: _decode_piece(m, mode, tensors, piece, where), pieces)
+
+
+def _decode_piece(
+    m: Manifest, mode: str, tensors: dict[str, torch.Tensor], piece: Piece, where: str
+) -> TensorUpdate | PartUpdate:
+    """One piece's update (on the pool: the pieces of a group decode in parallel)."""
+    e, part, ref = piece
+    span = part or e.spans[0]
+    if mode == "delta":
+        pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
+        if pos_t is None or val_t is None:
+            raise FormatError(f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}")
+        if pos_t.dtype != torch.uint8 or val_t.dtype != torch.uint8:
+            raise FormatError(f"{where}: delta blobs of {e.name!r} must be uint8")
+        try:
+            patch = codec.decode_delta(
+                m.encoding,
+                ref.mode,
+                pos_t.numpy().tobytes(),
+                val_t.numpy().tobytes(),
+                changed=span.changed,
+                numel=span.numel,
+                dtype=int_dtype(e.torch_dtype),
+            )
+        except FormatError as exc:
+            raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc
+        return TensorUpdate(e, patch=patch) if part is None else PartUpdate(e, part, patch)
+    t = tensors.get(ref.key)
+    if t is None:
+        raise FormatError(f"{where}: tensor {ref.key!r} for {e.name!r} is not in the shard")
+    if t.dtype != e.torch_dtype or (
+        tuple(t.shape) != e.shape if part is None else t.numel() != part.numel
+    ):
+        raise FormatError(
+            f"{where}: tensor {e.name!r} is {t.dtype}{list(t.shape)}, the manifest says "
+            f"{e.dtype}{list(e.shape)}" + ("" if part is None else f" ({span.numel} here)")
+        )
+    return TensorUpdate(e, full=t) if part is None else PartUpdate(e, part, full=t)
 
 
 def decode_shard(

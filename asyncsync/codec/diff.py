@@ -25,6 +25,7 @@ from asyncsync.codec import native
 from asyncsync.codec.views import gather, int_view
 from asyncsync.errors import ConfigError
 from asyncsync.format.checksum import checksum_tensor
+from asyncsync.pipeline import run_all
 
 __all__ = ["Change", "changed_positions", "diff_tensors", "revert"]
 
@@ -74,22 +75,32 @@ def diff_tensors(
     """The :class:`Change` of each ``old -> new`` pair (any dtype; compared bytewise).
 
     On CPU with the native kernel, one fused pass per tensor finds the positions and gathers
-    the new values and XORs; otherwise :func:`changed_positions` and then two gathers.
-    ``algorithm``: also the checksum of each new tensor (``Change.checksum``; in the same pass
-    on the native path). ``advance``: also make each old tensor equal to its new one (in the
-    same pass on the native path, for contiguous CPU tensors; else a scatter after it); if this
-    raises, the olds are as they were.
+    the new values and XORs, the tensors spread over the pool of :mod:`asyncsync.pipeline`;
+    otherwise :func:`changed_positions` and then two gathers. ``algorithm``: also the checksum
+    of each new tensor (``Change.checksum``; in the same pass on the native path).
+    ``advance``: also make each old tensor equal to its new one (in the same pass on the native
+    path, for contiguous CPU tensors; else a scatter after it); if this raises, the olds are as
+    they were.
     """
     numels = _check_pairs(olds, news)
     if not olds:
         return []
     cpu = olds[0].device.type == "cpu"
     out: list[Change] = []
+    if cpu and native.kernels is not None:  # tensors on the pool, each one fused pass
+        done = run_all(
+            lambda pair: _native_change(pair[0], pair[1], algorithm, advance),
+            zip(olds, news, strict=True),
+        )
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:
+            if advance:  # each failed one put itself back; put back the others
+                for old, r in zip(olds, done, strict=True):
+                    if isinstance(r, Change):
+                        revert([old], [r])
+            raise failed[0]
+        return [r for r in done if isinstance(r, Change)]
     try:
-        if cpu and native.kernels is not None:
-            for o, n in zip(olds, news, strict=True):
-                out.append(_native_change(o, n, algorithm, advance))
-            return out
         ov, nv = [int_view(o) for o in olds], [int_view(n) for n in news]
         positions = (_changed_positions_numpy if cpu else _changed_positions_torch)(ov, nv, numels)
         for o, n, new, pos in zip(ov, nv, news, positions, strict=True):

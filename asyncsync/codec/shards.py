@@ -22,6 +22,7 @@ import torch
 from asyncsync import codec
 from asyncsync.errors import FormatError
 from asyncsync.format.checksum import checksum_tensor
+from asyncsync.pipeline import parallel_map
 
 __all__ = [
     "BucketItem",
@@ -156,12 +157,14 @@ def encode_bucket(
     """
     diffed = items if isinstance(items, DiffedBucket) else diff_bucket(items, delta=delta)
     changes = diffed.changes
-    out = EncodedBucket()
-    delta_blobs: dict[str, bytes] = {}
-    full_tensors: dict[str, torch.Tensor] = {}
-    for k, it in enumerate(diffed.items):
+
+    def one(k: int) -> tuple[ItemResult, codec.EncodedDelta | None, PendingUpdate | None]:
+        """Encode and checksum item ``k`` (on the pool: tensors are independent)."""
+        it = diffed.items[k]
         mode: Literal["sparse", "dense"] | None = None
         ch: codec.Change | None = None
+        enc: codec.EncodedDelta | None = None
+        pending: PendingUpdate | None = None
         if changes is not None:
             assert it.old is not None
             ch = changes[k]
@@ -179,28 +182,39 @@ def encode_bucket(
                 )
                 changed = enc.changed  # what the decoder will check
                 mode = enc.mode
-                pkey, vkey = delta_keys(it.index)
-                delta_blobs[pkey] = enc.positions
-                delta_blobs[vkey] = enc.values
-                out.raw_bytes += enc.raw_bytes
                 if diffed.advanced:
                     pass  # the diff already brought the snapshot to the new bytes
                 elif enc.mode == "sparse":
-                    out.pending.append(PendingUpdate(it.name, pos, ch.values))
+                    pending = PendingUpdate(it.name, pos, ch.values)
                 else:
-                    out.pending.append(PendingUpdate(it.name, None, it.new))
+                    pending = PendingUpdate(it.name, None, it.new)
         else:
             changed = it.new.numel()
-            out.pending.append(PendingUpdate(it.name, None, it.new))
+            pending = PendingUpdate(it.name, None, it.new)
         if ch is not None and ch.checksum is not None:
             checksum = ch.checksum  # taken in the diff's pass
         elif changed == 0 and it.cached_checksum is not None:
             checksum = it.cached_checksum
         else:
             checksum = checksum_tensor(it.new, algorithm)
+        return ItemResult(it.index, it.name, changed, checksum, mode, full), enc, pending
+
+    out = EncodedBucket()
+    delta_blobs: dict[str, bytes] = {}
+    full_tensors: dict[str, torch.Tensor] = {}
+    for it, (res, enc, pending) in zip(
+        diffed.items, parallel_map(one, range(len(diffed.items))), strict=True
+    ):
+        if enc is not None:
+            pkey, vkey = delta_keys(it.index)
+            delta_blobs[pkey] = enc.positions
+            delta_blobs[vkey] = enc.values
+            out.raw_bytes += enc.raw_bytes
+        if pending is not None:
+            out.pending.append(pending)
         if full:
             full_tensors[it.name] = it.new
-        out.items.append(ItemResult(it.index, it.name, changed, checksum, mode, full))
+        out.items.append(res)
     out.delta_blobs = delta_blobs
     if full_tensors:
         out.full_blob = safetensors.torch.save(
