@@ -49,10 +49,10 @@ from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe
 from receiver.prefetch import Prefetcher
 from receiver.shard_reader import (
-    APPLY_GROUP_BYTES,
     Piece,
     apply_groups,
     decode_pieces,
+    group_bytes_for,
     open_shard,
     read_verified,
     verified,
@@ -114,7 +114,9 @@ class ReceiverAgent:
             before its manifest exists (streaming receive; see receiver.prefetch).
         prefetch_bytes: memory budget of one version's prefetched shards.
         apply_group_bytes: decoded bytes (positions + values) of a delta handed to the engine
-            at once; bounds the decoded patches and the engine's undo journal in memory.
+            at once; bounds the decoded patches and the engine's undo journal in memory. None
+            (default): sized by the model, 1/64 of its bytes within [1 MiB, 16 MiB]
+            (``receiver.shard_reader.group_bytes_for``).
         lease_ttl: seconds after its last heartbeat that the engine id's lease in the root
             goes stale (another receiver may then take the id; FORMAT.md section 7.1).
 
@@ -137,10 +139,10 @@ class ReceiverAgent:
         pipelined: bool = True,
         prefetch: bool = True,
         prefetch_bytes: int = 512 << 20,
-        apply_group_bytes: int = APPLY_GROUP_BYTES,
+        apply_group_bytes: int | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
     ) -> None:
-        if apply_group_bytes < 1:
+        if apply_group_bytes is not None and apply_group_bytes < 1:
             raise ConfigError(f"apply_group_bytes must be >= 1, got {apply_group_bytes}")
         if poll_interval <= 0:
             raise ConfigError(f"poll_interval must be > 0, got {poll_interval}")
@@ -457,10 +459,11 @@ class ReceiverAgent:
     async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
         """Read+verify each shard once; decode group k+1 while the engine applies group k."""
         parts = PartAssembler(m, mode)  # joins the parts of tensors in parts across shards
+        group_bytes = self.apply_group_bytes or group_bytes_for(m.totals.model_bytes)
         work = [
             (idx, shard, group, g == 0, g == len(groups) - 1)
             for idx, shard in shards
-            for groups in [apply_groups(m, mode, idx, self.apply_group_bytes)]
+            for groups in [apply_groups(m, mode, idx, group_bytes)]
             for g, group in enumerate(groups)
         ]
         opened: dict[int, dict[str, torch.Tensor]] = {}  # the parsed shard, until its last group

@@ -79,10 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--apply-group-bytes",
         type=positive_int,
-        default=APPLY_GROUP_BYTES,
+        default=None,
         metavar="N",
-        help="decoded delta bytes handed to the engine at once (bounds memory; default "
-        f"{APPLY_GROUP_BYTES})",
+        help="decoded delta bytes handed to the engine at once (bounds memory; default: 1/64 of "
+        f"the model within [1 MiB, {APPLY_GROUP_BYTES >> 20} MiB])",
     )
     p.add_argument(
         "--sync-before-ack",

@@ -33,6 +33,7 @@ __all__ = [
     "apply_groups",
     "decode_pieces",
     "decode_shard",
+    "group_bytes_for",
     "int_dtype",
     "open_shard",
     "pieces_in",
@@ -45,6 +46,17 @@ __all__ = [
 # records and their fsyncs were a third of the apply (docs/bench/profile_apply_1g_before.txt);
 # 16 MiB makes ~10, and two or three groups in flight are still ~2 % of a 4 GiB model.
 APPLY_GROUP_BYTES = 16 << 20
+# ... but never more than 1/64 of the model, at least 1 MiB: with two or three groups in flight
+# (decoded patches and undo records) a 64 MB model kept 1.69x its size with 16 MiB groups
+# (issue 26; 1.35x with 1 MiB), while a 1 GiB model keeps its ~10 records of 16 MiB.
+MIN_APPLY_GROUP_BYTES = 1 << 20
+
+
+def group_bytes_for(model_bytes: int, limit: int = APPLY_GROUP_BYTES) -> int:
+    """The apply group size for a model of ``model_bytes``: ``model_bytes / 64`` within
+    [1 MiB, ``limit``] (``limit`` below 1 MiB wins)."""
+    return min(limit, max(MIN_APPLY_GROUP_BYTES, model_bytes // 64))
+
 
 Piece = tuple[TensorEntry, TensorPart | None, Any]  # entry, its part (None: whole), its ref
 

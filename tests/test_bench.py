@@ -15,9 +15,9 @@ import zstandard
 from asyncsync import codec
 from asyncsync.ops.bench import TARGETS, BenchConfig, BenchFailed
 from asyncsync.ops.bench.baselines import BASELINES, LABELS, all_sizes, xor_zstd_bytes
+from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.measure import _finish, _start
 from asyncsync.ops.bench.probes import load_state_dict, reset_peak_rss, rss, save_state_dict
-from asyncsync.ops.bench.worker import Job
 from asyncsync.ops.cli import main
 from asyncsync.ops.workload import Workload, WorkloadConfig
 from tests.conftest import mixed_state, same_bytes

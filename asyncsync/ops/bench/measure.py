@@ -34,8 +34,8 @@ from asyncsync import fsio
 from asyncsync.errors import AsyncSyncError
 from asyncsync.ops.bench import scale
 from asyncsync.ops.bench.baselines import all_sizes
+from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import save_state_dict
-from asyncsync.ops.bench.worker import Job
 from asyncsync.ops.workload import Workload
 
 __all__ = ["BenchConfig", "BenchFailed", "machine_info", "run_bench"]

@@ -44,21 +44,19 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from asyncsync import codec, fsio
 from asyncsync.format import acks
+from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import full_sync, reset_peak_rss, rss, run_until_acked
 from asyncsync.ops.workload import config_for_elements
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
-
-if TYPE_CHECKING:
-    from asyncsync.ops.bench.worker import Job
 
 __all__ = [
     "DEFAULT_SIZES",
