@@ -583,3 +583,18 @@ def test_patch_hash_patches_and_hashes_a_range(width: int) -> None:
         assert np.array_equal(flat, before)  # checked before any write
     with pytest.raises(ValueError, match="range"):
         native.patch_hash(flat, width, None, vals[:0], True, 5, n + 1, None)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_planes_and_unplanes_transpose_bytes(width: int) -> None:
+    rng = np.random.default_rng(20 + width)
+    n = 10_007
+    src = rng.integers(0, 256, n * width, dtype=np.uint8)
+    out = np.empty_like(src)
+    native.planes(src, width, out)
+    assert np.array_equal(out, src.reshape(n, width).T.reshape(-1))
+    back = np.empty_like(src)
+    native.unplanes(out, width, back)
+    assert np.array_equal(back, src)
+    with pytest.raises(ValueError, match="out is"):
+        native.planes(src, width, np.empty(n * width + 1, np.uint8))

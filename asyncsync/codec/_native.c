@@ -52,6 +52,10 @@
  *     right after it is patched, while in cache: the digest is that of the patched range.
  *     Every position is checked before the first write (ValueError, flat unchanged).
  *
+ * planes(src, width, out) / unplanes(src, width, out) -> None
+ *     The byte planes of the xef values (all byte 0s of the width-byte elements, then all byte
+ *     1s, ...) and back; out has src's size.
+ *
  * Xxh3(bits=128): a streaming XXH3 hasher (xxhash.h, vendored from xxHash 0.8.2, BSD-2, see
  *     LICENSE.xxhash), 64- or 128-bit, with update(buffer) (the GIL released) and hexdigest(),
  *     whose digests equal python-xxhash's xxh3_64 / xxh3_128 hexdigest().
@@ -743,6 +747,77 @@ fail:
 
 static PyObject *set_patch(PyObject *self, PyObject *args) { return patch(args, 0); }
 
+/* ---------------------------------------------------------------------------- byte planes */
+
+/* planes: n elements of `width` bytes -> byte k of every element, for k = 0 .. width-1 (and back). */
+static PyObject *planes_impl(PyObject *args, int split) {
+    PyObject *src_o, *out_o;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, split ? "OnO:planes" : "OnO:unplanes", &src_o, &width, &out_o)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *src, *out;
+    Py_ssize_t n;
+    if (!(src = acquire(&b, src_o, "src", 0)) || !(out = acquire(&b, out_o, "out", 1))) {
+        goto fail;
+    }
+    if ((n = elements(src, width, "src")) < 0) {
+        goto fail;
+    }
+    if (out->len != src->len) {
+        PyErr_Format(PyExc_ValueError, "out is %zd bytes, src %zd", out->len, src->len);
+        goto fail;
+    }
+    {
+        const unsigned char *ps = src->buf;
+        unsigned char *po = out->buf;
+        Py_BEGIN_ALLOW_THREADS;
+        if (width == 1) {
+            memcpy(po, ps, (size_t)n);
+        } else if (width == 2) { /* the bf16 / fp16 case, unrolled */
+            unsigned char *p0 = split ? po : (unsigned char *)ps, *p1 = p0 + n;
+            if (split) {
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    p0[i] = ps[2 * i];
+                    p1[i] = ps[2 * i + 1];
+                }
+            } else {
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    po[2 * i] = p0[i];
+                    po[2 * i + 1] = p1[i];
+                }
+            }
+        } else {
+            for (Py_ssize_t k = 0; k < width; k++) { /* one plane at a time: sequential writes */
+                if (split) {
+                    unsigned char *dst = po + k * n;
+                    for (Py_ssize_t i = 0; i < n; i++) {
+                        dst[i] = ps[i * width + k];
+                    }
+                } else {
+                    const unsigned char *from = ps + k * n;
+                    for (Py_ssize_t i = 0; i < n; i++) {
+                        po[i * width + k] = from[i];
+                    }
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    release_all(&b);
+    Py_RETURN_NONE;
+fail:
+    release_all(&b);
+    return NULL;
+}
+
+static PyObject *planes(PyObject *self, PyObject *args) { return planes_impl(args, 1); }
+static PyObject *unplanes(PyObject *self, PyObject *args) { return planes_impl(args, 0); }
+
 /* ---------------------------------------------------------------------------- Elias-Fano */
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -1066,6 +1141,11 @@ static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(flat, width, positions, out) -> None\n\n"
      "out[k] = flat[pos[k]] for every k (out holds exactly len(positions)). Bounds-checked first."},
+    {"planes", planes, METH_VARARGS,
+     "planes(src, width, out) -> None\n\n"
+     "out = the bytes of src's width-byte elements as byte planes (all byte 0s, then 1s, ...)."},
+    {"unplanes", unplanes, METH_VARARGS,
+     "unplanes(src, width, out) -> None\n\nThe inverse of planes()."},
     {"ef_encode", ef_encode, METH_VARARGS,
      "ef_encode(positions, numel, low_bits) -> bytes\n\n"
      "The uncompressed Elias-Fano payload of strictly increasing int64 positions in [0, numel)."},
