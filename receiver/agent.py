@@ -40,6 +40,7 @@ from asyncsync.errors import (
 )
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
+from asyncsync.format.store import read_manifest
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
 from receiver.acking import RootPresence
@@ -57,6 +58,7 @@ from receiver.shard_reader import (
     read_verified,
     verified,
 )
+from receiver.stream import StreamApplier
 from receiver.watch import wakeups
 
 __all__ = ["AgentStatus", "ReceiverAgent"]
@@ -77,6 +79,7 @@ class AgentStatus:
     last_error: str | None
     last_apply_seconds: float | None
     prefetched_shards: int = 0  # shards read before their manifest existed, then verified
+    streamed_shards: int = 0  # shards applied before their manifest existed, then confirmed
     applying: int | None = None  # the version in flight
     progress: tuple[int, int] | None = None  # its shards applied / to apply
     engine: dict[str, Any] | None = None  # engine-specific facts (Engine.info())
@@ -86,6 +89,7 @@ class AgentStatus:
 @dataclass
 class _Counters:
     prefetched: int = 0
+    streamed: int = 0
     applying: int | None = None
     progress: tuple[int, int] | None = None
     progress_logged: float = 0.0
@@ -119,6 +123,10 @@ class ReceiverAgent:
             (``receiver.shard_reader.group_bytes_for``).
         lease_ttl: seconds after its last heartbeat that the engine id's lease in the root
             goes stale (another receiver may then take the id; FORMAT.md section 7.1).
+        stream_timeout: with ``prefetch`` and an engine that ``streams`` (LocalCheckpoint), the
+            next version's self-describing delta shards are applied as they land, before its
+            manifest (``receiver.stream``); with a shard applied, a version whose manifest nor
+            next shard comes for this long is rolled back (the publish was abandoned).
 
     A version that stays damaged after the re-reads (a shard missing, short, of the wrong size
     or failing its checksum, a manifest that does not parse) or that names other tensors than
@@ -141,6 +149,7 @@ class ReceiverAgent:
         prefetch_bytes: int = 512 << 20,
         apply_group_bytes: int | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
+        stream_timeout: float = 120.0,
     ) -> None:
         if apply_group_bytes is not None and apply_group_bytes < 1:
             raise ConfigError(f"apply_group_bytes must be >= 1, got {apply_group_bytes}")
@@ -158,7 +167,8 @@ class ReceiverAgent:
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
         self.apply_group_bytes = apply_group_bytes
-        self._prefetcher: Prefetcher | None = None
+        self.stream_timeout = stream_timeout
+        self._prefetcher: Prefetcher | StreamApplier | None = None
         self._prefetch_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._bad = BadVersions(self.root, self.engine_id, verify_deadline)
@@ -216,6 +226,7 @@ class ReceiverAgent:
             last_error=self._c.last_error,
             last_apply_seconds=self._c.last_apply_seconds,
             prefetched_shards=self._c.prefetched,
+            streamed_shards=self._c.streamed,
             applying=self._c.applying,
             progress=self._c.progress,
             engine=self.engine.info(),
@@ -319,12 +330,56 @@ class ReceiverAgent:
         vdir = version_dir(self.root, nxt)
         if not await asyncio.to_thread(vdir.is_dir):
             return
-        self._prefetcher = Prefetcher(
-            self.root, nxt, on_manifest=wake, max_bytes=self.prefetch_bytes
-        )
+        base = None
+        if self.engine.streams:  # apply the shards as they land (format 3), not just read them
+            with contextlib.suppress(AsyncSyncError, OSError):
+                base = await asyncio.to_thread(read_manifest, self.root, cur)
+        if base is not None and base.fingerprint == self.engine.state.fingerprint:
+            self._prefetcher = StreamApplier(
+                self.root,
+                self.engine,
+                base,
+                on_manifest=wake,
+                group_bytes=self.apply_group_bytes or group_bytes_for(base.totals.model_bytes),
+                idle_timeout=self.stream_timeout,
+                verify_deadline=self.verify_deadline,
+            )
+        else:
+            self._prefetcher = Prefetcher(
+                self.root, nxt, on_manifest=wake, max_bytes=self.prefetch_bytes
+            )
         self._prefetch_task = asyncio.create_task(
             self._prefetcher.run(), name=f"prefetch v{nxt} {self.engine_id}"
         )
+
+    async def _take_stream(self, m: Manifest, mode: Mode) -> set[str] | None:
+        """Before applying ``m``: the shard files a streaming apply already applied into the
+        engine's open transaction for ``m`` (confirmed by ``m``), or None (no transaction open:
+        a stream of another version, or one that failed or does not match, is stopped and its
+        transaction aborted)."""
+        s, task = self._prefetcher, self._prefetch_task
+        if not isinstance(s, StreamApplier):
+            return None
+        self._prefetcher = self._prefetch_task = None
+        await s.finish(task)
+        if not s.txn_open:
+            return None
+        why = s.mismatch(m) if (s.version, mode) == (m.version, "delta") else "another version"
+        if why is None:
+            try:
+                await self.engine.confirm(m)
+            except AsyncSyncError as exc:
+                why = str(exc)
+        if why is not None:
+            logger.warning(
+                "agent %s: the shards of v%d applied early are not what v%d commits (%s); "
+                "rolling back and applying it from its manifest",
+                self.engine_id, s.version, m.version, why,
+            )  # fmt: skip
+            await self.engine.abort()
+            return None
+        self._c.streamed += len(s.applied)
+        return {a.file for a in s.applied}
 
     def __repr__(self) -> str:
         return (
@@ -429,12 +484,15 @@ class ReceiverAgent:
     async def _apply_version(self, m: Manifest, mode: Mode) -> None:
         t0 = time.perf_counter()
         shards = [(i, s) for i, s in enumerate(m.shards) if s.role == mode]
-        if mode == "delta" and not shards:
+        early = await self._take_stream(m, mode)
+        if mode == "delta" and not shards and early is None:
             await self.engine.bump(m)
         else:
-            await self.engine.begin(m, mode)
+            if early is None:
+                await self.engine.begin(m, mode)
             try:
-                await self._stream(m, mode, shards)
+                rest = [(i, s) for i, s in shards if early is None or s.file not in early]
+                await self._stream(m, mode, rest)
                 await self.engine.commit()
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -531,7 +589,7 @@ class ReceiverAgent:
 
     def _prefetched(self, m: Manifest, shard: ShardInfo) -> bytes | None:
         p = self._prefetcher
-        if p is None or p.version != m.version or shard.role != "delta":
+        if not isinstance(p, Prefetcher) or p.version != m.version or shard.role != "delta":
             return None
         return p.take(shard.file)
 

@@ -34,6 +34,7 @@ __all__ = [
     "decode_pieces",
     "decode_shard",
     "group_bytes_for",
+    "group_pieces",
     "int_dtype",
     "open_shard",
     "pieces_in",
@@ -143,6 +144,12 @@ def apply_groups(
     pieces = pieces_in(m, mode, idx)
     if mode != "delta":
         return [pieces] if pieces else []
+    return group_pieces(pieces, limit)
+
+
+def group_pieces(pieces: list[Piece], limit: int) -> list[list[Piece]]:
+    """Delta ``pieces`` in consecutive groups of at most ``limit`` decoded bytes (a piece larger
+    than that is a group of its own)."""
     groups: list[list[Piece]] = []
     size = 0
     for piece in pieces:

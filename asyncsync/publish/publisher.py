@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -124,6 +125,11 @@ class Publisher:
         coordinator: publish as one rank of a group (:mod:`asyncsync.publish.distributed`); every
             rank calls seed/publish with its own tensors and the same options. Rank 0 commits, runs
             the hook, the log and retention; the others hold their own lock and snapshot.
+        delta_shard_bytes: a delta shard collects buckets' deltas up to about this many bytes
+            (default ``min(bucket_bytes, 4 MiB)``). A single publisher's delta shards are
+            self-describing (FORMAT.md 4.3): a receiver applies each while the next is being
+            written, so smaller shards overlap the two sides more, at ~5 ms of per-file latency
+            each on a network filesystem.
     """
 
     def __init__(
@@ -142,12 +148,15 @@ class Publisher:
         producer: Mapping[str, Any] | None = None,
         retention: RetentionPolicy | None = None,
         coordinator: Coordinator | None = None,
+        delta_shard_bytes: int | None = None,
     ) -> None:
         if encoding not in codec.ENCODINGS:
             raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
         new_hasher(checksum)  # raises ConfigError for an unknown algorithm
         if bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if delta_shard_bytes is not None and delta_shard_bytes < 1:
+            raise ConfigError(f"delta_shard_bytes must be >= 1, got {delta_shard_bytes}")
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if mode not in ("delta", "full"):
@@ -164,6 +173,9 @@ class Publisher:
         self.encoding = encoding
         self.checksum = checksum
         self.bucket_bytes = bucket_bytes
+        self.delta_shard_bytes = (
+            delta_shard_bytes if delta_shard_bytes is not None else min(bucket_bytes, 4 << 20)
+        )
         self.max_in_flight = max_in_flight
         self.pipelined = pipelined
         self.mode = mode
@@ -189,6 +201,7 @@ class Publisher:
         self._last_version: int | None = None
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._checksums: dict[str, str] = {}
+        self._fingerprint = ""  # of the last committed version (a streaming shard's base)
         self._tally = Tally()
         self._in_flight = 0
         self._progress: Progress = None
@@ -400,15 +413,19 @@ class Publisher:
         vdir = version_dir(self.root, version)
         t_start = time.perf_counter()
         created = time.time()
+        streaming = delta and not self._committer.ranked and bool(self._fingerprint)
         acc = VersionWriter(
             vdir=vdir,
             algorithm=self.checksum,
             version=version,
             run_id=self._run_id,
-            shard_bytes=self.bucket_bytes,
+            shard_bytes=self.delta_shard_bytes,
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
             slices=sl,
             prefix=rnd.prefix,
+            stream=(version - 1, self._fingerprint, secrets.token_hex(6), self.encoding)
+            if streaming
+            else None,
         )
         stage_ref = ["prepare"]
         self._in_flight = 0
@@ -520,6 +537,7 @@ class Publisher:
         self._progress = None
         self._next_version = manifest.version + 1
         self._last_version = manifest.version
+        self._fingerprint = manifest.fingerprint
         self._checksums = (
             checksums if checksums is not None else {e.name: e.checksum for e in manifest.tensors}
         )
