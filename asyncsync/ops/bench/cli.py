@@ -37,7 +37,8 @@ _THROTTLE = "200MB/s,5ms"
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration: ``--quick`` or the full run, with the hidden overrides."""
-    overrides: dict[str, Any] = {"throttle": args.throttle, "keep": args.keep}
+    throttle = "" if args.throttle.strip().lower() == "none" else args.throttle
+    overrides: dict[str, Any] = {"throttle": throttle, "keep": args.keep}
     if args.elements is not None:
         overrides["elements"] = args.elements
         overrides["sweep_elements"] = min(args.elements, args.sweep_elements or args.elements)
@@ -55,6 +56,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overrides["scale_sizes"] = ()
     if args.scale_sizes is not None:
         overrides["scale_sizes"] = tuple(args.scale_sizes)
+    if args.peers:
+        overrides["peers_only"] = True
+        overrides.setdefault("scale_sizes", (256 << 20, 1 << 30))
+        overrides.setdefault("name", "peers")
+        if args.versions is not None:
+            overrides["scale_versions"] = args.versions
     if args.scale:
         overrides["scale_only"] = True
         overrides.setdefault("scale_sizes", DEFAULT_SIZES)
@@ -76,6 +83,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"bench [{time.perf_counter() - t0:5.1f}s]: {msg}", file=sys.stderr, flush=True)
 
     raw = run_bench(cfg, progress=progress)
+    if cfg.peers_only:
+        from asyncsync.ops.bench.peers import peers_markdown, peers_summary
+
+        summary = {
+            "config": raw["config"],
+            "machine": raw["machine"],
+            **peers_summary(raw["peers"]),
+        }
+        summary["command"] = _command(args)
+        text = peers_markdown(summary, cfg.throttle)
+        print(text)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+        return 0
     if cfg.scale_only:
         summary: dict[str, Any] = {"config": raw["config"], "machine": raw["machine"]}
     else:
@@ -142,6 +164,8 @@ def _command(args: argparse.Namespace) -> str:
         words.append("--quick")
     if args.scale:
         words.append("--scale")
+    if args.peers:
+        words.append("--peers")
     if args.device is not None:
         words += ["--device", args.device]
     if args.scale_sizes is not None:
@@ -194,6 +218,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "--scale",
         action="store_true",
         help="the scale sweep alone (bf16 256 MB, 1 GB, 4 GB at ~3 %%; minutes; BENCHMARKS.md)",
+    )
+    sp.add_argument(
+        "--peers",
+        action="store_true",
+        help="ours end to end beside re-implementations of slime's gen-1 and gen-2 deltas and a "
+        "full safetensors sync, interleaved, at --scale-sizes (default 256MiB,1GiB); "
+        "--throttle none for the local filesystem (BENCHMARKS.md)",
     )
     sp.add_argument(
         "--scale-sizes",

@@ -38,7 +38,7 @@ import torch
 from asyncsync import fsio
 from asyncsync.format import acks
 from asyncsync.format.checksum import checksum_tensor
-from asyncsync.ops.bench import scale
+from asyncsync.ops.bench import peers, scale
 from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import (
     full_sync,
@@ -255,6 +255,8 @@ _ROLES = {
     "scale-publish": scale.run_scale_publish,
     "scale-receive": scale.run_scale_receive,
     "scale-cost": scale.run_scale_cost,
+    "peer-publish": peers.run_peer_publish,
+    "peer-receive": peers.run_peer_receive,
 }
 
 
