@@ -85,6 +85,16 @@ def _executor(n: int) -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's workers do not exist here; start a new pool on use."""
+    global _pool, _pool_lock, _pool_size
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def run_all(fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R | BaseException]:
     """``fn`` of every item on the pool, each result or the exception it raised, in order.
 

@@ -178,3 +178,25 @@ def test_a_failed_parallel_diff_leaves_every_old_as_it_was(monkeypatch: pytest.M
         assert all(torch.equal(a, b) for a, b in zip(olds, before, strict=True))
     finally:
         pipeline.set_threads(None)
+
+
+def test_a_forked_child_gets_a_pool_of_its_own() -> None:
+    """A child forked after the pool started has none of its threads: it must not wait on
+    them (the fork launch of stress/crash.py hung there)."""
+    import os
+
+    from asyncsync import pipeline
+
+    pipeline.set_threads(2)
+    try:
+        assert pipeline.parallel_map(lambda x: x + 1, range(4)) == [1, 2, 3, 4]
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the pool works
+            try:
+                ok = pipeline.parallel_map(lambda x: x + 1, range(4)) == [1, 2, 3, 4]
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        pipeline.set_threads(None)
