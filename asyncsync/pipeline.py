@@ -115,8 +115,8 @@ def run_all(fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R | BaseExcept
     futures = [pool.submit(fn, x) for x in todo]
     concurrent.futures.wait(futures)
     for f in futures:
-        exc = f.exception()
-        out.append(exc if exc is not None else f.result())
+        err = f.exception()
+        out.append(err if err is not None else f.result())
     return out
 
 

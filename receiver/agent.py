@@ -353,33 +353,15 @@ class ReceiverAgent:
         )
 
     async def _take_stream(self, m: Manifest, mode: Mode) -> set[str] | None:
-        """Before applying ``m``: the shard files a streaming apply already applied into the
-        engine's open transaction for ``m`` (confirmed by ``m``), or None (no transaction open:
-        a stream of another version, or one that failed or does not match, is stopped and its
-        transaction aborted)."""
+        """The shard files a streaming apply applied into the engine's transaction for ``m``,
+        confirmed by ``m`` (None: no transaction open; see :meth:`StreamApplier.take`)."""
         s, task = self._prefetcher, self._prefetch_task
         if not isinstance(s, StreamApplier):
             return None
         self._prefetcher = self._prefetch_task = None
-        await s.finish(task)
-        if not s.txn_open:
-            return None
-        why = s.mismatch(m) if (s.version, mode) == (m.version, "delta") else "another version"
-        if why is None:
-            try:
-                await self.engine.confirm(m)
-            except AsyncSyncError as exc:
-                why = str(exc)
-        if why is not None:
-            logger.warning(
-                "agent %s: the shards of v%d applied early are not what v%d commits (%s); "
-                "rolling back and applying it from its manifest",
-                self.engine_id, s.version, m.version, why,
-            )  # fmt: skip
-            await self.engine.abort()
-            return None
-        self._c.streamed += len(s.applied)
-        return {a.file for a in s.applied}
+        early = await s.take(task, m, mode)
+        self._c.streamed += len(early or ())
+        return early
 
     def __repr__(self) -> str:
         return (

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from asyncsync.codec.shards import StreamHeader, parse_shard, stream_header
-from asyncsync.errors import FormatError
+from asyncsync.errors import AsyncSyncError, FormatError
 from asyncsync.format import MANIFEST_NAME, DeltaRef, Manifest, TensorEntry, version_dir
 from asyncsync.format.checksum import checksum_bytes, new_hasher
 from asyncsync.format.names import MAX_SHARD_BYTES
@@ -114,6 +114,34 @@ class StreamApplier:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    async def take(
+        self, task: asyncio.Task[None] | None, m: Manifest, mode: str
+    ) -> set[str] | None:
+        """Before the agent applies ``m``: stop, and return the shard files applied into the
+        engine's open transaction for ``m``, now confirmed by it (``engine.confirm``); None when
+        no transaction is open. A transaction for another version, or one ``m`` does not
+        confirm, is aborted (the engine rolls back) and None returned: ``m`` is then applied
+        the ordinary way."""
+        await self.finish(task)
+        if not self.txn_open:
+            return None
+        same = (self.version, mode) == (m.version, "delta")
+        why = self.mismatch(m) if same else "another version"
+        if why is None:
+            try:
+                await self.engine.confirm(m)
+            except AsyncSyncError as exc:
+                why = str(exc)
+        if why is not None:
+            logger.warning(
+                "the shards of v%d applied early are not what v%d commits (%s); rolling back "
+                "and applying it from its manifest", self.version, m.version, why,
+            )  # fmt: skip
+            await self._abort(why)
+            return None
+        self.txn_open = False  # the agent's now
+        return {a.file for a in self.applied}
+
     def mismatch(self, m: Manifest) -> str | None:
         """Why the shards applied early are not what manifest ``m`` commits (None: they are)."""
         if m.version != self.version or m.base_version != self.base.version:
@@ -140,10 +168,10 @@ class StreamApplier:
                 if want != got or (me.dtype, me.shape) != (e.dtype, e.shape):
                     return f"tensor {e.name!r}: the manifest's entry differs from its shard's"
         applied = {a.file for a in self.applied}
-        for e in m.tensors:  # every tensor whose delta is in an applied shard was applied
-            in_applied = e.delta is not None and m.shards[e.delta.shard].file in applied
-            if in_applied and e.name not in self._names:
-                return f"tensor {e.name!r} is in an applied shard but was not applied"
+        for t in m.tensors:  # every tensor whose delta is in an applied shard was applied
+            in_applied = t.delta is not None and m.shards[t.delta.shard].file in applied
+            if in_applied and t.name not in self._names:
+                return f"tensor {t.name!r} is in an applied shard but was not applied"
         return None
 
     def base_algo(self) -> str:

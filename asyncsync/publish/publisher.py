@@ -51,7 +51,6 @@ from asyncsync.codec.shards import (
 )
 from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError
 from asyncsync.format import (
-    MANIFEST_NAME,
     AckRecord,
     Manifest,
     ShardInfo,
@@ -125,11 +124,8 @@ class Publisher:
         coordinator: publish as one rank of a group (:mod:`asyncsync.publish.distributed`); every
             rank calls seed/publish with its own tensors and the same options. Rank 0 commits, runs
             the hook, the log and retention; the others hold their own lock and snapshot.
-        delta_shard_bytes: a delta shard collects buckets' deltas up to about this many bytes
-            (default ``min(bucket_bytes, 4 MiB)``). A single publisher's delta shards are
-            self-describing (FORMAT.md 4.3): a receiver applies each while the next is being
-            written, so smaller shards overlap the two sides more, at ~5 ms of per-file latency
-            each on a network filesystem.
+        delta_shard_bytes: delta shard size (default ``min(bucket_bytes, 4 MiB)``); a single
+            publisher's are self-describing (FORMAT.md 4.3): receivers apply each as it lands.
     """
 
     def __init__(
@@ -173,9 +169,7 @@ class Publisher:
         self.encoding = encoding
         self.checksum = checksum
         self.bucket_bytes = bucket_bytes
-        self.delta_shard_bytes = (
-            delta_shard_bytes if delta_shard_bytes is not None else min(bucket_bytes, 4 << 20)
-        )
+        self.delta_shard_bytes = delta_shard_bytes or min(bucket_bytes, 4 << 20)
         self.max_in_flight = max_in_flight
         self.pipelined = pipelined
         self.mode = mode
@@ -413,7 +407,8 @@ class Publisher:
         vdir = version_dir(self.root, version)
         t_start = time.perf_counter()
         created = time.time()
-        streaming = delta and not self._committer.ranked and bool(self._fingerprint)
+        streams = delta and not self._committer.ranked and bool(self._fingerprint)  # FORMAT 4.3
+        stream = (version - 1, self._fingerprint, secrets.token_hex(6), self.encoding)
         acc = VersionWriter(
             vdir=vdir,
             algorithm=self.checksum,
@@ -423,9 +418,7 @@ class Publisher:
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
             slices=sl,
             prefix=rnd.prefix,
-            stream=(version - 1, self._fingerprint, secrets.token_hex(6), self.encoding)
-            if streaming
-            else None,
+            stream=stream if streams else None,
         )
         stage_ref = ["prepare"]
         self._in_flight = 0
@@ -446,9 +439,8 @@ class Publisher:
 
         error: BaseException | None = None
         entries: tuple[TensorEntry, ...] = ()
-        # A single publisher's delta advances its snapshot in the diff's own pass (the snapshot
-        # is read there anyway) and undoes that if the version is not committed. A rank of a
-        # group keeps its changes apart instead: it may not learn the outcome (adopt()).
+        # A single publisher's snapshot advances in the diff's own pass (reverted if the version
+        # is not committed); a rank of a group keeps its changes apart (it may miss the outcome)
         advance = delta and not self._committer.ranked
         advanced: list[DiffedBucket] = []
         try:
@@ -462,8 +454,7 @@ class Publisher:
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)
                 d = diff_bucket(items, delta=delta, algorithm=self.checksum, advance=advance)
-                if d.advanced:
-                    advanced.append(d)  # undone if the version is not committed
+                advanced.extend([d] if d.advanced else [])  # reverted if not committed
                 return d
 
             def encode(d: DiffedBucket) -> EncodedBucket:
@@ -506,8 +497,8 @@ class Publisher:
             manifest, cancelled = await through_commit(finish, lambda: self._renamed)
         except BaseException:
             self._progress = None
-            if advanced and not self._renamed:
-                await asyncio.shield(asyncio.to_thread(_revert, vdir, advanced))
+            if advanced and not self._renamed:  # unless committed after all: then it is right
+                await asyncio.shield(asyncio.to_thread(snapshot.revert, vdir, advanced))
             raise
         self._cancel_after_commit |= cancelled
         # Committed: from here on the version exists for readers.
@@ -606,13 +597,3 @@ class Publisher:
         self._snapshot = tensors
         t1 = time.perf_counter()
         return await self._committed(manifest, {"total": t1 - t0, "commit": t1 - t0}, vdir)
-
-
-def _revert(vdir: Path, advanced: list[DiffedBucket]) -> None:
-    """Put the snapshot back where the diff advanced it, unless the version is committed after
-    all (its manifest is in place: then the snapshot is right as it is)."""
-    if (vdir / MANIFEST_NAME).exists():
-        return
-    for d in reversed(advanced):
-        assert d.changes is not None
-        codec.revert([it.old for it in d.items if it.old is not None], d.changes)

@@ -86,17 +86,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if cfg.peers_only:
         from asyncsync.ops.bench.peers import peers_markdown, peers_summary
 
-        summary = {
-            "config": raw["config"],
-            "machine": raw["machine"],
-            **peers_summary(raw["peers"]),
-        }
-        summary["command"] = _command(args)
-        text = peers_markdown(summary, cfg.throttle)
-        print(text)
+        peers = {"config": raw["config"], "machine": raw["machine"], "command": _command(args)}
+        peers.update(peers_summary(raw["peers"]))
+        print(peers_markdown(peers, cfg.throttle))
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+            Path(args.json).write_text(json.dumps(peers, indent=1) + "\n")
         return 0
     if cfg.scale_only:
         summary: dict[str, Any] = {"config": raw["config"], "machine": raw["machine"]}
