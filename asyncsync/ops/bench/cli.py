@@ -39,6 +39,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration: ``--quick`` or the full run, with the hidden overrides."""
     throttle = "" if args.throttle.strip().lower() == "none" else args.throttle
     overrides: dict[str, Any] = {"throttle": throttle, "keep": args.keep}
+    if args.threads is not None:
+        overrides["threads"] = args.threads
     if args.elements is not None:
         overrides["elements"] = args.elements
         overrides["sweep_elements"] = min(args.elements, args.sweep_elements or args.elements)
@@ -174,6 +176,7 @@ def _command(args: argparse.Namespace) -> str:
         "sweep_elements",
         "versions",
         "bucket_bytes",
+        "threads",
     ):
         value = getattr(args, flag)
         if value is not None and not (flag == "throttle" and value == _THROTTLE):
@@ -238,6 +241,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="profile publish and apply by stage and by sampling (the sweep's setup) at the "
         "first --scale-sizes (default 1GiB); write profile_{publish,apply}_<size>.txt into DIR",
+    )
+    sp.add_argument(
+        "--threads",
+        type=positive_int,
+        metavar="N",
+        help="CPU threads of each side (its pool and torch's; default: every core; the "
+        "scale sweep and --peers); see python -m asyncsync.ops.bench.threads",
     )
     sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
     # hidden: sizes for plumbing tests and experiments

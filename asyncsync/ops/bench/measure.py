@@ -71,6 +71,7 @@ class BenchConfig:
     scale_versions: int = 3
     scale_only: bool = False  # --scale: the sweep alone
     peers_only: bool = False  # --peers: the peer comparison alone, at scale_sizes
+    threads: int = 0  # the children's CPU pool and torch threads (0: the machine's default)
 
     def __post_init__(self) -> None:
         if self.elements < 1000 or self.sweep_elements < 1000:
@@ -293,7 +294,7 @@ def _run_scale(cfg: BenchConfig, work: Path, say: Progress) -> list[dict[str, An
     shared = Job(
         role="scale-cost", root="", result="", bandwidth=t.bandwidth, latency=t.latency,
         bucket_bytes=32 << 20, repeats=cfg.repeats, full_repeats=1, timeout=cfg.timeout,
-        versions=cfg.scale_versions, density=cfg.density, seed=cfg.seed,
+        versions=cfg.scale_versions, density=cfg.density, seed=cfg.seed, threads=cfg.threads,
     )  # fmt: skip
     rows = []
     for size in cfg.scale_sizes:
@@ -326,7 +327,7 @@ def _run_peers(cfg: BenchConfig, work: Path, say: Progress) -> list[dict[str, An
             role="peer-publish", root=str(root), result=str(work / f"result-peers-pub-{tag}.json"),
             ready=str(work / f"ready-peers-{tag}"), bandwidth=t.bandwidth, latency=t.latency,
             bucket_bytes=32 << 20, timeout=cfg.timeout, versions=cfg.scale_versions,
-            density=cfg.density, seed=cfg.seed, scale_bytes=size,
+            density=cfg.density, seed=cfg.seed, scale_bytes=size, threads=cfg.threads,
         )  # fmt: skip
         rec = replace(
             pub,

@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m asyncsync.ops.bench.worker JOB.json", file=sys.stderr)
         return 2
     job = Job.read(args[0])
-    if job.threads:
+    if job.threads and not job.role.endswith("cost"):  # the floors stay the machine's
         set_threads(job.threads)
         torch.set_num_threads(job.threads)
     result = asyncio.run(_ROLES[job.role](job))
