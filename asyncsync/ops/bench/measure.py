@@ -350,26 +350,16 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
     say = progress or (lambda msg: logger.info("%s", msg))
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="asyncsync-bench-", dir=cfg.workdir))
-    if cfg.peers_only:
+    if cfg.peers_only or cfg.scale_only:  # one part alone: the peers or the sweep
+        key, part = ("peers", _run_peers) if cfg.peers_only else ("scale", _run_scale)
         try:
-            rows = _run_peers(cfg, work, say)
+            rows = part(cfg, work, say)
         finally:
             shutil.rmtree(work, ignore_errors=True) if not cfg.keep else say(f"kept {work}")
         return {
             "config": _config(cfg),
             "machine": machine_info(),
-            "peers": rows,
-            "seconds": time.perf_counter() - t0,
-        }
-    if cfg.scale_only:
-        try:
-            rows = _run_scale(cfg, work, say)
-        finally:
-            shutil.rmtree(work, ignore_errors=True) if not cfg.keep else say(f"kept {work}")
-        return {
-            "config": _config(cfg),
-            "machine": machine_info(),
-            "scale": rows,
+            key: rows,
             "seconds": time.perf_counter() - t0,
         }
     try:
