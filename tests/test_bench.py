@@ -247,7 +247,7 @@ def test_peers_run_every_system_interleaved(tmp_path: Path) -> None:
     assert "--peers" in s["command"] and "--threads 1" in s["command"]
 
 
-def test_peer_appliers_reproduce_the_new_state() -> None:
+def test_peer_appliers_reproduce_the_new_state(tmp_path: Path) -> None:
     from asyncsync.ops.bench import peers
     from asyncsync.ops.bench.scale import make_state, step_state
 
@@ -256,12 +256,9 @@ def test_peer_appliers_reproduce_the_new_state() -> None:
     step_state(new, 1, 0.03, seed=3)
     for system in ("gen1", "gen2", "full"):
         state = {k: t.clone() for k, t in old.items()}
-        path = Path(f"/tmp/peer-{system}-{id(state)}.safetensors")
-        try:
-            peers._WRITERS[system](path, old, new)
-            peers._APPLIERS[system](path.read_bytes(), state)
-        finally:
-            path.unlink(missing_ok=True)
+        path = tmp_path / f"{system}.safetensors"
+        peers._WRITERS[system](path, old, new)
+        peers._APPLIERS[system](path.read_bytes(), state)
         assert all(same_bytes(state[k], new[k]) for k in new), system
 
 
