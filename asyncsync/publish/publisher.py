@@ -442,7 +442,7 @@ class Publisher:
         # A single publisher's snapshot advances in the diff's own pass (reverted if the version
         # is not committed); a rank of a group keeps its changes apart (it may miss the outcome)
         advance = delta and not self._committer.ranked
-        advanced: list[DiffedBucket] = []
+        advanced: list[snapshot.Undo] = []
         try:
             if rnd.refuse is not None:
                 raise PublishError(rnd.refuse)
@@ -454,7 +454,7 @@ class Publisher:
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)
                 d = diff_bucket(items, delta=delta, algorithm=self.checksum, advance=advance)
-                advanced.extend([d] if d.advanced else [])  # reverted if not committed
+                advanced.extend(snapshot.undo_records(d) if d.advanced else [])  # if not committed
                 return d
 
             def encode(d: DiffedBucket) -> EncodedBucket:
