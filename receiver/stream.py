@@ -146,8 +146,8 @@ class StreamApplier:
         """Why the shards applied early are not what manifest ``m`` commits (None: they are)."""
         if m.version != self.version or m.base_version != self.base.version:
             return f"the manifest is v{m.version} on base {m.base_version}"
-        if m.run_id != self.base.run_id or m.kind != "delta" or m.shard_dir is not None:
-            return "the manifest is of another run or kind"
+        if m.run_id != self.base.run_id or m.shard_dir is not None:  # a keyframe may confirm
+            return "the manifest is of another run or registers a checkpoint"
         if m.encoding != self._header(0).encoding or m.checksum_algorithm != self.base_algo():
             return "the manifest names another encoding or checksum algorithm"
         by_file = {s.file: (i, s) for i, s in enumerate(m.shards)}
@@ -230,9 +230,11 @@ class StreamApplier:
     async def _abort(self, why: str) -> None:
         self.failed = why
         if self.txn_open:
-            self.txn_open = False
-            with contextlib.suppress(Exception):
-                await self.engine.abort()
+            try:
+                with contextlib.suppress(Exception):
+                    await self.engine.abort()
+            finally:
+                self.txn_open = False  # once the engine is back at the base
 
     async def _read(self, path: Path) -> tuple[bytes, StreamHeader] | None:
         """The shard's bytes and streaming header once its data checksum matches (re-read with

@@ -215,3 +215,25 @@ async def test_a_format_2_root_is_applied_after_its_manifest(
         assert _holds(engine, sd2) and agent.status().streamed_shards == 0
 
     await _with_agent(tmp_path, body)
+
+
+async def test_a_keyframe_confirms_the_delta_shards_streamed_before_it(tmp_path: Path) -> None:
+    """A keyframe carries its delta too: an engine at N-1 streams the delta shards and the
+    keyframe's manifest confirms them (the full shards are never read)."""
+    sd2 = _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        async def hook(vdir: Path) -> None:
+            n = len(_delta_files(vdir))
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) == n,
+                "every delta shard applied before the manifest",
+            )
+
+        pub.pre_commit_hook = hook
+        res = await pub.publish(sd2, keyframe=True)
+        assert res.kind == "full"
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2) and agent.status().streamed_shards == len(_delta_files(res.path))
+
+    await _with_agent(tmp_path, body)
