@@ -220,7 +220,11 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
         Path(job.ready).write_text("ready\n")
         applies = await run_until_acked(agent, job.versions)
         fsio.set_throttle(None)
-    return {"rss": {"base": base, "startup": startup, "steady": rss()}, "applies": applies}
+    return {
+        "rss": {"base": base, "startup": startup, "steady": rss()},
+        "applies": applies,  # each from its manifest to the ack (streamed shards came before)
+        "streamed_shards": agent.status().streamed_shards,
+    }
 
 
 async def run_scale_cost(job: Job) -> dict[str, Any]:
@@ -332,6 +336,7 @@ def summarise_size(
         "full_sync_vs_e2e": full / e2e,
         "publish_s_per_gb": publish / gb,
         "apply_s_per_gb": apply_s / gb,
+        "streamed_shards": rec.get("streamed_shards", 0),
         "publisher_peak_rss_vs_model": _peak(pub, model),
         "receiver_peak_rss_vs_model": _peak(rec, model),
         "repeats": {
