@@ -239,11 +239,11 @@ def test_peers_run_every_system_interleaved(tmp_path: Path) -> None:
     assert main(argv) == 0
     s = json.loads((tmp_path / "p.json").read_text())
     (row,) = s["peers"]
-    assert set(row["e2e_s"]) == {"ours", "gen1", "gen2", "full"}
+    assert set(row["e2e_s"]) == {"ours", "ours-mem", "gen1", "gen2", "full"}
     for system, versions in row["raw"].items():
         assert [v["version"] for v in versions] == [1, 2], system
         assert all(v["e2e"] >= v["write"] > 0 for v in versions)
-    assert set(row["peer_vs_ours"]) == {"gen1", "gen2", "full"}
+    assert set(row["peer_vs_ours"]) == {"ours-mem", "gen1", "gen2", "full"}
     assert "--peers" in s["command"] and "--threads 1" in s["command"]
 
 

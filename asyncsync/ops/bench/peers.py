@@ -13,6 +13,9 @@ writer (trainer side) and an applier (engine side) over files in the shared root
 ``ours``  :class:`~asyncsync.publish.publisher.Publisher` and a
           :class:`~receiver.agent.ReceiverAgent` with a crash-safe ``LocalCheckpoint`` (journal,
           per-tensor verification, streaming apply).
+``ours-mem``  the same publisher (its own root) to an agent with a ``TorchModule`` engine:
+          the weights patched in memory, as the peers' appliers do (per-tensor verification,
+          an in-memory undo journal; no streaming: the shards are prefetched).
 
 Two fresh processes (:func:`run_peer_publish`, :func:`run_peer_receive`) hold every system's
 side; both start from the same generated version 0 (the scale sweep's bf16 states at ~3 %,
@@ -49,10 +52,12 @@ from asyncsync.ops.bench.scale import make_state, step_state
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.torch_module import TorchModule
 
 __all__ = ["PEERS", "run_peer_publish", "run_peer_receive"]
 
-PEERS = ("ours", "gen1", "gen2", "full")
+PEERS = ("ours", "ours-mem", "gen1", "gen2", "full")
+_OURS = ("ours", "ours-mem")
 _POLL = 0.002
 
 
@@ -152,9 +157,12 @@ async def run_peer_publish(job: Job) -> dict[str, Any]:
     for system in _WRITERS:
         (root / system).mkdir(parents=True, exist_ok=True)
     out: dict[str, list[dict[str, float]]] = {s: [] for s in PEERS}
-    ours = root / "ours"
-    async with Publisher(ours, bucket_bytes=job.bucket_bytes, keyframe_interval=0) as pub:
-        await pub.seed(sd)
+    pubs = {
+        s: Publisher(root / s, bucket_bytes=job.bucket_bytes, keyframe_interval=0) for s in _OURS
+    }
+    async with pubs["ours"], pubs["ours-mem"]:
+        for p in pubs.values():
+            await p.seed(sd)
         await _wait(Path(job.ready), job.timeout)
         gc.collect()
         reset_peak_rss()
@@ -163,11 +171,11 @@ async def run_peer_publish(job: Job) -> dict[str, Any]:
             fsio.set_throttle(_throttle(job))
             for system in _order(v):
                 t0 = time.perf_counter()
-                if system == "ours":
-                    res = await pub.publish(sd)
+                if system in pubs:
+                    res = await pubs[system].publish(sd)
                     t1 = time.perf_counter()
                     await acks.wait_acked(
-                        ours, res.version, engines=[job.engine_id], timeout=job.timeout,
+                        root / system, res.version, engines=[job.engine_id], timeout=job.timeout,
                         poll_interval=_POLL, max_poll_interval=_POLL,
                     )  # fmt: skip
                 else:
@@ -185,13 +193,17 @@ async def run_peer_publish(job: Job) -> dict[str, Any]:
 async def run_peer_receive(job: Job) -> dict[str, Any]:
     """Every system's engine side: ours a running agent, the peers a poll loop each."""
     root = Path(job.root)
-    ours = root / "ours"
     engine = LocalCheckpoint(job.checkpoint)
-    agent = ReceiverAgent(ours, engine, job.engine_id, poll_interval=job.poll_interval)
+    mem = TorchModule(_module(make_state(job.scale_bytes, job.seed)))
+    agents = [
+        ReceiverAgent(root / s, e, job.engine_id, poll_interval=job.poll_interval)
+        for s, e in (("ours", engine), ("ours-mem", mem))
+    ]
     applies: dict[str, list[float]] = {s: [] for s in _APPLIERS}
-    async with agent, asyncio.timeout(job.timeout):
-        while await agent.sync_once() is None:
-            await asyncio.sleep(0.01)
+    async with agents[0], agents[1], asyncio.timeout(job.timeout):
+        for agent in agents:
+            while await agent.sync_once() is None:
+                await asyncio.sleep(0.01)
         await engine.flushed()
         states = {s: make_state(job.scale_bytes, job.seed) for s in _APPLIERS}
         fsio.set_throttle(_throttle(job))
@@ -213,20 +225,36 @@ async def run_peer_receive(job: Job) -> dict[str, Any]:
 
         async def our_side() -> None:
             while True:
-                mine = (await asyncio.to_thread(acks.read_acks, ours)).get(job.engine_id)
-                if mine is not None and mine.version >= job.versions:
+                mine = [(await asyncio.to_thread(acks.read_acks, a.root)).get(a.engine_id)
+                        for a in agents]  # fmt: skip
+                if all(m is not None and m.version >= job.versions for m in mine):
                     stop.set()
                     return
                 await asyncio.sleep(0.01)
 
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(agent.run(stop=stop))
+            for agent in agents:
+                tg.create_task(agent.run(stop=stop))
             tg.create_task(our_side())
             for system in _APPLIERS:
                 tg.create_task(peer(system))
         fsio.set_throttle(None)
-        status = agent.status()
+        status = agents[0].status()
     return {"applies": applies, "streamed_shards": status.streamed_shards, "rss": rss()}
+
+
+def _module(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose state dict is ``sd`` (its tensors as frozen parameters)."""
+    top = torch.nn.Module()
+    for name, t in sd.items():
+        *path, leaf = name.split(".")
+        mod = top
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return top
 
 
 def _throttle(job: Job) -> fsio.Throttle | None:
@@ -286,8 +314,9 @@ def peers_markdown(summary: dict[str, Any], throttle: str) -> str:
         f"## Peers, end to end (throttle {throttle or 'none'}; median of the versions, "
         "min-max; peer / ours)",
         "",
-        "| model | ours | gen-1 deltas_zstd + scatter | gen-2 XOR+zstd | full safetensors |",
-        "|---|---|---|---|---|",
+        "| model | ours (LocalCheckpoint) | ours (TorchModule, in memory) | gen-1 deltas_zstd "
+        "+ scatter | gen-2 XOR+zstd | full safetensors |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = []
