@@ -17,6 +17,7 @@ import sys
 import time
 import types
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -59,9 +60,9 @@ def publish_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
     res: dict[str, list[Timing]] = {name: [] for name in names}
     for _ in range(reps):
         o = old0.copy()
-        a = _t(lambda o=o: k.diff_extract(o, new, 2, 0, pos, v, x))
+        a = _t(partial(k.diff_extract, o, new, 2, 0, pos, v, x))
         b = _t(lambda: xxhash.xxh3_128(new.data).hexdigest())
-        c = _t(lambda o=o: k.set_patch(o, 2, pos[: len(idx)], v[: len(idx)], None))
+        c = _t(partial(k.set_patch, o, 2, pos[: len(idx)], v[: len(idx)], None))
         res["diff"].append(a)
         res["hash"].append(b)
         res["scatter"].append(c)
@@ -71,7 +72,7 @@ def publish_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
             _t(lambda o=o: k.diff_extract(o, new, 2, 0, pos, v, x, k.Xxh3(), 0))
         )
         res["diff+hash+advance"].append(
-            _t(lambda o=o: k.diff_extract(o, new, 2, 0, pos, v, x, k.Xxh3(), True))
+            _t(partial(k.diff_extract, o, new, 2, 0, pos, v, x, k.Xxh3(), True))
         )
         assert (o == new).all()
     return res
@@ -98,13 +99,13 @@ def apply_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
             flat, flat2 = base.clone(), base.clone()
             native.kernels = before
             res["patch+hash python chunks"].append(
-                _t(lambda f=flat: patch_hash.patch_and_checksum(f, p, "xxh3-128"))
+                _t(partial(patch_hash.patch_and_checksum, flat, p, "xxh3-128"))
             )
             res["planes strided"].append(_t(lambda: delta._planes(xor)))
             res["unplanes strided"].append(_t(lambda: delta._unplanes(raw, xor.numel(), 2)))
             native.kernels = real
             res["patch+hash C"].append(
-                _t(lambda f=flat2: patch_hash.patch_and_checksum(f, p, "xxh3-128"))
+                _t(partial(patch_hash.patch_and_checksum, flat2, p, "xxh3-128"))
             )
             assert torch.equal(flat, flat2)
             res["planes C"].append(_t(lambda: delta._planes(xor)))
