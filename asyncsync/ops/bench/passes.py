@@ -69,7 +69,7 @@ def publish_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
         res["separate"].append((a[0] + b[0] + c[0], a[1] + b[1] + c[1]))
         o = old0.copy()
         res["diff+hash"].append(
-            _t(lambda o=o: k.diff_extract(o, new, 2, 0, pos, v, x, k.Xxh3(), 0))
+            _t(partial(k.diff_extract, o, new, 2, 0, pos, v, x, k.Xxh3(), False))
         )
         res["diff+hash+advance"].append(
             _t(partial(k.diff_extract, o, new, 2, 0, pos, v, x, k.Xxh3(), True))
