@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from asyncsync.errors import (
+    ApplyFailed,
     AsyncSyncError,
     ChainError,
     ChecksumMismatch,
@@ -40,7 +41,6 @@ from asyncsync.errors import (
 )
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
-from asyncsync.format.store import read_manifest
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
 from receiver.acking import RootPresence
@@ -58,7 +58,7 @@ from receiver.shard_reader import (
     read_verified,
     verified,
 )
-from receiver.stream import StreamApplier
+from receiver.stream import StreamApplier, early_reader
 from receiver.watch import wakeups
 
 __all__ = ["AgentStatus", "ReceiverAgent"]
@@ -175,6 +175,7 @@ class ReceiverAgent:
         self._presence = RootPresence(self.root, self.engine_id, engine, lease_ttl=lease_ttl)
         self._opened = False
         self._sync_lock = asyncio.Lock()
+        self._refused: set[int] = set()  # versions the engine refused (a keyframe follows)
         self._c = _Counters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -305,6 +306,11 @@ class ReceiverAgent:
             self._prefetcher = self._prefetch_task = None
             self._wake = None
 
+    def exclusive(self) -> asyncio.Lock:
+        """``async with agent.exclusive():`` no version is applied meanwhile (the sync lock;
+        the served-bytes audit holds it, ``receiver.audit``)."""
+        return self._sync_lock
+
     def request_sync(self) -> bool:
         """Ask a running :meth:`run` loop to sync now (e.g. from a control endpoint).
 
@@ -327,27 +333,13 @@ class ReceiverAgent:
             if self._prefetch_task is not None:
                 self._prefetch_task.cancel()
             self._prefetcher = self._prefetch_task = None
-        vdir = version_dir(self.root, nxt)
-        if not await asyncio.to_thread(vdir.is_dir):
+        if not await asyncio.to_thread(version_dir(self.root, nxt).is_dir):
             return
-        base = None
-        if self.engine.streams:  # apply the shards as they land (format 3), not just read them
-            with contextlib.suppress(AsyncSyncError, OSError):
-                base = await asyncio.to_thread(read_manifest, self.root, cur)
-        if base is not None and base.fingerprint == self.engine.state.fingerprint:
-            self._prefetcher = StreamApplier(
-                self.root,
-                self.engine,
-                base,
-                on_manifest=wake,
-                group_bytes=self.apply_group_bytes or group_bytes_for(base.totals.model_bytes),
-                idle_timeout=self.stream_timeout,
-                verify_deadline=self.verify_deadline,
-            )
-        else:
-            self._prefetcher = Prefetcher(
-                self.root, nxt, on_manifest=wake, max_bytes=self.prefetch_bytes
-            )
+        self._prefetcher = await early_reader(
+            self.root, self.engine, cur, wake, prefetch_bytes=self.prefetch_bytes,
+            group_bytes=self.apply_group_bytes, idle_timeout=self.stream_timeout,
+            verify_deadline=self.verify_deadline,
+        )  # fmt: skip
         self._prefetch_task = asyncio.create_task(
             self._prefetcher.run(), name=f"prefetch v{nxt} {self.engine_id}"
         )
@@ -411,6 +403,12 @@ class ReceiverAgent:
         fell_back = False
         while (cur := self.version) is None or cur < latest:
             m, mode = await asyncio.to_thread(self._bad.plan, self.engine.state, latest)
+            if m.version in self._refused:
+                kf = await asyncio.to_thread(self._bad.keyframe_after, m.version, latest)
+                if kf is not None:
+                    logger.info("agent %s: v%d was refused by the engine: going on from "
+                                "keyframe v%d", self.engine_id, m.version, kf.version)  # fmt: skip
+                    m, mode = kf, "full"
             if cur is not None and m.version <= cur:
                 raise ChainError(
                     f"newest keyframe {m.version} is not past the engine's version {cur} and "
@@ -434,6 +432,19 @@ class ReceiverAgent:
                 if not await asyncio.to_thread(self._bad.can_go_past, m.version, cur, latest):
                     raise
                 continue  # the plan goes past it
+            except ApplyFailed:
+                # The engine refused it (a server that cannot load it, or down). Not bad for
+                # good: it may be the server's fault. But when a keyframe follows it, the next
+                # attempt goes on from that keyframe instead of retrying this version until
+                # the server takes it (the keyframe alone makes the engine whole).
+                kf = await asyncio.to_thread(self._bad.keyframe_after, m.version, latest)
+                if kf is not None and m.version not in self._refused:
+                    self._refused.add(m.version)
+                    logger.warning(
+                        "agent %s: the engine refused v%d: the next attempt goes on from the "
+                        "keyframe after it", self.engine_id, m.version,
+                    )  # fmt: skip
+                raise
             await self._ack(m)
         if cur > latest:
             raise ChainError(

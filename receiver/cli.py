@@ -40,6 +40,7 @@ from asyncsync.ops.cli.common import positive_float, positive_int
 from asyncsync.ops.logsetup import add_logging_arguments, setup_logging
 from asyncsync.ops.progress import Progress, ProgressWatcher
 from receiver.agent import ReceiverAgent
+from receiver.audit import Auditor
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import Timeouts
@@ -156,6 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seconds to wait for the server to come up (default {Timeouts.startup:g})",
     )
+    audit = p.add_argument_group(
+        "served-bytes audit",
+        "check that the server serves the bytes of the version held (vLLM: its worker "
+        "extension; docs/ENGINES.md); a mismatch makes /readyz 503 and reloads in full",
+    )
+    audit.add_argument(
+        "--audit-interval", type=positive_float, default=None, metavar="S",
+        help="audit every S seconds (default: not on a schedule)",
+    )  # fmt: skip
+    audit.add_argument(
+        "--audit-after-apply", action="store_true",
+        help="audit each version once it is applied",
+    )  # fmt: skip
     ops = p.add_argument_group(
         "operator endpoints (/healthz, /readyz, /status, /metrics, POST /sync)"
     )
@@ -334,6 +348,11 @@ async def _serve(args: argparse.Namespace) -> int | None:
                 args.checkpoint,
                 agent.version,
             )
+            auditor = None
+            if args.audit_interval is not None or args.audit_after_apply:
+                auditor = Auditor(
+                    agent, interval=args.audit_interval, after_apply=args.audit_after_apply
+                )
             server = None
             if args.status_port is not None:
                 token = _read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
@@ -343,10 +362,14 @@ async def _serve(args: argparse.Namespace) -> int | None:
                     port=args.status_port,
                     token=token,
                     ready_max_lag=args.ready_max_lag,
+                    auditor=auditor,
                 )
                 await server.start()
                 print(f"{args.engine_id}: status on {server.url}", file=sys.stderr, flush=True)
             task = asyncio.create_task(agent.run(stop=stop), name=f"agent {args.engine_id}")
+            auditing = None
+            if auditor is not None:
+                auditing = asyncio.create_task(auditor.run(stop=stop), name="audit")
             stopped = asyncio.create_task(stop.wait())
             async with ProgressWatcher(lambda: agent_progress(agent)):
                 await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -360,6 +383,10 @@ async def _serve(args: argparse.Namespace) -> int | None:
                         "receiver %s: version in flight did not finish; rolled back", args.engine_id
                     )
             stopped.cancel()
+            if auditing is not None:
+                auditing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await auditing
             if server is not None:
                 await server.stop()
             if task.done() and not task.cancelled():

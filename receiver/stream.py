@@ -39,11 +39,13 @@ from asyncsync.errors import AsyncSyncError, FormatError
 from asyncsync.format import MANIFEST_NAME, DeltaRef, Manifest, TensorEntry, version_dir
 from asyncsync.format.checksum import checksum_bytes, new_hasher
 from asyncsync.format.names import MAX_SHARD_BYTES
+from asyncsync.format.store import read_manifest
 from asyncsync.fsio import read_bytes
 from receiver.engines.base import Engine
-from receiver.shard_reader import Piece, decode_pieces, group_pieces
+from receiver.prefetch import Prefetcher
+from receiver.shard_reader import Piece, decode_pieces, group_bytes_for, group_pieces
 
-__all__ = ["AppliedShard", "StreamApplier"]
+__all__ = ["AppliedShard", "StreamApplier", "early_reader"]
 
 logger = logging.getLogger(__name__)
 
@@ -319,6 +321,37 @@ class StreamApplier:
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(pending)
             raise
+
+
+async def early_reader(
+    root: Path,
+    engine: Engine,
+    held: int,
+    wake: asyncio.Event,
+    *,
+    prefetch_bytes: int,
+    group_bytes: int | None,
+    idle_timeout: float,
+    verify_deadline: float,
+) -> StreamApplier | Prefetcher:
+    """What reads version ``held + 1`` before its manifest: a :class:`StreamApplier` when the
+    engine ``streams`` and holds ``held`` as the root's manifest says (fingerprint), else a
+    :class:`~receiver.prefetch.Prefetcher` of its bytes."""
+    base = None
+    if engine.streams:
+        with contextlib.suppress(AsyncSyncError, OSError):
+            base = await asyncio.to_thread(read_manifest, root, held)
+    if base is None or base.fingerprint != engine.state.fingerprint:
+        return Prefetcher(root, held + 1, on_manifest=wake, max_bytes=prefetch_bytes)
+    return StreamApplier(
+        root,
+        engine,
+        base,
+        on_manifest=wake,
+        group_bytes=group_bytes or group_bytes_for(base.totals.model_bytes),
+        idle_timeout=idle_timeout,
+        verify_deadline=verify_deadline,
+    )
 
 
 def _check_data(data: bytes, where: str) -> tuple[StreamHeader | None, bool]:
