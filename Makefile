@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang vllm-env bench-vllm
 
-$(STAMP): pyproject.toml asyncsync/codec/_native.c
+$(STAMP): pyproject.toml asyncsync/codec/_native.c asyncsync/codec/xxhash.h
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

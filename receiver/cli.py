@@ -91,10 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--apply-group-bytes",
         type=size_bytes,
-        default=APPLY_GROUP_BYTES,
+        default=None,
         metavar="SIZE",
-        help="decoded delta bytes handed to the engine at once (bounds memory; e.g. 64MiB; "
-        f"default {APPLY_GROUP_BYTES})",
+        help="decoded delta bytes handed to the engine at once (bounds memory; e.g. 8MiB; "
+        f"default: 1/64 of the model within [1 MiB, {APPLY_GROUP_BYTES >> 20} MiB])",
     )
     p.add_argument(
         "--sync-before-ack",

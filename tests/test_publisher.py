@@ -19,7 +19,7 @@ from asyncsync.format import MANIFEST_NAME
 from asyncsync.format import acks as acks_mod
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest
-from tests.conftest import mixed_state, mutate
+from tests.conftest import mixed_state, mutate, same_bytes
 
 
 def files_under(root: Path) -> list[str]:
@@ -179,6 +179,8 @@ async def test_failure_at_each_stage_commits_nothing(
         hook_fails["on"] = False
         assert files_under(tmp_path) == before  # no manifest, no shard, no temp file
         assert list_versions(tmp_path) == [0]
+        snap = pub._snapshot  # advanced in the diff's pass, then put back
+        assert snap is not None and all(same_bytes(snap[k], t) for k, t in sd0.items())
         r = await pub.publish(sd1)  # the next publish works, against the unchanged snapshot
         assert r.version == 1 and r.kind == "delta"
     # the delta of v1 is relative to v0 exactly: its per-tensor checksums match sd1

@@ -13,8 +13,10 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT_NAME = "asyncsync"
-FORMAT_VERSION = 2  # what this asyncsync writes
-READ_FORMAT_VERSIONS = (1, 2)  # what it reads: 2 added tensors in parts (multi-rank publish)
+FORMAT_VERSION = 3  # what this asyncsync writes
+# what it reads: 2 added tensors in parts (multi-rank publish), 3 self-describing delta shards
+# that a receiver may apply before the manifest (streaming; FORMAT.md section 4.3)
+READ_FORMAT_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 LOG_NAME = "log.jsonl"
 ACKS_DIR = "acks"

@@ -1,21 +1,33 @@
 """The publisher's snapshot: the CPU copy of the last committed version that deltas diff against.
 
-Pure functions over ``dict[str, torch.Tensor]``: cutting a state dict into buckets, wrapping a
+Functions over ``dict[str, torch.Tensor]``: cutting a state dict into buckets, wrapping a
 bucket's tensors for the diff stage, and advancing the snapshot once a version is committed
-(scattering the changed positions in, or copying whole tensors). The snapshot lives in CPU
+(scattering the changed positions in, or copying whole tensors), or reverting the advance the
+diff made in its own pass for a version that was not committed (:func:`revert`, which checks
+for the manifest: its only I/O). The snapshot lives in CPU
 memory, pinned when CUDA is present so device-to-host copies of the next state are fast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
 from asyncsync import codec
-from asyncsync.codec.shards import BucketItem, PendingUpdate
+from asyncsync.codec.shards import BucketItem, DiffedBucket, PendingUpdate
+from asyncsync.format import MANIFEST_NAME
 
-__all__ = ["advance", "bucket_items", "plan_buckets", "same_schema"]
+__all__ = [
+    "Undo",
+    "advance",
+    "bucket_items",
+    "plan_buckets",
+    "revert",
+    "same_schema",
+    "undo_records",
+]
 
 
 def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
@@ -124,3 +136,30 @@ def advance(
             t = p.values.detach().to("cpu").clone().contiguous()
             out[name] = t.pin_memory() if pin else t
     return out
+
+
+#: what reverts one advanced tensor: (the snapshot tensor, its changed positions, old values)
+Undo = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def undo_records(d: DiffedBucket) -> list[Undo]:
+    """What :func:`revert` needs of a bucket the diff advanced, compactly (positions as int32
+    where they fit, the old values): ~6 bytes per changed bf16 element, kept until the commit,
+    while the diff's own outputs (16 bytes each) go once the bucket is encoded."""
+    out: list[Undo] = []
+    for it, ch in zip(d.items, d.changes or (), strict=True):
+        if it.old is not None and ch.positions.numel():
+            small = it.old.numel() < 2**31
+            pos = ch.positions.to(torch.int32) if small else ch.positions
+            out.append((it.old, pos, ch.values ^ ch.xor))
+    return out
+
+
+def revert(vdir: Path, undo: Sequence[Undo]) -> None:
+    """Put the snapshot back where the diff advanced it (``diff_bucket(advance=True)``) for a
+    version that was not committed; a no-op if its manifest is in place after all (committed:
+    the snapshot is right as it is)."""
+    if (vdir / MANIFEST_NAME).exists():
+        return
+    for old, pos, values in reversed(undo):
+        codec.revert([old], [codec.Change(pos.to(torch.int64), values, torch.zeros_like(values))])
