@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang vllm-env bench-vllm
 
-$(STAMP): pyproject.toml asyncsync/codec/_native.c
+$(STAMP): pyproject.toml asyncsync/codec/_native.c asyncsync/codec/xxhash.h
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -49,8 +49,9 @@ bench-sglang: $(STAMP) sglang-env
 bench-vllm: $(STAMP) vllm-env
 	$(PY) -m tests.vllm_env.bench_pause
 
+# `make demo DEMO_ARGS=--keep` keeps the working directory (python -m asyncsync.ops.demo --help)
 demo: $(STAMP)
-	$(PY) -m asyncsync.ops.demo
+	$(PY) -m asyncsync.ops.demo $(DEMO_ARGS)
 
 # < 60 s on 2 cores; BENCHMARKS.md shows how to write the JSON, tables and plots as well
 bench: $(STAMP)

@@ -1,23 +1,16 @@
 """Filesystem primitives: safe access to a shared root, atomic durable writes, locks.
 
-A root is not trusted input: every host that runs a receiver can write it, so any name in it
-may be a symlink, a FIFO, a socket or a hard link (FORMAT.md section 1, "Hostile entries").
-Everything asyncsync does below a root goes through this module, which never follows a symlink
-below the root and never blocks on a special file. Each directory below ``root=`` is opened
-``O_NOFOLLOW | O_DIRECTORY`` relative to its parent's descriptor (``openat``; the root itself,
-as the caller names it, is trusted; without ``root`` only the last component is not followed).
-:func:`open_file` is the one place that opens a file to read it (``O_NOFOLLOW | O_NONBLOCK``,
-then ``fstat``: regular files only; :func:`read_file` reads one within a ``limit``), and
-:func:`_open_write` the one place that opens one to write it (temp names ``O_EXCL |
-O_NOFOLLOW``, renamed into place by :func:`atomic_write`, which replaces a symlink without
-following it; a file written in place, the log or a lock, must be a regular file with one
-link). :func:`remove`, :func:`remove_tree`, :func:`scan`, :func:`lstat` and :func:`make_dir`
-work on directory descriptors too.
-
-A crash leaves the old state or the complete new file of an :func:`atomic_write`, plus at most
-a temp file (:data:`TMP_PREFIX`, ignored by readers) the next writer removes. Blocking: async
-callers use ``asyncio.to_thread``. A :class:`Throttle` (``ASYNCSYNC_THROTTLE=200MB/s,5ms``)
-simulates a slow shared filesystem for the benchmarks.
+Any host that runs a receiver can write a root, so any name in it may be a symlink, a FIFO, a
+socket or a hard link (FORMAT.md 11.1). Below ``root=`` nothing is followed: each directory is
+opened ``O_NOFOLLOW | O_DIRECTORY`` from its parent's descriptor (the root, as the caller
+names it, is trusted; without ``root`` only the last component is not followed). Reading opens
+through :func:`open_file` only (``O_NOFOLLOW | O_NONBLOCK``, ``fstat``: regular files, within a
+``limit``), writing through :func:`_open_write` only (temp names ``O_EXCL | O_NOFOLLOW``
+renamed into place by :func:`atomic_write`; a file written in place, the log or a lock, must be
+a regular file with one link); removal, listing, ``lstat`` and ``mkdir`` go by descriptor too.
+A crash leaves the old or the complete new file of an :func:`atomic_write`, plus at most a temp
+file (:data:`TMP_PREFIX`, ignored by readers). Blocking: async callers use ``to_thread``. A
+:class:`Throttle` (``ASYNCSYNC_THROTTLE=200MB/s,5ms``) simulates a slow shared filesystem.
 """
 
 from __future__ import annotations
@@ -38,8 +31,8 @@ from pathlib import Path, PurePath
 __all__ = [
     "TMP_PREFIX", "FileLock", "Throttle", "UnsafePath", "append_bytes", "append_line",
     "atomic_write", "fs_now", "fsync_dir", "get_throttle", "is_temp_name", "lstat", "make_dir",
-    "open_dir", "open_file", "read_bytes", "read_file", "remove", "remove_temp_files",
-    "remove_tree", "scan", "set_throttle",
+    "open_dir", "open_file", "parse_size", "read_bytes", "read_file", "remove",
+    "remove_temp_files", "remove_tree", "scan", "set_throttle",
 ]  # fmt: skip
 
 TMP_PREFIX = ".tmp."
@@ -121,6 +114,26 @@ _throttle: Throttle | None = (
     if os.environ.get("ASYNCSYNC_THROTTLE")
     else None
 )
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
+    "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40,
+    "tb": 10**12,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: ``4096``, ``32MiB``, ``1.5G`` (K/M/G/T = 1024^n, KB/MB/... = 1000^n)."""
+    m = _SIZE_RE.match(text.replace("_", ""))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size; write e.g. 33554432, 32MiB or 1G")
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
 
 
 def set_throttle(throttle: Throttle | None) -> None:
@@ -268,12 +281,9 @@ def scan(path: _Path, *, root: _Root = None) -> list[tuple[str, os.stat_result]]
 
 
 def open_file(path: _Path, *, root: _Root = None, follow_symlinks: bool = False) -> int:
-    """Open a regular file for reading: the one place asyncsync opens a file to read it.
-
-    ``O_NOFOLLOW`` (unless ``follow_symlinks``: a registered checkpoint's files, outside any
-    root, may be symlinks), ``O_NONBLOCK`` (a FIFO opens at once), then ``fstat``: anything but
-    a regular file raises :class:`UnsafePath` before a byte is read. The caller closes the fd.
-    """
+    """Open a regular file for reading: the one place asyncsync does. ``O_NOFOLLOW`` (unless
+    ``follow_symlinks``: a registered checkpoint's files may be symlinks), ``O_NONBLOCK``, then
+    ``fstat``: anything but a regular file raises :class:`UnsafePath`. The caller closes it."""
     flags = _READ_FLAGS | (0 if follow_symlinks else os.O_NOFOLLOW)
     with _parent(path, root) as (dfd, name):
         return _open_regular(dfd, name, flags, path)[0]
@@ -311,12 +321,8 @@ def _unsafe(err: int, path: object, what: str) -> UnsafePath:
 def read_file(
     path: _Path, *, limit: int, root: _Root = None, follow_symlinks: bool = False
 ) -> tuple[bytes, os.stat_result]:
-    """A whole regular file (see :func:`open_file`) and its ``fstat``.
-
-    A file larger than ``limit`` is refused with ValueError, from ``fstat`` before anything is
-    allocated, so a hostile size (a manifest claiming 2^40 bytes) never allocates more than
-    ``limit`` (plus one byte, to notice a file that grew).
-    """
+    """A whole regular file (see :func:`open_file`) and its ``fstat``; one larger than ``limit``
+    raises ValueError, from ``fstat`` before anything is allocated (plus one byte: it grew)."""
     started = time.perf_counter()
     with os.fdopen(open_file(path, root=root, follow_symlinks=follow_symlinks), "rb") as f:
         st = os.fstat(f.fileno())
@@ -368,12 +374,9 @@ def _set_mode(fd: int, mode: int = FILE_MODE) -> None:
 
 
 def _open_write(dfd: int, name: str, flags: int, path: object) -> int:
-    """Open ``name`` in the directory ``dfd`` for writing: the one place asyncsync does.
-
-    Never follows a symlink and never blocks (``O_NOFOLLOW | O_NONBLOCK``); an existing file
-    (no ``O_EXCL``) must be a regular file with one link, checked before its mode or bytes are
-    touched; the mode is set to :data:`FILE_MODE` on the descriptor.
-    """
+    """Open ``name`` in ``dfd`` for writing: the one place asyncsync does. Never follows, never
+    blocks; an existing file (no ``O_EXCL``) must be a regular file with one link before its mode
+    (set to :data:`FILE_MODE`) or bytes are touched."""
     fd, st = _open_regular(dfd, name, flags | os.O_NOFOLLOW, path)
     try:
         if st.st_nlink > 1 and not flags & os.O_EXCL:
@@ -550,13 +553,9 @@ def remove_temp_files(directory: _Path, *, root: _Root = None) -> list[Path]:
 
 
 class FileLock:
-    """An exclusive, non-blocking ``flock`` held for the life of the object.
-
-    The lock file records the holder's pid and host for the error message of the next taker.
-    The kernel drops the lock when the process dies, so a crash never leaves it stuck. A lock
-    file that is a symlink, a FIFO or hard-linked raises :class:`UnsafePath` (it is never
-    truncated through the link).
-    """
+    """An exclusive, non-blocking ``flock`` held for the life of the object; the file records
+    the holder's pid and host (for the next taker's error). The kernel drops it when the process
+    dies. A lock file that is a symlink, a FIFO or hard-linked raises :class:`UnsafePath`."""
 
     def __init__(self, path: _Path, *, root: _Root = None):
         self.path = Path(path)

@@ -6,20 +6,129 @@ functions run on the loop. Stages are joined by ``asyncio.Queue(maxsize)``: a sl
 back on the ones before it, so at most ``maxsize`` items wait between two stages. With
 ``pipelined=False`` every item goes through all stages before the next starts, which is the
 baseline the overlap is measured against.
+
+Within a stage, independent pieces of work (the tensors of a bucket: diff, encode; of an apply
+group: decode, gather, patch and hash) run on one process-wide pool of :func:`threads` workers
+(:func:`parallel_map`, :func:`run_all`): the C kernels, zstd and xxhash release the GIL, so a
+stage uses every core. The pool's size is ``ASYNCSYNC_THREADS`` (default: the CPUs this process
+may run on) or :func:`set_threads`; 1 runs everything in the calling thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from asyncsync.errors import first_error
+from asyncsync.errors import ConfigError, first_error
 
-__all__ = ["Stage", "finish_thread", "run_pipeline"]
+__all__ = [
+    "Stage",
+    "finish_thread",
+    "parallel_map",
+    "run_all",
+    "run_pipeline",
+    "set_threads",
+    "threads",
+]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_pool_lock = threading.Lock()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_size = 0
+_threads: int | None = None  # set_threads(); None: ASYNCSYNC_THREADS or the CPU count
+
+
+def threads() -> int:
+    """Workers of the pool :func:`parallel_map` uses (``set_threads``, else ``ASYNCSYNC_THREADS``,
+    else the CPUs this process may run on)."""
+    if _threads is not None:
+        return _threads
+    env = os.environ.get("ASYNCSYNC_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ConfigError(f"ASYNCSYNC_THREADS={env!r} is not a whole number") from None
+        if n < 1:
+            raise ConfigError(f"ASYNCSYNC_THREADS={env!r} must be >= 1")
+        return n
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def set_threads(n: int | None) -> None:
+    """Size the pool (``None``: back to ``ASYNCSYNC_THREADS`` or the CPU count)."""
+    global _threads
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ConfigError(f"threads must be a whole number >= 1, got {n!r}")
+    _threads = n
+
+
+def _executor(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size != n:
+            if _pool is not None:
+                _pool.shutdown(wait=False)  # running work finishes; new work goes to the new pool
+            _pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="asyncsync-cpu")
+            _pool_size = n
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's workers do not exist here; start a new pool on use."""
+    global _pool, _pool_lock, _pool_size
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def run_all(fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R | BaseException]:
+    """``fn`` of every item on the pool, each result or the exception it raised, in order.
+
+    Every call has finished when this returns (nothing outlives it). Never call it from work
+    running on the pool itself: the callers are stage threads and engine threads.
+    """
+    todo = list(items)
+    n = threads()
+    out: list[_R | BaseException] = []
+    if n <= 1 or len(todo) <= 1:
+        for x in todo:
+            try:
+                out.append(fn(x))
+            except Exception as exc:
+                out.append(exc)
+        return out
+    pool = _executor(n)
+    futures = [pool.submit(fn, x) for x in todo]
+    concurrent.futures.wait(futures)
+    for f in futures:
+        err = f.exception()
+        out.append(err if err is not None else f.result())
+    return out
+
+
+def parallel_map(fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+    """``[fn(x) for x in items]`` on the pool; the first item's exception is raised (after every
+    call has finished)."""
+    results = run_all(fn, items)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
 
 Stage = tuple[str, Callable[[Any], Any]]
 _DONE = object()

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import stat
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,7 +30,6 @@ from typing import Any
 
 import torch
 
-from asyncsync import fsio
 from asyncsync.errors import (
     ApplyFailed,
     AsyncSyncError,
@@ -51,17 +49,18 @@ from receiver.badversions import BadVersions
 from receiver.engines.base import Engine, TensorUpdate
 from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe
-from receiver.prefetch import Prefetcher
+from receiver.prefetch import Prefetcher, being_written
 from receiver.shard_reader import (
-    APPLY_GROUP_BYTES,
     Piece,
     apply_groups,
     decode_pieces,
+    group_bytes_for,
     open_shard,
     read_verified,
     shard_source,
     verified,
 )
+from receiver.stream import StreamApplier, early_reader
 from receiver.watch import wakeups
 
 __all__ = ["AgentStatus", "ReceiverAgent"]
@@ -69,6 +68,7 @@ __all__ = ["AgentStatus", "ReceiverAgent"]
 logger = logging.getLogger(__name__)
 
 PROGRESS_LOG_SECONDS = 5.0
+REPEAT_LOG_SECONDS = 60.0  # a failure that recurs is logged again after this long
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ class AgentStatus:
     last_error: str | None
     last_apply_seconds: float | None
     prefetched_shards: int = 0  # shards read before their manifest existed, then verified
+    streamed_shards: int = 0  # shards applied before their manifest existed, then confirmed
     applying: int | None = None  # the version in flight
     progress: tuple[int, int] | None = None  # its shards applied / to apply
     engine: dict[str, Any] | None = None  # engine-specific facts (Engine.info())
@@ -91,6 +92,7 @@ class AgentStatus:
 @dataclass
 class _Counters:
     prefetched: int = 0
+    streamed: int = 0
     applying: int | None = None
     progress: tuple[int, int] | None = None
     progress_logged: float = 0.0
@@ -119,9 +121,19 @@ class ReceiverAgent:
             before its manifest exists (streaming receive; see receiver.prefetch).
         prefetch_bytes: memory budget of one version's prefetched shards.
         apply_group_bytes: decoded bytes (positions + values) of a delta handed to the engine
-            at once; bounds the decoded patches and the engine's undo journal in memory.
+            at once; bounds the decoded patches and the engine's undo journal in memory. None
+            (default): sized by the model, 1/64 of its bytes within [1 MiB, 16 MiB]
+            (``receiver.shard_reader.group_bytes_for``).
         lease_ttl: seconds after its last heartbeat that the engine id's lease in the root
             goes stale (another receiver may then take the id; FORMAT.md section 7.1).
+        lease_settle: seconds between writing this receiver's claim on the engine id and
+            reading the others' (FORMAT.md section 7.1): above the time the root's filesystem
+            takes to show a file written on another host. None: 0 on a local filesystem,
+            5 s on NFS, FUSE and the rest.
+        stream_timeout: with ``prefetch`` and an engine that ``streams`` (LocalCheckpoint), the
+            next version's self-describing delta shards are applied as they land, before its
+            manifest (``receiver.stream``); with a shard applied, a version whose manifest nor
+            next shard comes for this long is rolled back (the publish was abandoned).
 
     A version that stays damaged after the re-reads (a shard missing, short, of the wrong size
     or failing its checksum, a manifest that does not parse) or that names other tensors than
@@ -142,10 +154,12 @@ class ReceiverAgent:
         pipelined: bool = True,
         prefetch: bool = True,
         prefetch_bytes: int = 512 << 20,
-        apply_group_bytes: int = APPLY_GROUP_BYTES,
+        apply_group_bytes: int | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
+        lease_settle: float | None = None,
+        stream_timeout: float = 120.0,
     ) -> None:
-        if apply_group_bytes < 1:
+        if apply_group_bytes is not None and apply_group_bytes < 1:
             raise ConfigError(f"apply_group_bytes must be >= 1, got {apply_group_bytes}")
         if poll_interval <= 0:
             raise ConfigError(f"poll_interval must be > 0, got {poll_interval}")
@@ -161,14 +175,18 @@ class ReceiverAgent:
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
         self.apply_group_bytes = apply_group_bytes
-        self._prefetcher: Prefetcher | None = None
+        self.stream_timeout = stream_timeout
+        self._prefetcher: Prefetcher | StreamApplier | None = None
         self._prefetch_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._bad = BadVersions(self.root, self.engine_id, verify_deadline)
-        self._presence = RootPresence(self.root, self.engine_id, engine, lease_ttl=lease_ttl)
+        self._presence = RootPresence(
+            self.root, self.engine_id, engine, lease_ttl=lease_ttl, lease_settle=lease_settle
+        )
         self._opened = False
         self._sync_lock = asyncio.Lock()
         self._refused: set[int] = set()  # versions the engine refused (a keyframe follows)
+        self._said_waiting: str | None = None
         self._c = _Counters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -220,6 +238,7 @@ class ReceiverAgent:
             last_error=self._c.last_error,
             last_apply_seconds=self._c.last_apply_seconds,
             prefetched_shards=self._c.prefetched,
+            streamed_shards=self._c.streamed,
             applying=self._c.applying,
             progress=self._c.progress,
             engine=self.engine.info(),
@@ -275,6 +294,7 @@ class ReceiverAgent:
 
         watcher = asyncio.create_task(watch(), name=f"watch {self.engine_id}")
         beat = asyncio.create_task(heartbeat(), name=f"lease {self.engine_id}")
+        failing = _Repeats()
         try:
             while not stop.is_set():
                 await _first_of(wake, stop)
@@ -283,8 +303,15 @@ class ReceiverAgent:
                     break
                 try:
                     await self.sync_once()
+                    failing.clear()
                 except (AsyncSyncError, OSError) as exc:
-                    logger.error("agent %s: sync failed: %s", self.engine_id, exc)
+                    if failing.should_log(str(exc)):
+                        logger.error("agent %s: sync failed%s: %s",
+                                     self.engine_id, failing.since(), exc)  # fmt: skip
+                    # the same failure again and again (a damaged version, no keyframe after
+                    # it): retry less often, up to every REPEAT_LOG_SECONDS / 6
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), failing.backoff(self.poll_interval))
                 except Exception:  # an engine's own bug must not stop the agent for good
                     logger.exception("agent %s: sync failed unexpectedly", self.engine_id)
                 if self.prefetch:
@@ -325,15 +352,27 @@ class ReceiverAgent:
             if self._prefetch_task is not None:
                 self._prefetch_task.cancel()
             self._prefetcher = self._prefetch_task = None
-        vdir = version_dir(self.root, nxt)
-        if not await asyncio.to_thread(_is_real_dir, vdir, self.root):
+        if not await asyncio.to_thread(being_written, self.root, nxt):
             return
-        self._prefetcher = Prefetcher(
-            self.root, nxt, on_manifest=wake, max_bytes=self.prefetch_bytes
-        )
+        self._prefetcher = await early_reader(
+            self.root, self.engine, cur, wake, prefetch_bytes=self.prefetch_bytes,
+            group_bytes=self.apply_group_bytes, idle_timeout=self.stream_timeout,
+            verify_deadline=self.verify_deadline,
+        )  # fmt: skip
         self._prefetch_task = asyncio.create_task(
             self._prefetcher.run(), name=f"prefetch v{nxt} {self.engine_id}"
         )
+
+    async def _take_stream(self, m: Manifest, mode: Mode) -> set[str] | None:
+        """The shard files a streaming apply applied into the engine's transaction for ``m``,
+        confirmed by ``m`` (None: no transaction open; see :meth:`StreamApplier.take`)."""
+        s, task = self._prefetcher, self._prefetch_task
+        if not isinstance(s, StreamApplier):
+            return None
+        self._prefetcher = self._prefetch_task = None
+        early = await s.take(task, m, mode)
+        self._c.streamed += len(early or ())
+        return early
 
     def __repr__(self) -> str:
         return (
@@ -371,8 +410,9 @@ class ReceiverAgent:
                 bad.stuck(found, latest)
                 raise damaged
         except AsyncSyncError:
-            if bad.waiting is not None:
+            if bad.waiting is not None and bad.waiting != self._said_waiting:
                 logger.warning("agent %s: %s", self.engine_id, bad.waiting)
+                self._said_waiting = bad.waiting  # said once: the sync error repeats it
                 with contextlib.suppress(OSError, AsyncSyncError):  # say which versions are bad
                     await self._presence.ensure(bad.versions())
             raise
@@ -458,12 +498,15 @@ class ReceiverAgent:
     async def _apply_version(self, m: Manifest, mode: Mode) -> None:
         t0 = time.perf_counter()
         shards = [(i, s) for i, s in enumerate(m.shards) if s.role == mode]
-        if mode == "delta" and not shards:
+        early = await self._take_stream(m, mode)
+        if mode == "delta" and not shards and early is None:
             await self.engine.bump(m)
         else:
-            await self.engine.begin(m, mode)
+            if early is None:
+                await self.engine.begin(m, mode)
             try:
-                await self._stream(m, mode, shards)
+                rest = [(i, s) for i, s in shards if early is None or s.file not in early]
+                await self._stream(m, mode, rest)
                 await self.engine.commit()
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -488,10 +531,11 @@ class ReceiverAgent:
     async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
         """Read+verify each shard once; decode group k+1 while the engine applies group k."""
         parts = PartAssembler(m, mode)  # joins the parts of tensors in parts across shards
+        group_bytes = self.apply_group_bytes or group_bytes_for(m.totals.model_bytes)
         work = [
             (idx, shard, group, g == 0, g == len(groups) - 1)
             for idx, shard in shards
-            for groups in [apply_groups(m, mode, idx, self.apply_group_bytes)]
+            for groups in [apply_groups(m, mode, idx, group_bytes)]
             for g, group in enumerate(groups)
         ]
         opened: dict[int, dict[str, torch.Tensor]] = {}  # the parsed shard, until its last group
@@ -560,18 +604,39 @@ class ReceiverAgent:
 
     def _prefetched(self, m: Manifest, shard: ShardInfo) -> bytes | None:
         p = self._prefetcher
-        if p is None or p.version != m.version or shard.role != "delta":
+        if not isinstance(p, Prefetcher) or p.version != m.version or shard.role != "delta":
             return None
         return p.take(shard.file)
 
 
-def _is_real_dir(path: Path, root: Path) -> bool:
-    """A directory, not a symlink to one (nothing below the root is followed)."""
-    try:
-        st = fsio.lstat(path, root=root)
-    except OSError:
+class _Repeats:
+    """One failure said once per REPEAT_LOG_SECONDS, however often it recurs."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.message: str | None = None
+        self.logged = 0.0
+        self.count = 0  # failures since it was last logged
+        self.repeated = 0  # failures that were not logged before the last line
+        self.streak = 0  # failures in a row
+
+    def should_log(self, message: str) -> bool:
+        now = time.monotonic()
+        self.streak += 1
+        if message != self.message or now - self.logged >= REPEAT_LOG_SECONDS:
+            self.repeated, self.count = (self.count if message == self.message else 0), 0
+            self.message, self.logged = message, now
+            return True
+        self.count += 1
         return False
-    return st is not None and stat.S_ISDIR(st.st_mode)
+
+    def since(self) -> str:
+        return f" ({self.repeated + 1} times in {REPEAT_LOG_SECONDS:g}s)" if self.repeated else ""
+
+    def backoff(self, poll: float) -> float:
+        return min(poll * 2 ** min(self.streak - 1, 10), REPEAT_LOG_SECONDS / 6)
 
 
 async def _first_of(*events: asyncio.Event) -> None:

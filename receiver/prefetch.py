@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import stat
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from asyncsync import fsio
 from asyncsync.format import MANIFEST_NAME, version_dir
 from asyncsync.fsio import read_bytes
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "being_written", "probe"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +67,12 @@ class Prefetcher:
         manifest = self.dir / MANIFEST_NAME
         delay = self.interval
         while True:
-            if await asyncio.to_thread(_kind, manifest, self.root) is not None:
+            if await asyncio.to_thread(probe, manifest, self.root) is not None:
                 self.on_manifest.set()  # whatever it is: the agent reads (or refuses) it
                 return
             name = f"delta-{k:05d}.safetensors"
             path = self.dir / name
-            if self.bytes < self.max_bytes and await asyncio.to_thread(_kind, path, self.root) == 1:
+            if self.bytes < self.max_bytes and await asyncio.to_thread(probe, path, self.root) == 1:
                 read = partial(read_bytes, path, limit=self.max_bytes, root=self.root)
                 try:
                     data = await asyncio.to_thread(read)
@@ -87,10 +88,16 @@ class Prefetcher:
             delay = min(delay * 1.25, 0.1)  # an abandoned write must not spin the CPU
 
 
-def _kind(path: Path, root: Path) -> int | None:
-    """None: nothing there; 1: a regular file; 0: anything else (never followed: fsio)."""
+def being_written(root: Path, version: int) -> bool:
+    """Whether ``version``'s directory exists, a real directory (not followed if a symlink)."""
+    return probe(version_dir(root, version), root, stat.S_ISDIR) == 1
+
+
+def probe(path: Path, root: Path, test: Callable[[int], bool] = stat.S_ISREG) -> int | None:
+    """What is at ``path`` in ``root``, never followed (fsio): None nothing, 1 what ``test``
+    accepts (a regular file), 0 anything else (a symlinked version directory too)."""
     try:
         st = fsio.lstat(path, root=root)
     except OSError:  # a symlinked version directory: let the agent say why
         return 0
-    return None if st is None else int(stat.S_ISREG(st.st_mode))
+    return None if st is None else int(test(st.st_mode))

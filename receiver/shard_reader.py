@@ -22,6 +22,7 @@ from asyncsync.errors import ChecksumMismatch, FormatError, IncompleteVersion, M
 from asyncsync.format import Manifest, ShardInfo, TensorEntry, TensorPart, version_dir
 from asyncsync.format.checksum import checksum_bytes
 from asyncsync.fsio import UnsafePath, read_bytes
+from asyncsync.pipeline import parallel_map
 from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
 
@@ -31,6 +32,8 @@ __all__ = [
     "apply_groups",
     "decode_pieces",
     "decode_shard",
+    "group_bytes_for",
+    "group_pieces",
     "int_dtype",
     "open_shard",
     "pieces_in",
@@ -44,6 +47,17 @@ __all__ = [
 # records and their fsyncs were a third of the apply (docs/bench/profile_apply_1g_before.txt);
 # 16 MiB makes ~10, and two or three groups in flight are still ~2 % of a 4 GiB model.
 APPLY_GROUP_BYTES = 16 << 20
+# ... but never more than 1/64 of the model, at least 1 MiB: with two or three groups in flight
+# (decoded patches and undo records) a 64 MB model kept 1.69x its size with 16 MiB groups
+# (issue 26; 1.35x with 1 MiB), while a 1 GiB model keeps its ~10 records of 16 MiB.
+MIN_APPLY_GROUP_BYTES = 1 << 20
+
+
+def group_bytes_for(model_bytes: int, limit: int = APPLY_GROUP_BYTES) -> int:
+    """The apply group size for a model of ``model_bytes``: ``model_bytes / 64`` within
+    [1 MiB, ``limit``] (``limit`` below 1 MiB wins)."""
+    return min(limit, max(MIN_APPLY_GROUP_BYTES, model_bytes // 64))
+
 
 Piece = tuple[TensorEntry, TensorPart | None, Any]  # entry, its part (None: whole), its ref
 
@@ -133,6 +147,12 @@ def apply_groups(
     pieces = pieces_in(m, mode, idx)
     if mode != "delta":
         return [pieces] if pieces else []
+    return group_pieces(pieces, limit)
+
+
+def group_pieces(pieces: list[Piece], limit: int) -> list[list[Piece]]:
+    """Delta ``pieces`` in consecutive groups of at most ``limit`` decoded bytes (a piece larger
+    than that is a group of its own)."""
     groups: list[list[Piece]] = []
     size = 0
     for piece in pieces:
@@ -163,43 +183,45 @@ def decode_pieces(
 ) -> list[TensorUpdate | PartUpdate]:
     """The updates of ``pieces`` from a parsed shard; a part of a tensor in parts is a
     PartUpdate (see receiver.parts). Anything malformed raises FormatError."""
-    out: list[TensorUpdate | PartUpdate] = []
-    for e, part, ref in pieces:
-        span = part or e.spans[0]
-        if mode == "delta":
-            pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
-            if pos_t is None or val_t is None:
-                raise FormatError(
-                    f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}"
-                )
-            if pos_t.dtype != torch.uint8 or val_t.dtype != torch.uint8:
-                raise FormatError(f"{where}: delta blobs of {e.name!r} must be uint8")
-            try:
-                patch = codec.decode_delta(
-                    m.encoding,
-                    ref.mode,
-                    pos_t.numpy().tobytes(),
-                    val_t.numpy().tobytes(),
-                    changed=span.changed,
-                    numel=span.numel,
-                    dtype=int_dtype(e.torch_dtype),
-                )
-            except FormatError as exc:
-                raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc
-            out.append(TensorUpdate(e, patch=patch) if part is None else PartUpdate(e, part, patch))
-        else:
-            t = tensors.get(ref.key)
-            if t is None:
-                raise FormatError(f"{where}: tensor {ref.key!r} for {e.name!r} is not in the shard")
-            if t.dtype != e.torch_dtype or (
-                tuple(t.shape) != e.shape if part is None else t.numel() != part.numel
-            ):
-                raise FormatError(
-                    f"{where}: tensor {e.name!r} is {t.dtype}{list(t.shape)}, the manifest says "
-                    f"{e.dtype}{list(e.shape)}" + ("" if part is None else f" ({span.numel} here)")
-                )
-            out.append(TensorUpdate(e, full=t) if part is None else PartUpdate(e, part, full=t))
-    return out
+    return parallel_map(lambda piece: _decode_piece(m, mode, tensors, piece, where), pieces)
+
+
+def _decode_piece(
+    m: Manifest, mode: str, tensors: dict[str, torch.Tensor], piece: Piece, where: str
+) -> TensorUpdate | PartUpdate:
+    """One piece's update (on the pool: the pieces of a group decode in parallel)."""
+    e, part, ref = piece
+    span = part or e.spans[0]
+    if mode == "delta":
+        pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
+        if pos_t is None or val_t is None:
+            raise FormatError(f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}")
+        if pos_t.dtype != torch.uint8 or val_t.dtype != torch.uint8:
+            raise FormatError(f"{where}: delta blobs of {e.name!r} must be uint8")
+        try:
+            patch = codec.decode_delta(
+                m.encoding,
+                ref.mode,
+                pos_t.numpy().tobytes(),
+                val_t.numpy().tobytes(),
+                changed=span.changed,
+                numel=span.numel,
+                dtype=int_dtype(e.torch_dtype),
+            )
+        except FormatError as exc:
+            raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc
+        return TensorUpdate(e, patch=patch) if part is None else PartUpdate(e, part, patch)
+    t = tensors.get(ref.key)
+    if t is None:
+        raise FormatError(f"{where}: tensor {ref.key!r} for {e.name!r} is not in the shard")
+    if t.dtype != e.torch_dtype or (
+        tuple(t.shape) != e.shape if part is None else t.numel() != part.numel
+    ):
+        raise FormatError(
+            f"{where}: tensor {e.name!r} is {t.dtype}{list(t.shape)}, the manifest says "
+            f"{e.dtype}{list(e.shape)}" + ("" if part is None else f" ({span.numel} here)")
+        )
+    return TensorUpdate(e, full=t) if part is None else PartUpdate(e, part, full=t)
 
 
 def decode_shard(

@@ -157,7 +157,7 @@ def broken_rules(doc: Any) -> list[str]:
         return r.broken
     r.check(doc.get("format") == "asyncsync", "format is asyncsync")
     fv = doc.get("format_version")
-    r.check(type(fv) is int and fv in (1, 2), "format_version 1 or 2")
+    r.check(type(fv) is int and fv in (1, 2, 3), "format_version 1, 2 or 3")
     r.check(isinstance(doc.get("run_id"), str), "run_id is a string")
     version = doc.get("version")
     r.int(version, "version", hi=MAX_VERSION)
@@ -278,7 +278,7 @@ def broken_rules(doc: Any) -> list[str]:
             span(changed, delta, full, numel)
             continue
         # -- section 3.1
-        r.check(fv == 2, "parts need format_version 2")
+        r.check(fv in (2, 3), "parts need format_version 2 or later")
         r.check(delta is None and full is None, "a tensor in parts has no delta or full")
         if not r.check(isinstance(parts, list) and parts, "parts is a non-empty list"):
             continue

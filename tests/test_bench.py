@@ -15,9 +15,9 @@ import zstandard
 from asyncsync import codec
 from asyncsync.ops.bench import TARGETS, BenchConfig, BenchFailed
 from asyncsync.ops.bench.baselines import BASELINES, LABELS, all_sizes, xor_zstd_bytes
+from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.measure import _finish, _start
 from asyncsync.ops.bench.probes import load_state_dict, reset_peak_rss, rss, save_state_dict
-from asyncsync.ops.bench.worker import Job
 from asyncsync.ops.cli import main
 from asyncsync.ops.workload import Workload, WorkloadConfig
 from tests.conftest import mixed_state, same_bytes
@@ -229,6 +229,37 @@ def test_scale_sweep_writes_the_promised_keys(tmp_path: Path) -> None:
         "scale_seconds_per_gb.png",
     ]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncsync-bench")] == []
+
+
+def test_peers_run_every_system_interleaved(tmp_path: Path) -> None:
+    """``--peers`` at a tiny size: the real children, every system's versions, the appliers'
+    results bit-exact (each peer's engine state is checked against the trainer's)."""
+    argv = ["bench", "--peers", "--scale-sizes", "2MiB", "--versions", "2", "--threads", "1"]
+    argv += ["--workdir", str(tmp_path), "--json", str(tmp_path / "p.json")]
+    assert main(argv) == 0
+    s = json.loads((tmp_path / "p.json").read_text())
+    (row,) = s["peers"]
+    assert set(row["e2e_s"]) == {"ours", "ours-mem", "gen1", "gen2", "full"}
+    for system, versions in row["raw"].items():
+        assert [v["version"] for v in versions] == [1, 2], system
+        assert all(v["e2e"] >= v["write"] > 0 for v in versions)
+    assert set(row["peer_vs_ours"]) == {"ours-mem", "gen1", "gen2", "full"}
+    assert "--peers" in s["command"] and "--threads 1" in s["command"]
+
+
+def test_peer_appliers_reproduce_the_new_state(tmp_path: Path) -> None:
+    from asyncsync.ops.bench import peers
+    from asyncsync.ops.bench.scale import make_state, step_state
+
+    old = make_state(1 << 20, seed=3)
+    new = {k: t.clone() for k, t in old.items()}
+    step_state(new, 1, 0.03, seed=3)
+    for system in ("gen1", "gen2", "full"):
+        state = {k: t.clone() for k, t in old.items()}
+        path = tmp_path / f"{system}.safetensors"
+        peers._WRITERS[system](path, old, new)
+        peers._APPLIERS[system](path.read_bytes(), state)
+        assert all(same_bytes(state[k], new[k]) for k in new), system
 
 
 def test_scale_states_are_seeded_and_change_one_ulp() -> None:

@@ -31,6 +31,7 @@ name the broken barrier where a failing crash state only shows its effect.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -50,7 +51,8 @@ from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.publish.retention import RetentionPolicy, collect
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
-from tests.conftest import mixed_state, mutate, same_bytes
+from receiver.stream import StreamApplier
+from tests.conftest import eventually, mixed_state, mutate, same_bytes
 from tests.crashfs import CrashState, Recorder, Window, crash_states, materialise
 
 LONG = os.environ.get("ASYNCSYNC_LONG") == "1"
@@ -71,6 +73,7 @@ class Scenario:
     window: Window | None = None
     ops: list[tuple[str, ...]] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)
+    cap: int = CAP  # crash states per crash point in make test (CAP_LONG with ASYNCSYNC_LONG)
 
     async def record(self, action: Callable[[], Awaitable[Any]]) -> None:
         rec = Recorder(*self.trees.values())
@@ -82,7 +85,7 @@ class Scenario:
     def states(self) -> list[CrashState]:
         assert self.window is not None and self.window.calls
         seen: dict[str, CrashState] = {}
-        for s in crash_states(self.window, CAP_LONG if LONG else CAP, stats=self.stats):
+        for s in crash_states(self.window, CAP_LONG if LONG else self.cap, stats=self.stats):
             seen.setdefault(s.key(), s)
         return list(seen.values())
 
@@ -147,6 +150,7 @@ async def _check_all(sc: Scenario, recover: Callable[[dict[str, Path]], Awaitabl
     """Recover from every crash state of ``sc``; fail naming the unrecoverable ones."""
     states = sc.states()
     assert sc.window is not None
+
     bad: list[str] = []
     for n, state in enumerate(states):
         paths = sc.materialise(state, n)
@@ -251,6 +255,75 @@ async def test_every_crash_state_of_an_apply_recovers(
         finally:
             await held.close()
         await _follow(p["root"], p["ck"], sc.published, newest)
+
+    await _check_all(sc, recover)
+
+
+# ------------------------------------------------------------------------------- streaming
+
+
+async def test_every_crash_state_of_a_streaming_apply_recovers(tmp_path: Path) -> None:
+    """The receiver applies v2's self-describing shards while the publisher writes v2 (the
+    manifest waits until every shard is applied), then commits it: the publisher's and the
+    receiver's calls in one window. Recovery as for an apply: the ack never names more than the
+    reopened engine holds, its bytes are those published for the version its state names, and
+    the agent reaches the newest version committed in the crashed root."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    # both sides' directories change at once: their pending entries combine into ~15x the
+    # states of one side's window, so make test draws 5 per crash point (make stress: all)
+    sc = Scenario(tmp_path, {"root": root, "ck": ck}, cap=5)
+    small = 6 << 10  # two or three delta shards
+    pub = Publisher(root, bucket_bytes=small, delta_shard_bytes=small, keyframe_interval=0)
+    async with pub:
+        for i in range(2):
+            sd = _state(i)
+            sc.published[(await (pub.seed(sd) if i == 0 else pub.publish(sd))).version] = sd
+        await _follow(root, ck, sc.published, 1)
+        sd = _state(2)
+        agent = ReceiverAgent(
+            root, LocalCheckpoint(ck), "e1", use_inotify=False, poll_interval=0.01,
+            verify_deadline=0.05,
+        )  # fmt: skip
+        streamed: list[int] = []
+
+        async def hook(vdir: Path) -> None:
+            n = len(list(vdir.glob("delta-*.safetensors")))
+            await eventually(
+                lambda: isinstance(s := agent._prefetcher, StreamApplier) and len(s.applied) == n,
+                "every shard of v2 applied before its manifest",
+            )
+            streamed.append(n)
+
+        pub.pre_commit_hook = hook
+
+        async def stream_and_commit() -> None:  # the window: the agent is open and running
+            sc.published[(await pub.publish(sd)).version] = sd
+            await eventually(
+                lambda: (a := read_ack(root, "e1")) is not None and a.version == 2, "the v2 ack"
+            )
+
+        stop = asyncio.Event()
+        async with agent, asyncio.TaskGroup() as tg:
+            tg.create_task(agent.run(stop=stop))
+            await eventually(lambda: agent.version == 1, "the agent at v1")
+            try:
+                await sc.record(stream_and_commit)
+            finally:
+                stop.set()
+        assert streamed and streamed[0] > 1 and agent.status().streamed_shards == streamed[0]
+
+    async def recover(p: dict[str, Path]) -> None:
+        held = LocalCheckpoint(p["ck"])
+        ack = read_ack(p["root"], "e1")
+        state = await held.open()
+        try:
+            if ack is not None and state.version is not None and not _ack_within(ack, state):
+                raise AssertionError(f"the ack names v{ack.version}, the engine holds {state}")
+            if state.version is not None and not _holds(held, sc.published[state.version]):
+                raise AssertionError(f"the engine's state names v{state.version}, its bytes differ")
+        finally:
+            await held.close()
+        await _follow(p["root"], p["ck"], sc.published, list_versions(p["root"])[-1])
 
     await _check_all(sc, recover)
 

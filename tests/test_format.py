@@ -74,7 +74,7 @@ def mutated(change: Any) -> str:
     [
         (
             lambda d: d.update(format_version=FORMAT_VERSION + 1),
-            r"format_version 3 is not supported",
+            r"format_version 4 is not supported",
         ),
         (lambda d: d.update(format="other"), r"not an asyncsync manifest"),
         (lambda d: d.update(version=-1), r"'version'=-1 out of range"),

@@ -486,7 +486,7 @@ NEAR_EDITS: dict[str, Edit] = {
     "kind": _set("kind", ["full", "delta"]),
     "encoding": _set("encoding", [*oracle.ENCODINGS, "rot13", "XEF"]),
     "checksum_algorithm": _set("checksum_algorithm", ["xxh3-128", "xxh3-64", "md5"]),
-    "format_version": _set("format_version", [1, 2, 3]),
+    "format_version": _set("format_version", [1, 2, 3, 4]),
     "shard_dir": _set("shard_dir", [None, "/registered/checkpoint"]),
     "attempt": _set("attempt", [None, "0123abcd", "0123ABCD"]),
 }

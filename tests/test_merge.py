@@ -84,7 +84,7 @@ def test_parts_round_trip_and_format_version() -> None:
     m = _parted_manifest()
     m.validate()
     d = json.loads(m.to_json())
-    assert d["format_version"] == FORMAT_VERSION == 2 and d["attempt"] == "abcdef012345"
+    assert d["format_version"] == FORMAT_VERSION == 3 and d["attempt"] == "abcdef012345"
     assert "parts" not in d["tensors"][1] and d["tensors"][0]["delta"] is None
     assert d["tensors"][0]["parts"][0] == {
         "offset": 0, "numel": 8, "checksum": H[:16] * 2, "changed": 2,
@@ -109,7 +109,7 @@ def _w(d: dict[str, Any]) -> dict[str, Any]:
     ("change", "match"),
     [
         (lambda d: d.update(format_version=1), "need format_version 2"),
-        (lambda d: d.update(format_version=3), "format_version 3"),
+        (lambda d: d.update(format_version=4), "format_version 4"),
         (lambda d: _w(d)["parts"][1].update(offset=9, numel=11), "expected a part at 8"),
         (lambda d: _w(d)["parts"][1].update(numel=11), "cover 19 of 20"),
         (lambda d: _w(d)["parts"].reverse(), "expected a part at 0"),

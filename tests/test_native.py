@@ -504,3 +504,97 @@ def test_ef_runs_alongside_other_threads() -> None:
     for t in threads:
         t.join()
     assert results == [True] * 4
+
+
+# ------------------------------------------------------- Xxh3, diff + hash + advance, patch_hash
+
+
+@pytest.mark.parametrize("bits", [64, 128])
+def test_xxh3_digests_are_python_xxhash_ones(bits: int) -> None:
+    import xxhash
+
+    ref = xxhash.xxh3_64 if bits == 64 else xxhash.xxh3_128
+    rng = np.random.default_rng(bits)
+    for size in (0, 1, 15, 16, 17, 240, 241, 1024, 65535, 65536, 1 << 20 | 3):
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        h = native.Xxh3(bits)
+        for piece in np.array_split(data, 5):  # streaming: any split gives the same digest
+            h.update(piece)
+        assert h.hexdigest() == ref(data.tobytes()).hexdigest(), size
+    with pytest.raises(ValueError, match="bits"):
+        native.Xxh3(32)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("cap", [7, 1000, None])
+def test_diff_extract_hashes_and_advances_in_its_pass(width: int, cap: int | None) -> None:
+    import xxhash
+
+    rng = np.random.default_rng(width)
+    n = 200_003  # several 64 KiB blocks, a tail that is not a whole word
+    old, new = _pair(rng, width, n, 0.03)
+    ref = _reference(old, new)
+    cap = cap or n
+    adv, h = _unaligned(old, 3), native.Xxh3(128)
+    pos, vals, xor = (np.empty(cap, np.int64), np.empty(cap, DT[width]), np.empty(cap, DT[width]))
+    got: list[list[np.ndarray]] = [[], [], []]
+    start = 0
+    while start < n:  # resumed whenever the outputs fill: each element hashed exactly once
+        count, start = native.diff_extract(adv, new, width, start, pos, vals, xor, h, True)
+        for acc, a in zip(got, (pos, vals, xor), strict=True):
+            acc.append(a[:count].copy())
+    for acc, want in zip(got, ref, strict=True):
+        assert np.array_equal(np.concatenate(acc), want)
+    assert np.array_equal(adv, new)  # old became new
+    assert h.hexdigest() == xxhash.xxh3_128(new.tobytes()).hexdigest()
+    with pytest.raises(TypeError, match="writable"):
+        native.diff_extract(old.tobytes(), new, width, 0, pos, vals, xor, None, True)
+    with pytest.raises(TypeError, match="Xxh3"):
+        native.diff_extract(old, new, width, 0, pos, vals, xor, "not a hasher", False)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_patch_hash_patches_and_hashes_a_range(width: int) -> None:
+    import xxhash
+
+    rng = np.random.default_rng(10 + width)
+    n = 150_001
+    flat = rng.integers(0, 256, n * width, dtype=np.uint8).view(DT[width])
+    lo, hi = 1000, n - 7
+    pos = np.sort(rng.choice(np.arange(lo, hi), 4000, replace=False)).astype(np.int64)
+    vals = rng.integers(1, 256, 4000 * width, dtype=np.uint8).view(DT[width])
+    for is_xor in (True, False):
+        want = flat.copy()
+        want[pos] = (want[pos] ^ vals) if is_xor else vals
+        got, h = _unaligned(flat, 5), native.Xxh3(64)
+        native.patch_hash(got, width, pos, vals, is_xor, lo, hi, h)
+        assert np.array_equal(got, want)
+        assert h.hexdigest() == xxhash.xxh3_64(want[lo:hi].tobytes()).hexdigest()
+        dense = rng.integers(0, 256, (hi - lo) * width, dtype=np.uint8).view(DT[width])
+        want = flat.copy()
+        want[lo:hi] = (want[lo:hi] ^ dense) if is_xor else dense
+        got = flat.copy()
+        native.patch_hash(got, width, None, dense, is_xor, lo, hi, None)
+        assert np.array_equal(got, want)
+    for bad in (pos[::-1].copy(), np.array([lo - 1], np.int64), np.array([hi], np.int64)):
+        before = flat.copy()
+        with pytest.raises(ValueError, match="strictly increasing"):
+            native.patch_hash(flat, width, bad, vals[: bad.size], True, lo, hi, None)
+        assert np.array_equal(flat, before)  # checked before any write
+    with pytest.raises(ValueError, match="range"):
+        native.patch_hash(flat, width, None, vals[:0], True, 5, n + 1, None)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_planes_and_unplanes_transpose_bytes(width: int) -> None:
+    rng = np.random.default_rng(20 + width)
+    n = 10_007
+    src = rng.integers(0, 256, n * width, dtype=np.uint8)
+    out = np.empty_like(src)
+    native.planes(src, width, out)
+    assert np.array_equal(out, src.reshape(n, width).T.reshape(-1))
+    back = np.empty_like(src)
+    native.unplanes(out, width, back)
+    assert np.array_equal(back, src)
+    with pytest.raises(ValueError, match="out is"):
+        native.planes(src, width, np.empty(n * width + 1, np.uint8))

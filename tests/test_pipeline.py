@@ -92,3 +92,111 @@ async def test_first_error_is_raised_as_itself() -> None:
 
     with pytest.raises(KeyError, match="bad item"):
         await run_pipeline(range(10), [("a", boom), ("b", lambda x: x)], maxsize=1)
+
+
+# ------------------------------------------------------------------ the CPU pool (every core)
+
+
+def test_pool_size_comes_from_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncsync import pipeline
+    from asyncsync.errors import ConfigError
+
+    monkeypatch.setenv("ASYNCSYNC_THREADS", "3")
+    assert pipeline.threads() == 3
+    pipeline.set_threads(1)
+    try:
+        assert pipeline.threads() == 1
+    finally:
+        pipeline.set_threads(None)
+    for bad in ("0", "two"):
+        monkeypatch.setenv("ASYNCSYNC_THREADS", bad)
+        with pytest.raises(ConfigError, match="ASYNCSYNC_THREADS"):
+            pipeline.threads()
+    with pytest.raises(ConfigError):
+        pipeline.set_threads(0)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_parallel_map_keeps_order_and_waits_for_every_call(n: int) -> None:
+    import threading
+    import time
+
+    from asyncsync import pipeline
+
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def work(x: int) -> int:
+        time.sleep(0.01 * (x % 3))
+        if x == 2:
+            raise ValueError("two")
+        with lock:
+            done.append(x)
+        return x * x
+
+    pipeline.set_threads(n)
+    try:
+        assert pipeline.parallel_map(lambda x: x * x, range(6)) == [0, 1, 4, 9, 16, 25]
+        with pytest.raises(ValueError, match="two"):
+            pipeline.parallel_map(work, range(6))
+        assert sorted(done) == [0, 1, 3, 4, 5]  # every other call finished before the raise
+        got = pipeline.run_all(work, range(3))
+        assert got[:2] == [0, 1] and isinstance(got[2], ValueError)
+    finally:
+        pipeline.set_threads(None)
+
+
+def test_a_failed_parallel_diff_leaves_every_old_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from asyncsync import codec, pipeline
+    from asyncsync.codec import diff
+
+    olds = [torch.arange(1000, dtype=torch.int16) for _ in range(4)]
+    news = [o.clone() for o in olds]
+    for t in news:
+        t[::7] += 1
+    before = [o.clone() for o in olds]
+    real = diff._native_change
+
+    def flaky(old: torch.Tensor, *a: object) -> codec.Change:
+        if old is olds[2]:
+            raise MemoryError("injected")
+        return real(old, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(diff, "_native_change", flaky)
+    pipeline.set_threads(2)
+    try:
+        if codec.native.kernels is not None:
+            with pytest.raises(MemoryError):
+                codec.diff_tensors(olds, news, algorithm="xxh3-128", advance=True)
+            assert all(torch.equal(a, b) for a, b in zip(olds, before, strict=True))
+        monkeypatch.setattr(diff, "_native_change", real)
+        changes = codec.diff_tensors(olds, news, algorithm="xxh3-128", advance=True)
+        assert all(torch.equal(a, b) for a, b in zip(olds, news, strict=True))
+        codec.revert(olds, changes)
+        assert all(torch.equal(a, b) for a, b in zip(olds, before, strict=True))
+    finally:
+        pipeline.set_threads(None)
+
+
+def test_a_forked_child_gets_a_pool_of_its_own() -> None:
+    """A child forked after the pool started has none of its threads: it must not wait on
+    them (the fork launch of stress/crash.py hung there)."""
+    import os
+
+    from asyncsync import pipeline
+
+    pipeline.set_threads(2)
+    try:
+        assert pipeline.parallel_map(lambda x: x + 1, range(4)) == [1, 2, 3, 4]
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the pool works
+            try:
+                ok = pipeline.parallel_map(lambda x: x + 1, range(4)) == [1, 2, 3, 4]
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        pipeline.set_threads(None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -19,7 +20,7 @@ from asyncsync.format import MANIFEST_NAME
 from asyncsync.format import acks as acks_mod
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest
-from tests.conftest import mixed_state, mutate
+from tests.conftest import mixed_state, mutate, same_bytes
 
 
 def files_under(root: Path) -> list[str]:
@@ -87,14 +88,24 @@ async def test_keyframes_by_interval_and_request(tmp_path: Path) -> None:
     assert {s.role for s in m3.shards} == {"delta", "full"}
 
 
-async def test_schema_change_publishes_full(tmp_path: Path) -> None:
+async def test_schema_change_publishes_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sd = mixed_state(0)
     async with Publisher(tmp_path) as pub:
         await pub.seed(sd)
         sd2 = dict(sd)
         sd2["new.tensor"] = torch.ones(3)
-        r = await pub.publish(sd2)
+        gone, retyped = sorted(sd)[:2]
+        del sd2[gone]
+        sd2[retyped] = sd[retyped].double().reshape(-1)
+        with caplog.at_level(logging.WARNING, logger="asyncsync"):
+            r = await pub.publish(sd2)
     assert r.kind == "full" and r.base_version is None
+    # (issue 20, operator) a WARNING naming what changed
+    (msg,) = [r.getMessage() for r in caplog.records if "tensor set changed" in r.getMessage()]
+    assert "added: new.tensor" in msg and f"removed: {gone}" in msg
+    assert f"re-typed: {retyped} {sd[retyped].dtype}" in msg and "torch.float64" in msg
 
 
 async def test_one_publisher_per_root(tmp_path: Path) -> None:
@@ -169,6 +180,8 @@ async def test_failure_at_each_stage_commits_nothing(
         hook_fails["on"] = False
         assert files_under(tmp_path) == before  # no manifest, no shard, no temp file
         assert list_versions(tmp_path) == [0]
+        snap = pub._snapshot  # advanced in the diff's pass, then put back
+        assert snap is not None and all(same_bytes(snap[k], t) for k, t in sd0.items())
         r = await pub.publish(sd1)  # the next publish works, against the unchanged snapshot
         assert r.version == 1 and r.kind == "delta"
     # the delta of v1 is relative to v0 exactly: its per-tensor checksums match sd1
@@ -501,27 +514,91 @@ async def test_a_tensor_name_no_reader_takes_is_refused_at_publish(
     assert list_versions(tmp_path) == []
 
 
-async def test_a_registered_checkpoint_of_symlinks_is_taken_by_receivers(tmp_path: Path) -> None:
-    """FORMAT.md 11.5 (issue 22): a Hugging Face cache snapshot is a directory of symlinks to
-    blobs. Registered as ``shard_dir`` (outside the root), receivers follow those symlinks,
-    and only there; a checkpoint inside the root is refused (nothing there is followed)."""
+async def test_a_registered_checkpoint_made_of_symlinks_is_read_through_them(
+    tmp_path: Path,
+) -> None:
+    """FORMAT.md 11.5 (issue 22): a registered checkpoint (``shard_dir``) lies outside the root;
+    a writer resolves a snapshot's symlinks (the manifest names the blobs), but one that did
+    not left files that are symlinks there: readers follow them there, and only there (the
+    file they reach must still be a regular file of the manifest's size and checksum). A
+    checkpoint inside the root is refused (nothing in the root is followed)."""
     from receiver import ReceiverAgent
     from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 
     sd = {k: v.contiguous() for k, v in mixed_state(0).items()}
-    blobs, snap = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc123"
-    blobs.mkdir(parents=True)
-    snap.mkdir(parents=True)
-    safetensors.torch.save_file(sd, blobs / "0f1e2d3c")
-    (snap / "model.safetensors").symlink_to("../../blobs/0f1e2d3c")
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "blobs"
+    ckpt.mkdir()
+    elsewhere.mkdir()
+    safetensors.torch.save_file(sd, ckpt / "model.safetensors")
     root = tmp_path / "root"
     async with Publisher(root) as pub:
-        await pub.seed(snap)
+        await pub.seed(ckpt)
         inside = root / "ckpt"
-        shutil.copytree(snap, inside, symlinks=True)
+        shutil.copytree(ckpt, inside)
         with pytest.raises(ConfigError, match="inside the root"):
             await pub.seed(inside)
+    assert read_manifest(root, 0).shard_dir == str(ckpt.resolve())
+    shutil.move(ckpt / "model.safetensors", elsewhere / "0f1e2d3c")
+    (ckpt / "model.safetensors").symlink_to(elsewhere / "0f1e2d3c")
     agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "c"), "e1", use_inotify=False)
     async with agent:
         assert await agent.sync_once() == 0  # today's main: "shards may not be symlinks"
     assert verify_checkpoint(tmp_path / "c", read_manifest(root, 0)) == []
+
+
+def _hf_cache_snapshot(cache: Path, sd: dict[str, torch.Tensor]) -> Path:
+    """A Hugging Face cache layout: snapshots/<rev>/<file> are relative symlinks to blobs/."""
+    repo = cache / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    names = sorted(sd)
+    half = len(names) // 2
+    weight_map = {}
+    for k, part in enumerate((names[:half], names[half:]), 1):
+        f = f"model-{k:05d}-of-00002.safetensors"
+        blob = repo / "blobs" / f"{k:064x}"
+        safetensors.torch.save_file({n: sd[n].contiguous() for n in part}, blob)
+        (snap / f).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+        weight_map.update(dict.fromkeys(part, f))
+    index = repo / "blobs" / f"{9:064x}"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (snap / "model.safetensors.index.json").symlink_to(Path("..") / ".." / "blobs" / index.name)
+    return snap
+
+
+async def test_seed_from_a_hugging_face_cache_snapshot_references_the_blobs(
+    tmp_path: Path,
+) -> None:
+    """(issue 20, failure 3) A snapshot's files are symlinks, which receivers refuse as shards:
+    the base version references the blobs they point to, and receivers sync it bit-exact."""
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+    from tests.conftest import same_bytes
+
+    sd = mixed_state(0)
+    snap = _hf_cache_snapshot(tmp_path / "hub", sd)
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed(snap)
+        sd2 = mutate(sd, 0.05, seed=1)
+        await pub.publish(sd2)
+    m = read_manifest(root, 0)
+    assert m.shard_dir == str((tmp_path / "hub" / "models--org--tiny" / "blobs").resolve())
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "ck"), "e1", use_inotify=False)
+    async with agent:
+        assert await agent.sync_once() == 1
+        held = agent.engine.load_state_dict()  # type: ignore[attr-defined]
+    assert all(same_bytes(held[k], v.contiguous()) for k, v in sd2.items())
+
+
+async def test_seed_from_a_checkpoint_missing_a_file_names_it_and_commits_nothing(
+    tmp_path: Path,
+) -> None:
+    snap = _hf_cache_snapshot(tmp_path / "hub", mixed_state(0))
+    next(p for p in snap.iterdir() if p.name.startswith("model-00002")).resolve().unlink()
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        with pytest.raises(ConfigError, match=r"model-00002-of-00002.safetensors is named by the"):
+            await pub.seed(snap)
+    assert list_versions(root) == []

@@ -53,7 +53,7 @@ from asyncsync.codec.delta import (
     encode_delta,
     encoded_size,
 )
-from asyncsync.codec.diff import Change, changed_positions, diff_tensors
+from asyncsync.codec.diff import Change, changed_positions, diff_tensors, revert
 from asyncsync.codec.patch import Patch, apply_patch
 from asyncsync.codec.patch_hash import patch_and_checksum
 from asyncsync.codec.views import gather, int_view
@@ -76,6 +76,7 @@ __all__ = [
     "gather",
     "int_view",
     "patch_and_checksum",
+    "revert",
 ]
 
 NATIVE: bool = native.kernels is not None  # the C kernels run on CPU (see the module docstring)

@@ -15,6 +15,12 @@
  *     both be None (positions only). Slots past `count` in the outputs may be overwritten.
  *     Fast path: compare 8-byte words of old and new and skip equal ones; a differing word is
  *     emitted branch-free, one slot per lane, advancing `count` only for lanes that differ.
+ *     Two optional arguments fold two more passes over the same bytes into this one:
+ *     `hasher` (an Xxh3, below) is fed the new bytes of every element scanned, in order, block
+ *     by block right after the block is diffed (so it has hashed exactly elements [0,
+ *     next_start) once a tensor is scanned from 0), and `advance` (old must be writable) copies
+ *     each differing element's new bytes into old, so old becomes new as the scan passes (the
+ *     publisher's snapshot; undone from the XORs if the publish fails).
  *
  * xor_patch(flat, width, positions, values, old_out) / set_patch(...same...)
  *     For k in range(len(positions)): if old_out is not None: old_out[k] = flat[pos[k]];
@@ -39,6 +45,21 @@
  *     the high bitvector, the high bitvector has exactly n set bits, and the decoded positions
  *     are strictly increasing within [0, numel). Messages match asyncsync.codec.ef's NumPy decoder.
  *
+ * patch_hash(flat, width, positions, values, is_xor, lo, hi, hasher) -> None
+ *     Patch the element range [lo, hi) of flat (positions: int64, strictly increasing within
+ *     [lo, hi), or None for every element of the range, `values` then holding hi - lo
+ *     elements) in blocks of PATCH_BLOCK bytes, each block fed to `hasher` (an Xxh3, or None)
+ *     right after it is patched, while in cache: the digest is that of the patched range.
+ *     Every position is checked before the first write (ValueError, flat unchanged).
+ *
+ * planes(src, width, out) / unplanes(src, width, out) -> None
+ *     The byte planes of the xef values (all byte 0s of the width-byte elements, then all byte
+ *     1s, ...) and back; out has src's size.
+ *
+ * Xxh3(bits=128): a streaming XXH3 hasher (xxhash.h, vendored from xxHash 0.8.2, BSD-2, see
+ *     LICENSE.xxhash), 64- or 128-bit, with update(buffer) (the GIL released) and hexdigest(),
+ *     whose digests equal python-xxhash's xxh3_64 / xxh3_128 hexdigest().
+ *
  * All byte buffers are accessed with memcpy, so no alignment is required of any of them.
  */
 #define PY_SSIZE_T_CLEAN
@@ -46,6 +67,10 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
+#include "xxhash.h"
 
 /* ------------------------------------------------------------------------ buffer helpers */
 
@@ -117,6 +142,127 @@ static void out_of_bounds(Py_ssize_t at, int64_t value, Py_ssize_t n) {
                  (long long)value, n);
 }
 
+/* ------------------------------------------------------------------------------ Xxh3 hasher */
+
+typedef struct {
+    PyObject_HEAD XXH3_state_t *state;
+    int bits; /* 64 or 128 */
+} Xxh3Object;
+
+static PyTypeObject Xxh3Type;
+
+/* Buffers at least this large are hashed with the GIL released. */
+#define XXH3_NOGIL_BYTES 65536
+
+static void xxh3_feed(Xxh3Object *h, const void *p, size_t len) {
+    if (h->bits == 64) {
+        XXH3_64bits_update(h->state, p, len);
+    } else {
+        XXH3_128bits_update(h->state, p, len);
+    }
+}
+
+static int xxh3_init(Xxh3Object *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"bits", NULL};
+    int bits = 128;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|i:Xxh3", names, &bits)) {
+        return -1;
+    }
+    if (bits != 64 && bits != 128) {
+        PyErr_Format(PyExc_ValueError, "bits must be 64 or 128, not %d", bits);
+        return -1;
+    }
+    if (!self->state && !(self->state = XXH3_createState())) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->bits = bits;
+    if (bits == 64) {
+        XXH3_64bits_reset(self->state);
+    } else {
+        XXH3_128bits_reset(self->state);
+    }
+    return 0;
+}
+
+static void xxh3_dealloc(Xxh3Object *self) {
+    if (self->state) {
+        XXH3_freeState(self->state);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *xxh3_update(Xxh3Object *self, PyObject *arg) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (v.len >= XXH3_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS;
+        xxh3_feed(self, v.buf, (size_t)v.len);
+        Py_END_ALLOW_THREADS;
+    } else {
+        xxh3_feed(self, v.buf, (size_t)v.len);
+    }
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *xxh3_hexdigest(Xxh3Object *self, PyObject *unused) {
+    char hex[33];
+    static const char digits[] = "0123456789abcdef";
+    unsigned char raw[16];
+    int len;
+    if (self->bits == 64) {
+        XXH64_canonical_t c;
+        XXH64_canonicalFromHash(&c, XXH3_64bits_digest(self->state));
+        memcpy(raw, c.digest, 8);
+        len = 8;
+    } else {
+        XXH128_canonical_t c;
+        XXH128_canonicalFromHash(&c, XXH3_128bits_digest(self->state));
+        memcpy(raw, c.digest, 16);
+        len = 16;
+    }
+    for (int k = 0; k < len; k++) {
+        hex[2 * k] = digits[raw[k] >> 4];
+        hex[2 * k + 1] = digits[raw[k] & 15];
+    }
+    return PyUnicode_FromStringAndSize(hex, 2 * len);
+}
+
+static PyMethodDef xxh3_methods[] = {
+    {"update", (PyCFunction)xxh3_update, METH_O, "update(buffer): hash these bytes next."},
+    {"hexdigest", (PyCFunction)xxh3_hexdigest, METH_NOARGS,
+     "The digest of the bytes so far, as python-xxhash's hexdigest() prints it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject Xxh3Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "asyncsync.codec._native.Xxh3",
+    .tp_basicsize = sizeof(Xxh3Object),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Xxh3(bits=128): streaming XXH3 (64 or 128 bits) over buffers.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)xxh3_init,
+    .tp_dealloc = (destructor)xxh3_dealloc,
+    .tp_methods = xxh3_methods,
+};
+
+/* The Xxh3 in `obj` (NULL for None, with *ok = 1), or NULL with *ok = 0 and a TypeError. */
+static Xxh3Object *as_hasher(PyObject *obj, int *ok) {
+    *ok = 1;
+    if (obj == NULL || obj == Py_None) {
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(obj, &Xxh3Type) || !((Xxh3Object *)obj)->state) {
+        PyErr_Format(PyExc_TypeError, "hasher must be an initialised Xxh3 or None, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        *ok = 0;
+    }
+    return (Xxh3Object *)obj;
+}
+
 /* ------------------------------------------------------------------------------ diff kernel */
 
 /* Emit element i unconditionally into slot c (the caller advances c only if it differs). */
@@ -131,6 +277,9 @@ static void out_of_bounds(Py_ssize_t at, int64_t value, Py_ssize_t n) {
         if (nv) {                                                                             \
             memcpy(nv + (c) * (W), &eb_, (W));                                                \
             memcpy(xv + (c) * (W), &ex_, (W));                                                \
+        }                                                                                     \
+        if (adv) {                                                                            \
+            memcpy(adv + (i) * (W), &eb_, (W));                                               \
         }                                                                                     \
         (c) += (ex_ != 0);                                                                    \
     } while (0)
@@ -153,7 +302,7 @@ static void out_of_bounds(Py_ssize_t at, int64_t value, Py_ssize_t n) {
 #define DEFINE_DIFF(T, W)                                                                     \
     static Py_ssize_t diff_##W(const char *o, const char *nw, Py_ssize_t n, Py_ssize_t i,      \
                                char *pos, char *nv, char *xv, Py_ssize_t cap,                 \
-                               Py_ssize_t *resume) {                                          \
+                               Py_ssize_t *resume, char *adv) {                               \
         const Py_ssize_t lanes = 8 / (W);                                                     \
         const Py_ssize_t body_end = n - n % lanes;                                            \
         Py_ssize_t c = 0;                                                                     \
@@ -189,11 +338,26 @@ DEFINE_DIFF(uint16_t, 2)
 DEFINE_DIFF(uint32_t, 4)
 DEFINE_DIFF(uint64_t, 8)
 
+/* Elements diffed (and hashed, and advanced) per block: hashed while still in cache. */
+#define DIFF_BLOCK_BYTES 65536
+
+static Py_ssize_t diff_any(Py_ssize_t width, const char *o, const char *nw, Py_ssize_t end,
+                           Py_ssize_t i, char *pos, char *nv, char *xv, Py_ssize_t cap,
+                           Py_ssize_t *resume, char *adv) {
+    switch (width) {
+    case 1: return diff_1(o, nw, end, i, pos, nv, xv, cap, resume, adv);
+    case 2: return diff_2(o, nw, end, i, pos, nv, xv, cap, resume, adv);
+    case 4: return diff_4(o, nw, end, i, pos, nv, xv, cap, resume, adv);
+    default: return diff_8(o, nw, end, i, pos, nv, xv, cap, resume, adv);
+    }
+}
+
 static PyObject *diff_extract(PyObject *self, PyObject *args) {
-    PyObject *old_o, *new_o, *pos_o, *nv_o, *xv_o;
+    PyObject *old_o, *new_o, *pos_o, *nv_o, *xv_o, *hasher_o = Py_None;
     Py_ssize_t width, start;
-    if (!PyArg_ParseTuple(args, "OOnnOOO:diff_extract", &old_o, &new_o, &width, &start, &pos_o,
-                          &nv_o, &xv_o)) {
+    int advance = 0, ok;
+    if (!PyArg_ParseTuple(args, "OOnnOOO|Op:diff_extract", &old_o, &new_o, &width, &start,
+                          &pos_o, &nv_o, &xv_o, &hasher_o, &advance)) {
         return NULL;
     }
     if (check_width(width) < 0) {
@@ -203,10 +367,14 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "new_out and xor_out must both be buffers or both None");
         return NULL;
     }
+    Xxh3Object *hasher = as_hasher(hasher_o, &ok);
+    if (!ok) {
+        return NULL;
+    }
     Buffers b = {.held = 0};
     Py_buffer *old, *new, *pos, *nv = NULL, *xv = NULL;
     Py_ssize_t n, cap, count = 0, resume = 0;
-    if (!(old = acquire(&b, old_o, "old", 0)) || !(new = acquire(&b, new_o, "new", 0)) ||
+    if (!(old = acquire(&b, old_o, "old", advance)) || !(new = acquire(&b, new_o, "new", 0)) ||
         !(pos = acquire(&b, pos_o, "pos_out", 1))) {
         goto fail;
     }
@@ -241,12 +409,31 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
     {
         const char *po = old->buf, *pn = new->buf;
         char *pp = pos->buf, *pv = nv ? nv->buf : NULL, *px = xv ? xv->buf : NULL;
+        char *adv = advance ? (char *)old->buf : NULL;
+        const Py_ssize_t block = DIFF_BLOCK_BYTES / width;
+        Py_ssize_t i = start;
+        resume = start;
         Py_BEGIN_ALLOW_THREADS;
-        switch (width) {
-        case 1: count = diff_1(po, pn, n, start, pp, pv, px, cap, &resume); break;
-        case 2: count = diff_2(po, pn, n, start, pp, pv, px, cap, &resume); break;
-        case 4: count = diff_4(po, pn, n, start, pp, pv, px, cap, &resume); break;
-        default: count = diff_8(po, pn, n, start, pp, pv, px, cap, &resume); break;
+        if (!hasher && !adv) {
+            count = diff_any(width, po, pn, n, start, pp, pv, px, cap, &resume, NULL);
+        } else {
+            while (i < n) {
+                Py_ssize_t end = (i / block + 1) * block; /* block-aligned: lanes stay aligned */
+                end = end < n ? end : n;
+                Py_ssize_t got = diff_any(width, po, pn, end, i, pp + count * 8,
+                                          pv ? pv + count * width : NULL,
+                                          px ? px + count * width : NULL, cap - count, &resume,
+                                          adv);
+                count += got;
+                if (hasher && resume > i) {
+                    xxh3_feed(hasher, pn + i * width, (size_t)((resume - i) * width));
+                }
+                i = resume;
+                if (resume < end) {
+                    break; /* the outputs are full */
+                }
+            }
+            resume = i;
         }
         Py_END_ALLOW_THREADS;
     }
@@ -360,6 +547,134 @@ fail:
 
 static PyObject *xor_patch(PyObject *self, PyObject *args) { return patch(args, 1); }
 
+/* Patched and hashed per block: the block is hashed right after it is patched, in cache. */
+#define PATCH_BLOCK_BYTES 65536
+
+static void patch_any(Py_ssize_t width, char *flat, const char *pos, const char *vals,
+                      Py_ssize_t k, int is_xor) {
+    switch (width) {
+    case 1: patch_1(flat, pos, vals, NULL, k, is_xor); break;
+    case 2: patch_2(flat, pos, vals, NULL, k, is_xor); break;
+    case 4: patch_4(flat, pos, vals, NULL, k, is_xor); break;
+    default: patch_8(flat, pos, vals, NULL, k, is_xor); break;
+    }
+}
+
+/* Bytewise XOR of len bytes of src into dst (XOR needs no element width). */
+static void xor_bytes(char *dst, const char *src, Py_ssize_t len) {
+    Py_ssize_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        uint64_t a, v;
+        memcpy(&a, dst + j, 8);
+        memcpy(&v, src + j, 8);
+        a ^= v;
+        memcpy(dst + j, &a, 8);
+    }
+    for (; j < len; j++) {
+        dst[j] ^= src[j];
+    }
+}
+
+static PyObject *patch_hash(PyObject *self, PyObject *args) {
+    PyObject *flat_o, *pos_o, *val_o, *hasher_o;
+    Py_ssize_t width, lo, hi;
+    int is_xor, ok;
+    if (!PyArg_ParseTuple(args, "OnOOpnnO:patch_hash", &flat_o, &width, &pos_o, &val_o, &is_xor,
+                          &lo, &hi, &hasher_o)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    Xxh3Object *hasher = as_hasher(hasher_o, &ok);
+    if (!ok) {
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *flat, *pos = NULL, *vals;
+    Py_ssize_t n, k = 0, bad_at = -1;
+    int64_t bad = 0;
+    if (!(flat = acquire(&b, flat_o, "flat", 1)) || !(vals = acquire(&b, val_o, "values", 0))) {
+        goto fail;
+    }
+    if (pos_o != Py_None && !(pos = acquire(&b, pos_o, "positions", 0))) {
+        goto fail;
+    }
+    if ((n = elements(flat, width, "flat")) < 0) {
+        goto fail;
+    }
+    if (lo < 0 || lo > hi || hi > n) {
+        PyErr_Format(PyExc_ValueError, "range [%zd, %zd) outside a tensor of %zd elements", lo,
+                     hi, n);
+        goto fail;
+    }
+    if (pos && (k = int64s(pos, "positions")) < 0) {
+        goto fail;
+    }
+    if (vals->len != (pos ? k : hi - lo) * width) {
+        PyErr_Format(PyExc_ValueError, "values is %zd bytes, want %zd elements of %zd", vals->len,
+                     pos ? k : hi - lo, width);
+        goto fail;
+    }
+    {
+        char *pf = flat->buf;
+        const char *pp = pos ? pos->buf : NULL, *pv = vals->buf;
+        const Py_ssize_t block = PATCH_BLOCK_BYTES / width;
+        Py_BEGIN_ALLOW_THREADS;
+        int64_t prev = (int64_t)lo - 1;
+        for (Py_ssize_t j = 0; j < k; j++) { /* every position checked before any write */
+            int64_t p;
+            memcpy(&p, pp + j * 8, 8);
+            if (p <= prev || p >= (int64_t)hi) {
+                bad_at = j;
+                bad = p;
+                break;
+            }
+            prev = p;
+        }
+        if (bad_at < 0) {
+            Py_ssize_t i = lo, at = 0;
+            while (i < hi) {
+                Py_ssize_t end = (i / block + 1) * block;
+                end = end < hi ? end : hi;
+                if (pp) {
+                    Py_ssize_t stop = at;
+                    for (; stop < k; stop++) {
+                        int64_t p;
+                        memcpy(&p, pp + stop * 8, 8);
+                        if (p >= (int64_t)end) {
+                            break;
+                        }
+                    }
+                    patch_any(width, pf, pp + at * 8, pv + at * width, stop - at, is_xor);
+                    at = stop;
+                } else if (is_xor) {
+                    xor_bytes(pf + i * width, pv + (i - lo) * width, (end - i) * width);
+                } else {
+                    memcpy(pf + i * width, pv + (i - lo) * width, (size_t)((end - i) * width));
+                }
+                if (hasher) {
+                    xxh3_feed(hasher, pf + i * width, (size_t)((end - i) * width));
+                }
+                i = end;
+            }
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    if (bad_at >= 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "positions[%zd] = %lld: positions must be strictly increasing within "
+                     "[%zd, %zd)",
+                     bad_at, (long long)bad, lo, hi);
+        goto fail;
+    }
+    release_all(&b);
+    Py_RETURN_NONE;
+fail:
+    release_all(&b);
+    return NULL;
+}
+
 #define DEFINE_GATHER(T, W)                                                                   \
     static void gather_##W(const char *flat, const char *pos, char *out, Py_ssize_t k) {     \
         for (Py_ssize_t j = 0; j < k; j++) {                                                  \
@@ -431,6 +746,77 @@ fail:
 }
 
 static PyObject *set_patch(PyObject *self, PyObject *args) { return patch(args, 0); }
+
+/* ---------------------------------------------------------------------------- byte planes */
+
+/* planes: n elements of `width` bytes -> byte k of every element, for k = 0 .. width-1 (and back). */
+static PyObject *planes_impl(PyObject *args, int split) {
+    PyObject *src_o, *out_o;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, split ? "OnO:planes" : "OnO:unplanes", &src_o, &width, &out_o)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *src, *out;
+    Py_ssize_t n;
+    if (!(src = acquire(&b, src_o, "src", 0)) || !(out = acquire(&b, out_o, "out", 1))) {
+        goto fail;
+    }
+    if ((n = elements(src, width, "src")) < 0) {
+        goto fail;
+    }
+    if (out->len != src->len) {
+        PyErr_Format(PyExc_ValueError, "out is %zd bytes, src %zd", out->len, src->len);
+        goto fail;
+    }
+    {
+        const unsigned char *ps = src->buf;
+        unsigned char *po = out->buf;
+        Py_BEGIN_ALLOW_THREADS;
+        if (width == 1) {
+            memcpy(po, ps, (size_t)n);
+        } else if (width == 2) { /* the bf16 / fp16 case, unrolled */
+            unsigned char *p0 = split ? po : (unsigned char *)ps, *p1 = p0 + n;
+            if (split) {
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    p0[i] = ps[2 * i];
+                    p1[i] = ps[2 * i + 1];
+                }
+            } else {
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    po[2 * i] = p0[i];
+                    po[2 * i + 1] = p1[i];
+                }
+            }
+        } else {
+            for (Py_ssize_t k = 0; k < width; k++) { /* one plane at a time: sequential writes */
+                if (split) {
+                    unsigned char *dst = po + k * n;
+                    for (Py_ssize_t i = 0; i < n; i++) {
+                        dst[i] = ps[i * width + k];
+                    }
+                } else {
+                    const unsigned char *from = ps + k * n;
+                    for (Py_ssize_t i = 0; i < n; i++) {
+                        po[i * width + k] = from[i];
+                    }
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    release_all(&b);
+    Py_RETURN_NONE;
+fail:
+    release_all(&b);
+    return NULL;
+}
+
+static PyObject *planes(PyObject *self, PyObject *args) { return planes_impl(args, 1); }
+static PyObject *unplanes(PyObject *self, PyObject *args) { return planes_impl(args, 0); }
 
 /* ---------------------------------------------------------------------------- Elias-Fano */
 
@@ -737,9 +1123,15 @@ fail:
 
 static PyMethodDef methods[] = {
     {"diff_extract", diff_extract, METH_VARARGS,
-     "diff_extract(old, new, width, start, pos_out, new_out, xor_out) -> (count, next_start)\n\n"
+     "diff_extract(old, new, width, start, pos_out, new_out, xor_out, hasher=None, "
+     "advance=False) -> (count, next_start)\n\n"
      "Write the int64 index, new element and old^new of each differing element from `start`\n"
-     "until the outputs (capacity len(pos_out) // 8) are full or the end is reached."},
+     "until the outputs (capacity len(pos_out) // 8) are full or the end is reached; feed the\n"
+     "new bytes scanned to `hasher`; with `advance`, copy each differing element into old."},
+    {"patch_hash", patch_hash, METH_VARARGS,
+     "patch_hash(flat, width, positions, values, is_xor, lo, hi, hasher) -> None\n\n"
+     "Patch flat[lo:hi) (positions strictly increasing there, or None: every element) block by\n"
+     "block, feeding each patched block to `hasher` (an Xxh3 or None)."},
     {"xor_patch", xor_patch, METH_VARARGS,
      "xor_patch(flat, width, positions, values, old_out) -> None\n\n"
      "old_out[k] = flat[pos[k]] (unless None); flat[pos[k]] ^= values[k]. Bounds-checked first."},
@@ -749,6 +1141,11 @@ static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(flat, width, positions, out) -> None\n\n"
      "out[k] = flat[pos[k]] for every k (out holds exactly len(positions)). Bounds-checked first."},
+    {"planes", planes, METH_VARARGS,
+     "planes(src, width, out) -> None\n\n"
+     "out = the bytes of src's width-byte elements as byte planes (all byte 0s, then 1s, ...)."},
+    {"unplanes", unplanes, METH_VARARGS,
+     "unplanes(src, width, out) -> None\n\nThe inverse of planes()."},
     {"ef_encode", ef_encode, METH_VARARGS,
      "ef_encode(positions, numel, low_bits) -> bytes\n\n"
      "The uncompressed Elias-Fano payload of strictly increasing int64 positions in [0, numel)."},
@@ -767,4 +1164,19 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&Xxh3Type) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&Xxh3Type);
+    if (PyModule_AddObject(m, "Xxh3", (PyObject *)&Xxh3Type) < 0) {
+        Py_DECREF(&Xxh3Type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -15,7 +15,7 @@ import torch
 import zstandard
 from numpy.typing import NDArray
 
-from asyncsync.codec import ef
+from asyncsync.codec import ef, native
 from asyncsync.codec.patch import Patch
 from asyncsync.codec.views import _NP_BY_WIDTH, _WIDTH_BY_INT, gather
 from asyncsync.errors import ConfigError, FormatError
@@ -72,7 +72,8 @@ def encode_delta(
 
     ``values`` (``new`` at ``positions``) and ``xor`` (``old ^ new`` there), as a
     :class:`Change` from :func:`diff_tensors` holds them, spare the gathers when given; the
-    result is byte-identical either way.
+    result is byte-identical either way. With ``xor`` given (``positions`` then being exactly
+    the changed elements) ``old`` is not read, so it may already have been advanced to ``new``.
     """
     _check_encoding(encoding)
     if old.dtype != new.dtype or old.dtype not in _WIDTH_BY_INT:
@@ -92,7 +93,11 @@ def encode_delta(
         if given is not None and (given.dtype != old.dtype or given.shape != positions.shape):
             raise ConfigError(f"{what} must be {old.dtype}[{n}], got {given.dtype}{given.shape}")
     if encoding == "xef" and n > DENSE_THRESHOLD * numel:
-        dense = torch.bitwise_xor(new, old)
+        if xor is not None:  # from the changes alone: ``old`` may already hold the new bytes
+            dense = torch.zeros_like(new)
+            dense[positions.to(new.device)] = xor.to(new.device)
+        else:
+            dense = torch.bitwise_xor(new, old)
         n = int(torch.count_nonzero(dense))  # exact even if positions held unchanged elements
         return EncodedDelta(encoding, "dense", n, b"", _zstd(_planes(dense), level), numel * width)
     pos = positions.to(old.device)
@@ -211,6 +216,11 @@ def _unzstd(blob: bytes, sizes: tuple[int, ...], what: str) -> bytes:
 def _planes(v: torch.Tensor) -> memoryview:
     """A 1-D int tensor's bytes as byte planes (all byte 0s, then all byte 1s, ...), on CPU."""
     width, u8 = v.element_size(), v.contiguous().view(torch.uint8)
+    k = native.kernels
+    if width > 1 and u8.device.type == "cpu" and k is not None and hasattr(k, "planes"):
+        out = np.empty(u8.numel(), dtype=np.uint8)
+        k.planes(u8.numpy(), width, out)
+        return out.data
     if width > 1:  # one strided copy per plane: several times faster than a transpose copy
         planes = torch.empty((width, v.numel()), dtype=torch.uint8, device=v.device)
         for k in range(width):
@@ -223,6 +233,10 @@ def _unplanes(raw: bytes, n: int, width: int) -> torch.Tensor:
     """Inverse of :func:`_planes`: an owned, writable (n,) tensor of the int-view dtype."""
     src = np.frombuffer(raw, np.uint8)
     out = np.empty(n * width, dtype=np.uint8)
+    kernels = native.kernels
+    if width > 1 and kernels is not None and hasattr(kernels, "unplanes"):
+        kernels.unplanes(src, width, out)
+        return torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
     for k in range(width):
         out[k::width] = src[k * n : (k + 1) * n]
     return torch.from_numpy(out.view(_NP_BY_WIDTH[width]))

@@ -4,6 +4,11 @@ On CPU with the native kernel (:mod:`asyncsync.codec.native`) one fused pass per
 its 8-byte words writes each differing element's position, new value and XOR (about one
 ``torch.ne``); without it NumPy's ``!=``, ``flatnonzero`` and two gathers give the same result
 about 3x slower. Accelerator tensors take the torch path.
+
+Two more passes over the same bytes can ride along (:func:`diff_tensors`): the checksum of each
+new tensor (``algorithm``: the C kernel feeds XXH3 block by block as it diffs) and advancing
+the old tensors to the new ones (``advance``: each changed element copied into old as the pass
+goes; :func:`revert` puts the old values back from the changes, ``old = new ^ xor``).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from numpy.typing import NDArray
 from asyncsync.codec import native
 from asyncsync.codec.views import gather, int_view
 from asyncsync.errors import ConfigError
+from asyncsync.format.checksum import checksum_tensor
+from asyncsync.pipeline import run_all
 
-__all__ = ["Change", "changed_positions", "diff_tensors"]
+__all__ = ["Change", "changed_positions", "diff_tensors", "revert"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class Change:
     positions: torch.Tensor
     values: torch.Tensor
     xor: torch.Tensor
+    checksum: str | None = None  # of the new tensor's complete bytes, when asked for
 
 
 def changed_positions(
@@ -57,28 +65,98 @@ def changed_positions(
     return _changed_positions_numpy(olds, news, numels)
 
 
-def diff_tensors(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> list[Change]:
+def diff_tensors(
+    olds: Sequence[torch.Tensor],
+    news: Sequence[torch.Tensor],
+    *,
+    algorithm: str | None = None,
+    advance: bool = False,
+) -> list[Change]:
     """The :class:`Change` of each ``old -> new`` pair (any dtype; compared bytewise).
 
     On CPU with the native kernel, one fused pass per tensor finds the positions and gathers
-    the new values and XORs; otherwise :func:`changed_positions` and then two gathers.
+    the new values and XORs, the tensors spread over the pool of :mod:`asyncsync.pipeline`;
+    otherwise :func:`changed_positions` and then two gathers. ``algorithm``: also the checksum
+    of each new tensor (``Change.checksum``; in the same pass on the native path).
+    ``advance``: also make each old tensor equal to its new one (in the same pass on the native
+    path, for contiguous CPU tensors; else a scatter after it); if this raises, the olds are as
+    they were.
     """
     numels = _check_pairs(olds, news)
     if not olds:
         return []
     cpu = olds[0].device.type == "cpu"
-    if cpu and native.kernels is not None:
-        return [
-            Change(*map(torch.from_numpy, _native_diff(o, n, True)))
-            for o, n in zip(olds, news, strict=True)
-        ]
-    ov, nv = [int_view(o) for o in olds], [int_view(n) for n in news]
-    positions = (_changed_positions_numpy if cpu else _changed_positions_torch)(ov, nv, numels)
-    out = []
-    for o, n, pos in zip(ov, nv, positions, strict=True):
-        values = gather(n, pos)
-        out.append(Change(pos, values, gather(o, pos).bitwise_xor_(values)))
-    return out
+    out: list[Change] = []
+    if cpu and native.kernels is not None:  # tensors on the pool, each one fused pass
+        done = run_all(
+            lambda pair: _native_change(pair[0], pair[1], algorithm, advance),
+            zip(olds, news, strict=True),
+        )
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:
+            if advance:  # each failed one put itself back; put back the others
+                for old, r in zip(olds, done, strict=True):
+                    if isinstance(r, Change):
+                        revert([old], [r])
+            raise failed[0]
+        return [r for r in done if isinstance(r, Change)]
+    try:
+        ov, nv = [int_view(o) for o in olds], [int_view(n) for n in news]
+        positions = (_changed_positions_numpy if cpu else _changed_positions_torch)(ov, nv, numels)
+        for o, n, new, pos in zip(ov, nv, news, positions, strict=True):
+            values = gather(n, pos)
+            xor = gather(o, pos).bitwise_xor_(values)
+            sum_ = None if algorithm is None else checksum_tensor(new, algorithm)
+            out.append(Change(pos, values, xor, sum_))
+            if advance:
+                _set(olds[len(out) - 1], pos, values)
+        return out
+    except BaseException:
+        if advance:
+            revert(olds[: len(out)], out)
+        raise
+
+
+def revert(olds: Sequence[torch.Tensor], changes: Sequence[Change]) -> None:
+    """Undo ``advance``: put back the old values (``new ^ xor``) of each change into its old."""
+    for old, ch in zip(olds, changes, strict=True):
+        if ch.positions.numel():
+            _set(old, ch.positions, ch.values ^ ch.xor)
+
+
+def _set(old: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
+    """Elements ``pos`` of ``old`` (any layout) set to ``values`` (of its int view)."""
+    if old.is_contiguous():
+        _scatter(int_view(old), pos, values)
+        return
+    flat = int_view(old)  # a contiguous copy
+    _scatter(flat, pos, values)
+    old.copy_(flat.view(old.dtype).view(old.shape))
+
+
+def _scatter(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[pos] = values`` in place (``flat`` an int view that shares the tensor's memory)."""
+    if flat.device.type == "cpu":
+        flat.numpy()[pos.numpy()] = values.numpy()
+    else:
+        flat.index_copy_(0, pos.to(flat.device), values.to(flat.device))
+
+
+def _native_change(
+    old: torch.Tensor, new: torch.Tensor, algorithm: str | None, advance: bool
+) -> Change:
+    """One CPU pair through the C kernel, hashing and advancing in its pass where it can."""
+    h = None if algorithm is None else native.hasher(algorithm)
+    in_pass = advance and old.is_contiguous()
+    ov = int_view(old)
+    arrs = native.diff(ov.numpy(), int_view(new).numpy(), True, hasher=h, advance=in_pass)
+    pos, values, xor = map(torch.from_numpy, arrs)
+    if advance and not in_pass:  # int_view copied a non-contiguous old: set the real one
+        _set(old, pos, values)
+    sum_ = None
+    if algorithm is not None:
+        sum_ = h.hexdigest() if h is not None else checksum_tensor(new, algorithm)
+    return Change(pos, values, xor, sum_)
 
 
 def _native_diff(old: torch.Tensor, new: torch.Tensor, values: bool) -> list[NDArray[Any]]:

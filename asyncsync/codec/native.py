@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["diff", "kernels", "load", "take"]
+__all__ = ["diff", "hasher", "kernels", "load", "take"]
 
 
 def load() -> Any:
@@ -31,27 +31,60 @@ def load() -> Any:
 kernels: Any = load()
 
 
-def diff(old: NDArray[Any], new: NDArray[Any], values: bool) -> list[NDArray[Any]]:
+_BITS = {"xxh3-128": 128, "xxh3-64": 64}
+
+
+def hasher(algorithm: str) -> Any:
+    """The C kernels' streaming XXH3 for ``algorithm`` (``xxh3-128``/``xxh3-64``: its digests are
+    python-xxhash's), or None when the kernels are not loaded or predate it."""
+    k = kernels
+    bits = _BITS.get(algorithm)
+    if k is None or bits is None or not hasattr(k, "Xxh3"):
+        return None
+    return k.Xxh3(bits)
+
+
+def diff(
+    old: NDArray[Any],
+    new: NDArray[Any],
+    values: bool,
+    *,
+    hasher: Any = None,
+    advance: bool = False,
+) -> list[NDArray[Any]]:
     """Where 1-D int arrays ``old`` and ``new`` differ, by the C kernel (which must be loaded):
     [positions (int64), new values there, ``old ^ new`` there], or [positions] only.
+
+    ``hasher`` (from :func:`hasher`) is fed all of ``new`` in the same pass; ``advance`` (needs
+    ``values``) copies each changed element of ``new`` into ``old`` as the pass goes. Should
+    anything fail midway, the elements already copied are put back, so ``old`` is unchanged.
 
     The outputs start at ``max(1024, numel // 16)`` elements (room for 6 % changed) and grow
     from where the kernel stopped, by the rate seen so far; they are trimmed in place at the end.
     """
+    if advance and not values:
+        raise ValueError("advance needs the values (they undo it)")
     cap = _initial_capacity(old.size)
     outs = [np.empty(cap, np.int64)]
     if values:
         outs += [np.empty(cap, old.dtype), np.empty(cap, old.dtype)]
+    extra = () if hasher is None and not advance else (hasher, advance)
     count, start = 0, 0
-    while start < old.size:
-        if count == cap:  # full before the end: grow by the rate of change seen so far
-            guess = count + int((old.size - start) * count / max(1, start) * 1.25)
-            cap = min(old.size, max(2 * cap, 1, guess))
-            outs = [np.concatenate([a, np.empty(cap - count, a.dtype)]) for a in outs]
-        tails = [a[count:] for a in outs] + ([] if values else [None, None])
-        got, start = kernels.diff_extract(old, new, old.itemsize, start, *tails)
-        del tails  # no views may remain when the arrays are resized below
-        count += got
+    try:
+        while start < old.size:
+            if count == cap:  # full before the end: grow by the rate of change seen so far
+                guess = count + int((old.size - start) * count / max(1, start) * 1.25)
+                cap = min(old.size, max(2 * cap, 1, guess))
+                outs = [np.concatenate([a, np.empty(cap - count, a.dtype)]) for a in outs]
+            tails = [a[count:] for a in outs] + ([] if values else [None, None])
+            got, start = kernels.diff_extract(old, new, old.itemsize, start, *tails, *extra)
+            del tails  # no views may remain when the arrays are resized below
+            count += got
+    except BaseException:
+        if advance:  # put back what the kernel advanced: old = new ^ (old ^ new)
+            pos = outs[0][:count]
+            old[pos] = outs[1][:count] ^ outs[2][:count]
+        raise
     for a in outs:
         a.resize(count, refcheck=False)  # realloc in place: frees the unused capacity
     return outs

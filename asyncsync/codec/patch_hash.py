@@ -108,6 +108,9 @@ def _single_pass(
     parts: list[tuple[int, int]],
     composite: bool,
 ) -> str:
+    k = native.kernels
+    if k is not None and hasattr(k, "patch_hash") and native.hasher(algorithm) is not None:
+        return _native_pass(flat, patch, algorithm, parts, composite)
     arr: Any = flat.numpy()
     vals: Any = patch.values.numpy()
     width, numel = flat.element_size(), flat.numel()
@@ -146,3 +149,42 @@ def _single_pass(
     return parts_checksum(
         ((o, n, h.hexdigest()) for (o, n), h in zip(parts, hashers, strict=True)), algorithm
     )
+
+
+def _native_pass(
+    flat: torch.Tensor,
+    patch: Patch,
+    algorithm: str,
+    parts: list[tuple[int, int]],
+    composite: bool,
+) -> str:
+    """The C kernel's ``patch_hash``: each part's range patched and hashed block by block in
+    one call (the ranges between parts, if any, patched without hashing)."""
+    arr: Any = flat.numpy()
+    vals: Any = patch.values.numpy()
+    width, numel = flat.element_size(), flat.numel()
+    pos: Any = None if patch.positions is None else patch.positions.numpy()
+    xor = patch.op == "xor"
+    ranges: list[tuple[int, int, bool]] = []  # (lo, hi, hashed)
+    end = 0
+    for o, n in parts:
+        if o > end:
+            ranges.append((end, o, False))
+        ranges.append((o, o + n, True))
+        end = o + n
+    if end < numel:
+        ranges.append((end, numel, False))
+    cuts = None if pos is None else np.searchsorted(pos, [lo for lo, _, _ in ranges] + [numel])
+    digests: list[str] = []
+    for j, (lo, hi, hashed) in enumerate(ranges):
+        h = native.hasher(algorithm) if hashed else None
+        if cuts is None:
+            native.kernels.patch_hash(arr, width, None, vals[lo:hi], xor, lo, hi, h)
+        else:
+            a, b = int(cuts[j]), int(cuts[j + 1])
+            native.kernels.patch_hash(arr, width, pos[a:b], vals[a:b], xor, lo, hi, h)
+        if h is not None:
+            digests.append(h.hexdigest())
+    if not composite:
+        return digests[0]
+    return parts_checksum(((o, n, d) for (o, n), d in zip(parts, digests, strict=True)), algorithm)

@@ -22,6 +22,7 @@ import torch
 from asyncsync import codec
 from asyncsync.errors import FormatError
 from asyncsync.format.checksum import checksum_tensor
+from asyncsync.pipeline import parallel_map
 
 __all__ = [
     "BucketItem",
@@ -35,8 +36,12 @@ __all__ = [
     "diff_bucket",
     "encode_bucket",
     "parse_shard",
+    "StreamEntry",
+    "StreamHeader",
     "read_header",
     "shard_metadata",
+    "stream_header",
+    "stream_metadata",
 ]
 
 MAX_HEADER = 100 << 20  # safetensors' own limit
@@ -112,18 +117,30 @@ class DiffedBucket:
 
     items: Sequence[BucketItem]
     changes: list[codec.Change] | None  # None: no delta (a full version)
+    advanced: bool = False  # the olds already hold the new bytes (diff_bucket's ``advance``)
 
 
-def diff_bucket(items: Sequence[BucketItem], *, delta: bool) -> DiffedBucket:
+def diff_bucket(
+    items: Sequence[BucketItem],
+    *,
+    delta: bool,
+    algorithm: str | None = None,
+    advance: bool = False,
+) -> DiffedBucket:
     """The diff stage: bytewise compare against ``old`` (:func:`asyncsync.codec.diff_tensors`,
-    the fused C kernel on CPU when built)."""
+    the fused C kernel on CPU when built). ``algorithm``: checksum each new tensor in the same
+    pass; ``advance``: make each ``old`` equal to its ``new`` in it (the publisher's snapshot;
+    :func:`asyncsync.codec.revert` undoes it)."""
     if not delta:
         return DiffedBucket(items, None)
     olds = [it.old for it in items]
     if any(o is None for o in olds):
         raise ValueError("delta encoding needs the old value of every tensor")
     news = [it.new for it in items]
-    return DiffedBucket(items, codec.diff_tensors([o for o in olds if o is not None], news))
+    changes = codec.diff_tensors(
+        [o for o in olds if o is not None], news, algorithm=algorithm, advance=advance
+    )
+    return DiffedBucket(items, changes, advanced=advance)
 
 
 def encode_bucket(
@@ -144,11 +161,14 @@ def encode_bucket(
     """
     diffed = items if isinstance(items, DiffedBucket) else diff_bucket(items, delta=delta)
     changes = diffed.changes
-    out = EncodedBucket()
-    delta_blobs: dict[str, bytes] = {}
-    full_tensors: dict[str, torch.Tensor] = {}
-    for k, it in enumerate(diffed.items):
+
+    def one(k: int) -> tuple[ItemResult, codec.EncodedDelta | None, PendingUpdate | None]:
+        """Encode and checksum item ``k`` (on the pool: tensors are independent)."""
+        it = diffed.items[k]
         mode: Literal["sparse", "dense"] | None = None
+        ch: codec.Change | None = None
+        enc: codec.EncodedDelta | None = None
+        pending: PendingUpdate | None = None
         if changes is not None:
             assert it.old is not None
             ch = changes[k]
@@ -166,24 +186,39 @@ def encode_bucket(
                 )
                 changed = enc.changed  # what the decoder will check
                 mode = enc.mode
-                pkey, vkey = delta_keys(it.index)
-                delta_blobs[pkey] = enc.positions
-                delta_blobs[vkey] = enc.values
-                out.raw_bytes += enc.raw_bytes
-                if enc.mode == "sparse":
-                    out.pending.append(PendingUpdate(it.name, pos, ch.values))
+                if diffed.advanced:
+                    pass  # the diff already brought the snapshot to the new bytes
+                elif enc.mode == "sparse":
+                    pending = PendingUpdate(it.name, pos, ch.values)
                 else:
-                    out.pending.append(PendingUpdate(it.name, None, it.new))
+                    pending = PendingUpdate(it.name, None, it.new)
         else:
             changed = it.new.numel()
-            out.pending.append(PendingUpdate(it.name, None, it.new))
-        if changed == 0 and it.cached_checksum is not None:
+            pending = PendingUpdate(it.name, None, it.new)
+        if ch is not None and ch.checksum is not None:
+            checksum = ch.checksum  # taken in the diff's pass
+        elif changed == 0 and it.cached_checksum is not None:
             checksum = it.cached_checksum
         else:
             checksum = checksum_tensor(it.new, algorithm)
+        return ItemResult(it.index, it.name, changed, checksum, mode, full), enc, pending
+
+    out = EncodedBucket()
+    delta_blobs: dict[str, bytes] = {}
+    full_tensors: dict[str, torch.Tensor] = {}
+    for it, (res, enc, pending) in zip(
+        diffed.items, parallel_map(one, range(len(diffed.items))), strict=True
+    ):
+        if enc is not None:
+            pkey, vkey = delta_keys(it.index)
+            delta_blobs[pkey] = enc.positions
+            delta_blobs[vkey] = enc.values
+            out.raw_bytes += enc.raw_bytes
+        if pending is not None:
+            out.pending.append(pending)
         if full:
             full_tensors[it.name] = it.new
-        out.items.append(ItemResult(it.index, it.name, changed, checksum, mode, full))
+        out.items.append(res)
     out.delta_blobs = delta_blobs
     if full_tensors:
         out.full_blob = safetensors.torch.save(
@@ -192,7 +227,13 @@ def encode_bucket(
     return out
 
 
-def delta_shard_blob(blobs: dict[str, bytes], *, version: int, run_id: str) -> bytes:
+def delta_shard_blob(
+    blobs: dict[str, bytes],
+    *,
+    version: int,
+    run_id: str,
+    stream: dict[str, str] | None = None,
+) -> bytes:
     """The bytes of one delta shard holding ``blobs`` (``t{i}.pos``/``t{i}.val``), in order.
 
     A plain safetensors file of 1-D ``U8`` tensors, written directly: ``safetensors.torch.save``
@@ -200,7 +241,10 @@ def delta_shard_blob(blobs: dict[str, bytes], *, version: int, run_id: str) -> b
     sparse version of a few hundred tensors. The header is padded with spaces to a multiple of
     8 bytes, as safetensors' own writer does.
     """
-    header: dict[str, object] = {"__metadata__": shard_metadata(version, run_id, "delta")}
+    meta = shard_metadata(version, run_id, "delta")
+    if stream is not None:  # a self-describing shard (format 3, FORMAT.md section 4.3)
+        meta.update(stream)
+    header: dict[str, object] = {"__metadata__": meta}
     offset = 0
     for key, blob in blobs.items():
         header[key] = {
@@ -291,3 +335,133 @@ def parse_shard(
         return safetensors.torch.load(data)
     except Exception as exc:  # safetensors raises its own SafetensorError and others
         raise FormatError(f"{where}: not a readable safetensors file: {exc}") from exc
+
+
+# ------------------------------------------------------------ self-describing delta shards (v3)
+
+STREAM_FORMAT = "3"
+
+
+@dataclass(frozen=True)
+class StreamEntry:
+    """What a self-describing delta shard says of one tensor whose delta it holds (FORMAT.md
+    4.3): enough to decode and apply it before the manifest exists, and to compare with the
+    manifest's entry once it does."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    changed: int
+    mode: str
+    positions: str
+    values: str
+    checksum: str
+
+    def to_json(self) -> list[object]:
+        return [self.name, self.dtype, list(self.shape), self.changed, self.mode,
+                self.positions, self.values, self.checksum]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StreamHeader:
+    """The streaming metadata of a delta shard (format 3), parsed and checked for shape."""
+
+    version: int
+    run_id: str
+    base_version: int
+    base_fingerprint: str
+    attempt: str
+    shard_index: int
+    encoding: str
+    algorithm: str
+    data_checksum: str
+    data_offset: int  # where the blobs start (after the header)
+    entries: tuple[StreamEntry, ...]
+
+
+def stream_metadata(
+    *,
+    base_version: int,
+    base_fingerprint: str,
+    attempt: str,
+    shard_index: int,
+    encoding: str,
+    algorithm: str,
+    entries: Sequence[StreamEntry],
+    data_checksum: str,
+) -> dict[str, str]:
+    """The ``__metadata__`` keys that make a delta shard self-describing (FORMAT.md 4.3)."""
+    return {
+        "asyncsync.format_version": STREAM_FORMAT,
+        "asyncsync.base_version": str(base_version),
+        "asyncsync.base_fingerprint": base_fingerprint,
+        "asyncsync.attempt": attempt,
+        "asyncsync.shard_index": str(shard_index),
+        "asyncsync.encoding": encoding,
+        "asyncsync.checksum_algorithm": algorithm,
+        "asyncsync.entries": json.dumps([e.to_json() for e in entries], separators=(",", ":")),
+        "asyncsync.data_checksum": data_checksum,
+    }
+
+
+def stream_header(data: bytes | memoryview, *, where: str) -> StreamHeader | None:
+    """The streaming metadata of delta shard bytes, or None when the shard has none (written by
+    format 2, or by a rank of a multi-rank publisher). FormatError if it is malformed."""
+    header = read_header(data, where=where)
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or meta.get("asyncsync.format_version") != STREAM_FORMAT:
+        return None
+    if meta.get("asyncsync.role") != "delta":
+        raise FormatError(f"{where}: a streaming shard must have the delta role")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    try:
+        raw = json.loads(meta["asyncsync.entries"])
+        entries = tuple(_stream_entry(e) for e in raw)
+        out = StreamHeader(
+            version=_nat(meta["asyncsync.version"]),
+            run_id=str(meta["asyncsync.run_id"]),
+            base_version=_nat(meta["asyncsync.base_version"]),
+            base_fingerprint=str(meta["asyncsync.base_fingerprint"]),
+            attempt=str(meta["asyncsync.attempt"]),
+            shard_index=_nat(meta["asyncsync.shard_index"]),
+            encoding=str(meta["asyncsync.encoding"]),
+            algorithm=str(meta["asyncsync.checksum_algorithm"]),
+            data_checksum=str(meta["asyncsync.data_checksum"]),
+            data_offset=8 + n,
+            entries=entries,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"{where}: malformed streaming metadata ({exc!r})") from exc
+    if out.base_version + 1 != out.version:
+        raise FormatError(f"{where}: base_version {out.base_version} is not version - 1")
+    keys = set()
+    for e in entries:
+        for k in (e.positions, e.values):
+            info = header.get(k)
+            if k in keys or not isinstance(info, dict) or info.get("dtype") != "U8":
+                raise FormatError(f"{where}: entry {e.name!r} names blob {k!r} badly")
+            keys.add(k)
+    return out
+
+
+def _nat(text: object) -> int:
+    if not isinstance(text, str) or not text.isdigit() or len(text) > 15:
+        raise ValueError(f"not a small natural number: {text!r}")
+    return int(text)
+
+
+def _stream_entry(e: object) -> StreamEntry:
+    if not isinstance(e, list) or len(e) != 8:
+        raise ValueError(f"entry {e!r} is not a list of 8")
+    name, dtype, shape, changed, mode, pos, val, checksum = e
+    if not all(isinstance(x, str) for x in (name, dtype, mode, pos, val, checksum)):
+        raise ValueError(f"entry {e!r}: name, dtype, mode, keys and checksum are strings")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**53 for d in shape
+    ):
+        raise ValueError(f"entry {name!r}: bad shape {shape!r}")
+    if not isinstance(changed, int) or isinstance(changed, bool) or not 0 < changed < 2**53:
+        raise ValueError(f"entry {name!r}: bad changed {changed!r}")
+    if mode not in ("sparse", "dense"):
+        raise ValueError(f"entry {name!r}: bad mode {mode!r}")
+    return StreamEntry(name, dtype, tuple(shape), changed, mode, pos, val, checksum)

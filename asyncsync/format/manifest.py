@@ -307,7 +307,7 @@ class Manifest:
         """A tensor in parts: format 2, parts tile it in offset order, sums and checksum agree."""
         parts = t.parts or ()
         if self.format_version < 2:
-            raise ManifestError(f"{where}: tensors in parts need format_version 2")
+            raise ManifestError(f"{where}: tensors in parts need format_version 2 or later")
         end = 0
         for p in parts:
             if p.offset != end:

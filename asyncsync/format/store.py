@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync import fsio
-from asyncsync.errors import ManifestError, ManifestUnreadable
+from asyncsync.errors import ConfigError, ManifestError, ManifestUnreadable
 from asyncsync.format import (
+    ACKS_DIR,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -34,13 +35,17 @@ from asyncsync.format import (
     version_dir,
 )
 from asyncsync.format.fields import _load_json
+from asyncsync.format.names import LEASES_DIR
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
     "RootInfo",
     "ensure_root_info",
+    "foreign_entries",
     "is_committed",
+    "is_root",
     "list_versions",
+    "prepare_shared_dirs",
     "ManifestCache",
     "read_manifest",
     "read_root_info",
@@ -133,6 +138,55 @@ def _entries(root: Path) -> list[tuple[str, os.stat_result]]:
                     out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
     finally:
         os.close(fd)
+    return out
+
+
+def is_root(root: Path) -> bool:
+    """Whether ``root`` is an asyncsync root: it has ``asyncsync.json`` or a committed version."""
+    try:
+        has_info = fsio.lstat(root / ROOT_INFO_NAME, root=root) is not None
+    except OSError:
+        has_info = False
+    return has_info or bool(list_versions(root))
+
+
+# What a root may hold before its publisher first opened it: the directories receivers write
+# (or an operator pre-made for them, `asyncsync prepare`), hidden files, a volume's lost+found.
+_BEFORE_FIRST_PUBLISH = frozenset({ACKS_DIR, LEASES_DIR, "lost+found"})
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """Entries of a directory that is not (yet) a root that no publisher writes: a non-empty
+    list means ``root`` is some other directory (another engine's checkpoint, a typo)."""
+    try:
+        names = sorted(os.listdir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [n for n in names if not n.startswith(".") and n not in _BEFORE_FIRST_PUBLISH]
+
+
+def prepare_shared_dirs(root: Path, group: str | int) -> list[Path]:
+    """Make ``ROOT/acks/`` and ``ROOT/leases/`` writable for ``group`` (receivers running as
+    other uids than the publisher): created if missing, given the group, mode ``2775``
+    (group-writable, new files inherit the group). The root is created (``0755``) if missing.
+    """
+    import grp
+
+    try:
+        gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"no group named {group!r} on this host (give a name or a gid)") from None
+    fsio.make_dir(root, parents=True, exist_ok=True)
+    out = []
+    for name in (ACKS_DIR, LEASES_DIR):
+        d = fsio.make_dir(root / name, root=root, exist_ok=True)  # a symlink there: refused
+        fd = fsio.open_dir(d, root=root)
+        try:  # on the descriptor: never through a symlink put there meanwhile
+            os.fchown(fd, -1, gid)
+            os.fchmod(fd, fsio.DIR_MODE | 0o2020)  # 2775
+        finally:
+            os.close(fd)
+        out.append(d)
     return out
 
 

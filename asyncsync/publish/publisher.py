@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -124,6 +125,8 @@ class Publisher:
         coordinator: publish as one rank of a group (:mod:`asyncsync.publish.distributed`); every
             rank calls seed/publish with its own tensors and the same options. Rank 0 commits, runs
             the hook, the log and retention; the others hold their own lock and snapshot.
+        delta_shard_bytes: delta shard size (default ``min(bucket_bytes, 4 MiB)``); a single
+            publisher's are self-describing (FORMAT.md 4.3): receivers apply each as it lands.
     """
 
     def __init__(
@@ -142,12 +145,15 @@ class Publisher:
         producer: Mapping[str, Any] | None = None,
         retention: RetentionPolicy | None = None,
         coordinator: Coordinator | None = None,
+        delta_shard_bytes: int | None = None,
     ) -> None:
         if encoding not in codec.ENCODINGS:
             raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
         new_hasher(checksum)  # raises ConfigError for an unknown algorithm
         if bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if delta_shard_bytes is not None and delta_shard_bytes < 1:
+            raise ConfigError(f"delta_shard_bytes must be >= 1, got {delta_shard_bytes}")
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if mode not in ("delta", "full"):
@@ -164,6 +170,7 @@ class Publisher:
         self.encoding = encoding
         self.checksum = checksum
         self.bucket_bytes = bucket_bytes
+        self.delta_shard_bytes = delta_shard_bytes or min(bucket_bytes, 4 << 20)
         self.max_in_flight = max_in_flight
         self.pipelined = pipelined
         self.mode = mode
@@ -190,6 +197,7 @@ class Publisher:
         self._last_version: int | None = None
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._checksums: dict[str, str] = {}
+        self._fingerprint = ""  # of the last committed version (a streaming shard's base)
         self._tally = Tally()
         self._in_flight = 0
         self._progress: Progress = None
@@ -378,6 +386,10 @@ class Publisher:
         assert self._snapshot is not None
         return dict(slices) == self._slices and snapshot.same_schema(self._snapshot, state_dict)
 
+    def schema_changes(self, state_dict: Mapping[str, torch.Tensor]) -> str:
+        assert self._snapshot is not None
+        return snapshot.schema_changes(self._snapshot, state_dict)
+
     def set_round(self, run_id: str, next_version: int) -> None:
         self._run_id, self._next_version = run_id, next_version
 
@@ -405,15 +417,18 @@ class Publisher:
         vdir = version_dir(self.root, version)
         t_start = time.perf_counter()
         created = time.time()
+        streams = delta and not self._committer.ranked and bool(self._fingerprint)  # FORMAT 4.3
+        stream = (version - 1, self._fingerprint, secrets.token_hex(6), self.encoding)
         acc = VersionWriter(
             vdir=vdir,
             algorithm=self.checksum,
             version=version,
             run_id=self._run_id,
-            shard_bytes=self.bucket_bytes,
+            shard_bytes=self.delta_shard_bytes,
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
             slices=sl,
             prefix=rnd.prefix,
+            stream=stream if streams else None,
         )
         stage_ref = ["prepare"]
         self._in_flight = 0
@@ -434,6 +449,10 @@ class Publisher:
 
         error: BaseException | None = None
         entries: tuple[TensorEntry, ...] = ()
+        # A single publisher's snapshot advances in the diff's own pass (reverted if the version
+        # is not committed); a rank of a group keeps its changes apart (it may miss the outcome)
+        advance = delta and not self._committer.ranked
+        advanced: list[snapshot.Undo] = []
         try:
             if rnd.refuse is not None:
                 raise PublishError(rnd.refuse)
@@ -444,7 +463,9 @@ class Publisher:
 
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)
-                return diff_bucket(items, delta=delta)
+                d = diff_bucket(items, delta=delta, algorithm=self.checksum, advance=advance)
+                advanced.extend(snapshot.undo_records(d) if d.advanced else [])  # if not committed
+                return d
 
             def encode(d: DiffedBucket) -> EncodedBucket:
                 return encode_bucket(
@@ -486,6 +507,8 @@ class Publisher:
             manifest, cancelled = await through_commit(finish, lambda: self._renamed)
         except BaseException:
             self._progress = None
+            if advanced and not self._renamed:  # unless committed after all: then it is right
+                await asyncio.shield(asyncio.to_thread(snapshot.revert, vdir, advanced))
             raise
         self._cancel_after_commit |= cancelled
         # Committed: from here on the version exists for readers.
@@ -515,6 +538,7 @@ class Publisher:
         self._progress = None
         self._next_version = manifest.version + 1
         self._last_version = manifest.version
+        self._fingerprint = manifest.fingerprint
         self._checksums = (
             checksums if checksums is not None else {e.name: e.checksum for e in manifest.tensors}
         )
@@ -570,13 +594,22 @@ class Publisher:
         t0 = time.perf_counter()
         created = time.time()
         try:
-            shards, entries, tensors = await asyncio.to_thread(scan_checkpoint, path, self.checksum)
+            shards, entries, tensors, shard_dir = await asyncio.to_thread(
+                scan_checkpoint, path, self.checksum
+            )
         except AsyncSyncError:
             raise
         except Exception as exc:
             raise ConfigError(f"cannot register checkpoint {path}: {exc!r}") from exc
         manifest = self._manifest(
-            version, tuple(entries), tuple(shards), 0, created, False, True, shard_dir=str(path)
+            version,
+            tuple(entries),
+            tuple(shards),
+            0,
+            created,
+            False,
+            True,
+            shard_dir=str(shard_dir),
         )
         stage = ["mkdir"]
         try:

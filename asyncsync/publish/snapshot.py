@@ -1,21 +1,33 @@
 """The publisher's snapshot: the CPU copy of the last committed version that deltas diff against.
 
-Pure functions over ``dict[str, torch.Tensor]``: cutting a state dict into buckets, wrapping a
+Functions over ``dict[str, torch.Tensor]``: cutting a state dict into buckets, wrapping a
 bucket's tensors for the diff stage, and advancing the snapshot once a version is committed
-(scattering the changed positions in, or copying whole tensors). The snapshot lives in CPU
+(scattering the changed positions in, or copying whole tensors), or reverting the advance the
+diff made in its own pass for a version that was not committed (:func:`revert`, which checks
+for the manifest: its only I/O). The snapshot lives in CPU
 memory, pinned when CUDA is present so device-to-host copies of the next state are fast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
 from asyncsync import codec
-from asyncsync.codec.shards import BucketItem, PendingUpdate
+from asyncsync.codec.shards import BucketItem, DiffedBucket, PendingUpdate
+from asyncsync.format import MANIFEST_NAME
 
-__all__ = ["advance", "bucket_items", "plan_buckets", "same_schema"]
+__all__ = [
+    "Undo",
+    "advance",
+    "bucket_items",
+    "plan_buckets",
+    "revert",
+    "same_schema",
+    "undo_records",
+]
 
 
 def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
@@ -43,6 +55,28 @@ def same_schema(snap: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch
         t.dtype == snap[k].dtype and tuple(t.shape) == tuple(snap[k].shape)
         for k, t in state_dict.items()
     )
+
+
+def schema_changes(
+    snap: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor], limit: int = 8
+) -> str:
+    """What differs between the snapshot's tensors and ``state_dict``'s, for people: the added,
+    removed and re-typed (dtype or shape) names, at most ``limit`` of each."""
+
+    def some(names: list[str]) -> str:
+        more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+        return ", ".join(names[:limit]) + more
+
+    added = sorted(k for k in state_dict if k not in snap)
+    removed = sorted(k for k in snap if k not in state_dict)
+    retyped = [
+        f"{k} {snap[k].dtype}{list(snap[k].shape)} -> {t.dtype}{list(t.shape)}"
+        for k, t in sorted(state_dict.items())
+        if k in snap and (t.dtype != snap[k].dtype or tuple(t.shape) != tuple(snap[k].shape))
+    ]
+    parts = [f"{what}: {some(names)}" for what, names in
+             (("added", added), ("removed", removed), ("re-typed", retyped)) if names]  # fmt: skip
+    return "; ".join(parts) or "the tensors' slices across ranks"
 
 
 def bucket_items(
@@ -102,3 +136,30 @@ def advance(
             t = p.values.detach().to("cpu").clone().contiguous()
             out[name] = t.pin_memory() if pin else t
     return out
+
+
+#: what reverts one advanced tensor: (the snapshot tensor, its changed positions, old values)
+Undo = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def undo_records(d: DiffedBucket) -> list[Undo]:
+    """What :func:`revert` needs of a bucket the diff advanced, compactly (positions as int32
+    where they fit, the old values): ~6 bytes per changed bf16 element, kept until the commit,
+    while the diff's own outputs (16 bytes each) go once the bucket is encoded."""
+    out: list[Undo] = []
+    for it, ch in zip(d.items, d.changes or (), strict=True):
+        if it.old is not None and ch.positions.numel():
+            small = it.old.numel() < 2**31
+            pos = ch.positions.to(torch.int32) if small else ch.positions
+            out.append((it.old, pos, ch.values ^ ch.xor))
+    return out
+
+
+def revert(vdir: Path, undo: Sequence[Undo]) -> None:
+    """Put the snapshot back where the diff advanced it (``diff_bucket(advance=True)``) for a
+    version that was not committed; a no-op if its manifest is in place after all (committed:
+    the snapshot is right as it is)."""
+    if (vdir / MANIFEST_NAME).exists():
+        return
+    for old, pos, values in reversed(undo):
+        codec.revert([old], [codec.Change(pos.to(torch.int64), values, torch.zeros_like(values))])

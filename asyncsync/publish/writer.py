@@ -20,11 +20,13 @@ from asyncsync.codec.shards import (
     EncodedBucket,
     ItemResult,
     PendingUpdate,
+    StreamEntry,
     delta_keys,
     delta_shard_blob,
+    stream_metadata,
 )
 from asyncsync.format import DeltaRef, FullRef, ShardInfo, TensorEntry
-from asyncsync.format.checksum import checksum_bytes
+from asyncsync.format.checksum import checksum_bytes, new_hasher
 from asyncsync.fsio import atomic_write
 from asyncsync.publish.merge import TensorSlice, as_part
 
@@ -46,6 +48,9 @@ class VersionWriter:
     meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # dtype, shape
     slices: Mapping[str, TensorSlice] = field(default_factory=dict)
     prefix: str = ""  # of shard file names: "r0003-<attempt>-" in a multi-rank publish
+    # (base version, base fingerprint, attempt, encoding): write self-describing delta shards
+    # that a receiver may apply before the manifest (format 3, FORMAT.md 4.3); None: plain ones
+    stream: tuple[int, str, str, str] | None = None
     shards: list[ShardInfo] = field(default_factory=list)
     entries: dict[int, TensorEntry] = field(default_factory=dict)
     pending: list[PendingUpdate] = field(default_factory=list)
@@ -92,9 +97,11 @@ class VersionWriter:
 
     def _write_deltas(self, group: dict[str, bytes]) -> None:
         """Write one delta shard and record the entries of the tensors whose deltas it holds."""
-        shard = self._write_shard(
-            "delta", delta_shard_blob(group, version=self.version, run_id=self.run_id)
-        )
+        meta = None
+        if self.stream is not None:
+            meta = self._stream_meta(group)
+        blob = delta_shard_blob(group, version=self.version, run_id=self.run_id, stream=meta)
+        shard = self._write_shard("delta", blob)
         rest = []
         for it, full_shard in self._waiting:
             if delta_keys(it.index)[0] in group:
@@ -102,6 +109,33 @@ class VersionWriter:
             else:
                 rest.append((it, full_shard))
         self._waiting = rest
+
+    def _stream_meta(self, group: dict[str, bytes]) -> dict[str, str]:
+        """The metadata that makes the delta shard of ``group`` self-describing."""
+        assert self.stream is not None
+        base_version, base_fingerprint, attempt, encoding = self.stream
+        entries = []
+        for it, _ in self._waiting:
+            pkey, vkey = delta_keys(it.index)
+            if pkey in group:
+                assert it.mode is not None
+                dtype, shape = self.meta[it.name]
+                entries.append(
+                    StreamEntry(it.name, dtype, shape, it.changed, it.mode, pkey, vkey, it.checksum)
+                )
+        h = new_hasher(self.algorithm)
+        for b in group.values():
+            h.update(b)
+        return stream_metadata(
+            base_version=base_version,
+            base_fingerprint=base_fingerprint,
+            attempt=attempt,
+            shard_index=sum(1 for s in self.shards if s.role == "delta"),
+            encoding=encoding,
+            algorithm=self.algorithm,
+            entries=entries,
+            data_checksum=h.hexdigest(),
+        )
 
     def _record(self, it: ItemResult, delta_shard: int | None, full_shard: int | None) -> None:
         delta_ref = None

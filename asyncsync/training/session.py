@@ -29,7 +29,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -263,18 +263,26 @@ class SyncSession:
             raise PublishError("nothing published by this session yet")
         return self.config.start_version + (version - self._seed_version)
 
-    def publish(self, weights: Weights, *, keyframe: bool = False) -> SyncStep:
+    def publish(
+        self,
+        weights: Weights,
+        *,
+        keyframe: bool = False,
+        committed: Callable[[PublishResult], object] | None = None,
+    ) -> SyncStep:
         """Seed (first call) or publish the next version, then wait per the ack policy.
 
         ``weights`` is a state dict or an iterable of ``(name, tensor)``; tensors may live on
-        any device and must not change until this returns. Raises
-        :class:`~asyncsync.errors.AckTimeout` when engines fall too far behind: the version
-        is committed regardless (see :attr:`version`).
+        any device and must not change until this returns. ``committed(result)``, when given,
+        runs (in a worker thread) once the version is committed and before the ack wait, e.g.
+        to flush a filesystem so that the engines can see the version; what it raises is
+        raised here. Raises :class:`~asyncsync.errors.AckTimeout` when engines fall too far
+        behind. Either way the version is committed regardless (see :attr:`version`).
         """
         state_dict = collect_state_dict(weights)
         with self._lock:
             loop = self._require_loop()
-            return loop.run(self._publish(state_dict, keyframe))
+            return loop.run(self._publish(state_dict, keyframe, committed))
 
     def wait_acked(self, version: int | None = None, *, timeout: float | None = None) -> AckWait:
         """Wait until the watched engines hold ``version`` (default: the last one published).
@@ -314,7 +322,12 @@ class SyncSession:
             raise PublishError("the session is not open: use `with SyncSession(...)` or open()")
         return self._loop
 
-    async def _publish(self, state_dict: dict[str, torch.Tensor], keyframe: bool) -> SyncStep:
+    async def _publish(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        keyframe: bool,
+        committed: Callable[[PublishResult], object] | None = None,
+    ) -> SyncStep:
         seeded = self._seed_version is None
         async with ProgressWatcher(lambda: self._publisher.progress, unit="bucket"):
             if seeded:
@@ -324,6 +337,8 @@ class SyncSession:
             else:
                 result = await self._publisher.publish(state_dict, keyframe=keyframe)
         self._last_result = result
+        if committed is not None:
+            await asyncio.to_thread(committed, result)
         assert self._gate is not None
         ack = await self._gate.wait(result.version)
         step = SyncStep(result, ack, self.weight_version(result.version), seeded)

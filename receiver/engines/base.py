@@ -7,6 +7,10 @@ where the weights live. For each version the agent calls, in order::
     await engine.apply(updates)             # once per shard, any number of times
     fingerprint = await engine.commit()     # verify per-tensor checksums, persist the version
 
+An engine that ``streams`` may be begun with a provisional manifest before the version's
+manifest exists (``receiver.stream``) and is then ``confirm``-ed with the real one before
+the remaining applies and the commit.
+
 or ``await engine.abort()`` after any failure, which leaves the engine at the version it held
 before ``begin``. A zero-diff version is ``await engine.bump(manifest)``. ``engine.state`` tells
 the version the engine holds (``None`` when it holds nothing yet); it changes only in
@@ -73,6 +77,9 @@ class Engine(abc.ABC):
 
     #: the version the engine holds, persisted where the engine can persist it
     state: EngineState = EngineState()
+    #: whether the agent may begin a delta from the version's self-describing shards, before
+    #: its manifest exists (receiver.stream), and then :meth:`confirm` it
+    streams: bool = False
 
     async def open(self) -> EngineState:
         """Load persisted state (recovering from an interrupted apply) and return it."""
@@ -96,6 +103,13 @@ class Engine(abc.ABC):
         Raises ChecksumMismatch naming the tensor (after rolling back) when they differ.
         Returns the manifest's fingerprint.
         """
+
+    async def confirm(self, manifest: Manifest) -> None:
+        """Streaming (``streams``): the delta begun with a provisional manifest (the base's
+        tensors under the new version number) is confirmed by the real ``manifest``, which
+        replaces it for the rest of the transaction (further applies, the commit's checks).
+        The agent has checked that what was applied is what ``manifest`` commits."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
 
     @abc.abstractmethod
     async def abort(self) -> None:

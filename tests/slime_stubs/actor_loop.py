@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -60,7 +61,13 @@ def main() -> int:
         model_name="llama",
         quantization_config=None,
     )
-    report: dict = {"rank": rank, "versions": [], "mismatched": [], "metrics": []}
+    report: dict = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "versions": [],
+        "mismatched": [],
+        "metrics": [],
+    }
     try:
         updater.connect_rollout_engines(
             [FakeEngineHandle(i) for i in range(2)], None, [1, 1], [0, 1]

@@ -25,14 +25,19 @@ publisher), so it is never flattered against the bare payloads of the baselines.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 import zstandard
 
 from asyncsync import codec
-from asyncsync.codec.shards import BucketItem, DeltaPacker, delta_shard_blob, encode_bucket
+from asyncsync.codec.shards import BucketItem, encode_bucket
+from asyncsync.format import dtype_name
+from asyncsync.format.checksum import DEFAULT_ALGORITHM
 from asyncsync.publish.snapshot import plan_buckets
+from asyncsync.publish.writer import VersionWriter
 
 __all__ = [
     "BASELINES",
@@ -123,27 +128,43 @@ def ours_bytes(
     *,
     bucket_bytes: int = 32 << 20,
     level: int = 1,
+    names: Sequence[str] | None = None,
 ) -> tuple[int, int]:
-    """(delta shard bytes, bare xef payload bytes) of the version the publisher would write."""
+    """(delta shard bytes, bare xef payload bytes) of the version the publisher would write:
+    its writer's own shards (self-describing, format 3, ``delta_shard_bytes`` as the
+    publisher's default), written into a scratch directory and measured there."""
     sizes = [t.numel() * t.element_size() for t in news]
-    packer = DeltaPacker(bucket_bytes)  # the publisher's rule for filling delta shards
-    groups: list[dict[str, bytes]] = []
-    for bucket in bucketed(sizes, bucket_bytes):
-        items = [BucketItem(i, f"t{i}", news[i].contiguous(), olds[i].contiguous()) for i in bucket]
-        enc = encode_bucket(
-            items,
+    names = list(names) if names is not None else [f"t{i}" for i in range(len(news))]
+    with tempfile.TemporaryDirectory(prefix="asyncsync-ours-bytes-") as tmp:
+        w = VersionWriter(
+            vdir=Path(tmp),
+            algorithm=DEFAULT_ALGORITHM,
             version=1,
-            run_id="0" * 16,
-            delta=True,
-            full=False,
-            encoding="xef",
-            level=level,
-            algorithm="xxh3-64",
+            run_id="0" * 16,  # the length of a real run id: same header size
+            shard_bytes=min(bucket_bytes, 4 << 20),  # the publisher's default delta shard size
+            meta={
+                k: (dtype_name(t.dtype), tuple(t.shape)) for k, t in zip(names, news, strict=True)
+            },
+            stream=(0, "0" * 32, "0" * 12, "xef"),  # base fingerprint, attempt: real lengths
         )
-        groups += packer.add(enc.delta_blobs)
-    groups.append(packer.take())
-    run_id = "0" * 16  # the length of a real run id: same header size
-    shard_bytes = sum(len(delta_shard_blob(g, version=1, run_id=run_id)) for g in groups if g)
+        for bucket in bucketed(sizes, bucket_bytes):
+            items = [
+                BucketItem(i, names[i], news[i].contiguous(), olds[i].contiguous()) for i in bucket
+            ]
+            w.write(
+                encode_bucket(
+                    items,
+                    version=1,
+                    run_id="0" * 16,
+                    delta=True,
+                    full=False,
+                    encoding="xef",
+                    level=level,
+                    algorithm=DEFAULT_ALGORITHM,
+                )
+            )
+        w.finish()
+        shard_bytes = sum(s.bytes for s in w.shards)
     o, n = _views(olds, news)
     payload = sum(
         codec.encoded_size(codec.encode_delta(a, b, p, "xef", level=level))
@@ -167,7 +188,9 @@ def all_sizes(
     news = [new[k].contiguous() for k in names]
     o, n = _views(olds, news)
     positions = codec.changed_positions(o, n)
-    shards, payload = ours_bytes(olds, news, positions, bucket_bytes=bucket_bytes, level=level)
+    shards, payload = ours_bytes(
+        olds, news, positions, bucket_bytes=bucket_bytes, level=level, names=names
+    )
     out = {
         "changed": sum(p.numel() for p in positions),
         "elements": sum(t.numel() for t in news),

@@ -20,15 +20,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncsync.errors import ConfigError
-from asyncsync.ops.bench.measure import BenchConfig, run_bench
-from asyncsync.ops.bench.report import markdown, plot, summarise
-from asyncsync.ops.bench.scale import DEFAULT_SIZES
-from asyncsync.ops.bench.scale_report import scale_markdown, scale_plot, scale_summary
+from asyncsync.fsio import parse_size
 from asyncsync.ops.cli.common import positive_int
-from asyncsync.training.settings import parse_size
+
+if TYPE_CHECKING:
+    from asyncsync.ops.bench.measure import BenchConfig
 
 __all__ = ["cmd_bench", "config_from_args", "register"]
 
@@ -37,7 +36,13 @@ _THROTTLE = "200MB/s,5ms"
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration: ``--quick`` or the full run, with the hidden overrides."""
-    overrides: dict[str, Any] = {"throttle": args.throttle, "keep": args.keep}
+    from asyncsync.ops.bench.measure import BenchConfig
+    from asyncsync.ops.bench.scale import DEFAULT_SIZES
+
+    throttle = "" if args.throttle.strip().lower() == "none" else args.throttle
+    overrides: dict[str, Any] = {"throttle": throttle, "keep": args.keep}
+    if args.threads is not None:
+        overrides["threads"] = args.threads
     if args.elements is not None:
         overrides["elements"] = args.elements
         overrides["sweep_elements"] = min(args.elements, args.sweep_elements or args.elements)
@@ -55,6 +60,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overrides["scale_sizes"] = ()
     if args.scale_sizes is not None:
         overrides["scale_sizes"] = tuple(args.scale_sizes)
+    if args.peers:
+        overrides["peers_only"] = True
+        overrides.setdefault("scale_sizes", (256 << 20, 1 << 30))
+        overrides.setdefault("name", "peers")
+        if args.versions is not None:
+            overrides["scale_versions"] = args.versions
     if args.scale:
         overrides["scale_only"] = True
         overrides.setdefault("scale_sizes", DEFAULT_SIZES)
@@ -65,6 +76,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from asyncsync.ops.bench.measure import run_bench
+    from asyncsync.ops.bench.report import markdown, plot, summarise
+    from asyncsync.ops.bench.scale_report import scale_markdown, scale_plot, scale_summary
+
     if args.device is not None:
         return _cmd_device(args)
     if args.profile is not None:
@@ -76,6 +91,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"bench [{time.perf_counter() - t0:5.1f}s]: {msg}", file=sys.stderr, flush=True)
 
     raw = run_bench(cfg, progress=progress)
+    if cfg.peers_only:
+        from asyncsync.ops.bench.peers import peers_markdown, peers_summary
+
+        peers = {"config": raw["config"], "machine": raw["machine"], "command": _command(args)}
+        peers.update(peers_summary(raw["peers"]))
+        print(peers_markdown(peers, cfg.throttle))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(peers, indent=1) + "\n")
+        return 0
     if cfg.scale_only:
         summary: dict[str, Any] = {"config": raw["config"], "machine": raw["machine"]}
     else:
@@ -142,6 +167,8 @@ def _command(args: argparse.Namespace) -> str:
         words.append("--quick")
     if args.scale:
         words.append("--scale")
+    if args.peers:
+        words.append("--peers")
     if args.device is not None:
         words += ["--device", args.device]
     if args.scale_sizes is not None:
@@ -155,6 +182,7 @@ def _command(args: argparse.Namespace) -> str:
         "sweep_elements",
         "versions",
         "bucket_bytes",
+        "threads",
     ):
         value = getattr(args, flag)
         if value is not None and not (flag == "throttle" and value == _THROTTLE):
@@ -196,6 +224,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="the scale sweep alone (bf16 256 MB, 1 GB, 4 GB at ~3 %%; minutes; BENCHMARKS.md)",
     )
     sp.add_argument(
+        "--peers",
+        action="store_true",
+        help="ours end to end beside re-implementations of slime's gen-1 and gen-2 deltas and a "
+        "full safetensors sync, interleaved, at --scale-sizes (default 256MiB,1GiB); "
+        "--throttle none for the local filesystem (BENCHMARKS.md)",
+    )
+    sp.add_argument(
         "--scale-sizes",
         type=_sizes,
         metavar="N,N,...",
@@ -212,6 +247,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="profile publish and apply by stage and by sampling (the sweep's setup) at the "
         "first --scale-sizes (default 1GiB); write profile_{publish,apply}_<size>.txt into DIR",
+    )
+    sp.add_argument(
+        "--threads",
+        type=positive_int,
+        metavar="N",
+        help="CPU threads of each side (its pool and torch's; default: every core; the "
+        "scale sweep and --peers); see python -m asyncsync.ops.bench.threads",
     )
     sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
     # hidden: sizes for plumbing tests and experiments

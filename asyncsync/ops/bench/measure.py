@@ -34,8 +34,8 @@ from asyncsync import fsio
 from asyncsync.errors import AsyncSyncError
 from asyncsync.ops.bench import scale
 from asyncsync.ops.bench.baselines import all_sizes
+from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import save_state_dict
-from asyncsync.ops.bench.worker import Job
 from asyncsync.ops.workload import Workload
 
 __all__ = ["BenchConfig", "BenchFailed", "machine_info", "run_bench"]
@@ -70,6 +70,8 @@ class BenchConfig:
     scale_sizes: tuple[int, ...] = ()  # model bytes of the scale sweep (empty: not run)
     scale_versions: int = 3
     scale_only: bool = False  # --scale: the sweep alone
+    peers_only: bool = False  # --peers: the peer comparison alone, at scale_sizes
+    threads: int = 0  # the children's CPU pool and torch threads (0: the machine's default)
 
     def __post_init__(self) -> None:
         if self.elements < 1000 or self.sweep_elements < 1000:
@@ -292,7 +294,7 @@ def _run_scale(cfg: BenchConfig, work: Path, say: Progress) -> list[dict[str, An
     shared = Job(
         role="scale-cost", root="", result="", bandwidth=t.bandwidth, latency=t.latency,
         bucket_bytes=32 << 20, repeats=cfg.repeats, full_repeats=1, timeout=cfg.timeout,
-        versions=cfg.scale_versions, density=cfg.density, seed=cfg.seed,
+        versions=cfg.scale_versions, density=cfg.density, seed=cfg.seed, threads=cfg.threads,
     )  # fmt: skip
     rows = []
     for size in cfg.scale_sizes:
@@ -312,20 +314,52 @@ def _run_scale(cfg: BenchConfig, work: Path, say: Progress) -> list[dict[str, An
     return rows
 
 
+def _run_peers(cfg: BenchConfig, work: Path, say: Progress) -> list[dict[str, Any]]:
+    """The peer comparison (:mod:`asyncsync.ops.bench.peers`): per size a publisher and a
+    receiver child holding every system's side, the systems interleaved per version."""
+    t = cfg.throttle_spec
+    rows = []
+    for size in cfg.scale_sizes:
+        tag = f"{size >> 20}M"
+        root = work / f"root-peers-{tag}"
+        root.mkdir()
+        pub = Job(
+            role="peer-publish", root=str(root), result=str(work / f"result-peers-pub-{tag}.json"),
+            ready=str(work / f"ready-peers-{tag}"), bandwidth=t.bandwidth, latency=t.latency,
+            bucket_bytes=32 << 20, timeout=cfg.timeout, versions=cfg.scale_versions,
+            density=cfg.density, seed=cfg.seed, scale_bytes=size, threads=cfg.threads,
+        )  # fmt: skip
+        rec = replace(
+            pub,
+            role="peer-receive",
+            result=str(work / f"result-peers-rec-{tag}.json"),
+            checkpoint=str(work / f"ckpt-peers-{tag}"),
+        )
+        say(f"peers {size / 1e9:.2f} GB over {cfg.throttle}: ours, gen1, gen2, full interleaved")
+        p_rec = (*_start(rec, work, f"peers-rec-{tag}"), rec)
+        p_pub = (*_start(pub, work, f"peers-pub-{tag}"), pub)
+        publisher, receiver = _finish([p_pub, p_rec], cfg.timeout)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(rec.checkpoint, ignore_errors=True)
+        rows.append({"size": size, "publisher": publisher, "receiver": receiver})
+    return rows
+
+
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Run every measurement of the benchmark once; return the raw results (see summarise)."""
     say = progress or (lambda msg: logger.info("%s", msg))
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="asyncsync-bench-", dir=cfg.workdir))
-    if cfg.scale_only:
+    if cfg.peers_only or cfg.scale_only:  # one part alone: the peers or the sweep
+        key, part = ("peers", _run_peers) if cfg.peers_only else ("scale", _run_scale)
         try:
-            rows = _run_scale(cfg, work, say)
+            rows = part(cfg, work, say)
         finally:
             shutil.rmtree(work, ignore_errors=True) if not cfg.keep else say(f"kept {work}")
         return {
             "config": _config(cfg),
             "machine": machine_info(),
-            "scale": rows,
+            key: rows,
             "seconds": time.perf_counter() - t0,
         }
     try:

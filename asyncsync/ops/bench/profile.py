@@ -44,6 +44,7 @@ from typing import Any
 from asyncsync import fsio
 from asyncsync.codec import native
 from asyncsync.ops.bench.scale import make_state, receiver_floor, step_state, trainer_floor
+from asyncsync.pipeline import threads
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -54,7 +55,11 @@ __all__ = ["APPLY_STAGES", "PUBLISH_STAGES", "StageTimers", "StackSampler", "run
 PUBLISH_STAGES: tuple[tuple[int, str, str], ...] = (
     (0, "publish (total)", "asyncsync.publish.publisher:Publisher._publish"),
     (1, "bucket items (snapshot views)", "asyncsync.publish.snapshot:bucket_items"),
-    (1, "diff (C kernel: positions, values, xor)", "asyncsync.publish.publisher:diff_bucket"),
+    (
+        1,
+        "diff (C kernel: positions, values, xor, XXH3, snapshot advance)",
+        "asyncsync.publish.publisher:diff_bucket",
+    ),
     (1, "encode bucket", "asyncsync.publish.publisher:encode_bucket"),
     (2, "encode delta", "asyncsync.codec:encode_delta"),
     (3, "Elias-Fano positions", "asyncsync.codec.delta:_ef_encode"),
@@ -371,6 +376,11 @@ async def _profile(
         ]
         lines += [f"# {k}: {1e3 * s:.1f} ms" for k, s in floors.items()]
         lines += ["", f"## stages (mean of {versions} versions)", ""]
+        lines += [
+            f"(CPU: the calling thread's; the tensors' work on the {threads()}-thread pool "
+            "(asyncsync-cpu) is in the samples below, not in this column)",
+            "",
+        ]
         lines += _stage_table(timers, versions, total)
         lines += ["", "## samples (one more version)", ""]
         lines += _sample_table(samplers[side], top)

@@ -44,21 +44,19 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from asyncsync import codec, fsio
 from asyncsync.format import acks
+from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import full_sync, reset_peak_rss, rss, run_until_acked
 from asyncsync.ops.workload import config_for_elements
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
-
-if TYPE_CHECKING:
-    from asyncsync.ops.bench.worker import Job
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -222,7 +220,11 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
         Path(job.ready).write_text("ready\n")
         applies = await run_until_acked(agent, job.versions)
         fsio.set_throttle(None)
-    return {"rss": {"base": base, "startup": startup, "steady": rss()}, "applies": applies}
+    return {
+        "rss": {"base": base, "startup": startup, "steady": rss()},
+        "applies": applies,  # each from its manifest to the ack (streamed shards came before)
+        "streamed_shards": agent.status().streamed_shards,
+    }
 
 
 async def run_scale_cost(job: Job) -> dict[str, Any]:
@@ -334,6 +336,7 @@ def summarise_size(
         "full_sync_vs_e2e": full / e2e,
         "publish_s_per_gb": publish / gb,
         "apply_s_per_gb": apply_s / gb,
+        "streamed_shards": rec.get("streamed_shards", 0),
         "publisher_peak_rss_vs_model": _peak(pub, model),
         "receiver_peak_rss_vs_model": _peak(rec, model),
         "repeats": {

@@ -26,19 +26,20 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import os
 import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+
+import torch
 
 from asyncsync import fsio
 from asyncsync.format import acks
 from asyncsync.format.checksum import checksum_tensor
-from asyncsync.ops.bench import scale
+from asyncsync.ops.bench import peers, scale
+from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import (
     full_sync,
     load_state_dict,
@@ -53,55 +54,14 @@ from asyncsync.ops.bench.probes import (
     timed,
 )
 from asyncsync.ops.workload import Workload, WorkloadConfig
+from asyncsync.pipeline import set_threads
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 
-__all__ = ["Job", "main", "run_cost", "run_publish", "run_receive", "warm_up"]
+__all__ = ["Job", "main", "run_cost", "run_publish", "run_receive", "warm_up"]  # Job: job.py
 
-Role = Literal["publish", "receive", "cost", "scale-publish", "scale-receive", "scale-cost"]
 _ACK_POLL = 0.002  # seconds; the ack wait must not add more than this to the latency
-
-
-@dataclass
-class Job:
-    """What one child does (written as JSON by the parent, read back here)."""
-
-    role: Role
-    root: str
-    result: str
-    states: list[str] = field(default_factory=list)  # safetensors files: version 0, 1, ...
-    checkpoint: str = ""
-    ready: str = ""  # the receiver creates it once it holds version 0 and is throttled
-    engine_id: str = "bench"
-    pipelined: bool = True
-    prefetch: bool = True
-    bandwidth: float | None = None
-    latency: float = 0.0
-    bucket_bytes: int = 32 << 20
-    poll_interval: float = 0.05
-    settle: float = 0.1
-    repeats: int = 5
-    full_repeats: int = 2
-    timeout: float = 300.0
-    spawned_at: float = 0.0  # time.time() when the parent started this child
-    # the scale sweep (asyncsync.ops.bench.scale): states are generated, not read from files
-    scale_bytes: int = 0
-    versions: int = 3
-    density: float = 0.03
-    seed: int = 0
-
-    @classmethod
-    def read(cls, path: str | Path) -> Job:
-        return cls(**json.loads(Path(path).read_text()))
-
-    def write(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
-
-    @property
-    def throttle(self) -> fsio.Throttle:
-        # the shared root only: the receiver's local checkpoint is on a local disk
-        return fsio.Throttle(self.bandwidth, self.latency, os.path.abspath(self.root))
 
 
 # ------------------------------------------------------------------------------------ roles
@@ -295,6 +255,8 @@ _ROLES = {
     "scale-publish": scale.run_scale_publish,
     "scale-receive": scale.run_scale_receive,
     "scale-cost": scale.run_scale_cost,
+    "peer-publish": peers.run_peer_publish,
+    "peer-receive": peers.run_peer_receive,
 }
 
 
@@ -305,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m asyncsync.ops.bench.worker JOB.json", file=sys.stderr)
         return 2
     job = Job.read(args[0])
+    if job.threads and not job.role.endswith("cost"):  # the floors stay the machine's
+        set_threads(job.threads)
+        torch.set_num_threads(job.threads)
     result = asyncio.run(_ROLES[job.role](job))
     Path(job.result).write_text(json.dumps(result, indent=1))
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 from asyncsync.errors import ConfigError
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest, read_root_info
+from asyncsync.fsio import parse_size
 
 __all__ = [
     "check_root",
@@ -18,10 +19,13 @@ __all__ = [
     "fmt_time",
     "human_bytes",
     "int_at_least",
+    "non_negative_float",
     "non_negative_int",
     "positive_float",
     "positive_int",
     "resolve_version",
+    "size_bytes",
+    "version_spec",
     "table",
     "version_summaries",
 ]
@@ -81,6 +85,13 @@ def check_root(root: Path) -> list[int]:
     return versions
 
 
+def version_spec(text: str) -> str:
+    """An argparse type: a version number or ``latest`` (anything else is a usage error)."""
+    if text != "latest" and not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"VERSION must be a number or 'latest', got {text!r}")
+    return text
+
+
 def resolve_version(root: Path, versions: list[int], spec: str | None) -> int | None:
     if spec is None:
         return None
@@ -121,13 +132,36 @@ def version_summaries(root: Path, versions: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-def positive_float(text: str) -> float:
+def _seconds(zero_ok: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, > 0 (or >= 0 with ``zero_ok``)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a number of seconds, got {text!r}"
+            ) from None
+        if not (v >= 0 if zero_ok else v > 0) or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
+        return v
+
+    return parse
+
+
+positive_float = _seconds(zero_ok=False)
+non_negative_float = _seconds(zero_ok=True)
+
+
+def size_bytes(text: str) -> int:
+    """An argparse type: a size as SyncConfig takes it (``500M``, ``2GiB``, ``1MB``, ``4096``;
+    K/M/G/T and KiB... are powers of 1024, KB/MB... of 1000), at least 1 byte."""
     try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        v = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
     return v
 
 

@@ -71,6 +71,8 @@ class LocalCheckpoint(Engine):
     delta is flushed after its ack (:meth:`acknowledged`, :meth:`flushed`).
     """
 
+    streams = True  # a delta may begin from self-describing shards (receiver.stream)
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -135,6 +137,10 @@ class LocalCheckpoint(Engine):
             assert txn.maps is not None
             self._unflushed = (txn.maps, txn.manifest.version)
         return fingerprint
+
+    async def confirm(self, manifest: Manifest) -> None:
+        txn = self._need_txn()
+        await self._run(self._confirm, txn, manifest)
 
     async def acknowledged(self) -> None:
         """Start flushing the delta just committed (in the background): after the ack, so the
@@ -201,7 +207,7 @@ class LocalCheckpoint(Engine):
     def _open(self) -> EngineState:
         if self._store.locked:
             return self.state
-        self.directory.mkdir(parents=True, exist_ok=True)
+        fsio.make_dir(self.directory, parents=True, exist_ok=True)  # 0755: servers read it
         if not (self._store.directory / STATE_NAME).exists():
             self.files.refuse_foreign()
         ps = self._store.open()
@@ -316,6 +322,24 @@ class LocalCheckpoint(Engine):
         txn.maps = FileMaps(self.directory)
         txn.digest_on_patch = inplace.disjoint(self._layout)
         self._txn = txn
+
+    def _confirm(self, txn: _Txn, manifest: Manifest) -> None:
+        """The streamed delta's real manifest replaces the provisional one (same version, base,
+        run and tensor set; every tensor patched so far is one the manifest changes)."""
+        prov = txn.manifest
+        if txn.mode != "delta" or (manifest.version, manifest.base_version, manifest.run_id) != (
+            prov.version,
+            prov.base_version,
+            prov.run_id,
+        ):
+            raise ApplyFailed(f"{self.directory}: v{manifest.version} does not confirm the delta")
+        check_tensor_set(self._held(), manifest, str(self.directory))
+        entries = manifest.tensor_map()
+        for name in txn.seen:
+            e = entries.get(name)
+            if e is None or e.changed == 0 or e.parts is not None:
+                raise ApplyFailed(f"tensor {name!r} was patched but v{manifest.version} says not")
+        txn.manifest, txn.entries = manifest, entries
 
     def _held(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return {n: (loc.dtype, tuple(loc.shape)) for n, loc in self._layout.items()}

@@ -28,6 +28,7 @@ from asyncsync import fsio
 from asyncsync.codec import Patch, apply_patch, patch_and_checksum
 from asyncsync.errors import EngineStateError
 from asyncsync.format import TensorEntry
+from asyncsync.pipeline import parallel_map
 from receiver.engines.checkpoint import journal
 from receiver.engines.st_layout import FileMaps, TensorLocation
 
@@ -55,14 +56,21 @@ def journal_and_patch(
         if _touches_most_pages(patch, loc):
             maps.prefault(loc)
     write_record(journal_dir / f"undo-{seq:06d}.safetensors", journal.encode_parts(work, version))
-    digests: dict[str, str] = {}
-    for name, _loc, flat, patch in work:
+
+    def patch_one(item: Work) -> str | None:  # on the pool: the tensors are disjoint
+        name, _loc, flat, patch = item
         if algorithm is None:
             apply_patch(flat, patch)
-        else:
-            layout = None if layouts is None else layouts.get(name)
-            digests[name] = patch_and_checksum(flat, patch, algorithm, layout)
-    return digests
+            return None
+        layout = None if layouts is None else layouts.get(name)
+        return patch_and_checksum(flat, patch, algorithm, layout)
+
+    sums = parallel_map(patch_one, work) if algorithm is not None else None
+    if sums is None:  # tensors may share bytes (not disjoint): one after another, in order
+        for item in work:
+            patch_one(item)
+        return {}
+    return {name: d for (name, *_), d in zip(work, sums, strict=True) if d is not None}
 
 
 def write_record(path: Path, record: list[bytes | memoryview]) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from asyncsync.codec import Patch, decode_xef_positions, ef, native
 from asyncsync.errors import ConfigError
+from asyncsync.pipeline import parallel_map
 from receiver.engines.st_layout import TensorLocation
 
 __all__ = ["JOURNAL_FORMAT", "Work", "encode", "encode_parts", "read"]
@@ -82,14 +83,20 @@ def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
     values = torch.empty(
         sum(align8(c * w) for c, w in zip(counts, widths, strict=True)), dtype=torch.uint8
     )
+    jobs = []
     vi = 0
     for (_name, _loc, flat, patch), n, w in zip(work, counts, widths, strict=True):
-        out = values[vi : vi + n * w].view(flat.dtype)
+        jobs.append((values[vi : vi + n * w].view(flat.dtype), flat, patch))
+        vi += align8(n * w)
+
+    def gather_old(job: tuple[torch.Tensor, torch.Tensor, Patch]) -> None:  # on the pool
+        out, flat, patch = job
         if patch.positions is None:
             out.copy_(flat)
         else:
             native.take(flat.numpy(), patch.positions.numpy(), out.numpy())
-        vi += align8(n * w)
+
+    parallel_map(gather_old, jobs)
     meta = {
         "format": JOURNAL_FORMAT,
         "layout": "packed",

@@ -1,0 +1,133 @@
+"""The passes of publish and apply in isolation, before and after issue 26 (BENCHMARKS.md).
+
+``python -m asyncsync.ops.bench.passes [ELEMENTS]`` (default 128 Mi bf16 elements, 256 MiB; run
+it under /work/bin/quiet): one thread, ~3 % changed, min / median of 7 interleaved repetitions,
+wall ms and the thread's CPU ms, of
+
+* publish: the diff kernel alone, XXH3 of the new bytes alone, the scatter that advanced the
+  snapshot alone, those three one after another (before), and the diff kernel with the hash
+  and the advance folded into its pass (after);
+* apply: patch + checksum as a Python loop over 256 KiB chunks (before) and as one C call
+  (after), and the byte planes as strided copies (before) and in C (after).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+import torch
+import xxhash
+
+from asyncsync.codec import delta, native, patch_hash
+from asyncsync.codec.patch import Patch
+
+__all__ = ["main"]
+
+Timing = tuple[float, float]
+
+
+def _t(fn: Callable[[], object]) -> Timing:
+    w0, c0 = time.perf_counter(), time.thread_time()
+    fn()
+    return time.perf_counter() - w0, time.thread_time() - c0
+
+
+def _print(title: str, res: dict[str, list[Timing]]) -> None:
+    print(title)
+    for k, r in res.items():
+        w = sorted(a for a, _ in r)
+        c = sorted(b for _, b in r)
+        mid = len(w) // 2
+        print(f"  {k:26s} {1e3 * w[0]:7.1f} / {1e3 * w[mid]:7.1f}   "
+              f"({1e3 * c[0]:7.1f} / {1e3 * c[mid]:7.1f})")  # fmt: skip
+
+
+def publish_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
+    k = native.kernels
+    rng = np.random.default_rng(0)
+    old0 = rng.integers(-30000, 30000, n, dtype=np.int16)
+    new = old0.copy()
+    idx = rng.choice(n, n // 33, replace=False)
+    new[idx] ^= 1
+    cap = n // 16
+    pos, v, x = np.empty(cap, np.int64), np.empty(cap, np.int16), np.empty(cap, np.int16)
+    names = ("diff", "hash", "scatter", "separate", "diff+hash", "diff+hash+advance")
+    res: dict[str, list[Timing]] = {name: [] for name in names}
+    for _ in range(reps):
+        o = old0.copy()
+        a = _t(partial(k.diff_extract, o, new, 2, 0, pos, v, x))
+        b = _t(lambda: xxhash.xxh3_128(new.data).hexdigest())
+        c = _t(partial(k.set_patch, o, 2, pos[: len(idx)], v[: len(idx)], None))
+        res["diff"].append(a)
+        res["hash"].append(b)
+        res["scatter"].append(c)
+        res["separate"].append((a[0] + b[0] + c[0], a[1] + b[1] + c[1]))
+        o = old0.copy()
+        res["diff+hash"].append(
+            _t(partial(k.diff_extract, o, new, 2, 0, pos, v, x, k.Xxh3(), False))
+        )
+        res["diff+hash+advance"].append(
+            _t(partial(k.diff_extract, o, new, 2, 0, pos, v, x, k.Xxh3(), True))
+        )
+        assert (o == new).all()
+    return res
+
+
+def apply_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
+    real = native.kernels
+    rng = np.random.default_rng(0)
+    base = torch.from_numpy(rng.integers(-30000, 30000, n, dtype=np.int16))
+    pos = torch.from_numpy(np.sort(rng.choice(n, n // 33, replace=False)).astype(np.int64))
+    vals = torch.from_numpy(rng.integers(1, 3, pos.numel(), dtype=np.int16))
+    p = Patch("xor", pos, vals, positions_xef=b"x")
+    new_ones = ("patch_hash", "planes", "unplanes")
+    before = types.SimpleNamespace(
+        **{a: getattr(real, a) for a in dir(real) if not a.startswith("_") and a not in new_ones}
+    )
+    names = ("patch+hash python chunks", "patch+hash C", "planes strided", "planes C",
+             "unplanes strided", "unplanes C")  # fmt: skip
+    res: dict[str, list[Timing]] = {name: [] for name in names}
+    xor = vals.repeat(16)
+    raw = bytes(delta._planes(xor))
+    try:
+        for _ in range(reps):
+            flat, flat2 = base.clone(), base.clone()
+            native.kernels = before
+            res["patch+hash python chunks"].append(
+                _t(partial(patch_hash.patch_and_checksum, flat, p, "xxh3-128"))
+            )
+            res["planes strided"].append(_t(lambda: delta._planes(xor)))
+            res["unplanes strided"].append(_t(lambda: delta._unplanes(raw, xor.numel(), 2)))
+            native.kernels = real
+            res["patch+hash C"].append(
+                _t(partial(patch_hash.patch_and_checksum, flat2, p, "xxh3-128"))
+            )
+            assert torch.equal(flat, flat2)
+            res["planes C"].append(_t(lambda: delta._planes(xor)))
+            res["unplanes C"].append(_t(lambda: delta._unplanes(raw, xor.numel(), 2)))
+    finally:
+        native.kernels = real
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    n = int(args[0]) if args else 128 << 20
+    if native.kernels is None or not hasattr(native.kernels, "patch_hash"):
+        print("the C kernels are not built", file=sys.stderr)
+        return 1
+    mib = n * 2 / 2**20
+    _print(f"publish passes, {mib:.0f} MiB bf16, 3 % changed; min / median, wall ms (thread CPU "
+           "ms)", publish_passes(n))  # fmt: skip
+    _print(f"apply passes, {mib:.0f} MiB bf16, 3 % changed (the planes: {mib / 2:.0f} MiB of "
+           "values)", apply_passes(n))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""``asyncsync bench --peers``: this project end to end beside re-implementations of its peers.
+
+The peers, written from their documented designs (``/work/shared/REFERENCE.md``), each as a
+writer (trainer side) and an applier (engine side) over files in the shared root:
+
+``gen1``  slime's first-generation disk delta: per changed tensor its positions as
+          ``deltas_zstd`` (gaps, zstd level 1) and its new values raw, in one safetensors file
+          per version; the engine decodes and scatters the values into its weights in memory.
+``gen2``  slime's second-generation delta: the whole-tensor ``new XOR old`` of each changed
+          tensor, zstd level 1, one file per version; the engine decompresses and XORs in memory.
+``full``  a full checkpoint: ``safetensors`` save of the whole state, one file; the engine loads
+          it and copies it into its weights.
+``ours``  :class:`~asyncsync.publish.publisher.Publisher` and a
+          :class:`~receiver.agent.ReceiverAgent` with a crash-safe ``LocalCheckpoint`` (journal,
+          per-tensor verification, streaming apply).
+``ours-mem``  the same publisher (its own root) to an agent with a ``TorchModule`` engine:
+          the weights patched in memory, as the peers' appliers do (per-tensor verification,
+          an in-memory undo journal; no streaming: the shards are prefetched).
+
+Two fresh processes (:func:`run_peer_publish`, :func:`run_peer_receive`) hold every system's
+side; both start from the same generated version 0 (the scale sweep's bf16 states at ~3 %,
+:func:`asyncsync.ops.bench.scale.make_state`), so no system pays for a seed. Per version the
+publisher steps the state once, then runs the systems **interleaved** (the order rotates per
+version, so the machine's noise falls on all of them alike): each writes the version, and the
+latency is from its write start to the engine's ack (the peers' ack is a small file the applier
+writes after applying; ours is its ack). The shared root is throttled like the rest of the bench
+(``--throttle``, or none with ``--throttle none``), in both processes. The peers' files are
+written with :func:`asyncsync.fsio.atomic_write` and read with
+:func:`asyncsync.fsio.read_bytes`, the throttled calls ours uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+import zstandard
+
+from asyncsync import codec, fsio
+from asyncsync.format import acks
+from asyncsync.ops.bench.job import Job
+from asyncsync.ops.bench.probes import reset_peak_rss, rss
+from asyncsync.ops.bench.scale import make_state, step_state
+from asyncsync.publish.publisher import Publisher
+from receiver.agent import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.torch_module import TorchModule
+
+__all__ = ["PEERS", "run_peer_publish", "run_peer_receive"]
+
+PEERS = ("ours", "ours-mem", "gen1", "gen2", "full")
+_OURS = ("ours", "ours-mem")
+_POLL = 0.002
+
+
+def _order(version: int) -> list[str]:
+    k = version % len(PEERS)
+    return [*PEERS[k:], *PEERS[:k]]
+
+
+# ----------------------------------------------------------------------------- the writers
+def _write_gen1(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    blobs: dict[str, torch.Tensor] = {}
+    z = zstandard.ZstdCompressor(level=1)
+    for name, t in new.items():
+        a, b = codec.int_view(old[name]).numpy(), codec.int_view(t).numpy()
+        idx = np.flatnonzero(a != b)
+        if not idx.size:
+            continue
+        gaps = np.diff(idx, prepend=-1) - 1
+        width = "<u2" if gaps.max() <= 0xFFFF else "<u4" if gaps.max() <= 0xFFFFFFFF else "<u8"
+        pos = np.frombuffer(z.compress(gaps.astype(width).tobytes()), np.uint8)
+        blobs[f"{name}.pos"] = torch.from_numpy(pos.copy())
+        blobs[f"{name}.val"] = torch.from_numpy(b[idx].view(np.uint8).copy())
+    fsio.atomic_write(path, safetensors.torch.save(blobs))
+
+
+def _write_gen2(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    blobs: dict[str, torch.Tensor] = {}
+    z = zstandard.ZstdCompressor(level=1)
+    for name, t in new.items():
+        x = np.bitwise_xor(codec.int_view(old[name]).numpy(), codec.int_view(t).numpy())
+        if not x.any():
+            continue
+        blobs[name] = torch.from_numpy(np.frombuffer(z.compress(x.tobytes()), np.uint8).copy())
+    fsio.atomic_write(path, safetensors.torch.save(blobs))
+
+
+def _write_full(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    fsio.atomic_write(path, safetensors.torch.save(dict(new)))
+
+
+_WRITERS: dict[str, Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor]], None]] = {
+    "gen1": _write_gen1,
+    "gen2": _write_gen2,
+    "full": _write_full,
+}
+
+
+# ----------------------------------------------------------------------------- the appliers
+def _apply_gen1(data: bytes, state: dict[str, torch.Tensor]) -> None:
+    blobs = safetensors.torch.load(data)
+    d = zstandard.ZstdDecompressor()
+    for key, pos in blobs.items():
+        if not key.endswith(".pos"):
+            continue
+        name = key[: -len(".pos")]
+        flat = codec.int_view(state[name]).numpy()
+        vals = blobs[f"{name}.val"].numpy().view(flat.dtype)
+        raw = d.decompress(pos.numpy().tobytes())
+        width = len(raw) // vals.size
+        gaps = np.frombuffer(raw, f"<u{width}").astype(np.int64)
+        flat[np.cumsum(gaps + 1) - 1] = vals  # the scatter
+
+
+def _apply_gen2(data: bytes, state: dict[str, torch.Tensor]) -> None:
+    d = zstandard.ZstdDecompressor()
+    for name, blob in safetensors.torch.load(data).items():
+        flat = codec.int_view(state[name]).numpy()
+        flat ^= np.frombuffer(d.decompress(blob.numpy().tobytes()), flat.dtype)
+
+
+def _apply_full(data: bytes, state: dict[str, torch.Tensor]) -> None:
+    for name, t in safetensors.torch.load(data).items():
+        state[name].copy_(t)
+
+
+_APPLIERS: dict[str, Callable[[bytes, dict[str, torch.Tensor]], None]] = {
+    "gen1": _apply_gen1,
+    "gen2": _apply_gen2,
+    "full": _apply_full,
+}
+
+
+def _file(root: Path, system: str, version: int) -> Path:
+    return root / system / f"v{version:06d}.safetensors"
+
+
+def _ack(root: Path, system: str) -> Path:
+    return root / system / "ack.json"
+
+
+# ----------------------------------------------------------------------------- the children
+async def run_peer_publish(job: Job) -> dict[str, Any]:
+    """Step the state per version; per system (interleaved) write it and wait for the ack."""
+    root = Path(job.root)
+    sd = make_state(job.scale_bytes, job.seed)
+    old = {k: t.clone() for k, t in sd.items()}  # the peers' previous version (they diff it)
+    for system in _WRITERS:
+        (root / system).mkdir(parents=True, exist_ok=True)
+    out: dict[str, list[dict[str, float]]] = {s: [] for s in PEERS}
+    pubs = {
+        s: Publisher(root / s, bucket_bytes=job.bucket_bytes, keyframe_interval=0) for s in _OURS
+    }
+    async with pubs["ours"], pubs["ours-mem"]:
+        for p in pubs.values():
+            await p.seed(sd)
+        await _wait(Path(job.ready), job.timeout)
+        gc.collect()
+        reset_peak_rss()
+        for v in range(1, job.versions + 1):
+            step_state(sd, v, job.density, job.seed)
+            fsio.set_throttle(_throttle(job))
+            for system in _order(v):
+                t0 = time.perf_counter()
+                if system in pubs:
+                    res = await pubs[system].publish(sd)
+                    t1 = time.perf_counter()
+                    await acks.wait_acked(
+                        root / system, res.version, engines=[job.engine_id], timeout=job.timeout,
+                        poll_interval=_POLL, max_poll_interval=_POLL,
+                    )  # fmt: skip
+                else:
+                    await asyncio.to_thread(_WRITERS[system], _file(root, system, v), old, sd)
+                    t1 = time.perf_counter()
+                    await _wait_ack(_ack(root, system), v, job.timeout)
+                t2 = time.perf_counter()
+                out[system].append({"version": v, "write": t1 - t0, "e2e": t2 - t0})
+            fsio.set_throttle(None)
+            for k, t in sd.items():
+                old[k].copy_(t)
+    return {"systems": out, "rss": rss(), "model_bytes": sum(t.nbytes for t in sd.values())}
+
+
+async def run_peer_receive(job: Job) -> dict[str, Any]:
+    """Every system's engine side: ours a running agent, the peers a poll loop each."""
+    root = Path(job.root)
+    engine = LocalCheckpoint(job.checkpoint)
+    mem = TorchModule(_module(make_state(job.scale_bytes, job.seed)))
+    agents = [
+        ReceiverAgent(root / s, e, job.engine_id, poll_interval=job.poll_interval)
+        for s, e in (("ours", engine), ("ours-mem", mem))
+    ]
+    applies: dict[str, list[float]] = {s: [] for s in _APPLIERS}
+    async with agents[0], agents[1], asyncio.timeout(job.timeout):
+        for agent in agents:
+            while await agent.sync_once() is None:
+                await asyncio.sleep(0.01)
+        await engine.flushed()
+        states = {s: make_state(job.scale_bytes, job.seed) for s in _APPLIERS}
+        fsio.set_throttle(_throttle(job))
+        Path(job.ready).write_text("ready\n")
+        stop = asyncio.Event()
+
+        async def peer(system: str) -> None:
+            for v in range(1, job.versions + 1):
+                path = _file(root, system, v)
+                while not await asyncio.to_thread(path.exists):
+                    await asyncio.sleep(_POLL)
+                t0 = time.perf_counter()
+                data = await asyncio.to_thread(fsio.read_bytes, path)
+                await asyncio.to_thread(_APPLIERS[system], data, states[system])
+                del data
+                applies[system].append(time.perf_counter() - t0)
+                text = json.dumps({"version": v})
+                await asyncio.to_thread(fsio.atomic_write, _ack(root, system), text.encode())
+
+        async def our_side() -> None:
+            while True:
+                mine = [(await asyncio.to_thread(acks.read_acks, a.root)).get(a.engine_id)
+                        for a in agents]  # fmt: skip
+                if all(m is not None and m.version >= job.versions for m in mine):
+                    stop.set()
+                    return
+                await asyncio.sleep(0.01)
+
+        async with asyncio.TaskGroup() as tg:
+            for agent in agents:
+                tg.create_task(agent.run(stop=stop))
+            tg.create_task(our_side())
+            for system in _APPLIERS:
+                tg.create_task(peer(system))
+        fsio.set_throttle(None)
+        status = agents[0].status()
+    return {"applies": applies, "streamed_shards": status.streamed_shards, "rss": rss()}
+
+
+def _module(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose state dict is ``sd`` (its tensors as frozen parameters)."""
+    top = torch.nn.Module()
+    for name, t in sd.items():
+        *path, leaf = name.split(".")
+        mod = top
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return top
+
+
+def _throttle(job: Job) -> fsio.Throttle | None:
+    if job.bandwidth is None and not job.latency:
+        return None
+    return job.throttle
+
+
+async def _wait(path: Path, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while not path.exists():
+            await asyncio.sleep(0.005)
+
+
+async def _wait_ack(path: Path, version: int, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                if json.loads(path.read_text())["version"] >= version:
+                    return
+            except (OSError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(_POLL)
+
+
+# ----------------------------------------------------------------------------- the report
+def peers_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per size: each system's median end to end (and write), the versions' min and max, and
+    each peer's median over ours (above 1: ours is faster)."""
+    out = []
+    for row in rows:
+        systems = row["publisher"]["systems"]
+        med = {s: _median([v["e2e"] for v in vs]) for s, vs in systems.items()}
+        out.append(
+            {
+                "model_bytes": row["publisher"]["model_bytes"],
+                "e2e_s": med,
+                "e2e_range_s": {
+                    s: [min(v["e2e"] for v in vs), max(v["e2e"] for v in vs)]
+                    for s, vs in systems.items()
+                },
+                "write_s": {s: _median([v["write"] for v in vs]) for s, vs in systems.items()},
+                "peer_vs_ours": {s: med[s] / med["ours"] for s in med if s != "ours"},
+                "versions": len(systems["ours"]),
+                "streamed_shards": row["receiver"]["streamed_shards"],
+                "raw": systems,
+            }
+        )
+    return {"peers": out}
+
+
+def peers_markdown(summary: dict[str, Any], throttle: str) -> str:
+    rows = summary.get("peers") or []
+    if not rows:
+        return ""
+    lines = [
+        f"## Peers, end to end (throttle {throttle or 'none'}; median of the versions, "
+        "min-max; peer / ours)",
+        "",
+        "| model | ours (LocalCheckpoint) | ours (TorchModule, in memory) | gen-1 deltas_zstd "
+        "+ scatter | gen-2 XOR+zstd | full safetensors |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = []
+        for s in PEERS:
+            lo, hi = r["e2e_range_s"][s]
+            ratio = "" if s == "ours" else f" ({r['peer_vs_ours'][s]:.2f}x)"
+            cells.append(f"{1e3 * r['e2e_s'][s]:,.0f} ms [{1e3 * lo:,.0f}-{1e3 * hi:,.0f}]{ratio}")
+        lines.append(f"| {r['model_bytes'] / 1e9:.2f} GB | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return float("nan") if not n else s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2

@@ -1,0 +1,370 @@
+"""Streaming apply: version N's delta shards applied while the trainer still writes N (format 3).
+
+A single publisher writes version N's delta shards ``delta-00000.safetensors``, ``delta-00001...``
+in order, each renamed into place when complete, and the manifest last. From format 3 each
+delta shard is *self-describing* (FORMAT.md section 4.3): its header names the version, run,
+base version and base fingerprint it applies to, the publish attempt, its index, the encoding
+and checksum algorithm, the checksum of its data, and an entry per tensor (name, dtype, shape,
+changed, mode, blob keys, the tensor's new checksum). A :class:`StreamApplier` for an engine
+that holds N-1 polls those exact names and, for each complete shard (its data checksum matches:
+a network filesystem may show a renamed file before its bytes), checks it against the engine
+and against N-1's manifest, opens the engine's transaction for N on the first one (the engine
+journals as usual, so a crash undoes it), and decodes and applies it in apply groups.
+
+Nothing is served or acknowledged then: the engine's version changes only in ``commit``, which
+the agent calls once N's manifest exists and validates and the shards applied early match it
+(:meth:`StreamApplier.mismatch`: same files, sizes, checksums, tensors, entries), through the
+engine's ``confirm`` (the manifest replaces the provisional one the transaction began with);
+the shards not applied yet are then applied the ordinary way. A shard of another attempt, of
+another base, damaged, the version directory removed, or no progress for ``idle_timeout``: the
+applier aborts the transaction (the engine rolls back) and the version is applied the ordinary
+way once its manifest exists. Only engines that say ``streams`` (``LocalCheckpoint``) are fed
+early; for the others the agent only prefetches the bytes (:mod:`receiver.prefetch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from asyncsync.codec.shards import StreamHeader, parse_shard, stream_header
+from asyncsync.errors import AsyncSyncError, FormatError
+from asyncsync.format import MANIFEST_NAME, DeltaRef, Manifest, TensorEntry, version_dir
+from asyncsync.format.checksum import checksum_bytes, new_hasher
+from asyncsync.format.names import MAX_SHARD_BYTES
+from asyncsync.format.store import read_manifest
+from asyncsync.fsio import read_bytes
+from receiver.engines.base import Engine
+from receiver.prefetch import Prefetcher, being_written, probe
+from receiver.shard_reader import Piece, decode_pieces, group_bytes_for, group_pieces
+
+__all__ = ["AppliedShard", "StreamApplier", "early_reader"]
+
+logger = logging.getLogger(__name__)
+
+
+class StreamAbandoned(FormatError):
+    """The version being streamed will not be committed as it was read (see the module doc)."""
+
+
+@dataclass(frozen=True)
+class AppliedShard:
+    """A delta shard applied before the manifest: what the manifest must say of it."""
+
+    file: str
+    bytes: int
+    checksum: str  # of the whole file, with the streamed header's algorithm
+    header: StreamHeader
+
+
+class StreamApplier:
+    """Apply the delta shards of ``base.version + 1`` into ``engine`` as they land.
+
+    Args:
+        base: the manifest of the version the engine holds (N-1); its fingerprint must be the
+            engine's.
+        on_manifest: set when N's manifest appears (the agent then syncs and takes over).
+        group_bytes: decoded bytes handed to the engine at once.
+        idle_timeout: give up (abort) after this long with an open transaction and neither a
+            new shard nor the manifest.
+        verify_deadline: how long a shard whose data does not match its data checksum yet is
+            re-read before the stream gives up.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        engine: Engine,
+        base: Manifest,
+        *,
+        on_manifest: asyncio.Event,
+        group_bytes: int,
+        idle_timeout: float = 120.0,
+        verify_deadline: float = 10.0,
+        interval: float = 0.005,
+    ) -> None:
+        self.root = root
+        self.engine = engine
+        self.base = base
+        self.version = base.version + 1
+        self.dir = version_dir(root, self.version)
+        self.on_manifest = on_manifest
+        self.group_bytes = group_bytes
+        self.idle_timeout = idle_timeout
+        self.verify_deadline = verify_deadline
+        self.interval = interval
+        self.applied: list[AppliedShard] = []
+        self.txn_open = False  # the engine holds a transaction for self.version
+        self.failed: str | None = None
+        self._provisional: Manifest | None = None
+        self._names: set[str] = set()
+        self._stop = asyncio.Event()
+        self._base_entries = base.tensor_map()
+
+    # ------------------------------------------------------------------ the agent's side
+    async def finish(self, task: asyncio.Task[None] | None) -> None:
+        """Stop after the shard in flight and wait for the task (the transaction stays open)."""
+        self._stop.set()
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def take(
+        self, task: asyncio.Task[None] | None, m: Manifest, mode: str
+    ) -> set[str] | None:
+        """Before the agent applies ``m``: stop, and return the shard files applied into the
+        engine's open transaction for ``m``, now confirmed by it (``engine.confirm``); None when
+        no transaction is open. A transaction for another version, or one ``m`` does not
+        confirm, is aborted (the engine rolls back) and None returned: ``m`` is then applied
+        the ordinary way."""
+        await self.finish(task)
+        if not self.txn_open:
+            return None
+        same = (self.version, mode) == (m.version, "delta")
+        why = self.mismatch(m) if same else "another version"
+        if why is None:
+            try:
+                await self.engine.confirm(m)
+            except AsyncSyncError as exc:
+                why = str(exc)
+        if why is not None:
+            logger.warning(
+                "the shards of v%d applied early are not what v%d commits (%s); rolling back "
+                "and applying it from its manifest", self.version, m.version, why,
+            )  # fmt: skip
+            await self._abort(why)
+            return None
+        self.txn_open = False  # the agent's now
+        return {a.file for a in self.applied}
+
+    def mismatch(self, m: Manifest) -> str | None:
+        """Why the shards applied early are not what manifest ``m`` commits (None: they are)."""
+        if m.version != self.version or m.base_version != self.base.version:
+            return f"the manifest is v{m.version} on base {m.base_version}"
+        if m.run_id != self.base.run_id or m.shard_dir is not None:  # a keyframe may confirm
+            return "the manifest is of another run or registers a checkpoint"
+        if m.encoding != self._header(0).encoding or m.checksum_algorithm != self.base_algo():
+            return "the manifest names another encoding or checksum algorithm"
+        by_file = {s.file: (i, s) for i, s in enumerate(m.shards)}
+        entries = m.tensor_map()
+        for a in self.applied:
+            if a.file not in by_file:
+                return f"{a.file} was applied but the manifest does not name it"
+            idx, s = by_file[a.file]
+            if (s.role, s.bytes, s.checksum) != ("delta", a.bytes, a.checksum):
+                return f"{a.file}: the manifest's size or checksum differs from what was applied"
+            for e in a.header.entries:
+                me = entries.get(e.name)
+                if me is None or me.parts is not None or me.delta is None:
+                    return f"tensor {e.name!r} was applied but has no such delta in the manifest"
+                want = (idx, e.mode, e.positions, e.values, e.changed, e.checksum)
+                got = (me.delta.shard, me.delta.mode, me.delta.positions, me.delta.values,
+                       me.changed, me.checksum)  # fmt: skip
+                if want != got or (me.dtype, me.shape) != (e.dtype, e.shape):
+                    return f"tensor {e.name!r}: the manifest's entry differs from its shard's"
+        applied = {a.file for a in self.applied}
+        for t in m.tensors:  # every tensor whose delta is in an applied shard was applied
+            in_applied = t.delta is not None and m.shards[t.delta.shard].file in applied
+            if in_applied and t.name not in self._names:
+                return f"tensor {t.name!r} is in an applied shard but was not applied"
+        return None
+
+    def base_algo(self) -> str:
+        return self._header(0).algorithm
+
+    def _header(self, k: int) -> StreamHeader:
+        return self.applied[k].header
+
+    # ------------------------------------------------------------------ the task
+    async def run(self) -> None:
+        """Poll, check and apply shards until the manifest appears or :meth:`finish`."""
+        k = 0
+        attempt: str | None = None
+        last = time.monotonic()
+        delay = self.interval
+        manifest = self.dir / MANIFEST_NAME
+        try:
+            while not self._stop.is_set():
+                if await asyncio.to_thread(probe, manifest, self.root) is not None:
+                    self.on_manifest.set()
+                    return
+                path = self.dir / f"delta-{k:05d}.safetensors"
+                if await asyncio.to_thread(probe, path, self.root) != 1:
+                    if self.txn_open and not await asyncio.to_thread(
+                        being_written, self.root, self.version
+                    ):
+                        raise StreamAbandoned(f"{self.dir} was removed before its manifest")
+                    if self.txn_open and time.monotonic() - last > self.idle_timeout:
+                        raise StreamAbandoned(
+                            f"no shard nor manifest of v{self.version} for "
+                            f"{self.idle_timeout:.0f}s: the publish was abandoned"
+                        )
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), delay)
+                    delay = min(delay * 1.25, 0.1)  # an abandoned write must not spin the CPU
+                    continue
+                got = await self._read(path)
+                if got is None:  # not a self-describing shard: the agent applies after commit
+                    return
+                data, hdr = got
+                if attempt is None:
+                    attempt = hdr.attempt
+                if hdr.attempt != attempt:
+                    raise StreamAbandoned(f"{path.name} belongs to another publish attempt")
+                if hdr.shard_index != k:
+                    raise StreamAbandoned(f"{path.name} says it is shard {hdr.shard_index}")
+                await self._apply(path, data, hdr)
+                k += 1
+                last = time.monotonic()
+                delay = self.interval
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abort("cancelled"))
+            raise
+        except Exception as exc:
+            logger.warning("streaming apply of v%d stopped: %s", self.version, exc)
+            await asyncio.shield(self._abort(f"{type(exc).__name__}: {exc}"))
+
+    async def _abort(self, why: str) -> None:
+        self.failed = why
+        if self.txn_open:
+            try:
+                with contextlib.suppress(Exception):
+                    await self.engine.abort()
+            finally:
+                self.txn_open = False  # once the engine is back at the base
+
+    async def _read(self, path: Path) -> tuple[bytes, StreamHeader] | None:
+        """The shard's bytes and streaming header once its data checksum matches (re-read with
+        backoff until ``verify_deadline``: the file may be visible before its bytes)."""
+        deadline = time.monotonic() + self.verify_deadline
+        delay = 0.02
+        while True:
+            read = partial(read_bytes, path, limit=MAX_SHARD_BYTES, root=self.root)
+            data = await asyncio.to_thread(read)  # nothing below the root is followed
+            hdr, ok = await asyncio.to_thread(_check_data, data, str(path))
+            if hdr is None or ok:
+                return None if hdr is None else (data, hdr)
+            if time.monotonic() >= deadline:
+                raise StreamAbandoned(f"{path}: its data does not match its data checksum")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _apply(self, path: Path, data: bytes, hdr: StreamHeader) -> None:
+        """Check one shard against the base and the engine, then decode and apply it."""
+        base, where = self.base, str(path)
+        state = self.engine.state
+        if (hdr.version, hdr.run_id) != (self.version, base.run_id):
+            raise StreamAbandoned(f"{where}: names v{hdr.version} of run {hdr.run_id}")
+        if hdr.base_version != base.version or hdr.base_fingerprint != base.fingerprint:
+            raise StreamAbandoned(f"{where}: applies to another base than v{base.version}")
+        if (state.version, state.fingerprint) != (base.version, base.fingerprint):
+            raise StreamAbandoned(f"{where}: the engine no longer holds v{base.version}")
+        if self.applied and (hdr.encoding, hdr.algorithm) != (
+            self._header(0).encoding,
+            self._header(0).algorithm,
+        ):
+            raise StreamAbandoned(f"{where}: another encoding or algorithm than shard 0")
+        new_hasher(hdr.algorithm)  # ConfigError (an AsyncSyncError) for an unknown one
+        pieces: list[Piece] = []
+        for e in hdr.entries:
+            b = self._base_entries.get(e.name)
+            if b is None or b.parts is not None or (b.dtype, b.shape) != (e.dtype, e.shape):
+                raise StreamAbandoned(f"{where}: tensor {e.name!r} is not one of v{base.version}")
+            if e.name in self._names:
+                raise StreamAbandoned(f"{where}: tensor {e.name!r} comes twice")
+            ref = DeltaRef(hdr.shard_index, e.mode, e.positions, e.values)  # type: ignore[arg-type]
+            entry = TensorEntry(e.name, e.dtype, e.shape, e.checksum, e.changed, delta=ref)
+            pieces.append((entry, None, ref))
+        tensors = await asyncio.to_thread(
+            parse_shard, data, where=where, version=self.version, run_id=base.run_id, role="delta"
+        )
+        if not self.txn_open:
+            self._provisional = replace(
+                base,
+                version=self.version,
+                base_version=base.version,
+                kind="delta",
+                encoding=hdr.encoding,
+                checksum_algorithm=hdr.algorithm,
+                shards=(),
+                shard_dir=None,
+                attempt=None,
+            )
+            await self.engine.begin(self._provisional, "delta")
+            self.txn_open = True
+        self._names.update(e.name for e in hdr.entries)
+        checksum = await asyncio.to_thread(checksum_bytes, data, hdr.algorithm)
+        assert self._provisional is not None
+        await self._apply_groups(self._provisional, tensors, pieces, where)
+        self.applied.append(AppliedShard(path.name, len(data), checksum, hdr))
+        logger.debug("streamed %s of v%d (%d tensors)", path.name, self.version, len(pieces))
+
+    async def _apply_groups(
+        self, m: Manifest, tensors: dict[str, torch.Tensor], pieces: list[Piece], where: str
+    ) -> None:
+        """Decode group g+1 while the engine applies group g (a queue of one)."""
+        pending: asyncio.Task[None] | None = None
+        try:
+            for group in group_pieces(pieces, self.group_bytes):
+                updates = await asyncio.to_thread(decode_pieces, m, "delta", tensors, group, where)
+                if pending is not None:
+                    await pending
+                pending = asyncio.ensure_future(self.engine.apply(updates))  # type: ignore[arg-type]
+            if pending is not None:
+                await pending
+        except BaseException:
+            if pending is not None and not pending.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(pending)
+            raise
+
+
+async def early_reader(
+    root: Path,
+    engine: Engine,
+    held: int,
+    wake: asyncio.Event,
+    *,
+    prefetch_bytes: int,
+    group_bytes: int | None,
+    idle_timeout: float,
+    verify_deadline: float,
+) -> StreamApplier | Prefetcher:
+    """What reads version ``held + 1`` before its manifest: a :class:`StreamApplier` when the
+    engine ``streams`` and holds ``held`` as the root's manifest says (fingerprint), else a
+    :class:`~receiver.prefetch.Prefetcher` of its bytes."""
+    base = None
+    if engine.streams:
+        with contextlib.suppress(AsyncSyncError, OSError):
+            base = await asyncio.to_thread(read_manifest, root, held)
+    if base is None or base.fingerprint != engine.state.fingerprint:
+        return Prefetcher(root, held + 1, on_manifest=wake, max_bytes=prefetch_bytes)
+    return StreamApplier(
+        root,
+        engine,
+        base,
+        on_manifest=wake,
+        group_bytes=group_bytes or group_bytes_for(base.totals.model_bytes),
+        idle_timeout=idle_timeout,
+        verify_deadline=verify_deadline,
+    )
+
+
+def _check_data(data: bytes, where: str) -> tuple[StreamHeader | None, bool]:
+    """(the streaming header or None, whether the data matches its data checksum)."""
+    try:
+        hdr = stream_header(data, where=where)
+    except FormatError:
+        return None, False  # maybe a torn read; the agent reads it after commit
+    if hdr is None:
+        return None, False
+    h = new_hasher(hdr.algorithm)
+    h.update(memoryview(data)[hdr.data_offset :])
+    return hdr, h.hexdigest() == hdr.data_checksum

@@ -1,0 +1,239 @@
+"""Streaming apply (format 3, receiver/stream.py): a version's self-describing delta shards are
+applied into the engine while the publisher still writes the version, the manifest only
+confirms; nothing is served or acked before it; a version whose manifest never comes is rolled
+back; a manifest that does not match what was applied sends the version down the ordinary path;
+roots written by format 2 (no streaming metadata) are read as before."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncsync import Publisher
+from asyncsync.codec.shards import StreamEntry, stream_header
+from asyncsync.errors import FormatError
+from asyncsync.format import version_dir
+from asyncsync.format.acks import read_ack
+from asyncsync.format.store import read_manifest
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.stream import StreamApplier
+from tests.conftest import eventually, mixed_state, mutate, same_bytes
+
+SMALL = 2048  # delta shard bytes: a version is several shards
+
+
+def _state(i: int) -> dict[str, torch.Tensor]:
+    sd = mixed_state(0, scale=4)
+    return mutate(sd, 0.05, seed=i) if i else sd
+
+
+def _holds(ck: LocalCheckpoint, want: dict[str, torch.Tensor]) -> bool:
+    got = ck.load_state_dict()
+    return set(got) == set(want) and all(same_bytes(got[k], t) for k, t in want.items())
+
+
+def _delta_files(vdir: Path) -> list[Path]:
+    return sorted(vdir.glob("delta-*.safetensors"))
+
+
+async def _with_agent(
+    tmp: Path, body: Callable[[Publisher, ReceiverAgent, LocalCheckpoint], Awaitable[None]]
+) -> None:
+    root, ck = tmp / "root", tmp / "ck"
+    engine = LocalCheckpoint(ck)
+    agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
+    stop = asyncio.Event()
+    async with Publisher(
+        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        async with agent, asyncio.TaskGroup() as tg:
+            tg.create_task(agent.run(stop=stop))
+            try:
+                await eventually(lambda: agent.version == 1, "the agent at v1")
+                await body(pub, agent, engine)
+            finally:
+                stop.set()
+
+
+def _streamer(agent: ReceiverAgent) -> StreamApplier | None:
+    s = agent._prefetcher
+    return s if isinstance(s, StreamApplier) else None
+
+
+async def test_shards_are_applied_before_the_manifest_and_committed_by_it(tmp_path: Path) -> None:
+    sd2 = _state(2)
+    seen: dict[str, Any] = {}
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        async def hook(vdir: Path) -> None:  # the shards are durable, the manifest not yet
+            n = len(_delta_files(vdir))
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) == n,
+                "every shard applied before the manifest",
+            )
+            seen["shards"], seen["held"] = n, engine.state.version
+            seen["ack"] = read_ack(pub.root, "e1")
+            seen["streamed"] = _streamer(agent)
+
+        pub.pre_commit_hook = hook
+        res = await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2)
+        assert agent.status().streamed_shards == seen["shards"] == res.shards > 1
+        assert seen["held"] == 1 and seen["ack"].version == 1  # not served nor acked before
+        hdr = stream_header(_delta_files(res.path)[0].read_bytes(), where="shard 0")
+        assert hdr is not None and (hdr.version, hdr.base_version, hdr.shard_index) == (2, 1, 0)
+        assert read_manifest(pub.root, 2).format_version == 3
+
+    await _with_agent(tmp_path, body)
+
+
+async def test_a_version_whose_manifest_never_comes_is_rolled_back(tmp_path: Path) -> None:
+    sd1, sd2 = _state(1), _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        async def hook(vdir: Path) -> None:
+            n = len(_delta_files(vdir))
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) == n,
+                "every shard applied",
+            )
+            assert not _holds(engine, sd1)  # the checkpoint's bytes are patched in place
+            raise RuntimeError("the trainer dies before the commit (injected)")
+
+        pub.pre_commit_hook = hook
+        with pytest.raises(Exception, match="injected"):
+            await pub.publish(sd2)
+        # the version directory is gone: the streamed transaction is rolled back
+        await eventually(lambda: (s := _streamer(agent)) is not None and not s.txn_open, "abort")
+        assert engine.state.version == 1 and _holds(engine, sd1)
+        assert read_ack(pub.root, "e1").version == 1  # type: ignore[union-attr]
+        pub.pre_commit_hook = None
+        await pub.publish(sd2)  # the retry (another attempt) goes through
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2)
+
+    await _with_agent(tmp_path, body)
+
+
+async def test_a_mismatching_manifest_sends_the_version_down_the_ordinary_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd2 = _state(2)
+    monkeypatch.setattr(StreamApplier, "mismatch", lambda self, m: "injected")
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        async def hook(vdir: Path) -> None:
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) >= 1,
+                "a shard applied early",
+            )
+
+        pub.pre_commit_hook = hook
+        await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2) and agent.status().streamed_shards == 0
+
+    await _with_agent(tmp_path, body)
+
+
+def test_mismatch_names_what_differs(tmp_path: Path) -> None:
+    """StreamApplier.mismatch compares files, sizes, checksums and entries with the manifest."""
+
+    async def run() -> None:
+        root, ck = tmp_path / "root", tmp_path / "ck"
+        async with Publisher(root, bucket_bytes=SMALL, delta_shard_bytes=SMALL) as pub:
+            await pub.seed(_state(0))
+            await pub.publish(_state(1))
+            await pub.publish(_state(2))
+        base, m = read_manifest(root, 1), read_manifest(root, 2)
+        engine = LocalCheckpoint(ck)
+        s = StreamApplier(root, engine, base, on_manifest=asyncio.Event(), group_bytes=1 << 20)
+        from receiver.stream import AppliedShard
+
+        for k, path in enumerate(_delta_files(version_dir(root, 2))):
+            data = path.read_bytes()
+            hdr = stream_header(data, where=str(path))
+            assert hdr is not None and hdr.shard_index == k
+            info = m.shards[k]
+            s.applied.append(AppliedShard(path.name, len(data), info.checksum, hdr))
+            s._names.update(e.name for e in hdr.entries)
+        assert s.mismatch(m) is None
+        bad = dataclasses.replace(m.shards[0], checksum="0" * 32)
+        assert "checksum" in (s.mismatch(dataclasses.replace(m, shards=(bad, *m.shards[1:]))) or "")
+        e0 = s.applied[0].header.entries[0]
+        forged = dataclasses.replace(e0, checksum="f" * 32)
+        hdr0 = dataclasses.replace(s.applied[0].header, entries=(forged,))
+        s.applied[0] = dataclasses.replace(s.applied[0], header=hdr0)
+        assert "differs" in (s.mismatch(m) or "")
+        assert isinstance(forged, StreamEntry)
+
+    asyncio.run(run())
+
+
+def test_malformed_streaming_metadata_is_refused() -> None:
+    from asyncsync.codec.shards import delta_shard_blob
+
+    meta = {"asyncsync.format_version": "3", "asyncsync.entries": "not json"}
+    blob = delta_shard_blob({"t0.pos": b"x"}, version=2, run_id="r", stream=meta)
+    with pytest.raises(FormatError, match="malformed streaming metadata"):
+        stream_header(blob, where="s")
+    assert stream_header(delta_shard_blob({}, version=2, run_id="r"), where="s") is None
+
+
+async def test_a_format_2_root_is_applied_after_its_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards without streaming metadata and manifests saying format_version 2 (as today's
+    roots hold): the agent reads them as before, applying nothing early."""
+    import asyncsync.publish.publisher as publisher_mod
+
+    real = publisher_mod.build_manifest
+    monkeypatch.setattr(
+        publisher_mod,
+        "build_manifest",
+        lambda **kw: dataclasses.replace(real(**kw), format_version=2),
+    )
+    sd2 = _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        pub._fingerprint = ""  # what a format-2 writer does: no self-describing shards
+        res = await pub.publish(sd2)
+        assert json.loads((res.path / "manifest.json").read_text())["format_version"] == 2
+        assert stream_header(_delta_files(res.path)[0].read_bytes(), where="s") is None
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2) and agent.status().streamed_shards == 0
+
+    await _with_agent(tmp_path, body)
+
+
+async def test_a_keyframe_confirms_the_delta_shards_streamed_before_it(tmp_path: Path) -> None:
+    """A keyframe carries its delta too: an engine at N-1 streams the delta shards and the
+    keyframe's manifest confirms them (the full shards are never read)."""
+    sd2 = _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        async def hook(vdir: Path) -> None:
+            n = len(_delta_files(vdir))
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) == n,
+                "every delta shard applied before the manifest",
+            )
+
+        pub.pre_commit_hook = hook
+        res = await pub.publish(sd2, keyframe=True)
+        assert res.kind == "full"
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2) and agent.status().streamed_shards == len(_delta_files(res.path))
+
+    await _with_agent(tmp_path, body)
