@@ -24,18 +24,20 @@ import torch
 
 from asyncsync.errors import ConfigError, ManifestError
 from asyncsync.format import (
-    DTYPES,
+    DTYPE_SIZES,
     FORMAT_VERSION,
+    MAX_NAME_CHARS,
     MAX_VERSION,
+    SAFETENSORS_METADATA,
     DeltaRef,
     FullRef,
     ShardInfo,
     TensorEntry,
     TensorPart,
+    dtype_from_name,
 )
 from asyncsync.format.checksum import parts_checksum
 from asyncsync.format.fields import _load_json
-from asyncsync.format.names import MAX_NAME_CHARS, SAFETENSORS_METADATA
 
 __all__ = [
     "PART_RECORD",
@@ -51,7 +53,7 @@ __all__ = [
 
 PART_RECORD = "asyncsync-part"
 _ATTEMPT_RE = re.compile(r"^[0-9a-f]{8,64}$")
-_SUPPORTED = frozenset(DTYPES.values())
+_SUPPORTED = frozenset(dtype_from_name(n) for n in DTYPE_SIZES)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def check_state_dict(
         if state_dict[name].dtype not in _SUPPORTED:
             raise ConfigError(
                 f"state_dict[{name!r}] has dtype {state_dict[name].dtype}, which the format "
-                f"does not carry; supported: {', '.join(DTYPES)}"
+                f"does not carry; supported: {', '.join(DTYPE_SIZES)}"
             )
     for name, sl in (slices or {}).items():
         if name not in state_dict or not isinstance(sl, TensorSlice):
