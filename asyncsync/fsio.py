@@ -1,16 +1,16 @@
-"""Filesystem primitives: atomic durable writes, directory fsync, temp-file hygiene, locks.
+"""Filesystem primitives: safe access to a shared root, atomic durable writes, locks.
 
-Every file asyncsync writes into a shared root goes through :func:`atomic_write`: it is written
-under a temporary name that starts with :data:`TMP_PREFIX` (readers ignore such names), fsynced,
-renamed to its final name, and the directory is fsynced. A crash leaves either the old state or
-the complete new file, plus at most a temp file that the next writer removes.
-
-These are blocking functions: async callers run them through ``asyncio.to_thread``.
-
-A :class:`Throttle` (bandwidth and per-file latency) can be set process-wide, or through the
-environment variable ``ASYNCSYNC_THROTTLE`` (e.g. ``200MB/s,5ms``), to simulate a slow shared
-filesystem: :func:`atomic_write` and :func:`read_bytes` then sleep as such a filesystem would.
-The benchmark uses it; production leaves it unset.
+Any host that runs a receiver can write a root, so any name in it may be a symlink, a FIFO, a
+socket or a hard link (FORMAT.md 11.1). Below ``root=`` nothing is followed: each directory is
+opened ``O_NOFOLLOW | O_DIRECTORY`` from its parent's descriptor (the root, as the caller
+names it, is trusted; without ``root`` only the last component is not followed). Reading opens
+through :func:`open_file` only (``O_NOFOLLOW | O_NONBLOCK``, ``fstat``: regular files, within a
+``limit``), writing through :func:`_open_write` only (temp names ``O_EXCL | O_NOFOLLOW``
+renamed into place by :func:`atomic_write`; a file written in place, the log or a lock, must be
+a regular file with one link); removal, listing, ``lstat`` and ``mkdir`` go by descriptor too.
+A crash leaves the old or the complete new file of an :func:`atomic_write`, plus at most a temp
+file (:data:`TMP_PREFIX`, ignored by readers). Blocking: async callers use ``to_thread``. A
+:class:`Throttle` (``ASYNCSYNC_THROTTLE=200MB/s,5ms``) simulates a slow shared filesystem.
 """
 
 from __future__ import annotations
@@ -21,28 +21,19 @@ import fcntl
 import os
 import re
 import secrets
+import shutil
+import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO
+from pathlib import Path, PurePath
 
 __all__ = [
-    "TMP_PREFIX",
-    "FileLock",
-    "Throttle",
-    "append_line",
-    "atomic_write",
-    "fs_now",
-    "fsync_dir",
-    "make_dir",
-    "parse_size",
-    "get_throttle",
-    "is_temp_name",
-    "read_bytes",
-    "remove_temp_files",
-    "set_throttle",
-]
+    "TMP_PREFIX", "FileLock", "Throttle", "UnsafePath", "append_bytes", "append_line",
+    "atomic_write", "fs_now", "fsync_dir", "get_throttle", "is_temp_name", "lstat", "make_dir",
+    "open_dir", "open_file", "parse_size", "read_bytes", "read_file", "remove",
+    "remove_temp_files", "remove_tree", "scan", "set_throttle",
+]  # fmt: skip
 
 TMP_PREFIX = ".tmp."
 # Errors that mean "this filesystem cannot fsync a directory", not "the data is lost":
@@ -54,6 +45,22 @@ _DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.E
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 
+_Path = str | os.PathLike[str]
+_Root = _Path | None
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC
+
+
+class UnsafePath(OSError):
+    """A symlink, a special file (FIFO, socket, device), a directory where a file is expected,
+    a hard-linked file to write in place, or a path through a symlink: never followed."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+# --------------------------------------------------------------------------- the throttle
 
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "KI": 1024, "MI": 1 << 20, "GI": 1 << 30}
 
@@ -91,7 +98,7 @@ class Throttle:
             raise ValueError(f"cannot parse throttle {text!r}: use e.g. '200MB/s,5ms@/root'")
         return cls(bw, lat, os.path.abspath(root) if root else None)
 
-    def applies_to(self, path: str | os.PathLike[str]) -> bool:
+    def applies_to(self, path: _Path) -> bool:
         if self.root is None:
             return True
         p = os.path.abspath(path)
@@ -110,21 +117,10 @@ _throttle: Throttle | None = (
 
 
 _SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
+    "": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
+    "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40,
     "tb": 10**12,
-}
+}  # fmt: skip
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -150,7 +146,7 @@ def get_throttle() -> Throttle | None:
     return _throttle
 
 
-def _throttled(path: str | os.PathLike[str], nbytes: int, started: float) -> None:
+def _throttled(path: _Path, nbytes: int, started: float) -> None:
     t = _throttle
     if t is not None and t.applies_to(path):
         remaining = t.cost(nbytes) - (time.perf_counter() - started)
@@ -162,21 +158,213 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(TMP_PREFIX)
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
+# --------------------------------------------------------------------------- walking a root
+
+_KINDS = {stat.S_IFLNK: "a symlink", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
+          stat.S_IFDIR: "a directory"}  # fmt: skip
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _split(path: _Path, root: _Root) -> tuple[str, list[str]]:
+    """(the trusted base directory, the components below it) of ``path``'s parent."""
+    p = PurePath(path)
+    if root is None:
+        return str(p.parent), []
+    r = PurePath(root)
+    try:
+        rel = p.parent.relative_to(r)
+    except ValueError:
+        try:
+            rel = PurePath(os.path.abspath(p.parent)).relative_to(os.path.abspath(r))
+        except ValueError:
+            raise ValueError(f"{path} is not inside the root {root}") from None
+    parts = [c for c in rel.parts if c not in ("", ".")]
+    if ".." in parts:
+        raise ValueError(f"{path}: '..' below the root {root}")
+    return str(r), parts
+
+
+def _descend(base: str, parts: Iterable[str], path: object, *, create: bool = False) -> int:
+    """A descriptor of ``base/parts...``; every component of ``parts`` opened without following
+    a symlink (``create``: missing ones are made with :data:`DIR_MODE`)."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    try:
+        for name in parts:
+            fd2 = _open_subdir(fd, name, path, create=create)
+            os.close(fd)
+            fd = fd2
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_subdir(fd: int, name: str, path: object, *, create: bool = False) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            what = _entry_kind(fd, name)
+            raise UnsafePath(
+                exc.errno, f"{path}: the directory {name!r} on its way is {what}; "
+                "asyncsync never follows a symlink in a root: replace it with a directory",
+            ) from None  # fmt: skip
+        raise
+    try:
+        os.mkdir(name, DIR_MODE, dir_fd=fd)
+        made = True
+    except FileExistsError:  # made meanwhile by another writer
+        made = False
+    sub = _open_subdir(fd, name, path)
+    if made:
+        os.fchmod(sub, DIR_MODE)
+    return sub
+
+
+def _entry_kind(fd: int, name: str) -> str:
+    try:
+        return _kind(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return "not a directory"
+
+
+@contextlib.contextmanager
+def _parent(path: _Path, root: _Root, *, create: bool = False) -> Iterator[tuple[int, str]]:
+    """(descriptor of ``path``'s directory, ``path``'s last component), closed after."""
+    base, parts = _split(path, root)
+    fd = _descend(base, parts, path, create=create)
+    try:
+        yield fd, PurePath(path).name
+    finally:
+        os.close(fd)
+
+
+def open_dir(path: _Path, *, root: _Root = None) -> int:
+    """A descriptor of the directory ``path`` (the caller closes it)."""
+    if root is None or PurePath(path) == PurePath(root):
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    with _parent(path, root) as (fd, name):
+        return _open_subdir(fd, name, path)
+
+
+def lstat(path: _Path, *, root: _Root = None) -> os.stat_result | None:
+    """``lstat`` of ``path``, None when it (or a directory on its way) does not exist."""
+    try:
+        with _parent(path, root) as (fd, name):
+            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def scan(path: _Path, *, root: _Root = None) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of each entry of the directory ``path`` (one removed meanwhile is left
+    out); a missing directory raises FileNotFoundError, a symlinked one UnsafePath."""
+    fd = open_dir(path, root=root)
+    out = []
+    try:
+        for name in os.listdir(fd):
+            with contextlib.suppress(FileNotFoundError):
+                out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+    finally:
+        os.close(fd)
+    return out
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def open_file(path: _Path, *, root: _Root = None, follow_symlinks: bool = False) -> int:
+    """Open a regular file for reading: the one place asyncsync does. ``O_NOFOLLOW`` (unless
+    ``follow_symlinks``: a registered checkpoint's files may be symlinks), ``O_NONBLOCK``, then
+    ``fstat``: anything but a regular file raises :class:`UnsafePath`. The caller closes it."""
+    flags = _READ_FLAGS | (0 if follow_symlinks else os.O_NOFOLLOW)
+    with _parent(path, root) as (dfd, name):
+        return _open_regular(dfd, name, flags, path)[0]
+
+
+_UNSAFE_ERRNOS = (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP, errno.EISDIR)
+
+
+def _open_regular(dfd: int, name: str, flags: int, path: object) -> tuple[int, os.stat_result]:
+    """``openat`` and ``fstat`` for :func:`open_file` and :func:`_open_write`: never blocks
+    (``O_NONBLOCK``), anything but a regular file raises UnsafePath (fd closed)."""
+    try:
+        fd = os.open(name, flags | os.O_NONBLOCK | _CLOEXEC, FILE_MODE, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in _UNSAFE_ERRNOS:  # ELOOP: O_NOFOLLOW met a symlink; ENXIO: a socket
+            raise _unsafe(exc.errno, path, _entry_kind(dfd, name)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _unsafe(errno.EINVAL, path, _kind(st.st_mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _unsafe(err: int, path: object, what: str) -> UnsafePath:
+    return UnsafePath(
+        err, f"{path} is {what}, not a regular file: asyncsync never follows a symlink nor "
+        "opens a special file in a root (remove it if you did not put it there)",
+    )  # fmt: skip
+
+
+def read_file(
+    path: _Path, *, limit: int, root: _Root = None, follow_symlinks: bool = False
+) -> tuple[bytes, os.stat_result]:
+    """A whole regular file (see :func:`open_file`) and its ``fstat``; one larger than ``limit``
+    raises ValueError, from ``fstat`` before anything is allocated (plus one byte: it grew)."""
+    started = time.perf_counter()
+    with os.fdopen(open_file(path, root=root, follow_symlinks=follow_symlinks), "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_size > limit:
+            raise ValueError(f"{path} is larger than {limit} bytes ({st.st_size})")
+        data = f.read(st.st_size + 1)
+    _throttled(path, len(data), started)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    return data, st
+
+
+def read_bytes(
+    path: _Path, *, limit: int, root: _Root = None, follow_symlinks: bool = False
+) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes (:func:`read_file`)."""
+    return read_file(path, limit=limit, root=root, follow_symlinks=follow_symlinks)[0]
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def fsync_dir(path: _Path, *, root: _Root = None) -> None:
     """fsync a directory so renames in it are durable; a no-op where the filesystem can't."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = open_dir(path, root=root)
     except OSError as exc:
         if exc.errno in _DIR_FSYNC_UNSUPPORTED:
             return
         raise
     try:
+        _fsync_dir_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir_fd(fd: int) -> None:
+    try:
         os.fsync(fd)
     except OSError as exc:
         if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
             raise
-    finally:
-        os.close(fd)
 
 
 def _set_mode(fd: int, mode: int = FILE_MODE) -> None:
@@ -185,158 +373,204 @@ def _set_mode(fd: int, mode: int = FILE_MODE) -> None:
         os.fchmod(fd, mode)
 
 
-def make_dir(
-    path: str | os.PathLike[str], *, parents: bool = False, exist_ok: bool = False
-) -> Path:
-    """``mkdir`` with the documented mode (:data:`DIR_MODE`) whatever the umask.
-
-    Only directories this call creates are changed; an existing one keeps its mode.
-    """
-    path = Path(path)
-    if parents and not path.parent.exists():
-        make_dir(path.parent, parents=True, exist_ok=True)
+def _open_write(dfd: int, name: str, flags: int, path: object) -> int:
+    """Open ``name`` in ``dfd`` for writing: the one place asyncsync does. Never follows, never
+    blocks; an existing file (no ``O_EXCL``) must be a regular file with one link before its mode
+    (set to :data:`FILE_MODE`) or bytes are touched."""
+    fd, st = _open_regular(dfd, name, flags | os.O_NOFOLLOW, path)
     try:
-        os.mkdir(path, DIR_MODE)
-    except FileExistsError:
-        if not exist_ok or not path.is_dir():
-            raise
+        if st.st_nlink > 1 and not flags & os.O_EXCL:
+            raise UnsafePath(
+                errno.EMLINK, f"{path} has {st.st_nlink} hard links: writing it in place would "
+                "change a file elsewhere too; remove it if you did not link it",
+            )  # fmt: skip
+        _set_mode(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_dir(
+    path: _Path,
+    *,
+    root: _Root = None,
+    parents: bool = False,
+    exist_ok: bool = False,
+) -> Path:
+    """``mkdir`` with the documented mode (:data:`DIR_MODE`) whatever the umask; an existing
+    directory keeps its mode. With ``root``, no component below it is followed: an existing
+    symlink (or anything but a directory) raises :class:`UnsafePath`, also with ``exist_ok``."""
+    path = Path(path)
+    if root is None:
+        if parents and not path.parent.exists():
+            make_dir(path.parent, parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            if not exist_ok or not path.is_dir():
+                raise
+            return path
+        os.chmod(path, DIR_MODE)
         return path
-    os.chmod(path, DIR_MODE)
+    with _parent(path, root, create=parents) as (dfd, name):
+        try:
+            os.mkdir(name, DIR_MODE, dir_fd=dfd)
+        except FileExistsError:
+            fd = _open_subdir(dfd, name, path)  # UnsafePath unless a real directory
+            os.close(fd)
+            if not exist_ok:
+                raise
+            return path
+        fd = _open_subdir(dfd, name, path)
+        try:
+            os.fchmod(fd, DIR_MODE)
+        finally:
+            os.close(fd)
     return path
 
 
-def fs_now(directory: str | os.PathLike[str]) -> float:
+def fs_now(directory: _Path, *, root: _Root = None) -> float:
     """The current time on the clock of the filesystem holding ``directory``.
 
     A file created there gets its mtime from that filesystem (on NFS: the server's clock), so
     comparing it with other files' mtimes measures ages on one clock, whatever the local
     clock says. The probe file is a temp name (readers ignore it) and is removed at once.
     """
-    tmp = Path(directory) / f"{TMP_PREFIX}clock.{secrets.token_hex(6)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    name = f"{TMP_PREFIX}clock.{secrets.token_hex(6)}"
+    fd = open_dir(directory, root=root)
     try:
-        return os.fstat(fd).st_mtime
+        f = _open_write(fd, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, Path(directory) / name)
+        try:
+            return os.fstat(f).st_mtime
+        finally:
+            os.close(f)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)
     finally:
         os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
-def _write_all(f: IO[bytes], chunks: Iterable[bytes | bytearray | memoryview]) -> int:
-    n = 0
-    for c in chunks:
-        f.write(c)
-        n += len(c)
-    return n
 
 
 def atomic_write(
-    path: str | os.PathLike[str],
+    path: _Path,
     data: bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview],
     *,
+    root: _Root = None,
     fsync: bool = True,
     sync_dir: bool = True,
 ) -> int:
     """Write ``data`` to ``path`` atomically and durably; return the number of bytes written.
 
-    temp file in the same directory -> write -> fsync -> rename -> fsync(dir). On any error the
-    temp file is removed and the destination is untouched.
+    temp file in the same directory (``O_EXCL | O_NOFOLLOW``) -> write -> fsync -> rename ->
+    fsync(dir). The rename replaces whatever entry ``path`` was (a symlink is replaced, never
+    followed). On any error the temp file is removed and the destination is untouched.
     """
     path = Path(path)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(6)}")
+    tmp = f"{TMP_PREFIX}{path.name}.{secrets.token_hex(6)}"
     chunks = [data] if isinstance(data, bytes | bytearray | memoryview) else data
     started = time.perf_counter()
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    with _parent(path, root) as (dfd, name):
         try:
-            _set_mode(fd)
+            fd = _open_write(dfd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, path.parent / tmp)
+            with os.fdopen(fd, "wb") as f:
+                n = 0
+                for c in chunks:
+                    f.write(c)
+                    n += len(c)
+                _throttled(path, n, started)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
             raise
-        with os.fdopen(fd, "wb") as f:
-            n = _write_all(f, chunks)
-            _throttled(path, n, started)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    if sync_dir:
-        fsync_dir(path.parent)
+        if sync_dir:
+            _fsync_dir_fd(dfd)
     return n
 
 
-def append_line(path: str | os.PathLike[str], line: str) -> None:
-    """Append one line with a single O_APPEND write and fsync it (an append-only log)."""
-    if "\n" in line.rstrip("\n"):
-        raise ValueError("a log line must not contain a newline")
-    data = (line.rstrip("\n") + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
+def append_bytes(path: _Path, data: bytes, *, root: _Root = None) -> None:
+    """Append ``data`` with a single ``O_APPEND`` write to the regular file ``path`` (created if
+    missing) and fsync it; a symlink, FIFO or hard-linked file there raises UnsafePath."""
+    with _parent(path, root) as (dfd, name):
+        fd = _open_write(dfd, name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, path)
     try:
-        _set_mode(fd)
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def read_bytes(path: str | os.PathLike[str], *, limit: int | None = None) -> bytes:
-    """Read a whole file; with ``limit``, refuse (ValueError) a file larger than that.
-
-    The size is taken from ``fstat`` before anything is allocated, so a hostile ``limit``
-    (a manifest claiming 2^40 bytes) never allocates more than the file holds (plus one byte,
-    to notice a file that grew).
-    """
-    started = time.perf_counter()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if limit is not None and size > limit:
-            raise ValueError(f"{path} is larger than {limit} bytes ({size})")
-        want = size + 1 if limit is None else min(size, limit) + 1
-        data = f.read(want)
-        if len(data) == want and limit is None:
-            data += f.read()  # it grew while we read: take the rest
-    _throttled(path, len(data), started)
-    if limit is not None and len(data) > limit:
-        raise ValueError(f"{path} is larger than {limit} bytes")
-    return data
+def append_line(path: _Path, line: str, *, root: _Root = None) -> None:
+    """Append one line with a single O_APPEND write and fsync it (an append-only log)."""
+    if "\n" in line.rstrip("\n"):
+        raise ValueError("a log line must not contain a newline")
+    append_bytes(path, (line.rstrip("\n") + "\n").encode(), root=root)
 
 
-def remove_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
+# --------------------------------------------------------------------------- removing
+
+
+def remove(path: _Path, *, root: _Root = None) -> bool:
+    """Unlink the entry ``path`` (a symlink is removed, not its target); False if missing."""
+    try:
+        with _parent(path, root) as (dfd, name):
+            os.unlink(name, dir_fd=dfd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remove_tree(path: _Path, *, root: _Root = None) -> None:
+    """Remove ``path``: a directory with everything in it (descriptor-based: a symlink inside is
+    unlinked, never followed), or any other entry (a symlink: the link only). Missing: no-op."""
+    try:
+        with _parent(path, root) as (dfd, name):
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=dfd)
+            else:
+                os.unlink(name, dir_fd=dfd)
+    except FileNotFoundError:
+        return
+
+
+def remove_temp_files(directory: _Path, *, root: _Root = None) -> list[Path]:
     """Remove leftover temp files of interrupted writes in ``directory`` (not recursive)."""
-    removed = []
-    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as it:
-        for e in it:
-            if is_temp_name(e.name) and e.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(e.path)
-                removed.append(Path(e.path))
+    try:
+        names = [n for n, st in scan(directory, root=root) if not stat.S_ISDIR(st.st_mode)]
+    except FileNotFoundError:
+        return []
+    removed = [Path(directory) / n for n in names if is_temp_name(n)]
+    for p in removed:
+        remove(p, root=directory if root is None else root)
     return removed
 
 
+# --------------------------------------------------------------------------- the lock
+
+
 class FileLock:
-    """An exclusive, non-blocking ``flock`` held for the life of the object.
+    """An exclusive, non-blocking ``flock`` held for the life of the object; the file records
+    the holder's pid and host (for the next taker's error). The kernel drops it when the process
+    dies. A lock file that is a symlink, a FIFO or hard-linked raises :class:`UnsafePath`."""
 
-    The lock file records the holder's pid and host for the error message of the next taker.
-    The kernel drops the lock when the process dies, so a crash never leaves it stuck.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: _Path, *, root: _Root = None):
         self.path = Path(path)
+        self.root = root
         self._fd: int | None = None
 
     def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        with _parent(self.path, self.root) as (dfd, name):
+            fd = _open_write(dfd, name, os.O_RDWR | os.O_CREAT, self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
         try:
-            _set_mode(fd)
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()} {os.uname().nodename}\n".encode())
         except OSError:
@@ -347,9 +581,10 @@ class FileLock:
 
     def holder(self) -> str:
         try:
-            return self.path.read_text().strip() or "unknown"
-        except OSError:
+            text = read_bytes(self.path, limit=4096, root=self.root).decode(errors="replace")
+        except (OSError, ValueError):
             return "unknown"
+        return text.strip() or "unknown"
 
     def release(self) -> None:
         if self._fd is not None:

@@ -21,8 +21,10 @@ import os
 import stat
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
+from asyncsync import fsio
 from asyncsync.errors import ConfigError, LockHeld, ManifestError
 from asyncsync.format import ACKS_DIR, ack_path
 from asyncsync.format.acks import AckRecord, read_ack, write_ack
@@ -56,7 +58,8 @@ def check_root_for_receiver(root: Path) -> bool:
             "directory given to Publisher(...) as --root (`asyncsync inspect ROOT` tells)"
         )
     for d in (root / ACKS_DIR, root / LEASES_DIR):
-        target = d if d.is_dir() else root
+        st = fsio.lstat(d, root=root)  # a symlink there is not followed (FORMAT.md 11.1)
+        target = d if st is not None and stat.S_ISDIR(st.st_mode) else root
         if not os.access(target, os.W_OK | os.X_OK):
             raise ConfigError(not_writable(root, str(target)))
     return True
@@ -164,11 +167,11 @@ class RootPresence:
         """(inode, size, mtime) of the ack file: an ack replaced or edited from outside changes
         it. Compared instead of reading the file at every sync: on rclone each open of a file
         whose upload is pending postpones the upload (the ack would never reach the root)."""
-        try:
-            st = os.stat(ack_path(self.root, self.engine_id))
+        try:  # lstat: a symlink there is another file than the ack written (never followed)
+            st = fsio.lstat(ack_path(self.root, self.engine_id), root=self.root)
         except OSError:
             return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
+        return None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns)
 
     async def ensure(self, bad: Sequence[int]) -> bool:
         """Rewrite the ack if it does not say what the engine holds; True if it was written."""
@@ -218,5 +221,6 @@ class RootPresence:
             "agent %s: ack names v%d, the engine holds nothing: removing the ack",
             self.engine_id, version,
         )  # fmt: skip
-        await asyncio.to_thread(ack_path(self.root, self.engine_id).unlink, missing_ok=True)
+        path = ack_path(self.root, self.engine_id)
+        await asyncio.to_thread(partial(fsio.remove, path, root=self.root))  # never followed
         self.acked = self._written = None

@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from receiver.badversions import BadVersions
 from receiver.engines.base import Engine, TensorUpdate
 from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe
-from receiver.prefetch import Prefetcher
+from receiver.prefetch import Prefetcher, being_written
 from receiver.shard_reader import (
     Piece,
     apply_groups,
@@ -56,6 +57,7 @@ from receiver.shard_reader import (
     group_bytes_for,
     open_shard,
     read_verified,
+    shard_source,
     verified,
 )
 from receiver.stream import StreamApplier, early_reader
@@ -350,7 +352,7 @@ class ReceiverAgent:
             if self._prefetch_task is not None:
                 self._prefetch_task.cancel()
             self._prefetcher = self._prefetch_task = None
-        if not await asyncio.to_thread(version_dir(self.root, nxt).is_dir):
+        if not await asyncio.to_thread(being_written, self.root, nxt):
             return
         self._prefetcher = await early_reader(
             self.root, self.engine, cur, wake, prefetch_bytes=self.prefetch_bytes,
@@ -380,6 +382,7 @@ class ReceiverAgent:
 
     # ------------------------------------------------------------------ sync
     async def _sync(self) -> int | None:
+        self._bad.begin_sync()
         found = await asyncio.to_thread(latest_version, self.root, self.version)
         self._c.latest = found
         if found is None:
@@ -473,7 +476,7 @@ class ReceiverAgent:
     async def _reseed(self, latest: int, run_id: str) -> None:
         while True:
             kf = await asyncio.to_thread(
-                newest_keyframe, self.root, latest, run_id, self._bad.read, set(self._bad.marks)
+                newest_keyframe, self.root, latest, run_id, self._bad.read, self._bad.skip()
             )
             try:
                 await self._apply_version(kf, "full")
@@ -577,7 +580,7 @@ class ReceiverAgent:
     async def _open_shard(self, m: Manifest, idx: int, shard: ShardInfo) -> dict[str, torch.Tensor]:
         """Read (or take prefetched), verify and parse one shard, re-reading until the deadline
         while it is missing, short or fails its checksum (not yet visible on this host)."""
-        path = m.shard_path(version_dir(self.root, m.version), shard)
+        path, root = shard_source(self.root, m, shard)  # never follows a symlink in the root
         deadline = time.monotonic() + self._bad.patience(m.version)  # known bad: read once
         delay = 0.05
         early = self._prefetched(m, shard)
@@ -588,7 +591,8 @@ class ReceiverAgent:
                     await asyncio.to_thread(verified, data, path, shard, m.checksum_algorithm)
                     self._c.prefetched += 1
                 else:
-                    data = await asyncio.to_thread(read_verified, path, shard, m.checksum_algorithm)
+                    read = partial(read_verified, path, shard, m.checksum_algorithm, root=root)
+                    data = await asyncio.to_thread(read)
                 break
             except (ChecksumMismatch, IncompleteVersion) as exc:
                 if time.monotonic() >= deadline:

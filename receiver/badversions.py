@@ -42,7 +42,11 @@ class BadVersions:
         self.engine_id = engine_id
         self.verify_deadline = verify_deadline
         self.manifests = ManifestCache()
-        self.marks: dict[int, str] = {}  # version -> why
+        self.marks: dict[int, str] = {}  # version -> why (the newest MAX_BAD_KEPT: reported)
+        # every version found bad during the sync in progress, however many: planning skips
+        # them all, so a sync never tries one twice (with more bad versions than marks kept, a
+        # mark evicted at once would otherwise be planned, tried and marked again forever)
+        self.tried: set[int] = set()
         self.run: str | None = None
         self.waiting: str | None = None  # why the last sync stayed where it was
 
@@ -52,10 +56,18 @@ class BadVersions:
     def versions(self) -> tuple[int, ...]:
         return tuple(sorted(self.marks))
 
+    def begin_sync(self) -> None:
+        """A new sync: versions found bad by the last one are tried again unless still marked."""
+        self.tried = set()
+
+    def skip(self) -> set[int]:
+        """The versions planning goes past: marked, or found bad during this sync."""
+        return set(self.marks) | self.tried
+
     def for_run(self, run_id: str) -> None:
         """Marks are per run: a new run in the root starts with none."""
         if self.run is not None and self.run != run_id:
-            self.marks = {}
+            self.marks, self.tried = {}, set()
         self.run = run_id
 
     def mark(self, version: int, exc: BaseException) -> None:
@@ -64,17 +76,19 @@ class BadVersions:
                 "agent %s: v%d is bad (%s: %s)", self.engine_id, version, type(exc).__name__, exc
             )
         self.marks[version] = f"{type(exc).__name__}: {exc}"
+        self.tried.add(version)
         while len(self.marks) > MAX_BAD_KEPT:
             del self.marks[min(self.marks)]
 
     def cleared(self, version: int) -> None:
         """``version`` was applied after all (repaired): no longer bad."""
+        self.tried.discard(version)
         if self.marks.pop(version, None) is not None:
             logger.info("agent %s: v%d was bad and is now applied", self.engine_id, version)
 
     def patience(self, version: int) -> float:
         """Seconds to re-read a version's files: none for a version already known bad."""
-        return 0.0 if version in self.marks else self.verify_deadline
+        return 0.0 if version in self.marks or version in self.tried else self.verify_deadline
 
     # -- reading and planning (blocking) ----------------------------------------------------
     def read(self, root: Path, version: int) -> Manifest:
@@ -106,7 +120,7 @@ class BadVersions:
         return None, first
 
     def keyframe_after(self, version: int, latest: int) -> Manifest | None:
-        return keyframe_after(self.root, version, latest, self.read, set(self.marks))
+        return keyframe_after(self.root, version, latest, self.read, self.skip())
 
     def plan(self, state: EngineState, latest: int) -> tuple[Manifest, Mode]:
         """The next step toward ``latest``: the newest keyframe past a bad next version, else
@@ -114,7 +128,7 @@ class BadVersions:
         why, :attr:`waiting`) when the next version's manifest is damaged and no keyframe
         follows it."""
         cur = state.version
-        if cur is not None and cur + 1 in self.marks:
+        if cur is not None and cur + 1 in self.skip():
             kf = self.keyframe_after(cur + 1, latest)
             if kf is not None:
                 logger.warning(
@@ -123,7 +137,7 @@ class BadVersions:
                 )  # fmt: skip
                 return kf, "full"
         try:
-            return plan_next(self.root, state, latest, self.read, set(self.marks))
+            return plan_next(self.root, state, latest, self.read, self.skip())
         except ManifestError:  # the next version's manifest is damaged (now marked)
             if cur is None:
                 raise
@@ -137,7 +151,7 @@ class BadVersions:
         """Whether a receiver at ``cur`` has a way around the bad ``version``: a keyframe past
         it, or (an empty engine) any keyframe that is not bad. Records why not."""
         if cur is None:
-            if keyframes_in(self.root, 0, latest, None, self.read, set(self.marks)) is not None:
+            if keyframes_in(self.root, 0, latest, None, self.read, self.skip()) is not None:
                 return True
             self.waiting = f"v{version} is bad and no other keyframe is readable"
             return False

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Literal
 
 from asyncsync.errors import ChainError, FormatError
-from asyncsync.format import Manifest, manifest_path
-from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.format import Manifest
+from asyncsync.format.store import is_committed, list_versions, read_manifest
 from receiver.engines.base import EngineState
 
 __all__ = [
@@ -45,7 +45,7 @@ def latest_version(root: Path, held: int | None) -> int | None:
     latest = versions[-1] if versions else None
     known = [v for v in (latest, held) if v is not None]
     probe = max(known) + 1 if known else 0
-    while manifest_path(root, probe).is_file():
+    while is_committed(root, probe):  # an exact-path lookup; nothing followed
         latest = probe
         probe += 1
     return latest

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import stat
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+from asyncsync import fsio
 from asyncsync.format import MANIFEST_NAME, version_dir
 from asyncsync.fsio import read_bytes
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "being_written", "probe"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class Prefetcher:
         interval: float = 0.005,
     ) -> None:
         self.version = version
+        self.root = root
         self.dir = version_dir(root, version)
         self.on_manifest = on_manifest
         self.max_bytes = max_bytes
@@ -63,14 +67,15 @@ class Prefetcher:
         manifest = self.dir / MANIFEST_NAME
         delay = self.interval
         while True:
-            if await asyncio.to_thread(manifest.exists):
-                self.on_manifest.set()
+            if await asyncio.to_thread(probe, manifest, self.root) is not None:
+                self.on_manifest.set()  # whatever it is: the agent reads (or refuses) it
                 return
             name = f"delta-{k:05d}.safetensors"
             path = self.dir / name
-            if self.bytes < self.max_bytes and await asyncio.to_thread(_is_file, path):
+            if self.bytes < self.max_bytes and await asyncio.to_thread(probe, path, self.root) == 1:
+                read = partial(read_bytes, path, limit=self.max_bytes, root=self.root)
                 try:
-                    data = await asyncio.to_thread(read_bytes, path, limit=self.max_bytes)
+                    data = await asyncio.to_thread(read)
                 except (OSError, ValueError) as exc:  # vanished or huge: the agent reads it later
                     logger.debug("prefetch of %s skipped: %s", path, exc)
                 else:
@@ -83,8 +88,16 @@ class Prefetcher:
             delay = min(delay * 1.25, 0.1)  # an abandoned write must not spin the CPU
 
 
-def _is_file(path: Path) -> bool:
+def being_written(root: Path, version: int) -> bool:
+    """Whether ``version``'s directory exists, a real directory (not followed if a symlink)."""
+    return probe(version_dir(root, version), root, stat.S_ISDIR) == 1
+
+
+def probe(path: Path, root: Path, test: Callable[[int], bool] = stat.S_ISREG) -> int | None:
+    """What is at ``path`` in ``root``, never followed (fsio): None nothing, 1 what ``test``
+    accepts (a regular file), 0 anything else (a symlinked version directory too)."""
     try:
-        return os.stat(path, follow_symlinks=False).st_mode & 0o170000 == 0o100000
-    except OSError:
-        return False
+        st = fsio.lstat(path, root=root)
+    except OSError:  # a symlinked version directory: let the agent say why
+        return 0
+    return None if st is None else int(test(st.st_mode))

@@ -18,7 +18,11 @@
 ======================  ============================================================
 
 It binds ``127.0.0.1`` unless told otherwise: status reveals paths and versions, so exposing it
-is an explicit decision. The token is compared in constant time and never logged.
+is an explicit decision. The token is compared in constant time and never logged. Whoever can
+reach the port must not be able to starve the receiver of file descriptors: at most
+``max_connections`` are open at once (more are closed as soon as they are accepted), and a
+connection that has not sent a complete request ``header_timeout`` seconds after it opened or
+after its last response is closed (slow or idle clients).
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -108,6 +113,70 @@ class _AgentCollector(Collector):
             yield counter("audit_errors", "Audits that could not run.", au.stats.errors)
 
 
+class _Capped(asyncio.Protocol):
+    """The HTTP protocol of one connection, or nothing when the server is full: a connection
+    past the cap is closed the moment it is accepted, so its descriptor is freed at once."""
+
+    def __init__(self, runner: _CappedRunner, inner: asyncio.Protocol) -> None:
+        self.runner = runner
+        self.inner: asyncio.Protocol | None = inner
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        r = self.runner
+        if r.open >= r.max_connections or self.inner is None:
+            self.inner = None
+            r.refused += 1
+            if time.monotonic() - r.warned > 60:
+                r.warned = time.monotonic()
+                logger.warning(
+                    "status port: %d connections open (the most allowed): refusing more "
+                    "(%d so far); is something scanning or flooding it?", r.open, r.refused,
+                )  # fmt: skip
+            cast(asyncio.Transport, transport).abort()
+            return
+        r.open += 1
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.inner is not None:
+            self.runner.open -= 1
+            self.inner.connection_lost(exc)
+            self.inner = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return None if self.inner is None else self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+
+class _CappedRunner(web.AppRunner):
+    """An AppRunner whose sites take at most ``max_connections`` connections at once."""
+
+    def __init__(self, app: web.Application, *, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
+        self.open = 0
+        self.refused = 0
+        self.warned = 0.0
+
+    @property
+    def server(self) -> Any:  # the protocol factory the sites listen with
+        inner = super().server
+        if inner is None:
+            return None
+        return lambda: _Capped(self, inner())
+
+
 class StatusServer:
     """Serves ``/healthz``, ``/status``, ``/metrics`` and ``POST /sync`` for one agent.
 
@@ -127,11 +196,20 @@ class StatusServer:
         ready_max_lag: int = 0,
         ready_timeout: float = 5.0,
         auditor: Auditor | None = None,
+        max_connections: int = 64,
+        header_timeout: float = 10.0,
     ) -> None:
         if token is not None and len(token) < 16:
             raise ValueError("the control token must be at least 16 characters")
         if ready_max_lag < 0:
             raise ValueError(f"ready_max_lag must be >= 0, got {ready_max_lag}")
+        if max_connections < 1 or not header_timeout > 0:
+            raise ValueError(
+                f"max_connections must be >= 1 and header_timeout > 0, got {max_connections}, "
+                f"{header_timeout}"
+            )
+        self.max_connections = max_connections
+        self.header_timeout = header_timeout
         self.ready_max_lag = ready_max_lag
         self.ready_timeout = ready_timeout
         self.agent = agent
@@ -141,8 +219,13 @@ class StatusServer:
         self._token = token
         self._registry = CollectorRegistry(auto_describe=True)
         self._registry.register(_AgentCollector(agent, auditor))
-        self._runner: web.AppRunner | None = None
+        self._runner: _CappedRunner | None = None
         self._site: web.TCPSite | None = None
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now (at most ``max_connections``)."""
+        return 0 if self._runner is None else self._runner.open
 
     @property
     def url(self) -> str:
@@ -164,7 +247,14 @@ class StatusServer:
         app.router.add_get("/status", self._status)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/sync", self._sync)
-        self._runner = web.AppRunner(app, access_log=None)
+        # keepalive_timeout: aiohttp closes a connection that has no complete request this
+        # long after it opened or after its last response (a slow or idle client)
+        self._runner = _CappedRunner(
+            app,
+            max_connections=self.max_connections,
+            access_log=None,
+            keepalive_timeout=self.header_timeout,
+        )
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port)
         await self._site.start()
@@ -226,8 +316,10 @@ class StatusServer:
                 {"error": "control endpoints are disabled: start the receiver with a token"},
                 status=403,
             )
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+        # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the same
+        # way (a non-UTF-8 header is a wrong token, 401, not an encoding error)
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {self._token}".encode()):
             return web.json_response(
                 {"error": "missing or wrong bearer token"},
                 status=401,

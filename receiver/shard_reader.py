@@ -11,7 +11,6 @@ bound that memory and let the agent decode group k+1 while the engine applies gr
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,9 @@ import torch
 from asyncsync import codec
 from asyncsync.codec.shards import parse_shard
 from asyncsync.errors import ChecksumMismatch, FormatError, IncompleteVersion, ManifestError
-from asyncsync.format import Manifest, ShardInfo, TensorEntry, TensorPart
+from asyncsync.format import Manifest, ShardInfo, TensorEntry, TensorPart, version_dir
 from asyncsync.format.checksum import checksum_bytes
-from asyncsync.fsio import read_bytes
+from asyncsync.fsio import UnsafePath, read_bytes
 from asyncsync.pipeline import parallel_map
 from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
@@ -39,6 +38,7 @@ __all__ = [
     "open_shard",
     "pieces_in",
     "read_verified",
+    "shard_source",
     "verified",
 ]
 
@@ -62,29 +62,32 @@ def group_bytes_for(model_bytes: int, limit: int = APPLY_GROUP_BYTES) -> int:
 Piece = tuple[TensorEntry, TensorPart | None, Any]  # entry, its part (None: whole), its ref
 
 
-def read_verified(path: Path, shard: ShardInfo, algorithm: str) -> bytes:
+def shard_source(root: Path, m: Manifest, shard: ShardInfo) -> tuple[Path, Path | None]:
+    """Where a shard is, and the root it must be read in without following anything (None: a
+    registered checkpoint's file outside the root, whose symlinks are followed; FORMAT.md
+    section 5)."""
+    path = m.shard_path(version_dir(root, m.version), shard)
+    if m.shard_dir is None or shard.role != "full":
+        return path, root
+    inside = os.path.abspath(path).startswith(os.path.abspath(root).rstrip(os.sep) + os.sep)
+    return path, root if inside else None
+
+
+def read_verified(path: Path, shard: ShardInfo, algorithm: str, *, root: Path | None) -> bytes:
     """The shard's bytes, checked against the manifest's size and checksum.
 
-    Raises IncompleteVersion (missing, short, unreadable: maybe not yet visible on this host),
-    ChecksumMismatch, or ManifestError (a symlink or not a regular file).
+    Read through :func:`asyncsync.fsio.read_bytes`: with ``root`` nothing below it is followed
+    (a shard or version directory that is a symlink, a FIFO or not a regular file raises
+    ManifestError); without, ``path`` is a registered checkpoint's file, whose symlinks are
+    followed but which must still be a regular file. Raises IncompleteVersion (missing,
+    short, unreadable: maybe not yet visible on this host) or ChecksumMismatch.
     """
-    missing = f"{path}: shard named by the manifest is missing"
-    try:
-        st = os.lstat(path)
+    try:  # the size is checked from fstat before anything is allocated for the claim
+        data = read_bytes(path, limit=shard.bytes, root=root, follow_symlinks=root is None)
     except FileNotFoundError as exc:
-        raise IncompleteVersion(missing) from exc
-    except OSError as exc:
-        raise IncompleteVersion(f"{path}: cannot stat the shard ({exc})") from exc
-    if stat.S_ISLNK(st.st_mode):
-        raise ManifestError(f"{path}: shards may not be symlinks")
-    if not stat.S_ISREG(st.st_mode):  # a FIFO would block open() forever, a dir cannot be read
-        raise ManifestError(f"{path}: a shard must be a regular file")
-    if st.st_size != shard.bytes:  # before allocating anything for the claimed size
-        raise IncompleteVersion(f"{path}: {st.st_size} bytes, the manifest says {shard.bytes}")
-    try:
-        data = read_bytes(path, limit=shard.bytes)
-    except FileNotFoundError as exc:
-        raise IncompleteVersion(missing) from exc
+        raise IncompleteVersion(f"{path}: shard named by the manifest is missing") from exc
+    except UnsafePath as exc:
+        raise ManifestError(f"{exc.strerror} (a shard must be a regular file)") from exc
     except ValueError as exc:
         raise IncompleteVersion(
             f"{path}: larger than the {shard.bytes} bytes it should have"

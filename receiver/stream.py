@@ -27,9 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ from asyncsync.format.names import MAX_SHARD_BYTES
 from asyncsync.format.store import read_manifest
 from asyncsync.fsio import read_bytes
 from receiver.engines.base import Engine
-from receiver.prefetch import Prefetcher
+from receiver.prefetch import Prefetcher, being_written, probe
 from receiver.shard_reader import Piece, decode_pieces, group_bytes_for, group_pieces
 
 __all__ = ["AppliedShard", "StreamApplier", "early_reader"]
@@ -192,12 +192,14 @@ class StreamApplier:
         manifest = self.dir / MANIFEST_NAME
         try:
             while not self._stop.is_set():
-                if await asyncio.to_thread(manifest.exists):
+                if await asyncio.to_thread(probe, manifest, self.root) is not None:
                     self.on_manifest.set()
                     return
                 path = self.dir / f"delta-{k:05d}.safetensors"
-                if not await asyncio.to_thread(_is_file, path):
-                    if self.txn_open and not await asyncio.to_thread(self.dir.is_dir):
+                if await asyncio.to_thread(probe, path, self.root) != 1:
+                    if self.txn_open and not await asyncio.to_thread(
+                        being_written, self.root, self.version
+                    ):
                         raise StreamAbandoned(f"{self.dir} was removed before its manifest")
                     if self.txn_open and time.monotonic() - last > self.idle_timeout:
                         raise StreamAbandoned(
@@ -244,7 +246,8 @@ class StreamApplier:
         deadline = time.monotonic() + self.verify_deadline
         delay = 0.02
         while True:
-            data = await asyncio.to_thread(read_bytes, path, limit=MAX_SHARD_BYTES)
+            read = partial(read_bytes, path, limit=MAX_SHARD_BYTES, root=self.root)
+            data = await asyncio.to_thread(read)  # nothing below the root is followed
             hdr, ok = await asyncio.to_thread(_check_data, data, str(path))
             if hdr is None or ok:
                 return None if hdr is None else (data, hdr)
@@ -365,10 +368,3 @@ def _check_data(data: bytes, where: str) -> tuple[StreamHeader | None, bool]:
     h = new_hasher(hdr.algorithm)
     h.update(memoryview(data)[hdr.data_offset :])
     return hdr, h.hexdigest() == hdr.data_checksum
-
-
-def _is_file(path: Path) -> bool:
-    try:
-        return os.stat(path, follow_symlinks=False).st_mode & 0o170000 == 0o100000
-    except OSError:
-        return False

@@ -5,6 +5,12 @@ clients never get events for other hosts' writes. So events only make the receiv
 sooner; a poll every ``poll_interval`` seconds is what guarantees discovery, and the agent looks
 up the exact path of the next version's manifest, which a stale directory listing cannot hide.
 
+The watch is on the root alone, not recursive: a recursive watch follows symlinks (watchfiles
+walks them and watches their targets, so a symlink to ``/`` planted in the root would make it
+walk the whole filesystem). Every commit ends with an event in the root itself (the log line
+appended after the manifest rename; a new version directory before it), and the prefetcher
+polls the next version's directory for its manifest (``receiver.prefetch``).
+
 Resolution order for inotify: argument ``use_inotify`` > environment ``ASYNCSYNC_FORCE_POLLING``
 (``1`` disables inotify) > on.
 """
@@ -58,7 +64,7 @@ async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
             stop_event=stop,
             debounce=5,  # ms: a commit is seen at most this late (a version is a few events)
             step=2,
-            recursive=True,
+            recursive=False,  # never follows a symlink in the root (module docstring)
             ignore_permission_denied=True,
             watch_filter=_version_events(root),
         ):

@@ -5,9 +5,13 @@ both and insist they agree: a rule weakened in ``Manifest.validate`` no longer w
 of the fuzzer. Plain on purpose: one check per rule of the spec, every rule checked (not only
 the first broken one), and :func:`broken_rules` names the rules a manifest breaks (none: valid).
 
-What the spec says that this reader does not check, because readers cannot (``version`` equal
-to the directory's number, ``fingerprint`` over the tensors, shard sizes and checksums against
-the files) or because the spec gives no rule (``model_bytes``, ``raw_bytes``): see FORMAT.md.
+What the spec says that this reader does not check, because it needs more than the bytes
+(``version`` equal to the directory's number, shard sizes and checksums against the files) or
+because the spec gives no rule (``model_bytes``, ``raw_bytes``): see FORMAT.md. Issue 22 added
+rules this reader checks: no duplicate key in an object, numbers (timestamps, density) within
+0..2^53-1 however written, ``fingerprint`` recomputed from the tensor entries, ``changed ==
+numel`` with no base, tensor names of 1 to 4096 characters other than ``__metadata__``, and
+JSON no denser than a valid manifest ("Conventions").
 
 :data:`KNOWN_GAPS` lists the rules of the spec that asyncsync's reader does not enforce, with
 what it does instead; tests/test_fuzz.py lets a manifest that breaks only those through and
@@ -50,21 +54,61 @@ def composite(parts: list[dict[str, Any]], algorithm: str) -> str:
     return digest("\n".join(lines), algorithm)
 
 
+class _Duplicate(Exception):
+    pass
+
+
 def parse(data: bytes) -> Any:
-    """The JSON value of a manifest's bytes, or ``_ABSENT`` when they are not UTF-8 JSON."""
+    """The JSON value of a manifest's bytes, ``_ABSENT`` when they are not UTF-8 JSON, or
+    ``_DUPLICATE`` when an object repeats a key ("Conventions": readers refuse it)."""
 
     def refuse(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        if len(set(keys)) != len(keys):
+            raise _Duplicate
+        return dict(items)
+
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=refuse)
+        return json.loads(data.decode("utf-8"), parse_constant=refuse, object_pairs_hook=pairs)
+    except _Duplicate:
+        return _DUPLICATE
     except (ValueError, RecursionError):
         return _ABSENT
 
 
+_DUPLICATE = object()
+
+
+def too_dense(data: bytes) -> bool:
+    """ "Conventions": a file of 64 KiB or more with more than one ``{``/``[`` per 16 bytes or
+    one ``,``/``:`` per 5 bytes is refused unparsed (the bytes are counted, strings included)."""
+    if len(data) < 64 << 10:
+        return False
+    containers = data.count(b"{") + data.count(b"[")
+    separators = data.count(b",") + data.count(b":")
+    return containers * 16 > len(data) or separators * 5 > len(data)
+
+
 def broken_rules_of_bytes(data: bytes) -> list[str]:
+    if too_dense(data):
+        return ["JSON no denser than a valid record"]
     doc = parse(data)
+    if doc is _DUPLICATE:
+        return ["no duplicate key in an object"]
     return ["manifest is UTF-8 JSON"] if doc is _ABSENT else broken_rules(doc)
+
+
+def fingerprint(tensors: list[dict[str, Any]], algorithm: str) -> str:
+    """Section 3, ``fingerprint``: the lines ``name\tdtype\tshape\tchecksum`` of every tensor
+    sorted by name, joined with newlines, shape's dims joined by commas."""
+    lines = [
+        f"{t['name']}\t{t['dtype']}\t{','.join(str(n) for n in t['shape'])}\t{t['checksum']}"
+        for t in sorted(tensors, key=lambda t: t["name"])
+    ]
+    return digest("\n".join(lines), algorithm)
 
 
 def _is_int(v: Any, lo: int = 0, hi: int = INT_LIMIT) -> bool:
@@ -90,7 +134,8 @@ class _Rules:
     def number(self, v: Any, rule: str) -> bool:
         if type(v) is int and v >= INT_LIMIT:
             return self.check(False, "integers below 2^53")  # (float(10**400) overflows)
-        ok = type(v) in (int, float) and math.isfinite(v) and v >= 0
+        # "Conventions": a number is in 0..2^53-1 whether written as an integer or not
+        ok = type(v) in (int, float) and math.isfinite(v) and 0 <= v < INT_LIMIT
         return self.check(ok, rule)
 
     def digest(self, v: Any, algorithm: str | None, rule: str) -> bool:
@@ -194,14 +239,16 @@ def broken_rules(doc: Any) -> list[str]:
             r.check((i, v[k]) not in keys, rule)
             keys.add((i, v[k]))
 
-    def span(changed: Any, delta: Any, full: Any) -> None:
-        """The four rules of section 3 that apply to each part, or to a tensor not in parts."""
+    def span(changed: Any, delta: Any, full: Any, numel: Any) -> None:
+        """The rules of section 3 that apply to each part, or to a tensor not in parts."""
         ref(delta, "delta", ("positions", "values"))
         ref(full, "full", ("key",))
         r.check(kind != "delta" or full is None, "a delta version carries no full data")
         r.check(kind != "full" or full is not None, "a full version has every tensor's full data")
         if base is None:
             r.check(delta is None, "no delta without a base_version")
+            if _is_int(changed) and _is_int(numel):
+                r.check(changed == numel, "changed is numel without a base_version")
         elif _is_int(changed):
             r.check((delta is not None) == (changed > 0), "delta if and only if changed > 0")
 
@@ -211,7 +258,8 @@ def broken_rules(doc: Any) -> list[str]:
             changes.append(None)
             continue
         name = t.get("name")
-        if r.check(isinstance(name, str) and name, "tensor name"):
+        ok = isinstance(name, str) and 0 < len(name) <= 4096 and name != "__metadata__"
+        if r.check(ok, "tensor name"):
             names.append(name)
         r.check(isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES, "tensor dtype")
         shape = t.get("shape")
@@ -227,7 +275,7 @@ def broken_rules(doc: Any) -> list[str]:
         parts = t.get("parts", _ABSENT)
         delta, full = r.present(t, "delta"), r.present(t, "full")
         if parts is _ABSENT or parts is None:
-            span(changed, delta, full)
+            span(changed, delta, full, numel)
             continue
         # -- section 3.1
         r.check(fv in (2, 3), "parts need format_version 2 or later")
@@ -250,7 +298,7 @@ def broken_rules(doc: Any) -> list[str]:
             r.check(p["offset"] == end, "parts tile the tensor in offset order")
             end += p["numel"]
             total += pc
-            span(pc, r.present(p, "delta"), r.present(p, "full"))
+            span(pc, r.present(p, "delta"), r.present(p, "full"), p["numel"])
         if sums_ok:
             if numel is not None:
                 r.check(end == numel, "parts tile the tensor in offset order")
@@ -260,6 +308,9 @@ def broken_rules(doc: Any) -> list[str]:
                 want = composite(parts, algo)
                 r.check(t.get("checksum") == want, "checksum is the composite of the parts'")
     r.check(len(set(names)) == len(names), "unique tensor names")
+    fp = doc.get("fingerprint")
+    if algo is not None and r.broken == [] and isinstance(fp, str):  # every entry well formed
+        r.check(fp == fingerprint(tensors, algo), "fingerprint over the tensors")
 
     # -- totals
     totals = doc.get("totals")

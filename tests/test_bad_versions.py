@@ -24,6 +24,7 @@ from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.ops.cli import main as cli_main
 from asyncsync.publish.retention import RetentionPolicy, collect
 from receiver import ReceiverAgent
+from receiver.badversions import MAX_BAD_KEPT
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.torch_module import TorchModule
 from receiver.server import StatusServer
@@ -237,6 +238,38 @@ async def test_bad_versions_in_metrics(tmp_path: Path) -> None:
             assert 'asyncsync_receiver_newest_bad_version{engine_id="e1"} 3.0' in text
             async with http.get(f"{server.url}/status") as resp:
                 assert (await resp.json())["bad_versions"] == [3]
+
+
+def _flip_full_shard(root: Path, v: int) -> None:
+    m = read_manifest(root, v)
+    p = _vdir(root, v) / next(s.file for s in m.shards if s.role == "full")
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x40
+    p.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("damaged", [5, 17])
+async def test_more_damaged_keyframes_than_marks_kept_never_livelock(
+    tmp_path: Path, damaged: int
+) -> None:
+    """Issue 22, finding 5: an empty receiver tries keyframes newest first; with more damaged
+    ones than MAX_BAD_KEPT (16), the mark of the oldest was evicted as soon as it was made, so
+    the planner chose it again, forever (539 "is bad" lines in 40 s). Every version found bad
+    in a sync is skipped for the rest of it, however many: it reaches the newest version."""
+    assert MAX_BAD_KEPT == 16
+    root = tmp_path / "root"
+    t = Trainer(root)
+    async with t.pub:
+        await t.publish(1)  # v0: a good keyframe
+        await t.publish(damaged, keyframe=True)  # v1..: keyframes whose full data is damaged
+    for v in range(1, damaged + 1):
+        _flip_full_shard(root, v)
+    agent = _agent(root, LocalCheckpoint(tmp_path / "ckpt"), verify_deadline=0.01)
+    async with agent:
+        # from v0's full data, then each version's intact delta
+        assert await asyncio.wait_for(agent.sync_once(), 120) == damaged
+        assert_holds(agent.engine.load_state_dict(), t.states[damaged])  # type: ignore[attr-defined]
+        assert agent.status().bad_versions == ()  # each was applied after all (its delta)
 
 
 async def test_a_receiver_stuck_behind_a_damaged_version_backs_off_and_says_it_once(

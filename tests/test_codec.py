@@ -635,8 +635,7 @@ def test_corrupt_blobs_raise_format_error(encoding: str, density: float) -> None
             {"numel": enc.changed - 1},
             {"mode": "dense"},
         ]
-        if encoding in ("indices", "deltas"):  # bytes after a zstd frame are ignored
-            bad.append({"positions": enc.positions + b"\x00" * 4})
+        bad.append({"positions": enc.positions + b"\x00" * 4})  # zstd'ed or not
     else:
         bad += [{"positions": b"\x00"}, {"numel": numel * 2}, {"numel": numel - 1}]
     for override in bad:
@@ -679,6 +678,42 @@ def test_positions_out_of_range_or_not_increasing() -> None:
             torch.tensor([1, 1, 2]),
             "xef",
         )
+
+
+@pytest.mark.parametrize("encoding", ["xef", "deltas_zstd"])
+@pytest.mark.parametrize("density", [0.05, 0.9])
+def test_bytes_after_the_zstd_frame_are_refused(encoding: str, density: float) -> None:
+    """Issue 22, finding 10: a blob is one zstd frame (FORMAT.md 4.2); bytes after it (junk,
+    or a second frame) were ignored, now refused."""
+    enc, numel, dtype = _valid(encoding, density)
+    _decode(enc, numel, dtype)  # the blob as written decodes
+    framed = ["values"] if encoding == "xef" else []
+    if encoding == "deltas_zstd" or (enc.positions and enc.positions[0] & 0x80):
+        framed.append("positions")  # deltas_zstd, and xef positions that zstd made smaller
+    assert framed
+    extra = [b"\x00", b"trailing junk", zstandard.ZstdCompressor().compress(b"")]
+    for key in framed:
+        blob = enc.values if key == "values" else enc.positions
+        if key == "positions" and encoding == "xef":
+            blob = blob[1:]  # after the header byte
+        for tail in extra:
+            damaged = enc.positions[:1] if key == "positions" and encoding == "xef" else b""
+            damaged += blob + tail
+            with pytest.raises(FormatError, match="unused data"):
+                _decode(enc, numel, dtype, **{key: damaged})
+
+
+def test_a_listed_position_whose_xor_is_zero_is_refused() -> None:
+    """FORMAT.md 4.2 (issue 22): a sparse xef delta lists only positions that change, so each
+    XOR value is non-zero (a zero one means ``changed`` counts an element that did not)."""
+    old = torch.zeros(100, dtype=torch.int16)
+    new = old.clone()
+    new[5] = 1
+    enc = encode_delta(old, new, torch.tensor([5, 7]), "xef")  # 7 did not change
+    assert enc.mode == "sparse"
+    with pytest.raises(FormatError, match="zero XOR"):
+        decode_delta("xef", "sparse", enc.positions, enc.values, changed=2, numel=100,
+                     dtype=torch.int16)  # fmt: skip
 
 
 def test_hostile_zstd_frames() -> None:
@@ -851,3 +886,15 @@ def test_native_take_is_numpys_take(kernel: str) -> None:
             native.take(src, np.array([500], np.int64), np.empty(1, dtype))
     t = torch.arange(10, dtype=torch.int16)
     assert torch.equal(codec.gather(t, torch.tensor([9, 0, 4])), torch.tensor([9, 0, 4]).short())
+
+
+def test_int64_indices_are_read_for_any_numel() -> None:
+    """FORMAT.md 11.6: readers take int32 or int64 ``indices`` positions whatever numel (the
+    width is len / n); writers write int32 up to numel 2^31 - 1."""
+    vals = np.array([7, 8, 9], "<i2").tobytes()
+    for width in ("<i4", "<i8"):
+        patch = decode_delta(
+            "indices", "sparse", np.array([1, 2, 99], width).tobytes(), vals,
+            changed=3, numel=100, dtype=torch.int16,
+        )  # fmt: skip
+        assert patch.positions is not None and patch.positions.tolist() == [1, 2, 99]

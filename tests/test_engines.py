@@ -431,12 +431,12 @@ if mode == "delta":
     ckip.patch_and_checksum = dying(ckip.patch_and_checksum)
 else:
     real_replace = os.replace
-    def dying_replace(a, b):
+    def dying_replace(a, b, **kw):
         if "staging" in str(a):
             n[0] += 1
             if n[0] == 2:
                 os._exit(17)
-        real_replace(a, b)
+        real_replace(a, b, **kw)
     os.replace = dying_replace
 async def main():
     e = ck.LocalCheckpoint(sys.argv[1])

@@ -197,3 +197,21 @@ async def test_manifest_cache_rereads_only_a_changed_file(tmp_path: Path) -> Non
     path.unlink()
     with pytest.raises(FileNotFoundError):
         cache.get(tmp_path, 0)
+
+
+def test_unknown_fields_are_ignored_and_integers_are_json_integers() -> None:
+    """FORMAT.md 11.3: a later writer may add fields (ignored by every reader, in every
+    record); an integer field written with a fraction or an exponent is refused."""
+    m = make_manifest()
+    d = json.loads(m.to_json())
+    d["future_field"] = {"anything": [1, 2]}
+    d["tensors"][0]["future_field"] = "x"
+    d["tensors"][0]["delta"]["future_field"] = 1.5
+    d["shards"][0]["future_field"] = None
+    d["totals"]["future_field"] = 0
+    assert Manifest.from_json(json.dumps(d)) == m
+    a = json.loads(AckRecord("e1", 3, H, "run", 5.0, "host").to_json())
+    assert AckRecord.from_json(json.dumps({**a, "future_field": 1})).version == 3
+    for bad in ('"version": 5.0', '"version": 5e0'):
+        with pytest.raises(ManifestError, match="'version'"):
+            Manifest.from_json(m.to_json().replace('"version":5', bad))

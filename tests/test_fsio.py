@@ -75,3 +75,64 @@ def test_throttle_parse_and_scope() -> None:
         Throttle.parse("fast")
     with pytest.raises(ValueError):
         Throttle(bandwidth=0)
+
+
+# --------------------------------------------------------------------------- issue 22
+# The one way into a root: nothing below ``root`` is followed, nothing blocks on a FIFO.
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> tuple[Path, Path]:
+    """A root beside an outside directory holding a 0600 file and a subdirectory."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    (outside / "dir").mkdir(parents=True)
+    (outside / "file").write_bytes(b"outside\n")
+    (outside / "file").chmod(0o600)
+    return root, outside
+
+
+def test_reading_refuses_symlinks_fifos_and_directories_without_blocking(
+    hostile: tuple[Path, Path],
+) -> None:
+    root, outside = hostile
+    (root / "link").symlink_to(outside / "file")
+    os.mkfifo(root / "fifo")  # no writer: a blocking open would wait forever
+    (root / "dir").mkdir()
+    (root / "sub").symlink_to(outside / "dir", target_is_directory=True)
+    (outside / "dir" / "f").write_bytes(b"x")
+    for name in ("link", "fifo", "dir", "sub/f"):
+        with pytest.raises(fsio.UnsafePath):
+            fsio.read_bytes(root / name, limit=100, root=root)
+    assert fsio.read_bytes(root / "link", limit=100, follow_symlinks=True) == b"outside\n"
+    with pytest.raises(fsio.UnsafePath, match="symlink"):
+        fsio.scan(root / "sub", root=root)
+    with pytest.raises(FileNotFoundError):
+        fsio.read_bytes(root / "missing", limit=100, root=root)
+
+
+def test_writing_never_goes_through_a_symlink_a_fifo_or_a_hard_link(
+    hostile: tuple[Path, Path],
+) -> None:
+    root, outside = hostile
+    (root / "a").symlink_to(outside / "file")
+    atomic_write(root / "a", b"new", root=root)  # the link is replaced, its target untouched
+    assert not (root / "a").is_symlink() and (root / "a").read_bytes() == b"new"
+    (root / "log").symlink_to(outside / "file")
+    os.mkfifo(root / "pipe")
+    os.link(outside / "file", root / "hard")
+    for name in ("log", "pipe", "hard"):
+        with pytest.raises(fsio.UnsafePath):
+            fsio.append_line(root / name, "x", root=root)
+        with pytest.raises(fsio.UnsafePath):
+            FileLock(root / name, root=root).acquire()
+    (root / "sub").symlink_to(outside / "dir", target_is_directory=True)
+    with pytest.raises(fsio.UnsafePath):
+        atomic_write(root / "sub" / "f", b"x", root=root)
+    with pytest.raises(fsio.UnsafePath):
+        fsio.make_dir(root / "sub", root=root, exist_ok=True)
+    fsio.remove_tree(root / "sub", root=root)  # the link, not the directory it names
+    assert not (root / "sub").exists() and (outside / "dir").is_dir()
+    assert (outside / "file").read_bytes() == b"outside\n"
+    assert (outside / "file").stat().st_mode & 0o777 == 0o600
+    assert os.listdir(outside / "dir") == []

@@ -12,7 +12,8 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+import socket
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -154,12 +155,37 @@ async def test_shard_that_is_a_fifo_is_refused_without_hanging(chain: Chain) -> 
             os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
 
 
-async def test_manifest_that_is_not_a_regular_file_is_not_a_version(chain: Chain) -> None:
-    (chain.v2 / MANIFEST_NAME).unlink()
-    (chain.v2 / MANIFEST_NAME).mkdir()
-    assert 2 not in list_versions(chain.root)
-    assert await chain.agent.sync_once() == 1  # v2 is not committed: nothing to apply
-    chain.assert_at_v1()
+@pytest.mark.parametrize("kind", ["directory", "socket", "fifo"])
+async def test_a_manifest_that_is_not_a_regular_file_is_a_bad_version(
+    chain: Chain, kind: str
+) -> None:
+    """Issue 22, finding 3: a ``manifest.json`` that is a directory, a socket or a FIFO was a
+    bare OSError at every sync (or a read blocked forever), never a bad version, so the
+    receiver stayed behind it though a keyframe followed. Now it is a committed version that
+    is bad at once: refused, reported, and gone past as soon as a keyframe follows."""
+    path = chain.v2 / MANIFEST_NAME
+    path.unlink()
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        sock.close()
+    assert 2 in list_versions(chain.root)  # committed: the name exists (FORMAT.md section 1)
+    try:
+        err = await chain.assert_refused()
+    finally:  # should a reader be blocked in open() (today's main), let it go
+        if kind == "fifo":
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert isinstance(err, ManifestError) and "not a regular file" in str(err)
+    assert 2 in chain.agent.status().bad_versions
+    async with Publisher(chain.root) as pub:  # a restarted trainer seeds a keyframe: v3
+        await pub.seed(chain.states[2])
+    assert await asyncio.wait_for(chain.agent.sync_once(), 30) == 3
+    assert verify_checkpoint(chain.ckpt, read_manifest(chain.root, 3)) == []
 
 
 async def test_manifest_naming_another_version_is_refused(chain: Chain) -> None:
@@ -195,3 +221,28 @@ def test_symlinked_manifest_is_refused_by_read_manifest(tmp_path: Path) -> None:
     v0.symlink_to(tmp_path / "v0", target_is_directory=True)
     with pytest.raises(ManifestError, match="symlink"):
         read_manifest(root, 0)
+
+
+async def test_the_inotify_watch_never_walks_a_symlink_in_the_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22: a recursive watch follows symlinks (watchfiles walks them and watches their
+    targets: one to ``/`` planted in the root made it walk the whole filesystem, in the event
+    loop). The receiver watches the root alone; commits wake it by the log line they append."""
+    import watchfiles
+
+    from receiver.watch import wakeups
+
+    seen: dict[str, object] = {}
+
+    async def spy(*paths: object, **kw: object) -> AsyncIterator[set[object]]:
+        seen.update(kw, paths=paths)
+        return
+        yield set()
+
+    monkeypatch.setattr(watchfiles, "awatch", spy)
+    (tmp_path / "link").symlink_to("/", target_is_directory=True)
+    async for reason in wakeups(tmp_path, poll_interval=0.01, use_inotify=True):
+        if reason == "poll":
+            break
+    assert seen["recursive"] is False and seen["paths"] == (tmp_path,)

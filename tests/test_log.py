@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import types
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiofiles
 import pytest
 
 from asyncsync.format import LOG_NAME
@@ -19,7 +15,7 @@ from tests.conftest import eventually
 
 
 class RecordedReads:
-    """Stands in for ``aiofiles`` in ``asyncsync.format.log``: every read ``follow_log`` makes,
+    """Stands in for ``_read_at`` in ``asyncsync.format.log``: every read ``follow_log`` makes,
     with the versions it had yielded when the read began. The follower reads the file again
     only after it has dealt with the bytes of its previous read, so the next read's record says
     what those bytes made it yield; no test has to guess how long that takes."""
@@ -27,15 +23,11 @@ class RecordedReads:
     def __init__(self, got: list[dict[str, Any]]) -> None:
         self.got = got
         self.reads: list[tuple[bytes, list[object]]] = []
+        self._real = log_module._read_at
 
-    @contextlib.asynccontextmanager
-    async def open(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        async with aiofiles.open(*args, **kwargs) as f:
-            yield types.SimpleNamespace(seek=f.seek, read=lambda n: self._read(f, n))
-
-    async def _read(self, f: Any, n: int) -> bytes:
-        before = [r["version"] for r in self.got]
-        data: bytes = await f.read(n)
+    def __call__(self, path: Path, root: Path, offset: int, n: int) -> bytes:
+        before = [r["version"] for r in self.got]  # runs in a thread while the loop waits
+        data = self._real(path, root, offset, n)
         self.reads.append((data, before))
         return data
 
@@ -50,7 +42,7 @@ async def test_follow_sees_appends_and_waits_for_whole_lines(
     log.write_bytes(b'{"version": 0}\n{"version": 1, "note": "\xc3\xa9t\xc3\xa9"}\n')
     got: list[dict[str, Any]] = []
     rec = RecordedReads(got)
-    monkeypatch.setattr(log_module, "aiofiles", rec)
+    monkeypatch.setattr(log_module, "_read_at", rec)
 
     async def follow() -> None:
         async for r in follow_log(tmp_path, poll_interval=0.01):

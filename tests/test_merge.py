@@ -75,6 +75,8 @@ def _parted_manifest(**over: Any) -> Manifest:
         attempt="abcdef012345",
     )  # fmt: skip
     fields.update(over)
+    if "fingerprint" not in over:  # readers check it against the entries (FORMAT.md section 3)
+        fields["fingerprint"] = fingerprint(fields["tensors"], ALGO)
     return Manifest(**fields)
 
 

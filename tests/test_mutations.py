@@ -81,7 +81,7 @@ async def test_latest_version_probes_past_a_stale_listing(
 async def test_keep_bytes_stops_at_its_budget(tmp_path: Path) -> None:
     """Mutation: keep_bytes going on past its budget (or keeping the version that crosses it)."""
     await _chain(tmp_path, 7, keyframe_interval=6)  # keyframes 0, 6: 6 and 7 always kept
-    sizes = {v: _dir_bytes(tmp_path / f"v{v:012d}") for v in list_versions(tmp_path)}
+    sizes = {v: _dir_bytes(tmp_path, tmp_path / f"v{v:012d}") for v in list_versions(tmp_path)}
     budget = sizes[7] + sizes[6] + sizes[5] + sizes[4]  # exactly the newest four
     report = collect(tmp_path, RetentionPolicy(keep_versions=None, keep_bytes=budget, ack_ttl=None))
     assert list_versions(tmp_path) == [4, 5, 6, 7]

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -413,11 +414,11 @@ async def test_directory_fsync_failure_after_the_rename_is_not_a_failed_publish(
     calls = {"n": 0}
     real = fsio.fsync_dir
 
-    def flaky(path: Path) -> None:
+    def flaky(path: Path, **kw: object) -> None:
         calls["n"] += 1
         if calls["n"] == 3:  # vdir, root, then the version dir after the manifest rename
             raise OSError(5, "Input/output error (injected)")
-        real(path)
+        real(path, **kw)  # type: ignore[arg-type]
 
     sd = mixed_state(0)
     async with Publisher(tmp_path, keyframe_interval=0) as pub:
@@ -498,6 +499,51 @@ def test_delta_shard_blob_is_a_safetensors_file(sizes: list[int]) -> None:
     assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in loaded.values())
     got = shards.parse_shard(data, where="x", version=7, run_id="ab" * 8, role="delta")
     assert {k: t.numpy().tobytes() for k, t in got.items()} == blobs
+
+
+@pytest.mark.parametrize("name", ["__metadata__", "x" * 4097])
+async def test_a_tensor_name_no_reader_takes_is_refused_at_publish(
+    tmp_path: Path, name: str
+) -> None:
+    """Issue 22, finding 6: a tensor named ``__metadata__`` (the safetensors header's key) was
+    published without error and broke every receiver; names readers refuse (FORMAT.md section
+    3: 1 to 4096 characters, not ``__metadata__``) are refused at publish, nothing written."""
+    async with Publisher(tmp_path) as pub:
+        with pytest.raises(ConfigError, match=r"__metadata__|4096"):
+            await pub.seed({"w": torch.zeros(4), name: torch.zeros(2)})
+    assert list_versions(tmp_path) == []
+
+
+async def test_a_registered_checkpoint_made_of_symlinks_is_read_through_them(
+    tmp_path: Path,
+) -> None:
+    """FORMAT.md 11.5 (issue 22): a registered checkpoint (``shard_dir``) lies outside the root;
+    a writer resolves a snapshot's symlinks (the manifest names the blobs), but one that did
+    not left files that are symlinks there: readers follow them there, and only there (the
+    file they reach must still be a regular file of the manifest's size and checksum). A
+    checkpoint inside the root is refused (nothing in the root is followed)."""
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+
+    sd = {k: v.contiguous() for k, v in mixed_state(0).items()}
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "blobs"
+    ckpt.mkdir()
+    elsewhere.mkdir()
+    safetensors.torch.save_file(sd, ckpt / "model.safetensors")
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed(ckpt)
+        inside = root / "ckpt"
+        shutil.copytree(ckpt, inside)
+        with pytest.raises(ConfigError, match="inside the root"):
+            await pub.seed(inside)
+    assert read_manifest(root, 0).shard_dir == str(ckpt.resolve())
+    shutil.move(ckpt / "model.safetensors", elsewhere / "0f1e2d3c")
+    (ckpt / "model.safetensors").symlink_to(elsewhere / "0f1e2d3c")
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "c"), "e1", use_inotify=False)
+    async with agent:
+        assert await agent.sync_once() == 0  # today's main: "shards may not be symlinks"
+    assert verify_checkpoint(tmp_path / "c", read_manifest(root, 0)) == []
 
 
 def _hf_cache_snapshot(cache: Path, sd: dict[str, torch.Tensor]) -> Path:

@@ -60,7 +60,7 @@ async def test_a_claimed_size_is_checked_against_fstat_before_reading(tmp_path: 
     tracemalloc.start()
     try:
         with pytest.raises(IncompleteVersion, match="the manifest says"):
-            read_verified(path, claim, big.checksum_algorithm)
+            read_verified(path, claim, big.checksum_algorithm, root=root)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

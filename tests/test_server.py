@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import resource
+import socket
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -13,7 +19,7 @@ from asyncsync.format.acks import read_acks
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.server import StatusServer
-from tests.conftest import mixed_state, mutate
+from tests.conftest import eventually, mixed_state, mutate
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -138,3 +144,125 @@ async def test_receiver_cli_serves_status_with_json_logs(tmp_path: Path) -> None
     logs = [json.loads(x) for x in (lines + rest.splitlines()) if x.startswith("{")]
     assert any(r["logger"] == "receiver.agent" for r in logs)
     assert TOKEN not in "".join(lines) + rest
+
+
+# --------------------------------------------------------------------------- issue 22, 8 and 9
+
+
+async def test_a_non_utf8_authorization_header_is_401(tmp_path: Path) -> None:
+    """Finding 9: aiohttp decodes header bytes as UTF-8 with surrogate escapes; encoding them
+    back as strict UTF-8 raised, and POST /sync answered 500 with a traceback."""
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e1")
+    async with StatusServer(agent, token=TOKEN) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(
+            b"POST /sync HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xc3\r\n"
+            b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 401"), head
+
+
+async def test_slow_and_excess_connections_are_closed(tmp_path: Path) -> None:
+    """Finding 8, in one process: a connection that has not sent a complete request
+    ``header_timeout`` after it opened is closed, and past ``max_connections`` open ones a new
+    connection is closed as soon as it is accepted (its descriptor freed at once); requests
+    are answered again once the others are gone."""
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e1")
+    async with StatusServer(agent, max_connections=4, header_timeout=0.5) as server:
+        slow = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(4)]
+        for _, w in slow:
+            w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            await w.drain()
+        await eventually(lambda: server.open_connections == 4, "the 4 slow clients counted")
+        r5, w5 = await asyncio.open_connection("127.0.0.1", server.port)
+        assert await asyncio.wait_for(r5.read(), 10) == b""  # closed unanswered: full
+        w5.close()
+        for r, w in slow:  # each closed by the server, header_timeout after it opened
+            assert await asyncio.wait_for(r.read(), 10) == b""
+            w.close()
+        await eventually(lambda: server.open_connections == 0, "the slow clients dropped")
+        async with aiohttp.ClientSession() as http, http.get(f"{server.url}/healthz") as resp:
+            assert resp.status == 200
+
+
+async def test_a_flood_of_idle_connections_never_stops_a_receiver_process(tmp_path: Path) -> None:
+    """Finding 8, on a real receiver process limited to 1,024 descriptors: 1,100 idle
+    unauthenticated connections to its status port. On today's main it logged "Too many open
+    files" and stopped applying versions; now the connections past the cap are closed at
+    accept, the receiver applies and acks the next version, and answers once they are gone."""
+    root = tmp_path / "root"
+    sd = mixed_state(0)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+    port = _free_port()
+    log = tmp_path / "receiver.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "e1",
+             "--checkpoint", str(tmp_path / "c"), "--status-port", str(port),
+             "--poll-interval", "0.2", "--force-polling"],
+            stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)),
+        )  # fmt: skip
+    flood: list[socket.socket] = []
+    try:
+        await eventually(lambda: 0 in _acked(root), "the receiver's first ack", timeout=120)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < 1300:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+        for _ in range(1100):
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(("127.0.0.1", port))
+            flood.append(s)
+            if len(flood) % 100 == 0:
+                await asyncio.sleep(0.01)  # let the connections land
+        async with Publisher(root, keyframe_interval=0) as pub:
+            await pub.seed(mutate(sd, 0.05, seed=1))
+        await eventually(lambda: 1 in _acked(root), "v1 applied and acked", timeout=60)
+        for s in flood:
+            s.close()
+        flood.clear()
+        async with aiohttp.ClientSession() as http:
+
+            async def healthy() -> bool:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                        return resp.status == 200
+                return False
+
+            await eventually_async(healthy, "the status port to answer again")
+    finally:
+        for s in flood:
+            s.close()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert "Too many open files" not in text, text[-3000:]
+    assert "refusing more" in text  # the cap said so, once
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _acked(root: Path) -> set[int]:
+    ack = read_acks(root).get("e1")
+    return set() if ack is None else set(range(ack.version + 1))
+
+
+async def eventually_async(cond: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await cond():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)

@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncsync import IncompatibleVersion, Publisher
+from asyncsync import AsyncSyncError, IncompatibleVersion, Publisher
 from asyncsync.format.acks import read_acks
+from asyncsync.format.checksum import checksum_bytes
 from asyncsync.format.manifest import Manifest, Totals, fingerprint
 from asyncsync.format.store import read_manifest
 from asyncsync.fsio import atomic_write, make_dir
 from receiver import ReceiverAgent
-from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.base import TensorUpdate
+from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from receiver.engines.torch_module import TorchModule
 from receiver.state import PersistedState, bumped
 from tests.conftest import Holder, assert_holds, mixed_state, mutate
@@ -138,3 +140,102 @@ def test_bumped_refuses_other_names_and_other_checksums(tmp_path: Path) -> None:
         bumped(dataclasses.replace(ps, checksums=other), zero)
     with pytest.raises(IncompatibleVersion):
         bumped(ps, dataclasses.replace(zero, tensors=m.tensors[1:]))
+
+
+# --------------------------------------------------------------------------- issue 22, finding 6
+# A tensor named ``__metadata__`` (the key safetensors reserves for its header metadata): main
+# published it; a receiver then swapped the keyframe's files in, removed the good version's,
+# failed reading the layout back, never marked the version bad, and did it again at every
+# sync: the checkpoint was wiped.
+
+RESERVED = "__metadata__"
+STAND_IN = "__metadatx__"  # same length: the bytes can be swapped in place
+
+
+def forge_reserved_name_keyframe(root: Path, version: int) -> None:
+    """Rewrite v{version} (a keyframe holding STAND_IN) as one naming RESERVED: the manifest
+    and the full shard's header, with shard checksums, sizes and fingerprint made consistent
+    again, as a writer that does not refuse the name would have written it."""
+    vdir = root / f"v{version:012d}"
+    m = read_manifest(root, version)
+    shards = []
+    for s in m.shards:
+        p = vdir / s.file
+        data = p.read_bytes().replace(STAND_IN.encode(), RESERVED.encode())
+        p.write_bytes(data)
+        shards.append(dataclasses.replace(s, checksum=checksum_bytes(data, m.checksum_algorithm)))
+    tensors = [
+        dataclasses.replace(
+            e,
+            name=RESERVED if e.name == STAND_IN else e.name,
+            full=None if e.full is None else dataclasses.replace(e.full, key=RESERVED)
+            if e.full.key == STAND_IN else e.full,
+        )
+        for e in m.tensors
+    ]  # fmt: skip
+    forged = dataclasses.replace(
+        m,
+        shards=tuple(shards),
+        tensors=tuple(tensors),
+        fingerprint=fingerprint(tensors, m.checksum_algorithm),
+    )
+    (vdir / "manifest.json").write_text(forged.to_json())
+
+
+async def test_a_tensor_named_like_the_safetensors_header_never_wipes_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The version is refused (its manifest names a reserved tensor name), marked bad, and the
+    checkpoint keeps v0, sync after sync."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    s0 = mixed_state(0)
+    agent = ReceiverAgent(
+        root, LocalCheckpoint(ckpt), "e1", use_inotify=False, prefetch=False, verify_deadline=0
+    )
+    async with Publisher(root, bucket_bytes=8192, keyframe_interval=0) as pub:
+        await pub.seed(s0)
+        async with agent:
+            assert await agent.sync_once() == 0
+            await pub.seed({**mutate(s0, 0.5, seed=1), STAND_IN: torch.arange(6.0)})
+            forge_reserved_name_keyframe(root, 1)
+            for _ in range(2):
+                with pytest.raises(AsyncSyncError):
+                    await agent.sync_once()
+                assert agent.version == 0 and agent.status().bad_versions == (1,)
+                assert verify_checkpoint(ckpt, read_manifest(root, 0)) == []
+                assert_holds(agent.engine.load_state_dict(), s0)  # type: ignore[attr-defined]
+
+
+async def test_a_full_version_the_files_cannot_hold_is_refused_before_the_swap(
+    tmp_path: Path,
+) -> None:
+    """Below the manifest check: LocalCheckpoint reads the layout of the staged files back
+    before it replaces a file, and refuses what does not read back (IncompatibleVersion: the
+    agent marks the version bad) with the held version's files untouched."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    s0 = mixed_state(0)
+    async with Publisher(root, bucket_bytes=1 << 20, keyframe_interval=0) as pub:
+        await pub.seed(s0)
+        await pub.seed({**mutate(s0, 0.5, seed=1), STAND_IN: torch.arange(6.0)})
+    m0, m1 = read_manifest(root, 0), read_manifest(root, 1)
+    engine = LocalCheckpoint(ckpt)
+    await engine.open()
+    try:
+        await engine.begin(m0, "full")
+        await engine.apply([TensorUpdate(e, full=s0[e.name].contiguous()) for e in m0.tensors])
+        await engine.commit()
+        # v1 as a writer that does not refuse the name made it (validation skipped: the
+        # engine's own check is under test)
+        tensors = tuple(
+            dataclasses.replace(e, name=RESERVED) if e.name == STAND_IN else e for e in m1.tensors
+        )
+        forged = dataclasses.replace(m1, tensors=tensors)
+        s1 = {**mutate(s0, 0.5, seed=1), RESERVED: torch.arange(6.0)}
+        await engine.begin(forged, "full")
+        await engine.apply([TensorUpdate(e, full=s1[e.name].contiguous()) for e in tensors])
+        with pytest.raises(IncompatibleVersion, match="does not read back"):
+            await engine.commit()
+        assert engine.state.version == 0
+        assert verify_checkpoint(ckpt, m0) == []
+    finally:
+        await engine.close()

@@ -164,6 +164,8 @@ def decode_delta(
     if encoding == "xef":
         idx = _ef_decode(positions, changed, numel)
         vals = _unplanes(_unzstd(values, (changed * width,), "values"), changed, width)
+        if int(torch.count_nonzero(vals)) != changed:  # a listed position must change
+            raise FormatError("sparse xef values hold a zero XOR: a position that did not change")
         return Patch(op, torch.from_numpy(idx), vals, positions_xef=positions)
     idx = _baseline_positions(encoding, positions, changed, numel)
     if len(values) != changed * width:
@@ -196,12 +198,14 @@ def _zstd(data: bytes | memoryview, level: int) -> bytes:
 
 
 def _unzstd(blob: bytes, sizes: tuple[int, ...], what: str) -> bytes:
-    """Decompress one zstd frame whose declared content size must be one of ``sizes``."""
+    """Decompress one zstd frame whose declared content size must be one of ``sizes``; any
+    byte after the frame is refused (FORMAT.md 4.2)."""
     try:
         declared = zstandard.frame_content_size(blob)
         if declared not in sizes:  # also rejects frames of unknown size (-1): unbounded
             raise FormatError(f"{what}: zstd frame declares {declared} bytes, want {sizes}")
-        out = zstandard.ZstdDecompressor().decompress(blob) if declared else b""
+        d = zstandard.ZstdDecompressor()
+        out = d.decompress(blob, allow_extra_data=False) if declared else b""
     except zstandard.ZstdError as exc:
         raise FormatError(f"{what}: corrupt zstd data: {exc}") from exc
     if len(out) != declared:

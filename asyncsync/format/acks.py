@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Sequence
@@ -30,7 +29,15 @@ from asyncsync.format.names import (
     ack_path,
     check_engine_id,
 )
-from asyncsync.fsio import atomic_write, fs_now, is_temp_name, make_dir
+from asyncsync.fsio import (
+    UnsafePath,
+    atomic_write,
+    fs_now,
+    is_temp_name,
+    make_dir,
+    read_file,
+    scan,
+)
 
 __all__ = [
     "AckAge",
@@ -121,25 +128,32 @@ def write_ack(
         host=socket.gethostname(),
         bad_versions=tuple(bad_versions),
     )
-    make_dir(root / ACKS_DIR, parents=True, exist_ok=True)
-    atomic_write(ack_path(root, engine_id), rec.to_json().encode())
+    make_dir(root / ACKS_DIR, root=root, exist_ok=True)
+    atomic_write(ack_path(root, engine_id), rec.to_json().encode(), root=root)
     return rec
+
+
+def _read(root: Path, path: Path) -> AckRecord:
+    """One ack file, opened safely (:func:`asyncsync.fsio.read_file`: never a symlink, a FIFO
+    or more than 64 KiB) and parsed, with its mtime."""
+    try:
+        data, st = read_file(path, limit=_MAX_ACK_BYTES, root=root)
+    except ValueError as exc:  # larger than the limit
+        raise ManifestError(str(exc)) from exc
+    return replace(AckRecord.from_json(data, where=f"ack {path.name}"), mtime=st.st_mtime)
 
 
 def read_ack(root: Path, engine_id: str) -> AckRecord | None:
     """The ack of one engine (None when there is none). Raises ManifestError or OSError when
-    it exists but cannot be read."""
+    it exists but cannot be read (:class:`asyncsync.fsio.UnsafePath`: a symlink, a FIFO)."""
     path = ack_path(root, engine_id)
     try:
-        st = os.stat(path, follow_symlinks=False)
-        if st.st_size > _MAX_ACK_BYTES:
-            raise ManifestError(f"{path}: larger than {_MAX_ACK_BYTES} bytes")
-        rec = AckRecord.from_json(path.read_bytes(), where=f"ack {path.name}")
+        rec = _read(root, path)
     except FileNotFoundError:
         return None
     if rec.engine_id != engine_id:
         raise ManifestError(f"{path}: names engine {rec.engine_id!r}")
-    return replace(rec, mtime=st.st_mtime)
+    return rec
 
 
 def read_acks(root: Path) -> dict[str, AckRecord]:
@@ -147,26 +161,27 @@ def read_acks(root: Path) -> dict[str, AckRecord]:
     out: dict[str, AckRecord] = {}
     d = root / ACKS_DIR
     try:
-        entries = list(os.scandir(d))
+        names = [name for name, _ in scan(d, root=root)]
     except FileNotFoundError:
         return out
-    except OSError as exc:  # e.g. acks/ is a file: a damaged root, not a crash of the reader
+    except OSError as exc:  # acks/ is a file or a symlink: a damaged root, not a crash
         logger.warning("cannot list acks in %s: %s", d, exc)
         return out
-    for e in entries:
-        if is_temp_name(e.name) or not e.name.endswith(".json"):
+    for name in names:
+        if is_temp_name(name) or not name.endswith(".json"):
             continue
         try:
-            st = e.stat(follow_symlinks=False)
-            if not e.is_file(follow_symlinks=False) or st.st_size > _MAX_ACK_BYTES:
-                continue
-            rec = AckRecord.from_json(Path(e.path).read_bytes(), where=f"ack {e.name}")
-            rec = replace(rec, mtime=st.st_mtime)
-        except (OSError, ManifestError) as exc:
-            logger.warning("ignoring unreadable ack %s: %s", e.path, exc)
+            rec = _read(root, d / name)
+        except FileNotFoundError:
             continue
-        if f"{rec.engine_id}.json" != e.name:
-            logger.warning("ignoring ack %s: it names engine %r", e.path, rec.engine_id)
+        except UnsafePath as exc:  # not a regular file: skipped as before, quietly (polled)
+            logger.debug("ignoring %s: %s", d / name, exc)
+            continue
+        except (OSError, ManifestError) as exc:
+            logger.warning("ignoring unreadable ack %s: %s", d / name, exc)
+            continue
+        if f"{rec.engine_id}.json" != name:
+            logger.warning("ignoring ack %s: it names engine %r", d / name, rec.engine_id)
             continue
         out[rec.engine_id] = rec
     return out
@@ -176,7 +191,7 @@ def root_now(root: Path) -> float:
     """Now on the clock of the root's filesystem (the mtime of a probe file, see
     :func:`asyncsync.fsio.fs_now`); this host's clock where the root is not writable."""
     try:
-        return fs_now(root)
+        return fs_now(root, root=root)
     except OSError:
         return time.time()
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import xxhash
 
+from asyncsync import fsio
 from asyncsync.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -87,10 +88,12 @@ def checksum_tensor(t: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
 def checksum_file(
     path: str | os.PathLike[str], algorithm: str = DEFAULT_ALGORITHM
 ) -> tuple[str, int]:
-    """(checksum, size) of a file, read in chunks."""
+    """(checksum, size) of a regular file, read in chunks (opened by
+    :func:`asyncsync.fsio.open_file`: a FIFO or a socket is refused, never waited on; a symlink
+    is followed: the files of a checkpoint being registered may be, FORMAT.md section 5)."""
     h = new_hasher(algorithm)
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(fsio.open_file(path, follow_symlinks=True), "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):

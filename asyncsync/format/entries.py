@@ -12,7 +12,9 @@ from asyncsync.format.names import (
     _MAX_INT,
     _MAX_RANK,
     DTYPE_SIZES,
+    MAX_NAME_CHARS,
     MAX_SHARD_BYTES,
+    SAFETENSORS_METADATA,
     check_dtype_name,
     check_file_name,
     dtype_from_name,
@@ -164,9 +166,9 @@ class TensorEntry:
     @classmethod
     def from_dict(cls, d: object, where: str) -> TensorEntry:
         d = _dict(d, where)
-        name = _str(d, "name", where, 4096)
-        if not name:
-            raise ManifestError(f"{where}: empty tensor name")
+        name = _str(d, "name", where, MAX_NAME_CHARS)
+        if not name or name == SAFETENSORS_METADATA:
+            raise ManifestError(f"{where}: tensor name {name!r} is empty or reserved")
         where = f"{where} ({name!r})"
         dtype = _get(d, "dtype", str, where)
         check_dtype_name(dtype)

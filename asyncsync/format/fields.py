@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 from typing import Any
@@ -38,11 +39,15 @@ def _opt_int(
 
 
 def _float(d: dict[str, Any], key: str, where: str) -> float:
+    """A number (timestamp, ttl, density): an integer or a fraction, finite, in 0..2^53-1
+    whichever way it is written (``1e20`` is refused as ``10**20`` is)."""
     v = _get(d, key, (int, float), where)
-    if isinstance(v, int) and v > _MAX_INT:  # not exact as a double (and 10**400 overflows)
-        raise ManifestError(f"{where}: field {key!r}={v} out of range 0..{_MAX_INT}")
-    if not math.isfinite(v) or v < 0:
-        raise ManifestError(f"{where}: field {key!r}={v} must be a finite non-negative number")
+    # an int above 2^53-1 is not exact as a double (and 10**400 overflows); a float is held
+    # to the same range, so 1e20 is refused as 10**20 is
+    if not (math.isfinite(v) if isinstance(v, float) else True) or not 0 <= v <= _MAX_INT:
+        raise ManifestError(
+            f"{where}: field {key!r}={v} must be a finite non-negative number at most {_MAX_INT}"
+        )
     return float(v)
 
 
@@ -81,15 +86,61 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        counts = collections.Counter(k for k, _ in pairs)
+        raise _DuplicateKey(next(k for k, n in counts.items() if n > 1))
+    return d
+
+
+# JSON denser than any valid record is refused before it is parsed (FORMAT.md, "Conventions"):
+# parsing costs memory per value, not per byte (a file of `{},` takes ~25x its size, so a 125
+# MiB one needed 2.6 GiB), while a valid manifest has ~60 bytes per container and ~7 per value
+# separator, and takes ~5x its size. At most one `{`/`[` per 16 bytes and one `,`/`:` per 5
+# bytes bounds any accepted file to ~10x, the order of a valid manifest of its size.
+_DENSITY_CHECK_FROM = 64 << 10
+_BYTES_PER_CONTAINER = 16
+_BYTES_PER_SEPARATOR = 5
+
+
+def _check_density(data: bytes, what: str) -> None:
+    n = len(data)
+    if n < _DENSITY_CHECK_FROM:
+        return
+    containers = data.count(b"{") + data.count(b"[")
+    separators = data.count(b",") + data.count(b":")
+    if containers * _BYTES_PER_CONTAINER > n or separators * _BYTES_PER_SEPARATOR > n:
+        raise ManifestError(
+            f"{what}: {n} bytes holding {containers} objects/arrays and {separators} values: "
+            "far denser than any valid record (parsing it would take many times its size in "
+            "memory); refused unparsed"
+        )
+
+
 def _load_json(text: str | bytes, what: str) -> dict[str, Any]:
+    """A JSON object read from the shared directory: UTF-8 without a BOM, no NaN/Infinity,
+    no duplicate key in any object, not denser than a valid record (:func:`_check_density`).
+    ManifestUnreadable when the bytes are not (yet) JSON, ManifestError for the rest."""
     if isinstance(text, bytes | bytearray):
+        _check_density(bytes(text), what)
         # json.loads(bytes) would also read UTF-16/32; the files are UTF-8 without a BOM
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ManifestUnreadable(f"{what} is not UTF-8: {exc}") from exc
+    else:
+        _check_density(text.encode("utf-8", "surrogatepass"), what)
     try:
-        obj = json.loads(text, parse_constant=_no_constant)
+        obj = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_object)
+    except _DuplicateKey as exc:
+        raise ManifestError(f"{what}: key {exc.args[0]!r} appears twice in one object") from None
     except (ValueError, RecursionError) as exc:
         raise ManifestUnreadable(f"{what} is not valid JSON: {exc}") from exc
+    except MemoryError:
+        raise ManifestError(f"{what}: too large to parse in the memory available") from None
     return _dict(obj, what)

@@ -49,7 +49,16 @@ from pathlib import Path
 from asyncsync.errors import ConfigError, LockHeld, ManifestError
 from asyncsync.format.fields import _float, _int, _load_json, _str
 from asyncsync.format.names import LEASES_DIR, check_engine_id
-from asyncsync.fsio import TMP_PREFIX, atomic_write, fs_now, make_dir, read_bytes
+from asyncsync.fsio import (
+    TMP_PREFIX,
+    atomic_write,
+    fs_now,
+    lstat,
+    make_dir,
+    read_file,
+    remove,
+    scan,
+)
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
@@ -193,14 +202,18 @@ class UnreadableLease:
         return f"the unreadable file {self.path} ({self.reason})"
 
 
-def _read_lease_file(path: Path) -> tuple[LeaseRecord, float] | UnreadableLease | None:
+def _read_lease_file(path: Path, root: Path) -> tuple[LeaseRecord, float] | UnreadableLease | None:
+    # through asyncsync.fsio (FORMAT.md 11.1): a symlinked leases/, or a lease that is a
+    # symlink or a FIFO, is an unreadable lease, never followed nor blocked on
     try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
+        st = lstat(path, root=root)
+    except OSError as exc:  # leases/ is not a directory
+        return UnreadableLease(path, 0.0, str(exc), (0, 0))
+    if st is None:
         return None
     ident = (st.st_ino, st.st_mtime_ns)
     try:
-        rec = LeaseRecord.from_json(read_bytes(path, limit=64 << 10), str(path))
+        rec = LeaseRecord.from_json(read_file(path, limit=64 << 10, root=root)[0], str(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, ManifestError) as exc:
@@ -211,7 +224,7 @@ def _read_lease_file(path: Path) -> tuple[LeaseRecord, float] | UnreadableLease 
 
 def inspect_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | UnreadableLease | None:
     """The lease of ``engine_id`` and its file's mtime, an :class:`UnreadableLease`, or None."""
-    return _read_lease_file(lease_path(root, engine_id))
+    return _read_lease_file(lease_path(root, engine_id), root)
 
 
 def read_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | None:
@@ -226,8 +239,8 @@ def read_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | None:
 def unreadable_leases(root: Path) -> dict[str, UnreadableLease]:
     """The lease files in ``ROOT/leases/`` that cannot be read, by engine id (for status)."""
     try:
-        names = sorted(os.listdir(root / LEASES_DIR))
-    except (FileNotFoundError, NotADirectoryError):
+        names = sorted(name for name, _ in scan(root / LEASES_DIR, root=root))
+    except OSError:  # none, or leases/ is not a directory
         return {}
     out = {}
     for name in names:
@@ -237,7 +250,7 @@ def unreadable_leases(root: Path) -> dict[str, UnreadableLease]:
             engine_id = check_engine_id(name[: -len(".json")])
         except ValueError:
             continue
-        found = _read_lease_file(root / LEASES_DIR / name)
+        found = _read_lease_file(root / LEASES_DIR / name, root)
         if isinstance(found, UnreadableLease):
             out[engine_id] = found
     return out
@@ -304,7 +317,7 @@ class EngineLease:
         )  # fmt: skip
 
     def _age(self, mtime: float) -> float:
-        return fs_now(self.path.parent) - mtime
+        return fs_now(self.path.parent, root=self.root) - mtime
 
     def stale(self, rec: LeaseRecord, mtime: float) -> bool:
         if rec.boot_id and rec.pid_ns and (rec.boot_id, rec.pid_ns) == (_boot_id(), _pid_ns()):
@@ -328,7 +341,7 @@ class EngineLease:
 
     def _refuse_if_held(self) -> tuple[LeaseRecord, float] | UnreadableLease | None:
         """Read the lease; LockHeld when a live holder (or a fresh unreadable file) has it."""
-        found = _read_lease_file(self.path)
+        found = _read_lease_file(self.path, self.root)
         if not self._live(found):
             return found
         if isinstance(found, UnreadableLease):
@@ -360,7 +373,7 @@ class EngineLease:
 
     def acquire(self) -> None:
         """Take the lease, or raise LockHeld naming the live holder (or the unreadable file)."""
-        make_dir(self.path.parent, parents=True, exist_ok=True)
+        make_dir(self.path.parent, root=self.root, exist_ok=True)
         settle = self.settle_seconds()
         self._acquired_at = time.time()
         deadline = time.monotonic() + self.ttl + 4 * settle + 1  # a silent claim goes stale
@@ -376,7 +389,7 @@ class EngineLease:
     def _take(self, settle: float, deadline: float) -> None:
         while True:
             self._refuse_if_held()
-            atomic_write(self.claim, self._record().to_json())
+            atomic_write(self.claim, self._record().to_json(), root=self.root)
             time.sleep(settle)
             rivals = self._rival_claims()
             if rivals and all(owner > self.owner for owner in rivals):
@@ -409,7 +422,7 @@ class EngineLease:
         """The claim files of this engine id, by listing ``leases/`` (names only)."""
         prefix = f"{self.engine_id}."
         try:
-            names = os.listdir(self.path.parent)
+            names = [name for name, _ in scan(self.path.parent, root=self.root)]
         except FileNotFoundError:
             return []
         out = []
@@ -426,7 +439,7 @@ class EngineLease:
         for path in self._claims():
             if path == self.claim:
                 continue
-            found = _read_lease_file(path)
+            found = _read_lease_file(path, self.root)
             if isinstance(found, UnreadableLease):
                 if self._live(found):
                     out[""] = found  # sorts first: we yield to it
@@ -436,15 +449,15 @@ class EngineLease:
 
     def _withdraw(self) -> None:
         with contextlib.suppress(OSError):
-            os.unlink(self.claim)
+            remove(self.claim, root=self.root)
 
     def _remove_stale_claims(self) -> None:
         """Claims left by takers that died (kill -9 while holding or taking): removed."""
         for path in self._claims():
-            found = _read_lease_file(path)
+            found = _read_lease_file(path, self.root)
             if path != self.claim and found is not None and not self._live(found):
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
+                    remove(path, root=self.root)
 
     def _install(self) -> None:
         """Write the lease of the claim that saw no rival: exclusively where the name is free
@@ -463,16 +476,16 @@ class EngineLease:
                     "(another receiver took it at the same time); retry in a few seconds"
                 )
         if not isinstance(found, UnreadableLease) and found[0].owner == self.owner:
-            atomic_write(self.path, data)
+            atomic_write(self.path, data, root=self.root)
             return
         what = found.describe() if isinstance(found, UnreadableLease) else found[0].describe()
         logger.warning("engine id %s: taking over the stale lease of %s", self.engine_id, what)
-        atomic_write(self.path, data)
+        atomic_write(self.path, data, root=self.root)
 
     def _create(self, data: bytes) -> bool:
         """Create the lease where none is: False when another was created first."""
         tmp = self.path.with_name(f"{TMP_PREFIX}{self.path.name}.{secrets.token_hex(6)}")
-        atomic_write(tmp, data, sync_dir=False)
+        atomic_write(tmp, data, root=self.root, sync_dir=False)
         try:
             os.link(tmp, self.path)
             return True
@@ -491,7 +504,7 @@ class EngineLease:
 
     def renew(self) -> None:
         """The heartbeat: rewrite claim and lease. LockHeld when another receiver took it."""
-        found = _read_lease_file(self.path)
+        found = _read_lease_file(self.path, self.root)
         if found is None:  # removed from outside: take it again
             self.held = False
             _HELD.discard(self.owner)
@@ -510,8 +523,8 @@ class EngineLease:
                 "lease ttl)"
             )
         data = self._record().to_json()
-        atomic_write(self.claim, data)
-        atomic_write(self.path, data)
+        atomic_write(self.claim, data, root=self.root)
+        atomic_write(self.path, data, root=self.root)
 
     def release(self) -> None:
         if not self.held:
@@ -520,6 +533,5 @@ class EngineLease:
         _HELD.discard(self.owner)
         found = read_lease(self.root, self.engine_id)
         if found is not None and found[0].owner == self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            remove(self.path, root=self.root)
         self._withdraw()

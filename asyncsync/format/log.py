@@ -16,22 +16,27 @@ import asyncio
 import json
 import logging
 import os
+import stat
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiofiles
-
 from asyncsync.format import LOG_NAME, Manifest
-from asyncsync.fsio import append_line, atomic_write
+from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_file, read_bytes
 
-__all__ = ["append_manifest", "follow_log", "read_log", "trim_log"]
+__all__ = ["MAX_LOG_BYTES", "append_manifest", "follow_log", "read_log", "trim_log"]
 
 logger = logging.getLogger(__name__)
 
+# The largest log a reader or the trimmer reads whole (trimmed with the versions, a log holds
+# ~300 bytes per kept version). Like every file of a root it is opened through asyncsync.fsio:
+# a log that is a symlink or a FIFO is refused (UnsafePath), never followed nor waited on.
+MAX_LOG_BYTES = 256 << 20
+
 
 def append_manifest(root: Path, manifest: Manifest) -> None:
-    append_line(root / LOG_NAME, json.dumps(manifest.log_record(), allow_nan=False))
+    line = json.dumps(manifest.log_record(), allow_nan=False)
+    append_line(root / LOG_NAME, line, root=root)
 
 
 def _parse_lines(lines: list[str]) -> Iterator[dict[str, Any]]:
@@ -49,10 +54,10 @@ def _parse_lines(lines: list[str]) -> Iterator[dict[str, Any]]:
 
 def read_log(root: Path) -> list[dict[str, Any]]:
     try:
-        text = (root / LOG_NAME).read_text()
+        data = read_bytes(root / LOG_NAME, limit=MAX_LOG_BYTES, root=root)
     except FileNotFoundError:
         return []
-    return list(_parse_lines(text.splitlines()))
+    return list(_parse_lines(data.decode("utf-8", errors="replace").splitlines()))
 
 
 def _line_version(line: bytes) -> int | None:
@@ -73,11 +78,14 @@ def trim_log(root: Path, first_kept: int) -> int:
     """
     path = root / LOG_NAME
     try:
-        f = open(path, "rb")  # noqa: SIM115 - held open across the replace
+        f = os.fdopen(open_file(path, root=root), "rb")  # held open across the replace
     except FileNotFoundError:
         return 0
     with f:
-        data = f.read()
+        if os.fstat(f.fileno()).st_size > MAX_LOG_BYTES:
+            logger.warning("log %s is larger than %d bytes: not trimmed", path, MAX_LOG_BYTES)
+            return 0
+        data = f.read(MAX_LOG_BYTES + 1)
         *complete, tail = data.split(b"\n")
         keep = []
         for i, line in enumerate(complete):
@@ -90,15 +98,30 @@ def trim_log(root: Path, first_kept: int) -> int:
         dropped = len([ln for ln in complete if ln.strip()]) - len(keep)
         if dropped <= 0:
             return 0
-        atomic_write(path, b"".join(ln + b"\n" for ln in keep) + tail)
+        atomic_write(path, b"".join(ln + b"\n" for ln in keep) + tail, root=root)
         late = os.pread(f.fileno(), 1 << 24, len(data))  # appended before the rename
     if late:
-        with open(path, "ab") as out:
-            out.write(late)
-            out.flush()
-            os.fsync(out.fileno())
+        append_bytes(path, late, root=root)
     logger.info("log %s: dropped %d lines of versions below %d", path, dropped, first_kept)
     return dropped
+
+
+def _stat(path: Path, root: Path) -> tuple[int, int]:
+    """(size, inode) of the log, (0, 0) when there is none; UnsafePath for a symlink or FIFO."""
+    st = lstat(path, root=root)
+    if st is None:
+        return 0, 0
+    if not stat.S_ISREG(st.st_mode):
+        open_file(path, root=root)  # raises UnsafePath naming what it is
+    return st.st_size, st.st_ino
+
+
+def _read_at(path: Path, root: Path, offset: int, n: int) -> bytes:
+    fd = open_file(path, root=root)
+    try:
+        return os.pread(fd, n, offset)
+    finally:
+        os.close(fd)
 
 
 async def follow_log(
@@ -110,22 +133,19 @@ async def follow_log(
     buf = b""
     inode: int | None = None
     last = -1  # the newest version yielded: a trimmed (replaced) log is re-read past it
-    if not from_start and path.exists():
-        st = path.stat()
-        offset, inode = st.st_size, st.st_ino
+    if not from_start:
+        offset, ino = await asyncio.to_thread(_stat, path, root)
+        inode = ino or None
     while True:
-        try:
-            st = path.stat()
-            size, ino = st.st_size, st.st_ino
-        except FileNotFoundError:
-            size, ino = 0, inode or 0
+        size, ino = await asyncio.to_thread(_stat, path, root)
+        if not ino:
+            ino = inode or 0
         if size < offset or (inode is not None and ino != inode):  # replaced: start over
             offset, buf = 0, b""
         inode = ino
         if size > offset:
-            async with aiofiles.open(path, "rb") as f:
-                await f.seek(offset)
-                chunk = await f.read(size - offset)
+            n = min(size - offset, 1 << 24)
+            chunk = await asyncio.to_thread(_read_at, path, root, offset, n)
             offset += len(chunk)
             buf += chunk
             *complete, buf = buf.split(b"\n")

@@ -251,12 +251,22 @@ class Manifest:
                         keys.add((p.delta.shard, k))
                 elif self.base_version is not None and p.changed > 0:
                     raise ManifestError(f"{w}: changed={p.changed} but no delta data")
+                if self.base_version is None and p.changed != p.numel:
+                    raise ManifestError(
+                        f"{w}: changed={p.changed}, but with no base every element is new "
+                        f"(changed must be numel={p.numel})"
+                    )
                 if p.full is not None:
                     self._check_ref(p.full.shard, "full", w)
                     if (p.full.shard, p.full.key) in keys:
                         raise ManifestError(f"{w}: shard key {p.full.key!r} used twice")
                     keys.add((p.full.shard, p.full.key))
         self._check_digests(where)
+        if self.fingerprint != fingerprint(self.tensors, self.checksum_algorithm):
+            raise ManifestError(
+                f"{where}: fingerprint {self.fingerprint} is not the one its tensor entries "
+                "give (FORMAT.md section 3): the manifest was edited"
+            )
         tot = self.totals
         if tot.tensors != len(self.tensors):
             raise ManifestError(f"{where}: totals.tensors does not match the tensor list")

@@ -27,6 +27,10 @@ ENCODINGS: tuple[str, ...] = ("xef", "indices", "deltas", "deltas_zstd")
 DEFAULT_ENCODING = "xef"
 VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
+# A tensor name is 1 to MAX_NAME_CHARS characters and never the key safetensors reserves for
+# its header metadata: a shard could not hold a tensor of that name (FORMAT.md section 3).
+MAX_NAME_CHARS = 4096
+SAFETENSORS_METADATA = "__metadata__"
 _MAX_INT = 2**53 - 1  # the largest integer our JSON may hold: all are exact doubles (< 2^53)
 _MAX_RANK = 64
 # The largest shard a reader accepts (FORMAT.md section 3): a claim above it is refused by

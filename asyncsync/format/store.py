@@ -1,21 +1,27 @@
 """Reading a root: which versions are committed, their manifests, the root identity.
 
 Blocking functions (async callers wrap them in ``asyncio.to_thread``). A version exists for a
-reader only when its ``manifest.json`` exists: directories without one are in-progress or
-abandoned writes and are invisible.
+reader only when its ``manifest.json`` exists (FORMAT.md section 1): directories without one
+are in-progress or abandoned writes and are invisible. Every access goes through
+:mod:`asyncsync.fsio` with ``root=``: nothing below the root is followed or blocked on, so a
+symlinked version directory or a manifest that is a FIFO is a version that is *bad*
+(:class:`~asyncsync.errors.ManifestError`), never a hang nor a read outside the root.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
-from asyncsync.errors import ConfigError, ManifestError
+from asyncsync import fsio
+from asyncsync.errors import ConfigError, ManifestError, ManifestUnreadable
 from asyncsync.format import (
     ACKS_DIR,
     FORMAT_NAME,
@@ -26,15 +32,17 @@ from asyncsync.format import (
     Manifest,
     manifest_path,
     parse_version_dir,
+    version_dir,
 )
+from asyncsync.format.fields import _load_json
 from asyncsync.format.names import LEASES_DIR
-from asyncsync.fsio import DIR_MODE, atomic_write, make_dir, read_bytes
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
     "RootInfo",
     "ensure_root_info",
     "foreign_entries",
+    "is_committed",
     "is_root",
     "list_versions",
     "prepare_shared_dirs",
@@ -57,20 +65,13 @@ class RootInfo(dict[str, Any]):
 
 def read_root_info(root: Path) -> RootInfo | None:
     try:
-        data = read_bytes(root / ROOT_INFO_NAME, limit=1 << 20)
+        data = fsio.read_bytes(root / ROOT_INFO_NAME, limit=1 << 20, root=root)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
         raise ManifestError(f"cannot read {root / ROOT_INFO_NAME}: {exc}") from exc
-    try:
-        d = json.loads(data)
-    except ValueError as exc:
-        raise ManifestError(f"{root / ROOT_INFO_NAME} is not valid JSON: {exc}") from exc
-    if (
-        not isinstance(d, dict)
-        or d.get("format") != FORMAT_NAME
-        or not isinstance(d.get("run_id"), str)
-    ):
+    d = _load_json(data, str(root / ROOT_INFO_NAME))
+    if d.get("format") != FORMAT_NAME or not isinstance(d.get("run_id"), str):
         raise ManifestError(f"{root / ROOT_INFO_NAME} is not an asyncsync root record")
     if d.get("format_version") not in READ_FORMAT_VERSIONS:
         raise ManifestError(
@@ -92,13 +93,61 @@ def ensure_root_info(root: Path) -> RootInfo:
         created_at=time.time(),
         created_by=f"{socket.gethostname()}:{os.getpid()}",
     )
-    atomic_write(root / ROOT_INFO_NAME, (json.dumps(info, indent=1) + "\n").encode())
+    fsio.atomic_write(
+        root / ROOT_INFO_NAME, (json.dumps(info, indent=1) + "\n").encode(), root=root
+    )
     return info
+
+
+def _committed(root: Path, name: str, st: os.stat_result) -> bool:
+    """Whether the entry ``name`` (lstat ``st``) of the root is a committed version: a
+    directory holding a ``manifest.json`` entry of any type, or a symlink (a bad version:
+    readers refuse it without following it, FORMAT.md section 8)."""
+    if stat.S_ISLNK(st.st_mode):
+        return True
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    try:
+        return fsio.lstat(root / name / MANIFEST_NAME, root=root) is not None
+    except OSError:  # unreadable or replaced by a symlink meanwhile: read_manifest says why
+        return True
+
+
+def is_committed(root: Path, version: int) -> bool:
+    """Whether ``version`` is committed (an exact-path lookup, not a listing)."""
+    path = version_dir(root, version)
+    try:
+        st = fsio.lstat(path, root=root)
+    except OSError:
+        return False  # the root itself is gone or unreadable
+    return st is not None and _committed(root, path.name, st)
+
+
+def _entries(root: Path) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of the entries of the root named like a version (only those are stat'ed:
+    a root holds acks, leases, the log and whatever else was put there)."""
+    try:
+        fd = fsio.open_dir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    try:
+        for name in os.listdir(fd):
+            if parse_version_dir(name) is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+    finally:
+        os.close(fd)
+    return out
 
 
 def is_root(root: Path) -> bool:
     """Whether ``root`` is an asyncsync root: it has ``asyncsync.json`` or a committed version."""
-    return (root / ROOT_INFO_NAME).exists() or bool(list_versions(root))
+    try:
+        has_info = fsio.lstat(root / ROOT_INFO_NAME, root=root) is not None
+    except OSError:
+        has_info = False
+    return has_info or bool(list_versions(root))
 
 
 # What a root may hold before its publisher first opened it: the directories receivers write
@@ -127,12 +176,16 @@ def prepare_shared_dirs(root: Path, group: str | int) -> list[Path]:
         gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
     except KeyError:
         raise ConfigError(f"no group named {group!r} on this host (give a name or a gid)") from None
-    make_dir(root, parents=True, exist_ok=True)
+    fsio.make_dir(root, parents=True, exist_ok=True)
     out = []
     for name in (ACKS_DIR, LEASES_DIR):
-        d = make_dir(root / name, exist_ok=True)
-        os.chown(d, -1, gid)
-        os.chmod(d, DIR_MODE | 0o2020)  # 2775
+        d = fsio.make_dir(root / name, root=root, exist_ok=True)  # a symlink there: refused
+        fd = fsio.open_dir(d, root=root)
+        try:  # on the descriptor: never through a symlink put there meanwhile
+            os.fchown(fd, -1, gid)
+            os.fchmod(fd, fsio.DIR_MODE | 0o2020)  # 2775
+        finally:
+            os.close(fd)
         out.append(d)
     return out
 
@@ -140,13 +193,9 @@ def prepare_shared_dirs(root: Path, group: str | int) -> list[Path]:
 def list_versions(root: Path) -> list[int]:
     """Committed versions in the root, ascending (a directory scan; may lag on network FS)."""
     out = []
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
-    for e in entries:
-        v = parse_version_dir(e.name)
-        if v is not None and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
+    for name, st in _entries(root):
+        v = parse_version_dir(name)
+        if v is not None and _committed(root, name, st):
             out.append(v)
     out.sort()
     return out
@@ -155,39 +204,38 @@ def list_versions(root: Path) -> list[int]:
 def uncommitted_dirs(root: Path) -> list[Path]:
     """Version directories without a manifest (interrupted publishes)."""
     out = []
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
-    for e in entries:
+    for name, st in _entries(root):
         if (
-            parse_version_dir(e.name) is not None
-            and e.is_dir(follow_symlinks=False)
-            and not os.path.exists(os.path.join(e.path, MANIFEST_NAME))
+            parse_version_dir(name) is not None
+            and stat.S_ISDIR(st.st_mode)
+            and not _committed(root, name, st)
         ):
-            out.append(Path(e.path))
+            out.append(root / name)
     return sorted(out)
 
 
 def read_manifest(root: Path, version: int) -> Manifest:
     """Read and validate the manifest of ``version``.
 
-    Raises FileNotFoundError when the version is not committed, ManifestError when the file is
-    malformed, unsafe (the manifest or its version directory is a symlink), or names another
-    version.
+    Raises FileNotFoundError when the version is not committed; ManifestError when the file is
+    malformed, unsafe (a symlink, a FIFO or anything but a regular file, or in a version
+    directory that is a symlink) or names another version; ManifestUnreadable when it cannot
+    be read now (EACCES, EIO: a reader may try again, then the version is bad).
     """
     path = manifest_path(root, version)
-    if path.parent.is_symlink():
-        raise ManifestError(
-            f"{path.parent}: a version directory may not be a symlink (it can lead outside "
-            "the root); the publisher writes real directories, so this one was put there by hand"
-        )
-    if path.is_symlink():
-        raise ManifestError(f"{path}: a manifest may not be a symlink")
     try:
-        data = read_bytes(path, limit=MAX_MANIFEST_BYTES)
+        data = fsio.read_bytes(path, limit=MAX_MANIFEST_BYTES, root=root)
+    except FileNotFoundError:
+        raise
+    except fsio.UnsafePath as exc:
+        raise ManifestError(
+            f"{exc.strerror}; the publisher writes a real directory and a regular file, so "
+            "this version was changed by hand"
+        ) from exc
     except ValueError as exc:
         raise ManifestError(f"{path}: {exc}") from exc
+    except OSError as exc:
+        raise ManifestUnreadable(f"{path}: cannot read the manifest ({exc})") from exc
     m = Manifest.from_json(data, where=str(path))
     if m.version != version:
         raise ManifestError(f"{path}: names version {m.version}, but lives in the dir of {version}")
@@ -208,10 +256,13 @@ class ManifestCache:
 
     def get(self, root: Path, version: int) -> Manifest:
         try:
-            st = os.stat(manifest_path(root, version), follow_symlinks=False)
-        except FileNotFoundError:
+            st = fsio.lstat(manifest_path(root, version), root=root)
+        except OSError:  # a symlinked or unreadable version directory: read_manifest says why
             self._entries.pop(version, None)
-            raise
+            return read_manifest(root, version)
+        if st is None:
+            self._entries.pop(version, None)
+            raise FileNotFoundError(manifest_path(root, version))
         key = (st.st_size, st.st_mtime_ns, st.st_ino)
         hit = self._entries.get(version)
         if hit is not None and hit[0] == key:

@@ -20,12 +20,12 @@ import inspect
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from asyncsync import fsio
 from asyncsync.errors import AsyncSyncError, ConfigError, PublishError, first_error
 from asyncsync.format import (
     LOG_NAME,
@@ -46,6 +46,7 @@ from asyncsync.publish.retention import RetentionPolicy, collect
 __all__ = [
     "PreCommitHook",
     "build_manifest",
+    "claim_version_dir",
     "collect_garbage",
     "commit_version",
     "complete",
@@ -114,10 +115,14 @@ async def commit_version(
     finish its bookkeeping and then raise ``CancelledError``.
     """
     stage[0] = "fsync"
-    await asyncio.to_thread(fsync_dir, vdir)
+    await asyncio.to_thread(functools.partial(fsync_dir, vdir, root=root))
     await asyncio.to_thread(fsync_dir, root)
     path = vdir / MANIFEST_NAME
-    if await asyncio.to_thread(path.exists):  # never rewrite a committed version
+
+    def exists() -> bool:  # any entry there, never followed: a manifest is never rewritten
+        return fsio.lstat(path, root=root) is not None
+
+    if await asyncio.to_thread(exists):  # never rewrite a committed version
         raise PublishError(
             f"version {manifest.version} is already committed ({path}); refusing to rewrite it"
         )
@@ -125,16 +130,17 @@ async def commit_version(
         stage[0] = "pre-commit hook"
         await run_hook(hook, vdir)
     stage[0] = "manifest"
-    write = functools.partial(atomic_write, path, manifest.to_json().encode(), sync_dir=False)
+    data = manifest.to_json().encode()
+    write = functools.partial(atomic_write, path, data, root=root, sync_dir=False)
     try:
         await finish_thread(write)
     except asyncio.CancelledError:
-        if not await asyncio.to_thread(path.exists):
+        if not await asyncio.to_thread(exists):
             raise  # the rename did not happen: nothing is committed
         return True  # committed: finish the bookkeeping, then cancel
     # The rename is done: the version exists for readers, whatever happens next.
     try:
-        await finish_thread(fsync_dir, vdir)
+        await finish_thread(functools.partial(fsync_dir, vdir, root=root))
     except asyncio.CancelledError:
         return True
     except OSError as exc:
@@ -145,13 +151,33 @@ async def commit_version(
     return False
 
 
+def claim_version_dir(root: Path, vdir: Path, *, shared: bool = False) -> None:
+    """Create the directory of the version about to be written (``shared``: other ranks may
+    have created it). The committer owns that name: anything else found there, a symlink, a
+    FIFO, a file or an uncommitted directory (put there by hand or by a crash), is removed
+    first, never followed; a directory holding a manifest is committed and never rewritten."""
+    try:
+        fsio.make_dir(vdir, root=root, exist_ok=shared)
+        return
+    except (FileExistsError, fsio.UnsafePath):
+        if shared:
+            raise
+    with contextlib.suppress(fsio.UnsafePath):  # a symlink or a file: no manifest in it
+        if fsio.lstat(vdir / MANIFEST_NAME, root=root) is not None:
+            raise PublishError(f"version {vdir.name} is already committed ({vdir}): not rewritten")
+    logger.warning("removing %s: it holds no manifest and is in the way of this version", vdir)
+    fsio.remove_tree(vdir, root=root)
+    fsio.make_dir(vdir, root=root)
+
+
 async def discard(vdir: Path, exc: BaseException, version: int, stage: str) -> NoReturn:
     """Remove an uncommitted version directory and raise what the caller should see (a
     directory that holds a manifest is committed: it stays)."""
 
     def remove() -> None:
-        if not (vdir / MANIFEST_NAME).exists():
-            shutil.rmtree(vdir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # never through a symlink (fsio), best effort
+            if fsio.lstat(vdir / MANIFEST_NAME, root=vdir.parent) is None:
+                fsio.remove_tree(vdir, root=vdir.parent)
 
     await asyncio.shield(asyncio.to_thread(remove))
     err = first_error(exc)
@@ -229,7 +255,11 @@ def finish_interrupted(root: Path) -> list[int]:
     versions = list_versions(root)
     if not versions:
         return []
-    logged = _last_logged(root)
+    try:
+        logged = _last_logged(root)
+    except OSError as exc:  # a log that is a symlink, a FIFO: never followed, not appended to
+        logger.error("cannot read %s (%s): no log line is added", root / LOG_NAME, exc)
+        logged = versions[-1]
     todo = [v for v in versions if logged is None or v > logged] or versions[-1:]
     done = []
     for v in todo:
@@ -243,13 +273,17 @@ def finish_interrupted(root: Path) -> list[int]:
             {MANIFEST_NAME, *(s.file for s in m.shards)} if m.shard_dir is None else {MANIFEST_NAME}
         )
         with contextlib.suppress(OSError):
-            for name in os.listdir(vdir):
+            for name, _ in fsio.scan(vdir, root=root):
                 if name not in keep:
                     logger.warning("removing %s/%s, which its manifest does not name", vdir, name)
                     with contextlib.suppress(OSError):
-                        os.unlink(vdir / name)
+                        fsio.remove_tree(vdir / name, root=root)
         if logged is None or v > logged:
-            append_manifest(root, m)
+            try:
+                append_manifest(root, m)
+            except OSError as exc:  # the log is for operators: the versions stand regardless
+                logger.error("cannot append to %s: %s", root / LOG_NAME, exc)
+                break
             done.append(v)
     if done:
         logger.warning("finished the interrupted commit of versions %s (log lines added)", done)
@@ -257,12 +291,13 @@ def finish_interrupted(root: Path) -> list[int]:
 
 
 def _last_logged(root: Path) -> int | None:
-    """The newest version ``log.jsonl`` lists (its last 1 MiB is read), or None."""
+    """The newest version ``log.jsonl`` lists (its last 1 MiB is read), or None when there is
+    no log; OSError when it cannot be read (fsio.UnsafePath: a symlink, a FIFO)."""
     try:
-        with open(root / LOG_NAME, "rb") as f:
+        with os.fdopen(fsio.open_file(root / LOG_NAME, root=root), "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 20)))
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
+            lines = f.read(1 << 20).decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
         return None
     newest = None
     for line in lines:

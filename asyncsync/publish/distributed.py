@@ -275,14 +275,16 @@ class FileRendezvous(Coordinator):
             self._group = self._chain = await asyncio.to_thread(self._start_group)
 
     def _start_group(self) -> str:
-        fsio.make_dir(self.dir, parents=True, exist_ok=True)
-        for p in self.dir.iterdir():
-            if p.name != GROUP_FILE:
+        # every access below the root goes through fsio: a symlinked .rendezvous/ is refused,
+        # never followed (rank 0 would empty and write another directory)
+        fsio.make_dir(self.dir, root=self.root, exist_ok=True)
+        for name, _ in fsio.scan(self.dir, root=self.root):
+            if name != GROUP_FILE:
                 with contextlib.suppress(OSError):
-                    p.unlink()
+                    fsio.remove(self.dir / name, root=self.root)
         gid = secrets.token_hex(8)
         rec = {"group": gid, "host": socket.gethostname(), "pid": os.getpid()}
-        atomic_write(self.dir / GROUP_FILE, json.dumps(rec).encode())
+        atomic_write(self.dir / GROUP_FILE, json.dumps(rec).encode(), root=self.root)
         logger.info("rank 0: rendezvous group %s in %s", gid, self.dir)
         return gid
 
@@ -293,7 +295,7 @@ class FileRendezvous(Coordinator):
             if self._group is None:
                 await self.open()
             return await self._lead(step, key, message, decide)
-        await asyncio.to_thread(fsio.make_dir, self.dir, parents=True, exist_ok=True)
+        await asyncio.to_thread(partial(fsio.make_dir, self.dir, root=self.root, exist_ok=True))
         return await self._follow(step, key, message)
 
     # ------------------------------------------------------------------ the other ranks
@@ -325,7 +327,8 @@ class FileRendezvous(Coordinator):
         async def send() -> None:
             record = {"group": self._group, "key": key if key is not None else self._chain,
                       "nonce": nonce, "host": socket.gethostname(), "body": message}  # fmt: skip
-            await asyncio.to_thread(atomic_write, path, json.dumps(record).encode())
+            data = json.dumps(record).encode()
+            await asyncio.to_thread(partial(atomic_write, path, data, root=self.root))
 
         await send()
         heard = time.monotonic()  # rank 0's last sign of life (its heartbeat, in a commit)
@@ -384,7 +387,9 @@ class FileRendezvous(Coordinator):
         finally:
             if not answered:  # withdraw it, so that no later round of rank 0 takes it
                 with contextlib.suppress(OSError):
-                    await asyncio.shield(asyncio.to_thread(path.unlink, missing_ok=True))
+                    await asyncio.shield(
+                        asyncio.to_thread(partial(fsio.remove, path, root=self.root))
+                    )
 
     # ------------------------------------------------------------------ rank 0
     async def _lead(self, step: str, key: str | None, message: Message, decide: Decide) -> Message:
@@ -437,7 +442,8 @@ class FileRendezvous(Coordinator):
         if chained:  # whether or not the others learn it, the next plan round follows this one
             self._chain = rid
         try:
-            await asyncio.to_thread(atomic_write, self._path(step), json.dumps(record).encode())
+            data = json.dumps(record).encode()
+            await asyncio.to_thread(partial(atomic_write, self._path(step), data, root=self.root))
         except OSError as exc:
             if chained:
                 raise CoordinationError(f"rank 0: sending the {step} result failed: {exc}") from exc
@@ -466,7 +472,10 @@ class FileRendezvous(Coordinator):
             seq += 1
             data = json.dumps({"group": self._group, "key": key, "seq": seq}).encode()
             try:
-                await finish_thread(partial(atomic_write, path, data, fsync=False, sync_dir=False))
+                write = partial(
+                    atomic_write, path, data, root=self.root, fsync=False, sync_dir=False
+                )
+                await finish_thread(write)
             except OSError as exc:
                 logger.warning("rank %d: writing the heartbeat failed: %s", self.rank, exc)
             await asyncio.sleep(self.beat_interval)
@@ -492,8 +501,8 @@ def _body(res: Message) -> Message:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     """A rendezvous file's JSON object, or None while it does not exist (or is not one)."""
-    try:
-        data = read_bytes(path, limit=1 << 30)
+    try:  # ROOT/.rendezvous/NAME: nothing below the root is followed or blocked on (fsio)
+        data = read_bytes(path, limit=1 << 30, root=path.parent.parent)
         obj = json.loads(data)
     except (OSError, ValueError):
         return None

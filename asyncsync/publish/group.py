@@ -28,13 +28,14 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from asyncsync import fsio
 from asyncsync.codec.shards import PendingUpdate
 from asyncsync.errors import (
     AsyncSyncError,
@@ -268,11 +269,11 @@ class RankGroup:
             message["error"] = f"{type(part).__name__}: {first_error(part)}"
         else:
             try:
-                await asyncio.to_thread(fsync_dir, vdir)  # this rank's shard renames are durable
+                # this rank's shard renames are durable
+                await asyncio.to_thread(partial(fsync_dir, vdir, root=vdir.parent))
                 data = part.to_json().encode()
-                await asyncio.to_thread(
-                    atomic_write, vdir / part_file_name(self.rank, plan.attempt), data
-                )
+                path = vdir / part_file_name(self.rank, plan.attempt)
+                await asyncio.to_thread(partial(atomic_write, path, data, root=vdir.parent))
                 message["part"] = part_file_name(self.rank, plan.attempt)
             except OSError as exc:
                 message["error"] = f"writing its part record failed: {exc!r}"
@@ -365,7 +366,7 @@ class RankGroup:
         """The failure result naming the ranks that failed or sent nothing."""
         silent = [r for r, m in enumerate(msgs) if m is None]
         # a broken transport hears from nobody: blame the ranks whose part record is missing
-        absent = [r for r in silent if not (vdir / part_file_name(r, plan.attempt)).exists()]
+        absent = [r for r in silent if not _exists(vdir / part_file_name(r, plan.attempt))]
         silent = absent or silent
         failed = [(r, m["error"]) for r, m in enumerate(msgs) if m is not None and "error" in m]
         why = [f"rank {r} failed: {e}" for r, e in failed]
@@ -398,7 +399,9 @@ class RankGroup:
         records = [own]
         for r in range(1, self.world_size):
             path = vdir / part_file_name(r, plan.attempt)
-            data = await asyncio.to_thread(read_bytes, path, limit=256 << 20)
+            data = await asyncio.to_thread(
+                partial(read_bytes, path, limit=256 << 20, root=vdir.parent)
+            )
             rec = PartRecord.from_json(data, where=str(path))
             if (rec.version, rec.attempt, rec.rank, rec.run_id) != (
                 plan.version, plan.attempt, r, plan.run_id
@@ -424,10 +427,11 @@ async def _remove_uncommitted(vdir: Path) -> None:
     """Remove the directory of a version that was not committed; never one with a manifest."""
 
     def remove() -> None:
-        if (vdir / MANIFEST_NAME).exists():
+        if _exists(vdir / MANIFEST_NAME):
             logger.error("%s holds a manifest: it is committed and stays", vdir)
             return
-        shutil.rmtree(vdir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # never through a symlink (fsio)
+            fsio.remove_tree(vdir, root=vdir.parent)
 
     await asyncio.shield(asyncio.to_thread(remove))
 
@@ -436,10 +440,18 @@ def _remove_unnamed(vdir: Path, m: Manifest) -> None:
     """After a commit: remove part records and files of failed attempts (best effort)."""
     keep = {MANIFEST_NAME, *(s.file for s in m.shards)}
     try:
-        names = os.listdir(vdir)
+        names = [name for name, _ in fsio.scan(vdir, root=vdir.parent)]
     except OSError:
         return
     for name in names:
         if name not in keep:
             with contextlib.suppress(OSError):
-                os.unlink(vdir / name)
+                fsio.remove(vdir / name, root=vdir.parent)
+
+
+def _exists(path: Path) -> bool:
+    """Whether an entry is at ``path`` (in a version directory; nothing is followed)."""
+    try:
+        return fsio.lstat(path, root=path.parent.parent) is not None
+    except OSError:
+        return True

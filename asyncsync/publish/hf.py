@@ -13,6 +13,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from asyncsync import fsio
 from asyncsync.errors import ConfigError
 from asyncsync.format import FullRef, ShardInfo, TensorEntry, check_file_name, dtype_name
 from asyncsync.format.checksum import checksum_file, checksum_tensor
@@ -26,8 +27,9 @@ def checkpoint_files(path: Path) -> list[str]:
         raise ConfigError(f"{path} is not a directory of safetensors files")
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+        try:  # a regular file of at most 256 MiB (a FIFO there is refused, not waited on)
+            data = fsio.read_bytes(index, limit=256 << 20, follow_symlinks=True)
+            weight_map = json.loads(data)["weight_map"]
             files = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{index} is not a valid safetensors index: {exc!r}") from exc

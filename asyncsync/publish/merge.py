@@ -24,16 +24,20 @@ import torch
 
 from asyncsync.errors import ConfigError, ManifestError
 from asyncsync.format import (
-    DTYPES,
+    DTYPE_SIZES,
     FORMAT_VERSION,
+    MAX_NAME_CHARS,
     MAX_VERSION,
+    SAFETENSORS_METADATA,
     DeltaRef,
     FullRef,
     ShardInfo,
     TensorEntry,
     TensorPart,
+    dtype_from_name,
 )
 from asyncsync.format.checksum import parts_checksum
+from asyncsync.format.fields import _load_json
 
 __all__ = [
     "PART_RECORD",
@@ -49,7 +53,7 @@ __all__ = [
 
 PART_RECORD = "asyncsync-part"
 _ATTEMPT_RE = re.compile(r"^[0-9a-f]{8,64}$")
-_SUPPORTED = frozenset(DTYPES.values())
+_SUPPORTED = frozenset(dtype_from_name(n) for n in DTYPE_SIZES)
 
 
 @dataclass(frozen=True)
@@ -88,14 +92,22 @@ def check_state_dict(
 ) -> dict[str, TensorSlice]:
     """Raise ConfigError for a state dict or slices the format cannot carry; return the slices."""
     for name in state_dict:
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"state dict keys must be non-empty strings, got {name!r}")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+            raise ConfigError(
+                f"state dict keys must be strings of 1 to {MAX_NAME_CHARS} characters, "
+                f"got {name!r:.80}"
+            )
+        if name == SAFETENSORS_METADATA:  # safetensors' header key: no shard can hold it
+            raise ConfigError(
+                f"a tensor may not be named {name!r} (the key safetensors reserves for its "
+                "header metadata): rename it in the state dict"
+            )
         if not isinstance(state_dict[name], torch.Tensor):
             raise ConfigError(f"state_dict[{name!r}] is not a tensor")
         if state_dict[name].dtype not in _SUPPORTED:
             raise ConfigError(
                 f"state_dict[{name!r}] has dtype {state_dict[name].dtype}, which the format "
-                f"does not carry; supported: {', '.join(DTYPES)}"
+                f"does not carry; supported: {', '.join(DTYPE_SIZES)}"
             )
     for name, sl in (slices or {}).items():
         if name not in state_dict or not isinstance(sl, TensorSlice):
@@ -255,11 +267,8 @@ class PartRecord:
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "part record") -> PartRecord:
         """Parse and check a part record (its entries are checked as a manifest's would be)."""
-        try:
-            d = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise ManifestError(f"{where} is not valid JSON: {exc}") from exc
-        if not isinstance(d, dict) or d.get("format") != PART_RECORD:
+        d = _load_json(text, where)  # the strict reader of every JSON file of a root
+        if d.get("format") != PART_RECORD:
             raise ManifestError(f"{where}: not an asyncsync part record")
         if d.get("format_version") != FORMAT_VERSION:
             raise ManifestError(f"{where}: format_version {d.get('format_version')!r} unknown")

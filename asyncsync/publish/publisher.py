@@ -29,10 +29,10 @@ version once, in one manifest, when every rank's shards are durable
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
-import shutil
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -66,13 +66,14 @@ from asyncsync.format.store import (
     read_root_info,
     uncommitted_dirs,
 )
-from asyncsync.fsio import FileLock, make_dir, remove_temp_files
+from asyncsync.fsio import FileLock, make_dir, remove_temp_files, remove_tree
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import finish_thread, run_pipeline
 from asyncsync.publish import snapshot
 from asyncsync.publish.commit import (
     PreCommitHook,
     build_manifest,
+    claim_version_dir,
     commit_version,
     complete,
     discard,
@@ -187,7 +188,8 @@ class Publisher:
             config = {"encoding": encoding, "checksum": checksum, "mode": mode}
             self._committer = RankedCommitter(coordinator, config, keyframe_interval)
         rank = self._committer.rank
-        self._lock = FileLock(self.root / (f".publisher.r{rank:04d}.lock" if rank else LOCK_NAME))
+        lock = self.root / (f".publisher.r{rank:04d}.lock" if rank else LOCK_NAME)
+        self._lock = FileLock(lock, root=self.root)
         self._slices: dict[str, TensorSlice] = {}  # of the snapshot
         self._busy = asyncio.Lock()
         self._run_id = ""
@@ -240,6 +242,9 @@ class Publisher:
                 await asyncio.to_thread(finish_interrupted, self.root)
             versions = await asyncio.to_thread(list_versions, self.root)
             await self._committer.open(self.root, versions[-1] if versions else None)
+        except OSError as exc:  # e.g. fsio.UnsafePath: a symlink where .rendezvous/ should be
+            self._lock.release()
+            raise ConfigError(f"cannot open the root {self.root}: {exc}") from exc
         except BaseException:
             self._lock.release()
             raise
@@ -259,7 +264,8 @@ class Publisher:
     def _clean_leftovers(self) -> None:
         for d in uncommitted_dirs(self.root):
             logger.warning("removing uncommitted version directory %s", d)
-            shutil.rmtree(d, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_tree(d, root=self.root)
         for p in remove_temp_files(self.root):
             logger.warning("removed leftover temp file %s", p)
 
@@ -450,7 +456,7 @@ class Publisher:
         try:
             if rnd.refuse is not None:
                 raise PublishError(rnd.refuse)
-            await asyncio.to_thread(make_dir, vdir, exist_ok=rnd.shared_dir)
+            await asyncio.to_thread(claim_version_dir, self.root, vdir, shared=rnd.shared_dir)
             snap = self._snapshot if delta else None
             sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
             buckets = snapshot.plan_buckets(sizes, self.bucket_bytes)
@@ -578,6 +584,11 @@ class Publisher:
     async def _register_checkpoint(self, path: Path) -> PublishResult:
         """Seed from an existing HF safetensors checkpoint without rewriting it."""
         path = path.resolve()
+        if path.is_relative_to(self.root.resolve()):  # readers never follow a symlink there
+            raise ConfigError(
+                f"cannot register {path}: it is inside the root {self.root}; register a "
+                "checkpoint directory outside the shared root"
+            )
         version = self._next_version
         vdir = version_dir(self.root, version)
         t0 = time.perf_counter()
@@ -602,7 +613,7 @@ class Publisher:
         )
         stage = ["mkdir"]
         try:
-            await asyncio.to_thread(make_dir, vdir)
+            await asyncio.to_thread(claim_version_dir, self.root, vdir)
             await self._commit(vdir, manifest, stage)
         except BaseException as exc:
             self._progress = None

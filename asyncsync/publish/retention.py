@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncsync import fsio
 from asyncsync.errors import ConfigError, ManifestError
 from asyncsync.format import MANIFEST_NAME, version_dir
 from asyncsync.format.acks import ack_ages, read_acks
@@ -70,14 +70,13 @@ class GcReport:
     reasons: dict[int, str] = field(default_factory=dict)  # why each kept version is kept
 
 
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    with contextlib.suppress(FileNotFoundError), os.scandir(path) as it:
-        for e in it:
-            with contextlib.suppress(FileNotFoundError):
-                if e.is_file(follow_symlinks=False):
-                    total += e.stat(follow_symlinks=False).st_size
-    return total
+def _dir_bytes(root: Path, path: Path) -> int:
+    """Bytes of the regular files in a version directory (0 for a symlink: never followed)."""
+    try:
+        entries = fsio.scan(path, root=root)
+    except OSError:
+        return 0
+    return sum(st.st_size for _, st in entries if stat.S_ISREG(st.st_mode))
 
 
 def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> GcReport:
@@ -118,7 +117,7 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
     if policy.keep_versions is not None:
         for v in newest_first[: policy.keep_versions]:
             keep(v, f"within the newest {policy.keep_versions}")
-    sizes = {v: _dir_bytes(version_dir(root, v)) for v in versions}
+    sizes = {v: _dir_bytes(root, version_dir(root, v)) for v in versions}
     if policy.keep_bytes is not None:
         used = 0
         for v in newest_first:
@@ -149,9 +148,12 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
 
 
 def _delete_version(root: Path, version: int) -> None:
+    """Uncommit (the manifest first), then remove the directory. Through :mod:`asyncsync.fsio`:
+    a version directory that is a symlink is unlinked, its target never touched."""
     vdir = version_dir(root, version)
-    with contextlib.suppress(FileNotFoundError):
-        (vdir / MANIFEST_NAME).unlink()  # uncommit first: readers stop seeing it
-        fsync_dir(vdir)
-    shutil.rmtree(vdir, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError, fsio.UnsafePath):
+        fsio.remove_tree(vdir / MANIFEST_NAME, root=root)  # readers stop seeing it
+        fsync_dir(vdir, root=root)
+    with contextlib.suppress(OSError):  # what is left is uncommitted: the publisher removes it
+        fsio.remove_tree(vdir, root=root)
     fsync_dir(root)

@@ -10,12 +10,13 @@ memory, pinned when CUDA is present so device-to-host copies of the next state a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from asyncsync import codec
+from asyncsync import codec, fsio
 from asyncsync.codec.shards import BucketItem, DiffedBucket, PendingUpdate
 from asyncsync.format import MANIFEST_NAME
 
@@ -159,7 +160,8 @@ def revert(vdir: Path, undo: Sequence[Undo]) -> None:
     """Put the snapshot back where the diff advanced it (``diff_bucket(advance=True)``) for a
     version that was not committed; a no-op if its manifest is in place after all (committed:
     the snapshot is right as it is)."""
-    if (vdir / MANIFEST_NAME).exists():
-        return
+    with contextlib.suppress(OSError):  # never through a symlink (fsio, FORMAT.md 11.1)
+        if fsio.lstat(vdir / MANIFEST_NAME, root=vdir.parent) is not None:
+            return
     for old, pos, values in reversed(undo):
         codec.revert([old], [codec.Change(pos.to(torch.int64), values, torch.zeros_like(values))])

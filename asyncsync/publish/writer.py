@@ -90,7 +90,7 @@ class VersionWriter:
     def _write_shard(self, role: str, blob: bytes) -> int:
         n = sum(1 for s in self.shards if s.role == role)
         fname = f"{self.prefix}{role}-{n:05d}.safetensors"
-        atomic_write(self.vdir / fname, blob, sync_dir=False)
+        atomic_write(self.vdir / fname, blob, root=self.vdir.parent, sync_dir=False)
         checksum = checksum_bytes(blob, self.algorithm)
         self.shards.append(ShardInfo(fname, role, len(blob), checksum))  # type: ignore[arg-type]
         return len(self.shards) - 1

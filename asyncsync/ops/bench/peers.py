@@ -46,6 +46,7 @@ import zstandard
 
 from asyncsync import codec, fsio
 from asyncsync.format import acks
+from asyncsync.format.names import MAX_SHARD_BYTES
 from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import reset_peak_rss, rss
 from asyncsync.ops.bench.scale import make_state, step_state
@@ -216,7 +217,7 @@ async def run_peer_receive(job: Job) -> dict[str, Any]:
                 while not await asyncio.to_thread(path.exists):
                     await asyncio.sleep(_POLL)
                 t0 = time.perf_counter()
-                data = await asyncio.to_thread(fsio.read_bytes, path)
+                data = await asyncio.to_thread(fsio.read_bytes, path, limit=MAX_SHARD_BYTES)
                 await asyncio.to_thread(_APPLIERS[system], data, states[system])
                 del data
                 applies[system].append(time.perf_counter() - t0)

@@ -28,6 +28,7 @@ from asyncsync import codec, fsio
 from asyncsync.codec.shards import delta_shard_blob
 from asyncsync.format.acks import read_acks
 from asyncsync.format.checksum import checksum_bytes, checksum_tensor
+from asyncsync.format.names import MAX_SHARD_BYTES
 from asyncsync.format.store import read_manifest
 from asyncsync.publish.publisher import Publisher
 from receiver import shard_reader
@@ -227,7 +228,7 @@ def full_sync(sd: Mapping[str, torch.Tensor], path: Path, throttle: fsio.Throttl
     try:
         t0 = time.perf_counter()
         fsio.atomic_write(path, safetensors.torch.save(dict(sd)))
-        loaded = safetensors.torch.load(fsio.read_bytes(path))
+        loaded = safetensors.torch.load(fsio.read_bytes(path, limit=MAX_SHARD_BYTES))
         dt = time.perf_counter() - t0
     finally:
         fsio.set_throttle(previous)

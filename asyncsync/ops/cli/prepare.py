@@ -32,7 +32,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         )
     group: str | int = int(args.group) if args.group.isdigit() else args.group
     for d in prepare_shared_dirs(root, group):
-        st = os.stat(d)
+        st = os.lstat(d)  # a real directory: prepare_shared_dirs refused anything else
         print(f"{d}: group {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o}")
     return 0
 

@@ -12,10 +12,12 @@ Exit status 0, or 3 when there are stragglers (for scripts and alerts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
+from asyncsync.errors import FormatError
 from asyncsync.format.acks import ack_ages, read_acks, root_now
 from asyncsync.format.lease import unreadable_leases
 from asyncsync.format.store import read_manifest
@@ -32,7 +34,11 @@ def engine_rows(
     """(newest version, one row per engine with its version, lag, ack age and straggler flag)."""
     versions = check_root(root)
     latest = versions[-1] if versions else None
-    run_id = read_manifest(root, latest).run_id if latest is not None else None
+    run_id = None  # of the newest manifest that reads (a damaged newest one is a bad version)
+    for v in reversed(versions[-16:]):
+        with contextlib.suppress(FileNotFoundError, FormatError):
+            run_id = read_manifest(root, v).run_id
+            break
     acks = read_acks(root)
     ages = ack_ages(root, acks)  # on the root filesystem's clock, not the receivers'
     rows = []

@@ -488,6 +488,8 @@ class LocalCheckpoint(Engine):
         self._txn = None
         try:
             staging.check_staged(txn.entries, txn.staged, m.version, self.state.version, staged)
+            # the layout the swapped files will have, read back before any old file goes
+            layout = staging.staged_layout(txn.entries, txn.staged, m.version, staged)
             fsio.fsync_dir(staged)
         except BaseException:
             self._store.clear_dir(staged)
@@ -495,6 +497,7 @@ class LocalCheckpoint(Engine):
         n = len(txn.parts)
         final = {p: self.files.file_name(k, n) for k, p in enumerate(txn.parts, 1)}
         weight_map = {name: final[part] for name, (part, _) in txn.staged.items()}
+        layout = {name: replace(loc, file=weight_map[name]) for name, loc in layout.items()}
         try:
             self._set(self._ps.begin(m.version, "full"))
             old = set(self.files.data_files())
@@ -514,7 +517,7 @@ class LocalCheckpoint(Engine):
                     parts=layouts_of(m),
                 )
             )
-            self._layout = self.files.load_layout()
+            self._layout = layout
         except BaseException as exc:
             logger.error("%s: full apply of v%s failed midway (%s)", self.directory, m.version, exc)
             with contextlib.suppress(OSError, AsyncSyncError):

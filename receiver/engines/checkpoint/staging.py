@@ -11,11 +11,12 @@ import safetensors.torch
 import torch
 
 from asyncsync import fsio
-from asyncsync.errors import ApplyFailed, ChecksumMismatch
+from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError, IncompatibleVersion
 from asyncsync.format import TensorEntry
 from asyncsync.format.checksum import entry_checksum
+from receiver.engines.st_layout import TensorLocation, read_layout
 
-__all__ = ["check_staged", "stage_part"]
+__all__ = ["check_staged", "stage_part", "staged_layout"]
 
 
 def stage_part(
@@ -70,3 +71,38 @@ def check_staged(
                 path=str(staging / part),
                 tensor=name,
             )
+
+
+def staged_layout(
+    entries: Mapping[str, TensorEntry],
+    staged: Mapping[str, tuple[str, str]],
+    version: int,
+    staging: Path,
+) -> dict[str, TensorLocation]:
+    """Where each tensor lies in the staged files, read back from their headers as the engine
+    will read them after the swap: checked before any file of the checkpoint is replaced.
+
+    A tensor the read-back layout lacks or holds with another dtype or shape (a name the
+    safetensors format cannot store, such as its header key ``__metadata__``) is the version's
+    content: IncompatibleVersion, so the agent marks the version bad and the checkpoint keeps
+    the version it holds.
+    """
+    out: dict[str, TensorLocation] = {}
+    layouts: dict[str, dict[str, TensorLocation]] = {}
+    for name, (part, _) in staged.items():
+        if part not in layouts:
+            try:
+                layouts[part] = read_layout(staging / part)
+            except EngineStateError as exc:
+                raise IncompatibleVersion(
+                    f"v{version}: the staged file of its tensors does not read back ({exc})"
+                ) from exc
+        loc, e = layouts[part].get(name), entries[name]
+        if loc is None or loc.dtype != e.torch_dtype or loc.shape != e.shape:
+            raise IncompatibleVersion(
+                f"v{version}: tensor {name!r} does not read back from a safetensors file as "
+                f"{e.dtype}{list(e.shape)} (a name or shape the file format cannot hold); "
+                "the checkpoint keeps the version it holds"
+            )
+        out[name] = loc
+    return out

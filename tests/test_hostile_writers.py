@@ -1,0 +1,136 @@
+"""Issue 22, finding 1: the trainer side never writes, chmods or deletes through a symlink planted
+in the root (every host that runs a receiver can write there).
+
+Each symlink leads to a file or directory outside the root with mode 0600/0700 and content of
+its own; after the publisher, multi-rank rank 0 or retention ran, the target is exactly as it
+was (bytes, mode, entries). The protocol's own files are then what the publisher made of them:
+a lock it could not take is an error naming the link; a log it will not append to does not
+stop a commit; a symlinked old version is unlinked by retention, its target untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync import ConfigError, Publisher
+from asyncsync.format import LOG_NAME, MANIFEST_NAME, version_dir
+from asyncsync.format.store import list_versions
+from asyncsync.publish.distributed import FileRendezvous
+from asyncsync.publish.retention import RetentionPolicy, collect
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(32, 16, generator=g), "b": torch.randn(16, generator=g)}
+
+
+def _tree(top: Path) -> dict[str, tuple[int, str | None]]:
+    """mode and content digest of every entry under ``top`` (links not followed)."""
+    out: dict[str, tuple[int, str | None]] = {".": (os.lstat(top).st_mode, None)}
+    for p in sorted(top.rglob("*")):
+        st = os.lstat(p)
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
+        out[str(p.relative_to(top))] = (st.st_mode, digest)
+    return out
+
+
+def _outside_file(tmp: Path, content: bytes) -> Path:
+    target = tmp / "outside" / "precious"
+    target.parent.mkdir()
+    target.write_bytes(content)
+    target.chmod(0o600)
+    return target
+
+
+async def test_a_symlinked_lock_file_is_never_truncated(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed(_state(0))
+    target = _outside_file(tmp_path, b"a file of someone else\n")
+    before = _tree(target.parent)
+    (root / ".publisher.lock").unlink()
+    (root / ".publisher.lock").symlink_to(target)
+    with pytest.raises(ConfigError, match="symlink"):
+        async with Publisher(root):
+            pass
+    assert _tree(target.parent) == before  # today's main: truncated to "pid host"
+
+
+async def test_a_symlinked_log_is_never_appended_to_nor_chmodded(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(_state(0))
+        target = _outside_file(tmp_path, b'{"version": 99}\n')
+        before = _tree(target.parent)
+        (root / LOG_NAME).unlink()
+        (root / LOG_NAME).symlink_to(target)
+        r = await pub.publish(_state(1))  # the log is for operators: the commit stands
+        assert r.version == 1
+    async with Publisher(root, retention=RetentionPolicy(keep_versions=1, ack_ttl=None)) as pub:
+        await pub.seed(_state(2))  # reopen (finish_interrupted), retention trims the log
+    assert list_versions(root) == [2]
+    assert _tree(target.parent) == before  # today's main: mode 0644 and a JSON line appended
+    assert (root / LOG_NAME).is_symlink()
+
+
+async def test_rank_0_never_empties_a_symlinked_rendezvous_directory(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    elsewhere = tmp_path / "outside" / "someones-dir"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "notes.json").write_text("{}")
+    (elsewhere / "group.json").write_text('{"group": "not asyncsync"}')
+    before = _tree(elsewhere.parent)
+    (root / ".rendezvous").symlink_to(elsewhere, target_is_directory=True)
+    coordinator = FileRendezvous(root, 0, 2, timeout=0.2)
+    with pytest.raises(ConfigError, match="symlink"):
+        async with Publisher(root, coordinator=coordinator):
+            pass
+    assert _tree(elsewhere.parent) == before  # today's main: notes.json gone, group.json new
+
+
+async def test_retention_unlinks_a_symlinked_version_and_never_touches_its_target(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        await pub.publish(_state(2), keyframe=True)
+    v0 = version_dir(root, 0)
+    target = tmp_path / "outside" / v0.name
+    shutil.move(v0, target)  # a real version's files, with its manifest
+    for p in [target, *target.iterdir()]:
+        p.chmod(0o700 if p.is_dir() else 0o600)
+    v0.symlink_to(target, target_is_directory=True)
+    before = _tree(target.parent)
+    report = collect(root, RetentionPolicy(keep_versions=1, ack_ttl=None))
+    assert report.deleted == (0, 1)
+    assert not os.path.lexists(v0) and list_versions(root) == [2]
+    assert _tree(target.parent) == before  # today's main: the target's manifest.json deleted
+    assert (target / MANIFEST_NAME).is_file()
+
+
+async def test_a_junk_entry_at_the_next_version_is_removed_not_followed(tmp_path: Path) -> None:
+    """A symlink (or FIFO) planted at the name of the version a running publisher writes next
+    is in its way: it is removed (the link, not its target) and the version written."""
+    root = tmp_path / "root"
+    elsewhere = tmp_path / "outside" / "dir"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "notes.txt").write_text("mine\n")
+    before = _tree(elsewhere.parent)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(_state(0))
+        version_dir(root, 1).symlink_to(elsewhere, target_is_directory=True)
+        assert (await pub.publish(_state(1))).version == 1
+        os.mkfifo(version_dir(root, 2))
+        assert (await pub.publish(_state(2))).version == 2
+    assert list_versions(root) == [0, 1, 2] and not version_dir(root, 1).is_symlink()
+    assert _tree(elsewhere.parent) == before  # today's main: v1's shards written into it
