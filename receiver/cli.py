@@ -35,10 +35,10 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from asyncsync.console.args import positive_float, positive_int
+from asyncsync.console.logsetup import add_logging_arguments, setup_logging
+from asyncsync.console.progress import Progress, ProgressWatcher
 from asyncsync.errors import AsyncSyncError, ConfigError
-from asyncsync.ops.cli.common import positive_float, positive_int
-from asyncsync.ops.logsetup import add_logging_arguments, setup_logging
-from asyncsync.ops.progress import Progress, ProgressWatcher
 from receiver.agent import ReceiverAgent
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint

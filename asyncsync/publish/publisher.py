@@ -93,7 +93,7 @@ __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".publisher.lock"
-#: (label, done, total) of the publish in flight, or None (asyncsync.ops.progress draws it)
+#: (label, done, total) of the publish in flight, or None (asyncsync.console.progress draws it)
 Progress = tuple[str, int, int] | None
 
 
@@ -269,8 +269,8 @@ class Publisher:
     def progress(self) -> Progress:
         """``(label, buckets written, buckets)`` of the publish in flight, or None.
 
-        For progress displays (``asyncsync.ops.progress.ProgressWatcher``) of long publishes: seeds
-        and keyframes of large models."""
+        For progress displays (``asyncsync.console.ProgressWatcher``) of long publishes: seeds and
+        keyframes of large models."""
         return self._progress
 
     @property

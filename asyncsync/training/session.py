@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from asyncsync.console.progress import ProgressWatcher
 from asyncsync.errors import ConfigError, PublishError
-from asyncsync.ops.progress import ProgressWatcher
 from asyncsync.training.config import SyncConfig
 from asyncsync.training.staleness import AckPolicy, AckWait, StalenessGate
 

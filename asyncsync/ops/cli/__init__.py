@@ -26,12 +26,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from asyncsync.console.logsetup import add_logging_arguments, setup_logging
 from asyncsync.errors import AsyncSyncError
 from asyncsync.ops.bench import cli as bench
 from asyncsync.ops.cli import gc, status, verify, versions
 from asyncsync.ops.cli.common import human_bytes
 from asyncsync.ops.cli.verify import VerifyReport, verify_checkpoint_dir
-from asyncsync.ops.logsetup import add_logging_arguments, setup_logging
 
 __all__ = [
     "VerifyReport",

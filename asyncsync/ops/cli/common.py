@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncsync.console.args import int_at_least, non_negative_int, positive_float, positive_int
 from asyncsync.errors import ConfigError
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest, read_root_info
@@ -119,32 +119,3 @@ def version_summaries(root: Path, versions: list[int]) -> list[dict[str, Any]]:
                 continue  # removed since the scan
         out.append(rec)
     return out
-
-
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def int_at_least(lo: int) -> Callable[[str], int]:
-    """An argparse type: a whole number (``_`` separators allowed) of at least ``lo``."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text.replace("_", ""))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
-non_negative_int = int_at_least(0)
-positive_int = int_at_least(1)

@@ -6,9 +6,10 @@ the shared root, reloads its SGLang server over HTTP, and acknowledges the versi
 server serves it. The updater waits for those acks. The switch ``--asyncsync-receivers``
 (``ASYNCSYNC_SLIME_RECEIVERS``) says where the receivers come from:
 
-* ``ray`` (default): :class:`RayReceivers` starts one :class:`~asyncsync.ray.ReceiverActor` per
-  slime engine, on the engine's Ray node (hard affinity), pointed at the engine's URL
-  (``engine.get_url``) and at ``<--update-weight-local-checkpoint-dir>/<engine id>``;
+* ``ray`` (default): :class:`RayReceivers` starts one
+  :class:`~asyncsync.training.ray.ReceiverActor` per slime engine, on the engine's Ray node
+  (hard affinity), pointed at the engine's URL (``engine.get_url``) and at
+  ``<--update-weight-local-checkpoint-dir>/<engine id>``;
 * ``sidecar``: :class:`Sidecars`: receivers the user runs (``asyncsync-receiver --sglang-url
   ... --engine-id ...``); the updater waits for ``--asyncsync-engine-ids`` (or any
   ``len(engines)`` of them);
@@ -29,7 +30,7 @@ from asyncsync.errors import AckTimeout, ConfigError
 from asyncsync.training.staleness import AckPolicy
 
 if TYPE_CHECKING:
-    from asyncsync.ray import ReceiverFleet
+    from asyncsync.training.ray import ReceiverFleet
 
 __all__ = ["EngineLink", "NoEngines", "RayReceivers", "Sidecars", "engine_id_of_url"]
 
@@ -89,7 +90,8 @@ class RayReceivers(EngineLink):
             ``<dir>/<engine id>``.
         version_offset: the server's weight version label for root version ``v`` is
             ``v + version_offset`` (slime's ``weight_version``).
-        spec_options: more :class:`~asyncsync.ray.ReceiverSpec` fields (``poll_interval``...).
+        spec_options: more :class:`~asyncsync.training.ray.ReceiverSpec` fields
+            (``poll_interval``...).
     """
 
     kind = "ray"
@@ -115,7 +117,7 @@ class RayReceivers(EngineLink):
         return f"<RayReceivers root={self.root!r} fleet={self.fleet!r}>"
 
     def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
-        from asyncsync.ray import ReceiverSpec, import_ray, start_receivers
+        from asyncsync.training.ray import ReceiverSpec, import_ray, start_receivers
 
         ray = import_ray()
         urls = [u for u in ray.get([e.get_url.remote() for e in engines]) if u]

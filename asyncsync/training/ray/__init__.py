@@ -4,7 +4,7 @@
 
     import ray
     from asyncsync.training.config import SyncConfig
-    from asyncsync.ray import ReceiverSpec, engine_nodes, start_receivers, start_trainers
+    from asyncsync.training.ray import ReceiverSpec, engine_nodes, start_receivers, start_trainers
 
     ray.init(address="auto")
     root = "/shared/weights"                       # the same shared filesystem on every node
@@ -30,14 +30,14 @@ Ray is imported when these functions run, never by ``import asyncsync``; without
 ImportError saying how to install it. deploy/ray/ has a runnable example and a cluster config.
 """
 
-from asyncsync.ray.base import (
+from asyncsync.training.ray.base import (
     DEFAULT_RESOURCE,
     ReceiverSpec,
     engine_nodes,
     import_ray,
 )
-from asyncsync.ray.receivers import ReceiverActor, ReceiverFleet, start_receivers
-from asyncsync.ray.trainers import (
+from asyncsync.training.ray.receivers import ReceiverActor, ReceiverFleet, start_receivers
+from asyncsync.training.ray.trainers import (
     TrainerActor,
     TrainerGroup,
     pack_state_dict,

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncsync.errors import ConfigError, PublishError
-from asyncsync.ray.base import import_ray, plain, where
 from asyncsync.training.config import SyncConfig
+from asyncsync.training.ray.base import import_ray, plain, where
 
 if TYPE_CHECKING:
     from asyncsync.publish.publisher import Publisher

@@ -12,10 +12,10 @@ Example::
 
 Each actor owns a :class:`~receiver.agent.ReceiverAgent` whose ``run()`` loop is a task on the
 actor's event loop, as ``asyncsync-receiver`` runs it: the engine is built on the node from the
-:class:`~asyncsync.ray.base.ReceiverSpec`. A failed sync is logged and retried on the next poll
-(``status()["last_error"]``); an error that ends the loop (the checkpoint's lock is held, the
-server never came up) is raised by ``wait_ready`` and shown by ``status()``. A receiver whose
-actor died raises Ray's ``RayActorError`` from every fleet call.
+:class:`~asyncsync.training.ray.base.ReceiverSpec`. A failed sync is logged and retried on the
+next poll (``status()["last_error"]``); an error that ends the loop (the checkpoint's lock is
+held, the server never came up) is raised by ``wait_ready`` and shown by ``status()``. A
+receiver whose actor died raises Ray's ``RayActorError`` from every fleet call.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncsync.errors import AckTimeout, ConfigError
-from asyncsync.ray.base import (
+from asyncsync.training.ray.base import (
     DEFAULT_RESOURCE,
     Placement,
     ReceiverSpec,
