@@ -35,9 +35,10 @@ from asyncsync.errors import (
     PublishError,
 )
 from asyncsync.format import FORMAT_VERSION, AckRecord, Manifest, TensorEntry
-from asyncsync.publish.distributed import Coordinator, FileRendezvous, TorchDistCoordinator
+from asyncsync.publish.distributed import Coordinator, TorchDistCoordinator
 from asyncsync.publish.merge import TensorSlice
 from asyncsync.publish.publisher import Publisher
+from asyncsync.publish.rendezvous import FileRendezvous
 from asyncsync.publish.retention import RetentionPolicy
 from asyncsync.publish.stats import PublisherStats, PublishResult
 from asyncsync.training.config import SyncConfig

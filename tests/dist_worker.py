@@ -37,8 +37,9 @@ from asyncsync.format import manifest_path
 from asyncsync.publish import commit as commit_mod
 from asyncsync.publish import publisher as publisher_mod
 from asyncsync.publish import writer as writer_mod
-from asyncsync.publish.distributed import Coordinator, Decide, FileRendezvous, TorchDistCoordinator
+from asyncsync.publish.distributed import Coordinator, Decide, TorchDistCoordinator
 from asyncsync.publish.merge import TensorSlice
+from asyncsync.publish.rendezvous import FileRendezvous
 from tests.conftest import mixed_state, mutate, random_tensor
 
 ROWS, COLS = 4, 24  # rows of shared.weight per rank

@@ -34,8 +34,8 @@ from asyncsync import FileRendezvous, OutcomeUnknown, Publisher, PublishError
 from asyncsync.format import manifest_path
 from asyncsync.format.store import list_versions
 from asyncsync.publish import commit as commit_mod
-from asyncsync.publish import distributed as distributed_mod
 from asyncsync.publish import group as group_mod
+from asyncsync.publish import rendezvous as rendezvous_mod
 from asyncsync.publish import writer as writer_mod
 from tests.dist_worker import portion
 
@@ -101,7 +101,7 @@ def _install_probes(rank: int) -> None:
             return "result-before", "result-after"
         return None, None
 
-    _wrap(distributed_mod, "atomic_write", rendezvous)
+    _wrap(rendezvous_mod, "atomic_write", rendezvous)
     _wrap(writer_mod, "atomic_write", lambda n: (None, "shard"))
     _wrap(group_mod, "atomic_write", lambda n: (None, "part"))
     _wrap(

@@ -27,9 +27,9 @@ from asyncsync.format.checksum import entry_checksum
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import Throttle, set_throttle
-from asyncsync.publish import distributed as distributed_mod
 from asyncsync.publish import group as group_mod
-from asyncsync.publish.distributed import RENDEZVOUS_DIR
+from asyncsync.publish import rendezvous as rendezvous_mod
+from asyncsync.publish.rendezvous import RENDEZVOUS_DIR
 from tests.conftest import Holder, assert_holds
 from tests.dist_worker import full_state, portion
 from tests.test_distributed import _free_port, _logs, _spawn, _wait_for
@@ -149,17 +149,17 @@ async def test_failing_to_send_the_result_after_the_rename_keeps_the_version(
     """Writing rank 0's commit result fails: v1 stays; rank 1 resolves it at the next plan."""
     root = tmp_path / "root"
     p0, p1 = _pair(root, timeout=1)
-    real = distributed_mod.atomic_write
+    real = rendezvous_mod.atomic_write
 
     def fail_result(path: Path, *a: Any, **k: Any) -> int:
         if path.name == "commit.json":
-            monkeypatch.setattr(distributed_mod, "atomic_write", real)
+            monkeypatch.setattr(rendezvous_mod, "atomic_write", real)
             raise OSError(5, "Input/output error (injected)")
         return real(path, *a, **k)
 
     async with p0, p1:
         await _both(p0, p1, 0)
-        monkeypatch.setattr(distributed_mod, "atomic_write", fail_result)
+        monkeypatch.setattr(rendezvous_mod, "atomic_write", fail_result)
         r0, r1 = await _both(p0, p1, 1)
         assert r0.version == 1 and isinstance(r1, OutcomeUnknown), (r0, r1)
         r0, r1 = await _both(p0, p1, 2)

@@ -31,7 +31,7 @@ import logging
 import threading
 from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
@@ -263,18 +263,31 @@ class SyncSession:
             raise PublishError("nothing published by this session yet")
         return self.config.start_version + (version - self._seed_version)
 
-    def publish(self, weights: Weights, *, keyframe: bool = False) -> SyncStep:
+    def publish(
+        self, weights: Weights, *, keyframe: bool = False, step: int | None = None
+    ) -> SyncStep:
         """Seed (first call) or publish the next version, then wait per the ack policy.
 
         ``weights`` is a state dict or an iterable of ``(name, tensor)``; tensors may live on
         any device and must not change until this returns. Raises
         :class:`~asyncsync.errors.AckTimeout` when engines fall too far behind: the version
-        is committed regardless (see :attr:`version`).
+        is committed regardless (see :attr:`version`). ``step``: the training step, which the
+        ranks of a multi-rank publisher meet by (:meth:`Publisher.publish
+        <asyncsync.publish.publisher.Publisher.publish>`).
         """
         state_dict = collect_state_dict(weights)
         with self._lock:
             loop = self._require_loop()
-            return loop.run(self._publish(state_dict, keyframe))
+            return loop.run(self._publish(state_dict, keyframe, step))
+
+    def abstain(self, reason: Exception, *, step: int | None = None) -> NoReturn:
+        """This rank cannot publish this step: fail the round on every rank of the group, then
+        raise ``reason`` (:meth:`Publisher.abstain
+        <asyncsync.publish.publisher.Publisher.abstain>`)."""
+        with self._lock:
+            loop = self._require_loop()
+            loop.run(self._publisher.abstain(reason, step=step))
+        raise reason  # abstain always raises
 
     def wait_acked(self, version: int | None = None, *, timeout: float | None = None) -> AckWait:
         """Wait until the watched engines hold ``version`` (default: the last one published).
@@ -314,18 +327,20 @@ class SyncSession:
             raise PublishError("the session is not open: use `with SyncSession(...)` or open()")
         return self._loop
 
-    async def _publish(self, state_dict: dict[str, torch.Tensor], keyframe: bool) -> SyncStep:
+    async def _publish(
+        self, state_dict: dict[str, torch.Tensor], keyframe: bool, step: int | None
+    ) -> SyncStep:
         seeded = self._seed_version is None
         async with ProgressWatcher(lambda: self._publisher.progress, unit="bucket"):
             if seeded:
-                result = await self._publisher.seed(state_dict)
+                result = await self._publisher.seed(state_dict, step=step)
                 self._seed_version = result.version
                 self._gate = StalenessGate(self._publisher, self._policy, floor=result.version)
             else:
-                result = await self._publisher.publish(state_dict, keyframe=keyframe)
+                result = await self._publisher.publish(state_dict, keyframe=keyframe, step=step)
         self._last_result = result
         assert self._gate is not None
         ack = await self._gate.wait(result.version)
-        step = SyncStep(result, ack, self.weight_version(result.version), seeded)
-        self._last = step
-        return step
+        done = SyncStep(result, ack, self.weight_version(result.version), seeded)
+        self._last = done
+        return done

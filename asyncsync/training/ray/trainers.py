@@ -28,7 +28,7 @@ call ``publish()`` with no argument::
 
 With ``world_size > 1`` the ranks publish one version together: each rank's state dict holds
 its own tensors (distinct names, or slices of one tensor), coordinated through files in the
-root (:class:`~asyncsync.publish.distributed.FileRendezvous`), and rank 0 commits the manifest.
+root (:class:`~asyncsync.publish.rendezvous.FileRendezvous`), and rank 0 commits the manifest.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class TrainerActor:
             self.config, Publisher, producer={"rank": rank, **(producer or {})}
         )
         if world_size != 1 or rank != 0:
-            from asyncsync.publish.distributed import FileRendezvous
+            from asyncsync.publish.rendezvous import FileRendezvous
 
             kwargs["coordinator"] = FileRendezvous(
                 self.config.root, rank, world_size, timeout=rendezvous_timeout

@@ -226,9 +226,13 @@ class AsyncSyncWeightUpdater:
         self._offset = offset
         self._hook_on = not (seeding and self.settings.generation == "gen1")
         before = self._session.version
+        n = self._updates  # the round's step: slime calls update_weights on every rank per step
         try:
-            self._link.check()
-            step = self._session.publish(hf)
+            try:
+                self._link.check()
+            except Exception as exc:  # the round fails on every rank: none publishes this step
+                self._session.abstain(exc, step=n)
+            step = self._session.publish(hf, step=n)
         except BaseException:
             self._failed(before, t_gather, time.perf_counter() - t0)
             raise
