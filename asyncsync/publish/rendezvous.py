@@ -387,7 +387,7 @@ class FileRendezvous(Coordinator):
                     elif took == "late" and m is not None:
                         await self._send_late(m)
                     elif took != "stale":
-                        got[r] = {"error": f"rank {r}: {took}"}
+                        got[r] = {"error": took}
                     if not plan and got[r] is None:
                         b = await asyncio.to_thread(_read_json, self._path("beat", r))
                         if self._ours(b) and b is not None and b.get("key") == rkey and b.get(
