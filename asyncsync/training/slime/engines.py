@@ -16,7 +16,11 @@ server serves it. The updater waits for those acks. The switch ``--asyncsync-rec
 * ``none``: nobody: slime reloads the engines (gen2 full mode: ``RayTrainGroup`` reloads
   ``<disk_dir>/weight_v{N:06d}``, which the updater writes).
 
-Ray is imported only when the ``ray`` link is used.
+Ray is imported only when the ``ray`` link is used. Before each step the updater calls the
+link's :meth:`~EngineLink.check`: the ``ray`` link replaces receivers whose actor died (same
+engine id, same node; the new one takes the engine id's lease over and catches up from its
+checkpoint) and waits, this step, for the engines whose receivers run and hold the newest
+version any of them holds; one still down or catching up is waited for again once it has.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.errors import AckTimeout, ConfigError
+from asyncsync.errors import ConfigError
 from asyncsync.training.staleness import AckPolicy
 
 if TYPE_CHECKING:
@@ -51,8 +55,10 @@ class EngineLink:
     def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
         return base
 
-    def check(self) -> None:
-        """Raise when a version can never be acknowledged (a receiver stopped)."""
+    def check(self) -> AckPolicy | None:
+        """Before each step: mend what can be mended; return whom this step waits for (None:
+        the policy :meth:`connect` returned). Raise when nothing can be acknowledged."""
+        return None
 
     def close(self) -> None:
         """Stop what :meth:`connect` started."""
@@ -112,11 +118,14 @@ class RayReceivers(EngineLink):
         self.spec_options = dict(spec_options or {})
         self.fleet: ReceiverFleet | None = None
         self._urls: tuple[str, ...] = ()
+        self._base = AckPolicy()
 
     def __repr__(self) -> str:
         return f"<RayReceivers root={self.root!r} fleet={self.fleet!r}>"
 
     def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
+        """Start a receiver beside each engine (again, for new URLs); for the same engines,
+        replace the receivers that died."""
         from asyncsync.training.ray import ReceiverSpec, import_ray, start_receivers
 
         ray = import_ray()
@@ -142,17 +151,38 @@ class RayReceivers(EngineLink):
             self._urls = tuple(urls)
             logger.info("asyncsync: started receivers beside %d engines: %s", len(specs), urls)
         assert self.fleet is not None
-        ids = tuple(self.fleet.actors)
-        return base if base.waits else _policy(base, engines=ids)
+        self._base = base
+        return self._waits(self.fleet.replace_dead())
 
-    def check(self) -> None:
+    def check(self) -> AckPolicy | None:
         if self.fleet is None:
-            return
-        dead = {e: s["stopped_by"] for e, s in self.fleet.statuses().items() if not s["running"]}
-        if dead:
-            raise AckTimeout(f"receivers stopped: {dead}", version=-1, behind={})
+            return None
+        return self._waits(self.fleet.replace_dead())
+
+    def _waits(self, mended: dict[str, str]) -> AckPolicy:
+        """Whom a step waits for: the engines whose receivers run and hold the newest version
+        one of them holds (all of them at the start). The configured engines, if any."""
+        assert self.fleet is not None
+        base = self._base
+        if base.waits:
+            return base
+        st = self.fleet.statuses()
+        running = {e: s["version"] for e, s in st.items() if s["running"] and s.get("opened")}
+        newest = max((v for v in running.values() if v is not None), default=None)
+        ids = tuple(e for e, v in running.items() if newest is None or v == newest)
+        down = {e: s.get("stopped_by") or s.get("waiting") or "starting" for e, s in st.items()
+                if e not in ids}  # fmt: skip
+        if down:
+            logger.warning(
+                "asyncsync: this step waits for %s only; not for %s (%s)",
+                list(ids) or "nobody", down, mended or "being replaced or catching up",
+            )  # fmt: skip
+        if not running:
+            return AckPolicy(timeout=base.timeout, max_staleness=base.max_staleness)
+        return _policy(base, engines=ids)
 
     def close(self) -> None:
+        """Stop the receivers (never raises for a dead receiver or node)."""
         fleet, self.fleet = self.fleet, None
         self._urls = ()
         if fleet is not None:

@@ -229,9 +229,11 @@ class AsyncSyncWeightUpdater:
         n = self._updates  # the round's step: slime calls update_weights on every rank per step
         try:
             try:
-                self._link.check()
+                waits = self._link.check()  # a dead receiver is replaced; whom this step waits for
             except Exception as exc:  # the round fails on every rank: none publishes this step
                 self._session.abstain(exc, step=n)
+            if waits is not None:
+                self._session.ack_policy = waits
             step = self._session.publish(hf, step=n)
         except BaseException:
             self._failed(before, t_gather, time.perf_counter() - t0)
