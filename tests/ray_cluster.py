@@ -74,21 +74,39 @@ class TwoNodes:
         self.head_node = self.node_b = ""
 
     def _start(self, name: str, args: list[str]) -> None:
-        ports = _free_ports(3)  # the others are Ray's random ones
-        cmd = [
-            self.ray, "start", f"--temp-dir={self.tmp / name}", "--num-cpus=2",
-            "--object-store-memory=200000000", "--disable-usage-stats",
-            f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
-            f"--dashboard-agent-listen-port={ports[2]}", *args,
-        ]  # fmt: skip
-        env = {**os.environ, **self.ENV}
-        p = subprocess.Popen(
-            cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
-        out, _ = p.communicate(timeout=180)
-        self.sessions[name] = p.pid
-        if p.returncode != 0:
-            raise RuntimeError(f"ray start ({name}) failed:\n{out.decode()[-3000:]}")
+        """``ray start`` one node; on a loaded machine its agents can start too slowly for the
+        raylet, which then gives up: that node is started again (3 tries)."""
+        for tries in range(3):
+            ports = _free_ports(3)  # the others are Ray's random ones
+            cmd = [
+                self.ray, "start", f"--temp-dir={self.tmp / f'{name}{tries}'}", "--num-cpus=2",
+                "--object-store-memory=200000000", "--disable-usage-stats",
+                f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
+                f"--dashboard-agent-listen-port={ports[2]}", *args,
+            ]  # fmt: skip
+            env = {**os.environ, **self.ENV}
+            p = subprocess.Popen(
+                cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            out, _ = p.communicate(timeout=240)
+            self.sessions[name] = p.pid
+            if p.returncode == 0:
+                return
+            self._kill(name)
+            log = "".join(
+                f.read_text(errors="replace")[-1500:]
+                for f in (self.tmp / f"{name}{tries}").glob("session_2*/logs/raylet.out")
+            )
+            if tries == 2:
+                raise RuntimeError(
+                    f"ray start ({name}) failed:\n{out.decode()[-2000:]}\nraylet: {log}"
+                )
+
+    def _kill(self, name: str) -> None:
+        for pid in _session_pids(self.sessions[name]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def start(self) -> TwoNodes:
         port, dash = _free_ports(2)
@@ -125,9 +143,7 @@ class TwoNodes:
 
     def kill_node(self, name: str = "b", *, wait_dead: bool = True) -> None:
         """SIGKILL every process of a node's session; wait until the GCS marks it dead."""
-        for pid in _session_pids(self.sessions[name]):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        self._kill(name)
         if not wait_dead:
             return
         import ray
@@ -145,9 +161,7 @@ class TwoNodes:
             ray.shutdown()
         for name in ("b", "head"):
             if name in self.sessions:
-                for pid in _session_pids(self.sessions[name]):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                self._kill(name)
         for k, v in self._env.items():
             if v is None:
                 os.environ.pop(k, None)

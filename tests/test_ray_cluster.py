@@ -146,6 +146,7 @@ def test_slime_link_publishes_to_the_live_engines_while_one_is_replaced(
     import ray
 
     from asyncsync.training.slime import RayReceivers, create_weight_updater
+    from asyncsync.training.slime.engines import engine_id_of_url
     from tests.slime_stubs import megatron, rules
 
     fakes = [ServerThread(FakeSGLang()), ServerThread(FakeSGLang())]
@@ -173,7 +174,8 @@ def test_slime_link_publishes_to_the_live_engines_while_one_is_replaced(
             link = updater.engine_link
             assert isinstance(link, RayReceivers) and link.fleet is not None
             fleet = link.fleet
-            ids = sorted(fleet.actors)
+            ids = [engine_id_of_url(s.url) for s in servers]  # engine 0 on the head, 1 on b
+            assert sorted(fleet.actors) == sorted(ids)
             assert fleet.nodes[ids[1]]["node_id"] == nodes.node_b
             for at["step"] in (0, 1):
                 updater.update_weights()

@@ -45,7 +45,9 @@ __all__ = ["GROUP_FILE", "JOB_ENV", "RENDEZVOUS_DIR", "FileRendezvous"]
 logger = logging.getLogger(__name__)
 
 RENDEZVOUS_DIR = ".rendezvous"
-GROUP_FILE = "group.json"
+#: the run of the group; "-v2": the rendezvous of issue 23 (job tokens, steps, counted calls),
+#: so that a rank of an older asyncsync never joins a group of this one, nor the other way
+GROUP_FILE = "group-v2.json"
 JOB_ENV = "ASYNCSYNC_JOB"
 #: where a job token comes from when none is given, first set wins (torchrun, Slurm)
 JOB_SOURCES = (JOB_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
@@ -71,7 +73,7 @@ class FileRendezvous(Coordinator):
     """Exchanges through files in ``ROOT/.rendezvous/`` (see the module docstring; the files
     are specified in docs/FORMAT.md section 10).
 
-    ``group.json`` names the run of the group and its job (rank 0 writes it when it opens, after
+    ``group-v2.json`` names the run of the group and its job (rank 0 writes it when it opens, after
     removing the older files; a temp file another rank is writing stays). A rank's message for
     a step is ``{step}-r{rank:04d}.json``, rank 0's result ``{step}.json``, a rank's heartbeat
     ``beat-r{rank:04d}.json``; each names the group and job, and rank 0 takes a message only of
