@@ -43,9 +43,9 @@ from asyncsync.format import manifest_path
 from asyncsync.format.store import list_versions
 from asyncsync.publish import commit as commit_mod
 from asyncsync.publish import group as group_mod
-from asyncsync.publish import publisher as publisher_mod
 from asyncsync.publish import rendezvous as rendezvous_mod
 from asyncsync.publish import writer as writer_mod
+from tests.dist_worker import _arm_fail as arm_fail
 from tests.dist_worker import portion
 
 # (point, ranks it can happen on): the awaits of one publish, in order
@@ -130,16 +130,6 @@ def rank_main(cfg: dict[str, Any]) -> None:
     asyncio.run(_rank(cfg))
 
 
-def _fail_encode_once() -> None:
-    real = publisher_mod.encode_bucket
-
-    def fail(*a: Any, **k: Any) -> Any:
-        publisher_mod.encode_bucket = real
-        raise OSError(28, "No space left on device (injected on one rank)")
-
-    publisher_mod.encode_bucket = fail  # type: ignore[assignment]
-
-
 def foreign(step: int, rank: int, world: int) -> tuple[dict[str, Any], Any]:
     """Another job's weights: this job's names and shapes, other values."""
     sd, slices = portion(step, rank, world)
@@ -191,7 +181,7 @@ async def _rank(cfg: dict[str, Any]) -> None:
                 step += 1
                 continue
             if order.get("fail"):
-                _fail_encode_once()
+                arm_fail()  # this rank's encode stage fails once
             await asyncio.sleep(order.get("delay", 0.0))
             sd, slices = portion(step, rank, world)
             kw = {"step": step} if cfg["stepped"] else {}

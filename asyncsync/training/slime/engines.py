@@ -19,8 +19,8 @@ server serves it. The updater waits for those acks. The switch ``--asyncsync-rec
 Ray is imported only when the ``ray`` link is used. Before each step the updater calls the
 link's :meth:`~EngineLink.check`: the ``ray`` link replaces receivers whose actor died (same
 engine id, same node; the new one takes the engine id's lease over and catches up from its
-checkpoint) and waits, this step, for the engines whose receivers run and hold the newest
-version any of them holds; one still down or catching up is waited for again once it has.
+checkpoint) and waits, this step, for the engines whose receivers run; a replaced one is
+waited for again once it holds the newest version any of them holds.
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ class RayReceivers(EngineLink):
         self.fleet: ReceiverFleet | None = None
         self._urls: tuple[str, ...] = ()
         self._base = AckPolicy()
+        self._catching_up: set[str] = set()  # replaced receivers not yet at the newest version
 
     def __repr__(self) -> str:
         return f"<RayReceivers root={self.root!r} fleet={self.fleet!r}>"
@@ -160,24 +161,29 @@ class RayReceivers(EngineLink):
         return self._waits(self.fleet.replace_dead())
 
     def _waits(self, mended: dict[str, str]) -> AckPolicy:
-        """Whom a step waits for: the engines whose receivers run and hold the newest version
-        one of them holds (all of them at the start). The configured engines, if any."""
+        """Whom a step waits for: the engines whose receivers run, but a replaced one until it
+        holds the newest version one of them holds. The configured engines, if any."""
         assert self.fleet is not None
         base = self._base
         if base.waits:
             return base
+        self._catching_up |= {e for e, what in mended.items() if what == "replaced"}
         st = self.fleet.statuses()
         running = {e: s["version"] for e, s in st.items() if s["running"] and s.get("opened")}
         newest = max((v for v in running.values() if v is not None), default=None)
-        ids = tuple(e for e, v in running.items() if newest is None or v == newest)
-        down = {e: s.get("stopped_by") or s.get("waiting") or "starting" for e, s in st.items()
+        for e in list(self._catching_up):
+            v = running.get(e, -1)
+            if e in running and (newest is None or (v is not None and v >= newest)):
+                self._catching_up.discard(e)  # caught up: waited for again
+        ids = tuple(e for e in running if e not in self._catching_up)
+        down = {e: s.get("stopped_by") or s.get("waiting") or "catching up" for e, s in st.items()
                 if e not in ids}  # fmt: skip
         if down:
             logger.warning(
                 "asyncsync: this step waits for %s only; not for %s (%s)",
                 list(ids) or "nobody", down, mended or "being replaced or catching up",
             )  # fmt: skip
-        if not running:
+        if not ids:
             return AckPolicy(timeout=base.timeout, max_staleness=base.max_staleness)
         return _policy(base, engines=ids)
 
