@@ -142,7 +142,8 @@ def test_slime_link_publishes_to_the_live_engines_while_one_is_replaced(
 ) -> None:
     """slime's updater with the Ray link, one engine per node: the receiver beside engine 1 is
     SIGKILLed; the next update_weights waits for engine 0 only and replaces the dead receiver
-    (it used to raise ActorDiedError at every later step), which catches up; close() is clean."""
+    (it used to raise ActorDiedError at every later step), which catches up; connecting the
+    engines again replaces a dead receiver too; close() is clean with a receiver dead."""
     import ray
 
     from asyncsync.training.slime import RayReceivers, create_weight_updater
@@ -192,8 +193,16 @@ def test_slime_link_publishes_to_the_live_engines_while_one_is_replaced(
             assert set(updater.session.ack_policy.engines) == set(ids)  # waited for again
             assert fleet.wait_for(4, timeout=60) == dict.fromkeys(ids, 4)
             assert all(v["mismatched"] == [] for v in fleet.verify().values())
+            # connecting the same engines again replaces a dead receiver too
+            _kill_worker(fleet.statuses()[ids[0]]["node"]["pid"])
+            _until(lambda: not fleet.statuses()[ids[0]]["alive"], 60, "the receiver's death")
+            updater.connect_rollout_engines(engines, None)
+            assert updater.engine_link.fleet is fleet and fleet.restarts[ids[0]] == 1  # type: ignore[attr-defined]
+            _until(lambda: fleet.statuses()[ids[0]]["version"] == 4, 120, "the catch-up")
+            _kill_worker(fleet.statuses()[ids[1]]["node"]["pid"])  # dead at close
+            _until(lambda: not fleet.statuses()[ids[1]]["alive"], 60, "the receiver's death")
         finally:
-            updater.close()
+            updater.close()  # never raises for a dead receiver
         assert updater.engine_link.fleet is None  # type: ignore[attr-defined]
         assert [ld.version for ld in servers[0].loads] == ["0", "1", "2", "3", "4"]
         assert servers[1].weight_version == "4"
