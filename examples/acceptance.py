@@ -6,13 +6,14 @@ checks that every tensor of the checkpoint has the trainer's bytes and that the 
 reaches ``wait_acked``; then flips a byte in a shard of a seventh version and checks that it is
 refused and the checkpoint keeps the last good version.
 
-    .venv/bin/python examples/acceptance.py [--elements 50000000] [--root DIR]
+    .venv/bin/python examples/acceptance.py [--elements 50000000] [--root DIR] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -83,11 +84,31 @@ def step(
 
 
 async def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--elements", type=int, default=50_000_000)
-    ap.add_argument("--root", type=Path)
+    ap = argparse.ArgumentParser(
+        description="Publish a seed and seven versions, apply them with a receiver, check the "
+        "checkpoint bit for bit and that a corrupt version is refused."
+    )
+    ap.add_argument(
+        "--elements", type=int, default=50_000_000, metavar="N",
+        help="elements of the generated state dict (default 50M: about 200 MB on disk)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--root", type=Path, metavar="DIR",
+        help="working directory, kept (default: a temp directory, removed at the end)",
+    )  # fmt: skip
+    ap.add_argument("--keep", action="store_true", help="keep the temp directory")
     args = ap.parse_args()
     base = args.root or Path(tempfile.mkdtemp(prefix="asyncsync-acceptance-"))
+    try:
+        return await run(args.elements, base)
+    finally:
+        if args.root is None and not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+            print(f"removed {base} (--keep keeps it)")
+
+
+async def run(elements: int, base: Path) -> int:
+    args = argparse.Namespace(elements=elements)
     root, ckpt = base / "root", base / "ckpt"
     gen = torch.Generator().manual_seed(0)
     sd = build_state(args.elements, gen)

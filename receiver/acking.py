@@ -17,33 +17,88 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from asyncsync.errors import LockHeld, ManifestError
-from asyncsync.format import ack_path
+from asyncsync.errors import ConfigError, LockHeld, ManifestError
+from asyncsync.format import ACKS_DIR, ack_path
 from asyncsync.format.acks import AckRecord, read_ack, write_ack
 from asyncsync.format.lease import DEFAULT_LEASE_TTL, EngineLease
+from asyncsync.format.names import LEASES_DIR
+from asyncsync.format.store import foreign_entries, is_root
 from receiver.engines.base import Engine, EngineState
 
-__all__ = ["RootPresence"]
+__all__ = ["RootPresence", "check_root_for_receiver", "not_writable"]
 
 logger = logging.getLogger(__name__)
+
+
+def check_root_for_receiver(root: Path) -> bool:
+    """True when ``root`` is an asyncsync root this receiver can write its ack and lease in;
+    False when it does not exist yet or is still empty (the publisher has not opened it).
+
+    Raises ConfigError for a directory that is something else (another engine's checkpoint,
+    a typo): nothing is created in it. And for a root whose ``acks/`` or ``leases/`` this
+    receiver cannot write (another uid than the publisher), saying how to fix it.
+    """
+    if not root.is_dir():
+        return False
+    if not is_root(root):
+        foreign = foreign_entries(root)
+        if not foreign:
+            return False
+        raise ConfigError(
+            f"{root} is not an asyncsync root (no asyncsync.json, no committed version; it "
+            f"holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}): pass the "
+            "directory given to Publisher(...) as --root (`asyncsync inspect ROOT` tells)"
+        )
+    for d in (root / ACKS_DIR, root / LEASES_DIR):
+        target = d if d.is_dir() else root
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise ConfigError(not_writable(root, str(target)))
+    return True
+
+
+def not_writable(root: Path, path: str) -> str:
+    """What to do when this receiver cannot write ``path`` in the root."""
+    try:
+        st = os.stat(path or root)
+        owner = f" (owner uid {st.st_uid} gid {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o})"
+    except OSError:
+        owner = ""
+    gids = sorted({os.getgid(), *os.getgroups()})
+    return (
+        f"this receiver (uid {os.getuid()}, gids {','.join(map(str, gids))}) cannot write "
+        f"{path or root}{owner}: a receiver writes its ack in {root / ACKS_DIR}/ and its lease in "
+        f"{root / LEASES_DIR}/. Make both writable for the receivers' group once, as the "
+        f"publisher's user: `asyncsync prepare {root} --group GROUP` (docs/INTEGRATION.md, "
+        '"Receivers under another uid"), or run the receiver as the publisher\'s uid'
+    )
 
 
 class RootPresence:
     """The lease and the ack of one engine in one root (see the module docstring)."""
 
     def __init__(
-        self, root: Path, engine_id: str, engine: Engine, *, lease_ttl: float = DEFAULT_LEASE_TTL
+        self,
+        root: Path,
+        engine_id: str,
+        engine: Engine,
+        *,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        lease_settle: float | None = None,
     ):
         self.root = root
         self.engine_id = engine_id
         self.engine = engine
-        self.lease = EngineLease(root, engine_id, ttl=lease_ttl)
+        self.lease = EngineLease(root, engine_id, ttl=lease_ttl, settle=lease_settle)
         self.acked: tuple[str, int] | None = None  # (run_id, version) of our last ack
         self.lost: str | None = None  # why the lease was lost, if it was
+        # the ack file as we last wrote or read it, and what it said
+        self._written: tuple[tuple[int, int, int], tuple[object, ...]] | None = None
         self._renewed = 0.0
 
     # -- the lease -------------------------------------------------------------------------
@@ -55,9 +110,12 @@ class RootPresence:
         if self.lost is not None:
             raise LockHeld(self.lost)
         if not self.lease.held:
-            if not await asyncio.to_thread(self.root.is_dir):
-                return  # waiting for the root: nothing can be acked there yet
-            await asyncio.to_thread(self.lease.acquire)
+            if not await asyncio.to_thread(check_root_for_receiver, self.root):
+                return  # waiting for the publisher: nothing can be acked there yet
+            try:
+                await asyncio.to_thread(self.lease.acquire)
+            except PermissionError as exc:
+                raise ConfigError(not_writable(self.root, exc.filename or "")) from exc
             self._renewed = time.monotonic()
             return
         if time.monotonic() - self._renewed >= self.lease.ttl / 3:
@@ -90,10 +148,27 @@ class RootPresence:
             return None
 
     async def ack(self, version: int, fingerprint: str, run_id: str, bad: Sequence[int]) -> None:
-        await asyncio.to_thread(
-            write_ack, self.root, self.engine_id, version, fingerprint, run_id, tuple(bad)
-        )
+        try:
+            await asyncio.to_thread(
+                write_ack, self.root, self.engine_id, version, fingerprint, run_id, tuple(bad)
+            )
+        except PermissionError as exc:
+            raise ConfigError(not_writable(self.root, exc.filename or "")) from exc
         self.acked = (run_id, version)
+        ident = await asyncio.to_thread(self._ident)
+        self._written = (
+            None if ident is None else (ident, (version, fingerprint, run_id, tuple(bad)))
+        )
+
+    def _ident(self) -> tuple[int, int, int] | None:
+        """(inode, size, mtime) of the ack file: an ack replaced or edited from outside changes
+        it. Compared instead of reading the file at every sync: on rclone each open of a file
+        whose upload is pending postpones the upload (the ack would never reach the root)."""
+        try:
+            st = os.stat(ack_path(self.root, self.engine_id))
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     async def ensure(self, bad: Sequence[int]) -> bool:
         """Rewrite the ack if it does not say what the engine holds; True if it was written."""
@@ -102,13 +177,17 @@ class RootPresence:
             return False
         if not await asyncio.to_thread(self.root.is_dir):
             return False
-        on_disk = await asyncio.to_thread(self._read)
         want = (st.version, st.fingerprint, st.run_id, tuple(bad))
+        ident = await asyncio.to_thread(self._ident)
+        if ident is not None and (ident, want) == self._written:
+            return False  # the file we wrote, untouched (a stat: the ack is not opened)
+        on_disk = await asyncio.to_thread(self._read)
         if (
             on_disk is not None
             and (on_disk.version, on_disk.fingerprint, on_disk.run_id, on_disk.bad_versions) == want
         ):
             self.acked = (st.run_id, st.version)
+            self._written = (ident, want) if ident is not None else None
             return False
         if on_disk is None and self.acked is not None:
             logger.warning("agent %s: its ack is gone: writing it again", self.engine_id)
@@ -140,4 +219,4 @@ class RootPresence:
             self.engine_id, version,
         )  # fmt: skip
         await asyncio.to_thread(ack_path(self.root, self.engine_id).unlink, missing_ok=True)
-        self.acked = None
+        self.acked = self._written = None

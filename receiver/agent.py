@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from asyncsync.errors import (
+    ApplyFailed,
     AsyncSyncError,
     ChainError,
     ChecksumMismatch,
@@ -64,6 +65,7 @@ __all__ = ["AgentStatus", "ReceiverAgent"]
 logger = logging.getLogger(__name__)
 
 PROGRESS_LOG_SECONDS = 5.0
+REPEAT_LOG_SECONDS = 60.0  # a failure that recurs is logged again after this long
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,10 @@ class ReceiverAgent:
             at once; bounds the decoded patches and the engine's undo journal in memory.
         lease_ttl: seconds after its last heartbeat that the engine id's lease in the root
             goes stale (another receiver may then take the id; FORMAT.md section 7.1).
+        lease_settle: seconds between writing this receiver's claim on the engine id and
+            reading the others' (FORMAT.md section 7.1): above the time the root's filesystem
+            takes to show a file written on another host. None: 0 on a local filesystem,
+            5 s on NFS, FUSE and the rest.
 
     A version that stays damaged after the re-reads (a shard missing, short, of the wrong size
     or failing its checksum, a manifest that does not parse) or that names other tensors than
@@ -139,6 +145,7 @@ class ReceiverAgent:
         prefetch_bytes: int = 512 << 20,
         apply_group_bytes: int = APPLY_GROUP_BYTES,
         lease_ttl: float = DEFAULT_LEASE_TTL,
+        lease_settle: float | None = None,
     ) -> None:
         if apply_group_bytes < 1:
             raise ConfigError(f"apply_group_bytes must be >= 1, got {apply_group_bytes}")
@@ -160,9 +167,13 @@ class ReceiverAgent:
         self._prefetch_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._bad = BadVersions(self.root, self.engine_id, verify_deadline)
-        self._presence = RootPresence(self.root, self.engine_id, engine, lease_ttl=lease_ttl)
+        self._presence = RootPresence(
+            self.root, self.engine_id, engine, lease_ttl=lease_ttl, lease_settle=lease_settle
+        )
         self._opened = False
         self._sync_lock = asyncio.Lock()
+        self._refused: set[int] = set()  # versions the engine refused (a keyframe follows)
+        self._said_waiting: str | None = None
         self._c = _Counters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -269,6 +280,7 @@ class ReceiverAgent:
 
         watcher = asyncio.create_task(watch(), name=f"watch {self.engine_id}")
         beat = asyncio.create_task(heartbeat(), name=f"lease {self.engine_id}")
+        failing = _Repeats()
         try:
             while not stop.is_set():
                 await _first_of(wake, stop)
@@ -277,8 +289,15 @@ class ReceiverAgent:
                     break
                 try:
                     await self.sync_once()
+                    failing.clear()
                 except (AsyncSyncError, OSError) as exc:
-                    logger.error("agent %s: sync failed: %s", self.engine_id, exc)
+                    if failing.should_log(str(exc)):
+                        logger.error("agent %s: sync failed%s: %s",
+                                     self.engine_id, failing.since(), exc)  # fmt: skip
+                    # the same failure again and again (a damaged version, no keyframe after
+                    # it): retry less often, up to every REPEAT_LOG_SECONDS / 6
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), failing.backoff(self.poll_interval))
                 except Exception:  # an engine's own bug must not stop the agent for good
                     logger.exception("agent %s: sync failed unexpectedly", self.engine_id)
                 if self.prefetch:
@@ -291,6 +310,11 @@ class ReceiverAgent:
                         await task
             self._prefetcher = self._prefetch_task = None
             self._wake = None
+
+    def exclusive(self) -> asyncio.Lock:
+        """``async with agent.exclusive():`` no version is applied meanwhile (the sync lock;
+        the served-bytes audit holds it, ``receiver.audit``)."""
+        return self._sync_lock
 
     def request_sync(self) -> bool:
         """Ask a running :meth:`run` loop to sync now (e.g. from a control endpoint).
@@ -359,8 +383,9 @@ class ReceiverAgent:
                 bad.stuck(found, latest)
                 raise damaged
         except AsyncSyncError:
-            if bad.waiting is not None:
+            if bad.waiting is not None and bad.waiting != self._said_waiting:
                 logger.warning("agent %s: %s", self.engine_id, bad.waiting)
+                self._said_waiting = bad.waiting  # said once: the sync error repeats it
                 with contextlib.suppress(OSError, AsyncSyncError):  # say which versions are bad
                     await self._presence.ensure(bad.versions())
             raise
@@ -372,6 +397,12 @@ class ReceiverAgent:
         fell_back = False
         while (cur := self.version) is None or cur < latest:
             m, mode = await asyncio.to_thread(self._bad.plan, self.engine.state, latest)
+            if m.version in self._refused:
+                kf = await asyncio.to_thread(self._bad.keyframe_after, m.version, latest)
+                if kf is not None:
+                    logger.info("agent %s: v%d was refused by the engine: going on from "
+                                "keyframe v%d", self.engine_id, m.version, kf.version)  # fmt: skip
+                    m, mode = kf, "full"
             if cur is not None and m.version <= cur:
                 raise ChainError(
                     f"newest keyframe {m.version} is not past the engine's version {cur} and "
@@ -395,6 +426,19 @@ class ReceiverAgent:
                 if not await asyncio.to_thread(self._bad.can_go_past, m.version, cur, latest):
                     raise
                 continue  # the plan goes past it
+            except ApplyFailed:
+                # The engine refused it (a server that cannot load it, or down). Not bad for
+                # good: it may be the server's fault. But when a keyframe follows it, the next
+                # attempt goes on from that keyframe instead of retrying this version until
+                # the server takes it (the keyframe alone makes the engine whole).
+                kf = await asyncio.to_thread(self._bad.keyframe_after, m.version, latest)
+                if kf is not None and m.version not in self._refused:
+                    self._refused.add(m.version)
+                    logger.warning(
+                        "agent %s: the engine refused v%d: the next attempt goes on from the "
+                        "keyframe after it", self.engine_id, m.version,
+                    )  # fmt: skip
+                raise
             await self._ack(m)
         if cur > latest:
             raise ChainError(
@@ -531,6 +575,36 @@ class ReceiverAgent:
         if p is None or p.version != m.version or shard.role != "delta":
             return None
         return p.take(shard.file)
+
+
+class _Repeats:
+    """One failure said once per REPEAT_LOG_SECONDS, however often it recurs."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.message: str | None = None
+        self.logged = 0.0
+        self.count = 0  # failures since it was last logged
+        self.repeated = 0  # failures that were not logged before the last line
+        self.streak = 0  # failures in a row
+
+    def should_log(self, message: str) -> bool:
+        now = time.monotonic()
+        self.streak += 1
+        if message != self.message or now - self.logged >= REPEAT_LOG_SECONDS:
+            self.repeated, self.count = (self.count if message == self.message else 0), 0
+            self.message, self.logged = message, now
+            return True
+        self.count += 1
+        return False
+
+    def since(self) -> str:
+        return f" ({self.repeated + 1} times in {REPEAT_LOG_SECONDS:g}s)" if self.repeated else ""
+
+    def backoff(self, poll: float) -> float:
+        return min(poll * 2 ** min(self.streak - 1, 10), REPEAT_LOG_SECONDS / 6)
 
 
 async def _first_of(*events: asyncio.Event) -> None:

@@ -31,15 +31,25 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
-from asyncsync.console.args import positive_float, positive_int
-from asyncsync.console.logsetup import add_logging_arguments, setup_logging
+from asyncsync.console.args import non_negative_float, positive_float, size_bytes
+from asyncsync.console.logsetup import (
+    CliParser,
+    add_logging_arguments,
+    print_error,
+    setup_logging,
+    sniff_log_format,
+)
 from asyncsync.console.progress import Progress, ProgressWatcher
 from asyncsync.errors import AsyncSyncError, ConfigError
+from receiver.acking import check_root_for_receiver
 from receiver.agent import ReceiverAgent
+from receiver.audit import Auditor
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import Timeouts
@@ -58,10 +68,11 @@ _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a st
 API_KEY_ENV = "ASYNCSYNC_API_KEY"
 ADMIN_API_KEY_ENV = "ASYNCSYNC_ADMIN_API_KEY"
 TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
+MIN_TOKEN_CHARS = 16  # what StatusServer accepts: checked here before the engine is opened
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CliParser(
         prog="asyncsync-receiver",
         description="Keep a local safetensors checkpoint at the newest version of a shared root.",
     )
@@ -73,16 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         required=True,
         metavar="DIR",
-        help="local checkpoint directory (created if missing; must be empty the first time)",
+        help="local checkpoint directory (created if missing; the first time it may hold the "
+        "model's config and tokenizer files, but no *.safetensors)",
     )
     p.add_argument("--once", action="store_true", help="apply what is committed now, then exit")
     p.add_argument(
         "--apply-group-bytes",
-        type=positive_int,
+        type=size_bytes,
         default=APPLY_GROUP_BYTES,
-        metavar="N",
-        help="decoded delta bytes handed to the engine at once (bounds memory; default "
-        f"{APPLY_GROUP_BYTES})",
+        metavar="SIZE",
+        help="decoded delta bytes handed to the engine at once (bounds memory; e.g. 64MiB; "
+        f"default {APPLY_GROUP_BYTES})",
     )
     p.add_argument(
         "--sync-before-ack",
@@ -101,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--force-polling",
         action="store_true",
         help="do not use inotify (use on NFS/FUSE mounts written by other hosts)",
+    )
+    p.add_argument(
+        "--lease-settle",
+        type=non_negative_float,
+        default=None,
+        metavar="S",
+        help="seconds between claiming the engine id and reading rival claims: above the time "
+        "the root's filesystem takes to show another host's write (default: 0 on a local "
+        "filesystem, 5 on NFS/FUSE; docs/FORMAT.md section 7.1)",
     )
     server = p.add_argument_group(
         "inference server", "make a server reload the checkpoint after each version"
@@ -156,6 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seconds to wait for the server to come up (default {Timeouts.startup:g})",
     )
+    audit = p.add_argument_group(
+        "served-bytes audit",
+        "check that the server serves the bytes of the version held (vLLM: its worker "
+        "extension; docs/ENGINES.md); a mismatch makes /readyz 503 and reloads in full",
+    )
+    audit.add_argument(
+        "--audit-interval", type=positive_float, default=None, metavar="S",
+        help="audit every S seconds (default: not on a schedule)",
+    )  # fmt: skip
+    audit.add_argument(
+        "--audit-after-apply", action="store_true",
+        help="audit each version once it is applied",
+    )  # fmt: skip
     ops = p.add_argument_group(
         "operator endpoints (/healthz, /readyz, /status, /metrics, POST /sync)"
     )
@@ -215,6 +249,32 @@ def check_paths(args: argparse.Namespace) -> None:
         logger.warning(
             "root %s does not exist (yet); waiting for the publisher to create it", args.root
         )
+    # another directory (a checkpoint, a typo): refused before anything is created in it
+    elif not check_root_for_receiver(Path(args.root)) and not args.once:
+        logger.warning("root %s is empty; waiting for the publisher to open it", args.root)
+
+
+def check_status_options(args: argparse.Namespace) -> str | None:
+    """The control token, and the status port free: checked before the engine is opened."""
+    token = _read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"the control token must be at least {MIN_TOKEN_CHARS} characters (got "
+            f"{len(token)}): generate one, e.g. `openssl rand -hex 16`"
+        )
+    if args.status_port:
+        infos = socket.getaddrinfo(args.status_host, args.status_port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                raise ConfigError(
+                    f"--status-port {args.status_port} on {args.status_host}: {exc.strerror}; "
+                    "pick a free port (0: any free one)"
+                ) from exc
+    return token
 
 
 def _read_secret(path: str | None, env: str, what: str) -> str | None:
@@ -287,6 +347,7 @@ def _make_agent(args: argparse.Namespace) -> ReceiverAgent:
         poll_interval=args.poll_interval,
         use_inotify=False if args.force_polling else None,
         apply_group_bytes=args.apply_group_bytes,
+        lease_settle=args.lease_settle,
     )
 
 
@@ -334,19 +395,28 @@ async def _serve(args: argparse.Namespace) -> int | None:
                 args.checkpoint,
                 agent.version,
             )
+            auditor = None
+            if args.audit_interval is not None or args.audit_after_apply:
+                auditor = Auditor(
+                    agent, interval=args.audit_interval, after_apply=args.audit_after_apply
+                )
             server = None
             if args.status_port is not None:
-                token = _read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
+                token = args.control_token
                 server = StatusServer(
                     agent,
                     host=args.status_host,
                     port=args.status_port,
                     token=token,
                     ready_max_lag=args.ready_max_lag,
+                    auditor=auditor,
                 )
                 await server.start()
                 print(f"{args.engine_id}: status on {server.url}", file=sys.stderr, flush=True)
             task = asyncio.create_task(agent.run(stop=stop), name=f"agent {args.engine_id}")
+            auditing = None
+            if auditor is not None:
+                auditing = asyncio.create_task(auditor.run(stop=stop), name="audit")
             stopped = asyncio.create_task(stop.wait())
             async with ProgressWatcher(lambda: agent_progress(agent)):
                 await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -360,6 +430,10 @@ async def _serve(args: argparse.Namespace) -> int | None:
                         "receiver %s: version in flight did not finish; rolled back", args.engine_id
                     )
             stopped.cancel()
+            if auditing is not None:
+                auditing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await auditing
             if server is not None:
                 await server.stop()
             if task.done() and not task.cancelled():
@@ -372,9 +446,13 @@ async def _serve(args: argparse.Namespace) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the receiver; returns the exit status (the console script passes it to sys.exit)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    CliParser.log_format = sniff_log_format(argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if args.once and args.status_port is not None:
+            parser.error("--status-port serves a running receiver; --once syncs and exits")
         if not (args.sglang_url or args.vllm_url) and (
             args.api_key_file
             or args.admin_api_key_file
@@ -394,6 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("watchfiles").setLevel(max(logging.WARNING, getattr(logging, args.log_level)))
     try:
         check_paths(args)
+        args.control_token = None if args.once else check_status_options(args)
         if args.once:
             version = run_async(lambda: _once(args))
             if version is None:
@@ -405,15 +484,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("receiver %s: stopped at version %s", args.engine_id, version)
         return 0
     except (AsyncSyncError, OSError, ValueError) as exc:
-        print(f"asyncsync-receiver {args.engine_id}: error: {_one_line(exc)}", file=sys.stderr)
+        print_error(f"asyncsync-receiver {args.engine_id}", _one_line(exc), args.log_format)
         return 1
     except KeyboardInterrupt:  # a signal before the handlers were installed
         return 0
     except Exception as exc:  # bad input must never end in a traceback (it is logged at DEBUG)
         logger.debug("asyncsync-receiver %s failed", args.engine_id, exc_info=True)
-        print(
-            f"asyncsync-receiver {args.engine_id}: error: {type(exc).__name__}: {_one_line(exc)}",
-            file=sys.stderr,
+        print_error(
+            f"asyncsync-receiver {args.engine_id}",
+            f"{type(exc).__name__}: {_one_line(exc)}",
+            args.log_format,
         )
         return 1
 

@@ -7,9 +7,11 @@
                         (or one at most ``ready_max_lag`` behind); 503 otherwise. For a
                         server engine the server is asked (``Engine.serving_version``), so
                         a restarted SGLang is not ready until the receiver reloaded it:
-                        the readiness gate of the inference container
+                        the readiness gate of the inference container. With an auditor,
+                        also 503 from a served-bytes mismatch until it is repaired
 ``GET /status``         JSON: engine id, applied version, newest version seen, lag, last
-                        error, the version in flight and its progress, counters
+                        error, the version in flight and its progress, counters, the
+                        audit's last result (``audit``)
 ``GET /metrics``        Prometheus text format (prometheus-client)
 ``POST /sync``          control: sync now. Needs ``Authorization: Bearer <token>``; with
                         no token configured, control endpoints answer 403
@@ -34,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from receiver.agent import ReceiverAgent
+from receiver.audit import Auditor
 from receiver.plan import latest_version
 
 __all__ = ["StatusServer"]
@@ -46,8 +49,9 @@ _PROM_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _AgentCollector(Collector):
     """Reads the agent's status at scrape time (no state of its own)."""
 
-    def __init__(self, agent: ReceiverAgent):
+    def __init__(self, agent: ReceiverAgent, auditor: Auditor | None = None):
         self.agent = agent
+        self.auditor = auditor
 
     def collect(self) -> Iterator[Any]:
         st = self.agent.status()
@@ -86,6 +90,22 @@ class _AgentCollector(Collector):
         yield counter(
             "prefetched_shards", "Shards read before their manifest existed.", st.prefetched_shards
         )
+        au = self.auditor
+        if au is not None:
+            last = au.last
+            yield gauge("audit_ok", "1: the engine serves the manifest's bytes (last audit).",
+                        None if last is None else int(au.healthy))  # fmt: skip
+            yield gauge("audit_version", "Version the last audit checked.",
+                        None if last is None else last.version)  # fmt: skip
+            yield gauge("audit_mismatched_tensors", "Tensors the last audit found differing.",
+                        None if last is None else len(last.mismatched))  # fmt: skip
+            yield gauge("audit_timestamp_seconds", "When the last audit ran (Unix time).",
+                        au.last_at)  # fmt: skip
+            yield counter("audits", "Audits of the served bytes.", au.stats.audits)
+            yield counter("audit_mismatches", "Audits that found other bytes served.",
+                          au.stats.mismatches)  # fmt: skip
+            yield counter("audit_repairs", "Full reloads after a mismatch.", au.stats.repairs)
+            yield counter("audit_errors", "Audits that could not run.", au.stats.errors)
 
 
 class StatusServer:
@@ -106,6 +126,7 @@ class StatusServer:
         token: str | None = None,
         ready_max_lag: int = 0,
         ready_timeout: float = 5.0,
+        auditor: Auditor | None = None,
     ) -> None:
         if token is not None and len(token) < 16:
             raise ValueError("the control token must be at least 16 characters")
@@ -114,11 +135,12 @@ class StatusServer:
         self.ready_max_lag = ready_max_lag
         self.ready_timeout = ready_timeout
         self.agent = agent
+        self.auditor = auditor
         self.host = host
         self.port = port
         self._token = token
         self._registry = CollectorRegistry(auto_describe=True)
-        self._registry.register(_AgentCollector(agent))
+        self._registry.register(_AgentCollector(agent, auditor))
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
 
@@ -180,6 +202,8 @@ class StatusServer:
             agent.request_sync()  # a restarted server: reconcile it now
         elif latest - serving > self.ready_max_lag:
             body.update(ready=False, why=f"{latest - serving} version(s) behind")
+        elif self.auditor is not None and not self.auditor.healthy:
+            body.update(ready=False, why="the audit found served bytes that differ: repairing")
         else:
             body.update(ready=True)
         return web.json_response(body, status=200 if body["ready"] else 503)
@@ -187,6 +211,8 @@ class StatusServer:
     async def _status(self, _request: web.Request) -> web.Response:
         body = asdict(self.agent.status())
         body["root"] = str(self.agent.root)
+        if self.auditor is not None:
+            body["audit"] = self.auditor.status()
         return web.json_response(body)
 
     async def _metrics(self, _request: web.Request) -> web.Response:

@@ -1,9 +1,12 @@
 """A real local Ray cluster of two raylets on this host, for tests that kill a node.
 
 ``ray start --head`` and a second ``ray start --address`` with its own ``--temp-dir``, each in
-its own session, on free ports; ``RAY_AUTH_MODE=disabled`` (Ray 2.60 asks for a token
-otherwise); health checks every second, so that the GCS marks a killed node dead within
-about 10 s (not faster: a loaded 2-core machine must not lose a node that is only slow).
+its own session, on free ports; token authentication with the host's shared token
+(``~/.ray/auth_token``, made by ``ray get-auth-token --generate`` if missing), as a local
+``ray.init()`` of Ray 2.60 uses: with ``RAY_AUTH_MODE=disabled`` instead, the driver process
+keeps that mode cached and the next local ``ray.init()`` in it (another test module) fails to
+talk to its own GCS. Health checks every second, so that the GCS marks a killed node dead
+within about 10 s (not faster: a loaded 2-core machine must not lose a node that is only slow).
 :meth:`TwoNodes.kill_node` SIGKILLs every process of the second node's session (its raylet,
 its workers, its agents): a node lost, as when its machine dies. :meth:`TwoNodes.stop`
 ends both sessions; it never runs ``ray stop``, which would end every Ray on the host.
@@ -56,8 +59,9 @@ def _session_pids(sid: int) -> list[int]:
 class TwoNodes:
     """Two raylets on this host (see the module docstring)."""
 
+    DRIVER_ENV: ClassVar[dict[str, str]] = {"RAY_AUTH_MODE": "token"}
     ENV: ClassVar[dict[str, str]] = {
-        "RAY_AUTH_MODE": "disabled",
+        **DRIVER_ENV,
         "RAY_health_check_period_ms": "1000",
         "RAY_health_check_timeout_ms": "5000",
         "RAY_health_check_failure_threshold": "5",
@@ -66,7 +70,7 @@ class TwoNodes:
     }
 
     def __init__(self) -> None:
-        self._env = {k: os.environ.get(k) for k in self.ENV}
+        self._env = {k: os.environ.get(k) for k in self.DRIVER_ENV}
         self.tmp = Path(tempfile.mkdtemp(prefix="ray2n-", dir="/tmp"))  # short: unix sockets
         self.ray = str(Path(sys.executable).with_name("ray"))
         self.sessions: dict[str, int] = {}
@@ -109,6 +113,10 @@ class TwoNodes:
                 os.kill(pid, signal.SIGKILL)
 
     def start(self) -> TwoNodes:
+        subprocess.run(
+            [self.ray, "get-auth-token", "--generate"], env={**os.environ, **self.DRIVER_ENV},
+            check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
         port, dash = _free_ports(2)
         self.address = f"127.0.0.1:{port}"
         self._start(
@@ -125,7 +133,7 @@ class TwoNodes:
         """``ray.init`` this process to the cluster (on the head's raylet); the two node ids."""
         import ray
 
-        os.environ.update(self.ENV)
+        os.environ.update(self.DRIVER_ENV)
         ray.init(address=self.address, log_to_driver=False, configure_logging=False)
         deadline = time.monotonic() + 120
         while True:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import aiohttp
@@ -236,3 +237,34 @@ async def test_bad_versions_in_metrics(tmp_path: Path) -> None:
             assert 'asyncsync_receiver_newest_bad_version{engine_id="e1"} 3.0' in text
             async with http.get(f"{server.url}/status") as resp:
                 assert (await resp.json())["bad_versions"] == [3]
+
+
+async def test_a_receiver_stuck_behind_a_damaged_version_backs_off_and_says_it_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(issue 20, operator) Stuck with no keyframe past the damage, the running agent retries
+    less and less often and logs the failure once per REPEAT_LOG_SECONDS, not at every poll."""
+    root = tmp_path / "root"
+    t = Trainer(root)
+    async with t.pub:
+        await t.publish(3)
+        engine = TorchModule(Holder(mixed_state(0)))
+        agent = ReceiverAgent(
+            root, engine, "m1", use_inotify=False, verify_deadline=0.05, poll_interval=0.02
+        )
+        async with agent:
+            assert await agent.sync_once() == 2
+            await t.publish(2)
+            flip(root, 3)
+            stop = asyncio.Event()
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="receiver"):
+                task = asyncio.create_task(agent.run(stop=stop))
+                await asyncio.sleep(3.0)  # 150 polls
+                stop.set()
+                await asyncio.wait_for(task, 30)
+            lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert agent.status().failures <= 12  # backed off: 0.02 s doubling
+            assert 1 <= len([r for r in lines if "sync failed" in r.getMessage()]) <= 1
+            assert len(lines) <= 4, [r.getMessage() for r in lines]
+            assert agent.version == 2

@@ -21,6 +21,7 @@ from asyncsync.ops.workload import Workload, WorkloadConfig
 from receiver import ReceiverAgent
 from receiver.cli import main as receiver_main
 from receiver.engines.checkpoint import LocalCheckpoint
+from tests.conftest import mixed_state, mutate
 
 REPO = Path(__file__).resolve().parent.parent
 FLIPPED = "model.layers.0.self_attn.q_proj.weight"
@@ -184,6 +185,7 @@ def test_verify_against_an_older_version_lists_the_changed_tensors(
         ["verify", "ROOT"],  # no --checkpoint
         ["tail", "ROOT", "--interval", "0"],
         ["verify", "ROOT", "--checkpoint", "X", "--version", "-1"],
+        ["inspect", "ROOT", "one"],  # (issue 20) a VERSION that is no number is bad usage
     ],
 )
 def test_bad_usage_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -197,10 +199,9 @@ def test_bad_usage_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) 
         (["inspect", "{missing}"], "is not a directory"),
         (["inspect", "{empty}"], "is not an asyncsync root"),
         (["inspect", "{root}", "9"], "version 9 is not committed"),
-        (["inspect", "{root}", "one"], "integer or 'latest'"),
         (["verify", "{root}", "--checkpoint", "{missing}"], "does not exist"),
-        (["verify", "{root}", "--checkpoint", "{empty}"], "cannot read"),
-        (["verify", "{root}", "--checkpoint", "{empty}", "--version", "7"], "not committed"),
+        (["verify", "{root}", "--checkpoint", "{empty}"], "is not an asyncsync checkpoint"),
+        (["verify", "{root}", "--checkpoint", "{empty}", "--version", "7"], "not an asyncsync"),
     ],
 )
 def test_errors_are_one_line_without_traceback(
@@ -292,3 +293,16 @@ def test_python_dash_m_asyncsync(root: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)) == 4
+
+
+async def test_gc_with_nothing_to_delete_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(issue 20, operator) not a bare "nothing to delete": the reason the oldest is kept."""
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:
+        sd = mixed_state(0)
+        await pub.seed(sd)
+        await pub.publish(mutate(sd, 0.05, seed=1))
+    assert main(["gc", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("nothing to delete: v0 (the oldest) is kept: ") and "-v" in out, out

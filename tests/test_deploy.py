@@ -36,12 +36,24 @@ ENV = DEPLOY / "systemd" / "receiver.env"
 
 
 @pytest.fixture(scope="module")
-def statefulset() -> dict[str, Any]:
+def k8s_docs() -> list[dict[str, Any]]:
     yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse deploy/k8s manifests")
-    docs = [d for d in yaml.safe_load_all(K8S.read_text()) if d]
-    (sts,) = [d for d in docs if d.get("kind") == "StatefulSet"]
+    return [d for d in yaml.safe_load_all(K8S.read_text()) if d]
+
+
+@pytest.fixture(scope="module")
+def statefulset(k8s_docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (sts,) = [d for d in k8s_docs if d.get("kind") == "StatefulSet"]
     assert sts["apiVersion"] == "apps/v1"
     return sts
+
+
+def _probe_url(probe: dict[str, Any]) -> str:
+    """The URL an exec probe's ``python -c "...urlopen('URL'...)"`` command opens."""
+    (cmd,) = [a for a in probe["exec"]["command"] if "urlopen(" in a]
+    m = re.search(r"urlopen\('([^']+)'", cmd)
+    assert m is not None, cmd
+    return m.group(1)
 
 
 def _container(sts: dict[str, Any], name: str) -> dict[str, Any]:
@@ -76,19 +88,19 @@ def test_k8s_receiver_args_parse_and_match_the_server(statefulset: dict[str, Any
     assert mounts(rx)["shared-weights"] == args.root
     assert not any(m.get("readOnly") for m in rx["volumeMounts"] if m["name"] == "shared-weights")
 
-    # the key is a file from the same Secret SGLang gets its --api-key from
+    # the keys are files of one Secret: SGLang reads both from its sglang.yaml (--config), the
+    # receiver from api-key and admin-api-key; no key on a command line (ps shows those)
     key_dir = mounts(rx)["api-key"]
-    assert Path(args.api_key_file).parent == Path(key_dir)
     volumes = {v["name"]: v for v in spec["volumes"]}
-    secret = volumes["api-key"]["secret"]["secretName"]
-    sgl_env = {e["name"]: e for e in sgl["env"]}
-    assert "--api-key=$(SGLANG_API_KEY)" in sgl["args"]
-    assert sgl_env["SGLANG_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == secret
-    assert "--admin-api-key=$(SGLANG_ADMIN_API_KEY)" in sgl["args"]
-    admin_ref = sgl_env["SGLANG_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"]
-    assert admin_ref["name"] == secret
-    assert Path(args.admin_api_key_file) == Path(key_dir) / admin_ref["key"]
-    assert not any("api-key" in a and "file" not in a for a in rx["args"])  # never inline
+    assert "secret" in volumes["api-key"]
+    assert Path(args.api_key_file) == Path(key_dir) / "api-key"
+    assert Path(args.admin_api_key_file) == Path(key_dir) / "admin-api-key"
+    i = sgl["args"].index("--config")  # one word: SGLang merges the file for that exact one
+    assert sgl["args"][i + 1] == f"{mounts(sgl)['api-key']}/sglang.yaml"
+    for c in (rx, sgl):
+        assert not any("api-key=" in a and "file" not in a for a in c["args"]), c["name"]
+        assert not any("$(" in a and "POD_NAME" not in a for a in c["args"]), c["name"]
+        assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in c.get("env", []))
 
     # every mount has a volume; the grace period covers the receiver's 120 s stop window
     for c in (rx, sgl):
@@ -146,8 +158,26 @@ def test_systemd_unit_keys_and_command_line() -> None:
     args = build_parser().parse_args(expanded)
     assert args.api_key_file == f"/run/credentials/x/{cred_name}"
     assert args.sglang_url == env["SGLANG_URL"] and args.force_polling
-    for path in (env["ASYNCSYNC_ROOT"], str(Path(env["ASYNCSYNC_CHECKPOINT"]).parent)):
-        assert path in svc["ReadWritePaths"][0].split()
+    # no path of the env file hard-coded: they come from the drop-in paths-from-env writes
+    assert "ReadWritePaths" not in svc and "RequiresMountsFor" not in unit["Unit"]
+    assert env["ASYNCSYNC_ROOT"] not in UNIT.read_text().split("[Unit]", 1)[1]
+
+
+def test_systemd_paths_come_from_the_env_file(tmp_path: Path) -> None:
+    """(issue 20, deploy) A root changed in receiver.env is writable under ProtectSystem=strict
+    and its mount required: paths-from-env writes them into the unit's drop-in."""
+    env = tmp_path / "receiver.env"
+    env.write_text(ENV.read_text().replace("/shared/weights", "/data/other-root")
+                   .replace("/var/lib/asyncsync/ckpt", "/srv/engine/ckpt"))  # fmt: skip
+    subprocess.run([str(DEPLOY / "systemd" / "paths-from-env"), str(env), str(tmp_path)],
+                   check=True, capture_output=True)  # fmt: skip
+    conf = _unit_sections((tmp_path / "asyncsync-receiver.service.d" / "paths.conf").read_text())
+    assert conf["Service"]["ReadWritePaths"] == ["/data/other-root /srv/engine"]
+    assert conf["Unit"]["RequiresMountsFor"] == ["/data/other-root /srv/engine"]
+    env.write_text("ASYNCSYNC_ROOT=relative\nASYNCSYNC_CHECKPOINT=/c\n")
+    bad = subprocess.run([str(DEPLOY / "systemd" / "paths-from-env"), str(env), str(tmp_path)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 1 and "absolute path" in bad.stderr
 
 
 @pytest.mark.skipif(
@@ -351,10 +381,42 @@ def _walk(obj: Any) -> Iterator[dict[str, Any]]:
             yield from _walk(v)
 
 
-def test_k8s_manifest_validates_against_the_kubernetes_schema(statefulset: dict[str, Any]) -> None:
+def test_sglang_reads_both_keys_from_the_secrets_config_file(tmp_path: Path) -> None:
+    """The sglang.yaml the manifest's comment makes, parsed by the real SGLang 0.5.23's own
+    --config merger and argument parser (the keys reach ServerArgs, not the command line)."""
+    from tests.sglang_env.build import server_env
+
+    py = next(Path.home().glob(".cache/asyncsync/sglang-*/venv/bin/python"), None)
+    if py is None:
+        pytest.skip("the real SGLang environment is not built (make sglang-env)")
+    (line,) = [ln for ln in K8S.read_text().splitlines() if "> sglang.yaml" in ln]
+    config = tmp_path / "sglang.yaml"
+    (tmp_path / "api-key").write_text("k" * 20)
+    (tmp_path / "admin-api-key").write_text("a" * 20)
+    script = line.lstrip("# ").replace("> sglang.yaml", f"> {config}")
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, check=True)
+    probe = (
+        "import argparse, sys\n"
+        "from sglang.srt.server_args import ServerArgs\n"
+        "from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger\n"
+        "p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)\n"
+        "argv = ConfigArgumentMerger(p).merge_config_with_args(sys.argv[1:])\n"
+        "a = p.parse_args(argv); print(a.api_key, a.admin_api_key)\n"
+    )
+    out = subprocess.run([str(py), "-c", probe, "--model-path=/m", "--config", str(config)],
+                         capture_output=True, text=True, timeout=300,
+                         env=server_env(py.parent.parent.parent))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["k" * 20, "a" * 20]
+
+
+def test_k8s_manifest_validates_against_the_kubernetes_schema(
+    statefulset: dict[str, Any], k8s_docs: list[dict[str, Any]]
+) -> None:
     kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
     for version in ("1.30.0", kv.utils.latest_version()):
-        kv.validate(statefulset, version, strict=True)
+        for doc in k8s_docs:
+            kv.validate(doc, version, strict=True)
     broken = copy.deepcopy(statefulset)  # the validator bites: a misspelt field is refused
     rx = broken["spec"]["template"]["spec"]["containers"][1]
     rx["livenesProbe"] = rx.pop("livenessProbe")
@@ -381,17 +443,18 @@ def test_k8s_structure_ports_probes_and_security(
         ports = {p["containerPort"] for p in c.get("ports", [])}
         ports |= {p["name"] for p in c.get("ports", []) if "name" in p}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            if probe in c:
+            if probe in c and "httpGet" in c[probe]:
                 port = c[probe]["httpGet"]["port"]
                 assert port in ports or port in pod_ports, (c["name"], probe)
 
+    # the status endpoints stay on the pod's loopback; the probes run inside the pod
     rx = _container(sts, "asyncsync-receiver")
     args = build_parser().parse_args([_k8s_expand(a, {"POD_NAME": "sglang-0"}) for a in rx["args"]])
-    (status,) = [p for p in rx["ports"] if p["name"] == "status"]
-    assert args.status_port == status["containerPort"]
-    assert args.status_host == "0.0.0.0"  # the kubelet probes the pod's IP, not its loopback
+    assert args.status_host == "127.0.0.1" and "ports" not in rx
+    healthz = f"http://127.0.0.1:{args.status_port}/healthz"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert rx[probe]["httpGet"] == {"path": "/healthz", "port": "status"}, probe
+        assert _probe_url(rx[probe]) == healthz, probe
+        assert rx[probe]["timeoutSeconds"] >= 5, probe
     startup = rx["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= args.engine_startup_timeout
     live = rx["livenessProbe"]
@@ -400,10 +463,10 @@ def test_k8s_structure_ports_probes_and_security(
     # SGLang's readiness is the receiver's /readyz; its other probes use a /health that runs no
     # generation (a generating /health blocks and fails while the receiver has SGLang paused)
     sgl = _container(sts, "sglang")
-    assert sgl["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": status["containerPort"]}
+    assert _probe_url(sgl["readinessProbe"]) == healthz.replace("/healthz", "/readyz")
     sgl_env = {e["name"]: e.get("value") for e in sgl["env"]}
     for probe in ("startupProbe", "livenessProbe"):
-        if sgl[probe]["httpGet"]["path"] == "/health":
+        if sgl[probe].get("httpGet", {}).get("path") == "/health":
             assert sgl_env.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION") == "0", probe
 
     # runs as the image's non-root user; the key file is readable by it (group fsGroup)
@@ -506,3 +569,23 @@ def test_ray_example_runs_on_a_local_cluster(tmp_path: Path) -> None:
     assert summary["ok"] and summary["last"] == 3
     assert summary["versions"] == {"engine0": 3, "engine1": 3}
     assert all(v == {"mismatched": [], "version": 3} for v in summary["verified"].values())
+
+
+def test_k8s_governing_service_and_claims_are_in_the_manifest(
+    statefulset: dict[str, Any], k8s_docs: list[dict[str, Any]]
+) -> None:
+    """(issue 20, deploy) The Service the StatefulSet names, headless and selecting its pods,
+    and a PersistentVolumeClaim for every claim a volume names (the root one RWX)."""
+    (svc,) = [d for d in k8s_docs if d["kind"] == "Service"]
+    assert svc["metadata"]["name"] == statefulset["spec"]["serviceName"]
+    assert svc["spec"]["clusterIP"] == "None"
+    labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    claims = {d["metadata"]["name"]: d for d in k8s_docs if d["kind"] == "PersistentVolumeClaim"}
+    named = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in statefulset["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    assert named == set(claims)
+    assert claims["shared-weights"]["spec"]["accessModes"] == ["ReadWriteMany"]

@@ -86,6 +86,8 @@ async def test_inotify_is_blind_on_fuse_but_polling_finds_every_version(tmp_path
             await asyncio.sleep(0.1)
         await asyncio.wait_for(task, 10)
         assert reasons[0] == "start" and set(reasons[1:]) == {"poll"}
+        for i in range(3):  # not a root's entries: a receiver refuses such a directory
+            (real / f"v{i}").rmdir()
 
         # 2. the receiver, watching the FUSE side with inotify on, still takes every version
         sd = mixed_state(0)

@@ -15,9 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncsync import LockHeld, Publisher
+from asyncsync import ConfigError, LockHeld, Publisher
 from asyncsync.format.acks import read_acks
-from asyncsync.format.lease import EngineLease, LeaseRecord, lease_path, read_lease
+from asyncsync.format.lease import (
+    EngineLease,
+    LeaseRecord,
+    claim_path,
+    default_settle,
+    filesystem_type,
+    lease_path,
+    read_lease,
+)
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import mixed_state, mutate
@@ -193,17 +201,133 @@ def test_an_unreadable_lease_is_refused_while_fresh_and_taken_over_when_stale(
         EngineLease(tmp_path, "e1").acquire()
 
 
-def test_a_takeover_that_moved_a_lease_taken_meanwhile_puts_it_back(tmp_path: Path) -> None:
-    from asyncsync.format.lease import UnreadableLease, inspect_lease
+def _foreign_claim(root: Path, age: float, owner: str = "f" * 16, ttl: float = 30.0) -> Path:
+    rec = LeaseRecord("e1", owner, "other-host", 4242, ttl, 0.0, 0.0, "other-boot", "pid:[1]", "n")
+    path = claim_path(root, "e1", owner)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(rec.to_json())
+    t = time.time() - age
+    os.utime(path, (t, t))
+    return path
 
-    _unreadable_lease(tmp_path, b"", age=120.0)
-    judged = inspect_lease(tmp_path, "e1")
-    assert isinstance(judged, UnreadableLease)
-    winner, late = EngineLease(tmp_path, "e1"), EngineLease(tmp_path, "e1")
-    winner.acquire()
-    late._remove_stale(judged)  # judged the old file stale, moves the winner's lease: put back
-    found = read_lease(tmp_path, "e1")
-    assert found is not None and found[0].owner == winner.owner
+
+def test_a_live_rival_claim_keeps_a_taker_out_and_a_dead_one_is_ignored_and_removed(
+    tmp_path: Path,
+) -> None:
+    """A concurrent taker's claim (no lease yet) is not overridden: the taker backs off and
+    refuses once its contention budget is spent; a claim older than its ttl is removed."""
+    claim = _foreign_claim(tmp_path, age=0.0, owner="0" * 16)  # smaller: we yield to it
+    t0 = time.monotonic()
+    with pytest.raises(LockHeld, match=r"at the same time .*host other-host pid 4242"):
+        EngineLease(tmp_path, "e1", ttl=2.0, settle=0.0).acquire()
+    assert time.monotonic() - t0 >= 2.0  # it retried for the ttl before refusing
+    assert lease_path(tmp_path, "e1").exists() is False
+    assert [p.name for p in (tmp_path / "leases").iterdir()] == [claim.name]  # withdrew its own
+    _foreign_claim(tmp_path, age=120.0, owner="0" * 16)  # its taker died long ago
+    lease = EngineLease(tmp_path, "e1", settle=0.0)
+    lease.acquire()
+    assert sorted(p.name for p in (tmp_path / "leases").iterdir()) == sorted(
+        ["e1.json", lease.claim.name]
+    )
+    lease.release()
+    assert list((tmp_path / "leases").iterdir()) == []
+
+
+def test_a_lease_settle_above_a_quarter_of_the_ttl_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="quarter of the lease ttl"):
+        EngineLease(tmp_path, "e1", ttl=8.0, settle=3.0)
+    assert default_settle(tmp_path) == 0.0  # tmp is a local filesystem here
+    assert filesystem_type("/proc") == "proc"
+
+
+def _own_record(**kw: object) -> LeaseRecord:
+    from asyncsync.format import lease as mod
+
+    base = dict(engine_id="e1", owner="a" * 16, host=socket.gethostname(), pid=os.getpid(),
+                ttl=30.0, acquired_at=0.0, heartbeat_at=0.0, boot_id=mod._boot_id(),
+                pid_ns=mod._pid_ns(), nonce=mod._NONCE)  # fmt: skip
+    return LeaseRecord(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_the_pid_shortcut_needs_the_same_boot_and_pid_namespace(tmp_path: Path) -> None:
+    """(issue 20, failure 5) A fresh lease is judged by its pid only when its holder runs in
+    this kernel boot and this pid namespace; a previous life with our pid has another nonce."""
+    lease = EngineLease(tmp_path, "e1")
+    (tmp_path / "leases").mkdir()
+    now = time.time()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(dead.stdout)
+    assert lease.stale(_own_record(pid=dead_pid), now)  # same namespace, gone: free at once
+    assert lease.stale(_own_record(nonce="0" * 16), now)  # our pid, another process: gone
+    assert lease.stale(_own_record(), now)  # this process, a lease it does not hold
+    # another pid namespace (another container on this host), or no identity (a version 1
+    # record): the pid says nothing; the heartbeat decides
+    for other in (_own_record(pid_ns="pid:[1]", pid=dead_pid), _own_record(pid_ns="", pid=dead_pid),
+                  _own_record(boot_id="x", nonce="0" * 16)):  # fmt: skip
+        assert not lease.stale(other, now)
+        assert lease.stale(other, now - 60)
+
+
+def _can_unshare_pid() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for unshare --pid"
+    r = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"unshare --pid failed: {r.stderr.strip()}"
+
+
+def _takers(root: Path, n: int, prefix: tuple[str, ...] = ()) -> list[subprocess.Popen[str]]:
+    argv = [*prefix, sys.executable, "-m", "tests.lease_taker", str(root)]
+    procs = [subprocess.Popen(argv, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for _ in range(n)]  # fmt: skip
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return procs
+
+
+def _go(p: subprocess.Popen[str]) -> str:
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    return p.stdout.readline().strip()
+
+
+def test_two_receivers_as_pid_1_of_their_own_pid_namespaces_do_not_displace_each_other(
+    tmp_path: Path,
+) -> None:
+    """(issue 20, failure 5) Two containers sharing a hostname, each its receiver as pid 1 in its
+    own pid namespace: the second must not take the first's live lease."""
+    why = _can_unshare_pid()
+    if why:
+        pytest.skip(why)
+    ns = ("unshare", "--pid", "--fork", "--kill-child")
+    procs = _takers(tmp_path, 2, prefix=ns)
+    try:
+        assert _go(procs[0]).startswith("won")
+        found = read_lease(tmp_path, "e1")
+        assert found is not None and found[0].pid == 1 and found[0].host == socket.gethostname()
+        answer = _go(procs[1])
+        assert answer.startswith("refused") and "pid 1 " in answer, answer
+        assert read_lease(tmp_path, "e1")[0].owner == found[0].owner  # type: ignore[index]
+    finally:
+        for p in procs:
+            p.communicate("", timeout=60)
+
+
+def test_six_concurrent_takers_give_one_winner(tmp_path: Path) -> None:
+    for _ in range(2):
+        procs = _takers(tmp_path, 6)
+        try:
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            answers = [p.stdout.readline().strip() for p in procs]  # type: ignore[union-attr]
+        finally:
+            for p in procs:
+                p.communicate("", timeout=60)
+        assert sum(a.startswith("won") for a in answers) == 1, answers
+        assert read_lease(tmp_path, "e1") is None  # the winner released it at exit
 
 
 _CONTENDER = """

@@ -4,18 +4,24 @@ receivers often run as another uid (the Docker image runs as uid 10001)."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from asyncsync import Publisher, fsio
-from asyncsync.format.acks import write_ack
+from asyncsync.format.acks import read_acks, write_ack
 from asyncsync.publish.retention import RetentionPolicy
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import mixed_state, mutate
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -72,3 +78,85 @@ def test_fsio_primitives_set_the_mode_on_the_descriptor(tmp_path: Path, umask_07
         assert stat.S_IMODE((tmp_path / p).stat().st_mode) == 0o644, p
     for p in (d, d.parent, tmp_path / "acks"):
         assert stat.S_IMODE(p.stat().st_mode) == 0o755, p
+
+
+# -- issue 20: an engine, and a receiver, running as another user than the trainer -------------
+
+NOBODY = 65534  # nobody:nogroup
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory every uid can traverse (pytest's tmp_path lies under a 0700 directory)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another uid")
+    d = Path(tempfile.mkdtemp(prefix="asyncsync-uid-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _as_nobody(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``module.main(args)`` in a process running as nobody:nogroup (tests/as_user.py)."""
+    argv = [sys.executable, "-m", "tests.as_user", str(NOBODY), str(NOBODY), module, *args]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+async def test_an_engine_running_as_another_user_reads_the_checkpoint(
+    shared_tmp: Path, umask_077: None
+) -> None:
+    """(issue 20, failure 2) The checkpoint's data files are 0644 like its index, whatever the
+    receiver's umask: an inference server under another uid (a non-root container, systemd's
+    DynamicUser, k8s runAsUser) reads them with safetensors."""
+    root, ckpt = shared_tmp / "root", shared_tmp / "ckpt"
+    sd = mixed_state(0)
+    async with Publisher(root, bucket_bytes=8192, keyframe_interval=2) as pub:
+        await pub.seed(sd)
+        for i in range(1, 4):  # deltas (files patched in place) and a keyframe (new files)
+            sd = mutate(sd, 0.05, seed=i)
+            await pub.publish(sd)
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e1", use_inotify=False) as agent:
+        assert await agent.sync_once() == 3
+    for p in ckpt.iterdir():
+        if p.name.endswith(".safetensors"):
+            assert stat.S_IMODE(p.stat().st_mode) == 0o644, p
+    r = _as_nobody("tests.read_checkpoint", str(ckpt))
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) == len(sd)
+
+
+def _receiver_as_nobody(root: Path, ckpt: Path) -> subprocess.CompletedProcess[str]:
+    return _as_nobody("receiver.cli", "--root", str(root), "--engine-id", "e1",
+                      "--checkpoint", str(ckpt), "--once", "--force-polling")  # fmt: skip
+
+
+async def test_a_receiver_under_another_uid_is_told_what_to_make_writable(shared_tmp: Path) -> None:
+    """(issue 20, failure 4) A receiver under another uid than the trainer: a clear error
+    naming acks/ and leases/ and the command that fixes it; after `asyncsync prepare --group`
+    it syncs and acknowledges."""
+    from asyncsync.ops.cli import main as cli
+
+    root, ckpt = shared_tmp / "root", shared_tmp / "ckpt"
+    sd = mixed_state(0)
+    async with Publisher(root, bucket_bytes=8192) as pub:
+        await pub.seed(sd)
+    ckpt.mkdir()
+    os.chown(ckpt, NOBODY, NOBODY)
+    r = _receiver_as_nobody(root, ckpt)
+    assert r.returncode == 1
+    err = " ".join(r.stderr.split())
+    assert f"uid {NOBODY}" in err and "cannot write" in err, err
+    assert f"{root}/acks/" in err and f"{root}/leases/" in err
+    assert f"asyncsync prepare {root} --group GROUP" in err
+    assert not (root / "leases").exists() and not (root / "acks").exists()
+    assert not (ckpt / ".asyncsync").exists()  # refused before the engine was touched
+    assert cli(["prepare", str(root), "--group", str(NOBODY)]) == 0
+    for d in ("acks", "leases"):
+        st = (root / d).stat()
+        assert st.st_gid == NOBODY and stat.S_IMODE(st.st_mode) == 0o2775
+    r = _receiver_as_nobody(root, ckpt)
+    assert r.returncode == 0, r.stderr
+    assert "holds version 0" in r.stdout
+    assert read_acks(root)["e1"].version == 0

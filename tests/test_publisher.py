@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -86,14 +87,24 @@ async def test_keyframes_by_interval_and_request(tmp_path: Path) -> None:
     assert {s.role for s in m3.shards} == {"delta", "full"}
 
 
-async def test_schema_change_publishes_full(tmp_path: Path) -> None:
+async def test_schema_change_publishes_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sd = mixed_state(0)
     async with Publisher(tmp_path) as pub:
         await pub.seed(sd)
         sd2 = dict(sd)
         sd2["new.tensor"] = torch.ones(3)
-        r = await pub.publish(sd2)
+        gone, retyped = sorted(sd)[:2]
+        del sd2[gone]
+        sd2[retyped] = sd[retyped].double().reshape(-1)
+        with caplog.at_level(logging.WARNING, logger="asyncsync"):
+            r = await pub.publish(sd2)
     assert r.kind == "full" and r.base_version is None
+    # (issue 20, operator) a WARNING naming what changed
+    (msg,) = [r.getMessage() for r in caplog.records if "tensor set changed" in r.getMessage()]
+    assert "added: new.tensor" in msg and f"removed: {gone}" in msg
+    assert f"re-typed: {retyped} {sd[retyped].dtype}" in msg and "torch.float64" in msg
 
 
 async def test_one_publisher_per_root(tmp_path: Path) -> None:
@@ -485,3 +496,61 @@ def test_delta_shard_blob_is_a_safetensors_file(sizes: list[int]) -> None:
     assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in loaded.values())
     got = shards.parse_shard(data, where="x", version=7, run_id="ab" * 8, role="delta")
     assert {k: t.numpy().tobytes() for k, t in got.items()} == blobs
+
+
+def _hf_cache_snapshot(cache: Path, sd: dict[str, torch.Tensor]) -> Path:
+    """A Hugging Face cache layout: snapshots/<rev>/<file> are relative symlinks to blobs/."""
+    repo = cache / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    names = sorted(sd)
+    half = len(names) // 2
+    weight_map = {}
+    for k, part in enumerate((names[:half], names[half:]), 1):
+        f = f"model-{k:05d}-of-00002.safetensors"
+        blob = repo / "blobs" / f"{k:064x}"
+        safetensors.torch.save_file({n: sd[n].contiguous() for n in part}, blob)
+        (snap / f).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+        weight_map.update(dict.fromkeys(part, f))
+    index = repo / "blobs" / f"{9:064x}"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (snap / "model.safetensors.index.json").symlink_to(Path("..") / ".." / "blobs" / index.name)
+    return snap
+
+
+async def test_seed_from_a_hugging_face_cache_snapshot_references_the_blobs(
+    tmp_path: Path,
+) -> None:
+    """(issue 20, failure 3) A snapshot's files are symlinks, which receivers refuse as shards:
+    the base version references the blobs they point to, and receivers sync it bit-exact."""
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+    from tests.conftest import same_bytes
+
+    sd = mixed_state(0)
+    snap = _hf_cache_snapshot(tmp_path / "hub", sd)
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed(snap)
+        sd2 = mutate(sd, 0.05, seed=1)
+        await pub.publish(sd2)
+    m = read_manifest(root, 0)
+    assert m.shard_dir == str((tmp_path / "hub" / "models--org--tiny" / "blobs").resolve())
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "ck"), "e1", use_inotify=False)
+    async with agent:
+        assert await agent.sync_once() == 1
+        held = agent.engine.load_state_dict()  # type: ignore[attr-defined]
+    assert all(same_bytes(held[k], v.contiguous()) for k, v in sd2.items())
+
+
+async def test_seed_from_a_checkpoint_missing_a_file_names_it_and_commits_nothing(
+    tmp_path: Path,
+) -> None:
+    snap = _hf_cache_snapshot(tmp_path / "hub", mixed_state(0))
+    next(p for p in snap.iterdir() if p.name.startswith("model-00002")).resolve().unlink()
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        with pytest.raises(ConfigError, match=r"model-00002-of-00002.safetensors is named by the"):
+            await pub.seed(snap)
+    assert list_versions(root) == []

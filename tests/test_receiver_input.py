@@ -118,3 +118,70 @@ def test_a_missing_root_is_refused_by_once_and_logged_by_the_daemon(
     assert any("does not exist (yet); waiting" in r.getMessage() for r in caplog.records)
     assert receiver_main([*argv, "--once"]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_directory_that_is_not_a_root_is_refused_before_anything_is_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(issue 20, failure 6) --root pointing at another engine's checkpoint (or any directory
+    that no publisher writes) exits 1 saying so; nothing is created in it, nor the checkpoint."""
+    other = tmp_path / "other-engine"
+    (other / ".asyncsync").mkdir(parents=True)
+    (other / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 16)
+    (other / "config.json").write_text("{}")
+    before = sorted(p.name for p in other.rglob("*"))
+    ckpt = tmp_path / "ckpt"
+    for extra in (["--once"], []):
+        argv = ["--root", str(other), "--engine-id", "e1", "--checkpoint", str(ckpt), *extra]
+        assert receiver_main(argv) == 1
+        err = capsys.readouterr().err
+        assert "is not an asyncsync root" in err and "config.json" in err, err
+        assert sorted(p.name for p in other.rglob("*")) == before
+        assert not ckpt.exists()
+    # an empty directory is a root the publisher has not opened yet: nothing is created in it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert receiver_main(["--root", str(empty), "--engine-id", "e1", "--checkpoint", str(ckpt),
+                          "--once"]) == 0  # fmt: skip
+    assert "holds no version" in capsys.readouterr().out
+    assert list(empty.iterdir()) == []
+
+
+def test_usage_is_checked_before_the_engine_is_opened(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    root = tmp_path / "root"
+    root.mkdir()
+    ckpt = tmp_path / "ckpt"
+    base = ["--root", str(root), "--engine-id", "e1", "--checkpoint", str(ckpt)]
+    # --status-port with --once: a usage error, not ignored
+    assert receiver_main([*base, "--once", "--status-port", "0"]) == 2
+    assert "--once" in capsys.readouterr().err
+    # a short control token: refused before the engine is opened
+    monkeypatch.setenv("ASYNCSYNC_RECEIVER_TOKEN", "short")
+    assert receiver_main([*base, "--status-port", "0"]) == 1
+    assert "at least 16 characters" in capsys.readouterr().err
+    assert not ckpt.exists()
+    monkeypatch.delenv("ASYNCSYNC_RECEIVER_TOKEN")
+    # a status port in use: refused before the engine is opened
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert receiver_main([*base, "--status-port", str(port)]) == 1
+    assert f"--status-port {port}" in capsys.readouterr().err
+    assert not ckpt.exists()
+    # sizes as SyncConfig takes them; errors as JSON with --log-format json
+    assert (
+        build_parser().parse_args([*base, "--apply-group-bytes", "1MiB"]).apply_group_bytes
+        == 1 << 20
+    )
+    assert receiver_main([*base, "--log-format", "json", "--apply-group-bytes", "lots"]) == 2
+    doc = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert doc["level"] == "ERROR" and "lots" in doc["msg"]
+    assert receiver_main([*base, "--log-format", "json", "--status-port", "1",
+                          "--status-host", "256.0.0.1"]) == 1  # fmt: skip
+    doc = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert doc["level"] == "ERROR" and "asyncsync-receiver e1" in doc["logger"]

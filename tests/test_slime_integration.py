@@ -1,5 +1,6 @@
 """The slime updater in one process: versions, acks from real receivers, full-mode weight_v
-views, failures and their metrics, the pre-push hook's timing and Future."""
+views, failures and their metrics; per slime revision, the hook's timing and Future, the
+actor's connect call, gen1's engine reload, gen2a's pre-read hook, engines on several hosts."""
 
 from __future__ import annotations
 
@@ -19,13 +20,17 @@ from asyncsync import AckTimeout, ConfigError, Publisher, PublishError
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.training.slime import (
     AsyncSyncWeightUpdater,
+    NoEngines,
     create_weight_updater,
     sync_config_from_args,
 )
+from asyncsync.training.slime import reload as slime_reload
+from asyncsync.training.slime.reload import engine_hosts
 from receiver import ReceiverAgent
 from receiver.engines import TorchModule
 from tests.conftest import same_bytes
 from tests.slime_stubs import rules
+from tests.slime_stubs.fake_slime import EngineCore, LocalHandle
 
 
 @pytest.fixture(autouse=True)
@@ -203,38 +208,188 @@ def test_ack_timeout_still_advances_the_version_and_leaves_metrics(tmp_path: Pat
     assert read_manifest(tmp_path / "root", 1).totals.changed == 0
 
 
-def test_gen1_pre_push_hook_waits_for_its_future_and_skips_the_seed(tmp_path: Path) -> None:
+# ------------------------------------------------------ per revision (issue 25: 1, 4, 6)
+
+
+@pytest.mark.parametrize("mode", ["full", "delta"])
+@pytest.mark.parametrize("gen", rules.GENS)
+def test_hook_runs_once_every_file_of_the_version_is_written(
+    tmp_path: Path, gen: str, mode: str
+) -> None:
+    """slime calls its hook after every file of the version is written, with the directory
+    the engines read, where its updater of that mode calls it; a Future is waited on."""
+    contract = rules.HOOKS[gen]
     provider = FakeProvider()
     log = tmp_path / "hooks.jsonl"
+    extra = {"update_weight_local_checkpoint_dir": "/l"} if mode == "delta" else {}
+    hook = "tests.slime_stubs.hooks." + ("deferred" if contract["future"] else "record")
+    args = slime_args(tmp_path, gen, update_weight_mode=mode, **{contract["flag"]: hook}, **extra)
+    args.hook_log = str(log)
+    with create_weight_updater(
+        args, None, provider.state_dict, model_name="m", quantization_config=None,
+        engine_link=NoEngines(),
+    ) as updater:  # fmt: skip
+        updater.connect_rollout_engines(["a", "b"], None)
+        for _ in range(3):
+            updater.update_weights()
+            provider.step()
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    if mode not in contract["modes"]:
+        assert calls == []  # as slime: that mode's updater never calls it
+        return
+    want = []
+    for v in range(3):  # every version, the seed included (it is a version here)
+        want.append((f"v{v:012d}", True, 2))
+        if mode == "full":
+            want.append((f"weight_v{v + 1:06d}", True, 2))
+    assert [(c["version_dir"], c["committed"], c["engines"]) for c in calls] == want
+    assert all("manifest.json" in c["files"] for c in calls if c["version_dir"][0] == "v")
+
+
+def test_slime_hook_and_pre_commit_hook_may_both_be_set(tmp_path: Path) -> None:
     args = slime_args(
         tmp_path,
         "gen1",
         update_weight_mode="delta",
         update_weight_local_checkpoint_dir="/l",
-        custom_delta_pre_push_path="tests.slime_stubs.hooks.deferred",
-        asyncsync_receivers="none",
+        custom_delta_pre_push_path="tests.slime_stubs.hooks.record",
     )
-    args.hook_log = str(log)
+    args.hook_log = str(tmp_path / "hooks.jsonl")
+    env = {"ASYNCSYNC_PRE_COMMIT_HOOK": "os.path:exists"}
+    with AsyncSyncWeightUpdater(
+        args, None, dict, model_name="m", quantization_config=None,
+        config=sync_config_from_args(args, environ=env), engine_link=NoEngines(),
+    ) as updater:  # fmt: skip
+        assert updater.config.pre_commit_hook == "os.path:exists"
+
+
+@pytest.mark.parametrize("gen", rules.GENS)
+def test_connect_takes_what_each_revision_passes(tmp_path: Path, gen: str) -> None:
+    values = {
+        "engine_gpu_counts": [1, 1],
+        "engine_gpu_offsets": [0, 1],
+        "all_engine_actors": ["a", "b"],
+        "engine_parallel_configs": [{}, {}],
+    }
+    args = slime_args(tmp_path, gen, update_weight_start_version=4)
+    with create_weight_updater(
+        args, None, dict, model_name="m", quantization_config=None
+    ) as updater:
+        # slime's actor: build, (gen2a/gen2) set the start version, connect with its keywords
+        if rules.ACTOR_SETS_START_VERSION[gen]:
+            updater.weight_version = args.update_weight_start_version
+        updater.connect_rollout_engines(
+            ["a", "b"], None, **{k: values[k] for k in rules.CONNECT_KWARGS[gen]}
+        )
+        assert updater.weight_version == 4 and updater.rollout_engines == ["a", "b"]
+
+
+def test_gen1_full_with_slimes_own_flags_reloads_the_engines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slime 90c212b5c's full disk updater reloads the engines from weight_v itself: with
+    slime's flags only, asyncsync does the same through the engines' handles."""
+    monkeypatch.setattr(slime_reload, "_get", list)  # in-process handles (Ray: test_slime_actor)
+    root = tmp_path / "root"
+    args = argparse.Namespace(
+        **vars(
+            rules.namespace(
+                "gen1", update_weight_transport="disk", update_weight_disk_dir=str(root)
+            )
+        )
+    )
+    provider = FakeProvider()
+    cores = [EngineCore(), EngineCore()]
     with create_weight_updater(
         args, None, provider.state_dict, model_name="m", quantization_config=None
     ) as updater:
-        updater.connect_rollout_engines(["a", "b"], None)
+        updater.connect_rollout_engines([LocalHandle(c) for c in cores], None, [1, 1], [0, 1])
+        for version in (1, 2):
+            updater.update_weights()
+            assert updater.weight_version == version
+            view = root / f"weight_v{version:06d}"
+            for core in cores:
+                calls = core.recorded()[-4:]
+                assert [name for name, _ in calls] == [
+                    *rules.FULL_RELOAD_CALLS, "continue_generation",
+                ]  # fmt: skip
+                assert calls[2][1] == {"model_path": str(view), "weight_version": str(version)}
+                loaded = core.loaded()
+                assert all(same_bytes(loaded[k], t) for k, t in provider.model.state_dict().items())
+            assert not view.exists()  # slime removes it once the engines reloaded it
+            assert updater.pop_metrics()["perf/update_weights_reload_ms"] > 0
+            provider.step()
+
+
+def test_gen2a_pre_read_hook_runs_on_every_engine_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slime_reload, "_get", list)
+    provider = FakeProvider()
+    args = slime_args(
+        tmp_path,
+        "gen2a",
+        update_weight_mode="delta",
+        update_weight_local_checkpoint_dir="/l",
+        custom_delta_pre_read_path="tests.slime_stubs.hooks.pre_read",
+        update_weight_start_version=3,
+    )
+    hosts = [LocalHandle(EngineCore()), LocalHandle(EngineCore())]
+    with create_weight_updater(
+        args, None, provider.state_dict, model_name="m", quantization_config=None,
+        engine_link=NoEngines(),
+    ) as updater:  # fmt: skip
+        updater.connect_rollout_engines(hosts, None, [1, 1], [0, 1], all_engine_actors=hosts)
         for _ in range(3):
             updater.update_weights()
             provider.step()
-    calls = [json.loads(line) for line in log.read_text().splitlines()]
-    # not at the seed (v0); the Future resolved before the commit (no manifest yet when it ran)
-    assert [(c["version_dir"], c["committed"], c["engines"]) for c in calls] == [
-        ("v000000000001", False, 2),
-        ("v000000000002", False, 2),
-    ]
-    env = {"ASYNCSYNC_PRE_COMMIT_HOOK": "os.path:join"}
-    with pytest.raises(ConfigError, match="both set; keep one"):
-        AsyncSyncWeightUpdater(
-            args,
-            None,
-            dict,
-            model_name="m",
-            quantization_config=None,
-            config=sync_config_from_args(args, environ=env),
-        )
+    log = Path(str(tmp_path / "root") + ".pre_read.jsonl")
+    versions = [json.loads(line)["target_version"] for line in log.read_text().splitlines()]
+    assert versions == [3, 3, 4, 4, 5, 5]  # slime's weight_version, once per host
+
+
+def test_engines_on_several_hosts_are_never_half_updated(tmp_path: Path) -> None:
+    """slime passes node-0 handles only (except gen2a's all_engine_actors): an engine that
+    spans hosts needs a receiver on each, and a reload only once all hold the version."""
+    args = slime_args(
+        tmp_path, "gen2", update_weight_mode="delta", update_weight_local_checkpoint_dir="/l"
+    )
+    args.num_gpus_per_node = 8
+    for receivers, why in (("sidecar", "reload their server"), ("ray", "only its node-0 actor")):
+        args.asyncsync_receivers = receivers
+        u = create_weight_updater(args, None, dict, model_name="m", quantization_config=None)
+        with u, pytest.raises(ConfigError, match=f"engine 1 spans several hosts .*{why}"):
+            u.connect_rollout_engines(["e0", "e1"], None, [8, 16], [0, 8])
+    hosts = engine_hosts(
+        ["a", "b"], gpu_counts=[8, 16], gpus_per_node=8, all_engine_actors=["a", "b", "b1"]
+    )
+    assert hosts == [["a"], ["b", "b1"]]
+    assert engine_hosts(["a"], gpu_counts=None, gpus_per_node=8, all_engine_actors=None) == [["a"]]
+    uniform = engine_hosts(["a", "b"], gpu_counts=None, gpus_per_node=8, all_engine_actors="aAbB")
+    assert uniform == [["a", "A"], ["b", "B"]]
+    for counts, actors in (([8, 8], ["a", "b", "b1"]), (None, ["a", "b", "b1"])):
+        with pytest.raises(ConfigError, match="cannot be told"):
+            engine_hosts(["a", "b"], gpu_counts=counts, gpus_per_node=8, all_engine_actors=actors)
+
+
+def boom(args: Any, version_dir: str, rollout_engines: list[Any]) -> None:
+    raise OSError("the object store is down")
+
+
+def test_a_failing_hook_fails_the_call_and_the_committed_version_counts(tmp_path: Path) -> None:
+    provider = FakeProvider()
+    args = slime_args(
+        tmp_path,
+        "gen2",
+        update_weight_mode="full",
+        custom_update_weight_post_write_path="tests.test_slime_integration.boom",
+    )
+    with create_weight_updater(
+        args, None, provider.state_dict, model_name="m", quantization_config=None,
+        engine_link=NoEngines(),
+    ) as updater:  # fmt: skip
+        with pytest.raises(OSError, match="object store is down"):
+            updater.update_weights()
+        assert updater.weight_version == 1  # v0 is committed: slime's counter advanced too
+        m = updater.pop_metrics()
+        assert m["perf/update_weights_failed"] == 1 and m["perf/update_weights_version"] == 0

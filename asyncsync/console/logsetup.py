@@ -12,9 +12,18 @@ import json
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["LOG_FORMATS", "LOG_LEVELS", "JsonFormatter", "add_logging_arguments", "setup_logging"]
+__all__ = [
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "CliParser",
+    "JsonFormatter",
+    "add_logging_arguments",
+    "print_error",
+    "setup_logging",
+    "sniff_log_format",
+]
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -72,3 +81,35 @@ def add_logging_arguments(
         help=argparse.SUPPRESS if hidden
         else "text, or json: one JSON object per log record (default text)",
     )  # fmt: skip
+
+
+def sniff_log_format(argv: list[str]) -> str:
+    """The ``--log-format`` given in ``argv`` (before it is parsed: for errors of parsing)."""
+    fmt = "text"
+    for i, a in enumerate(argv):
+        if a == "--log-format" and i + 1 < len(argv):
+            fmt = argv[i + 1]
+        elif a.startswith("--log-format="):
+            fmt = a.partition("=")[2]
+    return fmt if fmt in LOG_FORMATS else "text"
+
+
+def print_error(prog: str, message: str, fmt: str = "text") -> None:
+    """The one error line a command prints before it exits: text, or a JSON log record."""
+    if fmt == "json":
+        record = logging.LogRecord(prog, logging.ERROR, "", 0, message, None, None)
+        print(JsonFormatter().format(record), file=sys.stderr, flush=True)
+    else:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors follow ``--log-format`` (set ``log_format``)."""
+
+    log_format = "text"
+
+    def error(self, message: str) -> NoReturn:
+        if CliParser.log_format == "json":
+            print_error(self.prog, message, "json")
+            self.exit(2)
+        super().error(message)

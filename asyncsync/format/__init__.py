@@ -33,13 +33,15 @@ tensor sliced across ranks); readers accept versions 1 and 2.
 
 from __future__ import annotations
 
+from typing import Any
+
 from asyncsync.format.acks import AckRecord
 from asyncsync.format.entries import DeltaRef, FullRef, ShardInfo, TensorEntry, TensorPart
 from asyncsync.format.manifest import Manifest, Totals, fingerprint
 from asyncsync.format.names import (
     ACKS_DIR,
     DEFAULT_ENCODING,
-    DTYPES,
+    DTYPE_SIZES,
     ENCODINGS,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -64,6 +66,7 @@ __all__ = [
     "ACKS_DIR",
     "DEFAULT_ENCODING",
     "DTYPES",
+    "DTYPE_SIZES",
     "ENCODINGS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -92,3 +95,11 @@ __all__ = [
     "version_dir",
     "version_dir_name",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # {name: torch.dtype}: torch is imported on first use only
+        from asyncsync.format import names
+
+        return names.DTYPES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
 import xxhash
 
 from asyncsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ALGORITHMS",
@@ -66,6 +68,8 @@ def checksum_bytes(data: bytes | bytearray | memoryview, algorithm: str = DEFAUL
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, row-major, as a memoryview (copied to CPU / contiguous if needed)."""
+    import torch  # reading a root needs no torch: imported on first use
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -143,5 +147,5 @@ def entry_checksum(
 ) -> str:
     """The checksum a manifest entry records for a tensor whose complete bytes are ``data``
     (a tensor, or its row-major bytes), for plain entries and entries in parts alike."""
-    raw = tensor_bytes(data) if isinstance(data, torch.Tensor) else data
+    raw = data if isinstance(data, bytes | bytearray | memoryview) else tensor_bytes(data)
     return layout_checksum(raw, entry.torch_dtype.itemsize, entry.layout, algorithm)

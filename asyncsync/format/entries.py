@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, is_dataclass
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync.errors import ManifestError
 from asyncsync.format.fields import _dict, _get, _hex, _int, _str
 from asyncsync.format.names import (
     _MAX_INT,
     _MAX_RANK,
+    DTYPE_SIZES,
     MAX_SHARD_BYTES,
+    check_dtype_name,
     check_file_name,
     dtype_from_name,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DeltaRef", "FullRef", "ShardInfo", "TensorEntry", "TensorPart"]
 
@@ -147,7 +150,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
+        return self.numel * DTYPE_SIZES[self.dtype]
 
     def to_dict(self) -> dict[str, Any]:
         d = _plain(self)
@@ -166,7 +169,7 @@ class TensorEntry:
             raise ManifestError(f"{where}: empty tensor name")
         where = f"{where} ({name!r})"
         dtype = _get(d, "dtype", str, where)
-        dtype_from_name(dtype)
+        check_dtype_name(dtype)
         shape_raw = _get(d, "shape", list, where)
         if len(shape_raw) > _MAX_RANK or not all(
             isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_INT for s in shape_raw

@@ -2,26 +2,31 @@
 
 Acks are keyed by engine id, so two receivers that share an id (a copied config, a second
 pod) would overwrite each other's ack and retention would protect neither. A receiver
-therefore holds its id's *lease* while it runs (FORMAT.md section 7.1):
+therefore holds its id's *lease* while it runs (FORMAT.md section 7.1). The algorithm needs no
+``link()``, no ``rename`` that refuses to replace and no ``O_EXCL`` that excludes across hosts:
+object-store filesystems (rclone, gcsfuse, s3fs) have none of them. It needs only that a file
+written through one mount shows in every mount's listing within a bound, the *settle* time:
 
-* **take** it by writing a temp file and ``link``-ing it to the lease name: ``link`` fails
-  when the name exists, on every host, because it is an exact-path operation (it does not
-  depend on a cached listing, and is the classic NFS lock-file primitive). A lost reply is
-  detected by the temp file's link count;
-* **renew** it (the heartbeat) by replacing the file atomically every ``ttl / 3`` seconds,
-  after checking that it still names this holder;
-* a lease is **stale** when its file's mtime is older than its ``ttl`` on the *filesystem's*
-  clock (:func:`asyncsync.fsio.fs_now`: the hosts' clocks are never compared), or when it
-  names this host and a process that is gone (a receiver restarted after ``kill -9`` takes its
-  id back at once). A stale lease is taken over by ``rename``-ing it aside first: only one
-  contender's rename of that exact path succeeds, and the winner checks that what it moved is
-  the stale record it judged before it creates its own;
-* a lease file that cannot be read (empty, truncated, garbage, another format: outside damage,
-  or a filesystem that showed the name before its data) is judged like a holder that stopped
-  heartbeating: it is refused with :class:`~asyncsync.errors.LockHeld` naming the file while
-  its mtime is younger than this receiver's own ``ttl`` (the file cannot say its own), and taken
-  over the same way once older; the winner checks that what it moved is that same file;
-* **release** removes the file if it still names this holder.
+* **claim**: a taker writes ``leases/<engine_id>.<owner>.claim`` (its record), waits ``settle``
+  seconds, then lists the claims of the id. Another live claim means a concurrent taker (or
+  the holder): it withdraws its claim, backs off a random time and tries again (when all the
+  rivals it sees have greater owners it first waits one more settle for them to withdraw). Of
+  two claims written at any times, the later taker's listing shows the earlier one (it waited
+  at least the filesystem's visibility delay), so no two takers both see themselves alone;
+* **install**: the taker that saw no rival writes the lease ``<engine_id>.json``: exclusively
+  (``link``) where the filesystem has ``link`` and the name is free, replacing a stale one
+  otherwise. It keeps its claim while it holds the id;
+* **heartbeat** (:meth:`EngineLease.renew`, every ``ttl / 3`` s): rewrite the claim and the
+  lease after checking that the lease still names this holder;
+* a record (lease or claim) is **stale** when its file's mtime is older than its ``ttl`` on the
+  *filesystem's* clock (:func:`asyncsync.fsio.fs_now`), or when it was written by a process of
+  this kernel boot and this pid namespace that is gone (same ``boot_id`` and ``pid_ns``; a pid
+  equal to ours with another process ``nonce`` is a previous life, e.g. a restarted container's
+  pid 1). Records of another boot or pid namespace (containers sharing a hostname, each its
+  receiver as pid 1) are judged by their heartbeat only;
+* a lease or claim file that cannot be read is honoured as a live holder's for ``ttl`` after
+  its mtime (the file cannot say its own ttl), then taken over;
+* **release** removes the lease if it still names this holder, and the claim.
 
 Blocking functions: async callers use ``asyncio.to_thread``.
 """
@@ -29,25 +34,32 @@ Blocking functions: async callers use ``asyncio.to_thread``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import random
+import re
 import secrets
 import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from asyncsync.errors import LockHeld, ManifestError
+from asyncsync.errors import ConfigError, LockHeld, ManifestError
 from asyncsync.format.fields import _float, _int, _load_json, _str
 from asyncsync.format.names import LEASES_DIR, check_engine_id
 from asyncsync.fsio import TMP_PREFIX, atomic_write, fs_now, make_dir, read_bytes
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
+    "NETWORK_SETTLE",
     "EngineLease",
     "LeaseRecord",
     "UnreadableLease",
+    "claim_path",
+    "default_settle",
+    "filesystem_type",
     "inspect_lease",
     "lease_path",
     "read_lease",
@@ -57,12 +69,77 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LEASE_FORMAT = "asyncsync-lease"
+LEASE_FORMAT_VERSION = 2  # 2 added boot_id, pid_ns, nonce and the claims; 1 is still read
 DEFAULT_LEASE_TTL = 30.0
-_HELD: set[str] = set()  # owners of the leases this process holds
+NETWORK_SETTLE = 5.0  # the default settle on a network or FUSE filesystem (FORMAT.md 7.1)
+CLAIM_SUFFIX = ".claim"
+# Filesystems of this kernel only: a write is visible to every reader at once (settle 0).
+LOCAL_FILESYSTEMS = frozenset(
+    {
+        "ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "zfs", "f2fs", "overlay",
+        "bcachefs", "jfs", "reiserfs", "nilfs2", "hfsplus", "vfat", "exfat", "ntfs", "ntfs3",
+    }
+)  # fmt: skip
+_HELD: set[str] = set()  # owners of the leases this process holds or is taking
+_NONCE = secrets.token_hex(8)  # this process; a forked child draws its own
+
+
+def _after_fork() -> None:
+    global _NONCE
+    _NONCE = secrets.token_hex(8)
+    _HELD.clear()  # a child holds none of its parent's leases
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _read_proc(path: str, link: bool = False) -> str:
+    try:
+        return (os.readlink(path) if link else Path(path).read_text()).strip()[:64]
+    except OSError:
+        return ""
+
+
+def _boot_id() -> str:
+    return _read_proc("/proc/sys/kernel/random/boot_id")
+
+
+def _pid_ns() -> str:
+    return _read_proc("/proc/self/ns/pid", link=True)
 
 
 def lease_path(root: Path, engine_id: str) -> Path:
     return root / LEASES_DIR / f"{check_engine_id(engine_id)}.json"
+
+
+def claim_path(root: Path, engine_id: str, owner: str) -> Path:
+    return root / LEASES_DIR / f"{check_engine_id(engine_id)}.{owner}{CLAIM_SUFFIX}"
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """The type of the filesystem holding ``path`` (``ext4``, ``nfs4``, ``fuse.rclone``...)."""
+    target = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: " "
+        inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):
+            best, kind = mnt, right.split()[0]
+    return kind
+
+
+def default_settle(path: str | os.PathLike[str]) -> float:
+    """0 on a filesystem of this kernel; :data:`NETWORK_SETTLE` on NFS, FUSE and the rest."""
+    return 0.0 if filesystem_type(path) in LOCAL_FILESYSTEMS else NETWORK_SETTLE
 
 
 @dataclass(frozen=True)
@@ -74,9 +151,12 @@ class LeaseRecord:
     ttl: float
     acquired_at: float  # the holder's clock: for people only
     heartbeat_at: float  # the holder's clock: for people only; staleness uses the file's mtime
+    boot_id: str = ""  # the holder's kernel boot (empty: unknown, e.g. a version 1 record)
+    pid_ns: str = ""  # the holder's pid namespace, e.g. "pid:[4026531836]"
+    nonce: str = ""  # random per holder process: tells a previous life with the same pid
 
     def to_json(self) -> bytes:
-        d = {"format": LEASE_FORMAT, "format_version": 1, **asdict(self)}
+        d = {"format": LEASE_FORMAT, "format_version": LEASE_FORMAT_VERSION, **asdict(self)}
         return (json.dumps(d) + "\n").encode()
 
     @classmethod
@@ -84,6 +164,7 @@ class LeaseRecord:
         d = _load_json(data, where)
         if d.get("format") != LEASE_FORMAT:
             raise ManifestError(f"{where}: not an asyncsync lease")
+        opt = {k: _str(d, k, where, 64) for k in ("boot_id", "pid_ns", "nonce") if k in d}
         return cls(
             engine_id=check_engine_id(d.get("engine_id")),
             owner=_str(d, "owner", where, 64),
@@ -92,6 +173,7 @@ class LeaseRecord:
             ttl=_float(d, "ttl", where),
             acquired_at=_float(d, "acquired_at", where),
             heartbeat_at=_float(d, "heartbeat_at", where),
+            **opt,
         )
 
     def describe(self) -> str:
@@ -105,7 +187,10 @@ class UnreadableLease:
     path: Path
     mtime: float
     reason: str
-    ident: tuple[int, int]  # (st_ino, st_mtime_ns): the takeover moves this very file only
+    ident: tuple[int, int]  # (st_ino, st_mtime_ns)
+
+    def describe(self) -> str:
+        return f"the unreadable file {self.path} ({self.reason})"
 
 
 def _read_lease_file(path: Path) -> tuple[LeaseRecord, float] | UnreadableLease | None:
@@ -171,6 +256,10 @@ def _pid_alive(pid: int) -> bool:
 class EngineLease:
     """The lease of one engine id, held by one agent (see the module docstring).
 
+    ``settle``: seconds a taker waits between writing its claim and reading the others'; at
+    least the time a file written through another host's mount takes to show in this one's
+    listing. None: :func:`default_settle` of the root's filesystem.
+
     Example::
 
         lease = EngineLease(root, "node3-gpu0")
@@ -179,14 +268,28 @@ class EngineLease:
         lease.release()
     """
 
-    def __init__(self, root: Path, engine_id: str, *, ttl: float = DEFAULT_LEASE_TTL):
+    def __init__(
+        self,
+        root: Path,
+        engine_id: str,
+        *,
+        ttl: float = DEFAULT_LEASE_TTL,
+        settle: float | None = None,
+    ):
         if ttl <= 0:
             raise ValueError(f"lease ttl must be > 0, got {ttl}")
+        if settle is not None and not 0 <= settle * 4 <= ttl:
+            raise ConfigError(
+                f"lease settle {settle:g}s must be between 0 and a quarter of the lease ttl "
+                f"({ttl:g}s): a claim must stay fresh while its taker settles"
+            )
         self.root = Path(root)
         self.engine_id = check_engine_id(engine_id)
         self.path = lease_path(self.root, engine_id)
         self.ttl = ttl
+        self.settle = settle
         self.owner = secrets.token_hex(8)
+        self.claim = claim_path(self.root, engine_id, self.owner)
         self.held = False
         self._acquired_at = 0.0
 
@@ -197,74 +300,179 @@ class EngineLease:
         now = time.time()
         return LeaseRecord(
             self.engine_id, self.owner, socket.gethostname(), os.getpid(), self.ttl,
-            self._acquired_at or now, now,
+            self._acquired_at or now, now, _boot_id(), _pid_ns(), _NONCE,
         )  # fmt: skip
 
+    def _age(self, mtime: float) -> float:
+        return fs_now(self.path.parent) - mtime
+
     def stale(self, rec: LeaseRecord, mtime: float) -> bool:
-        if rec.host == socket.gethostname():
-            if rec.pid == os.getpid():  # this process: live if one of its leases holds it
-                return rec.owner not in _HELD  # else a previous life (a container's pid 1)
+        if rec.boot_id and rec.pid_ns and (rec.boot_id, rec.pid_ns) == (_boot_id(), _pid_ns()):
+            # the same kernel boot and pid namespace: its pid means the same process as ours
+            if rec.pid == os.getpid():
+                if rec.nonce != _NONCE:
+                    return True  # a previous life with our pid (a restarted container's pid 1)
+                return rec.owner not in _HELD  # this process: live if one of its leases has it
             if not _pid_alive(rec.pid):
-                return True  # this host's holder is gone (kill -9): free at once
-        return fs_now(self.path.parent) - mtime > rec.ttl
+                return True  # the holder is gone (kill -9): free at once
+        return self._age(mtime) > rec.ttl
+
+    def _live(self, found: tuple[LeaseRecord, float] | UnreadableLease | None) -> bool:
+        """Whether a lease or claim read from the root belongs to a live holder other than us."""
+        if found is None:
+            return False
+        if isinstance(found, UnreadableLease):  # honoured for our ttl after its last write
+            return self._age(found.mtime) <= self.ttl
+        rec, mtime = found
+        return rec.owner != self.owner and not self.stale(rec, mtime)
+
+    def _refuse_if_held(self) -> tuple[LeaseRecord, float] | UnreadableLease | None:
+        """Read the lease; LockHeld when a live holder (or a fresh unreadable file) has it."""
+        found = _read_lease_file(self.path)
+        if not self._live(found):
+            return found
+        if isinstance(found, UnreadableLease):
+            age = self._age(found.mtime)
+            raise LockHeld(
+                f"engine id {self.engine_id!r}: the lease file {self.path} is unreadable "
+                f"({found.reason}), last written {max(age, 0.0):.0f}s ago; it is honoured as a "
+                f"live receiver's lease until it is {self.ttl:g}s old, then taken over: retry "
+                f"in {self.ttl - age:.0f}s, or remove it if no receiver of this id runs"
+            )
+        assert found is not None
+        rec, mtime = found
+        raise LockHeld(
+            f"engine id {self.engine_id!r} is in use by the receiver on {rec.describe()}, "
+            f"last heartbeat {max(self._age(mtime), 0.0):.0f}s ago (a lease goes stale after "
+            f"{rec.ttl:g}s): give this receiver another --engine-id, or stop that one"
+        )
+
+    def settle_seconds(self) -> float:
+        if self.settle is None:
+            self.settle = min(default_settle(self.path.parent), self.ttl / 4)
+            if self.settle:
+                logger.info(
+                    "engine id %s: %s is on a %s filesystem: the lease is taken after a %gs "
+                    "settle (--lease-settle)", self.engine_id, self.path.parent,
+                    filesystem_type(self.path.parent) or "unknown", self.settle,
+                )  # fmt: skip
+        return self.settle
 
     def acquire(self) -> None:
         """Take the lease, or raise LockHeld naming the live holder (or the unreadable file)."""
         make_dir(self.path.parent, parents=True, exist_ok=True)
+        settle = self.settle_seconds()
         self._acquired_at = time.time()
-        for _ in range(8):
-            if self._create():
+        deadline = time.monotonic() + self.ttl + 4 * settle + 1  # a silent claim goes stale
+        _HELD.add(self.owner)  # our claim is live to the other leases of this process
+        try:
+            self._take(settle, deadline)
+        except BaseException:
+            if not self.held:  # refused, or interrupted while taking: leave no claim behind
+                _HELD.discard(self.owner)
+                self._withdraw()
+            raise
+
+    def _take(self, settle: float, deadline: float) -> None:
+        while True:
+            self._refuse_if_held()
+            atomic_write(self.claim, self._record().to_json())
+            time.sleep(settle)
+            rivals = self._rival_claims()
+            if rivals and all(owner > self.owner for owner in rivals):
+                # rivals with greater owners yield to ours: give them a settle to withdraw
+                time.sleep(settle + 0.01)
+                rivals = self._rival_claims()
+            if not rivals:
+                try:
+                    self._install()
+                except BaseException:
+                    self._withdraw()
+                    raise
                 self.held = True
-                _HELD.add(self.owner)
+                with contextlib.suppress(OSError):  # housekeeping: never fails a take
+                    self._remove_stale_claims()
                 logger.debug("engine id %s: lease taken (%s)", self.engine_id, self.path)
                 return
-            found = _read_lease_file(self.path)
-            if found is None:
-                continue  # released meanwhile: try again
-            if isinstance(found, UnreadableLease):
-                self._take_over_unreadable(found)
-                continue
-            rec, mtime = found
-            if rec.owner == self.owner:
-                self.held = True
-                _HELD.add(self.owner)
-                return
-            if not self.stale(rec, mtime):
-                age = fs_now(self.path.parent) - mtime
+            self._withdraw()
+            self._refuse_if_held()  # the rival may be the holder
+            if time.monotonic() > deadline:
+                rival = next(iter(rivals.values()))
                 raise LockHeld(
-                    f"engine id {self.engine_id!r} is in use by the receiver on {rec.describe()}, "
-                    f"last heartbeat {max(age, 0.0):.0f}s ago (a lease goes stale after "
-                    f"{rec.ttl:g}s): give this receiver another --engine-id, or stop that one"
+                    f"engine id {self.engine_id!r}: another receiver is taking it at the same "
+                    f"time ({rival.describe()}); give this receiver another --engine-id, or "
+                    "stop that one"
                 )
-            logger.warning(
-                "engine id %s: taking over the stale lease of %s", self.engine_id, rec.describe()
-            )
-            self._remove_stale(rec)
-        raise LockHeld(f"engine id {self.engine_id!r}: could not take {self.path} (contended)")
+            time.sleep(random.uniform(2 * settle, 3 * settle) + random.uniform(0.005, 0.05))
 
-    def _take_over_unreadable(self, bad: UnreadableLease) -> None:
-        """Move an unreadable lease aside once its mtime is older than this lease's ttl.
+    def _claims(self) -> list[Path]:
+        """The claim files of this engine id, by listing ``leases/`` (names only)."""
+        prefix = f"{self.engine_id}."
+        try:
+            names = os.listdir(self.path.parent)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            if name.startswith(prefix) and name.endswith(CLAIM_SUFFIX):
+                owner = name[len(prefix) : -len(CLAIM_SUFFIX)]
+                if "." not in owner:  # "<id>.<x>.<owner>.claim" is another id's claim
+                    out.append(self.path.parent / name)
+        return out
 
-        The file cannot say its holder nor its ttl, so it is honoured as a live holder's lease
-        for ``self.ttl`` after its last write (a holder rewrites it at its next heartbeat).
-        """
-        age = fs_now(self.path.parent) - bad.mtime
-        if age <= self.ttl:
-            raise LockHeld(
-                f"engine id {self.engine_id!r}: the lease file {self.path} is unreadable "
-                f"({bad.reason}), last written {max(age, 0.0):.0f}s ago; it is honoured as a "
-                f"live receiver's lease until it is {self.ttl:g}s old, then taken over: retry "
-                f"in {self.ttl - age:.0f}s, or remove it if no receiver of this id runs"
-            )
-        logger.warning(
-            "engine id %s: taking over the unreadable lease %s (%s, %.0fs old)",
-            self.engine_id, self.path, bad.reason, age,
-        )  # fmt: skip
-        self._remove_stale(bad)
+    def _rival_claims(self) -> dict[str, LeaseRecord | UnreadableLease]:
+        """The live claims of other takers, by owner ("" for an unreadable one)."""
+        out: dict[str, LeaseRecord | UnreadableLease] = {}
+        for path in self._claims():
+            if path == self.claim:
+                continue
+            found = _read_lease_file(path)
+            if isinstance(found, UnreadableLease):
+                if self._live(found):
+                    out[""] = found  # sorts first: we yield to it
+            elif found is not None and self._live(found):
+                out[found[0].owner] = found[0]
+        return out
 
-    def _create(self) -> bool:
+    def _withdraw(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.claim)
+
+    def _remove_stale_claims(self) -> None:
+        """Claims left by takers that died (kill -9 while holding or taking): removed."""
+        for path in self._claims():
+            found = _read_lease_file(path)
+            if path != self.claim and found is not None and not self._live(found):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+    def _install(self) -> None:
+        """Write the lease of the claim that saw no rival: exclusively where the name is free
+        and the filesystem has ``link``, else replacing it (a stale lease, or no ``link``)."""
+        found = self._refuse_if_held()
+        data = self._record().to_json()
+        if found is None:
+            if self._create(data):
+                return
+            # Created meanwhile although our claim saw no rival: a filesystem whose listing
+            # lags the settle (NFS attribute caches). The exclusive create kept one holder.
+            found = self._refuse_if_held()
+            if found is None:
+                raise LockHeld(
+                    f"engine id {self.engine_id!r}: {self.path} exists but cannot be read yet "
+                    "(another receiver took it at the same time); retry in a few seconds"
+                )
+        if not isinstance(found, UnreadableLease) and found[0].owner == self.owner:
+            atomic_write(self.path, data)
+            return
+        what = found.describe() if isinstance(found, UnreadableLease) else found[0].describe()
+        logger.warning("engine id %s: taking over the stale lease of %s", self.engine_id, what)
+        atomic_write(self.path, data)
+
+    def _create(self, data: bytes) -> bool:
+        """Create the lease where none is: False when another was created first."""
         tmp = self.path.with_name(f"{TMP_PREFIX}{self.path.name}.{secrets.token_hex(6)}")
-        atomic_write(tmp, self._record().to_json(), sync_dir=False)
+        atomic_write(tmp, data, sync_dir=False)
         try:
             os.link(tmp, self.path)
             return True
@@ -272,51 +480,38 @@ class EngineLease:
             with contextlib.suppress(OSError):
                 return os.stat(tmp).st_nlink == 2  # the link was made, its reply was lost
             return False
+        except OSError as exc:  # no link() here (rclone: EIO, gcsfuse: ENOSYS, s3fs: EPERM)
+            logger.debug("engine id %s: link() failed (%s): rename", self.engine_id,
+                         errno.errorcode.get(exc.errno or 0, exc))  # fmt: skip
+            os.replace(tmp, self.path)  # the claims made this taker the only one
+            return True
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
-    def _remove_stale(self, judged: LeaseRecord | UnreadableLease) -> None:
-        """Move the lease judged stale aside and remove it; put back anything else moved."""
-        aside = self.path.with_name(f"{TMP_PREFIX}stale.{self.path.name}.{secrets.token_hex(6)}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return  # another contender moved it first
-        moved = _read_lease_file(aside)
-        if isinstance(judged, UnreadableLease):
-            # the very file judged: same inode, not written since (else a lease taken meanwhile)
-            same = isinstance(moved, UnreadableLease) and moved.ident == judged.ident
-        else:
-            same = not isinstance(moved, tuple) or moved[0].owner == judged.owner
-        if not same:
-            # we moved a lease taken after we judged the old one stale: put it back
-            with contextlib.suppress(OSError):
-                os.link(aside, self.path)
-        with contextlib.suppress(OSError):
-            os.unlink(aside)
-
     def renew(self) -> None:
-        """The heartbeat: rewrite the lease. Raises LockHeld when another receiver took it."""
+        """The heartbeat: rewrite claim and lease. LockHeld when another receiver took it."""
         found = _read_lease_file(self.path)
         if found is None:  # removed from outside: take it again
             self.held = False
+            _HELD.discard(self.owner)
             self.acquire()
             return
         if isinstance(found, UnreadableLease):  # damaged from outside: ours until it went stale
             logger.warning("engine id %s: rewriting the unreadable lease %s (%s)",
                            self.engine_id, self.path, found.reason)  # fmt: skip
-            atomic_write(self.path, self._record().to_json())
-            return
-        rec, _ = found
-        if rec.owner != self.owner:
+        elif found[0].owner != self.owner:
             self.held = False
             _HELD.discard(self.owner)
+            self._withdraw()
             raise LockHeld(
-                f"engine id {self.engine_id!r}: the lease was taken over by {rec.describe()} "
-                "(this receiver's heartbeat was late by more than the lease ttl)"
+                f"engine id {self.engine_id!r}: the lease was taken over by "
+                f"{found[0].describe()} (this receiver's heartbeat was late by more than the "
+                "lease ttl)"
             )
-        atomic_write(self.path, self._record().to_json())
+        data = self._record().to_json()
+        atomic_write(self.claim, data)
+        atomic_write(self.path, data)
 
     def release(self) -> None:
         if not self.held:
@@ -327,3 +522,4 @@ class EngineLease:
         if found is not None and found[0].owner == self.owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+        self._withdraw()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from asyncsync.errors import ManifestError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_NAME = "asyncsync"
 FORMAT_VERSION = 2  # what this asyncsync writes
@@ -33,37 +36,60 @@ _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{8,128}$")
 
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
+# The dtypes a manifest may name and their sizes in bytes. The torch dtypes (DTYPES) are
+# built on first use: reading a root (the CLIs, the lease) never imports torch.
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_SIZES}
+
+
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in _torch_dtypes().items()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # {name: torch.dtype}, imported on first use
+        return _torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return _DTYPE_NAMES[dtype]
+        return _dtype_names()[dtype]
     except KeyError:
         raise ManifestError(
-            f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}"
+            f"dtype {dtype} is not supported; supported: {', '.join(DTYPE_SIZES)}"
         ) from None
 
 
+def check_dtype_name(name: object) -> str:
+    """A dtype name a manifest may carry (no torch needed)."""
+    if not isinstance(name, str) or name not in DTYPE_SIZES:
+        raise ManifestError(f"unknown dtype {name!r}; supported: {', '.join(DTYPE_SIZES)}")
+    return name
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except (KeyError, TypeError):
-        raise ManifestError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+    return _torch_dtypes()[check_dtype_name(name)]
 
 
 # --------------------------------------------------------------------------- paths

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncsync.errors import ManifestError
+from asyncsync.errors import ConfigError, ManifestError
 from asyncsync.format import (
+    ACKS_DIR,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -26,13 +27,17 @@ from asyncsync.format import (
     manifest_path,
     parse_version_dir,
 )
-from asyncsync.fsio import atomic_write, read_bytes
+from asyncsync.format.names import LEASES_DIR
+from asyncsync.fsio import DIR_MODE, atomic_write, make_dir, read_bytes
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
     "RootInfo",
     "ensure_root_info",
+    "foreign_entries",
+    "is_root",
     "list_versions",
+    "prepare_shared_dirs",
     "ManifestCache",
     "read_manifest",
     "read_root_info",
@@ -89,6 +94,47 @@ def ensure_root_info(root: Path) -> RootInfo:
     )
     atomic_write(root / ROOT_INFO_NAME, (json.dumps(info, indent=1) + "\n").encode())
     return info
+
+
+def is_root(root: Path) -> bool:
+    """Whether ``root`` is an asyncsync root: it has ``asyncsync.json`` or a committed version."""
+    return (root / ROOT_INFO_NAME).exists() or bool(list_versions(root))
+
+
+# What a root may hold before its publisher first opened it: the directories receivers write
+# (or an operator pre-made for them, `asyncsync prepare`), hidden files, a volume's lost+found.
+_BEFORE_FIRST_PUBLISH = frozenset({ACKS_DIR, LEASES_DIR, "lost+found"})
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """Entries of a directory that is not (yet) a root that no publisher writes: a non-empty
+    list means ``root`` is some other directory (another engine's checkpoint, a typo)."""
+    try:
+        names = sorted(os.listdir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [n for n in names if not n.startswith(".") and n not in _BEFORE_FIRST_PUBLISH]
+
+
+def prepare_shared_dirs(root: Path, group: str | int) -> list[Path]:
+    """Make ``ROOT/acks/`` and ``ROOT/leases/`` writable for ``group`` (receivers running as
+    other uids than the publisher): created if missing, given the group, mode ``2775``
+    (group-writable, new files inherit the group). The root is created (``0755``) if missing.
+    """
+    import grp
+
+    try:
+        gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"no group named {group!r} on this host (give a name or a gid)") from None
+    make_dir(root, parents=True, exist_ok=True)
+    out = []
+    for name in (ACKS_DIR, LEASES_DIR):
+        d = make_dir(root / name, exist_ok=True)
+        os.chown(d, -1, gid)
+        os.chmod(d, DIR_MODE | 0o2020)  # 2775
+        out.append(d)
+    return out
 
 
 def list_versions(root: Path) -> list[int]:

@@ -372,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"done in {time.perf_counter() - t0:.1f}s")
     if temp and ok and not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
-        print(f"removed {workdir} (use --keep to keep it)")
+        print(f"removed {workdir} (keep it with --keep: `make demo DEMO_ARGS=--keep`)")
     else:
         print(f"kept {workdir}: inspect it with `asyncsync inspect {workdir / 'shared'}`")
     print(message, flush=True)

@@ -17,7 +17,7 @@ from asyncsync.errors import ConfigError
 from asyncsync.format import FullRef, ShardInfo, TensorEntry, check_file_name, dtype_name
 from asyncsync.format.checksum import checksum_file, checksum_tensor
 
-__all__ = ["checkpoint_files", "scan_checkpoint"]
+__all__ = ["checkpoint_files", "resolve_files", "scan_checkpoint"]
 
 
 def checkpoint_files(path: Path) -> list[str]:
@@ -40,18 +40,51 @@ def checkpoint_files(path: Path) -> list[str]:
     return files
 
 
+def resolve_files(path: Path, files: list[str]) -> tuple[Path, list[str]]:
+    """The one directory the files of ``path`` really are in, and their names there.
+
+    A Hugging Face cache snapshot (``.../snapshots/<rev>/``) holds symlinks into ``../../blobs/``;
+    receivers refuse symlinked shards, so a root references the blobs themselves. Refused, with
+    what to do, before anything is committed: a named file that is missing or not a regular
+    file, or files that resolve into several directories.
+    """
+    dirs, names = set(), []
+    for f in files:
+        p = path / f
+        try:
+            real = p.resolve(strict=True)
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(
+                f"{p} is named by the checkpoint but cannot be read ({exc.__class__.__name__}: "
+                f"{exc}): complete the download, or fix {path / 'model.safetensors.index.json'}"
+            ) from None
+        if not real.is_file():
+            raise ConfigError(f"{p} is not a regular file ({real}): seed from safetensors files")
+        dirs.add(real.parent)
+        names.append(check_file_name(real.name, "checkpoint file name"))
+    if len(dirs) > 1:
+        raise ConfigError(
+            f"the files of {path} resolve into several directories ({', '.join(map(str, dirs))}): "
+            "a version's shards are in one directory; copy the checkpoint into one (e.g. "
+            "`huggingface-cli download REPO --local-dir DIR`) and seed from that"
+        )
+    return dirs.pop(), names
+
+
 def scan_checkpoint(
     path: Path, algorithm: str
-) -> tuple[list[ShardInfo], list[TensorEntry], dict[str, torch.Tensor]]:
-    """Checksum a checkpoint's files and tensors: (full shards, tensor entries, the tensors)."""
+) -> tuple[list[ShardInfo], list[TensorEntry], dict[str, torch.Tensor], Path]:
+    """Checksum a checkpoint's files and tensors: (full shards, tensor entries, the tensors,
+    the directory the shards are in: ``path``, or the blobs a snapshot's symlinks point to)."""
     shards, entries, tensors = [], [], {}
-    for i, f in enumerate(checkpoint_files(path)):
-        digest, size = checksum_file(path / f, algorithm)
+    shard_dir, names = resolve_files(path, checkpoint_files(path))
+    for i, f in enumerate(names):
+        digest, size = checksum_file(shard_dir / f, algorithm)
         shards.append(ShardInfo(f, "full", size, digest))
         try:
-            loaded = safetensors.torch.load_file(path / f)
+            loaded = safetensors.torch.load_file(shard_dir / f)
         except Exception as exc:  # safetensors raises its own error types
-            raise ConfigError(f"{path / f} is not a readable safetensors file: {exc}") from exc
+            raise ConfigError(f"{shard_dir / f} is not a readable safetensors file: {exc}") from exc
         for name, t in loaded.items():
             if name in tensors:
                 raise ConfigError(f"{path}: tensor {name!r} appears in two files")
@@ -66,4 +99,4 @@ def scan_checkpoint(
                     full=FullRef(i, name),
                 )
             )
-    return shards, entries, tensors
+    return shards, entries, tensors, shard_dir

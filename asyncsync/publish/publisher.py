@@ -386,6 +386,10 @@ class Publisher:
         assert self._snapshot is not None
         return dict(slices) == self._slices and snapshot.same_schema(self._snapshot, state_dict)
 
+    def schema_changes(self, state_dict: Mapping[str, torch.Tensor]) -> str:
+        assert self._snapshot is not None
+        return snapshot.schema_changes(self._snapshot, state_dict)
+
     def set_round(self, run_id: str, next_version: int) -> None:
         self._run_id, self._next_version = run_id, next_version
 
@@ -578,13 +582,22 @@ class Publisher:
         t0 = time.perf_counter()
         created = time.time()
         try:
-            shards, entries, tensors = await asyncio.to_thread(scan_checkpoint, path, self.checksum)
+            shards, entries, tensors, shard_dir = await asyncio.to_thread(
+                scan_checkpoint, path, self.checksum
+            )
         except AsyncSyncError:
             raise
         except Exception as exc:
             raise ConfigError(f"cannot register checkpoint {path}: {exc!r}") from exc
         manifest = self._manifest(
-            version, tuple(entries), tuple(shards), 0, created, False, True, shard_dir=str(path)
+            version,
+            tuple(entries),
+            tuple(shards),
+            0,
+            created,
+            False,
+            True,
+            shard_dir=str(shard_dir),
         )
         stage = ["mkdir"]
         try:

@@ -90,6 +90,7 @@ class PublisherView(Protocol):
     def same_schema(
         self, state_dict: Mapping[str, torch.Tensor], slices: Mapping[str, TensorSlice]
     ) -> bool: ...
+    def schema_changes(self, state_dict: Mapping[str, torch.Tensor]) -> str: ...
     def set_round(self, run_id: str, next_version: int) -> None: ...
     def adopt(self, a: Attempt) -> None: ...
 
@@ -158,7 +159,10 @@ class SoloCommitter:
         if not pub.has_snapshot:
             raise PublishError("nothing published by this publisher yet: call seed() first")
         if not pub.same_schema(state_dict, sl):
-            logger.info("tensor names, dtypes or shapes changed: publishing a full version")
+            logger.warning(
+                "v%d: the tensor set changed (%s): publishing a full version; receivers "
+                "re-initialise from it", version, pub.schema_changes(state_dict),
+            )  # fmt: skip
             return Round(version, delta=False, full=True, slices=sl)
         due = pub.keyframe_interval > 0 and version % pub.keyframe_interval == 0
         return Round(version, delta=True, full=keyframe or due, slices=sl)

@@ -45,6 +45,28 @@ def same_schema(snap: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch
     )
 
 
+def schema_changes(
+    snap: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor], limit: int = 8
+) -> str:
+    """What differs between the snapshot's tensors and ``state_dict``'s, for people: the added,
+    removed and re-typed (dtype or shape) names, at most ``limit`` of each."""
+
+    def some(names: list[str]) -> str:
+        more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+        return ", ".join(names[:limit]) + more
+
+    added = sorted(k for k in state_dict if k not in snap)
+    removed = sorted(k for k in snap if k not in state_dict)
+    retyped = [
+        f"{k} {snap[k].dtype}{list(snap[k].shape)} -> {t.dtype}{list(t.shape)}"
+        for k, t in sorted(state_dict.items())
+        if k in snap and (t.dtype != snap[k].dtype or tuple(t.shape) != tuple(snap[k].shape))
+    ]
+    parts = [f"{what}: {some(names)}" for what, names in
+             (("added", added), ("removed", removed), ("re-typed", retyped)) if names]  # fmt: skip
+    return "; ".join(parts) or "the tensors' slices across ranks"
+
+
 def bucket_items(
     bucket: Sequence[int],
     names: Sequence[str],

@@ -29,7 +29,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -264,21 +264,28 @@ class SyncSession:
         return self.config.start_version + (version - self._seed_version)
 
     def publish(
-        self, weights: Weights, *, keyframe: bool = False, step: int | None = None
+        self,
+        weights: Weights,
+        *,
+        keyframe: bool = False,
+        committed: Callable[[PublishResult], object] | None = None,
+        step: int | None = None,
     ) -> SyncStep:
         """Seed (first call) or publish the next version, then wait per the ack policy.
 
         ``weights`` is a state dict or an iterable of ``(name, tensor)``; tensors may live on
-        any device and must not change until this returns. Raises
-        :class:`~asyncsync.errors.AckTimeout` when engines fall too far behind: the version
-        is committed regardless (see :attr:`version`). ``step``: the training step, which the
-        ranks of a multi-rank publisher meet by (:meth:`Publisher.publish
-        <asyncsync.publish.publisher.Publisher.publish>`).
+        any device and must not change until this returns. ``committed(result)``, when given,
+        runs (in a worker thread) once the version is committed and before the ack wait, e.g.
+        to flush a filesystem so that the engines can see the version; what it raises is
+        raised here. Raises :class:`~asyncsync.errors.AckTimeout` when engines fall too far
+        behind. Either way the version is committed regardless (see :attr:`version`). ``step``:
+        the training step, which the ranks of a multi-rank publisher meet by
+        (:meth:`Publisher.publish <asyncsync.publish.publisher.Publisher.publish>`).
         """
         state_dict = collect_state_dict(weights)
         with self._lock:
             loop = self._require_loop()
-            return loop.run(self._publish(state_dict, keyframe, step))
+            return loop.run(self._publish(state_dict, keyframe, committed, step))
 
     def abstain(self, reason: Exception, *, step: int | None = None) -> NoReturn:
         """This rank cannot publish this step: fail the round on every rank of the group, then
@@ -328,7 +335,11 @@ class SyncSession:
         return self._loop
 
     async def _publish(
-        self, state_dict: dict[str, torch.Tensor], keyframe: bool, step: int | None
+        self,
+        state_dict: dict[str, torch.Tensor],
+        keyframe: bool,
+        committed: Callable[[PublishResult], object] | None = None,
+        step: int | None = None,
     ) -> SyncStep:
         seeded = self._seed_version is None
         async with ProgressWatcher(lambda: self._publisher.progress, unit="bucket"):
@@ -339,6 +350,8 @@ class SyncSession:
             else:
                 result = await self._publisher.publish(state_dict, keyframe=keyframe, step=step)
         self._last_result = result
+        if committed is not None:
+            await asyncio.to_thread(committed, result)
         assert self._gate is not None
         ack = await self._gate.wait(result.version)
         done = SyncStep(result, ack, self.weight_version(result.version), seeded)

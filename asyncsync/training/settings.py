@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +19,7 @@ from asyncsync.codec import ENCODINGS
 from asyncsync.errors import ConfigError, ManifestError
 from asyncsync.format import check_engine_id
 from asyncsync.format.checksum import ALGORITHMS
+from asyncsync.fsio import parse_size
 from asyncsync.publish.hooks import check_import_path
 
 __all__ = ["FIELD_SPECS", "FieldSpec", "parse_size", "parse_value"]
@@ -27,35 +27,6 @@ __all__ = ["FIELD_SPECS", "FieldSpec", "parse_size", "parse_value"]
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _NONE = frozenset({"", "none", "null"})
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: ``4096``, ``32MiB``, ``1.5G`` (K/M/G/T = 1024^n, KB/MB/... = 1000^n)."""
-    m = _SIZE_RE.match(text.replace("_", ""))
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; write e.g. 33554432, 32MiB or 1G")
-    value = float(m.group(1)) * _UNITS[unit]
-    if value != int(value):
-        raise ValueError(f"{text!r} is not a whole number of bytes")
-    return int(value)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ the version the engine holds (``None`` when it holds nothing yet); it changes on
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from asyncsync.codec import Patch
 from asyncsync.format import Manifest, TensorEntry
 
-__all__ = ["Engine", "EngineState", "TensorUpdate"]
+__all__ = ["AuditReport", "Engine", "EngineState", "TensorUpdate"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,25 @@ class TensorUpdate:
     def __post_init__(self) -> None:
         if (self.patch is None) == (self.full is None):
             raise ValueError("a TensorUpdate carries exactly one of patch or full")
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What an engine found comparing the bytes it *serves* with a manifest's checksums.
+
+    ``checked``: tensors compared; ``mismatched``: those whose served bytes differ;
+    ``skipped``: tensors it could not compare, each with the reason (an audit that skips
+    everything proves nothing, and says so); ``how``: the method, for the operator."""
+
+    version: int
+    checked: int
+    mismatched: tuple[str, ...] = ()
+    skipped: dict[str, str] = field(default_factory=dict)
+    how: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched
 
 
 class Engine(abc.ABC):
@@ -94,6 +113,15 @@ class Engine(abc.ABC):
     async def reconcile(self) -> None:  # noqa: B027 - optional hook
         """Called when there is no newer version to apply: bring a server that lost the
         version held (restarted) back to it."""
+
+    async def audit(self, manifest: Manifest) -> AuditReport | None:
+        """Compare the bytes the engine serves now with ``manifest`` (the version it holds);
+        None: this engine cannot tell (``receiver.audit``). Never changes the weights."""
+        return None
+
+    async def repair(self) -> None:  # noqa: B027 - optional hook
+        """After an audit found served bytes that differ: load the held version again in
+        full, from where it is kept (not from what the engine serves)."""
 
     def info(self) -> dict[str, Any] | None:
         """Engine-specific facts for ``/status`` (None: nothing to add)."""

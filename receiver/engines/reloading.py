@@ -87,6 +87,9 @@ class ReloadingEngine(Engine, abc.ABC):
     """
 
     kind: ClassVar[str] = "engine"
+    #: a reload the server answered with an error may have left its weights half-loaded (vLLM's
+    #: layerwise reload leaves layers on the meta device): not ready until a reload succeeds
+    failed_load_leaves_weights_unknown: ClassVar[bool] = False
     #: a GET endpoint that answers once the server is up (``open`` waits for it)
     ready_path: ClassVar[str] = "/health"
 
@@ -130,6 +133,7 @@ class ReloadingEngine(Engine, abc.ABC):
         self._retry_at = 0.0
         self._last_failure: str | None = None
         self._lost = False  # the server dropped a call or reported another version: reconcile
+        self._weights_unknown: str | None = None  # why the served weights cannot be trusted
         self._background: set[asyncio.Task[Any]] = set()
 
     def __repr__(self) -> str:
@@ -146,6 +150,11 @@ class ReloadingEngine(Engine, abc.ABC):
     @abc.abstractmethod
     async def _load(self, version: int) -> None:
         """Reload the weights from ``model_path`` and label them ``str(version)``."""
+
+    async def _load_full(self, version: int) -> None:
+        """Like :meth:`_load`, but every tensor (a repair): servers whose reload may load
+        only some tensors override it."""
+        await self._load(version)
 
     @abc.abstractmethod
     async def _resume(self) -> None:
@@ -174,13 +183,18 @@ class ReloadingEngine(Engine, abc.ABC):
 
     def info(self) -> dict[str, Any]:
         """What ``/status`` shows about the server (subclasses add to it)."""
-        return {"kind": self.kind, "url": str(self.client.url), "server_lost": self._lost}
+        return {
+            "kind": self.kind,
+            "url": str(self.client.url),
+            "server_lost": self._lost,
+            "weights_unknown": self._weights_unknown,
+        }
 
     async def serving_version(self) -> int | None:
         """The version the server serves now: ``state.version`` when the server reports it,
         else None (restarted, down, or behind); a mismatch marks the server lost, so the next
         sync reconciles it."""
-        if self.state.version is None:
+        if self.state.version is None or self._weights_unknown is not None:
             return None
         try:
             label = await self._guard(self._served())
@@ -222,6 +236,18 @@ class ReloadingEngine(Engine, abc.ABC):
             self._check_backoff(held)
             await self._reload_server(held)
         self._lost = False
+
+    async def repair(self) -> None:
+        """Reload the held version into the server in full (after a failed audit)."""
+        held = self.state.version
+        if held is None or self.checkpoint.state.version != held:
+            raise ApplyFailed(
+                f"{self.kind}: cannot repair: the checkpoint holds "
+                f"v{self.checkpoint.state.version}, the server should serve v{held}"
+            )
+        logger.warning("%s at %s: reloading v%s in full", self.kind, self.client.url, held)
+        self._failures, self._retry_at = 0, 0.0  # an audit's repair is not a retried update
+        await self._reload_server(held, full=True)
 
     async def _wait_for_server(self) -> None:
         logger.info("%s at %s: waiting for the server to answer", self.kind, self.client.url)
@@ -354,29 +380,39 @@ class ReloadingEngine(Engine, abc.ABC):
         await self._set_state(self.checkpoint.state)
 
     # -- the server protocol -----------------------------------------------------------------
-    async def _reload_server(self, version: int) -> None:
+    async def _reload_server(self, version: int, *, full: bool = False) -> None:
         """pause -> load -> resume (always, even on failure or cancellation) -> confirm."""
         t0 = time.perf_counter()
         if self._lost:
             await self._wait_for_server()
+        loading = False
         try:
             failed = True
             try:
                 await self._guard(self._pause())
-                await self._guard(self._load(version + self.version_offset))
+                load = self._load_full if full else self._load
+                loading = True
+                await self._guard(load(version + self.version_offset))
                 failed = False
             finally:
                 await self._resume_always(failed)
             await self._confirm(version)
-        except EngineHTTPError as exc:
-            if exc.status is None:  # no answer: the server may have died (or be restarting)
-                self._lost = True
-            self._failed()
-            raise
-        except ApplyFailed:
+        except ApplyFailed as exc:
+            if isinstance(exc, EngineHTTPError) and exc.status is None:
+                self._lost = True  # no answer: the server may have died (or be restarting)
+            if loading and failed and self.failed_load_leaves_weights_unknown:
+                self._weights_unknown = f"the reload of v{version} failed: {exc}"[:300]
+                logger.error(
+                    "%s at %s: the reload of v%s failed; what the server serves is unknown "
+                    "(not ready) until a reload succeeds",
+                    self.kind,
+                    self.client.url,
+                    version,
+                )
             self._failed()
             raise
         self._lost = False
+        self._weights_unknown = None
         self._failures, self._retry_at, self._last_failure = 0, 0.0, None
         logger.info(
             "%s at %s loaded v%s in %.2fs",

@@ -37,7 +37,7 @@ from asyncsync.codec import Patch, apply_patch, int_view
 from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
 from asyncsync.format import Manifest, TensorEntry
 from asyncsync.format.checksum import entry_checksum, layout_checksum, tensor_bytes
-from receiver.engines.base import Engine, EngineState, TensorUpdate
+from receiver.engines.base import AuditReport, Engine, EngineState, TensorUpdate
 from receiver.state import (
     PersistedState,
     StateStore,
@@ -149,6 +149,22 @@ class TorchModule(Engine):
 
     async def bump(self, manifest: Manifest) -> None:
         await self._run(self._bump, manifest)
+
+    async def audit(self, manifest: Manifest) -> AuditReport:
+        """The module's live bytes against ``manifest``'s checksums (``receiver.audit``)."""
+        return await self._run(self._audit, manifest)
+
+    def _audit(self, manifest: Manifest) -> AuditReport:
+        tensors = self.tensors()
+        bad, skipped = [], {}
+        for e in manifest.tensors:
+            t = tensors.get(e.name)
+            if t is None:
+                skipped[e.name] = "the module has no such tensor"
+            elif entry_checksum(e, t, manifest.checksum_algorithm) != e.checksum:
+                bad.append(e.name)
+        checked = len(manifest.tensors) - len(skipped)
+        return AuditReport(manifest.version, checked, tuple(bad), skipped, "the module's bytes")
 
     # -- plumbing -----------------------------------------------------------------------------
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:

@@ -4,7 +4,9 @@ vLLM exposes its weight-update endpoints only with ``VLLM_SERVER_DEV_MODE=1``. v
 ``reload_weights`` re-reads the directory the server was started from, so start it with
 ``--model <checkpoint_dir>`` (the directory holds ``config.json`` and the tokenizer files too;
 the receiver only manages the weight files and their index). ``open`` checks that the served
-model's root is that directory. For each version::
+model's root is that directory, and resumes generation (a receiver killed between pause and
+resume leaves the server paused, with a label that may already be right). For each
+version::
 
     POST /pause?mode=abort
     POST /collective_rpc        {"method": "reload_weights"}
@@ -15,21 +17,38 @@ model's root is that directory. For each version::
 A zero-diff version is ``POST /update_weight_version`` alone. ``pause_mode="abort"`` (the
 default) aborts in-flight requests and clears vLLM's prefix cache, so no KV computed with the
 old weights survives; ``keep`` and ``wait`` are available for callers that accept otherwise.
+A reload the server answers with an error leaves its weights unknown (0.32 leaves layers on
+the meta device under the old label): not ready until a reload succeeds.
+
+The served-bytes audit (:meth:`VLLM.audit`, ``receiver.audit``) needs the worker extension:
+start vLLM with ``--worker-extension-cls receiver.plugins.vllm_worker.AsyncSyncWorkerExtension``
+(asyncsync installed in vLLM's environment); it is called as ``POST /collective_rpc
+{"method": "asyncsync_served_checksums"}`` and answers the checksum of the bytes each HF
+tensor is served from (``receiver.plugins.vllm_worker`` says how, and why vLLM's own
+``/weight_checker`` cannot tell on its CPU build).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any, ClassVar, Literal
 
+import safetensors
+
 from asyncsync.errors import ApplyFailed, ConfigError
+from asyncsync.format import Manifest
+from asyncsync.format.checksum import entry_checksum
+from receiver.engines.base import AuditReport
 from receiver.engines.http_engine import EngineHTTPError, RetryPolicy, Timeouts
 from receiver.engines.reloading import ReloadingEngine
+from receiver.plugins.vllm_worker import audit_spec, canonical_zeros
 
 __all__ = ["VLLM"]
 
 VLLMPauseMode = Literal["abort", "wait", "keep"]
 _MODES: tuple[VLLMPauseMode, ...] = ("abort", "wait", "keep")
+AUDIT_METHOD = "asyncsync_served_checksums"
 
 
 class VLLM(ReloadingEngine):
@@ -44,6 +63,8 @@ class VLLM(ReloadingEngine):
     """
 
     kind: ClassVar[str] = "vllm"
+    #: seen on 0.32: a refused reload_weights leaves layers on the meta device
+    failed_load_leaves_weights_unknown: ClassVar[bool] = True
     ready_path: ClassVar[str] = "/health"
 
     def __init__(
@@ -74,8 +95,11 @@ class VLLM(ReloadingEngine):
         )
         self.pause_mode = pause_mode
         self.check_model_root = check_model_root
+        self.audit_unsupported: str | None = None  # why the server cannot be audited
 
     async def _check_server(self) -> None:
+        # a receiver killed between pause and resume leaves vLLM paused: clear it
+        await self._resume()
         if not self.check_model_root:
             return
         models = await self.client.request("GET", "/v1/models", timeout=self.timeouts.control)
@@ -131,3 +155,71 @@ class VLLM(ReloadingEngine):
             )
         v = info.get("weight_version")
         return None if v is None else str(v)
+
+    async def audit(self, manifest: Manifest) -> AuditReport | None:
+        """The served bytes of every tensor against ``manifest`` (the worker extension's
+        read-back; None when the server has no worker extension)."""
+        spec = audit_spec(manifest.tensor_map(), manifest.checksum_algorithm)
+        try:
+            answer = await self.client.request(
+                "POST",
+                "/collective_rpc",
+                json_body={"method": AUDIT_METHOD, "args": [spec], "timeout": self.timeouts.update},
+                timeout=self.timeouts.update,
+                retry_timeouts=False,
+            )
+        except EngineHTTPError as exc:
+            if exc.status is not None and AUDIT_METHOD in (exc.server_message or ""):
+                self.audit_unsupported = (
+                    "the server has no asyncsync worker extension: start vLLM with "
+                    "--worker-extension-cls receiver.plugins.vllm_worker.AsyncSyncWorkerExtension"
+                )
+                return None
+            raise
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+            raise ApplyFailed(f"vllm /collective_rpc {AUDIT_METHOD}: unexpected answer {answer!r}")
+        got = results[0]
+        if "unsupported" in got:
+            self.audit_unsupported = str(got["unsupported"])
+            return None
+        sums: dict[str, str] = got["checksums"]
+        canonical = set(got.get("zero_sign_canonical") or ())
+        skipped = {str(k): str(v) for k, v in (got.get("unmapped") or {}).items()}
+        entries = manifest.tensor_map()
+        expected = {n: entries[n].checksum for n in sums}
+        if canonical:  # read back through a kernel: compare with the checkpoint's bytes so read
+            expected.update(
+                await asyncio.to_thread(
+                    self._canonical_checksums, entries, canonical, manifest.checksum_algorithm
+                )
+            )
+        bad = tuple(sorted(n for n, c in sums.items() if c != expected[n]))
+        how = "vllm worker extension read-back"
+        if canonical:
+            how += f" ({len(canonical)} packed CPU linear weights through their kernel)"
+        return AuditReport(manifest.version, len(sums), bad, skipped, how)
+
+    def _canonical_checksums(
+        self, entries: dict[str, Any], names: set[str], algorithm: str
+    ) -> dict[str, str]:
+        """The checksums of the checkpoint's tensors with ``-0.0`` made ``+0.0``, for the
+        tensors whose served bytes were read back that way; a checkpoint tensor that does not
+        match its manifest checksum gets ``"checkpoint differs"`` (so it reads as mismatched)."""
+        weight_map = self.checkpoint.files.read_index()[1]
+        out: dict[str, str] = {}
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(weight_map[n], []).append(n)
+        for file, group in by_file.items():
+            with safetensors.safe_open(self.checkpoint.directory / file, "pt") as f:
+                for n in group:
+                    t = f.get_tensor(n)
+                    if entry_checksum(entries[n], t, algorithm) != entries[n].checksum:
+                        out[n] = "checkpoint differs"
+                    else:
+                        out[n] = entry_checksum(entries[n], canonical_zeros(t), algorithm)
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "audit_unsupported": self.audit_unsupported}

@@ -120,7 +120,8 @@ def is_complete(env: Path) -> bool:
     return (env / "COMPLETE").is_file() and python_of(env).exists()
 
 
-def _run(cmd: list[str], log: Path, what: str, **kw: Any) -> None:
+def _run(cmd: list[str], log: Path, what: str, *, label: str = "SGLang", **kw: Any) -> None:
+    """Run one build step, its output appended to ``log``; BuildError with the log's tail."""
     t0 = time.monotonic()
     with open(log, "ab") as out:
         out.write(f"\n$ {' '.join(map(str, cmd))}\n".encode())
@@ -129,10 +130,11 @@ def _run(cmd: list[str], log: Path, what: str, **kw: Any) -> None:
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-25:]
         raise BuildError(
-            f"building the SGLang test environment failed at: {what} (exit {proc.returncode}); "
+            f"building the {label} test environment failed at: {what} (exit {proc.returncode}); "
             f"full log: {log}\n" + "\n".join(tail)
         )
-    print(f"[sglang-env] {what}: {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+    tag = f"[{label.lower()}-env]"
+    print(f"{tag} {what}: {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
 def _patch_torchvision(py: Path, log: Path) -> None:
@@ -216,17 +218,22 @@ def _locked(env: Path):  # type: ignore[no-untyped-def]
 
 def ensure() -> Path:
     """The built environment's directory, building it first when it is missing or partial."""
-    env = env_dir()
+    return ensure_built(env_dir(), build, "SGLang", "about 2 minutes")
+
+
+def ensure_built(env: Path, build_fn: Any, label: str, how_long: str) -> Path:
+    """``env`` once complete: built by ``build_fn(env)`` under the lock when it is not."""
     if is_complete(env):
         return env
     with _locked(env):
         if not is_complete(env):  # another process may have built it while we waited
-            print(f"[sglang-env] building {env} (about 2 minutes)", file=sys.stderr, flush=True)
-            build(env)
+            print(f"[{label.lower()}-env] building {env} ({how_long})", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            build_fn(env)
     return env
 
 
-def install_plugin(env: Path, target: Path = PLUGIN_DIR) -> Path:
+def install_plugin(env: Path, target: Path = PLUGIN_DIR, *, label: str = "SGLang") -> Path:
     """Install this checkout (no dependencies: the environment has them) into ``target``,
     which the servers get on PYTHONPATH: SGLang finds the ``sglang.srt.plugins`` entry point
     in its metadata, as it does after ``pip install asyncsync``."""
@@ -249,7 +256,8 @@ def install_plugin(env: Path, target: Path = PLUGIN_DIR) -> Path:
                 str(REPO),
             ],
             log,
-            "asyncsync into build/sglang-plugin",
+            f"asyncsync into build/{target.name}",
+            label=label,
         )
     finally:
         with contextlib.suppress(OSError):
@@ -260,23 +268,28 @@ def install_plugin(env: Path, target: Path = PLUGIN_DIR) -> Path:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return cli(__doc__, label="SGLang", env=env_dir(), ensure_fn=ensure, plugin_dir=PLUGIN_DIR)
+
+
+def cli(doc: str | None, *, label: str, env: Path, ensure_fn: Any, plugin_dir: Path) -> int:
+    """The command line of an environment builder (this one, ``tests/vllm_env/build.py``)."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="only check that it is built")
     p.add_argument("--no-plugin", action="store_true", help="do not install this checkout")
     args = p.parse_args()
-    env = env_dir()
+    tag = f"{label.lower()}-env"
     if args.check:
         if not is_complete(env):
-            print(f"the SGLang test environment {env} is not built: run `make sglang-env`")
+            print(f"the {label} test environment {env} is not built: run `make {tag}`")
             return 1
         print(env)
         return 0
     try:
-        env = ensure()
+        env = ensure_fn()
         if not args.no_plugin:
-            install_plugin(env)
+            install_plugin(env, plugin_dir, label=label)
     except (BuildError, OSError, subprocess.CalledProcessError) as exc:
-        print(f"[sglang-env] {exc}", file=sys.stderr)
+        print(f"[{tag}] {exc}", file=sys.stderr)
         return 1
     print(env)
     return 0

@@ -107,6 +107,19 @@ class Process:
             rc = proc.wait(10)
         return rc
 
+    def wait_ok(self, url: str, name: str, timeout: float) -> None:
+        """Until ``GET url`` answers 200 (RuntimeError with the log's tail if the process
+        exits first, or after ``timeout`` seconds)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if not self.alive:
+                raise RuntimeError(f"{name} exited during start; its log ends:\n{self.tail()}")
+            with contextlib.suppress(OSError):
+                if http(url, timeout=30)[0] == 200:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"{name} not healthy within {timeout:g}s; its log ends:\n{self.tail()}")
+
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
@@ -159,15 +172,7 @@ class SGLangServer(Process):
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
         """Until ``GET /health`` (a 1-token generation) answers 200; never call it paused."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if not self.alive:
-                raise RuntimeError(f"SGLang exited during start; its log ends:\n{self.tail()}")
-            with contextlib.suppress(OSError):
-                if http(self.url + "/health", timeout=30)[0] == 200:
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"SGLang not healthy within {timeout:g}s; its log ends:\n{self.tail()}")
+        self.wait_ok(self.url + "/health", "SGLang", timeout)
 
     # -- calls, with the right key -------------------------------------------------------------
     def user(self, method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
@@ -254,11 +259,14 @@ def wait_for(what: str, fn: Any, timeout: float = 120.0, interval: float = 0.2) 
     raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
-def run_env_python(env_dir: Path, *args: str, timeout: float = 300.0) -> str:
-    """Run a script with the SGLang environment's python (transformers lives there)."""
+def run_env_python(
+    env_dir: Path, *args: str, timeout: float = 300.0, environ: dict[str, str] | None = None
+) -> str:
+    """Run a script with the SGLang environment's python (transformers lives there); another
+    environment's (the vLLM one) with its own ``environ``."""
     out = subprocess.run(
         [str(build.python_of(env_dir)), *args],
-        env=build.server_env(env_dir),
+        env=build.server_env(env_dir) if environ is None else environ,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,7 +63,14 @@ def main() -> int:
         model_name="llama",
         quantization_config=None,
     )
-    report: dict = {"rank": rank, "versions": [], "mismatched": [], "metrics": [], "errors": []}
+    report: dict = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "versions": [],
+        "mismatched": [],
+        "metrics": [],
+        "errors": [],
+    }
     fail = cfg.get("fail_check")
     if fail is not None and fail[0] == rank:
         real = updater.engine_link.check

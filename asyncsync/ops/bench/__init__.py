@@ -12,7 +12,25 @@ into the JSON summary, markdown tables and PNG plots, :mod:`~asyncsync.ops.bench
 subcommand.
 """
 
-from asyncsync.ops.bench.measure import BenchConfig, BenchFailed, run_bench
-from asyncsync.ops.bench.report import TARGETS, markdown, plot, summarise
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncsync.ops.bench.measure import BenchConfig, BenchFailed, run_bench
+    from asyncsync.ops.bench.report import TARGETS, markdown, plot, summarise
 
 __all__ = ["TARGETS", "BenchConfig", "BenchFailed", "markdown", "plot", "run_bench", "summarise"]
+
+# imported on first use: `asyncsync --help` and the other subcommands never load the bench
+_LAZY = {n: "asyncsync.ops.bench.measure" for n in ("BenchConfig", "BenchFailed", "run_bench")}
+_LAZY.update(
+    {n: "asyncsync.ops.bench.report" for n in ("TARGETS", "markdown", "plot", "summarise")}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

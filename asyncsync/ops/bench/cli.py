@@ -20,15 +20,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncsync.errors import ConfigError
-from asyncsync.ops.bench.measure import BenchConfig, run_bench
-from asyncsync.ops.bench.report import markdown, plot, summarise
-from asyncsync.ops.bench.scale import DEFAULT_SIZES
-from asyncsync.ops.bench.scale_report import scale_markdown, scale_plot, scale_summary
+from asyncsync.fsio import parse_size
 from asyncsync.ops.cli.common import positive_int
-from asyncsync.training.settings import parse_size
+
+if TYPE_CHECKING:
+    from asyncsync.ops.bench.measure import BenchConfig
 
 __all__ = ["cmd_bench", "config_from_args", "register"]
 
@@ -37,6 +36,9 @@ _THROTTLE = "200MB/s,5ms"
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration: ``--quick`` or the full run, with the hidden overrides."""
+    from asyncsync.ops.bench.measure import BenchConfig
+    from asyncsync.ops.bench.scale import DEFAULT_SIZES
+
     overrides: dict[str, Any] = {"throttle": args.throttle, "keep": args.keep}
     if args.elements is not None:
         overrides["elements"] = args.elements
@@ -65,6 +67,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from asyncsync.ops.bench.measure import run_bench
+    from asyncsync.ops.bench.report import markdown, plot, summarise
+    from asyncsync.ops.bench.scale_report import scale_markdown, scale_plot, scale_summary
+
     if args.device is not None:
         return _cmd_device(args)
     if args.profile is not None:

@@ -26,10 +26,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from asyncsync.console.logsetup import add_logging_arguments, setup_logging
+from asyncsync.console.logsetup import (
+    CliParser,
+    add_logging_arguments,
+    print_error,
+    setup_logging,
+    sniff_log_format,
+)
 from asyncsync.errors import AsyncSyncError
 from asyncsync.ops.bench import cli as bench
-from asyncsync.ops.cli import gc, status, verify, versions
+from asyncsync.ops.cli import gc, prepare, status, verify, versions
 from asyncsync.ops.cli.common import human_bytes
 from asyncsync.ops.cli.verify import VerifyReport, verify_checkpoint_dir
 
@@ -45,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CliParser(
         prog="asyncsync",
         description="Inspect, check and prune an asyncsync shared root.",
         epilog="exit status: 0 ok; 1 verify found mismatching tensors, or the command failed "
@@ -57,13 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_arguments(common, default_level=None, hidden=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for module in (versions, verify, status, gc, bench):
+    for module in (versions, verify, status, gc, prepare, bench):
         module.register(sub, common)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (the console script passes it to ``sys.exit``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    CliParser.log_format = sniff_log_format(argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -77,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit flush
         return 0
     except (AsyncSyncError, OSError) as exc:
-        print(f"asyncsync {args.command}: error: {exc}", file=sys.stderr)
+        print_error(f"asyncsync {args.command}", str(exc), args.log_format)
         return 1
     except KeyboardInterrupt:
         return 130

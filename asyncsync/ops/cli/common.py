@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncsync.console.args import int_at_least, non_negative_int, positive_float, positive_int
+from asyncsync.console.args import (
+    int_at_least,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    size_bytes,
+)
 from asyncsync.errors import ConfigError
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest, read_root_info
@@ -18,10 +26,13 @@ __all__ = [
     "fmt_time",
     "human_bytes",
     "int_at_least",
+    "non_negative_float",
     "non_negative_int",
     "positive_float",
     "positive_int",
     "resolve_version",
+    "size_bytes",
+    "version_spec",
     "table",
     "version_summaries",
 ]
@@ -79,6 +90,13 @@ def check_root(root: Path) -> list[int]:
             "pass the directory given to Publisher(...)"
         )
     return versions
+
+
+def version_spec(text: str) -> str:
+    """An argparse type: a version number or ``latest`` (anything else is a usage error)."""
+    if text != "latest" and not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"VERSION must be a number or 'latest', got {text!r}")
+    return text
 
 
 def resolve_version(root: Path, versions: list[int], spec: str | None) -> int | None:

@@ -6,25 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from asyncsync.ops.cli.common import check_root, human_bytes, positive_int
+from asyncsync.ops.cli.common import check_root, human_bytes, positive_int, size_bytes
 from asyncsync.publish.retention import RetentionPolicy, collect
 
 __all__ = ["cmd_gc", "register"]
-
-
-def _size(text: str) -> int:
-    """``500M``, ``2G``, ``1048576``: bytes (K/M/G/T are powers of 1024)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = units.get(t[-1:], 1)
-    num = t[:-1] if t[-1:] in units else t
-    try:
-        v = int(float(num) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size like 500M or 2G, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
-    return v
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -40,8 +25,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if report.deleted:
         vs = ", ".join(f"v{v}" for v in report.deleted)
         print(f"{verb} {len(report.deleted)} versions ({human_bytes(report.freed_bytes)}): {vs}")
+    elif report.kept:
+        # the oldest kept version is the one a deletion would have taken: say why it stays
+        oldest = report.kept[0]
+        print(f"nothing to delete: v{oldest} (the oldest) is kept: {report.reasons[oldest]}"
+              + ("" if args.verbose else " (-v: why each version is kept)"))  # fmt: skip
     else:
-        print("nothing to delete")
+        print("nothing to delete: the root has no committed version")
     if args.verbose:
         for v in report.kept:
             print(f"  keep v{v}: {report.reasons[v]}")
@@ -60,7 +50,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="keep at least the newest N versions (default 10)",
     )  # fmt: skip
     sp.add_argument(
-        "--keep-bytes", type=_size, default=None, metavar="SIZE",
+        "--keep-bytes", type=size_bytes, default=None, metavar="SIZE",
         help="also keep the newest versions that fit in SIZE (e.g. 20G)",
     )  # fmt: skip
     sp.add_argument(

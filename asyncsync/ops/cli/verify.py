@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,10 @@ class VerifyReport:
 
 
 def verify_checkpoint_dir(
-    root: str | Path, checkpoint: str | Path, version: int | None = None
+    root: str | Path,
+    checkpoint: str | Path,
+    version: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Check every tensor of a LocalCheckpoint directory against ``version``'s checksums.
 
@@ -57,8 +62,13 @@ def verify_checkpoint_dir(
     versions = check_root(root)
     if not checkpoint.is_dir():
         raise ConfigError(f"checkpoint directory {checkpoint} does not exist")
+    state = StateStore(checkpoint / STATE_DIR_NAME).load()
+    if state is None and not (checkpoint / "model.safetensors.index.json").exists():
+        raise ConfigError(
+            f"{checkpoint} is not an asyncsync checkpoint (no {STATE_DIR_NAME}/state.json and no "
+            "model.safetensors.index.json): pass the --checkpoint DIR of a receiver"
+        )
     if version is None:
-        state = StateStore(checkpoint / STATE_DIR_NAME).load()
         if state is not None and state.applying:
             logger.warning(
                 "%s is in the middle of applying version %s: stop its receiver for a stable answer",
@@ -77,12 +87,28 @@ def verify_checkpoint_dir(
         raise ConfigError(
             f"version {version} is not committed in {root}; pass --version with one that is"
         ) from None
-    bad = verify_checkpoint(checkpoint, manifest)
+    if state is not None and state.run_id is not None and state.run_id != manifest.run_id:
+        raise ConfigError(
+            f"{checkpoint} holds version {state.version} of run {state.run_id}, but {root} is "
+            f"run {manifest.run_id} (the publisher started over): the checkpoint is of another "
+            "run; its receiver re-initialises it from the root's newest keyframe"
+        )
+    bad = verify_checkpoint(checkpoint, manifest, progress=progress)
     return VerifyReport(checkpoint, version, len(manifest.tensors), list(bad))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    report = verify_checkpoint_dir(args.root, args.checkpoint, args.version)
+    from tqdm import tqdm
+
+    # a bar on a terminal (tensor by tensor: a large checkpoint takes minutes), nothing in logs
+    with tqdm(desc="verify", unit="tensor", file=sys.stderr, leave=False,
+              disable=not sys.stderr.isatty()) as bar:  # fmt: skip
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        report = verify_checkpoint_dir(args.root, args.checkpoint, args.version, progress)
     if report.ok:
         print(report.describe())
         return 0

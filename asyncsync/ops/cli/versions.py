@@ -24,6 +24,7 @@ from asyncsync.ops.cli.common import (
     positive_float,
     resolve_version,
     table,
+    version_spec,
     version_summaries,
 )
 
@@ -176,7 +177,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "inspect", parents=[common], help="list versions, or show one version's manifest"
     )
     sp.add_argument("root", metavar="ROOT", help="the shared root")
-    sp.add_argument("version", metavar="VERSION", nargs="?", help="a version number or 'latest'")
+    sp.add_argument(
+        "version", metavar="VERSION", nargs="?", type=version_spec,
+        help="a version number or 'latest'",
+    )  # fmt: skip
     sp.add_argument("--json", action="store_true", help="print JSON instead of tables")
     sp.set_defaults(func=cmd_inspect)
 

@@ -13,12 +13,16 @@ It builds :class:`AsyncSyncWeightUpdater` for ``--update-weight-transport disk``
 delta) and slime's own class for nccl and colocate (:mod:`.factory`). The updater converts
 slime's Megatron shards to HF tensors (:mod:`.weights`), publishes them from every rank as one
 version, and waits until the receivers beside the engines (:mod:`.engines`) report that the
-engines serve it. Arguments, slime's checks and the config: :mod:`.args`. docs/INTEGRATION.md
-has the table of what matches slime and what differs, and a launch example.
+engines serve it, or reloads them itself where slime's updater would (:mod:`.reload`). Three
+designs of slime are known: gen1 (90c212b5c), gen2a (c74877886), gen2 (624b824a8).
+Arguments, slime's checks and the config: :mod:`.args`. docs/INTEGRATION.md has the table of
+what matches slime at each and what differs, and a launch example.
 """
 
 from asyncsync.training.slime.args import (
     DEFAULT_KEEP_VERSIONS,
+    GENERATIONS,
+    REVISIONS,
     SLIME_OPTIONS,
     SlimeSettings,
     add_arguments,
@@ -32,6 +36,7 @@ from asyncsync.training.slime.args import (
 )
 from asyncsync.training.slime.engines import EngineLink, NoEngines, RayReceivers, Sidecars
 from asyncsync.training.slime.factory import choose, create_weight_updater, install, slime_choice
+from asyncsync.training.slime.reload import HostReceivers, SlimeReload
 from asyncsync.training.slime.updater import AsyncSyncWeightUpdater
 from asyncsync.training.slime.weights import (
     Converter,
@@ -44,13 +49,17 @@ from asyncsync.training.slime.weights import (
 
 __all__ = [
     "DEFAULT_KEEP_VERSIONS",
+    "GENERATIONS",
+    "REVISIONS",
     "SLIME_OPTIONS",
     "AsyncSyncWeightUpdater",
     "Converter",
     "EngineLink",
+    "HostReceivers",
     "NoEngines",
     "RayReceivers",
     "Sidecars",
+    "SlimeReload",
     "SlimeSettings",
     "add_arguments",
     "choose",

@@ -9,11 +9,18 @@ driver calls on ``sys.argv``; then exactly those win). Mode and transport are th
 slime's own code branches on them (the actor's factory, ``RayTrainGroup``), so they always come
 from ``args`` and an environment that disagrees is refused.
 
-Two generations of slime are known (:data:`SLIME_OPTIONS` lists which has which option):
-``gen1`` (slime 90c212b5c: ``--update-weight-encoding``, ``--update-weight-delta-dir``,
-``--custom-delta-pre-push-path``) and ``gen2`` (slime 624b824a8: ``--update-weight-delta-encoding``,
-``--update-weight-delta-checksum``, ``--update-weight-local-checkpoint-dir``,
-``--custom-update-weight-post-write-path``). :func:`slime_generation` tells them apart.
+Three designs of slime's disk weight sync are known (:data:`SLIME_OPTIONS` lists which has
+which option; :data:`REVISIONS` the revision each was read at); :func:`slime_generation` tells
+them apart by the options a namespace has:
+
+* ``gen1`` (90c212b5c and before): ``--update-weight-encoding``, ``--update-weight-delta-dir``,
+  ``--update-weight-delta-keep-files``, ``--custom-delta-pre-push-path``; delta over nccl or disk;
+* ``gen2a`` (af3d7fff6 to 474861aaf^, read at c74877886): disk-only delta into a host-local
+  checkpoint: ``--update-weight-delta-encoding``, ``--update-weight-delta-checksum``,
+  ``--update-weight-local-checkpoint-dir``, ``--release-train``, ``--custom-delta-pre-push-path``
+  and ``--custom-delta-pre-read-path``;
+* ``gen2`` (474861aaf and later, read at 624b824a8): as ``gen2a`` with
+  ``--custom-update-weight-post-write-path`` instead of the two delta hooks.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from asyncsync.training.config import SyncConfig, parse_size
 __all__ = [
     "ASYNCSYNC_OPTIONS",
     "DEFAULT_KEEP_VERSIONS",
+    "GENERATIONS",
     "RECEIVER_MODES",
+    "REVISIONS",
     "SLIME_OPTIONS",
     "SlimeOption",
     "SlimeSettings",
@@ -50,9 +59,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Generation = Literal["gen1", "gen2"]
-ReceiverMode = Literal["ray", "sidecar", "none"]
-RECEIVER_MODES: tuple[ReceiverMode, ...] = ("ray", "sidecar", "none")
+Generation = Literal["gen1", "gen2a", "gen2"]
+#: oldest first
+GENERATIONS: tuple[Generation, ...] = ("gen1", "gen2a", "gen2")
+#: the slime revision each generation was read at
+REVISIONS: dict[Generation, str] = {"gen1": "90c212b5c", "gen2a": "c74877886", "gen2": "624b824a8"}
+ReceiverMode = Literal["ray", "sidecar", "slime", "none"]
+RECEIVER_MODES: tuple[ReceiverMode, ...] = ("ray", "sidecar", "slime", "none")
 
 #: versions retention keeps without ``--update-weight-disk-keep-files`` (slime deletes each
 #: version once the engines applied it; retention never removes one a live engine still needs)
@@ -75,16 +88,17 @@ class SlimeOption:
         return _flag(self.dest)
 
 
-_BOTH: tuple[Generation, ...] = ("gen1", "gen2")
+_ALL: tuple[Generation, ...] = GENERATIONS
+_GEN2: tuple[Generation, ...] = ("gen2a", "gen2")
 _STORE_TRUE = {"action": "store_true"}
-#: slime's own definitions (names, defaults, choices) at both revisions, as data
+#: slime's own definitions (names, defaults, choices) at the three revisions, as data
 SLIME_OPTIONS: tuple[SlimeOption, ...] = (
-    SlimeOption("colocate", False, _BOTH, _STORE_TRUE),
-    SlimeOption("update_weight_mode", "full", _BOTH, {"choices": ["full", "delta"]}),
-    SlimeOption("update_weight_transport", "nccl", _BOTH, {"choices": ["nccl", "disk"]}),
-    SlimeOption("update_weight_disk_dir", None, _BOTH, {"type": str}),
-    SlimeOption("update_weight_disk_keep_files", False, _BOTH, _STORE_TRUE),
-    SlimeOption("update_weight_buffer_size", 512 * 1024**2, _BOTH, {"type": int}),
+    SlimeOption("colocate", False, _ALL, _STORE_TRUE),
+    SlimeOption("update_weight_mode", "full", _ALL, {"choices": ["full", "delta"]}),
+    SlimeOption("update_weight_transport", "nccl", _ALL, {"choices": ["nccl", "disk"]}),
+    SlimeOption("update_weight_disk_dir", None, _ALL, {"type": str}),
+    SlimeOption("update_weight_disk_keep_files", False, _ALL, _STORE_TRUE),
+    SlimeOption("update_weight_buffer_size", 512 * 1024**2, _ALL, {"type": int}),
     SlimeOption(
         "update_weight_encoding",
         "indices",
@@ -93,19 +107,18 @@ SLIME_OPTIONS: tuple[SlimeOption, ...] = (
     ),
     SlimeOption("update_weight_delta_dir", None, ("gen1",), {"type": str}),
     SlimeOption("update_weight_delta_keep_files", False, ("gen1",), _STORE_TRUE),
-    SlimeOption("custom_delta_pre_push_path", None, ("gen1",), {"type": str}),
-    SlimeOption("release_train", False, ("gen2",), _STORE_TRUE),
-    SlimeOption(
-        "update_weight_delta_encoding", "xor", ("gen2",), {"choices": ["xor", "overwrite"]}
-    ),
+    SlimeOption("custom_delta_pre_push_path", None, ("gen1", "gen2a"), {"type": str}),
+    SlimeOption("release_train", False, _GEN2, _STORE_TRUE),
+    SlimeOption("update_weight_delta_encoding", "xor", _GEN2, {"choices": ["xor", "overwrite"]}),
     SlimeOption(
         "update_weight_delta_checksum",
         "xxh3-128",
-        ("gen2",),
+        _GEN2,
         {"choices": ["xxh3-128", "blake3", "adler32"]},
     ),
+    SlimeOption("custom_delta_pre_read_path", None, ("gen2a",), {"type": str}),
     SlimeOption("custom_update_weight_post_write_path", None, ("gen2",), {"type": str}),
-    SlimeOption("update_weight_local_checkpoint_dir", None, ("gen2",), {"type": str}),
+    SlimeOption("update_weight_local_checkpoint_dir", None, _GEN2, {"type": str}),
 )
 _SLIME = {o.dest: o for o in SLIME_OPTIONS}
 
@@ -131,27 +144,66 @@ _ENV = {
     "asyncsync_converter": "ASYNCSYNC_SLIME_CONVERTER",
     "update_weight_local_checkpoint_dir": "ASYNCSYNC_SLIME_LOCAL_CHECKPOINT_DIR",
 }
-_HOOKS = ("custom_delta_pre_push_path", "custom_update_weight_post_write_path")
+#: the hook flag each generation has, and the modes in which slime calls it
+_HOOK: dict[Generation, tuple[str, tuple[str, ...]]] = {
+    "gen1": ("custom_delta_pre_push_path", ("delta",)),
+    "gen2a": ("custom_delta_pre_push_path", ("delta",)),
+    "gen2": ("custom_update_weight_post_write_path", ("full", "delta")),
+}
+#: options only one generation (or the later two) defines, newest first: how
+#: :func:`slime_generation` tells them apart
+_MARKERS: tuple[tuple[Generation, tuple[str, ...]], ...] = (
+    ("gen2", ("custom_update_weight_post_write_path",)),
+    ("gen2a", ("custom_delta_pre_read_path",)),
+    ("gen2a", ("release_train", "custom_delta_pre_push_path")),  # both: gen2a
+    ("gen2", ("release_train",)),
+    ("gen2", ("update_weight_delta_encoding",)),
+    ("gen1", ("update_weight_encoding",)),
+    ("gen1", ("update_weight_delta_dir",)),
+    ("gen1", ("custom_delta_pre_push_path",)),
+)
 
 
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def _detect(has: Any) -> Generation | None:
+    for gen, dests in _MARKERS:
+        if all(has(d) for d in dests):
+            return gen
+    return None
+
+
 # ---------------------------------------------------------------------------------- the parser
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, *, generation: Generation = "gen2"
+    parser: argparse.ArgumentParser, *, generation: Generation | None = None
 ) -> argparse._ArgumentGroup:
-    """Add slime's weight-update options (as ``generation`` defines them) and asyncsync's.
+    """Add slime's weight-update options of ``generation`` (with slime's defaults) and asyncsync's.
 
-    Options the parser already has (slime's parser defines its own) are kept as they are, so
-    this is safe on a slime parser. asyncsync's options default to None (not given).
+    ``generation`` defaults to the one the parser's own options show (slime's parser defines
+    them), else the newest. Options the parser already has are kept as they are, so this is
+    safe on a slime parser; options of another generation are never added (they would change
+    what :func:`slime_generation` says), and asking for another generation than the parser's
+    is refused. asyncsync's options default to None (not given); on ``gen1``, which has no
+    ``--update-weight-local-checkpoint-dir``, asyncsync adds it (its receivers use it).
     """
+    dests = {a.dest for a in parser._actions}
+    found = _detect(dests.__contains__)
+    if generation is not None and found is not None and generation != found:
+        raise ConfigError(
+            f"add_arguments(generation={generation!r}): the parser already defines slime's "
+            f"{found} options ({REVISIONS[found]}); adding {generation}'s would make the "
+            "namespace look like another slime. Drop generation= to keep the parser's"
+        )
+    if generation is not None and generation not in GENERATIONS:
+        raise ConfigError(f"generation must be one of {GENERATIONS}, got {generation!r}")
+    gen: Generation = generation or found or GENERATIONS[-1]
     group = parser.add_argument_group("weight update (asyncsync, slime-compatible)")
     for opt in SLIME_OPTIONS:
-        if generation in opt.generations or opt.dest == "update_weight_local_checkpoint_dir":
+        if gen in opt.generations or opt.dest == "update_weight_local_checkpoint_dir":
             _add(group, opt.dest, {"default": opt.default, **opt.kwargs})
     for dest, (_, kwargs) in ASYNCSYNC_OPTIONS.items():
         _add(group, dest, {"default": None, **kwargs})
@@ -192,10 +244,9 @@ def given(args: argparse.Namespace, dest: str) -> bool:
 
 
 def slime_generation(args: argparse.Namespace) -> Generation:
-    """``gen2`` when ``args`` has an option only slime 624b824a8 and later define, else ``gen1``."""
-    gen2_only = [o.dest for o in SLIME_OPTIONS if o.generations == ("gen2",)]
-    gen2_only.remove("update_weight_local_checkpoint_dir")  # asyncsync adds it for gen1 too
-    return "gen2" if any(hasattr(args, d) for d in gen2_only) else "gen1"
+    """Which slime design ``args`` comes from, by the options it has (module docstring);
+    the newest when it has none of them (a namespace built by hand)."""
+    return _detect(lambda d: hasattr(args, d)) or GENERATIONS[-1]
 
 
 # ---------------------------------------------------------------------------------- slime's rules
@@ -212,7 +263,7 @@ def resolve_deprecated_args(args: argparse.Namespace) -> None:
         return
     disk = getattr(args, "update_weight_disk_dir", None)
     legacy = getattr(args, "update_weight_delta_dir", None)
-    if disk and legacy and _norm(disk) != _norm(legacy):
+    if disk and legacy and disk != legacy:  # as slime: the strings, so "/d" and "/d/" differ
         raise ConfigError(
             "--update-weight-delta-dir is deprecated alias for --update-weight-disk-dir; "
             "please set only one of them or set both to the same path."
@@ -239,7 +290,7 @@ def resolve_deprecated_args(args: argparse.Namespace) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     """slime's weight-update checks of its own generation, with slime's messages (ConfigError,
-    a ValueError, where slime raises ValueError)."""
+    a ValueError, where slime raises ValueError). gen2a and gen2 check the same."""
     gen = slime_generation(args)
     mode = getattr(args, "update_weight_mode", "full")
     transport = getattr(args, "update_weight_transport", "nccl")
@@ -253,7 +304,7 @@ def validate_args(args: argparse.Namespace) -> None:
                     f"disk, got {transport!r}."
                 )
             if colocate:
-                raise ConfigError(_COLOCATE)
+                raise ConfigError(_COLOCATE.format("sparse encode"))
         return
     if transport == "disk" and not getattr(args, "update_weight_disk_dir", None):
         raise ConfigError(
@@ -271,7 +322,7 @@ def validate_args(args: argparse.Namespace) -> None:
                 f"got {transport!r}."
             )
         if colocate:
-            raise ConfigError(_COLOCATE)
+            raise ConfigError(_COLOCATE.format("encode"))
         if not getattr(args, "update_weight_local_checkpoint_dir", None):
             raise ConfigError(
                 "--update-weight-mode=delta requires --update-weight-local-checkpoint-dir "
@@ -281,12 +332,9 @@ def validate_args(args: argparse.Namespace) -> None:
 
 _COLOCATE = (
     "--update-weight-mode=delta is not supported with --colocate. Colocate transfers weights "
-    "via CUDA IPC (only a handle crosses processes), so the delta bookkeeping is pure overhead."
+    "via CUDA IPC (only a handle crosses processes), so the delta bookkeeping (snapshot + diff "
+    "+ {}) is pure overhead."
 )
-
-
-def _norm(path: str | os.PathLike[str]) -> str:
-    return os.path.normpath(os.path.expanduser(os.fspath(path)))
 
 
 # ---------------------------------------------------------------------------------- the config
@@ -296,9 +344,15 @@ def _norm(path: str | os.PathLike[str]) -> str:
 class SlimeSettings:
     """What the updater needs beyond :class:`SyncConfig` (resolved by :func:`slime_settings`).
 
-    receivers: ``ray`` (start a receiver actor beside each engine), ``sidecar`` (receivers the
-        user runs, acking under ``engine_ids``) or ``none`` (slime reloads the engines itself:
-        the default in gen2 full mode, where ``RayTrainGroup`` reloads ``weight_v{N:06d}``).
+    receivers: who moves the engines to each version (docs/INTEGRATION.md, "Engines"):
+        ``ray`` (a receiver actor beside each engine, started by the updater), ``sidecar``
+        (receivers the user runs, acking under ``engine_ids``), ``slime`` (the updater reloads
+        slime's engines from ``weight_v{N:06d}`` through their Ray handles, as gen1's full disk
+        updater does) or ``none`` (slime's ``RayTrainGroup`` reloads ``weight_v{N:06d}``: gen2a
+        and gen2 full mode).
+    hook: slime's post-write hook (gen2) or pre-push hook (gen1, gen2a) where slime calls it
+        (gen1, gen2a: delta mode only), else None; ``pre_read_hook``: gen2a's
+        ``--custom-delta-pre-read-path`` (delta mode).
     """
 
     generation: Generation
@@ -310,6 +364,7 @@ class SlimeSettings:
     hook_flag: str | None
     keep_files: bool
     hf_view: bool  # write <disk_dir>/weight_v{N:06d} (full mode: slime reads it)
+    pre_read_hook: str | None = None
 
 
 def slime_settings(
@@ -323,38 +378,89 @@ def slime_settings(
         value = getattr(args, dest, None)
         return value if value not in (None, "") else (env.get(_ENV[dest]) or None)
 
-    default_receivers: ReceiverMode = "none" if (gen == "gen2" and mode == "full") else "ray"
-    receivers = pick("asyncsync_receivers") or default_receivers
+    local = pick("update_weight_local_checkpoint_dir")
+    receivers = pick("asyncsync_receivers") or _default_receivers(gen, mode, local)
     if receivers not in RECEIVER_MODES:
         raise ConfigError(
             f"--asyncsync-receivers (or {_ENV['asyncsync_receivers']}) must be one of "
             f"{RECEIVER_MODES}, got {receivers!r}"
         )
+    _check_receivers(gen, mode, receivers, local)
     ids_raw = pick("asyncsync_engine_ids")
-    ids = _ids(ids_raw) if ids_raw else None
-    local = pick("update_weight_local_checkpoint_dir")
-    if receivers == "ray" and not local:
-        raise ConfigError(
-            "asyncsync starts a receiver beside each engine (--asyncsync-receivers ray), which "
-            "keeps a host-local checkpoint the engine reloads: pass "
-            "--update-weight-local-checkpoint-dir DIR (a directory on every engine host), or "
-            "--asyncsync-receivers sidecar to use receivers you run yourself"
-        )
-    hook_dest = next((d for d in _HOOKS if getattr(args, d, None)), None)
-    hook = getattr(args, hook_dest) if hook_dest else None
+    hook_dest, hook_modes = _HOOK[gen]
+    hook = getattr(args, hook_dest, None) or None
     if hook:
-        check_import_path(hook, what=_flag(hook_dest or ""))
+        check_import_path(hook, what=_flag(hook_dest))
+        if mode not in hook_modes:
+            logger.warning(
+                "%s is not called in %s mode: slime %s calls it in %s mode only",
+                _flag(hook_dest), mode, REVISIONS[gen], "/".join(hook_modes),
+            )  # fmt: skip
+            hook = None
+    pre_read = getattr(args, "custom_delta_pre_read_path", None) or None
+    if pre_read:
+        check_import_path(pre_read, what="--custom-delta-pre-read-path")
     return SlimeSettings(
         generation=gen,
         receivers=receivers,
-        engine_ids=ids,
+        engine_ids=_ids(ids_raw) if ids_raw else None,
         local_checkpoint_dir=local,
         converter=pick("asyncsync_converter"),
         hook=hook,
-        hook_flag=_flag(hook_dest) if hook_dest else None,
+        hook_flag=_flag(hook_dest) if hook else None,
         keep_files=_keep_files(args),
         hf_view=mode == "full",
+        pre_read_hook=pre_read if mode == "delta" else None,
     )
+
+
+def _default_receivers(gen: Generation, mode: str, local: str | None) -> ReceiverMode:
+    if mode != "full":
+        return "ray"
+    if gen != "gen1":
+        return "none"  # RayTrainGroup reloads weight_v{N:06d}
+    return "ray" if local else "slime"  # gen1's full disk updater reloads the engines itself
+
+
+def _check_receivers(gen: Generation, mode: str, receivers: str, local: str | None) -> None:
+    """Refuse a receiver mode under which nobody (or somebody twice) would move the engines."""
+    why = None
+    if receivers == "none" and mode == "delta":
+        why = (
+            "in delta mode slime's engines read only slime's own delta format, so with "
+            "--asyncsync-receivers none nothing would ever update them"
+        )
+    elif receivers == "none" and gen == "gen1":
+        why = (
+            "slime 90c212b5c's RayTrainGroup does not reload the engines (its full disk "
+            "updater does), so with --asyncsync-receivers none nothing would update them"
+        )
+    elif receivers == "slime" and (mode != "full" or gen != "gen1"):
+        why = (
+            "--asyncsync-receivers slime reloads the engines from the full weight_v view, "
+            + ("which delta mode does not write" if mode != "full" else
+               f"which slime {REVISIONS[gen]}'s RayTrainGroup already does (use none)")
+        )  # fmt: skip
+    if why:
+        ways = "ray (with a host-local checkpoint directory) or sidecar"
+        if mode == "full":
+            ways = "slime (the default)" if gen == "gen1" else "none (the default)"
+            ways += ", ray or sidecar"
+        raise ConfigError(f"{why}; use {ways}")
+    if receivers == "ray" and not local:
+        where = (
+            "ASYNCSYNC_SLIME_LOCAL_CHECKPOINT_DIR=DIR in the environment (slime 90c212b5c's "
+            "parser has no --update-weight-local-checkpoint-dir; "
+            "asyncsync.training.slime.add_arguments adds one)"
+            if gen == "gen1"
+            else "--update-weight-local-checkpoint-dir DIR"
+        )
+        raise ConfigError(
+            "asyncsync starts a receiver beside each engine (--asyncsync-receivers ray), which "
+            f"keeps a host-local checkpoint the engine reloads: give {where}, a directory on "
+            "every engine host; or use receivers you run yourself (--asyncsync-receivers "
+            "sidecar, or ASYNCSYNC_SLIME_RECEIVERS=sidecar)"
+        )
 
 
 def _ids(raw: str | Iterable[str]) -> tuple[str, ...]:
@@ -370,10 +476,10 @@ def sync_config_from_args(
     Applies slime's checks (:func:`validate_args`) first. Only disk transport is asyncsync's:
     slime's own updaters keep nccl and colocate (:func:`.create_weight_updater`
     routes them there), so a namespace for them is refused here with a message saying so.
-    gen2's options are mapped or refused, never ignored: ``--update-weight-delta-encoding
-    overwrite`` is what every asyncsync encoding does (changed positions, new bytes); ``xor``
-    given explicitly is refused; ``--update-weight-delta-checksum`` other than ``xxh3-128`` is
-    refused.
+    gen2a's and gen2's options are mapped or refused, never ignored:
+    ``--update-weight-delta-encoding overwrite`` is what every asyncsync encoding does (changed
+    positions, new bytes); ``xor`` given explicitly is refused;
+    ``--update-weight-delta-checksum`` other than ``xxh3-128`` is refused.
     """
     env = os.environ if environ is None else environ
     validate_args(args)

@@ -6,15 +6,18 @@ the shared root, reloads its SGLang server over HTTP, and acknowledges the versi
 server serves it. The updater waits for those acks. The switch ``--asyncsync-receivers``
 (``ASYNCSYNC_SLIME_RECEIVERS``) says where the receivers come from:
 
-* ``ray`` (default): :class:`RayReceivers` starts one
+* ``ray`` (default in delta mode): :class:`RayReceivers` starts one
   :class:`~asyncsync.training.ray.ReceiverActor` per slime engine, on the engine's Ray node
   (hard affinity), pointed at the engine's URL (``engine.get_url``) and at
   ``<--update-weight-local-checkpoint-dir>/<engine id>``;
 * ``sidecar``: :class:`Sidecars`: receivers the user runs (``asyncsync-receiver --sglang-url
   ... --engine-id ...``); the updater waits for ``--asyncsync-engine-ids`` (or any
   ``len(engines)`` of them);
-* ``none``: nobody: slime reloads the engines (gen2 full mode: ``RayTrainGroup`` reloads
-  ``<disk_dir>/weight_v{N:06d}``, which the updater writes).
+* ``none``: nobody: slime reloads the engines (gen2a and gen2 full mode: ``RayTrainGroup``
+  reloads ``<disk_dir>/weight_v{N:06d}``, which the updater writes);
+* ``slime`` (gen1 full mode) and engines on several hosts: the updater reloads the engines
+  itself through slime's actors (:mod:`~asyncsync.training.slime.reload`, whose
+  ``HostReceivers`` is the ``ray`` link the updater builds).
 
 Ray is imported only when the ``ray`` link is used. Before each step the updater calls the
 link's :meth:`~EngineLink.check`: the ``ray`` link replaces receivers whose actor died (same
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncsync.errors import ConfigError
@@ -59,6 +63,10 @@ class EngineLink:
         """Before each step: mend what can be mended; return whom this step waits for (None:
         the policy :meth:`connect` returned). Raise when nothing can be acknowledged."""
         return None
+
+    def after_ack(self, weight_version: int, view: Path | None) -> None:
+        """Move what the receivers do not (called on rank 0 once the version is acknowledged;
+        ``view`` is the full mode's ``weight_v`` directory)."""
 
     def close(self) -> None:
         """Stop what :meth:`connect` started."""
@@ -127,7 +135,7 @@ class RayReceivers(EngineLink):
     def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
         """Start a receiver beside each engine (again, for new URLs); for the same engines,
         replace the receivers that died."""
-        from asyncsync.training.ray import ReceiverSpec, import_ray, start_receivers
+        from asyncsync.training.ray import import_ray, start_receivers
 
         ray = import_ray()
         urls = [u for u in ray.get([e.get_url.remote() for e in engines]) if u]
@@ -136,24 +144,30 @@ class RayReceivers(EngineLink):
         nodes = ray.get([e.__ray_call__.remote(_node_id) for e in engines])
         if tuple(urls) != self._urls:
             self.close()
-            specs = [
-                ReceiverSpec(
-                    engine_id_of_url(url),
-                    f"{self.local_checkpoint_dir}/{engine_id_of_url(url)}",
-                    engine="sglang",
-                    url=url,
-                    node_id=node,
-                    version_offset=self.version_offset,
-                    **self.spec_options,
-                )
-                for url, node in zip(urls, nodes, strict=False)
-            ]
+            specs = self._specs(engines, urls, nodes)
             self.fleet = start_receivers(self.root, specs, ready_timeout=self.ready_timeout)
             self._urls = tuple(urls)
             logger.info("asyncsync: started receivers beside %d engines: %s", len(specs), urls)
         assert self.fleet is not None
         self._base = base
         return self._waits(self.fleet.replace_dead())
+
+    def _specs(self, engines: Sequence[Any], urls: list[str], nodes: list[str]) -> list[Any]:
+        """One receiver per engine, beside it (the ``ReceiverSpec`` list to start)."""
+        from asyncsync.training.ray import ReceiverSpec
+
+        return [
+            ReceiverSpec(
+                engine_id_of_url(url),
+                f"{self.local_checkpoint_dir}/{engine_id_of_url(url)}",
+                engine="sglang",
+                url=url,
+                node_id=node,
+                version_offset=self.version_offset,
+                **self.spec_options,
+            )
+            for url, node in zip(urls, nodes, strict=False)
+        ]
 
     def check(self) -> AckPolicy | None:
         if self.fleet is None:

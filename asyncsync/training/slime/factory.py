@@ -3,7 +3,7 @@
 slime's actor picks its updater class from ``--update-weight-mode``, ``--update-weight-transport``
 and ``--colocate`` (``MegatronTrainRayActor.init``). :func:`choose` is that choice, as each
 slime generation makes it; :func:`create_weight_updater` builds asyncsync's updater where slime
-would build a disk updater (full: ``UpdateWeightFromDisk``; delta: gen2
+would build a disk updater (full: ``UpdateWeightFromDisk``; delta: gen2a and gen2
 ``UpdateWeightFromDiskDelta``, gen1 ``UpdateWeightFromDistributedDelta`` with disk transport)
 and slime's own class otherwise (nccl, colocate: imported from slime, which must be installed).
 
@@ -27,11 +27,20 @@ from asyncsync.training.session import Weights
 from asyncsync.training.slime.args import slime_generation
 from asyncsync.training.slime.updater import AsyncSyncWeightUpdater
 
-__all__ = ["ASYNCSYNC", "SLIME_CLASSES", "choose", "create_weight_updater", "install"]
+__all__ = [
+    "ASYNCSYNC",
+    "ASYNCSYNC_ORIGINAL",
+    "SLIME_CLASSES",
+    "choose",
+    "create_weight_updater",
+    "install",
+]
 
 logger = logging.getLogger(__name__)
 
 ASYNCSYNC = "asyncsync"
+#: the attribute of an installed dispatcher naming slime's class it stands in for
+ASYNCSYNC_ORIGINAL = "__asyncsync_original__"
 _UW = "slime.backends.megatron_utils.update_weight"
 #: slime's updater classes: name -> module
 SLIME_CLASSES = {
@@ -138,18 +147,34 @@ def create_weight_updater(
     return updater
 
 
-class _Dispatch:
-    """Stands in for one of slime's classes: asyncsync's updater for disk transport, the
-    original class otherwise."""
+def _dispatcher(original: type) -> type:
+    """A subclass of slime's class ``original`` that builds asyncsync's updater for disk
+    transport and ``original`` otherwise, however it is called (slime's actor passes keywords;
+    a subclass's ``super().__init__`` or a caller may pass ``weights_getter`` positionally).
+    It stays a class: ``issubclass``, class attributes and subclassing keep working."""
 
-    def __init__(self, original: Any) -> None:
-        self.original = original
-        self.__name__ = getattr(original, "__name__", "slime updater")
+    base: Any = original
 
-    def __call__(self, args: argparse.Namespace, model: Any, **kw: Any) -> Any:
-        if choose(args) == ASYNCSYNC:
-            return AsyncSyncWeightUpdater(args, model, **kw)
-        return self.original(args, model, **kw)
+    def __new__(cls: type, *a: Any, **kw: Any) -> Any:
+        if cls is not dispatcher:  # a subclass of the dispatcher: an ordinary instance
+            return base.__new__(cls)
+        args = a[0] if a else kw.get("args")
+        if args is not None and choose(args) == ASYNCSYNC:
+            return AsyncSyncWeightUpdater(*a, **kw)
+        return original(*a, **kw)  # not an instance of the dispatcher: __init__ not rerun
+
+    dispatcher: type = type(
+        original.__name__,
+        (original,),
+        {
+            "__new__": __new__,
+            "__module__": getattr(original, "__module__", __name__),
+            "__qualname__": getattr(original, "__qualname__", original.__name__),
+            "__doc__": original.__doc__,
+            ASYNCSYNC_ORIGINAL: original,
+        },
+    )
+    return dispatcher
 
 
 def install(modules: Mapping[str, Any] | None = None) -> list[str]:
@@ -166,15 +191,18 @@ def install(modules: Mapping[str, Any] | None = None) -> list[str]:
         SLIME_CLASSES["UpdateWeightFromDistributedDelta"]: ("UpdateWeightFromDistributedDelta",),
     }
     replaced = []
+    made: dict[type, type] = {}  # one dispatcher per class (the actor module imports it too)
     for mod_name, names in targets.items():
         module = (modules or {}).get(mod_name) if modules is not None else _try_import(mod_name)
         if module is None:
             continue
         for name in names:
             current = getattr(module, name, None)
-            if current is None or isinstance(current, _Dispatch):
+            if not isinstance(current, type) or ASYNCSYNC_ORIGINAL in vars(current):
                 continue
-            setattr(module, name, _Dispatch(current))
+            if current not in made:
+                made[current] = _dispatcher(current)
+            setattr(module, name, made[current])
             replaced.append(f"{mod_name}.{name}")
     if not replaced:
         raise ConfigError(

@@ -11,10 +11,18 @@ slime calls, on every trainer rank::
 
 Each ``update_weights``: the getter's Megatron shards go through the converter
 (:mod:`~asyncsync.training.slime.weights`) to HF-named tensors, every rank publishes its
-share of one version (the multi-rank publisher over a gloo group; one rank: a plain one), the
-pre-push hook runs on every rank between "this rank's files are durable" and the commit (a
-Future it returns is waited on), and rank 0 waits until the receivers beside the engines
-(:mod:`~asyncsync.training.slime.engines`) acknowledge that their servers serve the version.
+share of one version (the multi-rank publisher over a gloo group; one rank: a plain one), rank
+0 lays a full version out as slime's ``weight_v{N:06d}``, slime's post-write (pre-push) hook
+runs on every rank once all the files that rank writes for the version are written (a Future
+it returns is waited on), and rank 0 waits until the receivers beside the engines
+(:mod:`~asyncsync.training.slime.engines`) acknowledge that their servers serve the version,
+then reloads what the receivers do not (:mod:`~asyncsync.training.slime.reload`).
+
+The hook's timing: ranks other than 0 write only their shards (``<root>/v{N:012d}``), and run
+it on that directory before the commit; rank 0 runs it after the commit (the manifest is its
+last file), on ``<root>/v{N:012d}`` and, in full mode, then on ``weight_v{N:06d}``. So on a
+filesystem that shows files only once the hook published them, the manifest never becomes
+visible before a shard of its version.
 
 Versions follow slime: full mode adds 1 on every call, the first included; delta mode's first
 call seeds (a full version, ``weight_version`` unchanged) and each later one adds 1. A
@@ -33,7 +41,6 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
-from asyncsync.errors import ConfigError
 from asyncsync.format import version_dir
 from asyncsync.format.store import read_manifest
 from asyncsync.publish.distributed import Coordinator, Decide, Message
@@ -42,6 +49,13 @@ from asyncsync.training.config import SyncConfig
 from asyncsync.training.session import SyncSession, SyncStep, Weights, collect_state_dict
 from asyncsync.training.slime.args import SlimeSettings, slime_settings, sync_config_from_args
 from asyncsync.training.slime.engines import EngineLink, NoEngines, RayReceivers, Sidecars
+from asyncsync.training.slime.reload import (
+    HostReceivers,
+    SlimeReload,
+    engine_hosts,
+    multi_host_error,
+    run_pre_read,
+)
 from asyncsync.training.slime.weights import (
     Converter,
     hf_view_dir,
@@ -65,7 +79,7 @@ def _dist_rank() -> tuple[int, int]:
 
 
 class _HookedCoordinator(Coordinator):
-    """Runs the pre-push hook on this rank (not rank 0) after its shards are durable, before it
+    """Runs slime's hook on this rank (not rank 0) after its shards are durable, before it
     reports them for the commit; a failing hook becomes this rank's error in the commit."""
 
     def __init__(self, inner: Coordinator, run_hook: Callable[[int], None]) -> None:
@@ -88,8 +102,8 @@ class _HookedCoordinator(Coordinator):
             try:
                 await asyncio.to_thread(self.run_hook, self._version)
             except Exception as exc:
-                logger.error("rank %d: the pre-push hook failed: %r", self.rank, exc)
-                message = {"error": f"the pre-push hook failed on rank {self.rank}: {exc!r}"}
+                logger.error("rank %d: slime's hook failed: %r", self.rank, exc)
+                message = {"error": f"slime's hook failed on rank {self.rank}: {exc!r}"}
         result = await self.inner.exchange(step, key, message, decide)
         if step == "plan":
             self._version = (
@@ -128,7 +142,9 @@ class AsyncSyncWeightUpdater:
     ) -> None:
         self.args, self.model, self.weights_getter = args, model, weights_getter
         self.model_name, self.quantization_config = model_name, quantization_config
-        self.weight_version = 0
+        # slime's actor sets it after building the updater (gen2a, gen2); gen1's does not, and
+        # has no such flag: asyncsync's --update-weight-start-version then counts
+        self.weight_version = getattr(args, "update_weight_start_version", None) or 0
         self.update_weight_metrics: dict[str, float] = {}
         self.rollout_engines: list[Any] = []
         self.rollout_engine_lock: Any = None
@@ -140,14 +156,7 @@ class AsyncSyncWeightUpdater:
         self.converter = converter or resolve_converter(self.settings.converter)
         self._hook: Hook | None = None
         if self.settings.hook:
-            if config.pre_commit_hook is not None:
-                raise ConfigError(
-                    f"{self.settings.hook_flag} and pre_commit_hook (ASYNCSYNC_PRE_COMMIT_HOOK or "
-                    "the config file) are both set; keep one"
-                )
             self._hook = resolve_callable(self.settings.hook, what=self.settings.hook_flag or "")
-            if self.rank == 0:
-                config = config.replace(pre_commit_hook=self._rank0_hook)
         if self.rank != 0:
             config = config.replace(ack_engines=(), ack_quorum=None)  # rank 0 waits
         self.config = config
@@ -159,13 +168,13 @@ class AsyncSyncWeightUpdater:
             coordinator = TorchDistCoordinator(dist.new_group(backend="gloo"))
         if coordinator is not None and self._hook is not None and self.rank != 0:
             coordinator = _HookedCoordinator(coordinator, self._run_hook_for)
-        self._hook_on = True
         self._updates = 0
         self._offset: int | None = None
         producer = {"framework": "slime", "model_name": model_name, "rank": self.rank}
         self._session = SyncSession(config, producer=producer, coordinator=coordinator).open()
         self._link = engine_link if engine_link is not None else self._default_link()
         self._view: Path | None = None
+        self.all_engine_actors: list[Any] = []
 
     # ------------------------------------------------------------------ slime's interface
     def connect_rollout_engines(
@@ -175,17 +184,35 @@ class AsyncSyncWeightUpdater:
         engine_gpu_counts: Sequence[int] | None = None,
         engine_gpu_offsets: Sequence[int] | None = None,
         engine_parallel_configs: Sequence[Mapping[str, object]] | None = None,
+        all_engine_actors: Sequence[Any] | None = None,
         *,
         engine_ids: Sequence[str] | None = None,
     ) -> None:
         """Record the engines; on rank 0 connect their receivers (start them, for ``ray``) and
-        wait for them from now on. ``engine_ids`` (sidecars) overrides the configured ids."""
+        wait for them from now on. Takes what every slime revision passes (gen2a:
+        ``all_engine_actors``, one actor per engine host; gen2: ``engine_parallel_configs``).
+        ``engine_ids`` (sidecars) overrides the configured ids."""
         self.rollout_engines = list(rollout_engines)
         self.rollout_engine_lock = rollout_engine_lock
+        self.all_engine_actors = list(all_engine_actors or ())
         if self.rank != 0:
             return
         if engine_ids is not None:
             self._link = Sidecars(engine_ids)
+        hosts = engine_hosts(
+            self.rollout_engines,
+            gpu_counts=engine_gpu_counts,
+            gpus_per_node=getattr(self.args, "num_gpus_per_node", None),
+            all_engine_actors=all_engine_actors,
+        )
+        if isinstance(self._link, HostReceivers):
+            self._link.hosts = hosts
+        elif isinstance(self._link, Sidecars):
+            for i, h in enumerate(hosts):
+                if h is None or len(h) > 1:
+                    raise multi_host_error(
+                        i, "receivers you run (sidecars) reload their server on their own"
+                    )
         if isinstance(self._link, RayReceivers):
             self._link.version_offset = self._version_offset()
         elif isinstance(self._link, Sidecars) and self._version_offset():
@@ -221,12 +248,11 @@ class AsyncSyncWeightUpdater:
             )
         )
         t_gather = time.perf_counter() - t0
-        seeding = self._session.seed_version is None
         offset = self._version_offset()
         self._offset = offset
-        self._hook_on = not (seeding and self.settings.generation == "gen1")
         before = self._session.version
         n = self._updates  # the round's step: slime calls update_weights on every rank per step
+        t_reload = 0.0
         try:
             try:
                 waits = self._link.check()  # a dead receiver is replaced; whom this step waits for
@@ -234,16 +260,22 @@ class AsyncSyncWeightUpdater:
                 self._session.abstain(exc, step=n)
             if waits is not None:
                 self._session.ack_policy = waits
-            step = self._session.publish(hf, step=n)
+            step = self._session.publish(
+                hf, committed=self._committed if self.rank == 0 else None, step=n
+            )
+            self.weight_version = step.result.version + offset
+            if self.rank == 0:
+                t1 = time.perf_counter()
+                self._link.after_ack(self.weight_version, self._view)
+                t_reload = time.perf_counter() - t1
         except BaseException:
             self._failed(before, t_gather, time.perf_counter() - t0)
             raise
         finally:
             self._updates += 1
-        self.weight_version = step.result.version + offset
-        if self.settings.hf_view and self.rank == 0:
-            self._write_view(step.result.version)
         self._record(step, t_gather, time.perf_counter() - t0)
+        if t_reload:
+            self.update_weight_metrics["perf/update_weights_reload_ms"] = 1000 * t_reload
 
     def pop_metrics(self) -> dict[str, float]:
         """The last update's metrics (``perf/update_weights_*``), cleared."""
@@ -286,8 +318,10 @@ class AsyncSyncWeightUpdater:
             return NoEngines()
         if s.receivers == "sidecar":
             return Sidecars(s.engine_ids)
+        if s.receivers == "slime":
+            return SlimeReload(keep_files=s.keep_files)
         assert s.local_checkpoint_dir is not None  # slime_settings checks it
-        return RayReceivers(str(self.config.root), s.local_checkpoint_dir)
+        return HostReceivers(str(self.config.root), s.local_checkpoint_dir)
 
     def _version_offset(self) -> int:
         """slime's weight_version of root version v is v + offset."""
@@ -296,29 +330,39 @@ class AsyncSyncWeightUpdater:
         full = 1 if self.config.mode == "full" else 0
         return self.weight_version + full - self._session.publisher.next_version
 
+    def _call_hook(self, directory: str | Path) -> None:
+        assert self._hook is not None
+        result = self._hook(self.args, str(directory), list(self.rollout_engines))
+        if isinstance(result, concurrent.futures.Future) or callable(
+            getattr(result, "result", None)
+        ):
+            result.result()  # gen1: slime waits on the Future before telling engines to load
+
     def _run_hook_for(self, version: int) -> None:
-        if self._hook is None or not self._hook_on:
-            return
-        result = self._hook(
-            self.args, str(version_dir(self.config.root, version)), self.rollout_engines
-        )
-        if isinstance(result, concurrent.futures.Future) or callable(
-            getattr(result, "result", None)
-        ):
-            result.result()  # slime waits on the Future before telling engines to load
+        """Ranks other than 0: their shards of ``version`` are written (before the commit)."""
+        if self._hook is not None:
+            self._call_hook(version_dir(self.config.root, version))
 
-    def _rank0_hook(self, vdir: Path) -> None:
-        if self._hook is None or not self._hook_on:
-            return
-        result = self._hook(self.args, str(vdir), self.rollout_engines)
-        if isinstance(result, concurrent.futures.Future) or callable(
-            getattr(result, "result", None)
-        ):
-            result.result()
+    def _committed(self, result: Any) -> None:
+        """Rank 0, once ``result``'s version is committed and before the ack wait: the
+        ``weight_v`` view, slime's hook on each directory written, gen2a's pre-read hook."""
+        assert self._offset is not None
+        weight_version = result.version + self._offset
+        if self.settings.hf_view:
+            self._write_view(result.version, weight_version)
+        if self._hook is not None:
+            self._call_hook(version_dir(self.config.root, result.version))
+            if self.settings.hf_view:
+                assert self._view is not None
+                self._call_hook(self._view)
+        hook = self.settings.pre_read_hook
+        if hook and self.rollout_engines:
+            hosts = self.all_engine_actors or self.rollout_engines
+            run_pre_read(hosts, hook, str(self.config.root), weight_version)
 
-    def _write_view(self, version: int) -> None:
+    def _write_view(self, version: int, weight_version: int) -> None:
         root = Path(self.config.root)
-        dest = hf_view_dir(root, self.weight_version)
+        dest = hf_view_dir(root, weight_version)
         write_hf_view(
             version_dir(root, version),
             read_manifest(root, version),

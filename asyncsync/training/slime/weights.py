@@ -25,7 +25,9 @@ non-weight files), the directory slime's ``RayTrainGroup`` reloads engines from.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
@@ -39,6 +41,7 @@ from asyncsync.format import Manifest
 
 __all__ = [
     "Converter",
+    "accepts",
     "hf_view_dir",
     "identity_converter",
     "looks_megatron",
@@ -46,6 +49,8 @@ __all__ = [
     "slime_converter",
     "write_hf_view",
 ]
+
+logger = logging.getLogger(__name__)
 
 _HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
 
@@ -106,26 +111,61 @@ def slime_converter(
     world_size: int,
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """slime's own gather and conversion (what its full disk updater writes), chunk ``i`` kept
-    by rank ``i % world_size``: every rank joins every gather, each converts only its chunks."""
+    by rank ``i % world_size``: every rank joins every gather, each keeps only its chunks.
+
+    Only the parameters the installed slime accepts are passed: ``transform_ue8m0=False``
+    (what slime's disk saver passes) where ``HfWeightIteratorBase`` takes it (2fa9a442f,
+    2026-08-14, and later), ``should_convert_chunk`` (each rank converts only its chunks) where
+    ``get_hf_weight_chunks`` takes it (6d485c423, 2026-07-19, and later); before, every rank
+    converts every chunk and drops the others'.
+    """
     from slime.backends.megatron_utils.update_weight.hf_weight_iterator_direct import (
         HfWeightIteratorDirect,
     )
 
-    iterator = HfWeightIteratorDirect(
-        args=args,
-        model=model,
-        model_name=model_name,
-        quantization_config=quantization_config,
-        transform_ue8m0=False,
-    )
-    mine: Callable[[int], bool] = lambda i: i % world_size == rank  # noqa: E731
-    for idx, chunk in enumerate(
-        iterator.get_hf_weight_chunks(
-            dict(megatron_weights), progress_desc="asyncsync: gather", should_convert_chunk=mine
+    if getattr(args, "megatron_to_hf_mode", "raw") == "bridge":
+        logger.warning(
+            "--megatron-to-hf-mode bridge: asyncsync's default converter uses slime's raw "
+            "conversion (HfWeightIteratorDirect), where slime's disk saver uses Megatron Bridge; "
+            "pass --asyncsync-converter to convert otherwise"
         )
-    ):
+    init: dict[str, Any] = {
+        "args": args,
+        "model": model,
+        "model_name": model_name,
+        "quantization_config": quantization_config,
+    }
+    if accepts(HfWeightIteratorDirect, "transform_ue8m0"):
+        init["transform_ue8m0"] = False
+    iterator = HfWeightIteratorDirect(**init)
+    mine: Callable[[int], bool] = lambda i: i % world_size == rank  # noqa: E731
+    chunks_kw: dict[str, Any] = {"progress_desc": "asyncsync: gather"}
+    if accepts(iterator.get_hf_weight_chunks, "should_convert_chunk"):
+        chunks_kw["should_convert_chunk"] = mine
+    for idx, chunk in enumerate(iterator.get_hf_weight_chunks(dict(megatron_weights), **chunks_kw)):
         if mine(idx):
             yield from chunk
+
+
+def accepts(fn: Any, name: str) -> bool:
+    """Whether calling ``fn`` (a function, or a class: its ``__init__``) accepts the keyword
+    ``name``. A class's ``__init__(*args, **kwargs)`` that passes everything on is looked
+    through to the next ``__init__`` of its bases (slime's ``HfWeightIteratorDirect``)."""
+    if isinstance(fn, type):
+        chain = [vars(k)["__init__"] for k in fn.__mro__ if "__init__" in vars(k)]
+    else:
+        chain = [fn]
+    for f in chain:
+        try:
+            params = list(inspect.signature(f).parameters.values())
+        except (TypeError, ValueError):
+            return False
+        named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        if named - {"self"}:
+            return name in named
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return False  # takes nothing
+    return False
 
 
 def _slime_importable() -> bool:

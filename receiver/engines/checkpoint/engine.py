@@ -201,7 +201,7 @@ class LocalCheckpoint(Engine):
     def _open(self) -> EngineState:
         if self._store.locked:
             return self.state
-        self.directory.mkdir(parents=True, exist_ok=True)
+        fsio.make_dir(self.directory, parents=True, exist_ok=True)  # 0755: servers read it
         if not (self._store.directory / STATE_NAME).exists():
             self.files.refuse_foreign()
         ps = self._store.open()

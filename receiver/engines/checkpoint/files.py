@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,15 +112,22 @@ class CheckpointFiles:
 
 
 def verify_checkpoint(
-    directory: str | os.PathLike[str], manifest: Manifest, *, file_prefix: str = "model"
+    directory: str | os.PathLike[str],
+    manifest: Manifest,
+    *,
+    file_prefix: str = "model",
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Names of tensors whose bytes differ from ``manifest`` (missing, extra, other dtype/shape
     or other checksum). An empty list means the directory holds the version bit for bit.
-    Read-only and lock-free: run it on a quiet checkpoint (e.g. ``asyncsync verify``)."""
+    Read-only and lock-free: run it on a quiet checkpoint (e.g. ``asyncsync verify``).
+    ``progress(done, total)`` is called after each tensor."""
     files = CheckpointFiles(directory, file_prefix)
     layout = files.load_layout()
     bad: list[str] = sorted(set(layout) - {e.name for e in manifest.tensors})
-    for e in manifest.tensors:
+    for i, e in enumerate(manifest.tensors):
+        if progress is not None and i:
+            progress(i, len(manifest.tensors))
         loc = layout.get(e.name)
         if loc is None or loc.dtype != e.torch_dtype or loc.shape != e.shape:
             bad.append(e.name)

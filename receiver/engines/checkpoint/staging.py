@@ -10,6 +10,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from asyncsync import fsio
 from asyncsync.errors import ApplyFailed, ChecksumMismatch
 from asyncsync.format import TensorEntry
 from asyncsync.format.checksum import entry_checksum
@@ -39,8 +40,14 @@ def stage_part(
         sums[entry.name] = entry_checksum(entry, t, algorithm)
     path = staging / part
     safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # readable by an inference server running as another user (0644 like the index),
+        # whatever this receiver's umask
+        os.fchmod(fd, fsio.FILE_MODE)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return sums
 
 

@@ -1,0 +1,52 @@
+"""``asyncsync prepare ROOT --group G``: let receivers under other uids write their acks and leases.
+
+A receiver writes ``ROOT/acks/<engine_id>.json`` and ``ROOT/leases/`` (FORMAT.md section 7).
+When it runs as another uid than the publisher (a non-root container, a systemd
+``DynamicUser``, a k8s ``runAsUser``), those two directories must be writable for it: this
+command creates them (and the root, if missing) with the group ``G`` and mode ``2775``.
+Everything else in the root stays ``0644``/``0755``: receivers only read it. It is the one
+subcommand that writes; run it once, as the publisher's uid or root, before the receivers start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from asyncsync.errors import ConfigError
+
+__all__ = ["cmd_prepare", "register"]
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from asyncsync.format.store import foreign_entries, is_root, prepare_shared_dirs
+
+    root = Path(args.root)
+    if root.is_dir() and not is_root(root) and foreign_entries(root):
+        raise ConfigError(
+            f"{root} is not an asyncsync root and not empty (it holds "
+            f"{', '.join(foreign_entries(root)[:5])}): pass the directory given to Publisher(...)"
+        )
+    group: str | int = int(args.group) if args.group.isdigit() else args.group
+    for d in prepare_shared_dirs(root, group):
+        st = os.stat(d)
+        print(f"{d}: group {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o}")
+    return 0
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    sp = sub.add_parser(
+        "prepare",
+        parents=[common],
+        help="make ROOT/acks and ROOT/leases writable for a group (receivers under other uids)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    sp.add_argument("root", metavar="ROOT", help="the shared root (created if missing)")
+    sp.add_argument(
+        "--group", required=True, metavar="G",
+        help="the group (name or gid) the receivers run with",
+    )  # fmt: skip
+    sp.set_defaults(func=cmd_prepare)
