@@ -46,7 +46,7 @@ _LAZY = {
     "Manifest": "asyncsync.format",
     "TensorEntry": "asyncsync.format",
     "Coordinator": "asyncsync.publish.distributed",
-    "FileRendezvous": "asyncsync.publish.distributed",
+    "FileRendezvous": "asyncsync.publish.rendezvous",
     "TorchDistCoordinator": "asyncsync.publish.distributed",
     "TensorSlice": "asyncsync.publish.merge",
     "Publisher": "asyncsync.publish.publisher",
@@ -61,9 +61,10 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from asyncsync.format import FORMAT_VERSION, AckRecord, Manifest, TensorEntry
-    from asyncsync.publish.distributed import Coordinator, FileRendezvous, TorchDistCoordinator
+    from asyncsync.publish.distributed import Coordinator, TorchDistCoordinator
     from asyncsync.publish.merge import TensorSlice
     from asyncsync.publish.publisher import Publisher
+    from asyncsync.publish.rendezvous import FileRendezvous
     from asyncsync.publish.retention import RetentionPolicy
     from asyncsync.publish.stats import PublisherStats, PublishResult
     from asyncsync.training.config import SyncConfig

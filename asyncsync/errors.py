@@ -22,6 +22,11 @@
 
 Foreign errors (OSError, json, safetensors) are translated at the boundary with
 ``raise NewError(...) from exc`` so callers catch one family.
+
+Every error of the tree survives pickling (a Ray actor's or a worker process's error reaches
+the caller as the same class with the same fields): unpickling restores the arguments and the
+fields without calling ``__init__``, whose keyword-only fields (``AckTimeout.version``) pickle's
+default would not pass.
 """
 
 from __future__ import annotations
@@ -51,6 +56,21 @@ __all__ = [
 
 class AsyncSyncError(Exception):
     """Base of every error asyncsync raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # BaseException's reduce re-calls cls(*args): fields given as keywords would be lost
+        # (or required, as AckTimeout's are, so that unpickling raised TypeError)
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(
+    cls: type[AsyncSyncError], args: tuple[Any, ...], state: dict[str, Any]
+) -> AsyncSyncError:
+    """An error of the tree from its pickled arguments and fields (see the module docstring)."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class ConfigError(AsyncSyncError, ValueError):

@@ -37,16 +37,16 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from asyncsync.errors import AsyncSyncError, ConfigError
-from asyncsync.ops.cli.common import non_negative_float, positive_float, size_bytes
-from asyncsync.ops.logsetup import (
+from asyncsync.console.args import non_negative_float, positive_float, size_bytes
+from asyncsync.console.logsetup import (
     CliParser,
     add_logging_arguments,
     print_error,
     setup_logging,
     sniff_log_format,
 )
-from asyncsync.ops.progress import Progress, ProgressWatcher
+from asyncsync.console.progress import Progress, ProgressWatcher
+from asyncsync.errors import AsyncSyncError, ConfigError
 from receiver.acking import check_root_for_receiver
 from receiver.agent import ReceiverAgent
 from receiver.audit import Auditor

@@ -5,10 +5,13 @@
     python stress/multirank.py --seeds 10 --steps 40 [--first-seed S] [--world 2] [--json FILE]
 
 Runs :func:`tests.multirank_model.run_model` for each seed (see that module: lockstep ranks
-over FileRendezvous, one fault per step at a random point of the commit path, restarts of one
-rank or all, a leftover ``.rendezvous/``; invariant: every committed manifest holds exactly one
-step's whole model and never changes once renamed). Prints one line per seed and a summary;
-exits 1 on the first broken invariant, keeping its work directory.
+over FileRendezvous, by step on odd seeds and by count on even ones; one fault per step at a
+random point of the commit path, a rank late past the timeout, a cancel during the plan, an
+error on one rank or a skipped step, a second job's rank on the root, restarts of one rank or
+all, a leftover ``.rendezvous/``; invariants: every committed manifest holds exactly one step's
+whole model of the job and never changes once renamed, and a group all alive and calling
+together commits within 2 steps). Prints one line per seed and a summary; exits 1 on the first
+broken invariant, keeping its work directory.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ process (code 3) after a failed publish; ``kill_after_rename`` = [0, step] SIGKI
 after it renamed that step's manifest into place; ``cancel_after_rename`` = [0, step] cancels
 rank 0's publish of that step once its manifest exists, while ``slow_broadcast`` = [rank, step]
 makes that rank join rank 0's broadcast of the commit result a second late (torch only).
+``stepped`` passes the step to every publish (``step=``); ``skip`` = [rank, step] makes that
+rank skip that step's call (as a trainer whose step failed before it could publish); a rank
+told that its call is behind the group's step moves on to the next step.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from asyncsync.format import manifest_path
 from asyncsync.publish import commit as commit_mod
 from asyncsync.publish import publisher as publisher_mod
 from asyncsync.publish import writer as writer_mod
-from asyncsync.publish.distributed import Coordinator, Decide, FileRendezvous, TorchDistCoordinator
+from asyncsync.publish.distributed import Coordinator, Decide, TorchDistCoordinator
 from asyncsync.publish.merge import TensorSlice
+from asyncsync.publish.rendezvous import FileRendezvous
 from tests.conftest import mixed_state, mutate, random_tensor
 
 ROWS, COLS = 4, 24  # rows of shared.weight per rank
@@ -191,11 +195,17 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
             if cfg.get("slow_broadcast") == [rank, step] and first:
                 _arm_slow_broadcast(coord)
             rec: dict[str, Any] = {"step": step}
+            if cfg.get("skip") == [rank, step]:
+                rec["skipped"] = True
+                log.append(rec)
+                step += 1
+                continue
+            kw = {"step": step} if cfg.get("stepped") else {}
             try:
                 if step == 0:
-                    call = pub.seed(sd, slices=slices)
+                    call = pub.seed(sd, slices=slices, **kw)
                 else:
-                    call = pub.publish(sd, slices=slices, keyframe=step == KEYFRAME_STEP)
+                    call = pub.publish(sd, slices=slices, keyframe=step == KEYFRAME_STEP, **kw)
                 if cfg.get("cancel_after_rename") == [rank, step] and first:
                     await _cancelled_after_rename(pub, root, call)
                     raise AssertionError("the publish was not cancelled")
@@ -214,6 +224,8 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 rec.update(error=str(exc), ranks=list(exc.ranks), at=at)
                 rec.update(manifest_after_error=nxt.exists())
                 tries += 1
+                if "while the group is at step" in str(exc) or "at a later step" in str(exc):
+                    step, tries = step + 1, 0  # the group went on without this step
                 if tries > 6:
                     raise
             log.append(rec)

@@ -2,15 +2,23 @@
 
 A seeded driver (:func:`run_model`) plays a trainer whose ranks publish in lockstep: at each
 step every live rank publishes its portion of the step's model (``tests/dist_worker.py``) once,
-whatever happened before, through FileRendezvous. Before a step the driver may arm one fault in
-one rank: a cancellation of its publish or a SIGKILL at one of the awaits of the commit path
+whatever happened before, through FileRendezvous (odd seeds pass the step to every publish,
+even seeds let the calls pair by count). Before a step the driver may arm one fault in one
+rank: a cancellation of its publish or a SIGKILL at one of the awaits of the commit path
 (:data:`POINTS`: messages sent, shards and part record written, the hook, before and after the
-manifest rename, the result sent, the clean-up, the log line); or restart one rank or all of
-them (all: a clean exit, leaving ``.rendezvous/`` behind). Killed ranks are restarted alone at
-the next step. After every step it checks the invariant: at most one new version, which holds
-exactly that step's whole model, and every manifest it has seen is unchanged. At the end one
-clean step, then: every committed directory holds only what its manifest names, the log lists
-every version once, and a receiver replays the root bit-exact.
+manifest rename, the result sent, the clean-up, the log line); a rank late past the timeout
+(2.5 timeouts); a cancel during the plan, on any rank (it calls first and is cancelled while it
+waits for the other); an error raised on one rank only (its encode stage fails; with steps,
+half the time it skips the step's call instead, as a step that failed before it could
+publish); a second job on the root (rank 1 killed, and a rank 1 of another job token publishes
+other weights into the root at that step); or restart one rank or all of them (all: a clean
+exit, leaving ``.rendezvous/`` behind). Killed ranks are restarted alone at the next step.
+After every step it checks the invariants: at most one new version, which holds exactly that
+step's whole model of this job, every manifest it has seen is unchanged, and a group whose
+ranks are all alive and call together (a step with no fault armed) commits within
+:data:`LIVENESS` such steps. At the end one clean step, then: every committed directory holds
+only what its manifest names, the log lists every version once, and a receiver replays the
+root bit-exact.
 
 ``tests/test_multirank_model.py`` runs it short in ``make test``; ``stress/multirank.py`` long
 in ``make stress``.
@@ -34,9 +42,10 @@ from asyncsync import FileRendezvous, OutcomeUnknown, Publisher, PublishError
 from asyncsync.format import manifest_path
 from asyncsync.format.store import list_versions
 from asyncsync.publish import commit as commit_mod
-from asyncsync.publish import distributed as distributed_mod
 from asyncsync.publish import group as group_mod
+from asyncsync.publish import rendezvous as rendezvous_mod
 from asyncsync.publish import writer as writer_mod
+from tests.dist_worker import _arm_fail as arm_fail
 from tests.dist_worker import portion
 
 # (point, ranks it can happen on): the awaits of one publish, in order
@@ -46,6 +55,8 @@ POINTS = {
     "result-after": "0", "cleanup-before": "0", "cleanup-after": "0", "log-before": "0",
     "log-after": "0",
 }  # fmt: skip
+LIVENESS = 2  # steps with no fault, all ranks alive, within which the group commits
+JOB, OTHER_JOB = "model-job", "intruder-job"
 
 # --------------------------------------------------------------------------- one rank
 
@@ -101,7 +112,7 @@ def _install_probes(rank: int) -> None:
             return "result-before", "result-after"
         return None, None
 
-    _wrap(distributed_mod, "atomic_write", rendezvous)
+    _wrap(rendezvous_mod, "atomic_write", rendezvous)
     _wrap(writer_mod, "atomic_write", lambda n: (None, "shard"))
     _wrap(group_mod, "atomic_write", lambda n: (None, "part"))
     _wrap(
@@ -119,9 +130,35 @@ def rank_main(cfg: dict[str, Any]) -> None:
     asyncio.run(_rank(cfg))
 
 
+def foreign(step: int, rank: int, world: int) -> tuple[dict[str, Any], Any]:
+    """Another job's weights: this job's names and shapes, other values."""
+    sd, slices = portion(step, rank, world)
+    return {k: v.flip(0) if v.dim() else v + 1 for k, v in sd.items()}, slices
+
+
+def intruder_main(cfg: dict[str, Any]) -> None:
+    """A rank of another job on the same root: publish other weights once, report, exit."""
+
+    async def go() -> None:
+        coord = FileRendezvous(cfg["root"], cfg["rank"], cfg["world"], timeout=cfg["timeout"],
+                               poll_interval=0.005, job=OTHER_JOB)  # fmt: skip
+        rec: dict[str, Any] = {}
+        try:
+            async with Publisher(cfg["root"], coordinator=coord, bucket_bytes=16 << 10) as pub:
+                sd, slices = foreign(cfg["step"], cfg["rank"], cfg["world"])
+                kw = {"step": cfg["step"]} if cfg["stepped"] else {}
+                rec["version"] = (await pub.publish(sd, slices=slices, **kw)).version
+        except PublishError as exc:
+            rec["outcome"] = f"error: {exc}"
+        Path(cfg["report"]).write_text(json.dumps(rec))
+
+    asyncio.run(go())
+
+
 async def _rank(cfg: dict[str, Any]) -> None:
     rank, world, ctl = cfg["rank"], cfg["world"], Path(cfg["ctl"])
-    coord = FileRendezvous(cfg["root"], rank, world, timeout=cfg["timeout"], poll_interval=0.005)
+    coord = FileRendezvous(cfg["root"], rank, world, timeout=cfg["timeout"], poll_interval=0.005,
+                           job=JOB)  # fmt: skip
     PROBES.loop = asyncio.get_running_loop()
     hook = (lambda vdir: PROBES.hit("hook")) if rank == 0 else None
     async with Publisher(
@@ -137,10 +174,25 @@ async def _rank(cfg: dict[str, Any]) -> None:
             if order.get("exit"):
                 return
             PROBES.spec, PROBES.fired = order.get("fault"), False
-            sd, slices = portion(step, rank, world)
-            call = pub.seed(sd, slices=slices) if step == 0 else pub.publish(sd, slices=slices)
-            PROBES.task = task = asyncio.ensure_future(call)
             rec: dict[str, Any] = {"step": step}
+            if order.get("skip"):  # this rank's step failed before it could publish
+                rec.update(outcome="skipped", fired=True)
+                _report(ctl, step, rank, rec)
+                step += 1
+                continue
+            if order.get("fail"):
+                arm_fail()  # this rank's encode stage fails once
+            await asyncio.sleep(order.get("delay", 0.0))
+            sd, slices = portion(step, rank, world)
+            kw = {"step": step} if cfg["stepped"] else {}
+            call = (
+                pub.seed(sd, slices=slices, **kw)
+                if step == 0
+                else pub.publish(sd, slices=slices, **kw)
+            )
+            PROBES.task = task = asyncio.ensure_future(call)
+            if order.get("cancel_after") is not None:
+                asyncio.get_running_loop().call_later(order["cancel_after"], task.cancel)
             try:
                 rec["version"] = (await task).version
             except asyncio.CancelledError:
@@ -149,21 +201,25 @@ async def _rank(cfg: dict[str, Any]) -> None:
                 rec["outcome"] = "unknown"
             except PublishError as exc:
                 rec["outcome"] = f"error: {exc}"
-            PROBES.spec, rec["fired"] = None, PROBES.fired
-            tmp = ctl / f".done-{step}-r{rank}"
-            tmp.write_text(json.dumps(rec))
-            tmp.rename(ctl / f"done-{step}-r{rank}.json")
+            PROBES.spec, rec["fired"] = None, PROBES.fired or task.cancelled() or "fail" in order
+            _report(ctl, step, rank, rec)
             step += 1
+
+
+def _report(ctl: Path, step: int, rank: int, rec: dict[str, Any]) -> None:
+    tmp = ctl / f".done-{step}-r{rank}"
+    tmp.write_text(json.dumps(rec))
+    tmp.rename(ctl / f"done-{step}-r{rank}.json")
 
 
 # --------------------------------------------------------------------------- the driver
 
 
 class _Group:
-    def __init__(self, work: Path, world: int, timeout: float) -> None:
+    def __init__(self, work: Path, world: int, timeout: float, stepped: bool) -> None:
         self.root, self.ctl = work / "root", work / "ctl"
         self.ctl.mkdir(parents=True)
-        self.world, self.timeout = world, timeout
+        self.world, self.timeout, self.stepped = world, timeout, stepped
         self.procs: dict[int, BaseProcess] = {}
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["tests.dist_worker", "tests.multirank_model"])
@@ -171,10 +227,19 @@ class _Group:
 
     def start(self, rank: int, step: int) -> None:
         cfg = {"rank": rank, "world": self.world, "root": str(self.root), "ctl": str(self.ctl),
-               "timeout": self.timeout, "start": step}  # fmt: skip
+               "timeout": self.timeout, "start": step, "stepped": self.stepped}  # fmt: skip
         p = self.ctx.Process(target=rank_main, args=(cfg,), name=f"model-rank{rank}")
         p.start()
         self.procs[rank] = p
+
+    def intrude(self, rank: int, step: int) -> tuple[BaseProcess, Path]:
+        """Start a rank of another job on the root (see :func:`intruder_main`)."""
+        report = self.ctl / f"intruder-{step}.json"
+        cfg = {"rank": rank, "world": self.world, "root": str(self.root), "step": step,
+               "timeout": self.timeout, "stepped": self.stepped, "report": str(report)}  # fmt: skip
+        p = self.ctx.Process(target=intruder_main, args=(cfg,), name=f"intruder-rank{rank}")
+        p.start()
+        return p, report
 
     def order(self, step: int, rank: int, order: dict[str, Any]) -> None:
         path = self.ctl / f"go-{step}-r{rank}.json"
@@ -214,16 +279,31 @@ class _Group:
             (self.ctl / f"go-{step}-r{r}.json").unlink(missing_ok=True)
 
 
-def _faults(rng: random.Random, world: int) -> tuple[str, dict[int, dict[str, Any]]]:
-    """What to do before a step: ("none" | "restart-one" | "restart-all", rank -> fault)."""
+def _faults(
+    rng: random.Random, world: int, timeout: float, stepped: bool
+) -> tuple[str, dict[int, dict[str, Any]]]:
+    """What to do before a step: (kind, rank -> its order's fault fields). Kinds: "none",
+    "restart-one", "restart-all", "late", "cancel-plan", "error", "skip", "intruder",
+    "fault" (a point of :data:`POINTS`)."""
     x = rng.random()
-    if x < 0.08:
+    if x < 0.06:
         return "restart-all", {}
-    if x < 0.15:
+    if x < 0.12:
         return "restart-one", {rng.randrange(world): {}}
-    if x < 0.35:
+    if x < 0.28:
         return "none", {}
     rank = rng.randrange(world)
+    if x < 0.38:  # past the timeout: the others give up on this round
+        return "late", {rank: {"delay": 2.5 * timeout}}
+    if x < 0.48:  # it calls first and is cancelled while it waits for the others in the plan
+        others = {r: {"delay": 0.6 * timeout} for r in range(world) if r != rank}
+        return "cancel-plan", {rank: {"cancel_after": 0.3 * timeout}, **others}
+    if x < 0.58:
+        if stepped and rng.random() < 0.5:
+            return "skip", {rank: {"skip": True}}
+        return "error", {rank: {"fail": True}}
+    if x < 0.64 and world > 1:
+        return "intruder", {}
     points = [p for p, on in POINTS.items() if on == "all" or (on == "0") == (rank == 0)]
     action = rng.choice(["cancel", "kill"])
     return "fault", {rank: {"action": action, "point": rng.choice(points)}}
@@ -237,14 +317,19 @@ def run_model(
     from tests.test_multirank_faults import assert_finished, steps_of_version
 
     rng = random.Random(seed)
-    g = _Group(work, world, timeout)
+    stepped = seed % 2 == 1
+    g = _Group(work, world, timeout, stepped)
     seen: dict[int, str] = {}  # version -> sha256 of its manifest
-    tally: dict[str, int] = {}
+    tally: dict[str, int] = {"stepped": int(stepped)}
+    idle = 0  # steps with no fault and every rank alive since the last commit
     for r in range(world):
         g.start(r, 0)
     try:
         for step in range(steps + 1):
-            kind, faults = _faults(rng, world) if 0 < step < steps else ("none", {})
+            kind, faults = (
+                _faults(rng, world, timeout, stepped) if 0 < step < steps else ("none", {})
+            )
+            intruder = None
             if kind == "restart-all":
                 g.stop(step)
                 for r in range(world):
@@ -257,9 +342,14 @@ def run_model(
             for r, p in g.procs.items():
                 if p.exitcode is not None:  # killed at the last step: restarted alone
                     g.start(r, step)
+            if kind == "intruder":  # rank 1 is down; another job's rank 1 takes its place
+                g.procs[1].kill()
+                g.procs[1].join()
+                intruder = g.intrude(1, step)
             for r in range(world):
-                fault = faults.get(r) if kind == "fault" else None
-                g.order(step, r, {"fault": fault})
+                if r in g.procs and g.procs[r].exitcode is None:
+                    order = faults.get(r, {}) if kind != "fault" else {"fault": faults.get(r)}
+                    g.order(step, r, order)
             before = set(seen)
             reports = g.wait_step(step, 60 + 10 * timeout)
             label = kind
@@ -267,6 +357,12 @@ def run_model(
                 ((r, f),) = faults.items()
                 landed = reports[r] is None or reports[r].get("fired")  # type: ignore[union-attr]
                 label = f"{f['action']} at {f['point']}" + ("" if landed else " (not reached)")
+            if intruder is not None:
+                proc, report = intruder
+                proc.join(60 + 10 * timeout)
+                assert proc.exitcode == 0, f"step {step}: the intruder exited {proc.exitcode}"
+                got = json.loads(report.read_text())
+                assert "version" not in got, f"step {step}: another job's rank committed {got}"
             tally[label] = tally.get(label, 0) + 1
             versions = list_versions(g.root)
             new = [v for v in versions if v not in before]
@@ -281,6 +377,12 @@ def run_model(
                 if rep is not None and "version" in rep:
                     assert rep["version"] in new, (step, r, rep, new)
             tally["committed"] = tally.get("committed", 0) + len(new)
+            clean = kind in ("none", "restart-one", "restart-all")
+            idle = 0 if new or not clean else idle + 1
+            assert idle <= LIVENESS, (
+                f"step {step}: {idle} steps with every rank alive and calling together, and "
+                f"no commit (reports {reports})"
+            )
         g.stop(steps + 1)
     finally:
         for p in g.procs.values():

@@ -504,7 +504,7 @@ def _example() -> Any:
 
 
 def test_ray_cluster_config_keys(cluster_config: dict[str, Any]) -> None:
-    from asyncsync.ray import DEFAULT_RESOURCE
+    from asyncsync.training.ray import DEFAULT_RESOURCE
 
     c = cluster_config
     for key in ("cluster_name", "provider", "available_node_types", "head_node_type",

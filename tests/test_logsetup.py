@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from asyncsync import Publisher
+from asyncsync.console.logsetup import JsonFormatter, setup_logging
 from asyncsync.ops.cli import main
-from asyncsync.ops.logsetup import JsonFormatter, setup_logging
 from tests.conftest import mixed_state, mutate
 
 

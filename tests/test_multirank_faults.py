@@ -12,6 +12,7 @@ torch.distributed matters.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,9 +28,9 @@ from asyncsync.format.checksum import entry_checksum
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import Throttle, set_throttle
-from asyncsync.publish import distributed as distributed_mod
 from asyncsync.publish import group as group_mod
-from asyncsync.publish.distributed import RENDEZVOUS_DIR
+from asyncsync.publish import rendezvous as rendezvous_mod
+from asyncsync.publish.rendezvous import RENDEZVOUS_DIR
 from tests.conftest import Holder, assert_holds
 from tests.dist_worker import full_state, portion
 from tests.test_distributed import _free_port, _logs, _spawn, _wait_for
@@ -149,17 +150,17 @@ async def test_failing_to_send_the_result_after_the_rename_keeps_the_version(
     """Writing rank 0's commit result fails: v1 stays; rank 1 resolves it at the next plan."""
     root = tmp_path / "root"
     p0, p1 = _pair(root, timeout=1)
-    real = distributed_mod.atomic_write
+    real = rendezvous_mod.atomic_write
 
     def fail_result(path: Path, *a: Any, **k: Any) -> int:
         if path.name == "commit.json":
-            monkeypatch.setattr(distributed_mod, "atomic_write", real)
+            monkeypatch.setattr(rendezvous_mod, "atomic_write", real)
             raise OSError(5, "Input/output error (injected)")
         return real(path, *a, **k)
 
     async with p0, p1:
         await _both(p0, p1, 0)
-        monkeypatch.setattr(distributed_mod, "atomic_write", fail_result)
+        monkeypatch.setattr(rendezvous_mod, "atomic_write", fail_result)
         r0, r1 = await _both(p0, p1, 1)
         assert r0.version == 1 and isinstance(r1, OutcomeUnknown), (r0, r1)
         r0, r1 = await _both(p0, p1, 2)
@@ -359,3 +360,84 @@ async def test_torch_cancel_during_the_broadcast_keeps_the_version(tmp_path: Pat
     assert_steps(root, [0, 1, 2, 3])
     assert read_manifest(root, 2).base_version == 1
     assert_finished(root)
+
+
+# --------------------------------------------------------------------------- a skipped step
+
+
+@pytest.mark.parametrize("coord", ["torch", "file"])
+async def test_a_rank_that_skips_a_step_costs_the_group_that_step_only(
+    tmp_path: Path, coord: str
+) -> None:
+    """Issue 23: rank 0 skips step 2 (its step failed before it could publish). With the
+    caller's step in every round, rank 1's step 2 is never paired with rank 0's step 3 (over
+    gloo the calls pair in order: that made a version of two steps); rank 1 fails step 2, and
+    step 3 commits on both."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    cfg = {"coord": coord, "world": W, "root": str(root), "out": str(out), "steps": 4,
+           "port": _free_port(), "timeout": 10.0, "stepped": True, "skip": [0, 2]}  # fmt: skip
+    procs = [_spawn({**cfg, "rank": r}) for r in range(W)]
+    await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 150, "the group")
+    assert [p.exitcode for p in procs] == [0, 0]
+    logs = _logs(out)
+    assert [r["step"] for r in logs[0] if "version" in r] == [0, 1, 3, 4]
+    two = [r for r in logs[1] if r["step"] == 2]
+    assert len(two) == 1 and "error" in two[0], logs[1]
+    assert [r["step"] for r in logs[1] if "version" in r] == [0, 1, 3, 4]
+    assert_steps(root, [0, 1, 3, 4])
+    assert_finished(root)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_slime_updater_check_failing_on_rank0_fails_the_step_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Issue 23, slime's real call sequence over gloo (two trainer processes): rank 0's check
+    of its engines raises at step 2. Rank 1 fails step 2 too (it used to publish it, and the
+    collectives then paired rank 0's step 3 with rank 1's step 2: versions of two steps), and
+    every committed version holds exactly one step's model."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.slime_stubs import megatron
+
+    root = tmp_path / "disk"
+    cfg = {
+        "world": 2, "init": str(tmp_path / "pg-init"), "gen": "gen2", "steps": 5,
+        "checkpoints": [], "out": str(tmp_path / "rank{rank}.json"), "fail_check": [0, 2],
+        "args": {
+            "update_weight_mode": "delta", "update_weight_transport": "disk",
+            "update_weight_disk_dir": str(root), "asyncsync_receivers": "none",
+            "update_weight_local_checkpoint_dir": str(tmp_path / "local"),
+            "asyncsync_converter": "tests.slime_stubs.megatron:convert",
+        },
+    }  # fmt: skip
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "ASYNCSYNC_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, "-m", "tests.slime_stubs.actor_loop", str(tmp_path / "cfg.json")]
+    ranks = [subprocess.Popen([*cmd, str(r)], cwd=repo, env=env) for r in range(2)]
+    try:
+        codes = [await asyncio.to_thread(p.wait, 200) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert codes == [0, 0]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [e[0] for e in reports[0]["errors"]] == [2] and "receiver died" in reports[0]["errors"][
+        0
+    ][1]
+    assert [e[0] for e in reports[1]["errors"]] == [2], reports[1]
+    assert "rank 0" in reports[1]["errors"][0][1] and "receiver died" in reports[1]["errors"][0][1]
+    assert reports[0]["versions"] == reports[1]["versions"] == [0, 1, 2, 3]
+    for v, step in enumerate([0, 1, 3, 4]):  # version v holds the model of that step, exactly
+        m = read_manifest(root, v)
+        want = megatron.hf_state(step)
+        assert {e.name for e in m.tensors} == set(want)
+        assert all(
+            entry_checksum(e, want[e.name], m.checksum_algorithm) == e.checksum for e in m.tensors
+        ), (v, step)
+    assert list_versions(root) == [0, 1, 2, 3]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from asyncsync.ops.progress import Progress, ProgressWatcher
+from asyncsync.console.progress import Progress, ProgressWatcher
 from tests.conftest import eventually
 
 

@@ -1,4 +1,4 @@
-"""asyncsync.ray on a local Ray cluster started here: receiver actors placed by node and by
+"""asyncsync.training.ray on a local Ray cluster started here: receiver actors placed by node and by
 resource, trainer actors publishing, versions, bit-exact checkpoints, errors, stopping."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 
 from asyncsync import ConfigError, LockHeld
 from asyncsync.errors import AckTimeout
-from asyncsync.ray import (
+from asyncsync.training.config import SyncConfig
+from asyncsync.training.ray import (
     ReceiverActor,
     ReceiverSpec,
     TrainerActor,
@@ -27,8 +28,7 @@ from asyncsync.ray import (
     start_trainers,
     unpack_state_dict,
 )
-from asyncsync.ray.base import import_ray, placement_options, plain
-from asyncsync.training.config import SyncConfig
+from asyncsync.training.ray.base import import_ray, placement_options, plain
 from tests.conftest import mixed_state, mutate, same_bytes
 
 ENGINE_RESOURCE = "asyncsync_engine"
@@ -68,7 +68,7 @@ def assert_holds(directory: Path, sd: dict[str, torch.Tensor]) -> None:
 
 
 def test_importing_asyncsync_never_imports_ray() -> None:
-    code = "import sys, asyncsync, asyncsync.ray; assert 'ray' not in sys.modules, 'ray imported'"
+    code = "import sys, asyncsync, asyncsync.training.ray; assert 'ray' not in sys.modules, 'ray'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -49,7 +49,7 @@ from asyncsync.format import MANIFEST_NAME, Manifest, ShardInfo, TensorEntry
 from asyncsync.format.store import read_manifest
 from asyncsync.fsio import atomic_write, fsync_dir, read_bytes
 from asyncsync.pipeline import finish_thread
-from asyncsync.publish.distributed import Coordinator, Message
+from asyncsync.publish.distributed import Coordinator, Message, step_key
 from asyncsync.publish.merge import PartRecord, TensorSlice, merge, part_file_name, shard_prefix
 
 __all__ = ["Attempt", "Plan", "RankGroup"]
@@ -133,13 +133,15 @@ class RankGroup:
         last_version: int | None,
         run_id: str,
         adopt: Callable[[Attempt], None],
+        step: int | None = None,
     ) -> Plan:
         """Agree on the next attempt; raise PublishError if the group cannot (``error``, this
         rank's own reason not to publish, is raised after telling rank 0).
 
         ``can_delta_after``: whether this rank could diff if its unresolved attempt turns out
         committed. ``next_version``, ``last_version``, ``run_id`` count on rank 0 only. ``adopt``
-        is called with the unresolved attempt when the plan says that it was committed."""
+        is called with the unresolved attempt when the plan says that it was committed. ``step``:
+        the caller's step, the round's key (None: rounds are paired by count)."""
         u = self.unresolved
         hello: Message = {
             "snapshot": snapshot,
@@ -157,7 +159,8 @@ class RankGroup:
             return self._decide_plan(hellos, next_version, last_version, run_id)
 
         try:
-            res = await self.coordinator.exchange("plan", None, hello, decide)
+            key = None if step is None else step_key(step)
+            res = await self.coordinator.exchange("plan", key, hello, decide)
         except CoordinationError as exc:
             if error is not None:
                 raise error from exc

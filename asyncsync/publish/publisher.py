@@ -37,7 +37,7 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 
@@ -95,7 +95,7 @@ __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".publisher.lock"
-#: (label, done, total) of the publish in flight, or None (asyncsync.ops.progress draws it)
+#: (label, done, total) of the publish in flight, or None (asyncsync.console.progress draws it)
 Progress = tuple[str, int, int] | None
 
 
@@ -283,8 +283,8 @@ class Publisher:
     def progress(self) -> Progress:
         """``(label, buckets written, buckets)`` of the publish in flight, or None.
 
-        For progress displays (``asyncsync.ops.progress.ProgressWatcher``) of long publishes: seeds
-        and keyframes of large models."""
+        For progress displays (``asyncsync.console.ProgressWatcher``) of long publishes: seeds and
+        keyframes of large models."""
         return self._progress
 
     @property
@@ -296,14 +296,15 @@ class Publisher:
         source: Mapping[str, torch.Tensor] | str | os.PathLike[str],
         *,
         slices: Mapping[str, TensorSlice] | None = None,
+        step: int | None = None,
     ) -> PublishResult:
         """Publish the base version: a full keyframe of ``source``.
 
         ``source`` is a state dict, or the path of an existing Hugging Face safetensors checkpoint
         directory, which is registered as the base without being rewritten (its files are
         checksummed and referenced by the manifest). On a new root this is version 0; on a root
-        that already has versions (a restarted trainer) it is the next version. ``slices``: see
-        :meth:`publish`.
+        that already has versions (a restarted trainer) it is the next version. ``slices``,
+        ``step``: see :meth:`publish`.
         """
         self._require_open()
         async with self._busy:
@@ -311,7 +312,7 @@ class Publisher:
                 if self._committer.ranked:
                     raise ConfigError("a multi-rank publisher seeds from each rank's state dict")
                 return await self._register_checkpoint(Path(source))
-            return await self._round(source, slices, keyframe=True, base=False)
+            return await self._round(source, slices, keyframe=True, base=False, step=step)
 
     async def publish(
         self,
@@ -319,6 +320,7 @@ class Publisher:
         *,
         keyframe: bool = False,
         slices: Mapping[str, TensorSlice] | None = None,
+        step: int | None = None,
     ) -> PublishResult:
         """Commit the next version: the delta of ``state_dict`` against the last published one.
 
@@ -328,11 +330,23 @@ class Publisher:
         ``slices`` declares tensors of which ``state_dict`` holds only a flat element range
         (:class:`~asyncsync.publish.merge.TensorSlice`); the ranks' slices of a name must tile it.
         A rank of a group without a snapshot yet (restarted) may publish: the group then
-        publishes a full version.
+        publishes a full version. ``step`` (a group's ranks): the caller's training step, the
+        same on every rank for one version; the ranks' calls meet by it (a rank whose step is
+        behind fails, never joining another step's version). None: calls meet in order.
         """
         self._require_open()
         async with self._busy:
-            return await self._round(state_dict, slices, keyframe=keyframe, base=True)
+            return await self._round(state_dict, slices, keyframe=keyframe, base=True, step=step)
+
+    async def abstain(self, reason: Exception, *, step: int | None = None) -> NoReturn:
+        """Take part in this round without publishing, and raise ``reason``: every other rank
+        of the group fails the round (PublishError naming this rank and ``reason``), so that
+        no version is made without this rank's step and the ranks stay in step. Call it when
+        this rank cannot publish (its weights could not be gathered, a check failed)."""
+        self._require_open()
+        async with self._busy:
+            await self._round({}, None, keyframe=False, base=True, step=step, abstain=reason)
+        raise reason  # a round with ``abstain`` always raises it
 
     async def wait_acked(
         self,
@@ -402,10 +416,15 @@ class Publisher:
 
     # ------------------------------------------------------------------ internals
     async def _round(
-        self, sd: Mapping[str, torch.Tensor], slices: Any, *, keyframe: bool, base: bool
-    ) -> PublishResult:
+        self, sd: Mapping[str, torch.Tensor], slices: Any, *, keyframe: bool, base: bool,
+        step: int | None, abstain: Exception | None = None,
+    ) -> PublishResult:  # fmt: skip
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise ConfigError(f"step must be an int (the training step) or None, got {step!r}")
         try:  # the committer sets the round up (a plan), the pipeline runs, the committer ends it
-            rnd = await self._committer.begin(self, sd, slices, keyframe=keyframe, base=base)
+            rnd = await self._committer.begin(
+                self, sd, slices, keyframe=keyframe, base=base, step=step, abstain=abstain
+            )
             return await self._publish(sd, rnd)
         finally:
             await self._committer.end()

@@ -111,6 +111,8 @@ class Committer(Protocol):
         *,
         keyframe: bool,
         base: bool,
+        step: int | None = None,
+        abstain: Exception | None = None,
     ) -> Round: ...
     async def finish(
         self,
@@ -143,8 +145,13 @@ class SoloCommitter:
         *,
         keyframe: bool,
         base: bool,
+        step: int | None = None,
+        abstain: Exception | None = None,
     ) -> Round:
-        """Seed (``base=False``) or publish: a full version, or a delta against the snapshot."""
+        """Seed (``base=False``) or publish: a full version, or a delta against the snapshot.
+        ``abstain``: raised (a publisher alone has nobody to tell)."""
+        if abstain is not None:
+            raise abstain
         sl = check_state_dict(state_dict, slices)
         version = pub.next_version
         if not base or pub.mode == "full":  # no snapshot needed: the version is complete
@@ -209,14 +216,21 @@ class RankedCommitter:
         *,
         keyframe: bool,
         base: bool,
+        step: int | None = None,
+        abstain: Exception | None = None,
     ) -> Round:
         """Agree on the attempt's plan. ``base``: diff against the snapshot if every rank can
-        (False for seed). A rank without a snapshot (restarted) makes the group publish full."""
+        (False for seed). A rank without a snapshot (restarted) makes the group publish full.
+        ``step``: the caller's, the plan round's key. ``abstain``: this rank's reason not to
+        publish: told to rank 0, which fails the round on every rank, then raised here."""
         group = self.group
+        error: Exception | None = abstain
         try:
-            sl, error = check_state_dict(state_dict, slices), None
+            sl = check_state_dict(state_dict, slices)
         except ConfigError as exc:  # told to rank 0 so that the group fails fast, then raised
             sl, error = {}, exc
+        if abstain is not None:
+            sl, error = {}, abstain
         ok = base and error is None and pub.mode == "delta"
         u = group.unresolved
         schema = schema_of(state_dict, sl) if error is None else {}
@@ -230,6 +244,7 @@ class RankedCommitter:
             last_version=pub.last_version,
             run_id=pub.run_id,
             adopt=pub.adopt,
+            step=step,
         )
         pub.set_round(plan.run_id, plan.version)
         await self._beating.enter_async_context(group.coordinator.heartbeat(plan.attempt))

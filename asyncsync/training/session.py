@@ -31,12 +31,12 @@ import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
+from asyncsync.console.progress import ProgressWatcher
 from asyncsync.errors import ConfigError, PublishError
-from asyncsync.ops.progress import ProgressWatcher
 from asyncsync.training.config import SyncConfig
 from asyncsync.training.staleness import AckPolicy, AckWait, StalenessGate
 
@@ -269,6 +269,7 @@ class SyncSession:
         *,
         keyframe: bool = False,
         committed: Callable[[PublishResult], object] | None = None,
+        step: int | None = None,
     ) -> SyncStep:
         """Seed (first call) or publish the next version, then wait per the ack policy.
 
@@ -277,12 +278,23 @@ class SyncSession:
         runs (in a worker thread) once the version is committed and before the ack wait, e.g.
         to flush a filesystem so that the engines can see the version; what it raises is
         raised here. Raises :class:`~asyncsync.errors.AckTimeout` when engines fall too far
-        behind. Either way the version is committed regardless (see :attr:`version`).
+        behind. Either way the version is committed regardless (see :attr:`version`). ``step``:
+        the training step, which the ranks of a multi-rank publisher meet by
+        (:meth:`Publisher.publish <asyncsync.publish.publisher.Publisher.publish>`).
         """
         state_dict = collect_state_dict(weights)
         with self._lock:
             loop = self._require_loop()
-            return loop.run(self._publish(state_dict, keyframe, committed))
+            return loop.run(self._publish(state_dict, keyframe, committed, step))
+
+    def abstain(self, reason: Exception, *, step: int | None = None) -> NoReturn:
+        """This rank cannot publish this step: fail the round on every rank of the group, then
+        raise ``reason`` (:meth:`Publisher.abstain
+        <asyncsync.publish.publisher.Publisher.abstain>`)."""
+        with self._lock:
+            loop = self._require_loop()
+            loop.run(self._publisher.abstain(reason, step=step))
+        raise reason  # abstain always raises
 
     def wait_acked(self, version: int | None = None, *, timeout: float | None = None) -> AckWait:
         """Wait until the watched engines hold ``version`` (default: the last one published).
@@ -327,20 +339,21 @@ class SyncSession:
         state_dict: dict[str, torch.Tensor],
         keyframe: bool,
         committed: Callable[[PublishResult], object] | None = None,
+        step: int | None = None,
     ) -> SyncStep:
         seeded = self._seed_version is None
         async with ProgressWatcher(lambda: self._publisher.progress, unit="bucket"):
             if seeded:
-                result = await self._publisher.seed(state_dict)
+                result = await self._publisher.seed(state_dict, step=step)
                 self._seed_version = result.version
                 self._gate = StalenessGate(self._publisher, self._policy, floor=result.version)
             else:
-                result = await self._publisher.publish(state_dict, keyframe=keyframe)
+                result = await self._publisher.publish(state_dict, keyframe=keyframe, step=step)
         self._last_result = result
         if committed is not None:
             await asyncio.to_thread(committed, result)
         assert self._gate is not None
         ack = await self._gate.wait(result.version)
-        step = SyncStep(result, ack, self.weight_version(result.version), seeded)
-        self._last = step
-        return step
+        done = SyncStep(result, ack, self.weight_version(result.version), seeded)
+        self._last = done
+        return done

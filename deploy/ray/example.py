@@ -36,7 +36,7 @@ import torch
 
 from asyncsync import SyncConfig
 from asyncsync.ops.workload import Workload
-from asyncsync.ray import (
+from asyncsync.training.ray import (
     DEFAULT_RESOURCE,
     ReceiverSpec,
     TrainerActor,

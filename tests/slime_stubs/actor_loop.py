@@ -6,7 +6,9 @@ CONFIG: ``world``, ``init`` (a file for ``init_process_group``), ``gen``, ``step
 (slime's namespace values), ``checkpoints`` (receiver checkpoints rank 0 compares with the
 expected HF state after every update), ``out`` (a JSON file per rank). What slime's actor does:
 build the updater through the factory, set ``weight_version`` (gen2), connect fake engine
-handles, then ``update_weights()`` + ``pop_metrics()`` per step.
+handles, then ``update_weights()`` + ``pop_metrics()`` per step. ``fail_check`` = [rank, step]:
+that rank's check of its engines raises at that step (a receiver died), and every rank goes on
+with the next step after a failed ``update_weights`` (recorded in ``errors``).
 """
 
 from __future__ import annotations
@@ -67,13 +69,31 @@ def main() -> int:
         "versions": [],
         "mismatched": [],
         "metrics": [],
+        "errors": [],
     }
+    fail = cfg.get("fail_check")
+    if fail is not None and fail[0] == rank:
+        real = updater.engine_link.check
+
+        def check() -> None:
+            if step == fail[1]:
+                raise RuntimeError(f"receiver died at step {step} (injected)")
+            real()
+
+        updater.engine_link.check = check  # type: ignore[method-assign]
     try:
         updater.connect_rollout_engines(
             [FakeEngineHandle(i) for i in range(2)], None, [1, 1], [0, 1]
         )
         for step in range(cfg["steps"]):
-            updater.update_weights()
+            if fail is not None:
+                try:
+                    updater.update_weights()
+                except Exception as exc:
+                    report["errors"].append([step, f"{type(exc).__name__}: {exc}"])
+                    continue
+            else:
+                updater.update_weights()
             report["versions"].append(updater.weight_version)
             report["metrics"].append(updater.pop_metrics())
             if rank == 0:

@@ -26,18 +26,18 @@ import os
 import sys
 from collections.abc import Sequence
 
-from asyncsync.errors import AsyncSyncError
-from asyncsync.ops.bench import cli as bench
-from asyncsync.ops.cli import gc, prepare, status, verify, versions
-from asyncsync.ops.cli.common import human_bytes
-from asyncsync.ops.cli.verify import VerifyReport, verify_checkpoint_dir
-from asyncsync.ops.logsetup import (
+from asyncsync.console.logsetup import (
     CliParser,
     add_logging_arguments,
     print_error,
     setup_logging,
     sniff_log_format,
 )
+from asyncsync.errors import AsyncSyncError
+from asyncsync.ops.bench import cli as bench
+from asyncsync.ops.cli import gc, prepare, status, verify, versions
+from asyncsync.ops.cli.common import human_bytes
+from asyncsync.ops.cli.verify import VerifyReport, verify_checkpoint_dir
 
 __all__ = [
     "VerifyReport",

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncsync.console.args import (
+    int_at_least,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    size_bytes,
+)
 from asyncsync.errors import ConfigError
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest, read_root_info
-from asyncsync.fsio import parse_size
 
 __all__ = [
     "check_root",
@@ -130,55 +137,3 @@ def version_summaries(root: Path, versions: list[int]) -> list[dict[str, Any]]:
                 continue  # removed since the scan
         out.append(rec)
     return out
-
-
-def _seconds(zero_ok: bool) -> Callable[[str], float]:
-    """An argparse type: a finite number of seconds, > 0 (or >= 0 with ``zero_ok``)."""
-
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a number of seconds, got {text!r}"
-            ) from None
-        if not (v >= 0 if zero_ok else v > 0) or v == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
-        return v
-
-    return parse
-
-
-positive_float = _seconds(zero_ok=False)
-non_negative_float = _seconds(zero_ok=True)
-
-
-def size_bytes(text: str) -> int:
-    """An argparse type: a size as SyncConfig takes it (``500M``, ``2GiB``, ``1MB``, ``4096``;
-    K/M/G/T and KiB... are powers of 1024, KB/MB... of 1000), at least 1 byte."""
-    try:
-        v = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
-    return v
-
-
-def int_at_least(lo: int) -> Callable[[str], int]:
-    """An argparse type: a whole number (``_`` separators allowed) of at least ``lo``."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text.replace("_", ""))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
-non_negative_int = int_at_least(0)
-positive_int = int_at_least(1)

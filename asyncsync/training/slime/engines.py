@@ -7,8 +7,8 @@ server serves it. The updater waits for those acks. The switch ``--asyncsync-rec
 (``ASYNCSYNC_SLIME_RECEIVERS``) says where the receivers come from:
 
 * ``ray`` (default in delta mode): :class:`RayReceivers` starts one
-  :class:`~asyncsync.ray.ReceiverActor` per slime engine, on the engine's Ray node (hard
-  affinity), pointed at the engine's URL (``engine.get_url``) and at
+  :class:`~asyncsync.training.ray.ReceiverActor` per slime engine, on the engine's Ray node
+  (hard affinity), pointed at the engine's URL (``engine.get_url``) and at
   ``<--update-weight-local-checkpoint-dir>/<engine id>``;
 * ``sidecar``: :class:`Sidecars`: receivers the user runs (``asyncsync-receiver --sglang-url
   ... --engine-id ...``); the updater waits for ``--asyncsync-engine-ids`` (or any
@@ -19,7 +19,11 @@ server serves it. The updater waits for those acks. The switch ``--asyncsync-rec
   itself through slime's actors (:mod:`~asyncsync.training.slime.reload`, whose
   ``HostReceivers`` is the ``ray`` link the updater builds).
 
-Ray is imported only when the ``ray`` link is used.
+Ray is imported only when the ``ray`` link is used. Before each step the updater calls the
+link's :meth:`~EngineLink.check`: the ``ray`` link replaces receivers whose actor died (same
+engine id, same node; the new one takes the engine id's lease over and catches up from its
+checkpoint) and waits, this step, for the engines whose receivers run; a replaced one is
+waited for again once it holds the newest version any of them holds.
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.errors import AckTimeout, ConfigError
+from asyncsync.errors import ConfigError
 from asyncsync.training.staleness import AckPolicy
 
 if TYPE_CHECKING:
-    from asyncsync.ray import ReceiverFleet
+    from asyncsync.training.ray import ReceiverFleet
 
 __all__ = ["EngineLink", "NoEngines", "RayReceivers", "Sidecars", "engine_id_of_url"]
 
@@ -55,8 +59,10 @@ class EngineLink:
     def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
         return base
 
-    def check(self) -> None:
-        """Raise when a version can never be acknowledged (a receiver stopped)."""
+    def check(self) -> AckPolicy | None:
+        """Before each step: mend what can be mended; return whom this step waits for (None:
+        the policy :meth:`connect` returned). Raise when nothing can be acknowledged."""
+        return None
 
     def after_ack(self, weight_version: int, view: Path | None) -> None:
         """Move what the receivers do not (called on rank 0 once the version is acknowledged;
@@ -98,7 +104,8 @@ class RayReceivers(EngineLink):
             ``<dir>/<engine id>``.
         version_offset: the server's weight version label for root version ``v`` is
             ``v + version_offset`` (slime's ``weight_version``).
-        spec_options: more :class:`~asyncsync.ray.ReceiverSpec` fields (``poll_interval``...).
+        spec_options: more :class:`~asyncsync.training.ray.ReceiverSpec` fields
+            (``poll_interval``...).
     """
 
     kind = "ray"
@@ -119,12 +126,16 @@ class RayReceivers(EngineLink):
         self.spec_options = dict(spec_options or {})
         self.fleet: ReceiverFleet | None = None
         self._urls: tuple[str, ...] = ()
+        self._base = AckPolicy()
+        self._catching_up: set[str] = set()  # replaced receivers not yet at the newest version
 
     def __repr__(self) -> str:
         return f"<RayReceivers root={self.root!r} fleet={self.fleet!r}>"
 
     def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
-        from asyncsync.ray import import_ray, start_receivers
+        """Start a receiver beside each engine (again, for new URLs); for the same engines,
+        replace the receivers that died."""
+        from asyncsync.training.ray import import_ray, start_receivers
 
         ray = import_ray()
         urls = [u for u in ray.get([e.get_url.remote() for e in engines]) if u]
@@ -138,12 +149,12 @@ class RayReceivers(EngineLink):
             self._urls = tuple(urls)
             logger.info("asyncsync: started receivers beside %d engines: %s", len(specs), urls)
         assert self.fleet is not None
-        ids = tuple(self.fleet.actors)
-        return base if base.waits else _policy(base, engines=ids)
+        self._base = base
+        return self._waits(self.fleet.replace_dead())
 
     def _specs(self, engines: Sequence[Any], urls: list[str], nodes: list[str]) -> list[Any]:
         """One receiver per engine, beside it (the ``ReceiverSpec`` list to start)."""
-        from asyncsync.ray import ReceiverSpec
+        from asyncsync.training.ray import ReceiverSpec
 
         return [
             ReceiverSpec(
@@ -158,14 +169,40 @@ class RayReceivers(EngineLink):
             for url, node in zip(urls, nodes, strict=False)
         ]
 
-    def check(self) -> None:
+    def check(self) -> AckPolicy | None:
         if self.fleet is None:
-            return
-        dead = {e: s["stopped_by"] for e, s in self.fleet.statuses().items() if not s["running"]}
-        if dead:
-            raise AckTimeout(f"receivers stopped: {dead}", version=-1, behind={})
+            return None
+        return self._waits(self.fleet.replace_dead())
+
+    def _waits(self, mended: dict[str, str]) -> AckPolicy:
+        """Whom a step waits for: the engines whose receivers run, but a replaced one until it
+        holds the newest version one of them holds. The configured engines, if any."""
+        assert self.fleet is not None
+        base = self._base
+        if base.waits:
+            return base
+        self._catching_up |= {e for e, what in mended.items() if what == "replaced"}
+        st = self.fleet.statuses()
+        running = {e: s["version"] for e, s in st.items() if s["running"] and s.get("opened")}
+        newest = max((v for v in running.values() if v is not None), default=None)
+        for e in list(self._catching_up):
+            v = running.get(e, -1)
+            if e in running and (newest is None or (v is not None and v >= newest)):
+                self._catching_up.discard(e)  # caught up: waited for again
+        ids = tuple(e for e in running if e not in self._catching_up)
+        down = {e: s.get("stopped_by") or s.get("waiting") or "catching up" for e, s in st.items()
+                if e not in ids}  # fmt: skip
+        if down:
+            logger.warning(
+                "asyncsync: this step waits for %s only; not for %s (%s)",
+                list(ids) or "nobody", down, mended or "being replaced or catching up",
+            )  # fmt: skip
+        if not ids:
+            return AckPolicy(timeout=base.timeout, max_staleness=base.max_staleness)
+        return _policy(base, engines=ids)
 
     def close(self) -> None:
+        """Stop the receivers (never raises for a dead receiver or node)."""
         fleet, self.fleet = self.fleet, None
         self._urls = ()
         if fleet is not None:

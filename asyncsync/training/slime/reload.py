@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 def _get(refs: list[Any]) -> list[Any]:
-    from asyncsync.ray import import_ray
+    from asyncsync.training.ray import import_ray
 
     return list(import_ray().get(refs))
 
@@ -162,8 +162,18 @@ class HostReceivers(RayReceivers):
             policy = AckPolicy(timeout=base.timeout, max_staleness=base.max_staleness, engines=ids)
         return policy
 
+    def check(self) -> AckPolicy | None:
+        """A dead receiver is replaced (see :class:`RayReceivers`); with engines on several hosts
+        every receiver is still waited for, as the trainer reloads those engines once every
+        host holds the version."""
+        if not self._multi:
+            return super().check()
+        if self.fleet is not None:
+            self.fleet.replace_dead()
+        return None  # the policy connect() returned
+
     def _specs(self, engines: Sequence[Any], urls: list[str], nodes: list[str]) -> list[Any]:
-        from asyncsync.ray import ReceiverSpec
+        from asyncsync.training.ray import ReceiverSpec
 
         hosts = self.hosts or [[e] for e in engines]
         specs: list[Any] = []

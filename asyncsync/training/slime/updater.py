@@ -251,10 +251,18 @@ class AsyncSyncWeightUpdater:
         offset = self._version_offset()
         self._offset = offset
         before = self._session.version
+        n = self._updates  # the round's step: slime calls update_weights on every rank per step
         t_reload = 0.0
         try:
-            self._link.check()
-            step = self._session.publish(hf, committed=self._committed if self.rank == 0 else None)
+            try:
+                waits = self._link.check()  # a dead receiver is replaced; whom this step waits for
+            except Exception as exc:  # the round fails on every rank: none publishes this step
+                self._session.abstain(exc, step=n)
+            if waits is not None:
+                self._session.ack_policy = waits
+            step = self._session.publish(
+                hf, committed=self._committed if self.rank == 0 else None, step=n
+            )
             self.weight_version = step.result.version + offset
             if self.rank == 0:
                 t1 = time.perf_counter()

@@ -12,10 +12,16 @@ Example::
 
 Each actor owns a :class:`~receiver.agent.ReceiverAgent` whose ``run()`` loop is a task on the
 actor's event loop, as ``asyncsync-receiver`` runs it: the engine is built on the node from the
-:class:`~asyncsync.ray.base.ReceiverSpec`. A failed sync is logged and retried on the next poll
-(``status()["last_error"]``); an error that ends the loop (the checkpoint's lock is held, the
-server never came up) is raised by ``wait_ready`` and shown by ``status()``. A receiver whose
-actor died raises Ray's ``RayActorError`` from every fleet call.
+:class:`~asyncsync.training.ray.base.ReceiverSpec`. A failed sync is logged and retried on the
+next poll (``status()["last_error"]``); an error that ends the loop (the checkpoint's lock is
+held, the server never came up) is raised by ``wait_ready`` and shown by ``status()``.
+
+A receiver whose actor died (its worker killed, its node lost) is reported by ``statuses()``
+(``alive`` False, ``stopped_by`` the reason) and ``versions()`` (None) instead of raising;
+``wait_for`` raises AckTimeout naming it; :meth:`ReceiverFleet.replace_dead` starts a new actor
+under the same engine id and placement, which takes the engine id's lease over (at once on the
+same host, once the dead one's lease is stale elsewhere) and goes on from the checkpoint's
+version. ``stop()`` never raises for a dead receiver.
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.errors import AckTimeout, ConfigError
-from asyncsync.ray.base import (
+from asyncsync.errors import AckTimeout, ConfigError, LockHeld
+from asyncsync.format.lease import DEFAULT_LEASE_TTL
+from asyncsync.training.ray.base import (
     DEFAULT_RESOURCE,
     Placement,
     ReceiverSpec,
+    engine_nodes,
     import_ray,
     placement_options,
     plain,
@@ -82,17 +90,21 @@ class ReceiverActor:
     ``start()`` builds the engine and agent and starts the agent's loop; ``wait_ready()``
     returns once the engine is open (or raises what stopped it); ``status()``, ``version()``,
     ``sync_now()``, ``verify()`` and ``stop()`` are what the fleet calls. Results are plain
-    dicts and ints.
+    dicts and ints. ``take_over``: seconds to keep trying when the engine id's lease or the
+    checkpoint's lock is held (a replacement waits for the dead receiver's lease to go stale;
+    0: refuse at once).
     """
 
-    def __init__(self, root: str, spec: ReceiverSpec) -> None:
+    def __init__(self, root: str, spec: ReceiverSpec, take_over: float = 0.0) -> None:
         self.root = os.fspath(root)
         self.spec = spec
+        self.take_over = take_over
         self._agent: ReceiverAgent | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._opened = asyncio.Event()
         self._server: StatusServer | None = None
+        self._waiting: str | None = None  # why the open is waiting (a held lease)
 
     def __repr__(self) -> str:
         return f"<ReceiverActor {self.spec.engine_id} agent={self._agent!r}>"
@@ -112,7 +124,7 @@ class ReceiverActor:
 
     async def _main(self, agent: ReceiverAgent) -> None:
         try:
-            await agent.open()
+            await self._open(agent)
             self._opened.set()
             if self.spec.status_port is not None:
                 from receiver.server import StatusServer
@@ -127,6 +139,22 @@ class ReceiverActor:
             if self._server is not None:
                 await self._server.stop()
             await agent.close()
+
+    async def _open(self, agent: ReceiverAgent) -> None:
+        """Open the agent; with ``take_over``, wait while the lease or lock is held."""
+        deadline = time.monotonic() + self.take_over
+        while True:
+            try:
+                await agent.open()
+                self._waiting = None
+                return
+            except LockHeld as exc:
+                if time.monotonic() >= deadline or self._stop.is_set():
+                    raise
+                self._waiting = f"LockHeld: {exc}"
+                logger.info("receiver %s: waiting to take over (%s)", self.spec.engine_id, exc)
+                ttl = float(self.spec.agent_options.get("lease_ttl", DEFAULT_LEASE_TTL))
+                await asyncio.sleep(min(ttl / 3, 5.0, max(0.0, deadline - time.monotonic())))
 
     async def wait_ready(self) -> int | None:
         """Wait until the engine is open; return its version. Raises what ended the loop."""
@@ -150,6 +178,9 @@ class ReceiverActor:
         task = self._task
         out: dict[str, Any] = plain(self._agent.status()) if self._agent is not None else {}
         out["engine_id"] = self.spec.engine_id
+        out["alive"] = True  # this actor answers (the fleet reports dead ones)
+        out["opened"] = self._opened.is_set()
+        out["waiting"] = self._waiting
         out["running"] = task is not None and not task.done()
         out["stopped_by"] = None
         if task is not None and task.done() and not task.cancelled() and task.exception():
@@ -215,13 +246,26 @@ class ReceiverFleet:
     """The receivers :func:`start_receivers` started, by engine id (blocking calls, for drivers).
 
     ``actors`` maps engine ids to the Ray actor handles, for calls not wrapped here (every
-    :class:`ReceiverActor` method, awaitable as ``await handle.version.remote()``).
+    :class:`ReceiverActor` method, awaitable as ``await handle.version.remote()``); ``restarts``
+    counts the replacements of each (:meth:`replace_dead`).
     """
 
-    def __init__(self, root: str, actors: Mapping[str, Any], nodes: Mapping[str, Any]):
+    def __init__(
+        self,
+        root: str,
+        actors: Mapping[str, Any],
+        nodes: Mapping[str, Any],
+        *,
+        specs: Mapping[str, ReceiverSpec] | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+    ):
         self.root = root
         self.actors = dict(actors)
         self.nodes = dict(nodes)  # engine id -> {"node_id", "host", "pid"}
+        self.specs = dict(specs or {})
+        self.restarts = dict.fromkeys(self.actors, 0)
+        self._options = {e: dict(o) for e, o in (options or {}).items()}  # to start it again
+        self._starting: dict[str, Any] = {}  # engine id -> start() ref of a replacement
         self._stopped = False
 
     def __repr__(self) -> str:
@@ -234,22 +278,52 @@ class ReceiverFleet:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _each(self, method: str, *args: Any, timeout: float | None = 60.0) -> dict[str, Any]:
+    def _each(
+        self, method: str, *args: Any, timeout: float | None = 60.0, lost: Any = None
+    ) -> dict[str, Any]:
+        """``method`` on every receiver at once. A receiver whose actor is dead, or that has
+        not answered within ``timeout``, gets ``lost(engine_id, error)`` (None: raise it)."""
         ray = import_ray()
+        from ray import exceptions as rx
+
+        gone = (rx.RayActorError, rx.GetTimeoutError, rx.ActorUnschedulableError, rx.NodeDiedError)
         refs = {e: getattr(a, method).remote(*args) for e, a in self.actors.items()}
-        values = ray.get(list(refs.values()), timeout=timeout)
-        return dict(zip(refs, values, strict=True))
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        out: dict[str, Any] = {}
+        for e, ref in refs.items():
+            try:
+                out[e] = ray.get(ref, timeout=0)
+            except gone as exc:
+                if lost is None:
+                    raise
+                out[e] = lost(e, exc)
+        return out
 
     def versions(self) -> dict[str, int | None]:
-        """The version each engine holds (None: none yet)."""
-        return self._each("version")
+        """The version each engine holds (None: none yet, or its receiver is dead)."""
+        return self._each("version", lost=lambda e, exc: None)
 
-    def statuses(self) -> dict[str, dict[str, Any]]:
-        """Each receiver's :meth:`ReceiverActor.status`."""
-        return self._each("status")
+    def statuses(self, *, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+        """Each receiver's :meth:`ReceiverActor.status`; a dead one's says ``alive`` False and
+        why in ``stopped_by``, one not up yet ``starting`` True. Each has ``restarts``."""
+
+        def lost(e: str, exc: BaseException) -> dict[str, Any]:
+            from ray.exceptions import GetTimeoutError
+
+            starting = isinstance(exc, GetTimeoutError)
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            return {"engine_id": e, "alive": starting, "starting": starting, "running": False,
+                    "opened": False, "version": None, "node": self.nodes.get(e),
+                    "stopped_by": None if starting else f"{type(exc).__name__}: {why}"}  # fmt: skip
+
+        out = self._each("status", timeout=timeout, lost=lost)
+        for e, st in out.items():
+            st["restarts"] = self.restarts.get(e, 0)
+        return out
 
     def sync_now(self, *, timeout: float | None = 600.0) -> dict[str, int | None]:
-        """Make every receiver apply what is committed now; the versions they hold."""
+        """Make every receiver apply what is committed now; the versions they hold. Raises
+        Ray's ``RayActorError`` when a receiver is dead."""
         return self._each("sync_now", timeout=timeout)
 
     def verify(self, *, timeout: float | None = 600.0) -> dict[str, dict[str, Any]]:
@@ -262,7 +336,7 @@ class ReceiverFleet:
         """Wait until every engine holds ``version`` or later; return their versions.
 
         Raises :class:`~asyncsync.errors.AckTimeout` naming the engines behind, and at once
-        when a receiver's loop has stopped (its error in the message).
+        when a receiver's loop has stopped or its actor died (its error in the message).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -274,7 +348,7 @@ class ReceiverFleet:
             dead = {
                 e: statuses[e]["stopped_by"] or "stopped"
                 for e in behind
-                if not statuses[e]["running"]
+                if not statuses[e]["running"] and not statuses[e].get("starting")
             }
             if dead:
                 raise AckTimeout(
@@ -290,17 +364,86 @@ class ReceiverFleet:
                 )
             time.sleep(poll_interval)
 
+    def replace_dead(self, *, take_over: float | None = None) -> dict[str, str]:
+        """Start a new actor for each receiver whose actor died: the same engine id, spec and
+        placement (a node given by id must be alive: else it is left, and said why). It takes
+        the engine id's lease over (waiting up to ``take_over`` seconds, default twice the
+        lease's ttl, for a dead holder's lease to go stale) and goes on from the version its
+        checkpoint holds. Returns, per engine not running, what was done ("replaced", or why
+        not). Does not wait for the new actors: :meth:`statuses` shows them come up."""
+        if self._stopped:
+            return {}
+        ray = import_ray()
+        done: dict[str, str] = {}
+        alive_nodes: list[str] | None = None
+        for e, st in self.statuses().items():
+            if st["alive"] or st.get("starting") or e not in self.specs:
+                continue
+            spec, options = self.specs[e], self._options.get(e, {})
+            node = getattr(options.get("scheduling_strategy"), "node_id", None)
+            if node is not None:
+                alive_nodes = engine_nodes() if alive_nodes is None else alive_nodes
+                if node not in alive_nodes:
+                    done[e] = f"not replaced: its node {node} is not alive"
+                    continue
+            ttl = float(spec.agent_options.get("lease_ttl", DEFAULT_LEASE_TTL))
+            wait = 2 * ttl + 10 if take_over is None else take_over
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[e], no_restart=True)  # releases its name
+            try:
+                actor = _create(ray, options, self.root, spec, wait)
+            except Exception as exc:  # placement errors, a name still taken by a live actor
+                done[e] = f"not replaced: {type(exc).__name__}: {exc}"
+                continue
+            self.actors[e] = actor
+            self._starting[e] = actor.start.remote()
+            self.restarts[e] = self.restarts.get(e, 0) + 1
+            done[e] = "replaced"
+            logger.warning("receiver %s died (%s): started a new one", e, st["stopped_by"])
+        return done
+
     def stop(self, *, grace: float = STOP_GRACE) -> dict[str, int | None]:
-        """Stop every receiver (versions in flight finish), end the actors; the versions held."""
+        """Stop every receiver (versions in flight finish), end the actors; the versions held
+        (None for a receiver that was dead). Never raises for a dead receiver or node."""
         if self._stopped:
             return {}
         ray = import_ray()
         try:
-            return self._each("stop", grace, timeout=grace + 30)
+            return self._each("stop", grace, timeout=grace + 30, lost=_lost_at_stop)
         finally:
             for actor in self.actors.values():
-                ray.kill(actor, no_restart=True)
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
             self._stopped = True
+
+
+def _lost_at_stop(engine_id: str, exc: BaseException) -> None:
+    logger.warning("receiver %s was gone at stop: %s", engine_id, str(exc).split("\n")[0])
+
+
+def _create(ray: Any, options: Mapping[str, Any], root: str, spec: ReceiverSpec, take_over: float
+            ) -> Any:  # fmt: skip
+    """A receiver actor under ``options``; a dead actor still holding the name is ended first
+    (Ray keeps a dead actor's name until it is killed)."""
+    from ray.exceptions import ActorAlreadyExistsError, RayActorError
+
+    remote = ray.remote(ReceiverActor)
+    for tries in range(20):
+        try:
+            return remote.options(**options).remote(root, spec, take_over)
+        except ActorAlreadyExistsError:
+            old = ray.get_actor(options["name"], namespace=options.get("namespace"))
+            try:
+                ray.get(old.__ray_ready__.remote(), timeout=30)
+            except RayActorError:  # dead: end it, which frees the name
+                ray.kill(old, no_restart=True)
+                time.sleep(0.1 * (tries + 1))
+                continue
+            raise ConfigError(
+                f"a receiver for engine {spec.engine_id} is running (Ray actor "
+                f"{options['name']!r}): stop it first (ReceiverFleet.stop), or use another id"
+            ) from None
+    raise ConfigError(f"Ray kept the name {options['name']!r} of a dead receiver")
 
 
 def start_receivers(
@@ -329,9 +472,9 @@ def start_receivers(
         actor_options: more Ray actor options (``runtime_env``, ``namespace``, ``lifetime``...).
 
     Actors are named ``asyncsync-receiver-<engine_id>`` (``ray.get_actor`` finds them), so a
-    second receiver for an engine is refused by Ray. Raises the first receiver's error (after
-    ending every actor started here) when one cannot open, TimeoutError when some are not ready
-    within ``ready_timeout``.
+    second receiver for an engine is refused (ConfigError); a dead one's name is taken over.
+    Raises the first receiver's error (after ending every actor started here) when one cannot
+    open, TimeoutError when some are not ready within ``ready_timeout``.
 
     Example::
 
@@ -350,20 +493,24 @@ def start_receivers(
     if num_cpus < 0:
         raise ConfigError(f"num_cpus must be >= 0, got {num_cpus}")
     placed = placement_options(specs, placement, resource)
-    remote = ray.remote(ReceiverActor)
     actors: dict[str, Any] = {}
+    options: dict[str, dict[str, Any]] = {}
     try:
         for spec, where_opts in zip(specs, placed, strict=True):
-            options = {
+            options[spec.engine_id] = {
                 "name": f"asyncsync-receiver-{spec.engine_id}",
                 "num_cpus": num_cpus,
                 "max_restarts": 0,
                 **where_opts,
                 **(actor_options or {}),
             }
-            actors[spec.engine_id] = remote.options(**options).remote(os.fspath(root), spec)
+            actors[spec.engine_id] = _create(
+                ray, options[spec.engine_id], os.fspath(root), spec, 0.0
+            )
         nodes = dict(zip(actors, ray.get([a.start.remote() for a in actors.values()]), strict=True))
-        fleet = ReceiverFleet(os.fspath(root), actors, nodes)
+        fleet = ReceiverFleet(
+            os.fspath(root), actors, nodes, specs={s.engine_id: s for s in specs}, options=options
+        )
         if ready_timeout is not None:
             refs = {a.wait_ready.remote(): e for e, a in actors.items()}
             done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=ready_timeout)
@@ -373,7 +520,8 @@ def start_receivers(
                 raise TimeoutError(f"receivers {late} did not open within {ready_timeout}s")
     except BaseException:
         for actor in actors.values():
-            ray.kill(actor, no_restart=True)
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
         raise
     logger.info("started %d receivers: %s", len(actors), nodes)
     return fleet

@@ -28,28 +28,45 @@ call ``publish()`` with no argument::
 
 With ``world_size > 1`` the ranks publish one version together: each rank's state dict holds
 its own tensors (distinct names, or slices of one tensor), coordinated through files in the
-root (:class:`~asyncsync.publish.distributed.FileRendezvous`), and rank 0 commits the manifest.
+root (:class:`~asyncsync.publish.rendezvous.FileRendezvous`, with a job token of this group and
+the group's publish count as every round's step), and rank 0 commits the manifest.
+
+**Placement.** ``start_trainers(placement=...)`` says where the ranks run: ``"spread"``
+(default: Ray's SPREAD strategy, the ranks on distinct nodes where it can, so that one node's
+death takes only its ranks), ``"default"`` (Ray's default: the driver's node first while it has
+room), or a list of node ids, one per rank (hard affinity). ``TrainerGroup.nodes`` says where
+each rank landed. A dead rank (its actor or its node gone) makes ``publish`` raise Ray's
+``RayActorError``; ``close()`` never raises for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from asyncsync.errors import ConfigError, PublishError
-from asyncsync.ray.base import import_ray, plain, where
 from asyncsync.training.config import SyncConfig
+from asyncsync.training.ray.base import import_ray, plain, where
 
 if TYPE_CHECKING:
     from asyncsync.publish.publisher import Publisher
     from asyncsync.training.staleness import StalenessGate
 
-__all__ = ["TrainerActor", "TrainerGroup", "pack_state_dict", "start_trainers", "unpack_state_dict"]
+__all__ = [
+    "TrainerActor",
+    "TrainerGroup",
+    "TrainerPlacement",
+    "pack_state_dict",
+    "start_trainers",
+    "unpack_state_dict",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +130,8 @@ class TrainerActor:
         rank, world_size: this rank of a multi-rank publisher (``world_size`` 1: alone).
         rendezvous_timeout: seconds rank 0 waits for the other ranks at each publish.
         producer: extra fields for each manifest's ``producer`` record.
+        job: the token every rank of this group shares (:func:`start_trainers` makes one), so
+            that another job's ranks on the same root are never taken for this group's.
     """
 
     def __init__(
@@ -123,6 +142,7 @@ class TrainerActor:
         world_size: int = 1,
         rendezvous_timeout: float = 300.0,
         producer: Mapping[str, Any] | None = None,
+        job: str | None = None,
     ) -> None:
         from asyncsync.publish.publisher import Publisher
         from asyncsync.training.factory import publisher_kwargs
@@ -133,10 +153,10 @@ class TrainerActor:
             self.config, Publisher, producer={"rank": rank, **(producer or {})}
         )
         if world_size != 1 or rank != 0:
-            from asyncsync.publish.distributed import FileRendezvous
+            from asyncsync.publish.rendezvous import FileRendezvous
 
             kwargs["coordinator"] = FileRendezvous(
-                self.config.root, rank, world_size, timeout=rendezvous_timeout
+                self.config.root, rank, world_size, timeout=rendezvous_timeout, job=job
             )
         self.publisher: Publisher = Publisher(**kwargs)
         self._gate: StalenessGate | None = None
@@ -163,6 +183,7 @@ class TrainerActor:
         *,
         keyframe: bool = False,
         slices: Mapping[str, Any] | None = None,
+        step: int | None = None,
     ) -> dict[str, Any]:
         """Seed (this actor's first call) or publish the next version, then wait per the ack
         policy. Returns the :class:`~asyncsync.publish.stats.PublishResult` as a dict, plus ``ack``:
@@ -173,17 +194,18 @@ class TrainerActor:
         own :meth:`state_dict`.
 
         ``slices`` (multi-rank): :class:`~asyncsync.publish.merge.TensorSlice` per tensor of which
-        this rank holds a flat range.
+        this rank holds a flat range. ``step``: the round's step, the same on every rank
+        (:meth:`TrainerGroup.publish` counts them).
         """
         from asyncsync.training.staleness import StalenessGate
 
         weights = self.state_dict() if state_dict is None else unpack_state_dict(state_dict)
         await self.publisher.open()
         if self._gate is None:
-            res = await self.publisher.seed(weights, slices=slices)
+            res = await self.publisher.seed(weights, slices=slices, step=step)
             self._gate = StalenessGate(self.publisher, self.config.ack_policy, floor=res.version)
         else:
-            res = await self.publisher.publish(weights, keyframe=keyframe, slices=slices)
+            res = await self.publisher.publish(weights, keyframe=keyframe, slices=slices, step=step)
         wait = await self._gate.wait(res.version)
         out: dict[str, Any] = plain(res)
         out["ack"] = {
@@ -236,10 +258,21 @@ class TrainerGroup:
     ``actors[rank]`` is each rank's Ray actor handle, for methods of a subclass.
     """
 
-    def __init__(self, root: str, actors: Sequence[Any], nodes: Sequence[Mapping[str, Any]]):
+    def __init__(
+        self,
+        root: str,
+        actors: Sequence[Any],
+        nodes: Sequence[Mapping[str, Any]],
+        *,
+        job: str | None = None,
+        placement: str = "",
+    ):
         self.root = root
         self.actors = list(actors)
-        self.nodes = [dict(n) for n in nodes]
+        self.nodes = [dict(n) for n in nodes]  # where each rank runs: node_id, host, pid
+        self.job = job
+        self.placement = placement
+        self._steps = 0  # every publish is one step of every rank
         self._closed = False
 
     def __repr__(self) -> str:
@@ -277,7 +310,8 @@ class TrainerGroup:
         rank; one dict for a single rank; None: each actor's own :meth:`~TrainerActor.state_dict`).
         ``slices``: each rank's :class:`~asyncsync.publish.merge.TensorSlice` mapping (or None).
         Returns each rank's result (:meth:`TrainerActor.publish`); every rank reports the
-        version the group committed."""
+        version the group committed. Each call is one step of the group's ranks (counted here),
+        so a rank whose call failed or came late never joins another call's version."""
         if state_dicts is None or isinstance(state_dicts, Mapping):
             if state_dicts is not None and self.world_size > 1:
                 raise ConfigError(f"give one state dict per rank ({self.world_size} ranks)")
@@ -290,9 +324,13 @@ class TrainerGroup:
         if len(rank_slices) != self.world_size:
             raise ConfigError(f"got {len(rank_slices)} slices for {self.world_size} ranks")
         ray = import_ray()
+        step, self._steps = self._steps, self._steps + 1
         refs = [
             a.publish.remote(
-                None if sd is None else pack_state_dict(sd), keyframe=keyframe, slices=sl
+                None if sd is None else pack_state_dict(sd),
+                keyframe=keyframe,
+                slices=sl,
+                step=step if self.world_size > 1 else None,
             )
             for a, sd, sl in zip(self.actors, per_rank, rank_slices, strict=True)
         ]
@@ -318,16 +356,54 @@ class TrainerGroup:
         return self.call("statistics")
 
     def close(self) -> None:
-        """Close every rank's publisher and end the actors. Idempotent."""
+        """Close every rank's publisher and end the actors. Idempotent; never raises for a rank
+        whose actor or node died (it is logged)."""
         if self._closed:
             return
         ray = import_ray()
+        from ray.exceptions import RayError
+
         try:
-            ray.get([a.close.remote() for a in self.actors], timeout=60)
+            refs = [a.close.remote() for a in self.actors]
+            ray.wait(refs, num_returns=len(refs), timeout=60)
+            for rank, ref in enumerate(refs):
+                try:
+                    ray.get(ref, timeout=0)
+                except RayError as exc:
+                    logger.warning("trainer rank %d was gone at close: %s", rank, exc)
         finally:
             for a in self.actors:
-                ray.kill(a, no_restart=True)
+                with contextlib.suppress(Exception):
+                    ray.kill(a, no_restart=True)
             self._closed = True
+
+
+TrainerPlacement = Literal["spread", "default"] | Sequence[str]
+
+
+def _placement(placement: TrainerPlacement, world_size: int) -> list[dict[str, Any]]:
+    """Each rank's Ray scheduling option (see the module docstring)."""
+    if isinstance(placement, str):
+        if placement not in ("spread", "default"):
+            raise ConfigError(
+                f"placement must be 'spread', 'default' or one node id per rank, got {placement!r}"
+            )
+        return [{"scheduling_strategy": placement.upper()}] * world_size
+    nodes = list(placement)
+    if len(nodes) != world_size:
+        raise ConfigError(f"placement names {len(nodes)} nodes for {world_size} ranks")
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from asyncsync.training.ray.base import engine_nodes
+
+    alive = engine_nodes()
+    dead = [n for n in nodes if n not in alive]
+    if dead:
+        raise ConfigError(f"placement names nodes that are not alive Ray nodes: {dead}")
+    return [
+        {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=n, soft=False)}
+        for n in nodes
+    ]
 
 
 def start_trainers(
@@ -337,6 +413,7 @@ def start_trainers(
     actor_cls: type[TrainerActor] = TrainerActor,
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
+    placement: TrainerPlacement = "spread",
     rendezvous_timeout: float = 300.0,
     actor_options: Mapping[str, Any] | None = None,
     **init_kwargs: Any,
@@ -344,9 +421,14 @@ def start_trainers(
     """Start ``world_size`` trainer rank actors (``actor_cls``, a :class:`TrainerActor` or a
     subclass) on the connected Ray cluster and open their publishers.
 
-    ``num_cpus``/``num_gpus`` are each rank's Ray resources; ``actor_options`` adds Ray actor
-    options (``scheduling_strategy``, ``runtime_env`` ...); ``init_kwargs`` go to
-    ``actor_cls``. The config's root must be the same shared directory on every rank's node.
+    ``num_cpus``/``num_gpus`` are each rank's Ray resources; ``placement`` where the ranks run:
+    ``"spread"`` (default: on distinct nodes where Ray can), ``"default"`` (Ray's default
+    scheduling: the driver's node first) or one node id per rank (hard affinity; see
+    :func:`~asyncsync.training.ray.base.engine_nodes`); ``actor_options`` adds Ray actor options
+    (a ``scheduling_strategy`` there overrides ``placement``; ``runtime_env`` ...);
+    ``init_kwargs`` go to ``actor_cls``. The config's root must be the same shared directory on
+    every rank's node. Every rank gets the group's job token (``init_kwargs["job"]``, else a new
+    one). ``TrainerGroup.nodes`` says where each rank runs.
     """
     ray = import_ray()
     cfg = _config(config)
@@ -354,15 +436,17 @@ def start_trainers(
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if not (isinstance(actor_cls, type) and issubclass(actor_cls, TrainerActor)):
         raise ConfigError("actor_cls must be TrainerActor or a subclass of it")
+    placed = _placement(placement, world_size)
     remote = ray.remote(actor_cls)
+    job = init_kwargs.pop("job", None) or f"ray-trainers-{secrets.token_hex(6)}"
     options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0}
-    options.update(actor_options or {})
     actors = [
-        remote.options(**options).remote(
+        remote.options(**{**options, **placed[rank], **(actor_options or {})}).remote(
             cfg,
             rank=rank,
             world_size=world_size,
             rendezvous_timeout=rendezvous_timeout,
+            job=job,
             **init_kwargs,
         )
         for rank in range(world_size)
@@ -371,7 +455,12 @@ def start_trainers(
         nodes = ray.get([a.open.remote() for a in actors])
     except BaseException:
         for a in actors:
-            ray.kill(a, no_restart=True)
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
         raise
-    logger.info("started %d trainer rank(s) publishing into %s", world_size, cfg.root)
-    return TrainerGroup(os.fspath(cfg.root), actors, nodes)
+    how = placement if isinstance(placement, str) else "nodes"
+    logger.info(
+        "started %d trainer rank(s) publishing into %s (placement %s): %s",
+        world_size, cfg.root, how, [n.get("node_id") for n in nodes],
+    )  # fmt: skip
+    return TrainerGroup(os.fspath(cfg.root), actors, nodes, job=job, placement=how)

@@ -45,8 +45,8 @@ def import_ray() -> ModuleType:
         import ray
     except ImportError as exc:
         raise ImportError(
-            f"asyncsync.ray needs Ray, which is not installed: pip install '{RAY_REQUIREMENT}' "
-            "(on the driver and on every node of the cluster)"
+            "asyncsync.training.ray needs Ray, which is not installed: "
+            f"pip install '{RAY_REQUIREMENT}' (on the driver and on every node of the cluster)"
         ) from exc
     return ray
 

@@ -1,0 +1,535 @@
+"""The file transport of a multi-rank publisher: :class:`FileRendezvous`.
+
+Files in ``ROOT/.rendezvous/`` (docs/FORMAT.md section 10), for frameworks without
+``torch.distributed``: exact-path reads and atomic renames only (fine on NFS). Rounds, runs of
+the group and the caller's steps are as :mod:`asyncsync.publish.distributed` says; here:
+
+* **liveness** is a heartbeat: a rank that is publishing rewrites its beat file every
+  ``timeout / 4``, and a rank is given up only after ``timeout`` seconds of silence (the others
+  wait ``2 * timeout`` for rank 0), however long its work takes. A rank that dies can be
+  restarted alone; rank 0's restart starts a new run of the group, which the others join.
+* **jobs**: every file names the job (a token every rank of one trainer shares), so two jobs
+  pointed at one root never take each other's messages; a rank waits for its own job's rank 0.
+* **rounds without a step** are paired by count: rank 0 names each plan round and remembers the
+  recent ones; a rank's message names the last round it knows and how many of its calls since
+  then ended without an answer (its own timeout, a cancel), which is the round it means. A call
+  that came late fails (as rank 0's did) and the next calls meet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from asyncsync import fsio
+from asyncsync.errors import ConfigError, CoordinationError
+from asyncsync.fsio import atomic_write, is_temp_name, read_bytes
+from asyncsync.pipeline import finish_thread
+from asyncsync.publish.distributed import Coordinator, Decide, Message, step_of
+
+__all__ = ["GROUP_FILE", "JOB_ENV", "RENDEZVOUS_DIR", "FileRendezvous"]
+
+logger = logging.getLogger(__name__)
+
+RENDEZVOUS_DIR = ".rendezvous"
+#: the run of the group; "-v2": the rendezvous of issue 23 (job tokens, steps, counted calls),
+#: so that a rank of an older asyncsync never joins a group of this one, nor the other way
+GROUP_FILE = "group-v2.json"
+JOB_ENV = "ASYNCSYNC_JOB"
+#: where a job token comes from when none is given, first set wins (torchrun, Slurm)
+JOB_SOURCES = (JOB_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+HISTORY = 64  # chained plan rounds rank 0 remembers (a rank further behind rejoins)
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
+
+
+def _job(job: str | None) -> str:
+    if job is None:
+        job = next((os.environ[k] for k in JOB_SOURCES if os.environ.get(k)), "")
+    if not isinstance(job, str) or len(job) > 128 or not re.fullmatch(r"[A-Za-z0-9._:@-]*", job):
+        raise ConfigError(f"job must be up to 128 of [A-Za-z0-9._:@-], got {job!r}")
+    return job
+
+
+class FileRendezvous(Coordinator):
+    """Exchanges through files in ``ROOT/.rendezvous/`` (see the module docstring; the files
+    are specified in docs/FORMAT.md section 10).
+
+    ``group-v2.json`` names the run of the group and its job (rank 0 writes it when it opens, after
+    removing the older files; a temp file another rank is writing stays). A rank's message for
+    a step is ``{step}-r{rank:04d}.json``, rank 0's result ``{step}.json``, a rank's heartbeat
+    ``beat-r{rank:04d}.json``; each names the group and job, and rank 0 takes a message only of
+    its group, job and round, never one it took before.
+
+    Args:
+        root: the publisher's root (shared by all ranks).
+        rank, world_size: this process's rank and the number of ranks.
+        timeout: seconds of silence after which a rank is given up: rank 0 waits this long for
+            the others to join a plan, and for a rank that sends neither its part nor a
+            heartbeat during a commit; the other ranks wait ``2 * timeout`` for rank 0.
+        poll_interval: first delay between polls (grows to 20x while nothing arrives).
+        max_wait: if set, rank 0 gives up on a rank that is alive but still working this many
+            seconds into a commit (the error says "slow"); None (default) waits as long as
+            it beats.
+        job: a token every rank of this trainer shares and no other job uses (``[A-Za-z0-9._:@-]``,
+            up to 128); default: ``ASYNCSYNC_JOB``, else torchrun's ``TORCHELASTIC_RUN_ID``,
+            else ``SLURM_JOB_ID``, else none (then two jobs on one root are not told apart).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        poll_interval: float = 0.005,
+        max_wait: float | None = None,
+        job: str | None = None,
+    ) -> None:
+        _check_rank(rank, world_size)
+        if not timeout > 0 or not poll_interval > 0 or not (max_wait is None or max_wait > 0):
+            raise ConfigError(
+                f"timeout, poll_interval and max_wait must be > 0, got {timeout}, "
+                f"{poll_interval}, {max_wait}"
+            )
+        self.root = Path(root)
+        self.dir = self.root / RENDEZVOUS_DIR
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self.max_wait = max_wait
+        self.job = _job(job)
+        self.beat_interval = max(poll_interval, timeout / 4)
+        self._group: str | None = None  # the run of the group this rank is in
+        self._chain: str | None = None  # plans without step: the round this rank counts from
+        self._skip = 0  # its calls since then that ended without learning their round
+        self._history: collections.deque[str] = collections.deque(maxlen=HISTORY)  # rank 0
+        self._taken: collections.deque[str] = collections.deque(maxlen=4 * HISTORY)  # nonces
+        self._warned: set[str] = set()  # rank 0: nonces of late messages it told to give up
+
+    def __repr__(self) -> str:
+        return f"<FileRendezvous rank={self.rank}/{self.world_size} job={self.job!r} {self.dir}>"
+
+    def _path(self, name: str, rank: int | None = None) -> Path:
+        return self.dir / (f"{name}.json" if rank is None else f"{name}-r{rank:04d}.json")
+
+    def _ours(self, rec: Message | None) -> bool:
+        return rec is not None and (rec.get("group"), rec.get("job", "")) == (self._group, self.job)
+
+    async def open(self) -> None:
+        """Rank 0: start a new run of the group (older rendezvous files are removed)."""
+        if self.rank == 0:
+            try:
+                gid = await asyncio.to_thread(self._start_group)
+            except OSError as exc:
+                msg = f"rank 0: cannot start the group in {self.dir}: {exc}"
+                raise CoordinationError(msg) from exc
+            self._group = self._chain = gid
+            self._history.clear()
+            self._history.append(gid)
+
+    def _start_group(self) -> str:
+        # every access below the root goes through fsio: a symlinked .rendezvous/ is refused,
+        # never followed (rank 0 would empty and write another directory)
+        fsio.make_dir(self.dir, root=self.root, exist_ok=True)
+        now = fsio.fs_now(self.dir, root=self.root)
+        for name, st in fsio.scan(self.dir, root=self.root):
+            with contextlib.suppress(OSError):
+                # a temp file is another rank's write in flight: only a dead writer's goes
+                if is_temp_name(name) and now - st.st_mtime < max(60, 2 * self.timeout):
+                    continue
+                if name != GROUP_FILE:
+                    fsio.remove(self.dir / name, root=self.root)
+        gid = secrets.token_hex(8)
+        rec = {"group": gid, "job": self.job, "host": socket.gethostname(), "pid": os.getpid()}
+        atomic_write(self.dir / GROUP_FILE, json.dumps(rec).encode(), root=self.root)
+        logger.info("rank 0: rendezvous group %s of job %r in %s", gid, self.job, self.dir)
+        return gid
+
+    async def exchange(
+        self, step: str, key: str | None, message: Message, decide: Decide
+    ) -> Message:
+        if self.rank == 0:
+            if self._group is None:
+                await self.open()
+            return await self._lead(step, key, message, decide)
+        try:
+            await asyncio.to_thread(partial(fsio.make_dir, self.dir, root=self.root, exist_ok=True))
+        except OSError as exc:
+            raise CoordinationError(f"rank {self.rank}: cannot reach {self.dir}: {exc}") from exc
+        return await self._follow(step, key, message)
+
+    # ------------------------------------------------------------------ the other ranks
+    async def _join(self) -> None:
+        """Learn the group's run (waiting for this job's rank 0 to start it) and this rank's
+        plan round."""
+        deadline = time.monotonic() + 2 * self.timeout
+        other: Message | None = None
+        async for _ in self._polls(deadline):
+            rec = await asyncio.to_thread(_read_json, self.dir / GROUP_FILE) or {}
+            gid = rec.get("group")
+            if isinstance(gid, str) and rec.get("job", "") == self.job:
+                break
+            other = rec if isinstance(gid, str) else other
+        else:
+            if other is not None:
+                raise CoordinationError(
+                    f"rank {self.rank}: {self.dir / GROUP_FILE} names job {other.get('job')!r} "
+                    f"(rank 0 on {other.get('host')} pid {other.get('pid')}), not this rank's job "
+                    f"{self.job!r}: two jobs publish into one root? Give each its own root (and "
+                    "every rank of one job the same job token)"
+                )
+            raise CoordinationError(
+                f"rank {self.rank}: rank 0 has not started the group within "
+                f"{2 * self.timeout:g}s (no {self.dir / GROUP_FILE} of job {self.job!r})"
+            )
+        if gid != self._group:
+            self._group, self._chain = gid, None
+        if self._chain is None:  # (re)joining: the round after the newest one rank 0 decided
+            res = await asyncio.to_thread(_read_json, self._path("plan"))
+            newest = res.get("id") if res is not None and self._ours(res) else None
+            self._chain, self._skip = (newest if isinstance(newest, str) else gid), 0
+
+    def _where(self, res: Message) -> str:
+        """Where a plan result stands to this rank's chained round: "decided" (it is the
+        result of our round), "passed" (rank 0 is past it) or "wait"."""
+        hist, nxt = res.get("history"), res.get("id")
+        keys = [*(hist if isinstance(hist, list) else [res.get("key")]), nxt]
+        if self._chain not in keys:
+            return "passed"  # older than what rank 0 remembers
+        target, decided = keys.index(self._chain) + self._skip, len(keys) - 2
+        return "decided" if target == decided else "passed" if target < decided else "wait"
+
+    async def _follow(self, step: str, key: str | None, message: Message) -> Message:
+        await self._join()
+        chained, mine = step == "plan" and key is None, step_of(key) if step == "plan" else None
+        nonce = secrets.token_hex(8)
+        path = self._path(step, self.rank)
+        seen: object = None  # a stepped plan: the newest result before our message
+
+        async def send() -> None:
+            nonlocal seen
+            record: Message = {"group": self._group, "job": self.job, "key": key, "nonce": nonce,
+                               "host": socket.gethostname(), "body": message}  # fmt: skip
+            if chained:
+                record.update(key=self._chain, skip=self._skip)
+            elif mine is not None:
+                seen = (await asyncio.to_thread(_read_json, self._path("plan")) or {}).get("id")
+            data = json.dumps(record).encode()
+            for tries in range(3):
+                try:
+                    await asyncio.to_thread(partial(atomic_write, path, data, root=self.root))
+                    return
+                except OSError as exc:
+                    if tries == 2:
+                        raise CoordinationError(
+                            f"rank {self.rank}: cannot write its {step} message {path}: {exc}"
+                        ) from exc
+                    await asyncio.sleep(self.poll_interval)
+
+        await send()
+        heard = time.monotonic()  # rank 0's last sign of life (its heartbeat, in a commit)
+        beat: object = None
+        delay = self.poll_interval
+        answered = False
+        try:
+            while True:
+                res = await asyncio.to_thread(_read_json, self._path(step))
+                if res is not None and self._ours(res):
+                    verdict = self._verdict(step, key, nonce, mine, seen, res)
+                    if verdict is not None:
+                        answered = True
+                        if chained:
+                            self._chain, self._skip = str(res.get("id")), 0
+                        if verdict == "ours":
+                            return _body(res)
+                        raise CoordinationError(f"rank {self.rank}: {verdict}")
+                rec = await asyncio.to_thread(_read_json, self.dir / GROUP_FILE) or {}
+                gid = rec.get("group")
+                if isinstance(gid, str) and (gid, rec.get("job", "")) != (self._group, self.job):
+                    if step != "plan":  # rank 0 restarted (a new group)
+                        raise CoordinationError(
+                            f"rank {self.rank}: rank 0 restarted (a new group) during the "
+                            f"{step} of {key}; its outcome is resolved by the next plan"
+                        )
+                    self._group, self._chain = None, None
+                    await self._join()
+                    await send()
+                    heard = time.monotonic()
+                if step != "plan":
+                    b = await asyncio.to_thread(_read_json, self._path("beat", 0))
+                    if self._ours(b) and b is not None and b.get("key") == key and b.get(
+                        "seq"
+                    ) != beat:  # fmt: skip
+                        beat, heard = b.get("seq"), time.monotonic()
+                left = heard + 2 * self.timeout - time.monotonic()
+                if left <= 0:
+                    raise CoordinationError(
+                        f"rank {self.rank}: rank 0 went silent: no {step} result and no "
+                        f"heartbeat for {2 * self.timeout:g}s (in {self.dir})"
+                    )
+                await asyncio.sleep(min(delay, left))
+                delay = min(delay * 1.5, 20 * self.poll_interval)
+        finally:
+            if not answered:  # withdraw it, so that no later round of rank 0 takes it
+                if chained:
+                    self._skip += 1  # this call is over: the next one is for the round after
+                with contextlib.suppress(OSError):
+                    await asyncio.shield(
+                        asyncio.to_thread(partial(fsio.remove, path, root=self.root))
+                    )
+
+    def _verdict(
+        self, step: str, key: str | None, nonce: str, mine: int | None, seen: object,
+        res: Message,
+    ) -> str | None:  # fmt: skip
+        """What rank 0's result ``res`` tells this call: None (not ours yet: wait), "ours" (the
+        result of our round, with our message), or why this call failed."""
+        if step != "plan":
+            return "ours" if res.get("key") == key else None  # final for every rank
+        chained, theirs = key is None, step_of(res.get("key"))
+        if chained != (theirs is None):
+            if not chained and res.get("id") == seen:
+                return None  # older than our message
+            return ("rank 0 passes step= to publish and this rank does not" if chained else
+                    "this rank passes step= to publish and rank 0 does not") + ": pass the "\
+                "same on every rank"  # fmt: skip
+        if chained:
+            where = self._where(res)
+            if where == "wait":
+                return None
+            if where == "passed":
+                return ("rank 0 is past the plan round this call came for (this rank came late "
+                        "or missed rounds); the next publish joins the next round")  # fmt: skip
+        else:
+            assert mine is not None and theirs is not None
+            if theirs < mine or (theirs == mine and res.get("id") == seen):
+                return None
+            if theirs > mine:
+                return (f"rank 0 is at step {theirs}, past this call's step {mine} (it came "
+                        "late): nothing was published by it")  # fmt: skip
+        if res.get("aborted"):
+            return f"rank 0 gave the plan round up: {res['aborted']}"
+        if res.get("nonces", {}).get(str(self.rank)) != nonce:
+            return ("rank 0 decided the plan round without this rank (it joined too late); "
+                    "the next publish joins the next round")  # fmt: skip
+        return "ours"
+
+    # ------------------------------------------------------------------ rank 0
+    def _take(self, m: Message | None, chained: bool, rkey: str | None, mine: int | None) -> str:
+        """Whether rank 0 takes message ``m`` for its round: "ours", "stale" (an older round,
+        another run, or already taken), "late" (a stepped message of an older step, its
+        rank still waiting) or an error that fails the round (the rank moved past it)."""
+        if m is None or not self._ours(m) or not isinstance(m.get("body"), dict):
+            return "stale"
+        if str(m.get("nonce")) in self._taken:
+            return "stale"
+        if mine is None and not chained:  # a commit
+            return "ours" if m.get("key") == rkey else "stale"
+        theirs = step_of(m.get("key")) if "skip" not in m else None
+        if chained != (theirs is None):
+            return (
+                "it passes step= to publish and rank 0 does not"
+                if chained
+                else "rank 0 passes step= to publish and it does not"
+            ) + ": pass the same on every rank"
+        if mine is not None and theirs is not None:
+            if theirs == mine:
+                return "ours"
+            if theirs > mine:
+                return f"it is already at step {theirs}, past rank 0's step {mine} (rank 0 late)"
+            return "late"
+        hist = list(self._history)
+        if m.get("key") not in hist or not isinstance(m.get("skip"), int):
+            return "stale"
+        target = hist.index(m["key"]) + m["skip"]
+        if target == len(hist) - 1:
+            return "ours"
+        if target > len(hist) - 1:
+            return ("it gave this round up and has moved on (rank 0 came after its timeout); it "
+                    "joins the next round")  # fmt: skip
+        return "stale"
+
+    async def _lead(self, step: str, key: str | None, message: Message, decide: Decide) -> Message:
+        plan = step == "plan"
+        chained, mine = plan and key is None, step_of(key) if plan else None
+        rkey = self._chain if chained else key
+        got: list[Message | None] = [message] + [None] * (self.world_size - 1)
+        nonces: dict[str, str] = {}
+        start = time.monotonic()
+        heard = dict.fromkeys(range(1, self.world_size), start)
+        seqs: dict[int, object] = {}
+        delay = self.poll_interval
+        result: Message | None = None
+        try:
+            while True:
+                for r in range(1, self.world_size):
+                    if got[r] is not None:
+                        continue
+                    m = await asyncio.to_thread(_read_json, self._path(step, r))
+                    took = self._take(m, chained, rkey, mine)
+                    if took == "ours" and m is not None:
+                        got[r], nonces[str(r)] = m["body"], str(m.get("nonce"))
+                    elif took == "late" and m is not None:
+                        await self._send_late(m)
+                    elif took != "stale":
+                        got[r] = {"error": took}
+                    if not plan and got[r] is None:
+                        b = await asyncio.to_thread(_read_json, self._path("beat", r))
+                        if self._ours(b) and b is not None and b.get("key") == rkey and b.get(
+                            "seq"
+                        ) != seqs.get(r):  # fmt: skip
+                            seqs[r], heard[r] = b.get("seq"), time.monotonic()
+                missing = [r for r, m in enumerate(got) if m is None]
+                now = time.monotonic()
+                if not missing:
+                    break
+                if plan:
+                    if now - start >= self.timeout:
+                        break
+                elif any(now - heard[r] > self.timeout for r in missing):
+                    for r in missing:  # the silent stay None; the others were alive
+                        if now - heard[r] <= self.timeout:
+                            got[r] = {"error": "still working when rank 0 gave up (another "
+                                      "rank went silent)"}  # fmt: skip
+                    break
+                elif self.max_wait is not None and now - start > self.max_wait:
+                    for r in missing:
+                        got[r] = {"error": f"alive but slow: still working after "
+                                  f"{self.max_wait:g}s (max_wait)"}  # fmt: skip
+                    break
+                await asyncio.sleep(delay)
+                delay = min(delay * 1.5, 20 * self.poll_interval)
+            result = await decide(got)
+        finally:
+            if plan and result is None:  # cancelled or failed: the round is given up, not reused
+                record = self._plan_record(rkey, chained, nonces, None)
+                record["aborted"] = "rank 0's call ended before it decided (cancelled or failed)"
+                with contextlib.suppress(OSError):
+                    data = json.dumps(record).encode()
+                    write = partial(atomic_write, self._path(step), data, root=self.root)
+                    await asyncio.shield(asyncio.to_thread(write))
+        record = self._plan_record(rkey, chained, nonces, result) if plan else {
+            "group": self._group, "job": self.job, "key": rkey, "id": None, "nonces": nonces,
+            "body": result}  # fmt: skip
+        try:
+            data = json.dumps(record).encode()
+            await asyncio.to_thread(partial(atomic_write, self._path(step), data, root=self.root))
+        except OSError as exc:
+            if plan:
+                raise CoordinationError(f"rank 0: sending the {step} result failed: {exc}") from exc
+            logger.error(
+                "rank 0: sending the %s result failed (%s); the decision stands", step, exc
+            )
+        return result
+
+    def _plan_record(
+        self, rkey: str | None, chained: bool, nonces: dict[str, str], body: Message | None
+    ) -> Message:
+        """Rank 0's result of a plan round; from here on the next round follows it (whether or
+        not the others learn it)."""
+        rid = secrets.token_hex(8)
+        record: Message = {"group": self._group, "job": self.job, "key": rkey, "id": rid,
+                           "nonces": nonces, "body": body}  # fmt: skip
+        self._taken.extend(nonces.values())
+        if chained:
+            record["history"] = list(self._history)
+            self._chain = rid
+            self._history.append(rid)
+        return record
+
+    async def _send_late(self, m: Message) -> None:
+        """A rank waits for an older step than rank 0's: tell it to give that step up (rank 0
+        skipped it), so that its next call meets this round."""
+        nonce = str(m.get("nonce"))
+        if nonce in self._warned:
+            return
+        self._warned.add(nonce)
+        record: Message = {"group": self._group, "job": self.job, "key": m.get("key"),
+                           "id": secrets.token_hex(8), "nonces": {},
+                  "aborted": "rank 0 is at a later step (it skipped this one)"}  # fmt: skip
+        with contextlib.suppress(OSError):
+            data = json.dumps(record).encode()
+            await asyncio.to_thread(partial(atomic_write, self._path("plan"), data, root=self.root))
+
+    # ------------------------------------------------------------------ liveness
+    def heartbeat(self, key: str) -> AbstractAsyncContextManager[None]:
+        return self._beating(key)
+
+    @contextlib.asynccontextmanager
+    async def _beating(self, key: str) -> AsyncIterator[None]:
+        task = asyncio.create_task(self._beat(key), name=f"heartbeat r{self.rank}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _beat(self, key: str) -> None:
+        path = self._path("beat", self.rank)
+        seq = 0
+        while True:
+            seq += 1
+            data = json.dumps({"group": self._group, "job": self.job, "key": key, "seq": seq})
+            try:
+                await finish_thread(
+                    partial(
+                        atomic_write,
+                        path,
+                        data.encode(),
+                        root=self.root,
+                        fsync=False,
+                        sync_dir=False,
+                    )
+                )
+            except OSError as exc:
+                logger.warning("rank %d: writing the heartbeat failed: %s", self.rank, exc)
+            await asyncio.sleep(self.beat_interval)
+
+    async def _polls(self, deadline: float) -> AsyncIterator[None]:
+        """Yield at once, then after growing sleeps, until ``deadline``."""
+        delay = self.poll_interval
+        while True:
+            yield
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 1.5, 20 * self.poll_interval)
+
+
+def _body(res: Message) -> Message:
+    body = res.get("body")
+    if not isinstance(body, dict):
+        raise CoordinationError(f"rank 0's result has no body: {res!r:.200}")
+    return body
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A rendezvous file's JSON object, or None while it does not exist (or is not one)."""
+    try:  # ROOT/.rendezvous/NAME: nothing below the root is followed or blocked on (fsio)
+        data = read_bytes(path, limit=1 << 30, root=path.parent.parent)
+        obj = json.loads(data)
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
