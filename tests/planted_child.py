@@ -24,7 +24,7 @@ import torch
 import receiver.cli
 from asyncsync import AsyncSyncError, Publisher
 from asyncsync.ops import cli
-from asyncsync.publish.distributed import FileRendezvous
+from asyncsync.publish.rendezvous import FileRendezvous
 from asyncsync.publish.retention import RetentionPolicy
 
 # A tiny model: the processes are about names in the root, not sizes.

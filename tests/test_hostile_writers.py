@@ -22,7 +22,7 @@ import torch
 from asyncsync import ConfigError, Publisher
 from asyncsync.format import LOG_NAME, MANIFEST_NAME, version_dir
 from asyncsync.format.store import list_versions
-from asyncsync.publish.distributed import FileRendezvous
+from asyncsync.publish.rendezvous import FileRendezvous
 from asyncsync.publish.retention import RetentionPolicy, collect
 
 
@@ -86,14 +86,14 @@ async def test_rank_0_never_empties_a_symlinked_rendezvous_directory(tmp_path: P
     elsewhere = tmp_path / "outside" / "someones-dir"
     elsewhere.mkdir(parents=True)
     (elsewhere / "notes.json").write_text("{}")
-    (elsewhere / "group.json").write_text('{"group": "not asyncsync"}')
+    (elsewhere / "group-v2.json").write_text('{"group": "not asyncsync"}')
     before = _tree(elsewhere.parent)
     (root / ".rendezvous").symlink_to(elsewhere, target_is_directory=True)
     coordinator = FileRendezvous(root, 0, 2, timeout=0.2)
     with pytest.raises(ConfigError, match="symlink"):
         async with Publisher(root, coordinator=coordinator):
             pass
-    assert _tree(elsewhere.parent) == before  # today's main: notes.json gone, group.json new
+    assert _tree(elsewhere.parent) == before  # today's main: notes.json gone, group-v2.json new
 
 
 async def test_retention_unlinks_a_symlinked_version_and_never_touches_its_target(

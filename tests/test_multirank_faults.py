@@ -409,8 +409,9 @@ async def test_slime_updater_check_failing_on_rank0_fails_the_step_on_every_rank
         "world": 2, "init": str(tmp_path / "pg-init"), "gen": "gen2", "steps": 5,
         "checkpoints": [], "out": str(tmp_path / "rank{rank}.json"), "fail_check": [0, 2],
         "args": {
-            "update_weight_mode": "delta", "update_weight_transport": "disk",
+            "update_weight_mode": "full", "update_weight_transport": "disk",
             "update_weight_disk_dir": str(root), "asyncsync_receivers": "none",
+            "update_weight_disk_keep_files": True,
             "update_weight_local_checkpoint_dir": str(tmp_path / "local"),
             "asyncsync_converter": "tests.slime_stubs.megatron:convert",
         },
@@ -432,7 +433,9 @@ async def test_slime_updater_check_failing_on_rank0_fails_the_step_on_every_rank
     ][1]
     assert [e[0] for e in reports[1]["errors"]] == [2], reports[1]
     assert "rank 0" in reports[1]["errors"][0][1] and "receiver died" in reports[1]["errors"][0][1]
-    assert reports[0]["versions"] == reports[1]["versions"] == [0, 1, 2, 3]
+    # slime's weight_version of asyncsync version v is v + 1 (full mode: no receivers needed, the
+    # engines reload weight_v{N}; delta mode refuses --asyncsync-receivers none since issue 25)
+    assert reports[0]["versions"] == reports[1]["versions"] == [1, 2, 3, 4]
     for v, step in enumerate([0, 1, 3, 4]):  # version v holds the model of that step, exactly
         m = read_manifest(root, v)
         want = megatron.hf_state(step)

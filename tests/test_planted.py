@@ -60,7 +60,7 @@ NAMES = [
     "leases/e1.json",  # the receiver's own lease
     "leases/e2.json",  # another engine's lease (status and retention read it)
     ".rendezvous",
-    ".rendezvous/group.json",
+    ".rendezvous/group-v2.json",
     ".rendezvous/plan-r0001.json",
 ]
 
@@ -78,7 +78,7 @@ async def _template(root: Path, ckpt: Path) -> None:
     EngineLease(root, "e2", ttl=3600).acquire()  # left held: leases/e2.json stays
     rdv = root / ".rendezvous"
     rdv.mkdir()
-    (rdv / "group.json").write_text(json.dumps({"group": "0" * 16, "host": "h", "pid": 1}))
+    (rdv / "group-v2.json").write_text(json.dumps({"group": "0" * 16, "host": "h", "pid": 1}))
     (rdv / "plan-r0001.json").write_text(json.dumps({"group": "0" * 16, "key": "x"}))
 
 

@@ -141,6 +141,8 @@ class FileRendezvous(Coordinator):
         if self.rank == 0:
             try:
                 gid = await asyncio.to_thread(self._start_group)
+            except fsio.UnsafePath:
+                raise  # the root's problem: Publisher.open reports it as a ConfigError
             except OSError as exc:
                 msg = f"rank 0: cannot start the group in {self.dir}: {exc}"
                 raise CoordinationError(msg) from exc
