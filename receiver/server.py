@@ -86,6 +86,8 @@ class _AgentCollector(Collector):
         yield counter(
             "prefetched_shards", "Shards read before their manifest existed.", st.prefetched_shards
         )
+        for name, (doc, value) in self.agent.engine.metrics().items():
+            yield gauge(f"engine_{name}", doc, value)
 
 
 class StatusServer:

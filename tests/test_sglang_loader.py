@@ -30,10 +30,10 @@ from asyncsync import Publisher
 from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
 from receiver.plugins import sglang_loader
+from receiver.plugins.inplace import InEngineLoader
 from receiver.plugins.sglang_loader import (
     HOOK_TARGET,
     HOOK_TARGETS,
-    PartialReloader,
     read_snapshot,
     update_weights_from_disk_hook,
 )
@@ -41,6 +41,12 @@ from tests.conftest import same_bytes
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 32, 16, 4, 2, 4, 24, 2
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _no_audit_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook starts an auditor thread per model; these tests count load_weights calls."""
+    monkeypatch.setenv("ASYNCSYNC_AUDIT", "0")
 
 
 # --------------------------------------------------------------------------- a toy SGLang model
@@ -211,7 +217,7 @@ class Harness:
         self.agent = ReceiverAgent(self.root, LocalCheckpoint(self.ckpt), "rx", use_inotify=False)
         self.tp = tp_size
         self.models = [ToyForCausalLM(r, tp_size) for r in range(tp_size)]
-        self.reloaders = [PartialReloader() for _ in range(tp_size)]
+        self.reloaders = [InEngineLoader(m) for m in self.models]
         self.full_reloads = 0
         self.sd: dict[str, torch.Tensor] = {}
 
@@ -247,7 +253,7 @@ class Harness:
         seen = []
         for r, (model, reloader) in enumerate(zip(self.models, self.reloaders, strict=True)):
             model.loaded_names.clear()
-            ok, msg = reloader.reload(model, self.ckpt, self.full_reload(r))
+            ok, msg = reloader.reload_checkpoint(self.ckpt, self.full_reload(r))
             assert ok, msg
             seen.append(list(model.loaded_names))
             assert_same_params(model, reference(self.sd, r, self.tp))
@@ -319,7 +325,7 @@ async def test_fallbacks_to_a_full_reload(tmp_path: Path, caplog: pytest.LogCapt
             real(weights)
 
         model.load_weights = flaky  # type: ignore[method-assign]
-        ok, _ = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        ok, _ = h.reloaders[0].reload_checkpoint(h.ckpt, h.full_reload(0))
         model.load_weights = real  # type: ignore[method-assign]
         assert ok and h.full_reloads == 2 and "partial reload failed" in caplog.text
         assert_same_params(model, reference(h.sd, 0, 1))
@@ -329,23 +335,23 @@ async def test_fallbacks_to_a_full_reload(tmp_path: Path, caplog: pytest.LogCapt
         before = dict(h.sd)
         await h.publish(step(h.sd, ["model.layers.1.mlp.down_proj.weight"], seed=5))
         _corrupt(h.ckpt, "model.layers.1.mlp.down_proj.weight")
-        ok, msg = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        ok, msg = h.reloaders[0].reload_checkpoint(h.ckpt, h.full_reload(0))
         assert not ok and "refused" in msg and "checksum" in msg and h.full_reloads == 2
         assert_same_params(model, reference(before, 0, 1))
-        assert h.reloaders[0].loaded is not None  # still what the model holds
+        assert h.reloaders[0].held is not None  # still what the model holds
 
         # a version being applied is not verified: refused as well
         state_file = h.ckpt / ".asyncsync" / "state.json"
         clean = state_file.read_bytes()
         applying = {"status": "applying", "target_version": 99, "mode": "delta"}
         state_file.write_text(json.dumps({**json.loads(clean), **applying}))
-        ok, msg = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        ok, msg = h.reloaders[0].reload_checkpoint(h.ckpt, h.full_reload(0))
         assert not ok and "being applied" in msg and h.full_reloads == 2
         state_file.write_bytes(clean)
 
         # not an asyncsync checkpoint: full reload, base forgotten
-        ok, msg = h.reloaders[0].reload(model, tmp_path, h.full_reload(0))
-        assert ok and h.full_reloads == 3 and h.reloaders[0].loaded is None
+        ok, msg = h.reloaders[0].reload_checkpoint(tmp_path, h.full_reload(0))
+        assert ok and h.full_reloads == 3 and h.reloaders[0].held is None
         assert "[asyncsync: full reload (not an asyncsync checkpoint)]" in msg
 
 
@@ -369,10 +375,10 @@ async def test_a_mismatch_after_the_first_batch_is_an_error_midway(tmp_path: Pat
 
         model.loaded_names.clear()
         model.load_weights = damage_after_first  # type: ignore[method-assign]
-        ok, msg = reloader.reload(model, h.ckpt, h.full_reload(0))
+        ok, msg = reloader.reload_checkpoint(h.ckpt, h.full_reload(0))
         model.load_weights = real  # type: ignore[method-assign]
         assert ok and "partial reload failed midway" in msg and h.full_reloads == 2
-        assert reloader.loaded is None  # the files no longer match state.json
+        assert reloader.held is None  # the files no longer match state.json
 
 
 def _corrupt(ckpt: Path, name: str) -> None:
@@ -446,7 +452,7 @@ async def test_hook_partial_after_the_first_reload(tmp_path: Path) -> None:
         only_norms = lambda n: n.endswith("norm.weight")  # noqa: E731
         update_weights_from_disk_hook(orig, runner, str(h.ckpt), None, only_norms)
         assert runner.original_calls[-1][2]["weight_name_filter"] is only_norms
-        assert sglang_loader.reloader_for(runner.model).loaded is not None
+        assert sglang_loader.loader_for(runner.model).held is not None
 
 
 @pytest.mark.parametrize(

@@ -48,9 +48,11 @@ from typing import Any, ClassVar, Literal
 from asyncsync import fsio
 from asyncsync.errors import ApplyFailed, ConfigError, EngineStateError
 from asyncsync.format import Manifest
+from receiver.engines.audit_view import AuditWatch
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import EngineHTTPError, HttpClient, RetryPolicy, Timeouts
+from receiver.engines.stage_builder import Staging, clear_stages
 from receiver.state import STATE_DIR_NAME
 
 __all__ = ["ReloadingEngine"]
@@ -84,6 +86,9 @@ class ReloadingEngine(Engine, abc.ABC):
         version_offset: the server is told weight version ``v + version_offset`` for root
             version ``v`` (a trainer that numbers its steps from elsewhere, e.g. slime's
             ``--update-weight-start-version``); the ack still names ``v``.
+        in_engine: stage each delta for the server's plugin to apply in place
+            (:meth:`_load_stage`), once the server said it can; else every version is a
+            reload of the checkpoint.
     """
 
     kind: ClassVar[str] = "engine"
@@ -102,6 +107,7 @@ class ReloadingEngine(Engine, abc.ABC):
         retry: RetryPolicy | None = None,
         failure_backoff: tuple[float, float] = (2.0, 60.0),
         version_offset: int = 0,
+        in_engine: bool = False,
     ):
         if not isinstance(version_offset, int) or isinstance(version_offset, bool):
             raise ConfigError(f"version_offset must be an int, got {version_offset!r}")
@@ -131,6 +137,13 @@ class ReloadingEngine(Engine, abc.ABC):
         self._last_failure: str | None = None
         self._lost = False  # the server dropped a call or reported another version: reconcile
         self._background: set[asyncio.Task[Any]] = set()
+        self.in_engine = in_engine
+        #: whether the server's plugin takes stages (None: not known until its first answer)
+        self.stages_supported: bool | None = None
+        self._staging = Staging(self.kind)
+        self.audit = AuditWatch(checkpoint_dir)
+        self.last_pause_seconds: float | None = None
+        self.in_place_applies = 0
 
     def __repr__(self) -> str:
         return (
@@ -146,6 +159,12 @@ class ReloadingEngine(Engine, abc.ABC):
     @abc.abstractmethod
     async def _load(self, version: int) -> None:
         """Reload the weights from ``model_path`` and label them ``str(version)``."""
+
+    async def _load_stage(self, version: int, stage: str) -> bool:
+        """Have the server apply the stage in ``stage`` (its path as the server sees it) and
+        label the weights ``str(version)``; False when the server cannot take stages (then
+        the caller reloads the checkpoint, in the same pause). Default: never."""
+        return False
 
     @abc.abstractmethod
     async def _resume(self) -> None:
@@ -174,7 +193,32 @@ class ReloadingEngine(Engine, abc.ABC):
 
     def info(self) -> dict[str, Any]:
         """What ``/status`` shows about the server (subclasses add to it)."""
-        return {"kind": self.kind, "url": str(self.client.url), "server_lost": self._lost}
+        return {
+            "kind": self.kind,
+            "url": str(self.client.url),
+            "server_lost": self._lost,
+            "in_engine": {
+                "enabled": self.in_engine,
+                "stages_supported": self.stages_supported,
+                "in_place_applies": self.in_place_applies,
+                "last_pause_seconds": self.last_pause_seconds,
+            },
+            "audit": self.audit.summary(),
+        }
+
+    def metrics(self) -> dict[str, tuple[str, float | None]]:
+        return {
+            **self.audit.metrics(),
+            "in_place_applies": (
+                "Versions the server applied in place from a stage.",
+                self.in_place_applies,
+            ),
+            "last_pause_seconds": (
+                "Seconds the server was paused for the last version "
+                "(pause to resume, as the receiver saw it).",
+                self.last_pause_seconds,
+            ),
+        }
 
     async def serving_version(self) -> int | None:
         """The version the server serves now: ``state.version`` when the server reports it,
@@ -200,6 +244,9 @@ class ReloadingEngine(Engine, abc.ABC):
                 )
                 self._lost = True
             return None
+        if await self.audit.check(self.state.version) is not None:
+            self._lost = True  # repaired by the next sync (reconcile)
+            return None
         return self.state.version
 
     async def reconcile(self) -> None:
@@ -211,16 +258,25 @@ class ReloadingEngine(Engine, abc.ABC):
         await self._wait_for_server()
         label = await self._guard(self._served())
         held = self.state.version
-        if held is not None and label != str(held) and self.checkpoint.state.version == held:
+        problem = await self.audit.check(held)
+        if (
+            held is not None
+            and (label != str(held) or problem is not None)
+            and self.checkpoint.state.version == held
+        ):
             logger.warning(
-                "%s at %s reports version %r after it was lost; reloading v%s",
+                "%s at %s reports version %r after it was lost%s; reloading v%s",
                 self.kind,
                 self.client.url,
                 label,
+                "" if problem is None else f" ({problem})",
                 held,
             )
             self._check_backoff(held)
+            started = time.time()
             await self._reload_server(held)
+            if problem is not None:
+                await self.audit.repaired(started)
         self._lost = False
 
     async def _wait_for_server(self) -> None:
@@ -236,6 +292,7 @@ class ReloadingEngine(Engine, abc.ABC):
             return self.state
         local = await self.checkpoint.open()
         try:
+            await asyncio.to_thread(clear_stages, self.checkpoint.directory)
             record = await asyncio.to_thread(self._read_record)
             await self.client.wait_until_up(
                 self.ready_path,
@@ -301,24 +358,48 @@ class ReloadingEngine(Engine, abc.ABC):
             return
         await self.checkpoint.begin(manifest, mode)
         self._txn = _Txn(manifest, reload_only=False)
+        if mode == "delta" and self._may_stage(local):
+            await self._staging.begin(self.checkpoint, manifest, self.state)
+
+    def _may_stage(self, local: EngineState) -> bool:
+        """Stage the version for an in-place apply: the server takes stages, holds exactly what
+        the checkpoint holds, and nothing needs reconciling."""
+        return (
+            self.in_engine
+            and self.stages_supported is True
+            and not self._lost
+            and self.audit.problem is None
+            and self.state.version is not None
+            and self.state == local
+        )
 
     async def apply(self, updates: list[TensorUpdate]) -> None:
         txn = self._need_txn()
         if not txn.reload_only:
+            await self._staging.add(updates)  # first: a set patch's XOR needs the old bytes
             await self.checkpoint.apply(updates)
 
     async def commit(self) -> str:
         txn = self._need_txn()
         m = txn.manifest
         if not txn.reload_only:
-            await self.checkpoint.commit()
+            try:
+                await self.checkpoint.commit()
+            except BaseException:
+                await self._staging.drop()
+                raise
             txn.local_committed = True
         self._txn = None
-        await self._reload_server(m.version)
+        stage = await self._staging.commit()
+        try:
+            await self._reload_server(m.version, stage=stage)
+        finally:
+            await self._staging.drop()
         await self._set_state(self.checkpoint.state)
         return m.fingerprint
 
     async def abort(self) -> None:
+        await self._staging.drop()
         txn, self._txn = self._txn, None
         if txn is not None and not txn.reload_only and not txn.local_committed:
             await self.checkpoint.abort()
@@ -354,19 +435,30 @@ class ReloadingEngine(Engine, abc.ABC):
         await self._set_state(self.checkpoint.state)
 
     # -- the server protocol -----------------------------------------------------------------
-    async def _reload_server(self, version: int) -> None:
-        """pause -> load -> resume (always, even on failure or cancellation) -> confirm."""
+    async def _reload_server(self, version: int, *, stage: str | None = None) -> None:
+        """pause -> load (the stage in place, else the checkpoint) -> resume (always, even on
+        failure or cancellation) -> confirm. ``stage``: the stage directory's name."""
         t0 = time.perf_counter()
         if self._lost:
             await self._wait_for_server()
         try:
             failed = True
+            paused = time.perf_counter()
             try:
                 await self._guard(self._pause())
-                await self._guard(self._load(version + self.version_offset))
+                label = version + self.version_offset
+                seen = None
+                if stage is not None:
+                    seen = str(Path(self.model_path) / STATE_DIR_NAME / "engine-stage" / stage)
+                if seen is not None and await self._guard(self._load_stage(label, seen)):
+                    self.in_place_applies += 1
+                else:
+                    await self._guard(self._load(label))
                 failed = False
             finally:
                 await self._resume_always(failed)
+                self.last_pause_seconds = round(time.perf_counter() - paused, 4)
+            self.audit.loaded()
             await self._confirm(version)
         except EngineHTTPError as exc:
             if exc.status is None:  # no answer: the server may have died (or be restarting)

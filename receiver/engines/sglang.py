@@ -55,6 +55,7 @@ import aiohttp
 from asyncsync.errors import ConfigError
 from receiver.engines.http_engine import EngineHTTPError, RetryPolicy, Timeouts
 from receiver.engines.reloading import ReloadingEngine
+from receiver.plugins.stage import STAGE_CAPABILITY
 
 __all__ = ["PAUSE_MODES", "SGLang"]
 
@@ -82,6 +83,8 @@ class SGLang(ReloadingEngine):
         flush_cache: flush the KV cache with the reload; default True for ``abort``, and it
             must be False for the other modes (a flush then fails, fatally on 0.5.15).
         load_format: passed to ``update_weights_from_disk`` when set (default: the server's).
+        in_engine: stage each delta for the asyncsync plugin to apply in place (default True;
+            used once the server's answers show the plugin takes stages).
         timeouts, retry, failure_backoff: see :class:`ReloadingEngine`.
     """
 
@@ -104,6 +107,7 @@ class SGLang(ReloadingEngine):
         retry: RetryPolicy | None = None,
         failure_backoff: tuple[float, float] = (2.0, 60.0),
         version_offset: int = 0,
+        in_engine: bool = True,
     ):
         if pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
@@ -124,6 +128,7 @@ class SGLang(ReloadingEngine):
             retry=retry,
             failure_backoff=failure_backoff,
             version_offset=version_offset,
+            in_engine=in_engine,
         )
         self.pause_mode = pause_mode
         self.flush_cache = flush_cache
@@ -160,8 +165,37 @@ class SGLang(ReloadingEngine):
         await self._post("/pause_generation", {"mode": self.pause_mode}, self.timeouts.control)
 
     async def _load(self, version: int) -> None:
+        answer = await self._load_from(self.model_path, version)
+        _check_success(answer, "POST /update_weights_from_disk")
+
+    async def _load_stage(self, version: int, stage: str) -> bool:
+        try:
+            answer = await self._load_from(stage, version)
+        except EngineHTTPError as exc:
+            if exc.status is None or PLUGIN_MARKER in (exc.server_message or ""):
+                raise
+            message = exc.server_message  # SGLang itself refused the stage's path
+        else:
+            message = answer.get("message") if isinstance(answer, dict) else None
+            refused = isinstance(answer, dict) and answer.get("success") is False
+            if not refused or PLUGIN_MARKER in str(message):
+                _check_success(answer, "POST /update_weights_from_disk")
+                return True
+        # Not the asyncsync plugin answering (removed, or the server restarted without it):
+        # SGLang tried to read the stage as a model and changed nothing.
+        logger.warning(
+            "sglang at %s cannot take stages (%s): reloading the checkpoint instead",
+            self.client.url,
+            message,
+        )
+        self.stages_supported = False
+        return False
+
+    async def _load_from(self, model_path: str, version: int) -> Any:
+        """``POST /update_weights_from_disk`` of ``model_path``; the answer (the plugin's words
+        recorded for ``/status``). Raises on HTTP errors, never on ``success: false``."""
         body: dict[str, Any] = {
-            "model_path": self.model_path,
+            "model_path": model_path,
             "weight_version": str(version),
             "flush_cache": self.flush_cache,
             "abort_all_requests": False,
@@ -203,7 +237,9 @@ class SGLang(ReloadingEngine):
             "seconds": round(time.perf_counter() - t0, 4),
             "message": None if message is None else str(message)[:400],
         }
-        _check_success(answer, endpoint)
+        if message is not None:
+            self.stages_supported = STAGE_CAPABILITY.strip() in str(message)
+        return answer
 
     async def _update(self, body: dict[str, Any]) -> Any:
         # Not retried here: a timed-out reload may still be running in the server, and after a
