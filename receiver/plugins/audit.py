@@ -280,12 +280,12 @@ class Auditor:
                 return "ok", size
             diff = compare(r)
             rec.checked += 1
-            if diff is None:
+            if diff is None or not self._mismatch(held, name, diff):
                 return "ok", size
-            self._mismatch(held, name, diff)
             return "mismatch", size
 
-    def _mismatch(self, held: Held, name: str, diff: str) -> None:
+    def _mismatch(self, held: Held, name: str, diff: str) -> bool:
+        """Record a mismatch (True), or take off a tensor the engine transforms (False)."""
         loader, rec = self.loader, self.record
         if name not in loader.xored and name in self._after_full:
             why = ("differs from the trainer's bytes right after the engine's own loader loaded "
@@ -294,7 +294,7 @@ class Auditor:
             loader.not_xor[name] = why
             logger.warning("asyncsync audit (rank %d): %s %s; no longer XORed nor audited",
                            self.rank, name, why)  # fmt: skip
-            return
+            return False
         if name not in loader.xored:
             self._after_full.add(name)
         rec.mismatches.append(
@@ -308,6 +308,7 @@ class Auditor:
         )  # fmt: skip
         loader.forget(f"audit mismatch on {name}")
         self._write(force=True)
+        return True
 
     def _write(self, *, force: bool = False) -> None:
         now = time.time()

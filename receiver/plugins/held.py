@@ -103,8 +103,16 @@ class Held:
         """Why ``stage`` must not be XORed onto these weights (None: it may)."""
         if self.directory != directory:
             return f"the model was loaded from {self.directory}, not {directory}"
-        if self.version != stage.base:
-            return f"the model holds {self.version}, the stage applies to {stage.base}"
+        mine, base = self.version, stage.base
+        # the fingerprint names the complete model state (FORMAT.md section 3): a zero-diff
+        # version (relabelled in the engine, never loaded) has its base's fingerprint
+        same = (
+            (mine.run_id, mine.fingerprint) == (base.run_id, base.fingerprint)
+            if mine.fingerprint is not None and base.fingerprint is not None
+            else mine == base
+        )
+        if not same:
+            return f"the model holds {mine}, the stage applies to {base}"
         if self.algorithm != stage.algorithm:
             return "the checksum algorithm changed"
         if self.checksums.keys() != stage.checksums.keys():
