@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 from receiver.engines.audit_view import AuditWatch
+from receiver.engines.base import EngineState
 from receiver.plugins.audit import Auditor, read_records, record_path
 from tests.sglang_toy import Rig, hf_state, step
+
+
+def state_of(rig: Rig) -> EngineState:
+    return rig.engine.checkpoint.state
 
 
 def auditors(rig: Rig) -> list[Auditor]:
@@ -60,7 +65,7 @@ async def test_a_corrupted_served_tensor_is_found_and_repaired(tmp_path: Path) -
         assert rig.loaders[1].held is None  # the base is forgotten: never XOR onto it
 
         watch = AuditWatch(rig.ckpt)
-        problem = await watch.check(v)
+        problem = await watch.check(state_of(rig))
         assert problem is not None and "rank 1" in problem and watch.mismatches_seen == 1
         assert watch.metrics()["audit_ok"][1] == 0.0
 
@@ -73,7 +78,7 @@ async def test_a_corrupted_served_tensor_is_found_and_repaired(tmp_path: Path) -
         assert auds[1].record.status == "pending"  # the full load rewrote the record
         started = time.time()
         assert auds[1].run_pass() == "ok"
-        assert await watch.check(v2) is None
+        assert await watch.check(state_of(rig)) is None
         await watch.repaired(started)
         assert watch.repairs == 1 and watch.metrics()["audit_ok"][1] == 1.0
 
@@ -153,6 +158,6 @@ async def test_a_rank_left_behind_is_not_ready(
         rig.loaders[0].apply_stage(rig.engine.stages[v], rig.full_of(0))  # rank 1 never does
         for a in auds:
             a.run_pass()
-        problem = await watch.check(v)
+        problem = await watch.check(state_of(rig))
         assert problem is not None and "rank 1" in problem and f"loaded v{v}" in problem
         assert "rank 0" not in problem

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from receiver.engines.base import EngineState
 from receiver.plugins.audit import AuditRecord, read_records, record_path
 
 __all__ = ["AuditWatch"]
@@ -43,9 +44,10 @@ class AuditWatch:
     def __repr__(self) -> str:
         return f"<AuditWatch {self.directory} ranks={len(self.records)} problem={self.problem!r}>"
 
-    async def check(self, version: int | None) -> str | None:
+    async def check(self, held: EngineState) -> str | None:
         """Read the records; returns (and keeps in :attr:`problem`) why the engine does not
-        serve ``version``'s bytes, or None."""
+        serve the bytes of ``held`` (what the receiver made it hold), or None."""
+        version = held.version
         self.records = await asyncio.to_thread(read_records, self.directory)
         problem = None
         now = time.time()
@@ -68,7 +70,7 @@ class AuditWatch:
                 and r.role == "target"
                 and r.updated_at >= self.loaded_at > 0
                 and now - self.loaded_at > GRACE_SECONDS
-                and r.held_version != version
+                and not _same(r.held, held)
             ):
                 problem = problem or (
                     f"{where} reports holding v{r.held_version}, the receiver loaded v{version}"
@@ -137,3 +139,14 @@ class AuditWatch:
             "audit_repairs": ("Full reloads that repaired an audit mismatch.", self.repairs),
             "audit_passes": ("Complete audit passes of every rank (this server's life).", passes),
         }
+
+
+def _same(record_held: dict[str, Any] | None, held: EngineState) -> bool:
+    """A rank's held version is the receiver's: same content (a zero-diff version keeps its
+    base's fingerprint and is only relabelled), else the same number."""
+    if not record_held:
+        return False
+    fp = record_held.get("fingerprint")
+    if fp is not None and held.fingerprint is not None:
+        return bool(fp == held.fingerprint and record_held.get("run_id") == held.run_id)
+    return bool(record_held.get("version") == held.version)

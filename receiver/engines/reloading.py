@@ -244,7 +244,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 )
                 self._lost = True
             return None
-        if await self.audit.check(self.state.version) is not None:
+        if await self.audit.check(self.state) is not None:
             self._lost = True  # repaired by the next sync (reconcile)
             return None
         return self.state.version
@@ -253,12 +253,16 @@ class ReloadingEngine(Engine, abc.ABC):
         """When the server was lost: wait for it, and reload the checkpoint into it unless it
         reports the version held. A no-op otherwise (the agent calls it when it has no newer
         version to apply; a newer version's own reload reconciles the server anyway)."""
-        if not self._lost or self._txn is not None:
+        if self._txn is not None:
+            return
+        if not self._lost and await self.audit.check(self.state) is not None:
+            self._lost = True  # the engine's audit found other bytes: repair below
+        if not self._lost:
             return
         await self._wait_for_server()
         label = await self._guard(self._served())
         held = self.state.version
-        problem = await self.audit.check(held)
+        problem = await self.audit.check(self.state)
         if (
             held is not None
             and (label != str(held) or problem is not None)
@@ -273,10 +277,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 held,
             )
             self._check_backoff(held)
-            started = time.time()
             await self._reload_server(held)
-            if problem is not None:
-                await self.audit.repaired(started)
         self._lost = False
 
     async def _wait_for_server(self) -> None:
@@ -347,6 +348,8 @@ class ReloadingEngine(Engine, abc.ABC):
                 "is in progress; commit or abort it first"
             )
         self._check_backoff(manifest.version)
+        if self.in_engine and await self.audit.check(self.state) is not None:
+            self._lost = True  # not staged onto it: this version's reload repairs it
         local = self.checkpoint.state
         if self._holds(local, manifest):
             logger.info(
@@ -441,6 +444,7 @@ class ReloadingEngine(Engine, abc.ABC):
         t0 = time.perf_counter()
         if self._lost:
             await self._wait_for_server()
+        repairs, started = self.audit.problem, time.time()
         try:
             failed = True
             paused = time.perf_counter()
@@ -470,6 +474,8 @@ class ReloadingEngine(Engine, abc.ABC):
             raise
         self._lost = False
         self._failures, self._retry_at, self._last_failure = 0, 0.0, None
+        if repairs is not None:
+            await self.audit.repaired(started)
         logger.info(
             "%s at %s loaded v%s in %.2fs",
             self.kind,

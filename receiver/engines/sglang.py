@@ -45,6 +45,7 @@ computed with the old weights: opt in only if that staleness is acceptable.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -66,8 +67,12 @@ PLUGIN_MARKER = "asyncsync:"
 #: SGLang 0.5.23's 400 when the reload succeeded but the KV-cache flush after it did not
 CACHE_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 
-PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
+PauseMode = Literal["auto", "abort", "retract", "in_place"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("auto", "abort", "retract", "in_place")
+#: the first SGLang release seen to flush the cache with retracted requests queued while paused
+#: (0.5.23: ``flush_cache`` ignores the waiting queue during a pause); older ones are not known
+#: to, and 0.5.15 kills its scheduler when a flush fails
+RETRACT_FLUSHES_FROM = (0, 5, 23)
 
 
 class SGLang(ReloadingEngine):
@@ -79,9 +84,13 @@ class SGLang(ReloadingEngine):
         api_key: the server's ``--api-key``; sent as a Bearer token.
         admin_api_key: the server's ``--admin-api-key``, for the endpoints that change it.
         model_path: the checkpoint directory as the server sees it (default: the same).
-        pause_mode: ``abort`` (default), ``retract`` or ``in_place``.
-        flush_cache: flush the KV cache with the reload; default True for ``abort``, and it
-            must be False for the other modes (a flush then fails, fatally on 0.5.15).
+        pause_mode: ``auto`` (default: ``retract`` on a server of SGLang 0.5.23 or later, as its
+            ``/server_info`` reports, else ``abort``; see docs/ENGINES.md), ``abort``,
+            ``retract`` or ``in_place``.
+        flush_cache: flush the KV cache with the reload; default True for ``abort`` and for
+            ``auto``. With ``retract`` only on a server known to flush with retracted requests
+            queued (0.5.23); never with ``in_place`` (the requests still run: the flush fails,
+            fatally on 0.5.15).
         load_format: passed to ``update_weights_from_disk`` when set (default: the server's).
         in_engine: stage each delta for the asyncsync plugin to apply in place (default True;
             used once the server's answers show the plugin takes stages).
@@ -100,7 +109,7 @@ class SGLang(ReloadingEngine):
         api_key: str | None = None,
         admin_api_key: str | None = None,
         model_path: str | None = None,
-        pause_mode: PauseMode = "abort",
+        pause_mode: PauseMode = "auto",
         flush_cache: bool | None = None,
         load_format: str | None = None,
         timeouts: Timeouts | None = None,
@@ -112,11 +121,11 @@ class SGLang(ReloadingEngine):
         if pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         if flush_cache is None:
-            flush_cache = pause_mode == "abort"
-        if flush_cache and pause_mode != "abort":
+            flush_cache = pause_mode in ("abort", "auto")
+        if flush_cache and pause_mode == "in_place":
             raise ConfigError(
-                f"flush_cache=True needs pause_mode='abort': after a {pause_mode!r} pause "
-                "requests are still queued, the flush fails, and SGLang 0.5.15 asserts on it"
+                "flush_cache=True cannot go with pause_mode='in_place': the paused requests "
+                "still run, the flush fails, and SGLang 0.5.15 asserts on it"
             )
         super().__init__(
             url,
@@ -132,6 +141,9 @@ class SGLang(ReloadingEngine):
         )
         self.pause_mode = pause_mode
         self.flush_cache = flush_cache
+        #: the mode the pauses use: ``pause_mode`` resolved against the server (``auto``)
+        self.mode: PauseMode = "abort" if pause_mode == "auto" else pause_mode
+        self.server_version: str | None = None
         self.load_format = load_format
         self.last_reload: dict[str, Any] | None = None  # what the server said about the last one
 
@@ -150,7 +162,13 @@ class SGLang(ReloadingEngine):
                 "plugin is not installed in SGLang's environment, or found no reload method "
                 "to hook (see the server's start-up log); every reload is SGLang's full one",
             }
-        return {**out, "partial_reload": partial, "last_reload": self.last_reload}
+        return {
+            **out,
+            "partial_reload": partial,
+            "last_reload": self.last_reload,
+            "pause_mode": self.mode,
+            "server_version": self.server_version,
+        }
 
     async def _post(self, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
         return await self.client.request(
@@ -160,9 +178,27 @@ class SGLang(ReloadingEngine):
     async def _check_server(self) -> None:
         # a receiver killed between pause and continue leaves the server paused: clear it
         await self._resume()
+        if self.pause_mode == "auto":
+            self.mode = await self._auto_mode()
+
+    async def _auto_mode(self) -> PauseMode:
+        """``retract`` when the server's release flushes with retracted requests queued (seen
+        on 0.5.23: nothing in flight is lost, and the requests are re-prefilled with the new
+        weights), else ``abort``: the flush must succeed after every weight change."""
+        try:
+            info = await self.client.request("GET", "/server_info", timeout=self.timeouts.control)
+        except EngineHTTPError as exc:
+            logger.warning("sglang at %s: no /server_info (%s): pausing with abort",
+                           self.client.url, exc)  # fmt: skip
+            return "abort"
+        version = info.get("version") if isinstance(info, dict) else None
+        self.server_version = None if version is None else str(version)
+        mode: PauseMode = "retract" if _release(version) >= RETRACT_FLUSHES_FROM else "abort"
+        logger.info("sglang at %s is %s: pausing with %s", self.client.url, version, mode)
+        return mode
 
     async def _pause(self) -> None:
-        await self._post("/pause_generation", {"mode": self.pause_mode}, self.timeouts.control)
+        await self._post("/pause_generation", {"mode": self.mode}, self.timeouts.control)
 
     async def _load(self, version: int) -> None:
         answer = await self._load_from(self.model_path, version)
@@ -269,6 +305,17 @@ class SGLang(ReloadingEngine):
             )
         v = info.get("weight_version")
         return None if v is None else str(v)
+
+
+def _release(version: Any) -> tuple[int, ...]:
+    """(0, 5, 23) of "0.5.23" or "0.5.23.post1"; () when it is not a release number."""
+    parts = []
+    for p in str(version or "").split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, p))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) if len(parts) == 3 else ()
 
 
 def _check_success(answer: Any, endpoint: str) -> None:

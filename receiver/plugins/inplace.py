@@ -137,6 +137,7 @@ class InEngineLoader:
         self.in_place = in_place
         self.partial = partial
         self.held: Held | None = None
+        self.forgotten: str | None = None  # why the held weights were forgotten, if they were
         self.lock = threading.RLock()
         self.epoch = 0
         self.stats = Stats()
@@ -147,6 +148,7 @@ class InEngineLoader:
         self.on_change: Callable[[InEngineLoader, list[str] | None], None] | None = None
         self._params: ModelParams | None = None
         self._probes: dict[str, Probe] = {}
+        self._transient: set[str] = set()  # probes that failed by an exception: not kept
         self._conflicts: dict[str, str] = {}
 
     def __repr__(self) -> str:
@@ -160,10 +162,12 @@ class InEngineLoader:
             if self.held is not None:
                 logger.warning("asyncsync: the model's base is no longer known: %s", why)
             self.held = None
+            self.forgotten = why
             self.epoch += 1
 
     def _changed(self, held: Held | None, names: list[str] | None) -> None:
         self.held = held
+        self.forgotten = None if held is not None else self.forgotten
         self.epoch += 1
         if self.on_change is not None:
             try:
@@ -188,6 +192,8 @@ class InEngineLoader:
     def why_full(self, snap: CheckpointSnapshot) -> str | None:
         """Why ``snap`` needs a full reload (None: the partial path may run)."""
         held = self.held
+        if held is None and self.forgotten is not None:
+            return f"the weights the server holds are not known: {self.forgotten}"
         if held is None:
             return "first reload: the weights the server holds are not known"
         if held.directory != snap.directory:
@@ -329,6 +335,10 @@ class InEngineLoader:
                 xor, whole = self._plan(stage, ckpt)
             except _Fallback as exc:
                 return self._via_checkpoint(ckpt, full_reload_of, str(exc), stage.target)
+            finally:
+                for n in self._transient:
+                    self._probes.pop(n, None)
+                self._transient.clear()
             held = self.held
             assert held is not None
             try:  # every whole tensor verified before anything is written
@@ -379,7 +389,8 @@ class InEngineLoader:
         if not self.in_place:
             return f"in-place applies are off ({ENV_IN_PLACE}=0)"
         if self.held is None:
-            return "the weights the model holds are not known (first load or after a failure)"
+            why = self.forgotten or "first load"
+            return f"the weights the model holds are not known ({why})"
         return self.held.why_not_base_of(stage, ckpt)
 
     def _via_checkpoint(
@@ -418,7 +429,9 @@ class InEngineLoader:
                 self.forget(f"probing {n} changed the model: {r.problem}")
                 raise _Fallback(f"probing {n} changed the model ({r.problem})")
             self._probes[n] = Probe(dtype, shape, r.footprint() if r.ok else (), r.problem)
-            if r.problem:
+            if r.raised:  # not a property of the loader: loaded whole now, probed again later
+                self._transient.add(n)
+            elif r.problem:
                 logger.info("asyncsync: %s takes no in-place XOR: %s", n, r.problem)
         self._conflicts = _conflicts(self._probes)
         return self._probes
@@ -451,7 +464,8 @@ class InEngineLoader:
             raise _Fallback(f"routing {t.name} changed the model ({r.problem})")
         if not r.ok or r.footprint() != self._probes[t.name].footprint:
             why = r.problem or "it routes differently than its probe"
-            self.not_xor[t.name] = why
+            if not r.raised:
+                self.not_xor[t.name] = why
             raise _Fallback(f"tensor {t.name}: {why}")
         return apply_xor(r)
 

@@ -120,6 +120,9 @@ class Route:
     #: the loader changed the model outside the recorded writes (a rebound parameter): the
     #: model is no longer what it held, only a full reload is safe
     altered: bool = False
+    #: the problem is an exception the loader raised (may not happen again: not a property of
+    #: the loader's routing)
+    raised: bool = False
 
     @property
     def ok(self) -> bool:
@@ -429,6 +432,7 @@ def route(
         result.problem = str(exc)
     except Exception as exc:  # the loader failed on this input: not routable
         result.problem = f"load_weights raised {type(exc).__name__}: {exc}"
+        result.raised = True
     finally:
         _local.active = False
     if not params.unchanged():

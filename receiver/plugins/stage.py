@@ -133,7 +133,11 @@ class StagedTensor:
             flat = self.values.to(device)
         else:
             flat = torch.zeros(self.numel, dtype=self.values.dtype, device=device)
-            if self.positions.numel():
+            if not self.positions.numel():
+                pass
+            elif flat.device.type == "cpu":  # NumPy's scatter: no intra-op pool, int32 indices
+                flat.numpy()[self.positions.numpy()] = self.values.numpy()
+            else:  # positions and values copied to the device once, scattered there
                 flat[self.positions.to(device, torch.int64)] = self.values.to(device)
         return flat.view(self.dtype).view(self.shape)
 
