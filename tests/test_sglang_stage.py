@@ -236,7 +236,7 @@ async def test_a_mismatch_found_before_a_version_is_repaired_by_its_reload(
         await chain.next()
         await agent.sync_once()
         assert loaded(srv) == ["checkpoint", "checkpoint"]
-        assert engine.audit.repairs == 1 and engine.audit.problem is None
+        assert engine.audit_watch.repairs == 1 and engine.audit_watch.problem is None
 
 
 async def test_engine_behind_after_a_crash_is_reloaded_then_staged(

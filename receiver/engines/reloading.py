@@ -145,7 +145,7 @@ class ReloadingEngine(Engine, abc.ABC):
         #: whether the server's plugin takes stages (None: not known until its first answer)
         self.stages_supported: bool | None = None
         self._staging = Staging(self.kind)
-        self.audit = AuditWatch(checkpoint_dir)
+        self.audit_watch = AuditWatch(checkpoint_dir)
         self.last_pause_seconds: float | None = None
         self.in_place_applies = 0
 
@@ -213,12 +213,12 @@ class ReloadingEngine(Engine, abc.ABC):
                 "in_place_applies": self.in_place_applies,
                 "last_pause_seconds": self.last_pause_seconds,
             },
-            "audit": self.audit.summary(),
+            "audit": self.audit_watch.summary(),
         }
 
     def metrics(self) -> dict[str, tuple[str, float | None]]:
         return {
-            **self.audit.metrics(),
+            **self.audit_watch.metrics(),
             "in_place_applies": (
                 "Versions the server applied in place from a stage.",
                 self.in_place_applies,
@@ -254,7 +254,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 )
                 self._lost = True
             return None
-        if await self.audit.check(self.state) is not None:
+        if await self.audit_watch.check(self.state) is not None:
             self._lost = True  # repaired by the next sync (reconcile)
             return None
         return self.state.version
@@ -265,14 +265,14 @@ class ReloadingEngine(Engine, abc.ABC):
         version to apply; a newer version's own reload reconciles the server anyway)."""
         if self._txn is not None:
             return
-        if not self._lost and await self.audit.check(self.state) is not None:
+        if not self._lost and await self.audit_watch.check(self.state) is not None:
             self._lost = True  # the engine's audit found other bytes: repair below
         if not self._lost:
             return
         await self._wait_for_server()
         label = await self._guard(self._served())
         held = self.state.version
-        problem = await self.audit.check(self.state)
+        problem = await self.audit_watch.check(self.state)
         if (
             held is not None
             and (label != str(held) or problem is not None)
@@ -370,7 +370,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 "is in progress; commit or abort it first"
             )
         self._check_backoff(manifest.version)
-        if self.in_engine and await self.audit.check(self.state) is not None:
+        if self.in_engine and await self.audit_watch.check(self.state) is not None:
             self._lost = True  # not staged onto it: this version's reload repairs it
         local = self.checkpoint.state
         if self._holds(local, manifest):
@@ -393,7 +393,8 @@ class ReloadingEngine(Engine, abc.ABC):
             self.in_engine
             and self.stages_supported is True
             and not self._lost
-            and self.audit.problem is None
+            and self._weights_unknown is None
+            and self.audit_watch.problem is None
             and self.state.version is not None
             and self.state == local
         )
@@ -470,7 +471,7 @@ class ReloadingEngine(Engine, abc.ABC):
         if self._lost:
             await self._wait_for_server()
         loading = False
-        repairs, started = self.audit.problem, time.time()
+        repairs, started = self.audit_watch.problem, time.time()
         try:
             failed = True
             paused = time.perf_counter()
@@ -489,7 +490,7 @@ class ReloadingEngine(Engine, abc.ABC):
             finally:
                 await self._resume_always(failed)
                 self.last_pause_seconds = round(time.perf_counter() - paused, 4)
-            self.audit.loaded()
+            self.audit_watch.loaded()
             await self._confirm(version)
         except ApplyFailed as exc:
             if isinstance(exc, EngineHTTPError) and exc.status is None:
@@ -509,7 +510,7 @@ class ReloadingEngine(Engine, abc.ABC):
         self._weights_unknown = None
         self._failures, self._retry_at, self._last_failure = 0, 0.0, None
         if repairs is not None:
-            await self.audit.repaired(started)
+            await self.audit_watch.repaired(started)
         logger.info(
             "%s at %s loaded v%s in %.2fs",
             self.kind,
