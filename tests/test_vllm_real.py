@@ -141,7 +141,7 @@ async def stack(env: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIte
         yield s
     finally:
         receiver.stop()
-        server.stop()
+        s.server.stop()  # the one running now (a test restarts it)
         await trainer.close()
 
 

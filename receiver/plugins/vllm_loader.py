@@ -34,7 +34,8 @@ parameters: every version is vLLM's own full ``reload_weights``, and the answer 
 server's log) says why. The receiver asks first (:func:`capabilities`) and does not even
 write stages for such a server.
 
-Each call logs one line in the server's log (``asyncsync: in-engine apply: ...``,
+Each call logs one line in the server's log, through vLLM's own logging (logger
+``vllm.asyncsync``, prefixed ``[rank R/N]``: ``asyncsync: in-engine apply: ...``,
 ``asyncsync: partial reload: ...``, ``asyncsync: full reload (why)``, ``asyncsync: stage not
 applied in place (why); ...``, ``asyncsync: refused to load: ...``) and answers it.
 
@@ -66,7 +67,8 @@ __all__ = [
     "vllm_guard",
 ]
 
-logger = logging.getLogger(__name__)
+#: a child of vLLM's logger: vLLM configures only its own tree, so this is what its log shows
+server_log = logging.getLogger("vllm.asyncsync")
 
 ENV_PLAIN = "ASYNCSYNC_VLLM_INPLACE"
 ENV_PARTIAL = "ASYNCSYNC_VLLM_PARTIAL"
@@ -85,20 +87,25 @@ def register() -> None:
     """Entry point (group ``vllm.general_plugins``): with ``ASYNCSYNC_VLLM_INPLACE=1``, keep the
     CPU build's linear weights plain (see the module docstring). Idempotent: vLLM loads
     general plugins in each of its processes, possibly more than once."""
-    _route_logs()
     if not _opted_in():
-        logger.info("asyncsync vLLM plugin: %s is not set: CPU linear weights stay packed "
-                    "(every version is vLLM's reload_weights on CPU)", ENV_PLAIN)  # fmt: skip
+        server_log.info(
+            "asyncsync vLLM plugin: %s is not set: CPU linear weights stay packed (every "
+            "version is vLLM's reload_weights on CPU)",
+            ENV_PLAIN,
+        )
         return
     try:
         import vllm.model_executor.layers.utils as utils
     except ImportError as exc:
-        logger.warning("asyncsync vLLM plugin: cannot import vLLM's layer utils (%s)", exc)
+        server_log.warning("asyncsync vLLM plugin: cannot import vLLM's layer utils (%s)", exc)
         return
     original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
     if original is None:
-        logger.warning("asyncsync vLLM plugin: %s does not exist in this vLLM: CPU weights stay "
-                       "as vLLM packs them (in-place applies off)", DISPATCH)  # fmt: skip
+        server_log.warning(
+            "asyncsync vLLM plugin: %s does not exist in this vLLM: CPU weights stay as vLLM "
+            "packs them (in-place applies off)",
+            DISPATCH,
+        )
         return
     if getattr(original, "_asyncsync_plain", False):
         return
@@ -113,24 +120,11 @@ def register() -> None:
 
     plain_dispatch._asyncsync_plain = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = plain_dispatch
-    logger.info(
+    server_log.info(
         "asyncsync vLLM plugin: %s=1: CPU linear weights stay plain parameters "
         "(torch.nn.functional.linear), so versions can be applied in place",
         ENV_PLAIN,
     )
-
-
-def _route_logs() -> None:
-    """Our loggers write where vLLM's do (vLLM configures only its own logger tree)."""
-    ours = logging.getLogger("receiver.plugins")
-    if ours.handlers:
-        return
-    handlers = logging.getLogger("vllm").handlers
-    for h in handlers:
-        ours.addHandler(h)
-    if handlers:
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
 
 
 # --------------------------------------------------------------------------- the worker side
@@ -212,7 +206,7 @@ def _full_reload(worker: Any) -> Callable[[str], LoadResult]:
         try:
             worker.reload_weights(weights_path=path)
         except Exception as exc:  # vLLM's layers may now be on the meta device: not adopted
-            logger.error("asyncsync: vLLM reload_weights of %s failed: %s", path, exc)
+            server_log.error("asyncsync: vLLM reload_weights of %s failed: %s", path, exc)
             return False, f"vLLM reload_weights failed: {type(exc).__name__}: {exc}"
         return True, f"vLLM reload_weights of {path}"
 
@@ -222,9 +216,7 @@ def _full_reload(worker: Any) -> Callable[[str], LoadResult]:
 def _answer(ok: bool, msg: str, loader: InEngineLoader, worker: Any) -> dict[str, Any]:
     rank, size = _rank(worker)
     held = None if loader.held is None else loader.held.version.version
-    logging.getLogger("receiver.plugins").log(
-        logging.INFO if ok else logging.ERROR, "[rank %d/%d] %s", rank, size, msg
-    )
+    server_log.log(logging.INFO if ok else logging.ERROR, "[rank %d/%d] %s", rank, size, msg)
     return {"ok": ok, "message": msg, "rank": rank, "tp_size": size, "held": held}
 
 
