@@ -11,20 +11,26 @@ says which path was taken and why.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 from torch import nn
 
 from receiver.plugins.held import Held
 from receiver.plugins.inplace import InEngineLoader
 from receiver.plugins.stage import DATA_NAME
-from tests.sglang_toy import Rig, ToyForCausalLM, assert_same_params, hf_state, reference, step
+from tests.sglang_toy import (
+    Rig,
+    ToyForCausalLM,
+    assert_same_params,
+    corrupt_tensor,
+    hf_state,
+    reference,
+    step,
+)
 
 
 @pytest.mark.parametrize("encoding", ["xef", "deltas_zstd", "indices"])
@@ -269,7 +275,7 @@ async def test_fallback_whole_tensor_fails_verification_nothing_written(tmp_path
         rig.load_all()
         before = dict(rig.sd)
         v = await rig.publish(step(rig.sd, ["model.scale", "model.norm.weight"], 19))
-        _corrupt(rig.ckpt, "model.scale")
+        corrupt_tensor(rig.ckpt, "model.scale")
         ok, msg = rig.loaders[0].apply_stage(rig.engine.stages[v], rig.full_of(0))
         assert not ok and msg.startswith("asyncsync: refused to load:") and "checksum" in msg
         assert_same_params(rig.models[0], reference(before, 0, 1))  # not even the XORs
@@ -375,10 +381,10 @@ def test_held_base_checks() -> None:
     assert advanced.version.version == 4 and advanced.checksums == {"a": "2"}
 
 
-def _corrupt(ckpt: Path, name: str) -> None:
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
-    path = ckpt / index["weight_map"][name]
-    tensors = safetensors.torch.load_file(path)
-    tensors[name] = tensors[name].clone()
-    tensors[name].view(-1)[0] += 1
-    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+def test_the_device_script_runs_bit_exact_on_cpu() -> None:
+    """tests/sglang_env/bench_device_apply.py is for a GPU; on the CPU, small, it must still
+    run and stay bit-exact (what keeps it working until a GPU runs it)."""
+    from tests.sglang_env import bench_device_apply
+
+    out = bench_device_apply.main(["--device", "cpu", "--gib", "0.002", "--repeats", "2"])
+    assert out["bit_exact"] and out["changed_elements"] > 0 and out["plugin_path_s"] > 0
