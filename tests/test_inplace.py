@@ -23,6 +23,7 @@ from receiver.plugins.held import Held
 from receiver.plugins.inplace import InEngineLoader
 from receiver.plugins.stage import DATA_NAME
 from tests.sglang_toy import (
+    HIDDEN,
     Rig,
     ToyForCausalLM,
     assert_same_params,
@@ -58,6 +59,8 @@ async def test_stages_apply_in_place_bit_exact_across_tp_ranks(
         for loader in rig.loaders:
             assert loader.held is not None and loader.held.version.version == 3
             assert loader.held.source == "stage"
+            # SGLang's loaders take views: every tensor goes through a sparse plan
+            assert all(p.plan is not None for p in loader._probes.values() if p.footprint)
 
 
 async def test_zero_diff_and_a_single_tensor(tmp_path: Path) -> None:
@@ -237,36 +240,46 @@ async def test_fallback_names_writing_the_same_bytes_go_through_the_checkpoint(
         assert "partial reload" in msg
 
 
-class ContiguousOnly(ToyForCausalLM):
-    """A loader that branches on the tensor (contiguous or not): its probe (an expanded zero)
-    and its real route differ, so the apply stops, undoes, and goes through the checkpoint."""
+class Alternating(ToyForCausalLM):
+    """A loader with state of its own: every other call writes only part of the norm, through
+    a copy (``flip`` twice: no view, so no sparse plan; the dense XOR is routed at each apply).
+    Its route then differs from its probe: the apply stops, undoes, goes through the
+    checkpoint."""
+
+    calls = 0
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for n, t in weights:
-            if n == "model.norm.weight" and not t.is_contiguous():
-                self.model.norm.weight.data[:4].copy_(t[:4])
+            if n == "model.norm.weight":
+                self.calls += 1
+                rows = HIDDEN if self.calls % 2 else 4
+                self.model.norm.weight.data[:rows].copy_(t.flip(0).flip(0)[:rows])
             else:
                 super().load_weights([(n, t)])
 
 
 async def test_fallback_a_route_unlike_its_probe_is_undone(tmp_path: Path) -> None:
     async with Rig(tmp_path, tp=1) as rig:
-        rig.models = [ContiguousOnly(0, 1)]
+        rig.models = [Alternating(0, 1)]
         rig.loaders = [InEngineLoader(rig.models[0])]
         await rig.publish(hf_state(11))
         rig.load_all()
+        rig.models[0].calls = 0  # the probe is the next (odd) call, the real route even
         # sorted names: model.layers.* (XORed first) come before model.norm.weight
         v = await rig.publish(step(rig.sd, ["model.layers.0.mlp.up_proj.weight",
                                             "model.norm.weight"], 17))  # fmt: skip
         [msg] = rig.apply_all(v)
         assert "model.norm.weight: it routes differently than its probe" in msg
         assert "partial reload: loaded 2 of" in msg
-        rig.check()
+        assert rig.loaders[0]._probes["model.layers.0.mlp.up_proj.weight"].plan is not None
+        assert rig.loaders[0]._probes["model.norm.weight"].plan is None
+        ref = Alternating(0, 1)
+        ref.load_weights(rig.sd.items())
+        assert_same_params(rig.models[0], ref)
         assert "model.norm.weight" in rig.loaders[0].not_xor
         v = await rig.publish(step(rig.sd, ["model.norm.weight"], 18))
         [msg] = rig.apply_all(v)  # known now: whole, no undo
         assert "0 of" in msg and "1 loaded whole (model.norm.weight" in msg
-        rig.check()
 
 
 async def test_fallback_whole_tensor_fails_verification_nothing_written(tmp_path: Path) -> None:
