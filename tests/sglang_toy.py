@@ -9,10 +9,12 @@ the embedding and ``load_weights`` skips ``lm_head.weight``). Every loader ends 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -318,3 +320,13 @@ class Rig:
     def check(self) -> None:
         for r, m in enumerate(self.models):
             assert_same_params(m, reference(self.sd, r, self.tp))
+
+
+def corrupt_tensor(ckpt: Path, name: str) -> None:
+    """Change one element of ``name`` in the checkpoint's file (shape and header intact)."""
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    path = ckpt / index["weight_map"][name]
+    tensors = safetensors.torch.load_file(path)
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})

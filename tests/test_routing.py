@@ -14,6 +14,7 @@ from torch import nn
 
 from asyncsync.codec import int_view
 from receiver.plugins.routing import ModelParams, apply_xor, compare, probe_tensor, route
+from receiver.plugins.scatter import apply_plan, make_plan
 
 Loader = Callable[[nn.Module, str, torch.Tensor], None]
 
@@ -287,3 +288,69 @@ def test_route_is_thread_local(tmp_path: Any) -> None:
     release.set()
     th.join(5)
     assert seen == [True] and out[0].ok
+
+
+# --------------------------------------------------------------------------- sparse plans
+
+
+def selected_rows(m: nn.Module, name: str, t: torch.Tensor) -> None:
+    m.w.data.narrow(0, 1, 4).narrow(1, 1, 2).copy_(t.select(0, 2).view(4, 2))
+
+
+def strided_cols(m: nn.Module, name: str, t: torch.Tensor) -> None:
+    m.w.data.copy_(t.t()[:, ::2])  # every other column, transposed: gaps between elements
+
+
+@pytest.mark.parametrize(
+    ("loader", "shape", "plannable"),
+    [(sliced, (6, 4), True), (padded, (4, 4), True), (tied_copy, (6, 4), True),
+     (selected_rows, (3, 8), True), (strided_cols, (8, 6), True),
+     (transposed, (4, 6), False), (concatenated, (4, 4), False)],
+)  # fmt: skip
+def test_a_sparse_plan_equals_the_dense_route(
+    loader: Loader, shape: tuple[int, ...], plannable: bool
+) -> None:
+    """A plan maps each changed position through the loader's views: the same bytes as the
+    routed dense XOR, touching only the changed elements; applied twice it undoes itself.
+    A loader that copies (``contiguous`` of a transpose, ``cat``) has no plan."""
+    g = torch.Generator().manual_seed(3)
+    old = rand(*shape, seed=4)
+    flat_new = int_view(old).clone()
+    pos = torch.randperm(old.numel(), generator=g)[: old.numel() // 3].sort().values
+    flat_new[pos] ^= torch.randint(1, 2**20, (pos.numel(),), generator=g, dtype=torch.int32)
+    new = flat_new.view(old.dtype).view(old.shape)
+    sparse, dense = Model(loader), Model(loader)
+    for m in (sparse, dense):
+        m.load_weights([("x", old)])
+    routed = torch.empty(shape)
+    plan = make_plan(route(sparse.load_weights, "x", routed, ModelParams(sparse)), routed)
+    assert (plan is not None) == plannable
+    r = route(dense.load_weights, "x", xor_of(old, new), ModelParams(dense))
+    apply_xor(r)
+    if plan is None:
+        return
+    before = {k: v.clone() for k, v in sparse.state_dict().items()}
+    values = (int_view(old) ^ int_view(new))[pos]
+    apply_plan(plan, pos, values)
+    assert same(sparse, dense)
+    apply_plan(plan, pos, values)  # the undo
+    assert all(torch.equal(v, before[k]) for k, v in sparse.state_dict().items())
+
+
+def test_a_broadcast_or_reinterpreting_view_has_no_plan() -> None:
+    def broadcast(m: nn.Module, name: str, t: torch.Tensor) -> None:
+        m.w.data.copy_(t.expand(6, 4))
+
+    m = Model(broadcast)
+    routed = torch.empty(1, 4)
+    r = route(m.load_weights, "x", routed, ModelParams(m))
+    assert r.ok and make_plan(r, routed) is None
+
+    def as_ints(m: nn.Module, name: str, t: torch.Tensor) -> None:
+        m.b.copy_(t.view(torch.int32).view(-1)[:3].view(torch.float32))
+
+    m = Model(as_ints)
+    routed = torch.empty(6, 4)
+    r = route(m.load_weights, "x", routed, ModelParams(m))
+    plan = make_plan(r, routed)
+    assert plan is not None and len(plan.steps) == 1  # same width: the same bytes, planned

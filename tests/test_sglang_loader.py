@@ -22,21 +22,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import safetensors.torch
 import torch
 
-from asyncsync import Publisher
-from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
 from receiver.plugins import sglang_loader
-from receiver.plugins.inplace import InEngineLoader
 from receiver.plugins.sglang_loader import (
     HOOK_TARGET,
     HOOK_TARGETS,
     read_snapshot,
     update_weights_from_disk_hook,
 )
-from tests.sglang_toy import ToyForCausalLM, assert_same_params, hf_state, reference, step
+from tests.sglang_toy import (
+    Rig,
+    ToyForCausalLM,
+    assert_same_params,
+    corrupt_tensor,
+    hf_state,
+    reference,
+    step,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -48,45 +52,18 @@ def _no_audit_threads(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------- harness
 
 
-class Harness:
-    """A publisher, a receiver keeping ``ckpt``, and two TP ranks of the toy model."""
+class Harness(Rig):
+    """A publisher, a receiver keeping ``ckpt``, and two TP ranks of the toy model, each with
+    the plugin's per-model loader, reloading from the checkpoint."""
 
     def __init__(self, tmp_path: Path, tp_size: int = 2):
-        self.root, self.ckpt = tmp_path / "root", tmp_path / "ckpt"
-        self.pub = Publisher(self.root, bucket_bytes=4096, keyframe_interval=0)
-        self.agent = ReceiverAgent(self.root, LocalCheckpoint(self.ckpt), "rx", use_inotify=False)
-        self.tp = tp_size
-        self.models = [ToyForCausalLM(r, tp_size) for r in range(tp_size)]
-        self.reloaders = [InEngineLoader(m) for m in self.models]
-        self.full_reloads = 0
-        self.sd: dict[str, torch.Tensor] = {}
-
-    async def __aenter__(self) -> Harness:
-        await self.pub.open()
-        await self.agent.open()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.agent.close()
-        await self.pub.close()
-
-    async def publish(self, sd: dict[str, torch.Tensor], *, sync: bool = True) -> None:
-        self.sd = sd
-        if self.pub.version is None:
-            await self.pub.seed(sd)
-        else:
-            await self.pub.publish(sd)
-        if sync:
-            await self.agent.sync_once()
+        super().__init__(tmp_path, tp=tp_size)
+        self.reloaders = self.loaders
 
     def full_reload(self, rank: int) -> Callable[[], tuple[bool, str]]:
-        def run() -> tuple[bool, str]:  # what SGLang's own reload does: every tensor
-            self.full_reloads += 1
-            sd = LocalCheckpoint(self.ckpt).load_state_dict()
-            self.models[rank].load_weights(sd.items())
-            return True, "Succeeded to update model weights."
-
-        return run
+        """What SGLang's own reload of the checkpoint does: every tensor."""
+        full = self.full_of(rank)
+        return lambda: full(str(self.ckpt))
 
     def reload_all(self) -> list[list[str]]:
         """Reload every rank; returns the names each rank's load_weights received."""
@@ -174,7 +151,7 @@ async def test_fallbacks_to_a_full_reload(tmp_path: Path, caplog: pytest.LogCapt
         # (a checkpoint SGLang cannot load kills it); nothing was loaded
         before = dict(h.sd)
         await h.publish(step(h.sd, ["model.layers.1.mlp.down_proj.weight"], seed=5))
-        _corrupt(h.ckpt, "model.layers.1.mlp.down_proj.weight")
+        corrupt_tensor(h.ckpt, "model.layers.1.mlp.down_proj.weight")
         ok, msg = h.reloaders[0].reload_checkpoint(h.ckpt, h.full_reload(0))
         assert not ok and "refused" in msg and "checksum" in msg and h.full_reloads == 2
         assert_same_params(model, reference(before, 0, 1))
@@ -211,7 +188,7 @@ async def test_a_mismatch_after_the_first_batch_is_an_error_midway(tmp_path: Pat
         def damage_after_first(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
             real(weights)
             if len(model.loaded_names) == 1:
-                _corrupt(h.ckpt, names[1])
+                corrupt_tensor(h.ckpt, names[1])
 
         model.loaded_names.clear()
         model.load_weights = damage_after_first  # type: ignore[method-assign]
@@ -219,15 +196,6 @@ async def test_a_mismatch_after_the_first_batch_is_an_error_midway(tmp_path: Pat
         model.load_weights = real  # type: ignore[method-assign]
         assert ok and "partial reload failed midway" in msg and h.full_reloads == 2
         assert reloader.held is None  # the files no longer match state.json
-
-
-def _corrupt(ckpt: Path, name: str) -> None:
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
-    path = ckpt / index["weight_map"][name]
-    tensors = safetensors.torch.load_file(path)
-    tensors[name] = tensors[name].clone()
-    tensors[name].view(-1)[0] += 1
-    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
 
 
 async def test_snapshot_of_a_checkpoint(tmp_path: Path) -> None:

@@ -183,7 +183,12 @@ async def test_seed_deltas_zero_diff_keyframe_one_tensor(stack: Stack) -> None:
     status = s.receiver.status()
     assert status["version"] == v and status["engine"]["partial_reload"]["active"] is True
     assert status["engine"]["in_engine"]["stages_supported"] is True
-    assert status["engine"]["in_engine"]["in_place_applies"] == 6
+    # 0.5.23 (its /server_info) flushes with retracted requests queued: pauses retract
+    assert (status["engine"]["pause_mode"], status["engine"]["server_version"]) == (
+        "retract",
+        "0.5.23",
+    )
+    assert status["engine"]["in_engine"]["in_place_applies"] == 5
     assert s.receiver.get("/readyz")[0] == 200
     wait_for(
         f"the audit of v{v}",
@@ -192,7 +197,7 @@ async def test_seed_deltas_zero_diff_keyframe_one_tensor(stack: Stack) -> None:
     )  # fmt: skip
     metrics = s.receiver.get("/metrics")[1]
     assert f'asyncsync_receiver_engine_audit_ok{{engine_id="{EID}"}} 1.0' in metrics
-    assert f'asyncsync_receiver_engine_in_place_applies{{engine_id="{EID}"}} 6.0' in metrics
+    assert f'asyncsync_receiver_engine_in_place_applies{{engine_id="{EID}"}} 5.0' in metrics
 
 
 async def test_a_changed_tensor_set_is_a_full_reload(stack: Stack) -> None:

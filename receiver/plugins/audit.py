@@ -60,6 +60,7 @@ RECORD_FORMAT = "asyncsync-audit"
 ENV_AUDIT = "ASYNCSYNC_AUDIT"  # 0: off
 ENV_RATE = "ASYNCSYNC_AUDIT_BYTES_PER_S"
 ENV_INTERVAL = "ASYNCSYNC_AUDIT_INTERVAL"
+ENV_DELAY = "ASYNCSYNC_AUDIT_DELAY"
 _WRITE_EVERY = 1.0
 
 
@@ -129,8 +130,10 @@ class Auditor:
         rank, tp_size, role: where the record goes and what it says.
         bytes_per_s: pace of the checkpoint reads (default ``$ASYNCSYNC_AUDIT_BYTES_PER_S`` or
             256 MiB/s); ``interval``: seconds between passes when nothing changes (default
-            ``$ASYNCSYNC_AUDIT_INTERVAL`` or 300); ``enabled``: default unless ``$ASYNCSYNC_AUDIT``
-            is ``0`` (then the record only reports the version held).
+            ``$ASYNCSYNC_AUDIT_INTERVAL`` or 300); ``delay``: seconds after a change before its
+            pass starts (``$ASYNCSYNC_AUDIT_DELAY`` or 2: serving recovers from the pause
+            first); ``enabled``: default unless ``$ASYNCSYNC_AUDIT`` is ``0`` (then the record
+            only reports the version held).
     """
 
     def __init__(
@@ -143,11 +146,15 @@ class Auditor:
         bytes_per_s: float | None = None,
         interval: float | None = None,
         enabled: bool | None = None,
+        delay: float | None = None,
     ):
         self.loader = loader
         self.rank, self.tp_size, self.role = rank, tp_size, role
         self.bytes_per_s = bytes_per_s or float(os.environ.get(ENV_RATE, "") or 256 << 20)
         self.interval = interval or float(os.environ.get(ENV_INTERVAL, "") or 300.0)
+        if delay is None:
+            delay = float(os.environ.get(ENV_DELAY, "") or 2.0)
+        self.delay = delay
         if enabled is None:
             enabled = os.environ.get(ENV_AUDIT, "1").strip() != "0"
         self.enabled = enabled
@@ -196,8 +203,10 @@ class Auditor:
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
+            woken = self._wake.wait(self.interval)
             self._wake.clear()
+            if woken and self.delay > 0:  # let serving recover from the change first
+                self._stop.wait(self.delay)
             if self._stop.is_set():
                 return
             try:

@@ -54,7 +54,8 @@ from receiver.plugins.held import (
     read_weight_map,
     tensor_specs,
 )
-from receiver.plugins.routing import Guard, ModelParams, apply_xor, probe_tensor, route
+from receiver.plugins.routing import Guard, ModelParams, Route, apply_xor, route
+from receiver.plugins.scatter import Plan, apply_plan, make_plan
 from receiver.plugins.stage import STAGE_DIR, Stage, StagedTensor, VersionRef, read_stage
 
 __all__ = ["ENV_IN_PLACE", "InEngineLoader", "LoadResult", "Probe", "checkpoint_of_stage"]
@@ -78,10 +79,15 @@ class Probe:
     shape: tuple[int, ...]
     footprint: tuple[tuple[str, str, int, int], ...] = ()
     problem: str | None = None
+    plan: Plan | None = None  # the sparse map of its positions (None: route the dense XOR)
 
 
 class _Fallback(Exception):
     """The stage cannot be applied in place: go through the checkpoint (nothing written)."""
+
+
+class _Broken(Exception):
+    """A write failed midway through one tensor: what the model holds is not known."""
 
 
 @dataclass
@@ -112,6 +118,9 @@ class InEngineLoader:
             loading (packing, quantization): writes into them are not XORed.
         batch_bytes: whole tensors are handed to ``load_weights`` in batches of about this size
             (default ``$ASYNCSYNC_SGLANG_BATCH_BYTES`` or 1 GiB).
+        volatile: (parameter, module) -> True for parameters whose place may move between
+            loads without a reload (MoE experts under EPLB): their tensors are routed at every
+            apply instead of through a cached plan.
         in_place: apply stages in place (default: unless ``$ASYNCSYNC_IN_PLACE`` is ``0``).
         partial: load only changed tensors from a checkpoint (else every reload is full).
     """
@@ -124,6 +133,7 @@ class InEngineLoader:
         batch_bytes: int | None = None,
         in_place: bool | None = None,
         partial: bool = True,
+        volatile: Callable[[str, Any], bool] | None = None,
     ):
         if batch_bytes is None:
             batch_bytes = int(os.environ.get(ENV_BATCH_BYTES, "") or 1 << 30)
@@ -133,6 +143,7 @@ class InEngineLoader:
             in_place = os.environ.get(ENV_IN_PLACE, "1").strip() != "0"
         self.model = model
         self.guard = guard
+        self.volatile = volatile
         self.batch_bytes = batch_bytes
         self.in_place = in_place
         self.partial = partial
@@ -327,6 +338,7 @@ class InEngineLoader:
             stage = read_stage(sdir)
         except FormatError as exc:
             return self._via_checkpoint(ckpt, full_reload_of, f"the stage does not verify: {exc}")
+        t_read = time.perf_counter()
         with self.lock:
             why = self._why_not_in_place(stage, ckpt)
             if why is not None:
@@ -359,6 +371,8 @@ class InEngineLoader:
                     why = f"undoing a stopped in-place apply failed: {exc}"
                     return self._full(ckpt, lambda: full_reload_of(str(ckpt)), why)
                 return self._via_checkpoint(ckpt, full_reload_of, str(exc), stage.target)
+            except _Broken as exc:
+                return self._full(ckpt, lambda: full_reload_of(str(ckpt)), str(exc))
             try:
                 for batch in batches:
                     self.model.load_weights(batch)
@@ -372,13 +386,14 @@ class InEngineLoader:
             self.xored.difference_update(whole)
             self._changed(held.advanced(stage), [t.name for t in stage.tensors])
         ms = (time.perf_counter() - t0) * 1000
+        read_ms = (t_read - t0) * 1000
         reasons = "; ".join(f"{n}: {w}" for n, w in list(whole.items())[:3])
         msg = (
             f"asyncsync: in-engine apply: v{stage.base.version} -> v{stage.target.version}: "
             f"{len(xor)} of {len(stage.checksums)} tensors XORed in place "
             f"({nbytes / 2**20:.1f} MiB), {len(whole)} loaded whole"
             + (f" ({reasons})" if whole else "")
-            + f" in {ms:.1f} ms"
+            + f" in {ms:.1f} ms (stage read and verified in {read_ms:.1f} ms)"
         )
         self.stats.last = {"version": stage.target.version, "ms": round(ms, 2),
                            "xor": len(xor), "whole": len(whole)}  # fmt: skip
@@ -423,12 +438,15 @@ class InEngineLoader:
         specs = tensor_specs(ckpt, missing)
         dev = self.device()
         for n, (dtype, shape) in specs.items():
-            r = route(self.model.load_weights, n, probe_tensor(shape, dtype, dev), params,
-                      guard=self.guard)  # fmt: skip
+            # uninitialised: never read, never faulted in unless the loader copies it
+            routed = torch.empty(shape, dtype=dtype, device=dev)
+            r = route(self.model.load_weights, n, routed, params, guard=self.guard)
             if r.altered:
                 self.forget(f"probing {n} changed the model: {r.problem}")
                 raise _Fallback(f"probing {n} changed the model ({r.problem})")
-            self._probes[n] = Probe(dtype, shape, r.footprint() if r.ok else (), r.problem)
+            plan = None if not r.ok or self._is_volatile(r, params) else make_plan(r, routed)
+            del routed
+            self._probes[n] = Probe(dtype, shape, r.footprint() if r.ok else (), r.problem, plan)
             if r.raised:  # not a property of the loader: loaded whole now, probed again later
                 self._transient.add(n)
             elif r.problem:
@@ -456,7 +474,26 @@ class InEngineLoader:
             # else: the loader writes nothing for it (skipped, e.g. a tied lm_head)
         return xor, whole
 
+    def _is_volatile(self, r: Route, params: ModelParams) -> bool:
+        if self.volatile is None:
+            return False
+        for w in r.writes:
+            owner = params.owner(w.dst)
+            if owner is not None and self.volatile(*owner):
+                return True
+        return False
+
     def _xor(self, t: StagedTensor) -> int:
+        """XOR one staged tensor into the model: through its plan (sparse), else by routing
+        its dense XOR (checked against its probe). Returns the bytes changed or XORed."""
+        plan = self._probes[t.name].plan
+        if plan is not None and t.positions is not None:
+            dev = self.device()
+            try:
+                n = apply_plan(plan, t.positions.to(dev, torch.int64), t.values.to(dev))
+            except Exception as exc:  # a device error midway: this tensor is half-written
+                raise _Broken(f"tensor {t.name}: the sparse apply failed: {exc}") from exc
+            return n * t.values.element_size()
         dense = t.dense(self.device())
         r = route(self.model.load_weights, t.name, dense, self.params(), guard=self.guard)
         if r.altered:
@@ -467,17 +504,16 @@ class InEngineLoader:
             if not r.raised:
                 self.not_xor[t.name] = why
             raise _Fallback(f"tensor {t.name}: {why}")
-        return apply_xor(r)
+        try:
+            return apply_xor(r)
+        except Exception as exc:
+            raise _Broken(f"tensor {t.name}: the XOR failed: {exc}") from exc
 
     def _undo(self, done: list[StagedTensor]) -> bool:
         """XOR the applied tensors again (back to the base); False when that failed."""
         try:
             for t in reversed(done):
-                r = route(self.model.load_weights, t.name, t.dense(self.device()),
-                          self.params(), guard=self.guard)  # fmt: skip
-                if not r.ok:
-                    raise RuntimeError(r.problem)
-                apply_xor(r)
+                self._xor(t)
         except Exception as exc:
             logger.error("asyncsync: undoing an in-place apply failed: %s", exc)
             self.forget("an in-place apply could not be undone")

@@ -46,7 +46,6 @@ from typing import Any, Literal
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils._pytree import tree_flatten
 
 from asyncsync.codec import int_view
 
@@ -211,8 +210,8 @@ class _Recorder(TorchFunctionMode):
         return storage_key(t) in self.pure
 
     def mark_pure(self, out: Any) -> None:
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        for t in _tensors(out):
+            if t.device.type != "meta":
                 self.pure.add(storage_key(t))
                 self.keep_alive.append(t)
 
@@ -246,25 +245,19 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _METADATA:
             return func(*args, **kwargs)
-        fname = resolve_name(func) or repr(func)
+        fname = _name(func)
         target = self._written(func, fname, args, kwargs)
         if target is not None:
             return self._in_place(func, fname, target, args, kwargs)
-        data = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if any(self.params.owner(t) is not None for t in data) and func not in _MOVES:
-            # reading a parameter to compute something: fine unless it is written back, which
-            # the write rules refuse (its result is neither pure nor a parameter)
-            pass
         out = func(*args, **kwargs)
         if func in _ZEROS:
             self.mark_pure(out)
         elif func in _MOVES:
             inputs = _data_inputs(func, args, kwargs)
-            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
             if (
                 inputs
                 and all(self.is_pure(t) for t in inputs)
-                and all(o.dtype == inputs[0].dtype for o in outs)
+                and all(o.dtype == inputs[0].dtype for o in _tensors(out))
             ):
                 self.mark_pure(out)
         elif func is torch.nn.functional.pad and self.is_pure(args[0]):
@@ -272,9 +265,7 @@ class _Recorder(TorchFunctionMode):
             value = kwargs.get("value", args[3] if len(args) > 3 else None)
             if mode == "constant" and not value:
                 self.mark_pure(out)
-        elif any(self.is_pure(t) for t in data) and not any(
-            isinstance(o, torch.Tensor) for o in tree_flatten(out)[0]
-        ):
+        elif not _tensors(out) and any(self.is_pure(t) for t in _tensors((args, kwargs))):
             # a value of the delta left torch (.item(), .tolist(), bool(...)): whatever the
             # loader does with it cannot be followed
             self.tainted = self.tainted or fname
@@ -360,6 +351,31 @@ class _Recorder(TorchFunctionMode):
             f"parameter {pname}: the value copied in is computed from the delta (a conversion, "
             "scaling or quantization), not a copy of its elements"
         )
+
+
+_NAMES: dict[Any, str] = {}
+
+
+def _name(func: Any) -> str:
+    """``resolve_name(func)``, cached (it is asked for every op under the mode)."""
+    try:
+        return _NAMES[func]
+    except KeyError:
+        name = _NAMES[func] = resolve_name(func) or repr(func)
+        return name
+    except TypeError:  # an unhashable callable
+        return resolve_name(func) or repr(func)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a tensor, or nested tuples, lists and dict values)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, tuple | list):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
 
 
 def _data_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

@@ -225,7 +225,9 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pause-mode", default="abort", choices=("abort", "retract", "in_place"))
+    p.add_argument(
+        "--pause-mode", default="auto", choices=("auto", "abort", "retract", "in_place")
+    )
     p.add_argument("--json", default=os.environ.get("BENCH_JSON"))
     asyncio.run(main_async(p.parse_args()))
 
