@@ -419,6 +419,20 @@ async def test_the_api_key(stack: Stack) -> None:
     assert ei.value.status == 401 and "API key" in str(ei.value)
 
 
+async def test_a_method_the_workers_lack_is_named_in_the_error(stack: Stack) -> None:
+    """How the receiver tells a server without (this version of) the worker extension: vLLM
+    answers a ``/collective_rpc`` of a method its workers lack with an error naming it."""
+    s = stack
+    engine = VLLM(s.server.url, s.dir / "probe-ckpt", api_key=KEY)
+    try:
+        with pytest.raises(EngineHTTPError) as ei:
+            await engine._rpc("asyncsync_no_such_method")
+        assert ei.value.status is not None and ei.value.status >= 400, ei.value
+        assert engine._missing(ei.value, "asyncsync_no_such_method"), ei.value.server_message
+    finally:
+        await engine.close()
+
+
 async def test_a_version_the_server_refuses_is_not_acked_nor_served_as_ready(
     stack: Stack,
 ) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncsync.codec import int_view
+from asyncsync.codec import Patch, apply_patch, int_view
 from receiver.plugins.routing import Route, storage_key
 
 __all__ = ["CopyStep", "Plan", "XorStep", "apply_plan", "make_plan"]
@@ -42,6 +42,9 @@ class XorStep:
     src_offset: int
     src_strides: tuple[int, ...]
     sizes: tuple[int, ...]
+    #: both views are one contiguous block (a row range: a fused shard, a TP row slice, a
+    #: whole tensor): HF index ``i`` lands at ``i - src_offset + dst_offset``
+    block: bool = False
 
     @property
     def extent(self) -> int:
@@ -97,18 +100,28 @@ def make_plan(route: Route, routed: torch.Tensor) -> Plan | None:
         flat = flats.get(dkey)
         if flat is None:
             flat = flats[dkey] = _storage_ints(dst)
+        d_str = tuple(int(dst.stride(d)) for d in dims)
         steps.append(
             XorStep(
                 param=w.param,
                 flat=flat,
                 dst_offset=int(dst.storage_offset()),
-                dst_strides=tuple(int(dst.stride(d)) for d in dims),
+                dst_strides=d_str,
                 src_offset=int(src.storage_offset()),
                 src_strides=s_str,
                 sizes=sizes,
+                block=s_str == d_str == _contiguous(sizes),
             )
         )
     return Plan(route.name, tuple(steps))
+
+
+def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(sizes):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def _nested(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -142,6 +155,12 @@ def apply_plan(plan: Plan, positions: torch.Tensor, values: torch.Tensor) -> int
         lo = int(torch.searchsorted(positions, step.src_offset))
         hi = int(torch.searchsorted(positions, step.extent))
         if lo >= hi:
+            continue
+        if step.block:  # the common case: one slice, XORed by the codec's patch kernel
+            n = step.extent - step.src_offset
+            block = step.flat[step.dst_offset : step.dst_offset + n]
+            apply_patch(block, Patch("xor", positions[lo:hi] - step.src_offset, values[lo:hi]))
+            done += hi - lo
             continue
         rem = positions[lo:hi] - step.src_offset
         vals = values[lo:hi]

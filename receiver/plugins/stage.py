@@ -317,8 +317,9 @@ def remove_stage(directory: str | os.PathLike[str]) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def _read_regular(path: Path, limit: int) -> bytes:
-    """The bytes of a regular file, never through a symlink, never blocking on a FIFO."""
+def _read_regular(path: Path, limit: int) -> bytearray:
+    """The bytes of a regular file (read once, into a writable buffer), never through a
+    symlink, never blocking on a FIFO; a file that grew past ``limit`` is refused."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
@@ -329,10 +330,15 @@ def _read_regular(path: Path, limit: int) -> bytes:
             raise FormatError(f"{path} is not a regular file")
         if st.st_size > limit:
             raise FormatError(f"{path} is larger than {limit} bytes ({st.st_size})")
-        chunks = []
-        while chunk := os.read(fd, 1 << 24):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        buf = bytearray(st.st_size + 1)  # one more: a file that grew is noticed
+        view, got = memoryview(buf), 0
+        while got < len(buf) and (n := os.readv(fd, [view[got:]])):
+            got += n
+        if got > st.st_size:
+            raise FormatError(f"{path} grew while it was read")
+        del view
+        del buf[got:]
+        return buf
     finally:
         os.close(fd)
 
@@ -389,7 +395,7 @@ def read_stage(directory: str | os.PathLike[str], *, max_bytes: int = 1 << 40) -
     ):
         raise FormatError(f"{where}: checksums must map names to strings")
     parts = _parts(doc.get("parts", {}), where)
-    buf = bytearray(data)  # writable, so torch.frombuffer shares it without a warning
+    buf = data  # writable, so torch.frombuffer shares it without a warning
     entries = doc.get("tensors")
     if not isinstance(entries, list):
         raise FormatError(f"{where}: tensors must be a list")
