@@ -44,8 +44,9 @@ test: lint sglang-env vllm-env
 bench-sglang: $(STAMP) sglang-env
 	$(PY) -m tests.sglang_env.bench_reload
 
-# the pause a client sees while vLLM takes a version (reload_weights), 1/3/10 % of every tensor;
-# a 256 MiB model, a few minutes (BENCHMARKS.md)
+# the pause a client sees while vLLM takes a version, 1/3/10 % of every tensor: the in-engine
+# apply against reload_weights, and plain against packed generation speed; a 244 MiB model,
+# two servers, several minutes (BENCHMARKS.md)
 bench-vllm: $(STAMP) vllm-env
 	$(PY) -m tests.vllm_env.bench_pause
 

@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--pause-mode",
         choices=PAUSE_MODES,
-        default="abort",
-        help="SGLang pause mode around a reload (default abort; see docs/ENGINES.md)",
+        default="auto",
+        help="SGLang pause mode around a weight change (default auto: retract on SGLang >= "
+        "0.5.23, else abort; see docs/ENGINES.md)",
     )
     server.add_argument(
         "--engine-update-timeout",

@@ -111,6 +111,8 @@ class _AgentCollector(Collector):
                           au.stats.mismatches)  # fmt: skip
             yield counter("audit_repairs", "Full reloads after a mismatch.", au.stats.repairs)
             yield counter("audit_errors", "Audits that could not run.", au.stats.errors)
+        for name, (doc, value) in self.agent.engine.metrics().items():
+            yield gauge(f"engine_{name}", doc, value)
 
 
 class _Capped(asyncio.Protocol):

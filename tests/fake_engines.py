@@ -421,8 +421,17 @@ class FakeVLLM(FakeServer):
     def needs_auth(self, path: str) -> bool:
         return path.startswith("/v1")  # vLLM's --api-key guards only the OpenAI routes
 
-    def __init__(self, model_root: str, *, api_key: str | None = None):
+    def __init__(
+        self,
+        model_root: str,
+        *,
+        api_key: str | None = None,
+        extension: Callable[[str, list[Any]], list[Any]] | None = None,
+    ):
         self.model_root = model_root
+        #: the workers' extension methods: (method, args) -> one result per worker (raise
+        #: AttributeError for a method they lack); None: no worker extension at all
+        self.extension = extension
         super().__init__(api_key=api_key)
 
     def routes(self, app: web.Application) -> None:
@@ -467,8 +476,15 @@ class FakeVLLM(FakeServer):
         body = request[BODY]
         if (err := check_schema(body, self.RPC)) is not None:
             return _json({"detail": err}, 400)
-        if body["method"] != "reload_weights":
-            return _json({"error": f"worker has no method {body['method']!r}"}, 500)
+        method = body["method"]
+        if method != "reload_weights":
+            if self.extension is None:
+                return _json({"error": f"worker has no method {method!r}"}, 500)
+            try:
+                results = self.extension(method, list(body.get("args", [])))
+            except AttributeError:
+                return _json({"error": f"worker has no method {method!r}"}, 500)
+            return _json({"results": results})
         if not (Path(self.model_root) / "model.safetensors.index.json").is_file():
             return _json({"error": f"no safetensors checkpoint in {self.model_root}"}, 500)
         self.loads.append(Load(self.model_root, None, checkpoint_version(self.model_root)))

@@ -40,8 +40,9 @@ RELOAD = [
     "GET /model_info",
 ]
 # wait on /model_info (never /health: it runs a generation, which blocks while paused), clear a
-# pause a killed receiver may have left, read the version
-OPEN = ["GET /model_info", "POST /continue_generation", "GET /model_info"]
+# pause a killed receiver may have left, ask the release (the pause mode: the fake has no
+# /server_info, so abort), read the version
+OPEN = ["GET /model_info", "POST /continue_generation", "GET /server_info", "GET /model_info"]
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -372,7 +373,7 @@ async def test_retract_mode_does_not_flush(chain: Chain, tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
-        ({"pause_mode": "retract", "flush_cache": True}, "needs pause_mode='abort'"),
+        ({"pause_mode": "in_place", "flush_cache": True}, "cannot go with pause_mode='in_place'"),
         ({"pause_mode": "sleep"}, "pause_mode must be one of"),
         ({"api_key": "two words"}, "no whitespace"),
     ],

@@ -22,232 +22,55 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import safetensors.torch
 import torch
-from torch import nn
 
-from asyncsync import Publisher
-from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
 from receiver.plugins import sglang_loader
 from receiver.plugins.sglang_loader import (
     HOOK_TARGET,
     HOOK_TARGETS,
-    PartialReloader,
     read_snapshot,
     update_weights_from_disk_hook,
 )
-from tests.conftest import same_bytes
-
-VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 32, 16, 4, 2, 4, 24, 2
-BF16 = torch.bfloat16
-
-
-# --------------------------------------------------------------------------- a toy SGLang model
-
-
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    param.data.copy_(loaded)
+from tests.sglang_toy import (
+    Rig,
+    ToyForCausalLM,
+    assert_same_params,
+    corrupt_tensor,
+    hf_state,
+    reference,
+    step,
+)
 
 
-class ColumnParallel(nn.Module):
-    """Output rows split across ranks; fused shards (``shard_sizes``) laid out per rank."""
-
-    def __init__(self, shard_sizes: dict[Any, int], tp_rank: int, tp_size: int):
-        super().__init__()
-        self.rank, self.tp = tp_rank, tp_size
-        self.offsets: dict[Any, tuple[int, int]] = {}
-        off = 0
-        for sid, full in shard_sizes.items():
-            self.offsets[sid] = (off, full // tp_size)
-            off += full // tp_size
-        self.weight = nn.Parameter(torch.zeros(off, HIDDEN, dtype=BF16), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
-        off, size = self.offsets[shard_id]
-        param.data.narrow(0, off, size).copy_(loaded.narrow(0, self.rank * size, size))
-
-
-class RowParallel(nn.Module):
-    def __init__(self, out: int, inp: int, tp_rank: int, tp_size: int):
-        super().__init__()
-        self.rank, self.size = tp_rank, inp // tp_size
-        self.weight = nn.Parameter(torch.zeros(out, self.size, dtype=BF16), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        param.data.copy_(loaded.narrow(1, self.rank * self.size, self.size))
-
-
-class VocabParallelEmbedding(nn.Module):
-    def __init__(self, tp_rank: int, tp_size: int):
-        super().__init__()
-        self.rank, self.size = tp_rank, VOCAB // tp_size
-        self.weight = nn.Parameter(torch.zeros(self.size, HIDDEN, dtype=BF16), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        param.data.copy_(loaded.narrow(0, self.rank * self.size, self.size))
-
-
-class Norm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(HIDDEN, dtype=torch.float32), requires_grad=False)
-
-
-class Layer(nn.Module):
-    def __init__(self, r: int, tp: int):
-        super().__init__()
-        q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-        self.self_attn = nn.Module()
-        self.self_attn.qkv_proj = ColumnParallel({"q": q, "k": kv, "v": kv}, r, tp)
-        self.self_attn.o_proj = RowParallel(HIDDEN, q, r, tp)
-        self.mlp = nn.Module()
-        self.mlp.gate_up_proj = ColumnParallel({0: INTER, 1: INTER}, r, tp)
-        self.mlp.down_proj = RowParallel(HIDDEN, INTER, r, tp)
-        self.input_layernorm = Norm()
-        self.post_attention_layernorm = Norm()
-
-
-class ToyForCausalLM(nn.Module):
-    """The shape of an SGLang LlamaForCausalLM, small, with tied embeddings."""
-
-    stacked_params_mapping = (  # (param_name, shard_name, shard_id), as in SGLang's models
-        ("qkv_proj", "q_proj", "q"),
-        ("qkv_proj", "k_proj", "k"),
-        ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
-    )
-
-    def __init__(self, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(tp_rank, tp_size)
-        self.model.layers = nn.ModuleList(Layer(tp_rank, tp_size) for _ in range(LAYERS))
-        self.model.norm = Norm()
-        self.lm_head = nn.Module()
-        self.lm_head.weight = self.model.embed_tokens.weight  # tie_word_embeddings
-        self.loaded_names: list[str] = []
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        for name, loaded in weights:
-            self.loaded_names.append(name)
-            if "rotary_emb.inv_freq" in name or name == "lm_head.weight":  # tied: skipped
-                continue
-            for param_name, shard_name, shard_id in self.stacked_params_mapping:
-                if shard_name not in name:
-                    continue
-                param = params[name.replace(shard_name, param_name)]
-                param.weight_loader(param, loaded, shard_id)  # type: ignore[attr-defined]
-                break
-            else:
-                param = params[name]
-                getattr(param, "weight_loader", default_weight_loader)(param, loaded)
-
-
-def hf_state(seed: int) -> dict[str, torch.Tensor]:
-    """An HF-named state dict for the toy model (tied: lm_head equals the embedding)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    sd = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        sd[p + "self_attn.q_proj.weight"] = w(HEADS * HEAD_DIM, HIDDEN)
-        sd[p + "self_attn.k_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
-        sd[p + "self_attn.v_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
-        sd[p + "self_attn.o_proj.weight"] = w(HIDDEN, HEADS * HEAD_DIM)
-        sd[p + "mlp.gate_proj.weight"] = w(INTER, HIDDEN)
-        sd[p + "mlp.up_proj.weight"] = w(INTER, HIDDEN)
-        sd[p + "mlp.down_proj.weight"] = w(HIDDEN, INTER)
-        sd[p + "input_layernorm.weight"] = w(HIDDEN, dtype=torch.float32)
-        sd[p + "post_attention_layernorm.weight"] = w(HIDDEN, dtype=torch.float32)
-    sd["model.norm.weight"] = w(HIDDEN, dtype=torch.float32)
-    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
-    return sd
-
-
-def step(sd: dict[str, torch.Tensor], names: list[str], seed: int) -> dict[str, torch.Tensor]:
-    """A training step that changes ~3% of the elements of ``names`` (the tie kept)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {k: v.clone() for k, v in sd.items()}
-    for n in names:
-        t = out[n]
-        mask = torch.rand(t.shape, generator=g) < 0.03
-        mask.view(-1)[0] = True
-        t[mask] = (t.float()[mask] + 0.5).to(t.dtype)
-    out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
-    return out
-
-
-def reference(sd: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> ToyForCausalLM:
-    m = ToyForCausalLM(tp_rank, tp_size)
-    m.load_weights(sd.items())
-    return m
-
-
-def assert_same_params(model: nn.Module, ref: nn.Module) -> None:
-    got, want = model.state_dict(), ref.state_dict()
-    assert set(got) == set(want)
-    for k in want:
-        assert same_bytes(got[k], want[k]), k
+@pytest.fixture(autouse=True)
+def _no_audit_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook starts an auditor thread per model; these tests count load_weights calls."""
+    monkeypatch.setenv("ASYNCSYNC_AUDIT", "0")
 
 
 # --------------------------------------------------------------------------- harness
 
 
-class Harness:
-    """A publisher, a receiver keeping ``ckpt``, and two TP ranks of the toy model."""
+class Harness(Rig):
+    """A publisher, a receiver keeping ``ckpt``, and two TP ranks of the toy model, each with
+    the plugin's per-model loader, reloading from the checkpoint."""
 
     def __init__(self, tmp_path: Path, tp_size: int = 2):
-        self.root, self.ckpt = tmp_path / "root", tmp_path / "ckpt"
-        self.pub = Publisher(self.root, bucket_bytes=4096, keyframe_interval=0)
-        self.agent = ReceiverAgent(self.root, LocalCheckpoint(self.ckpt), "rx", use_inotify=False)
-        self.tp = tp_size
-        self.models = [ToyForCausalLM(r, tp_size) for r in range(tp_size)]
-        self.reloaders = [PartialReloader() for _ in range(tp_size)]
-        self.full_reloads = 0
-        self.sd: dict[str, torch.Tensor] = {}
-
-    async def __aenter__(self) -> Harness:
-        await self.pub.open()
-        await self.agent.open()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.agent.close()
-        await self.pub.close()
-
-    async def publish(self, sd: dict[str, torch.Tensor], *, sync: bool = True) -> None:
-        self.sd = sd
-        if self.pub.version is None:
-            await self.pub.seed(sd)
-        else:
-            await self.pub.publish(sd)
-        if sync:
-            await self.agent.sync_once()
+        super().__init__(tmp_path, tp=tp_size)
+        self.reloaders = self.loaders
 
     def full_reload(self, rank: int) -> Callable[[], tuple[bool, str]]:
-        def run() -> tuple[bool, str]:  # what SGLang's own reload does: every tensor
-            self.full_reloads += 1
-            sd = LocalCheckpoint(self.ckpt).load_state_dict()
-            self.models[rank].load_weights(sd.items())
-            return True, "Succeeded to update model weights."
-
-        return run
+        """What SGLang's own reload of the checkpoint does: every tensor."""
+        full = self.full_of(rank)
+        return lambda: full(str(self.ckpt))
 
     def reload_all(self) -> list[list[str]]:
         """Reload every rank; returns the names each rank's load_weights received."""
         seen = []
         for r, (model, reloader) in enumerate(zip(self.models, self.reloaders, strict=True)):
             model.loaded_names.clear()
-            ok, msg = reloader.reload(model, self.ckpt, self.full_reload(r))
+            ok, msg = reloader.reload_checkpoint(self.ckpt, self.full_reload(r))
             assert ok, msg
             seen.append(list(model.loaded_names))
             assert_same_params(model, reference(self.sd, r, self.tp))
@@ -319,7 +142,7 @@ async def test_fallbacks_to_a_full_reload(tmp_path: Path, caplog: pytest.LogCapt
             real(weights)
 
         model.load_weights = flaky  # type: ignore[method-assign]
-        ok, _ = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        ok, _ = h.reloaders[0].reload_checkpoint(h.ckpt, h.full_reload(0))
         model.load_weights = real  # type: ignore[method-assign]
         assert ok and h.full_reloads == 2 and "partial reload failed" in caplog.text
         assert_same_params(model, reference(h.sd, 0, 1))
@@ -328,24 +151,24 @@ async def test_fallbacks_to_a_full_reload(tmp_path: Path, caplog: pytest.LogCapt
         # (a checkpoint SGLang cannot load kills it); nothing was loaded
         before = dict(h.sd)
         await h.publish(step(h.sd, ["model.layers.1.mlp.down_proj.weight"], seed=5))
-        _corrupt(h.ckpt, "model.layers.1.mlp.down_proj.weight")
-        ok, msg = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        corrupt_tensor(h.ckpt, "model.layers.1.mlp.down_proj.weight")
+        ok, msg = h.reloaders[0].reload_checkpoint(h.ckpt, h.full_reload(0))
         assert not ok and "refused" in msg and "checksum" in msg and h.full_reloads == 2
         assert_same_params(model, reference(before, 0, 1))
-        assert h.reloaders[0].loaded is not None  # still what the model holds
+        assert h.reloaders[0].held is not None  # still what the model holds
 
         # a version being applied is not verified: refused as well
         state_file = h.ckpt / ".asyncsync" / "state.json"
         clean = state_file.read_bytes()
         applying = {"status": "applying", "target_version": 99, "mode": "delta"}
         state_file.write_text(json.dumps({**json.loads(clean), **applying}))
-        ok, msg = h.reloaders[0].reload(model, h.ckpt, h.full_reload(0))
+        ok, msg = h.reloaders[0].reload_checkpoint(h.ckpt, h.full_reload(0))
         assert not ok and "being applied" in msg and h.full_reloads == 2
         state_file.write_bytes(clean)
 
         # not an asyncsync checkpoint: full reload, base forgotten
-        ok, msg = h.reloaders[0].reload(model, tmp_path, h.full_reload(0))
-        assert ok and h.full_reloads == 3 and h.reloaders[0].loaded is None
+        ok, msg = h.reloaders[0].reload_checkpoint(tmp_path, h.full_reload(0))
+        assert ok and h.full_reloads == 3 and h.reloaders[0].held is None
         assert "[asyncsync: full reload (not an asyncsync checkpoint)]" in msg
 
 
@@ -365,23 +188,14 @@ async def test_a_mismatch_after_the_first_batch_is_an_error_midway(tmp_path: Pat
         def damage_after_first(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
             real(weights)
             if len(model.loaded_names) == 1:
-                _corrupt(h.ckpt, names[1])
+                corrupt_tensor(h.ckpt, names[1])
 
         model.loaded_names.clear()
         model.load_weights = damage_after_first  # type: ignore[method-assign]
-        ok, msg = reloader.reload(model, h.ckpt, h.full_reload(0))
+        ok, msg = reloader.reload_checkpoint(h.ckpt, h.full_reload(0))
         model.load_weights = real  # type: ignore[method-assign]
         assert ok and "partial reload failed midway" in msg and h.full_reloads == 2
-        assert reloader.loaded is None  # the files no longer match state.json
-
-
-def _corrupt(ckpt: Path, name: str) -> None:
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
-    path = ckpt / index["weight_map"][name]
-    tensors = safetensors.torch.load_file(path)
-    tensors[name] = tensors[name].clone()
-    tensors[name].view(-1)[0] += 1
-    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+        assert reloader.held is None  # the files no longer match state.json
 
 
 async def test_snapshot_of_a_checkpoint(tmp_path: Path) -> None:
@@ -446,7 +260,7 @@ async def test_hook_partial_after_the_first_reload(tmp_path: Path) -> None:
         only_norms = lambda n: n.endswith("norm.weight")  # noqa: E731
         update_weights_from_disk_hook(orig, runner, str(h.ckpt), None, only_norms)
         assert runner.original_calls[-1][2]["weight_name_filter"] is only_norms
-        assert sglang_loader.reloader_for(runner.model).loaded is not None
+        assert sglang_loader.loader_for(runner.model).held is not None
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,17 @@
 """The whole chain against the real SGLang 0.5.23 server (tiny float32 Llama, CPU).
 
-One server for the module, started with ``--api-key`` and ``--admin-api-key`` and the
-asyncsync plugin installed; the real ``asyncsync-receiver --sglang-url`` CLI (both keys) fed by
-a real :class:`~asyncsync.Publisher`. After every version the ack, ``/model_info`` and
-``/generate``'s ``meta_info.weight_version`` name it, and every served tensor
-(``/get_weights_by_name``) equals the trainer's bytes. The tests run in order on one chain:
-seed, deltas, zero diff, keyframe, one tensor, greedy output vs transformers, a receiver
-restart (after a kill mid-pause), a server restart (reconciled through ``/readyz``), a damaged
-shard, the two keys, a version the server refuses.
+One server for the module, started with ``--api-key`` and ``--admin-api-key``, the asyncsync
+plugin installed (and the test-only fault plugin); the real ``asyncsync-receiver
+--sglang-url`` CLI (both keys) fed by a real :class:`~asyncsync.Publisher`. After every
+version the ack, ``/model_info`` and ``/generate``'s ``meta_info.weight_version`` name it, and
+every served tensor (``/get_weights_by_name``) equals the trainer's bytes; the server's log
+says which path each version took (``asyncsync: in-engine apply`` for a delta staged by the
+receiver and XORed in place; a full or partial reload, and why, otherwise). The tests run in
+order on one chain: seed, deltas, zero diff, keyframe, one tensor, every tensor, a changed
+tensor set, greedy output vs transformers, a receiver restart (after a kill mid-pause), a
+server restart with versions published while it was down (reconciled through ``/readyz``), the
+audit catching a corrupted served tensor (``/readyz`` 503 until a full reload repaired it), a
+damaged shard, the two keys, a version the server refuses.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
         logs / "sglang.log",
         api_key=USER_KEY,
         admin_api_key=ADMIN_KEY,
+        extra_path=[FAULTS],
+        extra_env={"ASYNCSYNC_TEST_CORRUPT_PARAM": str(logs / "corrupt-param")},
     )
     srv.start()
     yield srv
@@ -107,14 +113,17 @@ async def stack(
         await trainer.close()
 
 
+FAULTS = build.HERE / "fault_plugin"
+
+
 def reloads_posted(server: SGLangServer) -> int:
     """``POST /update_weights_from_disk`` requests in the server's access log."""
     return len(re.findall(r'"POST /update_weights_from_disk HTTP', server.text()))
 
 
-async def check_served(s: Stack, version: int) -> None:
+async def check_served(s: Stack, version: int, timeout: float = 120.0) -> None:
     """Ack, both version labels, and every served tensor equal to the trainer's bytes."""
-    await s.trainer.wait_acked(version, EID)
+    await s.trainer.wait_acked(version, EID, timeout=timeout)
     assert s.trainer.ack_of(EID) == version
     assert s.server.model_info_version() == str(version)
     meta = s.server.generate(PROMPT, 2)["meta_info"]
@@ -130,6 +139,15 @@ def last_plugin_line(s: Stack) -> str:
     return lines[-1]
 
 
+def in_place(s: Stack, v: int, k: int) -> bool:
+    """The last load was ``v`` applied in place from its stage, ``k`` tensors XORed."""
+    line = last_plugin_line(s)
+    n = len(s.trainer.sd)
+    want = f"asyncsync: in-engine apply: v{v - 1} -> v{v}: {k} of {n} tensors XORed in place"
+    assert line.startswith(want), line
+    return True
+
+
 async def test_seed_deltas_zero_diff_keyframe_one_tensor(stack: Stack) -> None:
     s = stack
     n = len(s.trainer.sd)
@@ -138,27 +156,65 @@ async def test_seed_deltas_zero_diff_keyframe_one_tensor(stack: Stack) -> None:
     await check_served(s, v)
     assert last_plugin_line(s).startswith("asyncsync: full reload (first reload")
 
-    v = await s.trainer.step(SOME)  # a delta
+    v = await s.trainer.step(SOME)  # a delta: staged by the receiver, XORed in place
     await check_served(s, v)
-    assert last_plugin_line(s).startswith(f"asyncsync: partial reload: loaded {len(SOME)} of {n}")
+    assert in_place(s, v, len(SOME))
 
     posted, lines = reloads_posted(s.server), len(s.server.plugin_lines())
     v = await s.trainer.step([])  # zero diff: the label moves, nothing is reloaded
     await check_served(s, v)
     assert (reloads_posted(s.server), len(s.server.plugin_lines())) == (posted, lines)
-
-    v = await s.trainer.step(SOME[:2], keyframe=True)
+    v = await s.trainer.step(SOME[:1])  # the zero diff's content is the base: in place
     await check_served(s, v)
+    assert in_place(s, v, 1)
+
+    v = await s.trainer.step(SOME[:2], keyframe=True)  # a keyframe carries its delta too
+    await check_served(s, v)
+    assert in_place(s, v, 2)
 
     v = await s.trainer.step([ONE])  # exactly one tensor goes through the model's load_weights
     await check_served(s, v)
-    assert last_plugin_line(s) == (
-        f"asyncsync: partial reload: loaded 1 of {n} tensors (checkpoint v{v}): {ONE}"
-    )
+    assert in_place(s, v, 1)
+
+    v = await s.trainer.step(list(s.trainer.sd))  # every tensor changed
+    await check_served(s, v)
+    assert in_place(s, v, n)
 
     status = s.receiver.status()
     assert status["version"] == v and status["engine"]["partial_reload"]["active"] is True
+    assert status["engine"]["in_engine"]["stages_supported"] is True
+    # 0.5.23 (its /server_info) flushes with retracted requests queued: pauses retract
+    assert (status["engine"]["pause_mode"], status["engine"]["server_version"]) == (
+        "retract",
+        "0.5.23",
+    )
+    assert status["engine"]["in_engine"]["in_place_applies"] == 5
     assert s.receiver.get("/readyz")[0] == 200
+    wait_for(
+        f"the audit of v{v}",
+        lambda: [(r["status"], r["last_ok_version"]) for r in
+                 s.receiver.status()["engine"]["audit"]["ranks"]] == [("ok", v)],
+    )  # fmt: skip
+    metrics = s.receiver.get("/metrics")[1]
+    assert f'asyncsync_receiver_engine_audit_ok{{engine_id="{EID}"}} 1.0' in metrics
+    assert f'asyncsync_receiver_engine_in_place_applies{{engine_id="{EID}"}} 5.0' in metrics
+
+
+async def test_a_changed_tensor_set_is_a_full_reload(stack: Stack) -> None:
+    s = stack
+    dropped = "model.norm.weight"
+    held = s.trainer.sd.pop(dropped)
+    v = await s.trainer.step(["lm_head.weight"])  # no longer published: a full version
+    await check_served(s, v)
+    assert last_plugin_line(s).startswith("asyncsync: full reload (the set of tensors changed)")
+    served = torch.tensor(s.server.weights(dropped), dtype=held.dtype)
+    assert torch.equal(served, held)  # not in the checkpoint: SGLang leaves it as it was
+    s.trainer.sd[dropped] = held
+    v = await s.trainer.step([])  # back to the full set: a full version again, then in place
+    await check_served(s, v)
+    v = await s.trainer.step([ONE])
+    await check_served(s, v)
+    assert in_place(s, v, 1)
 
 
 async def test_greedy_output_equals_transformers_on_the_same_bytes(stack: Stack) -> None:
@@ -189,23 +245,64 @@ async def test_receiver_restart_after_a_kill_mid_pause(stack: Stack) -> None:
 
 
 async def test_server_restart_is_reconciled_before_readiness(stack: Stack) -> None:
-    """SGLang restarts with its initial weights: /readyz is 503 until the receiver reloaded
-    the checkpoint into it (a full reload: the new process knows no base), then 200."""
+    """SGLang restarts with its initial weights, and versions are published while it is down:
+    /readyz is 503 until the receiver reloaded the checkpoint into it (a full reload: the new
+    process knows no base), then the versions it missed are staged and applied in place."""
     s = stack
     v = s.trainer.ack_of(EID)
     assert v is not None
     s.server.stop()
     wait_for("/readyz 503 with the server down", lambda: s.receiver.get("/readyz")[0] == 503)
+    missed = [await s.trainer.step(SOME[i : i + 1]) for i in range(3)]
     mark = len(s.server.text())
     s.server.start()
+    await check_served(s, missed[-1], timeout=400)  # acked only once the server serves it
     wait_for("/readyz 200", lambda: s.receiver.get("/readyz")[0] == 200, timeout=180)
-    after = s.server.text()[mark:]
-    assert "asyncsync: full reload (first reload" in after
-    await check_served(s, v)  # the same version, its bytes, without a new version
+    after = re.findall(
+        r"asyncsync: (?:in-engine apply|stage not applied|partial reload|full reload)[^\n\]]*",
+        s.server.text()[mark:],
+    )
+    # the first version the receiver committed while the server was down is reloaded in full
+    # (the new process knows no base); the versions after it go in place
+    assert after[0].startswith("asyncsync: full reload (first reload"), after
+    assert [line.split(":")[2].strip() for line in after[1:]] == [
+        f"v{x - 1} -> v{x}" for x in missed[len(missed) - len(after) + 1 :]
+    ], after
+    assert len(after) >= 2
 
-    v = await s.trainer.step([ONE])  # and partial again from there
+    v = await s.trainer.step([ONE])  # and in place from there
     await check_served(s, v)
-    assert last_plugin_line(s).startswith("asyncsync: partial reload: loaded 1 of")
+    assert in_place(s, v, 1)
+
+
+async def test_the_audit_catches_a_corrupted_served_tensor(stack: Stack) -> None:
+    """One bit of a served parameter flips inside the server (the test-only fault plugin,
+    below anything asyncsync sees): the in-engine audit finds the served bytes differ from the
+    trainer's, the receiver counts the engine not ready (its log; /readyz 503 meanwhile:
+    tests/test_sglang.py) and repairs with a full reload; /readyz is 200 again with every served
+    tensor equal to the trainer's."""
+    s = stack
+    victim = "model.layers.1.mlp.down_proj.weight"
+    (s.server.log.parent / "corrupt-param").write_text(victim)
+    v = await s.trainer.step([ONE])  # the next load_weights call corrupts it, then XORs
+    await s.trainer.wait_acked(v, EID)
+    assert not (s.server.log.parent / "corrupt-param").exists(), "the fault plugin did not run"
+    wait_for("the repair", lambda: s.receiver.status()["engine"]["audit"]["repairs"] >= 1,
+             timeout=180)  # fmt: skip
+    wait_for("/readyz 200 after the repair", lambda: s.receiver.get("/readyz")[0] == 200)
+    rlog = s.receiver.text()
+    assert "in-engine audit: the audit on rank 0 (target) found the engine serving" in rlog
+    assert "not ready until repaired" in rlog
+    log = s.server.text()
+    assert re.search(rf"asyncsync audit \(rank 0\): v{v}: the engine serves other bytes than "
+                     rf"the trainer's for {victim}", log), s.server.audit_lines()  # fmt: skip
+    assert "full reload (the weights the server holds are not known: audit mismatch on" in log
+    await check_served(s, v)
+    st = s.receiver.status()["engine"]["audit"]
+    assert st["mismatches_seen"] == 1 and st["problem"] is None
+    metrics = s.receiver.get("/metrics")[1]
+    assert f'asyncsync_receiver_engine_audit_mismatches{{engine_id="{EID}"}} 1.0' in metrics
+    assert f'asyncsync_receiver_engine_audit_repairs{{engine_id="{EID}"}} 1.0' in metrics
 
 
 async def test_a_damaged_shard_never_reaches_the_server(stack: Stack) -> None:

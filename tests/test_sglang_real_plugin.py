@@ -1,8 +1,10 @@
 """The asyncsync loader plugin inside the real SGLang 0.5.23 server (tiny float32 Llama, CPU).
 
-The checkpoint is kept by an in-process receiver (``ReceiverAgent`` + ``LocalCheckpoint``) fed
-by a real Publisher; each test then sends ``POST /update_weights_from_disk`` itself, so it can
-also hand the server what the receiver never would (a tampered tensor, a checkpoint mid-apply).
+The checkpoint is kept by an in-process receiver (``ReceiverAgent`` + a ``LocalCheckpoint``
+that also stages every delta, as the SGLang engine does) fed by a real Publisher; each test
+then sends ``POST /update_weights_from_disk`` itself (the checkpoint, or a stage), so it can
+also hand the server what the receiver never would (a tampered tensor, a checkpoint mid-apply,
+a damaged stage, a stage onto another base).
 What the plugin did is read from the server's side: its log line per reload (``asyncsync:
 partial reload: loaded K of N tensors (checkpoint vV): names`` / ``asyncsync: full reload
 (why)`` / ``asyncsync: refused ...``), and the served weights (``/get_weights_by_name``).
@@ -27,11 +29,12 @@ import safetensors.torch
 import torch
 
 from receiver import ReceiverAgent
-from receiver.engines import LocalCheckpoint
+from receiver.plugins.stage import DATA_NAME
 from tests.sglang_env import build
 from tests.sglang_env.chain import Trainer, base_state
 from tests.sglang_env.fixtures import require_env
-from tests.sglang_env.server import SGLangServer
+from tests.sglang_env.server import SGLangServer, wait_for
+from tests.sglang_toy import StagedCheckpoint
 
 # a server start (in the first test's setup) takes ~15 s idle, minutes on a loaded host
 pytestmark = [
@@ -52,6 +55,7 @@ class Chain:
     trainer: Trainer
     agent: ReceiverAgent
     marker: Path
+    engine: StagedCheckpoint
 
     @property
     def ckpt(self) -> Path:
@@ -71,6 +75,9 @@ class Chain:
         before = len(self.server.plugin_lines())
         code, answer = self.server.update(path or self.ckpt, str(version))
         return code, answer, self.server.plugin_lines()[before:]
+
+    def stage(self, version: int) -> Path:
+        return self.engine.stages[version]
 
     def served(self) -> dict[str, torch.Tensor]:
         return {
@@ -110,9 +117,10 @@ async def chain(
 ) -> AsyncIterator[Chain]:
     d = tmp_path_factory.mktemp("plugin-chain")
     trainer = Trainer(d / "root", base_state(server.model))
-    agent = ReceiverAgent(d / "root", LocalCheckpoint(d / "ckpt"), "plugin-0", use_inotify=False)
+    engine = StagedCheckpoint(d / "ckpt")
+    agent = ReceiverAgent(d / "root", engine, "plugin-0", use_inotify=False)
     marker = Path(server.env["ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS"])
-    c = Chain(d, server, trainer, agent, marker)
+    c = Chain(d, server, trainer, agent, marker, engine)
     v = await trainer.open()
     await agent.open()
     assert await agent.sync_once() == v
@@ -234,3 +242,73 @@ async def test_a_checkpoint_mid_apply_is_refused(chain: Chain) -> None:
     assert lines[0].startswith("asyncsync: refused to load:")
     assert chain.server.model_info_version() == held_version
     assert chain.server.user("GET", "/health")[0] == 200
+
+
+# --------------------------------------------------------------------------- stages
+
+
+async def test_a_stage_is_applied_in_place(chain: Chain) -> None:
+    """The model holds the checkpoint's version (the last reload above): the next version's
+    stage is XORed into the resident parameters, one load_weights routing per tensor, and
+    the audit then finds every served tensor equal to the trainer's bytes."""
+    v = await chain.next(THREE)
+    code, answer, lines = chain.reload(v, chain.stage(v))
+    assert code == 200 and answer["success"], answer
+    assert len(lines) == 1 and lines[0].startswith(
+        f"asyncsync: in-engine apply: v{v - 1} -> v{v}: 3 of {chain.n} tensors XORed in place"
+    ), lines
+    assert "[asyncsync-stage/1]" in answer["message"]
+    chain.assert_serves(chain.trainer.sd, v)
+    want = f"asyncsync audit (rank 0): v{v}: {chain.n} of {chain.n} tensors match"
+    wait_for("the audit pass", lambda: any(want in line for line in chain.server.audit_lines()))
+
+
+async def test_a_damaged_stage_goes_through_the_checkpoint(chain: Chain) -> None:
+    v = await chain.next([ONE])
+    data = chain.stage(v) / DATA_NAME
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x40
+    data.write_bytes(bytes(raw))
+    code, answer, lines = chain.reload(v, chain.stage(v))
+    assert code == 200 and answer["success"], answer
+    assert lines[0].startswith("asyncsync: stage not applied in place (the stage does not verify")
+    assert lines[-1].endswith(f"asyncsync: partial reload: loaded 1 of {chain.n} tensors "
+                              f"(checkpoint v{v}): {ONE}")  # fmt: skip
+    chain.assert_serves(chain.trainer.sd, v)
+
+
+async def test_a_stage_onto_another_base_goes_through_the_checkpoint(chain: Chain) -> None:
+    """The server missed a version (never XOR onto other bytes): the stage of the next one is
+    not applied; the checkpoint (which holds it) is, tensors that changed since the model's
+    version whole."""
+    await chain.next([ONE])
+    v = await chain.next(THREE[:1])
+    code, answer, lines = chain.reload(v, chain.stage(v))
+    assert code == 200 and answer["success"], answer
+    assert lines[0].startswith(f"asyncsync: stage not applied in place (the model holds v{v - 2} ")
+    assert f"the stage applies to v{v - 1} " in lines[0]
+    assert f"partial reload: loaded 2 of {chain.n} tensors (checkpoint v{v}): " in lines[-1]
+    assert THREE[0] in lines[-1] and ONE in lines[-1]
+    chain.assert_serves(chain.trainer.sd, v)
+    v = await chain.next([ONE])  # in place again from there
+    assert chain.reload(v, chain.stage(v))[2][0].startswith("asyncsync: in-engine apply:")
+    chain.assert_serves(chain.trainer.sd, v)
+
+
+async def test_an_error_midway_through_an_in_place_apply_is_undone(chain: Chain) -> None:
+    """load_weights fails on the second tensor's routing: the first tensor's XOR is undone
+    (XOR is its own inverse), and the version goes through the checkpoint in the same call."""
+    v = await chain.next(THREE)
+    chain.marker.write_text("2")
+    code, answer, lines = chain.reload(v, chain.stage(v))
+    assert not chain.marker.exists(), "the fault plugin did not run"
+    assert code == 200 and answer["success"], answer
+    assert lines[0].startswith("asyncsync: stage not applied in place (tensor ")
+    assert "injected failure in load_weights" in lines[0]
+    assert "partial reload: loaded 3 of" in lines[-1]
+    chain.assert_serves(chain.trainer.sd, v)
+    v = await chain.next(THREE)  # a raised error says nothing of the loader: in place again
+    assert chain.reload(v, chain.stage(v))[2][0].startswith(
+        f"asyncsync: in-engine apply: v{v - 1} -> v{v}: 3 of"
+    )
+    chain.assert_serves(chain.trainer.sd, v)

@@ -1,9 +1,10 @@
 """A real SGLang 0.5.23 server (tiny float32 Qwen2, no keys) where the plugin finds nothing to
 hook: ``ASYNCSYNC_SGLANG_HOOK_TARGET`` names a method this SGLang does not have, as a future
 SGLang that moved it would. The plugin warns loudly at start and hooks nothing, every reload is
-SGLang's own full one, and the receiver's ``/status`` says the partial path is off. The chain
-still works: the ack and both version labels name each version, and greedy output equals what
-transformers computes from the checkpoint's bytes (Qwen2 has no ``/get_weights_by_name``).
+SGLang's own full one, no stage is ever sent, and the receiver's ``/status`` says the partial
+path is off. The chain still works: the ack and both version labels name each version, and
+greedy output equals what transformers computes from the checkpoint's bytes (Qwen2 has no
+``/get_weights_by_name``). And a stage handed to this server anyway changes nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from receiver.plugins.stage import StageWriter, VersionRef
 from tests.sglang_env import build
 from tests.sglang_env.chain import Trainer, base_state
 from tests.sglang_env.fixtures import require_env
@@ -84,8 +86,29 @@ async def test_no_hook_target_warns_and_status_says_partial_is_off(
         status = receiver.status()["engine"]
         assert status["partial_reload"]["active"] is False
         assert "no asyncsync marker" in status["partial_reload"]["why"]
+        assert status["in_engine"]["stages_supported"] is False  # no stage was ever sent
+        assert status["in_engine"]["in_place_applies"] == 0
+        assert "engine-stage" not in server.text()
         assert server.plugin_lines() == []  # the plugin never ran
         assert "Update engine weights online from disk begin" in server.text()  # SGLang's own
     finally:
         receiver.stop()
         await trainer.close()
+
+
+async def test_a_stage_reaching_sglang_without_the_plugin_changes_nothing(
+    server: SGLangServer, tmp_path: Path
+) -> None:
+    """What the receiver guards against by sending stages only after the capability: SGLang's
+    own reload, handed a stage directory, finds no weights in it, answers 400 and keeps its
+    weights and its version; the server stays up."""
+    before = server.model_info_version()
+    out = server.generate(PROMPT, 8)["output_ids"]
+    stage = tmp_path / "ckpt" / ".asyncsync" / "engine-stage" / "v000000000009"
+    StageWriter(stage, target=VersionRef(9, "r", "f"), base=VersionRef(8, "r", "e"),
+                algorithm="xxh3-128").commit({}, {})  # fmt: skip
+    code, answer = server.update(stage, "9")
+    assert code == 400 and not answer["success"]
+    assert "Failed to get weights iterator" in answer["message"], answer
+    assert server.model_info_version() == before
+    assert server.generate(PROMPT, 8)["output_ids"] == out

@@ -26,7 +26,7 @@ RELOAD = [
     "POST /resume",
     "GET /weight_info",
 ]
-OPEN = ["GET /health", "POST /resume", "GET /v1/models", "GET /weight_info"]
+OPEN = ["GET /health", "POST /resume", "GET /v1/models", "POST /collective_rpc", "GET /weight_info"]
 
 
 @pytest.fixture

@@ -4,18 +4,24 @@ One server for the module, started the documented way: a real
 :class:`~asyncsync.Publisher` seeds the root, ``asyncsync-receiver --once`` seeds the
 host-local checkpoint, the model's config and tokenizer are copied in, and vLLM is started
 with ``--model`` on that checkpoint (its ``reload_weights`` re-reads the directory it started
-from), ``--api-key`` and the asyncsync worker extension. The real ``asyncsync-receiver
---vllm-url`` CLI keeps it current, with the served-bytes audit on.
+from), ``--api-key``, the asyncsync worker extension and ``ASYNCSYNC_VLLM_INPLACE=1`` (plain CPU
+weights: versions are applied in place). The real ``asyncsync-receiver --vllm-url`` CLI keeps
+it current, with the served-bytes audit on.
 
-After every version: the ack and ``/weight_info`` name it, and the bytes every HF tensor is
-served from equal the trainer's (read back by the worker extension's
-``asyncsync_served_checksums`` through ``/collective_rpc`` and compared here with checksums of
-the trainer's own tensors; vLLM's ``/weight_checker`` cannot tell on its CPU build, see
-:func:`test_weight_checker_is_blind_to_packed_cpu_linear_layers`); the greedy tokens served
-are recorded and compared with transformers' on the same bytes. The tests run in order on one
-chain: seed, deltas, zero diff, keyframe, a changed tensor set, greedy output, the audit
+After every version: the ack and ``/weight_info`` name it, the bytes every HF tensor is served
+from equal the trainer's (read back by the worker extension's ``asyncsync_served_checksums``
+through ``/collective_rpc`` and compared here with checksums of the trainer's own tensors),
+and the server's log says how the version got there (``asyncsync: in-engine apply: vA -> vB:
+N of M tensors XORed in place``, a partial reload, or a full reload and why); the greedy
+tokens served are recorded and compared with transformers' on the same bytes. The tests run
+in order on one chain: seed, deltas, zero diff, keyframe, a changed tensor set, greedy output,
+stages on the wrong base or damaged (the worker's fallback through the checkpoint), the audit
 finding and repairing weights changed behind the receiver's back, a receiver restart after a
-kill mid-pause, a server restart, a damaged shard, the API key, a version the server refuses.
+kill mid-pause, a damaged shard, a version the server refuses, then a server restart while
+versions are published, into a server WITHOUT the opt-in (packed weights: every version is
+vLLM's ``reload_weights``, and a stage sent anyway is not applied in place), where vLLM's own
+``/weight_checker`` is shown blind (see
+:func:`test_weight_checker_is_blind_to_packed_cpu_linear_layers`), and the API key.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from asyncsync.format import version_dir
 from asyncsync.format.checksum import checksum_tensor
 from receiver.engines import VLLM
 from receiver.engines.http_engine import EngineHTTPError
+from receiver.plugins.held import read_snapshot
+from receiver.plugins.stage import DATA_NAME, StageWriter, VersionRef
+from receiver.plugins.vllm_loader import ENV_PLAIN
 from receiver.plugins.vllm_worker import canonical_zeros
 from tests.sglang_env.chain import Trainer, base_state
 from tests.sglang_env.server import Receiver, http, run_env_python, wait_for
@@ -121,7 +130,7 @@ async def stack(env: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIte
     trainer = Trainer(d / "root", base_state(model))
     await trainer.open()  # v0, the seed
     seed_checkpoint(d, model)
-    server = VLLMServer(env, d / "ckpt", d / "vllm.log", api_key=KEY)
+    server = VLLMServer(env, d / "ckpt", d / "vllm.log", api_key=KEY, extra_env={ENV_PLAIN: "1"})
     receiver = Receiver(
         d / "receiver.log",
         receiver_args(d, server.url, "--audit-after-apply", "--audit-interval", "2"),
@@ -132,7 +141,7 @@ async def stack(env: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIte
         yield s
     finally:
         receiver.stop()
-        server.stop()
+        s.server.stop()  # the one running now (a test restarts it)
         await trainer.close()
 
 
@@ -184,26 +193,58 @@ async def check_served(s: Stack, version: int) -> None:
     safetensors.torch.save_file(s.trainer.sd, s.dir / f"trainer-v{version}.safetensors")
 
 
+def server_said(s: Stack, needle: str, timeout: float = 30.0) -> str:
+    """The first line of the server's log (since the last start) holding ``needle``."""
+
+    def find() -> str | None:
+        text = s.server.text()
+        tail = text[text.rfind("===== start") :]
+        return next((line for line in tail.splitlines() if needle in line), None)
+
+    return str(wait_for(f"the vLLM log to say {needle!r}", find, timeout=timeout))
+
+
+def in_place(s: Stack, base: int, version: int, changed: int) -> None:
+    """The server's log: ``version`` was XORed in place onto ``base``, nothing loaded whole."""
+    n = len(s.trainer.sd)
+    line = server_said(s, f"asyncsync: in-engine apply: v{base} -> v{version}: ")
+    assert f"{changed} of {n} tensors XORed in place" in line and "0 loaded whole" in line, line
+    engine = s.receiver.status()["engine"]
+    assert engine["last_reload"]["method"] == "asyncsync_apply_stage", engine["last_reload"]
+
+
 async def test_seed_deltas_zero_diff_keyframe_changed_tensor_set(stack: Stack) -> None:
     s = stack
     s.receiver.start()
     await check_served(s, 0)  # the seed: vLLM started on it; the receiver relabels it
+    # the first load through the extension: the worker does not know its base yet
+    server_said(s, "asyncsync: full reload (first reload")
+    engine = s.receiver.status()["engine"]
+    assert engine["in_engine"]["stages_supported"] is True, engine
+    assert engine["workers"][0]["in_place"] is True and engine["workers"][0]["tp_size"] == 1
 
     v = await s.trainer.step(SOME)  # a delta
     await check_served(s, v)
+    in_place(s, v - 1, v, len(SOME))
 
     pauses = s.server.count(PAUSE)
     v = await s.trainer.step([])  # zero diff: the label moves, the server is not paused
     await check_served(s, v)
     assert s.server.count(PAUSE) == pauses
-
-    v = await s.trainer.step(SOME[:2], keyframe=True)
+    v = await s.trainer.step(SOME[2:4])  # its base is the zero diff (the same fingerprint)
     await check_served(s, v)
+    in_place(s, v - 1, v, 2)
+
+    v = await s.trainer.step(SOME[:2], keyframe=True)  # after its base: applied as a delta
+    await check_served(s, v)
+    in_place(s, v - 1, v, 2)
 
     v = await s.trainer.step([ONE])  # another set of tensors changed
     await check_served(s, v)
+    in_place(s, v - 1, v, 1)
     v = await s.trainer.step(list(s.trainer.sd))  # every tensor changed
     await check_served(s, v)
+    in_place(s, v - 1, v, len(s.trainer.sd))
 
     assert s.receiver.get("/readyz")[0] == 200
     audit = s.receiver.status()["audit"]
@@ -229,15 +270,59 @@ async def test_greedy_output_equals_transformers_on_the_same_bytes(stack: Stack)
     assert len({tuple(t) for t in ref}) > 1  # the versions do serve different outputs
 
 
-async def test_weight_checker_is_blind_to_packed_cpu_linear_layers(stack: Stack) -> None:
-    """Why the audit does not use vLLM's own ``/weight_checker`` on its CPU build: every
-    linear layer's parameter is emptied once its weight is packed for oneDNN, and the
-    checker hashes the empty parameter (SHA-256 of no bytes), whatever the layer serves."""
-    empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-    sums = stack.server.checksums()
-    qkv = [k for k in sums if k.endswith("layers.0.self_attn.qkv_proj.weight")]
-    assert qkv and sums[qkv[0]] == empty
-    assert sums[next(k for k in sums if k.endswith("embed_tokens.weight"))] != empty
+def forged_stage(s: Stack, name: str, base: VersionRef | None = None) -> Path:
+    """A stage under the checkpoint's stage folder that XORs ``ONE``'s first element, whose
+    target is what the checkpoint holds; ``base``: the version it claims to apply to (default:
+    the version before, under another fingerprint: not what the worker holds)."""
+    snap = read_snapshot(s.ckpt)
+    assert snap is not None
+    target = VersionRef(snap.version, snap.run_id, snap.fingerprint)
+    base = base or VersionRef(snap.version - 1, snap.run_id, "0" * 32)
+    w = StageWriter(
+        s.ckpt / ".asyncsync" / "engine-stage" / name,
+        target=target,
+        base=base,
+        algorithm=snap.algorithm,
+    )
+    t = s.trainer.sd[ONE]
+    w.add(ONE, t.dtype, t.shape, torch.tensor([0]), torch.tensor([0x40000000], dtype=torch.int32))
+    return w.commit(snap.checksums, snap.parts)
+
+
+async def test_a_stage_on_another_base_or_damaged_goes_through_the_checkpoint(
+    stack: Stack,
+) -> None:
+    """The base check, on the real worker: a stage that claims another base than the weights
+    the worker holds is never XORed; the worker loads the version from the checkpoint instead
+    (nothing differs: nothing loaded). A stage whose data does not verify: the same. Served
+    bytes stay the trainer's; the answer and the server's log say why."""
+    s = stack
+    v = s.trainer.ack_of(EID)
+    stage = forged_stage(s, "wrong-base")
+    [got] = s.server.rpc("asyncsync_apply_stage", str(stage))
+    assert got["ok"] is True, got
+    msg = got["message"]
+    assert "stage not applied in place (the model holds" in msg and "the stage applies to" in msg
+    assert "partial reload: loaded 0 of" in msg, msg
+    server_said(s, "stage not applied in place (the model holds")
+    assert_serves(s.server, s.trainer.sd, "after a stage on another base")
+
+    snap = read_snapshot(s.ckpt)
+    assert snap is not None
+    held = VersionRef(snap.version, snap.run_id, snap.fingerprint)
+    stage = forged_stage(s, "damaged", base=held)  # the right base, but damaged on disk
+    data = bytearray((stage / DATA_NAME).read_bytes())
+    data[-1] ^= 0x01
+    (stage / DATA_NAME).write_bytes(bytes(data))
+    [got] = s.server.rpc("asyncsync_apply_stage", str(stage))
+    assert got["ok"] is True and "the stage does not verify" in got["message"], got
+    assert_serves(s.server, s.trainer.sd, "after a damaged stage")
+    shutil.rmtree(s.ckpt / ".asyncsync" / "engine-stage" / "wrong-base")
+    shutil.rmtree(stage)
+
+    v = await s.trainer.step([ONE])  # and the next real delta is applied in place
+    await check_served(s, v)
+    in_place(s, v - 1, v, 1)
 
 
 async def test_the_audit_finds_weights_changed_behind_its_back_and_repairs(stack: Stack) -> None:
@@ -264,6 +349,11 @@ async def test_the_audit_finds_weights_changed_behind_its_back_and_repairs(stack
     metrics = s.receiver.get("/metrics")[1]
     assert "asyncsync_receiver_audit_repairs_total" in metrics
     assert s.receiver.get("/readyz")[0] == 200
+    # the repair is a full reload through the worker, which then knows its base again
+    server_said(s, "full reload (the weights the server holds are not known: a full reload")
+    v = await s.trainer.step(SOME[:1])
+    await check_served(s, v)
+    in_place(s, v - 1, v, 1)
 
 
 async def test_receiver_restart_after_a_kill_mid_pause(stack: Stack) -> None:
@@ -285,21 +375,7 @@ async def test_receiver_restart_after_a_kill_mid_pause(stack: Stack) -> None:
     await check_served(s, held)
     v = await s.trainer.step(SOME[2:])
     await check_served(s, v)
-
-
-async def test_server_restart_is_reconciled_before_readiness(stack: Stack) -> None:
-    """vLLM restarts (unlabelled): /readyz is 503 until the receiver has reloaded the
-    checkpoint into it and labelled it, then 200, with the trainer's bytes served."""
-    s = stack
-    v = s.trainer.ack_of(EID)
-    assert v is not None
-    s.server.stop()
-    wait_for("/readyz 503 with the server down", lambda: s.receiver.get("/readyz")[0] == 503)
-    s.server.start()
-    wait_for("/readyz 200", lambda: s.receiver.get("/readyz")[0] == 200, timeout=300)
-    await check_served(s, v)
-    v = await s.trainer.step([ONE])
-    await check_served(s, v)
+    in_place(s, v - 1, v, len(SOME[2:]))
 
 
 async def test_a_damaged_shard_never_reaches_the_server(stack: Stack) -> None:
@@ -343,6 +419,20 @@ async def test_the_api_key(stack: Stack) -> None:
     assert ei.value.status == 401 and "API key" in str(ei.value)
 
 
+async def test_a_method_the_workers_lack_is_named_in_the_error(stack: Stack) -> None:
+    """How the receiver tells a server without (this version of) the worker extension: vLLM
+    answers a ``/collective_rpc`` of a method its workers lack with an error naming it."""
+    s = stack
+    engine = VLLM(s.server.url, s.dir / "probe-ckpt", api_key=KEY)
+    try:
+        with pytest.raises(EngineHTTPError) as ei:
+            await engine._rpc("asyncsync_no_such_method")
+        assert ei.value.status is not None and ei.value.status >= 400, ei.value
+        assert engine._missing(ei.value, "asyncsync_no_such_method"), ei.value.server_message
+    finally:
+        await engine.close()
+
+
 async def test_a_version_the_server_refuses_is_not_acked_nor_served_as_ready(
     stack: Stack,
 ) -> None:
@@ -374,3 +464,56 @@ async def test_a_version_the_server_refuses_is_not_acked_nor_served_as_ready(
     assert s.server.count("the engine refused v") == 0  # (that line is the receiver's)
     log = (s.dir / "receiver.log").read_text()
     assert f"v{refused} was refused by the engine: going on from keyframe v{v}" in log
+
+
+async def test_server_restart_without_the_opt_in_while_versions_are_published(
+    stack: Stack,
+) -> None:
+    """vLLM stops; two versions are published while it is down; it restarts (unlabelled)
+    WITHOUT ``ASYNCSYNC_VLLM_INPLACE`` (its CPU linear weights packed): /readyz is 503 until
+    the receiver has loaded the newest version into it (vLLM's ``reload_weights``: the worker
+    says why) and labelled it. The receiver learns at reconnect that the workers cannot apply
+    in place and stages nothing: the next delta is ``reload_weights`` too. A stage sent anyway
+    is not XORed (the worker detects the packing) and the version comes from the checkpoint."""
+    s = stack
+    s.server.stop()
+    wait_for("/readyz 503 with the server down", lambda: s.receiver.get("/readyz")[0] == 503)
+    await s.trainer.step(SOME[:3])
+    v = await s.trainer.step([ONE])
+    s.server = VLLMServer(s.env, s.ckpt, s.dir / "vllm-packed.log", api_key=KEY, port=s.server.port)
+    s.server.start()
+    wait_for("/readyz 200", lambda: s.receiver.get("/readyz")[0] == 200, timeout=300)
+    await check_served(s, v)
+    line = server_said(s, "asyncsync: full reload (")
+    assert "packed for vLLM's CPU GEMM kernel" in line and "reload_weights" in line, line
+    engine = s.receiver.status()["engine"]
+    assert engine["in_engine"]["stages_supported"] is False, engine
+    assert ENV_PLAIN in engine["in_engine"]["why_not"], engine
+
+    n = s.server.count("asyncsync: full reload (")
+    v = await s.trainer.step(SOME[:2])
+    await check_served(s, v)
+    assert s.server.count("asyncsync: full reload (") == n + 1
+    assert s.server.count("in-engine apply") == 0
+    assert s.receiver.status()["engine"]["last_reload"]["method"] == "asyncsync_load"
+
+    snap = read_snapshot(s.ckpt)
+    assert snap is not None
+    held = VersionRef(snap.version, snap.run_id, snap.fingerprint)
+    stage = forged_stage(s, "to-packed", base=held)
+    [got] = s.server.rpc("asyncsync_apply_stage", str(stage))
+    assert got["ok"] is True, got
+    assert "stage not applied in place (" in got["message"] and "packed" in got["message"]
+    assert_serves(s.server, s.trainer.sd, "after a stage sent to packed weights")
+    shutil.rmtree(stage)
+
+
+async def test_weight_checker_is_blind_to_packed_cpu_linear_layers(stack: Stack) -> None:
+    """Why the audit does not use vLLM's own ``/weight_checker`` on its CPU build: every
+    linear layer's parameter is emptied once its weight is packed for oneDNN, and the
+    checker hashes the empty parameter (SHA-256 of no bytes), whatever the layer serves."""
+    empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+    sums = stack.server.checksums()
+    qkv = [k for k in sums if k.endswith("layers.0.self_attn.qkv_proj.weight")]
+    assert qkv and sums[qkv[0]] == empty
+    assert sums[next(k for k in sums if k.endswith("embed_tokens.weight"))] != empty

@@ -141,6 +141,11 @@ class Engine(abc.ABC):
         """Engine-specific facts for ``/status`` (None: nothing to add)."""
         return None
 
+    def metrics(self) -> dict[str, tuple[str, float | None]]:
+        """Engine-specific gauges for ``/metrics``: name -> (help, value; None is NaN),
+        exported as ``asyncsync_receiver_engine_<name>``."""
+        return {}
+
     async def acknowledged(self) -> None:  # noqa: B027 - optional hook
         """The agent has acknowledged the version just committed: the place for deferred work
         that should not delay the ack (LocalCheckpoint flushes its pages to disk here)."""

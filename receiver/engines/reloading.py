@@ -48,9 +48,11 @@ from typing import Any, ClassVar, Literal
 from asyncsync import fsio
 from asyncsync.errors import ApplyFailed, ConfigError, EngineStateError
 from asyncsync.format import Manifest
+from receiver.engines.audit_view import AuditWatch
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import EngineHTTPError, HttpClient, RetryPolicy, Timeouts
+from receiver.engines.stage_builder import Staging, clear_stages
 from receiver.state import STATE_DIR_NAME
 
 __all__ = ["ReloadingEngine"]
@@ -84,6 +86,9 @@ class ReloadingEngine(Engine, abc.ABC):
         version_offset: the server is told weight version ``v + version_offset`` for root
             version ``v`` (a trainer that numbers its steps from elsewhere, e.g. slime's
             ``--update-weight-start-version``); the ack still names ``v``.
+        in_engine: stage each delta for the server's plugin to apply in place
+            (:meth:`_load_stage`), once the server said it can; else every version is a
+            reload of the checkpoint.
     """
 
     kind: ClassVar[str] = "engine"
@@ -105,6 +110,7 @@ class ReloadingEngine(Engine, abc.ABC):
         retry: RetryPolicy | None = None,
         failure_backoff: tuple[float, float] = (2.0, 60.0),
         version_offset: int = 0,
+        in_engine: bool = False,
     ):
         if not isinstance(version_offset, int) or isinstance(version_offset, bool):
             raise ConfigError(f"version_offset must be an int, got {version_offset!r}")
@@ -135,6 +141,13 @@ class ReloadingEngine(Engine, abc.ABC):
         self._lost = False  # the server dropped a call or reported another version: reconcile
         self._weights_unknown: str | None = None  # why the served weights cannot be trusted
         self._background: set[asyncio.Task[Any]] = set()
+        self.in_engine = in_engine
+        #: whether the server's plugin takes stages (None: not known until its first answer)
+        self.stages_supported: bool | None = None
+        self._staging = Staging(self.kind)
+        self.audit_watch = AuditWatch(checkpoint_dir)
+        self.last_pause_seconds: float | None = None
+        self.in_place_applies = 0
 
     def __repr__(self) -> str:
         return (
@@ -155,6 +168,12 @@ class ReloadingEngine(Engine, abc.ABC):
         """Like :meth:`_load`, but every tensor (a repair): servers whose reload may load
         only some tensors override it."""
         await self._load(version)
+
+    async def _load_stage(self, version: int, stage: str) -> bool:
+        """Have the server apply the stage in ``stage`` (its path as the server sees it) and
+        label the weights ``str(version)``; False when the server cannot take stages (then
+        the caller reloads the checkpoint, in the same pause). Default: never."""
+        return False
 
     @abc.abstractmethod
     async def _resume(self) -> None:
@@ -188,6 +207,27 @@ class ReloadingEngine(Engine, abc.ABC):
             "url": str(self.client.url),
             "server_lost": self._lost,
             "weights_unknown": self._weights_unknown,
+            "in_engine": {
+                "enabled": self.in_engine,
+                "stages_supported": self.stages_supported,
+                "in_place_applies": self.in_place_applies,
+                "last_pause_seconds": self.last_pause_seconds,
+            },
+            "audit": self.audit_watch.summary(),
+        }
+
+    def metrics(self) -> dict[str, tuple[str, float | None]]:
+        return {
+            **self.audit_watch.metrics(),
+            "in_place_applies": (
+                "Versions the server applied in place from a stage.",
+                self.in_place_applies,
+            ),
+            "last_pause_seconds": (
+                "Seconds the server was paused for the last version "
+                "(pause to resume, as the receiver saw it).",
+                self.last_pause_seconds,
+            ),
         }
 
     async def serving_version(self) -> int | None:
@@ -214,23 +254,36 @@ class ReloadingEngine(Engine, abc.ABC):
                 )
                 self._lost = True
             return None
+        if await self.audit_watch.check(self.state) is not None:
+            self._lost = True  # repaired by the next sync (reconcile)
+            return None
         return self.state.version
 
     async def reconcile(self) -> None:
         """When the server was lost: wait for it, and reload the checkpoint into it unless it
         reports the version held. A no-op otherwise (the agent calls it when it has no newer
         version to apply; a newer version's own reload reconciles the server anyway)."""
-        if not self._lost or self._txn is not None:
+        if self._txn is not None:
+            return
+        if not self._lost and await self.audit_watch.check(self.state) is not None:
+            self._lost = True  # the engine's audit found other bytes: repair below
+        if not self._lost:
             return
         await self._wait_for_server()
         label = await self._guard(self._served())
         held = self.state.version
-        if held is not None and label != str(held) and self.checkpoint.state.version == held:
+        problem = await self.audit_watch.check(self.state)
+        if (
+            held is not None
+            and (label != str(held) or problem is not None)
+            and self.checkpoint.state.version == held
+        ):
             logger.warning(
-                "%s at %s reports version %r after it was lost; reloading v%s",
+                "%s at %s reports version %r after it was lost%s; reloading v%s",
                 self.kind,
                 self.client.url,
                 label,
+                "" if problem is None else f" ({problem})",
                 held,
             )
             self._check_backoff(held)
@@ -262,6 +315,7 @@ class ReloadingEngine(Engine, abc.ABC):
             return self.state
         local = await self.checkpoint.open()
         try:
+            await asyncio.to_thread(clear_stages, self.checkpoint.directory)
             record = await asyncio.to_thread(self._read_record)
             await self.client.wait_until_up(
                 self.ready_path,
@@ -316,6 +370,8 @@ class ReloadingEngine(Engine, abc.ABC):
                 "is in progress; commit or abort it first"
             )
         self._check_backoff(manifest.version)
+        if self.in_engine and await self.audit_watch.check(self.state) is not None:
+            self._lost = True  # not staged onto it: this version's reload repairs it
         local = self.checkpoint.state
         if self._holds(local, manifest):
             logger.info(
@@ -327,24 +383,49 @@ class ReloadingEngine(Engine, abc.ABC):
             return
         await self.checkpoint.begin(manifest, mode)
         self._txn = _Txn(manifest, reload_only=False)
+        if mode == "delta" and self._may_stage(local):
+            await self._staging.begin(self.checkpoint, manifest, self.state)
+
+    def _may_stage(self, local: EngineState) -> bool:
+        """Stage the version for an in-place apply: the server takes stages, holds exactly what
+        the checkpoint holds, and nothing needs reconciling."""
+        return (
+            self.in_engine
+            and self.stages_supported is True
+            and not self._lost
+            and self._weights_unknown is None
+            and self.audit_watch.problem is None
+            and self.state.version is not None
+            and self.state == local
+        )
 
     async def apply(self, updates: list[TensorUpdate]) -> None:
         txn = self._need_txn()
         if not txn.reload_only:
+            await self._staging.add(updates)  # first: a set patch's XOR needs the old bytes
             await self.checkpoint.apply(updates)
 
     async def commit(self) -> str:
         txn = self._need_txn()
         m = txn.manifest
         if not txn.reload_only:
-            await self.checkpoint.commit()
+            try:
+                await self.checkpoint.commit()
+            except BaseException:
+                await self._staging.drop()
+                raise
             txn.local_committed = True
         self._txn = None
-        await self._reload_server(m.version)
+        stage = await self._staging.commit()
+        try:
+            await self._reload_server(m.version, stage=stage)
+        finally:
+            await self._staging.drop()
         await self._set_state(self.checkpoint.state)
         return m.fingerprint
 
     async def abort(self) -> None:
+        await self._staging.drop()
         txn, self._txn = self._txn, None
         if txn is not None and not txn.reload_only and not txn.local_committed:
             await self.checkpoint.abort()
@@ -380,22 +461,36 @@ class ReloadingEngine(Engine, abc.ABC):
         await self._set_state(self.checkpoint.state)
 
     # -- the server protocol -----------------------------------------------------------------
-    async def _reload_server(self, version: int, *, full: bool = False) -> None:
-        """pause -> load -> resume (always, even on failure or cancellation) -> confirm."""
+    async def _reload_server(
+        self, version: int, *, full: bool = False, stage: str | None = None
+    ) -> None:
+        """pause -> load (the stage in place, else the checkpoint; ``full``: every tensor) ->
+        resume (always, even on failure or cancellation) -> confirm. ``stage``: the stage
+        directory's name."""
         t0 = time.perf_counter()
         if self._lost:
             await self._wait_for_server()
         loading = False
+        repairs, started = self.audit_watch.problem, time.time()
         try:
             failed = True
+            paused = time.perf_counter()
             try:
                 await self._guard(self._pause())
-                load = self._load_full if full else self._load
+                label = version + self.version_offset
+                seen = None
+                if stage is not None:
+                    seen = str(Path(self.model_path) / STATE_DIR_NAME / "engine-stage" / stage)
                 loading = True
-                await self._guard(load(version + self.version_offset))
+                if seen is not None and await self._guard(self._load_stage(label, seen)):
+                    self.in_place_applies += 1
+                else:
+                    await self._guard((self._load_full if full else self._load)(label))
                 failed = False
             finally:
                 await self._resume_always(failed)
+                self.last_pause_seconds = round(time.perf_counter() - paused, 4)
+            self.audit_watch.loaded()
             await self._confirm(version)
         except ApplyFailed as exc:
             if isinstance(exc, EngineHTTPError) and exc.status is None:
@@ -414,6 +509,8 @@ class ReloadingEngine(Engine, abc.ABC):
         self._lost = False
         self._weights_unknown = None
         self._failures, self._retry_at, self._last_failure = 0, 0.0, None
+        if repairs is not None:
+            await self.audit_watch.repaired(started)
         logger.info(
             "%s at %s loaded v%s in %.2fs",
             self.kind,

@@ -45,6 +45,7 @@ computed with the old weights: opt in only if that staleness is acceptable.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -55,6 +56,7 @@ import aiohttp
 from asyncsync.errors import ConfigError
 from receiver.engines.http_engine import EngineHTTPError, RetryPolicy, Timeouts
 from receiver.engines.reloading import ReloadingEngine
+from receiver.plugins.stage import STAGE_CAPABILITY
 
 __all__ = ["PAUSE_MODES", "SGLang"]
 
@@ -65,8 +67,12 @@ PLUGIN_MARKER = "asyncsync:"
 #: SGLang 0.5.23's 400 when the reload succeeded but the KV-cache flush after it did not
 CACHE_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 
-PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
+PauseMode = Literal["auto", "abort", "retract", "in_place"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("auto", "abort", "retract", "in_place")
+#: the first SGLang release seen to flush the cache with retracted requests queued while paused
+#: (0.5.23: ``flush_cache`` ignores the waiting queue during a pause); older ones are not known
+#: to, and 0.5.15 kills its scheduler when a flush fails
+RETRACT_FLUSHES_FROM = (0, 5, 23)
 
 
 class SGLang(ReloadingEngine):
@@ -78,10 +84,16 @@ class SGLang(ReloadingEngine):
         api_key: the server's ``--api-key``; sent as a Bearer token.
         admin_api_key: the server's ``--admin-api-key``, for the endpoints that change it.
         model_path: the checkpoint directory as the server sees it (default: the same).
-        pause_mode: ``abort`` (default), ``retract`` or ``in_place``.
-        flush_cache: flush the KV cache with the reload; default True for ``abort``, and it
-            must be False for the other modes (a flush then fails, fatally on 0.5.15).
+        pause_mode: ``auto`` (default: ``retract`` on a server of SGLang 0.5.23 or later, as its
+            ``/server_info`` reports, else ``abort``; see docs/ENGINES.md), ``abort``,
+            ``retract`` or ``in_place``.
+        flush_cache: flush the KV cache with the reload; default True for ``abort`` and for
+            ``auto``. With ``retract`` only on a server known to flush with retracted requests
+            queued (0.5.23); never with ``in_place`` (the requests still run: the flush fails,
+            fatally on 0.5.15).
         load_format: passed to ``update_weights_from_disk`` when set (default: the server's).
+        in_engine: stage each delta for the asyncsync plugin to apply in place (default True;
+            used once the server's answers show the plugin takes stages).
         timeouts, retry, failure_backoff: see :class:`ReloadingEngine`.
     """
 
@@ -97,22 +109,23 @@ class SGLang(ReloadingEngine):
         api_key: str | None = None,
         admin_api_key: str | None = None,
         model_path: str | None = None,
-        pause_mode: PauseMode = "abort",
+        pause_mode: PauseMode = "auto",
         flush_cache: bool | None = None,
         load_format: str | None = None,
         timeouts: Timeouts | None = None,
         retry: RetryPolicy | None = None,
         failure_backoff: tuple[float, float] = (2.0, 60.0),
         version_offset: int = 0,
+        in_engine: bool = True,
     ):
         if pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         if flush_cache is None:
-            flush_cache = pause_mode == "abort"
-        if flush_cache and pause_mode != "abort":
+            flush_cache = pause_mode in ("abort", "auto")
+        if flush_cache and pause_mode == "in_place":
             raise ConfigError(
-                f"flush_cache=True needs pause_mode='abort': after a {pause_mode!r} pause "
-                "requests are still queued, the flush fails, and SGLang 0.5.15 asserts on it"
+                "flush_cache=True cannot go with pause_mode='in_place': the paused requests "
+                "still run, the flush fails, and SGLang 0.5.15 asserts on it"
             )
         super().__init__(
             url,
@@ -124,9 +137,13 @@ class SGLang(ReloadingEngine):
             retry=retry,
             failure_backoff=failure_backoff,
             version_offset=version_offset,
+            in_engine=in_engine,
         )
         self.pause_mode = pause_mode
         self.flush_cache = flush_cache
+        #: the mode the pauses use: ``pause_mode`` resolved against the server (``auto``)
+        self.mode: PauseMode = "abort" if pause_mode == "auto" else pause_mode
+        self.server_version: str | None = None
         self.load_format = load_format
         self.last_reload: dict[str, Any] | None = None  # what the server said about the last one
 
@@ -145,7 +162,13 @@ class SGLang(ReloadingEngine):
                 "plugin is not installed in SGLang's environment, or found no reload method "
                 "to hook (see the server's start-up log); every reload is SGLang's full one",
             }
-        return {**out, "partial_reload": partial, "last_reload": self.last_reload}
+        return {
+            **out,
+            "partial_reload": partial,
+            "last_reload": self.last_reload,
+            "pause_mode": self.mode,
+            "server_version": self.server_version,
+        }
 
     async def _post(self, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
         return await self.client.request(
@@ -155,13 +178,60 @@ class SGLang(ReloadingEngine):
     async def _check_server(self) -> None:
         # a receiver killed between pause and continue leaves the server paused: clear it
         await self._resume()
+        if self.pause_mode == "auto":
+            self.mode = await self._auto_mode()
+
+    async def _auto_mode(self) -> PauseMode:
+        """``retract`` when the server's release flushes with retracted requests queued (seen
+        on 0.5.23: nothing in flight is lost, and the requests are re-prefilled with the new
+        weights), else ``abort``: the flush must succeed after every weight change."""
+        try:
+            info = await self.client.request("GET", "/server_info", timeout=self.timeouts.control)
+        except EngineHTTPError as exc:
+            logger.warning("sglang at %s: no /server_info (%s): pausing with abort",
+                           self.client.url, exc)  # fmt: skip
+            return "abort"
+        version = info.get("version") if isinstance(info, dict) else None
+        self.server_version = None if version is None else str(version)
+        mode: PauseMode = "retract" if _release(version) >= RETRACT_FLUSHES_FROM else "abort"
+        logger.info("sglang at %s is %s: pausing with %s", self.client.url, version, mode)
+        return mode
 
     async def _pause(self) -> None:
-        await self._post("/pause_generation", {"mode": self.pause_mode}, self.timeouts.control)
+        await self._post("/pause_generation", {"mode": self.mode}, self.timeouts.control)
 
     async def _load(self, version: int) -> None:
+        answer = await self._load_from(self.model_path, version)
+        _check_success(answer, "POST /update_weights_from_disk")
+
+    async def _load_stage(self, version: int, stage: str) -> bool:
+        try:
+            answer = await self._load_from(stage, version)
+        except EngineHTTPError as exc:
+            if exc.status is None or PLUGIN_MARKER in (exc.server_message or ""):
+                raise
+            message = exc.server_message  # SGLang itself refused the stage's path
+        else:
+            message = answer.get("message") if isinstance(answer, dict) else None
+            refused = isinstance(answer, dict) and answer.get("success") is False
+            if not refused or PLUGIN_MARKER in str(message):
+                _check_success(answer, "POST /update_weights_from_disk")
+                return True
+        # Not the asyncsync plugin answering (removed, or the server restarted without it):
+        # SGLang tried to read the stage as a model and changed nothing.
+        logger.warning(
+            "sglang at %s cannot take stages (%s): reloading the checkpoint instead",
+            self.client.url,
+            message,
+        )
+        self.stages_supported = False
+        return False
+
+    async def _load_from(self, model_path: str, version: int) -> Any:
+        """``POST /update_weights_from_disk`` of ``model_path``; the answer (the plugin's words
+        recorded for ``/status``). Raises on HTTP errors, never on ``success: false``."""
         body: dict[str, Any] = {
-            "model_path": self.model_path,
+            "model_path": model_path,
             "weight_version": str(version),
             "flush_cache": self.flush_cache,
             "abort_all_requests": False,
@@ -203,7 +273,9 @@ class SGLang(ReloadingEngine):
             "seconds": round(time.perf_counter() - t0, 4),
             "message": None if message is None else str(message)[:400],
         }
-        _check_success(answer, endpoint)
+        if message is not None:
+            self.stages_supported = STAGE_CAPABILITY.strip() in str(message)
+        return answer
 
     async def _update(self, body: dict[str, Any]) -> Any:
         # Not retried here: a timed-out reload may still be running in the server, and after a
@@ -233,6 +305,17 @@ class SGLang(ReloadingEngine):
             )
         v = info.get("weight_version")
         return None if v is None else str(v)
+
+
+def _release(version: Any) -> tuple[int, ...]:
+    """(0, 5, 23) of "0.5.23" or "0.5.23.post1"; () when it is not a release number."""
+    parts = []
+    for p in str(version or "").split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, p))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) if len(parts) == 3 else ()
 
 
 def _check_success(answer: Any, endpoint: str) -> None:

@@ -1,50 +1,53 @@
-"""In-engine SGLang plugin: a reload that loads only the tensors that changed.
+"""In-engine SGLang plugin: a version applied in place, in milliseconds, inside the server.
 
-Without the plugin, every ``POST /update_weights_from_disk`` makes SGLang read and load every
-shard of the checkpoint. With it, SGLang's reload method is wrapped (an AROUND hook of SGLang's
-plugin registry, entry-point group ``sglang.srt.plugins``). The method is found by probing at
-registration, newest first (:data:`HOOK_TARGETS`): SGLang 0.5.23 has it on
-``WeightUpdater`` (``model_runner_components/weight_updater.py``, reached as
-``ModelRunner.weight_updater``), older releases on ``ModelRunner``. When none exists the plugin
-says so loudly at start and hooks nothing; the receiver's ``/status`` then reports the partial
-path off (reload answers carry no ``asyncsync:`` marker).
+SGLang's reload method is wrapped (an AROUND hook of SGLang's plugin registry, entry-point
+group ``sglang.srt.plugins``). The method is found by probing at registration, newest first
+(:data:`HOOK_TARGETS`): SGLang 0.5.23 has it on ``WeightUpdater``
+(``model_runner_components/weight_updater.py``, reached as ``ModelRunner.weight_updater``),
+older releases on ``ModelRunner``. When none exists the plugin says so loudly at start and
+hooks nothing; the receiver then never sends a stage (answers carry no
+:data:`STAGE_CAPABILITY`) and its ``/status`` reports the plugin off.
 
-When the directory is an asyncsync :class:`~receiver.engines.checkpoint.LocalCheckpoint`, the
-hook compares the per-tensor checksums the checkpoint records for its version (``.asyncsync/
-state.json``) with those of the version this model last loaded, reads only the tensors whose
-checksum differs, verifies each against its recorded checksum (all of them before the first is
-loaded), and passes them to the model's own ``load_weights``. That is where SGLang maps HF
-names onto its parameters: fused ``qkv_proj``/``gate_up_proj`` (``stacked_params_mapping``
-with shard ids), the slice of each tensor-parallel rank, tied embeddings, so none of that is
-re-implemented here. Unchanged tensors are not read. Each reload logs one line (``asyncsync:
-partial reload: loaded K of N tensors (checkpoint vV): names`` or ``asyncsync: full reload
-(why)``) in the server's log, and the same words are in the reload's HTTP answer.
+``POST /update_weights_from_disk {"model_path": P}`` then does, in every TP rank's process
+(:class:`~receiver.plugins.inplace.InEngineLoader`, one per model):
 
-Where the new values come from: the host-local checkpoint the receiver already patched and
-verified, not the delta shards. Inside the engine the HF-named, unfused old tensor a delta
-applies to no longer exists (it was fused and sliced at load), so a delta path would need a
-host copy of every managed HF tensor per TP rank (the full model in host RAM, per rank) or
-old bytes that the receiver has just overwritten. Reading new bytes from the verified
-checkpoint needs neither, re-uses the one decoder and verifier (the receiver's), and is
-correct however many versions passed since the model last loaded (it diffs checksums against
-what the model holds, not against the previous version).
+* ``P`` is a **stage** (``<checkpoint>/.asyncsync/engine-stage/vN``, written by the receiver
+  before the pause, :mod:`receiver.plugins.stage`): verified, its base checked against what
+  the model holds, and each changed tensor's XOR routed through the model's own
+  ``load_weights`` into an in-place XOR of its parameters' integer views
+  (:mod:`receiver.plugins.routing`): SGLang's own ``stacked_params_mapping``, per-rank
+  slicing and tied embeddings decide where each element goes. Tensors SGLang does not copy
+  as they are (``default_weight_loader``'s ``fill_`` of one-element parameters, AMX packing,
+  quantized layers: :func:`sglang_guard`) are read whole from the checkpoint, verified and
+  loaded as SGLang always did. Anything that cannot be proven safe goes through the
+  checkpoint instead, in the same call, and the answer says why.
+* ``P`` is an asyncsync **checkpoint**: the tensors whose checksum differs from what the model
+  holds are read, verified, and loaded whole; SGLang's own full reload when the base is
+  unknown (first load, another directory, another tensor set).
+* Refused (``success: false``, nothing loaded, SGLang keeps its weights and stays up): bytes
+  that fail their checksum, a checkpoint that is not clean or not at the stage's version.
+  SGLang 0.5.23 cannot survive a checkpoint it fails to load (its rollback re-reads the new
+  path and the scheduler dies), so only verified bytes ever reach it.
 
-A full reload through SGLang's own code where the partial path cannot be proven safe: the first
-reload after start (it does not know what the model holds), another directory, a changed set of
-tensors, quantized models (their ``process_weights_after_loading`` needs every weight), a
-``load_format`` other than the default/safetensors, or an error midway through
-``load_weights`` (the model may be half-updated). Calls with a ``weight_name_filter`` (EPLB)
-pass through untouched.
+A full reload through SGLang's own code for a quantized model, a ``load_format`` other than
+the default/safetensors, ``recapture_cuda_graph``, or an error midway through ``load_weights``.
+Calls with a ``weight_name_filter`` (EPLB) pass through untouched. A draft model (speculative
+decoding) takes a stage through the checkpoint.
 
-Refused, neither partial nor full (``(False, message)``: SGLang keeps its weights and stays up):
-an asyncsync checkpoint that is not clean (a version being applied, an unreadable state), and a
-changed tensor whose bytes do not match their checksum. SGLang 0.5.23 cannot survive a
-checkpoint it fails to load (its rollback re-reads the new path and the scheduler dies), so only
-verified bytes may reach it.
+Each model gets an :class:`~receiver.plugins.audit.Auditor` thread that compares what it
+serves with the trainer's bytes after every change and on a schedule, and records the result
+in ``<checkpoint>/.asyncsync/audit/`` for the receiver.
 
-Environment: ``ASYNCSYNC_SGLANG_PARTIAL=0`` disables the partial path;
-``ASYNCSYNC_SGLANG_HOOK_TARGET`` names the function to hook (instead of probing);
-``ASYNCSYNC_SGLANG_BATCH_BYTES`` bounds the bytes handed to ``load_weights`` at once (1 GiB).
+Each call logs one line (``asyncsync: in-engine apply: ...``, ``asyncsync: partial reload:
+...``, ``asyncsync: full reload (why)``, ``asyncsync: stage not applied in place (why); ...``,
+``asyncsync: refused to load: ...``) in the server's log; the HTTP answer carries the same
+words.
+
+Environment: ``ASYNCSYNC_IN_PLACE=0`` (stages through the checkpoint),
+``ASYNCSYNC_SGLANG_PARTIAL=0`` (every checkpoint load full), ``ASYNCSYNC_AUDIT=0``,
+``ASYNCSYNC_AUDIT_BYTES_PER_S``, ``ASYNCSYNC_AUDIT_INTERVAL``, ``ASYNCSYNC_SGLANG_HOOK_TARGET``
+(the function to hook instead of probing), ``ASYNCSYNC_SGLANG_BATCH_BYTES`` (bytes handed to
+``load_weights`` at once, 1 GiB).
 
 This module imports without SGLang; only :func:`register` (called by SGLang) touches it.
 """
@@ -52,32 +55,29 @@ This module imports without SGLang; only :func:`register` (called by SGLang) tou
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import pkgutil
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import safetensors
-import torch
-
-from asyncsync.errors import AsyncSyncError
-from asyncsync.format.checksum import layout_checksum, tensor_bytes
-from asyncsync.fsio import read_bytes
-from receiver.state import STATE_DIR_NAME, STATE_NAME, PersistedState
+from receiver.plugins.audit import Auditor
+from receiver.plugins.held import CheckpointSnapshot, read_snapshot
+from receiver.plugins.inplace import InEngineLoader, LoadResult, checkpoint_of_stage
+from receiver.plugins.stage import STAGE_CAPABILITY, is_stage
 
 __all__ = [
     "HOOK_TARGET",
     "HOOK_TARGETS",
+    "STAGE_CAPABILITY",
     "CheckpointSnapshot",
-    "PartialReloader",
     "find_target",
+    "loader_for",
     "read_snapshot",
     "register",
+    "sglang_guard",
     "update_weights_from_disk_hook",
 ]
 
@@ -94,262 +94,63 @@ HOOK_TARGETS = (
 HOOK_TARGET = HOOK_TARGETS[0]
 ENV_TARGET = "ASYNCSYNC_SGLANG_HOOK_TARGET"
 ENV_PARTIAL = "ASYNCSYNC_SGLANG_PARTIAL"
-ENV_BATCH_BYTES = "ASYNCSYNC_SGLANG_BATCH_BYTES"
-INDEX_NAME = "model.safetensors.index.json"
 _PARTIAL_FORMATS = (None, "auto", "safetensors")
-
-LoadResult = tuple[bool, str]
-
-
-class SupportsLoadWeights(Protocol):
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
+#: SGLang's weight methods that copy HF bytes as they are (their post-processing aside)
+_COPYING_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 
-@dataclass(frozen=True)
-class CheckpointSnapshot:
-    """What a clean asyncsync checkpoint holds: its version and every tensor's checksum."""
-
-    directory: Path
-    version: int
-    run_id: str | None
-    algorithm: str
-    checksums: dict[str, str]
-    weight_map: dict[str, str]  # tensor name -> file name
-    parts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # tensors in parts
-
-
-class Unverified(AsyncSyncError):
-    """An asyncsync checkpoint that must not be handed to SGLang (mid-apply, unreadable)."""
-
-
-def read_snapshot(directory: str | os.PathLike[str]) -> CheckpointSnapshot | None:
-    """The snapshot of ``directory``, or None when it is not a clean asyncsync checkpoint."""
-    try:
-        return checkpoint_snapshot(directory)
-    except Unverified:
-        return None
-
-
-def checkpoint_snapshot(directory: str | os.PathLike[str]) -> CheckpointSnapshot | None:
-    """The snapshot of a clean asyncsync checkpoint; None when ``directory`` is not an asyncsync
-    checkpoint at all (no ``.asyncsync/state.json``). Raises Unverified for one that is not
-    clean."""
-    d = Path(directory).resolve()
-    if not (d / STATE_DIR_NAME / STATE_NAME).is_file():
-        return None
-    try:
-        state = PersistedState.from_json(
-            read_bytes(d / STATE_DIR_NAME / STATE_NAME, limit=256 << 20), where=str(d)
-        )
-        index = _read_weight_map(d / INDEX_NAME)
-    except (OSError, ValueError, AsyncSyncError) as exc:
-        raise Unverified(f"{d} is an asyncsync checkpoint that cannot be read: {exc}") from exc
-    if state.applying:
-        raise Unverified(f"{d}: a version is being applied (not verified yet)")
-    if state.version is None or state.checksum_algorithm is None:
-        raise Unverified(f"{d}: no verified version yet")
-    if set(state.checksums) != set(index):
-        raise Unverified(f"{d}: the index and state.json name different tensors")
-    return CheckpointSnapshot(
-        d,
-        state.version,
-        state.run_id,
-        state.checksum_algorithm,
-        dict(state.checksums),
-        index,
-        dict(state.parts),
-    )
-
-
-def _read_weight_map(path: Path) -> dict[str, str]:
-    """The ``weight_map`` of an HF safetensors index (tensor names -> plain file names)."""
-    index = json.loads(read_bytes(path, limit=256 << 20))
-    wm = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wm, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and "/" not in v and v.endswith(".safetensors")
-        for k, v in wm.items()
-    ):
-        raise ValueError(f"{path}: weight_map is missing or invalid")
-    return dict(wm)
-
-
-class _Refused(AsyncSyncError):
-    """The partial path read bytes that fail verification: nothing was loaded."""
-
-
-class PartialReloader:
-    """Keeps one model at the checkpoint's version, loading only changed tensors.
-
-    Args:
-        batch_bytes: tensors are handed to ``load_weights`` in batches of about this size
-            (bounds the host memory of one reload; default ``$ASYNCSYNC_SGLANG_BATCH_BYTES``
-            or 1 GiB).
-    """
-
-    def __init__(self, *, batch_bytes: int | None = None):
-        if batch_bytes is None:
-            batch_bytes = int(os.environ.get(ENV_BATCH_BYTES, "") or 1 << 30)
-        if batch_bytes < 1:
-            raise ValueError(f"batch_bytes must be >= 1, got {batch_bytes}")
-        self.batch_bytes = batch_bytes
-        self.loaded: CheckpointSnapshot | None = None  # what the model holds, when known
-
-    def __repr__(self) -> str:
-        v = None if self.loaded is None else self.loaded.version
-        return f"<PartialReloader loaded_version={v}>"
-
-    def why_full(self, snap: CheckpointSnapshot) -> str | None:
-        """Why ``snap`` needs a full reload (None: the partial path may run)."""
-        held = self.loaded
-        if held is None:
-            return "first reload: the weights the server holds are not known"
-        if held.directory != snap.directory:
-            return f"another directory than the last reload ({held.directory})"
-        if held.algorithm != snap.algorithm:
-            return "the checksum algorithm changed"
-        if held.checksums.keys() != snap.checksums.keys():
-            return "the set of tensors changed"
-        return None
-
-    def changed(self, snap: CheckpointSnapshot) -> list[str] | None:
-        """Names whose checksum differs from what the model holds; None: a full reload is due."""
-        if self.why_full(snap) is not None:
-            return None
-        held = self.loaded
-        assert held is not None
-        return [n for n in snap.weight_map if held.checksums[n] != snap.checksums[n]]
-
-    def reload(
-        self,
-        model: SupportsLoadWeights,
-        directory: str | os.PathLike[str],
-        full_reload: Callable[[], LoadResult],
-    ) -> LoadResult:
-        """Bring ``model`` to the checkpoint in ``directory``; ``full_reload`` is SGLang's own."""
-        try:
-            snap = checkpoint_snapshot(directory)
-        except Unverified as exc:
-            return self._refuse(str(exc))
-        if snap is None:
-            return self._full(directory, full_reload, "not an asyncsync checkpoint")
-        why = self.why_full(snap)
-        if why is not None:
-            return self._full(directory, full_reload, why)
-        names = self.changed(snap)
-        assert names is not None
-        try:
-            batches = self._verified_batches(snap, names)
-        except (_Refused, OSError, ValueError, safetensors.SafetensorError) as exc:
-            return self._refuse(str(exc))  # nothing loaded: the model still holds self.loaded
-        try:
-            for batch in batches:
-                model.load_weights(batch)
-        except Exception as exc:  # the model may be half-updated: reload all of it
-            logger.warning("asyncsync: partial reload of v%s failed midway (%s)", snap.version, exc)
-            adopt = not isinstance(exc, _Refused)
-            return self._full(
-                directory, full_reload, f"partial reload failed midway: {exc}", adopt=adopt
-            )
-        self.loaded = snap
-        shown = ", ".join(names[:8]) + (f", ... ({len(names) - 8} more)" if len(names) > 8 else "")
-        msg = (
-            f"asyncsync: partial reload: loaded {len(names)} of {len(snap.checksums)} tensors "
-            f"(checkpoint v{snap.version}): {shown or '-'}"
-        )
-        logger.info("%s", msg)
-        return True, msg
-
-    def _refuse(self, why: str) -> LoadResult:
-        msg = (
-            f"asyncsync: refused to load: {why}; nothing was loaded, the server keeps its "
-            "weights (only verified checkpoints are handed to SGLang)"
-        )
-        logger.error("%s", msg)
-        return False, msg
-
-    def _full(
-        self,
-        directory: str | os.PathLike[str],
-        full_reload: Callable[[], LoadResult],
-        why: str,
-        *,
-        adopt: bool = True,
-    ) -> LoadResult:
-        self.loaded = None
-        before = read_snapshot(directory)
-        ok, msg = full_reload()
-        # the receiver does not touch the checkpoint during the call; if it did, forget it
-        if adopt and ok and before is not None and read_snapshot(directory) == before:
-            self.loaded = before
-        logger.info("asyncsync: full reload (%s): %s", why, msg)
-        return ok, f"{msg} [asyncsync: full reload ({why})]"
-
-    def _read(
-        self, snap: CheckpointSnapshot, names: list[str]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors ``names``, each verified against ``snap``; raises _Refused."""
-        by_file: dict[str, list[str]] = {}
-        for n in names:
-            by_file.setdefault(snap.weight_map[n], []).append(n)
-        for file, file_names in by_file.items():
-            with safetensors.safe_open(str(snap.directory / file), framework="pt") as f:
-                for n in file_names:
-                    t = f.get_tensor(n)
-                    got = layout_checksum(
-                        tensor_bytes(t), t.element_size(), snap.parts.get(n), snap.algorithm
-                    )
-                    if got != snap.checksums[n]:
-                        raise _Refused(
-                            f"{snap.directory / file}: tensor {n!r} has checksum {got}, "
-                            f"state.json says {snap.checksums[n]} (changed or damaged on disk)"
-                        )
-                    yield n, t
-
-    def _verified_batches(
-        self, snap: CheckpointSnapshot, names: list[str]
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Every changed tensor is read and verified before the first is loaded. When they fit
-        in one batch they are kept; else they are read again per batch (page cache), and
-        verified again: a mismatch then is an error midway."""
-        first: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        kept = True
-        for n, t in self._read(snap, names):  # raises before anything is loaded
-            size += t.numel() * t.element_size()
-            if kept and size <= self.batch_bytes:
-                first.append((n, t))
-            else:
-                kept, first = False, []
-        if kept:
-            return iter([first] if first else [])
-        return self._batches(snap, names)
-
-    def _batches(
-        self, snap: CheckpointSnapshot, names: list[str]
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        batch: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for n, t in self._read(snap, names):
-            batch.append((n, t))
-            size += t.numel() * t.element_size()
-            if size >= self.batch_bytes:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch
+def sglang_guard(param: str, module: Any) -> str | None:
+    """Why SGLang transforms what is loaded into ``module`` (None: plain copies)."""
+    if getattr(module, "use_intel_amx_backend", False):
+        return "AMX-packed after loading (process_weights_after_loading)"
+    qm = getattr(module, "quant_method", None)
+    if qm is not None and type(qm).__name__ not in _COPYING_METHODS:
+        return f"{type(qm).__name__} post-processes it after loading"
+    derived = getattr(module, "_derived_weight_cache_error", None)
+    if derived:
+        return f"a derived-weight cache ({derived})"
+    return None
 
 
 # --------------------------------------------------------------------------- the SGLang hook
 
-_reloaders: weakref.WeakKeyDictionary[Any, PartialReloader] = weakref.WeakKeyDictionary()
+_loaders: weakref.WeakKeyDictionary[Any, InEngineLoader] = weakref.WeakKeyDictionary()
+_auditors: list[Auditor] = []
 
 
-def reloader_for(model: Any) -> PartialReloader:
-    """The reloader of one model (each TP rank, and a draft model, has its own)."""
-    r = _reloaders.get(model)
-    if r is None:
-        r = _reloaders[model] = PartialReloader()
-    return r
+def _rank_of(owner: Any) -> tuple[int, int, str]:
+    """(tp rank, tp size, "target" | "draft") of the runner behind the hooked method."""
+    runner = owner
+    get_runner = getattr(owner, "get_model_runner", None)
+    if callable(get_runner):
+        with contextlib.suppress(Exception):
+            runner = get_runner()
+    rank = getattr(owner, "tp_rank", None)
+    rank = getattr(runner, "tp_rank", 0) if rank is None else rank
+    size = getattr(runner, "tp_size", None)
+    if size is None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            size = get_parallel().tp_size
+        except Exception:
+            size = 1
+    role = "draft" if getattr(runner, "is_draft_worker", False) else "target"
+    return int(rank or 0), int(size or 1), role
+
+
+def loader_for(model: Any, owner: Any = None) -> InEngineLoader:
+    """The loader of one model (each TP rank, and a draft model, has its own), with its
+    auditor running."""
+    loader = _loaders.get(model)
+    if loader is None:
+        partial = os.environ.get(ENV_PARTIAL, "1").strip() != "0"
+        loader = _loaders[model] = InEngineLoader(model, guard=sglang_guard, partial=partial)
+        rank, size, role = _rank_of(owner)
+        auditor = Auditor(loader, rank=rank, tp_size=size, role=role)
+        auditor.start()
+        _auditors.append(auditor)
+    return loader
 
 
 def _model_of(owner: Any) -> Any:
@@ -363,9 +164,7 @@ def _model_of(owner: Any) -> Any:
 def _partial_allowed(
     owner: Any, model: Any, load_format: str | None, recapture: bool
 ) -> str | None:
-    """None when the partial path may run, else why not."""
-    if os.environ.get(ENV_PARTIAL, "1").strip() == "0":
-        return f"{ENV_PARTIAL}=0"
+    """None when the plugin may run (partial reloads, in-place applies), else why not."""
     if load_format not in _PARTIAL_FORMATS:
         return f"load_format={load_format!r}"
     if recapture:
@@ -387,7 +186,9 @@ def update_weights_from_disk_hook(
     **kwargs: Any,
 ) -> LoadResult:
     """AROUND hook of ``update_weights_from_disk(self, model_path, load_format, ...)``; ``owner``
-    is a ``WeightUpdater`` (0.5.23) or a ``ModelRunner`` (older)."""
+    is a ``WeightUpdater`` (0.5.23) or a ``ModelRunner`` (older). ``model_path`` is a stage
+    (applied in place), an asyncsync checkpoint (changed tensors only) or anything else
+    (SGLang's own reload)."""
 
     # pass on only what the caller gave: older SGLang signatures lack the newer parameters
     if weight_name_filter is not None:
@@ -395,24 +196,39 @@ def update_weights_from_disk_hook(
     if recapture_cuda_graph:
         kwargs["recapture_cuda_graph"] = recapture_cuda_graph
 
-    def full() -> LoadResult:
-        return original_fn(owner, model_path, load_format, **kwargs)
+    def full_of(path: str) -> LoadResult:
+        return original_fn(owner, path, load_format, **kwargs)
 
     if weight_name_filter is not None:  # a partial reload of SGLang's own (EPLB): not ours
-        return full()
+        return full_of(model_path)
+    path = model_path
+    stage = is_stage(model_path)
+    if stage:
+        ckpt = checkpoint_of_stage(Path(model_path).resolve())
+        if ckpt is None:
+            msg = f"asyncsync: refused to load: {model_path} is a stage outside a checkpoint"
+            logger.error("%s", msg)
+            return False, msg + STAGE_CAPABILITY
+        path = str(ckpt)
     model = _model_of(owner)
     why_not = _partial_allowed(owner, model, load_format, recapture_cuda_graph)
     if why_not is not None:
         with contextlib.suppress(TypeError):  # a model that is no weak-ref key has none
-            reloader_for(model).loaded = None
+            loader_for(model, owner).forget(why_not)
         logger.info("asyncsync: full reload (%s)", why_not)
-        ok, msg = full()
-        return ok, f"{msg} [asyncsync: full reload ({why_not})]"
-    ok, msg = reloader_for(model).reload(model, model_path, full)
+        ok, msg = full_of(path)
+        return ok, f"{msg} [asyncsync: full reload ({why_not})]{STAGE_CAPABILITY}"
+    loader = loader_for(model, owner)
+    if stage and _rank_of(owner)[2] == "draft":
+        ok, msg = loader.reload_checkpoint(path, lambda: full_of(path))
+    elif stage:
+        ok, msg = loader.apply_stage(model_path, full_of)
+    else:
+        ok, msg = loader.reload_checkpoint(path, lambda: full_of(path))
     config = getattr(owner, "model_config", None)
     if ok and config is not None:
-        config.model_path = model_path  # as SGLang's own reload records it
-    return ok, msg
+        config.model_path = path  # as SGLang's own reload records it (never the stage)
+    return ok, msg + STAGE_CAPABILITY
 
 
 def find_target(candidates: Iterable[str]) -> str | None:
@@ -450,4 +266,5 @@ def register() -> None:
         )
         return
     HookRegistry.register(target, update_weights_from_disk_hook, HookType.AROUND)
-    logger.info("asyncsync SGLang plugin: partial reloads hooked on %s", target)
+    logger.info("asyncsync SGLang plugin: in-place applies and partial reloads hooked on %s",
+                target)  # fmt: skip

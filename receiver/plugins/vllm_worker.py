@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from asyncsync.format.checksum import layout_checksum, tensor_bytes
+from receiver.plugins import vllm_loader
 
 __all__ = ["AsyncSyncWorkerExtension", "audit_spec", "canonical_zeros", "served_tensors"]
 
@@ -137,7 +138,32 @@ def canonical_zeros(t: torch.Tensor) -> torch.Tensor:
 
 
 class AsyncSyncWorkerExtension:
-    """Mixed into vLLM's worker class by ``--worker-extension-cls``; ``self`` is the worker."""
+    """Mixed into vLLM's worker class by ``--worker-extension-cls``; ``self`` is the worker.
+
+    Methods (``POST /collective_rpc {"method": name, "args": [...]}``, run in every worker):
+    ``asyncsync_served_checksums`` (the audit), ``asyncsync_capabilities``,
+    ``asyncsync_apply_stage`` and ``asyncsync_load`` (the in-engine apply,
+    :mod:`receiver.plugins.vllm_loader`)."""
+
+    def asyncsync_capabilities(self) -> dict[str, Any]:
+        """Whether this worker applies stages in place, and why not."""
+        return vllm_loader.capabilities(self, self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def asyncsync_apply_stage(self, stage_dir: str) -> dict[str, Any]:
+        """Apply the stage in ``stage_dir`` (in place, or through the checkpoint)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            return vllm_loader.apply_stage(self, model, stage_dir)
+
+    def asyncsync_load(self, checkpoint_dir: str, mode: str = "partial") -> dict[str, Any]:
+        """Load the checkpoint in ``checkpoint_dir``: ``partial`` (the tensors that changed) or
+        ``full`` (vLLM's ``reload_weights``). Arguments are strings, as ``/collective_rpc``
+        passes them."""
+        if mode not in ("partial", "full"):
+            raise ValueError(f"asyncsync_load: mode must be 'partial' or 'full', got {mode!r}")
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            return vllm_loader.load_checkpoint(self, model, checkpoint_dir, mode == "full")
 
     def asyncsync_served_checksums(self, spec_json: str) -> dict[str, Any]:
         """``/collective_rpc`` method: the checksum of the served bytes of each HF tensor.

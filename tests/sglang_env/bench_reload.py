@@ -1,114 +1,184 @@
-"""Reload time on the real SGLang 0.5.23 server: the plugin's partial reload vs SGLang's full one.
+"""The engine's pause as a client sees it, on the real SGLang 0.5.23 server: in-engine apply vs
+SGLang's own full reload.
 
     make bench-sglang                       # = python -m tests.sglang_env.bench_reload
-    python -m tests.sglang_env.bench_reload --layers 16 --hidden 512 --repeats 3 --json out.json
+    python -m tests.sglang_env.bench_reload --layers 16 --hidden 512 --repeats 4 --json out.json
 
-A random-weight float32 Llama (``--layers`` x 9 tensors + 3; the default has 147 tensors,
-~270 MB) is written locally, and a real Publisher plus an in-process receiver keep its
-asyncsync checkpoint. For 1 %, 10 % and 100 % of the tensors changed (a few elements of each),
-the next version is synced into the checkpoint and ``POST /update_weights_from_disk`` is timed
-(client wall time of that call alone; the checkpoint was just written, so its pages are in the
-page cache either way). The same sequence of versions runs twice: on a server with the plugin
-(partial reloads) and on one started with ``ASYNCSYNC_SGLANG_PARTIAL=0`` (every reload SGLang's
-own full one, through the same hook). Medians of ``--repeats`` versions per fraction.
+A random-weight float32 Llama (default 16 layers, hidden 512, intermediate 1536: 147
+tensors, 196 MiB) is written locally. A real Publisher publishes versions in which a fraction
+(1 %, 3 %, 10 %) of the elements of **every** tensor changed, as RL training does; an
+in-process receiver (``ReceiverAgent`` + the ``SGLang`` engine, the same code as
+``asyncsync-receiver --sglang-url``) keeps the server at the newest version. Meanwhile a client
+process sends 1-token generations back to back and records when each completes.
+
+For each version: the **pause** is the longest gap between two consecutive completed
+generations that overlaps the receiver's sync of that version (its discovery, reading,
+decoding, checkpoint patch, stage, the server's pause, apply and resume); the client's gap
+outside any sync is the floor. The same versions (seeded) run against two servers, one after
+the other:
+
+* ``in-engine``: the asyncsync plugin installed; the receiver stages each delta before it
+  pauses the server, which XORs it into its parameters in place;
+* ``full``: SGLang without the plugin; every version is SGLang's own
+  ``update_weights_from_disk`` of the receiver's checkpoint.
+
+Medians of ``--repeats`` versions per fraction, with their spread (min-max); a warm-up
+version first (the in-engine path probes every tensor's routing once). The pause mode is the
+receiver's default unless ``--pause-mode`` says otherwise. Run it under ``/work/bin/quiet``
+(or on an otherwise idle host): it measures wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import multiprocessing as mp
 import os
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from receiver import ReceiverAgent
-from receiver.engines import LocalCheckpoint
+from receiver.engines import SGLang
 from tests.sglang_env import build
 from tests.sglang_env.chain import Trainer, base_state
 from tests.sglang_env.server import SGLangServer, run_env_python
 
-FRACTIONS = (0.01, 0.10, 1.0)
+FRACTIONS = (0.01, 0.03, 0.10)
+PROMPT = [24, 978, 642, 484, 20]
+
+
+def client(url: str, out: str, stop: Any) -> None:
+    """Back-to-back 1-token generations; one line per answer: ``<monotonic> <finish>``."""
+    body = json.dumps(
+        {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+    ).encode()
+    with open(out, "w") as f:
+        while not stop.is_set():
+            req = urllib.request.Request(
+                url + "/generate", data=body, headers={"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    answer = json.loads(resp.read())
+                finish = str((answer.get("meta_info") or {}).get("finish_reason", {}).get("type"))
+            except Exception as exc:  # an aborted request, a refused connection
+                finish = type(exc).__name__
+            f.write(f"{time.monotonic():.6f} {finish}\n")
+            f.flush()
+
+
+def pauses(completions: list[float], windows: list[tuple[float, float]]) -> list[float]:
+    """Per window: the longest gap between consecutive completions that overlaps it."""
+    out = []
+    for t0, t1 in windows:
+        gaps = [b - a for a, b in itertools.pairwise(completions) if b >= t0 and a <= t1]
+        out.append(max(gaps) if gaps else float("nan"))
+    return out
+
+
+def floor_gap(completions: list[float], windows: list[tuple[float, float]]) -> float:
+    """The median gap between completions outside every sync (what serving costs anyway)."""
+    gaps = [
+        b - a
+        for a, b in itertools.pairwise(completions)
+        if not any(b >= t0 and a <= t1 for t0, t1 in windows)
+    ]
+    return statistics.median(gaps) if gaps else float("nan")
 
 
 async def run_series(
-    env: Path, model: Path, work: Path, *, partial: bool, repeats: int, seed: int
-) -> list[dict[str, Any]]:
-    kind = "partial" if partial else "full"
+    env: Path, model: Path, work: Path, *, kind: str, repeats: int, seed: int, pause_mode: str
+) -> dict[str, Any]:
     d = work / kind
     d.mkdir()
-    server = SGLangServer(
-        env,
-        model,
-        d / "sglang.log",
-        extra_env={} if partial else {"ASYNCSYNC_SGLANG_PARTIAL": "0"},
-    )
-    server.start()
+    server = SGLangServer(env, model, d / "sglang.log", plugin=kind == "in-engine")
+    server.start(timeout=900)
     trainer = Trainer(d / "root", base_state(model))
     trainer.gen.manual_seed(seed)  # both series publish the same versions
-    agent = ReceiverAgent(d / "root", LocalCheckpoint(d / "ckpt"), "bench", use_inotify=False)
+    engine = SGLang(
+        server.url,
+        d / "ckpt",
+        in_engine=kind == "in-engine",
+        pause_mode=pause_mode,  # type: ignore[arg-type]
+    )
+    agent = ReceiverAgent(d / "root", engine, "bench", use_inotify=False)
+    names = sorted(trainer.sd)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    log = d / "client.log"
+    proc = ctx.Process(target=client, args=(server.url, str(log), stop), daemon=True)
     rows: list[dict[str, Any]] = []
+    windows: list[tuple[float, float]] = []
     try:
-        v = await trainer.open()
+        await trainer.open()
         await agent.open()
-        await agent.sync_once()
-        code, answer = server.update(d / "ckpt", str(v))  # the first reload is full either way
-        assert code == 200, answer
-        names = sorted(trainer.sd)
-        pick = torch.Generator().manual_seed(seed)
-        for frac in FRACTIONS:
-            k = max(1, round(frac * len(names)))
-            for _ in range(repeats):
-                chosen = [names[i] for i in torch.randperm(len(names), generator=pick)[:k]]
-                v = await trainer.step(chosen)
-                assert await agent.sync_once() == v
-                t0 = time.perf_counter()
-                code, answer = server.update(d / "ckpt", str(v))
-                dt = time.perf_counter() - t0
-                assert code == 200 and answer["success"], answer
-                want = "asyncsync: partial reload" if partial else "(ASYNCSYNC_SGLANG_PARTIAL=0)"
-                assert want in answer["message"], answer  # the reload was of the kind timed
-                rows.append(
-                    {
-                        "kind": kind,
-                        "fraction": frac,
-                        "tensors": k,
-                        "of": len(names),
-                        "bytes": sum(
-                            trainer.sd[n].numel() * trainer.sd[n].element_size() for n in chosen
-                        ),
-                        "seconds": dt,
-                    }
-                )
-                print(f"[bench] {kind:7s} {frac:5.0%} {k:4d} tensors  {dt * 1000:8.1f} ms",
-                      flush=True)  # fmt: skip
+        await agent.sync_once()  # the seed: a full load either way
+        proc.start()
+        plan = [(0.03, True)] + [(f, False) for f in FRACTIONS for _ in range(repeats)]
+        for frac, warmup in plan:
+            trainer.change(names, frac)
+            v = (await trainer.pub.publish(trainer.sd)).version
+            await asyncio.sleep(0.5)  # the client settles between versions
+            t0 = time.monotonic()
+            assert await agent.sync_once() == v
+            t1 = time.monotonic()
+            message = (engine.last_reload or {}).get("message") or ""
+            if kind == "in-engine":
+                assert "asyncsync: in-engine apply" in message, message
+            if not warmup:
+                windows.append((t0, t1))
+                row = {"kind": kind, "fraction": frac, "version": v, "sync": t1 - t0}
+                row.update(server_pause=engine.last_pause_seconds, message=message)
+                rows.append(row)
+            print(f"[bench] {kind:9s} {frac:4.0%} v{v} sync {t1 - t0:6.3f}s server paused "
+                  f"{engine.last_pause_seconds:6.3f}s {'(warm-up)' if warmup else ''}",
+                  flush=True)  # fmt: skip
+        await asyncio.sleep(1.0)
     finally:
+        stop.set()
+        proc.join(30)
         await agent.close()
         await trainer.close()
         server.stop()
-    return rows
+    answers = [line.split() for line in log.read_text().splitlines() if line.strip()]
+    done = [float(t) for t, finish in answers if finish == "length"]
+    for row, gap in zip(rows, pauses(done, windows), strict=True):
+        row["client_pause"] = gap
+    return {"kind": kind, "rows": rows, "floor": floor_gap(done, windows), "answers": len(answers),
+            "completed": len(done)}  # fmt: skip
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1000:.0f} ms ({min(xs) * 1000:.0f}-{max(xs) * 1000:.0f})"
+
+
+def table(series: list[dict[str, Any]]) -> str:
+    by = {s["kind"]: s for s in series}
+    ie, full = by["in-engine"], by["full"]
     out = [
-        "| tensors changed | bytes changed | partial (plugin) | full (SGLang's own) | ratio |",
+        "| changed (every tensor) | pause, in-engine | pause, SGLang full reload | ratio "
+        "| server paused (receiver's view), in-engine / full |",
         "|---|---|---|---|---|",
     ]
     for frac in FRACTIONS:
-        part = [r for r in rows if r["fraction"] == frac and r["kind"] == "partial"]
-        full = [r for r in rows if r["fraction"] == frac and r["kind"] == "full"]
-        p = statistics.median(r["seconds"] for r in part) * 1000
-        f = statistics.median(r["seconds"] for r in full) * 1000
-        mb = statistics.median(r["bytes"] for r in part) / 2**20
+        a = [r for r in ie["rows"] if r["fraction"] == frac]
+        b = [r for r in full["rows"] if r["fraction"] == frac]
+        pa, pb = [r["client_pause"] for r in a], [r["client_pause"] for r in b]
+        ratio = statistics.median(pa) / statistics.median(pb)
         out.append(
-            f"| {frac:.0%} ({part[0]['tensors']} of {part[0]['of']}) | {mb:.1f} MiB "
-            f"| {p:.0f} ms | {f:.0f} ms | {f / p:.1f}x |"
+            f"| {frac:.0%} | {_med(pa)} | {_med(pb)} | {ratio:.2f}x "
+            f"| {_med([r['server_pause'] for r in a])} / {_med([r['server_pause'] for r in b])} |"
         )
+    out.append(
+        f"\nclient gap outside syncs (floor): in-engine {ie['floor'] * 1000:.0f} ms, full "
+        f"{full['floor'] * 1000:.0f} ms; medians of the versions per row (min-max)"
+    )
     return "\n".join(out)
 
 
@@ -121,26 +191,41 @@ async def main_async(args: argparse.Namespace) -> None:
         run_env_python(
             env, str(build.HERE / "make_tiny_model.py"), str(model), "llama",
             "--layers", str(args.layers), "--hidden", str(args.hidden),
-            "--intermediate", str(args.hidden * 4),
+            "--intermediate", str(args.intermediate),
         )  # fmt: skip
         size = (model / "model.safetensors").stat().st_size
-        print(f"[bench] model: {args.layers} layers, hidden {args.hidden}, {size / 2**20:.0f} MiB")
-        rows = []
-        for partial in (True, False):
-            rows += await run_series(
-                env, model, work, partial=partial, repeats=args.repeats, seed=args.seed
+        print(f"[bench] model: {args.layers} layers, hidden {args.hidden}, "
+              f"{size / 2**20:.0f} MiB", flush=True)  # fmt: skip
+        series = []
+        for kind in ("in-engine", "full"):
+            series.append(
+                await run_series(
+                    env,
+                    model,
+                    work,
+                    kind=kind,
+                    repeats=args.repeats,
+                    seed=args.seed,
+                    pause_mode=args.pause_mode,
+                )
             )
-    print(table(rows))
+    print(table(series))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model_bytes": size, "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"model_bytes": size, "pause_mode": args.pause_mode, "series": series}, indent=1
+            )
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pause-mode", default="auto", choices=("auto", "abort", "retract", "in_place"))
     p.add_argument("--json", default=os.environ.get("BENCH_JSON"))
     asyncio.run(main_async(p.parse_args()))
 

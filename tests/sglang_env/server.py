@@ -36,7 +36,7 @@ CPU_FLAGS = (
     "--log-level", "info",
 )  # fmt: skip
 
-START_TIMEOUT = 240.0  # ~15 s on an idle 2-core host; much more while other jobs run
+START_TIMEOUT = 600.0  # ~15 s on an idle 2-core host; minutes while other jobs run
 
 
 def free_port() -> int:
@@ -168,7 +168,11 @@ class SGLangServer(Process):
 
     def start(self, timeout: float = START_TIMEOUT) -> None:
         super().start()
-        self.wait_healthy(timeout)
+        try:
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()  # never leave a server behind a failed start
+            raise
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
         """Until ``GET /health`` (a 1-token generation) answers 200; never call it paused."""
@@ -218,8 +222,17 @@ class SGLangServer(Process):
         return self.admin("POST", "/update_weights_from_disk", body, timeout=300)
 
     def plugin_lines(self) -> list[str]:
-        """The asyncsync plugin's reload lines in the server log, in order."""
-        return re.findall(r"asyncsync: (?:partial reload|full reload|refused)[^\n\]]*", self.text())
+        """The asyncsync plugin's lines about each load in the server log, in order (a stage
+        that went through the checkpoint logs two: why, then what was loaded)."""
+        return re.findall(
+            r"asyncsync: (?:in-engine apply|stage not applied|partial reload|full reload|refused)"
+            r"[^\n\]]*",
+            self.text(),
+        )
+
+    def audit_lines(self) -> list[str]:
+        """The plugin's audit lines (one per complete pass, one per mismatch)."""
+        return re.findall(r"asyncsync audit \(rank \d+\)[^\n]*", self.text())
 
 
 class Receiver(Process):

@@ -1,20 +1,42 @@
-"""Test-only SGLang plugin: make the model's ``load_weights`` fail once, on demand.
+"""Test-only SGLang plugin: faults inside the real server, on demand.
 
-Not installed anywhere: tests/test_sglang_real_plugin.py puts this folder on the server's
-PYTHONPATH (SGLang finds the entry point in the dist-info next to it). When the file named by
-``$ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS`` exists and holds N, the N-th ``load_weights`` call from
-then on raises, and the file is removed: an error midway through a reload, inside the real
-server, without changing the project's code.
+Not installed anywhere: the real-server tests put this folder on the server's PYTHONPATH
+(SGLang finds the entry point in the dist-info next to it). It wraps the model's
+``load_weights`` (which SGLang's reloads, the asyncsync plugin's in-place applies and its
+audit all go through):
+
+* ``$ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS`` names a file; when it exists and holds N, the N-th
+  ``load_weights`` call from then on raises, and the file is removed: an error midway through
+  a reload, without changing the project's code.
+* ``$ASYNCSYNC_TEST_CORRUPT_PARAM`` names a file; when it exists and holds a parameter name,
+  the next ``load_weights`` call first flips the lowest bit of that parameter's first element
+  (through NumPy, below torch: nothing of the project sees the write), and the file is
+  removed: memory that no longer holds what was loaded, for the audit to find.
 """
 
 import os
 from pathlib import Path
 
 MARKER_ENV = "ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS"
+CORRUPT_ENV = "ASYNCSYNC_TEST_CORRUPT_PARAM"
 TARGET = "sglang.srt.models.llama.LlamaForCausalLM.load_weights"
 
 
+def _corrupt(model):
+    marker = os.environ.get(CORRUPT_ENV)
+    if not marker or not os.path.exists(marker):
+        return
+    p = Path(marker)
+    name = p.read_text().strip()
+    p.unlink()
+    param = dict(model.named_parameters())[name]
+    arr = param.data.numpy()  # a view of the parameter's memory
+    arr.reshape(-1).view("u1")[0] ^= 1
+    print(f"asyncsync test fault plugin: corrupted {name}", flush=True)
+
+
 def _around(original, self, weights, *args, **kwargs):
+    _corrupt(self)
     marker = os.environ.get(MARKER_ENV)
     if marker and os.path.exists(marker):
         p = Path(marker)
