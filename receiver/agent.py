@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,48 +59,15 @@ from receiver.shard_reader import (
     shard_source,
     verified,
 )
+from receiver.status import AgentStatus, Counters
 from receiver.stream import StreamApplier, early_reader
-from receiver.watch import wakeups
+from receiver.watch import Repeats, first_of, wakeups
 
 __all__ = ["AgentStatus", "ReceiverAgent"]
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_LOG_SECONDS = 5.0
-REPEAT_LOG_SECONDS = 60.0  # a failure that recurs is logged again after this long
-
-
-@dataclass(frozen=True)
-class AgentStatus:
-    engine_id: str
-    version: int | None
-    latest: int | None
-    lag: int | None
-    applied: int
-    failures: int
-    last_error: str | None
-    last_apply_seconds: float | None
-    prefetched_shards: int = 0  # shards read before their manifest existed, then verified
-    streamed_shards: int = 0  # shards applied before their manifest existed, then confirmed
-    applying: int | None = None  # the version in flight
-    progress: tuple[int, int] | None = None  # its shards applied / to apply
-    engine: dict[str, Any] | None = None  # engine-specific facts (Engine.info())
-    bad_versions: tuple[int, ...] = ()  # versions found damaged or unusable, and gone past
-
-
-@dataclass
-class _Counters:
-    prefetched: int = 0
-    streamed: int = 0
-    applying: int | None = None
-    progress: tuple[int, int] | None = None
-    progress_logged: float = 0.0
-    applied: int = 0
-    failures: int = 0
-    last_error: str | None = None
-    last_apply_seconds: float | None = None
-    latest: int | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ReceiverAgent:
@@ -187,7 +153,7 @@ class ReceiverAgent:
         self._sync_lock = asyncio.Lock()
         self._refused: set[int] = set()  # versions the engine refused (a keyframe follows)
         self._said_waiting: str | None = None
-        self._c = _Counters()
+        self._c = Counters()
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> ReceiverAgent:
@@ -294,10 +260,10 @@ class ReceiverAgent:
 
         watcher = asyncio.create_task(watch(), name=f"watch {self.engine_id}")
         beat = asyncio.create_task(heartbeat(), name=f"lease {self.engine_id}")
-        failing = _Repeats()
+        failing = Repeats()
         try:
             while not stop.is_set():
-                await _first_of(wake, stop)
+                await first_of(wake, stop)
                 wake.clear()
                 if stop.is_set():
                     break
@@ -607,44 +573,3 @@ class ReceiverAgent:
         if not isinstance(p, Prefetcher) or p.version != m.version or shard.role != "delta":
             return None
         return p.take(shard.file)
-
-
-class _Repeats:
-    """One failure said once per REPEAT_LOG_SECONDS, however often it recurs."""
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.message: str | None = None
-        self.logged = 0.0
-        self.count = 0  # failures since it was last logged
-        self.repeated = 0  # failures that were not logged before the last line
-        self.streak = 0  # failures in a row
-
-    def should_log(self, message: str) -> bool:
-        now = time.monotonic()
-        self.streak += 1
-        if message != self.message or now - self.logged >= REPEAT_LOG_SECONDS:
-            self.repeated, self.count = (self.count if message == self.message else 0), 0
-            self.message, self.logged = message, now
-            return True
-        self.count += 1
-        return False
-
-    def since(self) -> str:
-        return f" ({self.repeated + 1} times in {REPEAT_LOG_SECONDS:g}s)" if self.repeated else ""
-
-    def backoff(self, poll: float) -> float:
-        return min(poll * 2 ** min(self.streak - 1, 10), REPEAT_LOG_SECONDS / 6)
-
-
-async def _first_of(*events: asyncio.Event) -> None:
-    """Wait until any of ``events`` is set."""
-    waiters = [asyncio.create_task(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)

@@ -21,13 +21,16 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from asyncsync.format import ACKS_DIR
 from asyncsync.format.names import LEASES_DIR
 
-__all__ = ["wakeups"]
+__all__ = ["REPEAT_LOG_SECONDS", "Repeats", "first_of", "wakeups"]
+
+REPEAT_LOG_SECONDS = 60.0  # a failure that recurs is logged again after this long
 
 logger = logging.getLogger(__name__)
 
@@ -99,3 +102,44 @@ async def wakeups(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+class Repeats:
+    """One failure said once per REPEAT_LOG_SECONDS, however often it recurs."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.message: str | None = None
+        self.logged = 0.0
+        self.count = 0  # failures since it was last logged
+        self.repeated = 0  # failures that were not logged before the last line
+        self.streak = 0  # failures in a row
+
+    def should_log(self, message: str) -> bool:
+        now = time.monotonic()
+        self.streak += 1
+        if message != self.message or now - self.logged >= REPEAT_LOG_SECONDS:
+            self.repeated, self.count = (self.count if message == self.message else 0), 0
+            self.message, self.logged = message, now
+            return True
+        self.count += 1
+        return False
+
+    def since(self) -> str:
+        return f" ({self.repeated + 1} times in {REPEAT_LOG_SECONDS:g}s)" if self.repeated else ""
+
+    def backoff(self, poll: float) -> float:
+        return min(poll * 2 ** min(self.streak - 1, 10), REPEAT_LOG_SECONDS / 6)
+
+
+async def first_of(*events: asyncio.Event) -> None:
+    """Wait until any of ``events`` is set."""
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)

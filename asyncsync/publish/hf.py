@@ -14,11 +14,11 @@ import safetensors.torch
 import torch
 
 from asyncsync import fsio
-from asyncsync.errors import ConfigError
+from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.format import FullRef, ShardInfo, TensorEntry, check_file_name, dtype_name
 from asyncsync.format.checksum import checksum_file, checksum_tensor
 
-__all__ = ["checkpoint_files", "resolve_files", "scan_checkpoint"]
+__all__ = ["checkpoint_files", "register_scan", "resolve_files", "scan_checkpoint"]
 
 
 def checkpoint_files(path: Path) -> list[str]:
@@ -102,3 +102,23 @@ def scan_checkpoint(
                 )
             )
     return shards, entries, tensors, shard_dir
+
+
+def register_scan(
+    path: Path, root: Path, algorithm: str
+) -> tuple[list[ShardInfo], list[TensorEntry], dict[str, torch.Tensor], Path]:
+    """:func:`scan_checkpoint` of a checkpoint to register as a root's version (``seed(path)``):
+    one inside the root is refused (readers never follow a symlink there), and any failure to
+    read it is a ConfigError naming it."""
+    path = path.resolve()
+    if path.is_relative_to(root.resolve()):
+        raise ConfigError(
+            f"cannot register {path}: it is inside the root {root}; register a "
+            "checkpoint directory outside the shared root"
+        )
+    try:
+        return scan_checkpoint(path, algorithm)
+    except AsyncSyncError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"cannot register checkpoint {path}: {exc!r}") from exc

@@ -49,7 +49,7 @@ from asyncsync.codec.shards import (
     diff_bucket,
     encode_bucket,
 )
-from asyncsync.errors import AsyncSyncError, ConfigError, LockHeld, PublishError
+from asyncsync.errors import ConfigError, LockHeld, PublishError
 from asyncsync.format import (
     AckRecord,
     Manifest,
@@ -59,7 +59,7 @@ from asyncsync.format import (
     dtype_name,
     version_dir,
 )
-from asyncsync.format.checksum import DEFAULT_ALGORITHM, new_hasher
+from asyncsync.format.checksum import DEFAULT_ALGORITHM
 from asyncsync.format.store import (
     ensure_root_info,
     list_versions,
@@ -83,8 +83,9 @@ from asyncsync.publish.commit import (
 )
 from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.group import Attempt
-from asyncsync.publish.hf import scan_checkpoint
+from asyncsync.publish.hf import register_scan
 from asyncsync.publish.merge import TensorSlice
+from asyncsync.publish.options import check_options
 from asyncsync.publish.ranked import Committer, RankedCommitter, Round, SoloCommitter, Written
 from asyncsync.publish.retention import RetentionPolicy
 from asyncsync.publish.stats import PublisherStats, PublishResult, Tally
@@ -147,25 +148,12 @@ class Publisher:
         coordinator: Coordinator | None = None,
         delta_shard_bytes: int | None = None,
     ) -> None:
-        if encoding not in codec.ENCODINGS:
-            raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
-        new_hasher(checksum)  # raises ConfigError for an unknown algorithm
-        if bucket_bytes < 1:
-            raise ConfigError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        if delta_shard_bytes is not None and delta_shard_bytes < 1:
-            raise ConfigError(f"delta_shard_bytes must be >= 1, got {delta_shard_bytes}")
-        if max_in_flight < 1:
-            raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        if mode not in ("delta", "full"):
-            raise ConfigError(f"mode must be 'delta' or 'full', got {mode!r}")
-        if keyframe_interval < 0:
-            raise ConfigError(
-                f"keyframe_interval must be >= 0 (0 = never), got {keyframe_interval}"
-            )
-        if not 1 <= zstd_level <= 22:
-            raise ConfigError(f"zstd_level must be in 1..22, got {zstd_level}")
-        if pre_commit_hook is not None and not callable(pre_commit_hook):
-            raise ConfigError("pre_commit_hook must be callable: hook(version_dir)")
+        check_options(
+            encoding=encoding, checksum=checksum, bucket_bytes=bucket_bytes,
+            delta_shard_bytes=delta_shard_bytes, max_in_flight=max_in_flight, mode=mode,
+            keyframe_interval=keyframe_interval, zstd_level=zstd_level,
+            pre_commit_hook=pre_commit_hook, retention=retention, coordinator=coordinator,
+        )  # fmt: skip
         self.root = Path(root)
         self.encoding = encoding
         self.checksum = checksum
@@ -177,12 +165,8 @@ class Publisher:
         self.keyframe_interval = keyframe_interval
         self.zstd_level = zstd_level
         self.pre_commit_hook = pre_commit_hook
-        if retention is not None and not isinstance(retention, RetentionPolicy):
-            raise ConfigError("retention must be a RetentionPolicy or None")
         self.retention = retention
         self._producer = {"host": socket.gethostname(), "pid": os.getpid(), **(producer or {})}
-        if coordinator is not None and not isinstance(coordinator, Coordinator):
-            raise ConfigError("coordinator must be an asyncsync.publish.distributed.Coordinator")
         self._committer: Committer = SoloCommitter()
         if coordinator is not None:
             config = {"encoding": encoding, "checksum": checksum, "mode": mode}
@@ -439,16 +423,11 @@ class Publisher:
         streams = delta and not self._committer.ranked and bool(self._fingerprint)  # FORMAT 4.3
         stream = (version - 1, self._fingerprint, secrets.token_hex(6), self.encoding)
         acc = VersionWriter(
-            vdir=vdir,
-            algorithm=self.checksum,
-            version=version,
-            run_id=self._run_id,
+            vdir=vdir, algorithm=self.checksum, version=version, run_id=self._run_id,
             shard_bytes=self.delta_shard_bytes,
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
-            slices=sl,
-            prefix=rnd.prefix,
-            stream=stream if streams else None,
-        )
+            slices=sl, prefix=rnd.prefix, stream=stream if streams else None,
+        )  # fmt: skip
         stage_ref = ["prepare"]
         self._in_flight = 0
         self._progress = None
@@ -577,19 +556,10 @@ class Publisher:
         return res
 
     def _manifest(
-        self,
-        version: int,
-        entries: tuple[TensorEntry, ...],
-        shards: tuple[ShardInfo, ...],
-        raw_bytes: int,
-        created: float,
-        delta: bool,
-        full: bool,
-        shard_dir: str | None = None,
-        *,
-        attempt: str | None = None,
-        producer: Mapping[str, Any] | None = None,
-    ) -> Manifest:
+        self, version: int, entries: tuple[TensorEntry, ...], shards: tuple[ShardInfo, ...],
+        raw_bytes: int, created: float, delta: bool, full: bool, shard_dir: str | None = None,
+        *, attempt: str | None = None, producer: Mapping[str, Any] | None = None,
+    ) -> Manifest:  # fmt: skip
         return build_manifest(
             version=version, entries=entries, shards=shards, raw_bytes=raw_bytes,
             created=created, delta=delta, full=full, encoding=self.encoding,
@@ -602,33 +572,15 @@ class Publisher:
 
     async def _register_checkpoint(self, path: Path) -> PublishResult:
         """Seed from an existing HF safetensors checkpoint without rewriting it."""
-        path = path.resolve()
-        if path.is_relative_to(self.root.resolve()):  # readers never follow a symlink there
-            raise ConfigError(
-                f"cannot register {path}: it is inside the root {self.root}; register a "
-                "checkpoint directory outside the shared root"
-            )
         version = self._next_version
         vdir = version_dir(self.root, version)
         t0 = time.perf_counter()
         created = time.time()
-        try:
-            shards, entries, tensors, shard_dir = await asyncio.to_thread(
-                scan_checkpoint, path, self.checksum
-            )
-        except AsyncSyncError:
-            raise
-        except Exception as exc:
-            raise ConfigError(f"cannot register checkpoint {path}: {exc!r}") from exc
+        shards, entries, tensors, shard_dir = await asyncio.to_thread(
+            register_scan, path, self.root, self.checksum
+        )
         manifest = self._manifest(
-            version,
-            tuple(entries),
-            tuple(shards),
-            0,
-            created,
-            False,
-            True,
-            shard_dir=str(shard_dir),
+            version, tuple(entries), tuple(shards), 0, created, False, True, str(shard_dir)
         )
         stage = ["mkdir"]
         try:
