@@ -83,9 +83,13 @@ class Process:
     def start(self) -> None:
         with open(self.log, "ab") as out:
             out.write(f"\n===== start {time.strftime('%H:%M:%S')}: {' '.join(self.cmd)}\n".encode())
+            # run beside its log, never in the checkout: `python -m` puts the working directory
+            # first on sys.path, and a checkout's asyncsync.egg-info (pip install -e) would
+            # register the asyncsync plugins in a server started without them
             self.proc = subprocess.Popen(
-                self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-            )
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True, cwd=self.log.resolve().parent,
+            )  # fmt: skip
 
     @property
     def alive(self) -> bool:

@@ -154,7 +154,7 @@ async def run_series(
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env = build.ensure()
-    build.install_plugin(env, build.PLUGIN_DIR, label="vLLM")
+    build.sglang_build.install_plugin(env, build.PLUGIN_DIR, label="vLLM")
     model = work / "model"
     run_env_python(
         env, str(build.MAKE_TINY_MODEL), str(model), "llama",
