@@ -333,8 +333,12 @@ async def test_dockerfile_healthcheck_command_probes_a_real_status_server(
     from receiver.agent import AgentStatus
     from receiver.server import StatusServer
 
+    class Engine:
+        def metrics(self) -> dict[str, tuple[str, float | None]]:
+            return {}
+
     class Agent:
-        engine_id, root = "e0", Path("/shared")
+        engine_id, root, engine = "e0", Path("/shared"), Engine()
         error: str | None = None
 
         def status(self) -> AgentStatus:

@@ -284,9 +284,10 @@ async def test_the_audit_catches_a_corrupted_served_tensor(stack: Stack) -> None
     s = stack
     victim = "model.layers.1.mlp.down_proj.weight"
     (s.server.log.parent / "corrupt-param").write_text(victim)
-    v = await s.trainer.step([ONE])  # the next load_weights call corrupts it, then XORs
+    v = await s.trainer.step([ONE])  # the next load_weights call (the audit's) corrupts it
     await s.trainer.wait_acked(v, EID)
-    assert not (s.server.log.parent / "corrupt-param").exists(), "the fault plugin did not run"
+    wait_for("the fault plugin's corruption",
+             lambda: not (s.server.log.parent / "corrupt-param").exists(), timeout=120)  # fmt: skip
     wait_for("the repair", lambda: s.receiver.status()["engine"]["audit"]["repairs"] >= 1,
              timeout=180)  # fmt: skip
     wait_for("/readyz 200 after the repair", lambda: s.receiver.get("/readyz")[0] == 200)

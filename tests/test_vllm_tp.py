@@ -49,12 +49,17 @@ class Ranks:
         self.ready = self.read()
 
     def read(self) -> dict[str, Any]:
+        """The next answer: a line holding a JSON object (vLLM may log to stdout as well)."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(10)
-            raise AssertionError(f"tp_worker exited {self.proc.returncode}: see {self.log.name}")
-        return dict(json.loads(line))
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait(10)
+                raise AssertionError(
+                    f"tp_worker exited {self.proc.returncode}: see {self.log.name}"
+                )
+            if line.startswith("{"):
+                return dict(json.loads(line))
 
     def __call__(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None

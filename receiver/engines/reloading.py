@@ -46,20 +46,19 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from asyncsync import fsio
-from asyncsync.errors import ApplyFailed, ConfigError, EngineStateError
+from asyncsync.errors import ApplyFailed, ConfigError
 from asyncsync.format import Manifest
 from receiver.engines.audit_view import AuditWatch
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import EngineHTTPError, HttpClient, RetryPolicy, Timeouts
+from receiver.engines.server_record import read_record, record_of
 from receiver.engines.stage_builder import Staging, clear_stages
 from receiver.state import STATE_DIR_NAME
 
 __all__ = ["ReloadingEngine"]
 
 logger = logging.getLogger(__name__)
-
-_RECORD_FORMAT = "asyncsync-server-state"
 
 
 @dataclass
@@ -582,38 +581,14 @@ class ReloadingEngine(Engine, abc.ABC):
 
     @staticmethod
     def _holds(local: EngineState, m: Manifest) -> bool:
-        return (local.version, local.run_id, local.fingerprint) == (
-            m.version,
-            m.run_id,
-            m.fingerprint,
-        )
+        held = (local.version, local.run_id, local.fingerprint)
+        return held == (m.version, m.run_id, m.fingerprint)
 
     def _record_of(self, s: EngineState) -> dict[str, Any]:
-        return {
-            "format": _RECORD_FORMAT,
-            "format_version": 1,
-            "engine": self.kind,
-            "url": str(self.client.url),
-            "model_path": self.model_path,
-            "version": s.version,
-            "run_id": s.run_id,
-            "fingerprint": s.fingerprint,
-        }
+        return record_of(self.kind, str(self.client.url), self.model_path, s)
 
     def _read_record(self) -> dict[str, Any] | None:
-        try:
-            d = json.loads(fsio.read_bytes(self.record_path, limit=1 << 20))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            raise EngineStateError(
-                f"cannot read {self.record_path}: {exc}; remove it (the receiver then reloads "
-                "the checkpoint into the server once)"
-            ) from exc
-        if not isinstance(d, dict):
-            return None
-        d.pop("updated_at", None)
-        return d
+        return read_record(self.record_path)
 
     async def _set_state(self, s: EngineState) -> None:
         data = json.dumps({**self._record_of(s), "updated_at": time.time()}, indent=1) + "\n"

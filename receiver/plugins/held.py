@@ -191,7 +191,9 @@ def read_verified(
     for file, file_names in by_file.items():
         with safetensors.safe_open(str(directory / file), framework="pt") as f:
             for n in file_names:
-                t = f.get_tensor(n)
+                # a copy: safetensors maps the file, and the receiver patches its checkpoint in
+                # place; the bytes verified must be the bytes loaded or compared
+                t = f.get_tensor(n).clone()
                 got = layout_checksum(
                     tensor_bytes(t), t.element_size(), (parts or {}).get(n), algorithm
                 )

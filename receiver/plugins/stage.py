@@ -8,7 +8,7 @@ not verify or does not parse exactly.
 
 A stage is a directory (the receiver keeps it under ``<checkpoint>/.asyncsync/engine-stage/``)::
 
-    delta.bin     the arrays, little-endian, each at a 64-byte aligned offset
+    delta.xor     the arrays, little-endian, each at a 64-byte aligned offset
     stage.json    written last, atomically: the stage exists once this file does
 
 ``stage.json`` (format ``asyncsync-stage``, ``format_version`` 1)::
@@ -17,7 +17,7 @@ A stage is a directory (the receiver keeps it under ``<checkpoint>/.asyncsync/en
      "target": {"version": N, "run_id": R, "fingerprint": F},    the version it makes
      "base":   {"version": B, "run_id": R, "fingerprint": G},    the version it applies to
      "checksum_algorithm": "xxh3-128",
-     "data": {"file": "delta.bin", "bytes": S, "checksum": "<of the whole file>"},
+     "data": {"file": "delta.xor", "bytes": S, "checksum": "<of the whole file>"},
      "tensors": [{"name", "dtype", "shape", "changed",
                   "positions": {"offset", "count", "dtype": "int32"|"int64"} | null,
                   "values":    {"offset", "count", "dtype": "uint8"|"int16"|"int32"|"int64"}}],
@@ -78,7 +78,9 @@ STAGE_DIR = "engine-stage"  # stages live in <checkpoint>/.asyncsync/engine-stag
 #: an engine plugin that applies stages ends every answer with this (the receiver sends stages
 #: only to a server whose last answer carried it: one without the plugin cannot read them)
 STAGE_CAPABILITY = " [asyncsync-stage/1]"
-DATA_NAME = "delta.bin"
+#: not ``*.bin``: SGLang's own loader reads every ``*.bin`` of a directory as a PyTorch pickle,
+#: and its scheduler dies on one that is not (a stage handed to a server without the plugin)
+DATA_NAME = "delta.xor"
 ALIGN = 64
 MAX_STAGE_JSON = 256 << 20
 _INT_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -6,8 +6,9 @@ Not installed anywhere: the real-server tests put this folder on the server's PY
 audit all go through):
 
 * ``$ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS`` names a file; when it exists and holds N, the N-th
-  ``load_weights`` call from then on raises, and the file is removed: an error midway through
-  a reload, without changing the project's code.
+  ``load_weights`` call (or per-tensor ``apply_plan`` of an in-place apply) from then on
+  raises, and the file is removed: an error midway through a reload or an in-place apply,
+  without changing the project's code.
 * ``$ASYNCSYNC_TEST_CORRUPT_PARAM`` names a file; when it exists and holds a parameter name,
   the next ``load_weights`` call first flips the lowest bit of that parameter's first element
   (through NumPy, below torch: nothing of the project sees the write), and the file is
@@ -35,16 +36,20 @@ def _corrupt(model):
     print(f"asyncsync test fault plugin: corrupted {name}", flush=True)
 
 
-def _around(original, self, weights, *args, **kwargs):
-    _corrupt(self)
+def _count_down(what):
     marker = os.environ.get(MARKER_ENV)
     if marker and os.path.exists(marker):
         p = Path(marker)
         n = int(p.read_text().strip() or "1")
         if n <= 1:
             p.unlink()
-            raise RuntimeError("injected failure in load_weights (asyncsync test fault plugin)")
+            raise RuntimeError(f"injected failure in {what} (asyncsync test fault plugin)")
         p.write_text(str(n - 1))
+
+
+def _around(original, self, weights, *args, **kwargs):
+    _corrupt(self)
+    _count_down("load_weights")
     return original(self, weights, *args, **kwargs)
 
 
@@ -52,3 +57,16 @@ def register():
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _around, HookType.AROUND)
+    # the in-place apply of a planned tensor calls no load_weights (receiver.plugins.scatter):
+    # its per-tensor apply_plan counts toward the same N-th call
+    try:
+        import receiver.plugins.inplace as inplace
+    except ImportError:  # a server without the asyncsync plugin
+        return
+    original = inplace.apply_plan
+
+    def apply_plan(plan, positions, values):
+        _count_down("apply_plan")
+        return original(plan, positions, values)
+
+    inplace.apply_plan = apply_plan
