@@ -217,7 +217,7 @@ def test_slime_link_publishes_to_the_live_engines_while_one_is_replaced(
 def test_trainer_ranks_placed_by_the_caller_and_a_node_lost(
     nodes: TwoNodes, tmp_path: Path
 ) -> None:
-    """Ranks go where the caller says (one per node here; spread by default); when the second
+    """Ranks go where the caller says (one per node here; Ray's SPREAD by default); when the second
     node dies its rank and receiver are reported gone, the receiver is not restarted on a dead
     node, and tearing everything down raises nothing."""
     from ray.exceptions import RayActorError
@@ -228,7 +228,9 @@ def test_trainer_ranks_placed_by_the_caller_and_a_node_lost(
         start_trainers(cfg, world_size=2, num_cpus=0, placement=[nodes.head_node, "ff" * 28])
     spread = start_trainers(cfg, world_size=2, num_cpus=0)
     try:
-        assert {n["node_id"] for n in spread.nodes} == {nodes.head_node, nodes.node_b}
+        # Ray's SPREAD is best effort (both ranks on one node is allowed, seen under load)
+        assert {n["node_id"] for n in spread.nodes} <= {nodes.head_node, nodes.node_b}
+        assert len(spread.nodes) == 2
     finally:
         spread.close()
     sd = mixed_state(2)
