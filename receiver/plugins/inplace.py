@@ -42,6 +42,7 @@ import safetensors
 import torch
 
 from asyncsync.errors import FormatError
+from asyncsync.pipeline import run_all
 from receiver.plugins.held import (
     INDEX_NAME,
     CheckpointSnapshot,
@@ -55,7 +56,7 @@ from receiver.plugins.held import (
     tensor_specs,
 )
 from receiver.plugins.routing import Guard, ModelParams, Route, apply_xor, route
-from receiver.plugins.scatter import Plan, apply_plan, make_plan
+from receiver.plugins.scatter import Plan, XorStep, apply_plan, make_plan
 from receiver.plugins.stage import STAGE_DIR, Stage, StagedTensor, VersionRef, read_stage
 
 __all__ = ["ENV_IN_PLACE", "InEngineLoader", "LoadResult", "Probe", "checkpoint_of_stage"]
@@ -363,9 +364,12 @@ class InEngineLoader:
             done: list[StagedTensor] = []
             nbytes = 0
             try:
+                nbytes += self._xor_parallel(xor, done)
+                parallel = {id(t) for t in done}
                 for t in xor:
-                    nbytes += self._xor(t)
-                    done.append(t)
+                    if id(t) not in parallel:
+                        nbytes += self._xor(t)
+                        done.append(t)
             except _Fallback as exc:
                 if not self._undo(done):
                     why = f"undoing a stopped in-place apply failed: {exc}"
@@ -490,7 +494,7 @@ class InEngineLoader:
         if plan is not None and t.positions is not None:
             dev = self.device()
             try:
-                n = apply_plan(plan, t.positions.to(dev, torch.int64), t.values.to(dev))
+                n = apply_plan(plan, t.positions.to(dev), t.values.to(dev))
             except Exception as exc:  # a device error midway: this tensor is half-written
                 raise _Broken(f"tensor {t.name}: the sparse apply failed: {exc}") from exc
             return n * t.values.element_size()
@@ -509,6 +513,22 @@ class InEngineLoader:
         except Exception as exc:
             raise _Broken(f"tensor {t.name}: the XOR failed: {exc}") from exc
 
+    def _xor_parallel(self, xor: list[StagedTensor], done: list[StagedTensor]) -> int:
+        """XOR the tensors whose plans are independent (XOR steps only, on CPU: disjoint
+        bytes, no order between them) on the process's pool; appends them to ``done`` once
+        every one has finished. Returns their bytes; the rest go one by one, in order."""
+        if self.device().type != "cpu":
+            return 0
+        todo = [t for t in xor if t.positions is not None and _independent(self._probes[t.name])]
+        if len(todo) < 2:
+            return 0
+        results = run_all(self._xor, todo)
+        broken = [r for r in results if isinstance(r, BaseException)]
+        if broken:  # every call has finished: some tensors may be half-written
+            raise broken[0]
+        done.extend(todo)
+        return sum(r for r in results if isinstance(r, int))
+
     def _undo(self, done: list[StagedTensor]) -> bool:
         """XOR the applied tensors again (back to the base); False when that failed."""
         try:
@@ -519,6 +539,11 @@ class InEngineLoader:
             self.forget("an in-place apply could not be undone")
             return False
         return True
+
+
+def _independent(probe: Probe) -> bool:
+    """A plan of XORs only (a copy step reads another parameter: it keeps its place in order)."""
+    return probe.plan is not None and all(isinstance(s, XorStep) for s in probe.plan.steps)
 
 
 def _weight_map(ckpt: Path, held: Held) -> dict[str, str]:

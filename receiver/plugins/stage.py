@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from asyncsync import fsio
+from asyncsync.codec import native
 from asyncsync.errors import FormatError
 from asyncsync.format.checksum import ALGORITHMS, Hasher, new_hasher
 from asyncsync.format.names import dtype_from_name, dtype_name
@@ -453,6 +454,19 @@ def _array(ref: Any, buf: bytearray, names: Mapping[str, torch.dtype], where: st
     return torch.frombuffer(buf, dtype=dt, count=count, offset=off)
 
 
+def _increasing(positions: torch.Tensor, limit: int) -> bool:
+    """Whether ``positions`` are >= 0, strictly increasing and < ``limit`` (one C pass when the
+    kernels are loaded)."""
+    k = native.kernels
+    if k is not None and hasattr(k, "increasing"):
+        return bool(k.increasing(positions.numpy(), positions.element_size(), limit))
+    return (
+        int(positions[0]) >= 0
+        and int(positions[-1]) < limit
+        and (positions.numel() < 2 or bool((positions[1:] > positions[:-1]).all()))
+    )
+
+
 def _tensor(e: Any, buf: bytearray, where: str) -> StagedTensor:
     if not isinstance(e, dict) or not isinstance(e.get("name"), str):
         raise FormatError(f"{where}: expected an object with a name")
@@ -480,11 +494,7 @@ def _tensor(e: Any, buf: bytearray, where: str) -> StagedTensor:
         if n != values.numel() or n != changed:
             raise FormatError(f"{where}: tensor {name!r}: {n} positions, {values.numel()} "
                               f"values, changed {changed}")  # fmt: skip
-        if n and (
-            int(positions[0]) < 0
-            or int(positions[-1]) >= numel
-            or (n > 1 and not bool((positions[1:] > positions[:-1]).all()))
-        ):
+        if n and not _increasing(positions, numel):
             raise FormatError(
                 f"{where}: tensor {name!r}: positions not strictly increasing within {numel}"
             )
