@@ -146,7 +146,7 @@ class ReloadingEngine(Engine, abc.ABC):
         self._staging = Staging(self.kind)
         self.audit_watch = AuditWatch(checkpoint_dir)
         self.last_pause_seconds: float | None = None
-        #: (time.monotonic() of the pause request, of the resume's answer) of the last reload
+        #: (monotonic time of the pause request, of the resume's answer), the last reload
         self.last_pause_window: tuple[float, float] | None = None
         self.in_place_applies = 0
 
@@ -409,6 +409,8 @@ class ReloadingEngine(Engine, abc.ABC):
     async def commit(self) -> str:
         txn = self._need_txn()
         m = txn.manifest
+        # stage first: the plugin verifies it while the checkpoint commits (applied only below)
+        stage = await self._staging.commit()
         if not txn.reload_only:
             try:
                 await self.checkpoint.commit()
@@ -417,7 +419,6 @@ class ReloadingEngine(Engine, abc.ABC):
                 raise
             txn.local_committed = True
         self._txn = None
-        stage = await self._staging.commit()
         try:
             await self._reload_server(m.version, stage=stage)
         finally:

@@ -29,6 +29,7 @@ needs ``model.load_weights`` and, from the engine, a full reload callable.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -56,8 +57,15 @@ from receiver.plugins.held import (
     tensor_specs,
 )
 from receiver.plugins.routing import Guard, ModelParams, Route, apply_xor, route
-from receiver.plugins.scatter import Plan, XorStep, apply_plan, make_plan
-from receiver.plugins.stage import STAGE_DIR, Stage, StagedTensor, VersionRef, read_stage
+from receiver.plugins.scatter import Probe, apply_plan, conflicts, independent, make_plan
+from receiver.plugins.stage import (
+    STAGE_DIR,
+    Stage,
+    StagedTensor,
+    VersionRef,
+    read_stage,
+    stage_record,
+)
 
 __all__ = ["ENV_IN_PLACE", "InEngineLoader", "LoadResult", "Probe", "checkpoint_of_stage"]
 
@@ -70,17 +78,6 @@ ENV_BATCH_BYTES = "ASYNCSYNC_SGLANG_BATCH_BYTES"
 
 class SupportsLoadWeights(Protocol):
     def load_weights(self, weights: Any) -> Any: ...
-
-
-@dataclass(frozen=True)
-class Probe:
-    """How one HF tensor routes into the model (on a zero tensor): its writes, or why not."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    footprint: tuple[tuple[str, str, int, int], ...] = ()
-    problem: str | None = None
-    plan: Plan | None = None  # the sparse map of its positions (None: route the dense XOR)
 
 
 class _Fallback(Exception):
@@ -162,6 +159,8 @@ class InEngineLoader:
         self._probes: dict[str, Probe] = {}
         self._transient: set[str] = set()  # probes that failed by an exception: not kept
         self._conflicts: dict[str, str] = {}
+        self._ahead: Stage | None = None  # a stage read and verified ahead (offer)
+        self._ahead_lock = threading.Lock()
 
     def __repr__(self) -> str:
         v = None if self.held is None else self.held.version.version
@@ -336,7 +335,7 @@ class InEngineLoader:
         if ckpt is None:
             return self._refuse("", f"{sdir} is not a stage of an asyncsync checkpoint")
         try:
-            stage = read_stage(sdir)
+            stage, ahead = self._read_stage(sdir)
         except FormatError as exc:
             return self._via_checkpoint(ckpt, full_reload_of, f"the stage does not verify: {exc}")
         t_read = time.perf_counter()
@@ -397,12 +396,34 @@ class InEngineLoader:
             f"{len(xor)} of {len(stage.checksums)} tensors XORed in place "
             f"({nbytes / 2**20:.1f} MiB), {len(whole)} loaded whole"
             + (f" ({reasons})" if whole else "")
-            + f" in {ms:.1f} ms (stage read and verified in {read_ms:.1f} ms)"
+            + f" in {ms:.1f} ms (stage read and verified "
+            + ("before the pause)" if ahead else f"in {read_ms:.1f} ms)")
         )
         self.stats.last = {"version": stage.target.version, "ms": round(ms, 2),
                            "xor": len(xor), "whole": len(whole)}  # fmt: skip
         logger.info("%s", msg)
         return True, msg
+
+    def offer(self, stage: Stage) -> None:
+        """A stage read and verified ahead of its apply (:mod:`receiver.plugins.prefetch`)."""
+        with self._ahead_lock:
+            self._ahead = stage
+
+    def _read_stage(self, sdir: Path) -> tuple[Stage, bool]:
+        """The stage in ``sdir``: the copy read ahead when its record on disk is unchanged
+        (the record names the data's checksum the copy was verified against), else read and
+        verified now. True when it was read ahead."""
+        with self._ahead_lock:
+            ahead = self._ahead
+            if ahead is not None and ahead.directory.resolve() == sdir:
+                self._ahead = None
+            else:
+                ahead = None
+        if ahead is not None and ahead.record:
+            with contextlib.suppress(FormatError):
+                if stage_record(sdir) == ahead.record:
+                    return ahead, True
+        return read_stage(sdir), False
 
     def _why_not_in_place(self, stage: Stage, ckpt: Path) -> str | None:
         if not self.in_place:
@@ -455,7 +476,7 @@ class InEngineLoader:
                 self._transient.add(n)
             elif r.problem:
                 logger.info("asyncsync: %s takes no in-place XOR: %s", n, r.problem)
-        self._conflicts = _conflicts(self._probes)
+        self._conflicts = conflicts(self._probes)
         return self._probes
 
     def _plan(self, stage: Stage, ckpt: Path) -> tuple[list[StagedTensor], dict[str, str]]:
@@ -519,7 +540,7 @@ class InEngineLoader:
         every one has finished. Returns their bytes; the rest go one by one, in order."""
         if self.device().type != "cpu":
             return 0
-        todo = [t for t in xor if t.positions is not None and _independent(self._probes[t.name])]
+        todo = [t for t in xor if t.positions is not None and independent(self._probes[t.name])]
         if len(todo) < 2:
             return 0
         results = run_all(self._xor, todo)
@@ -541,36 +562,11 @@ class InEngineLoader:
         return True
 
 
-def _independent(probe: Probe) -> bool:
-    """A plan of XORs only (a copy step reads another parameter: it keeps its place in order)."""
-    return probe.plan is not None and all(isinstance(s, XorStep) for s in probe.plan.steps)
-
-
 def _weight_map(ckpt: Path, held: Held) -> dict[str, str]:
     try:
         return read_weight_map(ckpt / INDEX_NAME)
     except (OSError, ValueError):
         return held.weight_map
-
-
-def _conflicts(probes: dict[str, Probe]) -> dict[str, str]:
-    """Names whose writes overlap another name's (a full load's order decides those bytes)."""
-    spans = sorted(
-        (param, start, end, name)
-        for name, p in probes.items()
-        for kind, param, start, end in p.footprint
-        if kind != "keep" and end > start
-    )
-    out: dict[str, str] = {}
-    cur: tuple[str, int, str] | None = None  # (param, furthest end so far, its name)
-    for param, start, end, name in spans:
-        if cur is not None and cur[0] == param and start < cur[1] and cur[2] != name:
-            why = f"tensors {cur[2]} and {name} write the same bytes of {param}"
-            out.setdefault(cur[2], why)
-            out.setdefault(name, why)
-        if cur is None or cur[0] != param or end > cur[1]:
-            cur = (param, end, name)
-    return out
 
 
 def _batches(

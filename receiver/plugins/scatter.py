@@ -26,7 +26,16 @@ import torch
 from asyncsync.codec import Patch, apply_patch, int_view, native
 from receiver.plugins.routing import Route, storage_key
 
-__all__ = ["CopyStep", "Plan", "XorStep", "apply_plan", "make_plan"]
+__all__ = [
+    "CopyStep",
+    "Plan",
+    "Probe",
+    "XorStep",
+    "apply_plan",
+    "conflicts",
+    "independent",
+    "make_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,17 @@ class Plan:
 
     name: str
     steps: tuple[XorStep | CopyStep, ...]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How one HF tensor routes into the model (on a zero tensor): its writes, or why not."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    footprint: tuple[tuple[str, str, int, int], ...] = ()
+    problem: str | None = None
+    plan: Plan | None = None  # the sparse map of its positions (None: route the dense XOR)
 
 
 def make_plan(route: Route, routed: torch.Tensor) -> Plan | None:
@@ -202,3 +222,28 @@ def _xor_block(step: XorStep, positions: torch.Tensor, values: torch.Tensor) -> 
     n = step.extent - step.src_offset
     block = flat[step.dst_offset : step.dst_offset + n]
     apply_patch(block, Patch("xor", positions.long() - step.src_offset, values))
+
+
+def independent(probe: Probe) -> bool:
+    """A plan of XORs only (a copy step reads another parameter: it keeps its place in order)."""
+    return probe.plan is not None and all(isinstance(s, XorStep) for s in probe.plan.steps)
+
+
+def conflicts(probes: dict[str, Probe]) -> dict[str, str]:
+    """Names whose writes overlap another name's (a full load's order decides those bytes)."""
+    spans = sorted(
+        (param, start, end, name)
+        for name, p in probes.items()
+        for kind, param, start, end in p.footprint
+        if kind != "keep" and end > start
+    )
+    out: dict[str, str] = {}
+    cur: tuple[str, int, str] | None = None  # (param, furthest end so far, its name)
+    for param, start, end, name in spans:
+        if cur is not None and cur[0] == param and start < cur[1] and cur[2] != name:
+            why = f"tensors {cur[2]} and {name} write the same bytes of {param}"
+            out.setdefault(cur[2], why)
+            out.setdefault(name, why)
+        if cur is None or cur[0] != param or end > cur[1]:
+            cur = (param, end, name)
+    return out

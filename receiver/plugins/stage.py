@@ -45,7 +45,7 @@ import shutil
 import stat
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,7 @@ __all__ = [
     "is_stage",
     "read_stage",
     "remove_stage",
+    "stage_record",
 ]
 
 STAGE_FORMAT = "asyncsync-stage"
@@ -157,6 +158,8 @@ class Stage:
     checksums: dict[str, str]
     parts: dict[str, list[tuple[int, int]]]
     data_bytes: int
+    #: the bytes of ``stage.json`` this stage was read from (they name the data's checksum)
+    record: bytes = field(default=b"", repr=False, compare=False)
 
     def __repr__(self) -> str:
         return (
@@ -357,11 +360,9 @@ def read_stage(directory: str | os.PathLike[str], *, max_bytes: int = 1 << 40) -
     if d.is_symlink() or not d.is_dir():
         raise FormatError(f"{d} is not a stage directory")
     where = str(d / STAGE_NAME)
+    record = bytes(_read_regular(d / STAGE_NAME, MAX_STAGE_JSON))
     try:
-        doc = json.loads(
-            _read_regular(d / STAGE_NAME, MAX_STAGE_JSON),
-            parse_constant=lambda c: _bad(where, f"non-JSON constant {c}"),
-        )
+        doc = json.loads(record, parse_constant=lambda c: _bad(where, f"non-JSON constant {c}"))
     except ValueError as exc:
         raise FormatError(f"{where}: not JSON ({exc})") from exc
     if not isinstance(doc, dict) or doc.get("format") != STAGE_FORMAT:
@@ -409,7 +410,12 @@ def read_stage(directory: str | os.PathLike[str], *, max_bytes: int = 1 << 40) -
             raise FormatError(f"{where}: tensor {t.name!r} repeated or without a checksum")
         seen.add(t.name)
         tensors.append(t)
-    return Stage(d, target, base, algorithm, tuple(tensors), dict(checksums), parts, size)
+    return Stage(d, target, base, algorithm, tuple(tensors), dict(checksums), parts, size, record)
+
+
+def stage_record(directory: str | os.PathLike[str]) -> bytes:
+    """The bytes of a stage's ``stage.json`` as they are now (FormatError if unreadable)."""
+    return bytes(_read_regular(Path(directory) / STAGE_NAME, MAX_STAGE_JSON))
 
 
 def _bad(where: str, why: str) -> Any:
