@@ -9,8 +9,10 @@ real Publisher and ReceiverAgent; each rank's loader gets a StagePrefetch, polle
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,3 +119,39 @@ async def test_the_thread_reads_each_new_stage_ahead(
             rig.check()
         finally:
             ahead.stop()
+
+
+async def test_an_apply_waits_for_the_read_ahead_in_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The apply comes while the stage is being read ahead: it waits for that read and takes
+    its copy (one read per stage); a stage its apply already read is not read ahead after."""
+    from receiver.plugins import prefetch
+
+    async with Rig(tmp_path, tp=1) as rig:
+        await rig.publish(hf_state(5))
+        rig.load_all()
+        ahead = StagePrefetch(rig.loaders[0])
+        v = await rig.publish(step(rig.sd, _names(rig), 8))
+        started, go = threading.Event(), threading.Event()
+        real = prefetch.read_stage
+
+        def slow(path: Path) -> Any:
+            started.set()
+            assert go.wait(30)
+            return real(path)
+
+        monkeypatch.setattr(prefetch, "read_stage", slow)
+        t = threading.Thread(target=ahead.poll)
+        t.start()
+        assert started.wait(30)
+        threading.Timer(0.3, go.set).start()
+        msg = rig.apply_all(v)[0]
+        t.join(30)
+        assert AHEAD in msg, msg
+        rig.check()
+        monkeypatch.setattr(prefetch, "read_stage", real)
+        v = await rig.publish(step(rig.sd, _names(rig), 9))
+        assert "verified in" in rig.apply_all(v)[0]  # no read ahead: read by the apply
+        assert not ahead.poll() and ahead.prefetched == 1  # and not read again after
+        rig.check()

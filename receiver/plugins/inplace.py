@@ -161,6 +161,9 @@ class InEngineLoader:
         self._conflicts: dict[str, str] = {}
         self._ahead: Stage | None = None  # a stage read and verified ahead (offer)
         self._ahead_lock = threading.Lock()
+        #: held while a stage is read (ahead, or by the apply): one reader per stage
+        self.reading = threading.Lock()
+        self.last_stage: Path | None = None  # the stage the last apply read
 
     def __repr__(self) -> str:
         v = None if self.held is None else self.held.version.version
@@ -413,17 +416,19 @@ class InEngineLoader:
         """The stage in ``sdir``: the copy read ahead when its record on disk is unchanged
         (the record names the data's checksum the copy was verified against), else read and
         verified now. True when it was read ahead."""
-        with self._ahead_lock:
-            ahead = self._ahead
-            if ahead is not None and ahead.directory.resolve() == sdir:
-                self._ahead = None
-            else:
-                ahead = None
-        if ahead is not None and ahead.record:
-            with contextlib.suppress(FormatError):
-                if stage_record(sdir) == ahead.record:
-                    return ahead, True
-        return read_stage(sdir), False
+        with self.reading:  # a read ahead of this stage in progress is waited for, not repeated
+            self.last_stage = sdir
+            with self._ahead_lock:
+                ahead = self._ahead
+                if ahead is not None and ahead.directory.resolve() == sdir:
+                    self._ahead = None
+                else:
+                    ahead = None
+            if ahead is not None and ahead.record:
+                with contextlib.suppress(FormatError):
+                    if stage_record(sdir) == ahead.record:
+                        return ahead, True
+            return read_stage(sdir), False
 
     def _why_not_in_place(self, stage: Stage, ckpt: Path) -> str | None:
         if not self.in_place:

@@ -109,13 +109,16 @@ class StagePrefetch:
             return False
         self._tried = key
         t0 = time.perf_counter()
-        try:
-            stage = read_stage(path)
-        except FormatError as exc:  # the apply reads it again and says why
-            self.failed += 1
-            logger.info("asyncsync: stage %s not read ahead: %s", path.name, exc)
-            return False
-        self.loader.offer(stage)
+        with self.loader.reading:  # an apply reading it meanwhile: it is not read twice
+            if self.loader.last_stage == path.resolve():
+                return False  # already read by its apply
+            try:
+                stage = read_stage(path)
+            except FormatError as exc:  # the apply reads it again and says why
+                self.failed += 1
+                logger.info("asyncsync: stage %s not read ahead: %s", path.name, exc)
+                return False
+            self.loader.offer(stage)
         self.prefetched += 1
         logger.debug("asyncsync: stage %s read and verified ahead in %.1f ms", path.name,
                      (time.perf_counter() - t0) * 1000)  # fmt: skip
