@@ -29,7 +29,7 @@ import safetensors.torch
 import torch
 
 from receiver import ReceiverAgent
-from receiver.plugins.stage import DATA_NAME
+from receiver.plugins.stage import DATA_NAME, STAGE_NAME
 from tests.sglang_env import build
 from tests.sglang_env.chain import Trainer, base_state
 from tests.sglang_env.fixtures import require_env
@@ -264,11 +264,20 @@ async def test_a_stage_is_applied_in_place(chain: Chain) -> None:
 
 
 async def test_a_damaged_stage_goes_through_the_checkpoint(chain: Chain) -> None:
+    """The stage is rewritten (a new record) with damaged data: whether the plugin's prefetch
+    thread reads it ahead (and finds it damaged) or the apply reads it, it does not verify, and
+    the checkpoint is loaded instead. (A copy read ahead of the *old* record is never used for
+    the new one: tests/test_prefetch.py.)"""
     v = await chain.next([ONE])
     data = chain.stage(v) / DATA_NAME
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0x40
     data.write_bytes(bytes(raw))
+    record = chain.stage(v) / STAGE_NAME
+    doc = json.loads(record.read_text())
+    doc["created_at"] += 1
+    (record.parent / "tmp").write_text(json.dumps(doc))
+    (record.parent / "tmp").replace(record)
     code, answer, lines = chain.reload(v, chain.stage(v))
     assert code == 200 and answer["success"], answer
     assert lines[0].startswith("asyncsync: stage not applied in place (the stage does not verify")
