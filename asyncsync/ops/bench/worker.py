@@ -294,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the parent sends SIGUSR2 then SIGUSR1 to a child that overruns its timeout: every
     # asyncio task's and every thread's stack into the log it then quotes (measure._finish)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.enable(all_threads=True)  # a crash in a C kernel: the stacks, then exit -11
     # its log: warnings by default; ASYNCSYNC_BENCH_LOG_LEVEL=INFO shows each apply's time
     setup_logging(os.environ.get("ASYNCSYNC_BENCH_LOG_LEVEL", "WARNING").upper() or "WARNING")
     if job.threads and not job.role.endswith("cost"):  # the floors stay the machine's
