@@ -186,9 +186,9 @@ async def run_scale_publish(job: Job) -> dict[str, Any]:
         for v in range(1, job.versions + 1):
             step_state(sd, v, job.density, job.seed)
             fsio.set_throttle(job.throttle)
-            t0, c0 = time.perf_counter(), cpu_seconds()
+            t0, c0, k0 = time.perf_counter(), cpu_seconds(), cpu_seconds(system_only=True)
             res = await pub.publish(sd)
-            t1, c1 = time.perf_counter(), cpu_seconds()
+            t1, c1, k1 = time.perf_counter(), cpu_seconds(), cpu_seconds(system_only=True)
             await acks.wait_acked(
                 root, res.version, engines=[job.engine_id], timeout=job.timeout,
                 poll_interval=0.002, max_poll_interval=0.002,
@@ -198,7 +198,7 @@ async def run_scale_publish(job: Job) -> dict[str, Any]:
             versions.append(
                 {
                     "version": res.version, "publish": t1 - t0, "e2e": t2 - t0,
-                    "publish_cpu": c1 - c0,
+                    "publish_cpu": c1 - c0, "publish_cpu_sys": k1 - k0,
                     "wire_bytes": res.wire_bytes, "shards": res.shards, "changed": res.changed,
                     "elements": res.total, "stages": dict(res.seconds),
                 }
@@ -226,12 +226,14 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
         fsio.set_throttle(job.throttle)
         Path(job.ready).write_text("ready\n")
         cpu: list[float] = []
-        applies = await run_until_acked(agent, job.versions, cpu=cpu)
+        cpu_sys: list[float] = []
+        applies = await run_until_acked(agent, job.versions, cpu=cpu, cpu_sys=cpu_sys)
         fsio.set_throttle(None)
     return {
         "rss": {"base": base, "startup": startup, "steady": rss()},
         "applies": applies,  # each from its manifest to the ack (streamed shards came before)
         "apply_cpu": cpu,  # each from its directory's first sight to the ack, every thread
+        "apply_cpu_sys": cpu_sys,  # of which the kernel's (page faults, the flush's writeback)
         "streamed_shards": agent.status().streamed_shards,
     }
 
@@ -360,6 +362,8 @@ def summarise_size(
             "apply": rec["applies"],
             "publish_cpu": [v.get("publish_cpu") for v in vs],
             "apply_cpu": rec.get("apply_cpu", []),
+            "publish_cpu_sys": [v.get("publish_cpu_sys") for v in vs],
+            "apply_cpu_sys": rec.get("apply_cpu_sys", []),
             "trainer_floor": cost["ne_pass"],
             "receiver_floor": cost["receiver_floor"],
             "full_sync": cost["full_sync"],
