@@ -63,6 +63,60 @@ async def test_stages_apply_in_place_bit_exact_across_tp_ranks(
             assert all(p.plan is not None for p in loader._probes.values() if p.footprint)
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+@pytest.mark.parametrize("threads", [1, 3])
+async def test_the_sparse_apply_is_the_same_on_every_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: str, threads: int
+) -> None:
+    """The C kernels (int32 positions XORed at a shift, the stage's positions checked in one
+    pass) and the torch fallback, one thread or a pool: the same bytes."""
+    from asyncsync import pipeline
+    from asyncsync.codec import native
+
+    if kernels == "torch":
+        monkeypatch.setattr(native, "kernels", None)
+    elif native.kernels is None:
+        pytest.skip("the C kernels are not built")
+    monkeypatch.setattr(pipeline, "_threads", threads)
+    async with Rig(tmp_path, tp=2) as rig:
+        await rig.publish(hf_state(4))
+        rig.load_all()
+        names = [n for n in rig.sd if n != "lm_head.weight"]
+        for seed in (11, 12):
+            v = await rig.publish(step(rig.sd, names, seed))
+            for msg in rig.apply_all(v):
+                assert "0 loaded whole" in msg, msg
+            rig.check()
+        assert rig.full_reloads == 2
+
+
+async def test_a_sparse_apply_failing_on_the_pool_is_a_full_reload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One tensor's apply raises while the others run on the pool: the model may be
+    half-written, so the same call reloads it whole (bit-exact after)."""
+    from asyncsync import pipeline
+    from receiver.plugins import inplace
+
+    monkeypatch.setattr(pipeline, "_threads", 2)
+    real = inplace.apply_plan
+
+    def failing(plan: object, positions: torch.Tensor, values: torch.Tensor) -> int:
+        if getattr(plan, "name", "") == "model.layers.0.mlp.down_proj.weight":
+            raise RuntimeError("injected")
+        return real(plan, positions, values)  # type: ignore[arg-type]
+
+    async with Rig(tmp_path, tp=2) as rig:
+        await rig.publish(hf_state(5))
+        rig.load_all()
+        v = await rig.publish(step(rig.sd, [n for n in rig.sd if n != "lm_head.weight"], 13))
+        monkeypatch.setattr(inplace, "apply_plan", failing)
+        for msg in rig.apply_all(v):
+            assert "full reload" in msg and "injected" in msg, msg
+        rig.check()
+        assert rig.full_reloads == 4
+
+
 async def test_zero_diff_and_a_single_tensor(tmp_path: Path) -> None:
     async with Rig(tmp_path, tp=2) as rig:
         await rig.publish(hf_state(1))

@@ -598,3 +598,62 @@ def test_planes_and_unplanes_transpose_bytes(width: int) -> None:
     assert np.array_equal(back, src)
     with pytest.raises(ValueError, match="out is"):
         native.planes(src, width, np.empty(n * width + 1, np.uint8))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("pos_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("shift", [0, 7, -5])
+def test_xor_shifted_matches_reference(width: int, pos_dtype: Any, shift: int) -> None:
+    rng = np.random.default_rng(width * 100 + shift)
+    n = 1003
+    flat = rng.integers(0, 256, n * width, dtype=np.uint8).view(DT[width])
+    lo, hi = max(0, -shift), min(n, n - shift)  # HF indices whose shifted place is in flat
+    for k in (0, 1, 17, hi - lo):
+        pos = np.sort(rng.choice(np.arange(lo, hi), k, replace=False)).astype(pos_dtype)
+        vals = rng.integers(0, 256, k * width, dtype=np.uint8).view(DT[width])
+        want = flat.copy()
+        want[pos.astype(np.int64) + shift] ^= vals
+        target = _unaligned(flat, 3)
+        native.xor_shifted(target, width, _unaligned(pos, 1), pos.itemsize, shift, vals)
+        assert np.array_equal(target, want)
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 2**31 - 1, -(2**31)])
+@pytest.mark.parametrize("where", [0, 2, 4])
+def test_xor_shifted_bounds_checked_before_any_write(bad: int, where: int) -> None:
+    flat = np.arange(10, dtype=np.uint32)
+    before = flat.copy()
+    pos = np.array([0, 2, 4, 6, 7], dtype=np.int32)
+    pos[where] = bad
+    with pytest.raises(IndexError, match=rf"positions\[{where}\] = {bad} shifted by 2"):
+        native.xor_shifted(flat, 4, pos, 4, 2, np.full(5, 0xFFFF, np.uint32))
+    assert np.array_equal(flat, before)
+
+
+def test_xor_shifted_rejects_bad_arguments() -> None:
+    flat, pos, vals = np.zeros(8, np.uint16), np.array([1, 2], np.int64), np.ones(2, np.uint16)
+    with pytest.raises(ValueError, match="width must be"):
+        native.xor_shifted(flat, 3, pos, 8, 0, vals)
+    with pytest.raises(ValueError, match="positions width must be 4 or 8"):
+        native.xor_shifted(flat, 2, pos, 2, 0, vals)
+    with pytest.raises(ValueError, match="values is 6 bytes, want 4"):
+        native.xor_shifted(flat, 2, pos, 8, 0, np.zeros(3, np.uint16))
+    with pytest.raises(ValueError, match="whole number"):
+        native.xor_shifted(flat, 2, np.zeros(3, np.uint8), 8, 0, vals)
+    with pytest.raises(ValueError, match="shift"):
+        native.xor_shifted(flat, 2, pos, 8, 2**62, vals)
+    with pytest.raises(TypeError, match="writable"):
+        native.xor_shifted(bytes(16), 2, pos, 8, 0, vals)
+    assert not flat.any()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_increasing(dtype: Any) -> None:
+    ok = np.array([0, 3, 9], dtype)
+    assert native.increasing(ok, ok.itemsize, 10)
+    assert native.increasing(np.zeros(0, dtype), ok.itemsize, 0)
+    for bad, limit in (([0, 3, 10], 10), ([3, 3], 10), ([4, 3], 10), ([-1, 3], 10),
+                       ([0, 1], 1)):  # fmt: skip
+        assert not native.increasing(np.array(bad, dtype), ok.itemsize, limit), bad
+    with pytest.raises(ValueError, match="positions width"):
+        native.increasing(ok, 2, 10)

@@ -547,6 +547,154 @@ fail:
 
 static PyObject *xor_patch(PyObject *self, PyObject *args) { return patch(args, 1); }
 
+/* ------------------------------------------------ shifted XOR and the increasing check */
+
+/* Position j of an int32 or int64 array. */
+static inline int64_t pos_at(const char *pos, Py_ssize_t pw, Py_ssize_t j) {
+    if (pw == 4) {
+        int32_t p;
+        memcpy(&p, pos + j * 4, 4);
+        return p;
+    }
+    int64_t p;
+    memcpy(&p, pos + j * 8, 8);
+    return p;
+}
+
+#define DEFINE_XOR_SHIFTED(T, W)                                                              \
+    static void xor_shifted_##W(char *flat, const char *pos, Py_ssize_t pw, int64_t shift,   \
+                                const char *vals, Py_ssize_t k) {                            \
+        for (Py_ssize_t j = 0; j < k; j++) {                                                  \
+            int64_t p = pos_at(pos, pw, j) + shift;                                           \
+            T cur, v;                                                                         \
+            memcpy(&cur, flat + p * (W), (W));                                                \
+            memcpy(&v, vals + j * (W), (W));                                                  \
+            cur = (T)(cur ^ v);                                                               \
+            memcpy(flat + p * (W), &cur, (W));                                                \
+        }                                                                                     \
+    }
+
+DEFINE_XOR_SHIFTED(uint8_t, 1)
+DEFINE_XOR_SHIFTED(uint16_t, 2)
+DEFINE_XOR_SHIFTED(uint32_t, 4)
+DEFINE_XOR_SHIFTED(uint64_t, 8)
+
+/* Index of the first position with p + shift outside [0, n), or -1. */
+static Py_ssize_t first_shifted_out(const char *pos, Py_ssize_t pw, Py_ssize_t k, int64_t shift,
+                                    Py_ssize_t n, int64_t *bad) {
+    for (Py_ssize_t j = 0; j < k; j++) {
+        int64_t p = pos_at(pos, pw, j); /* |p|, |shift| < 2^62 (checked): no overflow */
+        if (p < 0 || p >= ((int64_t)1 << 62) || p + shift < 0 || p + shift >= (int64_t)n) {
+            *bad = p;
+            return j;
+        }
+    }
+    return -1;
+}
+
+static PyObject *xor_shifted(PyObject *self, PyObject *args) {
+    PyObject *flat_o, *pos_o, *val_o;
+    Py_ssize_t width, pw;
+    long long shift;
+    if (!PyArg_ParseTuple(args, "OnOnLO:xor_shifted", &flat_o, &width, &pos_o, &pw, &shift,
+                          &val_o)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    if (pw != 4 && pw != 8) {
+        PyErr_Format(PyExc_ValueError, "positions width must be 4 or 8, not %zd", pw);
+        return NULL;
+    }
+    if (shift <= -((long long)1 << 62) || shift >= ((long long)1 << 62)) {
+        PyErr_Format(PyExc_ValueError, "shift %lld is out of range", shift);
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *flat, *pos, *vals;
+    Py_ssize_t n, k, bad_at = -1;
+    int64_t bad = 0;
+    if (!(flat = acquire(&b, flat_o, "flat", 1)) || !(pos = acquire(&b, pos_o, "positions", 0)) ||
+        !(vals = acquire(&b, val_o, "values", 0))) {
+        goto fail;
+    }
+    if ((n = elements(flat, width, "flat")) < 0 || (k = elements(pos, pw, "positions")) < 0) {
+        goto fail;
+    }
+    if (vals->len != k * width) {
+        PyErr_Format(PyExc_ValueError, "values is %zd bytes, want %zd (%zd positions of %zd)",
+                     vals->len, k * width, k, width);
+        goto fail;
+    }
+    {
+        char *pf = flat->buf;
+        const char *pp = pos->buf, *pv = vals->buf;
+        Py_BEGIN_ALLOW_THREADS;
+        bad_at = first_shifted_out(pp, pw, k, (int64_t)shift, n, &bad);
+        if (bad_at < 0) {
+            switch (width) {
+            case 1: xor_shifted_1(pf, pp, pw, (int64_t)shift, pv, k); break;
+            case 2: xor_shifted_2(pf, pp, pw, (int64_t)shift, pv, k); break;
+            case 4: xor_shifted_4(pf, pp, pw, (int64_t)shift, pv, k); break;
+            default: xor_shifted_8(pf, pp, pw, (int64_t)shift, pv, k); break;
+            }
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    if (bad_at >= 0) {
+        PyErr_Format(PyExc_IndexError,
+                     "positions[%zd] = %lld shifted by %lld is outside a tensor of %zd elements",
+                     bad_at, (long long)bad, shift, n);
+        goto fail;
+    }
+    release_all(&b);
+    Py_RETURN_NONE;
+fail:
+    release_all(&b);
+    return NULL;
+}
+
+static PyObject *increasing(PyObject *self, PyObject *args) {
+    PyObject *pos_o;
+    Py_ssize_t pw;
+    long long limit;
+    if (!PyArg_ParseTuple(args, "OnL:increasing", &pos_o, &pw, &limit)) {
+        return NULL;
+    }
+    if (pw != 4 && pw != 8) {
+        PyErr_Format(PyExc_ValueError, "positions width must be 4 or 8, not %zd", pw);
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *pos;
+    Py_ssize_t k;
+    int ok = 1;
+    if (!(pos = acquire(&b, pos_o, "positions", 0)) || (k = elements(pos, pw, "positions")) < 0) {
+        release_all(&b);
+        return NULL;
+    }
+    {
+        const char *pp = pos->buf;
+        Py_BEGIN_ALLOW_THREADS;
+        int64_t prev = -1;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            int64_t p = pos_at(pp, pw, j);
+            if (p <= prev) {
+                ok = 0;
+                break;
+            }
+            prev = p;
+        }
+        if (ok && k && prev >= (int64_t)limit) {
+            ok = 0;
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    release_all(&b);
+    return PyBool_FromLong(ok);
+}
+
 /* Patched and hashed per block: the block is hashed right after it is patched, in cache. */
 #define PATCH_BLOCK_BYTES 65536
 
@@ -1135,6 +1283,13 @@ static PyMethodDef methods[] = {
     {"xor_patch", xor_patch, METH_VARARGS,
      "xor_patch(flat, width, positions, values, old_out) -> None\n\n"
      "old_out[k] = flat[pos[k]] (unless None); flat[pos[k]] ^= values[k]. Bounds-checked first."},
+    {"xor_shifted", xor_shifted, METH_VARARGS,
+     "xor_shifted(flat, width, positions, pos_width, shift, values) -> None\n\n"
+     "flat[pos[k] + shift] ^= values[k]; positions int32 (pos_width 4) or int64 (8).\n"
+     "Bounds-checked first (nothing is written when one is outside)."},
+    {"increasing", increasing, METH_VARARGS,
+     "increasing(positions, pos_width, limit) -> bool\n\n"
+     "Whether the int32 (4) / int64 (8) positions are >= 0, strictly increasing and < limit."},
     {"set_patch", set_patch, METH_VARARGS,
      "set_patch(flat, width, positions, values, old_out) -> None\n\n"
      "old_out[k] = flat[pos[k]] (unless None); flat[pos[k]] = values[k]. Bounds-checked first."},

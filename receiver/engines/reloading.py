@@ -146,6 +146,8 @@ class ReloadingEngine(Engine, abc.ABC):
         self._staging = Staging(self.kind)
         self.audit_watch = AuditWatch(checkpoint_dir)
         self.last_pause_seconds: float | None = None
+        #: (monotonic time of the pause request, of the resume's answer), the last reload
+        self.last_pause_window: tuple[float, float] | None = None
         self.in_place_applies = 0
 
     def __repr__(self) -> str:
@@ -407,6 +409,8 @@ class ReloadingEngine(Engine, abc.ABC):
     async def commit(self) -> str:
         txn = self._need_txn()
         m = txn.manifest
+        # stage first: the plugin verifies it while the checkpoint commits (applied only below)
+        stage = await self._staging.commit()
         if not txn.reload_only:
             try:
                 await self.checkpoint.commit()
@@ -415,7 +419,6 @@ class ReloadingEngine(Engine, abc.ABC):
                 raise
             txn.local_committed = True
         self._txn = None
-        stage = await self._staging.commit()
         try:
             await self._reload_server(m.version, stage=stage)
         finally:
@@ -473,7 +476,7 @@ class ReloadingEngine(Engine, abc.ABC):
         repairs, started = self.audit_watch.problem, time.time()
         try:
             failed = True
-            paused = time.perf_counter()
+            paused, paused_at = time.perf_counter(), time.monotonic()
             try:
                 await self._guard(self._pause())
                 label = version + self.version_offset
@@ -489,6 +492,7 @@ class ReloadingEngine(Engine, abc.ABC):
             finally:
                 await self._resume_always(failed)
                 self.last_pause_seconds = round(time.perf_counter() - paused, 4)
+                self.last_pause_window = (paused_at, time.monotonic())
             self.audit_watch.loaded()
             await self._confirm(version)
         except ApplyFailed as exc:

@@ -49,7 +49,7 @@ class StageBuilder:
         b = StageBuilder(checkpoint, manifest, base=engine.state)
         b.add(updates)                 # before checkpoint.apply(updates)
         ...
-        path = b.commit()              # after the checkpoint committed the version
+        path = b.commit()              # then the checkpoint commits, then the engine applies it
     """
 
     def __init__(self, checkpoint: LocalCheckpoint, manifest: Manifest, base: EngineState):

@@ -29,6 +29,7 @@ needs ``model.load_weights`` and, from the engine, a full reload callable.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -42,6 +43,7 @@ import safetensors
 import torch
 
 from asyncsync.errors import FormatError
+from asyncsync.pipeline import run_all
 from receiver.plugins.held import (
     INDEX_NAME,
     CheckpointSnapshot,
@@ -55,8 +57,15 @@ from receiver.plugins.held import (
     tensor_specs,
 )
 from receiver.plugins.routing import Guard, ModelParams, Route, apply_xor, route
-from receiver.plugins.scatter import Plan, apply_plan, make_plan
-from receiver.plugins.stage import STAGE_DIR, Stage, StagedTensor, VersionRef, read_stage
+from receiver.plugins.scatter import Probe, apply_plan, conflicts, independent, make_plan
+from receiver.plugins.stage import (
+    STAGE_DIR,
+    Stage,
+    StagedTensor,
+    VersionRef,
+    read_stage,
+    stage_record,
+)
 
 __all__ = ["ENV_IN_PLACE", "InEngineLoader", "LoadResult", "Probe", "checkpoint_of_stage"]
 
@@ -69,17 +78,6 @@ ENV_BATCH_BYTES = "ASYNCSYNC_SGLANG_BATCH_BYTES"
 
 class SupportsLoadWeights(Protocol):
     def load_weights(self, weights: Any) -> Any: ...
-
-
-@dataclass(frozen=True)
-class Probe:
-    """How one HF tensor routes into the model (on a zero tensor): its writes, or why not."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    footprint: tuple[tuple[str, str, int, int], ...] = ()
-    problem: str | None = None
-    plan: Plan | None = None  # the sparse map of its positions (None: route the dense XOR)
 
 
 class _Fallback(Exception):
@@ -161,6 +159,11 @@ class InEngineLoader:
         self._probes: dict[str, Probe] = {}
         self._transient: set[str] = set()  # probes that failed by an exception: not kept
         self._conflicts: dict[str, str] = {}
+        self._ahead: Stage | None = None  # a stage read and verified ahead (offer)
+        self._ahead_lock = threading.Lock()
+        #: held while a stage is read (ahead, or by the apply): one reader per stage
+        self.reading = threading.Lock()
+        self.last_stage: Path | None = None  # the stage the last apply read
 
     def __repr__(self) -> str:
         v = None if self.held is None else self.held.version.version
@@ -335,7 +338,7 @@ class InEngineLoader:
         if ckpt is None:
             return self._refuse("", f"{sdir} is not a stage of an asyncsync checkpoint")
         try:
-            stage = read_stage(sdir)
+            stage, ahead = self._read_stage(sdir)
         except FormatError as exc:
             return self._via_checkpoint(ckpt, full_reload_of, f"the stage does not verify: {exc}")
         t_read = time.perf_counter()
@@ -363,9 +366,12 @@ class InEngineLoader:
             done: list[StagedTensor] = []
             nbytes = 0
             try:
+                nbytes += self._xor_parallel(xor, done)
+                parallel = {id(t) for t in done}
                 for t in xor:
-                    nbytes += self._xor(t)
-                    done.append(t)
+                    if id(t) not in parallel:
+                        nbytes += self._xor(t)
+                        done.append(t)
             except _Fallback as exc:
                 if not self._undo(done):
                     why = f"undoing a stopped in-place apply failed: {exc}"
@@ -393,12 +399,36 @@ class InEngineLoader:
             f"{len(xor)} of {len(stage.checksums)} tensors XORed in place "
             f"({nbytes / 2**20:.1f} MiB), {len(whole)} loaded whole"
             + (f" ({reasons})" if whole else "")
-            + f" in {ms:.1f} ms (stage read and verified in {read_ms:.1f} ms)"
+            + f" in {ms:.1f} ms (stage read and verified "
+            + ("before the pause)" if ahead else f"in {read_ms:.1f} ms)")
         )
         self.stats.last = {"version": stage.target.version, "ms": round(ms, 2),
                            "xor": len(xor), "whole": len(whole)}  # fmt: skip
         logger.info("%s", msg)
         return True, msg
+
+    def offer(self, stage: Stage) -> None:
+        """A stage read and verified ahead of its apply (:mod:`receiver.plugins.prefetch`)."""
+        with self._ahead_lock:
+            self._ahead = stage
+
+    def _read_stage(self, sdir: Path) -> tuple[Stage, bool]:
+        """The stage in ``sdir``: the copy read ahead when its record on disk is unchanged
+        (the record names the data's checksum the copy was verified against), else read and
+        verified now. True when it was read ahead."""
+        with self.reading:  # a read ahead of this stage in progress is waited for, not repeated
+            self.last_stage = sdir
+            with self._ahead_lock:
+                ahead = self._ahead
+                if ahead is not None and ahead.directory.resolve() == sdir:
+                    self._ahead = None
+                else:
+                    ahead = None
+            if ahead is not None and ahead.record:
+                with contextlib.suppress(FormatError):
+                    if stage_record(sdir) == ahead.record:
+                        return ahead, True
+            return read_stage(sdir), False
 
     def _why_not_in_place(self, stage: Stage, ckpt: Path) -> str | None:
         if not self.in_place:
@@ -451,7 +481,7 @@ class InEngineLoader:
                 self._transient.add(n)
             elif r.problem:
                 logger.info("asyncsync: %s takes no in-place XOR: %s", n, r.problem)
-        self._conflicts = _conflicts(self._probes)
+        self._conflicts = conflicts(self._probes)
         return self._probes
 
     def _plan(self, stage: Stage, ckpt: Path) -> tuple[list[StagedTensor], dict[str, str]]:
@@ -490,7 +520,7 @@ class InEngineLoader:
         if plan is not None and t.positions is not None:
             dev = self.device()
             try:
-                n = apply_plan(plan, t.positions.to(dev, torch.int64), t.values.to(dev))
+                n = apply_plan(plan, t.positions.to(dev), t.values.to(dev))
             except Exception as exc:  # a device error midway: this tensor is half-written
                 raise _Broken(f"tensor {t.name}: the sparse apply failed: {exc}") from exc
             return n * t.values.element_size()
@@ -509,6 +539,22 @@ class InEngineLoader:
         except Exception as exc:
             raise _Broken(f"tensor {t.name}: the XOR failed: {exc}") from exc
 
+    def _xor_parallel(self, xor: list[StagedTensor], done: list[StagedTensor]) -> int:
+        """XOR the tensors whose plans are independent (XOR steps only, on CPU: disjoint
+        bytes, no order between them) on the process's pool; appends them to ``done`` once
+        every one has finished. Returns their bytes; the rest go one by one, in order."""
+        if self.device().type != "cpu":
+            return 0
+        todo = [t for t in xor if t.positions is not None and independent(self._probes[t.name])]
+        if len(todo) < 2:
+            return 0
+        results = run_all(self._xor, todo)
+        broken = [r for r in results if isinstance(r, BaseException)]
+        if broken:  # every call has finished: some tensors may be half-written
+            raise broken[0]
+        done.extend(todo)
+        return sum(r for r in results if isinstance(r, int))
+
     def _undo(self, done: list[StagedTensor]) -> bool:
         """XOR the applied tensors again (back to the base); False when that failed."""
         try:
@@ -526,26 +572,6 @@ def _weight_map(ckpt: Path, held: Held) -> dict[str, str]:
         return read_weight_map(ckpt / INDEX_NAME)
     except (OSError, ValueError):
         return held.weight_map
-
-
-def _conflicts(probes: dict[str, Probe]) -> dict[str, str]:
-    """Names whose writes overlap another name's (a full load's order decides those bytes)."""
-    spans = sorted(
-        (param, start, end, name)
-        for name, p in probes.items()
-        for kind, param, start, end in p.footprint
-        if kind != "keep" and end > start
-    )
-    out: dict[str, str] = {}
-    cur: tuple[str, int, str] | None = None  # (param, furthest end so far, its name)
-    for param, start, end, name in spans:
-        if cur is not None and cur[0] == param and start < cur[1] and cur[2] != name:
-            why = f"tensors {cur[2]} and {name} write the same bytes of {param}"
-            out.setdefault(cur[2], why)
-            out.setdefault(name, why)
-        if cur is None or cur[0] != param or end > cur[1]:
-            cur = (param, end, name)
-    return out
 
 
 def _batches(

@@ -23,10 +23,19 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncsync.codec import Patch, apply_patch, int_view
+from asyncsync.codec import Patch, apply_patch, int_view, native
 from receiver.plugins.routing import Route, storage_key
 
-__all__ = ["CopyStep", "Plan", "XorStep", "apply_plan", "make_plan"]
+__all__ = [
+    "CopyStep",
+    "Plan",
+    "Probe",
+    "XorStep",
+    "apply_plan",
+    "conflicts",
+    "independent",
+    "make_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,17 @@ class Plan:
 
     name: str
     steps: tuple[XorStep | CopyStep, ...]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How one HF tensor routes into the model (on a zero tensor): its writes, or why not."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    footprint: tuple[tuple[str, str, int, int], ...] = ()
+    problem: str | None = None
+    plan: Plan | None = None  # the sparse map of its positions (None: route the dense XOR)
 
 
 def make_plan(route: Route, routed: torch.Tensor) -> Plan | None:
@@ -145,8 +165,9 @@ def _storage_ints(t: torch.Tensor) -> torch.Tensor:
 
 def apply_plan(plan: Plan, positions: torch.Tensor, values: torch.Tensor) -> int:
     """XOR ``values`` (the int dtype of the tensor's width) at the sorted flat HF ``positions``
-    (int64, on the parameters' device) into the parameters, as ``plan`` maps them; copies in
-    order. Returns the elements XORed (a rank holds only its slice: fewer than positions)."""
+    (int32 or int64, on the parameters' device) into the parameters, as ``plan`` maps them;
+    copies in order. Returns the elements XORed (a rank holds only its slice: fewer than
+    positions)."""
     done = 0
     for step in plan.steps:
         if isinstance(step, CopyStep):
@@ -156,13 +177,11 @@ def apply_plan(plan: Plan, positions: torch.Tensor, values: torch.Tensor) -> int
         hi = int(torch.searchsorted(positions, step.extent))
         if lo >= hi:
             continue
-        if step.block:  # the common case: one slice, XORed by the codec's patch kernel
-            n = step.extent - step.src_offset
-            block = step.flat[step.dst_offset : step.dst_offset + n]
-            apply_patch(block, Patch("xor", positions[lo:hi] - step.src_offset, values[lo:hi]))
+        if step.block:  # the common case: one slice
+            _xor_block(step, positions[lo:hi], values[lo:hi])
             done += hi - lo
             continue
-        rem = positions[lo:hi] - step.src_offset
+        rem = positions[lo:hi].long() - step.src_offset
         vals = values[lo:hi]
         dst = torch.full_like(rem, step.dst_offset)
         ok: torch.Tensor | None = None
@@ -180,3 +199,51 @@ def apply_plan(plan: Plan, positions: torch.Tensor, values: torch.Tensor) -> int
             step.flat[dst] = step.flat[dst] ^ vals
             done += int(dst.numel())
     return done
+
+
+def _xor_block(step: XorStep, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """HF index ``i`` of ``positions`` XORs element ``i - src_offset + dst_offset`` of the
+    parameter's storage: one C pass over the positions as they are (int32 or int64, no
+    shifted copy) on CPU, else the codec's patch."""
+    k = native.kernels
+    flat = step.flat
+    if (
+        k is not None
+        and hasattr(k, "xor_shifted")
+        and flat.device.type == "cpu"
+        and positions.device.type == "cpu"
+        and positions.is_contiguous()
+        and values.is_contiguous()
+    ):
+        k.xor_shifted(flat.numpy(), flat.element_size(), positions.numpy(),
+                      positions.element_size(), step.dst_offset - step.src_offset,
+                      values.numpy())  # fmt: skip
+        return
+    n = step.extent - step.src_offset
+    block = flat[step.dst_offset : step.dst_offset + n]
+    apply_patch(block, Patch("xor", positions.long() - step.src_offset, values))
+
+
+def independent(probe: Probe) -> bool:
+    """A plan of XORs only (a copy step reads another parameter: it keeps its place in order)."""
+    return probe.plan is not None and all(isinstance(s, XorStep) for s in probe.plan.steps)
+
+
+def conflicts(probes: dict[str, Probe]) -> dict[str, str]:
+    """Names whose writes overlap another name's (a full load's order decides those bytes)."""
+    spans = sorted(
+        (param, start, end, name)
+        for name, p in probes.items()
+        for kind, param, start, end in p.footprint
+        if kind != "keep" and end > start
+    )
+    out: dict[str, str] = {}
+    cur: tuple[str, int, str] | None = None  # (param, furthest end so far, its name)
+    for param, start, end, name in spans:
+        if cur is not None and cur[0] == param and start < cur[1] and cur[2] != name:
+            why = f"tensors {cur[2]} and {name} write the same bytes of {param}"
+            out.setdefault(cur[2], why)
+            out.setdefault(name, why)
+        if cur is None or cur[0] != param or end > cur[1]:
+            cur = (param, end, name)
+    return out

@@ -66,6 +66,7 @@ from typing import Any
 from receiver.plugins.audit import Auditor
 from receiver.plugins.held import CheckpointSnapshot, read_snapshot
 from receiver.plugins.inplace import InEngineLoader, LoadResult, checkpoint_of_stage
+from receiver.plugins.prefetch import start_prefetch
 from receiver.plugins.stage import STAGE_CAPABILITY, is_stage
 
 __all__ = [
@@ -150,6 +151,7 @@ def loader_for(model: Any, owner: Any = None) -> InEngineLoader:
         auditor = Auditor(loader, rank=rank, tp_size=size, role=role)
         auditor.start()
         _auditors.append(auditor)
+        start_prefetch(loader)
     return loader
 
 

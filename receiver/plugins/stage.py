@@ -45,13 +45,14 @@ import shutil
 import stat
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncsync import fsio
+from asyncsync.codec import native
 from asyncsync.errors import FormatError
 from asyncsync.format.checksum import ALGORITHMS, Hasher, new_hasher
 from asyncsync.format.names import dtype_from_name, dtype_name
@@ -69,6 +70,7 @@ __all__ = [
     "is_stage",
     "read_stage",
     "remove_stage",
+    "stage_record",
 ]
 
 STAGE_FORMAT = "asyncsync-stage"
@@ -156,6 +158,8 @@ class Stage:
     checksums: dict[str, str]
     parts: dict[str, list[tuple[int, int]]]
     data_bytes: int
+    #: the bytes of ``stage.json`` this stage was read from (they name the data's checksum)
+    record: bytes = field(default=b"", repr=False, compare=False)
 
     def __repr__(self) -> str:
         return (
@@ -356,11 +360,9 @@ def read_stage(directory: str | os.PathLike[str], *, max_bytes: int = 1 << 40) -
     if d.is_symlink() or not d.is_dir():
         raise FormatError(f"{d} is not a stage directory")
     where = str(d / STAGE_NAME)
+    record = bytes(_read_regular(d / STAGE_NAME, MAX_STAGE_JSON))
     try:
-        doc = json.loads(
-            _read_regular(d / STAGE_NAME, MAX_STAGE_JSON),
-            parse_constant=lambda c: _bad(where, f"non-JSON constant {c}"),
-        )
+        doc = json.loads(record, parse_constant=lambda c: _bad(where, f"non-JSON constant {c}"))
     except ValueError as exc:
         raise FormatError(f"{where}: not JSON ({exc})") from exc
     if not isinstance(doc, dict) or doc.get("format") != STAGE_FORMAT:
@@ -408,7 +410,12 @@ def read_stage(directory: str | os.PathLike[str], *, max_bytes: int = 1 << 40) -
             raise FormatError(f"{where}: tensor {t.name!r} repeated or without a checksum")
         seen.add(t.name)
         tensors.append(t)
-    return Stage(d, target, base, algorithm, tuple(tensors), dict(checksums), parts, size)
+    return Stage(d, target, base, algorithm, tuple(tensors), dict(checksums), parts, size, record)
+
+
+def stage_record(directory: str | os.PathLike[str]) -> bytes:
+    """The bytes of a stage's ``stage.json`` as they are now (FormatError if unreadable)."""
+    return bytes(_read_regular(Path(directory) / STAGE_NAME, MAX_STAGE_JSON))
 
 
 def _bad(where: str, why: str) -> Any:
@@ -453,6 +460,19 @@ def _array(ref: Any, buf: bytearray, names: Mapping[str, torch.dtype], where: st
     return torch.frombuffer(buf, dtype=dt, count=count, offset=off)
 
 
+def _increasing(positions: torch.Tensor, limit: int) -> bool:
+    """Whether ``positions`` are >= 0, strictly increasing and < ``limit`` (one C pass when the
+    kernels are loaded)."""
+    k = native.kernels
+    if k is not None and hasattr(k, "increasing"):
+        return bool(k.increasing(positions.numpy(), positions.element_size(), limit))
+    return (
+        int(positions[0]) >= 0
+        and int(positions[-1]) < limit
+        and (positions.numel() < 2 or bool((positions[1:] > positions[:-1]).all()))
+    )
+
+
 def _tensor(e: Any, buf: bytearray, where: str) -> StagedTensor:
     if not isinstance(e, dict) or not isinstance(e.get("name"), str):
         raise FormatError(f"{where}: expected an object with a name")
@@ -480,11 +500,7 @@ def _tensor(e: Any, buf: bytearray, where: str) -> StagedTensor:
         if n != values.numel() or n != changed:
             raise FormatError(f"{where}: tensor {name!r}: {n} positions, {values.numel()} "
                               f"values, changed {changed}")  # fmt: skip
-        if n and (
-            int(positions[0]) < 0
-            or int(positions[-1]) >= numel
-            or (n > 1 and not bool((positions[1:] > positions[:-1]).all()))
-        ):
+        if n and not _increasing(positions, numel):
             raise FormatError(
                 f"{where}: tensor {name!r}: positions not strictly increasing within {numel}"
             )

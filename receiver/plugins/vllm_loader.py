@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from receiver.plugins.inplace import InEngineLoader, LoadResult, checkpoint_of_stage
+from receiver.plugins.prefetch import start_prefetch
 from receiver.plugins.stage import FORMAT_VERSION as STAGE_FORMAT_VERSION
 
 __all__ = [
@@ -170,6 +171,7 @@ def loader_for(model: Any) -> InEngineLoader:
     if loader is None:
         partial = os.environ.get(ENV_PARTIAL, "1").strip() != "0"
         loader = _loaders[model] = InEngineLoader(model, guard=vllm_guard, partial=partial)
+        start_prefetch(loader)
     return loader
 
 

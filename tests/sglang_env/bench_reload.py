@@ -13,9 +13,11 @@ process sends 1-token generations back to back and records when each completes.
 
 For each version: the **pause** is the longest gap between two consecutive completed
 generations that overlaps the receiver's sync of that version (its discovery, reading,
-decoding, checkpoint patch, stage, the server's pause, apply and resume); the client's gap
-outside any sync is the floor. The same versions (seeded) run against two servers, one after
-the other:
+decoding, checkpoint patch, stage, the server's pause, apply and resume: on this host the
+receiver's work shares the cores that generate); the **pause over the server's pause** is the
+longest gap that overlaps the server's pause alone (from the receiver's pause request to the
+answer of its resume); the client's gap outside any sync is the floor. The same versions
+(seeded) run against two servers, one after the other:
 
 * ``in-engine``: the asyncsync plugin installed; the receiver stages each delta before it
   pauses the server, which XORs it into its parameters in place;
@@ -36,6 +38,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -115,6 +118,7 @@ async def run_series(
     proc = ctx.Process(target=client, args=(server.url, str(log), stop), daemon=True)
     rows: list[dict[str, Any]] = []
     windows: list[tuple[float, float]] = []
+    paused: list[tuple[float, float]] = []  # the server's pause (request to resume's answer)
     try:
         await trainer.open()
         await agent.open()
@@ -133,8 +137,11 @@ async def run_series(
                 assert "asyncsync: in-engine apply" in message, message
             if not warmup:
                 windows.append((t0, t1))
+                assert engine.last_pause_window is not None
+                paused.append(engine.last_pause_window)
                 row = {"kind": kind, "fraction": frac, "version": v, "sync": t1 - t0}
-                row.update(server_pause=engine.last_pause_seconds, message=message)
+                row.update(server_pause=engine.last_pause_seconds, message=message,
+                           apply_ms=applied_ms(message))  # fmt: skip
                 rows.append(row)
             print(f"[bench] {kind:9s} {frac:4.0%} v{v} sync {t1 - t0:6.3f}s server paused "
                   f"{engine.last_pause_seconds:6.3f}s {'(warm-up)' if warmup else ''}",
@@ -148,10 +155,18 @@ async def run_series(
         server.stop()
     answers = [line.split() for line in log.read_text().splitlines() if line.strip()]
     done = [float(t) for t, finish in answers if finish == "length"]
-    for row, gap in zip(rows, pauses(done, windows), strict=True):
+    for row, gap, in_pause in zip(rows, pauses(done, windows), pauses(done, paused),
+                                  strict=True):  # fmt: skip
         row["client_pause"] = gap
+        row["client_pause_server_paused"] = in_pause
     return {"kind": kind, "rows": rows, "floor": floor_gap(done, windows), "answers": len(answers),
             "completed": len(done)}  # fmt: skip
+
+
+def applied_ms(message: str) -> float | None:
+    """The plugin's own time for the apply inside the server ("... in 12.3 ms ..."), if said."""
+    m = re.search(r" in ([0-9.]+) ms \(stage read", message)
+    return None if m is None else float(m.group(1))
 
 
 def _med(xs: list[float]) -> str:
@@ -162,18 +177,25 @@ def table(series: list[dict[str, Any]]) -> str:
     by = {s["kind"]: s for s in series}
     ie, full = by["in-engine"], by["full"]
     out = [
-        "| changed (every tensor) | pause, in-engine | pause, SGLang full reload | ratio "
-        "| server paused (receiver's view), in-engine / full |",
-        "|---|---|---|---|---|",
+        "| changed (every tensor) | pause over the sync, in-engine | same, SGLang full reload "
+        "| ratio | pause over the server's pause, in-engine / full | ratio "
+        "| server paused (receiver's view), in-engine / full | apply inside the server |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for frac in FRACTIONS:
         a = [r for r in ie["rows"] if r["fraction"] == frac]
         b = [r for r in full["rows"] if r["fraction"] == frac]
         pa, pb = [r["client_pause"] for r in a], [r["client_pause"] for r in b]
+        qa = [r["client_pause_server_paused"] for r in a]
+        qb = [r["client_pause_server_paused"] for r in b]
         ratio = statistics.median(pa) / statistics.median(pb)
+        ratio_q = statistics.median(qa) / statistics.median(qb)
+        inside = [r["apply_ms"] / 1000 for r in a if r.get("apply_ms") is not None]
         out.append(
             f"| {frac:.0%} | {_med(pa)} | {_med(pb)} | {ratio:.2f}x "
-            f"| {_med([r['server_pause'] for r in a])} / {_med([r['server_pause'] for r in b])} |"
+            f"| {_med(qa)} / {_med(qb)} | {ratio_q:.2f}x "
+            f"| {_med([r['server_pause'] for r in a])} / {_med([r['server_pause'] for r in b])} "
+            f"| {_med(inside) if inside else '-'} |"
         )
     out.append(
         f"\nclient gap outside syncs (floor): in-engine {ie['floor'] * 1000:.0f} ms, full "
