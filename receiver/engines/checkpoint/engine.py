@@ -464,8 +464,8 @@ class LocalCheckpoint(Engine):
         try:
             maps.sync()
             self.files.fsync_data_files()  # also pages an interrupted earlier flush left dirty
-            with self._mutex:
-                if self._ps.version == version:  # no later version committed since
+            with self._mutex:  # not after a failed flush: its pages may be lost (and clean)
+                if self._ps.version == version and not self._broken:
                     self._set(replace(self._ps, synced=True))
         except BaseException as exc:
             self._broken = f"making v{version} durable failed ({exc})"
