@@ -549,6 +549,14 @@ static PyObject *xor_patch(PyObject *self, PyObject *args) { return patch(args, 
 
 /* ------------------------------------------------ shifted XOR and the increasing check */
 
+static int check_pos_width(Py_ssize_t pw) {
+    if (pw != 4 && pw != 8) {
+        PyErr_Format(PyExc_ValueError, "positions width must be 4 or 8, not %zd", pw);
+        return -1;
+    }
+    return 0;
+}
+
 /* Position j of an int32 or int64 array. */
 static inline int64_t pos_at(const char *pos, Py_ssize_t pw, Py_ssize_t j) {
     if (pw == 4) {
@@ -603,8 +611,7 @@ static PyObject *xor_shifted(PyObject *self, PyObject *args) {
     if (check_width(width) < 0) {
         return NULL;
     }
-    if (pw != 4 && pw != 8) {
-        PyErr_Format(PyExc_ValueError, "positions width must be 4 or 8, not %zd", pw);
+    if (check_pos_width(pw) < 0) {
         return NULL;
     }
     if (shift <= -((long long)1 << 62) || shift >= ((long long)1 << 62)) {
@@ -662,8 +669,7 @@ static PyObject *increasing(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OnL:increasing", &pos_o, &pw, &limit)) {
         return NULL;
     }
-    if (pw != 4 && pw != 8) {
-        PyErr_Format(PyExc_ValueError, "positions width must be 4 or 8, not %zd", pw);
+    if (check_pos_width(pw) < 0) {
         return NULL;
     }
     Buffers b = {.held = 0};

@@ -219,7 +219,7 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"[bench] model: {args.layers} layers, hidden {args.hidden}, "
               f"{size / 2**20:.0f} MiB", flush=True)  # fmt: skip
         series = []
-        for kind in ("in-engine", "full"):
+        for kind in ("full", "in-engine") if args.full_first else ("in-engine", "full"):
             series.append(
                 await run_series(
                     env,
@@ -248,6 +248,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pause-mode", default="auto", choices=("auto", "abort", "retract", "in_place"))
+    p.add_argument("--full-first", action="store_true", help="run the full-reload server first")
     p.add_argument("--json", default=os.environ.get("BENCH_JSON"))
     asyncio.run(main_async(p.parse_args()))
 
