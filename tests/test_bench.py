@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,51 @@ def test_a_failing_child_is_reported_with_its_log(tmp_path: Path) -> None:
         _finish([(proc, log, job)], timeout=120)
 
 
+def _waiting_publisher(tmp_path: Path, timeout: float) -> tuple[Any, Path, Job]:
+    """A real scale publisher child that seeds a 1 MiB model, then waits for a receiver that
+    never says it is ready (up to ``timeout``)."""
+    (tmp_path / "root").mkdir()
+    job = Job(
+        role="scale-publish", root=str(tmp_path / "root"), result=str(tmp_path / "pub.json"),
+        ready=str(tmp_path / "never"), scale_bytes=1 << 20, versions=1, timeout=timeout,
+    )  # fmt: skip
+    return (*_start(job, tmp_path, "pub"), job)
+
+
+def test_a_failing_child_fails_the_run_while_its_peer_still_waits(tmp_path: Path) -> None:
+    """The receiver fails while the publisher waits for it (the publisher first in the list,
+    as the bench passes them): the run fails at once with the receiver's log, not after the
+    publisher has waited out its timeout, and the waiting child is stopped."""
+    waiting = _waiting_publisher(tmp_path, timeout=3600)
+    job = Job(
+        role="cost",
+        root=str(tmp_path / "root-cost"),
+        result=str(tmp_path / "r.json"),
+        states=[str(tmp_path / "missing.safetensors")] * 2,
+    )
+    failing = (*_start(job, tmp_path, "cost"), job)
+    with pytest.raises(BenchFailed, match=r"(?s)exited 1.*missing\.safetensors"):
+        _finish([waiting, failing], timeout=3600)
+    assert waiting[0].poll() is not None
+
+
+def test_a_child_past_its_timeout_is_reported_with_its_stacks(tmp_path: Path) -> None:
+    """A child still running at the timeout: the error quotes every thread's stack (the
+    child's faulthandler on SIGUSR1), here the publisher waiting for its receiver."""
+    waiting = _waiting_publisher(tmp_path, timeout=3600)
+    seeded = tmp_path / "root" / "v000000000000" / "manifest.json"
+    for _ in range(12000):  # the child runs its job (faulthandler set) once it has seeded
+        if seeded.exists() or waiting[0].poll() is not None:
+            break
+        time.sleep(0.01)
+    assert seeded.exists(), waiting[1].read_text()
+    with pytest.raises(
+        BenchFailed, match=r"(?s)timed out after 1s.*asyncio.*in _wait.*Thread.*worker.py.*in main"
+    ):
+        _finish([waiting], timeout=1)
+    assert waiting[0].poll() is not None
+
+
 # ------------------------------------------------------------------------------ the scale sweep
 SCALE_KEYS = (
     "model_bytes",
@@ -201,6 +247,8 @@ SCALE_KEYS = (
     "apply_s",
     "e2e_s",
     "full_sync_s",
+    "publish_cpu_s_per_gib",
+    "apply_cpu_s_per_gib",
     "publisher_peak_rss_vs_model",
     "receiver_peak_rss_vs_model",
 )
@@ -209,7 +257,8 @@ SCALE_KEYS = (
 def test_scale_sweep_writes_the_promised_keys(tmp_path: Path) -> None:
     """``--scale`` with two tiny sizes: the real children, the JSON keys, the plots."""
     argv = ["bench", "--scale", "--scale-sizes", "2MiB,4MiB", "--versions", "1"]
-    argv += ["--workdir", str(tmp_path), "--json", str(tmp_path / "s.json")]
+    # a child that hangs fails the bench with every thread's stack before pytest's timeout
+    argv += ["--timeout", "200", "--workdir", str(tmp_path), "--json", str(tmp_path / "s.json")]
     argv += ["--plot", str(tmp_path / "plots")]
     assert main(argv) == 0
     s = json.loads((tmp_path / "s.json").read_text())

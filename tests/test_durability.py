@@ -35,6 +35,7 @@ import asyncio
 import os
 import re
 import shutil
+import threading
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ from asyncsync.format.checksum import checksum_file
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.publish.retention import RetentionPolicy, collect
 from receiver import ReceiverAgent
-from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.checkpoint import LocalCheckpoint, inplace
+from receiver.engines.st_layout import FileMaps
 from receiver.stream import StreamApplier
 from tests.conftest import eventually, mixed_state, mutate, same_bytes
 from tests.crashfs import CrashState, Recorder, Window, crash_states, materialise
@@ -217,17 +219,20 @@ async def test_every_crash_state_of_a_publish_recovers(tmp_path: Path, keyframe:
 
 
 @pytest.mark.parametrize(
-    "full, sync_before_ack",
-    [(False, True), (False, False), (True, False)],
-    ids=["delta-sync-before-ack", "delta", "full"],
+    "full, sync_before_ack, deltas",
+    [(False, True, 1), (False, False, 1), (True, False, 1), (False, False, 2)],
+    ids=["delta-sync-before-ack", "delta", "full", "two-deltas-flush-overlapped"],
 )
 async def test_every_crash_state_of_an_apply_recovers(
-    tmp_path: Path, full: bool, sync_before_ack: bool
+    tmp_path: Path, full: bool, sync_before_ack: bool, deltas: int
 ) -> None:
+    """``two-deltas-flush-overlapped``: v2 and v3 in one sync, v3 journaled and patched while
+    v2's flush (after its ack) still runs, so the window holds the calls of both in any
+    interleaving the threads took."""
     root, ck = tmp_path / "root", tmp_path / "ck"
     sc = Scenario(tmp_path, {"root": root, "ck": ck})
     async with Publisher(root, bucket_bytes=BUCKET, keyframe_interval=0) as pub:
-        for i in range(3):
+        for i in range(2 + deltas):
             if i == 2 and not full:  # the engine is at v1 when v2 (a delta) comes
                 await _follow(root, ck, sc.published, 1)
             sd = _state(i)
@@ -240,7 +245,28 @@ async def test_every_crash_state_of_an_apply_recovers(
         async with agent:
             await agent.sync_once()
 
-    await sc.record(apply)
+    journaled, overlapped = threading.Event(), []
+    if deltas == 2:  # hold v2's flush until v3 has journaled and patched its first group
+        sync, journal_and_patch = FileMaps.sync, inplace.journal_and_patch
+
+        def held_sync(self: FileMaps) -> None:
+            if not overlapped:
+                overlapped.append(journaled.wait(20))  # 20 s: only a broken run waits it out
+            sync(self)
+
+        def noted(*args: Any, **kw: Any) -> Any:
+            out = journal_and_patch(*args, **kw)
+            if args[3] == 3:  # (maps, journal_dir, seq, version, ...)
+                journaled.set()
+            return out
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(FileMaps, "sync", held_sync)
+            mp.setattr(inplace, "journal_and_patch", noted)
+            await sc.record(apply)
+        assert overlapped == [True], "v3 was not journaled while v2's flush was running"
+    else:
+        await sc.record(apply)
 
     async def recover(p: dict[str, Path]) -> None:
         held = LocalCheckpoint(p["ck"], sync_before_ack=sync_before_ack)

@@ -4,9 +4,11 @@ what does not fit, roll back on checksum mismatch or abort, and recover after a 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -732,6 +734,91 @@ async def test_a_delta_is_made_durable_after_or_before_the_commit(
     await ck.close()  # waits for the flush
     assert _state(tmp_path).get("synced", True) is True
     assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd2)
+
+
+async def test_the_next_delta_applies_while_the_last_one_is_flushed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v2 begins, journals, patches and commits while v1's flush is held (it does not wait for
+    it); a crash in that overlap (a copy of the directory: a killed process keeps the page
+    cache) reopens at v1, checked because v1 was not durable yet; v2 is durable once flushed."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path / "ck", sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    started, gate, held = threading.Event(), threading.Event(), [True]
+    synced = FileMaps.sync
+
+    def held_sync(self: FileMaps) -> None:
+        started.set()
+        held[0] = gate.wait(20)  # released below; the timeout keeps a broken run from hanging
+        synced(self)
+
+    monkeypatch.setattr(FileMaps, "sync", held_sync)
+    await ck.acknowledged()  # v1's flush starts and is held in its msync
+    assert await asyncio.to_thread(started.wait, 10)
+    sd2 = mutate(sd1, 0.05, seed=2)
+    m2 = build_manifest(sd2, 2, base=sd1)
+    batches = delta_batches(m2, sd1, sd2)
+    await ck.begin(m2, "delta")  # does not wait for v1's flush
+    await ck.apply(batches[0])
+    st = _state(tmp_path / "ck")
+    assert (st["status"], st["version"], st["target_version"], st["synced"]) == (
+        "applying", 1, 2, False,
+    )  # fmt: skip
+    shutil.copytree(tmp_path / "ck", tmp_path / "crashed")  # the crash: v2 half applied
+    for b in batches[1:]:
+        await ck.apply(b)
+    await ck.commit()
+    assert (_state(tmp_path / "ck")["version"], _state(tmp_path / "ck")["synced"]) == (2, False)
+    assert held[0] and not gate.is_set()  # v1's flush was held the whole time
+    gate.set()
+    await ck.acknowledged()
+    await ck.flushed()  # v1's flush, then v2's
+    st = _state(tmp_path / "ck")
+    assert (st["version"], st.get("synced", True)) == (2, True)
+    await ck.close()
+    assert_same(LocalCheckpoint(tmp_path / "ck").load_state_dict(), sd2)
+    crashed = LocalCheckpoint(tmp_path / "crashed")
+    assert (await crashed.open()).version == 1  # v2 undone from its journal; v1 checked
+    assert _state(tmp_path / "crashed").get("synced", True) is True
+    assert_same(crashed.load_state_dict(), sd1)
+    await crashed.close()
+
+
+async def test_a_failed_flush_refuses_the_next_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1's flush fails while v2 is applied beside it: v2 is not committed (rolled back), the
+    engine says it is broken until reopened."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    sd2 = mutate(sd1, 0.05, seed=2)
+    m2 = build_manifest(sd2, 2, base=sd1)
+    working = FileMaps.sync
+
+    def eio(self: FileMaps) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(FileMaps, "sync", eio)
+    await ck.begin(m2, "delta")  # starts v1's flush, which fails
+    with pytest.raises(ApplyFailed):
+        await ck._flushing  # type: ignore[misc]
+    monkeypatch.setattr(FileMaps, "sync", working)
+    for b in delta_batches(m2, sd1, sd2):
+        await ck.apply(b)
+    with pytest.raises(EngineStateError, match="durable"):
+        await ck.commit()
+    assert ck.state.version == 1 and _state(tmp_path)["synced"] is False
+    await ck.close()
+    ck = LocalCheckpoint(tmp_path)
+    assert (await ck.open()).version == 1  # checked at open: the pages are still there
+    assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
 
 
 async def test_reopen_after_a_crash_before_the_flush(tmp_path: Path) -> None:

@@ -54,6 +54,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overrides["bucket_bytes"] = args.bucket_bytes
     if args.workdir is not None:
         overrides["workdir"] = args.workdir
+    if args.timeout is not None:
+        if not args.timeout > 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+        overrides["timeout"] = args.timeout
     if args.elements is not None and args.elements < 1_000_000:  # plumbing checks: be brief
         overrides.update(repeats=1, full_repeats=1, name="tiny")
     if args.elements is not None:  # an experiment at one size: no sweep unless asked for
@@ -256,6 +260,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "scale sweep and --peers); see python -m asyncsync.ops.bench.threads",
     )
     sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
+    sp.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="seconds a benchmark child may run before it is stopped, its threads' stacks "
+        "dumped into the error (default 300 with --quick, else 900)",
+    )
     # hidden: sizes for plumbing tests and experiments
     sp.add_argument("--elements", type=positive_int, help=argparse.SUPPRESS)
     sp.add_argument("--sweep-elements", type=positive_int, help=argparse.SUPPRESS)

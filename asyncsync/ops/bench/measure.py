@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -215,26 +216,52 @@ def _start(job: Job, work: Path, tag: str) -> tuple[subprocess.Popen[bytes], Pat
 
 
 def _finish(procs: list[tuple[subprocess.Popen[bytes], Path, Job]], timeout: float) -> list[Any]:
-    """Wait for the children; their results, or BenchFailed naming the first that failed."""
+    """Wait for the children; their results, or BenchFailed naming the first that failed.
+
+    All of them at once: a publisher waits for its receiver's ack (and a receiver for the
+    publisher's versions) up to the job's timeout, so a child that fails must fail the run
+    at once, not after its peer has waited out that timeout."""
     deadline = time.monotonic() + timeout
     try:
-        for proc, log, _ in procs:
-            try:
-                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while any(proc.poll() is None for proc, _, _ in procs):
+            for proc, log, _ in procs:
+                if proc.poll() not in (None, 0):
+                    raise _exited(proc, log)
+            if time.monotonic() >= deadline:
                 raise BenchFailed(
                     f"benchmark child timed out after {timeout:.0f}s; rerun with --keep to "
-                    f"keep its log {log}"
-                ) from None
-            if rc != 0:
-                tail = log.read_text(errors="replace")[-2000:]
-                raise BenchFailed(f"benchmark child exited {rc}; {log} ends with:\n{tail}")
+                    "keep the logs; the stacks of the children still running:\n" + _stacks(procs)
+                )
+            time.sleep(0.05)
+        for proc, log, _ in procs:
+            if proc.returncode != 0:
+                raise _exited(proc, log)
     finally:
         for proc, _, _ in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     return [json.loads(Path(job.result).read_text()) for _, _, job in procs]
+
+
+def _exited(proc: subprocess.Popen[bytes], log: Path) -> BenchFailed:
+    tail = log.read_text(errors="replace")[-2000:]
+    return BenchFailed(f"benchmark child exited {proc.returncode}; {log} ends with:\n{tail}")
+
+
+def _stacks(procs: list[tuple[subprocess.Popen[bytes], Path, Job]]) -> str:
+    """Every asyncio task's and thread's stack of each child still running (SIGUSR2, SIGUSR1:
+    the worker's handlers), from the end of its log."""
+    running = [(proc, log) for proc, log, _ in procs if proc.poll() is None]
+    for sig in (signal.SIGUSR2, signal.SIGUSR1):  # asyncio tasks (on the loop), then threads
+        for proc, _ in running:
+            with contextlib.suppress(OSError):
+                proc.send_signal(sig)
+        time.sleep(1.0)  # each dump is written by the child itself
+    return "\n".join(
+        f"--- {log.name} (pid {proc.pid}):\n{log.read_text(errors='replace')[-12000:]}"
+        for proc, log in running
+    )
 
 
 def _run_cost(cfg: BenchConfig, work: Path, states: list[str]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import contextlib
 import cProfile
 import json
 import pstats
+import resource
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from asyncsync import codec, fsio
 from asyncsync.codec.shards import delta_shard_blob
+from asyncsync.format import version_dir
 from asyncsync.format.acks import read_acks
 from asyncsync.format.checksum import checksum_bytes, checksum_tensor
 from asyncsync.format.names import MAX_SHARD_BYTES
@@ -36,6 +38,7 @@ from receiver.agent import ReceiverAgent
 from receiver.engines.st_layout import read_layout
 
 __all__ = [
+    "cpu_seconds",
     "full_sync",
     "load_state_dict",
     "model_bytes",
@@ -195,20 +198,47 @@ def receive_components(root: Path, version: int) -> dict[str, float]:
     return out
 
 
-async def run_until_acked(agent: ReceiverAgent, final: int) -> list[float]:
+def cpu_seconds(system_only: bool = False) -> float:
+    """CPU seconds (user + system, or system alone: the kernel's page faults and writeback)
+    this process used so far, every thread (the pools too)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_stime if system_only else r.ru_utime + r.ru_stime
+
+
+async def run_until_acked(
+    agent: ReceiverAgent,
+    final: int,
+    *,
+    cpu: list[float] | None = None,
+    cpu_sys: list[float] | None = None,
+) -> list[float]:
     """Run ``agent`` until its ack names ``final`` or later; the apply seconds of each version
-    it applied meanwhile (``status().last_apply_seconds``)."""
+    it applied meanwhile (``status().last_apply_seconds``). ``cpu``: gets the process's CPU
+    seconds of each acked version, from when its directory was first seen (the streamed
+    shards) to its ack (the watch's own 5 ms polls included); ``cpu_sys`` the system part."""
     applies: list[float] = []
     stop = asyncio.Event()
 
     async def watch() -> None:
         seen = agent.status().applied
+        held = agent.version
+        start: tuple[float, float] | None = None
         while True:
             s = agent.status()
             if s.applied != seen and s.last_apply_seconds is not None:
                 applies.append(s.last_apply_seconds)
                 seen = s.applied
+            nxt = None if held is None else version_dir(agent.root, held + 1)
+            if cpu is not None and start is None and nxt is not None:
+                there = await asyncio.to_thread(nxt.is_dir)
+                start = (cpu_seconds(), cpu_seconds(system_only=True)) if there else None
             mine = (await asyncio.to_thread(read_acks, agent.root)).get(agent.engine_id)
+            if mine is not None and held is not None and mine.version > held:
+                if cpu is not None and start is not None:
+                    cpu.append(cpu_seconds() - start[0])
+                    if cpu_sys is not None:
+                        cpu_sys.append(cpu_seconds(system_only=True) - start[1])
+                held, start = mine.version, None
             if mine is not None and mine.version >= final:
                 stop.set()
                 return

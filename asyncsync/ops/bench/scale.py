@@ -52,7 +52,13 @@ import torch
 from asyncsync import codec, fsio
 from asyncsync.format import acks
 from asyncsync.ops.bench.job import Job
-from asyncsync.ops.bench.probes import full_sync, reset_peak_rss, rss, run_until_acked
+from asyncsync.ops.bench.probes import (
+    cpu_seconds,
+    full_sync,
+    reset_peak_rss,
+    rss,
+    run_until_acked,
+)
 from asyncsync.ops.workload import config_for_elements
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
@@ -180,9 +186,9 @@ async def run_scale_publish(job: Job) -> dict[str, Any]:
         for v in range(1, job.versions + 1):
             step_state(sd, v, job.density, job.seed)
             fsio.set_throttle(job.throttle)
-            t0 = time.perf_counter()
+            t0, c0, k0 = time.perf_counter(), cpu_seconds(), cpu_seconds(system_only=True)
             res = await pub.publish(sd)
-            t1 = time.perf_counter()
+            t1, c1, k1 = time.perf_counter(), cpu_seconds(), cpu_seconds(system_only=True)
             await acks.wait_acked(
                 root, res.version, engines=[job.engine_id], timeout=job.timeout,
                 poll_interval=0.002, max_poll_interval=0.002,
@@ -192,6 +198,7 @@ async def run_scale_publish(job: Job) -> dict[str, Any]:
             versions.append(
                 {
                     "version": res.version, "publish": t1 - t0, "e2e": t2 - t0,
+                    "publish_cpu": c1 - c0, "publish_cpu_sys": k1 - k0,
                     "wire_bytes": res.wire_bytes, "shards": res.shards, "changed": res.changed,
                     "elements": res.total, "stages": dict(res.seconds),
                 }
@@ -218,11 +225,15 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
         reset_peak_rss()
         fsio.set_throttle(job.throttle)
         Path(job.ready).write_text("ready\n")
-        applies = await run_until_acked(agent, job.versions)
+        cpu: list[float] = []
+        cpu_sys: list[float] = []
+        applies = await run_until_acked(agent, job.versions, cpu=cpu, cpu_sys=cpu_sys)
         fsio.set_throttle(None)
     return {
         "rss": {"base": base, "startup": startup, "steady": rss()},
         "applies": applies,  # each from its manifest to the ack (streamed shards came before)
+        "apply_cpu": cpu,  # each from its directory's first sight to the ack, every thread
+        "apply_cpu_sys": cpu_sys,  # of which the kernel's (page faults, the flush's writeback)
         "streamed_shards": agent.status().streamed_shards,
     }
 
@@ -313,7 +324,9 @@ def summarise_size(
     floor = max(production, shared)
     publish, e2e = med(v["publish"] for v in vs), med(v["e2e"] for v in vs)
     apply_s, full = med(rec["applies"]), med(cost["full_sync"])
-    gb = model / 1e9
+    gb, gib = model / 1e9, model / (1 << 30)
+    publish_cpu = med(v["publish_cpu"] for v in vs) if all("publish_cpu" in v for v in vs) else None
+    apply_cpu = med(rec["apply_cpu"]) if rec.get("apply_cpu") else None
     return {
         "model_bytes": model,
         "density": med(v["changed"] / v["elements"] for v in vs),
@@ -336,6 +349,9 @@ def summarise_size(
         "full_sync_vs_e2e": full / e2e,
         "publish_s_per_gb": publish / gb,
         "apply_s_per_gb": apply_s / gb,
+        # process CPU (user + system, every thread: the pools too) per GiB of model
+        "publish_cpu_s_per_gib": None if publish_cpu is None else publish_cpu / gib,
+        "apply_cpu_s_per_gib": None if apply_cpu is None else apply_cpu / gib,
         "streamed_shards": rec.get("streamed_shards", 0),
         "publisher_peak_rss_vs_model": _peak(pub, model),
         "receiver_peak_rss_vs_model": _peak(rec, model),
@@ -344,6 +360,10 @@ def summarise_size(
             "publish": [v["publish"] for v in vs],
             "e2e": [v["e2e"] for v in vs],
             "apply": rec["applies"],
+            "publish_cpu": [v.get("publish_cpu") for v in vs],
+            "apply_cpu": rec.get("apply_cpu", []),
+            "publish_cpu_sys": [v.get("publish_cpu_sys") for v in vs],
+            "apply_cpu_sys": rec.get("apply_cpu_sys", []),
             "trainer_floor": cost["ne_pass"],
             "receiver_floor": cost["receiver_floor"],
             "full_sync": cost["full_sync"],

@@ -24,18 +24,22 @@ sync) and the steady phase (deltas), so both are reported.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import json
+import os
 import shutil
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncsync import fsio
+from asyncsync.console.logsetup import setup_logging
 from asyncsync.format import acks
 from asyncsync.format.checksum import checksum_tensor
 from asyncsync.ops.bench import peers, scale
@@ -260,6 +264,26 @@ _ROLES = {
 }
 
 
+async def _with_task_dumps(role: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """Run ``role``; on SIGUSR2 print the stack of every asyncio task to stderr (the log)."""
+
+    def dump() -> None:
+        for task in asyncio.all_tasks():
+            print(f"--- asyncio task {task.get_name()}:", file=sys.stderr)
+            coro: Any = task.get_coro()
+            while coro is not None:  # the chain of awaits, outermost first
+                f = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+                if f is not None:
+                    code = f.f_code
+                    print(f'  File "{code.co_filename}", line {f.f_lineno} in {code.co_name}',
+                          file=sys.stderr)  # fmt: skip
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+        sys.stderr.flush()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, dump)
+    return await role
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the job in ``argv[0]`` and write its result JSON; 1 on failure (traceback on stderr)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -267,10 +291,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m asyncsync.ops.bench.worker JOB.json", file=sys.stderr)
         return 2
     job = Job.read(args[0])
+    # the parent sends SIGUSR2 then SIGUSR1 to a child that overruns its timeout: every
+    # asyncio task's and every thread's stack into the log it then quotes (measure._finish)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.enable(all_threads=True)  # a crash in a C kernel: the stacks, then exit -11
+    # its log: warnings by default; ASYNCSYNC_BENCH_LOG_LEVEL=INFO shows each apply's time
+    setup_logging(os.environ.get("ASYNCSYNC_BENCH_LOG_LEVEL", "WARNING").upper() or "WARNING")
     if job.threads and not job.role.endswith("cost"):  # the floors stay the machine's
         set_threads(job.threads)
         torch.set_num_threads(job.threads)
-    result = asyncio.run(_ROLES[job.role](job))
+    result = asyncio.run(_with_task_dumps(_ROLES[job.role](job)))
     Path(job.result).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -22,14 +22,18 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
 * durability after the ack (default): a delta commits once every touched tensor's bytes match
   the manifest's checksums *in the page cache*; ``state.json`` then says ``clean`` at the new
   version with ``synced: false`` and the receiver acknowledges it; then (``acknowledged``)
-  ``msync``/``fsync`` of the data files run in the background (the next ``begin`` waits for
-  them), and ``synced`` becomes true. The flush is the largest single cost of an apply (a 3 %
-  delta dirties every page of a bf16 tensor), so this takes it off the version's latency. A
-  process crash loses nothing (the page cache survives it); if the machine itself fails
-  before the flush, ``open`` finds ``synced: false``, re-checks every tensor against the
-  recorded checksums and, if any differs, removes the data files so the receiver
-  re-initialises from the newest keyframe. ``sync_before_ack=True`` flushes before the
-  commit instead.
+  ``msync``/``fsync`` of the data files run in the background, and ``synced`` becomes true.
+  The next delta does not wait for that flush: it journals and patches beside it (a full
+  version and ``bump`` do wait); flushes run one after another. The flush is the largest
+  single cost of an apply (a 3 % delta dirties every page of a bf16 tensor), so this takes it
+  off the version's latency and off the next one's. A process crash loses nothing (the page
+  cache survives it); if the machine itself fails before the flush, ``open`` undoes any delta
+  in progress from its journal (which holds the old bytes durably), then finds ``synced:
+  false``, re-checks every tensor against the recorded checksums and, if any differs, removes
+  the data files so the receiver re-initialises from the newest keyframe. ``synced`` may
+  become true while the next delta is open: its journal restores the positions it patched.
+  A flush that fails marks the engine broken: the next commit is refused (rolled back).
+  ``sync_before_ack=True`` flushes before the commit instead.
 * full: new files are written to ``.asyncsync/staging/`` and verified; only then is the state
   marked ``applying`` and the files moved into place. A crash in that window leaves old and
   new files mixed, so ``open`` removes the data files and reports no version: the receiver

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -109,17 +110,27 @@ class LocalCheckpoint(Engine):
         self._store.close()
 
     async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
-        await self.flushed()
+        if mode == "delta":
+            # The last delta's flush goes on meanwhile: this one journals the old values of
+            # every position it writes before writing it, so a crash undoes it back to the
+            # last version, which is checked at open while it is not durable (``synced``).
+            await self.acknowledged()
+        else:
+            await self.flushed()  # a full version replaces the files the flush writes
+        t0 = time.perf_counter()
         await self._run(self._begin, manifest, mode)
+        if (waited := time.perf_counter() - t0) > 0.05:
+            logger.info("%s: begin of v%s waited %.3fs", self.directory, manifest.version, waited)
 
     async def flushed(self) -> None:
-        """Wait until the last committed delta is durable (a no-op with sync_before_ack);
-        start its flush first if nobody called :meth:`acknowledged`."""
+        """Wait until every committed delta is durable (a no-op with sync_before_ack); start
+        the last one's flush first if nobody called :meth:`acknowledged`."""
         await self.acknowledged()
-        pending, self._flushing = self._flushing, None
-        if pending is not None:
+        while (pending := self._flushing) is not None:
             with contextlib.suppress(AsyncSyncError):  # logged; the engine is marked broken
-                await pending
+                await asyncio.shield(pending)  # a cancelled caller leaves the flush running
+            if self._flushing is pending:
+                self._flushing = None
 
     async def apply(self, updates: list[TensorUpdate]) -> None:
         txn = self._need_txn()
@@ -144,11 +155,25 @@ class LocalCheckpoint(Engine):
 
     async def acknowledged(self) -> None:
         """Start flushing the delta just committed (in the background): after the ack, so the
-        ack's own small write is not queued behind the flush on the same disk."""
-        if self._unflushed is not None and self._flushing is None:
+        ack's own small write is not queued behind the flush on the same disk. The flush runs
+        beside the next delta (it does not hold the engine's lock), after the flush before it."""
+        if self._unflushed is not None:
             maps, version = self._unflushed
             self._unflushed = None
-            self._flushing = asyncio.ensure_future(self._run(self._make_durable, maps, version))
+            self._flushing = asyncio.ensure_future(self._flush(self._flushing, maps, version))
+
+    async def _flush(
+        self, previous: asyncio.Future[None] | None, maps: FileMaps, version: int
+    ) -> None:
+        if previous is not None:
+            with contextlib.suppress(AsyncSyncError):
+                await asyncio.shield(previous)
+        try:
+            await asyncio.to_thread(self._make_durable, maps, version)
+        except AsyncSyncError:
+            raise
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ApplyFailed(f"{self.directory}: {type(exc).__name__}: {exc}") from exc
 
     async def abort(self) -> None:
         await self._run(self._abort)
@@ -389,6 +414,8 @@ class LocalCheckpoint(Engine):
         assert txn.maps is not None
         m = txn.manifest
         try:
+            if self._broken:  # the flush of the version before failed meanwhile
+                raise EngineStateError(f"{self.directory}: {self._broken}; close and reopen it")
             if self.sync_before_ack:
                 txn.maps.sync()
             bad = self._first_mismatch(txn)
@@ -426,18 +453,27 @@ class LocalCheckpoint(Engine):
         return m.fingerprint
 
     def _make_durable(self, maps: FileMaps, version: int) -> None:
-        """Background, after the commit: flush the data files, then record ``synced``."""
+        """Background, after the commit: flush the data files, then record ``synced``.
+
+        Not under the engine's lock: the next delta may journal and patch meanwhile (its own
+        maps). Every page ``version`` wrote was written before this flush began, so once it
+        returns ``version`` is durable, except the positions a later delta has patched since,
+        whose ``version`` bytes that delta's journal holds durably: ``synced`` is then true of
+        ``version`` even while that delta is open (a crash undoes it back to ``version``)."""
+        t0 = time.perf_counter()
         try:
             maps.sync()
             self.files.fsync_data_files()  # also pages an interrupted earlier flush left dirty
-            if self._ps.version == version:  # begin and bump wait for this: nothing came between
-                self._set(replace(self._ps, synced=True))
+            with self._mutex:  # not after a failed flush: its pages may be lost (and clean)
+                if self._ps.version == version and not self._broken:
+                    self._set(replace(self._ps, synced=True))
         except BaseException as exc:
             self._broken = f"making v{version} durable failed ({exc})"
             logger.error("%s: %s", self.directory, self._broken)
             raise
         finally:
             maps.close()
+        logger.debug("%s: v%s durable in %.3fs", self.directory, version, time.perf_counter() - t0)
 
     def _first_mismatch(self, txn: _Txn) -> tuple[str, str] | None:
         """(name, checksum) of the first tensor whose new bytes differ from the manifest.
