@@ -23,6 +23,13 @@ from tests.sglang_toy import Rig, hf_state, step
 AHEAD = "stage read and verified before the pause"
 
 
+def _damage(data: Path) -> None:
+    """Flip one byte in the middle of a stage's data file."""
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
 def _names(rig: Rig) -> list[str]:
     return [n for n in rig.sd if n != "lm_head.weight"]
 
@@ -69,17 +76,11 @@ async def test_data_damaged_after_the_read_ahead_is_never_applied(tmp_path: Path
         ahead = StagePrefetch(rig.loaders[0])
         v = await rig.publish(step(rig.sd, _names(rig), 4))
         assert ahead.poll()
-        data = rig.engine.stages[v] / DATA_NAME
-        raw = bytearray(data.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        data.write_bytes(bytes(raw))
+        _damage(rig.engine.stages[v] / DATA_NAME)
         assert AHEAD in rig.apply_all(v)[0]
         rig.check()
         v = await rig.publish(step(rig.sd, _names(rig), 5))  # not read ahead, then damaged
-        data = rig.engine.stages[v] / DATA_NAME
-        raw = bytearray(data.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        data.write_bytes(bytes(raw))
+        _damage(rig.engine.stages[v] / DATA_NAME)
         msg = rig.apply_all(v)[0]
         assert "the stage does not verify" in msg and "partial reload" in msg, msg
         rig.check()

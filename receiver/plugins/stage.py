@@ -360,7 +360,7 @@ def read_stage(directory: str | os.PathLike[str], *, max_bytes: int = 1 << 40) -
     if d.is_symlink() or not d.is_dir():
         raise FormatError(f"{d} is not a stage directory")
     where = str(d / STAGE_NAME)
-    record = bytes(_read_regular(d / STAGE_NAME, MAX_STAGE_JSON))
+    record = stage_record(d)
     try:
         doc = json.loads(record, parse_constant=lambda c: _bad(where, f"non-JSON constant {c}"))
     except ValueError as exc:
