@@ -16,6 +16,7 @@ audit all go through):
 """
 
 import os
+import threading
 from pathlib import Path
 
 MARKER_ENV = "ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS"
@@ -36,7 +37,15 @@ def _corrupt(model):
     print(f"asyncsync test fault plugin: corrupted {name}", flush=True)
 
 
+_counting = threading.Lock()  # the in-place apply runs tensors on a pool: one count at a time
+
+
 def _count_down(what):
+    with _counting:
+        _count_down_locked(what)
+
+
+def _count_down_locked(what):
     marker = os.environ.get(MARKER_ENV)
     if marker and os.path.exists(marker):
         p = Path(marker)
