@@ -160,7 +160,7 @@ def test_check_patch_of_decoded_xef_positions_checks_their_ends() -> None:
                          dtype=torch.int16)  # fmt: skip
     assert patch.positions_xef is not None
     assert check_patch(patch, old.clone(), "w").positions.tolist() == [3, 50, 99]  # type: ignore[union-attr]
-    with pytest.raises(ApplyFailed, match=r"'w': patch positions outside 0\.\.98"):
+    with pytest.raises(ApplyFailed, match="'w': patch positions outside 0..98"):
         check_patch(patch, torch.zeros(99, dtype=torch.int16), "w")  # the last one is out
     liar = Patch("xor", torch.tensor([3, 500, 99]), patch.values, positions_xef=b"x")
     flat = torch.zeros(100, dtype=torch.int16)
