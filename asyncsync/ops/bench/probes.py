@@ -220,8 +220,7 @@ async def run_until_acked(
 
     The watch itself costs little of that CPU: the acks are read from the root only once the
     engine holds a newer version than the one last acked (the ack follows the commit), and the
-    next version's directory is looked for with one ``stat`` per 5 ms tick, not a thread hop;
-    the agent's status is read only when the engine's version changed.
+    next version's directory is looked for with one ``stat`` per 5 ms tick, not a thread hop.
     (Reading the acks through the throttled root every 5 ms was ~0.16 s of CPU per version at
     1 GiB, charged to the receiver: issue 26's third session.)"""
     applies: list[float] = []
@@ -231,18 +230,15 @@ async def run_until_acked(
         seen = agent.status().applied
         held = agent.version
         start: tuple[float, float] | None = None
-        last = held
         while True:
-            now = agent.version
-            if now != last:  # an apply counts only once the engine holds a new version
-                s = agent.status()
-                if s.applied != seen and s.last_apply_seconds is not None:
-                    applies.append(s.last_apply_seconds)
-                    seen = s.applied
-                    last = now
+            s = agent.status()
+            if s.applied != seen and s.last_apply_seconds is not None:
+                applies.append(s.last_apply_seconds)
+                seen = s.applied
             nxt = None if held is None else version_dir(agent.root, held + 1)
             if cpu is not None and start is None and nxt is not None and os.path.isdir(nxt):
                 start = (cpu_seconds(), cpu_seconds(system_only=True))
+            now = agent.version
             mine = None
             if held is None or (now is not None and now > held):  # committed: acked soon
                 mine = (await asyncio.to_thread(read_acks, agent.root)).get(agent.engine_id)
