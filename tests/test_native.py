@@ -2,7 +2,7 @@
 
 ``diff_extract`` (positions, new values and XORs of the differing elements, resumable) and
 ``xor_patch``/``set_patch`` (save old values, then patch; bounds-checked before any write) and
-``gather`` (``np.take`` of int64 positions, each bounds-checked before it is read), for
+``gather`` (``np.take`` of int64 positions, bounds-checked before any read), for
 every element width, densities from 0 to 100 %, lengths whose tail is not a whole 8-byte word,
 unaligned buffers, tiny capacities, and bad arguments; ``ef_encode``/``ef_decode`` for any L
 against the spec's reference, with bad arguments and sizes that would overflow. The codec-level
@@ -305,16 +305,14 @@ def test_gather_matches_take(width: int, offset: int) -> None:
 
 @pytest.mark.parametrize("bad", [-1, 10, 2**40, -(2**63)])
 @pytest.mark.parametrize("where", [0, 2, 4])
-def test_gather_bounds_checked_before_each_read(bad: int, where: int) -> None:
-    flat = np.arange(10, dtype=np.uint32) + 100
+def test_gather_bounds_checked_before_any_read(bad: int, where: int) -> None:
+    flat = np.arange(10, dtype=np.uint32)
     pos = np.array([1, 3, 5, 7, 9], dtype=np.int64)
     pos[where] = bad
     out = np.zeros(5, np.uint32)
     with pytest.raises(IndexError, match=rf"positions\[{where}\] = {bad} is outside"):
         native.gather(flat, 4, pos, out)
-    # checked in the gathering pass: the elements before it are gathered, none from it on
-    assert np.array_equal(out[:where], flat[pos[:where]])
-    assert not out[where:].any()
+    assert not out.any()
 
 
 def test_gather_rejects_bad_arguments() -> None:

@@ -8,11 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from asyncsync.codec import Patch, apply_patch, decode_delta, encode_delta, native
+from asyncsync.codec import Patch
 from asyncsync.errors import ApplyFailed, EngineStateError, LockHeld, OutOfOrder
 from receiver.state import PersistedState, StateStore, check_base, check_patch
 from tests.test_engines import build_manifest
@@ -145,28 +144,3 @@ def test_check_patch() -> None:
     for p in bad:
         with pytest.raises(ApplyFailed, match="'w'"):
             check_patch(p, flat, "w")
-
-
-def test_check_patch_of_decoded_xef_positions_checks_their_ends() -> None:
-    """Positions decoded from an xef blob are strictly increasing (the decoder checked), so
-    check_patch bounds them by their ends instead of a pass over all; a made-up Patch whose
-    blob lies gets past it but not past the kernels, which check each position first."""
-    old = torch.zeros(100, dtype=torch.int16)
-    new = old.clone()
-    where = torch.tensor([3, 50, 99])
-    new[where] = 7
-    enc = encode_delta(old, new, where, "xef")
-    patch = decode_delta("xef", enc.mode, enc.positions, enc.values, changed=3, numel=100,
-                         dtype=torch.int16)  # fmt: skip
-    assert patch.positions_xef is not None
-    assert check_patch(patch, old.clone(), "w").positions.tolist() == [3, 50, 99]  # type: ignore[union-attr]
-    with pytest.raises(ApplyFailed, match="'w': patch positions outside 0..98"):
-        check_patch(patch, torch.zeros(99, dtype=torch.int16), "w")  # the last one is out
-    liar = Patch("xor", torch.tensor([3, 500, 99]), patch.values, positions_xef=b"x")
-    flat = torch.zeros(100, dtype=torch.int16)
-    checked = check_patch(liar, flat, "w")  # only the ends: passes
-    with pytest.raises(IndexError, match="outside"):
-        native.kernels.gather(flat.numpy(), 2, checked.positions.numpy(), np.zeros(3, np.int16))  # type: ignore[union-attr]
-    with pytest.raises((IndexError, ValueError)):
-        apply_patch(flat, checked)
-    assert not flat.any()  # nothing written

@@ -14,7 +14,6 @@ import concurrent.futures
 import contextlib
 import cProfile
 import json
-import os
 import pstats
 import resource
 import time
@@ -216,13 +215,7 @@ async def run_until_acked(
     """Run ``agent`` until its ack names ``final`` or later; the apply seconds of each version
     it applied meanwhile (``status().last_apply_seconds``). ``cpu``: gets the process's CPU
     seconds of each acked version, from when its directory was first seen (the streamed
-    shards) to its ack; ``cpu_sys`` the system part.
-
-    The watch itself costs little of that CPU: the acks are read from the root only once the
-    engine holds a newer version than the one last acked (the ack follows the commit), and the
-    next version's directory is looked for with one ``stat`` per 5 ms tick, not a thread hop.
-    (Reading the acks through the throttled root every 5 ms was ~0.16 s of CPU per version at
-    1 GiB, charged to the receiver: issue 26's third session.)"""
+    shards) to its ack (the watch's own 5 ms polls included); ``cpu_sys`` the system part."""
     applies: list[float] = []
     stop = asyncio.Event()
 
@@ -236,12 +229,10 @@ async def run_until_acked(
                 applies.append(s.last_apply_seconds)
                 seen = s.applied
             nxt = None if held is None else version_dir(agent.root, held + 1)
-            if cpu is not None and start is None and nxt is not None and os.path.isdir(nxt):
-                start = (cpu_seconds(), cpu_seconds(system_only=True))
-            now = agent.version
-            mine = None
-            if held is None or (now is not None and now > held):  # committed: acked soon
-                mine = (await asyncio.to_thread(read_acks, agent.root)).get(agent.engine_id)
+            if cpu is not None and start is None and nxt is not None:
+                there = await asyncio.to_thread(nxt.is_dir)
+                start = (cpu_seconds(), cpu_seconds(system_only=True)) if there else None
+            mine = (await asyncio.to_thread(read_acks, agent.root)).get(agent.engine_id)
             if mine is not None and held is not None and mine.version > held:
                 if cpu is not None and start is not None:
                     cpu.append(cpu_seconds() - start[0])
