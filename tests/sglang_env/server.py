@@ -25,7 +25,7 @@ from typing import Any
 from tests.sglang_env import build
 
 #: what the recipe found to work on a CPU-only host with the sgl_kernel stub
-CPU_FLAGS = (
+CPU_FLAGS: tuple[str, ...] = (
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--disable-cuda-graph",
