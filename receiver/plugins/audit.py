@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync import fsio
-from asyncsync.errors import AsyncSyncError
-from receiver.plugins.held import INDEX_NAME, Held, Refused, read_verified, read_weight_map
+from receiver.plugins.held import INDEX_NAME, Held, read_verified, read_weight_map
 from receiver.plugins.inplace import InEngineLoader
 from receiver.plugins.routing import compare, route
 
@@ -78,6 +77,7 @@ class AuditRecord:
     checked: int = 0  # tensors compared in the current (or last) pass
     total: int = 0
     skipped: int = 0  # the checkpoint had moved on: not checked now
+    skipped_names: list[str] = field(default_factory=list)  # those tensors (this pass)
     not_auditable: dict[str, str] = field(default_factory=dict)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     pass_started: float | None = None
@@ -226,6 +226,7 @@ class Auditor:
         names = list(dict.fromkeys([*first, *held.weight_map]))
         rec = self.record
         rec.status, rec.checked, rec.skipped, rec.total = "running", 0, 0, len(names)
+        rec.skipped_names = []
         rec.pass_started, rec.pass_finished = time.time(), None
         self._write(force=True)
         weight_map = _weight_map(held)
@@ -268,12 +269,9 @@ class Auditor:
                 read_verified(held.directory, weight_map, [name], held.checksums,
                               held.algorithm, held.parts)
             )  # fmt: skip
-        except (Refused, OSError, ValueError, AsyncSyncError) as exc:
+        except Exception as exc:  # Refused, OSError, safetensors errors and the like
             rec.skipped += 1  # the checkpoint moved on (or is damaged): it cannot vouch now
-            logger.debug("asyncsync audit: %s skipped: %s", name, exc)
-            return "skipped", 0
-        except Exception as exc:  # safetensors errors and the like
-            rec.skipped += 1
+            rec.skipped_names.append(name)
             logger.debug("asyncsync audit: %s skipped: %s", name, exc)
             return "skipped", 0
         size = tensor.numel() * tensor.element_size()
