@@ -205,6 +205,42 @@ async def test_a_rank_left_behind_is_a_mismatch_after_the_grace(
         assert r.mismatched == (f"<rank 1 (target) holds v{v - 1}, not v{v}>",)
 
 
+async def test_a_damaged_or_missing_rank_record_vouches_for_nothing(
+    chain: Chain, srv: FakePluginSGLang, tmp_path: Path
+) -> None:
+    """Rank 1's record is damaged (bad JSON, a field of the wrong type, a FIFO) or absent: its
+    slices are not compared as far as the receiver can tell, so nothing counts as checked on
+    every rank; rank 0's mismatch still counts."""
+    import os
+
+    ckpt = tmp_path / "ckpt"
+    engine = engine_for(srv, ckpt)
+    async with agent_for(chain, engine) as agent:
+        v = await chain.next()
+        await agent.sync_once()
+        n = len(read_manifest(chain.root, v).tensors)
+        write_record(ckpt, engine, "ok", 0, checked=n, total=n)
+        path = record_path(ckpt, 1)
+        fields = {"format": "asyncsync-audit", "rank": 1, "status": "ok", "role": "target",
+                  "tp_size": 2, "pid": 1, "held": None}  # fmt: skip
+        short = {k: fields[k] for k in ("format", "rank", "status")}  # fields missing
+        for damage in ("{not json", json.dumps({**fields, "mismatches": "x"}),
+                       json.dumps({**fields, "tp_size": 10**12}), json.dumps(short),
+                       None, "fifo"):  # fmt: skip
+            path.unlink(missing_ok=True)
+            if damage == "fifo":
+                os.mkfifo(path)
+            elif damage is not None:
+                path.write_text(damage)
+            r = await report(agent)
+            assert r.ok and r.checked == 0, damage
+            assert set(r.skipped.values()) == {"rank 1 (target) has no readable audit record"}
+        path.unlink()
+        mismatch(ckpt, engine, "model.layers.0.weight", rank=0)
+        r = await report(agent)
+        assert r.mismatched == ("model.layers.0.weight",)
+
+
 async def test_no_plugin_or_the_audit_off_cannot_tell(
     chain: Chain, srv: FakePluginSGLang, tmp_path: Path
 ) -> None:

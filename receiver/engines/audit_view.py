@@ -181,6 +181,12 @@ def _report(
     skipped: dict[str, str] = {}
     bad: set[str] = set()
     settled = True
+    targets = [r for r in records if r.role == "target"]
+    ranks = max((r.tp_size for r in targets), default=0)
+    for rank in sorted(set(range(ranks)) - {r.rank for r in targets}):  # damaged or not written
+        settled = False
+        for n in names:
+            skipped.setdefault(n, f"rank {rank} (target) has no readable audit record")
     for r in live:
         where = f"rank {r.rank} ({r.role})"
         same = _same(r.held, held)

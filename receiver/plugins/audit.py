@@ -61,6 +61,7 @@ ENV_RATE = "ASYNCSYNC_AUDIT_BYTES_PER_S"
 ENV_INTERVAL = "ASYNCSYNC_AUDIT_INTERVAL"
 ENV_DELAY = "ASYNCSYNC_AUDIT_DELAY"
 _WRITE_EVERY = 1.0
+MAX_RANKS = 1 << 16  # a record naming a larger tensor-parallel size is damaged
 
 
 @dataclass
@@ -93,9 +94,24 @@ class AuditRecord:
         if not isinstance(d, dict) or d.get("format") != RECORD_FORMAT:
             raise ValueError("not an asyncsync audit record")
         known = {f for f in cls.__dataclass_fields__}
-        rec = cls(**{k: v for k, v in d.items() if k in known})
+        try:
+            rec = cls(**{k: v for k, v in d.items() if k in known})
+        except TypeError as exc:  # a field missing
+            raise ValueError(str(exc)) from exc
         if not isinstance(rec.rank, int) or not isinstance(rec.status, str):
             raise ValueError("bad rank or status")
+        if not (
+            isinstance(rec.tp_size, int)
+            and 0 <= rec.rank < rec.tp_size <= MAX_RANKS
+            and (rec.held is None or isinstance(rec.held, dict))
+            and isinstance(rec.not_auditable, dict)
+            and isinstance(rec.mismatches, list)
+            and all(isinstance(m, dict) for m in rec.mismatches)
+            and isinstance(rec.skipped_names, list)
+            and all(isinstance(n, str) for n in rec.skipped_names)
+            and isinstance(rec.updated_at, int | float)
+        ):
+            raise ValueError("a field of the wrong type")
         return rec
 
     @property
