@@ -454,4 +454,5 @@ def test_the_device_script_runs_bit_exact_on_cpu() -> None:
     from tests.sglang_env import bench_device_apply
 
     out = bench_device_apply.main(["--device", "cpu", "--gib", "0.002", "--repeats", "2"])
-    assert out["bit_exact"] and out["changed_elements"] > 0 and out["plugin_path_s"] > 0
+    assert out["bit_exact_per_path"] == {"plugin": True, "dense": True}
+    assert out["changed_elements"] > 0 and out["plugin_path_s"] > 0 and out["dense_path_s"] > 0
