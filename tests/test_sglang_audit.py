@@ -15,6 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +29,35 @@ from receiver.engines import SGLang
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.plugins.audit import AuditRecord, record_path
 from receiver.server import StatusServer
+from tests import test_sglang_stage as stage
 from tests.fake_engines import Chain
 from tests.test_sglang_stage import FakePluginSGLang, agent_for, engine_for, loaded
 
+chain, srv = stage.chain, stage.srv  # the fixtures
+
+
+@dataclass
+class Synced:
+    """An SGLang engine on the fake server that took the chain's first version."""
+
+    ckpt: Path
+    engine: SGLang
+    agent: ReceiverAgent
+    version: int
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in read_manifest(self.agent.root, self.version).tensors]
+
 
 @pytest.fixture
-async def chain(tmp_path: Path) -> AsyncIterator[Chain]:
-    c = Chain(tmp_path / "root")
-    async with c.pub:
-        yield c
-
-
-@pytest.fixture
-async def srv() -> AsyncIterator[FakePluginSGLang]:
-    async with FakePluginSGLang() as s:
-        yield s
+async def synced(chain: Chain, srv: FakePluginSGLang, tmp_path: Path) -> AsyncIterator[Synced]:
+    ckpt = tmp_path / "ckpt"
+    engine = engine_for(srv, ckpt)
+    async with agent_for(chain, engine) as agent:
+        v = await chain.next()
+        await agent.sync_once()
+        yield Synced(ckpt, engine, agent, v)
 
 
 def write_record(ckpt: Path, engine: SGLang, status: str, rank: int = 0, **kw: Any) -> None:
@@ -139,130 +154,111 @@ async def test_a_ranks_mismatch_record_makes_the_auditor_unhealthy_until_repaire
 
 
 async def test_the_report_says_per_tensor_what_was_compared_and_why_not(
-    chain: Chain, srv: FakePluginSGLang, tmp_path: Path
+    synced: Synced, srv: FakePluginSGLang
 ) -> None:
-    ckpt = tmp_path / "ckpt"
-    engine = engine_for(srv, ckpt)
-    async with agent_for(chain, engine) as agent:
-        v = await chain.next()
-        await agent.sync_once()
-        names = [t.name for t in read_manifest(chain.root, v).tensors]
-        n, calls = len(names), len(srv.endpoints())
-        write_record(ckpt, engine, "ok", 0, checked=n - 2, total=n, skipped=1,
-                     skipped_names=[names[0]],
-                     not_auditable={names[1]: "a scale folded in"})  # fmt: skip
+    ckpt, engine, agent, v = synced.ckpt, synced.engine, synced.agent, synced.version
+    names = synced.names
+    n, calls = len(names), len(srv.endpoints())
+    write_record(ckpt, engine, "ok", 0, checked=n - 2, total=n, skipped=1,
+                 skipped_names=[names[0]],
+                 not_auditable={names[1]: "a scale folded in"})  # fmt: skip
+    write_record(ckpt, engine, "ok", 1, checked=n, total=n)
+    r = await report(agent)
+    assert r.ok and r.version == v and r.checked == n - 2
+    assert "moved on to the next version" in r.skipped[names[0]]
+    assert r.skipped[names[1]] == "rank 0 (target): not auditable: a scale folded in"
+    assert "in-engine audit" in r.how
+
+    write_record(ckpt, engine, "running", 1, checked=3, total=n)  # rank 1's pass goes on
+    r = await report(agent)
+    assert r.ok and r.checked == 0 and len(r.skipped) == n
+    want = f"rank 1 (target): its audit pass over v{v} is running (3 of {n} compared)"
+    assert r.skipped[names[5]] == want
+
+    async def finish() -> None:
+        await asyncio.sleep(0.3)
         write_record(ckpt, engine, "ok", 1, checked=n, total=n)
-        r = await report(agent)
-        assert r.ok and r.version == v and r.checked == n - 2
-        assert "moved on to the next version" in r.skipped[names[0]]
-        assert r.skipped[names[1]] == "rank 0 (target): not auditable: a scale folded in"
-        assert "in-engine audit" in r.how
 
-        write_record(ckpt, engine, "running", 1, checked=3, total=n)  # rank 1's pass goes on
-        r = await report(agent)
-        assert r.ok and r.checked == 0 and len(r.skipped) == n
-        want = f"rank 1 (target): its audit pass over v{v} is running (3 of {n} compared)"
-        assert r.skipped[names[5]] == want
+    engine.audit_wait = 10.0  # --audit-after-apply: wait for the pass
+    waiter = asyncio.create_task(finish())
+    t0 = time.monotonic()
+    r = await report(agent)
+    await waiter
+    assert r.checked == n - 2 and time.monotonic() - t0 >= 0.3
+    engine.audit_wait = 0.0
 
-        async def finish() -> None:
-            await asyncio.sleep(0.3)
-            write_record(ckpt, engine, "ok", 1, checked=n, total=n)
-
-        engine.audit_wait = 10.0  # --audit-after-apply: wait for the pass
-        waiter = asyncio.create_task(finish())
-        t0 = time.monotonic()
-        r = await report(agent)
-        await waiter
-        assert r.checked == n - 2 and time.monotonic() - t0 >= 0.3
-        engine.audit_wait = 0.0
-
-        mismatch(ckpt, engine, names[3], rank=0)
-        r = await report(agent)
-        assert r.mismatched == (names[3],) and not r.ok
-        assert srv.endpoints()[calls:] == []  # records only: the server is not even asked
+    mismatch(ckpt, engine, names[3], rank=0)
+    r = await report(agent)
+    assert r.mismatched == (names[3],) and not r.ok
+    assert srv.endpoints()[calls:] == []  # records only: the server is not even asked
 
 
 async def test_a_rank_left_behind_is_a_mismatch_after_the_grace(
-    chain: Chain, srv: FakePluginSGLang, tmp_path: Path
+    synced: Synced, chain: Chain
 ) -> None:
     import receiver.engines.audit_view as av
 
-    ckpt = tmp_path / "ckpt"
-    engine = engine_for(srv, ckpt)
-    async with agent_for(chain, engine) as agent:
-        await chain.next()
-        await agent.sync_once()
-        v = await chain.next()
-        await agent.sync_once()
-        old = {"version": v - 1, "run_id": engine.state.run_id, "fingerprint": "f" * 16}
-        write_record(ckpt, engine, "ok", 1, held=old)  # rank 1 refused the last load
-        write_record(ckpt, engine, "ok", 0)
-        r = await report(agent)  # within the grace: not reported yet, not blamed
-        assert r.ok and "has not reported holding" in next(iter(r.skipped.values()))
-        engine.audit_watch.loaded_at -= av.GRACE_SECONDS + 1
-        write_record(ckpt, engine, "ok", 1, held=old)
-        r = await report(agent)
-        assert r.mismatched == (f"<rank 1 (target) holds v{v - 1}, not v{v}>",)
+    ckpt, engine, agent = synced.ckpt, synced.engine, synced.agent
+    v = await chain.next()
+    await agent.sync_once()
+    old = {"version": v - 1, "run_id": engine.state.run_id, "fingerprint": "f" * 16}
+    write_record(ckpt, engine, "ok", 1, held=old)  # rank 1 refused the last load
+    write_record(ckpt, engine, "ok", 0)
+    r = await report(agent)  # within the grace: not reported yet, not blamed
+    assert r.ok and "has not reported holding" in next(iter(r.skipped.values()))
+    engine.audit_watch.loaded_at -= av.GRACE_SECONDS + 1
+    write_record(ckpt, engine, "ok", 1, held=old)
+    r = await report(agent)
+    assert r.mismatched == (f"<rank 1 (target) holds v{v - 1}, not v{v}>",)
 
 
-async def test_a_damaged_or_missing_rank_record_vouches_for_nothing(
-    chain: Chain, srv: FakePluginSGLang, tmp_path: Path
-) -> None:
+async def test_a_damaged_or_missing_rank_record_vouches_for_nothing(synced: Synced) -> None:
     """Rank 1's record is damaged (bad JSON, a field of the wrong type, a FIFO) or absent: its
     slices are not compared as far as the receiver can tell, so nothing counts as checked on
     every rank; rank 0's mismatch still counts."""
     import os
 
-    ckpt = tmp_path / "ckpt"
-    engine = engine_for(srv, ckpt)
-    async with agent_for(chain, engine) as agent:
-        v = await chain.next()
-        await agent.sync_once()
-        n = len(read_manifest(chain.root, v).tensors)
-        write_record(ckpt, engine, "ok", 0, checked=n, total=n)
-        path = record_path(ckpt, 1)
-        fields = {"format": "asyncsync-audit", "rank": 1, "status": "ok", "role": "target",
-                  "tp_size": 2, "pid": 1, "held": None}  # fmt: skip
-        short = {k: fields[k] for k in ("format", "rank", "status")}  # fields missing
-        for damage in ("{not json", json.dumps({**fields, "mismatches": "x"}),
-                       json.dumps({**fields, "tp_size": 10**12}), json.dumps(short),
-                       None, "fifo"):  # fmt: skip
-            path.unlink(missing_ok=True)
-            if damage == "fifo":
-                os.mkfifo(path)
-            elif damage is not None:
-                path.write_text(damage)
-            r = await report(agent)
-            assert r.ok and r.checked == 0, damage
-            assert set(r.skipped.values()) == {"rank 1 (target) has no readable audit record"}
-        path.unlink()
-        mismatch(ckpt, engine, "model.layers.0.weight", rank=0)
+    ckpt, engine, agent, n = synced.ckpt, synced.engine, synced.agent, len(synced.names)
+    write_record(ckpt, engine, "ok", 0, checked=n, total=n)
+    path = record_path(ckpt, 1)
+    fields = {"format": "asyncsync-audit", "rank": 1, "status": "ok", "role": "target",
+              "tp_size": 2, "pid": 1, "held": None}  # fmt: skip
+    short = {k: fields[k] for k in ("format", "rank", "status")}  # fields missing
+    for damage in ("{not json", json.dumps({**fields, "mismatches": "x"}),
+                   json.dumps({**fields, "tp_size": 10**12}), json.dumps(short),
+                   None, "fifo"):  # fmt: skip
+        path.unlink(missing_ok=True)
+        if damage == "fifo":
+            os.mkfifo(path)
+        elif damage is not None:
+            path.write_text(damage)
         r = await report(agent)
-        assert r.mismatched == ("model.layers.0.weight",)
+        assert r.ok and r.checked == 0, damage
+        assert set(r.skipped.values()) == {"rank 1 (target) has no readable audit record"}
+    path.unlink()
+    mismatch(ckpt, engine, "model.layers.0.weight", rank=0)
+    r = await report(agent)
+    assert r.mismatched == ("model.layers.0.weight",)
 
 
 async def test_no_plugin_or_the_audit_off_cannot_tell(
-    chain: Chain, srv: FakePluginSGLang, tmp_path: Path
+    synced: Synced, chain: Chain, srv: FakePluginSGLang
 ) -> None:
-    ckpt = tmp_path / "ckpt"
-    engine = engine_for(srv, ckpt)
-    async with agent_for(chain, engine) as agent:
-        await chain.next()
-        await agent.sync_once()
-        r = await report(agent)  # the plugin answered but wrote no record yet: nothing vouched
-        assert r is not None and r.ok and r.checked == 0
-        assert "no rank of the plugin has written" in next(iter(r.skipped.values()))
-        write_record(ckpt, engine, "off", 0)  # ASYNCSYNC_AUDIT=0 in the server
-        assert await report(agent) is None
+    ckpt, engine, agent = synced.ckpt, synced.engine, synced.agent
+    r = await report(agent)  # the plugin answered but wrote no record yet: nothing vouched
+    assert r is not None and r.ok and r.checked == 0
+    assert "no rank of the plugin has written" in next(iter(r.skipped.values()))
+    write_record(ckpt, engine, "off", 0)  # ASYNCSYNC_AUDIT=0 in the server
+    assert await report(agent) is None
 
-        mismatch(ckpt, engine, "x", rank=0)
-        srv.plugin = False  # restarted without the plugin: its old records vouch for nothing
-        await chain.next()
-        await agent.sync_once()
-        assert await report(agent) is None
-        auditor = Auditor(agent)
-        assert await auditor.audit_once() is None and auditor.supported is False
-        assert auditor.healthy
+    mismatch(ckpt, engine, "x", rank=0)
+    srv.plugin = False  # restarted without the plugin: its old records vouch for nothing
+    await chain.next()
+    await agent.sync_once()
+    assert await report(agent) is None
+    auditor = Auditor(agent)
+    assert await auditor.audit_once() is None and auditor.supported is False
+    assert auditor.healthy
 
 
 async def test_the_receivers_auditor_by_engine(chain: Chain, tmp_path: Path) -> None:
