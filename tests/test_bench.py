@@ -382,3 +382,26 @@ def test_profile_writes_both_sides_and_unwraps(tmp_path: Path) -> None:
     assert "diff (C kernel" in (out / "profile_publish_2m.txt").read_text()
     assert current() == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncsync-profile")] == []
+
+
+def test_the_sglang_pause_bench_measures_gaps_and_bounds_its_ratio() -> None:
+    """tests/sglang_env/bench_reload.py's arithmetic (the real runs take minutes: make
+    bench-sglang): the longest gap overlapping each window, the floor outside them, and the
+    lowest ratio possible (the in-engine floor over the full reload's pause)."""
+    from tests.sglang_env import bench_reload as b
+
+    done = [0.0, 0.1, 0.2, 0.6, 0.7, 0.8, 1.5, 1.6]
+    assert b.pauses(done, [(0.25, 0.3), (1.0, 1.1)]) == pytest.approx([0.4, 0.7])
+    assert b.floor_gap(done, [(0.25, 0.3), (1.0, 1.1)]) == pytest.approx(0.1)
+
+    def series(kind: str, pause: float, floor: float) -> dict[str, object]:
+        rows = [
+            {"fraction": f, "client_pause": pause, "client_pause_server_paused": pause,
+             "server_pause": pause / 2, "apply_ms": 30.0}
+            for f in b.FRACTIONS
+        ]  # fmt: skip
+        return {"kind": kind, "rows": rows, "floor": floor, "floor_idle": floor}
+
+    text = b.table([series("in-engine", 0.2, 0.08), series("full", 0.32, 0.08)])
+    row = next(line for line in text.splitlines() if line.startswith("| 3% |"))
+    assert "| 0.62x |" in row and row.endswith("| 30 ms (30-30) | 0.25x |"), row

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import safetensors.torch
@@ -37,12 +38,17 @@ class Trainer:
         await self.pub.close()
 
     def change(self, names: list[str], fraction: float = 0.05) -> None:
+        """Adds noise to about ``fraction`` of the elements of each tensor in ``names``: that
+        many distinct positions in expectation, drawn with replacement (``-n ln(1 - f)``
+        draws), not a permutation of every element: on this 2-core host a permutation of a
+        196 MiB model took seconds of CPU between versions, beside the server being measured."""
         for n in names:
             t = self.sd[n].clone()
             flat = t.view(-1)
-            k = max(1, int(flat.numel() * fraction))
-            idx = torch.randperm(flat.numel(), generator=self.gen)[:k]
-            flat[idx] += torch.randn(k, generator=self.gen, dtype=flat.dtype) * 0.05
+            size = flat.numel()
+            draws = max(1, round(-size * math.log1p(-min(fraction, 0.999))))
+            idx = torch.randint(size, (draws,), generator=self.gen).unique()
+            flat[idx] += torch.randn(idx.numel(), generator=self.gen, dtype=flat.dtype) * 0.05
             self.sd[n] = t
 
     async def step(self, names: list[str], *, keyframe: bool = False) -> int:
