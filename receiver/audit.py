@@ -22,6 +22,10 @@ verified checkpoint), audits again, and is healthy again only once that audit pa
 failed audit call (the server unreachable) is recorded, not a mismatch: readiness already
 follows the server's own answers. Results: :meth:`Auditor.status` (``/status``'s ``audit``)
 and the ``asyncsync_receiver_audit_*`` metrics.
+
+:func:`receiver_auditor` is the auditor a receiver runs (the CLI, the Ray actor): the one asked
+for, else the engine's default (SGLang: every few seconds, its plugin's audit records), else
+none.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from asyncsync.format.store import read_manifest
 from receiver.agent import ReceiverAgent
 from receiver.engines.base import AuditReport
 
-__all__ = ["Auditor", "AuditStats"]
+__all__ = ["Auditor", "AuditStats", "receiver_auditor"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,25 @@ class AuditStats:
     mismatches: int = 0  # audits that found served bytes differing from the manifest
     repairs: int = 0  # full reloads after a mismatch
     errors: int = 0  # audits that could not run (server unreachable, manifest gone, ...)
+
+
+def receiver_auditor(
+    agent: ReceiverAgent,
+    *,
+    interval: float | None = None,
+    after_apply: bool = False,
+    enabled: bool = True,
+) -> Auditor | None:
+    """The auditor a receiver runs for ``agent``: every ``interval`` seconds (default: the
+    engine's :attr:`~receiver.engines.base.Engine.audit_interval`) and/or after each apply;
+    None when ``enabled`` is False or nothing asks for one."""
+    if not enabled:
+        return None
+    if interval is None:
+        interval = agent.engine.audit_interval
+    if interval is None and not after_apply:
+        return None
+    return Auditor(agent, interval=interval, after_apply=after_apply)
 
 
 class Auditor:
@@ -89,6 +112,7 @@ class Auditor:
         self._failing: AuditReport | None = None  # the mismatch not yet repaired
         self.last_ok_version: int | None = None  # (a passing audit of it again logs at debug)
         self._audited_version: int | None = None
+        self._empty_version: int | None = None  # the last version an audit compared nothing of
 
     @property
     def healthy(self) -> bool:
@@ -139,9 +163,13 @@ class Auditor:
             self.last_seconds = round(time.perf_counter() - t0, 4)
             self.last_error = None
             self.stats.audits += 1
-            if report.checked == 0:  # passes, but proves nothing: say so every time
+            if report.checked == 0:  # passes, but proves nothing: say so (once a version)
                 why = next(iter(report.skipped.values()), "the engine named no tensor")
-                logger.warning("audit of v%s compared no tensor (%s)", version, why)
+                again = self._empty_version == version
+                (logger.debug if again else logger.warning)(
+                    "audit of v%s compared no tensor (%s)", version, why
+                )
+                self._empty_version = version
             if report.ok:
                 quiet = self._failing is None and self.last_ok_version == version
                 self._failing, self.last_ok_version = None, version

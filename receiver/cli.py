@@ -49,11 +49,12 @@ from asyncsync.console.progress import Progress, ProgressWatcher
 from asyncsync.errors import AsyncSyncError, ConfigError
 from receiver.acking import check_root_for_receiver
 from receiver.agent import ReceiverAgent
-from receiver.audit import Auditor
+from receiver.audit import receiver_auditor
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import Timeouts
 from receiver.engines.reloading import ReloadingEngine
+from receiver.engines.sglang import AUDIT_INTERVAL as SGLANG_AUDIT_INTERVAL
 from receiver.engines.sglang import PAUSE_MODES, SGLang
 from receiver.engines.vllm import VLLM
 from receiver.server import StatusServer
@@ -65,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a stop signal
+#: --audit-after-apply on SGLang: seconds an audit waits for the plugin's pass over the version
+SGLANG_AUDIT_WAIT = 120.0
 API_KEY_ENV = "ASYNCSYNC_API_KEY"
 ADMIN_API_KEY_ENV = "ASYNCSYNC_ADMIN_API_KEY"
 TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
@@ -181,15 +184,24 @@ def build_parser() -> argparse.ArgumentParser:
     audit = p.add_argument_group(
         "served-bytes audit",
         "check that the server serves the bytes of the version held (vLLM: its worker "
-        "extension; docs/ENGINES.md); a mismatch makes /readyz 503 and reloads in full",
+        "extension; SGLang: the asyncsync plugin's audit records, read every "
+        f"{SGLANG_AUDIT_INTERVAL:g} s by default; docs/ENGINES.md); a mismatch makes /readyz "
+        "503 and reloads in full",
     )
     audit.add_argument(
         "--audit-interval", type=positive_float, default=None, metavar="S",
-        help="audit every S seconds (default: not on a schedule)",
+        help="audit every S seconds (default: SGLang every "
+             f"{SGLANG_AUDIT_INTERVAL:g} s, vLLM not on a schedule)",
     )  # fmt: skip
     audit.add_argument(
         "--audit-after-apply", action="store_true",
-        help="audit each version once it is applied",
+        help="audit each version once it is applied (SGLang: waits up to "
+             f"{SGLANG_AUDIT_WAIT:g} s for the plugin's audit pass over it)",
+    )  # fmt: skip
+    audit.add_argument(
+        "--no-audit", action="store_true",
+        help="no audit at all (SGLang audits its plugin's records every "
+             f"{SGLANG_AUDIT_INTERVAL:g} s unless told otherwise)",
     )  # fmt: skip
     ops = p.add_argument_group(
         "operator endpoints (/healthz, /readyz, /status, /metrics, POST /sync)"
@@ -332,6 +344,7 @@ def _server_engine(args: argparse.Namespace) -> ReloadingEngine | None:
             args.checkpoint,
             pause_mode=args.pause_mode,
             admin_api_key=admin,
+            audit_wait=SGLANG_AUDIT_WAIT if args.audit_after_apply else 0.0,
             **common,
         )
     if admin is not None:
@@ -396,11 +409,12 @@ async def _serve(args: argparse.Namespace) -> int | None:
                 args.checkpoint,
                 agent.version,
             )
-            auditor = None
-            if args.audit_interval is not None or args.audit_after_apply:
-                auditor = Auditor(
-                    agent, interval=args.audit_interval, after_apply=args.audit_after_apply
-                )
+            auditor = receiver_auditor(
+                agent,
+                interval=args.audit_interval,
+                after_apply=args.audit_after_apply,
+                enabled=not args.no_audit,
+            )
             server = None
             if args.status_port is not None:
                 token = args.control_token

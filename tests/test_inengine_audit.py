@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncsync.format.store import read_manifest
 from receiver.engines.audit_view import AuditWatch
 from receiver.engines.base import EngineState
 from receiver.plugins.audit import Auditor, read_records, record_path
@@ -67,7 +68,10 @@ async def test_a_corrupted_served_tensor_is_found_and_repaired(tmp_path: Path) -
         watch = AuditWatch(rig.ckpt)
         problem = await watch.check(state_of(rig))
         assert problem is not None and "rank 1" in problem and watch.mismatches_seen == 1
-        assert watch.metrics()["audit_ok"][1] == 0.0
+        manifest = read_manifest(rig.root, v)
+        report = await watch.report(manifest, state_of(rig), plugin=True)  # SGLang.audit's
+        assert report is not None and report.mismatched == (rec.mismatches[0]["name"],)
+        assert report.checked == len(rig.sd)
 
         # the next stage is not applied onto it: rank 1 goes through the checkpoint, in full
         v2 = await rig.publish(step(rig.sd, list(rig.sd)[:3], 4))
@@ -77,10 +81,12 @@ async def test_a_corrupted_served_tensor_is_found_and_repaired(tmp_path: Path) -
         rig.check()
         assert auds[1].record.status == "pending"  # the full load rewrote the record
         started = time.time()
-        assert auds[1].run_pass() == "ok"
+        assert auds[1].run_pass() == "ok" and auds[0].run_pass() == "ok"
         assert await watch.check(state_of(rig)) is None
         await watch.repaired(started)
-        assert watch.repairs == 1 and watch.metrics()["audit_ok"][1] == 1.0
+        assert watch.repairs == 1
+        report = await watch.report(read_manifest(rig.root, v2), state_of(rig), plugin=True)
+        assert report is not None and report.ok and report.checked == len(rig.sd)
 
 
 async def test_a_checkpoint_that_moved_on_is_skipped_not_blamed(tmp_path: Path) -> None:

@@ -195,8 +195,12 @@ async def test_seed_deltas_zero_diff_keyframe_one_tensor(stack: Stack) -> None:
         lambda: [(r["status"], r["last_ok_version"]) for r in
                  s.receiver.status()["engine"]["audit"]["ranks"]] == [("ok", v)],
     )  # fmt: skip
+    # the receiver's Auditor (on by default for SGLang) reads those records: ready, audit ok
+    wait_for("the receiver's audit", lambda: (s.receiver.status()["audit"]["last"] or {}).get(
+        "checked") == n and s.receiver.status()["audit"]["last"]["version"] == v)  # fmt: skip
+    assert s.receiver.status()["audit"]["healthy"] is True
     metrics = s.receiver.get("/metrics")[1]
-    assert f'asyncsync_receiver_engine_audit_ok{{engine_id="{EID}"}} 1.0' in metrics
+    assert f'asyncsync_receiver_audit_ok{{engine_id="{EID}"}} 1.0' in metrics
     assert f'asyncsync_receiver_engine_in_place_applies{{engine_id="{EID}"}} 5.0' in metrics
 
 
@@ -278,9 +282,10 @@ async def test_server_restart_is_reconciled_before_readiness(stack: Stack) -> No
 async def test_the_audit_catches_a_corrupted_served_tensor(stack: Stack) -> None:
     """One bit of a served parameter flips inside the server (the test-only fault plugin,
     below anything asyncsync sees): the in-engine audit finds the served bytes differ from the
-    trainer's, the receiver counts the engine not ready (its log; /readyz 503 meanwhile:
-    tests/test_sglang.py) and repairs with a full reload; /readyz is 200 again with every served
-    tensor equal to the trainer's."""
+    trainer's, the receiver's Auditor (on by default, no flag) counts the engine not ready (its
+    log; /readyz 503 meanwhile: tests/test_sglang_audit.py, tests/test_sglang_real_plugin.py)
+    and repairs with a full reload; /readyz is 200 again with every served tensor equal to the
+    trainer's."""
     s = stack
     victim = "model.layers.1.mlp.down_proj.weight"
     (s.server.log.parent / "corrupt-param").write_text(victim)
@@ -288,22 +293,23 @@ async def test_the_audit_catches_a_corrupted_served_tensor(stack: Stack) -> None
     await s.trainer.wait_acked(v, EID)
     wait_for("the fault plugin's corruption",
              lambda: not (s.server.log.parent / "corrupt-param").exists(), timeout=120)  # fmt: skip
-    wait_for("the repair", lambda: s.receiver.status()["engine"]["audit"]["repairs"] >= 1,
+    wait_for("the repair", lambda: s.receiver.status()["audit"]["repairs"] >= 1,
              timeout=180)  # fmt: skip
     wait_for("/readyz 200 after the repair", lambda: s.receiver.get("/readyz")[0] == 200)
     rlog = s.receiver.text()
     assert "in-engine audit: the audit on rank 0 (target) found the engine serving" in rlog
-    assert "not ready until repaired" in rlog
+    said = rf"audit of v{v}: the engine serves other bytes than the manifest for 1 of \d+ "
+    assert re.search(rf"{said}tensors \({victim}\); not ready, reloading in full", rlog), rlog
     log = s.server.text()
     assert re.search(rf"asyncsync audit \(rank 0\): v{v}: the engine serves other bytes than "
                      rf"the trainer's for {victim}", log), s.server.audit_lines()  # fmt: skip
     assert "full reload (the weights the server holds are not known: audit mismatch on" in log
     await check_served(s, v)
-    st = s.receiver.status()["engine"]["audit"]
-    assert st["mismatches_seen"] == 1 and st["problem"] is None
+    st = s.receiver.status()["audit"]
+    assert st["mismatches"] == 1 and st["repairs"] == 1 and st["healthy"] is True
     metrics = s.receiver.get("/metrics")[1]
-    assert f'asyncsync_receiver_engine_audit_mismatches{{engine_id="{EID}"}} 1.0' in metrics
-    assert f'asyncsync_receiver_engine_audit_repairs{{engine_id="{EID}"}} 1.0' in metrics
+    assert f'asyncsync_receiver_audit_mismatches_total{{engine_id="{EID}"}} 1.0' in metrics
+    assert f'asyncsync_receiver_audit_repairs_total{{engine_id="{EID}"}} 1.0' in metrics
 
 
 async def test_a_damaged_shard_never_reaches_the_server(stack: Stack) -> None:

@@ -11,25 +11,34 @@ partial reload: loaded K of N tensors (checkpoint vV): names`` / ``asyncsync: fu
 
 ``ASYNCSYNC_SGLANG_BATCH_BYTES=1`` makes each tensor its own ``load_weights`` call, so an error
 midway leaves the model half-updated; ``fault_plugin/`` (a second, test-only SGLang plugin)
-makes ``load_weights`` fail once on demand.
+makes ``load_weights`` fail once on demand, or flips a bit of a served parameter.
+
+The last test runs the receiver's own SGLang engine and its Auditor (receiver/audit.py) with
+``after_apply`` against the same server: a flipped bit is found through ``SGLang.audit`` (the
+plugin's records), ``/readyz`` is 503, and the Auditor's repair (a full reload) fixes it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 import safetensors.torch
 import torch
 
 from receiver import ReceiverAgent
+from receiver.audit import Auditor
+from receiver.engines import SGLang
 from receiver.plugins.stage import DATA_NAME, STAGE_NAME
+from receiver.server import StatusServer
 from tests.sglang_env import build
 from tests.sglang_env.chain import Trainer, base_state
 from tests.sglang_env.fixtures import require_env
@@ -104,6 +113,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
         extra_env={
             "ASYNCSYNC_SGLANG_BATCH_BYTES": "1",
             "ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS": str(d / "fail-load-weights"),
+            "ASYNCSYNC_TEST_CORRUPT_PARAM": str(d / "corrupt-param"),
         },
     )
     srv.start()
@@ -321,3 +331,51 @@ async def test_an_error_midway_through_an_in_place_apply_is_a_full_reload(chain:
         f"asyncsync: in-engine apply: v{v - 1} -> v{v}: 3 of"
     )
     chain.assert_serves(chain.trainer.sd, v)
+
+
+# --------------------------------------------------------------------------- the receiver's audit
+
+
+async def test_the_receivers_auditor_finds_a_flipped_bit_and_repairs(chain: Chain) -> None:
+    """The receiver's SGLang engine (its own checkpoint: the server loads it in full) and the
+    receiver's Auditor with ``after_apply``: each audit waits for the plugin's pass over the
+    version and reads it back as an AuditReport. A bit of a served parameter flips inside the
+    server (the fault plugin, below anything asyncsync sees, at the plugin audit's next
+    ``load_weights``): the audit after the next version names it, ``/readyz`` is 503, the
+    Auditor's repair reloads in full, the audit after it passes, and every served tensor is the
+    trainer's again. Last in the module: it leaves the server on another checkpoint."""
+    victim = "model.layers.1.mlp.down_proj.weight"
+    corrupt = chain.server.log.parent / "corrupt-param"
+    engine = SGLang(chain.server.url, chain.dir / "audited", audit_wait=120.0)
+    agent = ReceiverAgent(chain.dir / "root", engine, "audited-0", use_inotify=False)
+    auditor = Auditor(agent, after_apply=True, repair=False)
+    async with agent, StatusServer(agent, auditor=auditor) as status:
+        assert await agent.sync_once() == chain.trainer.pub.version
+        report = await auditor.audit_once()
+        assert report is not None and report.ok, report
+        assert report.checked == chain.n and "in-engine audit" in report.how
+        assert auditor.supported is True
+
+        corrupt.write_text(victim)
+        v = await chain.trainer.step([ONE])
+        assert await agent.sync_once() == v
+        report = await auditor.audit_once()
+        assert not corrupt.exists(), "the fault plugin did not run"
+        assert report is not None and report.mismatched == (victim,), report
+        assert not auditor.healthy
+        async with aiohttp.ClientSession() as http, http.get(status.url + "/readyz") as r:
+            assert r.status == 503 and "audit" in (await r.json())["why"]
+        log = chain.server.text()
+        found = rf"asyncsync audit \(rank 0\): v{v}: the engine serves other bytes than the "
+        assert re.search(rf"{found}trainer's for {victim}", log), chain.server.audit_lines()
+
+        auditor.repair = True
+        report = await auditor.audit_once()  # the record still says mismatch: repair
+        assert report is not None and report.ok and report.checked == chain.n, report
+        assert auditor.healthy and auditor.stats.repairs == 1
+        lines = chain.server.plugin_lines()
+        assert any("full reload (the weights the server holds are not known: audit mismatch on"
+                   in line for line in lines[-3:]), lines[-3:]  # fmt: skip
+        async with aiohttp.ClientSession() as http, http.get(status.url + "/readyz") as r:
+            assert r.status == 200, await r.json()
+        chain.assert_serves(chain.trainer.sd, v)

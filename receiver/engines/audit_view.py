@@ -1,12 +1,17 @@
-"""The receiver's view of the in-engine audit: is every rank serving the trainer's bytes?
+"""The SGLang engine's audit: the in-engine auditors' records turned into an AuditReport.
 
-The engine plugin's auditors (:mod:`receiver.plugins.audit`) write one record per rank under
-``<checkpoint>/.asyncsync/audit/``. :class:`AuditWatch` reads them and answers what the
-receiver needs: a rank that found a mismatch, or that reports holding another version than
-the one the receiver made it hold (after the last load), means the engine must not count as
-ready (``/readyz`` 503) and is repaired by a full reload. Its :meth:`AuditWatch.summary` is
-``/status``'s ``engine.audit``, and :meth:`AuditWatch.metrics` feeds ``/metrics``.
-Engine-agnostic.
+The engine plugin's auditors (:mod:`receiver.plugins.audit`) compare, on every rank, what the
+engine serves with the trainer's bytes, and write one record per rank under
+``<checkpoint>/.asyncsync/audit/``. :class:`AuditWatch` reads them for the SGLang engine
+(:meth:`receiver.engines.sglang.SGLang.audit`): :meth:`AuditWatch.report` is the
+:class:`~receiver.engines.base.AuditReport` of the version held (per tensor: compared on every
+rank, found differing on one, or skipped and why), which the receiver's
+:class:`~receiver.audit.Auditor` decides on (``/readyz`` 503, a repair by a full reload, its
+``/status`` and metrics). A rank that found a mismatch, or that reports holding another version
+than the one the receiver made it hold (after the last load), makes the report fail.
+:meth:`AuditWatch.check` is the same reading as one reason, for the engine's own staging
+decision (never stage onto bytes the audit disowned). :meth:`AuditWatch.summary` (``/status``
+``engine.audit``) shows each rank's record. Engine-agnostic; never changes the weights.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from receiver.engines.base import EngineState
+from asyncsync.format import Manifest
+from receiver.engines.base import AuditReport, EngineState
 from receiver.plugins.audit import AuditRecord, read_records, record_path
 
 __all__ = ["AuditWatch"]
@@ -27,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 #: a rank's record may lag the load that changed it by this long before it counts as behind
 GRACE_SECONDS = 15.0
+#: seconds between readings of the records while :meth:`AuditWatch.report` waits for a pass
+POLL = 0.2
+HOW = "the asyncsync plugin's in-engine audit (per-rank records)"
 
 
 class AuditWatch:
@@ -76,7 +85,7 @@ class AuditWatch:
                     f"{where} reports holding v{r.held_version}, the receiver loaded v{version}"
                 )
         if problem != self.problem and problem is not None:
-            logger.error("in-engine audit: %s: not ready until repaired", problem)
+            logger.error("in-engine audit: %s", problem)
         self.problem = problem
         return problem
 
@@ -102,10 +111,8 @@ class AuditWatch:
         await asyncio.to_thread(drop)
 
     def summary(self) -> dict[str, Any]:
+        """Each rank's record (``/status`` ``engine.audit``; the verdict is the Auditor's)."""
         return {
-            "problem": self.problem,
-            "mismatches_seen": self.mismatches_seen,
-            "repairs": self.repairs,
             "ranks": [
                 {
                     "rank": r.rank,
@@ -127,18 +134,97 @@ class AuditWatch:
         }
 
     def metrics(self) -> dict[str, tuple[str, float | None]]:
-        ok = None if not self.records else float(self.problem is None)
         passes = sum(r.passes for r in self.records) if self.records else None
         return {
-            "audit_ok": (
-                "1 while every rank's audit agrees with the trainer's bytes, 0 on a "
-                "mismatch (NaN: no audit record)",
-                ok,
-            ),
-            "audit_mismatches": ("Mismatches the in-engine audit found.", self.mismatches_seen),
-            "audit_repairs": ("Full reloads that repaired an audit mismatch.", self.repairs),
-            "audit_passes": ("Complete audit passes of every rank (this server's life).", passes),
-        }
+            "audit_passes": ("Complete in-engine audit passes of every rank (this server's "
+                             "life).", passes),
+        }  # fmt: skip
+
+    async def report(
+        self, manifest: Manifest, held: EngineState, *, plugin: bool | None, wait: float = 0.0
+    ) -> AuditReport | None:
+        """The :class:`AuditReport` of ``manifest`` (the version ``held``) from the records.
+        ``plugin``: whether the server's last reload went through the plugin (None: no reload
+        seen). None (it cannot tell) when it did not, when every rank's audit is off, or when
+        no rank keeps a record and no reload was seen. A rank whose pass over what it holds has
+        not finished yet leaves what it has not vouched for skipped; ``wait`` > 0: wait up to
+        that many seconds for the passes to finish first."""
+        if plugin is False:
+            return None  # records left by an earlier server process vouch for nothing now
+        deadline = time.monotonic() + wait
+        while True:
+            await self.check(held)
+            report, settled = _report(self.records, manifest, held, self.loaded_at, plugin)
+            if settled or time.monotonic() >= deadline:
+                return report
+            await asyncio.sleep(min(POLL, max(0.0, deadline - time.monotonic())))
+
+
+def _report(
+    records: list[AuditRecord],
+    manifest: Manifest,
+    held: EngineState,
+    loaded_at: float,
+    plugin: bool | None,
+) -> tuple[AuditReport | None, bool]:
+    """(the report, whether every rank's pass over what it holds is over)."""
+    names = [t.name for t in manifest.tensors]
+    live = [r for r in records if r.status != "off"]
+    if records and not live:
+        return None, True  # ASYNCSYNC_AUDIT=0 in the server
+    if not live:
+        if plugin is None:
+            return None, True
+        why = "no rank of the plugin has written an audit record since the last load"
+        return AuditReport(manifest.version, 0, (), dict.fromkeys(names, why), HOW), False
+    now = time.time()
+    skipped: dict[str, str] = {}
+    bad: set[str] = set()
+    settled = True
+    targets = [r for r in records if r.role == "target"]
+    ranks = max((r.tp_size for r in targets), default=0)
+    for rank in sorted(set(range(ranks)) - {r.rank for r in targets}):  # damaged or not written
+        settled = False
+        for n in names:
+            skipped.setdefault(n, f"rank {rank} (target) has no readable audit record")
+    for r in live:
+        where = f"rank {r.rank} ({r.role})"
+        same = _same(r.held, held)
+        if r.status == "mismatch":
+            bad.update(str(m.get("name")) for m in r.mismatches)
+            continue
+        if not same:
+            if r.role != "target":
+                continue  # a draft model's record: not the version the receiver loads
+            # written after the receiver's last load (or it has loaded nothing: as it is), and
+            # the load is not that recent: a rank left behind, serving other bytes
+            fresh = loaded_at == 0 or r.updated_at >= loaded_at
+            if fresh and now - loaded_at > GRACE_SECONDS:
+                bad.add(f"<{where} holds v{r.held_version}, not v{held.version}>")
+                continue
+            settled = False
+            why = f"{where} has not reported holding v{held.version} yet"
+        elif r.status == "ok":
+            for n, reason in r.not_auditable.items():
+                skipped.setdefault(n, f"{where}: not auditable: {reason}")
+            for n in r.skipped_names:
+                skipped.setdefault(n, f"{where}: the checkpoint had moved on to the next "
+                                      "version when its pass reached it")  # fmt: skip
+            continue
+        else:  # pending, running, idle: its pass over what it holds is not over
+            settled = False
+            why = {
+                "pending": f"{where}: its audit pass over v{held.version} has not started yet",
+                "running": f"{where}: its audit pass over v{held.version} is running "
+                f"({r.checked} of {r.total} compared)",
+            }.get(r.status, f"{where}: its audit is {r.status}")
+        for n in names:
+            skipped.setdefault(n, why)
+    mismatched = tuple(sorted(bad))
+    for n in mismatched:
+        skipped.pop(n, None)
+    checked = len(names) - len(skipped)
+    return AuditReport(manifest.version, checked, mismatched, skipped, HOW), settled or bool(bad)
 
 
 def _same(record_held: dict[str, Any] | None, held: EngineState) -> bool:

@@ -77,6 +77,10 @@ class Engine(abc.ABC):
 
     #: the version the engine holds, persisted where the engine can persist it
     state: EngineState = EngineState()
+    #: seconds between the audits the receiver runs when not told otherwise (None: audits only
+    #: when asked, ``receiver.audit.receiver_auditor``); an engine whose :meth:`audit` is cheap
+    #: and is the only thing standing between a bad engine and traffic sets it (SGLang)
+    audit_interval: float | None = None
     #: whether the agent may begin a delta from the version's self-describing shards, before
     #: its manifest exists (receiver.stream), and then :meth:`confirm` it
     streams: bool = False

@@ -255,36 +255,23 @@ class ReloadingEngine(Engine, abc.ABC):
                 )
                 self._lost = True
             return None
-        if await self.audit_watch.check(self.state) is not None:
-            self._lost = True  # repaired by the next sync (reconcile)
-            return None
         return self.state.version
 
     async def reconcile(self) -> None:
         """When the server was lost: wait for it, and reload the checkpoint into it unless it
         reports the version held. A no-op otherwise (the agent calls it when it has no newer
         version to apply; a newer version's own reload reconciles the server anyway)."""
-        if self._txn is not None:
-            return
-        if not self._lost and await self.audit_watch.check(self.state) is not None:
-            self._lost = True  # the engine's audit found other bytes: repair below
-        if not self._lost:
+        if self._txn is not None or not self._lost:
             return
         await self._wait_for_server()
         label = await self._guard(self._served())
         held = self.state.version
-        problem = await self.audit_watch.check(self.state)
-        if (
-            held is not None
-            and (label != str(held) or problem is not None)
-            and self.checkpoint.state.version == held
-        ):
+        if held is not None and label != str(held) and self.checkpoint.state.version == held:
             logger.warning(
-                "%s at %s reports version %r after it was lost%s; reloading v%s",
+                "%s at %s reports version %r after it was lost; reloading v%s",
                 self.kind,
                 self.client.url,
                 label,
-                "" if problem is None else f" ({problem})",
                 held,
             )
             self._check_backoff(held)

@@ -54,6 +54,8 @@ from typing import Any, ClassVar, Literal
 import aiohttp
 
 from asyncsync.errors import ConfigError
+from asyncsync.format import Manifest
+from receiver.engines.base import AuditReport
 from receiver.engines.http_engine import EngineHTTPError, RetryPolicy, Timeouts
 from receiver.engines.reloading import ReloadingEngine
 from receiver.plugins.stage import STAGE_CAPABILITY
@@ -73,6 +75,8 @@ PAUSE_MODES: tuple[PauseMode, ...] = ("auto", "abort", "retract", "in_place")
 #: (0.5.23: ``flush_cache`` ignores the waiting queue during a pause); older ones are not known
 #: to, and 0.5.15 kills its scheduler when a flush fails
 RETRACT_FLUSHES_FROM = (0, 5, 23)
+#: seconds between the receiver's readings of the plugin's audit records (docs/ENGINES.md)
+AUDIT_INTERVAL = 5.0
 
 
 class SGLang(ReloadingEngine):
@@ -94,6 +98,8 @@ class SGLang(ReloadingEngine):
         load_format: passed to ``update_weights_from_disk`` when set (default: the server's).
         in_engine: stage each delta for the asyncsync plugin to apply in place (default True;
             used once the server's answers show the plugin takes stages).
+        audit_wait: seconds :meth:`audit` waits for the plugin's audit pass over the version
+            held to finish (default 0: it reports what the ranks' records say now).
         timeouts, retry, failure_backoff: see :class:`ReloadingEngine`.
     """
 
@@ -117,6 +123,7 @@ class SGLang(ReloadingEngine):
         failure_backoff: tuple[float, float] = (2.0, 60.0),
         version_offset: int = 0,
         in_engine: bool = True,
+        audit_wait: float = 0.0,
     ):
         if pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
@@ -146,6 +153,8 @@ class SGLang(ReloadingEngine):
         self.server_version: str | None = None
         self.load_format = load_format
         self.last_reload: dict[str, Any] | None = None  # what the server said about the last one
+        self.audit_wait = audit_wait
+        self.audit_interval = AUDIT_INTERVAL  # the plugin's records: the receiver's one check
 
     def info(self) -> dict[str, Any]:
         """``/status``'s view of the server: whether the in-engine plugin ran, the last reload."""
@@ -169,6 +178,17 @@ class SGLang(ReloadingEngine):
             "pause_mode": self.mode,
             "server_version": self.server_version,
         }
+
+    async def audit(self, manifest: Manifest) -> AuditReport | None:
+        """What the asyncsync plugin's per-rank audit found the server serving, against
+        ``manifest`` (receiver/engines/audit_view.py); None when no rank keeps a record (no
+        plugin), the last reload did not go through the plugin, or every rank's audit is
+        off. Reads records only: never changes the weights."""
+        msg = None if self.last_reload is None else self.last_reload["message"]
+        plugin = None if self.last_reload is None else PLUGIN_MARKER in str(msg)
+        return await self.audit_watch.report(
+            manifest, self.state, plugin=plugin, wait=self.audit_wait
+        )
 
     async def _post(self, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
         return await self.client.request(

@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync import fsio
-from asyncsync.errors import AsyncSyncError
-from receiver.plugins.held import INDEX_NAME, Held, Refused, read_verified, read_weight_map
+from receiver.plugins.held import INDEX_NAME, Held, read_verified, read_weight_map
 from receiver.plugins.inplace import InEngineLoader
 from receiver.plugins.routing import compare, route
 
@@ -62,6 +61,7 @@ ENV_RATE = "ASYNCSYNC_AUDIT_BYTES_PER_S"
 ENV_INTERVAL = "ASYNCSYNC_AUDIT_INTERVAL"
 ENV_DELAY = "ASYNCSYNC_AUDIT_DELAY"
 _WRITE_EVERY = 1.0
+MAX_RANKS = 1 << 16  # a record naming a larger tensor-parallel size is damaged
 
 
 @dataclass
@@ -78,6 +78,7 @@ class AuditRecord:
     checked: int = 0  # tensors compared in the current (or last) pass
     total: int = 0
     skipped: int = 0  # the checkpoint had moved on: not checked now
+    skipped_names: list[str] = field(default_factory=list)  # those tensors (this pass)
     not_auditable: dict[str, str] = field(default_factory=dict)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     pass_started: float | None = None
@@ -93,9 +94,24 @@ class AuditRecord:
         if not isinstance(d, dict) or d.get("format") != RECORD_FORMAT:
             raise ValueError("not an asyncsync audit record")
         known = {f for f in cls.__dataclass_fields__}
-        rec = cls(**{k: v for k, v in d.items() if k in known})
+        try:
+            rec = cls(**{k: v for k, v in d.items() if k in known})
+        except TypeError as exc:  # a field missing
+            raise ValueError(str(exc)) from exc
         if not isinstance(rec.rank, int) or not isinstance(rec.status, str):
             raise ValueError("bad rank or status")
+        if not (
+            isinstance(rec.tp_size, int)
+            and 0 <= rec.rank < rec.tp_size <= MAX_RANKS
+            and (rec.held is None or isinstance(rec.held, dict))
+            and isinstance(rec.not_auditable, dict)
+            and isinstance(rec.mismatches, list)
+            and all(isinstance(m, dict) for m in rec.mismatches)
+            and isinstance(rec.skipped_names, list)
+            and all(isinstance(n, str) for n in rec.skipped_names)
+            and isinstance(rec.updated_at, int | float)
+        ):
+            raise ValueError("a field of the wrong type")
         return rec
 
     @property
@@ -226,6 +242,7 @@ class Auditor:
         names = list(dict.fromkeys([*first, *held.weight_map]))
         rec = self.record
         rec.status, rec.checked, rec.skipped, rec.total = "running", 0, 0, len(names)
+        rec.skipped_names = []
         rec.pass_started, rec.pass_finished = time.time(), None
         self._write(force=True)
         weight_map = _weight_map(held)
@@ -268,12 +285,9 @@ class Auditor:
                 read_verified(held.directory, weight_map, [name], held.checksums,
                               held.algorithm, held.parts)
             )  # fmt: skip
-        except (Refused, OSError, ValueError, AsyncSyncError) as exc:
+        except Exception as exc:  # Refused, OSError, safetensors errors and the like
             rec.skipped += 1  # the checkpoint moved on (or is damaged): it cannot vouch now
-            logger.debug("asyncsync audit: %s skipped: %s", name, exc)
-            return "skipped", 0
-        except Exception as exc:  # safetensors errors and the like
-            rec.skipped += 1
+            rec.skipped_names.append(name)
             logger.debug("asyncsync audit: %s skipped: %s", name, exc)
             return "skipped", 0
         size = tensor.numel() * tensor.element_size()

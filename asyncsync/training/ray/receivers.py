@@ -123,19 +123,29 @@ class ReceiverActor:
         return where()
 
     async def _main(self, agent: ReceiverAgent) -> None:
+        from receiver.audit import receiver_auditor
+
+        auditing = None
         try:
             await self._open(agent)
             self._opened.set()
+            auditor = receiver_auditor(agent)  # the engine's default (SGLang: its plugin's)
             if self.spec.status_port is not None:
                 from receiver.server import StatusServer
 
                 self._server = StatusServer(
-                    agent, host=self.spec.status_host, port=self.spec.status_port
+                    agent, host=self.spec.status_host, port=self.spec.status_port, auditor=auditor
                 )
                 await self._server.start()
+            if auditor is not None:
+                auditing = asyncio.create_task(auditor.run(stop=self._stop), name="audit")
             logger.info("receiver %s: running at version %s", agent.engine_id, agent.version)
             await agent.run(stop=self._stop)
         finally:
+            if auditing is not None:
+                auditing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await auditing
             if self._server is not None:
                 await self._server.stop()
             await agent.close()
