@@ -4,9 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable
 
 import torch
+
+# A shell without job control starts background jobs (`make test &`) with SIGINT ignored, and
+# that disposition is inherited through exec: Python then never raises KeyboardInterrupt, and
+# the tests of Ctrl-C (in this process and in the CLIs they start) would fail for the way the
+# suite was launched. A handled signal is reset to its default in the children.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ALL_DTYPES = [
     torch.bfloat16,
