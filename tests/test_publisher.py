@@ -602,3 +602,42 @@ async def test_seed_from_a_checkpoint_missing_a_file_names_it_and_commits_nothin
         with pytest.raises(ConfigError, match=r"model-00002-of-00002.safetensors is named by the"):
             await pub.seed(snap)
     assert list_versions(root) == []
+
+
+async def test_delta_shards_are_sized_by_the_last_delta(tmp_path: Path) -> None:
+    """Default delta shards: ~1/8 of the last delta within [1 MiB, min(bucket, 4 MiB)] (the
+    model's bytes / 512 before the first delta), so a version is several shards a receiver can
+    apply while the rest are written; a given ``delta_shard_bytes`` stays fixed. (Shards are
+    cut between buckets: 8 MiB buckets here, each ~1 MB of delta.)"""
+    mib = 1 << 20
+    gen = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(65536, generator=gen) for i in range(512)}  # 128 MiB float32
+
+    def step() -> None:  # 10 % of the elements of every tensor get new random values
+        for t in sd.values():
+            mask = torch.rand(t.shape, generator=gen) < 0.1
+            t[mask] = torch.randn(int(mask.sum()), generator=gen)
+
+    def shard_sizes(root: Path, version: int) -> list[int]:
+        return [s.bytes for s in read_manifest(root, version).shards]
+
+    auto = tmp_path / "auto"
+    async with Publisher(auto, bucket_bytes=8 * mib, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        step()
+        first = await pub.publish(sd)  # no delta yet: 128 MiB / 512 -> the 1 MiB floor
+        step()
+        second = await pub.publish(sd)  # ~1/8 of the first delta: ~2 MiB shards
+        await pub.publish(sd)  # a zero diff (no shards): the next ones go back to the floor
+        step()
+        fourth = await pub.publish(sd)
+    one, two, four = (shard_sizes(auto, r.version) for r in (first, second, fourth))
+    assert sum(one) > 10 * mib and max(one) < 1.5 * mib and len(one) >= 12
+    assert 6 <= len(two) <= 10 and max(two) > 1.5 * mib
+    assert len(four) >= 12
+    fixed = tmp_path / "fixed"
+    async with Publisher(fixed, bucket_bytes=8 * mib, delta_shard_bytes=4 * mib) as p:
+        await p.seed(sd)
+        step()
+        r = await p.publish(sd)
+    assert len(shard_sizes(fixed, r.version)) <= 5
