@@ -37,6 +37,7 @@ from asyncsync.codec import Patch, apply_patch, int_view
 from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
 from asyncsync.format import Manifest, TensorEntry
 from asyncsync.format.checksum import entry_checksum, layout_checksum, tensor_bytes
+from asyncsync.pipeline import parallel_map
 from receiver.engines.base import AuditReport, Engine, EngineState, TensorUpdate
 from receiver.state import (
     PersistedState,
@@ -284,6 +285,21 @@ class TorchModule(Engine):
 
     def _apply(self, updates: list[TensorUpdate]) -> None:
         txn = self._need_txn()
+        patches: list[tuple[str, torch.Tensor, Patch]] = []
+        try:
+            self._take(txn, updates, patches)
+        finally:  # the patches taken so far still run: the undo journal covers them
+            # disjoint tensors (a tied twin is taken once), so on the pool; each journals its
+            # old values itself and every call ends before the first error is raised
+            parallel_map(
+                lambda w: _write_int(w[1], functools.partial(self._patch, txn, w[0], w[2])),
+                patches,
+            )
+
+    def _take(
+        self, txn: _Txn, updates: list[TensorUpdate], patches: list[tuple[str, torch.Tensor, Patch]]
+    ) -> None:
+        """Check ``updates`` in order; a full one is copied now, a delta's patch is queued."""
         for u in updates:
             name = u.entry.name
             entry = txn.entries.get(name)
@@ -300,7 +316,7 @@ class TorchModule(Engine):
                 if u.patch is None:
                     raise ApplyFailed(f"tensor {name!r}: a delta needs a patch, not full data")
                 txn.applied.add(key)
-                _write_int(t, functools.partial(self._patch, txn, name, u.patch))
+                patches.append((name, t, u.patch))
             else:
                 new = u.full
                 if new is None:
@@ -337,9 +353,17 @@ class TorchModule(Engine):
                 missing = [n for n in txn.entries if n not in txn.seen]
                 if missing:
                     raise ApplyFailed(f"v{m.version}: tensors never arrived: {missing[:5]}")
+            hashed = [
+                name
+                for name, e in txn.entries.items()
+                if name in txn.seen or e.changed > 0 or txn.mode == "full"
+            ]  # hashed on the pool (xxhash and the C kernels release the GIL)
+            sums = dict(zip(hashed, parallel_map(
+                lambda n: entry_checksum(txn.entries[n], txn.tensors[n], algo), hashed
+            ), strict=True))  # fmt: skip
             for name, e in txn.entries.items():
-                if name in txn.seen or e.changed > 0 or txn.mode == "full":
-                    got = entry_checksum(e, txn.tensors[name], algo)
+                if name in sums:
+                    got = sums[name]
                 elif same_algo:
                     got = self._ps.checksums.get(name, e.checksum)
                 else:
