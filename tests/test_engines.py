@@ -23,6 +23,7 @@ import receiver.engines.checkpoint.inplace as ckpt_mod
 from asyncsync.codec import Patch, int_view
 from asyncsync.errors import (
     ApplyFailed,
+    AsyncSyncError,
     ChecksumMismatch,
     EngineStateError,
     LockHeld,
@@ -661,6 +662,49 @@ async def test_torch_module_refusals_and_persisted_state(
         mod.proj.bias.add_(1)
     eng = TorchModule(mod, state_dir=tmp_path / "st")
     assert (await eng.open()).version is None
+    await eng.close()
+
+
+class Flat(torch.nn.Module):
+    """24 parameters of their own, and 8 that are views of one flat buffer (a flat-parameter
+    layout): the pool patches the first apart and the views one after another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(24):
+            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(4096)))
+        flat = torch.zeros(8 * 512)
+        for i in range(8):
+            self.register_parameter(f"v{i}", torch.nn.Parameter(flat[i * 512 : (i + 1) * 512]))
+
+
+@pytest.mark.parametrize("op", ["set", "xor"])
+async def test_torch_module_patches_on_the_pool_and_rolls_back_a_failed_batch(op: Op) -> None:
+    mod = Flat()
+    assert mod.v0.untyped_storage().data_ptr() == mod.v7.untyped_storage().data_ptr()
+    eng = TorchModule(mod)
+    await eng.open()
+    g = torch.Generator().manual_seed(0)
+    sd0 = {k: torch.randn(v.shape, generator=g) for k, v in mod.state_dict().items()}
+    m0 = build_manifest(sd0, 0)
+    await apply_version(eng, m0, full_batches(m0, sd0), "full")
+    sd1 = mutate(sd0, 0.1, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(eng, m1, delta_batches(m1, sd0, sd1, op, n=1), "delta")
+    assert_same(module_tensors(mod), sd1)
+    # one patch of a batch is out of range: every other one ran, the version rolls back whole
+    sd2 = mutate(sd1, 0.1, seed=2)
+    m2 = build_manifest(sd2, 2, base=sd1)
+    [batch] = delta_batches(m2, sd1, sd2, op, n=1)
+    bad = batch[len(batch) // 2].patch
+    assert bad is not None and bad.positions is not None
+    bad.positions[-1] = 1 << 40
+    await eng.begin(m2, "delta")
+    with pytest.raises(AsyncSyncError):
+        await eng.apply(batch)
+    await eng.abort()
+    assert eng.state.version == 1
+    assert_same(module_tensors(mod), sd1)
     await eng.close()
 
 

@@ -289,12 +289,19 @@ class TorchModule(Engine):
         try:
             self._take(txn, updates, patches)
         finally:  # the patches taken so far still run: the undo journal covers them
-            # disjoint tensors (a tied twin is taken once), so on the pool; each journals its
-            # old values itself and every call ends before the first error is raised
-            parallel_map(
-                lambda w: _write_int(w[1], functools.partial(self._patch, txn, w[0], w[2])),
-                patches,
-            )
+            # on the pool, one task per storage (a tied twin is taken once; names that view
+            # parts of one storage are patched one after another, in order); each journals its
+            # old values itself, and every task ends before the first error is raised
+            by_storage: dict[tuple[Any, int], list[tuple[str, torch.Tensor, Patch]]] = {}
+            for w in patches:
+                key = (w[1].device, w[1].untyped_storage().data_ptr())
+                by_storage.setdefault(key, []).append(w)
+
+            def run(ws: list[tuple[str, torch.Tensor, Patch]]) -> None:
+                for name, t, patch in ws:
+                    _write_int(t, functools.partial(self._patch, txn, name, patch))
+
+            parallel_map(run, by_storage.values())
 
     def _take(
         self, txn: _Txn, updates: list[TensorUpdate], patches: list[tuple[str, torch.Tensor, Patch]]
