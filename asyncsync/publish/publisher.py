@@ -85,17 +85,11 @@ from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.group import Attempt
 from asyncsync.publish.hf import register_scan
 from asyncsync.publish.merge import TensorSlice
-from asyncsync.publish.options import check_options
+from asyncsync.publish.options import ShardSizer, check_options
 from asyncsync.publish.ranked import Committer, RankedCommitter, Round, SoloCommitter, Written
 from asyncsync.publish.retention import RetentionPolicy
 from asyncsync.publish.stats import PublisherStats, PublishResult, Tally
 from asyncsync.publish.writer import VersionWriter
-
-#: the adaptive delta shard size (``delta_shard_bytes=None``): about this many shards per delta,
-#: each within [MIN_DELTA_SHARD_BYTES, min(bucket_bytes, MAX_DELTA_SHARD_BYTES)]
-SHARDS_PER_DELTA = 8
-MIN_DELTA_SHARD_BYTES = 1 << 20
-MAX_DELTA_SHARD_BYTES = 4 << 20
 
 __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 
@@ -132,11 +126,9 @@ class Publisher:
         coordinator: publish as one rank of a group (:mod:`asyncsync.publish.distributed`); every
             rank calls seed/publish with its own tensors and the same options. Rank 0 commits, runs
             the hook, the log and retention; the others hold their own lock and snapshot.
-        delta_shard_bytes: delta shard size. Default: adaptive, about an eighth of the last
-            delta's bytes (of the model's / 512 before the first) within [1 MiB,
-            ``min(bucket_bytes, 4 MiB)``], so a version is several shards at every model size.
-            A single publisher's are self-describing (FORMAT.md 4.3): receivers apply each as
-            it lands.
+        delta_shard_bytes: delta shard size (default: ~1/8 of the last delta, 1 MiB to
+            ``min(bucket_bytes, 4 MiB)``: :class:`~asyncsync.publish.options.ShardSizer`); a single
+            publisher's are self-describing (FORMAT.md 4.3): receivers apply each as it lands.
     """
 
     def __init__(
@@ -167,10 +159,8 @@ class Publisher:
         self.encoding = encoding
         self.checksum = checksum
         self.bucket_bytes = bucket_bytes
-        #: the delta shard size given, else the adaptive one's ceiling (:meth:`_shard_bytes`)
-        self.delta_shard_bytes = delta_shard_bytes or min(bucket_bytes, MAX_DELTA_SHARD_BYTES)
-        self._fixed_shard_bytes = delta_shard_bytes is not None
-        self._last_delta_bytes: int | None = None  # the shard bytes of the last delta committed
+        self._shards = ShardSizer(delta_shard_bytes, bucket_bytes)
+        self.delta_shard_bytes = self._shards.ceiling
         self.max_in_flight = max_in_flight
         self.pipelined = pipelined
         self.mode = mode
@@ -436,7 +426,7 @@ class Publisher:
         stream = (version - 1, self._fingerprint, secrets.token_hex(6), self.encoding)
         acc = VersionWriter(
             vdir=vdir, algorithm=self.checksum, version=version, run_id=self._run_id,
-            shard_bytes=self._shard_bytes(state_dict),
+            shard_bytes=self._shards.next(state_dict),
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
             slices=sl, prefix=rnd.prefix, stream=stream if streams else None,
         )  # fmt: skip
@@ -536,21 +526,6 @@ class Publisher:
             self._cancel_after_commit = True  # committed: finish the bookkeeping, then cancel
         self._renamed = True
 
-    def _shard_bytes(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """The delta shard size of the next version: the one given, else about an eighth of
-        the last delta (the model's bytes / 512 before the first: ~1.6 % of bf16 changes at
-        ~3 % density) within [1 MiB, :attr:`delta_shard_bytes`]. Small enough that a receiver
-        applies most shards while the rest are written (at 256 MiB, 4 MiB shards made a version
-        two shards, the first landing late), large enough to keep files few."""
-        if self._fixed_shard_bytes:
-            return self.delta_shard_bytes
-        if self._last_delta_bytes is not None:
-            estimate = self._last_delta_bytes // SHARDS_PER_DELTA
-        else:
-            estimate = sum(t.numel() * t.element_size() for t in state_dict.values()) // 512
-        ceiling = self.delta_shard_bytes
-        return max(min(estimate, ceiling), min(MIN_DELTA_SHARD_BYTES, ceiling))
-
     async def _committed(
         self,
         manifest: Manifest,
@@ -568,8 +543,7 @@ class Publisher:
             checksums if checksums is not None else {e.name: e.checksum for e in manifest.tensors}
         )
         self._tally.elements = manifest.totals.elements
-        if manifest.kind == "delta":
-            self._last_delta_bytes = sum(s.bytes for s in manifest.shards)
+        self._shards.committed(manifest)
         if not self._committer.is_committer:
             res = PublishResult.of(manifest, seconds, vdir)  # the log and retention are rank 0's
             self._tally.record(res)
