@@ -24,14 +24,19 @@ MIN_DELTA_SHARD_BYTES = 1 << 20
 MAX_DELTA_SHARD_BYTES = 4 << 20
 
 
-def adaptive_shard_bytes(last_delta: int | None, model_bytes: int, ceiling: int) -> int:
-    """A delta shard size of about an eighth of the last delta's bytes (``model_bytes / 512``
+def adaptive_shard_bytes(
+    last_delta: int | None, state_dict: Mapping[str, torch.Tensor], ceiling: int
+) -> int:
+    """A delta shard size of about an eighth of the last delta's bytes (the model's bytes / 512
     before the first: ~1.6 % of bf16 changes at ~3 % density) within [1 MiB, ``ceiling``].
 
     Small enough that a receiver applies most shards while the rest are written (at 256 MiB,
     4 MiB shards made a version two shards, the first landing late), large enough to keep
     files few (each costs a round trip on a network filesystem)."""
-    estimate = model_bytes // 512 if last_delta is None else last_delta // SHARDS_PER_DELTA
+    if last_delta is None:  # the model's size is summed only then (once per publisher)
+        estimate = sum(t.numel() * t.element_size() for t in state_dict.values()) // 512
+    else:
+        estimate = last_delta // SHARDS_PER_DELTA
     return max(min(estimate, ceiling), min(MIN_DELTA_SHARD_BYTES, ceiling))
 
 
@@ -48,10 +53,11 @@ class ShardSizer:
         """The shard size of the next version of ``state_dict``."""
         if self.fixed is not None:
             return self.fixed
-        model = sum(t.numel() * t.element_size() for t in state_dict.values())
-        return adaptive_shard_bytes(self.last_delta, model, self.ceiling)
+        return adaptive_shard_bytes(self.last_delta, state_dict, self.ceiling)
 
     def committed(self, manifest: Manifest) -> None:
+        """Note a committed version (for a rank of a group: the merged one, every rank's shards,
+        so its next estimate errs large, within the ceiling)."""
         if manifest.kind == "delta":
             self.last_delta = sum(s.bytes for s in manifest.shards)
 
