@@ -147,6 +147,33 @@ def test_a_directory_that_is_not_a_root_is_refused_before_anything_is_created(
     assert list(empty.iterdir()) == []
 
 
+def test_a_root_the_publisher_opens_between_the_two_looks_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(CI of 18a8589) the receiver found no ``asyncsync.json``, the publisher wrote it, and the
+    listing that followed showed it: the root was refused as "some other directory" that holds
+    ``asyncsync.json``. The lookup is made again after the listing."""
+    import os
+
+    from asyncsync.format.store import ensure_root_info
+    from receiver.acking import check_root_for_receiver
+
+    root = tmp_path / "root"
+    root.mkdir()
+    real_listdir = os.listdir
+    opened: list[Path] = []
+
+    def publisher_opens_then_list(path: object = ".") -> list[str]:
+        if path == root and not opened:  # the root was looked up: the publisher opens it now
+            opened.append(root)
+            ensure_root_info(root)
+        return real_listdir(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "listdir", publisher_opens_then_list)
+    assert check_root_for_receiver(root) is True
+    assert opened == [root]
+
+
 def test_usage_is_checked_before_the_engine_is_opened(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "RootInfo",
     "ensure_root_info",
     "foreign_entries",
+    "not_a_root",
     "is_committed",
     "is_root",
     "list_versions",
@@ -163,6 +164,16 @@ def foreign_entries(root: Path) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return [n for n in names if not n.startswith(".") and n not in _BEFORE_FIRST_PUBLISH]
+
+
+def not_a_root(root: Path) -> list[str]:
+    """The :func:`foreign_entries` of a directory that is not a root; ``[]`` for a root, a
+    missing or empty directory. The root is looked at again after the listing: a publisher
+    that opened it between the two looks wrote its ``asyncsync.json``, which the listing shows."""
+    if is_root(root):
+        return []
+    foreign = foreign_entries(root)
+    return [] if foreign and is_root(root) else foreign
 
 
 def prepare_shared_dirs(root: Path, group: str | int) -> list[Path]:

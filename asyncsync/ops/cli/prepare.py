@@ -22,13 +22,14 @@ __all__ = ["cmd_prepare", "register"]
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from asyncsync.format.store import foreign_entries, is_root, prepare_shared_dirs
+    from asyncsync.format.store import not_a_root, prepare_shared_dirs
 
     root = Path(args.root)
-    if root.is_dir() and not is_root(root) and foreign_entries(root):
+    foreign = not_a_root(root) if root.is_dir() else []
+    if foreign:
         raise ConfigError(
             f"{root} is not an asyncsync root and not empty (it holds "
-            f"{', '.join(foreign_entries(root)[:5])}): pass the directory given to Publisher(...)"
+            f"{', '.join(foreign[:5])}): pass the directory given to Publisher(...)"
         )
     group: str | int = int(args.group) if args.group.isdigit() else args.group
     for d in prepare_shared_dirs(root, group):
