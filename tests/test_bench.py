@@ -19,6 +19,7 @@ from asyncsync.ops.bench.baselines import BASELINES, LABELS, all_sizes, xor_zstd
 from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.measure import _finish, _start
 from asyncsync.ops.bench.probes import load_state_dict, reset_peak_rss, rss, save_state_dict
+from asyncsync.ops.bench.scale_report import SCALE_TARGETS
 from asyncsync.ops.cli import main
 from asyncsync.ops.workload import Workload, WorkloadConfig
 from tests.conftest import mixed_state, same_bytes
@@ -249,6 +250,8 @@ SCALE_KEYS = (
     "full_sync_s",
     "publish_cpu_s_per_gib",
     "apply_cpu_s_per_gib",
+    "e2e_vs_trainer_floor",
+    "overlap",
     "publisher_peak_rss_vs_model",
     "receiver_peak_rss_vs_model",
 )
@@ -270,9 +273,15 @@ def test_scale_sweep_writes_the_promised_keys(tmp_path: Path) -> None:
             row["trainer_floor_s"], row["receiver_floor_s"], row["transfer_floor_s"]
         )
         assert row["floor_s"] >= row["floor_production_s"]
+        assert row["e2e_vs_trainer_floor"] == pytest.approx(row["e2e_s"] / row["trainer_floor_s"])
+        # the slower side plus one shard's write and read at the default 200 MB/s + 5 ms
+        one_shard = row["wire_bytes"] / row["shards"] / 200e6 + 2 * 0.005
+        slower = max(row["publish_s"], row["apply_s"])
+        assert row["overlap"] == pytest.approx(row["e2e_s"] / (slower + one_shard))
         assert 0.02 < row["density"] < 0.04
     assert s["command"].startswith("asyncsync bench --scale --scale-sizes")
     assert set(s["scale_targets"]) >= {"publish_linear", "apply_linear"}
+    assert {"e2e_vs_trainer_floor", "overlap"} <= set(SCALE_TARGETS)
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "scale_ratios.png",
         "scale_seconds_per_gb.png",

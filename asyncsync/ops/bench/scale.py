@@ -325,6 +325,10 @@ def summarise_size(
     publish, e2e = med(v["publish"] for v in vs), med(v["e2e"] for v in vs)
     apply_s, full = med(rec["applies"]), med(cost["full_sync"])
     gb, gib = model / 1e9, model / (1 << 30)
+    # the two sides overlap when the end to end is the slower side plus one shard's transfer
+    # (its write and its read, the mean shard of a version: the last one is no larger)
+    one_shard = (wire / max(shards, 1)) / bandwidth + 2 * throttle.latency
+    overlap = e2e / (max(publish, apply_s) + one_shard)
     publish_cpu = med(v["publish_cpu"] for v in vs) if all("publish_cpu" in v for v in vs) else None
     apply_cpu = med(rec["apply_cpu"]) if rec.get("apply_cpu") else None
     return {
@@ -346,6 +350,8 @@ def summarise_size(
         "apply_vs_receiver_floor": apply_s / receiver,
         "e2e_vs_floor": e2e / floor,
         "e2e_vs_production_floor": e2e / production,
+        "e2e_vs_trainer_floor": e2e / trainer,  # issue 26: the one-pass torch.ne floor
+        "overlap": overlap,  # issue 26: e2e / (max(publish, apply) + one shard's transfer)
         "full_sync_vs_e2e": full / e2e,
         "publish_s_per_gb": publish / gb,
         "apply_s_per_gb": apply_s / gb,

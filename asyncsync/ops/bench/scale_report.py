@@ -18,7 +18,9 @@ SCALE_TARGETS: dict[str, tuple[str, str, float, int]] = {
     "publish_vs_trainer_floor": ("publish_vs_trainer_floor", "<=", 1.5, _GB),
     "apply_vs_receiver_floor": ("apply_vs_receiver_floor", "<=", 1.5, _GB),
     "full_sync_vs_e2e": ("full_sync_vs_e2e", ">=", 10.0, _GB),
-    "publish_cpu_s_per_gib": ("publish_cpu_s_per_gib", "<=", 0.6, _GB),  # issue 26
+    "e2e_vs_trainer_floor": ("e2e_vs_trainer_floor", "<=", 2.5, _GB),  # issue 26
+    "overlap": ("overlap", "<=", 1.3, _GB),
+    "publish_cpu_s_per_gib": ("publish_cpu_s_per_gib", "<=", 0.6, _GB),
     "apply_cpu_s_per_gib": ("apply_cpu_s_per_gib", "<=", 0.4, _GB),
     "publisher_peak_rss_vs_model": ("publisher_peak_rss_vs_model", "<=", 2.2, 4 * _GB),
     "receiver_peak_rss_vs_model": ("receiver_peak_rss_vs_model", "<=", 1.2, 4 * _GB),
@@ -90,7 +92,7 @@ def scale_markdown(s: dict[str, Any]) -> str:
         "model", "density", "wire", "trainer floor", "receiver floor", "transfer floor",
         "floor (shared / prod.)", "publish", "apply", "end to end", "full sync",
         "publish / trainer", "apply / receiver", "e2e / floor (shared / prod.)",
-        "full / e2e", "CPU s/GiB pub / apply", "RSS pub / rec",
+        "full / e2e", "e2e / trainer", "overlap", "CPU s/GiB pub / apply", "RSS pub / rec",
     ]  # fmt: skip
     lines = [
         "### Scale sweep (ms; ratios are medians of the timed versions of one run)",
@@ -115,6 +117,8 @@ def scale_markdown(s: dict[str, Any]) -> str:
             f"{r['apply_vs_receiver_floor']:.2f}",
             f"{r['e2e_vs_floor']:.2f} / {r['e2e_vs_production_floor']:.2f}",
             f"{r['full_sync_vs_e2e']:.1f}",
+            _num(r.get("e2e_vs_trainer_floor")),
+            _num(r.get("overlap")),
             f"{_num(r.get('publish_cpu_s_per_gib'))} / {_num(r.get('apply_cpu_s_per_gib'))}",
             f"{r['publisher_peak_rss_vs_model']:.2f} / {r['receiver_peak_rss_vs_model']:.2f}",
         ]
