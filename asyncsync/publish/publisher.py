@@ -452,7 +452,7 @@ class Publisher:
         # A single publisher's snapshot advances in the diff's own pass (reverted if the version
         # is not committed); a rank of a group keeps its changes apart (it may miss the outcome)
         advance = delta and not self._committer.ranked
-        advanced: list[snapshot.Undo] = []
+        advanced = snapshot.UndoLog(self.encoding)
         try:
             if rnd.refuse is not None:
                 raise PublishError(rnd.refuse)
@@ -464,14 +464,16 @@ class Publisher:
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)
                 d = diff_bucket(items, delta=delta, algorithm=self.checksum, advance=advance)
-                advanced.extend(snapshot.undo_records(d) if d.advanced else [])  # if not committed
+                advanced.diffed(d)  # reverted if the version is not committed
                 return d
 
             def encode(d: DiffedBucket) -> EncodedBucket:
-                return encode_bucket(
+                e = encode_bucket(
                     d, version=version, run_id=self._run_id, delta=delta, full=full,
                     encoding=self.encoding, level=self.zstd_level, algorithm=self.checksum,
                 )  # fmt: skip
+                advanced.encoded(d, e)  # from here on its shard's bytes undo it
+                return e
 
             def write(e: EncodedBucket) -> None:
                 acc.write(e)
@@ -508,7 +510,7 @@ class Publisher:
         except BaseException:
             self._progress = None
             if advanced and not self._renamed:  # unless committed after all: then it is right
-                await asyncio.shield(asyncio.to_thread(snapshot.revert, vdir, advanced))
+                await asyncio.shield(asyncio.to_thread(advanced.revert, vdir))
             raise
         self._cancel_after_commit |= cancelled
         # Committed: from here on the version exists for readers.

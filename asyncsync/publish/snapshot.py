@@ -3,29 +3,36 @@
 Functions over ``dict[str, torch.Tensor]``: cutting a state dict into buckets, wrapping a
 bucket's tensors for the diff stage, and advancing the snapshot once a version is committed
 (scattering the changed positions in, or copying whole tensors), or reverting the advance the
-diff made in its own pass for a version that was not committed (:func:`revert`, which checks
-for the manifest: its only I/O). The snapshot lives in CPU
+diff made in its own pass for a version that was not committed (:class:`UndoLog`, whose
+``revert`` checks for the manifest: its only I/O). The snapshot lives in CPU
 memory, pinned when CUDA is present so device-to-host copies of the next state are fast.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from asyncsync import codec, fsio
-from asyncsync.codec.shards import BucketItem, DiffedBucket, PendingUpdate
+from asyncsync.codec.shards import (
+    BucketItem,
+    DiffedBucket,
+    EncodedBucket,
+    PendingUpdate,
+    delta_keys,
+)
 from asyncsync.format import MANIFEST_NAME
 
 __all__ = [
     "Undo",
+    "UndoLog",
     "advance",
     "bucket_items",
     "plan_buckets",
-    "revert",
     "same_schema",
     "undo_records",
 ]
@@ -139,12 +146,15 @@ def advance(
     return out
 
 
-#: what reverts one advanced tensor: (the snapshot tensor, its changed positions, old values)
+#: one advanced tensor, compactly: (the snapshot tensor, its changed positions, old values)
 Undo = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: one advanced tensor of an xef bucket: (the snapshot tensor, mode, changed, positions blob,
+#: values blob), the bytes its shard carries
+_Encoded = tuple[torch.Tensor, str, int, bytes, bytes]
 
 
 def undo_records(d: DiffedBucket) -> list[Undo]:
-    """What :func:`revert` needs of a bucket the diff advanced, compactly (positions as int32
+    """What :meth:`UndoLog.revert` needs of a bucket the diff advanced, compactly (positions as int32
     where they fit, the old values): ~6 bytes per changed bf16 element, kept until the commit,
     while the diff's own outputs (16 bytes each) go once the bucket is encoded."""
     out: list[Undo] = []
@@ -156,12 +166,79 @@ def undo_records(d: DiffedBucket) -> list[Undo]:
     return out
 
 
-def revert(vdir: Path, undo: Sequence[Undo]) -> None:
-    """Put the snapshot back where the diff advanced it (``diff_bucket(advance=True)``) for a
-    version that was not committed; a no-op if its manifest is in place after all (committed:
-    the snapshot is right as it is)."""
-    with contextlib.suppress(OSError):  # never through a symlink (fsio, FORMAT.md 11.1)
-        if fsio.lstat(vdir / MANIFEST_NAME, root=vdir.parent) is not None:
+class UndoLog:
+    """What puts back the snapshot tensors the diff advanced in its own pass
+    (``diff_bucket(advance=True)``) for a version that is not committed (:meth:`revert`).
+
+    A bucket is noted when diffed (:meth:`diffed`: its changes, which the encode stage holds
+    anyway) and again when encoded (:meth:`encoded`). An ``xef`` bucket then keeps only the
+    bytes its shard carries, from which a revert decodes the XORs (``old = new ^ xor``): no
+    work and ~1 byte per changed element at 3 % density. Other encodings carry the new values
+    only, so their old values are kept (:func:`undo_records`, ~6 bytes per changed bf16
+    element). Safe to call from the pipeline's threads.
+    """
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        self._lock = threading.Lock()
+        self._diffed: dict[int, DiffedBucket] = {}  # id -> bucket, until it is encoded
+        self._compact: list[Undo] = []
+        self._encoded: list[_Encoded] = []
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._diffed or self._compact or self._encoded)
+
+    def diffed(self, d: DiffedBucket) -> None:
+        if d.advanced:
+            with self._lock:
+                self._diffed[id(d)] = d
+
+    def encoded(self, d: DiffedBucket, e: EncodedBucket) -> None:
+        with self._lock:
+            if self._diffed.pop(id(d), None) is None:
+                return
+        if self.encoding != "xef":
+            compact = undo_records(d)
+            with self._lock:
+                self._compact.extend(compact)
             return
-    for old, pos, values in reversed(undo):
-        codec.revert([old], [codec.Change(pos.to(torch.int64), values, torch.zeros_like(values))])
+        kept: list[_Encoded] = []
+        for it, res in zip(d.items, e.items, strict=True):
+            if it.old is not None and res.mode is not None and res.changed:
+                pkey, vkey = delta_keys(it.index)
+                kept.append(
+                    (it.old, res.mode, res.changed, e.delta_blobs[pkey], e.delta_blobs[vkey])
+                )
+        with self._lock:
+            self._encoded.extend(kept)
+
+    def revert(self, vdir: Path) -> None:
+        """Put the snapshot back, unless the version's manifest is in place after all
+        (committed: the snapshot is right as it is)."""
+        with contextlib.suppress(OSError):  # never through a symlink (fsio, FORMAT.md 11.1)
+            if fsio.lstat(vdir / MANIFEST_NAME, root=vdir.parent) is not None:
+                return
+        with self._lock:
+            diffed, compact, encoded = list(self._diffed.values()), self._compact, self._encoded
+            self._diffed, self._compact, self._encoded = {}, [], []
+        for d in diffed:  # not encoded yet: the diff's own outputs
+            olds = [it.old for it in d.items if it.old is not None]
+            codec.revert(olds, d.changes or [])
+        for old, pos, values in compact:
+            codec.revert(
+                [old], [codec.Change(pos.to(torch.int64), values, torch.zeros_like(values))]
+            )
+        for old, mode, changed, pblob, vblob in encoded:
+            flat = codec.int_view(old)  # the new bytes (a copy if ``old`` is not contiguous)
+            patch = codec.decode_delta(
+                self.encoding, mode, pblob, vblob, changed=changed, numel=flat.numel(),
+                dtype=flat.dtype,
+            )  # fmt: skip
+            xor = patch.values
+            if patch.positions is None:  # dense: every element's XOR
+                pos = torch.nonzero(xor).view(-1)
+                xor = xor[pos]
+            else:
+                pos = patch.positions
+            codec.revert([old], [codec.Change(pos, codec.gather(flat, pos), xor)])
