@@ -241,6 +241,26 @@ def test_elias_fano_roundtrip_any_universe(numel: int, data: st.DataObject) -> N
     assert np.array_equal(codec_delta._ef_decode(blob, idx.size, numel), idx)
 
 
+def test_xef_positions_are_compressed_only_where_zstd_shrinks_them() -> None:
+    """A large payload of scattered positions (an optimizer step's) is stored raw without
+    compressing all of it (a sample says zstd cannot shrink it); dense, strided and clustered
+    positions still get the zstd frame, and every blob decodes to its positions."""
+    rng = np.random.default_rng(5)
+    rows = [np.arange(r * 4096, r * 4096 + 4096) for r in range(0, 1000, 7)]
+    cases = {
+        "scattered 3 %": (np.sort(rng.choice(10**7, 3 * 10**5, replace=False)), 10**7, False),
+        "scattered 30 %": (np.sort(rng.choice(10**6, 3 * 10**5, replace=False)), 10**6, True),
+        "strided": (np.arange(0, 4 * 10**6, 4), 4 * 10**6, True),
+        "clustered rows": (np.concatenate(rows), 4096 * 1000, True),
+    }
+    for name, (idx, numel, packed) in cases.items():
+        idx = idx.astype(np.int64)
+        blob, raw = codec_delta._ef_encode(idx, numel)
+        assert raw > 2 * codec_delta._EF_SAMPLE, name  # the sampled path
+        assert bool(blob[0] & 0x80) == packed, name
+        assert np.array_equal(codec_delta._ef_decode(blob, idx.size, numel), idx), name
+
+
 def test_large_universe_baseline_positions_decode() -> None:
     numel = 2**33
     idx = np.array([3, 2**31 + 5, 2**33 - 1], dtype=np.int64)
