@@ -708,6 +708,45 @@ async def test_torch_module_patches_on_the_pool_and_rolls_back_a_failed_batch(op
     await eng.close()
 
 
+@pytest.mark.parametrize("op", ["set", "xor"])
+async def test_torch_module_verifies_by_the_checksum_of_the_patch_pass(
+    monkeypatch: pytest.MonkeyPatch, op: Op
+) -> None:
+    """TorchModule checks a tensor patched on the CPU by the digest taken in the pass that
+    patched it: a patch made against other bytes is caught and rolled back; a good version
+    reads again at commit only the tensors that share a storage with another patched one (the
+    flat buffer's views: a later view's patch could make an earlier digest stale)."""
+    from receiver.engines import torch_module
+
+    mod = Flat()
+    eng = TorchModule(mod)
+    await eng.open()
+    g = torch.Generator().manual_seed(0)
+    sd0 = {k: torch.randn(v.shape, generator=g) for k, v in mod.state_dict().items()}
+    m0 = build_manifest(sd0, 0)
+    await apply_version(eng, m0, full_batches(m0, sd0), "full")
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    other = mutate(sd1, 0.05, seed=2)  # patches from other bytes: wrong results on sd0
+    with pytest.raises(ChecksumMismatch):
+        await apply_version(eng, m1, delta_batches(m1, other, sd1, op), "delta")
+    assert eng.state.version == 0
+    assert_same(module_tensors(mod), sd0)
+    hashed: list[str] = []
+    real = torch_module.entry_checksum
+
+    def counting(entry: Any, *args: Any) -> str:
+        hashed.append(entry.name)
+        return real(entry, *args)
+
+    monkeypatch.setattr(torch_module, "entry_checksum", counting)
+    await apply_version(eng, m1, delta_batches(m1, sd0, sd1, op), "delta")
+    assert eng.state.version == 1
+    assert_same(module_tensors(mod), sd1)
+    assert sorted(hashed) == sorted(f"v{i}" for i in range(8))
+    await eng.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_torch_module_on_cuda() -> None:
     mod = Tiny().cuda()

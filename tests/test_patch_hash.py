@@ -43,6 +43,13 @@ def _check(
     got = flat.clone()
     assert patch_and_checksum(got, patch, algo, layout) == digest
     assert torch.equal(got, want)
+    # with old_out: the same, and the overwritten values saved as apply_patch saves them
+    n = flat.numel() if patch.positions is None else patch.positions.numel()
+    want, want_old = flat.clone(), torch.full((n,), 5, dtype=flat.dtype)
+    apply_patch(want, patch, old_out=want_old)
+    got, got_old = flat.clone(), torch.full((n,), 9, dtype=flat.dtype)
+    assert patch_and_checksum(got, patch, algo, layout, old_out=got_old) == digest
+    assert torch.equal(got, want) and torch.equal(got_old, want_old)
 
 
 def _patches(n: int, dtype: torch.dtype, op: str, g: torch.Generator) -> list[Patch]:
@@ -105,6 +112,21 @@ def test_what_one_pass_does_not_take_goes_the_two_pass_way(kernel: str) -> None:
     apply_patch(want, sorted_)
     assert torch.equal(strided, want)
     assert got == layout_checksum(tensor_bytes(want), 2, None, "xxh3-64")
+
+
+def test_old_out_of_the_wrong_shape_or_dtype_is_refused_before_any_write(kernel: str) -> None:
+    flat = torch.arange(100, dtype=torch.int16)
+    patch = Patch("xor", torch.tensor([3, 50]), torch.tensor([1, 1], dtype=torch.int16))
+    for bad in (torch.empty(3, dtype=torch.int16), torch.empty(2, dtype=torch.int32)):
+        with pytest.raises(ConfigError, match="old_out"):
+            patch_and_checksum(flat, patch, "xxh3-128", old_out=bad)
+    assert torch.equal(flat, torch.arange(100, dtype=torch.int16))
+    if kernel == "native":  # the C kernel checks its own arguments too
+        with pytest.raises(ValueError, match="old_out"):
+            native.kernels.patch_hash(
+                flat.numpy(), 2, patch.positions.numpy(), patch.values.numpy(), True, 0, 100,
+                None, torch.empty(3, dtype=torch.int16).numpy(),
+            )  # fmt: skip
 
 
 def test_xef_decoded_positions_and_bad_patches(kernel: str) -> None:

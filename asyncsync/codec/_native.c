@@ -705,12 +705,12 @@ static PyObject *increasing(PyObject *self, PyObject *args) {
 #define PATCH_BLOCK_BYTES 65536
 
 static void patch_any(Py_ssize_t width, char *flat, const char *pos, const char *vals,
-                      Py_ssize_t k, int is_xor) {
+                      char *old, Py_ssize_t k, int is_xor) {
     switch (width) {
-    case 1: patch_1(flat, pos, vals, NULL, k, is_xor); break;
-    case 2: patch_2(flat, pos, vals, NULL, k, is_xor); break;
-    case 4: patch_4(flat, pos, vals, NULL, k, is_xor); break;
-    default: patch_8(flat, pos, vals, NULL, k, is_xor); break;
+    case 1: patch_1(flat, pos, vals, old, k, is_xor); break;
+    case 2: patch_2(flat, pos, vals, old, k, is_xor); break;
+    case 4: patch_4(flat, pos, vals, old, k, is_xor); break;
+    default: patch_8(flat, pos, vals, old, k, is_xor); break;
     }
 }
 
@@ -730,11 +730,11 @@ static void xor_bytes(char *dst, const char *src, Py_ssize_t len) {
 }
 
 static PyObject *patch_hash(PyObject *self, PyObject *args) {
-    PyObject *flat_o, *pos_o, *val_o, *hasher_o;
+    PyObject *flat_o, *pos_o, *val_o, *hasher_o, *old_o = Py_None;
     Py_ssize_t width, lo, hi;
     int is_xor, ok;
-    if (!PyArg_ParseTuple(args, "OnOOpnnO:patch_hash", &flat_o, &width, &pos_o, &val_o, &is_xor,
-                          &lo, &hi, &hasher_o)) {
+    if (!PyArg_ParseTuple(args, "OnOOpnnO|O:patch_hash", &flat_o, &width, &pos_o, &val_o,
+                          &is_xor, &lo, &hi, &hasher_o, &old_o)) {
         return NULL;
     }
     if (check_width(width) < 0) {
@@ -745,13 +745,16 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
         return NULL;
     }
     Buffers b = {.held = 0};
-    Py_buffer *flat, *pos = NULL, *vals;
+    Py_buffer *flat, *pos = NULL, *vals, *old = NULL;
     Py_ssize_t n, k = 0, bad_at = -1;
     int64_t bad = 0;
     if (!(flat = acquire(&b, flat_o, "flat", 1)) || !(vals = acquire(&b, val_o, "values", 0))) {
         goto fail;
     }
     if (pos_o != Py_None && !(pos = acquire(&b, pos_o, "positions", 0))) {
+        goto fail;
+    }
+    if (old_o != Py_None && !(old = acquire(&b, old_o, "old_out", 1))) {
         goto fail;
     }
     if ((n = elements(flat, width, "flat")) < 0) {
@@ -770,8 +773,13 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
                      pos ? k : hi - lo, width);
         goto fail;
     }
+    if (old && old->len != vals->len) {
+        PyErr_Format(PyExc_ValueError, "old_out is %zd bytes, want %zd (as values)", old->len,
+                     vals->len);
+        goto fail;
+    }
     {
-        char *pf = flat->buf;
+        char *pf = flat->buf, *po = old ? old->buf : NULL;
         const char *pp = pos ? pos->buf : NULL, *pv = vals->buf;
         const Py_ssize_t block = PATCH_BLOCK_BYTES / width;
         Py_BEGIN_ALLOW_THREADS;
@@ -800,12 +808,20 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
                             break;
                         }
                     }
-                    patch_any(width, pf, pp + at * 8, pv + at * width, stop - at, is_xor);
+                    patch_any(width, pf, pp + at * 8, pv + at * width,
+                              po ? po + at * width : NULL, stop - at, is_xor);
                     at = stop;
-                } else if (is_xor) {
-                    xor_bytes(pf + i * width, pv + (i - lo) * width, (end - i) * width);
                 } else {
-                    memcpy(pf + i * width, pv + (i - lo) * width, (size_t)((end - i) * width));
+                    if (po) { /* dense: the block's old bytes first */
+                        memcpy(po + (i - lo) * width, pf + i * width,
+                               (size_t)((end - i) * width));
+                    }
+                    if (is_xor) {
+                        xor_bytes(pf + i * width, pv + (i - lo) * width, (end - i) * width);
+                    } else {
+                        memcpy(pf + i * width, pv + (i - lo) * width,
+                               (size_t)((end - i) * width));
+                    }
                 }
                 if (hasher) {
                     xxh3_feed(hasher, pf + i * width, (size_t)((end - i) * width));
@@ -1283,9 +1299,11 @@ static PyMethodDef methods[] = {
      "until the outputs (capacity len(pos_out) // 8) are full or the end is reached; feed the\n"
      "new bytes scanned to `hasher`; with `advance`, copy each differing element into old."},
     {"patch_hash", patch_hash, METH_VARARGS,
-     "patch_hash(flat, width, positions, values, is_xor, lo, hi, hasher) -> None\n\n"
+     "patch_hash(flat, width, positions, values, is_xor, lo, hi, hasher, old_out=None) -> "
+     "None\n\n"
      "Patch flat[lo:hi) (positions strictly increasing there, or None: every element) block by\n"
-     "block, feeding each patched block to `hasher` (an Xxh3 or None)."},
+     "block, feeding each patched block to `hasher` (an Xxh3 or None); `old_out` (as long as\n"
+     "values) gets the elements each write replaces, in the same pass."},
     {"xor_patch", xor_patch, METH_VARARGS,
      "xor_patch(flat, width, positions, values, old_out) -> None\n\n"
      "old_out[k] = flat[pos[k]] (unless None); flat[pos[k]] ^= values[k]. Bounds-checked first."},

@@ -37,12 +37,17 @@ def patch_and_checksum(
     patch: Patch,
     algorithm: str,
     layout: Sequence[tuple[int, int]] | None = None,
+    *,
+    old_out: torch.Tensor | None = None,
 ) -> str:
     """:func:`~asyncsync.codec.apply_patch` ``patch`` to ``flat`` (a 1-D int view), and return the
     checksum of ``flat``'s complete new bytes as a manifest entry records it (``layout``: the
     ``(offset, numel)`` of its parts, or None), in one pass where it can.
 
-    Identical in effect and result to ``apply_patch(flat, patch)`` followed by
+    ``old_out``: as :func:`~asyncsync.codec.apply_patch`'s, the values the patch overwrites
+    (``flat[positions]``, or all of ``flat`` for a dense patch), saved in the same pass.
+
+    Identical in effect and result to ``apply_patch(flat, patch, old_out=old_out)`` followed by
     ``layout_checksum(bytes of flat, itemsize, layout, algorithm)``, which is what it does for
     what the single pass does not take: a tensor off the CPU or not contiguous, positions not
     known to be strictly increasing, parts that overlap or leave the tensor.
@@ -55,21 +60,27 @@ def patch_and_checksum(
         raise ConfigError(f"unknown patch op {patch.op!r}")
     parts = _parts(layout, flat.numel())
     pos = patch.positions
+    want = flat.numel() if pos is None else pos.numel()
+    if old_out is not None and (old_out.dtype != flat.dtype or old_out.shape != (want,)):
+        raise ConfigError(
+            f"old_out must be {flat.dtype}[{want}], got {old_out.dtype}{old_out.shape}"
+        )
     if (
         parts is None
         or flat.device.type != "cpu"
         or not flat.is_contiguous()
         or patch.values.device.type != "cpu"
         or not patch.values.is_contiguous()
+        or (old_out is not None and (old_out.device.type != "cpu" or not old_out.is_contiguous()))
         or (pos is not None and not _increasing(patch, pos, flat.numel()))
     ):
-        apply_patch(flat, patch)
+        apply_patch(flat, patch, old_out=old_out)
         return layout_checksum(tensor_bytes(flat), flat.element_size(), layout, algorithm)
-    want = flat.numel() if pos is None else pos.numel()
     if patch.values.numel() != want:
         what = "dense patch of" if pos is None else f"{want} positions but"
         raise ConfigError(f"{what} {patch.values.numel()} values for {flat.numel()}")
-    return _single_pass(flat, patch, algorithm, parts, layout is not None)
+    old: Any = None if old_out is None else old_out.numpy()
+    return _single_pass(flat, patch, algorithm, parts, layout is not None, old)
 
 
 def _parts(layout: Sequence[tuple[int, int]] | None, numel: int) -> list[tuple[int, int]] | None:
@@ -107,10 +118,11 @@ def _single_pass(
     algorithm: str,
     parts: list[tuple[int, int]],
     composite: bool,
+    old: Any,
 ) -> str:
     k = native.kernels
     if k is not None and hasattr(k, "patch_hash") and native.hasher(algorithm) is not None:
-        return _native_pass(flat, patch, algorithm, parts, composite)
+        return _native_pass(flat, patch, algorithm, parts, composite, old)
     arr: Any = flat.numpy()
     vals: Any = patch.values.numpy()
     width, numel = flat.element_size(), flat.numel()
@@ -129,6 +141,8 @@ def _single_pass(
     for k in range(len(edges) - 1):
         lo, hi = edges[k], edges[k + 1]
         if pos is None:  # dense: every element of the chunk
+            if old is not None:
+                old[lo:hi] = arr[lo:hi]
             if patch.op == "xor":
                 np.bitwise_xor(arr[lo:hi], vals[lo:hi], out=arr[lo:hi])
             else:
@@ -136,11 +150,14 @@ def _single_pass(
         elif cuts is not None and cuts[k + 1] > cuts[k]:
             a, b = cuts[k], cuts[k + 1]
             if kernel is not None:
-                kernel(arr, width, pos[a:b], vals[a:b], None)
-            elif patch.op == "xor":
-                arr[pos[a:b]] ^= vals[a:b]
+                kernel(arr, width, pos[a:b], vals[a:b], None if old is None else old[a:b])
             else:
-                arr[pos[a:b]] = vals[a:b]
+                if old is not None:
+                    old[a:b] = arr[pos[a:b]]
+                if patch.op == "xor":
+                    arr[pos[a:b]] ^= vals[a:b]
+                else:
+                    arr[pos[a:b]] = vals[a:b]
         j = bisect.bisect_right(starts, lo) - 1
         if j >= 0 and lo < parts[j][0] + parts[j][1]:
             hashers[j].update(raw[lo * width : hi * width])
@@ -157,6 +174,7 @@ def _native_pass(
     algorithm: str,
     parts: list[tuple[int, int]],
     composite: bool,
+    old: Any,
 ) -> str:
     """The C kernel's ``patch_hash``: each part's range patched and hashed block by block in
     one call (the ranges between parts, if any, patched without hashing)."""
@@ -179,10 +197,12 @@ def _native_pass(
     for j, (lo, hi, hashed) in enumerate(ranges):
         h = native.hasher(algorithm) if hashed else None
         if cuts is None:
-            native.kernels.patch_hash(arr, width, None, vals[lo:hi], xor, lo, hi, h)
+            saved = None if old is None else old[lo:hi]
+            native.kernels.patch_hash(arr, width, None, vals[lo:hi], xor, lo, hi, h, saved)
         else:
             a, b = int(cuts[j]), int(cuts[j + 1])
-            native.kernels.patch_hash(arr, width, pos[a:b], vals[a:b], xor, lo, hi, h)
+            saved = None if old is None else old[a:b]
+            native.kernels.patch_hash(arr, width, pos[a:b], vals[a:b], xor, lo, hi, h, saved)
         if h is not None:
             digests.append(h.hexdigest())
     if not composite:

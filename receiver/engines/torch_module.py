@@ -33,7 +33,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from asyncsync.codec import Patch, apply_patch, int_view
+from asyncsync.codec import Patch, apply_patch, int_view, patch_and_checksum
 from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
 from asyncsync.format import Manifest, TensorEntry
 from asyncsync.format.checksum import entry_checksum, layout_checksum, tensor_bytes
@@ -71,6 +71,10 @@ def _alias_key(name: str, t: torch.Tensor) -> _AliasKey:
     )
 
 
+def _storage_key(t: torch.Tensor) -> tuple[Any, int]:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
 def _write_int(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
     """Run ``fn`` on the flat int view of ``t``'s bytes and make the change land in ``t``."""
     if t.is_contiguous():
@@ -99,6 +103,10 @@ class _Txn:
     applied: set[_AliasKey] = field(default_factory=set)
     # (name, positions or None for the whole tensor, old int values)
     undo: list[tuple[str, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    # checksums of new bytes taken in the pass that patched them (CPU, sparse patches), and
+    # how many patches each storage got: a digest stands only for a storage patched once
+    sums: dict[str, str] = field(default_factory=dict)
+    writes: dict[tuple[Any, int], int] = field(default_factory=dict)
 
 
 class TorchModule(Engine):
@@ -294,8 +302,9 @@ class TorchModule(Engine):
             # old values itself, and every task ends before the first error is raised
             by_storage: dict[tuple[Any, int], list[tuple[str, torch.Tensor, Patch]]] = {}
             for w in patches:
-                key = (w[1].device, w[1].untyped_storage().data_ptr())
+                key = _storage_key(w[1])
                 by_storage.setdefault(key, []).append(w)
+                txn.writes[key] = txn.writes.get(key, 0) + 1
 
             def run(ws: list[tuple[str, torch.Tensor, Patch]]) -> None:
                 for name, t, patch in ws:
@@ -339,14 +348,20 @@ class TorchModule(Engine):
 
     @staticmethod
     def _patch(txn: _Txn, name: str, patch: Patch, flat: torch.Tensor) -> None:
-        """Validate, journal the old values, then patch ``flat`` in place."""
+        """Validate, journal the old values, then patch ``flat`` in place (on the CPU, and
+        checksum its new bytes, in one pass: the C kernel saves, patches and hashes block by
+        block; ``_commit`` uses that digest instead of reading the tensor again)."""
         patch = check_patch(patch, flat, name)
         if patch.positions is None:
             txn.undo.append((name, None, flat.to("cpu", copy=True)))
             apply_patch(flat, patch)
             return
         old = torch.empty(patch.positions.numel(), dtype=flat.dtype, device=flat.device)
-        apply_patch(flat, patch, old_out=old)  # one pass: save the old values, patch (C on CPU)
+        if flat.device.type == "cpu":
+            algo, layout = txn.manifest.checksum_algorithm, txn.entries[name].layout
+            txn.sums[name] = patch_and_checksum(flat, patch, algo, layout, old_out=old)
+        else:
+            apply_patch(flat, patch, old_out=old)  # one pass: save the old values, patch
         txn.undo.append((name, patch.positions, old))
 
     # -- commit / abort / bump ------------------------------------------------------------------
@@ -360,12 +375,16 @@ class TorchModule(Engine):
                 missing = [n for n in txn.entries if n not in txn.seen]
                 if missing:
                     raise ApplyFailed(f"v{m.version}: tensors never arrived: {missing[:5]}")
+            # taken in the patch's pass, for a storage no other patch of this version wrote
+            sums = {
+                n: d for n, d in txn.sums.items() if txn.writes[_storage_key(txn.tensors[n])] == 1
+            }
             hashed = [
                 name
                 for name, e in txn.entries.items()
-                if name in txn.seen or e.changed > 0 or txn.mode == "full"
+                if name not in sums and (name in txn.seen or e.changed > 0 or txn.mode == "full")
             ]  # hashed on the pool (xxhash and the C kernels release the GIL)
-            sums = dict(zip(hashed, parallel_map(
+            sums.update(zip(hashed, parallel_map(
                 lambda n: entry_checksum(txn.entries[n], txn.tensors[n], algo), hashed
             ), strict=True))  # fmt: skip
             for name, e in txn.entries.items():
