@@ -154,9 +154,9 @@ _Encoded = tuple[torch.Tensor, str, int, bytes, bytes]
 
 
 def undo_records(d: DiffedBucket) -> list[Undo]:
-    """What :meth:`UndoLog.revert` needs of a bucket the diff advanced, compactly (positions as int32
-    where they fit, the old values): ~6 bytes per changed bf16 element, kept until the commit,
-    while the diff's own outputs (16 bytes each) go once the bucket is encoded."""
+    """What :meth:`UndoLog.revert` needs of a bucket the diff advanced, compactly (positions
+    as int32 where they fit, the old values): ~6 bytes per changed bf16 element, kept until the
+    commit, while the diff's own outputs (16 bytes each) go once the bucket is encoded."""
     out: list[Undo] = []
     for it, ch in zip(d.items, d.changes or (), strict=True):
         if it.old is not None and ch.positions.numel():
