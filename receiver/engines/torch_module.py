@@ -71,8 +71,32 @@ def _alias_key(name: str, t: torch.Tensor) -> _AliasKey:
     )
 
 
-def _storage_key(t: torch.Tensor) -> tuple[Any, int]:
-    return (t.device, t.untyped_storage().data_ptr())
+def _span(t: torch.Tensor) -> tuple[Any, int, int]:
+    """(device, first byte, end) of the memory ``t``'s elements occupy."""
+    if t.numel() == 0:
+        return (t.device, 0, 0)
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return (t.device, t.data_ptr(), t.data_ptr() + extent * t.element_size())
+
+
+def _apart(spans: dict[str, tuple[Any, int, int]]) -> set[str]:
+    """The names whose span shares no byte with another name's."""
+    out: set[str] = set()
+    by_device: dict[str, list[tuple[int, int, str]]] = {}
+    for name, (device, lo, hi) in spans.items():
+        if lo == hi:
+            out.add(name)  # no bytes
+        else:
+            by_device.setdefault(str(device), []).append((lo, hi, name))
+    for items in by_device.values():
+        items.sort()
+        reach = -1  # the furthest end of the spans that start before this one
+        for i, (lo, hi, name) in enumerate(items):
+            after = items[i + 1][0] if i + 1 < len(items) else hi  # later ones start later
+            if reach <= lo and after >= hi:
+                out.add(name)
+            reach = max(reach, hi)
+    return out
 
 
 def _write_int(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
@@ -104,9 +128,11 @@ class _Txn:
     # (name, positions or None for the whole tensor, old int values)
     undo: list[tuple[str, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
     # checksums of new bytes taken in the pass that patched them (CPU, sparse patches), and
-    # how many patches each storage got: a digest stands only for a storage patched once
+    # the memory each patched tensor spans: a digest stands only for a tensor whose bytes no
+    # other patch of the version could have written after it (views of one buffer, or
+    # storages over overlapping memory)
     sums: dict[str, str] = field(default_factory=dict)
-    writes: dict[tuple[Any, int], int] = field(default_factory=dict)
+    spans: dict[str, tuple[Any, int, int]] = field(default_factory=dict)
 
 
 class TorchModule(Engine):
@@ -302,9 +328,9 @@ class TorchModule(Engine):
             # old values itself, and every task ends before the first error is raised
             by_storage: dict[tuple[Any, int], list[tuple[str, torch.Tensor, Patch]]] = {}
             for w in patches:
-                key = _storage_key(w[1])
+                key = (w[1].device, w[1].untyped_storage().data_ptr())
                 by_storage.setdefault(key, []).append(w)
-                txn.writes[key] = txn.writes.get(key, 0) + 1
+                txn.spans[w[0]] = _span(w[1])
 
             def run(ws: list[tuple[str, torch.Tensor, Patch]]) -> None:
                 for name, t, patch in ws:
@@ -375,10 +401,9 @@ class TorchModule(Engine):
                 missing = [n for n in txn.entries if n not in txn.seen]
                 if missing:
                     raise ApplyFailed(f"v{m.version}: tensors never arrived: {missing[:5]}")
-            # taken in the patch's pass, for a storage no other patch of this version wrote
-            sums = {
-                n: d for n, d in txn.sums.items() if txn.writes[_storage_key(txn.tensors[n])] == 1
-            }
+            # taken in the patch's pass, for memory no other patch of this version wrote
+            alone = _apart(txn.spans)
+            sums = {n: d for n, d in txn.sums.items() if n in alone}
             hashed = [
                 name
                 for name, e in txn.entries.items()
