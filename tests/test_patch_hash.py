@@ -129,6 +129,29 @@ def test_old_out_of_the_wrong_shape_or_dtype_is_refused_before_any_write(kernel:
             )  # fmt: skip
 
 
+def test_a_blob_that_lies_about_its_positions_never_leaves_half_a_patch(kernel: str) -> None:
+    """A Patch that carries an xef blob but positions out of order (made up, not decoded): with
+    old values to save, or a tensor in parts, every position is checked first and the patch
+    takes the two-pass way (found by an attack: the kernel patched part 0, then refused part 1,
+    and the caller had no old values to undo with)."""
+    flat = torch.zeros(64, dtype=torch.int16)
+    lying = Patch(
+        "set", torch.tensor([5, 50, 40]), torch.tensor([1, 2, 3], dtype=torch.int16),
+        positions_xef=b"not these",
+    )  # fmt: skip
+    _check(flat, lying, [(0, 32), (32, 32)], "xxh3-128")  # old_out included (see _check)
+    got = flat.clone()
+    old = torch.full((3,), 7, dtype=torch.int16)
+    want_old = torch.zeros(3, dtype=torch.int16)
+    patch_and_checksum(got, lying, "xxh3-128", old_out=old)  # one range, old values: checked
+    assert torch.equal(old, want_old) and got.nonzero().view(-1).tolist() == [5, 40, 50]
+    if kernel == "native":  # one range, nothing to save: the kernel refuses before any write
+        got = flat.clone()
+        with pytest.raises(ValueError, match="strictly increasing"):
+            patch_and_checksum(got, lying, "xxh3-128")
+        assert not got.any()
+
+
 def test_xef_decoded_positions_and_bad_patches(kernel: str) -> None:
     g = torch.Generator().manual_seed(5)
     old = _random(20_000, torch.int16, g)

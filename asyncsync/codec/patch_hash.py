@@ -65,6 +65,7 @@ def patch_and_checksum(
         raise ConfigError(
             f"old_out must be {flat.dtype}[{want}], got {old_out.dtype}{old_out.shape}"
         )
+    trust = old_out is None and parts is not None and len(parts) == 1
     if (
         parts is None
         or flat.device.type != "cpu"
@@ -72,7 +73,9 @@ def patch_and_checksum(
         or patch.values.device.type != "cpu"
         or not patch.values.is_contiguous()
         or (old_out is not None and (old_out.device.type != "cpu" or not old_out.is_contiguous()))
-        or (pos is not None and not _increasing(patch, pos, flat.numel()))
+        # the blob's word is taken only where a bad position is found before any write: one
+        # range (the kernel checks it all first) and no old values to fill
+        or (pos is not None and not _increasing(patch, pos, flat.numel(), trust=trust))
     ):
         apply_patch(flat, patch, old_out=old_out)
         return layout_checksum(tensor_bytes(flat), flat.element_size(), layout, algorithm)
@@ -97,11 +100,14 @@ def _parts(layout: Sequence[tuple[int, int]] | None, numel: int) -> list[tuple[i
     return parts
 
 
-def _increasing(patch: Patch, pos: torch.Tensor, numel: int) -> bool:
+def _increasing(patch: Patch, pos: torch.Tensor, numel: int, *, trust: bool) -> bool:
     """Positions strictly increasing within ``[0, numel)`` (each chunk finds its own by
-    bisection). Those decoded from an xef blob were checked so by the decoder, so only their
-    ends are; were they not (a Patch made up with a blob of other positions), some would be
-    left out of their chunk, and the digest, of the bytes as they are, would say so."""
+    bisection). With ``trust``, those decoded from an xef blob (checked so by the decoder) have
+    only their ends checked; were they not (a Patch made up with a blob of other positions),
+    the kernel refuses them before writing, or some are left out of their chunk and the digest,
+    of the bytes as they are, says so. Without it (old values to save, a tensor in parts, where
+    a bad position found midway would leave a half-written tensor or unsaved old values) every
+    position is checked."""
     if pos.device.type != "cpu" or pos.dtype != torch.int64 or not pos.is_contiguous():
         return False
     if pos.numel() == 0:
@@ -109,7 +115,12 @@ def _increasing(patch: Patch, pos: torch.Tensor, numel: int) -> bool:
     p = pos.numpy()
     if int(p[0]) < 0 or int(p[-1]) >= numel:
         return False
-    return patch.positions_xef is not None or bool(np.all(p[1:] > p[:-1]))
+    if trust and patch.positions_xef is not None:
+        return True
+    k = native.kernels
+    if k is not None and hasattr(k, "increasing"):
+        return bool(k.increasing(p, 8, numel))
+    return bool(np.all(p[1:] > p[:-1]))
 
 
 def _single_pass(
