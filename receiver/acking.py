@@ -51,7 +51,7 @@ def check_root_for_receiver(root: Path) -> bool:
     foreign = not_a_root(root)
     if foreign:
         raise ConfigError(
-            f"{root} is not an asyncsync root (no asyncsync.json, no committed version; it "
+            f"{root} is not an asyncsync root (no asyncsync.json file, no committed version; it "
             f"holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}): pass the "
             "directory given to Publisher(...) as --root (`asyncsync inspect ROOT` tells)"
         )

@@ -147,6 +147,32 @@ def test_a_directory_that_is_not_a_root_is_refused_before_anything_is_created(
     assert list(empty.iterdir()) == []
 
 
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_an_asyncsync_json_that_is_no_file_makes_no_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """(an attack) another engine's checkpoint directory with a dangling symlink, a FIFO or a
+    directory named ``asyncsync.json`` was taken for a root: the receiver exited 0 and made
+    ``leases/`` in it. Only a regular file makes a root; the rest is refused as foreign."""
+    import os
+
+    other = tmp_path / "other-engine"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    info = other / "asyncsync.json"
+    if kind == "symlink":
+        info.symlink_to(tmp_path / "nowhere.json")
+    elif kind == "fifo":
+        os.mkfifo(info)
+    else:
+        info.mkdir()
+    before = sorted(p.name for p in other.iterdir())
+    argv = ["--root", str(other), "--engine-id", "e1", "--checkpoint", str(tmp_path / "c")]
+    assert receiver_main([*argv, "--once"]) == 1
+    assert "is not an asyncsync root" in capsys.readouterr().err
+    assert sorted(p.name for p in other.iterdir()) == before
+
+
 def test_a_root_the_publisher_opens_between_the_two_looks_is_taken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

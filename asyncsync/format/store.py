@@ -143,9 +143,11 @@ def _entries(root: Path) -> list[tuple[str, os.stat_result]]:
 
 
 def is_root(root: Path) -> bool:
-    """Whether ``root`` is an asyncsync root: it has ``asyncsync.json`` or a committed version."""
+    """Whether ``root`` is an asyncsync root: it has ``asyncsync.json`` (a regular file: a
+    symlink, FIFO or directory of that name makes no root) or a committed version."""
     try:
-        has_info = fsio.lstat(root / ROOT_INFO_NAME, root=root) is not None
+        st = fsio.lstat(root / ROOT_INFO_NAME, root=root)
+        has_info = st is not None and stat.S_ISREG(st.st_mode)
     except OSError:
         has_info = False
     return has_info or bool(list_versions(root))
