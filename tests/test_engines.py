@@ -678,16 +678,22 @@ class Flat(torch.nn.Module):
             self.register_parameter(f"v{i}", torch.nn.Parameter(flat[i * 512 : (i + 1) * 512]))
 
 
-@pytest.mark.parametrize("op", ["set", "xor"])
-async def test_torch_module_patches_on_the_pool_and_rolls_back_a_failed_batch(op: Op) -> None:
+async def flat_module_at_v0() -> tuple[Flat, TorchModule, dict[str, torch.Tensor]]:
+    """A Flat module under an open TorchModule that took a random full version 0."""
     mod = Flat()
-    assert mod.v0.untyped_storage().data_ptr() == mod.v7.untyped_storage().data_ptr()
     eng = TorchModule(mod)
     await eng.open()
     g = torch.Generator().manual_seed(0)
     sd0 = {k: torch.randn(v.shape, generator=g) for k, v in mod.state_dict().items()}
     m0 = build_manifest(sd0, 0)
     await apply_version(eng, m0, full_batches(m0, sd0), "full")
+    return mod, eng, sd0
+
+
+@pytest.mark.parametrize("op", ["set", "xor"])
+async def test_torch_module_patches_on_the_pool_and_rolls_back_a_failed_batch(op: Op) -> None:
+    mod, eng, sd0 = await flat_module_at_v0()
+    assert mod.v0.untyped_storage().data_ptr() == mod.v7.untyped_storage().data_ptr()
     sd1 = mutate(sd0, 0.1, seed=1)
     m1 = build_manifest(sd1, 1, base=sd0)
     await apply_version(eng, m1, delta_batches(m1, sd0, sd1, op, n=1), "delta")
@@ -716,19 +722,13 @@ async def test_torch_module_verifies_by_the_checksum_of_the_patch_pass(
     patched it: a patch made against other bytes is caught and rolled back; a good version is
     not read again at commit, the disjoint views of one flat buffer included. Tensors whose
     memory overlaps (two storages over one array: a later patch could make an earlier digest
-    stale) are read again, so two patches that disagree on a shared byte are caught (the
-    attack that found it: /work/scratch/attack/a2_alias.py)."""
+    stale) are read again, so two patches that disagree on a shared byte are caught (found by
+    an attack on a real Publisher and ReceiverAgent)."""
     import numpy as np
 
     from receiver.engines import torch_module
 
-    mod = Flat()
-    eng = TorchModule(mod)
-    await eng.open()
-    g = torch.Generator().manual_seed(0)
-    sd0 = {k: torch.randn(v.shape, generator=g) for k, v in mod.state_dict().items()}
-    m0 = build_manifest(sd0, 0)
-    await apply_version(eng, m0, full_batches(m0, sd0), "full")
+    mod, eng, sd0 = await flat_module_at_v0()
     sd1 = mutate(sd0, 0.05, seed=1)
     m1 = build_manifest(sd1, 1, base=sd0)
     other = mutate(sd1, 0.05, seed=2)  # patches from other bytes: wrong results on sd0
