@@ -30,7 +30,7 @@ from asyncsync.format import ACKS_DIR, ack_path
 from asyncsync.format.acks import AckRecord, read_ack, write_ack
 from asyncsync.format.lease import DEFAULT_LEASE_TTL, EngineLease
 from asyncsync.format.names import LEASES_DIR
-from asyncsync.format.store import is_root, not_a_root
+from asyncsync.format.store import not_a_root
 from receiver.engines.base import Engine, EngineState
 
 __all__ = ["RootPresence", "check_root_for_receiver", "not_writable"]
@@ -49,14 +49,14 @@ def check_root_for_receiver(root: Path) -> bool:
     if not root.is_dir():
         return False
     foreign = not_a_root(root)
-    if foreign:
+    if foreign == []:
+        return False  # waiting for the publisher
+    if foreign is not None:
         raise ConfigError(
             f"{root} is not an asyncsync root (no asyncsync.json file, no committed version; it "
             f"holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}): pass the "
             "directory given to Publisher(...) as --root (`asyncsync inspect ROOT` tells)"
         )
-    if not is_root(root):
-        return False
     for d in (root / ACKS_DIR, root / LEASES_DIR):
         st = fsio.lstat(d, root=root)  # a symlink there is not followed (FORMAT.md 11.1)
         target = d if st is not None and stat.S_ISDIR(st.st_mode) else root

@@ -168,14 +168,15 @@ def foreign_entries(root: Path) -> list[str]:
     return [n for n in names if not n.startswith(".") and n not in _BEFORE_FIRST_PUBLISH]
 
 
-def not_a_root(root: Path) -> list[str]:
-    """The :func:`foreign_entries` of a directory that is not a root; ``[]`` for a root, a
-    missing or empty directory. The root is looked at again after the listing: a publisher
-    that opened it between the two looks wrote its ``asyncsync.json``, which the listing shows."""
+def not_a_root(root: Path) -> list[str] | None:
+    """``None`` for an asyncsync root; else its :func:`foreign_entries` (``[]``: a missing or
+    empty directory, a root its publisher has not opened yet). The root is looked at again
+    after the listing: a publisher that opened it between the two looks wrote its
+    ``asyncsync.json``, which the listing shows."""
     if is_root(root):
-        return []
+        return None
     foreign = foreign_entries(root)
-    return [] if foreign and is_root(root) else foreign
+    return None if foreign and is_root(root) else foreign
 
 
 def prepare_shared_dirs(root: Path, group: str | int) -> list[Path]:
