@@ -140,6 +140,10 @@ def test_a_blob_that_lies_about_its_positions_never_leaves_half_a_patch(kernel: 
         positions_xef=b"not these",
     )  # fmt: skip
     _check(flat, lying, [(0, 32), (32, 32)], "xxh3-128")  # old_out included (see _check)
+    _check(flat, lying, [(8, 48)], "xxh3-128")  # one part, but three ranges of the kernel
+    got = flat.clone()
+    patch_and_checksum(got, lying, "xxh3-128", [(8, 48)])  # no old values: still all checked
+    assert got.nonzero().view(-1).tolist() == [5, 40, 50]
     got = flat.clone()
     old = torch.full((3,), 7, dtype=torch.int16)
     want_old = torch.zeros(3, dtype=torch.int16)

@@ -65,7 +65,7 @@ def patch_and_checksum(
         raise ConfigError(
             f"old_out must be {flat.dtype}[{want}], got {old_out.dtype}{old_out.shape}"
         )
-    trust = old_out is None and parts is not None and len(parts) == 1
+    trust = old_out is None and parts == [(0, flat.numel())]  # one kernel call: checked first
     if (
         parts is None
         or flat.device.type != "cpu"
@@ -73,8 +73,8 @@ def patch_and_checksum(
         or patch.values.device.type != "cpu"
         or not patch.values.is_contiguous()
         or (old_out is not None and (old_out.device.type != "cpu" or not old_out.is_contiguous()))
-        # the blob's word is taken only where a bad position is found before any write: one
-        # range (the kernel checks it all first) and no old values to fill
+        # the blob's word is taken only where a bad position is found before any write: the
+        # whole tensor one range (the kernel checks it all first), no old values to fill
         or (pos is not None and not _increasing(patch, pos, flat.numel(), trust=trust))
     ):
         apply_patch(flat, patch, old_out=old_out)
