@@ -15,7 +15,7 @@ import torch
 import zstandard
 from numpy.typing import NDArray
 
-from asyncsync.codec import ef, native
+from asyncsync.codec import ef, native, scratch
 from asyncsync.codec.patch import Patch
 from asyncsync.codec.views import _NP_BY_WIDTH, _WIDTH_BY_INT, gather
 from asyncsync.errors import ConfigError, FormatError
@@ -220,7 +220,7 @@ def _planes(v: torch.Tensor) -> memoryview:
     width, u8 = v.element_size(), v.contiguous().view(torch.uint8)
     k = native.kernels
     if width > 1 and u8.device.type == "cpu" and k is not None and hasattr(k, "planes"):
-        out = np.empty(u8.numel(), dtype=np.uint8)
+        out = scratch.empty(u8.numel(), np.uint8)
         k.planes(u8.numpy(), width, out)
         return out.data
     if width > 1:  # one strided copy per plane: several times faster than a transpose copy
@@ -232,9 +232,10 @@ def _planes(v: torch.Tensor) -> memoryview:
 
 
 def _unplanes(raw: bytes, n: int, width: int) -> torch.Tensor:
-    """Inverse of :func:`_planes`: an owned, writable (n,) tensor of the int-view dtype."""
+    """Inverse of :func:`_planes`: a writable (n,) tensor of the int-view dtype that nothing
+    else refers to (from the scratch pool)."""
     src = np.frombuffer(raw, np.uint8)
-    out = np.empty(n * width, dtype=np.uint8)
+    out = scratch.empty(n * width, np.uint8)
     kernels = native.kernels
     if width > 1 and kernels is not None and hasattr(kernels, "unplanes"):
         kernels.unplanes(src, width, out)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from asyncsync.codec import native
+from asyncsync.codec import native, scratch
 from asyncsync.errors import ConfigError, FormatError
 
 __all__ = ["decode", "encode", "low_bits", "sizes"]
@@ -89,7 +89,7 @@ def decode(payload: bytes | bytearray | memoryview, n: int, numel: int) -> _Int6
     if (size := memoryview(payload).nbytes) != low_len + high_len:
         raise FormatError(f"positions blob is {size} bytes, want {low_len + high_len}")
     if native.kernels is not None:
-        out: _Int64Array = np.empty(n, dtype=np.int64)
+        out: _Int64Array = scratch.empty(n, np.int64)
         try:
             native.kernels.ef_decode(payload, n, numel, bits, out)
         except ValueError as exc:

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from asyncsync.codec import scratch
+
 __all__ = ["diff", "hasher", "kernels", "load", "take"]
 
 
@@ -60,14 +62,16 @@ def diff(
     anything fail midway, the elements already copied are put back, so ``old`` is unchanged.
 
     The outputs start at ``max(1024, numel // 16)`` elements (room for 6 % changed) and grow
-    from where the kernel stopped, by the rate seen so far; they are trimmed in place at the end.
+    from where the kernel stopped, by the rate seen so far; they come from the scratch pool
+    (:mod:`asyncsync.codec.scratch`: views of buffers whose pages are already faulted in) or,
+    when it is full, are plain arrays trimmed in place at the end.
     """
     if advance and not values:
         raise ValueError("advance needs the values (they undo it)")
     cap = _initial_capacity(old.size)
-    outs = [np.empty(cap, np.int64)]
+    outs = [scratch.empty(cap, np.int64)]
     if values:
-        outs += [np.empty(cap, old.dtype), np.empty(cap, old.dtype)]
+        outs += [scratch.empty(cap, old.dtype), scratch.empty(cap, old.dtype)]
     extra = () if hasher is None and not advance else (hasher, advance)
     count, start = 0, 0
     try:
@@ -75,7 +79,7 @@ def diff(
             if count == cap:  # full before the end: grow by the rate of change seen so far
                 guess = count + int((old.size - start) * count / max(1, start) * 1.25)
                 cap = min(old.size, max(2 * cap, 1, guess))
-                outs = [np.concatenate([a, np.empty(cap - count, a.dtype)]) for a in outs]
+                outs = [_grown(a, count, cap) for a in outs]
             tails = [a[count:] for a in outs] + ([] if values else [None, None])
             got, start = kernels.diff_extract(old, new, old.itemsize, start, *tails, *extra)
             del tails  # no views may remain when the arrays are resized below
@@ -86,8 +90,16 @@ def diff(
             old[pos] = outs[1][:count] ^ outs[2][:count]
         raise
     for a in outs:
-        a.resize(count, refcheck=False)  # realloc in place: frees the unused capacity
-    return outs
+        if a.base is None:  # a plain array (the scratch pool is full or off)
+            a.resize(count, refcheck=False)  # realloc in place: frees the unused capacity
+    return [a if a.base is None else a[:count] for a in outs]
+
+
+def _grown(a: NDArray[Any], count: int, cap: int) -> NDArray[Any]:
+    """A buffer of ``cap`` elements holding ``a``'s first ``count``."""
+    out = scratch.empty(cap, a.dtype)
+    out[:count] = a[:count]
+    return out
 
 
 def take(src: NDArray[Any], idx: NDArray[Any], out: NDArray[Any]) -> None:

@@ -28,7 +28,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from asyncsync.codec import Patch, decode_xef_positions, ef, native
+from asyncsync.codec import Patch, decode_xef_positions, ef, native, scratch
 from asyncsync.errors import ConfigError
 from asyncsync.pipeline import parallel_map
 from receiver.engines.st_layout import TensorLocation
@@ -80,8 +80,8 @@ def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
             pos_blobs.append(idx.astype("<i8").tobytes())
             encs.append("raw")
     packed = b"".join(b + bytes(align8(len(b)) - len(b)) for b in pos_blobs)
-    values = torch.empty(
-        sum(align8(c * w) for c, w in zip(counts, widths, strict=True)), dtype=torch.uint8
+    values = torch.from_numpy(
+        scratch.empty(sum(align8(c * w) for c, w in zip(counts, widths, strict=True)), np.uint8)
     )
     jobs = []
     vi = 0

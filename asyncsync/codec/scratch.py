@@ -1,0 +1,127 @@
+"""Reuse of the large temporaries of the diff and the decode, whose pages are already faulted in.
+
+Every version allocates the same temporaries again: the diff's positions, new values and XORs
+(~0.2 bytes per element of the model at 3 % changed), the byte planes of the values, the
+decode's positions and values, the journal's old values. A fresh buffer above malloc's mmap
+threshold (:mod:`asyncsync.memory`) comes from the kernel zeroed and is faulted in page by page
+as it is first written. Measured at 1 GiB (BENCHMARKS.md, "Issue 26, sixth session"): the pool
+takes ~40 % of the minor faults of a version on each side, ~30-60 ms of kernel CPU.
+
+:class:`ScratchPool` hands out views of buffers it keeps, and takes a buffer back by itself
+once nothing refers to it any more: CPython counts every reference (a NumPy view, a tensor of
+``torch.from_numpy``, a ``memoryview`` all hold one to the buffer), so a buffer whose only
+reference is the pool's list can be reused without any caller having to give it back, and a
+buffer still in use anywhere is never handed out twice. The pool keeps at most ``limit``
+bytes (``ASYNCSYNC_SCRATCH_MB``, default 256; 0 turns it off); beyond it, buffers are plain
+allocations, freed as before. What it keeps stays resident while the process lives.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+from numpy.typing import DTypeLike, NDArray
+
+from asyncsync.errors import ConfigError
+
+__all__ = ["ScratchPool", "empty", "pool"]
+
+#: below this, malloc's own free lists serve a buffer without faults: not worth pooling
+MIN_BYTES = 256 << 10
+#: bytes the process-wide pool keeps at most
+DEFAULT_LIMIT = 256 << 20
+
+
+class ScratchPool:
+    """Best-fit reuse of at most ``limit`` bytes of NumPy buffers (thread-safe)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        self.limit = limit
+        self._bufs: list[NDArray[np.uint8]] = []
+        self._sizes: list[int] = []  # their sizes, ascending
+        self._held = 0
+        self._lock = threading.Lock()
+        self.reused = 0  # buffers handed out again (for tests and the bench)
+
+    @property
+    def held(self) -> int:
+        """Bytes of the buffers the pool keeps (in use or free)."""
+        return self._held
+
+    def empty(self, n: int, dtype: DTypeLike) -> NDArray[Any]:
+        """An uninitialised 1-D array of ``n`` elements of ``dtype`` (a view of a pooled
+        buffer when one is free and large enough, or when the pool has room for a new one)."""
+        dt = np.dtype(dtype)
+        nbytes = n * dt.itemsize
+        if nbytes < MIN_BYTES or self.limit == 0:
+            return np.empty(n, dt)
+        with self._lock:
+            bufs = self._bufs  # ascending by size: the first free one that fits fits best
+            for i in range(bisect.bisect_left(self._sizes, nbytes), len(bufs)):
+                if _refs(bufs, i) <= _FREE:
+                    self.reused += 1
+                    return bufs[i][:nbytes].view(dt)
+            over = self._held + nbytes - self.limit
+            i = 0
+            while over > 0 and i < len(bufs):  # make room: drop free ones, smallest first
+                if _refs(bufs, i) <= _FREE:
+                    over -= self._sizes[i]
+                    self._held -= self._sizes.pop(i)
+                    del bufs[i]
+                else:
+                    i += 1
+            if over > 0:
+                return np.empty(n, dt)
+            buf = np.empty(nbytes, np.uint8)
+            i = bisect.bisect_right(self._sizes, nbytes)
+            self._sizes.insert(i, nbytes)
+            bufs.insert(i, buf)
+            self._held += nbytes
+            return buf.view(dt)
+
+    def clear(self) -> None:
+        """Forget every buffer (those in use stay valid: their users hold them)."""
+        with self._lock:
+            self._bufs.clear()
+            self._sizes.clear()
+            self._held = 0
+
+
+def _refs(bufs: list[NDArray[np.uint8]], i: int) -> int:
+    return sys.getrefcount(bufs[i])
+
+
+#: what :func:`_refs` reads for a buffer only its list refers to (measured, not assumed:
+#: interpreters differ in the references they count); a view or tensor of it adds one or more
+_FREE = _refs([np.empty(1, np.uint8)], 0)
+
+
+def _default_limit() -> int:
+    """``ASYNCSYNC_SCRATCH_MB`` (MiB; 0 turns the pool off), else :data:`DEFAULT_LIMIT`."""
+    raw = os.environ.get("ASYNCSYNC_SCRATCH_MB", "").strip()
+    if not raw:
+        return DEFAULT_LIMIT
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = math.nan
+    if not math.isfinite(mib) or mib < 0:
+        raise ConfigError(f"ASYNCSYNC_SCRATCH_MB must be a number of MiB >= 0, got {raw!r}")
+    return int(mib * (1 << 20))
+
+
+#: the process-wide pool of the diff's and the decode's temporaries
+pool = ScratchPool(_default_limit())
+
+
+def empty(n: int, dtype: DTypeLike) -> NDArray[Any]:
+    """``np.empty(n, dtype)`` from the process-wide :data:`pool`."""
+    return pool.empty(n, dtype)

@@ -1,0 +1,124 @@
+"""The scratch pool hands a buffer out again only once nothing refers to it."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from asyncsync.codec import native, scratch
+from asyncsync.codec.scratch import MIN_BYTES, ScratchPool
+from asyncsync.errors import ConfigError
+
+N = MIN_BYTES // 8  # int64 elements of the smallest pooled buffer
+
+
+def _shares(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.shares_memory(a, b))
+
+
+def test_a_buffer_is_reused_only_after_its_last_view_is_gone() -> None:
+    pool = ScratchPool(64 << 20)
+    a = pool.empty(N, np.int64)
+    b = pool.empty(N, np.int64)
+    assert not _shares(a, b)
+    views = [a[: N // 2], torch.from_numpy(a), memoryview(a)]
+    views.append(np.frombuffer(memoryview(a), np.uint8))
+    del a
+    while views:  # each view alone keeps the buffer out of the pool
+        c = pool.empty(N, np.int64)
+        assert not any(_shares(c, np.asarray(v)) for v in views)
+        del c
+        views.pop()
+    reused = pool.reused
+    d = pool.empty(4 * N, np.int16)  # as many bytes, another dtype
+    assert pool.reused == reused + 1
+    assert d.dtype == np.int16 and d.shape == (4 * N,)
+
+
+def test_a_reused_buffer_holds_what_its_user_writes() -> None:
+    pool = ScratchPool(64 << 20)
+    first = pool.empty(N, np.int64)
+    first[:] = 7
+    del first
+    second = pool.empty(N // 2, np.int32)
+    second[:] = np.arange(N // 2, dtype=np.int32)
+    third = pool.empty(N, np.int64)  # second is in use: a different buffer
+    third[:] = -1
+    assert np.array_equal(second, np.arange(N // 2, dtype=np.int32))
+
+
+def test_the_pool_keeps_no_more_than_its_limit() -> None:
+    pool = ScratchPool(3 * MIN_BYTES)
+    held = [pool.empty(N, np.int64) for _ in range(5)]
+    assert pool.held <= 3 * MIN_BYTES
+    assert all(h.shape == (N,) for h in held)
+    del held
+    big = pool.empty(3 * N, np.int64)  # the free small ones make room for it
+    assert pool.held <= 3 * MIN_BYTES and big.shape == (3 * N,)
+
+
+def test_small_requests_and_a_zero_limit_are_plain_arrays() -> None:
+    pool = ScratchPool(0)
+    a = pool.empty(N, np.int64)
+    assert a.base is None and pool.held == 0
+    assert ScratchPool(64 << 20).empty(10, np.int64).base is None
+    with pytest.raises(ValueError, match="limit"):
+        ScratchPool(-1)
+
+
+def test_threads_never_get_the_same_buffer_at_once() -> None:
+    pool = ScratchPool(16 * MIN_BYTES)
+    errors: list[str] = []
+
+    def work(tag: int) -> None:
+        for _ in range(200):
+            a = pool.empty(N, np.int64)
+            a[:] = tag
+            if not bool((a == tag).all()):
+                errors.append(f"thread {tag} saw another thread's writes")
+            del a
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert pool.reused > 0
+
+
+def test_the_process_pool_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", "0")
+    assert scratch._default_limit() == 0
+    monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", "8")
+    assert scratch._default_limit() == 8 << 20
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", bad)
+        with pytest.raises(ConfigError, match="ASYNCSYNC_SCRATCH_MB"):
+            scratch._default_limit()
+
+
+@pytest.mark.skipif(native.kernels is None, reason="the C kernels did not build")
+@pytest.mark.parametrize("limit", [0, 64 << 20])
+def test_the_diff_takes_its_outputs_from_the_pool_and_gives_them_back(
+    monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    pool = ScratchPool(limit)
+    monkeypatch.setattr(scratch, "pool", pool)
+    g = torch.Generator().manual_seed(3)
+    old = torch.randint(-(2**15), 2**15, (1 << 22,), dtype=torch.int16, generator=g)
+    new = old.clone()
+    pos = torch.randperm(old.numel(), generator=g)[: old.numel() // 40].sort().values
+    new[pos] += 1
+    want = [pos.numpy(), new[pos].numpy(), (old[pos] ^ new[pos]).numpy()]
+    for round_ in range(3):
+        got = native.diff(old.numpy(), new.numpy(), True)
+        assert [a.dtype for a in got] == [np.int64, np.int16, np.int16]
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), round_
+        if limit == 0:  # plain arrays, trimmed to what they hold
+            assert all(a.base is None and a.size == pos.numel() for a in got)
+        del got
+    assert pool.reused == (0 if limit == 0 else 6)  # three outputs, rounds two and three
