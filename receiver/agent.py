@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from asyncsync.codec import scratch
 from asyncsync.errors import (
     ApplyFailed,
     AsyncSyncError,
@@ -463,6 +464,7 @@ class ReceiverAgent:
 
     async def _apply_version(self, m: Manifest, mode: Mode) -> None:
         t0 = time.perf_counter()
+        scratch.fit(m.totals.model_bytes)  # the decode's temporaries: by the model's size
         shards = [(i, s) for i, s in enumerate(m.shards) if s.role == mode]
         early = await self._take_stream(m, mode)
         if mode == "delta" and not shards and early is None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncsync.codec import native, scratch
+from asyncsync.codec import Patch, native, scratch
 from asyncsync.codec.scratch import MIN_BYTES, ScratchPool
 from asyncsync.errors import ConfigError
 
@@ -95,7 +95,7 @@ def test_the_process_pool_follows_the_environment(monkeypatch: pytest.MonkeyPatc
     assert scratch._default_limit() == 0
     monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", "8")
     assert scratch._default_limit() == 8 << 20
-    for bad in ("lots", "-1", "nan"):
+    for bad in ("lots", "-1", "nan", "inf", "1e30"):
         monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", bad)
         with pytest.raises(ConfigError, match="ASYNCSYNC_SCRATCH_MB"):
             scratch._default_limit()
@@ -122,3 +122,52 @@ def test_the_diff_takes_its_outputs_from_the_pool_and_gives_them_back(
             assert all(a.base is None and a.size == pos.numel() for a in got)
         del got
     assert pool.reused == (0 if limit == 0 else 6)  # three outputs, rounds two and three
+
+
+def test_the_process_pool_is_sized_by_the_largest_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scratch, "_FIXED", False)
+    monkeypatch.setattr(scratch, "_fitted", 0)
+    monkeypatch.setattr(scratch, "pool", ScratchPool(scratch.FIT_FLOOR))
+    scratch.fit(40 << 20)  # a small model: the floor
+    assert scratch.pool.limit == scratch.FIT_FLOOR
+    scratch.fit(512 << 20)
+    assert scratch.pool.limit == 128 << 20  # a quarter
+    scratch.fit(64 << 20)  # a smaller model later in the same process: kept
+    assert scratch.pool.limit == 128 << 20
+    scratch.fit(100 << 30)
+    assert scratch.pool.limit == scratch.DEFAULT_LIMIT
+    monkeypatch.setattr(scratch, "_FIXED", True)  # ASYNCSYNC_SCRATCH_MB set: as it says
+    monkeypatch.setattr(scratch, "pool", ScratchPool(5 << 20))
+    scratch.fit(1 << 30)
+    assert scratch.pool.limit == 5 << 20
+
+
+def test_the_journal_pads_with_zeros_whatever_the_pool_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its old values come from the pool: the bytes between two tensors' values are zeros, not
+    what an earlier user of the buffer left there."""
+    from receiver.engines.checkpoint import journal
+    from receiver.engines.st_layout import TensorLocation
+
+    pool = ScratchPool(64 << 20)
+    monkeypatch.setattr(scratch, "pool", pool)
+    dirty = pool.empty(1 << 20, np.uint8)
+    dirty[:] = 0xA5
+    del dirty  # free again, full of 0xA5
+    work = []
+    sizes = []
+    for i, numel in enumerate((300_001, 150_003)):  # odd counts: padding after each
+        flat = torch.arange(numel, dtype=torch.int16)
+        pos = torch.arange(0, numel, 2, dtype=torch.int64)
+        patch = Patch("set", pos, torch.zeros(pos.numel(), dtype=torch.int16))
+        loc = TensorLocation(f"t{i}", "f", torch.int16, (numel,), 0, 2 * numel)
+        work.append((f"t{i}", loc, flat, patch))
+        sizes.append(2 * pos.numel())
+    values = bytes(journal.encode_parts(work, 3)[2])
+    assert pool.reused == 1  # the record's values took the dirty buffer
+    a, b = sizes
+    a8 = journal.align8(a)
+    assert len(values) == a8 + journal.align8(b) and a % 8 and b % 8
+    assert values[a:a8] == bytes(a8 - a)
+    assert values[a8 + b :] == bytes(len(values) - a8 - b)

@@ -12,8 +12,9 @@ once nothing refers to it any more: CPython counts every reference (a NumPy view
 ``torch.from_numpy``, a ``memoryview`` all hold one to the buffer), so a buffer whose only
 reference is the pool's list can be reused without any caller having to give it back, and a
 buffer still in use anywhere is never handed out twice. The pool keeps at most ``limit``
-bytes (``ASYNCSYNC_SCRATCH_MB``, default 256; 0 turns it off); beyond it, buffers are plain
-allocations, freed as before. What it keeps stays resident while the process lives.
+bytes: a quarter of the largest model the process moves, between 16 and 256 MiB (:func:`fit`),
+or ``ASYNCSYNC_SCRATCH_MB`` (0 turns it off); beyond it, buffers are plain allocations, freed as
+before. What it keeps stays resident while the process lives.
 """
 
 from __future__ import annotations
@@ -30,12 +31,17 @@ from numpy.typing import DTypeLike, NDArray
 
 from asyncsync.errors import ConfigError
 
-__all__ = ["ScratchPool", "empty", "pool"]
+__all__ = ["ScratchPool", "empty", "fit", "pool"]
 
 #: below this, malloc's own free lists serve a buffer without faults: not worth pooling
 MIN_BYTES = 256 << 10
-#: bytes the process-wide pool keeps at most
+#: bytes the process-wide pool keeps at most, unless ``ASYNCSYNC_SCRATCH_MB`` says
 DEFAULT_LIMIT = 256 << 20
+#: ... and at most this share of the largest model the process moves (:func:`fit`), but
+#: not below FIT_FLOOR
+FIT_SHARE, FIT_FLOOR = 4, 16 << 20
+#: the largest ``ASYNCSYNC_SCRATCH_MB`` taken (1 TiB): beyond, the pool would have no bound
+MAX_MB = 1 << 20
 
 
 class ScratchPool:
@@ -113,13 +119,31 @@ def _default_limit() -> int:
         mib = float(raw)
     except ValueError:
         mib = math.nan
-    if not math.isfinite(mib) or mib < 0:
-        raise ConfigError(f"ASYNCSYNC_SCRATCH_MB must be a number of MiB >= 0, got {raw!r}")
+    if not math.isfinite(mib) or not 0 <= mib <= MAX_MB:
+        raise ConfigError(
+            f"ASYNCSYNC_SCRATCH_MB must be a number of MiB in [0, {MAX_MB}], got {raw!r}"
+        )
     return int(mib * (1 << 20))
 
 
-#: the process-wide pool of the diff's and the decode's temporaries
-pool = ScratchPool(_default_limit())
+def fit(model_bytes: int) -> None:
+    """Keep the process-wide pool to a quarter of the largest model this process moves (at
+    least 16 MiB, at most :data:`DEFAULT_LIMIT`): the publisher calls it for each version, the
+    receiver for each version it applies. ``ASYNCSYNC_SCRATCH_MB``, when set, is kept as is."""
+    if _FIXED:
+        return
+    want = min(DEFAULT_LIMIT, max(FIT_FLOOR, model_bytes // FIT_SHARE))
+    global _fitted
+    if want > _fitted:
+        _fitted = want
+        pool.limit = want
+
+
+_FIXED = bool(os.environ.get("ASYNCSYNC_SCRATCH_MB", "").strip())
+_fitted = 0  # the largest limit fit() has set
+#: the process-wide pool of the diff's and the decode's temporaries (until :func:`fit` sizes it
+#: by the model: FIT_FLOOR)
+pool = ScratchPool(_default_limit() if _FIXED else FIT_FLOOR)
 
 
 def empty(n: int, dtype: DTypeLike) -> NDArray[Any]:

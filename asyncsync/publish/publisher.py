@@ -460,6 +460,7 @@ class Publisher:
             snap = self._snapshot if delta else None
             sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
             buckets = snapshot.plan_buckets(sizes, self.bucket_bytes)
+            codec.scratch.fit(sum(sizes))  # the diff's temporaries: by the model's size
 
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)

@@ -87,6 +87,7 @@ def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
     vi = 0
     for (_name, _loc, flat, patch), n, w in zip(work, counts, widths, strict=True):
         jobs.append((values[vi : vi + n * w].view(flat.dtype), flat, patch))
+        values[vi + n * w : vi + align8(n * w)] = 0  # the padding: no stale bytes of the pool
         vi += align8(n * w)
 
     def gather_old(job: tuple[torch.Tensor, torch.Tensor, Patch]) -> None:  # on the pool
