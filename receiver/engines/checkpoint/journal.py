@@ -12,9 +12,9 @@ tensor per patched tensor cost more than the patching):
   not strictly increasing (``raw``);
 * ``values``: the old bytes at those positions (a dense patch: the whole tensor's);
 
-each piece 8-aligned, with per-tensor name, count, width, numel, positions coding and
-positions bytes in the metadata. :func:`read` also accepts the one-tensor-pair-per-patch
-layout (``p{i}``/``v{i}``) that earlier versions wrote.
+each piece 8-aligned (zero bytes between pieces), with per-tensor name, count, width, numel,
+positions coding and positions bytes in the metadata. :func:`read` also accepts the
+one-tensor-pair-per-patch layout (``p{i}``/``v{i}``) that earlier versions wrote.
 """
 
 from __future__ import annotations
