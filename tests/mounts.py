@@ -30,7 +30,8 @@ def why_no_fuse(tool: str) -> str | None:
     if os.geteuid() != 0:
         return "needs root to mount"
     if not shutil.which(tool):
-        return f"{tool} is not installed (.ci/run installs it)"
+        package = "fuse3" if tool == "fusermount3" else tool
+        return f"{tool} is not installed (.ci/run installs {package})"
     if not os.path.exists("/dev/fuse"):
         return "no /dev/fuse"
     return None
@@ -39,7 +40,7 @@ def why_no_fuse(tool: str) -> str | None:
 @contextlib.contextmanager
 def rclone_mounts(src: Path, *dsts: Path) -> Iterator[tuple[Path, ...]]:
     """Mount ``src`` at each of ``dsts`` with rclone (a local remote, ``RCLONE_FLAGS``)."""
-    why = why_no_fuse("rclone")
+    why = why_no_fuse("rclone") or why_no_fuse("fusermount3")  # mounts and unmounts with it
     if why:
         pytest.skip(why)
     src.mkdir(parents=True, exist_ok=True)
