@@ -92,13 +92,13 @@ def test_threads_never_get_the_same_buffer_at_once() -> None:
 
 def test_the_process_pool_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", "0")
-    assert scratch._default_limit() == 0
+    assert scratch._env_limit() == 0
     monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", "8")
-    assert scratch._default_limit() == 8 << 20
+    assert scratch._env_limit() == 8 << 20
     for bad in ("lots", "-1", "nan", "inf", "1e30"):
         monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", bad)
         with pytest.raises(ConfigError, match="ASYNCSYNC_SCRATCH_MB"):
-            scratch._default_limit()
+            scratch._env_limit()
 
 
 @pytest.mark.skipif(native.kernels is None, reason="the C kernels did not build")
@@ -126,7 +126,6 @@ def test_the_diff_takes_its_outputs_from_the_pool_and_gives_them_back(
 
 def test_the_process_pool_is_sized_by_the_largest_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scratch, "_FIXED", False)
-    monkeypatch.setattr(scratch, "_fitted", 0)
     monkeypatch.setattr(scratch, "pool", ScratchPool(scratch.FIT_FLOOR))
     scratch.fit(40 << 20)  # a small model: the floor
     assert scratch.pool.limit == scratch.FIT_FLOOR

@@ -93,13 +93,6 @@ class ScratchPool:
             self._held += nbytes
             return buf.view(dt)
 
-    def clear(self) -> None:
-        """Forget every buffer (those in use stay valid: their users hold them)."""
-        with self._lock:
-            self._bufs.clear()
-            self._sizes.clear()
-            self._held = 0
-
 
 def _refs(bufs: list[NDArray[np.uint8]], i: int) -> int:
     return sys.getrefcount(bufs[i])
@@ -110,11 +103,11 @@ def _refs(bufs: list[NDArray[np.uint8]], i: int) -> int:
 _FREE = _refs([np.empty(1, np.uint8)], 0)
 
 
-def _default_limit() -> int:
-    """``ASYNCSYNC_SCRATCH_MB`` (MiB; 0 turns the pool off), else :data:`DEFAULT_LIMIT`."""
+def _env_limit() -> int | None:
+    """``ASYNCSYNC_SCRATCH_MB`` in bytes (0 turns the pool off), None when it is not set."""
     raw = os.environ.get("ASYNCSYNC_SCRATCH_MB", "").strip()
     if not raw:
-        return DEFAULT_LIMIT
+        return None
     try:
         mib = float(raw)
     except ValueError:
@@ -130,20 +123,15 @@ def fit(model_bytes: int) -> None:
     """Keep the process-wide pool to a quarter of the largest model this process moves (at
     least 16 MiB, at most :data:`DEFAULT_LIMIT`): the publisher calls it for each version, the
     receiver for each version it applies. ``ASYNCSYNC_SCRATCH_MB``, when set, is kept as is."""
-    if _FIXED:
-        return
-    want = min(DEFAULT_LIMIT, max(FIT_FLOOR, model_bytes // FIT_SHARE))
-    global _fitted
-    if want > _fitted:
-        _fitted = want
-        pool.limit = want
+    if not _FIXED:
+        pool.limit = max(pool.limit, min(DEFAULT_LIMIT, model_bytes // FIT_SHARE))
 
 
-_FIXED = bool(os.environ.get("ASYNCSYNC_SCRATCH_MB", "").strip())
-_fitted = 0  # the largest limit fit() has set
-#: the process-wide pool of the diff's and the decode's temporaries (until :func:`fit` sizes it
-#: by the model: FIT_FLOOR)
-pool = ScratchPool(_default_limit() if _FIXED else FIT_FLOOR)
+_ENV = _env_limit()
+_FIXED = _ENV is not None
+#: the process-wide pool of the diff's and the decode's temporaries (FIT_FLOOR until
+#: :func:`fit` sizes it by the model)
+pool = ScratchPool(FIT_FLOOR if _ENV is None else _ENV)
 
 
 def empty(n: int, dtype: DTypeLike) -> NDArray[Any]:
