@@ -18,7 +18,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,19 +25,10 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+from tests.ports import free_ports
+
 NODE_B = "asyncsync_node_b"  # a custom resource only the second node offers
 ENGINE = "asyncsync_engine"  # one unit on each node: receivers placed by resource
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -81,7 +71,7 @@ class TwoNodes:
         """``ray start`` one node; on a loaded machine its agents can start too slowly for the
         raylet, which then gives up: that node is started again (3 tries)."""
         for tries in range(3):
-            ports = _free_ports(3)  # the others are Ray's random ones
+            ports = free_ports(3)  # the others are Ray's random ones
             cmd = [
                 self.ray, "start", f"--temp-dir={self.tmp / f'{name}{tries}'}", "--num-cpus=2",
                 "--object-store-memory=200000000", "--disable-usage-stats",
@@ -117,7 +107,7 @@ class TwoNodes:
             [self.ray, "get-auth-token", "--generate"], env={**os.environ, **self.DRIVER_ENV},
             check=True, capture_output=True, timeout=120,
         )  # fmt: skip
-        port, dash = _free_ports(2)
+        port, dash = free_ports(2)
         self.address = f"127.0.0.1:{port}"
         self._start(
             "head",
@@ -131,9 +121,14 @@ class TwoNodes:
 
     def connect(self) -> Any:
         """``ray.init`` this process to the cluster (on the head's raylet); the two node ids."""
-        import ray
-
         os.environ.update(self.DRIVER_ENV)
+        import ray
+        from ray._raylet import Config
+
+        # Ray reads RAY_AUTH_MODE when it is first imported (a test module may have imported
+        # it before) and a ray.init(address=...) never re-reads it: re-read it, as Ray's own
+        # _enable_token_auth does (running this module's tests alone failed without it)
+        Config.initialize("")
         ray.init(address=self.address, log_to_driver=False, configure_logging=False)
         deadline = time.monotonic() + 120
         while True:

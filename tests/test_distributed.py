@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
-import socket
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -40,6 +39,7 @@ from receiver.engines.torch_module import TorchModule
 from tests import dist_worker
 from tests.conftest import Holder, assert_holds, same_bytes
 from tests.dist_worker import DENSE_STEP, KEYFRAME_STEP, ZERO_STEP, MissOutcome, full_state
+from tests.ports import free_port
 
 WORLD = 4
 
@@ -54,12 +54,6 @@ def _spawn(cfg: dict[str, Any]) -> BaseProcess:
     p = _ctx().Process(target=dist_worker.main, args=(cfg,), name=f"rank{cfg['rank']}")
     p.start()
     return p
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _logs(out: Path) -> dict[int, list[dict[str, Any]]]:
@@ -163,7 +157,7 @@ def _version(logs: dict[int, list[dict[str, Any]]], step: int) -> int:
 
 async def test_torch_distributed_four_ranks(tmp_path: Path) -> None:
     """gloo on 127.0.0.1; rank 3 misses the outcome of a committed version (stale snapshot)."""
-    cfg = {"coord": "torch", "port": _free_port(), "steps": 5, "miss": [3, DENSE_STEP]}
+    cfg = {"coord": "torch", "port": free_port(), "steps": 5, "miss": [3, DENSE_STEP]}
     root, logs, agents = await _run_group(tmp_path, cfg)
     step_of = await _final_checks(root, tmp_path, logs, agents)
     assert sorted(step_of.values()) == list(range(6))
@@ -217,14 +211,14 @@ async def test_torch_killed_rank_then_the_group_restarts(tmp_path: Path) -> None
     out.mkdir()
     cfg = {"coord": "torch", "world": WORLD, "root": str(root), "out": str(out), "steps": 3,
            "kill": [2, 1], "exit_on_error": True}  # fmt: skip
-    port = _free_port()
+    port = free_port()
     procs = [_spawn({**cfg, "rank": r, "port": port}) for r in range(WORLD)]
     await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 60, "the first group")
     assert [p.exitcode for p in procs] == [3, 3, -9, 3]
     err = _logs(out)[0][-1]
     assert err["step"] == 1 and err["ranks"] == [2] and "ranks [2] went silent" in err["error"]
     assert list_versions(root) == [0] and not (root / "v000000000001").exists()
-    again = {**cfg, "start": 1, "incarnation": 1, "port": _free_port(), "kill": None}
+    again = {**cfg, "start": 1, "incarnation": 1, "port": free_port(), "kill": None}
     procs = [_spawn({**again, "rank": r}) for r in range(WORLD)]
     await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 60, "the second group")
     assert [p.exitcode for p in procs] == [0] * WORLD and port != again["port"]

@@ -33,7 +33,8 @@ from asyncsync.publish import rendezvous as rendezvous_mod
 from asyncsync.publish.rendezvous import RENDEZVOUS_DIR
 from tests.conftest import Holder, assert_holds
 from tests.dist_worker import full_state, portion
-from tests.test_distributed import _free_port, _logs, _spawn, _wait_for
+from tests.ports import free_port
+from tests.test_distributed import _logs, _spawn, _wait_for
 
 W = 2
 
@@ -348,7 +349,7 @@ async def test_torch_cancel_during_the_broadcast_keeps_the_version(tmp_path: Pat
     root, out = tmp_path / "root", tmp_path / "out"
     out.mkdir()
     cfg = {"coord": "torch", "world": W, "root": str(root), "out": str(out), "steps": 3,
-           "port": _free_port(), "cancel_after_rename": [0, 1],
+           "port": free_port(), "cancel_after_rename": [0, 1],
            "slow_broadcast": [1, 1]}  # fmt: skip
     procs = [_spawn({**cfg, "rank": r}) for r in range(W)]
     await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 120, "the group")
@@ -376,7 +377,7 @@ async def test_a_rank_that_skips_a_step_costs_the_group_that_step_only(
     root, out = tmp_path / "root", tmp_path / "out"
     out.mkdir()
     cfg = {"coord": coord, "world": W, "root": str(root), "out": str(out), "steps": 4,
-           "port": _free_port(), "timeout": 10.0, "stepped": True, "skip": [0, 2]}  # fmt: skip
+           "port": free_port(), "timeout": 10.0, "stepped": True, "skip": [0, 2]}  # fmt: skip
     procs = [_spawn({**cfg, "rank": r}) for r in range(W)]
     await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 150, "the group")
     assert [p.exitcode for p in procs] == [0, 0]

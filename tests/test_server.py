@@ -20,6 +20,7 @@ from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.server import StatusServer
 from tests.conftest import eventually, mixed_state, mutate
+from tests.ports import free_port
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -197,7 +198,7 @@ async def test_a_flood_of_idle_connections_never_stops_a_receiver_process(tmp_pa
     sd = mixed_state(0)
     async with Publisher(root, keyframe_interval=0) as pub:
         await pub.seed(sd)
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "receiver.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -248,12 +249,6 @@ async def test_a_flood_of_idle_connections_never_stops_a_receiver_process(tmp_pa
     text = log.read_text(errors="replace")
     assert "Too many open files" not in text, text[-3000:]
     assert "refusing more" in text  # the cap said so, once
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _acked(root: Path) -> set[int]:

@@ -12,16 +12,16 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_port
 from tests.sglang_env import build
 
 #: what the recipe found to work on a CPU-only host with the sgl_kernel stub
@@ -40,12 +40,8 @@ CPU_FLAGS: tuple[str, ...] = (
 )  # fmt: skip
 
 START_TIMEOUT = 600.0  # ~15 s on an idle 2-core host; minutes while other jobs run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+START_MARK = "===== start "  # the line Process.start writes into the log before each start
+_ERROR_LINE = re.compile(r"\bERROR\b|[Aa]ddress already in use|Traceback|\w(Error|Exception): ")
 
 
 def http(
@@ -79,13 +75,16 @@ class Process:
     """A child process in its own session, its output in ``log``; stopped by SIGTERM to the
     whole group (SGLang's scheduler and detokenizer are children of the launcher)."""
 
+    port: int  # a server's --port (start_healthy moves it when it was taken)
+
     def __init__(self, cmd: Sequence[str], log: Path, env: dict[str, str]):
         self.cmd, self.log, self.env = list(cmd), log, env
         self.proc: subprocess.Popen[bytes] | None = None
+        self.movable_port = False  # a server's own --port, until it first served (start_healthy)
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
-            out.write(f"\n===== start {time.strftime('%H:%M:%S')}: {' '.join(self.cmd)}\n".encode())
+            out.write(f"\n{START_MARK}{time.strftime('%H:%M:%S')}: {' '.join(self.cmd)}\n".encode())
             # run beside its log, never in the checkout: `python -m` puts the working directory
             # first on sys.path, and a checkout's asyncsync.egg-info (pip install -e) would
             # register the asyncsync plugins in a server started without them
@@ -114,24 +113,59 @@ class Process:
             rc = proc.wait(10)
         return rc
 
-    def wait_ok(self, url: str, name: str, timeout: float) -> None:
-        """Until ``GET url`` answers 200 (RuntimeError with the log's tail if the process
-        exits first, or after ``timeout`` seconds)."""
+    def wait_ok(self, url: str, name: str, timeout: float, probe_timeout: float = 30.0) -> None:
+        """Until ``GET url`` answers 200 (RuntimeError with the log's errors and tail if the
+        process exits first, or after ``timeout`` seconds); each probe waits ``probe_timeout``."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if not self.alive:
-                raise RuntimeError(f"{name} exited during start; its log ends:\n{self.tail()}")
+                raise RuntimeError(f"{name} exited during start; {self.diagnosis()}")
             with contextlib.suppress(OSError):
-                if http(url, timeout=30)[0] == 200:
+                if http(url, timeout=probe_timeout)[0] == 200:
                     return
             time.sleep(0.5)
-        raise RuntimeError(f"{name} not healthy within {timeout:g}s; its log ends:\n{self.tail()}")
+        raise RuntimeError(f"{name} not healthy within {timeout:g}s; {self.diagnosis()}")
+
+    def start_healthy(self, wait_healthy: Callable[[], None]) -> None:
+        """:meth:`start`, then ``wait_healthy()``. A failed start is stopped, never left
+        behind; one whose ``--port`` was bound by another process first (the log says "address
+        already in use") is retried once on a new port, if the test did not choose the port
+        and the server never served on it (a restarted server keeps its address)."""
+        for attempt in (0, 1):
+            Process.start(self)  # the process alone (a subclass's start() waits, via here)
+            try:
+                wait_healthy()
+            except BaseException:
+                self.stop()
+                if attempt or not (self.movable_port and self.bind_failed()):
+                    raise
+                at = self.cmd.index("--port") + 1
+                self.cmd[at] = str(free_port())
+                self.port = int(self.cmd[at])
+                continue
+            self.movable_port = False
+            return
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.text().splitlines()[-n:])
+
+    def this_start(self) -> str:
+        """The log since the last :meth:`start` (the log file is appended to)."""
+        return self.text().rsplit(START_MARK, 1)[-1]
+
+    def bind_failed(self) -> bool:
+        """Whether the last start could not bind its port (its log says so)."""
+        return "address already in use" in self.this_start().lower()
+
+    def diagnosis(self) -> str:
+        """The error lines of the last start (a long traceback can push the cause out of the
+        tail), then the log's tail."""
+        errors = [ln for ln in self.this_start().splitlines() if _ERROR_LINE.search(ln)]
+        head = "its error lines:\n" + "\n".join(errors[:20]) + "\n" if errors else ""
+        return f"{head}its log ends:\n{self.tail()}"
 
 
 class SGLangServer(Process):
@@ -168,18 +202,14 @@ class SGLangServer(Process):
         if admin_api_key is not None:
             cmd += ["--admin-api-key", admin_api_key]
         super().__init__(cmd, log, env)
+        self.movable_port = port is None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = START_TIMEOUT) -> None:
-        super().start()
-        try:
-            self.wait_healthy(timeout)
-        except BaseException:
-            self.stop()  # never leave a server behind a failed start
-            raise
+        self.start_healthy(lambda: self.wait_healthy(timeout))
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
         """Until ``GET /health`` (a 1-token generation) answers 200; never call it paused."""

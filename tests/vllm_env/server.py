@@ -66,14 +66,14 @@ class VLLMServer(Process):
         if api_key is not None:
             cmd += ["--api-key", api_key]
         super().__init__(cmd, log, env)
+        self.movable_port = port is None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = START_TIMEOUT) -> None:
-        super().start()
-        self.wait_healthy(timeout)
+        self.start_healthy(lambda: self.wait_healthy(timeout))
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
         self.wait_ok(self.url + "/health", "vLLM", timeout)
