@@ -31,6 +31,8 @@ default would not pass.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 __all__ = [
@@ -178,3 +180,28 @@ def first_error(exc: BaseException) -> BaseException:
         group: BaseExceptionGroup[Any] = exc
         exc = group.exceptions[0]
     return exc
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    minimum: float = 0,
+    above: bool = False,
+    optional: bool = False,
+) -> None:
+    """ConfigError unless ``value`` is a finite number (an integer if ``integer``; never a
+    bool) ``>= minimum`` (``> minimum`` if ``above``); None passes if ``optional``. For the
+    public constructors' numeric options: a wrong type must not reach a comparison (TypeError)
+    and NaN must not slip through one (every comparison with NaN is False)."""
+    if optional and value is None:
+        return
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        what = "an integer" if integer else "a number"
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be finite, got {value!r}")
+    if value < minimum or (above and value == minimum):
+        raise ConfigError(f"{name} must be {'>' if above else '>='} {minimum:g}, got {value!r}")

@@ -35,10 +35,10 @@ from asyncsync.errors import (
     AsyncSyncError,
     ChainError,
     ChecksumMismatch,
-    ConfigError,
     FormatError,
     IncompatibleVersion,
     IncompleteVersion,
+    check_number,
 )
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
@@ -126,12 +126,15 @@ class ReceiverAgent:
         lease_settle: float | None = None,
         stream_timeout: float = 120.0,
     ) -> None:
-        if apply_group_bytes is not None and apply_group_bytes < 1:
-            raise ConfigError(f"apply_group_bytes must be >= 1, got {apply_group_bytes}")
-        if poll_interval <= 0:
-            raise ConfigError(f"poll_interval must be > 0, got {poll_interval}")
-        if verify_deadline < 0:
-            raise ConfigError(f"verify_deadline must be >= 0, got {verify_deadline}")
+        check_number("apply_group_bytes", apply_group_bytes, integer=True, minimum=1, optional=True)
+        check_number("prefetch_bytes", prefetch_bytes, integer=True)
+        for name, value in (
+            ("poll_interval", poll_interval),
+            ("lease_ttl", lease_ttl),
+            ("stream_timeout", stream_timeout),
+        ):
+            check_number(name, value, above=True)
+        check_number("verify_deadline", verify_deadline)
         self.root = Path(root)
         self.engine = engine
         self.engine_id = check_engine_id(engine_id)

@@ -39,6 +39,27 @@ async def publish_chain(root: Path, n: int, **kw: object) -> list[dict[str, torc
     return states
 
 
+@pytest.mark.parametrize(
+    ("option", "bad"),
+    [
+        ("poll_interval", None), ("poll_interval", float("nan")), ("poll_interval", 0),
+        ("poll_interval", float("inf")), ("verify_deadline", "1"), ("verify_deadline", -1),
+        ("prefetch_bytes", -5), ("prefetch_bytes", None), ("apply_group_bytes", 1.5),
+        ("apply_group_bytes", 0), ("stream_timeout", float("nan")), ("stream_timeout", None),
+        ("lease_ttl", float("nan")), ("lease_ttl", 0), ("lease_ttl", True),
+    ],
+)  # fmt: skip
+def test_options_of_the_wrong_type_or_range_are_config_errors(
+    tmp_path: Path, option: str, bad: object
+) -> None:
+    """A ConfigError naming the option, at construction: never a TypeError from a comparison
+    later, never a NaN that passes every range check (each comparison with NaN is False)."""
+    engine = LocalCheckpoint(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match=option):
+        ReceiverAgent(tmp_path / "root", engine, "e1", **{option: bad})  # type: ignore[arg-type]
+    ReceiverAgent(tmp_path / "root", engine, "e1", prefetch_bytes=0, verify_deadline=0)
+
+
 async def test_local_checkpoint_follows_every_version(tmp_path: Path) -> None:
     root = tmp_path / "root"
     states = [mixed_state(0)]

@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors
 import safetensors.torch
@@ -120,6 +121,19 @@ async def test_publish_needs_seed_and_validates(tmp_path: Path) -> None:
         Publisher(tmp_path, encoding="nope")
     with pytest.raises(ConfigError):
         Publisher(tmp_path, bucket_bytes=0)
+    # the wrong type is a ConfigError naming the option, never a TypeError from a comparison
+    for bad in (
+        {"keyframe_interval": None},
+        {"bucket_bytes": "8M"},
+        {"max_in_flight": 1.5},
+        {"zstd_level": True},
+        {"delta_shard_bytes": 2.0},
+        {"mode": None},
+    ):
+        name = next(iter(bad))
+        with pytest.raises(ConfigError, match=name):
+            Publisher(tmp_path, **bad)  # type: ignore[arg-type]
+    Publisher(tmp_path, bucket_bytes=np.int64(1 << 20), delta_shard_bytes=None)
     async with Publisher(tmp_path) as pub:
         with pytest.raises(PublishError, match="seed"):
             await pub.publish({"a": torch.ones(2)})

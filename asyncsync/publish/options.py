@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from asyncsync import codec
-from asyncsync.errors import ConfigError
+from asyncsync.errors import ConfigError, check_number
 from asyncsync.format import Manifest
 from asyncsync.format.checksum import new_hasher
 from asyncsync.publish.distributed import Coordinator
@@ -76,8 +76,17 @@ def check_options(
     retention: Any,
     coordinator: Any,
 ) -> None:
-    """Raise ConfigError for the first option out of its range (see Publisher's Args)."""
-    if encoding not in codec.ENCODINGS:
+    """Raise ConfigError for the first option out of its range or of the wrong type (see
+    Publisher's Args)."""
+    for name, value in (
+        ("bucket_bytes", bucket_bytes),
+        ("delta_shard_bytes", delta_shard_bytes),
+        ("max_in_flight", max_in_flight),
+        ("keyframe_interval", keyframe_interval),
+        ("zstd_level", zstd_level),
+    ):
+        check_number(name, value, integer=True, optional=name == "delta_shard_bytes")
+    if not isinstance(encoding, str) or encoding not in codec.ENCODINGS:
         raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
     new_hasher(checksum)  # raises ConfigError for an unknown algorithm
     if bucket_bytes < 1:
@@ -86,7 +95,7 @@ def check_options(
         raise ConfigError(f"delta_shard_bytes must be >= 1, got {delta_shard_bytes}")
     if max_in_flight < 1:
         raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
-    if mode not in ("delta", "full"):
+    if not isinstance(mode, str) or mode not in ("delta", "full"):
         raise ConfigError(f"mode must be 'delta' or 'full', got {mode!r}")
     if keyframe_interval < 0:
         raise ConfigError(f"keyframe_interval must be >= 0 (0 = never), got {keyframe_interval}")
