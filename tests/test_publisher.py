@@ -139,7 +139,21 @@ async def test_publish_needs_seed_and_validates(tmp_path: Path) -> None:
             await pub.publish({"a": torch.ones(2)})
         with pytest.raises(ConfigError, match="dtype"):
             await pub.seed({"a": torch.ones(2, dtype=torch.complex64)})
-    assert list_versions(tmp_path) == []
+        # a tensor without dense data: ConfigError naming it, at seed and at publish
+        odd = {
+            "meta tensor": torch.empty(4, device="meta"),
+            "layout torch.sparse_coo": torch.ones(4).to_sparse(),
+            "negated view": torch.ones(4)._neg_view(),
+        }
+        for what, t in odd.items():
+            with pytest.raises(ConfigError, match=f"'a'.* {what}"):
+                await pub.seed({"a": t})
+        await pub.seed({"a": torch.ones(4)})
+        for what, t in odd.items():
+            with pytest.raises(ConfigError, match=f"'a'.* {what}"):
+                await pub.publish({"a": t})
+        assert (await pub.publish({"a": torch.ones(4)})).changed == 0
+    assert list_versions(tmp_path) == [0, 1]
 
 
 def _fail(*_a: object, **_k: object) -> None:

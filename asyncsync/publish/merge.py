@@ -104,10 +104,22 @@ def check_state_dict(
             )
         if not isinstance(state_dict[name], torch.Tensor):
             raise ConfigError(f"state_dict[{name!r}] is not a tensor")
-        if state_dict[name].dtype not in _SUPPORTED:
+        t = state_dict[name]
+        if t.dtype not in _SUPPORTED:
             raise ConfigError(
-                f"state_dict[{name!r}] has dtype {state_dict[name].dtype}, which the format "
+                f"state_dict[{name!r}] has dtype {t.dtype}, which the format "
                 f"does not carry; supported: {', '.join(DTYPE_SIZES)}"
+            )
+        odd = (
+            f"of layout {t.layout}" if t.layout != torch.strided
+            else "a meta tensor (no data)" if t.is_meta
+            else "a lazily negated view" if t.is_neg()
+            else None
+        )  # fmt: skip
+        if odd:
+            raise ConfigError(
+                f"state_dict[{name!r}] is {odd}: only dense tensors with data are carried "
+                "(densify or materialize it first)"
             )
     for name, sl in (slices or {}).items():
         if name not in state_dict or not isinstance(sl, TensorSlice):
