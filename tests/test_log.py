@@ -64,3 +64,50 @@ async def test_follow_sees_appends_and_waits_for_whole_lines(
     assert [r["version"] for r in got] == [0, 1, 2, 3]
     assert got[1]["note"] == "été"
     assert [r["version"] for r in read_log(tmp_path)] == [0, 1, 2, 3]
+
+
+#: lines a hostile or broken writer of the root may append (found by an attack: each one
+#: ended `asyncsync inspect`, `tail`, `tail -f` and `gc` in a traceback, and `gc` after it had
+#: deleted versions; the deep one stopped the publisher from opening the root)
+FORGED = [
+    b'{"version": 4, "density": "abc"}',
+    b'{"version": 4, "committed_at": 1e300}',
+    b'{"version": 4, "committed_at": -1e20}',
+    b'{"version": 4, "committed_at": NaN}',
+    b'{"version": 4, "wire_bytes": "x"}',
+    b'{"version": 4, "base_version": true}',
+    b'{"version": -4}',
+    b"[" * 100_000 + b"]" * 100_000,
+]
+
+
+@pytest.mark.parametrize("line", FORGED, ids=range(len(FORGED)))
+async def test_a_forged_log_line_is_skipped_by_every_reader(tmp_path: Path, line: bytes) -> None:
+    import torch
+
+    from asyncsync import Publisher
+    from asyncsync.ops.cli import main as cli_main
+
+    sd = {"w": torch.arange(64, dtype=torch.float32)}
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        for v in (1, 2):
+            sd["w"][v] += 1
+            await pub.publish(sd)
+    with open(tmp_path / LOG_NAME, "ab") as f:
+        f.write(line + b"\n")
+    assert [r["version"] for r in read_log(tmp_path)] == [0, 1, 2]
+    got: list[int] = []
+    async for r in follow_log(tmp_path, poll_interval=0.01):
+        got.append(r["version"])
+        if len(got) == 3:
+            break
+    assert got == [0, 1, 2]
+    for cmd in (["inspect", str(tmp_path)], ["tail", str(tmp_path)]):
+        assert await asyncio.to_thread(cli_main, cmd) == 0, cmd
+    assert await asyncio.to_thread(cli_main, ["gc", str(tmp_path), "--keep-versions", "1"]) == 0
+    assert [r["version"] for r in read_log(tmp_path)] == [0, 1, 2]  # v0 is the chain's keyframe
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:  # its recovery reads the log
+        await pub.seed(sd)
+        sd["w"][0] += 1
+        assert (await pub.publish(sd)).changed == 1

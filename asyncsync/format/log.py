@@ -24,7 +24,14 @@ from typing import Any
 from asyncsync.format import LOG_NAME, Manifest
 from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_file, read_bytes
 
-__all__ = ["MAX_LOG_BYTES", "append_manifest", "follow_log", "read_log", "trim_log"]
+__all__ = [
+    "MAX_LOG_BYTES",
+    "append_manifest",
+    "follow_log",
+    "parse_record",
+    "read_log",
+    "trim_log",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +46,57 @@ def append_manifest(root: Path, manifest: Manifest) -> None:
     append_line(root / LOG_NAME, line, root=root)
 
 
+#: the fields of a log line (``Manifest.log_record``) and the types a reader accepts for each;
+#: a line with one of them of another type is skipped like a line that does not parse
+_COUNTS = ("changed", "elements", "wire_bytes", "delta_bytes", "shards")
+_TEXTS = ("kind", "run_id", "fingerprint")
+MAX_TIME = 253402300799  # 9999-12-31: what datetime can show
+
+
+def _whole(v: Any, optional: bool = False) -> bool:
+    if optional and v is None:
+        return True
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _real(v: Any, high: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= high
+
+
+def parse_record(line: str | bytes) -> dict[str, Any] | None:
+    """One log line as a record, or None: not JSON (a torn last line after a crash), NaN or
+    Infinity, nested too deep to parse, not an object, no whole ``version``, or a known field
+    of another type than the publisher writes (any receiver host may write the root: a forged
+    line must not reach an operator's display or the publisher's recovery as a crash)."""
+    try:
+        rec = json.loads(line, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(rec, dict) or not _whole(rec.get("version")):
+        return None
+    ok = (
+        all(_whole(rec[k]) for k in _COUNTS if k in rec)
+        and all(isinstance(rec[k], str) for k in _TEXTS if k in rec)
+        and _whole(rec.get("base_version"), optional=True)
+        and ("density" not in rec or _real(rec["density"], 1.0))
+        and ("committed_at" not in rec or _real(rec["committed_at"], MAX_TIME))
+    )
+    return rec if ok else None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _parse_lines(lines: list[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
+        rec = parse_record(line)
+        if rec is None:
             logger.debug("skipping unreadable log line %r", line[:80])
             continue
-        if isinstance(rec, dict):
-            yield rec
+        yield rec
 
 
 def read_log(root: Path) -> list[dict[str, Any]]:
@@ -61,12 +108,8 @@ def read_log(root: Path) -> list[dict[str, Any]]:
 
 
 def _line_version(line: bytes) -> int | None:
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return None
-    v = rec.get("version") if isinstance(rec, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    rec = parse_record(line)
+    return None if rec is None else int(rec["version"])
 
 
 def trim_log(root: Path, first_kept: int) -> int:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 import inspect
-import json
 import logging
 import os
 import time
@@ -37,7 +36,7 @@ from asyncsync.format import (
     fingerprint,
     version_dir,
 )
-from asyncsync.format.log import append_manifest
+from asyncsync.format.log import append_manifest, parse_record
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import atomic_write, fsync_dir
 from asyncsync.pipeline import finish_thread
@@ -299,11 +298,5 @@ def _last_logged(root: Path) -> int | None:
             lines = f.read(1 << 20).decode("utf-8", errors="replace").splitlines()
     except FileNotFoundError:
         return None
-    newest = None
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            rec = json.loads(line)
-            v = rec.get("version") if isinstance(rec, dict) else None
-            if isinstance(v, int) and (newest is None or v > newest):
-                newest = v
-    return newest
+    versions = [int(rec["version"]) for rec in map(parse_record, lines) if rec is not None]
+    return max(versions, default=None)
