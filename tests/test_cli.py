@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -143,6 +144,31 @@ def test_tail_follow_prints_new_acks_and_exits_0_on_ctrl_c(root: Path, tmp_path:
     assert out.splitlines()[0].startswith("v0")
     assert "ack engine=tail-follower version=3" in out
     assert "Traceback" not in err
+
+
+def test_tail_follow_ends_with_one_line_when_the_root_becomes_a_file(
+    root: Path, tmp_path: Path
+) -> None:
+    """The follower's error leaves its TaskGroup as an ExceptionGroup: the CLI reports the
+    error inside it in one line (it printed the group's traceback)."""
+    moved = tmp_path / "copy"
+    shutil.copytree(root, moved)
+    with subprocess.Popen(
+        [sys.executable, "-m", "asyncsync", "tail", str(moved), "-f", "--interval", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    ) as proc:  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline()  # a first line: it is up and following
+            shutil.rmtree(moved)
+            moved.write_text("not a directory\n")
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "Not a directory" in err, err
+    errors = [ln for ln in err.splitlines() if "WARNING" not in ln]  # the acks' warning may come
+    assert len(errors) == 1 and errors[0].startswith("asyncsync tail: error:"), err
 
 
 # --------------------------------------------------------------------------- verify

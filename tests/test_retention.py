@@ -126,6 +126,12 @@ def test_policy_validation_messages() -> None:
         (dict(keep_bytes=0), "keep_bytes"),
         (dict(ack_ttl=0), "ack_ttl"),
         (dict(ack_ttl=-1), "ack_ttl"),
+        # the wrong type or NaN (accepted before: seed() then failed after committing v0)
+        (dict(keep_versions=float("nan")), "keep_versions"),
+        (dict(keep_versions=1.5), "keep_versions"),
+        (dict(keep_bytes=float("inf")), "keep_bytes"),
+        (dict(ack_ttl=float("nan")), "ack_ttl"),
+        (dict(ack_ttl=True), "ack_ttl"),
     ]:
         with pytest.raises(ConfigError, match=f"{field} must be"):
             RetentionPolicy(**bad)  # type: ignore[arg-type]

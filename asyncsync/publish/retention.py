@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncsync import fsio
-from asyncsync.errors import ConfigError, ManifestError
+from asyncsync.errors import ManifestError, check_number
 from asyncsync.format import MANIFEST_NAME, version_dir
 from asyncsync.format.acks import ack_ages, read_acks
 from asyncsync.format.log import trim_log
@@ -54,12 +54,9 @@ class RetentionPolicy:
     ack_ttl: float | None = 3600.0
 
     def __post_init__(self) -> None:
-        if self.keep_versions is not None and self.keep_versions < 1:
-            raise ConfigError(f"keep_versions must be >= 1 or None, got {self.keep_versions}")
-        if self.keep_bytes is not None and self.keep_bytes < 1:
-            raise ConfigError(f"keep_bytes must be >= 1 or None, got {self.keep_bytes}")
-        if self.ack_ttl is not None and self.ack_ttl <= 0:
-            raise ConfigError(f"ack_ttl must be > 0 seconds or None, got {self.ack_ttl}")
+        for name in ("keep_versions", "keep_bytes"):
+            check_number(name, getattr(self, name), integer=True, minimum=1, optional=True)
+        check_number("ack_ttl", self.ack_ttl, above=True, optional=True)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from asyncsync.console.logsetup import (
     setup_logging,
     sniff_log_format,
 )
-from asyncsync.errors import AsyncSyncError
+from asyncsync.errors import AsyncSyncError, first_error
 from asyncsync.ops.bench import cli as bench
 from asyncsync.ops.cli import gc, prepare, status, verify, versions
 from asyncsync.ops.cli.common import human_bytes
@@ -79,7 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     setup_logging(args.log_level, args.log_format)
     try:
-        return int(args.func(args))
+        try:
+            return int(args.func(args))
+        except BaseExceptionGroup as group:  # a TaskGroup's (tail -f): its first error is the one
+            raise first_error(group) from None
     except BrokenPipeError:  # e.g. `asyncsync inspect ROOT | head`: not an error
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit flush
