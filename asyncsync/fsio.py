@@ -162,7 +162,7 @@ def is_temp_name(name: str) -> bool:
 
 _KINDS = {stat.S_IFLNK: "a symlink", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
           stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
-          stat.S_IFDIR: "a directory"}  # fmt: skip
+          stat.S_IFDIR: "a directory", stat.S_IFREG: "a regular file"}  # fmt: skip
 
 
 def _kind(mode: int) -> str:

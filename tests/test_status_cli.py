@@ -50,3 +50,22 @@ async def test_status_table_json_and_straggler_exit(
     time.sleep(0.05)
     assert main(["status", str(tmp_path), "--max-lag", "10", "--stale", "0.01"]) == 3
     assert main(["status", str(tmp_path / "missing")]) == 1
+
+
+async def test_acks_it_cannot_read_are_an_error_not_all_clear(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`acks/` a regular file or a symlink: exit 1 naming it (it printed "0 engines, 0
+    stragglers" and exited 0, which a monitoring script reads as healthy)."""
+    async with Publisher(tmp_path) as pub:
+        await pub.seed(mixed_state(0))
+    assert main(["status", str(tmp_path)]) == 0  # no acks/ yet: no engine has acked
+    assert "0 engines" in capsys.readouterr().out
+    (tmp_path / "acks").write_text("not a directory\n")
+    assert main(["status", str(tmp_path)]) == 1
+    assert "'acks' on its way is a regular file" in capsys.readouterr().err
+    (tmp_path / "acks").unlink()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "acks").symlink_to(tmp_path / "elsewhere")
+    assert main(["status", str(tmp_path)]) == 1
+    assert "is a symlink" in capsys.readouterr().err

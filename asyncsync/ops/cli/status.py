@@ -6,7 +6,8 @@ reaching the receivers. Ages are measured on the root filesystem's clock (file m
 lists the versions a receiver found damaged and went past. An engine is a *straggler* when it
 is more than ``--max-lag`` versions behind the newest, or was last heard of (its ack, its
 lease's heartbeat) more than ``--stale`` seconds ago while it is behind.
-Exit status 0, or 3 when there are stragglers (for scripts and alerts).
+Exit status 0, or 3 when there are stragglers (for scripts and alerts), or 1 when the root or
+its ``acks/`` cannot be read (never "0 engines, all clear" for acks it could not see).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync.errors import FormatError
+from asyncsync.format import ACKS_DIR
 from asyncsync.format.acks import ack_ages, read_acks, root_now
 from asyncsync.format.lease import unreadable_leases
 from asyncsync.format.store import read_manifest
+from asyncsync.fsio import scan
 from asyncsync.ops.cli.common import check_root, fmt_time, non_negative_int, positive_float, table
 
 __all__ = ["cmd_status", "engine_rows", "register"]
@@ -68,6 +71,8 @@ def engine_rows(
 
 def cmd_status(args: argparse.Namespace) -> int:
     root = Path(args.root)
+    with contextlib.suppress(FileNotFoundError):  # no acks/ yet: no engine has acked
+        scan(root / ACKS_DIR, root=root)  # OSError (one line, exit 1): a file, symlink, mode
     latest, rows = engine_rows(root, max_lag=args.max_lag, stale=args.stale)
     stragglers = [r["engine_id"] for r in rows if r["straggler"]]
     now = root_now(root)
