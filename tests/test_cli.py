@@ -103,6 +103,25 @@ def test_inspect_version(root: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert "model.global_step" in out and "int64" in out
 
 
+def test_inspect_lists_the_others_when_one_manifest_is_damaged(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest with no log line that does not parse: that version is listed as bad, the
+    others as before (the whole listing failed with exit 1)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    (copy / "v000000000004").mkdir()
+    (copy / "v000000000004" / "manifest.json").write_text('{"trunc')
+    assert main(["inspect", str(copy)]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [r.split()[:2] for r in rows] == [
+        ["0", "full"], ["1", "delta"], ["2", "delta"], ["3", "delta"], ["4", "bad"]
+    ]  # fmt: skip
+    assert main(["inspect", str(copy), "--json"]) == 0
+    last = json.loads(capsys.readouterr().out)[-1]
+    assert last["kind"] == "bad" and "not valid JSON" in last["error"]
+
+
 def test_inspect_version_json_is_the_manifest(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -16,7 +16,7 @@ from asyncsync.console.args import (
     positive_int,
     size_bytes,
 )
-from asyncsync.errors import ConfigError
+from asyncsync.errors import ConfigError, FormatError
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest, read_root_info
 
@@ -120,7 +120,8 @@ def version_summaries(root: Path, versions: list[int]) -> list[dict[str, Any]]:
     """One summary per committed version: from the log, else from the manifest.
 
     The log is cheap to read; manifests are read only for versions it lacks (a torn last line,
-    a lost append), and log lines of versions no longer on disk are dropped.
+    a lost append), and log lines of versions no longer on disk are dropped. A manifest that
+    cannot be read gives ``{"version", "kind": "bad", "error"}``: the others are still listed.
     """
     by_version: dict[int, dict[str, Any]] = {}
     for line in read_log(root):
@@ -135,5 +136,7 @@ def version_summaries(root: Path, versions: list[int]) -> list[dict[str, Any]]:
                 rec = read_manifest(root, v).log_record()
             except FileNotFoundError:
                 continue  # removed since the scan
+            except (FormatError, OSError) as exc:  # one damaged version: listed as such
+                rec = {"version": v, "kind": "bad", "error": str(exc)}
         out.append(rec)
     return out
