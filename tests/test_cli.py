@@ -351,3 +351,24 @@ async def test_gc_with_nothing_to_delete_says_why(
     assert main(["gc", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("nothing to delete: v0 (the oldest) is kept: ") and "-v" in out, out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gc", "ROOT", "--dry-run", "--ack-ttl", "nan"],
+        ["gc", "ROOT", "--dry-run", "--ack-ttl", "inf"],
+        ["bench", "--quick", "--throttle", "garbage"],
+        ["bench", "--quick", "--throttle", "0MB/s,5ms"],
+        ["bench", "--quick", "--device", "nosuchdev"],
+    ],
+)
+def test_bad_values_are_usage_errors_before_any_work(
+    root: Path, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 with argparse's one line (a bad --throttle or --device was a traceback after the
+    state was built; --ack-ttl nan was taken and kept every ack pinning forever)."""
+    argv = [str(root) if a == "ROOT" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[-2]}:" in err and "Traceback" not in err

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncsync.errors import ConfigError
-from asyncsync.fsio import parse_size
+from asyncsync.fsio import Throttle, parse_size
 from asyncsync.ops.cli.common import positive_int
 
 if TYPE_CHECKING:
@@ -204,6 +204,27 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _throttle_spec(text: str) -> str:
+    """``--throttle``: ``none`` or what ``fsio.Throttle.parse`` reads (checked before the run)."""
+    if text.strip().lower() != "none":
+        try:
+            Throttle.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _device(text: str) -> str:
+    """``--device``: a device name torch knows (checked before the run)."""
+    import torch
+
+    try:
+        torch.device(text)
+    except RuntimeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device: {exc}") from None
+    return text
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     sp = sub.add_parser(
         "bench",
@@ -218,6 +239,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--throttle",
         default=_THROTTLE,
+        type=_throttle_spec,
         metavar="SPEC",
         help="the simulated shared filesystem: bandwidth and per-file latency "
         "(default 200MB/s,5ms)",
@@ -242,6 +264,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     sp.add_argument(
         "--device",
+        type=_device,
         metavar="DEV",
         help="check the accelerator paths on DEV (e.g. cuda) bit-exact and time the diff; "
         "the model size is the first --scale-sizes (default 1GiB)",

@@ -6,7 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from asyncsync.ops.cli.common import check_root, human_bytes, positive_int, size_bytes
+from asyncsync.ops.cli.common import (
+    check_root,
+    human_bytes,
+    non_negative_float,
+    positive_int,
+    size_bytes,
+)
 from asyncsync.publish.retention import RetentionPolicy, collect
 
 __all__ = ["cmd_gc", "register"]
@@ -54,7 +60,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="also keep the newest versions that fit in SIZE (e.g. 20G)",
     )  # fmt: skip
     sp.add_argument(
-        "--ack-ttl", type=float, default=3600.0, metavar="S",
+        "--ack-ttl", type=non_negative_float, default=3600.0, metavar="S",
         help="acks older than S seconds no longer pin versions (0: acks pin forever; "
         "default 3600)",
     )  # fmt: skip
