@@ -37,6 +37,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from asyncsync import fsio
 from asyncsync.console.args import non_negative_float, positive_float, size_bytes
 from asyncsync.console.logsetup import (
     CliParser,
@@ -60,7 +61,7 @@ from receiver.engines.vllm import VLLM
 from receiver.server import StatusServer
 from receiver.shard_reader import APPLY_GROUP_BYTES
 
-__all__ = ["build_parser", "main"]
+__all__ = ["MAX_SECRET_BYTES", "build_parser", "main", "read_secret"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ API_KEY_ENV = "ASYNCSYNC_API_KEY"
 ADMIN_API_KEY_ENV = "ASYNCSYNC_ADMIN_API_KEY"
 TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
 MIN_TOKEN_CHARS = 16  # what StatusServer accepts: checked here before the engine is opened
+MAX_SECRET_BYTES = 64 << 10  # a token or an API key file: a few dozen bytes in practice
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,7 +271,7 @@ def check_paths(args: argparse.Namespace) -> None:
 
 def check_status_options(args: argparse.Namespace) -> str | None:
     """The control token, and the status port free: checked before the engine is opened."""
-    token = _read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
+    token = read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
     if token is not None and len(token) < MIN_TOKEN_CHARS:
         raise ConfigError(
             f"the control token must be at least {MIN_TOKEN_CHARS} characters (got "
@@ -290,18 +292,34 @@ def check_status_options(args: argparse.Namespace) -> str | None:
     return token
 
 
-def _read_secret(path: str | None, env: str, what: str) -> str | None:
-    """A secret from a file, else from the environment; never from the command line."""
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                value = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read {what} {path}: {exc}") from exc
-        if not value:
-            raise ConfigError(f"{what} {path} is empty")
-        return value
-    return os.environ.get(env, "").strip() or None
+def read_secret(path: str | None, env: str, what: str) -> str | None:
+    """A secret from a file, else from the environment; never from the command line.
+
+    The file must be a regular file (a symlink to one is fine, as Kubernetes mounts secrets) of
+    UTF-8 text of at most :data:`MAX_SECRET_BYTES`: a FIFO is refused at once, never waited on,
+    and ``/dev/zero`` is not read without end. Errors name ``what`` (the option) and the file.
+    """
+    if not path:
+        return os.environ.get(env, "").strip() or None
+    try:
+        value = fsio.read_bytes(path, limit=MAX_SECRET_BYTES, follow_symlinks=True).decode()
+    except fsio.UnsafePath:
+        raise ConfigError(
+            f"{what} {path} is not a regular file (a FIFO, a device or a directory?): "
+            "point it at a file holding the secret"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not UTF-8 text: it must hold the secret") from None
+    except ValueError:  # larger than the limit
+        raise ConfigError(
+            f"{what} {path} is larger than {MAX_SECRET_BYTES >> 10} KiB: it must hold the secret"
+        ) from None
+    value = value.strip()
+    if not value:
+        raise ConfigError(f"{what} {path} is empty")
+    return value
 
 
 def run_async(main_fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
@@ -316,7 +334,7 @@ def run_async(main_fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
 
 def _api_key(args: argparse.Namespace) -> str | None:
     """--api-key-file, else $ASYNCSYNC_API_KEY, else None (surrounding whitespace stripped)."""
-    return _read_secret(args.api_key_file, API_KEY_ENV, "--api-key-file")
+    return read_secret(args.api_key_file, API_KEY_ENV, "--api-key-file")
 
 
 def _make_engine(args: argparse.Namespace) -> Engine:
@@ -337,7 +355,7 @@ def _server_engine(args: argparse.Namespace) -> ReloadingEngine | None:
         "timeouts": timeouts,
         "version_offset": args.version_offset,
     }
-    admin = _read_secret(args.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key-file")
+    admin = read_secret(args.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key-file")
     if args.sglang_url:
         return SGLang(
             args.sglang_url,

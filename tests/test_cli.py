@@ -260,6 +260,41 @@ def test_errors_are_one_line_without_traceback(
     assert err.startswith(f"asyncsync {argv[0]}: error:") and needle in err, err
 
 
+@pytest.mark.parametrize(
+    "name", ["model.safetensors.index.json", "model-00001-of-00001.safetensors"]
+)
+def test_a_fifo_in_the_checkpoint_is_refused_without_hanging(
+    root: Path, checkpoint: Path, name: str
+) -> None:
+    """(an attack) a FIFO named like the index or a data file made ``asyncsync verify`` and
+    ``asyncsync-receiver --once`` block for ever in open(); now one line names it, at once."""
+    fifo = checkpoint / name
+    assert fifo.is_file()
+    fifo.unlink()
+    os.mkfifo(fifo)
+    runs = [
+        [sys.executable, "-m", "asyncsync", "verify", str(root), "--checkpoint", str(checkpoint)],
+        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx-fifo",
+         "--checkpoint", str(checkpoint), "--once", "--force-polling"],
+    ]  # fmt: skip
+    for argv in runs:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.returncode == 1, out.stderr
+        err = out.stderr.strip().splitlines()
+        assert len(err) == 1 and f"{fifo} is a FIFO, not a regular file" in err[0], err
+
+
+def test_a_deeply_nested_index_is_a_one_line_error(
+    root: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(an attack) ``read_index`` caught OSError and ValueError only: a deeply nested JSON
+    index ended ``asyncsync verify`` in a RecursionError traceback."""
+    (checkpoint / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["verify", str(root), "--checkpoint", str(checkpoint)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nested too deeply" in err, err
+
+
 def test_human_bytes() -> None:
     assert human_bytes(0) == "0 B"
     assert human_bytes(1023) == "1023 B"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from asyncsync import Publisher, fsio
+from asyncsync.errors import ConfigError
 from asyncsync.format.acks import read_acks, write_ack
 from asyncsync.publish.retention import RetentionPolicy
 from receiver import ReceiverAgent
@@ -160,3 +161,24 @@ async def test_a_receiver_under_another_uid_is_told_what_to_make_writable(shared
     assert r.returncode == 0, r.stderr
     assert "holds version 0" in r.stdout
     assert read_acks(root)["e1"].version == 0
+
+
+@pytest.mark.parametrize("group", ["99999999999999999999", "4294967295", "٣", "no-such-group-x"])
+def test_prepare_refuses_a_bad_group_before_creating_anything(
+    tmp_path: Path, group: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(an attack) ``--group 99999999999999999999`` ended in an OverflowError traceback after
+    ``acks/`` was made; 4294967295 is (gid_t)-1, which chown takes as "unchanged" (a silent
+    success with the wrong group); "٣" (an Arabic-Indic three) became gid 3. Now a usage error
+    (exit 2) for a bad gid, a one-line error for an unknown name, and nothing is created."""
+    from asyncsync.format.store import prepare_shared_dirs
+    from asyncsync.ops.cli import main as cli
+
+    root = tmp_path / "root"
+    assert cli(["prepare", str(root), "--group", group]) == (1 if "-" in group else 2)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and ("--group" in err or "no group named" in err), err
+    assert not root.exists()
+    with pytest.raises(ConfigError, match="out of range"):  # the library checks it too
+        prepare_shared_dirs(root, 1 << 32)
+    assert not root.exists()

@@ -238,3 +238,49 @@ def test_usage_is_checked_before_the_engine_is_opened(
                           "--status-host", "256.0.0.1"]) == 1  # fmt: skip
     doc = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert doc["level"] == "ERROR" and "asyncsync-receiver e1" in doc["logger"]
+
+
+@pytest.mark.parametrize(
+    ("option", "kind"),
+    [
+        ("--control-token-file", "fifo"),
+        ("--api-key-file", "fifo"),
+        ("--admin-api-key-file", "fifo"),
+        ("--control-token-file", "/dev/zero"),
+        ("--control-token-file", "not-utf8"),
+        ("--api-key-file", "too-big"),
+    ],
+)
+def test_a_secret_file_is_a_small_regular_utf8_file(tmp_path: Path, option: str, kind: str) -> None:
+    """(an attack) a secret file was read blocking and without limit: a FIFO with no writer hung
+    the receiver's start-up, ``/dev/zero`` grew it by gigabytes, and a non-UTF-8 file gave a
+    decode error naming neither the option nor the file. Now: one line naming both, at once."""
+    import os
+    import resource
+
+    (tmp_path / "root").mkdir()
+    path = tmp_path / "secret"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "/dev/zero":
+        path = Path("/dev/zero")
+    elif kind == "not-utf8":
+        path.write_bytes(b"\xff\xfe" + b"garbage" * 4)
+    else:
+        path.write_bytes(b"k" * (65 << 10))
+    argv = ["--root", str(tmp_path / "root"), "--engine-id", "e1",
+            "--checkpoint", str(tmp_path / "c"), option, str(path)]  # fmt: skip
+    if option != "--control-token-file":  # read when the engine is made: --once is enough
+        argv += ["--once", "--sglang-url", "http://127.0.0.1:1"]
+    limit = 4 << 30  # before the fix /dev/zero was read until memory ran out: bound it here
+    out = subprocess.run(
+        [sys.executable, "-m", "receiver.cli", *argv],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, (limit, limit)),
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    err = out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in out.stderr and f"{option} {path}" in err, err
+    needle = {"not-utf8": "not UTF-8", "too-big": "larger than 64 KiB"}.get(kind, "regular file")
+    assert needle in err, err
+    assert not (tmp_path / "c").exists()

@@ -38,6 +38,7 @@ from asyncsync.format.fields import _load_json
 from asyncsync.format.names import LEASES_DIR
 
 __all__ = [
+    "MAX_GID",
     "MAX_MANIFEST_BYTES",
     "RootInfo",
     "ensure_root_info",
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 MAX_MANIFEST_BYTES = 256 << 20
+MAX_GID = 0xFFFF_FFFE  # 0xFFFFFFFF is (gid_t)-1: chown reads it as "leave the group unchanged"
 
 
 class RootInfo(dict[str, Any]):
@@ -190,6 +192,8 @@ def prepare_shared_dirs(root: Path, group: str | int) -> list[Path]:
         gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
     except KeyError:
         raise ConfigError(f"no group named {group!r} on this host (give a name or a gid)") from None
+    if not 0 <= gid <= MAX_GID:  # checked before anything is created
+        raise ConfigError(f"gid {gid} is out of range: give a gid from 0 to {MAX_GID} or a name")
     fsio.make_dir(root, parents=True, exist_ok=True)
     out = []
     for name in (ACKS_DIR, LEASES_DIR):

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from asyncsync import fsio
 from asyncsync.codec import int_view
 from asyncsync.errors import EngineStateError
 from asyncsync.format.checksum import checksum_bytes, layout_checksum
@@ -80,9 +81,9 @@ def read_layout(path: Path) -> dict[str, TensorLocation]:
     def bad(what: str) -> EngineStateError:
         return EngineStateError(f"{path}: {what}; the checkpoint is damaged, remove it to reinit")
 
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+    try:  # a FIFO or a device there raises UnsafePath at once, never blocks
+        with os.fdopen(fsio.open_file(path, follow_symlinks=True), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise bad("too short for a safetensors file")
@@ -92,6 +93,8 @@ def read_layout(path: Path) -> dict[str, TensorLocation]:
             header = json.loads(f.read(n))
     except (OSError, ValueError) as exc:
         raise bad(f"unreadable safetensors header ({exc})") from exc
+    except RecursionError:
+        raise bad("safetensors header nested too deeply") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     data_start = 8 + n

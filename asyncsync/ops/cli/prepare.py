@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync.errors import ConfigError
+from asyncsync.format.store import MAX_GID
 
-__all__ = ["cmd_prepare", "register"]
+__all__ = ["cmd_prepare", "group_spec", "register"]
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -31,11 +32,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             f"{root} is not an asyncsync root and not empty (it holds "
             f"{', '.join(foreign[:5])}): pass the directory given to Publisher(...)"
         )
-    group: str | int = int(args.group) if args.group.isdigit() else args.group
-    for d in prepare_shared_dirs(root, group):
+    for d in prepare_shared_dirs(root, args.group):
         st = os.lstat(d)  # a real directory: prepare_shared_dirs refused anything else
         print(f"{d}: group {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o}")
     return 0
+
+
+def group_spec(text: str) -> str | int:
+    """An argparse type: a gid (ASCII digits, 0 to :data:`MAX_GID`) or a group name. A number
+    outside that range, or digits of another script (``int("٣")`` is 3), is a usage error."""
+    if not text.isdigit():
+        return text  # a name: looked up (before anything is created) by prepare_shared_dirs
+    if not text.isascii():
+        raise argparse.ArgumentTypeError(f"a gid is ASCII digits, got {text!r}")
+    if len(text) > 10 or int(text) > MAX_GID:  # 4294967295 is (gid_t)-1: "leave unchanged"
+        raise argparse.ArgumentTypeError(f"gid {text} is out of range: give 0 to {MAX_GID}")
+    return int(text)
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -47,7 +59,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("root", metavar="ROOT", help="the shared root (created if missing)")
     sp.add_argument(
-        "--group", required=True, metavar="G",
+        "--group", required=True, metavar="G", type=group_spec,
         help="the group (name or gid) the receivers run with",
     )  # fmt: skip
     sp.set_defaults(func=cmd_prepare)

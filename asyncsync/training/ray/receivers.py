@@ -61,18 +61,13 @@ STOP_GRACE = 120.0  # seconds a version in flight may take to finish after stop(
 
 def build_engine(spec: ReceiverSpec) -> Engine:
     """The engine ``spec`` describes, built where it runs (reads the API key file there)."""
-    from receiver.cli import API_KEY_ENV
+    from receiver.cli import API_KEY_ENV, read_secret
     from receiver.engines import VLLM, LocalCheckpoint, SGLang
 
     if spec.engine == "checkpoint":
         return LocalCheckpoint(spec.checkpoint)
-    key: str | None = os.environ.get(API_KEY_ENV, "").strip() or None
-    if spec.api_key_file:
-        try:
-            with open(spec.api_key_file, encoding="utf-8") as f:
-                key = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"{spec.engine_id}: cannot read api_key_file: {exc}") from exc
+    # a regular file of at most 64 KiB (a FIFO there would block this actor for ever)
+    key = read_secret(spec.api_key_file, API_KEY_ENV, f"{spec.engine_id}: api_key_file")
     assert spec.url is not None  # checked by the spec
     cls: type[SGLang] | type[VLLM] = SGLang if spec.engine == "sglang" else VLLM
     return cls(

@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from asyncsync import fsio
 from asyncsync.errors import ConfigError, EngineStateError
@@ -23,6 +23,15 @@ from receiver.engines.st_layout import TensorLocation, read_layout
 from receiver.state import STATE_DIR_NAME, STATE_NAME
 
 __all__ = ["CheckpointFiles", "verify_checkpoint"]
+
+# An HF index names each tensor once: even models with 100k tensors stay below a few MiB.
+_MAX_INDEX_BYTES = 64 << 20
+
+
+def _open_data(path: Path) -> BinaryIO:
+    """A data file for reading: a regular file only (a FIFO or a device there raises
+    :class:`~asyncsync.fsio.UnsafePath` at once instead of blocking); symlinks are followed."""
+    return os.fdopen(fsio.open_file(path, follow_symlinks=True), "rb")
 
 
 class CheckpointFiles:
@@ -49,9 +58,15 @@ class CheckpointFiles:
 
     def read_index(self) -> tuple[dict[str, Any], dict[str, str]]:
         try:
-            index = json.loads(self.index_path.read_bytes())
-        except (OSError, ValueError) as exc:
+            data = fsio.read_bytes(self.index_path, limit=_MAX_INDEX_BYTES, follow_symlinks=True)
+            index = json.loads(data)
+        except (OSError, ValueError) as exc:  # UnsafePath: a FIFO, device or directory there
             raise EngineStateError(f"cannot read {self.index_path}: {exc}") from exc
+        except RecursionError:
+            raise EngineStateError(
+                f"cannot read {self.index_path}: its JSON is nested too deeply to be an index; "
+                "remove the checkpoint directory to re-initialise from the newest keyframe"
+            ) from None
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict) or not all(
             isinstance(k, str) and isinstance(v, str) and self._data_re.match(v)
@@ -86,7 +101,7 @@ class CheckpointFiles:
     def fsync_data_files(self) -> None:
         """fsync every data file: dirty pages of any version, whoever wrote them, reach disk."""
         for p in self.data_files():
-            fd = os.open(p, os.O_RDONLY)
+            fd = fsio.open_file(p, follow_symlinks=True)  # a FIFO: refused, never waited on
             try:
                 os.fsync(fd)
             finally:
@@ -133,7 +148,7 @@ def verify_checkpoint(
             bad.append(e.name)
             continue
         if e.parts is not None:  # per-part checksums: hash the tensor's bytes in one piece
-            with open(files.directory / loc.file, "rb") as f:
+            with _open_data(files.directory / loc.file) as f:
                 f.seek(loc.begin)
                 data = f.read(loc.nbytes)
             if (
@@ -143,7 +158,7 @@ def verify_checkpoint(
                 bad.append(e.name)
             continue
         h = new_hasher(manifest.checksum_algorithm)
-        with open(files.directory / loc.file, "rb") as f:
+        with _open_data(files.directory / loc.file) as f:
             f.seek(loc.begin)
             left = loc.nbytes
             while left > 0:

@@ -20,6 +20,7 @@ one-tensor-pair-per-patch layout (``p{i}``/``v{i}``) that earlier versions wrote
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from asyncsync import fsio
 from asyncsync.codec import Patch, decode_xef_positions, ef, native, scratch
 from asyncsync.errors import ConfigError
 from asyncsync.pipeline import parallel_map
@@ -133,6 +135,7 @@ def read(path: Path) -> list[tuple[str, torch.Tensor | None, torch.Tensor]]:
 
     Also reads the one-tensor-per-patch layout earlier versions wrote (``p{i}``/``v{i}``).
     """
+    os.close(fsio.open_file(path))  # a FIFO or a device: refused here, safe_open would block
     with safetensors.safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         names = json.loads(meta["names"])
