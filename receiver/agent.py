@@ -24,7 +24,6 @@ import logging
 import os
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,13 +34,16 @@ from asyncsync.errors import (
     AsyncSyncError,
     ChainError,
     ChecksumMismatch,
+    ConfigError,
     FormatError,
     IncompatibleVersion,
     IncompleteVersion,
+    ManifestError,
     check_number,
 )
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
+from asyncsync.format.names import root_path
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
 from receiver.acking import RootPresence
@@ -135,9 +137,12 @@ class ReceiverAgent:
         ):
             check_number(name, value, above=True)
         check_number("verify_deadline", verify_deadline)
-        self.root = Path(root)
+        self.root = root_path(root)
         self.engine = engine
-        self.engine_id = check_engine_id(engine_id)
+        try:
+            self.engine_id = check_engine_id(engine_id)
+        except ManifestError as exc:  # an argument, not the root's content
+            raise ConfigError(str(exc)) from None
         self.poll_interval = poll_interval
         self.verify_deadline = verify_deadline
         self.use_inotify = use_inotify

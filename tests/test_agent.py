@@ -58,6 +58,11 @@ def test_options_of_the_wrong_type_or_range_are_config_errors(
     with pytest.raises(ConfigError, match=option):
         ReceiverAgent(tmp_path / "root", engine, "e1", **{option: bad})  # type: ignore[arg-type]
     ReceiverAgent(tmp_path / "root", engine, "e1", prefetch_bytes=0, verify_deadline=0)
+    with pytest.raises(ConfigError, match="root must be a non-empty path"):
+        ReceiverAgent("", engine, "e1")
+    for bad_id in (5, "a/b", ""):  # was a ManifestError: the root's family, not the caller's
+        with pytest.raises(ConfigError, match="invalid engine id"):
+            ReceiverAgent(tmp_path / "root", engine, bad_id)  # type: ignore[arg-type]
 
 
 async def test_local_checkpoint_follows_every_version(tmp_path: Path) -> None:

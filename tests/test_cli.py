@@ -407,3 +407,16 @@ def test_bad_values_are_usage_errors_before_any_work(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"argument {argv[-2]}:" in err and "Traceback" not in err
+
+
+def test_a_file_where_a_directory_is_expected_is_named_as_such(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify said "does not exist" and prepare "[Errno 17] File exists" for a regular file."""
+    f = tmp_path / "file"
+    f.write_text("x\n")
+    assert main(["verify", str(root), "--checkpoint", str(f)]) == 1
+    assert f"checkpoint directory {f} is not a directory" in capsys.readouterr().err
+    assert main(["prepare", str(f), "--group", "0"]) == 1
+    assert f"{f} is not a directory" in capsys.readouterr().err
+    assert f.read_text() == "x\n"

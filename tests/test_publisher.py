@@ -134,6 +134,9 @@ async def test_publish_needs_seed_and_validates(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=name):
             Publisher(tmp_path, **bad)  # type: ignore[arg-type]
     Publisher(tmp_path, bucket_bytes=np.int64(1 << 20), delta_shard_bytes=None)
+    for root in ("", None, b"/tmp/r"):  # "" published into the working directory
+        with pytest.raises(ConfigError, match="root must be a non-empty path"):
+            Publisher(root)  # type: ignore[arg-type]
     async with Publisher(tmp_path) as pub:
         with pytest.raises(PublishError, match="seed"):
             await pub.publish({"a": torch.ones(2)})

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.errors import ManifestError
+from asyncsync.errors import ConfigError, ManifestError
 
 if TYPE_CHECKING:
     import torch
@@ -141,3 +142,16 @@ def check_engine_id(engine_id: object) -> str:
 
 def ack_path(root: Path, engine_id: str) -> Path:
     return root / ACKS_DIR / f"{check_engine_id(engine_id)}.json"
+
+
+def root_path(root: object) -> Path:
+    """``Path(root)`` for a root given to a constructor; ConfigError for anything but a
+    non-empty ``str`` or ``os.PathLike`` of one (``Path("")`` is the working directory: an
+    unset variable, never a choice)."""
+    try:
+        text = os.fspath(root)  # type: ignore[call-overload]
+    except TypeError:
+        text = None
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"root must be a non-empty path, got {root!r}")
+    return Path(text)

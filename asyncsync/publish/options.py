@@ -12,6 +12,7 @@ from asyncsync import codec
 from asyncsync.errors import ConfigError, check_number
 from asyncsync.format import Manifest
 from asyncsync.format.checksum import new_hasher
+from asyncsync.format.names import root_path
 from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.retention import RetentionPolicy
 
@@ -64,6 +65,7 @@ class ShardSizer:
 
 def check_options(
     *,
+    root: Any,
     encoding: str,
     checksum: str,
     bucket_bytes: int,
@@ -78,6 +80,7 @@ def check_options(
 ) -> None:
     """Raise ConfigError for the first option out of its range or of the wrong type (see
     Publisher's Args)."""
+    root_path(root)  # "" (the working directory), None, bytes: a ConfigError
     for name, value in (
         ("bucket_bytes", bucket_bytes),
         ("delta_shard_bytes", delta_shard_bytes),

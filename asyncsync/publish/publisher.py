@@ -152,7 +152,7 @@ class Publisher:
         check_options(
             encoding=encoding, checksum=checksum, bucket_bytes=bucket_bytes,
             delta_shard_bytes=delta_shard_bytes, max_in_flight=max_in_flight, mode=mode,
-            keyframe_interval=keyframe_interval, zstd_level=zstd_level,
+            keyframe_interval=keyframe_interval, zstd_level=zstd_level, root=root,
             pre_commit_hook=pre_commit_hook, retention=retention, coordinator=coordinator,
         )  # fmt: skip
         self.root = Path(root)

@@ -26,6 +26,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from asyncsync.format.store import not_a_root, prepare_shared_dirs
 
     root = Path(args.root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root} is not a directory: give the shared root's directory")
     foreign = not_a_root(root) if root.is_dir() else []
     if foreign:
         raise ConfigError(

@@ -61,7 +61,8 @@ def verify_checkpoint_dir(
     root, checkpoint = Path(root), Path(checkpoint)
     versions = check_root(root)
     if not checkpoint.is_dir():
-        raise ConfigError(f"checkpoint directory {checkpoint} does not exist")
+        what = "is not a directory" if checkpoint.exists() else "does not exist"
+        raise ConfigError(f"checkpoint directory {checkpoint} {what}")
     state = StateStore(checkpoint / STATE_DIR_NAME).load()
     if state is None and not (checkpoint / "model.safetensors.index.json").exists():
         raise ConfigError(
