@@ -9,7 +9,8 @@ after OutcomeUnknown (only injected when the attempt was committed) it moves on.
 what each call returned in ``out/rank{r}-{incarnation}.json``.
 
 Fault injection (cfg keys): ``kill`` = [rank, step] SIGKILLs that rank after it wrote its first
-shard of that step; ``miss`` = [rank, step] makes that rank miss the commit outcome;
+shard of that step; ``slow`` = [rank, step] makes that rank's first shard write of that step
+take 1.5 s longer; ``miss`` = [rank, step] makes that rank miss the commit outcome;
 ``fail`` = [rank, step] makes that rank's encode stage raise once; ``exit_on_error`` ends the
 process (code 3) after a failed publish; ``kill_after_rename`` = [0, step] SIGKILLs rank 0 right
 after it renamed that step's manifest into place; ``cancel_after_rename`` = [0, step] cancels
@@ -125,6 +126,17 @@ def _arm_kill() -> None:
     writer_mod.VersionWriter.write = write_then_die  # type: ignore[method-assign]
 
 
+def _arm_slow() -> None:
+    real = writer_mod.VersionWriter.write
+
+    def slow_write(self: Any, *a: Any, **k: Any) -> None:
+        writer_mod.VersionWriter.write = real  # type: ignore[method-assign]
+        time.sleep(1.5)
+        real(self, *a, **k)
+
+    writer_mod.VersionWriter.write = slow_write  # type: ignore[method-assign]
+
+
 def _arm_fail() -> None:
     real = publisher_mod.encode_bucket
 
@@ -185,6 +197,8 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
             sd, slices = portion(step, rank, world)
             if cfg.get("kill") == [rank, step] and not cfg.get("incarnation"):
                 _arm_kill()
+            if cfg.get("slow") == [rank, step] and not cfg.get("incarnation"):
+                _arm_slow()
             if cfg.get("fail") == [rank, step] and tries == 0:
                 _arm_fail()
             if miss is not None and cfg.get("miss") == [rank, step]:

@@ -288,6 +288,9 @@ class Rig:
         else:
             v = (await self.pub.publish(sd, **kw)).version
         await self.agent.sync_once()
+        # the checkpoint's flush (state.json "synced") runs on after the ack: the tests change
+        # the checkpoint's files and state.json by hand, which must not race with it
+        await self.engine.checkpoint.flushed()
         return v
 
     def full_of(self, rank: int) -> Callable[[str], tuple[bool, str]]:

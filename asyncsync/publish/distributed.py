@@ -54,7 +54,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from asyncsync.errors import ConfigError, CoordinationError
+from asyncsync.errors import ConfigError, CoordinationError, check_number
 
 __all__ = ["Coordinator", "Decide", "Message", "TorchDistCoordinator", "step_key", "step_of"]
 
@@ -81,6 +81,11 @@ class Coordinator(abc.ABC):
 
     rank: int
     world_size: int
+    #: seconds rank 0 waits for the part records of the ranks it heard nothing from when the
+    #: exchange itself broke (a transport that fails at one rank's death hears from no one: a
+    #: rank still writing its part is not to be blamed with the dead one); 0 where silence is
+    #: judged by heartbeats and timeouts already
+    broken_grace: float = 0.0
 
     async def open(self) -> None:  # noqa: B027 (optional hook)
         """Called when the publisher opens: rank 0 starts a new run of the group."""
@@ -127,10 +132,17 @@ class TorchDistCoordinator(Coordinator):
     collectives pair the ranks' calls in order; each message also carries its step, key and
     group id, and one of another round is refused (a broken pairing, never silently merged).
     Plan rounds with the caller's step realign: when the steps differ, the ranks behind fail
-    their call and the others gather again, to meet the next call of the ranks behind."""
+    their call and the others gather again, to meet the next call of the ranks behind.
 
-    def __init__(self, process_group: Any = None) -> None:
+    A collective broken by one rank's death hears from no rank: rank 0 then waits up to
+    ``broken_grace`` seconds for the part records of the ranks still writing theirs, and names
+    only the ranks whose record never came."""
+
+    def __init__(self, process_group: Any = None, *, broken_grace: float = 5.0) -> None:
         import torch.distributed as dist
+
+        check_number("broken_grace", broken_grace)
+        self.broken_grace = float(broken_grace)
 
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(

@@ -29,6 +29,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -297,13 +298,13 @@ class RankGroup:
                 blame = [] if isinstance(err, ConfigError) else [0]
                 return {"committed": False, "ranks": blame, "error": why}
             if m is None:
-                return self._failure(plan, vdir, msgs)
+                return await self._failure(plan, vdir, msgs)
             committed.append(m)
             self.last_attempt = plan.attempt  # before any other await: the version exists
             return {"committed": True, "manifest": m.to_json()}
 
         async def decide_failed(msgs: list[Message | None]) -> Message:
-            return self._failure(plan, vdir, msgs)
+            return await self._failure(plan, vdir, msgs)
 
         def own_failure() -> PublishError:
             return PublishError(
@@ -365,11 +366,17 @@ class RankGroup:
             raise own_failure() from part
         raise PublishError(str(res.get("error")), ranks=tuple(res.get("ranks") or ()))
 
-    def _failure(self, plan: Plan, vdir: Path, msgs: Sequence[Message | None]) -> Message:
+    async def _failure(self, plan: Plan, vdir: Path, msgs: Sequence[Message | None]) -> Message:
         """The failure result naming the ranks that failed or sent nothing."""
         silent = [r for r, m in enumerate(msgs) if m is None]
-        # a broken transport hears from nobody: blame the ranks whose part record is missing
-        absent = [r for r in silent if not _exists(vdir / part_file_name(r, plan.attempt))]
+        # a broken transport hears from nobody: blame the ranks whose part record is missing,
+        # once those still writing theirs had the coordinator's grace to finish
+        deadline = time.monotonic() + self.coordinator.broken_grace
+        while True:
+            absent = [r for r in silent if not _exists(vdir / part_file_name(r, plan.attempt))]
+            if not absent or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
         silent = absent or silent
         failed = [(r, m["error"]) for r, m in enumerate(msgs) if m is not None and "error" in m]
         why = [f"rank {r} failed: {e}" for r, e in failed]
