@@ -44,6 +44,9 @@ _pool_lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_size = 0
 _threads: int | None = None  # set_threads(); None: ASYNCSYNC_THREADS or the CPU count
+#: the most workers the pool may have (a typo such as 10000000 is an error, not that many
+#: threads: each may hold a tensor's temporaries at once)
+MAX_THREADS = 1024
 
 
 def threads() -> int:
@@ -57,8 +60,8 @@ def threads() -> int:
             n = int(env)
         except ValueError:
             raise ConfigError(f"ASYNCSYNC_THREADS={env!r} is not a whole number") from None
-        if n < 1:
-            raise ConfigError(f"ASYNCSYNC_THREADS={env!r} must be >= 1")
+        if not 1 <= n <= MAX_THREADS:
+            raise ConfigError(f"ASYNCSYNC_THREADS={env!r} must be from 1 to {MAX_THREADS}")
         return n
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -69,8 +72,10 @@ def threads() -> int:
 def set_threads(n: int | None) -> None:
     """Size the pool (``None``: back to ``ASYNCSYNC_THREADS`` or the CPU count)."""
     global _threads
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise ConfigError(f"threads must be a whole number >= 1, got {n!r}")
+    if n is not None and (
+        not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_THREADS
+    ):
+        raise ConfigError(f"threads must be a whole number from 1 to {MAX_THREADS}, got {n!r}")
     _threads = n
 
 

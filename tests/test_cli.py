@@ -409,6 +409,31 @@ def test_bad_values_are_usage_errors_before_any_work(
     assert f"argument {argv[-2]}:" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [
+        ("--json", "DIR", "is a directory, not a file"),
+        ("--markdown", "FIFO", "exists and is not a regular file"),
+        ("--json", "FILE/out.json", "FILE is not a directory"),
+        ("--plot", "FILE", "exists and is not a directory"),
+        ("--profile", "FILE/deeper/dir", "FILE is not a directory"),
+        ("--threads", "5000", "must be <= 1024"),
+    ],
+)
+def test_bench_outputs_and_threads_are_checked_before_the_run(
+    tmp_path: Path, flag: str, value: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An output the run cannot write failed only after minutes of benchmarking (a FIFO
+    would block it at the end); --threads 10000000 was taken."""
+    (tmp_path / "FILE").write_text("x\n")
+    (tmp_path / "DIR").mkdir()
+    os.mkfifo(tmp_path / "FIFO")
+    arg = value if value.isdigit() else str(tmp_path / value)
+    assert main(["bench", "--quick", flag, arg]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and why.replace("FILE", str(tmp_path / "FILE")) in err, err
+
+
 def test_a_file_where_a_directory_is_expected_is_named_as_such(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -108,12 +108,13 @@ def test_pool_size_comes_from_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
         assert pipeline.threads() == 1
     finally:
         pipeline.set_threads(None)
-    for bad in ("0", "two"):
+    for bad in ("0", "two", "10000000"):
         monkeypatch.setenv("ASYNCSYNC_THREADS", bad)
         with pytest.raises(ConfigError, match="ASYNCSYNC_THREADS"):
             pipeline.threads()
-    with pytest.raises(ConfigError):
-        pipeline.set_threads(0)
+    for n in (0, pipeline.MAX_THREADS + 1):
+        with pytest.raises(ConfigError, match="from 1 to 1024"):
+            pipeline.set_threads(n)
 
 
 @pytest.mark.parametrize("n", [1, 4])

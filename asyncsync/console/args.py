@@ -50,8 +50,9 @@ def size_bytes(text: str) -> int:
     return v
 
 
-def int_at_least(lo: int) -> Callable[[str], int]:
-    """An argparse type: a whole number (``_`` separators allowed) of at least ``lo``."""
+def int_at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number (``_`` separators allowed) of at least ``lo`` (and at
+    most ``hi`` when given)."""
 
     def parse(text: str) -> int:
         try:
@@ -60,6 +61,8 @@ def int_at_least(lo: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {v}")
         return v
 
     return parse

@@ -22,9 +22,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncsync.console.args import int_at_least
 from asyncsync.errors import ConfigError
 from asyncsync.fsio import Throttle, parse_size
 from asyncsync.ops.cli.common import positive_int
+from asyncsync.pipeline import MAX_THREADS
 
 if TYPE_CHECKING:
     from asyncsync.ops.bench.measure import BenchConfig
@@ -214,6 +216,45 @@ def _throttle_spec(text: str) -> str:
     return text
 
 
+def _writable_ancestor(path: Path) -> str | None:
+    """Why files cannot be created at ``path`` (its nearest existing ancestor is not a
+    writable directory), or None."""
+    up = path
+    while not up.exists() and up != up.parent:
+        up = up.parent
+    if not up.is_dir():
+        return f"{up} is not a directory"
+    if not os.access(up, os.W_OK | os.X_OK):
+        return f"{up} is not writable"
+    return None
+
+
+def _output_file(text: str) -> str:
+    """``--json`` / ``--markdown``: a file the run can write (checked before the run, which
+    may take minutes)."""
+    p = Path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if p.exists() or p.is_symlink():
+        if not p.is_file():
+            raise argparse.ArgumentTypeError(f"{text!r} exists and is not a regular file")
+        if not os.access(p, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    elif (why := _writable_ancestor(p.parent)) is not None:
+        raise argparse.ArgumentTypeError(f"cannot create {text!r}: {why}")
+    return text
+
+
+def _output_dir(text: str) -> str:
+    """``--plot`` / ``--profile``: a directory the run can create or write into."""
+    p = Path(text)
+    if (p.exists() or p.is_symlink()) and not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    if (why := _writable_ancestor(p)) is not None:
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {why}")
+    return text
+
+
 def _device(text: str) -> str:
     """``--device``: a device name torch knows (checked before the run)."""
     import torch
@@ -233,9 +274,16 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Run the benchmark suite (see BENCHMARKS.md). Prints markdown tables.",
     )
     sp.add_argument("--quick", action="store_true", help="the < 60 s run (32M elements)")
-    sp.add_argument("--json", metavar="FILE", help="write the summary (ratios, targets) as JSON")
-    sp.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
-    sp.add_argument("--markdown", metavar="FILE", help="write the tables to FILE as well")
+    sp.add_argument(
+        "--json",
+        type=_output_file,
+        metavar="FILE",
+        help="write the summary (ratios, targets) as JSON",
+    )
+    sp.add_argument("--plot", type=_output_dir, metavar="DIR", help="write PNG plots into DIR")
+    sp.add_argument(
+        "--markdown", type=_output_file, metavar="FILE", help="write the tables to FILE as well"
+    )
     sp.add_argument(
         "--throttle",
         default=_THROTTLE,
@@ -271,13 +319,14 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     sp.add_argument(
         "--profile",
+        type=_output_dir,
         metavar="DIR",
         help="profile publish and apply by stage and by sampling (the sweep's setup) at the "
         "first --scale-sizes (default 1GiB); write profile_{publish,apply}_<size>.txt into DIR",
     )
     sp.add_argument(
         "--threads",
-        type=positive_int,
+        type=int_at_least(1, MAX_THREADS),
         metavar="N",
         help="CPU threads of each side (its pool and torch's; default: every core; the "
         "scale sweep and --peers); see python -m asyncsync.ops.bench.threads",
