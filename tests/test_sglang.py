@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 import socket
 import subprocess
@@ -408,6 +409,25 @@ async def test_client_messages_redirects_and_retry_policy(srv: FakeSGLang) -> No
         RetryPolicy(attempts=0)
     with pytest.raises(ConfigError):
         Timeouts(update=0)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Timeouts(control="30"), "Timeouts.control must be a number"),
+        (lambda: Timeouts(update=float("nan")), "Timeouts.update must be finite"),
+        (lambda: RetryPolicy(attempts=2.5), "RetryPolicy.attempts must be an integer"),
+        (lambda: RetryPolicy(jitter=float("nan")), "RetryPolicy.jitter must be finite"),
+        (lambda: SGLang("http://127.0.0.1:1", "ck", timeouts="x"), "must be a Timeouts"),
+        (lambda: SGLang("http://127.0.0.1:1", "ck", retry=3), "must be a RetryPolicy"),
+        (lambda: SGLang("http://127.0.0.1:1", "ck", failure_backoff=(1,)), "(first, max)"),
+        (lambda: SGLang("http://127.0.0.1:1", "ck", failure_backoff=(0, "9")), "a number"),
+    ],
+)
+def test_engine_options_of_a_wrong_type_are_config_errors(make: Any, match: str) -> None:
+    """SGLang(timeouts="x") was an AttributeError at the first call; NaN timeouts were taken."""
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        make()
 
 
 # --------------------------------------------------------------------------- CLI

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from asyncsync.errors import ApplyFailed, ConfigError
+from asyncsync.errors import ApplyFailed, ConfigError, check_number
 
 __all__ = ["EngineHTTPError", "HttpClient", "RetryPolicy", "Timeouts"]
 
@@ -72,8 +72,9 @@ class RetryPolicy:
     jitter: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ConfigError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        check_number("RetryPolicy.attempts", self.attempts, integer=True, minimum=1)
+        for name in ("initial", "multiplier", "maximum", "jitter"):
+            check_number(f"RetryPolicy.{name}", getattr(self, name))
         if self.initial < 0 or self.maximum < 0 or self.multiplier < 1:
             raise ConfigError("RetryPolicy: initial/maximum must be >= 0 and multiplier >= 1")
         if not 0 <= self.jitter < 1:
@@ -101,8 +102,7 @@ class Timeouts:
 
     def __post_init__(self) -> None:
         for name in ("control", "update", "connect", "startup"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"Timeouts.{name} must be > 0, got {getattr(self, name)}")
+            check_number(f"Timeouts.{name}", getattr(self, name), above=True)
 
 
 def check_url(url: str) -> URL:

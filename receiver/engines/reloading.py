@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from asyncsync import fsio
-from asyncsync.errors import ApplyFailed, ConfigError
+from asyncsync.errors import ApplyFailed, ConfigError, check_number
 from asyncsync.format import Manifest
 from receiver.engines.audit_view import AuditWatch
 from receiver.engines.base import Engine, EngineState, TensorUpdate
@@ -114,6 +114,10 @@ class ReloadingEngine(Engine, abc.ABC):
         if not isinstance(version_offset, int) or isinstance(version_offset, bool):
             raise ConfigError(f"version_offset must be an int, got {version_offset!r}")
         self.version_offset = version_offset
+        if not isinstance(timeouts, Timeouts | None):
+            raise ConfigError(f"timeouts must be a Timeouts, got {timeouts!r}")
+        if not isinstance(retry, RetryPolicy | None):
+            raise ConfigError(f"retry must be a RetryPolicy, got {retry!r}")
         self.timeouts = timeouts or Timeouts()
         self.client = HttpClient(
             url,
@@ -125,6 +129,12 @@ class ReloadingEngine(Engine, abc.ABC):
         )
         self.checkpoint = LocalCheckpoint(checkpoint_dir)
         self.model_path = model_path or str(Path(checkpoint_dir).absolute())
+        if not isinstance(failure_backoff, tuple | list) or len(failure_backoff) != 2:
+            raise ConfigError(
+                f"failure_backoff must be (first, max) seconds, got {failure_backoff!r}"
+            )
+        for x in failure_backoff:
+            check_number("failure_backoff", x)
         if failure_backoff[0] < 0 or failure_backoff[1] < failure_backoff[0]:
             raise ConfigError(
                 f"failure_backoff must be (first >= 0, max >= first), got {failure_backoff}"
