@@ -48,6 +48,7 @@ from asyncsync.console.logsetup import (
 )
 from asyncsync.console.progress import Progress, ProgressWatcher
 from asyncsync.errors import AsyncSyncError, ConfigError
+from asyncsync.format.names import check_engine_id
 from receiver.acking import check_root_for_receiver
 from receiver.agent import ReceiverAgent
 from receiver.audit import receiver_auditor
@@ -76,6 +77,15 @@ MIN_TOKEN_CHARS = 16  # what StatusServer accepts: checked here before the engin
 MAX_SECRET_BYTES = 64 << 10  # a token or an API key file: a few dozen bytes in practice
 
 
+def _engine_id(text: str) -> str:
+    """``--engine-id``: checked at parse time (a bad one is bad usage, exit 2; it also names
+    the receiver in every error line, which must stay one line)."""
+    try:
+        return check_engine_id(text)
+    except AsyncSyncError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(
         prog="asyncsync-receiver",
@@ -83,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--root", required=True, help="the shared root the publisher writes")
     p.add_argument(
-        "--engine-id", required=True, help="this engine's name in acks ([A-Za-z0-9._-], unique)"
+        "--engine-id",
+        required=True,
+        type=_engine_id,
+        help="this engine's name in acks ([A-Za-z0-9._-], unique)",
     )
     p.add_argument(
         "--checkpoint",

@@ -349,9 +349,11 @@ def test_receiver_runs_until_sigint_and_exits_0(root: Path, tmp_path: Path) -> N
 
 def test_receiver_errors(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--root", str(root), "--checkpoint", str(tmp_path / "c"), "--once"]
-    assert receiver_main([*base, "--engine-id", "bad/id"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "invalid engine id" in err, err
+    for bad in ("bad/id", "two\nlines", ""):  # bad usage (was exit 1 after start-up)
+        assert receiver_main([*base, "--engine-id", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "argument --engine-id: invalid engine id" in err.splitlines()[-1], err
+        assert not (tmp_path / "c").exists()
     assert receiver_main([*base, "--engine-id", "x", "--poll-interval", "0"]) == 2
     assert receiver_main([*base, "--engine-id", "x", "--apply-group-bytes", "0"]) == 2
     assert receiver_main(["--root", str(root)]) == 2
