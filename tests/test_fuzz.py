@@ -957,6 +957,9 @@ class Target:
             self.agent = self._agent()
             await self.agent.open()
             assert await self.agent.sync_once() == 1
+            # v1's flush (state.json "synced") runs on after the ack: the checkpoint is copied
+            # below, which must not race with it (its state.json temp file vanished mid-copy)
+            await self.agent.engine.flushed()  # type: ignore[attr-defined]
             await pub.publish(self.states[2])
 
     def restore(self) -> None:
