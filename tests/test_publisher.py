@@ -522,6 +522,31 @@ async def test_bad_roots_raise_our_errors(tmp_path: Path) -> None:
             await pub.wait_acked(0, engines=["e"], timeout=0.1)
 
 
+async def test_a_foreign_folder_is_not_turned_into_a_root(tmp_path: Path) -> None:
+    """A typo'd root naming someone's folder became a root (asyncsync.json, v0, log.jsonl
+    among their files); now refused, nothing written. A root's own acks/ and leases/ (made
+    by `asyncsync prepare` before the first publish) and dot files are not foreign."""
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    (home / "notes.txt").write_text("mine\n")
+    before = sorted(os.listdir(home))
+    with pytest.raises(ConfigError, match=r"not an asyncsync root and is not empty \(it holds "
+                       r"data, notes.txt\)"):  # fmt: skip
+        async with Publisher(home):
+            pass
+    assert sorted(n for n in os.listdir(home) if not n.startswith(".")) == before
+    with pytest.raises(ConfigError, match="not an asyncsync root"):  # the lock was released
+        async with Publisher(home):
+            pass
+    prepared = tmp_path / "prepared"
+    for name in ("acks", "leases", ".hidden"):
+        (prepared / name).mkdir(parents=True)
+    async with Publisher(prepared) as pub:
+        await pub.seed(mixed_state(0))
+    async with Publisher(prepared) as pub:  # a root now, with versions: reopened as before
+        assert pub.version == 0
+
+
 def test_delta_packer_fills_shards_in_order() -> None:
     def blobs(*sizes: int) -> dict[str, bytes]:
         return {f"k{s}.{i}": bytes(s) for i, s in enumerate(sizes)}

@@ -85,10 +85,21 @@ def read_root_info(root: Path) -> RootInfo | None:
 
 
 def ensure_root_info(root: Path) -> RootInfo:
-    """Read the root identity, creating it (with a fresh run id) for a new root."""
+    """Read the root identity, creating it (with a fresh run id) for a new root: a missing or
+    empty directory, or one holding only what a root holds before its first publish (ConfigError
+    for any other directory: a typo must not turn someone's folder into a root)."""
     info = read_root_info(root)
     if info is not None:
         return info
+    foreign = not_a_root(root)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        )
+        raise ConfigError(
+            f"{root} is not an asyncsync root and is not empty (it holds {shown}): publish into "
+            "a new or empty directory (a root's acks/ and leases/ may exist already)"
+        )
     info = RootInfo(
         format=FORMAT_NAME,
         format_version=FORMAT_VERSION,

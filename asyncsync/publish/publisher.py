@@ -104,7 +104,7 @@ class Publisher:
     """Publishes versions of a state dict into ``root`` (see the module docstring).
 
     Args:
-        root: the shared directory (created if missing). One publisher per root (a lock).
+        root: the shared directory: new, empty or a root (FORMAT.md 2). One publisher per root.
         encoding: delta encoding, one of ``codec.ENCODINGS`` (default: ours, ``xef``).
         checksum: checksum algorithm for shards and tensors.
         bucket_bytes: tensors are diffed and encoded in buckets of about this many bytes; a
