@@ -35,7 +35,24 @@ DT = {w: np.dtype(f"<u{w}") for w in WIDTHS}
 
 
 def _examples(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    return settings(
+        max_examples=n,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+
+
+@pytest.fixture(params=["avx2", "words"])
+def diff_loop(request: pytest.FixtureRequest) -> Any:
+    """Each diff test runs twice: with the AVX2 loop for 2-byte elements (skipped on a CPU
+    without it) and with the 8-byte word loop; both must give the reference's outputs."""
+    before = native.simd()
+    try:
+        native.simd(request.param == "avx2")
+    except ValueError:
+        pytest.skip("this CPU or build has no AVX2 diff")
+    yield request.param
+    native.simd(before)
 
 
 def _unaligned(a: np.ndarray, offset: int) -> np.ndarray:
@@ -88,7 +105,7 @@ def _extract_all(
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
 @pytest.mark.parametrize("n", [0, 1, 7, 1001, 4099])
-def test_diff_extract_matches_reference(width: int, density: float, n: int) -> None:
+def test_diff_extract_matches_reference(width: int, density: float, n: int, diff_loop: str) -> None:
     old, new = _pair(np.random.default_rng(n + width), width, n, density)
     cap = max(1, n)
     for offset in (0, 3):  # aligned and unaligned inputs and outputs
@@ -109,7 +126,14 @@ def test_diff_extract_matches_reference(width: int, density: float, n: int) -> N
     seed=st.integers(0, 2**32 - 1),
 )
 def test_diff_extract_resumes_from_any_start_and_capacity(
-    width: int, n: int, density: float, cap: int, start_frac: float, offset: int, seed: int
+    width: int,
+    n: int,
+    density: float,
+    cap: int,
+    start_frac: float,
+    offset: int,
+    seed: int,
+    diff_loop: str,
 ) -> None:
     old, new = _pair(np.random.default_rng(seed), width, n, density)
     start = int(start_frac * n)
@@ -119,19 +143,50 @@ def test_diff_extract_resumes_from_any_start_and_capacity(
         assert np.array_equal(g, r)
 
 
-def test_diff_extract_every_byte_of_a_word_counts() -> None:
-    """A change in any byte of any lane is found, including the last lane of the tail."""
+def test_diff_extract_every_byte_of_a_word_counts(diff_loop: str) -> None:
+    """A change in any byte of any lane is found, including the last lane of the tail (nine
+    whole words: two 16-lane steps of the AVX2 loop for 2-byte elements), with room for every
+    lane and with 4 slots (the word loop only)."""
     for width in WIDTHS:
-        n = 8 // width * 3 + 1  # three whole words and a one-element tail
+        n = 8 // width * 9 + 1  # nine whole words and a one-element tail
         for byte in range(n * width):
             old = np.zeros(n * width, np.uint8)
             new = old.copy()
             new[byte] = 0x80
-            got = _extract_all(old.view(DT[width]), new.view(DT[width]), width, 4)
-            assert got[0].tolist() == [byte // width]
+            for cap in (n, 4):
+                got = _extract_all(old.view(DT[width]), new.view(DT[width]), width, cap)
+                assert got[0].tolist() == [byte // width]
 
 
-def test_diff_extract_positions_only_and_views() -> None:
+def test_simd_switch() -> None:
+    """simd() says whether the AVX2 diff is used; it switches; ASYNCSYNC_SIMD=0 turns it off at
+    import."""
+    import subprocess
+    import sys
+
+    before = native.simd()
+    try:
+        assert native.simd(False) is False and native.simd() is False
+        try:
+            assert native.simd(True) is True and native.simd() is True
+        except ValueError as exc:  # a CPU or build without it says so
+            assert "AVX2" in str(exc)
+            assert native.simd() is False
+    finally:
+        native.simd(before)
+    code = "import asyncsync.codec._native as n; print(n.simd())"
+    for env, want in (("0", "False"), ("1", str(before))):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**__import__("os").environ, "ASYNCSYNC_SIMD": env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.strip() == want
+
+
+def test_diff_extract_positions_only_and_views(diff_loop: str) -> None:
     old, new = _pair(np.random.default_rng(1), 2, 5000, 0.2)
     pos = np.empty(5000, np.int64)
     count, nxt = native.diff_extract(old, new, 2, 0, pos, None, None)
@@ -144,7 +199,7 @@ def test_diff_extract_positions_only_and_views() -> None:
     assert np.array_equal(np.frombuffer(out, np.int64)[:count8], ref)
 
 
-def test_diff_extract_capacity_exactly_full_at_the_end() -> None:
+def test_diff_extract_capacity_exactly_full_at_the_end(diff_loop: str) -> None:
     old, new = _pair(np.random.default_rng(2), 4, 100, 1.0)
     pos, vals, xor = np.empty(100, np.int64), np.empty(100, DT[4]), np.empty(100, DT[4])
     assert native.diff_extract(old, new, 4, 0, pos, vals, xor) == (100, 100)
@@ -527,7 +582,9 @@ def test_xxh3_digests_are_python_xxhash_ones(bits: int) -> None:
 
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("cap", [7, 1000, None])
-def test_diff_extract_hashes_and_advances_in_its_pass(width: int, cap: int | None) -> None:
+def test_diff_extract_hashes_and_advances_in_its_pass(
+    width: int, cap: int | None, diff_loop: str
+) -> None:
     import xxhash
 
     rng = np.random.default_rng(width)
