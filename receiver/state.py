@@ -78,6 +78,8 @@ JOURNAL_DIR = "journal"
 STAGING_DIR = "staging"
 STATE_FORMAT = "asyncsync-engine-state"
 STATE_FORMAT_VERSION = 1
+#: the format version of a state whose delta in flight journals progressively (``progressive``)
+STATE_FORMAT_VERSION_PROGRESSIVE = 2
 _MAX_STATE_BYTES = 256 << 20  # per-tensor checksums of even huge models stay far below this
 
 Status = Literal["clean", "applying"]
@@ -96,7 +98,11 @@ class PersistedState:
     checksum is the composite of their parts' (docs/FORMAT.md). ``synced`` False: ``version``
     was committed while its bytes were still only in the page cache (an engine that makes a
     version durable after acknowledging it); a reader that finds it so after a crash must
-    check the bytes against ``checksums`` before trusting ``version``.
+    check the bytes against ``checksums`` before trusting ``version``. ``progressive`` True:
+    the delta being applied journals its old values without making them durable first
+    (:mod:`receiver.engines.checkpoint.journal`); a reader that finds it so after a crash
+    undoes what the journal holds and then checks every tensor the same way. It is written
+    with ``format_version`` 2, so a reader of version 1 refuses the file rather than trust it.
     """
 
     version: int | None = None
@@ -110,19 +116,28 @@ class PersistedState:
     updated_at: float = 0.0
     parts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     synced: bool = True
+    progressive: bool = False
 
     # -- views --------------------------------------------------------------------------
     @property
     def applying(self) -> bool:
         return self.status == "applying"
 
-    def begin(self, target_version: int, mode: Mode) -> PersistedState:
+    def begin(
+        self, target_version: int, mode: Mode, *, progressive: bool = False
+    ) -> PersistedState:
         """This state, marked as moving to ``target_version``."""
-        return replace(self, status="applying", target_version=target_version, mode=mode)
+        return replace(
+            self,
+            status="applying",
+            target_version=target_version,
+            mode=mode,
+            progressive=progressive,
+        )
 
     def clean(self) -> PersistedState:
         """This state with any in-flight marker cleared (the held version is unchanged)."""
-        return replace(self, status="clean", target_version=None, mode=None)
+        return replace(self, status="clean", target_version=None, mode=None, progressive=False)
 
     # -- JSON ---------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -143,6 +158,9 @@ class PersistedState:
             d["parts"] = {k: [list(p) for p in v] for k, v in self.parts.items()}
         if not self.synced:
             d["synced"] = False
+        if self.progressive:
+            d["format_version"] = STATE_FORMAT_VERSION_PROGRESSIVE
+            d["progressive"] = True
         return json.dumps(d, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
     @classmethod
@@ -158,10 +176,11 @@ class PersistedState:
             raise bad(f"not valid JSON ({exc})") from exc
         if not isinstance(d, dict) or d.get("format") != STATE_FORMAT:
             raise bad("not an asyncsync engine state file")
-        if d.get("format_version") != STATE_FORMAT_VERSION:
+        if d.get("format_version") not in (STATE_FORMAT_VERSION, STATE_FORMAT_VERSION_PROGRESSIVE):
             raise bad(
                 f"format_version {d.get('format_version')!r} is not supported "
-                f"(this reader understands {STATE_FORMAT_VERSION})"
+                f"(this reader understands {STATE_FORMAT_VERSION} and "
+                f"{STATE_FORMAT_VERSION_PROGRESSIVE})"
             )
 
         def opt_int(key: str) -> int | None:
@@ -211,6 +230,14 @@ class PersistedState:
         synced = d.get("synced", True)
         if not isinstance(synced, bool):
             raise bad(f"field 'synced' must be true or false, got {synced!r}")
+        progressive = d.get("progressive", False)
+        if not isinstance(progressive, bool) or progressive != (
+            d["format_version"] == STATE_FORMAT_VERSION_PROGRESSIVE
+        ):
+            raise bad(
+                f"field 'progressive' must be true exactly in format_version "
+                f"{STATE_FORMAT_VERSION_PROGRESSIVE}, got {progressive!r}"
+            )
         state = cls(
             version=opt_int("version"),
             run_id=opt_str("run_id"),
@@ -223,6 +250,7 @@ class PersistedState:
             updated_at=float(updated_at),
             parts={k: [(p[0], p[1]) for p in v] for k, v in parts.items()},
             synced=synced,
+            progressive=progressive,
         )
         if state.applying and (state.target_version is None or state.mode is None):
             raise bad("status 'applying' without target_version and mode")

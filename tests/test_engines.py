@@ -424,11 +424,11 @@ mode = sys.argv[3]
 n = [0]
 if mode == "delta":
     def dying(real):  # the patch alone, or the patch that also takes the checksum
-        def patch(*args):
+        def patch(*args, **kw):
             n[0] += 1
             if n[0] > 3:
                 os._exit(17)
-            return real(*args)
+            return real(*args, **kw)
         return patch
     ckip.apply_patch = dying(ckip.apply_patch)
     ckip.patch_and_checksum = dying(ckip.patch_and_checksum)
@@ -442,7 +442,7 @@ else:
         real_replace(a, b, **kw)
     os.replace = dying_replace
 async def main():
-    e = ck.LocalCheckpoint(sys.argv[1])
+    e = ck.LocalCheckpoint(sys.argv[1], sync_before_ack=sys.argv[4:] == ["durable"])
     await e.open()
     await e.begin(data["manifest"], mode)
     for batch in data["batches"]:
@@ -453,13 +453,14 @@ asyncio.run(main())
 
 
 def run_crashing_child(
-    tmp_path: Path, ckdir: Path, m: Manifest, batches: object, mode: str
+    tmp_path: Path, ckdir: Path, m: Manifest, batches: object, mode: str, *, durable: bool = False
 ) -> None:
     payload = tmp_path / "payload.pt"
     torch.save({"manifest": m, "batches": batches}, payload)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(ckdir), str(payload), mode],
+        [sys.executable, "-c", _CHILD, str(ckdir), str(payload), mode]
+        + (["durable"] if durable else []),
         env=env,
         capture_output=True,
         text=True,
@@ -489,10 +490,30 @@ def xef_batches(
     return [ups[i::n] for i in range(n) if ups[i::n]]
 
 
+def journal_codings(ckdir: Path) -> tuple[set[str], list[list[str]]]:
+    """(the record kinds, each record's positions codings) in a checkpoint's journal."""
+    kinds, codings = set(), []
+    for p in (ckdir / ".asyncsync" / "journal").glob("undo-*"):
+        if p.suffix == ".progressive":
+            data = p.read_bytes()
+            meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+            codings.append(meta["positions"])
+        else:
+            meta = safetensors.safe_open(str(p), "pt").metadata() or {}
+            codings.append(json.loads(meta["positions"]))
+        kinds.add(p.suffix)
+    return kinds, codings
+
+
+@pytest.mark.parametrize("durable", [False, True], ids=["progressive", "durable"])
 @pytest.mark.parametrize("decoded", [False, True], ids=["made-up", "xef-decoded"])
-async def test_crash_during_delta_recovers_old_bytes(tmp_path: Path, decoded: bool) -> None:
+async def test_crash_during_delta_recovers_old_bytes(
+    tmp_path: Path, decoded: bool, durable: bool
+) -> None:
     """Killed mid-patch, reopened: the old bytes are back (with xef-decoded patches the undo
-    records keep the shards' positions blobs, journal coding ``xef``)."""
+    records keep the shards' positions blobs, journal coding ``xef``). An engine that acks
+    before its data is durable writes progressive records, one with ``sync_before_ack``
+    durable ones."""
     sd0 = mixed_state(0)
     ck = await init_checkpoint(tmp_path / "c", sd0)
     await ck.close()
@@ -501,11 +522,9 @@ async def test_crash_during_delta_recovers_old_bytes(tmp_path: Path, decoded: bo
     batches = xef_batches(m1, sd0, sd1) if decoded else delta_batches(m1, sd0, sd1, "xor")
     if decoded:
         assert all(u.patch is not None and u.patch.positions_xef for b in batches for u in b)
-    run_crashing_child(tmp_path, tmp_path / "c", m1, batches, "delta")
-    codings = [
-        json.loads((safetensors.safe_open(str(p), "pt").metadata() or {})["positions"])
-        for p in (tmp_path / "c" / ".asyncsync" / "journal").glob("undo-*.safetensors")
-    ]
+    run_crashing_child(tmp_path, tmp_path / "c", m1, batches, "delta", durable=durable)
+    kinds, codings = journal_codings(tmp_path / "c")
+    assert kinds == ({".safetensors"} if durable else {".progressive"})
     assert codings and ({"xef"} if decoded else {"ef"}) == {c for cs in codings for c in cs}
     state = json.loads((tmp_path / "c" / ".asyncsync" / "state.json").read_text())
     assert (state["status"], state["target_version"]) == ("applying", 1)
@@ -545,11 +564,11 @@ async def test_in_process_crash_then_reopen(
     calls = [0]
 
     def flaky(real: Any) -> Any:  # the patch alone, or the patch that also takes the checksum
-        def patch(*args: Any) -> Any:
+        def patch(*args: Any, **kw: Any) -> Any:
             calls[0] += 1
             if calls[0] == 4:
                 raise RuntimeError("injected")
-            return real(*args)
+            return real(*args, **kw)
 
         return patch
 

@@ -55,7 +55,7 @@ from asyncsync.codec.delta import (
 )
 from asyncsync.codec.diff import Change, changed_positions, diff_tensors, revert
 from asyncsync.codec.patch import Patch, apply_patch
-from asyncsync.codec.patch_hash import patch_and_checksum
+from asyncsync.codec.patch_hash import can_journal_in_pass, patch_and_checksum
 from asyncsync.codec.views import gather, int_view
 
 __all__ = [
@@ -75,6 +75,7 @@ __all__ = [
     "encoded_size",
     "gather",
     "int_view",
+    "can_journal_in_pass",
     "patch_and_checksum",
     "revert",
 ]

@@ -54,6 +54,16 @@
  *     right after it is patched, while in cache: the digest is that of the patched range.
  *     Every position is checked before the first write (ValueError, flat unchanged).
  *
+ * journal_patch_hash(flat, width, positions, values, is_xor, lo, hi, hasher, fd, values_at,
+ *                    progress_at, done) -> None
+ *     patch_hash() for a receiver's progressive undo journal: per chunk of JOURNAL_CHUNK_BYTES,
+ *     the old values of the chunk's positions (elements, positions None) are pwritten to fd
+ *     (index j of positions, or of [lo, hi), at values_at + (done + j) * width), then the
+ *     count saved so far (done + j + 1 of the chunk's last) as an int64 LE at progress_at, and
+ *     only then is the chunk patched and hashed: a process killed at any instant leaves in the
+ *     file (the page cache) the old value of every element it changed. OSError if a write
+ *     fails (that chunk is not patched); positions are checked before anything is written.
+ *
  * planes(src, width, out) / unplanes(src, width, out) -> None
  *     The byte planes of the xef values (all byte 0s of the width-byte elements, then all byte
  *     1s, ...) and back; out has src's size.
@@ -67,9 +77,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define XXH_INLINE_ALL
 #define XXH_STATIC_LINKING_ONLY
@@ -981,6 +993,197 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------- journalled patch kernel */
+
+/* Bytes of the tensor whose old values are saved to the journal and then patched at a time:
+ * a few blocks, still in a core's L2 when the patch reads them again. */
+#define JOURNAL_CHUNK_BYTES (16 * PATCH_BLOCK_BYTES)
+
+static void gather_any(Py_ssize_t width, const char *flat, const char *pos, char *out,
+                       Py_ssize_t k) {
+    switch (width) {
+    case 1: gather_1(flat, pos, out, k); break;
+    case 2: gather_2(flat, pos, out, k); break;
+    case 4: gather_4(flat, pos, out, k); break;
+    default: gather_8(flat, pos, out, k); break;
+    }
+}
+
+/* pwrite all of buf at off; 0, or the errno of the failure. */
+static int pwrite_all(int fd, const char *buf, size_t len, int64_t off) {
+    while (len > 0) {
+        ssize_t w = pwrite(fd, buf, len, (off_t)off);
+        if (w < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return errno;
+        }
+        if (w == 0) {
+            return EIO;
+        }
+        buf += w;
+        len -= (size_t)w;
+        off += w;
+    }
+    return 0;
+}
+
+static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
+    PyObject *flat_o, *pos_o, *val_o, *hasher_o;
+    Py_ssize_t width, lo, hi, done;
+    long long values_at, progress_at;
+    int is_xor, ok, fd;
+    if (!PyArg_ParseTuple(args, "OnOOpnnOiLLn:journal_patch_hash", &flat_o, &width, &pos_o,
+                          &val_o, &is_xor, &lo, &hi, &hasher_o, &fd, &values_at, &progress_at,
+                          &done)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    Xxh3Object *hasher = as_hasher(hasher_o, &ok);
+    if (!ok) {
+        return NULL;
+    }
+    if (fd < 0 || values_at < 0 || progress_at < 0 || done < 0) {
+        PyErr_SetString(PyExc_ValueError, "fd, values_at, progress_at and done must be >= 0");
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *flat, *pos = NULL, *vals;
+    Py_ssize_t n, k = 0, bad_at = -1;
+    int64_t bad = 0;
+    int err = 0;
+    if (!(flat = acquire(&b, flat_o, "flat", 1)) || !(vals = acquire(&b, val_o, "values", 0))) {
+        goto fail;
+    }
+    if (pos_o != Py_None && !(pos = acquire(&b, pos_o, "positions", 0))) {
+        goto fail;
+    }
+    if ((n = elements(flat, width, "flat")) < 0) {
+        goto fail;
+    }
+    if (lo < 0 || lo > hi || hi > n) {
+        PyErr_Format(PyExc_ValueError, "range [%zd, %zd) outside a tensor of %zd elements", lo,
+                     hi, n);
+        goto fail;
+    }
+    if (pos && (k = int64s(pos, "positions")) < 0) {
+        goto fail;
+    }
+    if (vals->len != (pos ? k : hi - lo) * width) {
+        PyErr_Format(PyExc_ValueError, "values is %zd bytes, want %zd elements of %zd", vals->len,
+                     pos ? k : hi - lo, width);
+        goto fail;
+    }
+    {
+        char *pf = flat->buf;
+        const char *pp = pos ? pos->buf : NULL, *pv = vals->buf;
+        const Py_ssize_t block = PATCH_BLOCK_BYTES / width, chunk = JOURNAL_CHUNK_BYTES / width;
+        Py_ssize_t room = pp ? (k < chunk ? k : chunk) : (hi - lo < chunk ? hi - lo : chunk);
+        char *saved = PyMem_RawMalloc((size_t)(room > 0 ? room : 1) * (size_t)width);
+        if (saved == NULL) {
+            release_all(&b);
+            return PyErr_NoMemory();
+        }
+        Py_BEGIN_ALLOW_THREADS;
+        int64_t prev = (int64_t)lo - 1;
+        for (Py_ssize_t j = 0; j < k; j++) { /* every position checked before any write */
+            int64_t p;
+            memcpy(&p, pp + j * 8, 8);
+            if (p <= prev || p >= (int64_t)hi) {
+                bad_at = j;
+                bad = p;
+                break;
+            }
+            prev = p;
+        }
+        Py_ssize_t i = lo, at = 0;
+        while (bad_at < 0 && i < hi) {
+            Py_ssize_t cend = (i / chunk + 1) * chunk;
+            cend = cend < hi ? cend : hi;
+            /* 1. the old values of everything this chunk writes, then how many are saved: in
+             *    the journal file (the page cache) before the first byte of the chunk changes */
+            Py_ssize_t stop = at, first = at, count;
+            if (pp) {
+                for (; stop < k; stop++) {
+                    int64_t p;
+                    memcpy(&p, pp + stop * 8, 8);
+                    if (p >= (int64_t)cend) {
+                        break;
+                    }
+                }
+                count = stop - at;
+                gather_any(width, pf, pp + at * 8, saved, count);
+            } else {
+                first = i - lo;
+                count = cend - i;
+                memcpy(saved, pf + i * width, (size_t)(count * width));
+            }
+            if (count > 0) {
+                int64_t progress = (int64_t)(done + first + count);
+                unsigned char le[8];
+                for (int q = 0; q < 8; q++) {
+                    le[q] = (unsigned char)((uint64_t)progress >> (8 * q));
+                }
+                err = pwrite_all(fd, saved, (size_t)(count * width),
+                                 (int64_t)values_at + (int64_t)(done + first) * width);
+                if (!err) {
+                    err = pwrite_all(fd, (const char *)le, 8, (int64_t)progress_at);
+                }
+                if (err) {
+                    break;
+                }
+            }
+            /* 2. patch, then hash, block by block (the chunk's lines are still cached) */
+            while (i < cend) {
+                Py_ssize_t end = (i / block + 1) * block;
+                end = end < cend ? end : cend;
+                if (pp) {
+                    Py_ssize_t s2 = at;
+                    for (; s2 < stop; s2++) {
+                        int64_t p;
+                        memcpy(&p, pp + s2 * 8, 8);
+                        if (p >= (int64_t)end) {
+                            break;
+                        }
+                    }
+                    patch_any(width, pf, pp + at * 8, pv + at * width, NULL, s2 - at, is_xor);
+                    at = s2;
+                } else if (is_xor) {
+                    xor_bytes(pf + i * width, pv + (i - lo) * width, (end - i) * width);
+                } else {
+                    memcpy(pf + i * width, pv + (i - lo) * width, (size_t)((end - i) * width));
+                }
+                if (hasher) {
+                    xxh3_feed(hasher, pf + i * width, (size_t)((end - i) * width));
+                }
+                i = end;
+            }
+        }
+        Py_END_ALLOW_THREADS;
+        PyMem_RawFree(saved);
+    }
+    if (bad_at >= 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "positions[%zd] = %lld: positions must be strictly increasing within "
+                     "[%zd, %zd)",
+                     bad_at, (long long)bad, lo, hi);
+        goto fail;
+    }
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail;
+    }
+    release_all(&b);
+    Py_RETURN_NONE;
+fail:
+    release_all(&b);
+    return NULL;
+}
+
 static PyObject *set_patch(PyObject *self, PyObject *args) { return patch(args, 0); }
 
 /* ---------------------------------------------------------------------------- byte planes */
@@ -1399,6 +1602,14 @@ static PyMethodDef methods[] = {
      "Patch flat[lo:hi) (positions strictly increasing there, or None: every element) block by\n"
      "block, feeding each patched block to `hasher` (an Xxh3 or None); `old_out` (as long as\n"
      "values) gets the elements each write replaces, in the same pass."},
+    {"journal_patch_hash", journal_patch_hash, METH_VARARGS,
+     "journal_patch_hash(flat, width, positions, values, is_xor, lo, hi, hasher, fd, values_at, "
+     "progress_at, done) -> None\n\n"
+     "patch_hash() that saves what it overwrites first: chunk by chunk, the old values of the\n"
+     "chunk's positions (or elements, positions None) are pwritten to fd at values_at +\n"
+     "(done + j) * width (j: their index in positions / from lo), then done + the count saved\n"
+     "so far as an int64 LE at progress_at, then the chunk is patched and hashed. OSError (the\n"
+     "chunk not patched) if a write fails."},
     {"xor_patch", xor_patch, METH_VARARGS,
      "xor_patch(flat, width, positions, values, old_out) -> None\n\n"
      "old_out[k] = flat[pos[k]] (unless None); flat[pos[k]] ^= values[k]. Bounds-checked first."},

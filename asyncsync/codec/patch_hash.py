@@ -26,7 +26,12 @@ from asyncsync.codec.patch import Patch, apply_patch
 from asyncsync.errors import ConfigError
 from asyncsync.format.checksum import layout_checksum, new_hasher, parts_checksum, tensor_bytes
 
-__all__ = ["CHUNK_BYTES", "patch_and_checksum"]
+__all__ = ["CHUNK_BYTES", "Journal", "can_journal_in_pass", "patch_and_checksum"]
+
+#: Where the patch kernel saves what it overwrites (see ``journal`` of
+#: :func:`patch_and_checksum`): an open file, the offset of this tensor's old values in it, and
+#: the offset of its int64 count of values saved.
+Journal = tuple[int, int, int]
 
 #: Bytes patched and then hashed at a time: well inside a core's L2 (512 KiB here).
 CHUNK_BYTES = 256 << 10
@@ -39,6 +44,7 @@ def patch_and_checksum(
     layout: Sequence[tuple[int, int]] | None = None,
     *,
     old_out: torch.Tensor | None = None,
+    journal: Journal | None = None,
 ) -> str:
     """:func:`~asyncsync.codec.apply_patch` ``patch`` to ``flat`` (a 1-D int view), and return the
     checksum of ``flat``'s complete new bytes as a manifest entry records it (``layout``: the
@@ -46,6 +52,12 @@ def patch_and_checksum(
 
     ``old_out``: as :func:`~asyncsync.codec.apply_patch`'s, the values the patch overwrites
     (``flat[positions]``, or all of ``flat`` for a dense patch), saved in the same pass.
+
+    ``journal``: ``(fd, values_at, progress_at)``: the C kernel saves the values the patch
+    overwrites into that file as it goes, a chunk's worth before the chunk is written (the k-th
+    position's at ``values_at + k * itemsize``, a dense patch's element i's at ``values_at + i *
+    itemsize``) and, after each chunk's, the count saved so far as an int64 at ``progress_at``;
+    ConfigError unless :func:`can_journal_in_pass` (then nothing is written).
 
     Identical in effect and result to ``apply_patch(flat, patch, old_out=old_out)`` followed by
     ``layout_checksum(bytes of flat, itemsize, layout, algorithm)``, which is what it does for
@@ -65,8 +77,54 @@ def patch_and_checksum(
         raise ConfigError(
             f"old_out must be {flat.dtype}[{want}], got {old_out.dtype}{old_out.shape}"
         )
+    if journal is not None and not can_journal_in_pass(flat, patch, algorithm, layout):
+        raise ConfigError("this patch cannot save its old values in its own pass")
+    if not _one_pass(flat, patch, parts, old_out):
+        apply_patch(flat, patch, old_out=old_out)
+        return layout_checksum(tensor_bytes(flat), flat.element_size(), layout, algorithm)
+    assert parts is not None
+    if patch.values.numel() != want:
+        what = "dense patch of" if pos is None else f"{want} positions but"
+        raise ConfigError(f"{what} {patch.values.numel()} values for {flat.numel()}")
+    if journal is not None:
+        return _native_pass(flat, patch, algorithm, parts, layout is not None, None, journal)
+    old: Any = None if old_out is None else old_out.numpy()
+    return _single_pass(flat, patch, algorithm, parts, layout is not None, old)
+
+
+def can_journal_in_pass(
+    flat: torch.Tensor,
+    patch: Patch,
+    algorithm: str,
+    layout: Sequence[tuple[int, int]] | None = None,
+) -> bool:
+    """Whether :func:`patch_and_checksum` can take ``journal`` for this patch: the C kernels are
+    loaded, hash ``algorithm`` and the patch takes the single pass (a contiguous CPU tensor of
+    the patch's dtype, positions strictly increasing, parts that neither overlap nor leave it)."""
+    k = native.kernels
+    pos = patch.positions
+    return (
+        k is not None
+        and hasattr(k, "journal_patch_hash")
+        and native.hasher(algorithm) is not None
+        and flat.dim() == 1
+        and flat.dtype == patch.values.dtype
+        and patch.op in ("set", "xor")
+        and patch.values.numel() == (flat.numel() if pos is None else pos.numel())
+        and _one_pass(flat, patch, _parts(layout, flat.numel()), None)
+    )
+
+
+def _one_pass(
+    flat: torch.Tensor,
+    patch: Patch,
+    parts: list[tuple[int, int]] | None,
+    old_out: torch.Tensor | None,
+) -> bool:
+    """The patch and its hash fit one pass over ``flat`` (else: patch, then hash)."""
+    pos = patch.positions
     trust = old_out is None and parts == [(0, flat.numel())]  # one kernel call: checked first
-    if (
+    return not (
         parts is None
         or flat.device.type != "cpu"
         or not flat.is_contiguous()
@@ -76,14 +134,7 @@ def patch_and_checksum(
         # the blob's word is taken only where a bad position is found before any write: the
         # whole tensor one range (the kernel checks it all first), no old values to fill
         or (pos is not None and not _increasing(patch, pos, flat.numel(), trust=trust))
-    ):
-        apply_patch(flat, patch, old_out=old_out)
-        return layout_checksum(tensor_bytes(flat), flat.element_size(), layout, algorithm)
-    if patch.values.numel() != want:
-        what = "dense patch of" if pos is None else f"{want} positions but"
-        raise ConfigError(f"{what} {patch.values.numel()} values for {flat.numel()}")
-    old: Any = None if old_out is None else old_out.numpy()
-    return _single_pass(flat, patch, algorithm, parts, layout is not None, old)
+    )
 
 
 def _parts(layout: Sequence[tuple[int, int]] | None, numel: int) -> list[tuple[int, int]] | None:
@@ -186,9 +237,11 @@ def _native_pass(
     parts: list[tuple[int, int]],
     composite: bool,
     old: Any,
+    journal: Journal | None = None,
 ) -> str:
     """The C kernel's ``patch_hash``: each part's range patched and hashed block by block in
-    one call (the ranges between parts, if any, patched without hashing)."""
+    one call (the ranges between parts, if any, patched without hashing); with ``journal``,
+    ``journal_patch_hash``, which saves the old values into the journal first."""
     arr: Any = flat.numpy()
     vals: Any = patch.values.numpy()
     width, numel = flat.element_size(), flat.numel()
@@ -207,7 +260,14 @@ def _native_pass(
     digests: list[str] = []
     for j, (lo, hi, hashed) in enumerate(ranges):
         h = native.hasher(algorithm) if hashed else None
-        if cuts is None:
+        if journal is not None:
+            fd, values_at, progress_at = journal
+            a, b = (lo, hi) if cuts is None else (int(cuts[j]), int(cuts[j + 1]))
+            p = None if pos is None else pos[a:b]
+            native.kernels.journal_patch_hash(
+                arr, width, p, vals[a:b], xor, lo, hi, h, fd, values_at, progress_at, a
+            )
+        elif cuts is None:
             saved = None if old is None else old[lo:hi]
             native.kernels.patch_hash(arr, width, None, vals[lo:hi], xor, lo, hi, h, saved)
         else:

@@ -98,8 +98,17 @@ APPLY_STAGES: tuple[tuple[int, str, str], ...] = (
     (4, "journal encode (gather old values)", "receiver.engines.checkpoint.journal:encode_parts"),
     (4, "journal encode (old values, EF)", "receiver.engines.checkpoint.journal:encode"),
     (4, "journal write+fsync", "receiver.engines.checkpoint.inplace:write_record"),
+    (
+        4,
+        "journal record created (progressive: no fsync)",
+        "receiver.engines.checkpoint.journal:create_progressive",
+    ),
     (4, "patch (XOR)", "receiver.engines.checkpoint.inplace:apply_patch"),
-    (4, "patch + checksum (one pass)", "receiver.engines.checkpoint.inplace:patch_and_checksum"),
+    (
+        4,
+        "patch + checksum, old values saved first (one pass)",
+        "receiver.engines.checkpoint.inplace:patch_and_checksum",
+    ),
     (2, "commit", "receiver.engines.checkpoint.engine:LocalCheckpoint._commit_delta"),
     (3, "verify tensors (full checksum)", "receiver.engines.checkpoint.inplace:first_mismatch"),
     (3, "state.json write+fsync", "receiver.state:StateStore.save"),

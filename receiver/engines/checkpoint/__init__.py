@@ -14,11 +14,17 @@ version would cost far more than the delta. Each tensor sits at a fixed byte ran
 
 Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repairs):
 
-* delta: before the first in-place write of a version, ``state.json`` says ``applying``; before
-  each ``apply`` writes, an undo journal file with the OLD values of every position it will
-  write is durable in ``.asyncsync/journal/``. Undo just writes old values back, so it is
+* delta: before the first in-place write of a version, ``state.json`` says ``applying``. With
+  ``sync_before_ack=True``, before each ``apply`` writes, an undo journal file with the OLD
+  values of every position it will write is durable in ``.asyncsync/journal/``. By default
+  (acks before the data is durable) the journal is *progressive* instead: ``state.json`` also
+  says ``progressive`` (format_version 2), and the patch kernel saves each chunk's old values
+  into the record (``undo-NNNNNN.progressive``) just before it patches the chunk, with the
+  count saved after them, so the pages are read once, not twice, and nothing is fsynced
+  (:mod:`~receiver.engines.checkpoint.journal`). Undo just writes old values back, so it is
   idempotent: ``abort``, a failed checksum in ``commit`` and ``open`` after a crash all run it,
-  as often as needed, and the checkpoint is back at the old version bit for bit.
+  as often as needed, and the checkpoint is back at the old version bit for bit (a process
+  crash keeps the page cache, so a progressive record holds every value saved before it).
 * durability after the ack (default): a delta commits once every touched tensor's bytes match
   the manifest's checksums *in the page cache*; ``state.json`` then says ``clean`` at the new
   version with ``synced: false`` and the receiver acknowledges it; then (``acknowledged``)
@@ -28,10 +34,13 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   single cost of an apply (a 3 % delta dirties every page of a bf16 tensor), so this takes it
   off the version's latency and off the next one's. A process crash loses nothing (the page
   cache survives it); if the machine itself fails before the flush, ``open`` undoes any delta
-  in progress from its journal (which holds the old bytes durably), then finds ``synced:
-  false``, re-checks every tensor against the recorded checksums and, if any differs, removes
-  the data files so the receiver re-initialises from the newest keyframe. ``synced`` may
-  become true while the next delta is open: its journal restores the positions it patched.
+  in progress from its journal, then finds ``synced: false``, re-checks every tensor against
+  the recorded checksums and, if any differs, removes the data files so the receiver
+  re-initialises from the newest keyframe. After undoing a progressive delta (or finding its
+  mark and no record: the machine lost it) ``open`` does the same re-check whatever ``synced``
+  says, and a progressive record it cannot read makes it remove the files at once. With
+  durable records, ``synced`` may become true while the next delta is open: its journal
+  restores the positions it patched.
   A flush that fails marks the engine broken: the next commit is refused (rolled back).
   ``sync_before_ack=True`` flushes before the commit instead.
 * full: new files are written to ``.asyncsync/staging/`` and verified; only then is the state

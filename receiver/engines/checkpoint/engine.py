@@ -251,7 +251,12 @@ class LocalCheckpoint(Engine):
                 self._layout = self.files.load_layout()
                 maps = FileMaps(self.directory)
                 try:
-                    self._undo(maps)
+                    if self._undo(maps) or ps.progressive:  # not durable: checked below
+                        self._ps = replace(self._ps, synced=False)
+                except inplace.LostJournal as exc:
+                    logger.warning("%s: %s; removing the files so the receiver re-initialises "
+                                   "from a keyframe", self.directory, exc)  # fmt: skip
+                    self._wipe()
                 finally:
                     maps.close()
             elif ps.applying:
@@ -289,17 +294,7 @@ class LocalCheckpoint(Engine):
         matches, else wipe (the receiver re-initialises from a keyframe)."""
         ps = self._ps
         self._layout = self.files.load_layout()
-        maps = FileMaps(self.directory)
-        try:
-            bad = [
-                name
-                for name, loc in self._layout.items()
-                if ps.checksum_algorithm is None
-                or maps.checksum(loc, ps.checksum_algorithm, ps.parts.get(name))
-                != ps.checksums.get(name)
-            ]
-        finally:
-            maps.close()
+        bad = inplace.mismatched(self.directory, self._layout, ps)
         if bad:
             logger.warning(
                 "%s: v%s was committed but not yet durable when the receiver stopped, and "
@@ -343,7 +338,7 @@ class LocalCheckpoint(Engine):
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
         check_tensor_set(self._held(), manifest, str(self.directory))
         self._store.clear_dir(self._store.journal_dir)
-        self._set(self._ps.begin(manifest.version, "delta"))
+        self._set(self._ps.begin(manifest.version, "delta", progressive=not self.sync_before_ack))
         txn.maps = FileMaps(self.directory)
         txn.digest_on_patch = inplace.disjoint(self._layout)
         self._txn = txn
@@ -400,15 +395,17 @@ class LocalCheckpoint(Engine):
         algorithm = txn.manifest.checksum_algorithm if txn.digest_on_patch else None
         layouts = {name: txn.entries[name].layout for name, *_ in work}
         vdigests = inplace.journal_and_patch(
-            txn.maps, self._store.journal_dir, seq, txn.manifest.version, work, algorithm, layouts
-        )
+            txn.maps, self._store.journal_dir, seq, txn.manifest.version, work, algorithm,
+            layouts, durable=self.sync_before_ack,
+        )  # fmt: skip
         txn.digests.update(vdigests)
 
-    def _undo(self, maps: FileMaps) -> None:
-        """Write back the old values of every journal file (newest first), sync, state clean."""
-        inplace.undo(self._store.journal_dir, self._layout, maps)
+    def _undo(self, maps: FileMaps) -> bool:
+        """:func:`inplace.undo` (whether a record was progressive), then the state clean."""
+        progressive = inplace.undo(self._store.journal_dir, self._layout, maps)
         self._set(self._ps.clean())
         self._store.clear_dir(self._store.journal_dir)
+        return progressive
 
     def _commit_delta(self, txn: _Txn) -> str:
         assert txn.maps is not None

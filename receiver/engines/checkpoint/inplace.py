@@ -10,29 +10,42 @@ damaged checkpoint; :func:`disjoint` says so), when the commit hashes them from 
 before.
 
 Before an apply group writes, an undo record with the OLD values of every position it will
-write is durable in the journal directory (:mod:`receiver.engines.checkpoint.journal`). Undo
-writes the old values back, newest record first, so it is idempotent: a failed checksum, an
-abort and a restart after a crash all run it, as often as needed.
+write is durable in the journal directory (:mod:`receiver.engines.checkpoint.journal`); or,
+for an engine that acks before its data is durable, a progressive record that the patch
+kernel fills as it goes, each chunk's old values saved just before the chunk is written (one
+pass over the pages instead of a gather pass and then the patch's, and no fsync). Undo writes
+the old values back, newest record first, so it is idempotent: a failed checksum, an abort and
+a restart after a crash all run it, as often as needed.
 """
 
 from __future__ import annotations
 
 import itertools
 import mmap
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from asyncsync import fsio
-from asyncsync.codec import Patch, apply_patch, patch_and_checksum
+from asyncsync.codec import Patch, apply_patch, can_journal_in_pass, patch_and_checksum
 from asyncsync.errors import EngineStateError
 from asyncsync.format import TensorEntry
 from asyncsync.pipeline import parallel_map
 from receiver.engines.checkpoint import journal
 from receiver.engines.st_layout import FileMaps, TensorLocation
+from receiver.state import PersistedState
 
-__all__ = ["disjoint", "first_mismatch", "journal_and_patch", "undo", "write_record"]
+__all__ = [
+    "LostJournal",
+    "disjoint",
+    "first_mismatch",
+    "journal_and_patch",
+    "mismatched",
+    "undo",
+    "write_record",
+]
 
 #: (name, location, flat int view of the mapped bytes, checked patch) of one tensor
 Work = tuple[str, TensorLocation, torch.Tensor, Patch]
@@ -46,15 +59,31 @@ def journal_and_patch(
     work: list[Work],
     algorithm: str | None = None,
     layouts: Mapping[str, Sequence[tuple[int, int]] | None] | None = None,
+    *,
+    durable: bool = True,
 ) -> dict[str, str]:
     """Write the undo record ``undo-{seq}`` of ``work`` durably, then patch the mapped bytes.
 
     With ``algorithm``, each tensor is checksummed in the pass that patches it (``layouts``: the
     parts of the tensors published in parts); returns those checksums by tensor name.
+
+    ``durable=False`` (a receiver that acks before its data is durable): where every patch can
+    (:func:`~asyncsync.codec.can_journal_in_pass`), a progressive record instead, filled by the
+    patch kernel as it patches (one pass over the pages instead of two, no fsync); see
+    :mod:`receiver.engines.checkpoint.journal`.
     """
     for _name, loc, _flat, patch in work:
         if _touches_most_pages(patch, loc):
             maps.prefault(loc)
+    if (
+        not durable
+        and algorithm is not None
+        and all(
+            can_journal_in_pass(flat, p, algorithm, None if layouts is None else layouts.get(n))
+            for n, _loc, flat, p in work
+        )
+    ):
+        return _journal_in_pass(journal_dir, seq, version, work, algorithm, layouts)
     write_record(journal_dir / f"undo-{seq:06d}.safetensors", journal.encode_parts(work, version))
 
     def patch_one(item: Work) -> str | None:  # on the pool: the tensors are disjoint
@@ -73,18 +102,66 @@ def journal_and_patch(
     return {name: d for (name, *_), d in zip(work, sums, strict=True) if d is not None}
 
 
+def _journal_in_pass(
+    journal_dir: Path,
+    seq: int,
+    version: int,
+    work: list[Work],
+    algorithm: str,
+    layouts: Mapping[str, Sequence[tuple[int, int]] | None] | None,
+) -> dict[str, str]:
+    """The progressive record ``undo-{seq}.progressive`` created, then every tensor patched,
+    checksummed and journaled in one pass (on the pool: the tensors are disjoint)."""
+    record = journal.create_progressive(
+        journal_dir / f"undo-{seq:06d}{journal.PROGRESSIVE_SUFFIX}", work, version
+    )
+    try:
+        jobs = list(zip(work, record.values_at, record.progress_at, strict=True))
+
+        def patch_one(job: tuple[Work, int, int]) -> str:
+            (name, _loc, flat, patch), values_at, progress_at = job
+            layout = None if layouts is None else layouts.get(name)
+            return patch_and_checksum(
+                flat, patch, algorithm, layout, journal=(record.fd, values_at, progress_at)
+            )
+
+        sums = parallel_map(patch_one, jobs)
+    finally:
+        os.close(record.fd)
+    return {name: d for (name, *_), d in zip(work, sums, strict=True)}
+
+
 def write_record(path: Path, record: list[bytes | memoryview]) -> None:
     """Make one undo record durable (temp file, fsync, rename, fsync of the directory)."""
     fsio.atomic_write(path, record)
 
 
-def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps) -> None:
-    """Write back the old values of every undo record (newest first), then sync the maps."""
-    for path in sorted(journal_dir.glob("undo-*.safetensors"), reverse=True):
+class LostJournal(EngineStateError):
+    """A progressive undo record cannot be read back (the machine went down before the page
+    cache reached the disk): the files cannot be undone exactly."""
+
+
+def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps) -> bool:
+    """Write back the old values of every undo record (newest first), then sync the maps.
+
+    Returns whether any record was progressive (not durable when written: after a crash of the
+    machine the caller checks every tensor); raises :class:`LostJournal` if such a record is
+    unreadable, EngineStateError if a durable one is.
+    """
+    progressive = False
+    paths = [
+        p
+        for p in journal_dir.glob("undo-*")
+        if p.name.endswith((".safetensors", journal.PROGRESSIVE_SUFFIX))
+    ]
+    for path in sorted(paths, key=lambda p: p.name, reverse=True):
+        lost = path.name.endswith(journal.PROGRESSIVE_SUFFIX)
+        progressive = progressive or lost
         try:
             records = journal.read(path)
         except Exception as exc:
-            raise EngineStateError(f"undo journal {path} is unreadable: {exc}") from exc
+            kind = LostJournal if lost else EngineStateError
+            raise kind(f"undo journal {path} is unreadable: {exc}") from exc
         for name, pos, old in records:
             loc = layout.get(name)
             if loc is None:
@@ -97,6 +174,7 @@ def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps
                 flat.index_copy_(0, pos, old)
             del flat
     maps.sync()
+    return progressive
 
 
 def first_mismatch(
@@ -127,6 +205,24 @@ def first_mismatch(
         if got != e.checksum:
             return name, got
     return None
+
+
+def mismatched(
+    directory: Path, layout: Mapping[str, TensorLocation], ps: PersistedState
+) -> list[str]:
+    """The tensors whose bytes in the files differ from the checksums ``ps`` records (all of
+    them when it records no algorithm)."""
+    maps = FileMaps(directory)
+    try:
+        return [
+            name
+            for name, loc in layout.items()
+            if ps.checksum_algorithm is None
+            or maps.checksum(loc, ps.checksum_algorithm, ps.parts.get(name))
+            != ps.checksums.get(name)
+        ]
+    finally:
+        maps.close()
 
 
 def disjoint(layout: Mapping[str, TensorLocation]) -> bool:

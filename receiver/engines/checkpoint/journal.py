@@ -15,6 +15,19 @@ tensor per patched tensor cost more than the patching):
 each piece 8-aligned (zero bytes between pieces), with per-tensor name, count, width, numel,
 positions coding and positions bytes in the metadata. :func:`read` also accepts the
 one-tensor-pair-per-patch layout (``p{i}``/``v{i}``) that earlier versions wrote.
+
+A **progressive** record (``undo-NNNNNN.progressive``, :func:`create_progressive`) is what a
+receiver that acks before its data is durable writes instead: the old values are not gathered
+in a pass of their own and made durable before the patch, but saved by the patch kernel itself
+(``journal_patch_hash``), chunk by chunk, into the record's file (the page cache) just before
+the chunk is patched, with each tensor's count of saved values after them. The file: an 8-byte
+little-endian header length, a JSON header (the packed layout's metadata plus the absolute
+offsets ``positions_at``, ``progress_at`` and ``values_at`` of each tensor), the positions blobs
+as above, one int64 count per tensor (0 at creation), then each tensor's old values, 8-aligned.
+Undo writes back the first ``count`` values of each tensor: exact after a crash of the process
+(the page cache keeps every write made before it); after a crash of the machine the record may
+be incomplete, so the engine checks every tensor after undoing one at open and re-initialises
+from a keyframe if any differs.
 """
 
 from __future__ import annotations
@@ -23,11 +36,13 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import safetensors
 import safetensors.torch
 import torch
+from numpy.typing import NDArray
 
 from asyncsync import fsio
 from asyncsync.codec import Patch, decode_xef_positions, ef, native, scratch
@@ -35,9 +50,21 @@ from asyncsync.errors import ConfigError
 from asyncsync.pipeline import parallel_map
 from receiver.engines.st_layout import TensorLocation
 
-__all__ = ["JOURNAL_FORMAT", "Work", "encode", "encode_parts", "read"]
+__all__ = [
+    "JOURNAL_FORMAT",
+    "PROGRESSIVE_SUFFIX",
+    "Progressive",
+    "Work",
+    "create_progressive",
+    "encode",
+    "encode_parts",
+    "read",
+]
 
 JOURNAL_FORMAT = "asyncsync-journal"
+#: file name suffix of a progressive record (``undo-NNNNNN.progressive``)
+PROGRESSIVE_SUFFIX = ".progressive"
+_RECORD_LIMIT = 1 << 46  # a record holds at most one apply group's old values
 
 Work = list[tuple[str, TensorLocation, torch.Tensor, Patch]]  # name, location, flat view, patch
 
@@ -59,28 +86,7 @@ def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
     Each piece starts 8-aligned; the metadata gives each tensor's name, count, width, numel,
     positions coding and positions bytes.
     """
-    pos_blobs: list[bytes] = []
-    encs: list[str] = []
-    counts = [
-        flat.numel() if p.positions is None else p.positions.numel() for _, _, flat, p in work
-    ]
-    widths = [flat.element_size() for _, _, flat, _ in work]
-    for *_, flat, patch in work:
-        if patch.positions is None:
-            pos_blobs.append(b"")
-            encs.append("dense")
-            continue
-        idx = patch.positions.numpy()
-        if patch.positions_xef is not None and idx.size:
-            pos_blobs.append(patch.positions_xef)
-            encs.append("xef")
-            continue
-        try:
-            pos_blobs.append(ef.encode(idx, flat.numel())[0] if idx.size else b"")
-            encs.append("ef")
-        except ConfigError:  # not strictly increasing: keep them as they are
-            pos_blobs.append(idx.astype("<i8").tobytes())
-            encs.append("raw")
+    counts, widths, encs, pos_blobs = _positions(work)
     packed = b"".join(b + bytes(align8(len(b)) - len(b)) for b in pos_blobs)
     values = torch.from_numpy(
         scratch.empty(sum(align8(c * w) for c, w in zip(counts, widths, strict=True)), np.uint8)
@@ -125,6 +131,150 @@ def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
     return [struct.pack("<Q", len(text)) + text, packed, memoryview(values.numpy())]  # type: ignore[arg-type]
 
 
+class Progressive(NamedTuple):
+    """A progressive record just created: its open file (``fd``, for the patch kernel's
+    writes) and, per tensor of the work, where its old values and its count go."""
+
+    fd: int
+    values_at: list[int]
+    progress_at: list[int]
+
+
+def create_progressive(path: Path, work: Work, version: int) -> Progressive:
+    """Create the progressive undo record ``path`` of ``work`` (header, positions and zero
+    counts, renamed into place: it exists whole or not at all) and open it for the patch
+    kernel, which saves each tensor's old values and count in it as it patches. Not fsynced:
+    see the module docstring. The caller closes ``fd``."""
+    counts, widths, encs, pos_blobs = _positions(work)
+    meta: dict[str, Any] = {
+        "format": JOURNAL_FORMAT,
+        "layout": "progressive",
+        "target_version": str(version),
+        "names": [name for name, *_ in work],
+        "counts": counts,
+        "widths": widths,
+        "numels": [flat.numel() for *_, flat, _ in work],
+        "positions": encs,
+        "position_bytes": [len(b) for b in pos_blobs],
+    }
+    head = 8
+    while True:  # the offsets depend on the header's size, which depends on their digits
+        offsets = _offsets(head, pos_blobs, counts, widths)
+        text = json.dumps({**meta, **offsets}).encode()
+        if align8(8 + len(text)) <= head:
+            break
+        head = align8(8 + len(text))
+    text += b" " * (head - 8 - len(text))
+    body = [struct.pack("<Q", len(text)) + text]
+    body += [b + bytes(align8(len(b)) - len(b)) for b in pos_blobs]
+    body.append(bytes(8 * len(work)))
+    fsio.atomic_write(path, body, fsync=False, sync_dir=False)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    return Progressive(fd, offsets["values_at"], offsets["progress_at"])
+
+
+def _positions(work: Work) -> tuple[list[int], list[int], list[str], list[bytes]]:
+    """Per patch of ``work``: its count, width, positions coding and positions blob."""
+    pos_blobs: list[bytes] = []
+    encs: list[str] = []
+    counts = [
+        flat.numel() if p.positions is None else p.positions.numel() for _, _, flat, p in work
+    ]
+    widths = [flat.element_size() for _, _, flat, _ in work]
+    for *_, flat, patch in work:
+        if patch.positions is None:
+            pos_blobs.append(b"")
+            encs.append("dense")
+            continue
+        idx = patch.positions.numpy()
+        if patch.positions_xef is not None and idx.size:
+            pos_blobs.append(patch.positions_xef)
+            encs.append("xef")
+            continue
+        try:
+            pos_blobs.append(ef.encode(idx, flat.numel())[0] if idx.size else b"")
+            encs.append("ef")
+        except ConfigError:  # not strictly increasing: keep them as they are
+            pos_blobs.append(idx.astype("<i8").tobytes())
+            encs.append("raw")
+    return counts, widths, encs, pos_blobs
+
+
+def _offsets(
+    head: int, pos_blobs: list[bytes], counts: list[int], widths: list[int]
+) -> dict[str, list[int]]:
+    """Absolute file offsets of a progressive record whose data starts at ``head``."""
+    at = head
+    positions_at = []
+    for b in pos_blobs:
+        positions_at.append(at)
+        at += align8(len(b))
+    progress_at = [at + 8 * i for i in range(len(counts))]
+    at += 8 * len(counts)
+    values_at = []
+    for n, w in zip(counts, widths, strict=True):
+        values_at.append(at)
+        at += align8(n * w)
+    return {"positions_at": positions_at, "progress_at": progress_at, "values_at": values_at}
+
+
+def _read_progressive(path: Path) -> list[tuple[str, torch.Tensor | None, torch.Tensor]]:
+    """(name, positions or None, old bytes) of the values a progressive record holds: the
+    first ``count`` of each tensor (ValueError if the record is not whole up to them)."""
+    data = fsio.read_bytes(path, limit=_RECORD_LIMIT)
+    if len(data) < 8:
+        raise ValueError("shorter than its header length")
+    (hlen,) = struct.unpack_from("<Q", data)
+    if hlen > len(data) - 8:
+        raise ValueError(f"header of {hlen} bytes in a file of {len(data)}")
+    meta = json.loads(data[8 : 8 + hlen])
+    if meta.get("format") != JOURNAL_FORMAT or meta.get("layout") != "progressive":
+        raise ValueError("not a progressive asyncsync journal record")
+    keys = ("names", "counts", "widths", "numels", "positions", "position_bytes")
+    names, counts, widths, numels, encs, pos_bytes = (meta[k] for k in keys)
+    at_keys = ("positions_at", "progress_at", "values_at")
+    pos_at, prog_at, val_at = (meta[k] for k in at_keys)
+    out: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
+    for i, name in enumerate(names):
+        n, w, numel, enc = int(counts[i]), int(widths[i]), int(numels[i]), encs[i]
+        (done,) = struct.unpack_from("<q", _span(data, prog_at[i], 8))
+        if not 0 <= done <= n:
+            raise ValueError(f"tensor {name!r}: {done} values saved of {n}")
+        raw = _span(data, val_at[i], done * w)
+        old = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            if raw
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        if enc == "dense":
+            pos = None if done == numel else torch.arange(done, dtype=torch.int64)
+        else:
+            blob = _span(data, pos_at[i], int(pos_bytes[i]))
+            pos = torch.from_numpy(_decode_positions(enc, blob, n, numel)[:done].copy())
+        out.append((str(name), pos, old))
+    return out
+
+
+def _span(data: bytes, at: int, size: int) -> bytes:
+    """``size`` bytes of the record from ``at`` (none: whatever ``at``, values not yet saved
+    lie past the end of the file)."""
+    if size == 0 and at >= 0:
+        return b""
+    if at < 0 or size < 0 or at + size > len(data):
+        raise ValueError(f"bytes [{at}, {at + size}) past the end ({len(data)})")
+    return data[at : at + size]
+
+
+def _decode_positions(enc: str, blob: bytes, n: int, numel: int) -> NDArray[np.int64]:
+    if enc == "xef":
+        return decode_xef_positions(blob, n, numel)
+    if enc == "ef":
+        return ef.decode(blob, n, numel) if n else np.empty(0, np.int64)
+    if enc == "raw":
+        return np.frombuffer(blob, "<i8").astype(np.int64)
+    raise ValueError(f"unknown positions coding {enc!r}")
+
+
 def align8(nbytes: int) -> int:
     """Each tensor's old bytes start 8-aligned in ``values``, so they view as their dtype."""
     return -(-nbytes // 8) * 8
@@ -135,6 +285,8 @@ def read(path: Path) -> list[tuple[str, torch.Tensor | None, torch.Tensor]]:
 
     Also reads the one-tensor-per-patch layout earlier versions wrote (``p{i}``/``v{i}``).
     """
+    if path.name.endswith(PROGRESSIVE_SUFFIX):
+        return _read_progressive(path)
     os.close(fsio.open_file(path))  # a FIFO or a device: refused here, safe_open would block
     with safetensors.safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}

@@ -1,0 +1,372 @@
+"""The progressive undo journal of a LocalCheckpoint that acks before its data is durable.
+
+The patch kernel (``journal_patch_hash``) saves each chunk's old values into the record's file
+just before it patches the chunk, and then the count saved; undo writes back exactly those. Met
+here: the C kernel against a reference (every width, sparse and dense, ranges, a failing
+write), the record read back at any count, a real child process killed with SIGKILL at several
+moments inside the kernel (the undo is exact from whatever the page cache holds), and the
+machine-crash cases (a record torn or gone, pages lost): the engine checks every tensor and
+re-initialises from a keyframe when one differs. ``tests/test_durability.py`` runs every crash
+state of the same apply through the weak POSIX model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from asyncsync.codec import int_view, native
+from asyncsync.errors import EngineStateError
+from receiver.engines.checkpoint import LocalCheckpoint, journal
+from receiver.state import PersistedState
+from tests.test_engines import (
+    REPO,
+    apply_version,
+    assert_same,
+    build_manifest,
+    delta_batches,
+    init_checkpoint,
+    xef_batches,
+)
+
+K: Any = native.kernels
+needs_kernel = pytest.mark.skipif(
+    K is None or not hasattr(K, "journal_patch_hash"), reason="the C kernels are not built"
+)
+DT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+# ------------------------------------------------------------------------------ the C kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("is_xor", [True, False])
+def test_kernel_saves_then_patches_and_hashes(
+    tmp_path: Path, width: int, dense: bool, is_xor: bool
+) -> None:
+    rng = np.random.default_rng(width * 4 + dense * 2 + is_xor)
+    n = 700_001  # several journal chunks, a tail that is not a whole block
+    flat = rng.integers(0, 256, n * width, dtype=np.uint8).view(DT[width])
+    orig = flat.copy()
+    lo, hi, done = 13, n - 9, 5
+    if dense:
+        pos = None
+        vals = rng.integers(0, 256, (hi - lo) * width, dtype=np.uint8).view(DT[width])
+        saved = orig[lo:hi]
+    else:
+        pos = np.sort(rng.choice(np.arange(lo, hi), 20_000, replace=False)).astype(np.int64)
+        vals = rng.integers(1, 256, pos.size * width, dtype=np.uint8).view(DT[width])
+        saved = orig[pos]
+    want = orig.copy()
+    target = slice(lo, hi) if pos is None else pos
+    want[target] = (want[target] ^ vals) if is_xor else vals
+    fd = os.open(tmp_path / "j", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        h = native.hasher("xxh3-128")
+        K.journal_patch_hash(flat, width, pos, vals, is_xor, lo, hi, h, fd, 64, 8, done)
+    finally:
+        os.close(fd)
+    assert np.array_equal(flat, want)
+    assert h.hexdigest() == xxhash.xxh3_128(want[lo:hi].tobytes()).hexdigest()
+    data = (tmp_path / "j").read_bytes()
+    count = saved.size  # positions, or the elements of [lo, hi): index j saved at done + j
+    assert int.from_bytes(data[8:16], "little") == done + count
+    start = 64 + done * width
+    assert data[start : start + count * width] == saved.tobytes()
+
+
+@needs_kernel
+def test_kernel_write_failure_patches_nothing_more(tmp_path: Path) -> None:
+    """The first chunk's old values cannot be saved (a read-only fd): OSError, flat unchanged;
+    bad positions are refused before anything is written."""
+    flat = np.arange(300_000, dtype=np.int16)
+    pos = np.arange(0, 300_000, 7, dtype=np.int64)
+    vals = np.ones(pos.size, np.int16)
+    (tmp_path / "ro").write_bytes(b"")
+    fd = os.open(tmp_path / "ro", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError):
+            K.journal_patch_hash(flat, 2, pos, vals, True, 0, flat.size, None, fd, 0, 0, 0)
+    finally:
+        os.close(fd)
+    assert np.array_equal(flat, np.arange(300_000, dtype=np.int16))
+    fd = os.open(tmp_path / "rw", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        bad = pos.copy()
+        bad[-1] = bad[-2]  # not strictly increasing
+        with pytest.raises(ValueError, match="strictly increasing"):
+            K.journal_patch_hash(flat, 2, bad, vals, True, 0, flat.size, None, fd, 0, 0, 0)
+        with pytest.raises(ValueError, match=">= 0"):
+            K.journal_patch_hash(flat, 2, pos, vals, True, 0, flat.size, None, fd, -1, 0, 0)
+        with pytest.raises(ValueError, match="values is"):
+            K.journal_patch_hash(flat, 2, pos, vals[:-1], True, 0, flat.size, None, fd, 0, 0, 0)
+    finally:
+        os.close(fd)
+    assert np.array_equal(flat, np.arange(300_000, dtype=np.int16))
+    assert (tmp_path / "rw").stat().st_size == 0
+
+
+# ------------------------------------------------------------------------------ the record
+
+
+@needs_kernel
+def test_record_reads_back_what_was_saved_at_any_count(tmp_path: Path) -> None:
+    """A record read back holds each tensor's first ``count`` old values (positions sliced to
+    match, a dense patch as its first elements); a count past the values, or past the file,
+    makes it unreadable."""
+    sd0 = {"a": torch.randn(50_000), "b": torch.randn(3000).to(torch.bfloat16)}
+    sd1 = {k: v.clone() for k, v in sd0.items()}
+    sd1["a"][::5] += 1
+    sd1["b"] += 1  # every element: a dense xef patch
+    m1 = build_manifest(sd1, 1, base=sd0)
+    (batch,) = xef_batches(m1, sd0, sd1, n=1)
+    work = []
+    for u in batch:
+        flat = int_view(sd0[u.entry.name].clone())
+        work.append((u.entry.name, None, flat, u.patch))
+    path = tmp_path / f"undo-000000{journal.PROGRESSIVE_SUFFIX}"
+    rec = journal.create_progressive(path, work, 1)  # type: ignore[arg-type]
+    try:
+        for (name, _loc, flat, patch), v_at, p_at in zip(
+            work, rec.values_at, rec.progress_at, strict=True
+        ):
+            old = flat.clone()
+            n = flat.numel() if patch.positions is None else patch.positions.numel()
+            for done in (0, n // 3, n):  # as a crash after any chunk leaves it
+                os.pwrite(rec.fd, int(done).to_bytes(8, "little"), p_at)
+                src = old if patch.positions is None else old[patch.positions]
+                os.pwrite(rec.fd, src[:done].numpy().tobytes(), v_at)
+                got = {r[0]: r for r in journal.read(path)}[name]
+                assert got[2].numel() == done * flat.element_size()
+                assert torch.equal(got[2].view(flat.dtype), src[:done])
+                if patch.positions is None:
+                    assert got[1] is None if done == n else torch.equal(got[1], torch.arange(done))
+                else:
+                    assert torch.equal(got[1], patch.positions[:done])
+        os.pwrite(rec.fd, (10**9).to_bytes(8, "little"), rec.progress_at[0])
+        with pytest.raises(ValueError, match="values saved"):
+            journal.read(path)
+        os.pwrite(rec.fd, (1).to_bytes(8, "little"), rec.progress_at[0])
+        os.truncate(path, rec.values_at[0])
+        with pytest.raises(ValueError, match="past the end"):
+            journal.read(path)
+    finally:
+        os.close(rec.fd)
+
+
+# ------------------------------------------------------------------- a real SIGKILL mid-kernel
+
+_CHILD = r"""
+import asyncio, os, sys, torch
+import receiver.engines.checkpoint as ck
+data = torch.load(sys.argv[2], weights_only=False)
+async def main():
+    e = ck.LocalCheckpoint(sys.argv[1])
+    await e.open()
+    await e.begin(data["manifest"], "delta")
+    sys.stdout.write("go\n")  # the parent starts its clock: the patches begin now
+    sys.stdout.flush()
+    for batch in data["batches"]:
+        await e.apply(batch)
+    await e.commit()
+    print("committed", flush=True)
+asyncio.run(main())
+"""
+
+
+def _big_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w0": torch.randn(24_000_000, generator=g).to(torch.bfloat16),
+        "w1": torch.randn(8_000_000, generator=g),
+        "w2": torch.randn(12_000_000, generator=g).to(torch.float16),
+    }
+
+
+@needs_kernel
+@pytest.mark.slow
+async def test_sigkill_inside_the_kernel_then_reopen(tmp_path: Path) -> None:
+    """A child process applying a delta (progressive records) is killed with SIGKILL at several
+    moments while its kernels patch; each time the reopened engine holds the old bytes exactly.
+    At least one kill must land inside a kernel (a record with 0 < count < positions)."""
+    sd0 = _big_state(0)
+    sd1 = {k: v.clone() for k, v in sd0.items()}
+    g = torch.Generator().manual_seed(1)
+    for t in sd1.values():
+        flat = t.view(-1)
+        idx = torch.randint(0, flat.numel(), (flat.numel() // 5,), generator=g)
+        flat[idx] = (flat[idx].float() + 1).to(t.dtype)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    payload = tmp_path / "payload.pt"
+    torch.save({"manifest": m1, "batches": xef_batches(m1, sd0, sd1, n=1)}, payload)
+    ck = await init_checkpoint(tmp_path / "c", sd0)
+    await ck.close()
+
+    def start(ckdir: Path) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(ckdir), str(payload)],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"go\n", proc.stderr.read() if proc.stderr else ""
+        return proc
+
+    shutil.copytree(tmp_path / "c", tmp_path / "dry")
+    dry = start(tmp_path / "dry")  # how long the patches and the commit take on this machine
+    t0 = time.monotonic()
+    assert dry.stdout is not None and dry.stdout.readline() == b"committed\n"
+    took = time.monotonic() - t0
+    dry.communicate(timeout=120)
+    midway = 0
+    for frac in (0.0, 0.1, 0.25, 0.4, 0.55, 0.7):
+        delay = frac * took
+        proc = start(tmp_path / "c")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+        assert b"committed" not in out, "the apply finished before the kill: make it bigger"
+        assert proc.returncode == -signal.SIGKILL, err.decode()
+        for p in (tmp_path / "c" / ".asyncsync" / "journal").glob("undo-*"):
+            counts = _counts_of(p)
+            for name, pos, _old in journal.read(p):
+                done = counts[name] if pos is None else pos.numel()
+                midway += 0 < done < counts[name]
+        state = json.loads((tmp_path / "c" / ".asyncsync" / "state.json").read_text())
+        assert state["format_version"] == 2 and state["progressive"] is True
+        ck = LocalCheckpoint(tmp_path / "c")
+        assert (await ck.open()).version == 0
+        assert_same(ck.load_state_dict(), sd0)
+        await ck.close()
+    assert midway, "no kill landed inside a kernel: the test did not test it"
+    ck = LocalCheckpoint(tmp_path / "c")
+    await ck.open()
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
+
+
+def _counts_of(path: Path) -> dict[str, int]:
+    """Each tensor's count of positions (or elements) in a progressive record's header."""
+    data = path.read_bytes()
+    meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    return dict(zip(meta["names"], meta["counts"], strict=True))
+
+
+# ------------------------------------------------------------------- a crash of the machine
+
+
+async def _crashed_mid_delta(tmp_path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """A checkpoint at v0 whose delta to v1 was interrupted after its first group (a real
+    child process, os._exit at the second patch call): state 'applying', progressive records."""
+    from tests.test_engines import mixed_state, mutate, run_crashing_child
+
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path / "c", sd0)
+    await ck.close()
+    sd1 = mutate(sd0, 0.2, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    run_crashing_child(tmp_path, tmp_path / "c", m1, xef_batches(m1, sd0, sd1), "delta")
+    records = list((tmp_path / "c" / ".asyncsync" / "journal").glob("undo-*.progressive"))
+    assert records
+    return sd0, records[0]
+
+
+@needs_kernel
+async def test_a_torn_progressive_record_wipes_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The machine went down before the record reached the disk (here: cut short): it cannot
+    be undone, so the engine removes the files and holds nothing (the agent re-initialises
+    from a keyframe)."""
+    _sd0, record = await _crashed_mid_delta(tmp_path)
+    os.truncate(record, 20)
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version is None
+    assert "unreadable" in caplog.text and "keyframe" in caplog.text
+    assert list((tmp_path / "c" / ".asyncsync" / "journal").iterdir()) == []
+    await ck.close()
+
+
+@needs_kernel
+async def test_lost_pages_after_a_progressive_undo_wipe(tmp_path: Path) -> None:
+    """The record reads back but a patched page did not (the machine lost it): the bytes after
+    the undo differ from v0's checksums, so the engine wipes instead of serving them; with
+    every record gone, too (the state's ``progressive`` mark makes it check)."""
+    sd0, _record = await _crashed_mid_delta(tmp_path)
+    shutil_copy = (tmp_path / "c").with_name("c2")
+    shutil.copytree(tmp_path / "c", shutil_copy)
+    data = next((tmp_path / "c").glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # a byte no record restores
+    data.write_bytes(bytes(raw))
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version is None
+    await ck.close()
+    # the records gone entirely: nothing to undo, and the half-patched bytes are not trusted
+    for p in (shutil_copy / ".asyncsync" / "journal").iterdir():
+        p.unlink()
+    ck = LocalCheckpoint(shutil_copy)
+    assert (await ck.open()).version is None
+    await ck.close()
+    assert sd0  # (v0 itself is what test_crash_during_delta_recovers_old_bytes reaches)
+
+
+def test_state_progressive_is_format_version_2_only() -> None:
+    """A state marked progressive is written as format_version 2 (a reader of version 1
+    refuses it rather than trust half-journalled bytes); the mark and the version agree."""
+    ps = PersistedState(version=3).begin(4, "delta", progressive=True)
+    doc = json.loads(ps.to_json())
+    assert (doc["format_version"], doc["progressive"]) == (2, True)
+    assert PersistedState.from_json(ps.to_json(), where="s").progressive
+    assert json.loads(ps.clean().to_json())["format_version"] == 1
+    assert "progressive" not in json.loads(ps.clean().to_json())
+    for fv, mark in ((1, True), (2, False), (2, "yes")):
+        bad = {**doc, "format_version": fv, "progressive": mark}
+        with pytest.raises(EngineStateError, match="progressive"):
+            PersistedState.from_json(json.dumps(bad), where="s")
+
+
+def test_record_header_of_many_tensors(tmp_path: Path) -> None:
+    """The header holds offsets whose digits depend on its own size: with hundreds of tensors
+    (a stress run found the first sizing too small) it still fits and reads back."""
+    from asyncsync.codec import Patch
+
+    work = []
+    for i in range(700):
+        flat = torch.arange(1000 + i, dtype=torch.int16)
+        pos = torch.arange(0, flat.numel(), 3, dtype=torch.int64)
+        work.append(
+            (
+                f"layer.{i}.weight",
+                None,
+                flat,
+                Patch("xor", pos, torch.ones_like(pos).to(torch.int16)),
+            )
+        )
+    path = tmp_path / f"undo-000000{journal.PROGRESSIVE_SUFFIX}"
+    rec = journal.create_progressive(path, work, 1)  # type: ignore[arg-type]
+    try:
+        os.pwrite(rec.fd, (2).to_bytes(8, "little"), rec.progress_at[-1])
+        os.pwrite(rec.fd, b"\x07\x00\x09\x00", rec.values_at[-1])
+    finally:
+        os.close(rec.fd)
+    got = journal.read(path)
+    assert [g[0] for g in got] == [w[0] for w in work]
+    assert all(g[2].numel() == 0 for g in got[:-1])
+    assert got[-1][1].tolist() == [0, 3] and got[-1][2].view(torch.int16).tolist() == [7, 9]
