@@ -354,48 +354,72 @@ DEFINE_DIFF(uint32_t, 4)
 DEFINE_DIFF(uint64_t, 8)
 
 /* The 2-byte diff (bf16, fp16: what trainers ship) with AVX2 where the CPU has it, chosen at run
- * time so the build stays portable: 16 elements compared per step, and only the changed ones
- * written (their lanes found from the compare mask), where the word loop above branches on
- * every 8 bytes and writes all 4 lanes of a differing word. Its outputs are the word loop's,
- * byte for byte (tests/test_native.py runs every diff test both ways). Measured at 256 MiB, one
- * thread: 15 % less time at 3 % density, 35 % at 10 % (BENCHMARKS.md). */
+ * time so the build stays portable. Two passes over each run of 32768 elements (64 KiB, in
+ * cache for the second): the first compares 16 elements per step and keeps one bit per
+ * element, without a branch; the second writes each differing element found by those bits.
+ * The word loop above instead branches on every 8 bytes, which at a few % density is a
+ * mispredicted branch every ~10 words, and writes all 4 lanes of a differing word. Its outputs
+ * are the word loop's, byte for byte (tests/test_native.py runs every diff test both ways). */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_DIFF_AVX2 1
 static int simd_enabled = 0; /* set at import: the CPU has AVX2 and BMI1, ASYNCSYNC_SIMD != 0 */
 
-__attribute__((target("avx2,bmi"))) static Py_ssize_t
+/* Lanes whose changed-bit words are built before any is emitted: one diff block. */
+#define AVX2_RUN 32768
+
+__attribute__((target("avx2,bmi,popcnt"))) static Py_ssize_t
 diff_2_avx2(const char *o, const char *nw, Py_ssize_t n, Py_ssize_t i, char *pos, char *nv,
             char *xv, Py_ssize_t cap, Py_ssize_t *resume, char *adv) {
     Py_ssize_t c = 0;
-    for (; i + 16 <= n && cap - c >= 16; i += 16) {
-        const __m256i a = _mm256_loadu_si256((const __m256i *)(o + i * 2));
-        const __m256i b = _mm256_loadu_si256((const __m256i *)(nw + i * 2));
-        /* one bit per differing lane: the low bit of its two mask bits */
-        unsigned m = ~(unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi16(a, b)) & 0x55555555u;
-        if (m == 0) {
-            continue;
-        }
-        uint16_t bv[16], xw[16];
-        _mm256_storeu_si256((__m256i *)bv, b);
-        _mm256_storeu_si256((__m256i *)xw, _mm256_xor_si256(a, b));
-        if (adv) {
-            _mm256_storeu_si256((__m256i *)(adv + i * 2), b);
-        }
-        do {
-            const unsigned l = (unsigned)__builtin_ctz(m) >> 1;
-            const int64_t p = (int64_t)(i + l);
-            memcpy(pos + c * 8, &p, 8);
-            if (nv) {
-                memcpy(nv + c * 2, &bv[l], 2);
-                memcpy(xv + c * 2, &xw[l], 2);
+    uint64_t bits[AVX2_RUN / 64];
+    while (n - i >= 64) {
+        /* 1. one bit per lane that differs, 64 lanes a word: branch-free, streaming */
+        const Py_ssize_t words = ((n - i < AVX2_RUN) ? n - i : AVX2_RUN) / 64;
+        Py_ssize_t total = 0;
+        for (Py_ssize_t w = 0; w < words; w++) {
+            uint64_t m = 0;
+            for (int q = 0; q < 4; q++) {
+                const Py_ssize_t at = (i + w * 64 + q * 16) * 2;
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(o + at));
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(nw + at));
+                const __m256i eq = _mm256_cmpeq_epi16(a, b);
+                const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(eq),
+                                                   _mm256_extracti128_si256(eq, 1));
+                m |= (uint64_t)(~(unsigned)_mm_movemask_epi8(p8) & 0xFFFFu) << (16 * q);
             }
-            c++;
-            m &= m - 1;
-        } while (m);
+            bits[w] = m;
+            total += __builtin_popcountll(m);
+        }
+        if (cap - c < total) {
+            break; /* the word loop below fills the outputs exactly */
+        }
+        /* 2. each differing lane, in order: the run's bytes are still in cache */
+        for (Py_ssize_t w = 0; w < words; w++) {
+            uint64_t m = bits[w];
+            while (m) {
+                const Py_ssize_t e = i + w * 64 + __builtin_ctzll(m);
+                const int64_t p = (int64_t)e;
+                uint16_t ea, eb, ex;
+                memcpy(&ea, o + e * 2, 2);
+                memcpy(&eb, nw + e * 2, 2);
+                ex = (uint16_t)(ea ^ eb);
+                memcpy(pos + c * 8, &p, 8);
+                if (nv) {
+                    memcpy(nv + c * 2, &eb, 2);
+                    memcpy(xv + c * 2, &ex, 2);
+                }
+                if (adv) {
+                    memcpy(adv + e * 2, &eb, 2);
+                }
+                c++;
+                m &= m - 1;
+            }
+        }
+        i += words * 64;
     }
-    /* the tail, or the last slots of a nearly full output: the word loop, which stops at the
-     * exact element where the output fills */
+    /* the tail, or a run the outputs cannot hold: the word loop, which stops at the exact
+     * element where the output fills */
     return c + diff_2(o, nw, n, i, pos + c * 8, nv ? nv + c * 2 : NULL, xv ? xv + c * 2 : NULL,
                       cap - c, resume, adv);
 }
