@@ -918,3 +918,18 @@ def test_int64_indices_are_read_for_any_numel() -> None:
             changed=3, numel=100, dtype=torch.int16,
         )  # fmt: skip
         assert patch.positions is not None and patch.positions.tolist() == [1, 2, 99]
+
+
+def test_a_corrupt_frame_does_not_spoil_the_threads_zstd_contexts() -> None:
+    """The zstd contexts are kept per thread (delta._zstd, delta._decompressor): a frame that
+    fails half-way leaves the next decode of a good one exact."""
+    from asyncsync.codec import delta
+
+    data = bytes(range(256)) * 4000
+    good = delta._zstd(data, 1)
+    bad = good[: len(good) // 2] + bytes(len(good) - len(good) // 2)
+    for _ in range(3):
+        with pytest.raises(FormatError):
+            delta._unzstd(bad, (len(data),), "values")
+        assert delta._unzstd(good, (len(data),), "values") == data
+        assert delta._zstd(data, 1) == good and delta._zstd(data, 3) != good
