@@ -415,3 +415,18 @@ def test_the_sglang_pause_bench_measures_gaps_and_bounds_its_ratio() -> None:
     text = b.table([series("in-engine", 0.2, 0.08), series("full", 0.32, 0.08)])
     row = next(line for line in text.splitlines() if line.startswith("| 3% |"))
     assert "| 0.62x |" in row and row.endswith("| 30 ms (30-30) | 0.25x |"), row
+
+
+def test_passes_bench_runs_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m asyncsync.ops.bench.passes`` at a small size: every pass it compares runs
+    (the AVX2 diff row where the CPU has it) and their results agree (it asserts so)."""
+    from asyncsync.codec import native
+    from asyncsync.ops.bench import passes
+
+    if native.kernels is None:
+        pytest.skip("the C kernels are not built")
+    assert passes.main(["200000"]) == 0
+    out = capsys.readouterr().out
+    for row in ("diff+hash+advance", "journal in the patch pass", "patch+hash C", "unplanes C"):
+        assert row in out, row
+    assert ("diff word loop" in out) == bool(native.kernels.simd())

@@ -8,12 +8,17 @@ wall ms and the thread's CPU ms, of
   snapshot alone, those three one after another (before), and the diff kernel with the hash
   and the advance folded into its pass (after);
 * apply: patch + checksum as a Python loop over 256 KiB chunks (before) and as one C call
-  (after), and the byte planes as strided copies (before) and in C (after).
+  (after), and the byte planes as strided copies (before) and in C (after);
+* the diff's 8-byte word loop against the AVX2 runs (where the CPU has AVX2), and the undo
+  journal's old values gathered, written and then patched (two passes over the pages) against
+  the progressive journal's one pass (``journal_patch_hash``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Callable
@@ -43,7 +48,7 @@ def _print(title: str, res: dict[str, list[Timing]]) -> None:
         w = sorted(a for a, _ in r)
         c = sorted(b for _, b in r)
         mid = len(w) // 2
-        print(f"  {k:26s} {1e3 * w[0]:7.1f} / {1e3 * w[mid]:7.1f}   "
+        print(f"  {k:36s} {1e3 * w[0]:7.1f} / {1e3 * w[mid]:7.1f}   "
               f"({1e3 * c[0]:7.1f} / {1e3 * c[mid]:7.1f})")  # fmt: skip
 
 
@@ -56,10 +61,16 @@ def publish_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
     new[idx] ^= 1
     cap = n // 16
     pos, v, x = np.empty(cap, np.int64), np.empty(cap, np.int16), np.empty(cap, np.int16)
-    names = ("diff", "hash", "scatter", "separate", "diff+hash", "diff+hash+advance")
+    names = ("diff word loop", "diff", "hash", "scatter", "separate", "diff+hash",
+             "diff+hash+advance")  # fmt: skip
     res: dict[str, list[Timing]] = {name: [] for name in names}
+    simd = k.simd() if hasattr(k, "simd") else False
     for _ in range(reps):
         o = old0.copy()
+        if simd:  # the 8-byte word loop, then (below) the AVX2 runs this CPU takes
+            k.simd(False)
+            res["diff word loop"].append(_t(partial(k.diff_extract, o, new, 2, 0, pos, v, x)))
+            k.simd(True)
         a = _t(partial(k.diff_extract, o, new, 2, 0, pos, v, x))
         b = _t(lambda: xxhash.xxh3_128(new.data).hexdigest())
         c = _t(partial(k.set_patch, o, 2, pos[: len(idx)], v[: len(idx)], None))
@@ -75,7 +86,7 @@ def publish_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
             _t(partial(k.diff_extract, o, new, 2, 0, pos, v, x, k.Xxh3(), True))
         )
         assert (o == new).all()
-    return res
+    return {k: r for k, r in res.items() if r}
 
 
 def apply_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
@@ -89,11 +100,14 @@ def apply_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
     before = types.SimpleNamespace(
         **{a: getattr(real, a) for a in dir(real) if not a.startswith("_") and a not in new_ones}
     )
-    names = ("patch+hash python chunks", "patch+hash C", "planes strided", "planes C",
-             "unplanes strided", "unplanes C")  # fmt: skip
+    names = ("patch+hash python chunks", "patch+hash C", "journal: gather, write, patch+hash",
+             "journal in the patch pass", "planes strided", "planes C", "unplanes strided",
+             "unplanes C")  # fmt: skip
     res: dict[str, list[Timing]] = {name: [] for name in names}
     xor = vals.repeat(16)
     raw = bytes(delta._planes(xor))
+    journal_file = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
+    fd = journal_file.fileno()
     try:
         for _ in range(reps):
             flat, flat2 = base.clone(), base.clone()
@@ -108,11 +122,30 @@ def apply_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
                 _t(partial(patch_hash.patch_and_checksum, flat2, p, "xxh3-128"))
             )
             assert torch.equal(flat, flat2)
+            if hasattr(real, "journal_patch_hash"):  # the undo journal's old values, two ways
+                res["journal: gather, write, patch+hash"].append(
+                    _t(partial(_journal_two_passes, base.clone(), p, fd))
+                )
+                res["journal in the patch pass"].append(
+                    _t(partial(patch_hash.patch_and_checksum, base.clone(), p, "xxh3-128",
+                               journal=(fd, 64, 0)))
+                )  # fmt: skip
             res["planes C"].append(_t(lambda: delta._planes(xor)))
             res["unplanes C"].append(_t(lambda: delta._unplanes(raw, xor.numel(), 2)))
     finally:
         native.kernels = real
-    return res
+        journal_file.close()
+    return {k: r for k, r in res.items() if r}
+
+
+def _journal_two_passes(flat: torch.Tensor, p: Patch, fd: int) -> None:
+    """The durable journal's passes (no fsync here): gather the old values, write them, then
+    patch and hash."""
+    assert p.positions is not None
+    old = np.empty(p.positions.numel(), np.int16)
+    native.take(flat.numpy(), p.positions.numpy(), old)
+    os.pwrite(fd, old.data, 64)
+    patch_hash.patch_and_checksum(flat, p, "xxh3-128")
 
 
 def main(argv: list[str] | None = None) -> int:
