@@ -44,8 +44,9 @@ def _examples(n: int) -> settings:
 
 @pytest.fixture(params=["avx2", "words"])
 def diff_loop(request: pytest.FixtureRequest) -> Any:
-    """Each diff test runs twice: with the AVX2 loop for 2-byte elements (skipped on a CPU
-    without it) and with the 8-byte word loop; both must give the reference's outputs."""
+    """Each diff and hash test runs twice: with the AVX2 kernels (the diff's runs for 2-byte
+    elements, XXH3's accumulate loop; skipped on a CPU without them) and without (the 8-byte
+    word loop, XXH3's baseline loop); both must give the reference's outputs."""
     before = native.simd()
     try:
         native.simd(request.param == "avx2")
@@ -565,7 +566,7 @@ def test_ef_runs_alongside_other_threads() -> None:
 
 
 @pytest.mark.parametrize("bits", [64, 128])
-def test_xxh3_digests_are_python_xxhash_ones(bits: int) -> None:
+def test_xxh3_digests_are_python_xxhash_ones(bits: int, diff_loop: str) -> None:
     import xxhash
 
     ref = xxhash.xxh3_64 if bits == 64 else xxhash.xxh3_128
@@ -611,7 +612,7 @@ def test_diff_extract_hashes_and_advances_in_its_pass(
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_patch_hash_patches_and_hashes_a_range(width: int) -> None:
+def test_patch_hash_patches_and_hashes_a_range(width: int, diff_loop: str) -> None:
     import xxhash
 
     rng = np.random.default_rng(10 + width)

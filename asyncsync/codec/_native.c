@@ -83,9 +83,28 @@
 #include <string.h>
 #include <unistd.h>
 
+/* x86-64 with GCC/Clang: AVX2 variants of the diff and of XXH3's accumulate loop are compiled
+ * with target attributes and used where the CPU has AVX2 (simd_enabled, decided at import; the
+ * build itself stays baseline x86-64). XXH3's digest does not depend on the variant. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_SIMD 1
+#define XXH_DISPATCH_AVX2 1
+#define XXH_TARGET_AVX2 __attribute__((target("avx2")))
+#include <immintrin.h>
+#endif
+static int simd_enabled = 0; /* set at import: the CPU has AVX2 and BMI1, ASYNCSYNC_SIMD != 0 */
+
 #define XXH_INLINE_ALL
 #define XXH_STATIC_LINKING_ONLY
 #include "xxhash.h"
+
+#ifdef HAVE_SIMD
+/* XXH3_64bits_update / XXH3_128bits_update (the same routine) with the AVX2 accumulate loop. */
+__attribute__((target("avx2"))) static void xxh3_update_avx2(XXH3_state_t *s, const void *p,
+                                                             size_t len) {
+    (void)XXH3_update(s, (const xxh_u8 *)p, len, XXH3_accumulate_avx2, XXH3_scrambleAcc_avx2);
+}
+#endif
 
 /* ------------------------------------------------------------------------ buffer helpers */
 
@@ -170,6 +189,12 @@ static PyTypeObject Xxh3Type;
 #define XXH3_NOGIL_BYTES 65536
 
 static void xxh3_feed(Xxh3Object *h, const void *p, size_t len) {
+#ifdef HAVE_SIMD
+    if (simd_enabled) {
+        xxh3_update_avx2(h->state, p, len);
+        return;
+    }
+#endif
     if (h->bits == 64) {
         XXH3_64bits_update(h->state, p, len);
     } else {
@@ -360,10 +385,8 @@ DEFINE_DIFF(uint64_t, 8)
  * The word loop above instead branches on every 8 bytes, which at a few % density is a
  * mispredicted branch every ~10 words, and writes all 4 lanes of a differing word. Its outputs
  * are the word loop's, byte for byte (tests/test_native.py runs every diff test both ways). */
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
+#ifdef HAVE_SIMD
 #define HAVE_DIFF_AVX2 1
-static int simd_enabled = 0; /* set at import: the CPU has AVX2 and BMI1, ASYNCSYNC_SIMD != 0 */
 
 /* Lanes whose changed-bit words are built before any is emitted: one diff block. */
 #define AVX2_RUN 32768
@@ -1657,8 +1680,9 @@ static PyMethodDef methods[] = {
      "unplanes(src, width, out) -> None\n\nThe inverse of planes()."},
     {"simd", simd, METH_VARARGS,
      "simd(enabled=None) -> bool\n\n"
-     "Whether diff_extract uses its AVX2 loop for 2-byte elements (chosen at import: the CPU\n"
-     "has AVX2 and BMI1 and ASYNCSYNC_SIMD is not 0); True/False switch it."},
+     "Whether the AVX2 kernels are used: diff_extract's runs for 2-byte elements and XXH3's\n"
+     "accumulate loop (chosen at import: the CPU has AVX2 and BMI1 and ASYNCSYNC_SIMD is not\n"
+     "0); True/False switch them. Results never depend on it."},
     {"ef_encode", ef_encode, METH_VARARGS,
      "ef_encode(positions, numel, low_bits) -> bytes\n\n"
      "The uncompressed Elias-Fano payload of strictly increasing int64 positions in [0, numel)."},
