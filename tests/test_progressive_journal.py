@@ -370,3 +370,31 @@ def test_record_header_of_many_tensors(tmp_path: Path) -> None:
     assert [g[0] for g in got] == [w[0] for w in work]
     assert all(g[2].numel() == 0 for g in got[:-1])
     assert got[-1][1].tolist() == [0, 3] and got[-1][2].view(torch.int16).tolist() == [7, 9]
+
+
+@needs_kernel
+async def test_undo_at_open_is_not_trusted_before_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed between the undo of a progressive delta (records cleared) and the check of every
+    tensor: the state the undo left says ``synced: false``, so the next open still checks."""
+    sd0, _record = await _crashed_mid_delta(tmp_path)
+
+    def killed(self: LocalCheckpoint) -> None:
+        raise KeyboardInterrupt("killed before the check")
+
+    monkeypatch.setattr(LocalCheckpoint, "_check_unsynced", killed)
+    with pytest.raises(KeyboardInterrupt):
+        await LocalCheckpoint(tmp_path / "c").open()
+    state = json.loads((tmp_path / "c" / ".asyncsync" / "state.json").read_text())
+    assert (state["status"], state["version"], state.get("synced")) == ("clean", 0, False)
+    assert list((tmp_path / "c" / ".asyncsync" / "journal").iterdir()) == []
+    monkeypatch.undo()
+    data = next((tmp_path / "c").glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # a page the machine lost: the check must see it
+    data.write_bytes(bytes(raw))
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version is None
+    await ck.close()
+    assert sd0

@@ -251,8 +251,7 @@ class LocalCheckpoint(Engine):
                 self._layout = self.files.load_layout()
                 maps = FileMaps(self.directory)
                 try:
-                    if self._undo(maps) or ps.progressive:  # not durable: checked below
-                        self._ps = replace(self._ps, synced=False)
+                    self._undo(maps)  # after a progressive delta: not synced, checked below
                 except inplace.LostJournal as exc:
                     logger.warning("%s: %s; removing the files so the receiver re-initialises "
                                    "from a keyframe", self.directory, exc)  # fmt: skip
@@ -401,9 +400,14 @@ class LocalCheckpoint(Engine):
         txn.digests.update(vdigests)
 
     def _undo(self, maps: FileMaps) -> bool:
-        """:func:`inplace.undo` (whether a record was progressive), then the state clean."""
-        progressive = inplace.undo(self._store.journal_dir, self._layout, maps)
-        self._set(self._ps.clean())
+        """:func:`inplace.undo`, then the state clean; after a progressive delta also not
+        ``synced`` (durably, before its records go: a crash of the machine may have cost
+        pages the records cannot restore, so the bytes are checked before they are trusted).
+        Returns whether it was progressive."""
+        progressive = inplace.undo(self._store.journal_dir, self._layout, maps) or (
+            self._ps.progressive
+        )
+        self._set(replace(self._ps.clean(), synced=self._ps.synced and not progressive))
         self._store.clear_dir(self._store.journal_dir)
         return progressive
 
