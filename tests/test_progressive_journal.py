@@ -398,3 +398,69 @@ async def test_undo_at_open_is_not_trusted_before_the_check(
     assert (await ck.open()).version is None
     await ck.close()
     assert sd0
+
+
+_FULL_DISK_CHILD = r"""
+import asyncio, resource, signal, sys, torch
+import receiver.engines.checkpoint as ck
+data = torch.load(sys.argv[2], weights_only=False)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+async def main():
+    e = ck.LocalCheckpoint(sys.argv[1])
+    await e.open()
+    await e.begin(data["manifest"], "delta")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.RLIM_INFINITY))
+    try:
+        for batch in data["batches"]:
+            await e.apply(batch)
+        print("applied", flush=True)
+    except Exception as exc:
+        while exc.__cause__ is not None and not isinstance(exc, OSError):
+            exc = exc.__cause__
+        print("failed", type(exc).__name__, getattr(exc, "errno", None), flush=True)
+    for rec in (e.directory / ".asyncsync" / "journal").glob("undo-*.progressive"):
+        from receiver.engines.checkpoint import journal
+        ((_, pos, _),) = journal.read(rec)
+        print("saved", pos.numel(), flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    await e.abort()
+    await e.close()
+asyncio.run(main())
+"""
+
+
+@needs_kernel
+@pytest.mark.slow
+async def test_a_journal_write_that_fails_midway_rolls_back_exactly(tmp_path: Path) -> None:
+    """A real write failure inside the kernel (RLIMIT_FSIZE: the record's header and positions
+    fit, its old values do not, as on a disk that fills up): the apply fails with the OS's
+    error, the abort undoes exactly the chunks that were saved and patched, and the engine
+    holds v0 bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    sd0 = {"w": torch.randn(12_000_000, generator=g).to(torch.bfloat16)}
+    sd1 = {"w": sd0["w"].clone()}
+    idx = torch.randint(0, 12_000_000, (2_400_000,), generator=g)
+    sd1["w"][idx] = (sd1["w"][idx].float() + 1).to(torch.bfloat16)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    payload = tmp_path / "payload.pt"
+    torch.save({"manifest": m1, "batches": xef_batches(m1, sd0, sd1, n=1)}, payload)
+    ck = await init_checkpoint(tmp_path / "c", sd0)
+    await ck.close()
+    limit = 3 << 20  # the positions blob is ~1.4 MB, the old values ~4.3 MB
+    proc = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_CHILD, str(tmp_path / "c"), str(payload), str(limit)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.split()
+    assert out[:3] == ["failed", "OSError", "27"], proc.stdout + proc.stderr
+    assert out[3] == "saved" and 0 < int(out[4]) < m1.tensors[0].changed, out  # midway
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version == 0
+    assert_same(ck.load_state_dict(), sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
