@@ -464,3 +464,31 @@ async def test_a_journal_write_that_fails_midway_rolls_back_exactly(tmp_path: Pa
     await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
     assert_same(ck.load_state_dict(), sd1)
     await ck.close()
+
+
+@pytest.mark.parametrize("kernels", ["native", "numpy"])
+def test_check_patch_refuses_positions_outside_the_tensor(
+    kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check_patch: positions strictly increasing within the tensor pass in one C pass; any
+    other order still passes if every position is inside (aminmax), and one outside, at
+    either end or in the middle of an unsorted list, is an ApplyFailed naming the tensor."""
+    from asyncsync.codec import Patch
+    from asyncsync.errors import ApplyFailed
+    from receiver.state import check_patch
+
+    if kernels == "numpy":
+        monkeypatch.setattr(native, "kernels", None)
+    flat = torch.zeros(100, dtype=torch.int16)
+    ok = [[0, 5, 99], [7], [99, 3, 50]]
+    bad = [[-1, 5], [5, 100], [3, 200, 50], [10, 10**12]]
+    for p in ok:
+        pos = torch.tensor(p, dtype=torch.int64)
+        got = check_patch(Patch("xor", pos, torch.ones(len(p), dtype=torch.int16)), flat, "w")
+        assert torch.equal(got.positions, pos)
+    for p in bad:
+        patch = Patch(
+            "xor", torch.tensor(p, dtype=torch.int64), torch.ones(len(p), dtype=torch.int16)
+        )
+        with pytest.raises(ApplyFailed, match=r"'w'.*outside 0\.\.99"):
+            check_patch(patch, flat, "w")

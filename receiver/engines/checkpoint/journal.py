@@ -165,8 +165,9 @@ def create_progressive(path: Path, work: Work, version: int) -> Progressive:
             break
         head = align8(8 + len(text))
     text += b" " * (head - 8 - len(text))
-    body = [struct.pack("<Q", len(text)) + text]
-    body += [b + bytes(align8(len(b)) - len(b)) for b in pos_blobs]
+    body: list[bytes] = [struct.pack("<Q", len(text)) + text]
+    for b in pos_blobs:  # not copied into one blob: written one after another
+        body += [b, bytes(align8(len(b)) - len(b))]
     body.append(bytes(8 * len(work)))
     fsio.atomic_write(path, body, fsync=False, sync_dir=False)
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
