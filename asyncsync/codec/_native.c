@@ -854,6 +854,63 @@ static void xor_bytes(char *dst, const char *src, Py_ssize_t len) {
     }
 }
 
+/* The arguments patch_hash and journal_patch_hash share: flat (writable), positions (None: a
+ * dense range) and values, checked against width and [lo, hi). 0, or -1 with an error set. */
+static int patch_buffers(Buffers *b, PyObject *flat_o, PyObject *pos_o, PyObject *val_o,
+                         Py_ssize_t width, Py_ssize_t lo, Py_ssize_t hi, Py_buffer **flat,
+                         Py_buffer **pos, Py_buffer **vals, Py_ssize_t *k) {
+    Py_ssize_t n;
+    *pos = NULL;
+    *k = 0;
+    if (!(*flat = acquire(b, flat_o, "flat", 1)) || !(*vals = acquire(b, val_o, "values", 0))) {
+        return -1;
+    }
+    if (pos_o != Py_None && !(*pos = acquire(b, pos_o, "positions", 0))) {
+        return -1;
+    }
+    if ((n = elements(*flat, width, "flat")) < 0) {
+        return -1;
+    }
+    if (lo < 0 || lo > hi || hi > n) {
+        PyErr_Format(PyExc_ValueError, "range [%zd, %zd) outside a tensor of %zd elements", lo,
+                     hi, n);
+        return -1;
+    }
+    if (*pos && (*k = int64s(*pos, "positions")) < 0) {
+        return -1;
+    }
+    if ((*vals)->len != (*pos ? *k : hi - lo) * width) {
+        PyErr_Format(PyExc_ValueError, "values is %zd bytes, want %zd elements of %zd",
+                     (*vals)->len, *pos ? *k : hi - lo, width);
+        return -1;
+    }
+    return 0;
+}
+
+/* Index of the first of k positions not strictly increasing within [lo, hi) (its value in
+ * *bad), or -1: every position is checked before any write. */
+static Py_ssize_t first_unordered(const char *pp, Py_ssize_t k, Py_ssize_t lo, Py_ssize_t hi,
+                                  int64_t *bad) {
+    int64_t prev = (int64_t)lo - 1;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        int64_t p;
+        memcpy(&p, pp + j * 8, 8);
+        if (p <= prev || p >= (int64_t)hi) {
+            *bad = p;
+            return j;
+        }
+        prev = p;
+    }
+    return -1;
+}
+
+static PyObject *unordered_error(Py_ssize_t bad_at, int64_t bad, Py_ssize_t lo, Py_ssize_t hi) {
+    return PyErr_Format(PyExc_ValueError,
+                        "positions[%zd] = %lld: positions must be strictly increasing within "
+                        "[%zd, %zd)",
+                        bad_at, (long long)bad, lo, hi);
+}
+
 static PyObject *patch_hash(PyObject *self, PyObject *args) {
     PyObject *flat_o, *pos_o, *val_o, *hasher_o, *old_o = Py_None;
     Py_ssize_t width, lo, hi;
@@ -870,32 +927,13 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
         return NULL;
     }
     Buffers b = {.held = 0};
-    Py_buffer *flat, *pos = NULL, *vals, *old = NULL;
-    Py_ssize_t n, k = 0, bad_at = -1;
+    Py_buffer *flat, *pos, *vals, *old = NULL;
+    Py_ssize_t k, bad_at = -1;
     int64_t bad = 0;
-    if (!(flat = acquire(&b, flat_o, "flat", 1)) || !(vals = acquire(&b, val_o, "values", 0))) {
-        goto fail;
-    }
-    if (pos_o != Py_None && !(pos = acquire(&b, pos_o, "positions", 0))) {
+    if (patch_buffers(&b, flat_o, pos_o, val_o, width, lo, hi, &flat, &pos, &vals, &k) < 0) {
         goto fail;
     }
     if (old_o != Py_None && !(old = acquire(&b, old_o, "old_out", 1))) {
-        goto fail;
-    }
-    if ((n = elements(flat, width, "flat")) < 0) {
-        goto fail;
-    }
-    if (lo < 0 || lo > hi || hi > n) {
-        PyErr_Format(PyExc_ValueError, "range [%zd, %zd) outside a tensor of %zd elements", lo,
-                     hi, n);
-        goto fail;
-    }
-    if (pos && (k = int64s(pos, "positions")) < 0) {
-        goto fail;
-    }
-    if (vals->len != (pos ? k : hi - lo) * width) {
-        PyErr_Format(PyExc_ValueError, "values is %zd bytes, want %zd elements of %zd", vals->len,
-                     pos ? k : hi - lo, width);
         goto fail;
     }
     if (old && old->len != vals->len) {
@@ -908,17 +946,7 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
         const char *pp = pos ? pos->buf : NULL, *pv = vals->buf;
         const Py_ssize_t block = PATCH_BLOCK_BYTES / width;
         Py_BEGIN_ALLOW_THREADS;
-        int64_t prev = (int64_t)lo - 1;
-        for (Py_ssize_t j = 0; j < k; j++) { /* every position checked before any write */
-            int64_t p;
-            memcpy(&p, pp + j * 8, 8);
-            if (p <= prev || p >= (int64_t)hi) {
-                bad_at = j;
-                bad = p;
-                break;
-            }
-            prev = p;
-        }
+        bad_at = first_unordered(pp, k, lo, hi, &bad);
         if (bad_at < 0) {
             Py_ssize_t i = lo, at = 0;
             while (i < hi) {
@@ -957,10 +985,7 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS;
     }
     if (bad_at >= 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "positions[%zd] = %lld: positions must be strictly increasing within "
-                     "[%zd, %zd)",
-                     bad_at, (long long)bad, lo, hi);
+        unordered_error(bad_at, bad, lo, hi);
         goto fail;
     }
     release_all(&b);
@@ -1098,30 +1123,11 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
         return NULL;
     }
     Buffers b = {.held = 0};
-    Py_buffer *flat, *pos = NULL, *vals;
-    Py_ssize_t n, k = 0, bad_at = -1;
+    Py_buffer *flat, *pos, *vals;
+    Py_ssize_t k, bad_at = -1;
     int64_t bad = 0;
     int err = 0;
-    if (!(flat = acquire(&b, flat_o, "flat", 1)) || !(vals = acquire(&b, val_o, "values", 0))) {
-        goto fail;
-    }
-    if (pos_o != Py_None && !(pos = acquire(&b, pos_o, "positions", 0))) {
-        goto fail;
-    }
-    if ((n = elements(flat, width, "flat")) < 0) {
-        goto fail;
-    }
-    if (lo < 0 || lo > hi || hi > n) {
-        PyErr_Format(PyExc_ValueError, "range [%zd, %zd) outside a tensor of %zd elements", lo,
-                     hi, n);
-        goto fail;
-    }
-    if (pos && (k = int64s(pos, "positions")) < 0) {
-        goto fail;
-    }
-    if (vals->len != (pos ? k : hi - lo) * width) {
-        PyErr_Format(PyExc_ValueError, "values is %zd bytes, want %zd elements of %zd", vals->len,
-                     pos ? k : hi - lo, width);
+    if (patch_buffers(&b, flat_o, pos_o, val_o, width, lo, hi, &flat, &pos, &vals, &k) < 0) {
         goto fail;
     }
     {
@@ -1135,17 +1141,7 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
             return PyErr_NoMemory();
         }
         Py_BEGIN_ALLOW_THREADS;
-        int64_t prev = (int64_t)lo - 1;
-        for (Py_ssize_t j = 0; j < k; j++) { /* every position checked before any write */
-            int64_t p;
-            memcpy(&p, pp + j * 8, 8);
-            if (p <= prev || p >= (int64_t)hi) {
-                bad_at = j;
-                bad = p;
-                break;
-            }
-            prev = p;
-        }
+        bad_at = first_unordered(pp, k, lo, hi, &bad);
         Py_ssize_t i = lo, at = 0;
         while (bad_at < 0 && i < hi) {
             Py_ssize_t cend = (i / chunk + 1) * chunk;
@@ -1213,10 +1209,7 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
         PyMem_RawFree(saved);
     }
     if (bad_at >= 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "positions[%zd] = %lld: positions must be strictly increasing within "
-                     "[%zd, %zd)",
-                     bad_at, (long long)bad, lo, hi);
+        unordered_error(bad_at, bad, lo, hi);
         goto fail;
     }
     if (err) {
