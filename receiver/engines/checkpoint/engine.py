@@ -251,7 +251,7 @@ class LocalCheckpoint(Engine):
                 self._layout = self.files.load_layout()
                 maps = FileMaps(self.directory)
                 try:
-                    self._undo(maps)  # after a progressive delta: not synced, checked below
+                    self._undo(maps, at_open=True)  # progressive: not synced, checked below
                 except inplace.LostJournal as exc:
                     logger.warning("%s: %s; removing the files so the receiver re-initialises "
                                    "from a keyframe", self.directory, exc)  # fmt: skip
@@ -399,17 +399,15 @@ class LocalCheckpoint(Engine):
         )  # fmt: skip
         txn.digests.update(vdigests)
 
-    def _undo(self, maps: FileMaps) -> bool:
-        """:func:`inplace.undo`, then the state clean; after a progressive delta also not
-        ``synced`` (durably, before its records go: a crash of the machine may have cost
-        pages the records cannot restore, so the bytes are checked before they are trusted).
-        Returns whether it was progressive."""
-        progressive = inplace.undo(self._store.journal_dir, self._layout, maps) or (
-            self._ps.progressive
-        )
-        self._set(replace(self._ps.clean(), synced=self._ps.synced and not progressive))
+    def _undo(self, maps: FileMaps, *, at_open: bool = False) -> None:
+        """:func:`inplace.undo`, then the state clean. At open after a progressive delta also
+        not ``synced`` (durably, before its records go: a crash of the machine may have cost
+        pages the records cannot restore, so the bytes are checked before they are trusted);
+        in the process the page cache is whole and the undo's sync makes it durable."""
+        progressive = inplace.undo(self._store.journal_dir, self._layout, maps)
+        lost = at_open and (progressive or self._ps.progressive)
+        self._set(replace(self._ps.clean(), synced=self._ps.synced and not lost))
         self._store.clear_dir(self._store.journal_dir)
-        return progressive
 
     def _commit_delta(self, txn: _Txn) -> str:
         assert txn.maps is not None
