@@ -238,6 +238,8 @@ class PersistedState:
                 f"field 'progressive' must be true exactly in format_version "
                 f"{STATE_FORMAT_VERSION_PROGRESSIVE}, got {progressive!r}"
             )
+        if progressive and (status, mode) != ("applying", "delta"):
+            raise bad("field 'progressive' is only for a delta being applied")
         state = cls(
             version=opt_int("version"),
             run_id=opt_str("run_id"),
@@ -336,7 +338,15 @@ class StateStore:
         return state
 
     def clear_dir(self, path: Path) -> None:
-        """Remove every file in ``path`` (one level, e.g. journal/ or staging/) and fsync it."""
+        """Remove every file in ``path`` (one level, e.g. journal/ or staging/) and fsync it.
+
+        A symlink there is refused (EngineStateError), never followed: clearing through it
+        would remove whatever it points to."""
+        if path.is_symlink():
+            raise EngineStateError(
+                f"{path} is a symlink, not the engine's own directory; refusing to clear "
+                "through it (remove it)"
+            )
         if not path.is_dir():
             return
         removed = False

@@ -525,3 +525,87 @@ async def test_a_rollback_in_the_process_keeps_the_version_durable(tmp_path: Pat
     assert (state["status"], state["version"], state.get("synced", True)) == ("clean", 0, True)
     assert_same(ck.load_state_dict(), sd0)
     await ck.close()
+
+
+# ------------------------------------------------------------- found by attacking it (helper)
+
+
+def _edit_header(record: Path, edit: Any) -> None:
+    """Rewrite a progressive record's JSON header in place (same length, space-padded)."""
+    b = record.read_bytes()
+    h = int.from_bytes(b[:8], "little")
+    meta = json.loads(b[8 : 8 + h])
+    edit(meta)
+    t = json.dumps(meta, separators=(",", ":")).encode()
+    assert len(t) <= h
+    record.write_bytes(b[:8] + t + b" " * (h - len(t)) + b[8 + h :])
+
+
+@needs_kernel
+async def test_a_record_that_does_not_fit_its_tensor_wipes(tmp_path: Path) -> None:
+    """A progressive record that reads back but whose widths do not match the tensors (the
+    undo's index_copy_ refuses it): a wipe, not a bare IndexError out of open()."""
+    _sd0, record = await _crashed_mid_delta(tmp_path)
+    _edit_header(record, lambda m: m.update(widths=[1 for _ in m["widths"]]))
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version is None
+    await ck.close()
+
+
+@needs_kernel
+async def test_a_wipe_cut_short_still_opens_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed while a wipe removes the files: the state saying "no version" is written first,
+    so the next open holds nothing (and says the leftover files are there) instead of
+    failing on the removed ones forever; a full version then re-initialises it."""
+    from receiver.engines.checkpoint.files import CheckpointFiles
+
+    sd0, record = await _crashed_mid_delta(tmp_path)
+    os.truncate(record, 20)  # unreadable: open wipes
+    real = CheckpointFiles.remove_data
+
+    def killed(self: CheckpointFiles) -> None:
+        next(iter(self.data_files())).unlink()  # one file gone, then the process dies
+        raise KeyboardInterrupt("killed mid-wipe")
+
+    monkeypatch.setattr(CheckpointFiles, "remove_data", killed)
+    with pytest.raises(KeyboardInterrupt):
+        await LocalCheckpoint(tmp_path / "c").open()
+    monkeypatch.setattr(CheckpointFiles, "remove_data", real)
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version is None
+    m0 = build_manifest(sd0, 0)
+    from tests.test_engines import full_batches
+
+    await apply_version(ck, m0, full_batches(m0, sd0), "full")
+    assert_same(ck.load_state_dict(), sd0)
+    await ck.close()
+
+
+async def test_a_symlinked_journal_dir_is_refused_not_followed(tmp_path: Path) -> None:
+    """``.asyncsync/journal`` replaced by a symlink to another directory: open refuses it with
+    a clear error and removes nothing there (it emptied the link's target before)."""
+    from tests.test_engines import mixed_state
+
+    ck = await init_checkpoint(tmp_path / "c", mixed_state(0))
+    await ck.close()
+    decoy = tmp_path / "decoy"
+    (decoy / "sub").mkdir(parents=True)
+    (decoy / "precious.txt").write_text("keep")
+    jdir = tmp_path / "c" / ".asyncsync" / "journal"
+    shutil.rmtree(jdir)
+    jdir.symlink_to(decoy)
+    with pytest.raises(EngineStateError, match="symlink"):
+        await LocalCheckpoint(tmp_path / "c").open()
+    assert sorted(p.name for p in decoy.iterdir()) == ["precious.txt", "sub"]
+
+
+def test_state_progressive_only_while_a_delta_is_applied() -> None:
+    """A state marked progressive but clean (the engine never writes one; a hand edit would
+    make open skip the journal and trust half-patched bytes) is refused."""
+    ps = PersistedState(version=3).begin(4, "delta", progressive=True)
+    doc = json.loads(ps.to_json())
+    for edit in ({"status": "clean", "target_version": None, "mode": None}, {"mode": "full"}):
+        with pytest.raises(EngineStateError, match="only for a delta being applied"):
+            PersistedState.from_json(json.dumps({**doc, **edit}), where="s")

@@ -308,12 +308,14 @@ class LocalCheckpoint(Engine):
         logger.info("%s: v%s verified and made durable after a restart", self.directory, ps.version)
 
     def _wipe(self) -> None:
-        """Forget everything: remove data files, index and staging; state holds no version."""
+        """Forget everything: the state holds no version (first, durably: a wipe cut short
+        then leaves a directory that opens empty, not one that names removed files), then
+        remove data files, index, staging and journal."""
+        self._layout = {}
+        self._set(PersistedState())
         self.files.remove_data()
         self._store.clear_dir(self._store.staging_dir)
         self._store.clear_dir(self._store.journal_dir)
-        self._layout = {}
-        self._set(PersistedState())
 
     # -- begin --------------------------------------------------------------------------------
     def _begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:

@@ -167,11 +167,15 @@ def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps
             if loc is None:
                 raise EngineStateError(f"undo journal {path} names unknown tensor {name!r}")
             flat = maps.flat(loc)
-            old = old.view(flat.dtype)
-            if pos is None:
-                flat.copy_(old)
-            elif pos.numel():
-                flat.index_copy_(0, pos, old)
+            try:
+                old = old.view(flat.dtype)
+                if pos is None:
+                    flat.copy_(old)
+                elif pos.numel():
+                    flat.index_copy_(0, pos, old)
+            except (IndexError, RuntimeError, ValueError) as exc:  # it does not fit the tensor
+                kind = LostJournal if lost else EngineStateError
+                raise kind(f"undo journal {path} does not fit tensor {name!r}: {exc}") from exc
             del flat
     maps.sync()
     return progressive
