@@ -430,7 +430,7 @@ def check_patch(patch: Patch, flat: torch.Tensor, name: str) -> Patch:
     pos = patch.positions.detach().reshape(-1)
     if pos.dtype != torch.int64 or pos.numel() != values.numel():
         raise ApplyFailed(f"tensor {name!r}: positions must be int64, one per value")
-    if pos.numel() and not _increasing_within(pos, flat.numel()):
+    if pos.numel() and not _increasing_within(pos, flat.numel(), decoded=patch.positions_xef):
         lo, hi = torch.aminmax(pos)  # one pass, not two
         if int(lo) < 0 or int(hi) >= flat.numel():
             raise ApplyFailed(f"tensor {name!r}: patch positions outside 0..{flat.numel() - 1}")
@@ -438,12 +438,19 @@ def check_patch(patch: Patch, flat: torch.Tensor, name: str) -> Patch:
     return replace(patch, positions=pos.to(flat.device), values=values.to(flat.device))
 
 
-def _increasing_within(pos: torch.Tensor, numel: int) -> bool:
+def _increasing_within(pos: torch.Tensor, numel: int, *, decoded: bytes | None) -> bool:
     """Positions strictly increasing within ``[0, numel)`` (as decoded ones are), by the C
-    kernel in one pass on this thread; False where it cannot tell (then aminmax checks)."""
+    kernel in one pass on this thread; False where it cannot tell (then aminmax checks).
+
+    Positions on the CPU decoded from an xef blob (``decoded``; the decoder checked every one)
+    have only their ends checked here: the CPU kernels that apply them check each position
+    again before they write it, and a made-up Patch whose blob is not its positions' is refused
+    there (or, without the kernels, by torch's indexing and the checksum), not half-applied."""
     k = native.kernels
     if k is None or not hasattr(k, "increasing") or pos.device.type != "cpu":
         return False
+    if decoded is not None:
+        return 0 <= int(pos[0]) and int(pos[-1]) < numel
     return bool(k.increasing(pos.contiguous().numpy(), 8, numel))
 
 

@@ -120,6 +120,47 @@ def test_kernel_write_failure_patches_nothing_more(tmp_path: Path) -> None:
     assert (tmp_path / "rw").stat().st_size == 0
 
 
+@needs_kernel
+@pytest.mark.parametrize("fault", ["repeated", "descending", "past_hi", "negative"])
+def test_kernel_bad_position_midway_stops_with_what_it_wrote_saved(
+    tmp_path: Path, fault: str
+) -> None:
+    """Positions are checked as each chunk saves its old values (no pass of their own): one
+    that is bad in a later chunk stops the kernel (ValueError) before that chunk writes; every
+    chunk before it is patched, and its old values and their count are in the file, so
+    writing the saved values back restores the tensor exactly. Nothing after is touched."""
+    n, lo, hi = 3_000_000, 0, 2_900_000  # int16: ~6 one-MiB chunks
+    rng = np.random.default_rng(7)
+    flat = rng.integers(-(2**15), 2**15, n, dtype=np.int16)
+    orig = flat.copy()
+    pos = np.arange(3, hi, 5, dtype=np.int64)
+    vals = np.full(pos.size, 0x55, np.int16)
+    j = int(np.searchsorted(pos, 2_000_000))  # in the fourth chunk
+    if fault == "repeated":
+        pos[j] = pos[j - 1]
+    elif fault == "descending":
+        pos[j] = pos[j - 1] - 3
+    elif fault == "negative":
+        pos[j] = -5
+    else:
+        j = pos.size - 1
+        pos[j] = hi  # the last position, one past the range
+    fd = os.open(tmp_path / "j", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(ValueError, match=rf"positions\[{j}\] = .*strictly increasing"):
+            K.journal_patch_hash(flat, 2, pos, vals, True, lo, hi, None, fd, 16, 8, 0)
+    finally:
+        os.close(fd)
+    data = (tmp_path / "j").read_bytes()
+    count = int.from_bytes(data[8:16], "little")
+    assert 0 < count <= j
+    changed = np.flatnonzero(flat != orig)
+    assert changed.size == count and np.array_equal(changed, pos[:count])
+    saved = np.frombuffer(data[16 : 16 + count * 2], np.int16)
+    flat[pos[:count]] = saved
+    assert np.array_equal(flat, orig)
+
+
 # ------------------------------------------------------------------------------ the record
 
 
@@ -473,6 +514,48 @@ async def test_a_journal_write_that_fails_midway_rolls_back_exactly(tmp_path: Pa
     assert (await ck.open()).version == 0
     assert_same(ck.load_state_dict(), sd0)
     await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
+
+
+@needs_kernel
+@pytest.mark.parametrize("fault", ["repeated", "outside"])
+async def test_a_made_up_patch_with_another_blob_is_refused_and_undone(
+    tmp_path: Path, fault: str
+) -> None:
+    """check_patch trusts positions decoded from an xef blob (only their ends are checked);
+    a made-up Patch whose blob is not its positions' (one repeated, or one outside the tensor,
+    in a later chunk) is refused by the kernel midway: ApplyFailed naming the position, the
+    chunks already patched undone by the abort, v0 held bit for bit, and the next good delta
+    applies."""
+    from dataclasses import replace
+
+    from asyncsync.errors import ApplyFailed
+    from receiver.engines import TensorUpdate
+
+    g = torch.Generator().manual_seed(9)
+    sd0 = {"w": torch.randn(4_000_000, generator=g).to(torch.bfloat16)}
+    sd1 = {"w": sd0["w"].clone()}
+    idx = torch.randint(0, 4_000_000, (400_000,), generator=g)
+    sd1["w"][idx] = (sd1["w"][idx].float() + 1).to(torch.bfloat16)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    (u,) = xef_batches(m1, sd0, sd1, n=1)[0]
+    assert u.patch is not None and u.patch.positions is not None
+    pos = u.patch.positions.clone()
+    j = int(torch.searchsorted(pos, 3_000_000))
+    pos[j] = pos[j - 1] if fault == "repeated" else 4_000_000 + 17
+    bad = TensorUpdate(u.entry, patch=replace(u.patch, positions=pos))
+    ck = await init_checkpoint(tmp_path / "c", sd0)
+    await ck.begin(m1, "delta")
+    with pytest.raises(ApplyFailed, match=rf"positions\[{j}\]"):
+        await ck.apply([bad])
+    await ck.abort()
+    assert_same(ck.load_state_dict(), sd0)
+    await apply_version(ck, m1, xef_batches(m1, sd0, sd1), "delta")
+    assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
+    ck = LocalCheckpoint(tmp_path / "c")
+    assert (await ck.open()).version == 1
     assert_same(ck.load_state_dict(), sd1)
     await ck.close()
 

@@ -62,7 +62,10 @@
  *     count saved so far (done + j + 1 of the chunk's last) as an int64 LE at progress_at, and
  *     only then is the chunk patched and hashed: a process killed at any instant leaves in the
  *     file (the page cache) the old value of every element it changed. OSError if a write
- *     fails (that chunk is not patched); positions are checked before anything is written.
+ *     fails, ValueError at a position not strictly increasing within [lo, hi): each chunk's
+ *     positions are checked as its old values are saved (one pass), so either stops the
+ *     kernel before that chunk writes anything, with every chunk before it saved, counted and
+ *     patched (the caller undoes them from the file).
  *
  * planes(src, width, out) / unplanes(src, width, out) -> None
  *     The byte planes of the xef values (all byte 0s of the width-byte elements, then all byte
@@ -911,6 +914,54 @@ static PyObject *unordered_error(Py_ssize_t bad_at, int64_t bad, Py_ssize_t lo, 
                         bad_at, (long long)bad, lo, hi);
 }
 
+/* The index of the first of positions [from, to) that is >= end (they are increasing). */
+static Py_ssize_t positions_below(const char *pp, Py_ssize_t from, Py_ssize_t to, int64_t end) {
+    while (from < to) {
+        Py_ssize_t mid = from + (to - from) / 2;
+        int64_t p;
+        memcpy(&p, pp + mid * 8, 8);
+        if (p < end) {
+            from = mid + 1;
+        } else {
+            to = mid;
+        }
+    }
+    return from;
+}
+
+/* Patch [i, end) of flat block by block, each block fed to hasher (if any) right after it is
+ * patched: positions [at, stop) (all checked, increasing, inside [i, end)) with their values
+ * (and old values saved) at the same index, or, without positions, every element, its value
+ * and old value at its index less lo. */
+static void patch_blocks(Py_ssize_t width, char *pf, const char *pp, const char *pv, char *po,
+                         Py_ssize_t lo, Py_ssize_t i, Py_ssize_t end, Py_ssize_t at,
+                         Py_ssize_t stop, int is_xor, Xxh3Object *hasher) {
+    const Py_ssize_t block = PATCH_BLOCK_BYTES / width;
+    while (i < end) {
+        Py_ssize_t bend = (i / block + 1) * block;
+        bend = bend < end ? bend : end;
+        if (pp) {
+            Py_ssize_t s = positions_below(pp, at, stop, (int64_t)bend);
+            patch_any(width, pf, pp + at * 8, pv + at * width, po ? po + at * width : NULL,
+                      s - at, is_xor);
+            at = s;
+        } else {
+            if (po) { /* dense: the block's old bytes first */
+                memcpy(po + (i - lo) * width, pf + i * width, (size_t)((bend - i) * width));
+            }
+            if (is_xor) {
+                xor_bytes(pf + i * width, pv + (i - lo) * width, (bend - i) * width);
+            } else {
+                memcpy(pf + i * width, pv + (i - lo) * width, (size_t)((bend - i) * width));
+            }
+        }
+        if (hasher) {
+            xxh3_feed(hasher, pf + i * width, (size_t)((bend - i) * width));
+        }
+        i = bend;
+    }
+}
+
 static PyObject *patch_hash(PyObject *self, PyObject *args) {
     PyObject *flat_o, *pos_o, *val_o, *hasher_o, *old_o = Py_None;
     Py_ssize_t width, lo, hi;
@@ -944,43 +995,10 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
     {
         char *pf = flat->buf, *po = old ? old->buf : NULL;
         const char *pp = pos ? pos->buf : NULL, *pv = vals->buf;
-        const Py_ssize_t block = PATCH_BLOCK_BYTES / width;
         Py_BEGIN_ALLOW_THREADS;
         bad_at = first_unordered(pp, k, lo, hi, &bad);
         if (bad_at < 0) {
-            Py_ssize_t i = lo, at = 0;
-            while (i < hi) {
-                Py_ssize_t end = (i / block + 1) * block;
-                end = end < hi ? end : hi;
-                if (pp) {
-                    Py_ssize_t stop = at;
-                    for (; stop < k; stop++) {
-                        int64_t p;
-                        memcpy(&p, pp + stop * 8, 8);
-                        if (p >= (int64_t)end) {
-                            break;
-                        }
-                    }
-                    patch_any(width, pf, pp + at * 8, pv + at * width,
-                              po ? po + at * width : NULL, stop - at, is_xor);
-                    at = stop;
-                } else {
-                    if (po) { /* dense: the block's old bytes first */
-                        memcpy(po + (i - lo) * width, pf + i * width,
-                               (size_t)((end - i) * width));
-                    }
-                    if (is_xor) {
-                        xor_bytes(pf + i * width, pv + (i - lo) * width, (end - i) * width);
-                    } else {
-                        memcpy(pf + i * width, pv + (i - lo) * width,
-                               (size_t)((end - i) * width));
-                    }
-                }
-                if (hasher) {
-                    xxh3_feed(hasher, pf + i * width, (size_t)((end - i) * width));
-                }
-                i = end;
-            }
+            patch_blocks(width, pf, pp, pv, po, lo, lo, hi, 0, k, is_xor, hasher);
         }
         Py_END_ALLOW_THREADS;
     }
@@ -1071,13 +1089,44 @@ fail:
  * a few blocks, still in a core's L2 when the patch reads them again. */
 #define JOURNAL_CHUNK_BYTES (16 * PATCH_BLOCK_BYTES)
 
-static void gather_any(Py_ssize_t width, const char *flat, const char *pos, char *out,
-                       Py_ssize_t k) {
+/* Save flat[p] into out for the positions from pos on that are below end (at most k), each
+ * checked first to be above the one before (*prev, updated): the count saved, or -1 - the
+ * index of the first that is not (nothing is read at it). */
+#define DEFINE_SAVE(T, W)                                                                     \
+    static Py_ssize_t save_##W(const char *flat, const char *pos, Py_ssize_t k, int64_t end,  \
+                               int64_t *prev, char *out) {                                    \
+        int64_t before = *prev;                                                               \
+        Py_ssize_t j = 0;                                                                     \
+        for (; j < k; j++) {                                                                  \
+            int64_t p;                                                                        \
+            T v;                                                                              \
+            memcpy(&p, pos + j * 8, 8);                                                       \
+            if (p >= end) {                                                                   \
+                break;                                                                        \
+            }                                                                                 \
+            if (p <= before) {                                                                \
+                return -1 - j;                                                                \
+            }                                                                                 \
+            memcpy(&v, flat + p * (W), (W));                                                  \
+            memcpy(out + j * (W), &v, (W));                                                   \
+            before = p;                                                                       \
+        }                                                                                     \
+        *prev = before;                                                                       \
+        return j;                                                                             \
+    }
+
+DEFINE_SAVE(uint8_t, 1)
+DEFINE_SAVE(uint16_t, 2)
+DEFINE_SAVE(uint32_t, 4)
+DEFINE_SAVE(uint64_t, 8)
+
+static Py_ssize_t save_any(Py_ssize_t width, const char *flat, const char *pos, Py_ssize_t k,
+                           int64_t end, int64_t *prev, char *out) {
     switch (width) {
-    case 1: gather_1(flat, pos, out, k); break;
-    case 2: gather_2(flat, pos, out, k); break;
-    case 4: gather_4(flat, pos, out, k); break;
-    default: gather_8(flat, pos, out, k); break;
+    case 1: return save_1(flat, pos, k, end, prev, out);
+    case 2: return save_2(flat, pos, k, end, prev, out);
+    case 4: return save_4(flat, pos, k, end, prev, out);
+    default: return save_8(flat, pos, k, end, prev, out);
     }
 }
 
@@ -1133,7 +1182,7 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
     {
         char *pf = flat->buf;
         const char *pp = pos ? pos->buf : NULL, *pv = vals->buf;
-        const Py_ssize_t block = PATCH_BLOCK_BYTES / width, chunk = JOURNAL_CHUNK_BYTES / width;
+        const Py_ssize_t chunk = JOURNAL_CHUNK_BYTES / width;
         Py_ssize_t room = pp ? (k < chunk ? k : chunk) : (hi - lo < chunk ? hi - lo : chunk);
         char *saved = PyMem_RawMalloc((size_t)(room > 0 ? room : 1) * (size_t)width);
         if (saved == NULL) {
@@ -1141,24 +1190,25 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
             return PyErr_NoMemory();
         }
         Py_BEGIN_ALLOW_THREADS;
-        bad_at = first_unordered(pp, k, lo, hi, &bad);
+        /* Each position is checked as its chunk saves it, before the chunk writes anything: a
+         * bad one stops the kernel with every chunk before it saved (and counted) and patched,
+         * as a failed write does; the caller undoes them from the record. */
+        int64_t prev = (int64_t)lo - 1;
         Py_ssize_t i = lo, at = 0;
-        while (bad_at < 0 && i < hi) {
+        while (i < hi) {
             Py_ssize_t cend = (i / chunk + 1) * chunk;
             cend = cend < hi ? cend : hi;
             /* 1. the old values of everything this chunk writes, then how many are saved: in
              *    the journal file (the page cache) before the first byte of the chunk changes */
             Py_ssize_t stop = at, first = at, count;
             if (pp) {
-                for (; stop < k; stop++) {
-                    int64_t p;
-                    memcpy(&p, pp + stop * 8, 8);
-                    if (p >= (int64_t)cend) {
-                        break;
-                    }
+                count = save_any(width, pf, pp + at * 8, k - at, (int64_t)cend, &prev, saved);
+                if (count < 0) {
+                    bad_at = at - 1 - count;
+                    memcpy(&bad, pp + bad_at * 8, 8);
+                    break;
                 }
-                count = stop - at;
-                gather_any(width, pf, pp + at * 8, saved, count);
+                stop = at + count;
             } else {
                 first = i - lo;
                 count = cend - i;
@@ -1180,30 +1230,13 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
                 }
             }
             /* 2. patch, then hash, block by block (the chunk's lines are still cached) */
-            while (i < cend) {
-                Py_ssize_t end = (i / block + 1) * block;
-                end = end < cend ? end : cend;
-                if (pp) {
-                    Py_ssize_t s2 = at;
-                    for (; s2 < stop; s2++) {
-                        int64_t p;
-                        memcpy(&p, pp + s2 * 8, 8);
-                        if (p >= (int64_t)end) {
-                            break;
-                        }
-                    }
-                    patch_any(width, pf, pp + at * 8, pv + at * width, NULL, s2 - at, is_xor);
-                    at = s2;
-                } else if (is_xor) {
-                    xor_bytes(pf + i * width, pv + (i - lo) * width, (end - i) * width);
-                } else {
-                    memcpy(pf + i * width, pv + (i - lo) * width, (size_t)((end - i) * width));
-                }
-                if (hasher) {
-                    xxh3_feed(hasher, pf + i * width, (size_t)((end - i) * width));
-                }
-                i = end;
-            }
+            patch_blocks(width, pf, pp, pv, NULL, lo, i, cend, at, stop, is_xor, hasher);
+            at = stop;
+            i = cend;
+        }
+        if (pp && !err && bad_at < 0 && at < k) { /* left over: at or past hi */
+            bad_at = at;
+            memcpy(&bad, pp + at * 8, 8);
         }
         Py_END_ALLOW_THREADS;
         PyMem_RawFree(saved);
@@ -1648,8 +1681,9 @@ static PyMethodDef methods[] = {
      "patch_hash() that saves what it overwrites first: chunk by chunk, the old values of the\n"
      "chunk's positions (or elements, positions None) are pwritten to fd at values_at +\n"
      "(done + j) * width (j: their index in positions / from lo), then done + the count saved\n"
-     "so far as an int64 LE at progress_at, then the chunk is patched and hashed. OSError (the\n"
-     "chunk not patched) if a write fails."},
+     "so far as an int64 LE at progress_at, then the chunk is patched and hashed. OSError if\n"
+     "a write fails, ValueError at a position not strictly increasing within [lo, hi): the\n"
+     "chunk is not patched, the chunks before it are (saved and counted)."},
     {"xor_patch", xor_patch, METH_VARARGS,
      "xor_patch(flat, width, positions, values, old_out) -> None\n\n"
      "old_out[k] = flat[pos[k]] (unless None); flat[pos[k]] ^= values[k]. Bounds-checked first."},
