@@ -450,7 +450,7 @@ def _increasing_within(pos: torch.Tensor, numel: int, *, decoded: bytes | None) 
     if k is None or not hasattr(k, "increasing") or pos.device.type != "cpu":
         return False
     if decoded is not None:
-        return 0 <= int(pos[0]) and int(pos[-1]) < numel
+        return int(pos[0]) >= 0 and int(pos[-1]) < numel
     return bool(k.increasing(pos.contiguous().numpy(), 8, numel))
 
 
