@@ -1429,6 +1429,10 @@ static Py_ssize_t ef_pack(const char *pos, Py_ssize_t n, uint64_t numel, int L,
     uint64_t acc = 0;                              /* low bits not yet stored */
     unsigned fill = 0;                             /* how many (< 64) */
     int64_t prev = -1;
+    /* The high part's current 64-bit word, kept in a register (its bits come in increasing
+     * order): stored when a bit lands in a later word, which leaves every word before that
+     * one whole inside high (the words skipped stay zero). */
+    uint64_t hword = 0, hat = 0;
     memset(high, 0, (size_t)lay->high_len);
     for (Py_ssize_t j = 0; j < n; j++) {
         int64_t p;
@@ -1448,11 +1452,19 @@ static Py_ssize_t ef_pack(const char *pos, Py_ssize_t n, uint64_t numel, int L,
             acc = v >> (L - fill); /* L - fill = 64 - old fill, in [1, 63] as L <= 63 */
         }
         const uint64_t bit = ((uint64_t)p >> L) + (uint64_t)j; /* < lay->high_bits */
-        high[bit >> 3] |= (unsigned char)(1u << (bit & 7));
+        if (bit >> 6 != hat) {
+            store_le64(high + hat * 8, hword);
+            hword = 0;
+            hat = bit >> 6;
+        }
+        hword |= (uint64_t)1 << (bit & 63);
     }
     for (; fill > 0; fill = fill > 8 ? fill - 8 : 0) {
         *low++ = (unsigned char)acc;
         acc >>= 8;
+    }
+    for (uint64_t q = hat * 8; hword; q++, hword >>= 8) { /* the last word: its bytes in high */
+        high[q] = (unsigned char)hword;
     }
     return -1;
 }
