@@ -430,3 +430,18 @@ def test_passes_bench_runs_every_row(capsys: pytest.CaptureFixture[str]) -> None
     for row in ("diff+hash+advance", "journal in the patch pass", "patch+hash C", "unplanes C"):
         assert row in out, row
     assert ("diff word loop" in out) == bool(native.kernels.simd())
+
+
+@pytest.mark.parametrize("arg", ["--help", "abc", "5", "1e9", str(1 << 40)])
+def test_passes_bench_arguments(arg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its one argument: ``--help`` is the usage, a bad size a usage error (exit 2) naming it,
+    not a traceback and not a run."""
+    from asyncsync.ops.bench import passes
+
+    with pytest.raises(SystemExit) as exc:
+        passes.main([arg])
+    err = capsys.readouterr()
+    if arg == "--help":
+        assert exc.value.code == 0 and "elements" in err.out
+    else:
+        assert exc.value.code == 2 and "argument elements" in err.err and "Traceback" not in err.err

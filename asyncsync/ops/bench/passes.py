@@ -16,6 +16,7 @@ wall ms and the thread's CPU ms, of
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -138,6 +139,16 @@ def apply_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
     return {k: r for k, r in res.items() if r}
 
 
+def _elements(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1000 <= n <= 1 << 32:
+        raise argparse.ArgumentTypeError(f"{n} elements: use 1000 to 4294967296")
+    return n
+
+
 def _journal_two_passes(flat: torch.Tensor, p: Patch, fd: int) -> None:
     """The durable journal's passes (no fsync here): gather the old values, write them, then
     patch and hash."""
@@ -149,8 +160,15 @@ def _journal_two_passes(flat: torch.Tensor, p: Patch, fd: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    n = int(args[0]) if args else 128 << 20
+    ap = argparse.ArgumentParser(
+        prog="python -m asyncsync.ops.bench.passes",
+        description="The passes of publish and apply in isolation (one thread, min / median).",
+    )
+    ap.add_argument(
+        "elements", nargs="?", type=_elements, default=128 << 20,
+        help="bf16 elements of the tensor (default 134217728: 256 MiB)",
+    )  # fmt: skip
+    n = ap.parse_args(argv).elements
     if native.kernels is None or not hasattr(native.kernels, "patch_hash"):
         print("the C kernels are not built", file=sys.stderr)
         return 1
