@@ -221,11 +221,9 @@ async def test_a_checksum_mismatch_is_refused_and_nothing_is_loaded(chain: Chain
 
 async def test_an_error_midway_is_a_full_reload(chain: Chain) -> None:
     v = await chain.next(THREE)
-    # The plugin's audit pass over the version served now calls load_weights too: let it end
-    # before the fault is armed, or it takes the injected failure (seen once in a full CI run,
-    # which then failed this test and the two audits below).
-    done = f"asyncsync audit (rank 0): v{v - 1}: "
-    wait_for("the audit pass", lambda: any(done in line for line in chain.server.audit_lines()))
+    # The plugin's audit calls load_weights too, at any moment: the fault plugin counts only
+    # the calls of other threads (an audit pass once took the injected failure in a full CI
+    # run, which then failed this test and the two audits below).
     chain.marker.write_text("2")  # the second load_weights call (the second tensor) fails
     code, answer, lines = chain.reload(v)
     assert not chain.marker.exists(), "the fault plugin did not run"

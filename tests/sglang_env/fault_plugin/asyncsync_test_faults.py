@@ -8,7 +8,9 @@ audit all go through):
 * ``$ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS`` names a file; when it exists and holds N, the N-th
   ``load_weights`` call (or per-tensor ``apply_plan`` of an in-place apply) from then on
   raises, and the file is removed: an error midway through a reload or an in-place apply,
-  without changing the project's code.
+  without changing the project's code. The asyncsync audit's own calls (its background
+  threads, ``asyncsync-audit-rank*``, may route a tensor at any moment) are not counted, so
+  the N-th call is the reload's whatever the audit does meanwhile.
 * ``$ASYNCSYNC_TEST_CORRUPT_PARAM`` names a file; when it exists and holds a parameter name,
   the next ``load_weights`` call first flips the lowest bit of that parameter's first element
   (through NumPy, below torch: nothing of the project sees the write), and the file is
@@ -41,6 +43,8 @@ _counting = threading.Lock()  # the in-place apply runs tensors on a pool: one c
 
 
 def _count_down(what):
+    if threading.current_thread().name.startswith("asyncsync-audit"):
+        return  # the audit's routing, not the reload or apply under test
     with _counting:
         _count_down_locked(what)
 
