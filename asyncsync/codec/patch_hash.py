@@ -131,8 +131,10 @@ def _one_pass(
         or patch.values.device.type != "cpu"
         or not patch.values.is_contiguous()
         or (old_out is not None and (old_out.device.type != "cpu" or not old_out.is_contiguous()))
-        # the blob's word is taken only where a bad position is found before any write: the
-        # whole tensor one range (the kernel checks it all first), no old values to fill
+        # the blob's word is taken only where a bad position cannot half-apply the tensor: the
+        # whole tensor one range (patch_hash checks every position first; journal_patch_hash
+        # checks each chunk's before the chunk writes, the chunks before it journaled), no
+        # old values to fill
         or (pos is not None and not _increasing(patch, pos, flat.numel(), trust=trust))
     )
 

@@ -136,6 +136,13 @@ def write_record(path: Path, record: list[bytes | memoryview]) -> None:
     fsio.atomic_write(path, record)
 
 
+def _record_order(path: Path) -> tuple[int, str]:
+    """Records in the order they were written: by their group number (``undo-{seq:06d}``
+    grows a seventh digit past 999,999 groups, where the names' order is no longer theirs)."""
+    seq = path.name.removeprefix("undo-").split(".", 1)[0]
+    return (int(seq) if seq.isdigit() else -1, path.name)
+
+
 class LostJournal(EngineStateError):
     """A progressive undo record cannot be read back (the machine went down before the page
     cache reached the disk): the files cannot be undone exactly."""
@@ -154,7 +161,7 @@ def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps
         for p in journal_dir.glob("undo-*")
         if p.name.endswith((".safetensors", journal.PROGRESSIVE_SUFFIX))
     ]
-    for path in sorted(paths, key=lambda p: p.name, reverse=True):
+    for path in sorted(paths, key=_record_order, reverse=True):
         lost = path.name.endswith(journal.PROGRESSIVE_SUFFIX)
         progressive = progressive or lost
         try:
