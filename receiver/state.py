@@ -412,11 +412,21 @@ def check_tensor_set(
             )
 
 
-def check_patch(patch: Patch, flat: torch.Tensor, name: str) -> Patch:
+def check_patch(
+    patch: Patch, flat: torch.Tensor, name: str, *, kernels_check: bool = False
+) -> Patch:
     """Validate ``patch`` against ``flat`` (the target's int view); return it on flat's device.
 
     Engines call this before journaling or writing anything, so a malformed patch is an
-    ApplyFailed naming the tensor instead of a half-applied version.
+    ApplyFailed naming the tensor instead of a half-applied version. Positions must lie in
+    the tensor and must not repeat (a repeated one would be undone to the value between its
+    two writes).
+
+    ``kernels_check``: the engine applies CPU patches only through the C kernels that check
+    every position before they write it, and undoes what they wrote from values saved before
+    (LocalCheckpoint): positions decoded from an xef blob then have only their ends checked
+    here (the decoder checked every one; a made-up Patch whose blob is not its positions' is
+    refused by the kernel and undone).
     """
     values = patch.values.detach().reshape(-1)
     if patch.op not in ("set", "xor") or values.dtype != flat.dtype:
@@ -430,10 +440,17 @@ def check_patch(patch: Patch, flat: torch.Tensor, name: str) -> Patch:
     pos = patch.positions.detach().reshape(-1)
     if pos.dtype != torch.int64 or pos.numel() != values.numel():
         raise ApplyFailed(f"tensor {name!r}: positions must be int64, one per value")
-    if pos.numel() and not _increasing_within(pos, flat.numel(), decoded=patch.positions_xef):
+    decoded = patch.positions_xef if kernels_check else None
+    if pos.numel() and not _increasing_within(pos, flat.numel(), decoded=decoded):
         lo, hi = torch.aminmax(pos)  # one pass, not two
         if int(lo) < 0 or int(hi) >= flat.numel():
             raise ApplyFailed(f"tensor {name!r}: patch positions outside 0..{flat.numel() - 1}")
+        if (
+            pos.numel() > 1
+            and not bool((pos[1:] > pos[:-1]).all())
+            and torch.unique(pos).numel() != pos.numel()
+        ):
+            raise ApplyFailed(f"tensor {name!r}: patch positions repeat")
     # the same positions: an xef blob they were decoded from still describes them
     return replace(patch, positions=pos.to(flat.device), values=values.to(flat.device))
 
@@ -442,10 +459,8 @@ def _increasing_within(pos: torch.Tensor, numel: int, *, decoded: bytes | None) 
     """Positions strictly increasing within ``[0, numel)`` (as decoded ones are), by the C
     kernel in one pass on this thread; False where it cannot tell (then aminmax checks).
 
-    Positions on the CPU decoded from an xef blob (``decoded``; the decoder checked every one)
-    have only their ends checked here: the CPU kernels that apply them check each position
-    again before they write it, and a made-up Patch whose blob is not its positions' is refused
-    there (or, without the kernels, by torch's indexing and the checksum), not half-applied."""
+    Positions on the CPU decoded from an xef blob (``decoded``, given where the engine's
+    kernels check every position again before they write it) have only their ends checked."""
     k = native.kernels
     if k is None or not hasattr(k, "increasing") or pos.device.type != "cpu":
         return False

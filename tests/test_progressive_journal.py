@@ -518,6 +518,67 @@ async def test_a_journal_write_that_fails_midway_rolls_back_exactly(tmp_path: Pa
     await ck.close()
 
 
+@pytest.mark.parametrize("engine", ["checkpoint", "module"])
+@pytest.mark.parametrize("blob", [True, False])
+@pytest.mark.parametrize("fault", ["repeated", "outside", "unsorted-repeat"])
+async def test_a_made_up_patch_leaves_the_held_version_whole(
+    tmp_path: Path, engine: str, blob: bool, fault: str
+) -> None:
+    """A Patch made up by hand (not decoded), with or without an xef blob that is not its
+    positions': a repeated position (in order or not) or one outside the tensor, in a later
+    chunk. Both engines refuse it (ApplyFailed) and hold v0 bit for bit after the abort; the
+    next good delta applies. A repeated position used to pass the in-memory engine's checks
+    and be undone to the value between its two writes (it then served that as v0)."""
+    from dataclasses import replace
+
+    from asyncsync.errors import ApplyFailed
+    from receiver.engines import TensorUpdate, TorchModule
+
+    g = torch.Generator().manual_seed(11)
+    sd0 = {"w": torch.randn(2_000_000, generator=g).to(torch.bfloat16)}
+    sd1 = {"w": sd0["w"].clone()}
+    idx = torch.randint(0, 2_000_000, (200_000,), generator=g)
+    sd1["w"][idx] = (sd1["w"][idx].float() + 1).to(torch.bfloat16)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    (u,) = xef_batches(m1, sd0, sd1, n=1)[0]
+    assert u.patch is not None and u.patch.positions is not None
+    pos = u.patch.positions.clone()
+    j = int(torch.searchsorted(pos, 1_500_000))
+    if fault == "repeated":
+        pos[j] = pos[j - 1]
+    elif fault == "outside":
+        pos[j] = 2_000_000 + 17
+    else:
+        pos[j], pos[j + 1] = pos[j + 1], pos[j - 5]  # out of order, one repeated
+    made = replace(u.patch, positions=pos, positions_xef=u.patch.positions_xef if blob else None)
+    if engine == "checkpoint":
+        eng: Any = await init_checkpoint(tmp_path / "c", sd0)
+        held = eng.load_state_dict
+    else:
+        from tests.test_engines import full_batches
+
+        mod = torch.nn.Module()
+        mod.register_parameter("w", torch.nn.Parameter(sd0["w"].clone(), requires_grad=False))
+        eng = TorchModule(mod)
+        await eng.open()
+        m0 = build_manifest(sd0, 0)
+        await apply_version(eng, m0, full_batches(m0, sd0), "full")
+
+        def held() -> dict[str, torch.Tensor]:
+            return {"w": mod.w.detach().clone()}
+
+    await eng.begin(m1, "delta")
+    with pytest.raises(ApplyFailed, match=r"positions|repeat|outside"):
+        await eng.apply([TensorUpdate(u.entry, patch=made)])
+    await eng.abort()
+    assert eng.state.version == 0
+    assert_same(held(), sd0)
+    await apply_version(eng, m1, xef_batches(m1, sd0, sd1), "delta")
+    assert_same(held(), sd1)
+    if engine == "checkpoint":
+        await eng.close()
+
+
 @needs_kernel
 @pytest.mark.parametrize("fault", ["repeated", "outside"])
 async def test_a_made_up_patch_with_another_blob_is_refused_and_undone(
@@ -576,6 +637,12 @@ def test_check_patch_refuses_positions_outside_the_tensor(
     flat = torch.zeros(100, dtype=torch.int16)
     ok = [[0, 5, 99], [7], [99, 3, 50]]
     bad = [[-1, 5], [5, 100], [3, 200, 50], [10, 10**12]]
+    for p in ([5, 3, 5], [7, 7], [0, 1, 1, 2]):  # a repeated position would undo wrongly
+        patch = Patch(
+            "xor", torch.tensor(p, dtype=torch.int64), torch.ones(len(p), dtype=torch.int16)
+        )
+        with pytest.raises(ApplyFailed, match=r"'w'.*repeat"):
+            check_patch(patch, flat, "w")
     for p in ok:
         pos = torch.tensor(p, dtype=torch.int64)
         got = check_patch(Patch("xor", pos, torch.ones(len(p), dtype=torch.int16)), flat, "w")

@@ -389,7 +389,8 @@ class LocalCheckpoint(Engine):
                 raise ApplyFailed(f"tensor {entry.name!r}: a delta needs a patch, not full data")
             loc = self._layout[entry.name]
             flat = txn.maps.flat(loc)
-            work.append((entry.name, loc, flat, check_patch(u.patch, flat, entry.name)))
+            patch = check_patch(u.patch, flat, entry.name, kernels_check=True)
+            work.append((entry.name, loc, flat, patch))
         if not work:
             return
         seq, txn.seq = txn.seq, txn.seq + 1
