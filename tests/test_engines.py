@@ -993,58 +993,32 @@ def test_state_synced_field_round_trips_and_is_validated() -> None:
         PersistedState.from_json(json.dumps(bad), where="x")
 
 
+def _location(ckdir: Path, name: str) -> TensorLocation:
+    """Where ``name`` lies in a two-file checkpoint of ``mixed_state``."""
+    return (
+        read_layout(ckdir / "model-00001-of-00002.safetensors").get(name)
+        or read_layout(ckdir / "model-00002-of-00002.safetensors")[name]
+    )
+
+
+@pytest.mark.parametrize("seqs", [[0], [999_999, 1_000_000]])
 async def test_open_undoes_a_journal_in_the_earlier_one_tensor_per_patch_layout(
-    tmp_path: Path,
+    tmp_path: Path, seqs: list[int]
 ) -> None:
-    """A receiver upgraded while a delta was interrupted still rolls it back."""
+    """A receiver upgraded while a delta was interrupted still rolls it back, records newest
+    first by their group number: ``undo-1000000`` (a seventh digit) sorts before
+    ``undo-999999`` by name, and undoing in that order would leave the middle value (two
+    groups patched the same positions)."""
     sd0 = mixed_state(0)
     ck = await init_checkpoint(tmp_path, sd0)
     await ck.close()
     name = "model.layers.2.weight"
-    loc = (
-        read_layout(tmp_path / "model-00001-of-00002.safetensors").get(name)
-        or read_layout(tmp_path / "model-00002-of-00002.safetensors")[name]
-    )
     maps = FileMaps(tmp_path)
-    flat = maps.flat(loc)
-    pos = torch.tensor([0, 5, 9], dtype=torch.int64)
-    old = flat[pos].clone()
-    flat[pos] = flat[pos] ^ 0x5A5A  # a half-applied delta
-    del flat
-    maps.sync()
-    maps.close()
-    st = _state(tmp_path)
-    st.update(status="applying", target_version=1, mode="delta")
-    (tmp_path / ".asyncsync" / "state.json").write_text(json.dumps(st))
-    meta = {"format": "asyncsync-journal", "target_version": "1", "names": json.dumps([name])}
-    safetensors.torch.save_file(
-        {"p0": pos, "v0": old}, tmp_path / ".asyncsync" / "journal" / "undo-000000.safetensors",
-        metadata=meta,
-    )  # fmt: skip
-    ck = LocalCheckpoint(tmp_path)
-    assert (await ck.open()).version == 0
-    assert_same(ck.load_state_dict(), sd0)
-    await ck.close()
-
-
-async def test_open_undoes_records_past_a_million_groups_newest_first(tmp_path: Path) -> None:
-    """Records are undone newest first by their group number: ``undo-1000000`` (a seventh
-    digit) sorts before ``undo-999999`` by name, and undoing in that order would leave the
-    middle value. Two groups patched the same positions; open() restores v0 exactly."""
-    sd0 = mixed_state(0)
-    ck = await init_checkpoint(tmp_path, sd0)
-    await ck.close()
-    name = "model.layers.2.weight"
-    loc = (
-        read_layout(tmp_path / "model-00001-of-00002.safetensors").get(name)
-        or read_layout(tmp_path / "model-00002-of-00002.safetensors")[name]
-    )
-    maps = FileMaps(tmp_path)
-    flat = maps.flat(loc)
+    flat = maps.flat(_location(tmp_path, name))
     pos = torch.tensor([0, 5, 9], dtype=torch.int64)
     meta = {"format": "asyncsync-journal", "target_version": "1", "names": json.dumps([name])}
     jdir = tmp_path / ".asyncsync" / "journal"
-    for seq, mask in ((999_999, 0x5A5A), (1_000_000, 0x0F0F)):  # written in this order
+    for seq, mask in zip(seqs, (0x5A5A, 0x0F0F), strict=False):  # a half-applied delta
         safetensors.torch.save_file(
             {"p0": pos, "v0": flat[pos].clone()}, jdir / f"undo-{seq:06d}.safetensors",
             metadata=meta,

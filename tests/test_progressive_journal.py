@@ -535,19 +535,19 @@ async def test_a_made_up_patch_leaves_the_held_version_whole(
     from receiver.engines import TensorUpdate, TorchModule
 
     g = torch.Generator().manual_seed(11)
-    sd0 = {"w": torch.randn(2_000_000, generator=g).to(torch.bfloat16)}
+    sd0 = {"w": torch.randn(4_000_000, generator=g).to(torch.bfloat16)}  # ~8 journal chunks
     sd1 = {"w": sd0["w"].clone()}
-    idx = torch.randint(0, 2_000_000, (200_000,), generator=g)
+    idx = torch.randint(0, 4_000_000, (400_000,), generator=g)
     sd1["w"][idx] = (sd1["w"][idx].float() + 1).to(torch.bfloat16)
     m1 = build_manifest(sd1, 1, base=sd0)
     (u,) = xef_batches(m1, sd0, sd1, n=1)[0]
     assert u.patch is not None and u.patch.positions is not None
     pos = u.patch.positions.clone()
-    j = int(torch.searchsorted(pos, 1_500_000))
+    j = int(torch.searchsorted(pos, 3_000_000))
     if fault == "repeated":
         pos[j] = pos[j - 1]
     elif fault == "outside":
-        pos[j] = 2_000_000 + 17
+        pos[j] = 4_000_000 + 17
     else:
         pos[j], pos[j + 1] = pos[j + 1], pos[j - 5]  # out of order, one repeated
     made = replace(u.patch, positions=pos, positions_xef=u.patch.positions_xef if blob else None)
@@ -577,48 +577,10 @@ async def test_a_made_up_patch_leaves_the_held_version_whole(
     assert_same(held(), sd1)
     if engine == "checkpoint":
         await eng.close()
-
-
-@needs_kernel
-@pytest.mark.parametrize("fault", ["repeated", "outside"])
-async def test_a_made_up_patch_with_another_blob_is_refused_and_undone(
-    tmp_path: Path, fault: str
-) -> None:
-    """check_patch trusts positions decoded from an xef blob (only their ends are checked);
-    a made-up Patch whose blob is not its positions' (one repeated, or one outside the tensor,
-    in a later chunk) is refused by the kernel midway: ApplyFailed naming the position, the
-    chunks already patched undone by the abort, v0 held bit for bit, and the next good delta
-    applies."""
-    from dataclasses import replace
-
-    from asyncsync.errors import ApplyFailed
-    from receiver.engines import TensorUpdate
-
-    g = torch.Generator().manual_seed(9)
-    sd0 = {"w": torch.randn(4_000_000, generator=g).to(torch.bfloat16)}
-    sd1 = {"w": sd0["w"].clone()}
-    idx = torch.randint(0, 4_000_000, (400_000,), generator=g)
-    sd1["w"][idx] = (sd1["w"][idx].float() + 1).to(torch.bfloat16)
-    m1 = build_manifest(sd1, 1, base=sd0)
-    (u,) = xef_batches(m1, sd0, sd1, n=1)[0]
-    assert u.patch is not None and u.patch.positions is not None
-    pos = u.patch.positions.clone()
-    j = int(torch.searchsorted(pos, 3_000_000))
-    pos[j] = pos[j - 1] if fault == "repeated" else 4_000_000 + 17
-    bad = TensorUpdate(u.entry, patch=replace(u.patch, positions=pos))
-    ck = await init_checkpoint(tmp_path / "c", sd0)
-    await ck.begin(m1, "delta")
-    with pytest.raises(ApplyFailed, match=rf"positions\[{j}\]"):
-        await ck.apply([bad])
-    await ck.abort()
-    assert_same(ck.load_state_dict(), sd0)
-    await apply_version(ck, m1, xef_batches(m1, sd0, sd1), "delta")
-    assert_same(ck.load_state_dict(), sd1)
-    await ck.close()
-    ck = LocalCheckpoint(tmp_path / "c")
-    assert (await ck.open()).version == 1
-    assert_same(ck.load_state_dict(), sd1)
-    await ck.close()
+        eng = LocalCheckpoint(tmp_path / "c")
+        assert (await eng.open()).version == 1
+        assert_same(eng.load_state_dict(), sd1)
+        await eng.close()
 
 
 @pytest.mark.parametrize("kernels", ["native", "numpy"])
