@@ -440,7 +440,7 @@ def check_patch(
     pos = patch.positions.detach().reshape(-1)
     if pos.dtype != torch.int64 or pos.numel() != values.numel():
         raise ApplyFailed(f"tensor {name!r}: positions must be int64, one per value")
-    decoded = patch.positions_xef if kernels_check else None
+    decoded = patch.decoded_xef() if kernels_check else None
     if pos.numel() and not _increasing_within(pos, flat.numel(), decoded=decoded):
         lo, hi = torch.aminmax(pos)  # one pass, not two
         if int(lo) < 0 or int(hi) >= flat.numel():

@@ -419,7 +419,8 @@ _CHILD = r"""
 import asyncio, os, sys, torch
 import receiver.engines.checkpoint as ck
 import receiver.engines.checkpoint.inplace as ckip
-data = torch.load(sys.argv[2], weights_only=False)
+from tests.test_engines import load_batches
+data = load_batches(sys.argv[2])
 mode = sys.argv[3]
 n = [0]
 if mode == "delta":
@@ -488,6 +489,26 @@ def xef_batches(
         )  # fmt: skip
         ups.append(TensorUpdate(e, patch=patch))
     return [ups[i::n] for i in range(n) if ups[i::n]]
+
+
+def load_batches(path: str) -> dict[str, Any]:
+    """A ``torch.save``d ``{"manifest", "batches"}`` payload, read back in a child process with
+    its xef patches vouched for again, as the agent's own decoder makes them (a Patch's blob is
+    honoured only for the very positions it was decoded with: :meth:`Patch.decoded_xef`)."""
+    from dataclasses import replace
+
+    from asyncsync.codec import Patch
+
+    data: dict[str, Any] = torch.load(path, weights_only=False)
+
+    def vouched(u: TensorUpdate) -> TensorUpdate:
+        p = u.patch
+        if p is None or p.positions is None or p.positions_xef is None:
+            return u
+        return replace(u, patch=Patch.of_xef(p.op, p.positions, p.values, p.positions_xef))
+
+    data["batches"] = [[vouched(u) for u in b] for b in data["batches"]]
+    return data
 
 
 def journal_codings(ckdir: Path) -> tuple[set[str], list[list[str]]]:

@@ -214,7 +214,8 @@ def test_record_reads_back_what_was_saved_at_any_count(tmp_path: Path) -> None:
 _CHILD = r"""
 import asyncio, os, sys, torch
 import receiver.engines.checkpoint as ck
-data = torch.load(sys.argv[2], weights_only=False)
+from tests.test_engines import load_batches
+data = load_batches(sys.argv[2])
 async def main():
     e = ck.LocalCheckpoint(sys.argv[1])
     await e.open()
@@ -455,7 +456,8 @@ async def test_undo_at_open_is_not_trusted_before_the_check(
 _FULL_DISK_CHILD = r"""
 import asyncio, resource, signal, sys, torch
 import receiver.engines.checkpoint as ck
-data = torch.load(sys.argv[2], weights_only=False)
+from tests.test_engines import load_batches
+data = load_batches(sys.argv[2])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 async def main():
     e = ck.LocalCheckpoint(sys.argv[1])

@@ -574,13 +574,21 @@ fail:
 
 /* ----------------------------------------------------------------------------- patch kernel */
 
+/* Patch k positions (old values saved first into old, if any). Each position is read once
+ * and checked to lie in [0, n) right before its write, whatever was checked before: positions
+ * that alias flat, or that another thread writes while the GIL is released, can change after
+ * a check pass. Returns k, or the index of the first position outside (nothing written at
+ * it or after it). */
 #define DEFINE_PATCH(T, W)                                                                    \
-    static void patch_##W(char *flat, const char *pos, const char *vals, char *old,           \
-                          Py_ssize_t k, int is_xor) {                                         \
+    static Py_ssize_t patch_##W(char *flat, Py_ssize_t n, const char *pos, const char *vals,  \
+                                char *old, Py_ssize_t k, int is_xor) {                        \
         for (Py_ssize_t j = 0; j < k; j++) {                                                  \
             int64_t p;                                                                        \
             T cur, v;                                                                         \
             memcpy(&p, pos + j * 8, 8);                                                       \
+            if ((uint64_t)p >= (uint64_t)n) {                                                 \
+                return j;                                                                     \
+            }                                                                                 \
             memcpy(&cur, flat + p * (W), (W));                                                \
             memcpy(&v, vals + j * (W), (W));                                                  \
             if (old) {                                                                        \
@@ -589,12 +597,33 @@ fail:
             cur = is_xor ? (T)(cur ^ v) : v;                                                  \
             memcpy(flat + p * (W), &cur, (W));                                                \
         }                                                                                     \
+        return k;                                                                             \
     }
 
 DEFINE_PATCH(uint8_t, 1)
 DEFINE_PATCH(uint16_t, 2)
 DEFINE_PATCH(uint32_t, 4)
 DEFINE_PATCH(uint64_t, 8)
+
+static Py_ssize_t patch_any(Py_ssize_t width, char *flat, Py_ssize_t n, const char *pos,
+                            const char *vals, char *old, Py_ssize_t k, int is_xor) {
+    switch (width) {
+    case 1: return patch_1(flat, n, pos, vals, old, k, is_xor);
+    case 2: return patch_2(flat, n, pos, vals, old, k, is_xor);
+    case 4: return patch_4(flat, n, pos, vals, old, k, is_xor);
+    default: return patch_8(flat, n, pos, vals, old, k, is_xor);
+    }
+}
+
+/* The error of a position found outside the tensor while patching, after the check before
+ * passed: the positions changed meanwhile. */
+static void moved_positions(Py_ssize_t at) {
+    PyErr_Format(PyExc_ValueError,
+                 "positions[%zd] changed while the patch ran (it lies outside the tensor now): "
+                 "the positions alias the tensor or another thread wrote them; patch stopped",
+                 at);
+}
+
 
 /* Index of the first position outside [0, n), or -1 when all are inside. */
 static Py_ssize_t first_out_of_bounds(const char *pos, Py_ssize_t k, Py_ssize_t n,
@@ -622,7 +651,7 @@ static PyObject *patch(PyObject *args, int is_xor) {
     }
     Buffers b = {.held = 0};
     Py_buffer *flat, *pos, *vals, *old = NULL;
-    Py_ssize_t n, k, bad_at = -1;
+    Py_ssize_t n, k, bad_at = -1, changed = 0;
     int64_t bad = 0;
     if (!(flat = acquire(&b, flat_o, "flat", 1)) || !(pos = acquire(&b, pos_o, "positions", 0)) ||
         !(vals = acquire(&b, val_o, "values", 0))) {
@@ -653,17 +682,16 @@ static PyObject *patch(PyObject *args, int is_xor) {
         Py_BEGIN_ALLOW_THREADS;
         bad_at = first_out_of_bounds(pp, k, n, &bad);
         if (bad_at < 0) {
-            switch (width) {
-            case 1: patch_1(pf, pp, pv, pold, k, is_xor); break;
-            case 2: patch_2(pf, pp, pv, pold, k, is_xor); break;
-            case 4: patch_4(pf, pp, pv, pold, k, is_xor); break;
-            default: patch_8(pf, pp, pv, pold, k, is_xor); break;
-            }
+            changed = patch_any(width, pf, n, pp, pv, pold, k, is_xor);
         }
         Py_END_ALLOW_THREADS;
     }
     if (bad_at >= 0) {
         out_of_bounds(bad_at, bad, n);
+        goto fail;
+    }
+    if (changed < k) {
+        moved_positions(changed);
         goto fail;
     }
     release_all(&b);
@@ -697,17 +725,25 @@ static inline int64_t pos_at(const char *pos, Py_ssize_t pw, Py_ssize_t j) {
     return p;
 }
 
+/* Each position is checked again as it is used (the pass before may be stale: see
+ * DEFINE_PATCH): k, or the index of the first found outside [0, n). */
 #define DEFINE_XOR_SHIFTED(T, W)                                                              \
-    static void xor_shifted_##W(char *flat, const char *pos, Py_ssize_t pw, int64_t shift,   \
-                                const char *vals, Py_ssize_t k) {                            \
+    static Py_ssize_t xor_shifted_##W(char *flat, Py_ssize_t n, const char *pos,             \
+                                      Py_ssize_t pw, int64_t shift, const char *vals,         \
+                                      Py_ssize_t k) {                                         \
         for (Py_ssize_t j = 0; j < k; j++) {                                                  \
-            int64_t p = pos_at(pos, pw, j) + shift;                                           \
+            int64_t p = pos_at(pos, pw, j);                                                   \
             T cur, v;                                                                         \
+            if (p < 0 || p >= ((int64_t)1 << 62) || p + shift < 0 || p + shift >= n) {      \
+                return j;                                                                     \
+            }                                                                                 \
+            p += shift;                                                                       \
             memcpy(&cur, flat + p * (W), (W));                                                \
             memcpy(&v, vals + j * (W), (W));                                                  \
             cur = (T)(cur ^ v);                                                               \
             memcpy(flat + p * (W), &cur, (W));                                                \
         }                                                                                     \
+        return k;                                                                             \
     }
 
 DEFINE_XOR_SHIFTED(uint8_t, 1)
@@ -748,7 +784,7 @@ static PyObject *xor_shifted(PyObject *self, PyObject *args) {
     }
     Buffers b = {.held = 0};
     Py_buffer *flat, *pos, *vals;
-    Py_ssize_t n, k, bad_at = -1;
+    Py_ssize_t n, k, bad_at = -1, changed = 0;
     int64_t bad = 0;
     if (!(flat = acquire(&b, flat_o, "flat", 1)) || !(pos = acquire(&b, pos_o, "positions", 0)) ||
         !(vals = acquire(&b, val_o, "values", 0))) {
@@ -768,14 +804,19 @@ static PyObject *xor_shifted(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS;
         bad_at = first_shifted_out(pp, pw, k, (int64_t)shift, n, &bad);
         if (bad_at < 0) {
+            const int64_t sh = (int64_t)shift;
             switch (width) {
-            case 1: xor_shifted_1(pf, pp, pw, (int64_t)shift, pv, k); break;
-            case 2: xor_shifted_2(pf, pp, pw, (int64_t)shift, pv, k); break;
-            case 4: xor_shifted_4(pf, pp, pw, (int64_t)shift, pv, k); break;
-            default: xor_shifted_8(pf, pp, pw, (int64_t)shift, pv, k); break;
+            case 1: changed = xor_shifted_1(pf, n, pp, pw, sh, pv, k); break;
+            case 2: changed = xor_shifted_2(pf, n, pp, pw, sh, pv, k); break;
+            case 4: changed = xor_shifted_4(pf, n, pp, pw, sh, pv, k); break;
+            default: changed = xor_shifted_8(pf, n, pp, pw, sh, pv, k); break;
             }
         }
         Py_END_ALLOW_THREADS;
+    }
+    if (bad_at < 0 && changed < k) {
+        moved_positions(changed);
+        goto fail;
     }
     if (bad_at >= 0) {
         PyErr_Format(PyExc_IndexError,
@@ -832,15 +873,6 @@ static PyObject *increasing(PyObject *self, PyObject *args) {
 /* Patched and hashed per block: the block is hashed right after it is patched, in cache. */
 #define PATCH_BLOCK_BYTES 65536
 
-static void patch_any(Py_ssize_t width, char *flat, const char *pos, const char *vals,
-                      char *old, Py_ssize_t k, int is_xor) {
-    switch (width) {
-    case 1: patch_1(flat, pos, vals, old, k, is_xor); break;
-    case 2: patch_2(flat, pos, vals, old, k, is_xor); break;
-    case 4: patch_4(flat, pos, vals, old, k, is_xor); break;
-    default: patch_8(flat, pos, vals, old, k, is_xor); break;
-    }
-}
 
 /* Bytewise XOR of len bytes of src into dst (XOR needs no element width). */
 static void xor_bytes(char *dst, const char *src, Py_ssize_t len) {
@@ -929,21 +961,26 @@ static Py_ssize_t positions_below(const char *pp, Py_ssize_t from, Py_ssize_t to
     return from;
 }
 
-/* Patch [i, end) of flat block by block, each block fed to hasher (if any) right after it is
- * patched: positions [at, stop) (all checked, increasing, inside [i, end)) with their values
- * (and old values saved) at the same index, or, without positions, every element, its value
- * and old value at its index less lo. */
-static void patch_blocks(Py_ssize_t width, char *pf, const char *pp, const char *pv, char *po,
-                         Py_ssize_t lo, Py_ssize_t i, Py_ssize_t end, Py_ssize_t at,
-                         Py_ssize_t stop, int is_xor, Xxh3Object *hasher) {
+/* Patch [i, end) of flat (n elements) block by block, each block fed to hasher (if any) right
+ * after it is patched: positions [at, stop) (checked, increasing, inside [i, end)) with their
+ * values (and old values saved) at the same index, or, without positions, every element, its
+ * value and old value at its index less lo. -1, or the index of a position found outside the
+ * tensor as it was written (changed since its check: see DEFINE_PATCH). */
+static Py_ssize_t patch_blocks(Py_ssize_t width, char *pf, Py_ssize_t n, const char *pp,
+                               const char *pv, char *po, Py_ssize_t lo, Py_ssize_t i,
+                               Py_ssize_t end, Py_ssize_t at, Py_ssize_t stop, int is_xor,
+                               Xxh3Object *hasher) {
     const Py_ssize_t block = PATCH_BLOCK_BYTES / width;
     while (i < end) {
         Py_ssize_t bend = (i / block + 1) * block;
         bend = bend < end ? bend : end;
         if (pp) {
             Py_ssize_t s = positions_below(pp, at, stop, (int64_t)bend);
-            patch_any(width, pf, pp + at * 8, pv + at * width, po ? po + at * width : NULL,
-                      s - at, is_xor);
+            Py_ssize_t done = patch_any(width, pf, n, pp + at * 8, pv + at * width,
+                                        po ? po + at * width : NULL, s - at, is_xor);
+            if (done < s - at) {
+                return at + done;
+            }
             at = s;
         } else {
             if (po) { /* dense: the block's old bytes first */
@@ -960,6 +997,7 @@ static void patch_blocks(Py_ssize_t width, char *pf, const char *pp, const char 
         }
         i = bend;
     }
+    return -1;
 }
 
 static PyObject *patch_hash(PyObject *self, PyObject *args) {
@@ -979,7 +1017,7 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
     }
     Buffers b = {.held = 0};
     Py_buffer *flat, *pos, *vals, *old = NULL;
-    Py_ssize_t k, bad_at = -1;
+    Py_ssize_t k, bad_at = -1, moved = -1;
     int64_t bad = 0;
     if (patch_buffers(&b, flat_o, pos_o, val_o, width, lo, hi, &flat, &pos, &vals, &k) < 0) {
         goto fail;
@@ -998,12 +1036,17 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS;
         bad_at = first_unordered(pp, k, lo, hi, &bad);
         if (bad_at < 0) {
-            patch_blocks(width, pf, pp, pv, po, lo, lo, hi, 0, k, is_xor, hasher);
+            moved = patch_blocks(width, pf, flat->len / width, pp, pv, po, lo, lo, hi, 0, k,
+                                 is_xor, hasher);
         }
         Py_END_ALLOW_THREADS;
     }
     if (bad_at >= 0) {
         unordered_error(bad_at, bad, lo, hi);
+        goto fail;
+    }
+    if (moved >= 0) {
+        moved_positions(moved);
         goto fail;
     }
     release_all(&b);
@@ -1013,15 +1056,23 @@ fail:
     return NULL;
 }
 
+/* flat[p] of k positions into out, each position checked again to lie in [0, n) as it is read
+ * (out may alias the positions): k, or the index of the first outside. */
 #define DEFINE_GATHER(T, W)                                                                   \
-    static void gather_##W(const char *flat, const char *pos, char *out, Py_ssize_t k) {     \
+    static Py_ssize_t gather_##W(const char *flat, Py_ssize_t n, const char *pos, char *out,  \
+                                 Py_ssize_t k, int64_t *bad) {                                \
         for (Py_ssize_t j = 0; j < k; j++) {                                                  \
             int64_t p;                                                                        \
             T v;                                                                              \
             memcpy(&p, pos + j * 8, 8);                                                       \
+            if ((uint64_t)p >= (uint64_t)n) {                                                 \
+                *bad = p;                                                                     \
+                return j;                                                                     \
+            }                                                                                 \
             memcpy(&v, flat + p * (W), (W));                                                  \
             memcpy(out + j * (W), &v, (W));                                                   \
         }                                                                                     \
+        return k;                                                                             \
     }
 
 DEFINE_GATHER(uint8_t, 1)
@@ -1061,14 +1112,16 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         const char *pf = flat->buf, *pp = pos->buf;
         char *po = out->buf;
         Py_BEGIN_ALLOW_THREADS;
-        bad_at = first_out_of_bounds(pp, k, n, &bad);
+        bad_at = first_out_of_bounds(pp, k, n, &bad); /* out untouched if any is outside */
         if (bad_at < 0) {
+            Py_ssize_t got;
             switch (width) {
-            case 1: gather_1(pf, pp, po, k); break;
-            case 2: gather_2(pf, pp, po, k); break;
-            case 4: gather_4(pf, pp, po, k); break;
-            default: gather_8(pf, pp, po, k); break;
+            case 1: got = gather_1(pf, n, pp, po, k, &bad); break;
+            case 2: got = gather_2(pf, n, pp, po, k, &bad); break;
+            case 4: got = gather_4(pf, n, pp, po, k, &bad); break;
+            default: got = gather_8(pf, n, pp, po, k, &bad); break;
             }
+            bad_at = got < k ? got : -1; /* changed since the pass before: see DEFINE_PATCH */
         }
         Py_END_ALLOW_THREADS;
     }
@@ -1173,11 +1226,19 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
     }
     Buffers b = {.held = 0};
     Py_buffer *flat, *pos, *vals;
-    Py_ssize_t k, bad_at = -1;
+    Py_ssize_t k, bad_at = -1, moved = -1;
     int64_t bad = 0;
     int err = 0;
     if (patch_buffers(&b, flat_o, pos_o, val_o, width, lo, hi, &flat, &pos, &vals, &k) < 0) {
         goto fail;
+    }
+    { /* every offset written, values_at + (done + count) * width and progress_at + 8, fits */
+        const int64_t count = pos ? k : hi - lo;
+        if (progress_at > INT64_MAX - 8 || done > INT64_MAX - count ||
+            done + count > (INT64_MAX - values_at) / width) {
+            PyErr_SetString(PyExc_ValueError, "values_at, progress_at or done is too large");
+            goto fail;
+        }
     }
     {
         char *pf = flat->buf;
@@ -1230,11 +1291,15 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
                 }
             }
             /* 2. patch, then hash, block by block (the chunk's lines are still cached) */
-            patch_blocks(width, pf, pp, pv, NULL, lo, i, cend, at, stop, is_xor, hasher);
+            moved = patch_blocks(width, pf, flat->len / width, pp, pv, NULL, lo, i, cend, at,
+                                 stop, is_xor, hasher);
+            if (moved >= 0) {
+                break;
+            }
             at = stop;
             i = cend;
         }
-        if (pp && !err && bad_at < 0 && at < k) { /* left over: at or past hi */
+        if (pp && !err && bad_at < 0 && moved < 0 && at < k) { /* left over: at or past hi */
             bad_at = at;
             memcpy(&bad, pp + at * 8, 8);
         }
@@ -1243,6 +1308,10 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
     }
     if (bad_at >= 0) {
         unordered_error(bad_at, bad, lo, hi);
+        goto fail;
+    }
+    if (moved >= 0) {
+        moved_positions(moved);
         goto fail;
     }
     if (err) {

@@ -169,7 +169,7 @@ def decode_delta(
         vals = _unplanes(_unzstd(values, (changed * width,), "values"), changed, width)
         if int(torch.count_nonzero(vals)) != changed:  # a listed position must change
             raise FormatError("sparse xef values hold a zero XOR: a position that did not change")
-        return Patch(op, torch.from_numpy(idx), vals, positions_xef=positions)
+        return Patch.of_xef(op, torch.from_numpy(idx), vals, positions)
     idx = _baseline_positions(encoding, positions, changed, numel)
     if len(values) != changed * width:
         raise FormatError(f"values blob is {len(values)} bytes, want {changed * width}")

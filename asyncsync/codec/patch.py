@@ -21,13 +21,43 @@ class Patch:
     ``positions`` is sorted int64, or ``None`` for every element (dense); ``values`` has the
     target's int-view dtype. ``positions_xef``: the xef positions blob (FORMAT.md 4.2) that
     ``positions`` were decoded from, when they were; an undo journal keeps it as it is instead
-    of coding the positions again.
+    of coding the positions again, and the CPU kernels check only its ends. It is honoured
+    only as :meth:`decoded_xef` returns it: for a Patch made by :meth:`of_xef` (the decoder)
+    whose positions are still those it was made with.
     """
 
     op: Literal["set", "xor"]
     positions: torch.Tensor | None
     values: torch.Tensor
     positions_xef: bytes | None = field(default=None, compare=False, repr=False)
+    # (storage address, offset, length, version counter, blob) of the decoded positions
+    _xef_key: tuple[int, int, int, int, bytes] | None = field(
+        default=None, compare=False, repr=False
+    )
+
+    @classmethod
+    def of_xef(
+        cls, op: Literal["set", "xor"], positions: torch.Tensor, values: torch.Tensor, blob: bytes
+    ) -> Patch:
+        """A Patch whose ``positions`` the caller decoded from ``blob`` (and checked: strictly
+        increasing within the tensor), so that :meth:`decoded_xef` vouches for the blob."""
+        return cls(op, positions, values, blob, (*_identity(positions), blob))
+
+    def decoded_xef(self) -> bytes | None:
+        """``positions_xef`` if this Patch was made by :meth:`of_xef` and its positions are the
+        very ones it was made with (the same memory, not written since, the same blob), else
+        None: a Patch made up by hand, or altered with ``dataclasses.replace`` or in place,
+        is checked and journaled from its positions, never from a blob that may not be
+        theirs."""
+        key, pos, blob = self._xef_key, self.positions, self.positions_xef
+        if key is None or pos is None or blob is None or key[4] is not blob:
+            return None
+        return blob if _identity(pos) == key[:4] else None
+
+
+def _identity(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """Where ``t``'s elements are and how often they were written in place (views share it)."""
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), t.numel(), t._version)
 
 
 def apply_patch(flat: torch.Tensor, patch: Patch, *, old_out: torch.Tensor | None = None) -> None:

@@ -168,7 +168,7 @@ def _increasing(patch: Patch, pos: torch.Tensor, numel: int, *, trust: bool) -> 
     p = pos.numpy()
     if int(p[0]) < 0 or int(p[-1]) >= numel:
         return False
-    if trust and patch.positions_xef is not None:
+    if trust and patch.decoded_xef() is not None:
         return True
     k = native.kernels
     if k is not None and hasattr(k, "increasing"):

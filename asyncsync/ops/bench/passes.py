@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import xxhash
 
-from asyncsync.codec import delta, native, patch_hash
+from asyncsync.codec import delta, ef, native, patch_hash
 from asyncsync.codec.patch import Patch
 
 __all__ = ["main"]
@@ -96,7 +96,7 @@ def apply_passes(n: int, reps: int = 7) -> dict[str, list[Timing]]:
     base = torch.from_numpy(rng.integers(-30000, 30000, n, dtype=np.int16))
     pos = torch.from_numpy(np.sort(rng.choice(n, n // 33, replace=False)).astype(np.int64))
     vals = torch.from_numpy(rng.integers(1, 3, pos.numel(), dtype=np.int16))
-    p = Patch("xor", pos, vals, positions_xef=b"x")
+    p = Patch.of_xef("xor", pos, vals, ef.encode(pos.numpy(), n)[0])  # as the decoder makes it
     new_ones = ("patch_hash", "planes", "unplanes")
     before = types.SimpleNamespace(
         **{a: getattr(real, a) for a in dir(real) if not a.startswith("_") and a not in new_ones}

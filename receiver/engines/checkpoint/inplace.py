@@ -140,7 +140,7 @@ def _record_order(path: Path) -> tuple[int, str]:
     """Records in the order they were written: by their group number (``undo-{seq:06d}``
     grows a seventh digit past 999,999 groups, where the names' order is no longer theirs)."""
     seq = path.name.removeprefix("undo-").split(".", 1)[0]
-    return (int(seq) if seq.isdigit() else -1, path.name)
+    return (int(seq) if seq.isascii() and seq.isdigit() else -1, path.name)
 
 
 class LostJournal(EngineStateError):

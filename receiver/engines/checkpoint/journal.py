@@ -188,8 +188,8 @@ def _positions(work: Work) -> tuple[list[int], list[int], list[str], list[bytes]
             encs.append("dense")
             continue
         idx = patch.positions.numpy()
-        if patch.positions_xef is not None and idx.size:
-            pos_blobs.append(patch.positions_xef)
+        if (blob := patch.decoded_xef()) is not None and idx.size:
+            pos_blobs.append(blob)
             encs.append("xef")
             continue
         try:
