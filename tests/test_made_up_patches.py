@@ -40,6 +40,7 @@ FAULTS = [
     "repeated",
     "negative",
     "outside",
+    "empty",  # no position at all, for a tensor the manifest says changed
     "noncontiguous-repeated",  # values a strided view: the journal's fallback path
     "noncontiguous-outside",
 ]
@@ -70,6 +71,8 @@ def _made_up(fault: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tenso
         blob = ef.encode(other, N)[0]
     elif fault == "undecodable-blob":
         blob = b"\x01\x02\x03"
+    elif fault == "empty":
+        pos, vals, blob = pos[:0], vals[:0], None
     elif fault.endswith("repeated"):
         pos[j] = pos[j - 1]
     elif fault == "negative":

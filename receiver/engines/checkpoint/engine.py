@@ -209,7 +209,7 @@ class LocalCheckpoint(Engine):
             return await asyncio.to_thread(locked)
         except AsyncSyncError:
             raise
-        except (OSError, RuntimeError, ValueError, safetensors.SafetensorError) as exc:
+        except (OSError, RuntimeError, ValueError, LookupError, safetensors.SafetensorError) as exc:
             raise ApplyFailed(f"{self.directory}: {type(exc).__name__}: {exc}") from exc
 
     def _need_txn(self) -> _Txn:

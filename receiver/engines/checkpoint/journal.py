@@ -94,7 +94,9 @@ def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
     jobs = []
     vi = 0
     for (_name, _loc, flat, patch), n, w in zip(work, counts, widths, strict=True):
-        jobs.append((values[vi : vi + n * w].view(flat.dtype), flat, patch))
+        # (an empty slice of the pool may carry a stride torch cannot view: none needed)
+        out = values[vi : vi + n * w].view(flat.dtype) if n else flat[:0].clone()
+        jobs.append((out, flat, patch))
         values[vi + n * w : vi + align8(n * w)] = 0  # the padding: no stale bytes of the pool
         vi += align8(n * w)
 
