@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -226,6 +227,13 @@ def _writable_ancestor(path: Path) -> str | None:
         return f"{up} is not a directory"
     if not os.access(up, os.W_OK | os.X_OK):
         return f"{up} is not writable"
+    try:  # access() says yes to root everywhere (/proc, a read-only mount): try it
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".asyncsync-bench-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{exc.filename or path}: {exc.strerror or exc}"
     return None
 
 
