@@ -425,8 +425,8 @@ def check_patch(
     ``kernels_check``: the engine applies CPU patches only through the C kernels that check
     every position before they write it, and undoes what they wrote from values saved before
     (LocalCheckpoint): positions decoded from an xef blob then have only their ends checked
-    here (the decoder checked every one; a made-up Patch whose blob is not its positions' is
-    refused by the kernel and undone).
+    here (the decoder checked every one: :meth:`~asyncsync.codec.Patch.decoded_xef`); a Patch
+    made up or altered since has no blob vouched for and is checked in full.
     """
     values = patch.values.detach().reshape(-1)
     if patch.op not in ("set", "xor") or values.dtype != flat.dtype:
