@@ -280,6 +280,7 @@ class ReceiverAgent:
                     await self.sync_once()
                     failing.clear()
                 except (AsyncSyncError, OSError) as exc:
+                    await self._drop_stale_stream()  # now, not after the backoff below
                     if failing.should_log(str(exc)):
                         logger.error("agent %s: sync failed%s: %s",
                                      self.engine_id, failing.since(), exc)  # fmt: skip
@@ -337,6 +338,20 @@ class ReceiverAgent:
         self._prefetch_task = asyncio.create_task(
             self._prefetcher.run(), name=f"prefetch v{nxt} {self.engine_id}"
         )
+
+    async def _drop_stale_stream(self) -> None:
+        """After a failed sync: roll back a streamed transaction whose manifest came (the
+        stream ended) but is bad (unreadable, refused), which no later sync will take."""
+        s, task = self._prefetcher, self._prefetch_task
+        if (
+            isinstance(s, StreamApplier)
+            and s.txn_open
+            and task
+            and task.done()
+            and s.version in self._bad
+        ):
+            await s.abandon(task, "its manifest came but does not read or was refused")
+            self._prefetcher = self._prefetch_task = None
 
     async def _take_stream(self, m: Manifest, mode: Mode) -> set[str] | None:
         """The shard files a streaming apply applied into the engine's transaction for ``m``,

@@ -211,8 +211,8 @@ class StreamApplier:
                     delay = min(delay * 1.25, 0.1)  # an abandoned write must not spin the CPU
                     continue
                 got = await self._read(path)
-                if got is None:  # not a self-describing shard: the agent applies after commit
-                    return
+                if got is None:  # not a self-describing shard (none applied before it): the
+                    return  # agent applies the version after its commit
                 data, hdr = got
                 if attempt is None:
                     attempt = hdr.attempt
@@ -230,6 +230,14 @@ class StreamApplier:
         except Exception as exc:
             logger.warning("streaming apply of v%d stopped: %s", self.version, exc)
             await asyncio.shield(self._abort(f"{type(exc).__name__}: {exc}"))
+
+    async def abandon(self, task: asyncio.Task[None] | None, why: str) -> None:
+        """Stop, and roll back the transaction if one is open (its manifest came but did not
+        commit the version: unreadable, or refused)."""
+        await self.finish(task)
+        if self.txn_open:
+            logger.warning("streaming apply of v%d rolled back: %s", self.version, why)
+        await self._abort(why)
 
     async def _abort(self, why: str) -> None:
         self.failed = why
@@ -249,10 +257,14 @@ class StreamApplier:
             read = partial(read_bytes, path, limit=MAX_SHARD_BYTES, root=self.root)
             data = await asyncio.to_thread(read)  # nothing below the root is followed
             hdr, ok = await asyncio.to_thread(_check_data, data, str(path))
-            if hdr is None or ok:
-                return None if hdr is None else (data, hdr)
+            if hdr is not None and ok:
+                return data, hdr
+            if hdr is None and not self.txn_open:  # an older publisher: applied after commit
+                return None
+            # A shard after self-describing ones that is not (yet) one, or whose data does not
+            # match: its bytes may not be visible yet (NFS shows a renamed file first)
             if time.monotonic() >= deadline:
-                raise StreamAbandoned(f"{path}: its data does not match its data checksum")
+                raise StreamAbandoned(f"{path}: not a complete self-describing shard in time")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 

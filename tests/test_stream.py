@@ -45,11 +45,13 @@ def _delta_files(vdir: Path) -> list[Path]:
 
 
 async def _with_agent(
-    tmp: Path, body: Callable[[Publisher, ReceiverAgent, LocalCheckpoint], Awaitable[None]]
+    tmp: Path,
+    body: Callable[[Publisher, ReceiverAgent, LocalCheckpoint], Awaitable[None]],
+    **agent_kw: Any,
 ) -> None:
     root, ck = tmp / "root", tmp / "ck"
     engine = LocalCheckpoint(ck)
-    agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
+    agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02, **agent_kw)
     stop = asyncio.Event()
     async with Publisher(
         root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
@@ -237,3 +239,71 @@ async def test_a_keyframe_confirms_the_delta_shards_streamed_before_it(tmp_path:
         assert _holds(engine, sd2) and agent.status().streamed_shards == len(_delta_files(res.path))
 
     await _with_agent(tmp_path, body)
+
+
+@pytest.mark.parametrize("damage", ["manifest", "zeros"])
+async def test_a_stream_that_ends_without_a_valid_manifest_is_rolled_back(
+    tmp_path: Path, damage: str
+) -> None:
+    """Found by attacking it (helper-19): the shards of v2 applied early, then either a
+    manifest that does not read appears (the stream ends at the sight of the name, the sync
+    refuses it), or a shard lands as zeros (a network filesystem shows a renamed file before
+    its bytes) and the publisher is gone. The transaction stayed open for good: the
+    checkpoint held part of v2 while the agent reported and acked v1. Now the agent rolls it
+    back once the manifest is refused, and the stream gives up on a shard that does not become
+    a complete self-describing one in time."""
+    import shutil
+
+    root, aside = tmp_path / "root", tmp_path / "aside"
+    sd1, sd2 = _state(1), _state(2)
+
+    async def die(vdir: Path) -> None:  # the shards are durable: keep them, then die
+        shutil.copytree(vdir, aside)
+        raise RuntimeError("the trainer dies before the commit (injected)")
+
+    async with Publisher(
+        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(sd1)
+        pub.pre_commit_hook = die
+        with pytest.raises(Exception, match="injected"):
+            await pub.publish(sd2)
+    shards = sorted(p.name for p in aside.glob("delta-*.safetensors"))
+    assert len(shards) >= 2
+    vdir = version_dir(root, 2)
+
+    def land(name: str, data: bytes) -> None:
+        (vdir / f".{name}.tmp").write_bytes(data)
+        (vdir / f".{name}.tmp").rename(vdir / name)
+
+    engine = LocalCheckpoint(tmp_path / "ck")
+    agent = ReceiverAgent(
+        root, engine, "e1", use_inotify=False, poll_interval=0.02, verify_deadline=0.5
+    )
+    stop = asyncio.Event()
+    async with agent, asyncio.TaskGroup() as tg:
+        tg.create_task(agent.run(stop=stop))
+        try:
+            await eventually(lambda: agent.version == 1, "the agent at v1")
+            vdir.mkdir()  # what the dead publisher left, and then what lands in it
+            early = shards if damage == "manifest" else shards[:1]
+            for name in early:
+                land(name, (aside / name).read_bytes())
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) == len(early),
+                "the landed shards applied early",
+            )
+            assert not _holds(engine, sd1)  # patched in place, not served
+            if damage == "manifest":
+                land("manifest.json", b'{"format": "asyncsync", "tru')
+            else:
+                land(shards[1], bytes((aside / shards[1]).stat().st_size))
+            state = engine.directory / ".asyncsync" / "state.json"
+            await eventually(
+                lambda: json.loads(state.read_text())["status"] == "clean", "the rollback"
+            )
+            assert engine.state.version == 1 and _holds(engine, sd1)
+            assert read_ack(root, "e1").version == 1  # type: ignore[union-attr]
+        finally:
+            stop.set()
