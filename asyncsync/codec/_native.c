@@ -725,6 +725,12 @@ static inline int64_t pos_at(const char *pos, Py_ssize_t pw, Py_ssize_t j) {
     return p;
 }
 
+/* Whether p + shift lies outside [0, n) (|shift| < 2^62, checked; p is bounded first, so
+ * the sum cannot overflow). */
+static inline int shifted_out(int64_t p, int64_t shift, Py_ssize_t n) {
+    return p < 0 || p >= ((int64_t)1 << 62) || p + shift < 0 || p + shift >= (int64_t)n;
+}
+
 /* Each position is checked again as it is used (the pass before may be stale: see
  * DEFINE_PATCH): k, or the index of the first found outside [0, n). */
 #define DEFINE_XOR_SHIFTED(T, W)                                                              \
@@ -734,7 +740,7 @@ static inline int64_t pos_at(const char *pos, Py_ssize_t pw, Py_ssize_t j) {
         for (Py_ssize_t j = 0; j < k; j++) {                                                  \
             int64_t p = pos_at(pos, pw, j);                                                   \
             T cur, v;                                                                         \
-            if (p < 0 || p >= ((int64_t)1 << 62) || p + shift < 0 || p + shift >= n) {      \
+            if (shifted_out(p, shift, n)) {                                                   \
                 return j;                                                                     \
             }                                                                                 \
             p += shift;                                                                       \
@@ -755,8 +761,8 @@ DEFINE_XOR_SHIFTED(uint64_t, 8)
 static Py_ssize_t first_shifted_out(const char *pos, Py_ssize_t pw, Py_ssize_t k, int64_t shift,
                                     Py_ssize_t n, int64_t *bad) {
     for (Py_ssize_t j = 0; j < k; j++) {
-        int64_t p = pos_at(pos, pw, j); /* |p|, |shift| < 2^62 (checked): no overflow */
-        if (p < 0 || p >= ((int64_t)1 << 62) || p + shift < 0 || p + shift >= (int64_t)n) {
+        int64_t p = pos_at(pos, pw, j);
+        if (shifted_out(p, shift, n)) {
             *bad = p;
             return j;
         }
