@@ -1747,6 +1747,65 @@ static PyObject *simd(PyObject *self, PyObject *args) {
 #endif
 }
 
+/* ------------------------------------------------------------------------ page population */
+
+#ifdef __linux__
+#include <sys/mman.h>
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux >= 5.14; older headers do not name it */
+#endif
+#endif
+
+/* madvise(MADV_POPULATE_WRITE) over [start, start + length) of a writable buffer (an mmap):
+ * every page faulted in writable, with the GIL released (Python's mmap.madvise holds it for
+ * the whole call, tens of ms per GiB of a file mapping, stalling every other thread). */
+static PyObject *populate_write(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t start, length;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Onn:populate_write", &obj, &start, &length)) {
+        return NULL;
+    }
+    Buffers b = {.held = 0};
+    Py_buffer *v = acquire(&b, obj, "buffer", 1);
+    if (v == NULL) {
+        release_all(&b);
+        return NULL;
+    }
+    if (start < 0 || length < 0 || start > v->len || length > v->len - start) {
+        PyErr_Format(PyExc_ValueError, "range [%zd, %zd + %zd) is outside a buffer of %zd bytes",
+                     start, start, length, v->len);
+        release_all(&b);
+        return NULL;
+    }
+#ifdef __linux__
+    char *at = (char *)v->buf + start;
+    const long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0 || (uintptr_t)at % (uintptr_t)page != 0) {
+        PyErr_Format(PyExc_ValueError, "start %zd is not at a page boundary of the buffer", start);
+        release_all(&b);
+        return NULL;
+    }
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = madvise(at, (size_t)length, MADV_POPULATE_WRITE);
+    if (rc != 0) {
+        err = errno;
+    }
+    Py_END_ALLOW_THREADS
+    release_all(&b);
+    if (rc != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+#else
+    release_all(&b);
+    errno = ENOSYS;
+    return PyErr_SetFromErrno(PyExc_OSError);
+#endif
+}
+
 /* --------------------------------------------------------------------------------- module */
 
 static PyMethodDef methods[] = {
@@ -1800,6 +1859,10 @@ static PyMethodDef methods[] = {
     {"ef_encode", ef_encode, METH_VARARGS,
      "ef_encode(positions, numel, low_bits) -> bytes\n\n"
      "The uncompressed Elias-Fano payload of strictly increasing int64 positions in [0, numel)."},
+    {"populate_write", populate_write, METH_VARARGS,
+     "populate_write(buffer, start, length) -> None\n\n"
+     "madvise(MADV_POPULATE_WRITE) over that byte range of a writable buffer (an mmap; start at\n"
+     "a page boundary), the GIL released; OSError where the kernel refuses it."},
     {"ef_decode", ef_decode, METH_VARARGS,
      "ef_decode(payload, n, numel, low_bits, out_positions) -> None\n\n"
      "Decode an Elias-Fano payload into n int64 positions; ValueError if it is not valid."},

@@ -13,6 +13,7 @@ import logging
 import mmap
 import os
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from asyncsync import fsio
-from asyncsync.codec import int_view
+from asyncsync.codec import int_view, native
 from asyncsync.errors import EngineStateError
 from asyncsync.format.checksum import checksum_bytes, layout_checksum
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # Linux >= 5.14: fault a range in writable in one call (Python's mmap module may not name it).
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+# Where fsync(fd) also writes back the pages dirtied through shared mappings of the file
+_FSYNC_WRITES_MAPPINGS = sys.platform.startswith("linux")
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 _ST_DTYPES: dict[str, torch.dtype] = {
@@ -159,8 +162,12 @@ class FileMaps:
             return False
         mm = self._map(loc.file)
         start = loc.begin - loc.begin % mmap.PAGESIZE
+        k = native.kernels
         try:
-            mm.madvise(_MADV_POPULATE_WRITE, start, loc.end - start)
+            if k is not None and hasattr(k, "populate_write"):
+                k.populate_write(mm, start, loc.end - start)  # the GIL released meanwhile
+            else:  # holds the GIL throughout
+                mm.madvise(_MADV_POPULATE_WRITE, start, loc.end - start)
         except OSError:  # EINVAL: an older kernel; the patch faults pages in as it goes
             return False
         return True
@@ -178,8 +185,16 @@ class FileMaps:
             return layout_checksum(region, loc.dtype.itemsize, layout, algorithm)
 
     def sync(self) -> None:
+        """Make every page written through the maps durable.
+
+        On Linux ``fsync`` of the file writes the pages dirtied through a shared mapping too
+        (``msync(MS_SYNC)`` is itself an fsync of the mapped range there), and releases the
+        GIL while Python's ``mmap.flush`` holds it for the whole writeback: hundreds of ms per
+        GiB during which the rest of the receiver (the next version's apply, its acks) would
+        crawl. Elsewhere the mapping is flushed first."""
         for fd, mm in self._open.values():
-            mm.flush()
+            if not _FSYNC_WRITES_MAPPINGS:
+                mm.flush()
             os.fsync(fd)
 
     def close(self) -> None:

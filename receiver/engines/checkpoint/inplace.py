@@ -72,9 +72,8 @@ def journal_and_patch(
     patch kernel as it patches (one pass over the pages instead of two, no fsync); see
     :mod:`receiver.engines.checkpoint.journal`.
     """
-    for _name, loc, _flat, patch in work:
-        if _touches_most_pages(patch, loc):
-            maps.prefault(loc)
+    # each tensor's pages faulted in (where most change) by the thread that patches it
+    prefault = {name for name, loc, _flat, patch in work if _touches_most_pages(patch, loc)}
     if (
         not durable
         and algorithm is not None
@@ -83,11 +82,13 @@ def journal_and_patch(
             for n, _loc, flat, p in work
         )
     ):
-        return _journal_in_pass(journal_dir, seq, version, work, algorithm, layouts)
+        return _journal_in_pass(maps, prefault, journal_dir, seq, version, work, algorithm, layouts)
     write_record(journal_dir / f"undo-{seq:06d}.safetensors", journal.encode_parts(work, version))
 
     def patch_one(item: Work) -> str | None:  # on the pool: the tensors are disjoint
-        name, _loc, flat, patch = item
+        name, loc, flat, patch = item
+        if name in prefault:
+            maps.prefault(loc)
         if algorithm is None:
             apply_patch(flat, patch)
             return None
@@ -103,6 +104,8 @@ def journal_and_patch(
 
 
 def _journal_in_pass(
+    maps: FileMaps,
+    prefault: set[str],
     journal_dir: Path,
     seq: int,
     version: int,
@@ -119,7 +122,9 @@ def _journal_in_pass(
         jobs = list(zip(work, record.values_at, record.progress_at, strict=True))
 
         def patch_one(job: tuple[Work, int, int]) -> str:
-            (name, _loc, flat, patch), values_at, progress_at = job
+            (name, loc, flat, patch), values_at, progress_at = job
+            if name in prefault:
+                maps.prefault(loc)
             layout = None if layouts is None else layouts.get(name)
             return patch_and_checksum(
                 flat, patch, algorithm, layout, journal=(record.fd, values_at, progress_at)

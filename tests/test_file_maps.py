@@ -1,0 +1,244 @@
+"""FileMaps' kernel calls over the checkpoint's mapped files: the prefault and the flush fault in
+and write back every page, and neither holds the GIL while the kernel works (Python's own
+``mmap.madvise`` and ``mmap.flush`` do, tens to hundreds of ms per GiB during which every other
+thread of the receiver stalls: the next version's apply, its acks, the status server).
+
+"Holds the GIL" is told without timing: with no forced switches (a huge switch interval), a
+thread spinning on a counter (and yielding the GIL after each step) can run during a C call
+only if that call released the GIL, so the counter read before and after the call is unchanged
+exactly when it held it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync.codec import native
+from receiver.engines.st_layout import FileMaps, TensorLocation
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mm calls")
+
+_BIG = 256 << 20  # long enough (tens of ms) for a waiting thread to be scheduled inside it
+RanDuring = Callable[..., bool]
+
+
+@pytest.fixture
+def spinner() -> Iterator[RanDuring]:
+    """``ran_during(call)``: whether another Python thread ran while ``call`` was in C."""
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)  # hands the GIL back (the main thread needs no forced switch)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)  # no forced switch: the spinner runs only when it is free
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+
+    def ran_during(call: Callable[[], object], prepare: Callable[[], object] = int) -> bool:
+        for _ in range(5):  # a loaded machine may not schedule the spinner in time: retry
+            prepare()  # (torch ops release the GIL: not inside the count)
+            before = count[0]
+            call()
+            if count[0] != before:
+                return True
+        return False
+
+    try:
+        yield ran_during
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+
+
+def _file(tmp_path: Path, size: int) -> TensorLocation:
+    path = tmp_path / "model.bin"
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return TensorLocation("t", path.name, torch.uint8, (size,), 0, size)
+
+
+def _dirty_kb(path: Path) -> int:
+    """Dirty kB of this process's mappings of ``path`` (/proc/self/smaps: PTE or page dirty)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = line.rstrip("\n").endswith(str(path))
+            elif inside and head[0] in ("Shared_Dirty:", "Private_Dirty:"):
+                total += int(head[1])
+    return total
+
+
+needs_kernel = pytest.mark.skipif(
+    native.kernels is None or not hasattr(native.kernels, "populate_write"),
+    reason="the C kernels are not built",
+)
+
+
+@needs_kernel
+def test_populate_write_faults_every_page_in_writable(tmp_path: Path) -> None:
+    loc = _file(tmp_path, 64 << 20)
+    fd = os.open(tmp_path / loc.file, os.O_RDWR)
+    mm = mmap.mmap(fd, 0)
+    try:
+        assert _dirty_kb(tmp_path / loc.file) == 0
+        try:
+            native.kernels.populate_write(mm, 0, len(mm))
+        except OSError as exc:  # a kernel before 5.14
+            pytest.skip(f"MADV_POPULATE_WRITE: {exc}")
+        assert _dirty_kb(tmp_path / loc.file) == 64 << 10  # mapped writable, marked dirty
+    finally:
+        mm.close()
+        os.close(fd)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("start", "length", "error"),
+    [
+        (-4096, 4096, "outside"),
+        (0, -1, "outside"),
+        (0, (8 << 20) + 1, "outside"),
+        (8 << 20, 1, "outside"),
+        (100, 4096, "page boundary"),
+    ],
+)
+def test_populate_write_refuses_a_bad_range(start: int, length: int, error: str) -> None:
+    mm = mmap.mmap(-1, 8 << 20)
+    with pytest.raises(ValueError, match=error):
+        native.kernels.populate_write(mm, start, length)
+    mm.close()  # no buffer export left behind by the refusal
+
+
+@needs_kernel
+def test_populate_write_refuses_read_only_and_non_buffers() -> None:
+    with pytest.raises(TypeError, match="writable"):
+        native.kernels.populate_write(b"x" * 8192, 0, 4096)
+    with pytest.raises(TypeError, match="buffer protocol"):
+        native.kernels.populate_write(object(), 0, 0)
+
+
+@pytest.fixture
+def anon() -> Iterator[mmap.mmap]:
+    """A private anonymous map of _BIG bytes (MADV_DONTNEED frees its pages again)."""
+    mm = mmap.mmap(-1, _BIG, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+    yield mm
+    mm.close()
+
+
+def _drop(mm: mmap.mmap) -> None:
+    mm.madvise(mmap.MADV_DONTNEED)  # the next populate faults every page in again
+
+
+@needs_kernel
+def test_populate_write_releases_the_gil(spinner: RanDuring, anon: mmap.mmap) -> None:
+    try:
+        native.kernels.populate_write(anon, 0, _BIG)
+    except OSError as exc:
+        pytest.skip(f"MADV_POPULATE_WRITE: {exc}")
+    assert spinner(lambda: native.kernels.populate_write(anon, 0, _BIG), lambda: _drop(anon))
+
+
+def test_a_spinner_cannot_run_inside_a_call_that_holds_the_gil(
+    spinner: RanDuring, anon: mmap.mmap
+) -> None:
+    """The check above can fail: ``mmap.madvise`` holds the GIL (CPython 3.11-3.13)."""
+    if sys.version_info >= (3, 14):
+        pytest.skip("a later CPython may release the GIL in mmap.madvise")
+    advice = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+    try:
+        anon.madvise(advice, 0, _BIG)
+    except OSError as exc:
+        pytest.skip(f"MADV_POPULATE_WRITE: {exc}")
+    assert not spinner(lambda: anon.madvise(advice, 0, _BIG), lambda: _drop(anon))
+
+
+def test_prefault_maps_the_range_and_releases_the_gil(tmp_path: Path, spinner: RanDuring) -> None:
+    loc = _file(tmp_path, _BIG)
+    maps = FileMaps(tmp_path)
+    try:
+        assert maps.prefault(loc) or pytest.skip("no MADV_POPULATE_WRITE here")
+        # writable and dirty now: every page, without one fault each as a patch writes
+        assert _dirty_kb(tmp_path / loc.file) >= (_BIG >> 10) * 9 // 10
+        if native.kernels is not None and hasattr(native.kernels, "populate_write"):
+            # each try after a writeback, which write-protects the pages again
+            assert spinner(lambda: maps.prefault(loc), maps.sync)
+    finally:
+        maps.close()
+
+
+def test_sync_writes_back_the_pages_written_through_the_map(tmp_path: Path) -> None:
+    """On Linux the flush is fsync alone (no msync): it must still write back (and clean)
+    every page dirtied through the shared mapping, and the bytes must be in the file."""
+    loc = _file(tmp_path, 16 << 20)
+    maps = FileMaps(tmp_path)
+    try:
+        flat = maps.flat(loc)
+        flat[:: mmap.PAGESIZE] = 7  # one byte in every page
+        assert _dirty_kb(tmp_path / loc.file) >= (16 << 10) * 9 // 10
+        maps.sync()
+        assert _dirty_kb(tmp_path / loc.file) == 0
+    finally:
+        maps.close()
+    fd = os.open(tmp_path / loc.file, os.O_RDONLY)
+    try:
+        data = os.pread(fd, 16 << 20, 0)
+    finally:
+        os.close(fd)
+    assert data[:: mmap.PAGESIZE] == bytes([7]) * ((16 << 20) // mmap.PAGESIZE)
+
+
+def test_sync_writes_back_with_the_gil_released(tmp_path: Path) -> None:
+    """The writeback itself runs without the GIL: a thread armed just before ``sync`` first runs
+    inside it and still finds most pages dirty. (``mmap.flush`` writes them back holding the
+    GIL: the ``fsync`` after it, where another thread first runs, finds them clean.)"""
+    loc = _file(tmp_path, _BIG)
+    path = tmp_path / loc.file
+    maps = FileMaps(tmp_path)
+    half = (_BIG >> 10) // 2  # kB: most pages still dirty when the watcher first looks
+    seen: list[int] = []
+    armed = [False]  # a plain store: setting it never lets go of the GIL (Event.set may)
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if armed[0]:
+                armed[0] = False
+                seen.append(_dirty_kb(path))
+            time.sleep(0)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        flat = maps.flat(loc)
+        for _ in range(5):
+            flat[:: mmap.PAGESIZE] += 1  # every page dirty (torch releases the GIL here)
+            armed[0] = True  # the watcher can look only once the main thread lets go of the GIL
+            maps.sync()
+            armed[0] = False
+            if max(seen, default=0) > half:
+                break
+        assert max(seen, default=0) > half, seen
+        assert _dirty_kb(path) == 0
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+        maps.close()
