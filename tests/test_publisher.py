@@ -21,6 +21,7 @@ from asyncsync.format import MANIFEST_NAME
 from asyncsync.format import acks as acks_mod
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.publish import snapshot
 from tests.conftest import mixed_state, mutate, same_bytes
 
 
@@ -594,6 +595,55 @@ async def test_sparse_deltas_share_shards_and_full_shards_keep_buckets(tmp_path:
         assert sorted(k for keys in held.values() for k in keys) == sorted(
             k for r in refs for k in (r.positions, r.values)
         )
+
+
+@pytest.mark.parametrize("spread", [1, 2, 3, 16])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [],
+        [50],
+        [500],
+        [10, 200, 5, 5, 300, 5, 250, 5],
+        [300, 300, 300],
+        [1] * 40,
+        [101, 5, 99, 100],
+    ],
+)
+def test_plan_buckets_packs_large_tensors_spread_to_a_bucket(sizes: list[int], spread: int) -> None:
+    """Every tensor in exactly one bucket; the small ones in order, at most bucket_bytes a
+    bucket (one alone may be more); the large ones (> bucket_bytes) packed ``spread`` to a
+    bucket in order, where the first of the pack was; spread 1 is the plain plan."""
+    buckets = snapshot.plan_buckets(sizes, 100, spread)
+    assert sorted(i for b in buckets for i in b) == list(range(len(sizes)))
+    big = [i for i, n in enumerate(sizes) if n > 100]
+    if spread == 1:
+        assert [b for b in buckets if set(b) & set(big)] == [[i] for i in big]
+    packs = [b for b in buckets if set(b) & set(big)]
+    assert all(set(b) <= set(big) for b in packs)
+    assert [i for b in packs for i in b] == big
+    assert all(len(b) == spread for b in packs[:-1]) and all(len(b) <= spread for b in packs)
+    small = [b for b in buckets if not set(b) & set(big)]
+    assert [i for b in small for i in b] == [i for i in range(len(sizes)) if i not in big]
+    assert all(len(b) == 1 or sum(sizes[i] for i in b) <= 100 for b in small)
+    first = {b[0]: k for k, b in enumerate(buckets)}
+    assert [first[b[0]] for b in buckets] == sorted(first[b[0]] for b in buckets)
+    with pytest.raises(ValueError, match="spread"):
+        snapshot.plan_buckets(sizes, 100, 0)
+
+
+def test_plan_for_spreads_only_the_changes_of_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta of CPU tensors spreads its large tensors over the pool; full data (a keyframe,
+    a seed) or a tensor on an accelerator (copied to the host a bucket at a time) keeps one
+    large tensor per bucket, so memory stays what bucket_bytes says."""
+    monkeypatch.setattr(snapshot, "threads", lambda: 2)
+    sd = {"a": torch.zeros(300, dtype=torch.uint8), "b": torch.zeros(5, dtype=torch.uint8),
+          "c": torch.zeros(300, dtype=torch.uint8)}  # fmt: skip
+    sizes = [300, 5, 300]
+    assert snapshot.plan_for(sd, sizes, 100, True) == [[0, 2], [1]]
+    assert snapshot.plan_for(sd, sizes, 100, False) == [[0], [1], [2]]
+    meta = {**sd, "c": torch.zeros(300, dtype=torch.uint8, device="meta")}
+    assert snapshot.plan_for(meta, sizes, 100, True) == [[0], [1], [2]]
 
 
 @pytest.mark.parametrize("sizes", [[], [0], [5, 0, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1000, 1]])

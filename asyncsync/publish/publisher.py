@@ -459,7 +459,7 @@ class Publisher:
             await asyncio.to_thread(claim_version_dir, self.root, vdir, shared=rnd.shared_dir)
             snap = self._snapshot if delta else None
             sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
-            buckets = snapshot.plan_buckets(sizes, self.bucket_bytes)
+            buckets = snapshot.plan_for(state_dict, sizes, self.bucket_bytes, advance and not full)
             codec.scratch.fit(sum(sizes))  # the diff's temporaries: by the model's size
 
             def diff(bucket: list[int]) -> DiffedBucket:

@@ -26,6 +26,7 @@ from asyncsync.codec.shards import (
     delta_keys,
 )
 from asyncsync.format import MANIFEST_NAME
+from asyncsync.pipeline import threads
 
 __all__ = [
     "Undo",
@@ -33,18 +34,39 @@ __all__ = [
     "advance",
     "bucket_items",
     "plan_buckets",
+    "plan_for",
     "same_schema",
     "undo_records",
 ]
 
 
-def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int, spread: int = 1) -> list[list[int]]:
     """Consecutive indices of ``sizes`` (bytes per tensor) grouped into buckets of about
-    ``bucket_bytes``; a tensor larger than that is a bucket of its own."""
+    ``bucket_bytes``; a tensor larger than that is a bucket of its own.
+
+    ``spread > 1`` (a delta of CPU tensors: the buckets hold only the changes): the tensors
+    larger than ``bucket_bytes`` are instead packed ``spread`` to a bucket, in order, each such
+    bucket where its first tensor was. A bucket is diffed and encoded by the pool one tensor per
+    worker, so one large tensor alone (an LLM's embedding, its ``lm_head``) keeps one core busy
+    and leaves the others idle; packed, the workers take them side by side, and the version's
+    last shards hold the small tensors, which a receiver applies on every core.
+    """
+    if spread < 1:
+        raise ValueError(f"spread must be >= 1, got {spread}")
+    big = [i for i, n in enumerate(sizes) if n > bucket_bytes] if spread > 1 else []
+    packs = {pack[0]: pack for pack in (big[k : k + spread] for k in range(0, len(big), spread))}
+    packed = set(big)
     buckets: list[list[int]] = []
     cur: list[int] = []
     size = 0
     for i, nbytes in enumerate(sizes):
+        if i in packed:
+            if i in packs:
+                if cur:
+                    buckets.append(cur)
+                    cur, size = [], 0
+                buckets.append(packs[i])
+            continue
         if cur and size + nbytes > bucket_bytes:
             buckets.append(cur)
             cur, size = [], 0
@@ -53,6 +75,16 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def plan_for(
+    state_dict: Mapping[str, torch.Tensor], sizes: Sequence[int], bucket_bytes: int, changes: bool
+) -> list[list[int]]:
+    """The publisher's buckets: :func:`plan_buckets`, with the large tensors spread over the
+    pool's workers when the buckets hold only changes (``changes``: a delta, no full data) of
+    CPU tensors (a GPU tensor is copied to the host a bucket at a time: not two large ones)."""
+    cpu = changes and all(t.device.type == "cpu" for t in state_dict.values())
+    return plan_buckets(sizes, bucket_bytes, threads() if cpu else 1)
 
 
 def same_schema(snap: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]) -> bool:
