@@ -659,6 +659,27 @@ def test_planes_and_unplanes_transpose_bytes(width: int) -> None:
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("zero_share", [0.0, 0.3, 1.0])
+def test_unplanes_counts_the_zero_elements(width: int, zero_share: float) -> None:
+    """decode_delta refuses a sparse xef blob with a zero XOR by this count (no pass of its
+    own): an element is zero only when all its bytes are (a zero low byte alone is not)."""
+    rng = np.random.default_rng(int(zero_share * 10) + width)
+    n = 4099
+    elems = rng.integers(1, 256, (n, width), dtype=np.uint8)  # no zero element
+    zero = rng.random(n) < zero_share
+    elems[zero] = 0
+    if width > 1:  # elements with some zero bytes, not all: not zero
+        some = ~zero & (rng.random(n) < 0.5)
+        elems[some, : width - 1] = 0
+    src = elems.reshape(-1)
+    planes = np.empty_like(src)
+    assert native.planes(src, width, planes) is None
+    back = np.empty_like(src)
+    assert native.unplanes(planes, width, back) == int(zero.sum())
+    assert np.array_equal(back, src)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("pos_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("shift", [0, 7, -5])
 def test_xor_shifted_matches_reference(width: int, pos_dtype: Any, shift: int) -> None:

@@ -1359,6 +1359,7 @@ static PyObject *planes_impl(PyObject *args, int split) {
         PyErr_Format(PyExc_ValueError, "out is %zd bytes, src %zd", out->len, src->len);
         goto fail;
     }
+    Py_ssize_t zeros = 0; /* unplanes: elements of out whose bytes are all zero */
     {
         const unsigned char *ps = src->buf;
         unsigned char *po = out->buf;
@@ -1374,8 +1375,10 @@ static PyObject *planes_impl(PyObject *args, int split) {
                 }
             } else {
                 for (Py_ssize_t i = 0; i < n; i++) {
-                    po[2 * i] = p0[i];
-                    po[2 * i + 1] = p1[i];
+                    const unsigned char lo = p0[i], hi = p1[i];
+                    po[2 * i] = lo;
+                    po[2 * i + 1] = hi;
+                    zeros += (lo | hi) == 0;
                 }
             }
         } else {
@@ -1393,10 +1396,22 @@ static PyObject *planes_impl(PyObject *args, int split) {
                 }
             }
         }
+        if (!split && width != 2) { /* 1, 4, 8: a pass of its own */
+            for (Py_ssize_t i = 0; i < n; i++) {
+                unsigned char any = 0;
+                for (Py_ssize_t k = 0; k < width; k++) {
+                    any |= po[i * width + k];
+                }
+                zeros += any == 0;
+            }
+        }
         Py_END_ALLOW_THREADS;
     }
     release_all(&b);
-    Py_RETURN_NONE;
+    if (split) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromSsize_t(zeros);
 fail:
     release_all(&b);
     return NULL;
@@ -1850,7 +1865,8 @@ static PyMethodDef methods[] = {
      "planes(src, width, out) -> None\n\n"
      "out = the bytes of src's width-byte elements as byte planes (all byte 0s, then 1s, ...)."},
     {"unplanes", unplanes, METH_VARARGS,
-     "unplanes(src, width, out) -> None\n\nThe inverse of planes()."},
+     "unplanes(src, width, out) -> int\n\n"
+     "The inverse of planes(); returns how many elements of out are zero (all bytes)."},
     {"simd", simd, METH_VARARGS,
      "simd(enabled=None) -> bool\n\n"
      "Whether the AVX2 kernels are used: diff_extract's runs for 2-byte elements and XXH3's\n"

@@ -154,9 +154,9 @@ def decode_delta(
     if mode == "dense":
         if encoding != "xef" or positions:
             raise FormatError(f"dense mode is only for xef and has no positions ({encoding})")
-        xor = _unplanes(_unzstd(values, (numel * width,), "dense values"), numel, width)
-        if int(torch.count_nonzero(xor)) != changed:
-            raise FormatError(f"dense values change {int(torch.count_nonzero(xor))}, not {changed}")
+        xor, nonzero = _unplanes(_unzstd(values, (numel * width,), "dense values"), numel, width)
+        if nonzero != changed:
+            raise FormatError(f"dense values change {nonzero}, not {changed}")
         return Patch(op, None, xor)
     if mode != "sparse":
         raise FormatError(f"unknown mode {mode!r}")
@@ -166,8 +166,8 @@ def decode_delta(
         return Patch(op, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype))
     if encoding == "xef":
         idx = _ef_decode(positions, changed, numel)
-        vals = _unplanes(_unzstd(values, (changed * width,), "values"), changed, width)
-        if int(torch.count_nonzero(vals)) != changed:  # a listed position must change
+        vals, nonzero = _unplanes(_unzstd(values, (changed * width,), "values"), changed, width)
+        if nonzero != changed:  # a listed position must change
             raise FormatError("sparse xef values hold a zero XOR: a position that did not change")
         return Patch.of_xef(op, torch.from_numpy(idx), vals, positions)
     idx = _baseline_positions(encoding, positions, changed, numel)
@@ -250,18 +250,21 @@ def _planes(v: torch.Tensor) -> memoryview:
     return u8.cpu().numpy().data
 
 
-def _unplanes(raw: bytes, n: int, width: int) -> torch.Tensor:
+def _unplanes(raw: bytes, n: int, width: int) -> tuple[torch.Tensor, int]:
     """Inverse of :func:`_planes`: a writable (n,) tensor of the int-view dtype that nothing
-    else refers to (from the scratch pool)."""
+    else refers to (from the scratch pool), and how many of its elements are not zero (the C
+    kernel counts them in its own pass)."""
     src = np.frombuffer(raw, np.uint8)
     out = scratch.empty(n * width, np.uint8)
     kernels = native.kernels
     if width > 1 and kernels is not None and hasattr(kernels, "unplanes"):
-        kernels.unplanes(src, width, out)
-        return torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
+        zeros = kernels.unplanes(src, width, out)
+        t = torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
+        return t, (n - zeros if isinstance(zeros, int) else int(torch.count_nonzero(t)))
     for k in range(width):
         out[k::width] = src[k * n : (k + 1) * n]
-    return torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
+    t = torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
+    return t, int(torch.count_nonzero(t))
 
 
 def _ef_encode(idx: _Int64Array, numel: int) -> tuple[bytes, int]:

@@ -77,8 +77,11 @@ def patch_and_checksum(
         raise ConfigError(
             f"old_out must be {flat.dtype}[{want}], got {old_out.dtype}{old_out.shape}"
         )
-    if journal is not None and not can_journal_in_pass(flat, patch, algorithm, layout):
-        raise ConfigError("this patch cannot save its old values in its own pass")
+    if journal is not None:  # (can_journal_in_pass: the single pass, every count checked)
+        if not can_journal_in_pass(flat, patch, algorithm, layout):
+            raise ConfigError("this patch cannot save its old values in its own pass")
+        assert parts is not None
+        return _native_pass(flat, patch, algorithm, parts, layout is not None, None, journal)
     if not _one_pass(flat, patch, parts, old_out):
         apply_patch(flat, patch, old_out=old_out)
         return layout_checksum(tensor_bytes(flat), flat.element_size(), layout, algorithm)
@@ -86,8 +89,6 @@ def patch_and_checksum(
     if patch.values.numel() != want:
         what = "dense patch of" if pos is None else f"{want} positions but"
         raise ConfigError(f"{what} {patch.values.numel()} values for {flat.numel()}")
-    if journal is not None:
-        return _native_pass(flat, patch, algorithm, parts, layout is not None, None, journal)
     old: Any = None if old_out is None else old_out.numpy()
     return _single_pass(flat, patch, algorithm, parts, layout is not None, old)
 
