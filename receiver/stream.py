@@ -184,52 +184,82 @@ class StreamApplier:
 
     # ------------------------------------------------------------------ the task
     async def run(self) -> None:
-        """Poll, check and apply shards until the manifest appears or :meth:`finish`."""
-        k = 0
-        attempt: str | None = None
-        last = time.monotonic()
-        delay = self.interval
-        manifest = self.dir / MANIFEST_NAME
+        """Apply shards as they land until the manifest appears or :meth:`finish`: the next
+        shard is read (and its data checked) while the engine applies this one, so a slow
+        filesystem's transfer overlaps the apply instead of adding to it."""
+        ready: asyncio.Queue[tuple[Path, bytes, StreamHeader]] = asyncio.Queue(maxsize=1)
+        reader = asyncio.create_task(self._read_ahead(ready), name=f"read v{self.version}")
         try:
-            while not self._stop.is_set():
-                if await asyncio.to_thread(probe, manifest, self.root) is not None:
-                    self.on_manifest.set()
-                    return
-                path = self.dir / f"delta-{k:05d}.safetensors"
-                if await asyncio.to_thread(probe, path, self.root) != 1:
-                    if self.txn_open and not await asyncio.to_thread(
-                        being_written, self.root, self.version
-                    ):
-                        raise StreamAbandoned(f"{self.dir} was removed before its manifest")
-                    if self.txn_open and time.monotonic() - last > self.idle_timeout:
-                        raise StreamAbandoned(
-                            f"no shard nor manifest of v{self.version} for "
-                            f"{self.idle_timeout:.0f}s: the publish was abandoned"
-                        )
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), delay)
-                    delay = min(delay * 1.25, 0.1)  # an abandoned write must not spin the CPU
-                    continue
-                got = await self._read(path)
-                if got is None:  # not a self-describing shard (none applied before it): the
-                    return  # agent applies the version after its commit
-                data, hdr = got
-                if attempt is None:
-                    attempt = hdr.attempt
-                if hdr.attempt != attempt:
-                    raise StreamAbandoned(f"{path.name} belongs to another publish attempt")
-                if hdr.shard_index != k:
-                    raise StreamAbandoned(f"{path.name} says it is shard {hdr.shard_index}")
-                await self._apply(path, data, hdr)
-                k += 1
-                last = time.monotonic()
-                delay = self.interval
+            while True:
+                took = asyncio.ensure_future(ready.get())
+                try:
+                    await asyncio.wait({took, reader}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not took.done():
+                        took.cancel()
+                if took.done() and not took.cancelled():
+                    shard = took.result()
+                elif not ready.empty():  # read just before the reader ended
+                    shard = ready.get_nowait()
+                else:
+                    reader.result()  # the reader's error, if any
+                    return  # the manifest, finish(), or a publisher of format 2
+                if self._stop.is_set():
+                    return  # finish(): after the shard in flight, not the one read ahead
+                await self._apply(*shard)
         except asyncio.CancelledError:
             await asyncio.shield(self._abort("cancelled"))
             raise
         except Exception as exc:
             logger.warning("streaming apply of v%d stopped: %s", self.version, exc)
             await asyncio.shield(self._abort(f"{type(exc).__name__}: {exc}"))
+        finally:
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+
+    async def _read_ahead(self, ready: asyncio.Queue[tuple[Path, bytes, StreamHeader]]) -> None:
+        """Poll for the shards in order and queue each complete one (one ahead of the apply);
+        return at the manifest, at :meth:`finish`, or at a first shard of format 2."""
+        k = 0
+        attempt: str | None = None
+        last = time.monotonic()
+        delay = self.interval
+        manifest = self.dir / MANIFEST_NAME
+        while not self._stop.is_set():
+            if await asyncio.to_thread(probe, manifest, self.root) is not None:
+                self.on_manifest.set()
+                return
+            path = self.dir / f"delta-{k:05d}.safetensors"
+            if await asyncio.to_thread(probe, path, self.root) != 1:
+                if self.txn_open and not await asyncio.to_thread(
+                    being_written, self.root, self.version
+                ):
+                    raise StreamAbandoned(f"{self.dir} was removed before its manifest")
+                if self.txn_open and time.monotonic() - last > self.idle_timeout:
+                    raise StreamAbandoned(
+                        f"no shard nor manifest of v{self.version} for "
+                        f"{self.idle_timeout:.0f}s: the publish was abandoned"
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                delay = min(delay * 1.25, 0.1)  # an abandoned write must not spin the CPU
+                continue
+            got = await self._read(path, first=k == 0)
+            if got is None:  # shard 0 is not self-describing: the agent applies the version
+                return  # after its commit
+            data, hdr = got
+            if attempt is None:
+                attempt = hdr.attempt
+            if hdr.attempt != attempt:
+                raise StreamAbandoned(f"{path.name} belongs to another publish attempt")
+            if hdr.shard_index != k:
+                raise StreamAbandoned(f"{path.name} says it is shard {hdr.shard_index}")
+            await ready.put((path, data, hdr))
+            k += 1
+            last = time.monotonic()
+            delay = self.interval
 
     async def abandon(self, task: asyncio.Task[None] | None, why: str) -> None:
         """Stop, and roll back the transaction if one is open (its manifest came but did not
@@ -248,9 +278,10 @@ class StreamApplier:
             finally:
                 self.txn_open = False  # once the engine is back at the base
 
-    async def _read(self, path: Path) -> tuple[bytes, StreamHeader] | None:
+    async def _read(self, path: Path, *, first: bool) -> tuple[bytes, StreamHeader] | None:
         """The shard's bytes and streaming header once its data checksum matches (re-read with
-        backoff until ``verify_deadline``: the file may be visible before its bytes)."""
+        backoff until ``verify_deadline``: the file may be visible before its bytes); None
+        for a ``first`` shard that is not self-describing (a publisher of format 2)."""
         deadline = time.monotonic() + self.verify_deadline
         delay = 0.02
         while True:
@@ -259,7 +290,7 @@ class StreamApplier:
             hdr, ok = await asyncio.to_thread(_check_data, data, str(path))
             if hdr is not None and ok:
                 return data, hdr
-            if hdr is None and not self.txn_open:  # an older publisher: applied after commit
+            if hdr is None and first:  # an older publisher: applied after commit
                 return None
             # A shard after self-describing ones that is not (yet) one, or whose data does not
             # match: its bytes may not be visible yet (NFS shows a renamed file first)
