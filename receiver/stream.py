@@ -204,6 +204,7 @@ class StreamApplier:
                 else:
                     reader.result()  # the reader's error, if any
                     return  # the manifest, finish(), or a publisher of format 2
+                ready.task_done()  # the reader may read the next one now
                 if self._stop.is_set():
                     return  # finish(): after the shard in flight, not the one read ahead
                 await self._apply(*shard)
@@ -257,6 +258,7 @@ class StreamApplier:
             if hdr.shard_index != k:
                 raise StreamAbandoned(f"{path.name} says it is shard {hdr.shard_index}")
             await ready.put((path, data, hdr))
+            await ready.join()  # taken: read the next while this one is applied, not further
             k += 1
             last = time.monotonic()
             delay = self.interval

@@ -100,6 +100,56 @@ async def test_shards_are_applied_before_the_manifest_and_committed_by_it(tmp_pa
     await _with_agent(tmp_path, body)
 
 
+async def test_the_next_shard_is_read_while_the_engine_applies_this_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow filesystem's transfer overlaps the apply: while the engine still applies shard 0,
+    shard 1 has been read and its data checked; shard 2 not yet (one shard ahead, no more)."""
+    import receiver.stream as stream_mod
+
+    reads: list[str] = []
+    real_read = stream_mod.read_bytes
+
+    def recording(path: Path, **kw: Any) -> bytes:
+        data = real_read(path, **kw)
+        reads.append(Path(path).name)
+        return data
+
+    monkeypatch.setattr(stream_mod, "read_bytes", recording)
+    sd2 = _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        applying, gate = asyncio.Event(), asyncio.Event()
+        real_apply = engine.apply
+
+        async def held_apply(updates: Any) -> None:
+            if not applying.is_set():  # the first group of shard 0
+                applying.set()
+                await gate.wait()
+            await real_apply(updates)
+
+        monkeypatch.setattr(engine, "apply", held_apply)
+
+        async def hook(vdir: Path) -> None:  # every shard written, the manifest not yet
+            assert len(_delta_files(vdir)) > 2
+            await eventually(
+                lambda: applying.is_set() and "delta-00001.safetensors" in reads,
+                "shard 1 read while shard 0 is being applied",
+            )
+            await asyncio.sleep(0.2)  # time enough to read further, were it to
+            assert "delta-00002.safetensors" not in reads
+            gate.set()
+
+        pub.pre_commit_hook = hook
+        res = await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2) and agent.status().streamed_shards >= 2  # then the manifest
+        names = [p.name for p in _delta_files(res.path)]
+        assert reads == names[: len(reads)]  # each once, in order
+
+    await _with_agent(tmp_path, body)
+
+
 async def test_a_version_whose_manifest_never_comes_is_rolled_back(tmp_path: Path) -> None:
     sd1, sd2 = _state(1), _state(2)
 
