@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -608,12 +609,14 @@ async def test_sparse_deltas_share_shards_and_full_shards_keep_buckets(tmp_path:
         [300, 300, 300],
         [1] * 40,
         [101, 5, 99, 100],
+        [5000, 101, 101, 101, 5, 2600, 2500, 150],  # the byte cap binds
     ],
 )
 def test_plan_buckets_packs_large_tensors_spread_to_a_bucket(sizes: list[int], spread: int) -> None:
     """Every tensor in exactly one bucket; the small ones in order, at most bucket_bytes a
-    bucket (one alone may be more); the large ones (> bucket_bytes) packed ``spread`` to a
-    bucket in order, where the first of the pack was; spread 1 is the plain plan."""
+    bucket (one alone may be more); the large ones (> bucket_bytes) packed up to ``spread`` to
+    a bucket in order, where the first of the pack was, each pack at most max(spread *
+    bucket_bytes, twice the largest); spread 1 is the plain plan."""
     buckets = snapshot.plan_buckets(sizes, 100, spread)
     assert sorted(i for b in buckets for i in b) == list(range(len(sizes)))
     big = [i for i, n in enumerate(sizes) if n > 100]
@@ -622,7 +625,10 @@ def test_plan_buckets_packs_large_tensors_spread_to_a_bucket(sizes: list[int], s
     packs = [b for b in buckets if set(b) & set(big)]
     assert all(set(b) <= set(big) for b in packs)
     assert [i for b in packs for i in b] == big
-    assert all(len(b) == spread for b in packs[:-1]) and all(len(b) <= spread for b in packs)
+    cap = max([spread * 100] + [2 * sizes[i] for i in big])
+    assert all(len(b) <= spread and sum(sizes[i] for i in b) <= cap for b in packs)
+    for b, after in itertools.pairwise(packs):  # each pack as full as it may be
+        assert len(b) == spread or sum(sizes[i] for i in b) + sizes[after[0]] > cap
     small = [b for b in buckets if not set(b) & set(big)]
     assert [i for b in small for i in b] == [i for i in range(len(sizes)) if i not in big]
     assert all(len(b) == 1 or sum(sizes[i] for i in b) <= 100 for b in small)

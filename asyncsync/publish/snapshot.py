@@ -45,16 +45,26 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int, spread: int = 1) -> li
     ``bucket_bytes``; a tensor larger than that is a bucket of its own.
 
     ``spread > 1`` (a delta of CPU tensors: the buckets hold only the changes): the tensors
-    larger than ``bucket_bytes`` are instead packed ``spread`` to a bucket, in order, each such
-    bucket where its first tensor was. A bucket is diffed and encoded by the pool one tensor per
-    worker, so one large tensor alone (an LLM's embedding, its ``lm_head``) keeps one core busy
-    and leaves the others idle; packed, the workers take them side by side, and the version's
-    last shards hold the small tensors, which a receiver applies on every core.
+    larger than ``bucket_bytes`` are instead packed up to ``spread`` to a bucket, in order, each
+    such bucket where its first tensor was. A bucket is diffed and encoded by the pool one tensor
+    per worker, so one large tensor alone (an LLM's embedding, its ``lm_head``) keeps one core
+    busy and leaves the others idle; packed, the workers take them side by side, and the
+    version's last shards hold the small tensors, which a receiver applies on every core. A pack
+    holds at most ``max(spread * bucket_bytes, 2 * the largest tensor)`` bytes: a bucket's
+    memory stays within twice what the largest tensor's own bucket would hold.
     """
     if spread < 1:
         raise ValueError(f"spread must be >= 1, got {spread}")
     big = [i for i, n in enumerate(sizes) if n > bucket_bytes] if spread > 1 else []
-    packs = {pack[0]: pack for pack in (big[k : k + spread] for k in range(0, len(big), spread))}
+    cap = max([spread * bucket_bytes] + [2 * sizes[i] for i in big])
+    packs: dict[int, list[int]] = {}
+    pack: list[int] = []
+    for i in big:
+        if pack and (len(pack) == spread or sum(sizes[j] for j in pack) + sizes[i] > cap):
+            packs[pack[0]], pack = pack, []
+        pack.append(i)
+    if pack:
+        packs[pack[0]] = pack
     packed = set(big)
     buckets: list[list[int]] = []
     cur: list[int] = []
