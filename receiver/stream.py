@@ -110,7 +110,8 @@ class StreamApplier:
 
     # ------------------------------------------------------------------ the agent's side
     async def finish(self, task: asyncio.Task[None] | None) -> None:
-        """Stop after the shard in flight and wait for the task (the transaction stays open)."""
+        """Read no further shard, apply the one in flight and the one read ahead (if any), and
+        wait for the task (the transaction stays open)."""
         self._stop.set()
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
@@ -205,9 +206,8 @@ class StreamApplier:
                     reader.result()  # the reader's error, if any
                     return  # the manifest, finish(), or a publisher of format 2
                 ready.task_done()  # the reader may read the next one now
-                if self._stop.is_set():
-                    return  # finish(): after the shard in flight, not the one read ahead
-                await self._apply(*shard)
+                await self._apply(*shard)  # also after finish(): read and checked, so the
+                # agent need not read it again
         except asyncio.CancelledError:
             await asyncio.shield(self._abort("cancelled"))
             raise
