@@ -28,7 +28,9 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
 * durability after the ack (default): a delta commits once every touched tensor's bytes match
   the manifest's checksums *in the page cache*; ``state.json`` then says ``clean`` at the new
   version with ``synced: false`` and the receiver acknowledges it; then (``acknowledged``)
-  ``msync``/``fsync`` of the data files run in the background, and ``synced`` becomes true.
+  ``fsync`` of the data files runs in the background (on Linux it writes back the pages dirtied
+  through the mappings, and unlike ``mmap.flush`` it releases the GIL; elsewhere ``msync``
+  first), and ``synced`` becomes true.
   The next delta does not wait for that flush: it journals and patches beside it (a full
   version and ``bump`` do wait); flushes run one after another. The flush is the largest
   single cost of an apply (a 3 % delta dirties every page of a bf16 tensor), so this takes it
