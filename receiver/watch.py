@@ -1,15 +1,17 @@
 """Wake-ups for the receiver: inotify events where they work, polling always.
 
-Inotify (through watchfiles) only sees writes made through this host's mount: NFS and FUSE
-clients never get events for other hosts' writes. So events only make the receiver react
-sooner; a poll every ``poll_interval`` seconds is what guarantees discovery, and the agent looks
-up the exact path of the next version's manifest, which a stale directory listing cannot hide.
+Inotify only sees writes made through this host's mount: NFS and FUSE clients never get events
+for other hosts' writes. So events only make the receiver react sooner; a poll every
+``poll_interval`` seconds is what guarantees discovery, and the agent looks up the exact path of
+the next version's manifest, which a stale directory listing cannot hide.
 
-The watch is on the root alone, not recursive: a recursive watch follows symlinks (watchfiles
-walks them and watches their targets, so a symlink to ``/`` planted in the root would make it
-walk the whole filesystem). Every commit ends with an event in the root itself (the log line
-appended after the manifest rename; a new version directory before it), and the prefetcher
-polls the next version's directory for its manifest (``receiver.prefetch``).
+On Linux the events are read by the event loop itself (:mod:`receiver.inotify`: no thread and
+no timer, so an idle receiver never wakes); elsewhere through watchfiles, whose thread checks
+for events every 2 ms. The watch is on the root alone, not recursive: a recursive watch follows
+symlinks (watchfiles walks them and watches their targets, so a symlink to ``/`` planted in the
+root would make it walk the whole filesystem). Every commit ends with an event in the root
+itself (the log line appended after the manifest rename; a new version directory before it),
+and the prefetcher polls the next version's directory for its manifest (``receiver.prefetch``).
 
 Resolution order for inotify: argument ``use_inotify`` > environment ``ASYNCSYNC_FORCE_POLLING``
 (``1`` disables inotify) > on.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from asyncsync.format import ACKS_DIR
 from asyncsync.format.names import LEASES_DIR
+from receiver import inotify
 
 __all__ = ["REPEAT_LOG_SECONDS", "Repeats", "first_of", "wakeups"]
 
@@ -56,6 +59,45 @@ def _version_events(root: Path) -> Callable[[object, str], bool]:
 
 
 async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
+    if inotify.available():
+        await _watch_inotify(root, wake, stop)
+    else:
+        await _watch_watchfiles(root, wake, stop)
+
+
+async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
+    """Wake on each batch of wanted events, read by the loop, until ``stop`` or the root goes."""
+    try:
+        watch = inotify.DirectoryWatch(root)
+    except OSError as exc:  # e.g. the inotify instance or watch limit reached
+        logger.warning("inotify watch on %s failed (%s); polling only", root, exc)
+        return
+    keep = _version_events(root)
+    gone = asyncio.Event()
+
+    def ready() -> None:
+        try:
+            wanted, lost = watch.read(lambda name: keep(None, str(root / name)))
+        except OSError as exc:
+            logger.warning("inotify watch on %s stopped (%s); polling only", root, exc)
+            wanted, lost = True, True
+        if wanted:
+            wake.set()
+        if lost:
+            gone.set()
+
+    loop = asyncio.get_running_loop()
+    loop.add_reader(watch.fd, ready)
+    try:
+        await first_of(stop, gone)
+        if gone.is_set() and not stop.is_set():
+            logger.warning("inotify watch on %s stopped (the root went away); polling only", root)
+    finally:
+        loop.remove_reader(watch.fd)
+        watch.close()
+
+
+async def _watch_watchfiles(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
     try:
         import watchfiles
     except ImportError:  # pragma: no cover - a declared dependency

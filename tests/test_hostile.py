@@ -228,10 +228,15 @@ async def test_the_inotify_watch_never_walks_a_symlink_in_the_root(
 ) -> None:
     """Issue 22: a recursive watch follows symlinks (watchfiles walks them and watches their
     targets: one to ``/`` planted in the root made it walk the whole filesystem, in the event
-    loop). The receiver watches the root alone; commits wake it by the log line they append."""
+    loop). The receiver watches the root alone; commits wake it by the log line they append.
+    This is the watchfiles fallback (no inotify of our own); receiver/inotify.py's watch of
+    the root alone: tests/test_inotify.py::test_a_symlink_in_the_root_is_not_followed."""
     import watchfiles
 
+    from receiver import inotify
     from receiver.watch import wakeups
+
+    monkeypatch.setattr(inotify, "available", lambda: False)
 
     seen: dict[str, object] = {}
 

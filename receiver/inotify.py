@@ -1,0 +1,118 @@
+"""A non-recursive inotify watch of one directory, read by the asyncio event loop (Linux).
+
+The receiver's watch (:mod:`receiver.watch`) needs one thing from inotify: to wake as soon as
+an entry of the root changes (a new version directory, the log line a commit appends). This
+reads the kernel's events on the loop itself (``loop.add_reader``): no thread, no timer, so an
+idle receiver does not wake at all, and a change wakes it at once. (watchfiles, the portable
+fallback, runs a thread that checks for events every ``step`` ms: 500 wake-ups a second at the
+2 ms a prompt commit needs.)
+
+The watch is of the directory's own entries: it never descends into subdirectories nor follows
+a symlink among them (FORMAT.md: nothing below the root is followed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import struct
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["DirectoryWatch", "available"]
+
+_IN_MODIFY = 0x00000002
+_IN_ATTRIB = 0x00000004
+_IN_CLOSE_WRITE = 0x00000008
+_IN_MOVED_FROM = 0x00000040
+_IN_MOVED_TO = 0x00000080
+_IN_CREATE = 0x00000100
+_IN_DELETE = 0x00000200
+_IN_DELETE_SELF = 0x00000400
+_IN_MOVE_SELF = 0x00000800
+_IN_UNMOUNT = 0x00002000
+_IN_Q_OVERFLOW = 0x00004000
+_IN_IGNORED = 0x00008000
+_IN_ONLYDIR = 0x01000000
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
+
+#: what can mean a new version: entries created, moved in or out, written, removed
+_MASK = (
+    _IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE
+    | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR
+)  # fmt: skip
+#: the watched directory itself went away (removed, moved, its filesystem unmounted)
+_GONE = _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_UNMOUNT | _IN_IGNORED
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.inotify_init1.argtypes = [ctypes.c_int]
+        libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def available() -> bool:
+    """Whether this platform has inotify (Linux, a C library that exports it)."""
+    return _libc() is not None
+
+
+class DirectoryWatch:
+    """inotify events of ``directory``'s own entries, read without blocking.
+
+    Raises OSError when the watch cannot be made (no inotify here: ENOSYS; the per-user
+    instance or watch limit reached: EMFILE, ENOSPC; not a directory: ENOTDIR).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        libc = _libc()
+        if libc is None:
+            raise OSError(errno.ENOSYS, "inotify is not available here")
+        fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        if libc.inotify_add_watch(fd, os.fsencode(directory), _MASK) < 0:
+            err = ctypes.get_errno()
+            os.close(fd)
+            raise OSError(err, f"inotify_add_watch {directory}: {os.strerror(err)}")
+        self.fd = fd
+        self.directory = directory
+
+    def read(self, keep: Callable[[str], bool]) -> tuple[bool, bool]:
+        """Drain the pending events: (whether one names an entry ``keep`` wants, or the queue
+        overflowed; whether the directory itself is gone)."""
+        wanted = gone = False
+        while True:
+            try:
+                buf = os.read(self.fd, 64 * 1024)
+            except (BlockingIOError, InterruptedError):
+                return wanted, gone
+            if not buf:
+                return wanted, gone
+            at = 0
+            while at + _EVENT.size <= len(buf):
+                _wd, mask, _cookie, length = _EVENT.unpack_from(buf, at)
+                name = buf[at + _EVENT.size : at + _EVENT.size + length].split(b"\0", 1)[0]
+                at += _EVENT.size + length
+                if mask & _IN_Q_OVERFLOW:
+                    wanted = True  # events were lost: look
+                elif mask & _GONE:
+                    gone = True
+                elif name and keep(os.fsdecode(name)):
+                    wanted = True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

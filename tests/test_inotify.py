@@ -1,0 +1,147 @@
+"""The receiver's own inotify watch (receiver/inotify.py), read by the event loop: real inotify
+on this host's filesystem. It wakes at once for a root entry that can mean a new version, not
+for acks, leases or temp files; never for what happens below the root (nor through a symlink
+in it); says when the root itself goes; and runs no thread and no timer (an idle receiver does
+not wake: watchfiles, the fallback, checks its events 500 times a second)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from receiver import inotify
+from receiver.watch import _version_events, wakeups
+
+pytestmark = pytest.mark.skipif(not inotify.available(), reason="no inotify here")
+
+
+def _keep(root: Path) -> Callable[[str], bool]:
+    keep = _version_events(root)
+    return lambda name: keep(None, str(root / name))
+
+
+def _drain(w: inotify.DirectoryWatch, root: Path) -> tuple[bool, bool]:
+    time.sleep(0.05)  # the kernel queues events synchronously; a margin for slow hosts
+    return w.read(_keep(root))
+
+
+def test_wakes_for_versions_and_the_log_not_for_acks_leases_or_temp_files(tmp_path: Path) -> None:
+    w = inotify.DirectoryWatch(tmp_path)
+    try:
+        assert _drain(w, tmp_path) == (False, False)  # nothing pending
+        (tmp_path / "acks").mkdir()
+        (tmp_path / "leases").mkdir()
+        (tmp_path / ".tmp.manifest.json.abc").write_text("x")
+        assert _drain(w, tmp_path) == (False, False)
+        (tmp_path / "acks" / "e1.json").write_text("{}")  # below the root: not watched
+        (tmp_path / "leases" / "e1.json").write_text("{}")
+        assert _drain(w, tmp_path) == (False, False)
+        (tmp_path / "v000000000001").mkdir()
+        assert _drain(w, tmp_path) == (True, False)
+        (tmp_path / "v000000000001" / "manifest.json").write_text("{}")  # below: no event
+        assert _drain(w, tmp_path) == (False, False)
+        with open(tmp_path / "log.jsonl", "a") as f:
+            f.write("{}\n")
+        assert _drain(w, tmp_path) == (True, False)
+        os.rename(tmp_path / ".tmp.manifest.json.abc", tmp_path / "asyncsync.json")
+        assert _drain(w, tmp_path) == (True, False)  # renamed into place
+    finally:
+        w.close()
+
+
+def test_a_symlink_in_the_root_is_not_followed(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    (root / "v000000000001").symlink_to(elsewhere, target_is_directory=True)
+    w = inotify.DirectoryWatch(root)
+    try:
+        _drain(w, root)
+        (elsewhere / "manifest.json").write_text("{}")
+        (elsewhere / "sub").mkdir()
+        assert _drain(w, root) == (False, False)
+        fdinfo = Path(f"/proc/self/fdinfo/{w.fd}").read_text()
+        watches = [line for line in fdinfo.splitlines() if line.startswith("inotify wd:")]
+        assert len(watches) == 1  # the root alone
+        assert f"ino:{os.stat(root).st_ino:x} " in watches[0]
+    finally:
+        w.close()
+
+
+def test_says_when_the_root_goes(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    w = inotify.DirectoryWatch(root)
+    try:
+        shutil.rmtree(root)
+        assert _drain(w, root)[1] is True
+    finally:
+        w.close()
+
+
+def test_refuses_what_it_cannot_watch(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        inotify.DirectoryWatch(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        inotify.DirectoryWatch(tmp_path / "file")
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):  # a refused watch leaves no descriptor behind
+        with pytest.raises(OSError):
+            inotify.DirectoryWatch(tmp_path / "missing")
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+async def test_wakeups_wake_at_once_and_start_no_thread(tmp_path: Path) -> None:
+    before = threading.active_count()
+    got: list[tuple[str, float]] = []
+    written: list[float] = []
+
+    async def write() -> None:
+        await asyncio.sleep(0.2)
+        threads.append(threading.active_count())
+        for name in ("acks", "v000000000001", "log.jsonl"):
+            written.append(time.monotonic())
+            if name == "log.jsonl":
+                (tmp_path / name).write_text("x")
+            else:
+                (tmp_path / name).mkdir()
+            await asyncio.sleep(0.2)
+
+    threads: list[int] = []
+    writer = asyncio.create_task(write())
+    async for reason in wakeups(tmp_path, poll_interval=30.0, use_inotify=True):
+        got.append((reason, time.monotonic()))
+        if sum(r == "event" for r, _ in got) == 2:
+            break
+    await writer
+    assert [r for r, _ in got] == ["start", "event", "event"]  # none for acks, no poll
+    assert got[1][1] >= written[1]  # woken by the version directory, not by acks
+    assert threads == [before]  # watching needs no thread (watchfiles starts one)
+
+
+async def test_the_watchfiles_fallback_still_wakes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where there is no inotify of our own (another OS), watchfiles watches the root."""
+    monkeypatch.setattr(inotify, "available", lambda: False)
+    got: list[str] = []
+
+    async def write() -> None:
+        await asyncio.sleep(0.3)
+        (tmp_path / "v000000000001").mkdir()
+
+    writer = asyncio.create_task(write())
+    async for reason in wakeups(tmp_path, poll_interval=30.0, use_inotify=True):
+        got.append(reason)
+        if reason == "event":
+            break
+    await writer
+    assert got == ["start", "event"]
