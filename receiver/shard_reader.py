@@ -22,7 +22,7 @@ from asyncsync.errors import ChecksumMismatch, FormatError, IncompleteVersion, M
 from asyncsync.format import Manifest, ShardInfo, TensorEntry, TensorPart, version_dir
 from asyncsync.format.checksum import checksum_bytes
 from asyncsync.fsio import UnsafePath, read_bytes
-from asyncsync.pipeline import parallel_map
+from asyncsync.pipeline import parallel_map, threads
 from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
 
@@ -140,29 +140,42 @@ def apply_groups(
     m: Manifest, mode: str, idx: int, limit: int = APPLY_GROUP_BYTES
 ) -> list[list[Piece]]:
     """The pieces of shard ``idx`` in consecutive groups of at most ``limit`` decoded bytes
-    (a piece larger than that is a group of its own).
+    (a piece larger than that is a group of its own, or packed with the large ones next to it:
+    :func:`group_pieces`).
 
     A full shard is one group (it holds one bucket of whole tensors, already in memory).
     """
     pieces = pieces_in(m, mode, idx)
     if mode != "delta":
         return [pieces] if pieces else []
-    return group_pieces(pieces, limit)
+    return group_pieces(pieces, limit, threads())
 
 
-def group_pieces(pieces: list[Piece], limit: int) -> list[list[Piece]]:
+def group_pieces(pieces: list[Piece], limit: int, spread: int = 1) -> list[list[Piece]]:
     """Delta ``pieces`` in consecutive groups of at most ``limit`` decoded bytes (a piece larger
-    than that is a group of its own)."""
+    than that is a group of its own).
+
+    ``spread > 1``: consecutive pieces larger than ``limit`` are packed up to ``spread`` to a
+    group instead, of at most ``max(spread * limit, 2 * the largest piece)`` decoded bytes: an
+    engine applies a group's tensors on its pool one per worker, so a large tensor alone (an
+    embedding, an ``lm_head``: the publisher puts them in one shard) keeps one core busy.
+    """
+    sizes = [_decoded_bytes(piece) for piece in pieces]
+    cap = max([spread * limit] + [2 * n for n in sizes if n > limit])
     groups: list[list[Piece]] = []
-    size = 0
-    for piece in pieces:
-        n = _decoded_bytes(piece)
-        if groups and groups[-1] and size + n <= limit:
+    size, packing = 0, False
+    for piece, n in zip(pieces, sizes, strict=True):
+        big = n > limit
+        if big:  # joins a pack of large pieces (never a group of small ones)
+            joins = packing and len(groups[-1]) < spread and size + n <= cap
+        else:
+            joins = bool(groups) and not packing and size + n <= limit
+        if joins:
             groups[-1].append(piece)
             size += n
         else:
             groups.append([piece])
-            size = n
+            size, packing = n, big
     return groups
 
 

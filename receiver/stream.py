@@ -41,6 +41,7 @@ from asyncsync.format.checksum import checksum_bytes, new_hasher
 from asyncsync.format.names import MAX_SHARD_BYTES
 from asyncsync.format.store import read_manifest
 from asyncsync.fsio import read_bytes
+from asyncsync.pipeline import threads
 from receiver.engines.base import Engine
 from receiver.prefetch import Prefetcher, being_written, probe
 from receiver.shard_reader import Piece, decode_pieces, group_bytes_for, group_pieces
@@ -357,7 +358,7 @@ class StreamApplier:
         """Decode group g+1 while the engine applies group g (a queue of one)."""
         pending: asyncio.Task[None] | None = None
         try:
-            for group in group_pieces(pieces, self.group_bytes):
+            for group in group_pieces(pieces, self.group_bytes, threads()):
                 updates = await asyncio.to_thread(decode_pieces, m, "delta", tensors, group, where)
                 if pending is not None:
                     await pending

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -391,10 +392,38 @@ def test_apply_groups_cover_a_shard_in_order_within_the_limit(tmp_path: Path) ->
     groups = shard_reader.apply_groups(m, "delta", idx, limit=2000)
     assert len(groups) > 2 and [p for g in groups for p in g] == pieces
     for g in groups:
-        size = sum(e.changed * (8 + e.torch_dtype.itemsize) for e, _, _ in g)
-        assert size <= 2000 or len(g) == 1
+        sizes = [e.changed * (8 + e.torch_dtype.itemsize) for e, _, _ in g]
+        assert sum(sizes) <= 2000 or min(sizes) > 2000  # or large ones packed together
     assert shard_reader.apply_groups(m, "delta", idx) == [pieces]  # default limit: 1 MiB
     assert shard_reader.apply_groups(read_manifest(tmp_path, 0), "full", 0) != []
+
+
+@pytest.mark.parametrize("spread", [1, 2, 3, 16])
+@pytest.mark.parametrize(
+    "sizes",
+    [[], [50], [500], [5, 200, 300, 5, 5, 150, 5000, 101, 101, 50], [300] * 5, [1] * 30],
+)
+def test_group_pieces_packs_consecutive_large_pieces(
+    sizes: list[int], spread: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every piece once, in order; small ones up to the limit a group, never with a large one;
+    consecutive large ones (> limit) packed up to ``spread`` a group, within max(spread *
+    limit, twice the largest) decoded bytes; spread 1: each large piece alone, as before."""
+    monkeypatch.setattr(shard_reader, "_decoded_bytes", lambda piece: piece)
+    groups = shard_reader.group_pieces(sizes, 100, spread)  # type: ignore[arg-type]
+    assert [n for g in groups for n in g] == sizes
+    cap = max([spread * 100] + [2 * n for n in sizes if n > 100])
+    for g in groups:
+        if any(n > 100 for n in g):
+            assert all(n > 100 for n in g) and len(g) <= spread and sum(g) <= cap
+            assert spread > 1 or len(g) == 1
+        else:
+            assert sum(g) <= 100
+    for g, after in itertools.pairwise(groups):  # no group could have taken the next piece
+        if all(n > 100 for n in g + after):
+            assert len(g) == spread or sum(g) + after[0] > cap
+        elif not any(n > 100 for n in g + after):
+            assert sum(g) + after[0] > 100
 
 
 async def test_a_packed_delta_shard_is_applied_in_groups(
