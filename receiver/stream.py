@@ -107,6 +107,8 @@ class StreamApplier:
         self._provisional: Manifest | None = None
         self._names: set[str] = set()
         self._stop = asyncio.Event()
+        self._applying = False  # a shard is being applied (progress: no idle timeout)
+        self._progressed = 0.0  # when the last shard's apply ended (monotonic)
         self._base_entries = base.tensor_map()
 
     # ------------------------------------------------------------------ the agent's side
@@ -207,8 +209,11 @@ class StreamApplier:
                     reader.result()  # the reader's error, if any
                     return  # the manifest, finish(), or a publisher of format 2
                 ready.task_done()  # the reader may read the next one now
-                await self._apply(*shard)  # also after finish(): read and checked, so the
-                # agent need not read it again
+                self._applying = True
+                try:  # also after finish(): read and checked, so the agent need not read it again
+                    await self._apply(*shard)
+                finally:
+                    self._applying, self._progressed = False, time.monotonic()
         except asyncio.CancelledError:
             await asyncio.shield(self._abort("cancelled"))
             raise
@@ -239,10 +244,11 @@ class StreamApplier:
                     being_written, self.root, self.version
                 ):
                     raise StreamAbandoned(f"{self.dir} was removed before its manifest")
-                if self.txn_open and time.monotonic() - last > self.idle_timeout:
+                idle = time.monotonic() - max(last, self._progressed)
+                if self.txn_open and not self._applying and idle > self.idle_timeout:
                     raise StreamAbandoned(
                         f"no shard nor manifest of v{self.version} for "
-                        f"{self.idle_timeout:.0f}s: the publish was abandoned"
+                        f"{self.idle_timeout:g}s: the publish was abandoned"
                     )
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)

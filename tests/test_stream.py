@@ -178,6 +178,67 @@ async def test_a_version_whose_manifest_never_comes_is_rolled_back(tmp_path: Pat
     await _with_agent(tmp_path, body)
 
 
+async def test_a_publish_that_stops_writing_is_rolled_back_after_stream_timeout(
+    tmp_path: Path,
+) -> None:
+    """The trainer stalls after its shards (the directory stays, no manifest): after
+    ``stream_timeout`` without a shard the stream gives up and rolls the engine back."""
+    sd1, sd2 = _state(1), _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        async def hook(vdir: Path) -> None:
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and bool(s.failed) and not s.txn_open,
+                "the stream to give up and roll back",
+            )
+            s = _streamer(agent)
+            assert s is not None and "abandoned" in (s.failed or "") and not s.txn_open
+            assert vdir.is_dir() and engine.state.version == 1 and _holds(engine, sd1)
+            raise RuntimeError("the stalled trainer dies (injected)")
+
+        pub.pre_commit_hook = hook
+        with pytest.raises(Exception, match="injected"):
+            await pub.publish(sd2)
+        pub.pre_commit_hook = None
+        await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2)
+
+    await _with_agent(tmp_path, body, stream_timeout=0.5)
+
+
+async def test_a_shard_applied_for_longer_than_stream_timeout_is_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each group takes longer to apply than ``stream_timeout``: the stream waits for the next
+    shard meanwhile (read ahead, the last one has none), which is not a stalled publish."""
+    sd2 = _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        real_apply = engine.apply
+
+        async def slow_apply(updates: Any) -> None:
+            await asyncio.sleep(0.8)
+            await real_apply(updates)
+
+        monkeypatch.setattr(engine, "apply", slow_apply)
+
+        async def hook(vdir: Path) -> None:
+            n = len(_delta_files(vdir))
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) == n,
+                "every shard applied before the manifest",
+                timeout=120,
+            )
+
+        pub.pre_commit_hook = hook
+        res = await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2", timeout=60)
+        assert _holds(engine, sd2) and agent.status().streamed_shards == res.shards
+
+    await _with_agent(tmp_path, body, stream_timeout=0.5)
+
+
 async def test_a_mismatching_manifest_sends_the_version_down_the_ordinary_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
