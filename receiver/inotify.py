@@ -49,6 +49,8 @@ _MASK = (
 #: the watched directory itself went away (removed, moved, its filesystem unmounted)
 _GONE = _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_UNMOUNT | _IN_IGNORED
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
+#: bytes of events read at once: ~1,000 events with names of the root's kind
+READ_BYTES = 32 * 1024
 
 
 @functools.cache
@@ -92,27 +94,26 @@ class DirectoryWatch:
         self.directory = directory
 
     def read(self, keep: Callable[[str], bool]) -> tuple[bool, bool]:
-        """Drain the pending events: (whether one names an entry ``keep`` wants, or the queue
-        overflowed; whether the directory itself is gone)."""
+        """Read the pending events, at most one buffer of them (a flood of events must not hold
+        the caller: the rest are read at the next call): (whether one names an entry ``keep``
+        wants, or the queue overflowed; whether the directory itself is gone)."""
         wanted = gone = False
-        while True:
-            try:
-                buf = os.read(self.fd, 64 * 1024)
-            except (BlockingIOError, InterruptedError):
-                return wanted, gone
-            if not buf:
-                return wanted, gone
-            at = 0
-            while at + _EVENT.size <= len(buf):
-                _wd, mask, _cookie, length = _EVENT.unpack_from(buf, at)
-                name = buf[at + _EVENT.size : at + _EVENT.size + length].split(b"\0", 1)[0]
-                at += _EVENT.size + length
-                if mask & _IN_Q_OVERFLOW:
-                    wanted = True  # events were lost: look
-                elif mask & _GONE:
-                    gone = True
-                elif name and keep(os.fsdecode(name)):
-                    wanted = True
+        try:
+            buf = os.read(self.fd, READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return wanted, gone
+        at = 0
+        while at + _EVENT.size <= len(buf):
+            _wd, mask, _cookie, length = _EVENT.unpack_from(buf, at)
+            name = buf[at + _EVENT.size : at + _EVENT.size + length].split(b"\0", 1)[0]
+            at += _EVENT.size + length
+            if mask & _IN_Q_OVERFLOW:
+                wanted = True  # events were lost: look
+            elif mask & _GONE:
+                gone = True
+            elif name and not wanted and keep(os.fsdecode(name)):
+                wanted = True
+        return wanted, gone
 
     def close(self) -> None:
         if self.fd >= 0:

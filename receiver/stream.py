@@ -117,8 +117,12 @@ class StreamApplier:
         wait for the task (the transaction stays open)."""
         self._stop.set()
         if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():  # our caller is being cancelled (the
+                    raise  # stream task with it, which rolled back): never swallow that
 
     async def take(
         self, task: asyncio.Task[None] | None, m: Manifest, mode: str
@@ -349,7 +353,12 @@ class StreamApplier:
                 shard_dir=None,
                 attempt=None,
             )
-            await self.engine.begin(self._provisional, "delta")
+            try:
+                await self.engine.begin(self._provisional, "delta")
+            except asyncio.CancelledError:  # the begin may still complete in its thread: the
+                with contextlib.suppress(Exception):  # engine runs one call at a time, so
+                    await asyncio.shield(self.engine.abort())  # this abort comes after it
+                raise
             self.txn_open = True
         self._names.update(e.name for e in hdr.entries)
         checksum = await asyncio.to_thread(checksum_bytes, data, hdr.algorithm)

@@ -34,6 +34,7 @@ from receiver import inotify
 __all__ = ["REPEAT_LOG_SECONDS", "Repeats", "first_of", "wakeups"]
 
 REPEAT_LOG_SECONDS = 60.0  # a failure that recurs is logged again after this long
+INOTIFY_PAUSE = 0.005  # s between two reads of the root's events (the first wakes at once)
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,13 @@ async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -
     keep = _version_events(root)
     gone = asyncio.Event()
 
+    loop = asyncio.get_running_loop()
+    rearm: list[asyncio.TimerHandle] = []
+
     def ready() -> None:
+        # one read, then none for INOTIFY_PAUSE: a flood of events in the root (even of names
+        # the filter drops) costs a bounded share of a core and never holds the loop
+        loop.remove_reader(watch.fd)
         try:
             wanted, lost = watch.read(lambda name: keep(None, str(root / name)))
         except OSError as exc:
@@ -85,14 +92,17 @@ async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -
             wake.set()
         if lost:
             gone.set()
+        else:
+            rearm[:] = [loop.call_later(INOTIFY_PAUSE, loop.add_reader, watch.fd, ready)]
 
-    loop = asyncio.get_running_loop()
     loop.add_reader(watch.fd, ready)
     try:
         await first_of(stop, gone)
         if gone.is_set() and not stop.is_set():
             logger.warning("inotify watch on %s stopped (the root went away); polling only", root)
     finally:
+        for handle in rearm:
+            handle.cancel()
         loop.remove_reader(watch.fd)
         watch.close()
 

@@ -7,6 +7,7 @@ not wake: watchfiles, the fallback, checks its events 500 times a second)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import threading
@@ -54,6 +55,78 @@ def test_wakes_for_versions_and_the_log_not_for_acks_leases_or_temp_files(tmp_pa
         assert _drain(w, tmp_path) == (True, False)  # renamed into place
     finally:
         w.close()
+
+
+def test_a_flood_of_events_is_read_a_buffer_at_a_time(tmp_path: Path) -> None:
+    """Found by attack (helper-20): ``read`` drained the descriptor, so a process creating
+    files in the root faster than Python parses the events (ignored dot-files, ~90,000 a
+    second) held the event loop for as long as the flood lasted (5-15 s: no sync, no lease
+    heartbeat). One call now reads at most one buffer; the watch reads again after a pause."""
+    w = inotify.DirectoryWatch(tmp_path)
+    try:
+        for i in range(4000):  # ~40 bytes an event: several buffers' worth
+            (tmp_path / f".f{i}").touch()
+        for i in range(4000):
+            (tmp_path / f".f{i}").unlink()
+        pending = 0
+        while True:
+            before = _queued_bytes(w.fd)
+            if before == 0:
+                break
+            assert w.read(_keep(tmp_path)) == (False, False)  # dot-files: nothing wanted
+            read = before - _queued_bytes(w.fd)
+            assert 0 < read <= inotify.READ_BYTES
+            pending += 1
+        assert pending > 2  # the flood took several calls, each bounded
+    finally:
+        w.close()
+
+
+def _queued_bytes(fd: int) -> int:
+    """Bytes of events waiting on an inotify descriptor (FIONREAD)."""
+    import array
+    import fcntl
+    import termios
+
+    buf = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, buf, True)
+    return int(buf[0])
+
+
+async def test_the_watch_pauses_between_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After each read the watch stops reading for INOTIFY_PAUSE: a flood costs a bounded share
+    of a core and the loop stays free (the first event still wakes at once)."""
+    from receiver import watch as watch_mod
+
+    monkeypatch.setattr(watch_mod, "INOTIFY_PAUSE", 0.3)
+    reads: list[float] = []
+    real_read = inotify.DirectoryWatch.read
+
+    def counting(self: inotify.DirectoryWatch, keep: Callable[[str], bool]) -> tuple[bool, bool]:
+        reads.append(time.monotonic())
+        return real_read(self, keep)
+
+    monkeypatch.setattr(inotify.DirectoryWatch, "read", counting)
+    got: list[str] = []
+
+    async def flood() -> None:
+        await asyncio.sleep(0.1)
+        for i in range(200):
+            (tmp_path / f".f{i}").touch()
+            await asyncio.sleep(0.005)  # a second of events, one every 5 ms
+        (tmp_path / "v000000000001").mkdir()
+
+    task = asyncio.create_task(flood())
+    async for reason in wakeups(tmp_path, poll_interval=30.0, use_inotify=True):
+        got.append(reason)
+        if reason == "event":
+            break
+    await task
+    assert got == ["start", "event"]
+    gaps = [b - a for a, b in itertools.pairwise(reads)]
+    assert gaps and min(gaps) >= 0.29  # never two reads within the pause
 
 
 def test_a_symlink_in_the_root_is_not_followed(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,105 @@ async def test_a_shard_applied_for_longer_than_stream_timeout_is_progress(
         assert _holds(engine, sd2) and agent.status().streamed_shards == res.shards
 
     await _with_agent(tmp_path, body, stream_timeout=0.5)
+
+
+async def test_cancelling_the_agent_while_it_takes_the_stream_over_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack (helper-20): ``agent.run`` cancelled while its sync waits in
+    ``StreamApplier.take`` for the shard being applied. ``finish`` swallowed the cancel (it
+    passes to the stream task, which rolled back), the sync went on, applied and acked the
+    version, and the agent kept running."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    engine = LocalCheckpoint(ck)
+    agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
+    async with Publisher(
+        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        async with agent:
+            run = asyncio.create_task(agent.run())
+            await eventually(lambda: agent.version == 1, "the agent at v1")
+            gate, entered, in_take = asyncio.Event(), asyncio.Event(), asyncio.Event()
+            calls = [0]
+            real_apply, real_take = engine.apply, StreamApplier.take
+
+            async def held(updates: Any) -> None:
+                calls[0] += 1
+                if calls[0] == 3:  # a group of a later shard
+                    entered.set()
+                    await gate.wait()
+                await real_apply(updates)
+
+            async def take(self: StreamApplier, *args: Any) -> Any:
+                in_take.set()
+                return await real_take(self, *args)
+
+            monkeypatch.setattr(engine, "apply", held)
+            monkeypatch.setattr(StreamApplier, "take", take)
+            publishing = asyncio.create_task(pub.publish(_state(2)))
+            await asyncio.wait_for(entered.wait(), 10)
+            await publishing  # the manifest is there: the sync takes the stream over
+            await asyncio.wait_for(in_take.wait(), 10)
+            run.cancel()
+            await asyncio.sleep(0.05)
+            gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(run, 10)
+            assert engine.state.version == 1 and _holds(engine, _state(1))
+            assert read_ack(root, "e1").version == 1  # type: ignore[union-attr]
+
+
+async def test_an_agent_stopped_while_the_stream_begins_leaves_no_transaction(
+    tmp_path: Path,
+) -> None:
+    """Found by attack (helper-20): the agent stopped while the stream's ``engine.begin`` ran
+    in its thread; the cancel landed before the stream knew it had a transaction, so nothing
+    aborted it and the same engine refused every later version ("begin v2 while v2 is in
+    progress") until closed."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    engine = LocalCheckpoint(ck)
+    agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
+    sds = [_state(i) for i in range(4)]
+    async with Publisher(
+        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(sds[0])
+        await pub.publish(sds[1])
+        async with agent:
+            stop = asyncio.Event()
+            run = asyncio.create_task(agent.run(stop=stop))
+            await eventually(lambda: agent.version == 1, "the agent at v1")
+            entered = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            real_begin = engine._begin
+
+            def slow_begin(m: Any, mode: Any) -> None:  # a slow fsync of the state, say
+                loop.call_soon_threadsafe(entered.set)
+                time.sleep(0.5)
+                real_begin(m, mode)
+
+            engine._begin = slow_begin  # type: ignore[method-assign]
+
+            async def hook(vdir: Path) -> None:
+                await asyncio.wait_for(entered.wait(), 10)
+                stop.set()
+                await run
+                await asyncio.sleep(0.7)  # the begin's thread has finished
+
+            pub.pre_commit_hook = hook
+            await pub.publish(sds[2])
+            engine._begin = real_begin  # type: ignore[method-assign]
+            assert engine._txn is None and engine.state.version == 1 and _holds(engine, sds[1])
+            stop = asyncio.Event()
+            run = asyncio.create_task(agent.run(stop=stop))
+            pub.pre_commit_hook = None
+            await pub.publish(sds[3])
+            await eventually(lambda: agent.version == 3, "the agent at v3")
+            assert _holds(engine, sds[3])
+            stop.set()
+            await run
 
 
 async def test_a_mismatching_manifest_sends_the_version_down_the_ordinary_path(
