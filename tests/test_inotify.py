@@ -12,8 +12,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,18 @@ pytestmark = pytest.mark.skipif(not inotify.available(), reason="no inotify here
 def _keep(root: Path) -> Callable[[str], bool]:
     keep = _version_events(root)
     return lambda name: keep(None, str(root / name))
+
+
+async def _reasons_until_an_event(root: Path, writes: Coroutine[Any, Any, None]) -> list[str]:
+    """The wake-up reasons of a watch of ``root`` while ``writes`` runs, up to the first event."""
+    got: list[str] = []
+    task = asyncio.create_task(writes)
+    async for reason in wakeups(root, poll_interval=30.0, use_inotify=True):
+        got.append(reason)
+        if reason == "event":
+            break
+    await task
+    return got
 
 
 def _drain(w: inotify.DirectoryWatch, root: Path) -> tuple[bool, bool]:
@@ -109,7 +122,6 @@ async def test_the_watch_pauses_between_reads(
         return real_read(self, keep)
 
     monkeypatch.setattr(inotify.DirectoryWatch, "read", counting)
-    got: list[str] = []
 
     async def flood() -> None:
         await asyncio.sleep(0.1)
@@ -118,13 +130,7 @@ async def test_the_watch_pauses_between_reads(
             await asyncio.sleep(0.005)  # a second of events, one every 5 ms
         (tmp_path / "v000000000001").mkdir()
 
-    task = asyncio.create_task(flood())
-    async for reason in wakeups(tmp_path, poll_interval=30.0, use_inotify=True):
-        got.append(reason)
-        if reason == "event":
-            break
-    await task
-    assert got == ["start", "event"]
+    assert await _reasons_until_an_event(tmp_path, flood()) == ["start", "event"]
     gaps = [b - a for a, b in itertools.pairwise(reads)]
     assert gaps and min(gaps) >= 0.29  # never two reads within the pause
 
@@ -205,16 +211,9 @@ async def test_the_watchfiles_fallback_still_wakes(
 ) -> None:
     """Where there is no inotify of our own (another OS), watchfiles watches the root."""
     monkeypatch.setattr(inotify, "available", lambda: False)
-    got: list[str] = []
 
     async def write() -> None:
         await asyncio.sleep(0.3)
         (tmp_path / "v000000000001").mkdir()
 
-    writer = asyncio.create_task(write())
-    async for reason in wakeups(tmp_path, poll_interval=30.0, use_inotify=True):
-        got.append(reason)
-        if reason == "event":
-            break
-    await writer
-    assert got == ["start", "event"]
+    assert await _reasons_until_an_event(tmp_path, write()) == ["start", "event"]
