@@ -26,8 +26,6 @@ import time
 from functools import partial
 from typing import Any
 
-import torch
-
 from asyncsync.codec import scratch
 from asyncsync.errors import (
     ApplyFailed,
@@ -54,6 +52,7 @@ from receiver.plan import Mode, diverged, latest_version, newest_keyframe
 from receiver.prefetch import Prefetcher, being_written
 from receiver.shard_reader import (
     Piece,
+    ShardData,
     apply_groups,
     decode_pieces,
     group_bytes_for,
@@ -529,7 +528,7 @@ class ReceiverAgent:
             for groups in [apply_groups(m, mode, idx, group_bytes)]
             for g, group in enumerate(groups)
         ]
-        opened: dict[int, dict[str, torch.Tensor]] = {}  # the parsed shard, until its last group
+        opened: dict[int, ShardData] = {}  # the parsed shard, until its last group
 
         async def fetch(item: tuple[int, ShardInfo, list[Piece], bool, bool]) -> Any:
             idx, shard, group, first, last = item
@@ -568,7 +567,7 @@ class ReceiverAgent:
         finally:
             c.applying = c.progress = None
 
-    async def _open_shard(self, m: Manifest, idx: int, shard: ShardInfo) -> dict[str, torch.Tensor]:
+    async def _open_shard(self, m: Manifest, idx: int, shard: ShardInfo) -> ShardData:
         """Read (or take prefetched), verify and parse one shard, re-reading until the deadline
         while it is missing, short or fails its checksum (not yet visible on this host)."""
         path, root = shard_source(self.root, m, shard)  # never follows a symlink in the root

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from asyncsync import codec
-from asyncsync.codec.shards import parse_shard
+from asyncsync.codec import int_dtype
+from asyncsync.codec.shards import ShardData, parse_delta_shard, parse_shard
 from asyncsync.errors import ChecksumMismatch, FormatError, IncompleteVersion, ManifestError
 from asyncsync.format import Manifest, ShardInfo, TensorEntry, TensorPart, version_dir
 from asyncsync.format.checksum import checksum_bytes
@@ -27,6 +28,7 @@ from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
 
 __all__ = [
+    "ShardData",
     "APPLY_GROUP_BYTES",
     "Piece",
     "apply_groups",
@@ -111,11 +113,6 @@ def verified(data: bytes, path: Path, shard: ShardInfo, algorithm: str) -> bytes
     return data
 
 
-def int_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer type deltas of ``dtype`` are computed in (FORMAT.md 4.1)."""
-    return codec.int_view(torch.empty(0, dtype=dtype)).dtype
-
-
 def pieces_in(m: Manifest, mode: str, idx: int) -> list[Piece]:
     """(entry, part or None for a whole tensor, ref) of each piece of data in shard ``idx``."""
     out: list[Piece] = []
@@ -179,8 +176,11 @@ def group_pieces(pieces: list[Piece], limit: int, spread: int = 1) -> list[list[
     return groups
 
 
-def open_shard(m: Manifest, shard: ShardInfo, data: bytes, where: str) -> dict[str, torch.Tensor]:
-    """Parse verified shard bytes; refuse a shard whose metadata names another version/run."""
+def open_shard(m: Manifest, shard: ShardInfo, data: bytes, where: str) -> ShardData:
+    """Parse verified shard bytes; refuse a shard whose metadata names another version/run (a
+    delta shard's blobs come as views of ``data``, a full shard's tensors as tensors)."""
+    if shard.role == "delta":
+        return parse_delta_shard(data, where=where, version=m.version, run_id=m.run_id)
     external = m.shard_dir is not None and shard.role == "full"
     return parse_shard(
         data,
@@ -192,7 +192,7 @@ def open_shard(m: Manifest, shard: ShardInfo, data: bytes, where: str) -> dict[s
 
 
 def decode_pieces(
-    m: Manifest, mode: str, tensors: dict[str, torch.Tensor], pieces: list[Piece], where: str
+    m: Manifest, mode: str, tensors: ShardData, pieces: list[Piece], where: str
 ) -> list[TensorUpdate | PartUpdate]:
     """The updates of ``pieces`` from a parsed shard; a part of a tensor in parts is a
     PartUpdate (see receiver.parts). Anything malformed raises FormatError."""
@@ -200,23 +200,23 @@ def decode_pieces(
 
 
 def _decode_piece(
-    m: Manifest, mode: str, tensors: dict[str, torch.Tensor], piece: Piece, where: str
+    m: Manifest, mode: str, tensors: ShardData, piece: Piece, where: str
 ) -> TensorUpdate | PartUpdate:
     """One piece's update (on the pool: the pieces of a group decode in parallel)."""
     e, part, ref = piece
     span = part or e.spans[0]
     if mode == "delta":
-        pos_t, val_t = tensors.get(ref.positions), tensors.get(ref.values)
-        if pos_t is None or val_t is None:
-            raise FormatError(f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}")
-        if pos_t.dtype != torch.uint8 or val_t.dtype != torch.uint8:
-            raise FormatError(f"{where}: delta blobs of {e.name!r} must be uint8")
+        pos_b, val_b = _blob(tensors.get(ref.positions)), _blob(tensors.get(ref.values))
+        if pos_b is None or val_b is None:
+            raise FormatError(
+                f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}, or not uint8"
+            )
         try:
             patch = codec.decode_delta(
                 m.encoding,
                 ref.mode,
-                pos_t.numpy().tobytes(),
-                val_t.numpy().tobytes(),
+                pos_b,
+                val_b,
                 changed=span.changed,
                 numel=span.numel,
                 dtype=int_dtype(e.torch_dtype),
@@ -225,7 +225,7 @@ def _decode_piece(
             raise FormatError(f"{where}: tensor {e.name!r}: {exc}") from exc
         return TensorUpdate(e, patch=patch) if part is None else PartUpdate(e, part, patch)
     t = tensors.get(ref.key)
-    if t is None:
+    if not isinstance(t, torch.Tensor):
         raise FormatError(f"{where}: tensor {ref.key!r} for {e.name!r} is not in the shard")
     if t.dtype != e.torch_dtype or (
         tuple(t.shape) != e.shape if part is None else t.numel() != part.numel
@@ -235,6 +235,16 @@ def _decode_piece(
             f"{e.dtype}{list(e.shape)}" + ("" if part is None else f" ({span.numel} here)")
         )
     return TensorUpdate(e, full=t) if part is None else PartUpdate(e, part, full=t)
+
+
+def _blob(t: torch.Tensor | memoryview | None) -> memoryview | None:
+    """A delta blob's bytes: as :func:`parse_delta_shard` gives it, or the bytes of a 1-D
+    ``uint8`` tensor (None: absent, or a tensor of another dtype)."""
+    if isinstance(t, memoryview) or t is None:
+        return t
+    if t.dtype != torch.uint8:
+        return None
+    return t.contiguous().numpy().data
 
 
 def decode_shard(

@@ -428,7 +428,7 @@ def check_patch(
     here (the decoder checked every one: :meth:`~asyncsync.codec.Patch.decoded_xef`); a Patch
     made up or altered since has no blob vouched for and is checked in full.
     """
-    values = patch.values.detach().reshape(-1)
+    values = _flat(patch.values)
     if patch.op not in ("set", "xor") or values.dtype != flat.dtype:
         raise ApplyFailed(
             f"tensor {name!r}: patch {patch.op!r} of {values.dtype} does not fit {flat.dtype}"
@@ -437,7 +437,7 @@ def check_patch(
         if values.numel() != flat.numel():
             raise ApplyFailed(f"tensor {name!r}: dense patch of {values.numel()}/{flat.numel()}")
         return replace(patch, positions=None, values=values.to(flat.device))
-    pos = patch.positions.detach().reshape(-1)
+    pos = _flat(patch.positions)
     if pos.dtype != torch.int64 or pos.numel() != values.numel():
         raise ApplyFailed(f"tensor {name!r}: positions must be int64, one per value")
     decoded = patch.decoded_xef() if kernels_check else None
@@ -452,10 +452,22 @@ def check_patch(
         ):
             raise ApplyFailed(f"tensor {name!r}: patch positions repeat")
     # the same positions: an xef blob they were decoded from still describes them
-    return replace(patch, positions=pos.to(flat.device), values=values.to(flat.device))
+    pos, values = pos.to(flat.device), values.to(flat.device)
+    if pos is patch.positions and values is patch.values:
+        return patch  # already flat and on flat's device (a decoded patch on CPU)
+    return replace(patch, positions=pos, values=values)
 
 
-def _increasing_within(pos: torch.Tensor, numel: int, *, decoded: bytes | None) -> bool:
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach().reshape(-1)``, or ``t`` itself where that is what it already is."""
+    if t.dim() == 1 and not t.requires_grad:
+        return t
+    return t.detach().reshape(-1)
+
+
+def _increasing_within(
+    pos: torch.Tensor, numel: int, *, decoded: bytes | memoryview | None
+) -> bool:
     """Positions strictly increasing within ``[0, numel)`` (as decoded ones are), by the C
     kernel in one pass on this thread; False where it cannot tell (then aminmax checks).
 

@@ -32,9 +32,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-import torch
-
-from asyncsync.codec.shards import StreamHeader, parse_shard, stream_header
+from asyncsync.codec.shards import ShardData, StreamHeader, parse_delta_shard, stream_header
 from asyncsync.errors import AsyncSyncError, FormatError
 from asyncsync.format import MANIFEST_NAME, DeltaRef, Manifest, TensorEntry, version_dir
 from asyncsync.format.checksum import checksum_bytes, new_hasher
@@ -339,7 +337,7 @@ class StreamApplier:
             entry = TensorEntry(e.name, e.dtype, e.shape, e.checksum, e.changed, delta=ref)
             pieces.append((entry, None, ref))
         tensors = await asyncio.to_thread(
-            parse_shard, data, where=where, version=self.version, run_id=base.run_id, role="delta"
+            parse_delta_shard, data, where=where, version=self.version, run_id=base.run_id
         )
         if not self.txn_open:
             self._provisional = replace(
@@ -368,7 +366,7 @@ class StreamApplier:
         logger.debug("streamed %s of v%d (%d tensors)", path.name, self.version, len(pieces))
 
     async def _apply_groups(
-        self, m: Manifest, tensors: dict[str, torch.Tensor], pieces: list[Piece], where: str
+        self, m: Manifest, tensors: ShardData, pieces: list[Piece], where: str
     ) -> None:
         """Decode group g+1 while the engine applies group g (a queue of one)."""
         pending: asyncio.Task[None] | None = None

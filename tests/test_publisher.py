@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from asyncsync import AckTimeout, ConfigError, LockHeld, Publisher, PublishError, fsio
+from asyncsync import AckTimeout, ConfigError, FormatError, LockHeld, Publisher, PublishError, fsio
 from asyncsync.codec import shards
 from asyncsync.format import MANIFEST_NAME
 from asyncsync.format import acks as acks_mod
@@ -662,6 +663,51 @@ def test_delta_shard_blob_is_a_safetensors_file(sizes: list[int]) -> None:
     assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in loaded.values())
     got = shards.parse_shard(data, where="x", version=7, run_id="ab" * 8, role="delta")
     assert {k: t.numpy().tobytes() for k, t in got.items()} == blobs
+    views = shards.parse_delta_shard(data, where="x", version=7, run_id="ab" * 8)
+    assert {k: bytes(v) for k, v in views.items()} == blobs
+    assert all(v.readonly for v in views.values())
+
+
+def _with_header(data: bytes, edit: Any) -> bytes:
+    """``data`` (a delta shard) with its JSON header edited by ``edit``, the blobs kept."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data[8 + n :]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda h: h["t0.pos"].update(dtype="I8"), "not a 1-D U8"),
+        (lambda h: h["t0.pos"].update(shape=[3]), "not a 1-D U8"),
+        (lambda h: h["t0.pos"].update(shape=[[4]]), "not a 1-D U8"),
+        (lambda h: h["t0.pos"].update(data_offsets=[True, 4]), "not a 1-D U8"),
+        (lambda h: h["t0.pos"].update(data_offsets=[4, 0], shape=[-4]), "not a 1-D U8"),
+        (lambda h: h["t0.pos"].update(data_offsets=[0, 4, 8]), "not a 1-D U8"),
+        (lambda h: h.update({"t9.pos": 5}), "not a 1-D U8"),
+        (lambda h: h["t1.val"].update(data_offsets=[5, 10], shape=[5]), "does not start"),
+        (lambda h: h["t1.val"].update(data_offsets=[3, 8], shape=[5]), "does not start"),
+        (lambda h: h.pop("t1.val"), "the blobs hold 4 bytes"),
+        (lambda h: h["__metadata__"].update({"asyncsync.role": "full"}), "another version"),
+        (lambda h: h["__metadata__"].update({"asyncsync.version": "8"}), "another version"),
+    ],
+)
+def test_parse_delta_shard_refuses_a_malformed_header(edit: Any, match: str) -> None:
+    """The delta shard reader takes the blobs as views of the bytes (no copy), so it checks
+    what safetensors would: every entry a 1-D U8 tensor, the entries tiling the data exactly,
+    the metadata naming this version, run and the delta role; anything else is FormatError."""
+    blobs = {"t0.pos": b"abcd", "t1.val": b"efghi"}
+    data = shards.delta_shard_blob(blobs, version=7, run_id="ab" * 8)
+    bad = _with_header(data, edit)
+    with pytest.raises(FormatError, match=match):
+        shards.parse_delta_shard(bad, where="x", version=7, run_id="ab" * 8)
+    with pytest.raises(FormatError, match="safetensors header length"):
+        shards.parse_delta_shard(data[:8] + b"{", where="x")
+    assert bytes(shards.parse_delta_shard(data + b"", where="x")["t1.val"]) == b"efghi"
+    with pytest.raises(FormatError, match="the blobs hold 9 bytes"):
+        shards.parse_delta_shard(data + b"x", where="x")
 
 
 @pytest.mark.parametrize("name", ["__metadata__", "x" * 4097])

@@ -132,8 +132,8 @@ def encode_delta(
 def decode_delta(
     encoding: str,
     mode: str,
-    positions: bytes,
-    values: bytes,
+    positions: bytes | memoryview,
+    values: bytes | memoryview,
     *,
     changed: int,
     numel: int,
@@ -177,7 +177,7 @@ def decode_delta(
     return Patch(op, torch.from_numpy(idx), vals)
 
 
-def decode_xef_positions(blob: bytes, n: int, numel: int) -> NDArray[np.int64]:
+def decode_xef_positions(blob: bytes | memoryview, n: int, numel: int) -> NDArray[np.int64]:
     """The ``n`` positions (int64, strictly increasing within ``[0, numel)``) of a sparse xef
     positions blob, as :func:`decode_delta` reads them; FormatError if it is not valid."""
     return _ef_decode(blob, n, numel)
@@ -219,7 +219,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _unzstd(blob: bytes, sizes: tuple[int, ...], what: str) -> bytes:
+def _unzstd(blob: bytes | memoryview, sizes: tuple[int, ...], what: str) -> bytes:
     """Decompress one zstd frame whose declared content size must be one of ``sizes``; any
     byte after the frame is refused (FORMAT.md 4.2)."""
     try:
@@ -288,7 +288,7 @@ def _ef_encode(idx: _Int64Array, numel: int) -> tuple[bytes, int]:
     return bytes([low_bits]) + payload, len(payload)
 
 
-def _ef_decode(blob: bytes, n: int, numel: int) -> _Int64Array:
+def _ef_decode(blob: bytes | memoryview, n: int, numel: int) -> _Int64Array:
     """The ``n`` positions of an xef positions blob (FormatError if it is not valid)."""
     low_bits = ef.low_bits(n, numel)
     if not blob or blob[0] & ~_EF_ZSTD != low_bits:
@@ -299,7 +299,7 @@ def _ef_decode(blob: bytes, n: int, numel: int) -> _Int64Array:
     return ef.decode(payload, n, numel)
 
 
-def _baseline_positions(encoding: str, blob: bytes, n: int, numel: int) -> _Int64Array:
+def _baseline_positions(encoding: str, blob: bytes | memoryview, n: int, numel: int) -> _Int64Array:
     if encoding == "deltas_zstd":
         blob = _unzstd(blob, (2 * n, 4 * n, 8 * n), "positions")
     width, rest = divmod(len(blob), n)

@@ -29,21 +29,25 @@ class Patch:
     op: Literal["set", "xor"]
     positions: torch.Tensor | None
     values: torch.Tensor
-    positions_xef: bytes | None = field(default=None, compare=False, repr=False)
+    positions_xef: bytes | memoryview | None = field(default=None, compare=False, repr=False)
     # (storage address, offset, length, version counter, blob) of the decoded positions
-    _xef_key: tuple[int, int, int, int, bytes] | None = field(
+    _xef_key: tuple[int, int, int, int, bytes | memoryview] | None = field(
         default=None, compare=False, repr=False
     )
 
     @classmethod
     def of_xef(
-        cls, op: Literal["set", "xor"], positions: torch.Tensor, values: torch.Tensor, blob: bytes
+        cls,
+        op: Literal["set", "xor"],
+        positions: torch.Tensor,
+        values: torch.Tensor,
+        blob: bytes | memoryview,
     ) -> Patch:
         """A Patch whose ``positions`` the caller decoded from ``blob`` (and checked: strictly
         increasing within the tensor), so that :meth:`decoded_xef` vouches for the blob."""
         return cls(op, positions, values, blob, (*_identity(positions), blob))
 
-    def decoded_xef(self) -> bytes | None:
+    def decoded_xef(self) -> bytes | memoryview | None:
         """``positions_xef`` if this Patch was made by :meth:`of_xef` and its positions are the
         very ones it was made with (the same memory, not written since, the same blob), else
         None: a Patch made up by hand, or altered with ``dataclasses.replace`` or in place,

@@ -15,7 +15,7 @@ from numpy.typing import NDArray
 from asyncsync.codec import native
 from asyncsync.errors import ConfigError
 
-__all__ = ["gather", "int_view"]
+__all__ = ["gather", "int_dtype", "int_view"]
 
 _INT_BY_WIDTH: dict[int, torch.dtype] = {
     1: torch.uint8,
@@ -26,6 +26,15 @@ _INT_BY_WIDTH: dict[int, torch.dtype] = {
 _WIDTH_BY_INT: dict[torch.dtype, int] = {v: k for k, v in _INT_BY_WIDTH.items()}
 _NP_BY_WIDTH: dict[int, np.dtype[Any]] = {w: np.dtype(f"<i{w}") for w in (2, 4, 8)}
 _NP_BY_WIDTH[1] = np.dtype(np.uint8)
+
+
+def int_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype :func:`int_view` gives a tensor of ``dtype`` (a dict lookup: the engines
+    ask once per tensor and version)."""
+    target = _INT_BY_WIDTH.get(dtype.itemsize)
+    if target is None:
+        raise ConfigError(f"no integer view for {dtype} ({dtype.itemsize}-byte elements)")
+    return target
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:

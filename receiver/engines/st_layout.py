@@ -7,7 +7,6 @@ zero-copy integer view of those bytes (``mmap``).
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import mmap
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 from asyncsync import fsio
-from asyncsync.codec import int_view, native
+from asyncsync.codec import int_dtype, native
 from asyncsync.errors import EngineStateError
 from asyncsync.format.checksum import checksum_bytes, layout_checksum
 
@@ -70,12 +69,6 @@ class TensorLocation:
     @property
     def int_dtype(self) -> torch.dtype:
         return int_dtype(self.dtype)
-
-
-@functools.cache
-def int_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype the codec patches ``dtype`` through (same element width)."""
-    return int_view(torch.empty(0, dtype=dtype)).dtype
 
 
 def read_layout(path: Path) -> dict[str, TensorLocation]:

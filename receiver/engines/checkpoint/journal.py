@@ -87,7 +87,7 @@ def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
     positions coding and positions bytes.
     """
     counts, widths, encs, pos_blobs = _positions(work)
-    packed = b"".join(b + bytes(align8(len(b)) - len(b)) for b in pos_blobs)
+    packed = b"".join(x for b in pos_blobs for x in (b, bytes(align8(len(b)) - len(b))))
     values = torch.from_numpy(
         scratch.empty(sum(align8(c * w) for c, w in zip(counts, widths, strict=True)), np.uint8)
     )
@@ -167,7 +167,7 @@ def create_progressive(path: Path, work: Work, version: int) -> Progressive:
             break
         head = align8(8 + len(text))
     text += b" " * (head - 8 - len(text))
-    body: list[bytes] = [struct.pack("<Q", len(text)) + text]
+    body: list[bytes | memoryview] = [struct.pack("<Q", len(text)) + text]
     for b in pos_blobs:  # not copied into one blob: written one after another
         body += [b, bytes(align8(len(b)) - len(b))]
     body.append(bytes(8 * len(work)))
@@ -176,9 +176,9 @@ def create_progressive(path: Path, work: Work, version: int) -> Progressive:
     return Progressive(fd, offsets["values_at"], offsets["progress_at"])
 
 
-def _positions(work: Work) -> tuple[list[int], list[int], list[str], list[bytes]]:
+def _positions(work: Work) -> tuple[list[int], list[int], list[str], list[bytes | memoryview]]:
     """Per patch of ``work``: its count, width, positions coding and positions blob."""
-    pos_blobs: list[bytes] = []
+    pos_blobs: list[bytes | memoryview] = []
     encs: list[str] = []
     counts = [
         flat.numel() if p.positions is None else p.positions.numel() for _, _, flat, p in work
@@ -204,7 +204,7 @@ def _positions(work: Work) -> tuple[list[int], list[int], list[str], list[bytes]
 
 
 def _offsets(
-    head: int, pos_blobs: list[bytes], counts: list[int], widths: list[int]
+    head: int, pos_blobs: list[bytes | memoryview], counts: list[int], widths: list[int]
 ) -> dict[str, list[int]]:
     """Absolute file offsets of a progressive record whose data starts at ``head``."""
     at = head
