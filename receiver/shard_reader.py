@@ -196,7 +196,9 @@ def decode_pieces(
 ) -> list[TensorUpdate | PartUpdate]:
     """The updates of ``pieces`` from a parsed shard; a part of a tensor in parts is a
     PartUpdate (see receiver.parts). Anything malformed raises FormatError."""
-    return parallel_map(lambda piece: _decode_piece(m, mode, tensors, piece, where), pieces)
+    return parallel_map(
+        lambda piece: _decode_piece(m, mode, tensors, piece, where), pieces, cost=_decoded_bytes
+    )
 
 
 def _decode_piece(

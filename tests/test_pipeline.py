@@ -147,6 +147,42 @@ def test_parallel_map_keeps_order_and_waits_for_every_call(n: int) -> None:
         pipeline.set_threads(None)
 
 
+def test_small_work_runs_in_the_calling_thread_and_large_work_on_the_pool() -> None:
+    """``cost``: items below SMALL_WORK_BYTES run in the caller (their glue would only hand the
+    GIL between workers), the others on the pool meanwhile; results and errors stay in order,
+    and every call has finished when run_all returns."""
+    from asyncsync import pipeline
+
+    small, big = 10, pipeline.SMALL_WORK_BYTES
+    where: dict[int, str] = {}
+    started = threading.Event()
+
+    def work(x: int) -> int:
+        where[x] = threading.current_thread().name
+        if x == 0:  # the big one: waits until the caller has run a small one meanwhile
+            assert started.wait(10)
+        else:
+            started.set()
+        if x == 3:
+            raise ValueError("three")
+        return x * 10
+
+    pipeline.set_threads(2)
+    try:
+        got = pipeline.run_all(work, range(5), cost=lambda x: big if x == 0 else small)
+        assert got[:3] == [0, 10, 20] and isinstance(got[3], ValueError) and got[4] == 40
+        me = threading.current_thread().name
+        assert where[0].startswith("asyncsync-cpu") and all(where[i] == me for i in (1, 2, 3, 4))
+        where.clear()
+        assert pipeline.parallel_map(work, [1, 2], cost=lambda x: small) == [10, 20]
+        assert set(where.values()) == {me}  # nothing large: no pool at all
+        where.clear()
+        assert pipeline.parallel_map(work, [1, 2]) == [10, 20]  # no cost: every item on the pool
+        assert all(w.startswith("asyncsync-cpu") for w in where.values())
+    finally:
+        pipeline.set_threads(None)
+
+
 def test_a_failed_parallel_diff_leaves_every_old_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 

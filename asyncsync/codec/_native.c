@@ -189,7 +189,23 @@ typedef struct {
 static PyTypeObject Xxh3Type;
 
 /* Buffers at least this large are hashed with the GIL released. */
-#define XXH3_NOGIL_BYTES 65536
+/* The kernels release the GIL only for work of NOGIL_MIN_BYTES or more. Releasing it costs
+ * little alone, but with other threads waiting each release hands the GIL over (a futex wake
+ * and a context switch) and the call then waits to get it back: for the small tensors of a
+ * model of thousands (MoE experts, norms, biases) that handover cost more than the kernel's
+ * work, and two pool threads ran a version of 2000 small tensors ~2.5x slower than one. */
+#define NOGIL_MIN_BYTES 65536
+#define NOGIL_BEGIN(nbytes)                                                                   \
+    {                                                                                         \
+        PyThreadState *nogil_save_ =                                                          \
+            (Py_ssize_t)(nbytes) >= NOGIL_MIN_BYTES ? PyEval_SaveThread() : NULL
+#define NOGIL_END                                                                             \
+    if (nogil_save_) {                                                                        \
+        PyEval_RestoreThread(nogil_save_);                                                    \
+    }                                                                                         \
+    }
+
+#define XXH3_NOGIL_BYTES NOGIL_MIN_BYTES
 
 static void xxh3_feed(Xxh3Object *h, const void *p, size_t len) {
 #ifdef HAVE_SIMD
@@ -541,7 +557,7 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
         const Py_ssize_t block = DIFF_BLOCK_BYTES / width;
         Py_ssize_t i = start;
         resume = start;
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN(old->len);
         if (!hasher && !adv) {
             count = diff_any(width, po, pn, n, start, pp, pv, px, cap, &resume, NULL);
         } else {
@@ -563,7 +579,7 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
             }
             resume = i;
         }
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
     }
     release_all(&b);
     return Py_BuildValue("nn", count, resume);
@@ -679,12 +695,12 @@ static PyObject *patch(PyObject *args, int is_xor) {
     {
         char *pf = flat->buf, *pold = old ? old->buf : NULL;
         const char *pp = pos->buf, *pv = vals->buf;
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN(pos->len);
         bad_at = first_out_of_bounds(pp, k, n, &bad);
         if (bad_at < 0) {
             changed = patch_any(width, pf, n, pp, pv, pold, k, is_xor);
         }
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
     }
     if (bad_at >= 0) {
         out_of_bounds(bad_at, bad, n);
@@ -807,7 +823,7 @@ static PyObject *xor_shifted(PyObject *self, PyObject *args) {
     {
         char *pf = flat->buf;
         const char *pp = pos->buf, *pv = vals->buf;
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN(pos->len);
         bad_at = first_shifted_out(pp, pw, k, (int64_t)shift, n, &bad);
         if (bad_at < 0) {
             const int64_t sh = (int64_t)shift;
@@ -818,7 +834,7 @@ static PyObject *xor_shifted(PyObject *self, PyObject *args) {
             default: changed = xor_shifted_8(pf, n, pp, pw, sh, pv, k); break;
             }
         }
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
     }
     if (bad_at < 0 && changed < k) {
         moved_positions(changed);
@@ -857,7 +873,7 @@ static PyObject *increasing(PyObject *self, PyObject *args) {
     }
     {
         const char *pp = pos->buf;
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN(pos->len);
         int64_t prev = -1;
         for (Py_ssize_t j = 0; j < k; j++) {
             int64_t p = pos_at(pp, pw, j);
@@ -870,7 +886,7 @@ static PyObject *increasing(PyObject *self, PyObject *args) {
         if (ok && k && prev >= (int64_t)limit) {
             ok = 0;
         }
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
     }
     release_all(&b);
     return PyBool_FromLong(ok);
@@ -1056,13 +1072,13 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
     {
         char *pf = flat->buf, *po = old ? old->buf : NULL;
         const char *pp = pos ? pos->buf : NULL, *pv = vals->buf;
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN((hi - lo) * width);
         bad_at = first_unordered(pp, k, lo, hi, &bad);
         if (bad_at < 0) {
             moved = patch_blocks(width, pf, flat->len / width, pp, pv, po, lo, lo, hi, 0, k,
                                  is_xor, hasher);
         }
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
     }
     if (bad_at >= 0) {
         unordered_error(bad_at, bad, lo, hi);
@@ -1134,7 +1150,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     {
         const char *pf = flat->buf, *pp = pos->buf;
         char *po = out->buf;
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN(pos->len);
         bad_at = first_out_of_bounds(pp, k, n, &bad); /* out untouched if any is outside */
         if (bad_at < 0) {
             Py_ssize_t got;
@@ -1146,7 +1162,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
             }
             bad_at = got < k ? got : -1; /* changed since the pass before: see DEFINE_PATCH */
         }
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
     }
     if (bad_at >= 0) {
         out_of_bounds(bad_at, bad, n);
@@ -1273,7 +1289,7 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
             release_all(&b);
             return PyErr_NoMemory();
         }
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN((hi - lo) * width);
         /* Each position is checked as its chunk saves it, before the chunk writes anything: a
          * bad one stops the kernel with every chunk before it saved (and counted) and patched,
          * as a failed write does; the caller undoes them from the record. */
@@ -1329,7 +1345,7 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
             bad_at = at;
             memcpy(&bad, pp + at * 8, 8);
         }
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
         PyMem_RawFree(saved);
     }
     if (bad_at >= 0) {
@@ -1383,7 +1399,7 @@ static PyObject *planes_impl(PyObject *args, int split) {
     {
         const unsigned char *ps = src->buf;
         unsigned char *po = out->buf;
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN(src->len);
         if (width == 1) {
             memcpy(po, ps, (size_t)n);
         } else if (width == 2) { /* the bf16 / fp16 case, unrolled */
@@ -1425,7 +1441,7 @@ static PyObject *planes_impl(PyObject *args, int split) {
                 zeros += any == 0;
             }
         }
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
     }
     release_all(&b);
     if (split) {
@@ -1677,9 +1693,9 @@ static PyObject *ef_encode(PyObject *self, PyObject *args) {
     {
         unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
         const char *pp = pos->buf;
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN(pos->len);
         bad_at = ef_pack(pp, n, (uint64_t)numel, L, &lay, dst, dst + lay.low_len, &bad);
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
     }
     if (bad_at >= 0) {
         PyErr_Format(PyExc_ValueError,
@@ -1725,9 +1741,9 @@ static PyObject *ef_decode(PyObject *self, PyObject *args) {
     {
         const unsigned char *pl = pay->buf;
         char *po = out->buf;
-        Py_BEGIN_ALLOW_THREADS;
+        NOGIL_BEGIN(out->len);
         err = ef_unpack(pl, pl + lay.low_len, &lay, n, (uint64_t)numel, L, po, &count);
-        Py_END_ALLOW_THREADS;
+        NOGIL_END;
     }
     switch (err) {
     case EF_OK: release_all(&b); Py_RETURN_NONE;

@@ -91,6 +91,7 @@ def diff_tensors(
         done = run_all(
             lambda pair: _native_change(pair[0], pair[1], algorithm, advance),
             zip(olds, news, strict=True),
+            cost=lambda pair: pair[1].nbytes,
         )
         failed = [r for r in done if isinstance(r, BaseException)]
         if failed:

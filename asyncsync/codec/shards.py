@@ -213,7 +213,9 @@ def encode_bucket(
     delta_blobs: dict[str, bytes] = {}
     full_tensors: dict[str, torch.Tensor] = {}
     for it, (res, enc, pending) in zip(
-        diffed.items, parallel_map(one, range(len(diffed.items))), strict=True
+        diffed.items,
+        parallel_map(one, range(len(diffed.items)), cost=lambda k: diffed.items[k].new.nbytes),
+        strict=True,
     ):
         if enc is not None:
             pkey, vkey = delta_keys(it.index)

@@ -95,7 +95,7 @@ def journal_and_patch(
         layout = None if layouts is None else layouts.get(name)
         return patch_and_checksum(flat, patch, algorithm, layout)
 
-    sums = parallel_map(patch_one, work) if algorithm is not None else None
+    sums = parallel_map(patch_one, work, cost=_work_bytes) if algorithm is not None else None
     if sums is None:  # tensors may share bytes (not disjoint): one after another, in order
         for item in work:
             patch_one(item)
@@ -130,10 +130,15 @@ def _journal_in_pass(
                 flat, patch, algorithm, layout, journal=(record.fd, values_at, progress_at)
             )
 
-        sums = parallel_map(patch_one, jobs)
+        sums = parallel_map(patch_one, jobs, cost=lambda job: _work_bytes(job[0]))
     finally:
         os.close(record.fd)
     return {name: d for (name, *_), d in zip(work, sums, strict=True)}
+
+
+def _work_bytes(item: Work) -> int:
+    """The bytes one patch passes over: its tensor's (it is hashed whole)."""
+    return item[1].nbytes
 
 
 def write_record(path: Path, record: list[bytes | memoryview]) -> None:

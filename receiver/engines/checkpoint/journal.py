@@ -107,7 +107,7 @@ def encode_parts(work: Work, version: int) -> list[bytes | memoryview]:
         else:
             native.take(flat.numpy(), patch.positions.numpy(), out.numpy())
 
-    parallel_map(gather_old, jobs)
+    parallel_map(gather_old, jobs, cost=lambda job: 5 * job[0].nbytes)  # + the int64 positions
     meta = {
         "format": JOURNAL_FORMAT,
         "layout": "packed",
