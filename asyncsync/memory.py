@@ -1,4 +1,6 @@
-"""Give large freed buffers back to the operating system (glibc's malloc).
+"""Process-wide memory settings: large freed buffers back to the operating system (glibc's
+malloc), and the startup objects out of the garbage collector's way
+(:func:`freeze_startup_objects`).
 
 Every publish and every apply allocates bucket-sized temporaries (compare masks, positions,
 gathered values, decoded patches) in worker threads. glibc serves allocations above its *mmap
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import sys
 
-__all__ = ["DEFAULT_THRESHOLD", "release_large_buffers"]
+__all__ = ["DEFAULT_THRESHOLD", "freeze_startup_objects", "release_large_buffers"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,3 +56,15 @@ def release_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
     _applied = threshold
     logger.debug("malloc: buffers of %d bytes or more are returned to the OS on free", threshold)
     return True
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then exempt every object alive now from the cyclic garbage collector's
+    later passes (``gc.freeze``): a process that runs a receiver has ~200,000 of them after
+    its imports (torch's alone), and each full collection walked them all again (~90 ms
+    here) while a version of thousands of tensors triggered one or two. Called by the
+    processes a receiver owns (the ``receiver`` command, the Ray receiver actor, the bench's
+    receiving children) once their agent is open; not by the publisher, which runs in the
+    trainer's process. Objects alive now are never collected afterwards, so call it once."""
+    gc.collect()
+    gc.freeze()

@@ -49,6 +49,7 @@ from asyncsync.console.logsetup import (
 from asyncsync.console.progress import Progress, ProgressWatcher
 from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.format.names import check_engine_id
+from asyncsync.memory import freeze_startup_objects
 from receiver.acking import check_root_for_receiver
 from receiver.agent import ReceiverAgent
 from receiver.audit import receiver_auditor
@@ -432,6 +433,7 @@ async def _serve(args: argparse.Namespace) -> int | None:
             await agent.close()
             return agent.version
         opening.result()
+        freeze_startup_objects()  # this process runs this one agent
         async with agent:
             logger.info(
                 "receiver %s: root=%s checkpoint=%s holding version %s",

@@ -47,6 +47,7 @@ import zstandard
 from asyncsync import codec, fsio
 from asyncsync.format import acks
 from asyncsync.format.names import MAX_SHARD_BYTES
+from asyncsync.memory import freeze_startup_objects
 from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import reset_peak_rss, rss
 from asyncsync.ops.bench.scale import make_state, step_state
@@ -207,6 +208,7 @@ async def run_peer_receive(job: Job) -> dict[str, Any]:
                 await asyncio.sleep(0.01)
         await engine.flushed()
         states = {s: make_state(job.scale_bytes, job.seed) for s in _APPLIERS}
+        freeze_startup_objects()  # as the receiver command does (the peers' appliers gain too)
         fsio.set_throttle(_throttle(job))
         Path(job.ready).write_text("ready\n")
         stop = asyncio.Event()

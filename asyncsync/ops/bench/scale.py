@@ -51,6 +51,7 @@ import torch
 
 from asyncsync import codec, fsio
 from asyncsync.format import acks
+from asyncsync.memory import freeze_startup_objects
 from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import (
     cpu_seconds,
@@ -220,7 +221,7 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
         while await agent.sync_once() is None:
             await asyncio.sleep(0.01)
         await engine.flushed()
-        gc.collect()
+        freeze_startup_objects()  # as the receiver command does once its agent is open
         startup = rss()
         reset_peak_rss()
         fsio.set_throttle(job.throttle)

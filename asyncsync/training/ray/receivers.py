@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncsync.errors import AckTimeout, ConfigError, LockHeld
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
+from asyncsync.memory import freeze_startup_objects
 from asyncsync.training.ray.base import (
     DEFAULT_RESOURCE,
     Placement,
@@ -123,6 +124,7 @@ class ReceiverActor:
         auditing = None
         try:
             await self._open(agent)
+            freeze_startup_objects()  # this actor's process runs this one agent
             self._opened.set()
             auditor = receiver_auditor(agent)  # the engine's default (SGLang: its plugin's)
             if self.spec.status_port is not None:
