@@ -445,3 +445,14 @@ def test_passes_bench_arguments(arg: str, capsys: pytest.CaptureFixture[str]) ->
         assert exc.value.code == 0 and "elements" in err.out
     else:
         assert exc.value.code == 2 and "argument elements" in err.err and "Traceback" not in err.err
+
+
+def test_pertensor_bench_measures_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m asyncsync.ops.bench.pertensor``: CPU per tensor of each side, per version."""
+    from asyncsync.ops.bench import pertensor
+
+    assert pertensor.main(["--tensors", "30", "--numel", "256", "--versions", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("us/tensor") == 2 and "30 tensors of 256 elements" in out
+    with pytest.raises(SystemExit):
+        pertensor.main(["--tensors", "0"])
