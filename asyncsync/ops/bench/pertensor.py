@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from asyncsync.memory import freeze_startup_objects
 from asyncsync.ops.bench.scale import step_state
 from asyncsync.pipeline import set_threads
 from asyncsync.publish.publisher import Publisher
@@ -56,6 +55,8 @@ async def measure(
             await agent.sync_once()
             await engine.flushed()
             if freeze:
+                from asyncsync.memory import freeze_startup_objects
+
                 freeze_startup_objects()
             for v in range(1, versions + 1):
                 step_state(sd, v, 0.03, 0)
