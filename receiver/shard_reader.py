@@ -20,7 +20,14 @@ from asyncsync import codec
 from asyncsync.codec import int_dtype
 from asyncsync.codec.shards import ShardData, parse_delta_shard, parse_shard
 from asyncsync.errors import ChecksumMismatch, FormatError, IncompleteVersion, ManifestError
-from asyncsync.format import Manifest, ShardInfo, TensorEntry, TensorPart, version_dir
+from asyncsync.format import (
+    DTYPE_SIZES,
+    Manifest,
+    ShardInfo,
+    TensorEntry,
+    TensorPart,
+    version_dir,
+)
 from asyncsync.format.checksum import checksum_bytes
 from asyncsync.fsio import UnsafePath, read_bytes
 from asyncsync.pipeline import parallel_map, threads
@@ -126,11 +133,17 @@ def pieces_in(m: Manifest, mode: str, idx: int) -> list[Piece]:
 
 def _decoded_bytes(piece: Piece) -> int:
     e, part, ref = piece
-    span = part or e.spans[0]
-    width = torch.empty(0, dtype=e.torch_dtype).element_size()
+    width = DTYPE_SIZES[e.dtype]
     if getattr(ref, "mode", "dense") == "sparse":
-        return span.changed * (8 + width)
-    return span.numel * width
+        return (e.changed if part is None else part.changed) * (8 + width)
+    return (e.numel if part is None else part.numel) * width
+
+
+def _tensor_bytes(piece: Piece) -> int:
+    """The bytes of the tensor (or part) a piece updates: what its decode's work scales with
+    (the pool's cost of it, as the patch's is its tensor's bytes)."""
+    e, part, _ = piece
+    return (e.numel if part is None else part.numel) * DTYPE_SIZES[e.dtype]
 
 
 def apply_groups(
@@ -197,7 +210,7 @@ def decode_pieces(
     """The updates of ``pieces`` from a parsed shard; a part of a tensor in parts is a
     PartUpdate (see receiver.parts). Anything malformed raises FormatError."""
     return parallel_map(
-        lambda piece: _decode_piece(m, mode, tensors, piece, where), pieces, cost=_decoded_bytes
+        lambda piece: _decode_piece(m, mode, tensors, piece, where), pieces, cost=_tensor_bytes
     )
 
 
