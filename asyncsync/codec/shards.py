@@ -33,6 +33,7 @@ __all__ = [
     "PendingUpdate",
     "delta_keys",
     "delta_shard_blob",
+    "delta_shard_parts",
     "diff_bucket",
     "encode_bucket",
     "parse_delta_shard",
@@ -242,7 +243,21 @@ def delta_shard_blob(
     run_id: str,
     stream: dict[str, str] | None = None,
 ) -> bytes:
-    """The bytes of one delta shard holding ``blobs`` (``t{i}.pos``/``t{i}.val``), in order.
+    """The bytes of one delta shard holding ``blobs``: :func:`delta_shard_parts` joined."""
+    return b"".join(delta_shard_parts(blobs, version=version, run_id=run_id, stream=stream))
+
+
+def delta_shard_parts(
+    blobs: dict[str, bytes],
+    *,
+    version: int,
+    run_id: str,
+    stream: dict[str, str] | None = None,
+) -> list[bytes]:
+    """The bytes of one delta shard holding ``blobs`` (``t{i}.pos``/``t{i}.val``), in order, as
+    the pieces to write one after another: the header, then each blob (not copied into one
+    buffer: a fresh buffer of a shard's size is faulted in page by page, ~15 ms per GiB of
+    model at 3 %).
 
     A plain safetensors file of 1-D ``U8`` tensors, written directly: ``safetensors.torch.save``
     needs a tensor per blob and costs ~30 us per tensor, more than the rest of the write for a
@@ -263,7 +278,7 @@ def delta_shard_blob(
         offset += len(blob)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)
-    return b"".join([struct.pack("<Q", len(text)), text, *blobs.values()])
+    return [struct.pack("<Q", len(text)) + text, *blobs.values()]
 
 
 @dataclass

@@ -22,11 +22,11 @@ from asyncsync.codec.shards import (
     PendingUpdate,
     StreamEntry,
     delta_keys,
-    delta_shard_blob,
+    delta_shard_parts,
     stream_metadata,
 )
 from asyncsync.format import DeltaRef, FullRef, ShardInfo, TensorEntry
-from asyncsync.format.checksum import checksum_bytes, new_hasher
+from asyncsync.format.checksum import new_hasher
 from asyncsync.fsio import atomic_write
 from asyncsync.publish.merge import TensorSlice, as_part
 
@@ -87,12 +87,16 @@ class VersionWriter:
         if self._waiting:
             raise AssertionError(f"{len(self._waiting)} tensors' deltas were never written")
 
-    def _write_shard(self, role: str, blob: bytes) -> int:
+    def _write_shard(self, role: str, blob: bytes | list[bytes]) -> int:
+        """Write one shard (its bytes, or the pieces to write one after another)."""
         n = sum(1 for s in self.shards if s.role == role)
         fname = f"{self.prefix}{role}-{n:05d}.safetensors"
-        atomic_write(self.vdir / fname, blob, root=self.vdir.parent, sync_dir=False)
-        checksum = checksum_bytes(blob, self.algorithm)
-        self.shards.append(ShardInfo(fname, role, len(blob), checksum))  # type: ignore[arg-type]
+        parts = [blob] if isinstance(blob, bytes) else blob
+        size = atomic_write(self.vdir / fname, parts, root=self.vdir.parent, sync_dir=False)
+        h = new_hasher(self.algorithm)
+        for part in parts:
+            h.update(part)
+        self.shards.append(ShardInfo(fname, role, size, h.hexdigest()))  # type: ignore[arg-type]
         return len(self.shards) - 1
 
     def _write_deltas(self, group: dict[str, bytes]) -> None:
@@ -100,8 +104,8 @@ class VersionWriter:
         meta = None
         if self.stream is not None:
             meta = self._stream_meta(group)
-        blob = delta_shard_blob(group, version=self.version, run_id=self.run_id, stream=meta)
-        shard = self._write_shard("delta", blob)
+        parts = delta_shard_parts(group, version=self.version, run_id=self.run_id, stream=meta)
+        shard = self._write_shard("delta", parts)
         rest = []
         for it, full_shard in self._waiting:
             if delta_keys(it.index)[0] in group:
