@@ -381,7 +381,8 @@ def parse_delta_shard(
             and len(offs) == 2
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
             and 0 <= offs[0] <= offs[1]
-            and info.get("shape") == [offs[1] - offs[0]]
+            and [type(d) for d in info.get("shape") or [None]] == [int]  # not [True]
+            and info["shape"] == [offs[1] - offs[0]]
         ):
             raise FormatError(f"{where}: delta blob {key!r} is not a 1-D U8 tensor: {info!r}")
         ranges.append((offs[0], offs[1], key))
