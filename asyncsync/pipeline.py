@@ -124,12 +124,16 @@ def run_all(
     big = list(range(len(todo)))
     if cost is not None and n > 1:
         big = [i for i, x in enumerate(todo) if cost(x) >= SMALL_WORK_BYTES]
-    futures = []
-    if n > 1 and len(todo) > 1 and big:
-        pool = _executor(n)
-        futures = [(i, pool.submit(fn, todo[i])) for i in big]
-    here = set(range(len(todo))) - {i for i, _ in futures}
+    futures: list[tuple[int, concurrent.futures.Future[_R]]] = []
     try:
+        if n > 1 and len(todo) > 1 and big:
+            pool = _executor(n)
+            for i in big:
+                try:
+                    futures.append((i, pool.submit(fn, todo[i])))
+                except RuntimeError:  # set_threads elsewhere shut this pool down: the rest here
+                    break
+        here = set(range(len(todo))) - {i for i, _ in futures}
         for i in sorted(here):
             try:
                 out[i] = fn(todo[i])

@@ -454,5 +454,7 @@ def test_pertensor_bench_measures_both_sides(capsys: pytest.CaptureFixture[str])
     assert pertensor.main(["--tensors", "30", "--numel", "256", "--versions", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("us/tensor") == 2 and "30 tensors of 256 elements" in out
-    with pytest.raises(SystemExit):
-        pertensor.main(["--tensors", "0"])
+    for bad in (["--tensors", "0"], ["--threads", "0"], ["--threads", "5000"]):
+        with pytest.raises(SystemExit) as ei:  # a usage error (helper-21: --threads 0 raised)
+            pertensor.main(bad)
+        assert ei.value.code == 2

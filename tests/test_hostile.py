@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncsync import AsyncSyncError, ManifestError, Publisher
+from asyncsync import AsyncSyncError, FormatError, ManifestError, Publisher
 from asyncsync.format import MANIFEST_NAME, version_dir
 from asyncsync.format.acks import read_acks
 from asyncsync.format.checksum import checksum_bytes
@@ -205,6 +205,51 @@ async def test_shard_checksum_fixed_up_but_header_names_another_run(chain: Chain
     chain.rewrite_manifest({"shards": d["shards"]})
     err = await chain.assert_refused()
     assert "another version" in str(err)
+
+
+def _header_edits() -> dict[str, object]:
+    """Ways to rewrite a delta shard's header that safetensors refuses (helper-21's attack on
+    the delta shard reader, which now parses the header itself)."""
+
+    def nested(text: bytes) -> bytes:
+        return text[:-1] + b', "zz": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+    def float_shape(text: bytes) -> bytes:
+        h = json.loads(text)
+        key = next(k for k in h if k != "__metadata__")
+        h[key]["shape"] = [float(h[key]["shape"][0])]
+        return json.dumps(h).encode()
+
+    def utf16(text: bytes) -> bytes:
+        return text.decode().encode("utf-16")
+
+    def nan_metadata(text: bytes) -> bytes:
+        return text.replace(b'"__metadata__":{', b'"__metadata__":{"x":NaN,', 1)
+
+    return {"nested": nested, "float-shape": float_shape, "utf16": utf16, "NaN": nan_metadata}
+
+
+@pytest.mark.parametrize("edit", sorted(_header_edits()))
+async def test_a_delta_shard_header_safetensors_refuses_is_refused(chain: Chain, edit: str) -> None:
+    """A shard whose header is rewritten (its checksums fixed up in the manifest) so that
+    safetensors would refuse the file: a FormatError, never a RecursionError or an accepted
+    version (a float shape was applied and acked; a header nested 100,000 deep raised
+    RecursionError, which the agent's loop retried at every poll with a traceback)."""
+    shard = chain.shard()
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    text = _header_edits()[edit](data[8 : 8 + n].rstrip())  # type: ignore[operator]
+    forged = len(text).to_bytes(8, "little") + text + data[8 + n :]
+    shard.write_bytes(forged)
+    d = json.loads((chain.v2 / MANIFEST_NAME).read_text())
+    d["shards"][0].update(bytes=len(forged), checksum=checksum_bytes(forged))
+    totals = d["totals"]
+    totals["wire_bytes"] = sum(s["bytes"] for s in d["shards"])
+    totals["delta_bytes"] = sum(s["bytes"] for s in d["shards"] if s["role"] == "delta")
+    chain.rewrite_manifest({"shards": d["shards"], "totals": totals})
+    err = await chain.assert_refused()
+    assert isinstance(err, FormatError) and not isinstance(err, ManifestError), err
+    assert "safetensors header" in str(err) or "delta blob" in str(err), err
 
 
 def test_symlinked_manifest_is_refused_by_read_manifest(tmp_path: Path) -> None:

@@ -183,6 +183,29 @@ def test_small_work_runs_in_the_calling_thread_and_large_work_on_the_pool() -> N
         pipeline.set_threads(None)
 
 
+def test_a_pool_shut_down_by_set_threads_elsewhere_leaves_the_rest_to_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """helper-21: set_threads in another thread replaces the pool and shuts the old one down;
+    a run_all that got the old pool had its submit raise, with calls already submitted still
+    running after it returned. The items it could not submit now run in the caller."""
+    import concurrent.futures
+
+    from asyncsync import pipeline
+
+    dead = concurrent.futures.ThreadPoolExecutor(1)
+    dead.shutdown()
+    monkeypatch.setattr(pipeline, "_executor", lambda n: dead)
+    pipeline.set_threads(2)
+    try:
+        me = threading.current_thread().name
+        seen: list[str] = []
+        got = pipeline.run_all(lambda x: seen.append(threading.current_thread().name) or x, [1, 2])
+        assert got == [1, 2] and seen == [me, me]
+    finally:
+        pipeline.set_threads(None)
+
+
 def test_a_failed_parallel_diff_leaves_every_old_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 

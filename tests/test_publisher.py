@@ -17,7 +17,16 @@ import safetensors
 import safetensors.torch
 import torch
 
-from asyncsync import AckTimeout, ConfigError, FormatError, LockHeld, Publisher, PublishError, fsio
+from asyncsync import (
+    AckTimeout,
+    ConfigError,
+    FormatError,
+    LockHeld,
+    Publisher,
+    PublishError,
+    codec,
+    fsio,
+)
 from asyncsync.codec import shards
 from asyncsync.format import MANIFEST_NAME
 from asyncsync.format import acks as acks_mod
@@ -668,6 +677,50 @@ def test_delta_shard_blob_is_a_safetensors_file(sizes: list[int]) -> None:
     assert all(v.readonly for v in views.values())
 
 
+_HEADER = (
+    '{"__metadata__": {"asyncsync.role": "delta"}, '
+    '"a": {"dtype": "U8", "shape": [10], "data_offsets": [0, 10]}}'
+)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        _HEADER.encode("utf-16"),
+        _HEADER.encode("utf-32"),
+        b"\xef\xbb\xbf" + _HEADER.encode(),  # a UTF-8 byte order mark
+        _HEADER.replace('"delta"}', '"delta", "x": NaN}').encode(),
+        _HEADER.replace('"delta"}', '"delta", "x": 1}').encode(),  # metadata values are strings
+        _HEADER.replace("[10]", "[1e1]").encode(),  # 1e1 == 10 in Python
+        _HEADER.replace("[10]", "[" * 50_000 + "]" * 50_000).encode(),  # RecursionError
+    ],
+    ids=["utf16", "utf32", "bom", "NaN", "int-metadata", "shape-1e1", "nested"],
+)
+def test_parse_delta_shard_reads_the_header_as_safetensors_does(header: bytes) -> None:
+    """helper-21: headers safetensors refuses were taken by the delta shard reader (json.loads
+    guesses UTF-16/32, takes NaN; a float shape equals an int). Each is a FormatError now."""
+    data = len(header).to_bytes(8, "little") + header + bytes(10)
+    with pytest.raises(Exception):  # noqa: B017 (the reference: whatever safetensors raises)
+        safetensors.torch.load(data)
+    with pytest.raises(FormatError, match=r"header|1-D U8|metadata"):
+        shards.parse_delta_shard(data, where="x")
+
+
+def test_a_bad_positions_blob_names_its_bytes_not_a_memory_address() -> None:
+    """helper-21: the decoder's error printed the repr of a memoryview of the shard ('<memory
+    at 0x...>'), different at every try, so the agent logged the same failure at every retry."""
+    blobs = {"t0.pos": b"\x09" + bytes(7), "t0.val": b""}
+    data = shards.delta_shard_blob(blobs, version=1, run_id="ab" * 8)
+    msgs = []
+    for _ in range(2):
+        views = shards.parse_delta_shard(data, where="x")
+        with pytest.raises(FormatError) as ei:
+            codec.decode_delta("xef", "sparse", views["t0.pos"], views["t0.val"],
+                               changed=3, numel=1000, dtype=torch.int16)  # fmt: skip
+        msgs.append(str(ei.value))
+    assert msgs[0] == msgs[1] and "<memory" not in msgs[0] and "b'\\t'" in msgs[0]
+
+
 def _with_header(data: bytes, edit: Any) -> bytes:
     """``data`` (a delta shard) with its JSON header edited by ``edit``, the blobs kept."""
     n = int.from_bytes(data[:8], "little")
@@ -685,6 +738,8 @@ def _with_header(data: bytes, edit: Any) -> bytes:
         (lambda h: h["t0.pos"].update(shape=[[4]]), "not a 1-D U8"),
         (lambda h: h["t0.pos"].update(shape="4"), "not a 1-D U8"),
         (lambda h: h["t0.pos"].update(shape=None), "not a 1-D U8"),
+        (lambda h: h["t0.pos"].update(shape=4), "not a 1-D U8"),
+        (lambda h: h["t0.pos"].update(shape={"4": 4}), "not a 1-D U8"),
         (lambda h: h["t1.val"].update(data_offsets=[4, 5], shape=[True]), "not a 1-D U8"),
         (lambda h: h["t0.pos"].update(data_offsets=[True, 4]), "not a 1-D U8"),
         (lambda h: h["t0.pos"].update(data_offsets=[4, 0], shape=[-4]), "not a 1-D U8"),

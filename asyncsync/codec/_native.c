@@ -1289,7 +1289,7 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
             release_all(&b);
             return PyErr_NoMemory();
         }
-        NOGIL_BEGIN((hi - lo) * width);
+        NOGIL_BEGIN(NOGIL_MIN_BYTES); /* always: it writes the journal file, which can block */
         /* Each position is checked as its chunk saves it, before the chunk writes anything: a
          * bad one stops the kernel with every chunk before it saved (and counted) and patched,
          * as a failed write does; the caller undoes them from the record. */

@@ -292,7 +292,7 @@ def _ef_decode(blob: bytes | memoryview, n: int, numel: int) -> _Int64Array:
     """The ``n`` positions of an xef positions blob (FormatError if it is not valid)."""
     low_bits = ef.low_bits(n, numel)
     if not blob or blob[0] & ~_EF_ZSTD != low_bits:
-        raise FormatError(f"Elias-Fano header {blob[:1]!r} does not match L={low_bits}")
+        raise FormatError(f"Elias-Fano header {bytes(blob[:1])!r} does not match L={low_bits}")
     payload: bytes | memoryview = memoryview(blob)[1:]
     if blob[0] & _EF_ZSTD:
         payload = _unzstd(blob[1:], (sum(ef.sizes(n, numel, low_bits)),), "positions")

@@ -320,13 +320,19 @@ def read_header(data: bytes | memoryview, *, where: str) -> dict[str, object]:
     (n,) = struct.unpack("<Q", bytes(data[:8]))
     if n > MAX_HEADER or 8 + n > len(data):
         raise FormatError(f"{where}: safetensors header length {n} is invalid")
-    try:
-        header = json.loads(bytes(data[8 : 8 + n]))
-    except ValueError as exc:
+    try:  # as safetensors reads it: UTF-8 (no BOM), strict JSON (no NaN or Infinity)
+        header = json.loads(bytes(data[8 : 8 + n]).decode("utf-8"), parse_constant=_no_constant)
+    except ValueError as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         raise FormatError(f"{where}: safetensors header is not JSON: {exc}") from exc
+    except RecursionError:
+        raise FormatError(f"{where}: safetensors header is nested too deeply") from None
     if not isinstance(header, dict):
         raise FormatError(f"{where}: safetensors header is not an object")
     return header
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
 
 
 def parse_shard(
@@ -381,7 +387,8 @@ def parse_delta_shard(
             and len(offs) == 2
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
             and 0 <= offs[0] <= offs[1]
-            and [type(d) for d in info.get("shape") or [None]] == [int]  # not [True]
+            and isinstance(info.get("shape"), list)
+            and [type(d) for d in info["shape"]] == [int]  # not [True], not [4.0]
             and info["shape"] == [offs[1] - offs[0]]
         ):
             raise FormatError(f"{where}: delta blob {key!r} is not a 1-D U8 tensor: {info!r}")
@@ -406,8 +413,8 @@ def _check_metadata(
 ) -> None:
     """Refuse a shard whose metadata names another version, run or role than those given."""
     meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise FormatError(f"{where}: __metadata__ is not an object")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise FormatError(f"{where}: __metadata__ is not an object of strings")
     expect = {"asyncsync.version": version, "asyncsync.run_id": run_id, "asyncsync.role": role}
     for key, want in expect.items():
         if want is not None and meta.get(key) != str(want):

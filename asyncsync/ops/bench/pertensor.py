@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from asyncsync.ops.bench.scale import step_state
-from asyncsync.pipeline import set_threads
+from asyncsync.pipeline import MAX_THREADS, set_threads
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.tensors < 1 or args.numel < 1 or args.versions < 1:
         ap.error("--tensors, --numel and --versions must be at least 1")
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        ap.error(f"--threads must be from 1 to {MAX_THREADS}")
     set_threads(args.threads)
     res = asyncio.run(measure(args.tensors, args.numel, args.versions, freeze=args.freeze))
     for side, xs in res.items():
