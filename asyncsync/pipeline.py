@@ -31,6 +31,7 @@ from asyncsync.errors import ConfigError, first_error
 __all__ = [
     "Stage",
     "finish_thread",
+    "pack_cap",
     "parallel_map",
     "run_all",
     "run_pipeline",
@@ -133,8 +134,8 @@ def run_all(
                     futures.append((i, pool.submit(fn, todo[i])))
                 except RuntimeError:  # set_threads elsewhere shut this pool down: the rest here
                     break
-        here = set(range(len(todo))) - {i for i, _ in futures}
-        for i in sorted(here):
+        pooled = {i for i, _ in futures}
+        for i in (i for i in range(len(todo)) if i not in pooled):
             try:
                 out[i] = fn(todo[i])
             except Exception as exc:
@@ -148,6 +149,14 @@ def run_all(
 
 
 _PENDING = object()
+
+
+def pack_cap(sizes: Iterable[int], limit: int, spread: int) -> int:
+    """The most bytes a pack of items larger than ``limit`` may hold, as the publisher's buckets
+    and the receiver's apply groups pack them (up to ``spread`` to a pack, one per worker):
+    ``spread * limit``, or twice the largest such item, so a pack's memory stays within twice
+    what the largest item alone would hold."""
+    return max([spread * limit] + [2 * n for n in sizes if n > limit])
 
 
 def parallel_map(

@@ -30,7 +30,7 @@ from asyncsync.format import (
 )
 from asyncsync.format.checksum import checksum_bytes
 from asyncsync.fsio import UnsafePath, read_bytes
-from asyncsync.pipeline import parallel_map, threads
+from asyncsync.pipeline import pack_cap, parallel_map, threads
 from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
 
@@ -133,10 +133,9 @@ def pieces_in(m: Manifest, mode: str, idx: int) -> list[Piece]:
 
 def _decoded_bytes(piece: Piece) -> int:
     e, part, ref = piece
-    width = DTYPE_SIZES[e.dtype]
     if getattr(ref, "mode", "dense") == "sparse":
-        return (e.changed if part is None else part.changed) * (8 + width)
-    return (e.numel if part is None else part.numel) * width
+        return (e.changed if part is None else part.changed) * (8 + DTYPE_SIZES[e.dtype])
+    return _tensor_bytes(piece)
 
 
 def _tensor_bytes(piece: Piece) -> int:
@@ -171,7 +170,7 @@ def group_pieces(pieces: list[Piece], limit: int, spread: int = 1) -> list[list[
     embedding, an ``lm_head``: the publisher puts them in one shard) keeps one core busy.
     """
     sizes = [_decoded_bytes(piece) for piece in pieces]
-    cap = max([spread * limit] + [2 * n for n in sizes if n > limit])
+    cap = pack_cap(sizes, limit, spread)
     groups: list[list[Piece]] = []
     size, packing = 0, False
     for piece, n in zip(pieces, sizes, strict=True):
@@ -221,11 +220,9 @@ def _decode_piece(
     e, part, ref = piece
     span = part or e.spans[0]
     if mode == "delta":
-        pos_b, val_b = _blob(tensors.get(ref.positions)), _blob(tensors.get(ref.values))
-        if pos_b is None or val_b is None:
-            raise FormatError(
-                f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}, or not uint8"
-            )
+        pos_b, val_b = tensors.get(ref.positions), tensors.get(ref.values)
+        if not isinstance(pos_b, memoryview) or not isinstance(val_b, memoryview):
+            raise FormatError(f"{where}: missing {ref.positions!r}/{ref.values!r} for {e.name!r}")
         try:
             patch = codec.decode_delta(
                 m.encoding,
@@ -250,16 +247,6 @@ def _decode_piece(
             f"{e.dtype}{list(e.shape)}" + ("" if part is None else f" ({span.numel} here)")
         )
     return TensorUpdate(e, full=t) if part is None else PartUpdate(e, part, full=t)
-
-
-def _blob(t: torch.Tensor | memoryview | None) -> memoryview | None:
-    """A delta blob's bytes: as :func:`parse_delta_shard` gives it, or the bytes of a 1-D
-    ``uint8`` tensor (None: absent, or a tensor of another dtype)."""
-    if isinstance(t, memoryview) or t is None:
-        return t
-    if t.dtype != torch.uint8:
-        return None
-    return t.contiguous().numpy().data
 
 
 def decode_shard(

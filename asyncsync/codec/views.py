@@ -43,9 +43,7 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     1 byte -> uint8, 2 -> int16, 4 -> int32, 8 -> int64. Copies only when ``t`` is not
     contiguous; stays on ``t``'s device. A 0-d tensor gives one element.
     """
-    target = _INT_BY_WIDTH.get(t.element_size())
-    if target is None:
-        raise ConfigError(f"no integer view for {t.dtype} ({t.element_size()}-byte elements)")
+    target = int_dtype(t.dtype)
     flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
     return flat if flat.dtype == target else flat.view(target)
 

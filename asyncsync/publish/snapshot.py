@@ -26,7 +26,7 @@ from asyncsync.codec.shards import (
     delta_keys,
 )
 from asyncsync.format import MANIFEST_NAME
-from asyncsync.pipeline import threads
+from asyncsync.pipeline import pack_cap, threads
 
 __all__ = [
     "Undo",
@@ -56,7 +56,7 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int, spread: int = 1) -> li
     if spread < 1:
         raise ValueError(f"spread must be >= 1, got {spread}")
     big = [i for i, n in enumerate(sizes) if n > bucket_bytes] if spread > 1 else []
-    cap = max([spread * bucket_bytes] + [2 * sizes[i] for i in big])
+    cap = pack_cap(sizes, bucket_bytes, spread)
     packs: dict[int, list[int]] = {}
     pack: list[int] = []
     for i in big:
