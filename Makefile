@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo bench stress mutation clean sglang-env bench-sglang vllm-env bench-vllm
+.PHONY: venv test test-heavy lint demo bench stress mutation clean sglang-env bench-sglang vllm-env bench-vllm
 
 $(STAMP): pyproject.toml asyncsync/codec/_native.c asyncsync/codec/xxhash.h
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (CPU torch==2.13.0 is built for Python 3.11)"; exit 1; }
@@ -37,8 +37,14 @@ sglang-env:
 vllm-env:
 	$(PYTHON) tests/vllm_env/build.py
 
+# every test but those marked heavy (~20 min on 2 shared cores, the real servers included)
 test: lint sglang-env vllm-env
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -m 'not heavy'
+
+# the tests marked heavy (~5 min): real-server restarts, rclone lease takeovers, the 8-receiver
+# load run, the multi-rank model, a SIGKILL inside the kernel; .ci/run runs them after make test
+test-heavy: $(STAMP) sglang-env vllm-env
+	$(VENV)/bin/pytest -q -m heavy
 
 # full vs partial reload times on the real server (BENCHMARKS.md); a few minutes
 bench-sglang: $(STAMP) sglang-env

@@ -27,6 +27,7 @@ def test_acceptance_script(tmp_path: Path) -> None:
     assert any(line.startswith("refused v7") for line in lines)
 
 
+@pytest.mark.heavy
 def test_acceptance_script_removes_its_temp_directory(tmp_path: Path) -> None:
     """(issue 20, operator) Without --root it works in a temp directory and removes it."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}

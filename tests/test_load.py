@@ -46,6 +46,7 @@ def model() -> torch.nn.Module:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 async def test_eight_receivers_two_hundred_versions(tmp_path: Path) -> None:
     trainer = model()
     engines = [Recording(model()) for _ in range(ENGINES)]

@@ -17,6 +17,7 @@ SEEDS = [int(_SEED)] if _SEED else [1, 2]
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("seed", SEEDS)
 def test_multirank_model(tmp_path: Path, seed: int) -> None:
     summary = run_model(tmp_path, seed=seed, steps=12, world=2, timeout=1.0)

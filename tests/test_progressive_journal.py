@@ -241,6 +241,7 @@ def _big_state(seed: int) -> dict[str, torch.Tensor]:
 
 @needs_kernel
 @pytest.mark.slow
+@pytest.mark.heavy
 async def test_sigkill_inside_the_kernel_then_reopen(tmp_path: Path) -> None:
     """A child process applying a delta (progressive records) is killed with SIGKILL at several
     moments while its kernels patch; each time the reopened engine holds the old bytes exactly.

@@ -89,6 +89,7 @@ def _stop(procs: Sequence[subprocess.Popen[str]]) -> None:
                 pipe.close()
 
 
+@pytest.mark.heavy
 def test_concurrent_takers_through_two_rclone_mounts_give_one_winner_and_a_dead_one_is_taken_over(
     tmp_path: Path,
 ) -> None:
@@ -126,6 +127,7 @@ def test_concurrent_takers_through_two_rclone_mounts_give_one_winner_and_a_dead_
             _wait_for(lambda: read_lease(src, "e1") is None)  # released
 
 
+@pytest.mark.heavy
 def test_a_dead_holder_in_another_pid_namespace_is_taken_over_by_its_heartbeat_age(
     tmp_path: Path,
 ) -> None:

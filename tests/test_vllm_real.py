@@ -466,6 +466,7 @@ async def test_a_version_the_server_refuses_is_not_acked_nor_served_as_ready(
     assert f"v{refused} was refused by the engine: going on from keyframe v{v}" in log
 
 
+@pytest.mark.heavy
 async def test_server_restart_without_the_opt_in_while_versions_are_published(
     stack: Stack,
 ) -> None:
