@@ -394,6 +394,15 @@ def test_profile_writes_both_sides_and_unwraps(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncsync-profile")] == []
 
 
+def test_profile_takes_throttle_none(tmp_path: Path) -> None:
+    """``--profile DIR --throttle none`` profiles over the local filesystem, as ``--peers`` and
+    the sweep take it (it was a ValueError traceback: 'cannot parse throttle')."""
+    out = tmp_path / "prof"
+    argv = ["bench", "--profile", str(out), "--scale-sizes", "2MiB", "--versions", "1"]
+    assert main([*argv, "--throttle", "none", "--workdir", str(tmp_path)]) == 0
+    assert "no throttle on the shared root" in (out / "profile_apply_2m.txt").read_text()
+
+
 def test_the_sglang_pause_bench_measures_gaps_and_bounds_its_ratio() -> None:
     """tests/sglang_env/bench_reload.py's arithmetic (the real runs take minutes: make
     bench-sglang): the longest gap overlapping each window, the floor outside them, and the

@@ -319,7 +319,8 @@ async def _profile(
     say: Callable[[str], None],
 ) -> dict[str, Path]:
     root, ckpt = work / "root", work / "ckpt"
-    spec = fsio.Throttle.parse(f"{throttle}@{root}")
+    off = throttle.strip().lower() in ("", "none")  # --throttle none: the local filesystem
+    spec = None if off else fsio.Throttle.parse(f"{throttle}@{root}")
     sd = make_state(size, seed)
     model = sum(t.numel() * t.element_size() for t in sd.values())
     say(f"profile {model / 1e9:.2f} GB: floors")
@@ -376,8 +377,9 @@ async def _profile(
         path = out_dir / f"profile_{side}_{tag}.txt"
         w = sorted(walls[side])
         lines = [
-            f"# {side} at {model / 1e9:.2f} GB bf16, ~{100 * density:g} % changed, throttle "
-            f"{throttle} on the shared root",
+            f"# {side} at {model / 1e9:.2f} GB bf16, ~{100 * density:g} % changed, "
+            + ("no throttle" if off else f"throttle {throttle}")
+            + " on the shared root",
             f"# asyncsync bench --profile --scale-sizes {size >> 20}MiB  ({_machine()})",
             f"# {side} wall per version (s): "
             + ", ".join(f"{x:.3f}" for x in walls[side])
