@@ -12,6 +12,9 @@ symlinks (watchfiles walks them and watches their targets, so a symlink to ``/``
 root would make it walk the whole filesystem). Every commit ends with an event in the root
 itself (the log line appended after the manifest rename; a new version directory before it),
 and the prefetcher polls the next version's directory for its manifest (``receiver.prefetch``).
+A root that is missing at the start, or goes away (removed and made again, a mount that comes
+back), is watched again at the first wake-up that finds it a directory: until then the polls
+alone find new versions.
 
 Resolution order for inotify: argument ``use_inotify`` > environment ``ASYNCSYNC_FORCE_POLLING``
 (``1`` disables inotify) > on.
@@ -59,20 +62,25 @@ def _version_events(root: Path) -> Callable[[object, str], bool]:
     return keep
 
 
-async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
+async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Watch until ``stop``, the root goes or the watch fails; True when a watch of the root
+    may be made again once it is a directory again (it went away, or was not there)."""
     if inotify.available():
-        await _watch_inotify(root, wake, stop)
-    else:
-        await _watch_watchfiles(root, wake, stop)
+        return await _watch_inotify(root, wake, stop)
+    await _watch_watchfiles(root, wake, stop)
+    return False
 
 
-async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
-    """Wake on each batch of wanted events, read by the loop, until ``stop`` or the root goes."""
+async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Wake on each batch of wanted events, read by the loop, until ``stop`` or the root goes
+    (then True: a new root may be watched again)."""
     try:
         watch = inotify.DirectoryWatch(root)
+    except (FileNotFoundError, NotADirectoryError):  # gone since it was looked at
+        return True
     except OSError as exc:  # e.g. the inotify instance or watch limit reached
         logger.warning("inotify watch on %s failed (%s); polling only", root, exc)
-        return
+        return False
     keep = _version_events(root)
     gone = asyncio.Event()
 
@@ -99,12 +107,16 @@ async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -
     try:
         await first_of(stop, gone)
         if gone.is_set() and not stop.is_set():
-            logger.warning("inotify watch on %s stopped (the root went away); polling only", root)
+            logger.warning(
+                "inotify watch on %s stopped (the root went away); polling until it is back",
+                root,
+            )
     finally:
         for handle in rearm:
             handle.cancel()
         loop.remove_reader(watch.fd)
         watch.close()
+    return gone.is_set()
 
 
 async def _watch_watchfiles(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
@@ -134,9 +146,21 @@ async def wakeups(
     """Yield ``"start"``, then ``"event"`` or ``"poll"`` each time the root may have changed."""
     wake = asyncio.Event()
     stop = asyncio.Event()
-    task = None
-    if _inotify_wanted(use_inotify) and root.is_dir():
-        task = asyncio.create_task(_watch(root, wake, stop), name=f"watch {root}")
+    task: asyncio.Task[bool] | None = None
+    wanted = _inotify_wanted(use_inotify)
+
+    def arm() -> None:
+        """Watch the root where no watch runs and one may: at the start, and at each wake-up
+        after the root was missing or went away (removed and made again, a mount back)."""
+        nonlocal task
+        if not wanted or (task is not None and not _may_watch_again(task)):
+            return
+        if root.is_dir():
+            if task is not None:
+                logger.info("inotify watch on %s again (the root is back)", root)
+            task = asyncio.create_task(_watch(root, wake, stop), name=f"watch {root}")
+
+    arm()
     try:
         yield "start"
         while True:
@@ -147,6 +171,7 @@ async def wakeups(
             except TimeoutError:
                 reason = "poll"
             wake.clear()
+            arm()
             yield reason
     finally:
         stop.set()
@@ -154,6 +179,11 @@ async def wakeups(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _may_watch_again(task: asyncio.Task[bool]) -> bool:
+    """The watch task ended, and because the root went away (not a failure, not stopped)."""
+    return task.done() and not task.cancelled() and task.exception() is None and task.result()
 
 
 class Repeats:

@@ -206,6 +206,40 @@ async def test_wakeups_wake_at_once_and_start_no_thread(tmp_path: Path) -> None:
     assert threads == [before]  # watching needs no thread (watchfiles starts one)
 
 
+@pytest.mark.parametrize("start", ["root-goes-and-comes-back", "root-missing-at-start"])
+async def test_a_root_made_again_is_watched_again(tmp_path: Path, start: str) -> None:
+    """A root removed and made again (or made after the receiver started) wakes the receiver
+    at once again after the first poll that finds it: the watch was of the old directory (or
+    none), and only the polls found versions until the receiver was restarted."""
+    root = tmp_path / "root"
+    if start == "root-goes-and-comes-back":
+        root.mkdir()
+    made: list[float] = []
+
+    async def scenario() -> None:
+        await asyncio.sleep(0.2)
+        if root.exists():
+            shutil.rmtree(root)
+            await asyncio.sleep(0.3)
+        root.mkdir()
+        await asyncio.sleep(0.6)  # a poll (every 0.25 s) finds it
+        made.append(time.monotonic())
+        (root / "v000000000001").mkdir()
+
+    got: list[tuple[str, float]] = []
+    task = asyncio.create_task(scenario())
+    async with asyncio.timeout(10):
+        async for reason in wakeups(root, poll_interval=0.25, use_inotify=True):
+            got.append((reason, time.monotonic()))
+            if made and reason == "event" and got[-1][1] >= made[0]:
+                break
+            if made and time.monotonic() - made[0] > 2.0:
+                break
+    await task
+    after = [r for r, t in got if made and t >= made[0]]
+    assert "event" in after, got  # not polls alone
+
+
 async def test_the_watchfiles_fallback_still_wakes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
