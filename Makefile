@@ -41,7 +41,7 @@ vllm-env:
 test: lint sglang-env vllm-env
 	$(VENV)/bin/pytest -q -m 'not heavy'
 
-# the tests marked heavy (~5 min): real-server restarts, rclone lease takeovers, the 8-receiver
+# the tests marked heavy (~6 min): real-server restarts, rclone lease takeovers, the 8-receiver
 # load run, the multi-rank model, a SIGKILL inside the kernel; .ci/run runs them after make test
 test-heavy: $(STAMP) sglang-env vllm-env
 	$(VENV)/bin/pytest -q -m heavy
