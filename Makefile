@@ -41,8 +41,9 @@ vllm-env:
 test: lint sglang-env vllm-env
 	$(VENV)/bin/pytest -q -m 'not heavy'
 
-# the tests marked heavy (~6 min): real-server restarts, rclone lease takeovers, the 8-receiver
-# load run, the multi-rank model, a SIGKILL inside the kernel; .ci/run runs them after make test
+# the tests marked heavy (~5 min): rclone lease takeovers, the 8-receiver load run, the
+# multi-rank model, a SIGKILL inside the kernel, the acceptance script's clean-up; each
+# self-contained (a heavy test must not need a test make test runs); .ci/run runs them after
 test-heavy: $(STAMP) sglang-env vllm-env
 	$(VENV)/bin/pytest -q -m heavy
 

@@ -248,7 +248,6 @@ async def test_receiver_restart_after_a_kill_mid_pause(stack: Stack) -> None:
     await check_served(s, v)  # /generate answers: generation was continued
 
 
-@pytest.mark.heavy
 async def test_server_restart_is_reconciled_before_readiness(stack: Stack) -> None:
     """SGLang restarts with its initial weights, and versions are published while it is down:
     /readyz is 503 until the receiver reloaded the checkpoint into it (a full reload: the new

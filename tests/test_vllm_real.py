@@ -466,7 +466,6 @@ async def test_a_version_the_server_refuses_is_not_acked_nor_served_as_ready(
     assert f"v{refused} was refused by the engine: going on from keyframe v{v}" in log
 
 
-@pytest.mark.heavy
 async def test_server_restart_without_the_opt_in_while_versions_are_published(
     stack: Stack,
 ) -> None:
@@ -509,7 +508,6 @@ async def test_server_restart_without_the_opt_in_while_versions_are_published(
     shutil.rmtree(stage)
 
 
-@pytest.mark.heavy  # on the packed server the restart test above leaves (heavy as well)
 async def test_weight_checker_is_blind_to_packed_cpu_linear_layers(stack: Stack) -> None:
     """Why the audit does not use vLLM's own ``/weight_checker`` on its CPU build: every
     linear layer's parameter is emptied once its weight is packed for oneDNN, and the
