@@ -127,6 +127,12 @@ class RootPresence:
     async def renew(self) -> None:
         if not self.lease.held:
             return
+        # the root may have gone, or be another directory now (made again, a mount on it, a
+        # directory that is no root): nothing is written in it before it is a root again (the
+        # lease is then taken again by hold); ConfigError for one that is something else
+        if not await asyncio.to_thread(check_root_for_receiver, self.root):
+            self.lease.forget()
+            return
         try:
             await asyncio.to_thread(self.lease.renew)
         except LockHeld as exc:

@@ -12,9 +12,10 @@ symlinks (watchfiles walks them and watches their targets, so a symlink to ``/``
 root would make it walk the whole filesystem). Every commit ends with an event in the root
 itself (the log line appended after the manifest rename; a new version directory before it),
 and the prefetcher polls the next version's directory for its manifest (``receiver.prefetch``).
-A root that is missing at the start, or goes away (removed and made again, a mount that comes
-back), is watched again at the first wake-up that finds it a directory: until then the polls
-alone find new versions.
+A root that is missing at the start, goes away (removed and made again) or whose path names
+another directory (a symlink on the way re-pointed, a filesystem mounted on it or unmounted) is
+watched again at the first wake-up that finds the new directory: until then the polls alone
+find new versions.
 
 Resolution order for inotify: argument ``use_inotify`` > environment ``ASYNCSYNC_FORCE_POLLING``
 (``1`` disables inotify) > on.
@@ -26,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import stat
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -76,7 +78,10 @@ async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -
     (then True: a new root may be watched again)."""
     try:
         watch = inotify.DirectoryWatch(root)
-    except (FileNotFoundError, NotADirectoryError):  # gone since it was looked at
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+        # gone since it was looked at, or not readable for now (a root made again mode 000
+        # before its chmod): tried again at the next wake-up (the sync says what is wrong)
+        logger.debug("inotify watch on %s not made (%s); polling until it can be", root, exc)
         return True
     except OSError as exc:  # e.g. the inotify instance or watch limit reached
         logger.warning("inotify watch on %s failed (%s); polling only", root, exc)
@@ -147,18 +152,30 @@ async def wakeups(
     wake = asyncio.Event()
     stop = asyncio.Event()
     task: asyncio.Task[bool] | None = None
+    watched: tuple[int, int] | None = None  # (st_dev, st_ino) of the directory watched
     wanted = _inotify_wanted(use_inotify)
 
     def arm() -> None:
-        """Watch the root where no watch runs and one may: at the start, and at each wake-up
-        after the root was missing or went away (removed and made again, a mount back)."""
-        nonlocal task
-        if not wanted or (task is not None and not _may_watch_again(task)):
+        """Watch the directory the root's path names now, where no watch of it runs and one
+        may: at the start, and at each wake-up after the root was missing, went away (removed
+        and made again) or is another directory (a symlink on the way re-pointed, a mount on
+        it made or gone: no event reaches the old watch then)."""
+        nonlocal task, watched
+        if not wanted:
             return
-        if root.is_dir():
+        ident = _directory_ident(root)
+        if task is not None and not task.done():
+            if ident is None or ident == watched:
+                return  # the same directory (or none: the watch says so itself)
+            task.cancel()  # it watches a directory the root's path no longer names
+            logger.info("inotify watch on %s: the path names another directory now", root)
+        elif task is not None and not _may_watch_again(task):
+            return
+        if ident is not None:
             if task is not None:
                 logger.info("inotify watch on %s again (the root is back)", root)
             task = asyncio.create_task(_watch(root, wake, stop), name=f"watch {root}")
+            watched = ident
 
     arm()
     try:
@@ -179,6 +196,15 @@ async def wakeups(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _directory_ident(path: Path) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the directory ``path`` names now (through symlinks), else None."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 def _may_watch_again(task: asyncio.Task[bool]) -> bool:

@@ -240,6 +240,72 @@ async def test_a_root_made_again_is_watched_again(tmp_path: Path, start: str) ->
     assert "event" in after, got  # not polls alone
 
 
+async def _event_after(root: Path, change: Callable[[], None], wake_dir: Path) -> list[str]:
+    """Wake-up reasons of a watch of ``root`` (polls every 0.25 s): ``change()`` at 0.2 s, a
+    version directory made in ``wake_dir`` after the next polls, until an event or 2 s."""
+    made: list[float] = []
+
+    async def scenario() -> None:
+        await asyncio.sleep(0.2)
+        change()
+        await asyncio.sleep(0.6)  # a poll (every 0.25 s) finds the new directory
+        made.append(time.monotonic())
+        (wake_dir / "v000000000001").mkdir()
+
+    got: list[tuple[str, float]] = []
+    task = asyncio.create_task(scenario())
+    async with asyncio.timeout(10):
+        async for reason in wakeups(root, poll_interval=0.25, use_inotify=True):
+            got.append((reason, time.monotonic()))
+            if made and (reason == "event" or time.monotonic() - made[0] > 2.0):
+                break
+    await task
+    return [r for r, t in got if made and t >= made[0]]
+
+
+async def test_a_root_reached_through_a_re_pointed_symlink_is_watched_again(
+    tmp_path: Path,
+) -> None:
+    """FORMAT.md lets the root be reached through a symlink; re-pointed to another directory
+    (``ln -sfn`` + ``mv -T``), no event reaches the old target's watch: the receiver found
+    versions by polls alone, for good. The watch follows the directory the path names."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    root = tmp_path / "root"
+    root.symlink_to("a")
+
+    def flip() -> None:
+        (tmp_path / "root.new").symlink_to("b")
+        os.replace(tmp_path / "root.new", root)
+
+    assert "event" in await _event_after(root, flip, tmp_path / "b")
+
+
+async def test_a_watch_refused_once_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root made again mode 000 (its chmod a moment later) refused the new watch with EACCES,
+    and inotify stayed off until a restart. It is tried again at the next wake-up."""
+    root = tmp_path / "root"
+    root.mkdir()
+    real = inotify.DirectoryWatch
+    refusals = [PermissionError(13, "Permission denied")]
+
+    def watch(directory: Path) -> inotify.DirectoryWatch:
+        if refusals and directory == root and not root.joinpath("old").exists():
+            raise refusals.pop()
+        return real(directory)
+
+    def remake() -> None:
+        shutil.rmtree(root)
+        root.mkdir()
+
+    root.joinpath("old").mkdir()
+    monkeypatch.setattr(inotify, "DirectoryWatch", watch)
+    assert "event" in await _event_after(root, remake, root)
+    assert refusals == []  # it was refused once
+
+
 async def test_the_watchfiles_fallback_still_wakes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

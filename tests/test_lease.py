@@ -75,6 +75,40 @@ def _foreign_lease(root: Path, age: float, ttl: float = 30.0) -> None:
     os.utime(path, (t, t))
 
 
+@pytest.mark.parametrize("made_again", ["empty", "not-a-root"])
+async def test_the_heartbeat_writes_nothing_in_a_root_made_again(
+    tmp_path: Path, made_again: str
+) -> None:
+    """The root is replaced under a running receiver (removed and made again empty, a bare
+    mountpoint, a directory that is no root): the heartbeat wrote ``leases/`` and a claim into
+    it (the lease file was missing, so it took the lease again there), where a receiver must
+    create nothing. Now it writes nothing: an empty root is waited for (the lease taken again
+    once it is a root), another directory is refused with the startup's error."""
+    root = tmp_path / "root"
+    await _publish(root, 1)
+    async with _agent(root, tmp_path / "ckpt") as agent:
+        assert await agent.sync_once() == 1
+        presence = agent._presence
+        os.rename(root, tmp_path / "old-root")
+        root.mkdir()
+        if made_again == "not-a-root":
+            (root / "model.safetensors").write_bytes(b"x")
+        presence._renewed = 0.0  # the heartbeat is due
+        if made_again == "empty":
+            await presence.renew()
+            assert presence.lease.held is False
+        else:
+            with pytest.raises(ConfigError, match="is not an asyncsync root"):
+                await presence.renew()
+        assert sorted(p.name for p in root.iterdir()) == (
+            [] if made_again == "empty" else ["model.safetensors"]
+        )
+        if made_again == "empty":  # a publisher opens it: the lease is taken there again
+            await _publish(root, 1)
+            assert await agent.sync_once() == 1
+            assert read_lease(root, "e1") is not None
+
+
 async def test_a_live_lease_of_another_host_is_refused_a_stale_one_taken_over(
     tmp_path: Path,
 ) -> None:

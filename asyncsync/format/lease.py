@@ -502,6 +502,12 @@ class EngineLease:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
+    def forget(self) -> None:
+        """No longer held, and nothing written or removed: the root it was held in is gone or
+        is another directory now (:meth:`acquire` takes it again in the new one)."""
+        self.held = False
+        _HELD.discard(self.owner)
+
     def renew(self) -> None:
         """The heartbeat: rewrite claim and lease. LockHeld when another receiver took it."""
         found = _read_lease_file(self.path, self.root)
