@@ -169,11 +169,11 @@ async def wakeups(
                 return  # the same directory (or none: the watch says so itself)
             task.cancel()  # it watches a directory the root's path no longer names
             logger.info("inotify watch on %s: the path names another directory now", root)
-        elif task is not None and not _may_watch_again(task):
-            return
+        elif task is not None:
+            if ident is None or not _may_watch_again(task):
+                return
+            logger.info("inotify watch on %s again (the root is back)", root)
         if ident is not None:
-            if task is not None:
-                logger.info("inotify watch on %s again (the root is back)", root)
             task = asyncio.create_task(_watch(root, wake, stop), name=f"watch {root}")
             watched = ident
 
