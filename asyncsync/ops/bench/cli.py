@@ -42,8 +42,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     from asyncsync.ops.bench.measure import BenchConfig
     from asyncsync.ops.bench.scale import DEFAULT_SIZES
 
-    throttle = "" if args.throttle.strip().lower() == "none" else args.throttle
-    overrides: dict[str, Any] = {"throttle": throttle, "keep": args.keep}
+    overrides: dict[str, Any] = {"throttle": _throttle(args), "keep": args.keep}
     if args.threads is not None:
         overrides["threads"] = args.threads
     if args.elements is not None:
@@ -159,7 +158,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         size,
         Path(args.profile),
         versions=args.versions or 3,
-        throttle=args.throttle,
+        throttle=_throttle(args),
         workdir=None if args.workdir is None else Path(args.workdir),
     )
     for path in paths.values():
@@ -205,6 +204,11 @@ def _sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < (1 << 20):
         raise argparse.ArgumentTypeError(f"{text!r}: give sizes of at least 1 MiB, e.g. 1GiB")
     return sizes
+
+
+def _throttle(args: argparse.Namespace) -> str:
+    """``--throttle`` as the runs take it: ``""`` for ``none`` (the local filesystem)."""
+    return "" if args.throttle.strip().lower() == "none" else str(args.throttle)
 
 
 def _throttle_spec(text: str) -> str:

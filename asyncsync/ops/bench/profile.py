@@ -299,7 +299,8 @@ async def run_profile(
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Path]:
     """Profile publish and apply at ``size`` model bytes; write the two text files into
-    ``out_dir`` and return their paths (``{"publish": ..., "apply": ...}``)."""
+    ``out_dir`` and return their paths (``{"publish": ..., "apply": ...}``). ``throttle``: as
+    ``fsio.Throttle.parse`` reads it, ``""`` for none (the local filesystem)."""
     work = Path(tempfile.mkdtemp(prefix="asyncsync-profile-", dir=workdir))
     try:
         return await _profile(size, out_dir, work, versions, throttle, density, seed, top, say)
@@ -319,8 +320,7 @@ async def _profile(
     say: Callable[[str], None],
 ) -> dict[str, Path]:
     root, ckpt = work / "root", work / "ckpt"
-    off = throttle.strip().lower() in ("", "none")  # --throttle none: the local filesystem
-    spec = None if off else fsio.Throttle.parse(f"{throttle}@{root}")
+    spec = fsio.Throttle.parse(f"{throttle}@{root}") if throttle else None  # "": none
     sd = make_state(size, seed)
     model = sum(t.numel() * t.element_size() for t in sd.values())
     say(f"profile {model / 1e9:.2f} GB: floors")
@@ -378,7 +378,7 @@ async def _profile(
         w = sorted(walls[side])
         lines = [
             f"# {side} at {model / 1e9:.2f} GB bf16, ~{100 * density:g} % changed, "
-            + ("no throttle" if off else f"throttle {throttle}")
+            + (f"throttle {throttle}" if throttle else "no throttle")
             + " on the shared root",
             f"# asyncsync bench --profile --scale-sizes {size >> 20}MiB  ({_machine()})",
             f"# {side} wall per version (s): "
