@@ -102,8 +102,11 @@ def test_concurrent_takers_through_two_rclone_mounts_give_one_winner_and_a_dead_
                 answers = _go(procs)
                 winners = [i for i, ans in enumerate(answers) if ans.startswith("won")]
                 assert len(winners) == 1, answers
+                # a loser reads the winner's lease, or its claim, or (through the other mount)
+                # the lease file while its upload is half done: honoured as a live lease
+                refusals = ("in use by", "at the same time", "is unreadable")
                 assert all(
-                    "in use by" in ans or "at the same time" in ans
+                    any(r in ans for r in refusals)
                     for i, ans in enumerate(answers) if i != winners[0]
                 ), answers  # fmt: skip
                 owner = answers[winners[0]].split()[1]
