@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -146,6 +147,67 @@ def test_a_lease_taken_over_is_noticed_at_the_next_heartbeat(tmp_path: Path) -> 
     with pytest.raises(LockHeld, match="taken over by host other-host"):
         a.renew()
     assert not a.held
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_heartbeat_takes_again_a_lease_whose_other_owner_is_gone(tmp_path: Path) -> None:
+    """A root restored with its leases/ names a holder that is gone: the running holder takes
+    the id again at its heartbeat, as a freshly started one would, instead of stopping for
+    good; a live other holder still makes it stop."""
+    a = EngineLease(tmp_path, "e1", ttl=30.0, settle=0.0)
+    a.acquire()
+    gone = _own_record(owner="9" * 16, pid=_dead_pid(), nonce="0" * 16)
+    lease_path(tmp_path, "e1").write_bytes(gone.to_json())
+    claim_path(tmp_path, "e1", gone.owner).write_bytes(gone.to_json())
+    a.renew()
+    found = read_lease(tmp_path, "e1")
+    assert a.held and found is not None and found[0].owner == a.owner
+    assert not claim_path(tmp_path, "e1", gone.owner).exists()  # the dead claim removed
+    alive = LeaseRecord("e1", "8" * 16, "other-host", 1, 30.0, 0.0, 0.0)  # fresh mtime: live
+    lease_path(tmp_path, "e1").write_bytes(alive.to_json())
+    with pytest.raises(LockHeld, match="taken over by host other-host"):
+        a.renew()
+    assert not a.held
+
+
+async def test_a_running_receiver_keeps_its_id_when_a_dead_owners_lease_is_restored(
+    tmp_path: Path,
+) -> None:
+    """(helper-22's finding 5) The root's leases/ restored from a backup under a running
+    receiver: its heartbeat finds a dead receiver's lease and keeps syncing (it stopped for
+    good before, while a receiver started then took the id at once)."""
+    root = tmp_path / "root"
+    stop = asyncio.Event()
+    agent = _agent(root, tmp_path / "ckpt", lease_ttl=0.6, poll_interval=0.05)
+    async with (
+        Publisher(root, bucket_bytes=8192, keyframe_interval=0) as pub,
+        asyncio.TaskGroup() as tg,
+    ):
+        await pub.seed(mixed_state(0))
+        tg.create_task(agent.run(stop=stop))
+        await _wait_for_ack(root, 0)
+        gone = _own_record(owner="9" * 16, pid=_dead_pid(), nonce="0" * 16)
+        lease_path(root, "e1").write_bytes(gone.to_json())
+        await asyncio.sleep(1.0)  # several heartbeats
+        await pub.publish(mutate(mixed_state(0), 0.03, seed=7))
+        await _wait_for_ack(root, 1)
+        found = read_lease(root, "e1")
+        assert found is not None and found[0].owner == agent._presence.lease.owner
+        assert agent._presence.lost is None
+        stop.set()
+    await agent.close()
+
+
+async def _wait_for_ack(root: Path, version: int) -> None:
+    deadline = time.monotonic() + 30
+    while (ack := read_acks(root).get("e1")) is None or ack.version < version:
+        assert time.monotonic() < deadline, ack
+        await asyncio.sleep(0.05)
 
 
 async def test_the_id_of_a_killed_receiver_is_free_at_once_on_its_host(tmp_path: Path) -> None:

@@ -509,7 +509,8 @@ class EngineLease:
         _HELD.discard(self.owner)
 
     def renew(self) -> None:
-        """The heartbeat: rewrite claim and lease. LockHeld when another receiver took it."""
+        """The heartbeat: rewrite claim and lease. LockHeld when another live receiver took it;
+        a lease that is missing, or names another owner that is gone, is taken again."""
         found = _read_lease_file(self.path, self.root)
         if found is None:  # removed from outside: take it again
             self.held = False
@@ -519,6 +520,15 @@ class EngineLease:
         if isinstance(found, UnreadableLease):  # damaged from outside: ours until it went stale
             logger.warning("engine id %s: rewriting the unreadable lease %s (%s)",
                            self.engine_id, self.path, found.reason)  # fmt: skip
+        elif found[0].owner != self.owner and self.stale(*found):
+            # another owner's lease whose holder is gone (e.g. a root restored with its leases/):
+            # nobody holds the id, so it is taken again as at the start, not given up for good
+            logger.warning("engine id %s: the lease names %s, which is gone: taking it again",
+                           self.engine_id, found[0].describe())  # fmt: skip
+            self.held = False
+            _HELD.discard(self.owner)
+            self.acquire()
+            return
         elif found[0].owner != self.owner:
             self.held = False
             _HELD.discard(self.owner)
