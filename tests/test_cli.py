@@ -347,6 +347,41 @@ def test_receiver_runs_until_sigint_and_exits_0(root: Path, tmp_path: Path) -> N
     assert "stopped at version 3" in err
 
 
+def test_a_ctrl_c_while_the_receiver_starts_is_quiet(tmp_path: Path) -> None:
+    """The console script (``receiver.entry:main``) stopped by SIGINT at moments inside its
+    imports (torch: a second or more) and right after: no traceback, status 0. It printed
+    the import's KeyboardInterrupt traceback."""
+    root = tmp_path / "root"
+    root.mkdir()
+    script = "import sys; from receiver.entry import main; sys.exit(main())"
+    for delay in (0.15, 0.3, 0.5, 0.8):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, "--root", str(root), "--engine-id", "e1",
+             "--checkpoint", str(tmp_path / "ckpt")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        )  # fmt: skip
+        try:
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert "Traceback" not in err, (delay, err)
+        assert proc.returncode in (0, -signal.SIGINT), (delay, proc.returncode, err)
+
+
+def test_the_console_script_is_the_light_entry() -> None:
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["asyncsync-receiver"] == "receiver.entry:main"
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, receiver.entry; print('torch' in sys.modules)"],
+        capture_output=True, text=True, cwd=REPO, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "False"
+
+
 def test_receiver_errors(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--root", str(root), "--checkpoint", str(tmp_path / "c"), "--once"]
     for bad in ("bad/id", "two\nlines", ""):  # bad usage (was exit 1 after start-up)
