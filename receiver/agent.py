@@ -46,10 +46,10 @@ from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
 from receiver.acking import RootPresence
 from receiver.badversions import BadVersions
+from receiver.early import EarlyRead
 from receiver.engines.base import Engine, TensorUpdate
 from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe
-from receiver.prefetch import Prefetcher, being_written
 from receiver.shard_reader import (
     Piece,
     ShardData,
@@ -62,7 +62,6 @@ from receiver.shard_reader import (
     verified,
 )
 from receiver.status import AgentStatus, Counters
-from receiver.stream import StreamApplier, early_reader
 from receiver.watch import Repeats, first_of, wakeups
 
 __all__ = ["AgentStatus", "ReceiverAgent"]
@@ -150,8 +149,7 @@ class ReceiverAgent:
         self.prefetch_bytes = prefetch_bytes
         self.apply_group_bytes = apply_group_bytes
         self.stream_timeout = stream_timeout
-        self._prefetcher: Prefetcher | StreamApplier | None = None
-        self._prefetch_task: asyncio.Task[None] | None = None
+        self._early = EarlyRead(self.root, self.engine_id)  # the next version, before its manifest
         self._wake: asyncio.Event | None = None
         self._bad = BadVersions(self.root, self.engine_id, verify_deadline)
         self._presence = RootPresence(
@@ -279,7 +277,7 @@ class ReceiverAgent:
                     await self.sync_once()
                     failing.clear()
                 except (AsyncSyncError, OSError) as exc:
-                    await self._drop_stale_stream()  # now, not after the backoff below
+                    await self._early.drop_stale(self._bad)  # now, not after the backoff below
                     if failing.should_log(str(exc)):
                         logger.error("agent %s: sync failed%s: %s",
                                      self.engine_id, failing.since(), exc)  # fmt: skip
@@ -290,14 +288,17 @@ class ReceiverAgent:
                 except Exception:  # an engine's own bug must not stop the agent for good
                     logger.exception("agent %s: sync failed unexpectedly", self.engine_id)
                 if self.prefetch:
-                    await self._start_prefetch(wake)
+                    await self._early.start(
+                        self.engine, self.version, wake, prefetch_bytes=self.prefetch_bytes,
+                        group_bytes=self.apply_group_bytes, idle_timeout=self.stream_timeout,
+                        verify_deadline=self.verify_deadline,
+                    )  # fmt: skip
         finally:
-            for task in (watcher, beat, self._prefetch_task):
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            self._prefetcher = self._prefetch_task = None
+            for task in (watcher, beat):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self._early.stop()
             self._wake = None
 
     def exclusive(self) -> asyncio.Lock:
@@ -314,54 +315,6 @@ class ReceiverAgent:
             return False
         self._wake.set()
         return True
-
-    async def _start_prefetch(self, wake: asyncio.Event) -> None:
-        """Prefetch version N+1's shards if it is being written now (dir without manifest)."""
-        cur = self.version
-        if cur is None:
-            return
-        nxt = cur + 1
-        if self._prefetcher is not None:
-            if self._prefetcher.version == nxt:
-                return
-            if self._prefetch_task is not None:
-                self._prefetch_task.cancel()
-            self._prefetcher = self._prefetch_task = None
-        if not await asyncio.to_thread(being_written, self.root, nxt):
-            return
-        self._prefetcher = await early_reader(
-            self.root, self.engine, cur, wake, prefetch_bytes=self.prefetch_bytes,
-            group_bytes=self.apply_group_bytes, idle_timeout=self.stream_timeout,
-            verify_deadline=self.verify_deadline,
-        )  # fmt: skip
-        self._prefetch_task = asyncio.create_task(
-            self._prefetcher.run(), name=f"prefetch v{nxt} {self.engine_id}"
-        )
-
-    async def _drop_stale_stream(self) -> None:
-        """After a failed sync: roll back a streamed transaction whose manifest came (the
-        stream ended) but is bad (unreadable, refused), which no later sync will take."""
-        s, task = self._prefetcher, self._prefetch_task
-        if (
-            isinstance(s, StreamApplier)
-            and s.txn_open
-            and task
-            and task.done()
-            and s.version in self._bad
-        ):
-            await s.abandon(task, "its manifest came but does not read or was refused")
-            self._prefetcher = self._prefetch_task = None
-
-    async def _take_stream(self, m: Manifest, mode: Mode) -> set[str] | None:
-        """The shard files a streaming apply applied into the engine's transaction for ``m``,
-        confirmed by ``m`` (None: no transaction open; see :meth:`StreamApplier.take`)."""
-        s, task = self._prefetcher, self._prefetch_task
-        if not isinstance(s, StreamApplier):
-            return None
-        self._prefetcher = self._prefetch_task = None
-        early = await s.take(task, m, mode)
-        self._c.streamed += len(early or ())
-        return early
 
     def __repr__(self) -> str:
         return (
@@ -488,7 +441,8 @@ class ReceiverAgent:
         t0 = time.perf_counter()
         scratch.fit(m.totals.model_bytes)  # the decode's temporaries: by the model's size
         shards = [(i, s) for i, s in enumerate(m.shards) if s.role == mode]
-        early = await self._take_stream(m, mode)
+        early = await self._early.take_stream(m, mode)
+        self._c.streamed += len(early or ())
         if mode == "delta" and not shards and early is None:
             await self.engine.bump(m)
         else:
@@ -573,7 +527,7 @@ class ReceiverAgent:
         path, root = shard_source(self.root, m, shard)  # never follows a symlink in the root
         deadline = time.monotonic() + self._bad.patience(m.version)  # known bad: read once
         delay = 0.05
-        early = self._prefetched(m, shard)
+        early = self._early.prefetched(m, shard)
         while True:
             try:
                 if early is not None:
@@ -591,9 +545,3 @@ class ReceiverAgent:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         return await asyncio.to_thread(open_shard, m, shard, data, str(path))
-
-    def _prefetched(self, m: Manifest, shard: ShardInfo) -> bytes | None:
-        p = self._prefetcher
-        if not isinstance(p, Prefetcher) or p.version != m.version or shard.role != "delta":
-            return None
-        return p.take(shard.file)

@@ -282,7 +282,7 @@ async def test_prefetched_bytes_are_verified_not_trusted(tmp_path: Path) -> None
         # a prefetcher that read garbage for v2's first shard (e.g. a torn read on NFS)
         p = Prefetcher(tmp_path, 2, on_manifest=asyncio.Event())
         p.shards["delta-00000.safetensors"] = b"garbage"
-        agent._prefetcher = p
+        agent._early.reader = p
         assert await agent.sync_once() == 2  # re-read from disk after the mismatch
         assert agent.status().prefetched_shards == 0
         assert_holds(agent.engine.load_state_dict(), states[2])  # type: ignore[attr-defined]

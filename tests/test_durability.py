@@ -315,7 +315,7 @@ async def test_every_crash_state_of_a_streaming_apply_recovers(tmp_path: Path) -
         async def hook(vdir: Path) -> None:
             n = len(list(vdir.glob("delta-*.safetensors")))
             await eventually(
-                lambda: isinstance(s := agent._prefetcher, StreamApplier) and len(s.applied) == n,
+                lambda: isinstance(s := agent._early.reader, StreamApplier) and len(s.applied) == n,
                 "every shard of v2 applied before its manifest",
             )
             streamed.append(n)

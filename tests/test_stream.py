@@ -69,7 +69,7 @@ async def _with_agent(
 
 
 def _streamer(agent: ReceiverAgent) -> StreamApplier | None:
-    s = agent._prefetcher
+    s = agent._early.reader
     return s if isinstance(s, StreamApplier) else None
 
 

@@ -1,0 +1,100 @@
+"""A receiver agent's early read of the next version: started while that version's directory
+is being written (no manifest yet), taken by the sync that applies it.
+
+It is a :class:`~receiver.stream.StreamApplier` (shards applied into an engine transaction
+before the manifest, for an engine that ``streams``) or a :class:`~receiver.prefetch.Prefetcher`
+(shard bytes read ahead); :func:`receiver.stream.early_reader` chooses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Container
+from pathlib import Path
+
+from asyncsync.format import Manifest, ShardInfo
+from receiver.engines.base import Engine
+from receiver.plan import Mode
+from receiver.prefetch import Prefetcher, being_written
+from receiver.stream import StreamApplier, early_reader
+
+__all__ = ["EarlyRead"]
+
+
+class EarlyRead:
+    """At most one early read at a time, and its task."""
+
+    def __init__(self, root: Path, engine_id: str) -> None:
+        self.root = root
+        self.engine_id = engine_id
+        self.reader: Prefetcher | StreamApplier | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(
+        self,
+        engine: Engine,
+        cur: int | None,
+        wake: asyncio.Event,
+        *,
+        prefetch_bytes: int,
+        group_bytes: int | None,
+        idle_timeout: float,
+        verify_deadline: float,
+    ) -> None:
+        """Read version ``cur + 1`` early if it is being written now (a directory without a
+        manifest); a read of another version is cancelled."""
+        if cur is None:
+            return
+        nxt = cur + 1
+        if self.reader is not None:
+            if self.reader.version == nxt:
+                return
+            if self.task is not None:
+                self.task.cancel()
+            self.reader = self.task = None
+        if not await asyncio.to_thread(being_written, self.root, nxt):
+            return
+        self.reader = await early_reader(
+            self.root, engine, cur, wake, prefetch_bytes=prefetch_bytes,
+            group_bytes=group_bytes, idle_timeout=idle_timeout, verify_deadline=verify_deadline,
+        )  # fmt: skip
+        self.task = asyncio.create_task(self.reader.run(), name=f"prefetch v{nxt} {self.engine_id}")
+
+    async def drop_stale(self, bad: Container[int]) -> None:
+        """After a failed sync: roll back a streamed transaction whose manifest came (the
+        stream ended) but is bad (unreadable, refused), which no later sync will take."""
+        s, task = self.reader, self.task
+        if (
+            isinstance(s, StreamApplier)
+            and s.txn_open
+            and task
+            and task.done()
+            and s.version in bad
+        ):
+            await s.abandon(task, "its manifest came but does not read or was refused")
+            self.reader = self.task = None
+
+    async def take_stream(self, m: Manifest, mode: Mode) -> set[str] | None:
+        """The shard files a streaming apply applied into the engine's transaction for ``m``,
+        confirmed by ``m`` (None: no transaction open; see :meth:`StreamApplier.take`)."""
+        s, task = self.reader, self.task
+        if not isinstance(s, StreamApplier):
+            return None
+        self.reader = self.task = None
+        return await s.take(task, m, mode)
+
+    def prefetched(self, m: Manifest, shard: ShardInfo) -> bytes | None:
+        """The bytes of ``shard`` of ``m`` read ahead, if they were (taken: given once)."""
+        p = self.reader
+        if not isinstance(p, Prefetcher) or p.version != m.version or shard.role != "delta":
+            return None
+        return p.take(shard.file)
+
+    async def stop(self) -> None:
+        """Cancel the read (a stream's open transaction is the engine's to abort)."""
+        task, self.reader, self.task = self.task, None, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
