@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -291,16 +292,28 @@ def check_status_options(args: argparse.Namespace) -> str | None:
             f"the control token must be at least {MIN_TOKEN_CHARS} characters (got "
             f"{len(token)}): generate one, e.g. `openssl rand -hex 16`"
         )
-    if args.status_port:
-        infos = socket.getaddrinfo(args.status_host, args.status_port, type=socket.SOCK_STREAM)
+    if args.status_port is not None:  # port 0 too: the host is checked by a bind all the same
+        host = args.status_host
+        try:
+            infos = socket.getaddrinfo(host, args.status_port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+            raise ConfigError(
+                f"--status-host {host!r}: {why}; give an address of this host (default "
+                "127.0.0.1; 0.0.0.0 or :: for every interface)"
+            ) from exc
         family, kind, proto, _, addr = infos[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(addr)
             except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(
+                        f"--status-host {host!r}: {exc.strerror}: not an address of this host"
+                    ) from exc
                 raise ConfigError(
-                    f"--status-port {args.status_port} on {args.status_host}: {exc.strerror}; "
+                    f"--status-port {args.status_port} on {host}: {exc.strerror}; "
                     "pick a free port (0: any free one)"
                 ) from exc
     return token

@@ -233,7 +233,8 @@ class StatusServer:
     def url(self) -> str:
         if self._site is None:
             raise RuntimeError("the server is not started")
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"http://{host}:{self.port}"
 
     async def __aenter__(self) -> StatusServer:
         await self.start()

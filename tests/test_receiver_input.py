@@ -238,6 +238,16 @@ def test_usage_is_checked_before_the_engine_is_opened(
                           "--status-host", "256.0.0.1"]) == 1  # fmt: skip
     doc = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert doc["level"] == "ERROR" and "asyncsync-receiver e1" in doc["logger"]
+    # a --status-host that is no address of this host, with --status-port 0 too: one line
+    # naming the option, before the engine is opened (it was "[Errno -2] Name or service not
+    # known" or asyncio's bind error once the engine was open, with port 0 not checked at all)
+    for host, why in [("no.such.host.invalid", "Name or service not known"),
+                      ("a..b", "idna"), ("192.0.2.1", "not an address of this host")]:  # fmt: skip
+        for port in ("0", "1"):
+            assert receiver_main([*base, "--status-port", port, "--status-host", host]) == 1
+            err = capsys.readouterr().err
+            assert f"--status-host {host!r}" in err and why in err, err
+            assert not ckpt.exists()
 
 
 @pytest.mark.parametrize(

@@ -261,3 +261,27 @@ async def eventually_async(cond: Any, what: str, timeout: float = 30.0) -> None:
     while not await cond():
         assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.1)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+async def test_an_ipv6_status_url_has_brackets(tmp_path: Path) -> None:
+    """The URL the receiver prints and logs for ``--status-host ::1`` (it was http://::1:PORT,
+    which no client parses); a client reaches /healthz through it."""
+    if not _has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    root = tmp_path / "root"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(mixed_state(0))
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "c"), "e", use_inotify=False)
+    async with agent, StatusServer(agent, host="::1") as server, aiohttp.ClientSession() as http:
+        assert server.url.startswith("http://[::1]:")
+        async with http.get(f"{server.url}/healthz") as r:
+            assert r.status in (200, 503)
