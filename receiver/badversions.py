@@ -23,7 +23,7 @@ from pathlib import Path
 
 from asyncsync.errors import ManifestError, ManifestUnreadable
 from asyncsync.format import Manifest
-from asyncsync.format.store import ManifestCache
+from asyncsync.format.store import ManifestCache, list_versions
 from receiver.engines.base import EngineState
 from receiver.plan import Mode, keyframe_after, keyframes_in, plan_next
 
@@ -108,15 +108,26 @@ class BadVersions:
 
     def newest_readable(self, found: int) -> tuple[Manifest | None, ManifestError | None]:
         """The newest committed version at or below ``found`` whose manifest reads, and the
-        error of the newest one when it does not."""
+        error of the newest one when it does not.
+
+        The versions tried are the ``MAX_BAD_KEPT`` numbers below ``found`` (found by exact
+        probes where a listing lags) and the listed ones below those: a damaged version far
+        past the others (a directory planted at the last version number) is gone past to the
+        newest one that reads, not taken for the end of the chain."""
         first: ManifestError | None = None
-        for v in range(found, max(found - MAX_BAD_KEPT, 0) - 1, -1):
+        window = range(found, max(found - MAX_BAD_KEPT, 0) - 1, -1)
+        listed = [v for v in reversed(list_versions(self.root)) if v < window[-1]]
+        unreadable = 0
+        for v in [*window, *listed]:
             try:
                 return self.read(self.root, v), first
             except FileNotFoundError:
                 continue
             except ManifestError as exc:
                 first = first or exc
+                unreadable += 1
+                if unreadable > MAX_BAD_KEPT:
+                    break
         return None, first
 
     def keyframe_after(self, version: int, latest: int) -> Manifest | None:

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import torch
 
-from asyncsync import ChecksumMismatch, FormatError, IncompleteVersion, Publisher
+from asyncsync import ChecksumMismatch, ConfigError, FormatError, IncompleteVersion, Publisher
 from asyncsync.format.acks import read_acks
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.ops.cli import main as cli_main
@@ -301,3 +301,47 @@ async def test_a_receiver_stuck_behind_a_damaged_version_backs_off_and_says_it_o
             assert 1 <= len([r for r in lines if "sync failed" in r.getMessage()]) <= 1
             assert len(lines) <= 4, [r.getMessage() for r in lines]
             assert agent.version == 2
+
+
+@pytest.mark.parametrize("planted", ["garbage", "copied"])
+async def test_a_version_planted_at_the_last_number_is_gone_past(
+    tmp_path: Path, planted: str
+) -> None:
+    """(helper-23, finding 1) A version directory at the last number (v999999999999) with a
+    manifest that does not read, or a real manifest copied there: the receiver's probe for
+    the next version raised "version 1000000000000 out of range" at every sync, so it never
+    applied anything, and a publisher could not open the root. Now the receiver goes past it
+    to the newest version that reads (it is reported bad), and the publisher refuses the root
+    with one message naming the directory."""
+    root = tmp_path / "root"
+    states = [mixed_state(0)]
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(states[0])
+        states.append(mutate(states[0], 0.03, seed=1))
+        await pub.publish(states[1])
+    last = root / "v999999999999"
+    last.mkdir()
+    if planted == "garbage":
+        (last / "manifest.json").write_text("{garbage")
+    else:
+        doc = json.loads((_vdir(root, 1) / "manifest.json").read_text())
+        (last / "manifest.json").write_text(json.dumps({**doc, "version": 999999999999}))
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "c"), "e1", use_inotify=False,
+                          verify_deadline=0.05)  # fmt: skip
+    async with agent:
+        with pytest.raises(FormatError, match="v999999999999"):
+            await agent.sync_once()
+        assert agent.version == 1
+        assert_holds(agent.engine.load_state_dict(), states[1])  # type: ignore[attr-defined]
+    ack = read_acks(root)["e1"]
+    assert ack.version == 1 and ack.bad_versions == (999999999999,)
+    with pytest.raises(ConfigError, match="v999999999999 is the last version number"):
+        async with Publisher(root, keyframe_interval=0):
+            pass
+    async with Publisher(tmp_path / "other", keyframe_interval=0):  # nothing held
+        pass
+    import shutil
+
+    shutil.rmtree(last)
+    async with Publisher(root, keyframe_interval=0) as pub:  # the lock was released
+        assert pub.next_version == 2

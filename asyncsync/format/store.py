@@ -35,7 +35,7 @@ from asyncsync.format import (
     version_dir,
 )
 from asyncsync.format.fields import _load_json
-from asyncsync.format.names import LEASES_DIR
+from asyncsync.format.names import LEASES_DIR, MAX_VERSION
 
 __all__ = [
     "MAX_GID",
@@ -47,6 +47,7 @@ __all__ = [
     "is_committed",
     "is_root",
     "list_versions",
+    "next_version_after",
     "prepare_shared_dirs",
     "ManifestCache",
     "read_manifest",
@@ -129,6 +130,8 @@ def _committed(root: Path, name: str, st: os.stat_result) -> bool:
 
 def is_committed(root: Path, version: int) -> bool:
     """Whether ``version`` is committed (an exact-path lookup, not a listing)."""
+    if version > MAX_VERSION:  # none can be (a probe past a planted last version dir)
+        return False
     path = version_dir(root, version)
     try:
         st = fsio.lstat(path, root=root)
@@ -228,6 +231,20 @@ def list_versions(root: Path) -> list[int]:
             out.append(v)
     out.sort()
     return out
+
+
+def next_version_after(root: Path, versions: list[int]) -> int:
+    """The version a publisher commits next on ``root``, whose committed ``versions`` (ascending)
+    were listed: ConfigError when the newest is the last version number (none can follow it)."""
+    if not versions:
+        return 0
+    if versions[-1] >= MAX_VERSION:
+        raise ConfigError(
+            f"{version_dir(root, versions[-1])} is the last version number a root can hold: no "
+            "version can follow it. A trainer does not get there: remove that directory if it "
+            "was put there (copied, planted), or publish into a new root"
+        )
+    return versions[-1] + 1
 
 
 def uncommitted_dirs(root: Path) -> list[Path]:

@@ -37,7 +37,7 @@ from asyncsync.format import (
     version_dir,
 )
 from asyncsync.format.log import append_manifest, parse_record
-from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.format.store import list_versions, read_manifest, uncommitted_dirs
 from asyncsync.fsio import atomic_write, fsync_dir
 from asyncsync.pipeline import finish_thread
 from asyncsync.publish.retention import RetentionPolicy, collect
@@ -50,6 +50,7 @@ __all__ = [
     "commit_version",
     "complete",
     "discard",
+    "clean_leftovers",
     "finish_interrupted",
     "log_and_collect",
     "run_hook",
@@ -242,6 +243,17 @@ async def through_commit(aw: Awaitable[T], renamed: Callable[[], bool]) -> tuple
 async def complete(aw: Awaitable[T]) -> tuple[T, bool]:
     """Await ``aw`` to its end even if cancelled meanwhile; return (result, cancelled)."""
     return await through_commit(aw, lambda: True)
+
+
+def clean_leftovers(root: Path) -> None:
+    """Remove what interrupted publishes left: version directories without a manifest, temp
+    files. Run by the committer when it opens the root (no other publisher writes there)."""
+    for d in uncommitted_dirs(root):
+        logger.warning("removing uncommitted version directory %s", d)
+        with contextlib.suppress(OSError):
+            fsio.remove_tree(d, root=root)
+    for p in fsio.remove_temp_files(root):
+        logger.warning("removed leftover temp file %s", p)
 
 
 def finish_interrupted(root: Path) -> list[int]:

@@ -29,7 +29,6 @@ version once, in one manifest, when every rank's shards are durable
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -63,10 +62,10 @@ from asyncsync.format.checksum import DEFAULT_ALGORITHM
 from asyncsync.format.store import (
     ensure_root_info,
     list_versions,
+    next_version_after,
     read_root_info,
-    uncommitted_dirs,
 )
-from asyncsync.fsio import FileLock, make_dir, remove_temp_files, remove_tree
+from asyncsync.fsio import FileLock, make_dir
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import finish_thread, run_pipeline
 from asyncsync.publish import snapshot
@@ -74,6 +73,7 @@ from asyncsync.publish.commit import (
     PreCommitHook,
     build_manifest,
     claim_version_dir,
+    clean_leftovers,
     commit_version,
     complete,
     discard,
@@ -224,9 +224,10 @@ class Publisher:
             )
             self._run_id = info.run_id if info is not None else ""
             if committer:
-                await asyncio.to_thread(self._clean_leftovers)
+                await asyncio.to_thread(clean_leftovers, self.root)
                 await asyncio.to_thread(finish_interrupted, self.root)
             versions = await asyncio.to_thread(list_versions, self.root)
+            nxt = next_version_after(self.root, versions)  # (the lock is released below)
             await self._committer.open(self.root, versions[-1] if versions else None)
         except OSError as exc:  # e.g. fsio.UnsafePath: a symlink where .rendezvous/ should be
             self._lock.release()
@@ -235,7 +236,7 @@ class Publisher:
             self._lock.release()
             raise
         self._last_version = versions[-1] if versions else None
-        self._next_version = versions[-1] + 1 if versions else 0
+        self._next_version = nxt
         logger.info(
             "publisher open root=%s run=%s next_version=%d",
             self.root,
@@ -246,14 +247,6 @@ class Publisher:
     async def close(self) -> None:
         async with self._busy:
             self._lock.release()
-
-    def _clean_leftovers(self) -> None:
-        for d in uncommitted_dirs(self.root):
-            logger.warning("removing uncommitted version directory %s", d)
-            with contextlib.suppress(OSError):
-                remove_tree(d, root=self.root)
-        for p in remove_temp_files(self.root):
-            logger.warning("removed leftover temp file %s", p)
 
     def _require_open(self) -> None:
         if not self._lock.held:
