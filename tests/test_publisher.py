@@ -159,6 +159,10 @@ async def test_publish_needs_seed_and_validates(tmp_path: Path) -> None:
             "meta tensor": torch.empty(4, device="meta"),
             "layout torch.sparse_coo": torch.ones(4).to_sparse(),
             "negated view": torch.ones(4)._neg_view(),
+            "nested tensor": _nested(),
+            "layout torch.jagged": torch.nested.nested_tensor(
+                [torch.ones(2), torch.ones(3)], layout=torch.jagged
+            ),
         }
         for what, t in odd.items():
             with pytest.raises(ConfigError, match=f"'a'.* {what}"):
@@ -168,7 +172,25 @@ async def test_publish_needs_seed_and_validates(tmp_path: Path) -> None:
             with pytest.raises(ConfigError, match=f"'a'.* {what}"):
                 await pub.publish({"a": t})
         assert (await pub.publish({"a": torch.ones(4)})).changed == 0
+        # an empty state dict (helper-23, finding 8: it committed a version of no tensors,
+        # which every engine applied, left with none)
+        with pytest.raises(ConfigError, match="the state dict is empty"):
+            await pub.publish({})
     assert list_versions(tmp_path) == [0, 1]
+    async with Publisher(tmp_path / "empty") as pub:
+        with pytest.raises(ConfigError, match="the state dict is empty"):
+            await pub.seed({})
+    assert list_versions(tmp_path / "empty") == []
+
+
+def _nested() -> torch.Tensor:
+    """A nested tensor of torch's default (strided) layout: a RuntimeError from deep inside the
+    diff before (helper-23, finding 9)."""
+    import warnings
+
+    with warnings.catch_warnings():  # "the PyTorch API of nested tensors is in prototype stage"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
 
 
 def _fail(*_a: object, **_k: object) -> None:
@@ -220,6 +242,10 @@ async def test_failure_at_each_stage_commits_nothing(
             with pytest.raises(PublishError, match="nothing was committed") as ei:
                 await pub.publish(sd1)
             assert ei.value.__cause__ is not None
+            # the step that failed (helper-23, finding 7: it said diff/encode/write for all)
+            during = {"encode": "diff/encode/write", "write": "diff/encode/write",
+                      "fsync": "fsync", "hook": "pre-commit hook", "manifest": "manifest"}  # fmt: skip
+            assert f"failed during {during[stage]}:" in str(ei.value), ei.value
         hook_fails["on"] = False
         assert files_under(tmp_path) == before  # no manifest, no shard, no temp file
         assert list_versions(tmp_path) == [0]

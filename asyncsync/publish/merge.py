@@ -112,6 +112,7 @@ def check_state_dict(
             )
         odd = (
             f"of layout {t.layout}" if t.layout != torch.strided
+            else "a nested tensor" if t.is_nested
             else "a meta tensor (no data)" if t.is_meta
             else "a lazily negated view" if t.is_neg()
             else None

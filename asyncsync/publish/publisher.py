@@ -498,7 +498,7 @@ class Publisher:
         self._renamed = False
         try:
             finish = self._committer.finish(
-                rnd, vdir, written, stage_ref[0], self.checksum, commit_merged
+                rnd, vdir, written, stage_ref, self.checksum, commit_merged
             )
             manifest, cancelled = await through_commit(finish, lambda: self._renamed)
         except BaseException:

@@ -119,7 +119,7 @@ class Committer(Protocol):
         rnd: Round,
         vdir: Path,
         written: Written,
-        stage: str,
+        stage: list[str],
         checksum: str,
         commit_merged: CommitMerged,
     ) -> Manifest: ...
@@ -152,6 +152,11 @@ class SoloCommitter:
         ``abstain``: raised (a publisher alone has nobody to tell)."""
         if abstain is not None:
             raise abstain
+        if not state_dict:  # (a rank of a group may hold none of the tensors)
+            raise ConfigError(
+                "the state dict is empty: a version without tensors would leave every engine "
+                "with none (a filter that matched nothing?); pass the model's tensors"
+            )
         sl = check_state_dict(state_dict, slices)
         version = pub.next_version
         if not base or pub.mode == "full":  # no snapshot needed: the version is complete
@@ -172,7 +177,7 @@ class SoloCommitter:
         rnd: Round,
         vdir: Path,
         written: Written,
-        stage: str,
+        stage: list[str],
         checksum: str,
         commit_merged: CommitMerged,
     ) -> Manifest:
@@ -183,7 +188,7 @@ class SoloCommitter:
             merged = merge([(written.entries, written.shards)], checksum)  # slices must tile
             return await commit_merged(*merged, written.raw_bytes, {})
         except BaseException as exc:
-            await discard(vdir, exc, rnd.version, stage)
+            await discard(vdir, exc, rnd.version, stage[0])  # the step in flight then
 
     async def end(self) -> None:
         return None
@@ -268,7 +273,7 @@ class RankedCommitter:
         rnd: Round,
         vdir: Path,
         written: Written,
-        stage: str,
+        stage: list[str],
         checksum: str,
         commit_merged: CommitMerged,
     ) -> Manifest:
