@@ -244,7 +244,8 @@ async def test_failure_at_each_stage_commits_nothing(
             assert ei.value.__cause__ is not None
             # the step that failed (helper-23, finding 7: it said diff/encode/write for all)
             during = {"encode": "diff/encode/write", "write": "diff/encode/write",
-                      "fsync": "fsync", "hook": "pre-commit hook", "manifest": "manifest"}  # fmt: skip
+                      "fsync": "fsync", "hook": "pre-commit hook",
+                      "manifest": "manifest"}  # fmt: skip
             assert f"failed during {during[stage]}:" in str(ei.value), ei.value
         hook_fails["on"] = False
         assert files_under(tmp_path) == before  # no manifest, no shard, no temp file
