@@ -42,6 +42,7 @@ from asyncsync.errors import (
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
 from asyncsync.format.names import root_path
+from asyncsync.format.store import is_committed
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import run_pipeline
 from receiver.acking import RootPresence
@@ -391,6 +392,14 @@ class ReceiverAgent:
                     )  # fmt: skip
                     await self._reseed(latest, run_id)
                     continue
+                if isinstance(exc, IncompleteVersion) and not await asyncio.to_thread(
+                    is_committed, self.root, m.version
+                ):  # retention removed it while it was read (the manifest goes first): not bad
+                    logger.warning(
+                        "agent %s: v%d was removed while it was read (retention): going on "
+                        "from a keyframe", self.engine_id, m.version,
+                    )  # fmt: skip
+                    continue  # the plan finds it gone
                 self._bad.mark(m.version, exc)
                 if not await asyncio.to_thread(self._bad.can_go_past, m.version, cur, latest):
                     raise

@@ -345,3 +345,54 @@ async def test_a_version_planted_at_the_last_number_is_gone_past(
     shutil.rmtree(last)
     async with Publisher(root, keyframe_interval=0) as pub:  # the lock was released
         assert pub.next_version == 2
+
+
+async def test_a_version_removed_by_retention_while_it_is_read_is_not_bad(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(helper-23, finding 6) Retention removed v1 (its manifest, then its directory) while a
+    lagging receiver read its shards: the missing shard marked v1 bad for good (reported in
+    the ack and by `asyncsync status`) with "no keyframe follows it yet" though one did. The
+    receiver now sees the version gone and goes on from the keyframe, nothing marked bad."""
+    import shutil
+
+    import receiver.agent as agent_mod
+
+    root = tmp_path / "root"
+    states = [mixed_state(0)]
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(states[0])
+        for v in (1, 2, 3):
+            states.append(mutate(states[-1], 0.03, seed=v))
+            await pub.publish(states[-1], keyframe=v == 2)
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "c"), "e1", use_inotify=False,
+                          verify_deadline=0.05, prefetch=False)  # fmt: skip
+    async with agent:
+        real = agent_mod.read_verified
+
+        def racing(path: Path, *a: object, **k: object) -> bytes:
+            if path.parent.name == _vdir(root, 1).name and path.parent.exists():
+                (path.parent / "manifest.json").unlink()  # as retention does: manifest first
+                shutil.rmtree(path.parent)
+            return real(path, *a, **k)  # type: ignore[arg-type]
+
+        await _hold(agent, root, 0)
+        monkeypatch.setattr(agent_mod, "read_verified", racing)
+        with caplog.at_level(logging.WARNING):
+            assert await agent.sync_once() == 3
+        assert_holds(agent.engine.load_state_dict(), states[3])  # type: ignore[attr-defined]
+    assert "v1 was removed while it was read" in caplog.text
+    assert "v1 is bad" not in caplog.text
+    assert read_acks(root)["e1"].bad_versions == ()
+
+
+async def _hold(agent: ReceiverAgent, root: Path, version: int) -> None:
+    """Bring ``agent``'s engine to ``version`` alone (the versions after it hidden meanwhile)."""
+    hidden = [p for p in root.iterdir() if p.name.startswith("v") and int(p.name[1:]) > version]
+    for p in hidden:
+        p.rename(p.with_name("." + p.name))
+    try:
+        assert await agent.sync_once() == version
+    finally:
+        for p in hidden:
+            p.with_name("." + p.name).rename(p)
