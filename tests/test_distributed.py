@@ -325,6 +325,20 @@ async def test_a_rank_with_bad_input_fails_the_group_fast(tmp_path: Path) -> Non
     assert list_versions(root) == []
 
 
+async def test_a_group_whose_ranks_all_publish_nothing_commits_nothing(tmp_path: Path) -> None:
+    """(helper-23, finding 8, for a group) A rank may hold none of the tensors, but a version
+    that no rank gave a tensor would leave every engine with none."""
+    root = tmp_path / "root"
+    p0, p1, _ = _pair(root)
+    async with p0, p1:
+        r0, r1 = await _both([p0.seed({}), p1.seed({})])
+        assert isinstance(r0, PublishError) and isinstance(r1, PublishError), (r0, r1)
+        assert "no rank of 2 published a tensor" in str(r0)
+        r0, r1 = await _both([p0.seed(full_state(0, 2)), p1.seed({})])  # one empty rank: fine
+        assert r0.version == r1.version == 0, (r0, r1)
+    assert list_versions(root) == [0]
+
+
 def _also_rank0s(s: dict[str, torch.Tensor], sl: dict[str, TensorSlice]) -> Any:
     return {**s, "rank0.model.scalar": torch.ones(())}, sl
 

@@ -195,7 +195,8 @@ def merge(
     """Merge each rank's (entries, shards), in rank order, into one manifest's tensors and shards.
 
     Raises ConfigError naming the tensor when two ranks publish one name without both declaring
-    it a slice, when slices disagree on dtype or shape, or when they do not tile the tensor.
+    it a slice, when slices disagree on dtype or shape, or when they do not tile the tensor;
+    and when no rank published a tensor.
     """
     shards: list[ShardInfo] = []
     entries: dict[str, TensorEntry] = {}
@@ -246,6 +247,8 @@ def merge(
             changed=sum(p.changed for p in ps),
             checksum=parts_checksum(((p.offset, p.numel, p.checksum) for p in ps), algorithm),
         )
+    if not entries:  # a version without tensors would leave every engine with none
+        raise ConfigError(f"no rank of {len(pieces)} published a tensor: pass the model's tensors")
     return tuple(entries.values()), tuple(shards)
 
 
