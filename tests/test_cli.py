@@ -190,6 +190,23 @@ def test_tail_follow_ends_with_one_line_when_the_root_becomes_a_file(
     assert len(errors) == 1 and errors[0].startswith("asyncsync tail: error:"), err
 
 
+def test_tail_and_inspect_escape_control_characters_from_the_root(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log line's strings reach the terminal escaped (`tail` printed a forged line's escape
+    sequences raw: a colour, a cleared screen, a forged line)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    with open(copy / "log.jsonl", "a") as f:
+        f.write(json.dumps({"version": 3, "kind": "\x1b[2J\x1b[31mRED\nv9  fake\u2028\x9b"}) + "\n")
+    for cmd in ("tail", "inspect"):
+        assert main([cmd, str(copy)]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\u2028" not in out and "\x9b" not in out, out
+        assert "\\x1b[2J\\x1b[31mRED\\nv9  fake\\u2028\\x9b" in out, out
+        assert not any(line.startswith("v9") for line in out.splitlines()), out
+
+
 # --------------------------------------------------------------------------- verify
 
 

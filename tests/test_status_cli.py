@@ -69,3 +69,21 @@ async def test_acks_it_cannot_read_are_an_error_not_all_clear(
     (tmp_path / "acks").symlink_to(tmp_path / "elsewhere")
     assert main(["status", str(tmp_path)]) == 1
     assert "is a symlink" in capsys.readouterr().err
+
+
+async def test_status_escapes_control_characters_of_an_ack(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An ack's host with terminal escapes and a newline: shown escaped, in its own row (it
+    cleared the screen and printed a forged row)."""
+    async with Publisher(tmp_path) as pub:
+        await pub.seed(mixed_state(0))
+        run = pub.run_id
+    write_ack(tmp_path, "real", 0, "ab" * 16, run)
+    path = tmp_path / "acks" / "real.json"
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "host": "\x1b[2J\x1b[31mPWNED\nfake  2  0  ok"}))
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and len(out.splitlines()) == 3, out
+    assert "\\x1b[2J\\x1b[31mPWNED\\nfake  2  0  ok" in out.splitlines()[2], out

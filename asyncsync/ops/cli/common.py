@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,12 +31,31 @@ __all__ = [
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "printable",
     "resolve_version",
     "size_bytes",
     "version_spec",
     "table",
     "version_summaries",
 ]
+
+
+# C0 controls, DEL, C1 controls and the Unicode line and paragraph separators: in a string read
+# from a root file they would move the cursor, recolour or clear the terminal, or start a forged
+# line of a table (any receiver host may write the root)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return _SHORT.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def printable(value: object) -> str:
+    """``str(value)`` with control characters escaped (``\\x1b``, ``\\n``, ``\\u2028``): every
+    string from a root file that a human-readable line or table shows goes through here."""
+    return _CONTROL.sub(_escape, str(value))
 
 
 def human_bytes(n: float) -> str:
@@ -62,8 +82,9 @@ def fmt_density(d: float | None) -> str:
 def table(
     headers: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[str] = ()
 ) -> str:
-    """Text columns two spaces apart; columns named in ``right`` are right-aligned."""
-    cells = [[str(c) for c in r] for r in rows]
+    """Text columns two spaces apart; columns named in ``right`` are right-aligned. Cells are
+    shown :func:`printable`: a control character in one cannot forge a row or clear a screen."""
+    cells = [[printable(c) for c in r] for r in rows]
     widths = [len(h) for h in headers]
     for r in cells:
         for i, c in enumerate(r):

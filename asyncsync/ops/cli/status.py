@@ -24,7 +24,14 @@ from asyncsync.format.acks import ack_ages, read_acks, root_now
 from asyncsync.format.lease import unreadable_leases
 from asyncsync.format.store import read_manifest
 from asyncsync.fsio import scan
-from asyncsync.ops.cli.common import check_root, fmt_time, non_negative_int, positive_float, table
+from asyncsync.ops.cli.common import (
+    check_root,
+    fmt_time,
+    non_negative_int,
+    positive_float,
+    printable,
+    table,
+)
 
 __all__ = ["cmd_status", "engine_rows", "register"]
 
@@ -93,8 +100,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(table(headers, [_row(r) for r in rows], right=right))
         for b in bad:
             print(
-                f"lease of {b['engine_id']} UNREADABLE: {b['path']} ({b['reason']}), written "
-                f"{b['age_seconds']:.0f}s ago; taken over once older than a receiver's ttl"
+                printable(
+                    f"lease of {b['engine_id']} UNREADABLE: {b['path']} ({b['reason']}), "
+                    f"written {b['age_seconds']:.0f}s ago; taken over once older than a "
+                    "receiver's ttl"
+                )
             )
     return STRAGGLERS_EXIT if stragglers else 0
 

@@ -22,6 +22,7 @@ from asyncsync.ops.cli.common import (
     fmt_time,
     human_bytes,
     positive_float,
+    printable,
     resolve_version,
     table,
     version_spec,
@@ -116,21 +117,21 @@ def _manifest_summary(root: Path, m: Manifest) -> str:
         f"changed      {t.changed:,} elements ({fmt_density(t.density)})",
         f"wire         {human_bytes(t.wire_bytes)} ({ratio}); "
         f"delta {human_bytes(t.delta_bytes)}, raw payload {human_bytes(t.raw_bytes)}",
-        f"shards       {len(m.shards)}"
-        + "".join(f"\n  {s.file}  {s.role}  {human_bytes(s.bytes)}" for s in m.shards),
+        f"shards       {len(m.shards)}",
+        *(f"  {s.file}  {s.role}  {human_bytes(s.bytes)}" for s in m.shards),
     ]
     if m.shard_dir:
         lines.append(f"shard_dir    {m.shard_dir}")
     if m.producer:
         lines.append(f"producer     {json.dumps(m.producer, sort_keys=True)}")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # the manifest's strings are any writer's
 
 
 # --------------------------------------------------------------------------- tail
 
 
 def _log_line(rec: dict[str, Any]) -> str:
-    return (
+    return printable(
         f"v{rec.get('version', '?')}  {rec.get('kind', '?'):<5}  "
         f"density={fmt_density(rec.get('density'))}  changed={rec.get('changed', 0)}  "
         f"wire={human_bytes(rec.get('wire_bytes', 0))}  {fmt_time(rec.get('committed_at'))}"
@@ -164,7 +165,7 @@ async def _follow(root: Path, interval: float) -> None:
             for engine, ack in sorted((await asyncio.to_thread(read_acks, root)).items()):
                 if seen.get(engine) != ack.version:
                     seen[engine] = ack.version
-                    print(f"ack engine={engine} version={ack.version}", flush=True)
+                    print(printable(f"ack engine={engine} version={ack.version}"), flush=True)
             await asyncio.sleep(interval)
 
     async with asyncio.TaskGroup() as tg:
