@@ -190,6 +190,25 @@ def test_tail_follow_ends_with_one_line_when_the_root_becomes_a_file(
     assert len(errors) == 1 and errors[0].startswith("asyncsync tail: error:"), err
 
 
+def test_a_log_over_the_limit_is_one_line_for_tail_and_skipped_by_inspect(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log.jsonl over 256 MiB (sparse here): `tail` says so in one line and exits 1, `inspect`
+    lists the versions from their manifests after one line (both printed a traceback)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    os.truncate(copy / "log.jsonl", 300_000_000)
+    assert main(["tail", str(copy)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("asyncsync tail: error:"), err
+    assert f"{copy / 'log.jsonl'} is larger than 268435456 bytes" in err, err
+    assert main(["inspect", str(copy)]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["0", "1", "2", "3"], out
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("asyncsync inspect: skipped the log:") and "268435456" in err, err
+
+
 def test_tail_and_inspect_escape_control_characters_from_the_root(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "JsonFormatter",
     "add_logging_arguments",
     "print_error",
+    "print_notice",
     "setup_logging",
     "sniff_log_format",
 ]
@@ -101,6 +102,15 @@ def print_error(prog: str, message: str, fmt: str = "text") -> None:
         print(JsonFormatter().format(record), file=sys.stderr, flush=True)
     else:
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+
+
+def print_notice(prog: str, message: str, fmt: str = "text") -> None:
+    """One line on stderr about something a command went past: text, or a JSON log record."""
+    if fmt == "json":
+        record = logging.LogRecord(prog, logging.WARNING, "", 0, message, None, None)
+        print(JsonFormatter().format(record), file=sys.stderr, flush=True)
+    else:
+        print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
 
 class CliParser(argparse.ArgumentParser):

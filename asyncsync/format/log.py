@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+from asyncsync.errors import FormatError
 from asyncsync.format import LOG_NAME, Manifest
 from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_file, read_bytes
 
@@ -100,10 +101,18 @@ def _parse_lines(lines: list[str]) -> Iterator[dict[str, Any]]:
 
 
 def read_log(root: Path) -> list[dict[str, Any]]:
+    """The records of the log, [] when there is none. FormatError when it is larger than
+    ``MAX_LOG_BYTES`` (a reader never holds more; retention keeps a log far smaller)."""
+    path = root / LOG_NAME
     try:
-        data = read_bytes(root / LOG_NAME, limit=MAX_LOG_BYTES, root=root)
+        data = read_bytes(path, limit=MAX_LOG_BYTES, root=root)
     except FileNotFoundError:
         return []
+    except ValueError as exc:  # larger than the limit (fsio.read_file)
+        raise FormatError(
+            f"{path} is larger than {MAX_LOG_BYTES} bytes, the most a reader reads whole: "
+            "move it away (receivers never read it; the publisher starts a new one)"
+        ) from exc
     return list(_parse_lines(data.decode("utf-8", errors="replace").splitlines()))
 
 

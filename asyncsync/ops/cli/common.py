@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,15 +137,25 @@ def resolve_version(root: Path, versions: list[int], spec: str | None) -> int | 
     return v
 
 
-def version_summaries(root: Path, versions: list[int]) -> list[dict[str, Any]]:
+def version_summaries(
+    root: Path, versions: list[int], notice: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
     """One summary per committed version: from the log, else from the manifest.
 
     The log is cheap to read; manifests are read only for versions it lacks (a torn last line,
     a lost append), and log lines of versions no longer on disk are dropped. A manifest that
     cannot be read gives ``{"version", "kind": "bad", "error"}``: the others are still listed.
+    A log that cannot be read whole (larger than ``MAX_LOG_BYTES``) is skipped, one line to
+    ``notice`` saying so: every version is then read from its manifest.
     """
+    try:
+        log = read_log(root)
+    except FormatError as exc:
+        if notice is not None:
+            notice(f"skipped the log: {exc}; versions listed from their manifests")
+        log = []
     by_version: dict[int, dict[str, Any]] = {}
-    for line in read_log(root):
+    for line in log:
         n = line.get("version")
         if isinstance(n, int) and not isinstance(n, bool):
             by_version[n] = line

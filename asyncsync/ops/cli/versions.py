@@ -8,9 +8,11 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncsync.console.logsetup import print_notice
 from asyncsync.errors import ConfigError
 from asyncsync.format import Manifest, TensorEntry
 from asyncsync.format.acks import read_acks
@@ -52,7 +54,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     versions = check_root(root)
     version = resolve_version(root, versions, args.version)
     if version is None:
-        summaries = version_summaries(root, versions)
+        summaries = version_summaries(root, versions, _notice("inspect", args))
         if args.json:
             print(json.dumps(summaries, indent=1))
             return 0
@@ -128,6 +130,12 @@ def _manifest_summary(root: Path, m: Manifest) -> str:
 
 
 # --------------------------------------------------------------------------- tail
+
+
+def _notice(command: str, args: argparse.Namespace) -> Callable[[str], None]:
+    """One line on stderr, ``asyncsync COMMAND: ...``, its text :func:`printable`."""
+    fmt = getattr(args, "log_format", "text")
+    return lambda message: print_notice(f"asyncsync {command}", printable(message), fmt)
 
 
 def _log_line(rec: dict[str, Any]) -> str:
