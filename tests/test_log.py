@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +114,103 @@ async def test_a_forged_log_line_is_skipped_by_every_reader(tmp_path: Path, line
         await pub.seed(sd)
         sd["w"][0] += 1
         assert (await pub.publish(sd)).changed == 1
+
+
+def _lines(run: str, versions: range, **extra: object) -> bytes:
+    return b"".join(
+        json.dumps({"version": v, "run_id": run, **extra}).encode() + b"\n" for v in versions
+    )
+
+
+async def test_follow_shows_a_new_run_after_the_root_is_made_again(tmp_path: Path) -> None:
+    """The root wiped and seeded again by another run: its v0..v5 are all shown, after one
+    notice (`tail -f` skipped every version up to the old run's newest, found by an attack)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / LOG_NAME).write_bytes(_lines("old", range(3)))
+    got: list[tuple[str, int]] = []
+    notices: list[str] = []
+
+    async def follow() -> None:
+        async for r in follow_log(root, poll_interval=0.01, notice=notices.append):
+            got.append((r["run_id"], r["version"]))
+            if len(got) == 9:
+                return
+
+    task = asyncio.create_task(follow())
+    await eventually(lambda: len(got) == 3, "the old run's three lines")
+    shutil.rmtree(root)
+    root.mkdir()
+    (root / LOG_NAME).write_bytes(_lines("new", range(2), kind="full-seeded"))
+    await eventually(lambda: len(got) == 5, "the new run's first two lines")
+    with open(root / LOG_NAME, "ab") as f:
+        f.write(_lines("new", range(2, 6)))
+    await asyncio.wait_for(task, 10)
+    assert got == [("old", 0), ("old", 1), ("old", 2)] + [("new", v) for v in range(6)]
+    assert notices == [f"{LOG_NAME} was replaced (new run new)"]
+
+
+async def test_a_forged_line_does_not_hide_the_lines_after_it(tmp_path: Path) -> None:
+    log = tmp_path / LOG_NAME
+    log.write_bytes(_lines("run", range(3)) + b'{"version": 42}\n')
+    got: list[int] = []
+
+    async def follow() -> None:
+        async for r in follow_log(tmp_path, poll_interval=0.01):
+            got.append(r["version"])
+            if len(got) == 6:
+                return
+
+    task = asyncio.create_task(follow())
+    await eventually(lambda: len(got) == 4, "the lines already there")
+    with open(log, "ab") as f:
+        f.write(_lines("run", range(3, 5)))
+    await asyncio.wait_for(task, 10)
+    assert got == [0, 1, 2, 42, 3, 4]
+
+
+async def test_follow_skips_an_overlong_line_without_holding_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 40 MiB line without a newline: the follower holds at most MAX_LINE_BYTES of it (it
+    kept every byte until a newline came, re-splitting them at every poll: `tail -f` grew by
+    600 MB for a 200 MB line), skips it with one notice, and goes on with the next line."""
+    log = tmp_path / LOG_NAME
+    log.write_bytes(_lines("run", range(1)))
+    got: list[int] = []
+    notices: list[str] = []
+    read = [0]  # bytes the follower has read (RecordedReads would hold them)
+    real = log_module._read_at
+
+    def counted(path: Path, root: Path, offset: int, n: int) -> bytes:
+        data = real(path, root, offset, n)
+        read[0] += len(data)
+        return data
+
+    monkeypatch.setattr(log_module, "_read_at", counted)
+
+    async def follow() -> None:
+        async for r in follow_log(tmp_path, poll_interval=0.01, notice=notices.append):
+            got.append(r["version"])
+            if len(got) == 2:
+                return
+
+    task = asyncio.create_task(follow())
+    await eventually(lambda: got == [0], "the first line")
+    tracemalloc.start()
+    try:
+        with open(log, "ab") as f:
+            for _ in range(40):
+                f.write(b'{"version": 7, "x": "' + b"A" * (1 << 20))
+        size = log.stat().st_size
+        await eventually(lambda: read[0] >= size, "the follower to read the long line")
+        await asyncio.sleep(0.05)  # a few more polls
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"the follower held {peak} bytes"
+    with open(log, "ab") as f:
+        f.write(b'"}\n' + _lines("run", range(1, 2)))
+    await asyncio.wait_for(task, 10)
+    assert got == [0, 1]
+    assert notices == [f"{LOG_NAME}: skipped a line longer than 1048576 bytes (at byte 32)"]

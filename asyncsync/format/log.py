@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from asyncsync.format import LOG_NAME, Manifest
 from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_file, read_bytes
 
 __all__ = [
+    "MAX_LINE_BYTES",
     "MAX_LOG_BYTES",
     "append_manifest",
     "follow_log",
@@ -40,6 +41,11 @@ logger = logging.getLogger(__name__)
 # ~300 bytes per kept version). Like every file of a root it is opened through asyncsync.fsio:
 # a log that is a symlink or a FIFO is refused (UnsafePath), never followed nor waited on.
 MAX_LOG_BYTES = 256 << 20
+# The longest line a follower keeps (a log line is a few hundred bytes): a longer one is skipped
+# up to its newline, its bytes never held (one warning), so a follower's memory stays bounded.
+MAX_LINE_BYTES = 1 << 20
+_READ_BYTES = 4 << 20  # a follower's reads
+_HEAD_BYTES = 256  # the first bytes of the log a follower compares, to see it made again
 
 
 def append_manifest(root: Path, manifest: Manifest) -> None:
@@ -91,13 +97,18 @@ def _no_constant(name: str) -> Any:
 
 def _parse_lines(lines: list[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
-        if not line.strip():
-            continue
-        rec = parse_record(line)
-        if rec is None:
-            logger.debug("skipping unreadable log line %r", line[:80])
-            continue
-        yield rec
+        rec = _parse_lines_one(line)
+        if rec is not None:
+            yield rec
+
+
+def _parse_lines_one(line: str | bytes) -> dict[str, Any] | None:
+    if not line.strip():
+        return None
+    rec = parse_record(line)
+    if rec is None:
+        logger.debug("skipping unreadable log line %r", line[:80])
+    return rec
 
 
 def read_log(root: Path) -> list[dict[str, Any]]:
@@ -158,14 +169,15 @@ def trim_log(root: Path, first_kept: int) -> int:
     return dropped
 
 
-def _stat(path: Path, root: Path) -> tuple[int, int]:
-    """(size, inode) of the log, (0, 0) when there is none; UnsafePath for a symlink or FIFO."""
+def _stat(path: Path, root: Path) -> tuple[int, tuple[int, int]]:
+    """(size, (device, inode)) of the log, (0, (0, 0)) when there is none; UnsafePath for a
+    symlink or FIFO."""
     st = lstat(path, root=root)
     if st is None:
-        return 0, 0
+        return 0, (0, 0)
     if not stat.S_ISREG(st.st_mode):
         open_file(path, root=root)  # raises UnsafePath naming what it is
-    return st.st_size, st.st_ino
+    return st.st_size, (st.st_dev, st.st_ino)
 
 
 def _read_at(path: Path, root: Path, offset: int, n: int) -> bytes:
@@ -176,37 +188,130 @@ def _read_at(path: Path, root: Path, offset: int, n: int) -> bytes:
         os.close(fd)
 
 
+def _read_head(path: Path, root: Path, n: int) -> bytes:
+    """The first ``n`` bytes of the log (b"" when there is none): a file made again under the
+    same inode number (the root wiped and seeded again) starts with other bytes."""
+    try:
+        fd = open_file(path, root=root)
+    except FileNotFoundError:
+        return b""
+    try:
+        return os.pread(fd, n, 0)
+    finally:
+        os.close(fd)
+
+
+class _Lines:
+    """Whole lines out of a file's bytes fed in order. Only the unfinished last line is kept,
+    and at most ``MAX_LINE_BYTES`` of it: a longer line is dropped up to its newline without
+    keeping its bytes (a log line is a few hundred bytes), and counted in ``overlong`` with the
+    offset it starts at."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.buf = b""
+        self.start = 0  # the offset in the file of the line being gathered
+        self.skipping = False
+        self.overlong: list[int] = []
+
+    def feed(self, chunk: bytes, offset: int) -> list[bytes]:
+        out = []
+        pos = 0
+        if not self.buf and not self.skipping:
+            self.start = offset
+        while (i := chunk.find(b"\n", pos)) >= 0:
+            line = chunk[pos:i] if not self.buf else self.buf + chunk[pos:i]
+            if self.skipping or len(line) > MAX_LINE_BYTES:
+                if not self.skipping:
+                    self.overlong.append(self.start)
+            else:
+                out.append(line)
+            self.buf, self.skipping = b"", False
+            pos = i + 1
+            self.start = offset + pos
+        if not self.skipping and len(self.buf) + len(chunk) - pos > MAX_LINE_BYTES:
+            self.overlong.append(self.start)
+            self.buf, self.skipping = b"", True
+        elif not self.skipping and pos < len(chunk):
+            self.buf += chunk[pos:]
+        return out
+
+
 async def follow_log(
-    root: Path, *, poll_interval: float = 0.5, from_start: bool = True
+    root: Path,
+    *,
+    poll_interval: float = 0.5,
+    from_start: bool = True,
+    notice: Callable[[str], None] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """Yield log records as they are appended (polling: works on NFS and FUSE too)."""
+    """Yield log records as they are appended (polling: works on NFS and FUSE too).
+
+    A log replaced (a trim, the root wiped and seeded again, a restore) or truncated is read
+    again from its start: its lines that were in the file it replaced, byte for byte, are not
+    yielded again (a trim keeps the lines of the versions it keeps), every other line is, so a
+    forged or stray line never hides a later one. ``notice`` (default: a logged warning) gets
+    one line when a new run's records follow another run's, and when a line longer than
+    ``MAX_LINE_BYTES`` is skipped.
+    """
+    say = notice or logger.warning
     path = root / LOG_NAME
     offset = 0
-    buf = b""
-    inode: int | None = None
-    last = -1  # the newest version yielded: a trimmed (replaced) log is re-read past it
+    lines = _Lines()
+    ident: tuple[int, int] | None = None  # (device, inode) of the file read
+    head = b""  # its first bytes, once read
+    seen: set[int] = set()  # hashes of the lines of the file read
+    shown: set[int] = set()  # ... of the file it replaced: not yielded again
+    replaced = False  # since the last record yielded
+    run: str | None = None  # the run of the last record yielded
     if not from_start:
-        offset, ino = await asyncio.to_thread(_stat, path, root)
-        inode = ino or None
+        offset, ident = await asyncio.to_thread(_stat, path, root)
+        head = await asyncio.to_thread(_read_head, path, root, min(offset, _HEAD_BYTES))
     while True:
-        size, ino = await asyncio.to_thread(_stat, path, root)
-        if not ino:
-            ino = inode or 0
-        if size < offset or (inode is not None and ino != inode):  # replaced: start over
-            offset, buf = 0, b""
-        inode = ino
-        if size > offset:
-            n = min(size - offset, 1 << 24)
-            chunk = await asyncio.to_thread(_read_at, path, root, offset, n)
+        size, now = await asyncio.to_thread(_stat, path, root)
+        if now == (0, 0):
+            now = ident or now
+        remade = size > offset > 0 and (  # made again under the same inode number
+            await asyncio.to_thread(_read_head, path, root, len(head)) != head
+        )
+        if remade or size < offset or ident not in (None, now):  # replaced, truncated: anew
+            offset = 0
+            lines.reset()
+            head = b""
+            if seen:
+                shown, seen = seen, set()
+            replaced = True
+        ident = now
+        while size > offset:
+            n = min(size - offset, _READ_BYTES)
+            try:
+                chunk = await asyncio.to_thread(_read_at, path, root, offset, n)
+            except FileNotFoundError:  # removed since the stat: the next poll sees it gone
+                break
+            if not chunk:
+                break
+            if offset == len(head) < _HEAD_BYTES:
+                head = (head + chunk)[:_HEAD_BYTES]
+            got = lines.feed(chunk, offset)
             offset += len(chunk)
-            buf += chunk
-            *complete, buf = buf.split(b"\n")
-            lines = [line.decode("utf-8", errors="replace") for line in complete]
-            for rec in _parse_lines(lines):
-                v = rec.get("version")
-                if isinstance(v, int):
-                    if v <= last:
-                        continue  # seen before the log was trimmed
-                    last = v
+            for at in lines.overlong:
+                say(f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {at})")
+            lines.overlong.clear()
+            for raw in got:
+                rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
+                if rec is None:
+                    continue
+                key = hash(raw.strip())
+                seen.add(key)
+                if key in shown:
+                    continue  # shown before the log was replaced (a trim keeps its lines)
+                new_run = rec.get("run_id")
+                if isinstance(new_run, str):
+                    if run is not None and new_run != run:
+                        how = "was replaced" if replaced else "goes on with another run"
+                        say(f"{LOG_NAME} {how} (new run {new_run})")
+                    run = new_run
+                replaced = False
                 yield rec
         await asyncio.sleep(poll_interval)

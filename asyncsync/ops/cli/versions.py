@@ -158,13 +158,13 @@ def cmd_tail(args: argparse.Namespace) -> int:
     if read_root_info(root) is None:
         logger.warning("%s holds no asyncsync root yet: waiting for a publisher", root)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_follow(root, args.interval))
+        asyncio.run(_follow(root, args.interval, _notice("tail", args)))
     return 0
 
 
-async def _follow(root: Path, interval: float) -> None:
+async def _follow(root: Path, interval: float, notice: Callable[[str], None]) -> None:
     async def log_task() -> None:
-        async for rec in follow_log(root, poll_interval=interval):
+        async for rec in follow_log(root, poll_interval=interval, notice=notice):
             print(_log_line(rec), flush=True)
 
     async def ack_task() -> None:
