@@ -97,20 +97,20 @@ def sniff_log_format(argv: list[str]) -> str:
 
 def print_error(prog: str, message: str, fmt: str = "text") -> None:
     """The one error line a command prints before it exits: text, or a JSON log record."""
-    if fmt == "json":
-        record = logging.LogRecord(prog, logging.ERROR, "", 0, message, None, None)
-        print(JsonFormatter().format(record), file=sys.stderr, flush=True)
-    else:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    _print_line(prog, logging.ERROR, "error: ", message, fmt)
 
 
 def print_notice(prog: str, message: str, fmt: str = "text") -> None:
     """One line on stderr about something a command went past: text, or a JSON log record."""
+    _print_line(prog, logging.WARNING, "", message, fmt)
+
+
+def _print_line(prog: str, level: int, label: str, message: str, fmt: str) -> None:
     if fmt == "json":
-        record = logging.LogRecord(prog, logging.WARNING, "", 0, message, None, None)
+        record = logging.LogRecord(prog, level, "", 0, message, None, None)
         print(JsonFormatter().format(record), file=sys.stderr, flush=True)
     else:
-        print(f"{prog}: {message}", file=sys.stderr, flush=True)
+        print(f"{prog}: {label}{message}", file=sys.stderr, flush=True)
 
 
 class CliParser(argparse.ArgumentParser):
