@@ -157,6 +157,10 @@ class RootPresence:
             return None
 
     async def ack(self, version: int, fingerprint: str, run_id: str, bad: Sequence[int]) -> None:
+        # a heartbeat overdue (the process was paused, e.g. SIGSTOP, mid-apply past the ttl):
+        # renew first, so that a receiver that took the id over meanwhile is not overwritten
+        if self.lease.held and time.monotonic() - self._renewed >= self.lease.ttl / 3:
+            await self.renew()
         try:
             await asyncio.to_thread(
                 write_ack, self.root, self.engine_id, version, fingerprint, run_id, tuple(bad)

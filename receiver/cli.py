@@ -303,14 +303,22 @@ def check_status_options(args: argparse.Namespace) -> str | None:
                 "127.0.0.1; 0.0.0.0 or :: for every interface)"
             ) from exc
         family, kind, proto, _, addr = infos[0]
-        with socket.socket(family, kind, proto) as probe:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError as exc:  # e.g. an IPv6 address on a host without IPv6
+            raise ConfigError(f"--status-host {host!r}: {exc.strerror}") from exc
+        with probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio's server binds it
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 probe.bind(addr)
             except OSError as exc:
-                if exc.errno == errno.EADDRNOTAVAIL:
+                if exc.errno in (errno.EADDRNOTAVAIL, errno.EINVAL):
+                    hint = " (a link-local IPv6 address needs its scope: fe80::1%eth0)"
                     raise ConfigError(
-                        f"--status-host {host!r}: {exc.strerror}: not an address of this host"
+                        f"--status-host {host!r}: {exc.strerror}: not an address this host can "
+                        f"serve on{hint if ':' in host else ''}"
                     ) from exc
                 raise ConfigError(
                     f"--status-port {args.status_port} on {host}: {exc.strerror}; "

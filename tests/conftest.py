@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -112,3 +114,16 @@ async def eventually(cond: Callable[[], object], what: str, *, timeout: float = 
         if loop.time() > deadline:
             raise AssertionError(f"still waiting after {timeout}s for {what}")
         await asyncio.sleep(0.005)
+
+
+async def sync_to(agent: Any, root: Path, version: int) -> None:
+    """Bring a ReceiverAgent's engine to ``version`` of ``root`` alone: the versions after it
+    are hidden (renamed to dot names) while it syncs."""
+    hidden = [p for p in root.iterdir() if p.name.startswith("v") and int(p.name[1:]) > version]
+    for p in hidden:
+        p.rename(p.with_name("." + p.name))
+    try:
+        assert await agent.sync_once() == version
+    finally:
+        for p in hidden:
+            p.with_name("." + p.name).rename(p)

@@ -28,7 +28,7 @@ from receiver.badversions import MAX_BAD_KEPT
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.torch_module import TorchModule
 from receiver.server import StatusServer
-from tests.conftest import Holder, assert_holds, mixed_state, mutate
+from tests.conftest import Holder, assert_holds, mixed_state, mutate, sync_to
 
 
 def _vdir(root: Path, v: int) -> Path:
@@ -376,7 +376,7 @@ async def test_a_version_removed_by_retention_while_it_is_read_is_not_bad(
                 shutil.rmtree(path.parent)
             return real(path, *a, **k)  # type: ignore[arg-type]
 
-        await _hold(agent, root, 0)
+        await sync_to(agent, root, 0)
         monkeypatch.setattr(agent_mod, "read_verified", racing)
         with caplog.at_level(logging.WARNING):
             assert await agent.sync_once() == 3
@@ -384,15 +384,3 @@ async def test_a_version_removed_by_retention_while_it_is_read_is_not_bad(
     assert "v1 was removed while it was read" in caplog.text
     assert "v1 is bad" not in caplog.text
     assert read_acks(root)["e1"].bad_versions == ()
-
-
-async def _hold(agent: ReceiverAgent, root: Path, version: int) -> None:
-    """Bring ``agent``'s engine to ``version`` alone (the versions after it hidden meanwhile)."""
-    hidden = [p for p in root.iterdir() if p.name.startswith("v") and int(p.name[1:]) > version]
-    for p in hidden:
-        p.rename(p.with_name("." + p.name))
-    try:
-        assert await agent.sync_once() == version
-    finally:
-        for p in hidden:
-            p.with_name("." + p.name).rename(p)

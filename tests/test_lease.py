@@ -29,7 +29,7 @@ from asyncsync.format.lease import (
 )
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
-from tests.conftest import mixed_state, mutate
+from tests.conftest import mixed_state, mutate, sync_to
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -478,3 +478,33 @@ async def test_status_shows_an_unreadable_lease(
     doc = json.loads(capsys.readouterr().out)
     assert [b["engine_id"] for b in doc["unreadable_leases"]] == ["e1"]
     assert doc["unreadable_leases"][0]["reason"] == "empty file"
+
+
+async def test_a_receiver_paused_mid_apply_past_its_ttl_does_not_ack_over_the_new_holder(
+    tmp_path: Path,
+) -> None:
+    """(helper-25) A receiver paused (SIGSTOP) in the middle of an apply for longer than its
+    lease's ttl, while another receiver took the engine id over: when it resumes and commits,
+    it wrote its ack over the new holder's, the lease being checked only at a sync's start.
+    Now an overdue heartbeat is renewed before the ack, which finds the new holder."""
+    root = tmp_path / "root"
+    await _publish(root, 1)
+    agent = _agent(root, tmp_path / "ckpt", lease_ttl=3.0)
+    async with agent:
+        await sync_to(agent, root, 0)
+        engine = agent.engine
+        real = engine.commit
+
+        async def paused_then_commit() -> str:
+            # the pause: the heartbeat is overdue, and another receiver holds the id now
+            agent._presence._renewed -= 10.0
+            other = LeaseRecord("e1", "8" * 16, "other-host", 1, 30.0, 0.0, 0.0)  # fresh: live
+            lease_path(root, "e1").write_bytes(other.to_json())
+            return await real()
+
+        engine.commit = paused_then_commit  # type: ignore[method-assign]
+        with pytest.raises(LockHeld, match="taken over by host other-host"):
+            await agent.sync_once()
+        assert read_acks(root)["e1"].version == 0  # not the resumed receiver's v1
+        found = read_lease(root, "e1")
+        assert found is not None and found[0].host == "other-host"

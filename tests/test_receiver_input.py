@@ -242,7 +242,8 @@ def test_usage_is_checked_before_the_engine_is_opened(
     # naming the option, before the engine is opened (it was "[Errno -2] Name or service not
     # known" or asyncio's bind error once the engine was open, with port 0 not checked at all)
     for host, why in [("no.such.host.invalid", "Name or service not known"),
-                      ("a..b", "idna"), ("192.0.2.1", "not an address of this host")]:  # fmt: skip
+                      ("a..b", "idna"), ("192.0.2.1", "not an address this host can serve"),
+                      *([("fe80::1", "needs its scope")] if _has_ipv6() else [])]:  # fmt: skip
         for port in ("0", "1"):
             assert receiver_main([*base, "--status-port", port, "--status-host", host]) == 1
             err = capsys.readouterr().err
@@ -294,3 +295,12 @@ def test_a_secret_file_is_a_small_regular_utf8_file(tmp_path: Path, option: str,
     needle = {"not-utf8": "not UTF-8", "too-big": "larger than 64 KiB"}.get(kind, "regular file")
     assert needle in err, err
     assert not (tmp_path / "c").exists()
+
+
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
