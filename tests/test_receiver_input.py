@@ -298,6 +298,8 @@ def test_a_secret_file_is_a_small_regular_utf8_file(tmp_path: Path, option: str,
 
 
 def _has_ipv6() -> bool:
+    import socket
+
     try:
         with socket.socket(socket.AF_INET6) as s:
             s.bind(("::1", 0))
