@@ -169,6 +169,33 @@ async def test_a_forged_line_does_not_hide_the_lines_after_it(tmp_path: Path) ->
     assert got == [0, 1, 2, 42, 3, 4]
 
 
+async def test_follow_says_when_it_skips_a_line_that_is_no_record(tmp_path: Path) -> None:
+    """(helper-25) A line that is no log record (a raw ESC inside a JSON string is invalid
+    JSON) was dropped without a word: one notice now, the line's start shown escaped; the
+    lines around it are followed, and a replaced log does not repeat the notice."""
+    log = tmp_path / LOG_NAME
+    bad = b'{"version": 5, "kind": "d\x1b[31mRED"}\n'  # a raw ESC byte: not JSON
+    log.write_bytes(_lines("run", range(2)) + bad + _lines("run", range(2, 3)))
+    got: list[int] = []
+    notices: list[str] = []
+
+    async def follow() -> None:
+        async for r in follow_log(tmp_path, poll_interval=0.01, notice=notices.append):
+            got.append(r["version"])
+            if len(got) == 4:
+                return
+
+    task = asyncio.create_task(follow())
+    await eventually(lambda: len(got) == 3, "the lines already there")
+    tmp = tmp_path / "log.tmp"
+    tmp.write_bytes(log.read_bytes() + _lines("run", range(3, 4)))
+    tmp.replace(log)  # replaced by a longer copy: the bad line again, the notice not
+    await asyncio.wait_for(task, 10)
+    assert got == [0, 1, 2, 3]
+    assert len(notices) == 1 and "not a log record" in notices[0], notices
+    assert "\\x1b" in notices[0] and "\x1b" not in notices[0]
+
+
 async def test_follow_skips_an_overlong_line_without_holding_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -299,13 +299,16 @@ async def follow_log(
                 say(f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {at})")
             lines.overlong.clear()
             for raw in got:
-                rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
-                if rec is None:
+                if not raw.strip():
                     continue
                 key = hash(raw.strip())
                 seen.add(key)
                 if key in shown:
                     continue  # shown before the log was replaced (a trim keeps its lines)
+                rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
+                if rec is None:  # not JSON, not a record (a raw control byte in a string...)
+                    say(f"{LOG_NAME}: skipped a line that is not a log record: {raw[:80]!r}")
+                    continue
                 new_run = rec.get("run_id")
                 if isinstance(new_run, str):
                     if run is not None and new_run != run:
