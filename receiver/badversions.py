@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from asyncsync.errors import ManifestError, ManifestUnreadable
@@ -116,9 +117,15 @@ class BadVersions:
         newest one that reads, not taken for the end of the chain."""
         first: ManifestError | None = None
         window = range(found, max(found - MAX_BAD_KEPT, 0) - 1, -1)
-        listed = [v for v in reversed(list_versions(self.root)) if v < window[-1]]
+
+        def candidates() -> Iterator[int]:
+            yield from window
+            # the root is listed only when the window holds nothing readable (every sync
+            # comes here: the listing latest_version made is not scanned again for nothing)
+            yield from (v for v in reversed(list_versions(self.root)) if v < window[-1])
+
         unreadable = 0
-        for v in [*window, *listed]:
+        for v in candidates():
             try:
                 return self.read(self.root, v), first
             except FileNotFoundError:

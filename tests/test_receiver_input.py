@@ -22,6 +22,7 @@ from receiver.cli import build_parser, check_paths
 from receiver.cli import main as receiver_main
 from receiver.shard_reader import read_verified
 from tests.conftest import mixed_state, mutate
+from tests.ports import has_ipv6_loopback
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -241,9 +242,10 @@ def test_usage_is_checked_before_the_engine_is_opened(
     # a --status-host that is no address of this host, with --status-port 0 too: one line
     # naming the option, before the engine is opened (it was "[Errno -2] Name or service not
     # known" or asyncio's bind error once the engine was open, with port 0 not checked at all)
+    ipv6 = [("fe80::1", "needs its scope")] if has_ipv6_loopback() else []
     for host, why in [("no.such.host.invalid", "Name or service not known"),
                       ("a..b", "idna"), ("192.0.2.1", "not an address this host can serve"),
-                      *([("fe80::1", "needs its scope")] if _has_ipv6() else [])]:  # fmt: skip
+                      *ipv6]:  # fmt: skip
         for port in ("0", "1"):
             assert receiver_main([*base, "--status-port", port, "--status-host", host]) == 1
             err = capsys.readouterr().err
@@ -295,14 +297,3 @@ def test_a_secret_file_is_a_small_regular_utf8_file(tmp_path: Path, option: str,
     needle = {"not-utf8": "not UTF-8", "too-big": "larger than 64 KiB"}.get(kind, "regular file")
     assert needle in err, err
     assert not (tmp_path / "c").exists()
-
-
-def _has_ipv6() -> bool:
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True

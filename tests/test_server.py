@@ -20,7 +20,7 @@ from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.server import StatusServer
 from tests.conftest import eventually, mixed_state, mutate
-from tests.ports import free_port
+from tests.ports import free_port, has_ipv6_loopback
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -263,19 +263,10 @@ async def eventually_async(cond: Any, what: str, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.1)
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
 async def test_an_ipv6_status_url_has_brackets(tmp_path: Path) -> None:
     """The URL the receiver prints and logs for ``--status-host ::1`` (it was http://::1:PORT,
     which no client parses); a client reaches /healthz through it."""
-    if not _has_ipv6_loopback():
+    if not has_ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
     root = tmp_path / "root"
     async with Publisher(root, keyframe_interval=0) as pub:
