@@ -19,7 +19,7 @@ from pathlib import Path
 
 from asyncsync.errors import AckTimeout, ConfigError, ManifestError
 from asyncsync.format.fields import _float, _hex, _int, _load_json, _str
-from asyncsync.format.lease import read_lease
+from asyncsync.format.lease import read_lease, replace_record
 from asyncsync.format.names import (
     ACKS_DIR,
     FORMAT_NAME,
@@ -31,7 +31,6 @@ from asyncsync.format.names import (
 )
 from asyncsync.fsio import (
     UnsafePath,
-    atomic_write,
     fs_now,
     is_temp_name,
     make_dir,
@@ -129,7 +128,7 @@ def write_ack(
         bad_versions=tuple(bad_versions),
     )
     make_dir(root / ACKS_DIR, root=root, exist_ok=True)
-    atomic_write(ack_path(root, engine_id), rec.to_json().encode(), root=root)
+    replace_record(ack_path(root, engine_id), rec.to_json().encode(), root)
     return rec
 
 

@@ -42,6 +42,7 @@ import random
 import re
 import secrets
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,10 +52,12 @@ from asyncsync.format.fields import _float, _int, _load_json, _str
 from asyncsync.format.names import LEASES_DIR, check_engine_id
 from asyncsync.fsio import (
     TMP_PREFIX,
+    UnsafePath,
     atomic_write,
     fs_now,
     lstat,
     make_dir,
+    open_dir,
     read_file,
     remove,
     scan,
@@ -72,6 +75,8 @@ __all__ = [
     "inspect_lease",
     "lease_path",
     "read_lease",
+    "remove_left_temps",
+    "replace_record",
     "unreadable_leases",
 ]
 
@@ -216,8 +221,9 @@ def _read_lease_file(path: Path, root: Path) -> tuple[LeaseRecord, float] | Unre
         rec = LeaseRecord.from_json(read_file(path, limit=64 << 10, root=root)[0], str(path))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, ManifestError) as exc:
-        reason = "empty file" if st.st_size == 0 else str(exc) or type(exc).__name__
+    except (OSError, ValueError, ManifestError) as exc:  # (a FIFO's size is 0 too: named)
+        empty = st.st_size == 0 and stat.S_ISREG(st.st_mode)
+        reason = "empty file" if empty else str(exc) or type(exc).__name__
         return UnreadableLease(path, st.st_mtime, reason, ident)
     return rec, st.st_mtime
 
@@ -256,10 +262,47 @@ def unreadable_leases(root: Path) -> dict[str, UnreadableLease]:
     return out
 
 
+def replace_record(path: Path, data: bytes, root: Path) -> None:
+    """:func:`atomic_write` of a lease, claim or ack; a directory at its name (never one, FORMAT.md
+    11.1) is removed first when empty, else named (UnsafePath, EISDIR), never emptied."""
+    try:
+        atomic_write(path, data, root=root)
+        return
+    except IsADirectoryError:
+        pass
+    fd = open_dir(path.parent, root=root)
+    try:
+        os.rmdir(path.name, dir_fd=fd)
+    except OSError as exc:
+        raise UnsafePath(
+            errno.EISDIR, f"{path} is a directory where a file belongs and cannot be removed "
+            f"({exc.strerror}): remove it if you did not put it there",
+        ) from exc  # fmt: skip
+    finally:
+        os.close(fd)
+    logger.warning("removed the empty directory %s where a file belongs", path)
+    atomic_write(path, data, root=root)
+
+
+def remove_left_temps(root: Path, directory: Path, names: str, older_than: float) -> list[str]:
+    """Remove the temp files in ``directory`` whose names fully match the regex ``names`` and
+    that are older than ``older_than`` seconds on the filesystem's clock: what a writer killed
+    between its temp and the rename left (FORMAT.md 7.1; a write in flight is younger)."""
+    pattern, gone = re.compile(names), []
+    found = [(n, st) for n, st in scan(directory, root=root) if pattern.fullmatch(n)]
+    now = fs_now(directory, root=root) if found else 0.0
+    for name, st in found:
+        if stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than:
+            with contextlib.suppress(OSError):
+                remove(directory / name, root=root)
+                gone.append(name)
+    return gone
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid_t is that large
         return False
     except PermissionError:
         return True
@@ -452,12 +495,16 @@ class EngineLease:
             remove(self.claim, root=self.root)
 
     def _remove_stale_claims(self) -> None:
-        """Claims left by takers that died (kill -9 while holding or taking): removed."""
+        """Claims left by takers that died (kill -9 while holding or taking): removed; and the
+        temp files of this id's lease and claims (and clock probes) older than the ttl."""
         for path in self._claims():
             found = _read_lease_file(path, self.root)
             if path != self.claim and found is not None and not self._live(found):
                 with contextlib.suppress(OSError):
                     remove(path, root=self.root)
+        eid, x = re.escape(self.engine_id), r"\.[0-9a-f]{12}"  # .tmp.<name>.<12 hex>
+        own = rf"(?:\.tmp\.)?{eid}\.json{x}(?:{x})?|{eid}\.[0-9a-f]{{16}}\.claim{x}|clock{x}"
+        remove_left_temps(self.root, self.path.parent, rf"\.tmp\.(?:{own})", self.ttl)
 
     def _install(self) -> None:
         """Write the lease of the claim that saw no rival: exclusively where the name is free
@@ -476,11 +523,11 @@ class EngineLease:
                     "(another receiver took it at the same time); retry in a few seconds"
                 )
         if not isinstance(found, UnreadableLease) and found[0].owner == self.owner:
-            atomic_write(self.path, data, root=self.root)
+            replace_record(self.path, data, self.root)
             return
         what = found.describe() if isinstance(found, UnreadableLease) else found[0].describe()
         logger.warning("engine id %s: taking over the stale lease of %s", self.engine_id, what)
-        atomic_write(self.path, data, root=self.root)
+        replace_record(self.path, data, self.root)
 
     def _create(self, data: bytes) -> bool:
         """Create the lease where none is: False when another was created first."""
@@ -539,8 +586,8 @@ class EngineLease:
                 "lease ttl)"
             )
         data = self._record().to_json()
-        atomic_write(self.claim, data, root=self.root)
-        atomic_write(self.path, data, root=self.root)
+        replace_record(self.claim, data, self.root)
+        replace_record(self.path, data, self.root)
 
     def release(self) -> None:
         if not self.held:
