@@ -105,6 +105,7 @@ class RootPresence:
         # the ack file as we last wrote or read it, and what it said
         self._written: tuple[tuple[int, int, int], tuple[object, ...]] | None = None
         self._renewed = 0.0
+        self._retried = 0.0  # when the lost lease was last tried again
 
     # -- the lease -------------------------------------------------------------------------
     async def hold(self) -> None:
@@ -113,7 +114,7 @@ class RootPresence:
         Raises LockHeld when another live receiver holds the engine id, or took it over.
         """
         if self.lost is not None:
-            raise LockHeld(self.lost)
+            await self._retake()
         if not self.lease.held:
             if not await asyncio.to_thread(check_root_for_receiver, self.root):
                 return  # waiting for the publisher: nothing can be acked there yet
@@ -131,6 +132,24 @@ class RootPresence:
         if time.monotonic() - self._renewed >= self.lease.ttl / 3:
             await self.renew()
 
+    async def _retake(self) -> None:
+        """The lease was lost: take the id again, by the take's steps, once no live receiver
+        holds it (the other holder stopped, or its lease was restored from a backup and went
+        stale); LockHeld until then. Tried at most once a third of the ttl."""
+        assert self.lost is not None
+        now = time.monotonic()
+        if now - self._retried < self.lease.ttl / 3:
+            raise LockHeld(self.lost)
+        self._retried = now
+        try:
+            await asyncio.to_thread(self.lease.acquire)
+        except LockHeld:
+            raise LockHeld(self.lost) from None
+        logger.warning("agent %s: engine id %r taken again: no live receiver holds it now",
+                       self.engine_id, self.engine_id)  # fmt: skip
+        self.lost = None
+        self._renewed = time.monotonic()
+
     async def renew(self) -> None:
         if not self.lease.held:
             return
@@ -144,7 +163,9 @@ class RootPresence:
             await asyncio.to_thread(self.lease.renew)
         except LockHeld as exc:
             self.lost = str(exc)
-            logger.error("agent %s: %s; stopping its syncs", self.engine_id, exc)
+            self._retried = time.monotonic()
+            logger.error("agent %s: %s; no syncs until no live receiver holds it",
+                         self.engine_id, exc)  # fmt: skip
             raise
         self._renewed = time.monotonic()
 

@@ -260,8 +260,7 @@ class ReceiverAgent:
                 try:
                     await self._presence.renew()
                 except AsyncSyncError:
-                    wake.set()  # the next sync reports it
-                    return
+                    wake.set()  # the next sync reports it (and takes the id again once it can)
                 except OSError as exc:  # the root's filesystem hiccuped: try again next beat
                     logger.warning("agent %s: lease heartbeat failed: %s", self.engine_id, exc)
 

@@ -203,6 +203,39 @@ async def test_a_running_receiver_keeps_its_id_when_a_dead_owners_lease_is_resto
     await agent.close()
 
 
+async def test_a_receiver_that_lost_its_id_takes_it_again_once_the_other_lease_is_stale(
+    tmp_path: Path,
+) -> None:
+    """(attack 27, finding 1) A lease naming another host, written with a fresh mtime (a
+    leases/ restored from a backup by `cp -r`), makes a running receiver lose its id; nobody
+    renews that lease. It stopped syncing for good while its process stayed up (a supervisor
+    never restarted it); now it takes the id again once that lease is a ttl old, and acks the
+    versions published meanwhile."""
+    root = tmp_path / "root"
+    stop = asyncio.Event()
+    agent = _agent(root, tmp_path / "ckpt", lease_ttl=0.9, poll_interval=0.05)
+    async with (
+        Publisher(root, bucket_bytes=8192, keyframe_interval=0) as pub,
+        asyncio.TaskGroup() as tg,
+    ):
+        await pub.seed(mixed_state(0))
+        tg.create_task(agent.run(stop=stop))
+        await _wait_for_ack(root, 0)
+        other = LeaseRecord("e1", "8" * 16, "oldhost", 4242, 0.9, 0.0, 0.0)  # fresh: "live"
+        lease_path(root, "e1").write_bytes(other.to_json())
+        deadline = time.monotonic() + 10
+        while agent._presence.lost is None:  # the heartbeat finds it (within ttl / 3)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        await pub.publish(mutate(mixed_state(0), 0.03, seed=7))
+        await _wait_for_ack(root, 1)  # once the other lease is 0.9 s old: taken again
+        found = read_lease(root, "e1")
+        assert found is not None and found[0].owner == agent._presence.lease.owner
+        assert agent._presence.lost is None and agent.version == 1
+        stop.set()
+    await agent.close()
+
+
 async def _wait_for_ack(root: Path, version: int) -> None:
     deadline = time.monotonic() + 30
     while (ack := read_acks(root).get("e1")) is None or ack.version < version:

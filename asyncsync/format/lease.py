@@ -583,7 +583,7 @@ class EngineLease:
             raise LockHeld(
                 f"engine id {self.engine_id!r}: the lease was taken over by "
                 f"{found[0].describe()} (this receiver's heartbeat was late by more than the "
-                "lease ttl)"
+                "lease ttl, or the lease file was replaced from outside)"
             )
         data = self._record().to_json()
         replace_record(self.claim, data, self.root)
