@@ -215,7 +215,9 @@ async def run_until_acked(
     """Run ``agent`` until its ack names ``final`` or later; the apply seconds of each version
     it applied meanwhile (``status().last_apply_seconds``). ``cpu``: gets the process's CPU
     seconds of each acked version, from when its directory was first seen (the streamed
-    shards) to its ack (the watch's own 5 ms polls included); ``cpu_sys`` the system part."""
+    shards) to its ack; ``cpu_sys`` the system part. The watch polls the agent's version in memory
+    every 5 ms and reads the ack file only once the agent holds a newer version, so its own
+    CPU (a directory listing per poll before) stays out of the apply's."""
     applies: list[float] = []
     stop = asyncio.Event()
 
@@ -230,9 +232,11 @@ async def run_until_acked(
                 seen = s.applied
             nxt = None if held is None else version_dir(agent.root, held + 1)
             if cpu is not None and start is None and nxt is not None:
-                there = await asyncio.to_thread(nxt.is_dir)
+                there = nxt.is_dir()  # one stat: the probe's own CPU stays out of the apply's
                 start = (cpu_seconds(), cpu_seconds(system_only=True)) if there else None
-            mine = (await asyncio.to_thread(read_acks, agent.root)).get(agent.engine_id)
+            mine = None
+            if held is None or (agent.version is not None and agent.version > held):
+                mine = (await asyncio.to_thread(read_acks, agent.root)).get(agent.engine_id)
             if mine is not None and held is not None and mine.version > held:
                 if cpu is not None and start is not None:
                     cpu.append(cpu_seconds() - start[0])
