@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncsync import Publisher
+from asyncsync.errors import ManifestUnreadable
 from asyncsync.format.acks import write_ack
 from asyncsync.ops.cli import main
 from tests.conftest import mixed_state, mutate
@@ -87,3 +88,47 @@ async def test_status_escapes_control_characters_of_an_ack(
     out = capsys.readouterr().out
     assert "\x1b" not in out and len(out.splitlines()) == 3, out
     assert "\\x1b[2J\\x1b[31mPWNED\\nfake  2  0  ok" in out.splitlines()[2], out
+
+
+async def test_lag_is_counted_from_the_newest_good_version_not_a_planted_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(helper-26) A damaged ``v999999999999`` planted above v3: a receiver marks it bad and
+    stays at v3, and `status` showed it 999999999996 versions behind, a straggler. A lag is
+    now counted from the newest version whose manifest reads and that the engine has not
+    marked bad; the good versions above one it marked bad still count (stuck below it)."""
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+
+    sd = mixed_state(0)
+    root = tmp_path / "root"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        for i in range(1, 4):
+            await pub.publish(mutate(sd, 0.02, seed=i))
+        run = pub.run_id
+    planted = root / "v999999999999"
+    planted.mkdir()
+    (planted / "manifest.json").write_text("{damaged")
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "ckpt"), "rx", use_inotify=False)
+    async with agent:
+        with pytest.raises(ManifestUnreadable):  # bad, no keyframe past it: stays at v3
+            await agent.sync_once()
+        assert agent.version == 3
+    assert json.loads((root / "acks" / "rx.json").read_text())["bad_versions"] == [999999999999]
+    write_ack(root, "unaware", 3, "ab" * 16, run)  # has not looked at it yet
+    write_ack(root, "shards", 2, "ab" * 16, run, bad_versions=(3,))  # v3's shards damaged
+    write_ack(root, "stuck", 1, "ab" * 16, run, bad_versions=(2,))  # v3 builds on a bad v2
+
+    assert main(["status", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["latest"] == 999999999999 and doc["stragglers"] == []
+    lags = {e["engine_id"]: e["lag"] for e in doc["engines"]}
+    assert lags == {"rx": 0, "unaware": 0, "shards": 0, "stuck": 2}
+    assert main(["status", str(root), "--max-lag", "1"]) == 3
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()[2:]}
+    assert rows["rx"].split()[:3] == ["rx", "3", "0"] and rows["rx"].endswith(
+        "ok bad v999999999999"
+    )
+    assert rows["stuck"].split()[:3] == ["stuck", "1", "2"] and "STRAGGLER bad v2" in rows["stuck"]

@@ -5,7 +5,12 @@ reaching the receivers. Ages are measured on the root filesystem's clock (file m
 ``skew`` column is how far a receiver's clock was from it when it wrote its ack, and ``bad``
 lists the versions a receiver found damaged and went past. An engine is a *straggler* when it
 is more than ``--max-lag`` versions behind the newest, or was last heard of (its ack, its
-lease's heartbeat) more than ``--stale`` seconds ago while it is behind.
+lease's heartbeat) more than ``--stale`` seconds ago while it is behind. The *newest* a lag is
+counted from is the newest committed version whose manifest reads and that the engine has not
+marked bad: a damaged or planted ``v999999999999`` above the publisher's versions is no lag of
+10^12 (it stays in the header's newest version and in the engine's ``bad``), while the good
+versions committed above a bad one still count (a receiver stuck below a bad version with no
+keyframe past it falls behind and is a straggler).
 Exit status 0, or 3 when there are stragglers (for scripts and alerts), or 1 when the root or
 its ``acks/`` cannot be read (never "0 engines, all clear" for acks it could not see).
 """
@@ -44,17 +49,22 @@ def engine_rows(
     """(newest version, one row per engine with its version, lag, ack age and straggler flag)."""
     versions = check_root(root)
     latest = versions[-1] if versions else None
-    run_id = None  # of the newest manifest that reads (a damaged newest one is a bad version)
-    for v in reversed(versions[-16:]):
+    # the run of the newest manifest that reads; the versions above it (a damaged newest
+    # manifest, a planted v999999999999) are bad for every receiver: no lag is counted to them
+    run_id = None
+    counted = versions
+    for i in reversed(range(max(len(versions) - 16, 0), len(versions))):
         with contextlib.suppress(FileNotFoundError, FormatError):
-            run_id = read_manifest(root, v).run_id
+            run_id = read_manifest(root, versions[i]).run_id
+            counted = versions[: i + 1]
             break
     acks = read_acks(root)
     ages = ack_ages(root, acks)  # on the root filesystem's clock, not the receivers'
     rows = []
     for engine, ack in sorted(acks.items()):
         other_run = run_id is not None and ack.run_id != run_id
-        lag = None if latest is None or other_run else latest - ack.version
+        newest = _newest_not_bad(counted, ack.bad_versions)
+        lag = None if newest is None or other_run else newest - ack.version
         age = ages[engine].age
         behind = other_run or (lag is not None and lag > 0)
         straggler = other_run or (lag is not None and lag > max_lag) or (behind and age > stale)
@@ -74,6 +84,12 @@ def engine_rows(
             }
         )
     return latest, rows
+
+
+def _newest_not_bad(versions: list[int], bad: tuple[int, ...]) -> int | None:
+    """The newest of ``versions`` (ascending) that is not in ``bad``, or None."""
+    skip = set(bad)
+    return next((v for v in reversed(versions) if v not in skip), None)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
