@@ -226,6 +226,36 @@ def test_tail_and_inspect_escape_control_characters_from_the_root(
         assert not any(line.startswith("v9") for line in out.splitlines()), out
 
 
+def test_tail_says_when_it_skips_a_line_that_is_no_record_as_tail_f_does(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(helper-26) `tail` without -f dropped a line that is no record (invalid JSON) without a
+    word, while `tail -f` says so: the same one line now, on stderr, the line's start escaped.
+    An unfinished last line (an append under way) is not one: -f waits for its newline."""
+    from asyncsync.format.log import follow_log
+
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    with open(copy / "log.jsonl", "ab") as f:
+        f.write(b'{"version": 5, "kind": "d\x1b[31mRED"}\n{"version": 4}\n{"version": 6, "ki')
+    assert main(["tail", str(copy)]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split()[0] for line in out.splitlines()] == ["v0", "v1", "v2", "v3", "v4"], out
+    assert err.splitlines() == [
+        "asyncsync tail: log.jsonl: skipped a line that is not a log record: "
+        'b\'{"version": 5, "kind": "d\\x1b[31mRED"}\''
+    ], err
+
+    async def follow() -> list[str]:
+        notices: list[str] = []
+        async for rec in follow_log(copy, poll_interval=0.01, notice=notices.append):
+            if rec["version"] == 4:
+                return notices
+        raise AssertionError("unreachable")
+
+    assert [f"asyncsync tail: {n}" for n in asyncio.run(follow())] == err.splitlines()
+
+
 # --------------------------------------------------------------------------- verify
 
 

@@ -3,7 +3,7 @@
 It is for operators (``asyncsync tail -f``); receivers never depend on it. A line is appended
 after the manifest is durable, so the log may lag a crash by one version but never lists a
 version that is not committed. Lines that do not parse (a torn last line after a crash) are
-skipped by readers.
+skipped by readers; ``asyncsync tail``, with ``-f`` or without, says so in one line each.
 
 Retention trims it (:func:`trim_log`): the lines of deleted versions are dropped by writing
 the rest to a new file that replaces the log atomically (FORMAT.md section 6), so the log
@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +95,6 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _parse_lines(lines: list[str]) -> Iterator[dict[str, Any]]:
-    for line in lines:
-        rec = _parse_lines_one(line)
-        if rec is not None:
-            yield rec
-
-
 def _parse_lines_one(line: str | bytes) -> dict[str, Any] | None:
     if not line.strip():
         return None
@@ -111,9 +104,19 @@ def _parse_lines_one(line: str | bytes) -> dict[str, Any] | None:
     return rec
 
 
-def read_log(root: Path) -> list[dict[str, Any]]:
+def _not_a_record(raw: bytes) -> str:
+    """What a reader says of a whole line that is no log record (its start, escaped)."""
+    return f"{LOG_NAME}: skipped a line that is not a log record: {raw[:80]!r}"
+
+
+def read_log(root: Path, notice: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The records of the log, [] when there is none. FormatError when it is larger than
-    ``MAX_LOG_BYTES`` (a reader never holds more; retention keeps a log far smaller)."""
+    ``MAX_LOG_BYTES`` (a reader never holds more; retention keeps a log far smaller).
+
+    Lines end at a newline byte only, as :func:`follow_log` splits them. ``notice``, when
+    given, gets one line, as :func:`follow_log` says it, for each whole line that is no log
+    record; an unfinished last line (an append under way, a line torn by a crash) is read if
+    it parses and skipped without a word if it does not."""
     path = root / LOG_NAME
     try:
         data = read_bytes(path, limit=MAX_LOG_BYTES, root=root)
@@ -124,7 +127,17 @@ def read_log(root: Path) -> list[dict[str, Any]]:
             f"{path} is larger than {MAX_LOG_BYTES} bytes, the most a reader reads whole: "
             "move it away (receivers never read it; the publisher starts a new one)"
         ) from exc
-    return list(_parse_lines(data.decode("utf-8", errors="replace").splitlines()))
+    *lines, last = data.split(b"\n")
+    out = []
+    for raw in lines:
+        rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
+        if rec is not None:
+            out.append(rec)
+        elif notice is not None and raw.strip():
+            notice(_not_a_record(raw))
+    if (rec := _parse_lines_one(last.decode("utf-8", errors="replace"))) is not None:
+        out.append(rec)
+    return out
 
 
 def _line_version(line: bytes) -> int | None:
@@ -307,7 +320,7 @@ async def follow_log(
                     continue  # shown before the log was replaced (a trim keeps its lines)
                 rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
                 if rec is None:  # not JSON, not a record (a raw control byte in a string...)
-                    say(f"{LOG_NAME}: skipped a line that is not a log record: {raw[:80]!r}")
+                    say(_not_a_record(raw))
                     continue
                 new_run = rec.get("run_id")
                 if isinstance(new_run, str):

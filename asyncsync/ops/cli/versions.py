@@ -150,7 +150,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if not args.follow:
         check_root(root)
-        for rec in read_log(root):
+        for rec in read_log(root, notice=_notice("tail", args)):
             print(_log_line(rec))
         return 0
     if not root.is_dir():
