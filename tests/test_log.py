@@ -13,7 +13,7 @@ import pytest
 
 from asyncsync.format import LOG_NAME
 from asyncsync.format import log as log_module
-from asyncsync.format.log import follow_log, read_log
+from asyncsync.format.log import MAX_LINE_BYTES, follow_log, read_log
 from tests.conftest import eventually
 
 
@@ -241,3 +241,38 @@ async def test_follow_skips_an_overlong_line_without_holding_it(
     await asyncio.wait_for(task, 10)
     assert got == [0, 1]
     assert notices == [f"{LOG_NAME}: skipped a line longer than 1048576 bytes (at byte 32)"]
+
+
+async def test_an_overlong_line_is_said_once_across_replacements(tmp_path: Path) -> None:
+    """(helper-26) After the log was replaced (a trim: the kept lines at other offsets), a line
+    longer than MAX_LINE_BYTES that was already reported was reported again, at every
+    replacement; a line that is no record was not. Now it is said once; another overlong line
+    after the replacement is still said."""
+    log = tmp_path / LOG_NAME
+    long = b'{"version": 1, "x": "' + b"A" * (MAX_LINE_BYTES + 10) + b'"}\n'
+    log.write_bytes(_lines("run", range(1)) + long + _lines("run", range(2, 3)))
+    got: list[int] = []
+    notices: list[str] = []
+
+    async def follow() -> None:
+        async for r in follow_log(tmp_path, poll_interval=0.01, notice=notices.append):
+            got.append(r["version"])
+            if len(got) == 4:
+                return
+
+    task = asyncio.create_task(follow())
+    await eventually(lambda: got == [0, 2], "the lines already there")
+    tmp = tmp_path / "log.tmp"
+    tmp.write_bytes(long + _lines("run", range(2, 4)))  # trimmed: v0 dropped, the rest moved
+    tmp.replace(log)
+    await eventually(lambda: got == [0, 2, 3], "the line after the replacement")
+    other = b'{"version": 5, "x": "' + b"B" * (MAX_LINE_BYTES + 10) + b'"}\n'
+    with open(log, "ab") as f:
+        f.write(other + _lines("run", range(4, 5)))
+    await asyncio.wait_for(task, 10)
+    assert got == [0, 2, 3, 4]
+    at = len(long) + len(_lines("run", range(2, 4)))
+    assert notices == [
+        f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte 32)",
+        f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {at})",
+    ], notices

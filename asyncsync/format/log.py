@@ -218,7 +218,8 @@ class _Lines:
     """Whole lines out of a file's bytes fed in order. Only the unfinished last line is kept,
     and at most ``MAX_LINE_BYTES`` of it: a longer line is dropped up to its newline without
     keeping its bytes (a log line is a few hundred bytes), and counted in ``overlong`` with the
-    offset it starts at."""
+    offset it starts at and the hash of its first ``MAX_LINE_BYTES + 1`` bytes (which name it
+    in a replaced log, as a kept line's hash does: longer than any kept line, never one)."""
 
     def __init__(self) -> None:
         self.reset()
@@ -227,7 +228,7 @@ class _Lines:
         self.buf = b""
         self.start = 0  # the offset in the file of the line being gathered
         self.skipping = False
-        self.overlong: list[int] = []
+        self.overlong: list[tuple[int, int]] = []  # (offset, hash of its start)
 
     def feed(self, chunk: bytes, offset: int) -> list[bytes]:
         out = []
@@ -238,14 +239,15 @@ class _Lines:
             line = chunk[pos:i] if not self.buf else self.buf + chunk[pos:i]
             if self.skipping or len(line) > MAX_LINE_BYTES:
                 if not self.skipping:
-                    self.overlong.append(self.start)
+                    self.overlong.append((self.start, hash(line[: MAX_LINE_BYTES + 1])))
             else:
                 out.append(line)
             self.buf, self.skipping = b"", False
             pos = i + 1
             self.start = offset + pos
         if not self.skipping and len(self.buf) + len(chunk) - pos > MAX_LINE_BYTES:
-            self.overlong.append(self.start)
+            head = self.buf + chunk[pos : pos + MAX_LINE_BYTES + 1 - len(self.buf)]
+            self.overlong.append((self.start, hash(head)))
             self.buf, self.skipping = b"", True
         elif not self.skipping and pos < len(chunk):
             self.buf += chunk[pos:]
@@ -265,8 +267,9 @@ async def follow_log(
     again from its start: its lines that were in the file it replaced, byte for byte, are not
     yielded again (a trim keeps the lines of the versions it keeps), every other line is, so a
     forged or stray line never hides a later one. ``notice`` (default: a logged warning) gets
-    one line when a new run's records follow another run's, and when a line longer than
-    ``MAX_LINE_BYTES`` is skipped.
+    one line when a new run's records follow another run's, and when a line that is no record
+    or is longer than ``MAX_LINE_BYTES`` is skipped: once, not again for the same line in a
+    log that replaced it.
     """
     say = notice or logger.warning
     path = root / LOG_NAME
@@ -308,8 +311,11 @@ async def follow_log(
                 head = (head + chunk)[:_HEAD_BYTES]
             got = lines.feed(chunk, offset)
             offset += len(chunk)
-            for at in lines.overlong:
-                say(f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {at})")
+            for at, key in lines.overlong:
+                seen.add(key)
+                if key not in shown:  # said before the log was replaced (a trim keeps it)
+                    long = f"longer than {MAX_LINE_BYTES} bytes"
+                    say(f"{LOG_NAME}: skipped a line {long} (at byte {at})")
             lines.overlong.clear()
             for raw in got:
                 if not raw.strip():
