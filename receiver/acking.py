@@ -162,10 +162,11 @@ class RootPresence:
         try:
             await asyncio.to_thread(self.lease.renew)
         except LockHeld as exc:
-            self.lost = str(exc)
-            self._retried = time.monotonic()
-            logger.error("agent %s: %s; no syncs until no live receiver holds it",
-                         self.engine_id, exc)  # fmt: skip
+            if self.lost is None:  # the heartbeat and a sync may both find it: said once, here
+                self.lost = str(exc)
+                self._retried = time.monotonic()
+                logger.error("agent %s: %s; no syncs until no live receiver holds it",
+                             self.engine_id, exc)  # fmt: skip
             raise
         self._renewed = time.monotonic()
 

@@ -36,6 +36,7 @@ from asyncsync.errors import (
     FormatError,
     IncompatibleVersion,
     IncompleteVersion,
+    LockHeld,
     ManifestError,
     check_number,
 )
@@ -278,7 +279,8 @@ class ReceiverAgent:
                     failing.clear()
                 except (AsyncSyncError, OSError) as exc:
                     await self._early.drop_stale(self._bad)  # now, not after the backoff below
-                    if failing.should_log(str(exc)):
+                    lost = isinstance(exc, LockHeld) and self._presence.lost is not None
+                    if failing.should_log(str(exc)) and not lost:  # a lost id: said by renew
                         logger.error("agent %s: sync failed%s: %s",
                                      self.engine_id, failing.since(), exc)  # fmt: skip
                     # the same failure again and again (a damaged version, no keyframe after

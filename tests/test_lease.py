@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -29,7 +30,7 @@ from asyncsync.format.lease import (
 )
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
-from tests.conftest import mixed_state, mutate, sync_to
+from tests.conftest import eventually, mixed_state, mutate, sync_to
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -541,3 +542,26 @@ async def test_a_receiver_paused_mid_apply_past_its_ttl_does_not_ack_over_the_ne
         assert read_acks(root)["e1"].version == 0  # not the resumed receiver's v1
         found = read_lease(root, "e1")
         assert found is not None and found[0].host == "other-host"
+
+
+async def test_a_lost_engine_id_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(helper-26) A running receiver whose lease another live receiver took over logged the
+    loss twice or three times: at the heartbeat that found it (and at a sync's renew racing
+    it), then as the next sync's failure. Now once, as it is found; the syncs still stop."""
+    root = tmp_path / "root"
+    await _publish(root, 1)
+    stop = asyncio.Event()
+    agent = _agent(root, tmp_path / "ckpt", lease_ttl=0.6, poll_interval=0.05)
+    caplog.set_level(logging.ERROR)
+    async with agent, asyncio.TaskGroup() as tg:
+        tg.create_task(agent.run(stop=stop))
+        await _wait_for_ack(root, 1)
+        other = LeaseRecord("e1", "8" * 16, "other-host", 1, 30.0, 0.0, 0.0)  # fresh: live
+        lease_path(root, "e1").write_bytes(other.to_json())
+        await eventually(lambda: agent.status().failures >= 3, "syncs refused after the loss")
+        stop.set()
+    lost = [r.getMessage() for r in caplog.records if "taken over by" in r.getMessage()]
+    assert len(lost) == 1 and lost[0].endswith("; no syncs until no live receiver holds it"), lost
+    assert agent.status().last_error is not None and "taken over" in agent.status().last_error
