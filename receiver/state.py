@@ -487,6 +487,20 @@ def layouts_of(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
     return {e.name: list(e.layout) for e in manifest.tensors if e.layout is not None}
 
 
+def holding(ps: PersistedState, manifest: Manifest, **changes: Any) -> PersistedState:
+    """``ps`` holding ``manifest``'s version: its identity and every tensor's checksum."""
+    return replace(
+        ps,
+        version=manifest.version,
+        run_id=manifest.run_id,
+        fingerprint=manifest.fingerprint,
+        checksum_algorithm=manifest.checksum_algorithm,
+        checksums={e.name: e.checksum for e in manifest.tensors},
+        parts=layouts_of(manifest),
+        **changes,
+    )
+
+
 def bumped(ps: PersistedState, manifest: Manifest) -> PersistedState:
     """The state after taking the zero-diff ``manifest`` (no data changes, a new version).
 

@@ -1,8 +1,10 @@
-"""Real FUSE mounts for tests: two ``rclone mount`` views of one directory.
+"""Real mounts for tests: two ``rclone mount`` views of one directory; a small tmpfs; a small
+btrfs on a loop device; and a way to fill a filesystem.
 
 rclone, like gcsfuse and s3fs, has no ``link()`` and no create or rename that excludes across
-mounts. The mounts need root, ``/dev/fuse``, rclone and fuse3 (``.ci/run`` installs them); a
-test skips with the reason when any is missing or the mount fails.
+mounts. The mounts need root, ``/dev/fuse``, rclone and fuse3 (``.ci/run`` installs them); the
+btrfs needs root, ``losetup``, ``mkfs.btrfs`` (btrfs-progs) and the kernel's btrfs. A test
+skips with the reason when any is missing or the mount fails; every mount is undone after it.
 """
 
 from __future__ import annotations
@@ -65,3 +67,83 @@ def rclone_mounts(src: Path, *dsts: Path) -> Iterator[tuple[Path, ...]]:
         deadline = time.monotonic() + 10
         while any(os.path.ismount(d) for d in mounted) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. ``"4m"``) mounted at ``path``."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount")
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@contextlib.contextmanager
+def btrfs(path: Path, size: int = 192 << 20) -> Iterator[Path]:
+    """A btrfs of ``size`` bytes on a loop device backed by a sparse file beside ``path``,
+    mounted at ``path`` (its metadata apart from the data: a full one still renames a file)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount")
+    for tool in ("losetup", "mkfs.btrfs"):
+        if not shutil.which(tool):
+            pytest.skip(f"{tool} is not installed (btrfs-progs, util-linux)")
+    image = path.parent / f".{path.name}.img"
+    with open(image, "wb") as f:
+        f.truncate(size)
+    r = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True)
+    if r.returncode:
+        image.unlink()
+        pytest.skip(f"no loop device: {r.stderr.strip()}")
+    dev = r.stdout.strip()
+    mounted = False
+    try:
+        r = subprocess.run(["mkfs.btrfs", "-q", "-f", dev], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"mkfs.btrfs failed: {r.stderr.strip()}")
+        path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "btrfs", dev, str(path)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a btrfs here: {r.stderr.strip()}")
+        mounted = True
+        yield path
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=False)
+        subprocess.run(["losetup", "-d", dev], check=False)
+        image.unlink()
+
+
+def fill(mount: Path, leave: int) -> int:
+    """Fill the filesystem at ``mount`` with ``mount/ballast`` up to ENOSPC but for about
+    ``leave`` bytes (a reserve file written first, removed last: a full btrfs may refuse even
+    a truncate); returns the bytes free then. Removing ``ballast`` frees the space again."""
+    reserve = mount / "reserve"
+    reserve.write_bytes(b"\x55" * leave)
+    fd = os.open(mount / "ballast", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for chunk in (1 << 20, 1 << 16, 4096):
+            for _ in range(2):  # a copy-on-write filesystem frees some space at a sync
+                with contextlib.suppress(OSError):
+                    while True:
+                        os.write(fd, b"\xaa" * chunk)
+                subprocess.run(["sync", "-f", str(mount)], check=False)
+    finally:
+        os.close(fd)
+    reserve.unlink()
+    deadline = time.monotonic() + 10
+    while (free := free_bytes(mount)) < leave // 2 and time.monotonic() < deadline:
+        subprocess.run(["sync", "-f", str(mount)], check=False)  # btrfs frees at a commit
+        time.sleep(0.1)
+    return free
+
+
+def free_bytes(mount: Path) -> int:
+    st = os.statvfs(mount)
+    return st.f_bavail * st.f_frsize

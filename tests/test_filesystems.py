@@ -24,6 +24,7 @@ from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.watch import wakeups
 from tests.conftest import mixed_state, mutate, same_bytes
+from tests.mounts import tmpfs as tiny_tmpfs
 
 
 def _can_mount() -> str | None:
@@ -49,22 +50,6 @@ def bindfs_mount(src: Path, dst: Path) -> Iterator[Path]:
         yield dst
     finally:
         subprocess.run(["umount", "-l", str(dst)], check=False)
-
-
-@contextlib.contextmanager
-def tiny_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    why = _can_mount()
-    if why:
-        pytest.skip(why)
-    path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)  # fmt: skip
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 async def test_inotify_is_blind_on_fuse_but_polling_finds_every_version(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from receiver.state import (
     check_base,
     check_patch,
     check_tensor_set,
-    layouts_of,
+    holding,
 )
 
 __all__ = ["LocalCheckpoint"]
@@ -90,6 +90,7 @@ class LocalCheckpoint(Engine):
         self._layout: dict[str, TensorLocation] = {}
         self._txn: _Txn | None = None
         self._broken: str | None = None
+        self._undo_pending: str | None = None  # a rollback that failed: done again at begin
         self._mutex = threading.Lock()
         self.sync_before_ack = sync_before_ack
         self._flushing: asyncio.Future[None] | None = None  # the last delta's background sync
@@ -189,13 +190,7 @@ class LocalCheckpoint(Engine):
 
     def load_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor of the checkpoint, copied into memory (later deltas do not alter it)."""
-        if not self.index_path.exists():
-            return {}
-        weight_map = self.files.read_index()[1]
-        out: dict[str, torch.Tensor] = {}
-        for file in dict.fromkeys(weight_map.values()):
-            out.update(safetensors.torch.load_file(self.directory / file))
-        return {name: out[name].clone() for name in weight_map}  # load_file maps the file
+        return self.files.load_state_dict()
 
     # -- plumbing -----------------------------------------------------------------------------
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -330,12 +325,13 @@ class LocalCheckpoint(Engine):
             )
         entries = manifest.tensor_map()
         txn = _Txn(manifest, mode, entries)
-        if mode == "full":
+        if mode == "full":  # replaces every file: a rollback still pending is moot once it commits
             self._store.clear_dir(self._store.staging_dir)
             self._txn = txn
             return
         if mode != "delta":
             raise ApplyFailed(f"unknown apply mode {mode!r}")
+        self._finish_rollback()
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
         check_tensor_set(self._held(), manifest, str(self.directory))
         self._store.clear_dir(self._store.journal_dir)
@@ -409,8 +405,27 @@ class LocalCheckpoint(Engine):
         in the process the page cache is whole and the undo's sync makes it durable."""
         progressive = inplace.undo(self._store.journal_dir, self._layout, maps)
         lost = at_open and (progressive or self._ps.progressive)
-        self._set(replace(self._ps.clean(), synced=self._ps.synced and not lost))
+        clean = replace(self._ps.clean(), synced=self._ps.synced and not lost)
+        try:
+            self._set(clean)
+        except OSError:  # a full disk (no block or inode left), which the records may fill: the
+            self._store.clear_dir(self._store.journal_dir)  # old bytes are durable, they can go
+            self._set(clean)  # first (open() then finds an interrupted delta without records)
         self._store.clear_dir(self._store.journal_dir)
+
+    def _finish_rollback(self) -> None:
+        """Undo again after a rollback that failed (idempotent): the engine goes on once the
+        cause (a full disk) is gone, without a reopen."""
+        if (why := self._undo_pending) is not None:
+            maps = FileMaps(self.directory)
+            try:
+                self._undo(maps)
+            except Exception as exc:
+                raise EngineStateError(f"{self.directory}: {why}; retried: {exc}") from exc
+            finally:
+                maps.close()
+            self._undo_pending = None
+            logger.info("%s: %s; retried: back at v%s", self.directory, why, self.state.version)
 
     def _commit_delta(self, txn: _Txn) -> str:
         assert txn.maps is not None
@@ -420,20 +435,13 @@ class LocalCheckpoint(Engine):
                 raise EngineStateError(f"{self.directory}: {self._broken}; close and reopen it")
             if self.sync_before_ack:
                 txn.maps.sync()
-            bad = self._first_mismatch(txn)
+            algo = m.checksum_algorithm  # touched tensors by the digests taken as they were
+            held = self._ps.checksums if self._ps.checksum_algorithm == algo else None  # patched
+            bad = inplace.first_mismatch(
+                txn.maps, self._layout, txn.entries, txn.seen, algo, held, txn.digests
+            )
             if bad is None:
-                self._set(
-                    replace(
-                        self._ps.clean(),
-                        version=m.version,
-                        run_id=m.run_id,
-                        fingerprint=m.fingerprint,
-                        checksum_algorithm=m.checksum_algorithm,
-                        checksums={e.name: e.checksum for e in m.tensors},
-                        parts=layouts_of(m),
-                        synced=self.sync_before_ack,
-                    )
-                )
+                self._set(holding(self._ps.clean(), m, synced=self.sync_before_ack))
         except BaseException:
             self._rollback(txn)
             raise
@@ -477,20 +485,6 @@ class LocalCheckpoint(Engine):
             maps.close()
         logger.debug("%s: v%s durable in %.3fs", self.directory, version, time.perf_counter() - t0)
 
-    def _first_mismatch(self, txn: _Txn) -> tuple[str, str] | None:
-        """(name, checksum) of the first tensor whose new bytes differ from the manifest.
-
-        Touched tensors are checked by the checksum taken as they were patched (hashed from
-        the file if there is none), the others the manifest says changed are hashed from the
-        file, the rest compared by their recorded checksum when the algorithm is the same.
-        """
-        assert txn.maps is not None
-        algo = txn.manifest.checksum_algorithm
-        held = self._ps.checksums if self._ps.checksum_algorithm == algo else None
-        return inplace.first_mismatch(
-            txn.maps, self._layout, txn.entries, txn.seen, algo, held, txn.digests
-        )
-
     def _rollback(self, txn: _Txn) -> None:
         self._txn = None
         if txn.maps is None:
@@ -498,7 +492,7 @@ class LocalCheckpoint(Engine):
         try:
             self._undo(txn.maps)
         except BaseException as exc:
-            self._broken = f"rollback of v{txn.manifest.version} failed ({exc})"
+            self._undo_pending = f"rollback of v{txn.manifest.version} failed ({exc})"
             raise
         finally:
             txn.maps.close()
@@ -545,17 +539,9 @@ class LocalCheckpoint(Engine):
             for p in old - {self.directory / name for name in final.values()}:
                 p.unlink()
             fsio.fsync_dir(self.directory)
-            self._set(
-                PersistedState(
-                    version=m.version,
-                    run_id=m.run_id,
-                    fingerprint=m.fingerprint,
-                    checksum_algorithm=m.checksum_algorithm,
-                    checksums={e.name: e.checksum for e in m.tensors},
-                    parts=layouts_of(m),
-                )
-            )
+            self._set(holding(PersistedState(), m))
             self._layout = layout
+            self._undo_pending = None  # every file replaced: nothing left to undo
         except BaseException as exc:
             logger.error("%s: full apply of v%s failed midway (%s)", self.directory, m.version, exc)
             with contextlib.suppress(OSError, AsyncSyncError):
@@ -582,6 +568,7 @@ class LocalCheckpoint(Engine):
     def _bump(self, manifest: Manifest) -> None:
         if self._txn is not None:
             raise ApplyFailed(f"{self.directory}: bump while v{self._txn.manifest.version} is open")
+        self._finish_rollback()
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
         check_tensor_set(self._held(), manifest, str(self.directory))
         self._set(bumped(self._ps, manifest))

@@ -15,6 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import safetensors.torch
+import torch
+
 from asyncsync import fsio
 from asyncsync.errors import ConfigError, EngineStateError
 from asyncsync.format import Manifest
@@ -78,6 +81,16 @@ class CheckpointFiles:
     def tensor_names(self) -> list[str]:
         """Names of the tensors in the index, in index order (none before the first version)."""
         return list(self.read_index()[1]) if self.index_path.exists() else []
+
+    def load_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the checkpoint, copied into memory (later writes do not alter it)."""
+        if not self.index_path.exists():
+            return {}
+        weight_map = self.read_index()[1]
+        out: dict[str, torch.Tensor] = {}
+        for file in dict.fromkeys(weight_map.values()):
+            out.update(safetensors.torch.load_file(self.directory / file))
+        return {name: out[name].clone() for name in weight_map}  # load_file maps the file
 
     def load_layout(self) -> dict[str, TensorLocation]:
         """Where each tensor of the index lies: its file and byte range (from the headers)."""

@@ -1,0 +1,108 @@
+"""A full disk under a receiver's checkpoint or the publisher's root, on real filesystems.
+
+* The undo record of a delta fills the checkpoint's disk: the rollback must not need the space
+  the record took, and the receiver goes on once space is back, without a restart (it stayed
+  "rollback failed; close and reopen it" for good).
+* A rollback that fails all the same (any error) is done again at the next version.
+
+The mounts need root; each test skips with the reason otherwise and unmounts what it mounted.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync import Publisher
+from asyncsync.errors import ApplyFailed
+from asyncsync.format.store import read_manifest
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint, inplace, verify_checkpoint
+from receiver.state import StateStore
+from tests.mounts import fill, tmpfs
+
+
+def _model(mib: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """8 bf16 tensors of ``mib`` MiB in all."""
+    g = torch.Generator().manual_seed(seed)
+    n = (mib << 20) // 2 // 8
+    return {f"layer.{i}.weight": torch.randn(n, generator=g).to(torch.bfloat16) for i in range(8)}
+
+
+def _step(sd: dict[str, torch.Tensor], density: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in sd.items():
+        t = t.clone()
+        mask = torch.rand(t.numel(), generator=g) < density
+        t[mask] = (t[mask].float() + 0.5).to(torch.bfloat16)
+        out[k] = t
+    return out
+
+
+def _acked(root: Path, engine_id: str) -> int | None:
+    path = root / "acks" / f"{engine_id}.json"
+    return json.loads(path.read_text())["version"] if path.exists() else None
+
+
+async def test_an_undo_record_filling_the_disk_rolls_back_and_the_receiver_goes_on(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    with tmpfs(tmp_path / "small", "12m") as mnt:
+        sd = _model(8)
+        async with Publisher(root, keyframe_interval=0) as pub:
+            await pub.seed(sd)
+            sd = _step(sd, 0.03, 1)
+            await pub.publish(sd)
+            agent = ReceiverAgent(root, LocalCheckpoint(mnt / "ck"), "e", use_inotify=False)
+            async with agent:
+                assert await agent.sync_once() == 1
+                await agent.engine.flushed()  # type: ignore[attr-defined]
+                nxt = _step(sd, 0.03, 2)
+                await pub.publish(nxt)
+                fill(mnt, 100_000)  # the record's header fits, its old values do not
+                with pytest.raises(ApplyFailed, match="No space left"):
+                    await agent.sync_once()
+                assert agent.version == 1 and _acked(root, "e") == 1
+                assert verify_checkpoint(mnt / "ck", read_manifest(root, 1)) == []
+                (mnt / "ballast").unlink()
+                assert await agent.sync_once() == 2  # the same agent: no reopen
+                assert _acked(root, "e") == 2
+            assert verify_checkpoint(mnt / "ck", read_manifest(root, 2)) == []
+
+
+async def test_a_rollback_that_failed_is_done_again_at_the_next_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    sd = _model(1)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        agent = ReceiverAgent(root, LocalCheckpoint(ck), "e", use_inotify=False)
+        async with agent:
+            assert await agent.sync_once() == 0
+            await pub.publish(_step(sd, 0.03, 1))
+            real_patch, real_save = inplace.journal_and_patch, StateStore.save
+
+            def patch_then_fail(*args: object, **kw: object) -> object:
+                real_patch(*args, **kw)  # type: ignore[arg-type]
+                raise OSError(errno.EIO, "injected after the patch")
+
+            def save(store: StateStore, state: object) -> object:
+                if getattr(state, "status", None) == "clean":  # the rollback's save
+                    raise OSError(errno.EIO, "injected: state not saved")
+                return real_save(store, state)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(inplace, "journal_and_patch", patch_then_fail)
+            monkeypatch.setattr(StateStore, "save", save)
+            with pytest.raises(ApplyFailed, match="injected after the patch"):
+                await agent.sync_once()
+            monkeypatch.undo()
+            assert agent.version == 0 and _acked(root, "e") == 0
+            assert await agent.sync_once() == 1  # was: "rollback of v1 failed; close and reopen"
+        assert verify_checkpoint(ck, read_manifest(root, 1)) == []
