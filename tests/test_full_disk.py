@@ -4,14 +4,21 @@
   the record took, and the receiver goes on once space is back, without a restart (it stayed
   "rollback failed; close and reopen it" for good).
 * A rollback that fails all the same (any error) is done again at the next version.
+* A full copy-on-write filesystem (btrfs): every overwrite through the mapping needs new space,
+  and a write fault that cannot get it is SIGBUS. The receiver was killed mid-patch; it must
+  fail the version with one line instead, ack nothing new, and apply it once space is back.
 
-The mounts need root; each test skips with the reason otherwise and unmounts what it mounted.
+The mounts need root (and, for btrfs, a loop device and btrfs-progs); each test skips with the
+reason otherwise and unmounts what it mounted.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +30,9 @@ from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, inplace, verify_checkpoint
 from receiver.state import StateStore
-from tests.mounts import fill, tmpfs
+from tests.mounts import btrfs, fill, tmpfs
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _model(mib: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -106,3 +115,42 @@ async def test_a_rollback_that_failed_is_done_again_at_the_next_version(
             assert agent.version == 0 and _acked(root, "e") == 0
             assert await agent.sync_once() == 1  # was: "rollback of v1 failed; close and reopen"
         assert verify_checkpoint(ck, read_manifest(root, 1)) == []
+
+
+def _receive_once(root: Path, ck: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "e",
+         "--checkpoint", str(ck), "--once", "--log-level", "WARNING"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("density", "leave"), [(0.03, 6 << 20), (0.0002, 2 << 20)], ids=["most-pages", "sparse"]
+)
+async def test_a_full_copy_on_write_disk_fails_the_version_instead_of_a_sigbus(
+    tmp_path: Path, density: float, leave: int
+) -> None:
+    root = tmp_path / "root"
+    with btrfs(tmp_path / "cow") as mnt:
+        ck = mnt / "ck"
+        sd = _model(16)
+        async with Publisher(root, keyframe_interval=0) as pub:
+            await pub.seed(sd)
+            sd = _step(sd, 0.03, 1)
+            await pub.publish(sd)
+            assert _receive_once(root, ck).returncode == 0 and _acked(root, "e") == 1
+            await pub.publish(_step(sd, density, 2))
+        # room for the undo record, not for the pages the patch copies (16 MiB, or ~7 MiB)
+        fill(mnt, leave)
+        r = _receive_once(root, ck)
+        assert r.returncode == 1, (r.returncode, r.stderr[-2000:])  # was -7: SIGBUS
+        err = r.stderr.strip().splitlines()[-1]
+        assert "No space left" in err or "writable (EFAULT)" in err, err
+        assert _acked(root, "e") == 1
+        (mnt / "ballast").unlink()
+        r = _receive_once(root, ck)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert _acked(root, "e") == 2
+        assert verify_checkpoint(ck, read_manifest(root, 2)) == []

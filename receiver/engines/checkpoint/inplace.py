@@ -72,7 +72,9 @@ def journal_and_patch(
     patch kernel as it patches (one pass over the pages instead of two, no fsync); see
     :mod:`receiver.engines.checkpoint.journal`.
     """
-    # each tensor's pages faulted in (where most change) by the thread that patches it
+    # each tensor's pages faulted in writable by the thread that patches it, before any write
+    # (a page that cannot be is an error, not a SIGBUS): all (where most change), else those
+    # holding a changed element
     prefault = {name for name, loc, _flat, patch in work if _touches_most_pages(patch, loc)}
     if (
         not durable
@@ -87,8 +89,7 @@ def journal_and_patch(
 
     def patch_one(item: Work) -> str | None:  # on the pool: the tensors are disjoint
         name, loc, flat, patch = item
-        if name in prefault:
-            maps.prefault(loc)
+        maps.prefault(loc, None if name in prefault else patch.positions)
         if algorithm is None:
             apply_patch(flat, patch)
             return None
@@ -123,8 +124,7 @@ def _journal_in_pass(
 
         def patch_one(job: tuple[Work, int, int]) -> str:
             (name, loc, flat, patch), values_at, progress_at = job
-            if name in prefault:
-                maps.prefault(loc)
+            maps.prefault(loc, None if name in prefault else patch.positions)
             layout = None if layouts is None else layouts.get(name)
             return patch_and_checksum(
                 flat, patch, algorithm, layout, journal=(record.fd, values_at, progress_at)
@@ -185,6 +185,7 @@ def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps
                 raise EngineStateError(f"undo journal {path} names unknown tensor {name!r}")
             flat = maps.flat(loc)
             try:
+                maps.prefault(loc, pos)  # an error, not a SIGBUS, on a full copy-on-write disk
                 old = old.view(flat.dtype)
                 if pos is None:
                     flat.copy_(old)
