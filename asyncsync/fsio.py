@@ -110,9 +110,7 @@ class Throttle:
 
 
 _throttle: Throttle | None = (
-    Throttle.parse(os.environ["ASYNCSYNC_THROTTLE"])
-    if os.environ.get("ASYNCSYNC_THROTTLE")
-    else None
+    Throttle.parse(_env) if (_env := os.environ.get("ASYNCSYNC_THROTTLE")) else None
 )
 
 
@@ -493,11 +491,14 @@ def atomic_write(
 
 def append_bytes(path: _Path, data: bytes, *, root: _Root = None) -> None:
     """Append ``data`` with a single ``O_APPEND`` write to the regular file ``path`` (created if
-    missing) and fsync it; a symlink, FIFO or hard-linked file there raises UnsafePath."""
+    missing) and fsync it; a symlink, FIFO or hard-linked file there raises UnsafePath. A short
+    write (a full disk) is taken back and raises ENOSPC: a log never keeps a torn line."""
     with _parent(path, root) as (dfd, name):
         fd = _open_write(dfd, name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, path)
     try:
-        os.write(fd, data)
+        if (n := os.write(fd, data)) < len(data):
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - n)
+            raise OSError(errno.ENOSPC, f"short append ({n} of {len(data)} bytes)", str(path))
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -7,6 +7,7 @@
 * A full copy-on-write filesystem (btrfs): every overwrite through the mapping needs new space,
   and a write fault that cannot get it is SIGBUS. The receiver was killed mid-patch; it must
   fail the version with one line instead, ack nothing new, and apply it once space is back.
+* A log line appended to a full root was cut short and glued to the next line (both lost).
 
 The mounts need root (and, for btrfs, a loop device and btrfs-progs); each test skips with the
 reason otherwise and unmounts what it mounted.
@@ -26,6 +27,7 @@ import torch
 
 from asyncsync import Publisher
 from asyncsync.errors import ApplyFailed
+from asyncsync.format.log import read_log
 from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, inplace, verify_checkpoint
@@ -154,3 +156,25 @@ async def test_a_full_copy_on_write_disk_fails_the_version_instead_of_a_sigbus(
         assert r.returncode == 0, r.stderr[-2000:]
         assert _acked(root, "e") == 2
         assert verify_checkpoint(ck, read_manifest(root, 2)) == []
+
+
+async def test_a_log_line_cut_short_by_a_full_root_is_taken_back(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "small", "2m") as mnt:
+        root = mnt / "root"
+        async with Publisher(root, keyframe_interval=0) as pub:
+            await pub.seed({"w": torch.zeros(16)})
+            log = root / "log.jsonl"
+            for _ in range(40):  # zero-diff versions: a manifest and a log line each
+                size, line = log.stat().st_size, len(log.read_bytes().splitlines()[-1]) + 1
+                if size % 4096 + line > 4096:  # the next line needs a new page
+                    break
+                await pub.publish({"w": torch.zeros(16)})
+            else:
+                pytest.fail("the log never reached the end of a page")
+            assert fill(mnt, 4096) == 4096  # one page: the manifest's
+            v = (await pub.publish({"w": torch.zeros(16)})).version  # committed; its line not
+            data = log.read_bytes()
+            assert data.endswith(b"\n"), data[-200:]  # was: the line cut at the page's end
+            (mnt / "ballast").unlink()
+            w = (await pub.publish({"w": torch.zeros(16)})).version
+        assert [r["version"] for r in read_log(root)][-2:] == [v - 1, w]
