@@ -421,7 +421,8 @@ class LocalCheckpoint(Engine):
             try:
                 self._undo(maps)
             except Exception as exc:
-                raise EngineStateError(f"{self.directory}: {why}; retried: {exc}") from exc
+                again = "the same" if str(exc) in why else str(exc)
+                raise EngineStateError(f"{self.directory}: {why}; retried: {again}") from exc
             finally:
                 maps.close()
             self._undo_pending = None
