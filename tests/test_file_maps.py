@@ -11,6 +11,7 @@ exactly when it held it.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import sys
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from asyncsync.codec import native
-from receiver.engines.st_layout import FileMaps, TensorLocation
+from receiver.engines.st_layout import FileMaps, TensorLocation, _page_runs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mm calls")
 
@@ -263,3 +264,21 @@ def test_sync_writes_back_with_the_gil_released(tmp_path: Path) -> None:
         thread.join()
         sys.setswitchinterval(old)
         maps.close()
+
+
+@pytest.mark.parametrize("begin", [0, 100, mmap.PAGESIZE - 2])
+def test_page_runs_are_the_pages_holding_the_positions(begin: int) -> None:
+    """The prefault of a sparse patch on a copy-on-write filesystem faults in exactly the pages
+    its elements lie on (an element may straddle two), in runs, within the file."""
+    n = 10 * mmap.PAGESIZE // 4
+    loc = TensorLocation("t", "f", torch.float32, (n,), begin, begin + 4 * n)
+    pos = torch.tensor([0, 1, 1000, 1001, 1024, 5000, n - 1])
+    runs = _page_runs(loc, pos, loc.end)
+    got: set[int] = set()
+    for start, end in runs:
+        assert start % mmap.PAGESIZE == 0 and start < end <= loc.end
+        got |= set(range(start // mmap.PAGESIZE, -(-end // mmap.PAGESIZE)))
+    at = [begin + 4 * int(p) for p in pos]
+    assert got == {a // mmap.PAGESIZE for a in at} | {(a + 3) // mmap.PAGESIZE for a in at}
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(runs))  # apart: true runs
+    assert _page_runs(loc, torch.empty(0, dtype=torch.int64), loc.end) == []
