@@ -276,3 +276,20 @@ async def test_an_overlong_line_is_said_once_across_replacements(tmp_path: Path)
         f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte 32)",
         f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {at})",
     ], notices
+
+
+async def test_a_line_torn_by_a_crash_does_not_swallow_the_next_version(tmp_path: Path) -> None:
+    """(helper-26) A machine crash can leave the log's last line torn, without its newline; the
+    next version's line was appended right after it, the two made one line that is no record,
+    and every reader lost that version. It goes on a line of its own now."""
+    from asyncsync import Publisher
+    from tests.conftest import mixed_state, mutate
+
+    root = tmp_path / "root"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(mixed_state(0))
+        with (root / LOG_NAME).open("ab") as f:
+            f.write(b'{"version": 1, "kind": "del')  # torn mid-append
+        await pub.publish(mutate(mixed_state(0), 0.03, seed=1))
+    assert [r["version"] for r in read_log(root)] == [0, 1]
+    assert (root / LOG_NAME).read_bytes().endswith(b"}\n")

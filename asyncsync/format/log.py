@@ -49,8 +49,26 @@ _HEAD_BYTES = 256  # the first bytes of the log a follower compares, to see it m
 
 
 def append_manifest(root: Path, manifest: Manifest) -> None:
+    """Append the manifest's line to the log; after a last line torn by a machine crash (no
+    newline), on a line of its own, so that the torn line does not swallow it."""
     line = json.dumps(manifest.log_record(), allow_nan=False)
-    append_line(root / LOG_NAME, line, root=root)
+    if _ends_torn(root / LOG_NAME, root):
+        append_bytes(root / LOG_NAME, b"\n" + line.encode() + b"\n", root=root)
+    else:
+        append_line(root / LOG_NAME, line, root=root)
+
+
+def _ends_torn(path: Path, root: Path) -> bool:
+    """Whether the log's last byte is no newline (False for a missing or empty log)."""
+    try:
+        fd = open_file(path, root=root)
+    except FileNotFoundError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+    finally:
+        os.close(fd)
 
 
 #: the fields of a log line (``Manifest.log_record``) and the types a reader accepts for each;
