@@ -11,6 +11,7 @@ exactly when it held it.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
@@ -282,3 +283,32 @@ def test_page_runs_are_the_pages_holding_the_positions(begin: int) -> None:
     assert got == {a // mmap.PAGESIZE for a in at} | {(a + 3) // mmap.PAGESIZE for a in at}
     assert all(a[1] < b[0] for a, b in itertools.pairwise(runs))  # apart: true runs
     assert _page_runs(loc, torch.empty(0, dtype=torch.int64), loc.end) == []
+
+
+@pytest.mark.parametrize(("code", "raised"), [(errno.EFAULT, errno.ENOSPC), (errno.EINVAL, None),
+                                              (errno.ENOMEM, None)])  # fmt: skip
+def test_a_prefault_the_kernel_cannot_do_is_an_error_only_for_efault(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, raised: int | None
+) -> None:
+    """EFAULT from ``MADV_POPULATE_WRITE``: a page the kernel cannot make writable (a full
+    copy-on-write filesystem; a write there would be SIGBUS) is an ENOSPC naming the tensor and
+    its file. Any other error (an older kernel, memory pressure) leaves the patch to fault its
+    pages in as before. A fake kernel: a real full btrfs gives EFAULT only by chance now that
+    the checkpoint's files are no-copy-on-write (tests/test_full_disk.py)."""
+    loc = _file(tmp_path, 1 << 16)
+
+    class Kernels:
+        def populate_write(self, *_: object) -> None:
+            raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(native, "kernels", Kernels())
+    maps = FileMaps(tmp_path)
+    try:
+        if raised is None:
+            assert maps.prefault(loc) is False
+            return
+        with pytest.raises(OSError, match=f"{loc.name!r} writable") as info:
+            maps.prefault(loc)
+        assert info.value.errno == raised and info.value.filename == str(tmp_path / loc.file)
+    finally:
+        maps.close()

@@ -5,8 +5,8 @@
   "rollback failed; close and reopen it" for good).
 * A rollback that fails all the same (any error) is done again at the next version.
 * A full copy-on-write filesystem (btrfs): every overwrite through the mapping needs new space,
-  and a write fault that cannot get it is SIGBUS. The receiver was killed mid-patch; it must
-  fail the version with one line instead, ack nothing new, and apply it once space is back.
+  and a write fault that cannot get it is SIGBUS. The receiver was killed mid-patch; the
+  checkpoint's files are no-copy-on-write now, and a delta applies on a full btrfs.
 * A log line appended to a full root was cut short and glued to the next line (both lost).
 
 The mounts need root (and, for btrfs, a loop device and btrfs-progs); each test skips with the
@@ -131,9 +131,14 @@ def _receive_once(root: Path, ck: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("density", "leave"), [(0.03, 6 << 20), (0.0002, 2 << 20)], ids=["most-pages", "sparse"]
 )
-async def test_a_full_copy_on_write_disk_fails_the_version_instead_of_a_sigbus(
+async def test_a_full_btrfs_neither_stops_a_delta_nor_kills_the_receiver(
     tmp_path: Path, density: float, leave: int
 ) -> None:
+    """On btrfs every overwrite through the mapping of a copy-on-write file needs new space; on
+    a full disk the write fault was SIGBUS, mid-patch. The prefault now turns that into an
+    error (``FileMaps.prefault``), which btrfs still races by writing pages back in between
+    (SIGBUS 3 times in 10 runs); the checkpoint's directory is no-copy-on-write instead, so its
+    files are overwritten in place and a delta applies on a full disk (its undo record fits)."""
     root = tmp_path / "root"
     with btrfs(tmp_path / "cow") as mnt:
         ck = mnt / "ck"
@@ -144,18 +149,19 @@ async def test_a_full_copy_on_write_disk_fails_the_version_instead_of_a_sigbus(
             await pub.publish(sd)
             assert _receive_once(root, ck).returncode == 0 and _acked(root, "e") == 1
             await pub.publish(_step(sd, density, 2))
-        # room for the undo record, not for the pages the patch copies (16 MiB, or ~7 MiB)
+        files = sorted(ck.glob("*.safetensors"))
+        assert files and all(_nocow(p) for p in files)
+        # room for the undo record, not for the pages a copy-on-write patch would copy
         fill(mnt, leave)
         r = _receive_once(root, ck)
-        assert r.returncode == 1, (r.returncode, r.stderr[-2000:])  # was -7: SIGBUS
-        err = r.stderr.strip().splitlines()[-1]
-        assert "No space left" in err or "writable (EFAULT)" in err, err
-        assert _acked(root, "e") == 1
-        (mnt / "ballast").unlink()
-        r = _receive_once(root, ck)
-        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])  # was -7: SIGBUS
         assert _acked(root, "e") == 2
         assert verify_checkpoint(ck, read_manifest(root, 2)) == []
+
+
+def _nocow(path: Path) -> bool:
+    r = subprocess.run(["lsattr", "-d", str(path)], capture_output=True, text=True, check=True)
+    return "C" in r.stdout.split()[0]
 
 
 async def test_a_log_line_cut_short_by_a_full_root_is_taken_back(tmp_path: Path) -> None:

@@ -7,8 +7,10 @@ zero-copy integer view of those bytes (``mmap``).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
+import fcntl
 import json
 import logging
 import mmap
@@ -79,17 +81,51 @@ class TensorLocation:
 _COW_MAGIC = {0x9123683E, 0x2FC12FC1, 0xCA451A4E, 0xF2F52010, 0x3434}
 
 
-def overwrites_allocate(path: Path) -> bool:
-    """Whether ``path`` lies on a filesystem whose overwrites need new space (Linux statfs;
-    False where that cannot be told)."""
+_BTRFS_MAGIC = 0x9123683E
+# FS_IOC_GETFLAGS, FS_IOC_SETFLAGS (64-bit ABI; the kernel reads and writes an int), FS_NOCOW_FL
+_GETFLAGS, _SETFLAGS, _NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
+
+
+def _fs_magic(path: Path) -> int | None:
+    """The statfs ``f_type`` of the filesystem holding ``path`` (None where it cannot be told)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         buf = ctypes.create_string_buffer(512)  # struct statfs: f_type (a long) first
         if libc.statfs(os.fsencode(path), buf) != 0:
-            return False
+            return None
     except (OSError, AttributeError):
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def overwrites_allocate(path: Path) -> bool:
+    """Whether ``path`` lies on a filesystem whose overwrites need new space (Linux statfs;
+    False where that cannot be told)."""
+    return _fs_magic(path) in _COW_MAGIC
+
+
+def no_copy_on_write(directory: Path) -> bool:
+    """On btrfs, mark ``directory`` no-copy-on-write (``chattr +C``; True once it is): the files
+    made in it from then on (a full version's staged files, and the directories under it) are
+    overwritten in place, so a delta's writes through the mapping need no new space (on a full
+    btrfs such a write fault is SIGBUS) and do not fragment the files. Files made before keep
+    copy-on-write until a full version replaces them. Elsewhere (or refused) False."""
+    if _fs_magic(directory) != _BTRFS_MAGIC:
         return False
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF in _COW_MAGIC
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, _GETFLAGS, flags, True)
+        if not flags[0] & _NOCOW_FL:
+            flags[0] |= _NOCOW_FL
+            fcntl.ioctl(fd, _SETFLAGS, flags)
+            logger.info("%s: set no-copy-on-write (btrfs) for the checkpoint's files", directory)
+        return True
+    except OSError as exc:
+        logger.debug("%s: no-copy-on-write not set (%s)", directory, exc)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _page_runs(loc: TensorLocation, positions: torch.Tensor, size: int) -> list[tuple[int, int]]:
@@ -214,10 +250,8 @@ class FileMaps:
                 else:  # holds the GIL throughout
                     mm.madvise(_MADV_POPULATE_WRITE, start, end - start)
             except OSError as exc:
-                if exc.errno in (errno.EINVAL, errno.ENOSYS):  # an older kernel: the patch
-                    return False  # faults pages in as it goes
-                if exc.errno != errno.EFAULT:
-                    raise
+                if exc.errno != errno.EFAULT:  # EINVAL: an older kernel; ENOMEM, EINTR: the
+                    return False  # patch faults the pages in as it goes, as it did before
                 raise OSError(
                     errno.ENOSPC,
                     f"the kernel cannot make the pages of {loc.name!r} writable (EFAULT): no "

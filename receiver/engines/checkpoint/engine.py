@@ -24,7 +24,7 @@ from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import inplace, staging
 from receiver.engines.checkpoint.files import CheckpointFiles
-from receiver.engines.st_layout import FileMaps, TensorLocation
+from receiver.engines.st_layout import FileMaps, TensorLocation, no_copy_on_write
 from receiver.state import (
     STATE_DIR_NAME,
     STATE_NAME,
@@ -228,6 +228,7 @@ class LocalCheckpoint(Engine):
         if self._store.locked:
             return self.state
         fsio.make_dir(self.directory, parents=True, exist_ok=True)  # 0755: servers read it
+        no_copy_on_write(self.directory)  # btrfs: the files it gets from now on (and staging/)
         if not (self._store.directory / STATE_NAME).exists():
             self.files.refuse_foreign()
         ps = self._store.open()
@@ -238,6 +239,7 @@ class LocalCheckpoint(Engine):
             self._ps = ps
             for d in (self._store.journal_dir, self._store.staging_dir):
                 d.mkdir(exist_ok=True)
+            no_copy_on_write(self._store.staging_dir)  # made before the flag, by an older one
             fsio.fsync_dir(self._store.directory)  # durable before a journal record or staged file
             if ps.applying and ps.mode == "delta":
                 logger.warning(
