@@ -131,3 +131,20 @@ def test_a_lease_of_a_live_unrelated_process_waits_for_its_ttl(tmp_path: Path) -
     _aged(path, 40.0)
     EngineLease(tmp_path, "e1", settle=0.0).acquire()
     assert LeaseRecord.from_json(path.read_bytes(), "x").owner != "0" * 16
+
+
+def test_a_lease_from_the_future_says_so(tmp_path: Path) -> None:
+    """(attack 27, finding 7) A lease whose mtime is ahead of the filesystem's clock (the clock
+    set back, or the file touched) is honoured until it is a ttl old, as before; the refusal
+    said "last heartbeat 0s ago" (and an unreadable one "retry in 3629s" without a reason)."""
+    holder = EngineLease(tmp_path, "e1", ttl=30.0)
+    holder.acquire()
+    path = lease_path(tmp_path, "e1")
+    ahead = time.time() + 3600
+    os.utime(path, (ahead, ahead))
+    with pytest.raises(LockHeld, match=r"last heartbeat 3[56]\d\ds in the future \(clock set"):
+        EngineLease(tmp_path, "e1", ttl=30.0).acquire()
+    path.write_bytes(b"garbage")
+    os.utime(path, (ahead, ahead))
+    with pytest.raises(LockHeld, match=r"last written 3[56]\d\ds in the future"):
+        EngineLease(tmp_path, "e1", ttl=30.0).acquire()

@@ -387,20 +387,20 @@ class EngineLease:
         found = _read_lease_file(self.path, self.root)
         if not self._live(found):
             return found
+        assert found is not None
+        age = self._age(found.mtime if isinstance(found, UnreadableLease) else found[1])
+        ago = f"{-age:.0f}s in the future (clock set back?)" if age < -1 else f"{abs(age):.0f}s ago"
         if isinstance(found, UnreadableLease):
-            age = self._age(found.mtime)
             raise LockHeld(
                 f"engine id {self.engine_id!r}: the lease file {self.path} is unreadable "
-                f"({found.reason}), last written {max(age, 0.0):.0f}s ago; it is honoured as a "
-                f"live receiver's lease until it is {self.ttl:g}s old, then taken over: retry "
-                f"in {self.ttl - age:.0f}s, or remove it if no receiver of this id runs"
+                f"({found.reason}), last written {ago}; it is honoured as a live receiver's "
+                f"lease until it is {self.ttl:g}s old, then taken over: retry in "
+                f"{self.ttl - age:.0f}s, or remove it if no receiver of this id runs"
             )
-        assert found is not None
-        rec, mtime = found
         raise LockHeld(
-            f"engine id {self.engine_id!r} is in use by the receiver on {rec.describe()}, "
-            f"last heartbeat {max(self._age(mtime), 0.0):.0f}s ago (a lease goes stale after "
-            f"{rec.ttl:g}s): give this receiver another --engine-id, or stop that one"
+            f"engine id {self.engine_id!r} is in use by the receiver on {found[0].describe()}, "
+            f"last heartbeat {ago} (a lease goes stale after {found[0].ttl:g}s): give this "
+            "receiver another --engine-id, or stop that one"
         )
 
     def settle_seconds(self) -> float:
