@@ -488,17 +488,17 @@ def layouts_of(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
 
 
 def holding(ps: PersistedState, manifest: Manifest, **changes: Any) -> PersistedState:
-    """``ps`` holding ``manifest``'s version: its identity and every tensor's checksum."""
-    return replace(
-        ps,
-        version=manifest.version,
-        run_id=manifest.run_id,
-        fingerprint=manifest.fingerprint,
-        checksum_algorithm=manifest.checksum_algorithm,
-        checksums={e.name: e.checksum for e in manifest.tensors},
-        parts=layouts_of(manifest),
-        **changes,
-    )
+    """``ps`` holding ``manifest``'s version: its identity and every tensor's checksum (any of
+    them replaced by ``changes``)."""
+    fields: dict[str, Any] = {
+        "version": manifest.version,
+        "run_id": manifest.run_id,
+        "fingerprint": manifest.fingerprint,
+        "checksum_algorithm": manifest.checksum_algorithm,
+        "checksums": {e.name: e.checksum for e in manifest.tensors},
+        "parts": layouts_of(manifest),
+    }
+    return replace(ps, **{**fields, **changes})
 
 
 def bumped(ps: PersistedState, manifest: Manifest) -> PersistedState:
@@ -520,12 +520,6 @@ def bumped(ps: PersistedState, manifest: Manifest) -> PersistedState:
                     f"but v{ps.version} holds {ps.checksums[e.name]}",
                     tensor=e.name,
                 )
-    return replace(
-        ps,
-        version=manifest.version,
-        run_id=manifest.run_id,
-        fingerprint=manifest.fingerprint,
-        checksum_algorithm=manifest.checksum_algorithm,
-        checksums={e.name: e.checksum for e in manifest.tensors} or ps.checksums,
-        parts=layouts_of(manifest) if manifest.tensors else ps.parts,
-    )
+    if manifest.tensors:
+        return holding(ps, manifest)
+    return holding(ps, manifest, checksums=ps.checksums, parts=ps.parts)  # lists no tensor
