@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from asyncsync import Publisher
-from asyncsync.errors import ApplyFailed
+from asyncsync.errors import ApplyFailed, ConfigError
 from asyncsync.format.log import read_log
 from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
@@ -184,3 +184,13 @@ async def test_a_log_line_cut_short_by_a_full_root_is_taken_back(tmp_path: Path)
             (mnt / "ballast").unlink()
             w = (await pub.publish({"w": torch.zeros(16)})).version
         assert [r["version"] for r in read_log(root)][-2:] == [v - 1, w]
+
+
+async def test_a_root_on_a_full_disk_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    """(helper-28, finding 4) Opening a publisher on a new root of a full filesystem said "pass
+    a directory this process can write"; the remedy is space."""
+    with tmpfs(tmp_path / "full", "1m") as mnt:
+        fill(mnt, 0)
+        with pytest.raises(ConfigError, match="No space left.*; free space on its filesystem"):
+            async with Publisher(mnt / "root"):
+                pass

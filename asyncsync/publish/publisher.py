@@ -29,6 +29,7 @@ version once, in one manifest, when every rank's shards are durable
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import secrets
@@ -94,6 +95,9 @@ from asyncsync.publish.writer import VersionWriter
 __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 
 logger = logging.getLogger(__name__)
+# what to do when the root cannot be made or locked, by errno (otherwise: another directory)
+_ROOT_FIXES = {errno.ENOSPC: "free space on its filesystem", errno.EDQUOT: "raise the quota",
+               errno.EROFS: "mount its filesystem writable"}  # fmt: skip
 
 LOCK_NAME = ".publisher.lock"
 #: (label, done, total) of the publish in flight, or None (asyncsync.console.progress draws it)
@@ -207,9 +211,8 @@ class Publisher:
             await asyncio.to_thread(make_dir, self.root, parents=True, exist_ok=True)
             acquired = await asyncio.to_thread(self._lock.acquire)
         except OSError as exc:
-            raise ConfigError(
-                f"cannot open the root {self.root}: {exc}; pass a directory this process can write"
-            ) from exc
+            fix = _ROOT_FIXES.get(exc.errno or 0, "pass a directory this process can write")
+            raise ConfigError(f"cannot open the root {self.root}: {exc}; {fix}") from exc
         if not acquired:
             raise LockHeld(
                 f"another publisher holds {self._lock.path} ({self._lock.holder()}); "
