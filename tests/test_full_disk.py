@@ -191,6 +191,6 @@ async def test_a_root_on_a_full_disk_is_refused_with_what_to_do(tmp_path: Path) 
     a directory this process can write"; the remedy is space."""
     with tmpfs(tmp_path / "full", "1m") as mnt:
         fill(mnt, 0)
-        with pytest.raises(ConfigError, match="No space left.*; free space on its filesystem"):
+        with pytest.raises(ConfigError, match=r"No space left.*; free space on its filesystem"):
             async with Publisher(mnt / "root"):
                 pass
