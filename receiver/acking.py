@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -63,12 +64,25 @@ def check_root_for_receiver(root: Path) -> bool:
         st = fsio.lstat(d, root=root)  # a symlink there is not followed (FORMAT.md 11.1)
         target = d if st is not None and stat.S_ISDIR(st.st_mode) else root
         if not os.access(target, os.W_OK | os.X_OK):
-            raise ConfigError(not_writable(root, str(target)))
+            code = None  # root passes every mode bit: refused all the same, the cause is other
+            if not os.getuid():
+                ro = os.statvfs(target).f_flag & os.ST_RDONLY
+                code = errno.EROFS if ro else errno.EPERM
+            raise ConfigError(not_writable(root, str(target), code))
     return True
 
 
-def not_writable(root: Path, path: str) -> str:
-    """What to do when this receiver cannot write ``path`` in the root."""
+def not_writable(root: Path, path: str, code: int | None = None) -> str:
+    """What to do when this receiver cannot write ``path`` in the root (``code``: the errno)."""
+    if code in (errno.EPERM, errno.EROFS):  # not the mode bits (EACCES)
+        why = (
+            "its filesystem is mounted read-only" if code == errno.EROFS else "an immutable or "
+            f"append-only attribute (`lsattr -d {path or root}`), or a security module's policy"
+        )  # fmt: skip
+        return (
+            f"writing {path or root} is refused whatever its mode ({errno.errorcode[code]}): "
+            f"{why}; a receiver writes its ack and its lease there"
+        )
     try:
         st = os.stat(path or root)
         owner = f" (owner uid {st.st_uid} gid {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o})"
@@ -121,7 +135,7 @@ class RootPresence:
             try:
                 await asyncio.to_thread(self.lease.acquire)
             except PermissionError as exc:
-                raise ConfigError(not_writable(self.root, exc.filename or "")) from exc
+                raise ConfigError(not_writable(self.root, exc.filename or "", exc.errno)) from exc
             self._renewed = time.monotonic()
             temps = rf"\.tmp\.{re.escape(self.engine_id)}\.json\.[0-9a-f]{{12}}"
             with contextlib.suppress(OSError):  # what a receiver of this id killed mid-ack left
@@ -195,7 +209,7 @@ class RootPresence:
                 write_ack, self.root, self.engine_id, version, fingerprint, run_id, tuple(bad)
             )
         except PermissionError as exc:
-            raise ConfigError(not_writable(self.root, exc.filename or "")) from exc
+            raise ConfigError(not_writable(self.root, exc.filename or "", exc.errno)) from exc
         self.acked = (run_id, version)
         ident = await asyncio.to_thread(self._ident)
         self._written = (

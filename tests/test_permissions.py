@@ -182,3 +182,22 @@ def test_prepare_refuses_a_bad_group_before_creating_anything(
     with pytest.raises(ConfigError, match="out of range"):  # the library checks it too
         prepare_shared_dirs(root, 1 << 32)
     assert not root.exists()
+
+
+async def test_an_immutable_leases_dir_is_named_as_such_not_as_a_mode(tmp_path: Path) -> None:
+    """(attack 27, finding 8) ``chattr +i`` on ``leases/``: the refusal blamed the uid and the
+    mode and proposed a group, which cannot help; it names the attribute now."""
+    if os.getuid() != 0 or not shutil.which("chattr"):
+        pytest.skip("needs root and chattr")
+    root = tmp_path / "root"
+    async with Publisher(root, bucket_bytes=8192) as pub:
+        await pub.seed(mixed_state(0))
+    (root / "leases").mkdir()
+    if subprocess.run(["chattr", "+i", str(root / "leases")], check=False).returncode:
+        pytest.skip("this filesystem has no immutable attribute")
+    try:
+        agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "ckpt"), "e1", use_inotify=False)
+        with pytest.raises(ConfigError, match=r"refused whatever its mode \(EPERM\): an immutable"):
+            await agent.sync_once()
+    finally:
+        subprocess.run(["chattr", "-i", str(root / "leases")], check=True)
