@@ -199,7 +199,15 @@ class RootPresence:
             logger.warning("agent %s: unreadable ack (%s): it is rewritten", self.engine_id, exc)
             return None
 
+    def _not_lost(self) -> None:
+        """LockHeld once the id was lost: the ack is the other holder's now. A sync already under
+        way when the heartbeat found the loss (a catch-up of many versions) must not go on
+        writing it, nor rewrite or remove it (ensure, reconcile)."""
+        if self.lost is not None:
+            raise LockHeld(self.lost)
+
     async def ack(self, version: int, fingerprint: str, run_id: str, bad: Sequence[int]) -> None:
+        self._not_lost()
         # a heartbeat overdue (the process was paused, e.g. SIGSTOP, mid-apply past the ttl):
         # renew first, so that a receiver that took the id over meanwhile is not overwritten
         if self.lease.held and time.monotonic() - self._renewed >= self.lease.ttl / 3:
@@ -233,6 +241,7 @@ class RootPresence:
             return False
         if not await asyncio.to_thread(self.root.is_dir):
             return False
+        self._not_lost()
         want = (st.version, st.fingerprint, st.run_id, tuple(bad))
         ident = await asyncio.to_thread(self._ident)
         if ident is not None and (ident, want) == self._written:
@@ -260,6 +269,7 @@ class RootPresence:
         """
         if self.acked is None:
             return
+        self._not_lost()
         run_id, version = self.acked
         if state.version is not None and state.run_id == run_id and state.version >= version:
             return

@@ -444,8 +444,10 @@ class ReceiverAgent:
         await self._presence.reconcile(self.engine.state, self._bad.versions())
 
     async def _ack(self, m: Manifest) -> None:
-        await self._presence.ack(m.version, m.fingerprint, m.run_id, self._bad.versions())
-        await self.engine.acknowledged()
+        try:
+            await self._presence.ack(m.version, m.fingerprint, m.run_id, self._bad.versions())
+        finally:  # also when the id was lost meanwhile: the engine's deferred work goes on
+            await self.engine.acknowledged()
 
     async def _apply_version(self, m: Manifest, mode: Mode) -> None:
         t0 = time.perf_counter()
