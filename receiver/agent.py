@@ -284,9 +284,13 @@ class ReceiverAgent:
                         logger.error("agent %s: sync failed%s: %s",
                                      self.engine_id, failing.since(), exc)  # fmt: skip
                     # the same failure again and again (a damaged version, no keyframe after
-                    # it): retry less often, up to every REPEAT_LOG_SECONDS / 6
+                    # it): retry less often, up to every REPEAT_LOG_SECONDS / 6; a lost id at
+                    # the pace its retake allows (every ttl / 3), which no backoff stretches
+                    pause = self._presence.lease.ttl / 3 if lost else None
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), failing.backoff(self.poll_interval))
+                        await asyncio.wait_for(
+                            stop.wait(), pause or failing.backoff(self.poll_interval)
+                        )
                 except Exception:  # an engine's own bug must not stop the agent for good
                     logger.exception("agent %s: sync failed unexpectedly", self.engine_id)
                 if self.prefetch:
