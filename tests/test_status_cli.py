@@ -132,3 +132,11 @@ async def test_lag_is_counted_from_the_newest_good_version_not_a_planted_one(
         "ok bad v999999999999"
     )
     assert rows["stuck"].split()[:3] == ["stuck", "1", "2"] and "STRAGGLER bad v2" in rows["stuck"]
+    # (helper-29, finding 3) more damaged versions than status looked at (16) above v3: the
+    # lag is still counted from v3, as the receivers go past any number of them
+    for v in range(999999999980, 999999999999):
+        (root / f"v{v}").mkdir()
+        (root / f"v{v}" / "manifest.json").write_text("garbage")
+    assert main(["status", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {e["engine_id"]: e["lag"] for e in doc["engines"]}["unaware"] == 0

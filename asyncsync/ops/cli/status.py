@@ -51,9 +51,11 @@ def engine_rows(
     latest = versions[-1] if versions else None
     # the run of the newest manifest that reads; the versions above it (a damaged newest
     # manifest, a planted v999999999999) are bad for every receiver: no lag is counted to them
+    # (every version down to it, not a window: the receivers go past any number of such, and
+    # with none that reads no lag is counted at all)
     run_id = None
-    counted = versions
-    for i in reversed(range(max(len(versions) - 16, 0), len(versions))):
+    counted: list[int] = []
+    for i in reversed(range(len(versions))):
         with contextlib.suppress(FileNotFoundError, FormatError):
             run_id = read_manifest(root, versions[i]).run_id
             counted = versions[: i + 1]
