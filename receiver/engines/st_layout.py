@@ -109,7 +109,9 @@ def no_copy_on_write(directory: Path) -> bool:
     made in it from then on (a full version's staged files, and the directories under it) are
     overwritten in place, so a delta's writes through the mapping need no new space (on a full
     btrfs such a write fault is SIGBUS) and do not fragment the files. Files made before keep
-    copy-on-write until a full version replaces them. Elsewhere (or refused) False."""
+    copy-on-write until a full version replaces them, and a snapshot of the subvolume makes the
+    next write of each extent copy once more (then the prefault's error, with its race, is what
+    is left). Elsewhere (or refused) False."""
     if _fs_magic(directory) != _BTRFS_MAGIC:
         return False
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
