@@ -218,6 +218,11 @@ class RootPresence:
             )
         except PermissionError as exc:
             raise ConfigError(not_writable(self.root, exc.filename or "", exc.errno)) from exc
+        except OSError as exc:  # e.g. ENOSPC from the write or fsync, which names no file
+            if exc.filename is not None:
+                raise
+            path = ack_path(self.root, self.engine_id)
+            raise OSError(exc.errno, f"{exc.strerror} (writing the ack)", str(path)) from exc
         self.acked = (run_id, version)
         ident = await asyncio.to_thread(self._ident)
         self._written = (

@@ -194,3 +194,20 @@ async def test_a_root_on_a_full_disk_is_refused_with_what_to_do(tmp_path: Path) 
         with pytest.raises(ConfigError, match=r"No space left.*; free space on its filesystem"):
             async with Publisher(mnt / "root"):
                 pass
+
+
+async def test_an_ack_that_a_full_root_refuses_names_the_ack(tmp_path: Path) -> None:
+    """(helper-28, finding 4) The ack's write failing on a full root was logged as "sync failed:
+    [Errno 28] No space left on device", naming no file; it names the ack now."""
+    with tmpfs(tmp_path / "shared", "24m") as mnt:
+        root = mnt / "root"
+        sd = _model(4)
+        agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "ck"), "e", use_inotify=False)
+        async with Publisher(root, keyframe_interval=0) as pub, agent:
+            await pub.seed(sd)
+            assert await agent.sync_once() == 0
+            await pub.publish(_step(sd, 0.03, 1))
+            fill(mnt, 0)
+            with pytest.raises(OSError, match=r"No space left.*writing the ack.*acks/e\.json"):
+                await agent.sync_once()
+        assert _acked(root, "e") == 0
