@@ -110,7 +110,9 @@ async def test_lag_is_counted_from_the_newest_good_version_not_a_planted_one(
     planted = root / "v999999999999"
     planted.mkdir()
     (planted / "manifest.json").write_text("{damaged")
-    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "ckpt"), "rx", use_inotify=False)
+    agent = ReceiverAgent(
+        root, LocalCheckpoint(tmp_path / "ckpt"), "rx", use_inotify=False, verify_deadline=0.2
+    )
     async with agent:
         with pytest.raises(ManifestUnreadable):  # bad, no keyframe past it: stays at v3
             await agent.sync_once()
