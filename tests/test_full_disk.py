@@ -77,8 +77,9 @@ async def test_an_undo_record_filling_the_disk_rolls_back_and_the_receiver_goes_
                 nxt = _step(sd, 0.03, 2)
                 await pub.publish(nxt)
                 fill(mnt, 100_000)  # the record's header fits, its old values do not
-                with pytest.raises(ApplyFailed, match="No space left"):
+                with pytest.raises(ApplyFailed, match="No space left") as failed:
                     await agent.sync_once()
+                assert "undo-" in str(failed.value)  # the record the disk refused, named
                 assert agent.version == 1 and _acked(root, "e") == 1
                 assert verify_checkpoint(mnt / "ck", read_manifest(root, 1)) == []
                 (mnt / "ballast").unlink()

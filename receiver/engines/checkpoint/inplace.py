@@ -116,9 +116,8 @@ def _journal_in_pass(
 ) -> dict[str, str]:
     """The progressive record ``undo-{seq}.progressive`` created, then every tensor patched,
     checksummed and journaled in one pass (on the pool: the tensors are disjoint)."""
-    record = journal.create_progressive(
-        journal_dir / f"undo-{seq:06d}{journal.PROGRESSIVE_SUFFIX}", work, version
-    )
+    path = journal_dir / f"undo-{seq:06d}{journal.PROGRESSIVE_SUFFIX}"
+    record = journal.create_progressive(path, work, version)
     try:
         jobs = list(zip(work, record.values_at, record.progress_at, strict=True))
 
@@ -126,9 +125,16 @@ def _journal_in_pass(
             (name, loc, flat, patch), values_at, progress_at = job
             maps.prefault(loc, None if name in prefault else patch.positions)
             layout = None if layouts is None else layouts.get(name)
-            return patch_and_checksum(
-                flat, patch, algorithm, layout, journal=(record.fd, values_at, progress_at)
-            )
+            try:
+                return patch_and_checksum(
+                    flat, patch, algorithm, layout, journal=(record.fd, values_at, progress_at)
+                )
+            except OSError as exc:  # the kernel's write of the record: it names no file
+                if exc.filename is not None:
+                    raise
+                raise OSError(
+                    exc.errno, f"{exc.strerror} (saving the old values of {name!r})", str(path)
+                ) from exc
 
         sums = parallel_map(patch_one, jobs, cost=lambda job: _work_bytes(job[0]))
     finally:
