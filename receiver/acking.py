@@ -120,6 +120,9 @@ class RootPresence:
         self._written: tuple[tuple[int, int, int], tuple[object, ...]] | None = None
         self._renewed = 0.0
         self._retried = 0.0  # when the lost lease was last tried again
+        # held by a renew, and by an ack from its check to its write: an ack waits for a renew
+        # in flight (it may find the id lost) instead of writing meanwhile
+        self._renewal = asyncio.Lock()
 
     # -- the lease -------------------------------------------------------------------------
     async def hold(self) -> None:
@@ -165,6 +168,10 @@ class RootPresence:
         self._renewed = time.monotonic()
 
     async def renew(self) -> None:
+        async with self._renewal:
+            await self._renew()
+
+    async def _renew(self) -> None:
         if not self.lease.held:
             return
         # the root may have gone, or be another directory now (made again, a mount on it, a
@@ -207,11 +214,15 @@ class RootPresence:
             raise LockHeld(self.lost)
 
     async def ack(self, version: int, fingerprint: str, run_id: str, bad: Sequence[int]) -> None:
-        self._not_lost()
-        # a heartbeat overdue (the process was paused, e.g. SIGSTOP, mid-apply past the ttl):
-        # renew first, so that a receiver that took the id over meanwhile is not overwritten
-        if self.lease.held and time.monotonic() - self._renewed >= self.lease.ttl / 3:
-            await self.renew()
+        async with self._renewal:  # a heartbeat's renew in flight ends first (and may find the
+            self._not_lost()  # id lost: then nothing is written)
+            # a heartbeat overdue (the process was paused, e.g. SIGSTOP, mid-apply past the
+            # ttl): renew first, so that a receiver that took the id over is not overwritten
+            if self.lease.held and time.monotonic() - self._renewed >= self.lease.ttl / 3:
+                await self._renew()
+            await self._write(version, fingerprint, run_id, bad)
+
+    async def _write(self, version: int, fingerprint: str, run_id: str, bad: Sequence[int]) -> None:
         try:
             await asyncio.to_thread(
                 write_ack, self.root, self.engine_id, version, fingerprint, run_id, tuple(bad)
@@ -290,5 +301,7 @@ class RootPresence:
             self.engine_id, version,
         )  # fmt: skip
         path = ack_path(self.root, self.engine_id)
-        await asyncio.to_thread(partial(fsio.remove, path, root=self.root))  # never followed
+        async with self._renewal:
+            self._not_lost()
+            await asyncio.to_thread(partial(fsio.remove, path, root=self.root))  # never followed
         self.acked = self._written = None

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from asyncsync import Publisher
-from asyncsync.format.acks import read_acks
+from asyncsync.errors import LockHeld
+from asyncsync.format.acks import ack_path, read_acks
 from asyncsync.format.lease import LeaseRecord, lease_path
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -55,3 +59,35 @@ async def test_a_sync_under_way_when_the_id_is_lost_writes_no_more_acks(tmp_path
     await agent.close()
     assert read_acks(root)["e1"].version == 0  # v1 onwards never acked by the loser
     assert committed == [0, 1]  # and the walk stopped at the loss
+
+
+async def test_an_ack_waits_for_a_renew_in_flight_that_finds_the_id_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeat's renew runs in a thread; an ack that started meanwhile was written before
+    the renew came back with the loss (one ack over the new holder's). Now it waits for it."""
+    root = tmp_path / "root"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(mixed_state(0))
+    agent = ReceiverAgent(root, LocalCheckpoint(tmp_path / "ck"), "e1", use_inotify=False)
+    async with agent:
+        assert await agent.sync_once() == 0
+        presence = agent._presence
+        before = ack_path(root, "e1").read_bytes()
+        other = LeaseRecord("e1", "8" * 16, "otherhost", 4242, 30.0, 0.0, 0.0)
+        started = threading.Event()
+
+        def slow_renew() -> None:  # another receiver took the id while this renew was on its way
+            started.set()
+            time.sleep(0.5)
+            lease_path(root, "e1").write_bytes(other.to_json())
+            raise LockHeld("engine id 'e1' is held by otherhost")
+
+        monkeypatch.setattr(presence.lease, "renew", slow_renew)
+        renewing = asyncio.create_task(presence.renew())
+        await asyncio.to_thread(started.wait, 5)
+        with pytest.raises(LockHeld):
+            await presence.ack(7, "f" * 16, "r" * 16, ())
+        with pytest.raises(LockHeld):
+            await renewing
+        assert ack_path(root, "e1").read_bytes() == before  # the new holder's ack untouched
