@@ -75,13 +75,11 @@ class TensorLocation:
         return int_dtype(self.dtype)
 
 
+_BTRFS_MAGIC = 0x9123683E
 # statfs f_type of the filesystems whose overwrites allocate new space, copy-on-write or
 # log-structured: btrfs, zfs, bcachefs, f2fs, nilfs2 (not XFS: only its reflinked extents are
 # copied, and the receiver makes none)
-_COW_MAGIC = {0x9123683E, 0x2FC12FC1, 0xCA451A4E, 0xF2F52010, 0x3434}
-
-
-_BTRFS_MAGIC = 0x9123683E
+_COW_MAGIC = {_BTRFS_MAGIC, 0x2FC12FC1, 0xCA451A4E, 0xF2F52010, 0x3434}
 # FS_IOC_GETFLAGS, FS_IOC_SETFLAGS (64-bit ABI; the kernel reads and writes an int), FS_NOCOW_FL
 _GETFLAGS, _SETFLAGS, _NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
 
@@ -228,10 +226,12 @@ class FileMaps:
         the pages dirty. False where the kernel does not support it, and with ``positions`` on
         a filesystem whose overwrites need no new space (there a write fault cannot fail).
 
-        Where the kernel cannot make a page writable (EFAULT: on a full copy-on-write
-        filesystem, btrfs, XFS with reflinks, ZFS, an overwrite needs new space) it raises
-        OSError ENOSPC naming the file: writing that page through the mapping would have
-        killed the process with SIGBUS, in the middle of a patch."""
+        Where the kernel cannot make a page writable (EFAULT: on a full filesystem whose
+        overwrites need new space, btrfs, ZFS, bcachefs, f2fs, nilfs2) it raises OSError ENOSPC
+        naming the file: writing that page through the mapping would have killed the process
+        with SIGBUS, in the middle of a patch. XFS is not among them: only its reflinked
+        (shared) extents are copied on write, and the receiver makes none, so there a sparse
+        prefault is skipped like on any overwrite-in-place filesystem."""
         if loc.nbytes == 0 or not hasattr(mmap.mmap, "madvise"):
             return False
         if positions is not None and not self._cow:
