@@ -161,6 +161,7 @@ class ReceiverAgent:
         self._sync_lock = asyncio.Lock()
         self._refused: set[int] = set()  # versions the engine refused (a keyframe follows)
         self._said_waiting: str | None = None
+        self._said_failure: BaseException | None = None  # the bad version's line said it
         self._c = Counters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -227,6 +228,7 @@ class ReceiverAgent:
         """
         await self.open()
         async with self._sync_lock:
+            self._said_failure = None
             try:
                 await self._presence.hold()
                 version = await self._sync()
@@ -236,6 +238,8 @@ class ReceiverAgent:
                 if self._bad.waiting is not None:
                     self._c.last_error += f" ({self._bad.waiting})"
                 raise
+            finally:
+                self._bad.say_rest()
             self._c.last_error = None
             return version
 
@@ -279,8 +283,11 @@ class ReceiverAgent:
                     failing.clear()
                 except (AsyncSyncError, OSError) as exc:
                     await self._early.drop_stale(self._bad)  # now, not after the backoff below
+                    # a lost id is said by renew; a bad version's error by its own line
                     lost = isinstance(exc, LockHeld) and self._presence.lost is not None
-                    if failing.should_log(str(exc)) and not lost:  # a lost id: said by renew
+                    said = lost or exc is self._said_failure
+                    self._said_failure = None  # (its traceback holds the sync's frames)
+                    if failing.should_log(str(exc)) and not said:
                         logger.error("agent %s: sync failed%s: %s",
                                      self.engine_id, failing.since(), exc)  # fmt: skip
                     # the same failure again and again (a damaged version, no keyframe after
@@ -357,9 +364,11 @@ class ReceiverAgent:
             if damaged is not None:  # the newest version's manifest does not read: say so
                 bad.stuck(found, latest)
                 raise damaged
-        except AsyncSyncError:
+        except AsyncSyncError as exc:
             if bad.waiting is not None and bad.waiting != self._said_waiting:
-                logger.warning("agent %s: %s", self.engine_id, bad.waiting)
+                assert bad.waiting_on is not None
+                if bad.say(*bad.waiting_on):  # with why: run() need not say the error again
+                    self._said_failure = exc
                 self._said_waiting = bad.waiting  # said once: the sync error repeats it
                 with contextlib.suppress(OSError, AsyncSyncError):  # say which versions are bad
                     await self._presence.ensure(bad.versions())

@@ -50,6 +50,10 @@ class BadVersions:
         self.tried: set[int] = set()
         self.run: str | None = None
         self.waiting: str | None = None  # why the last sync stayed where it was
+        self.waiting_on: tuple[int, str] | None = None  # (the bad version, what follows it)
+        # marked in this sync and not yet logged: each is said once, in one line with what
+        # the receiver does about it (goes on from a keyframe, stays), when that is known
+        self.unsaid: dict[int, str] = {}
 
     def __contains__(self, version: object) -> bool:
         return version in self.marks
@@ -73,9 +77,7 @@ class BadVersions:
 
     def mark(self, version: int, exc: BaseException) -> None:
         if version not in self.marks:
-            logger.error(
-                "agent %s: v%d is bad (%s: %s)", self.engine_id, version, type(exc).__name__, exc
-            )
+            self.unsaid[version] = f"{type(exc).__name__}: {exc}"
         self.marks[version] = f"{type(exc).__name__}: {exc}"
         self.tried.add(version)
         while len(self.marks) > MAX_BAD_KEPT:
@@ -84,12 +86,33 @@ class BadVersions:
     def cleared(self, version: int) -> None:
         """``version`` was applied after all (repaired): no longer bad."""
         self.tried.discard(version)
+        self.say(version)
         if self.marks.pop(version, None) is not None:
             logger.info("agent %s: v%d was bad and is now applied", self.engine_id, version)
 
     def patience(self, version: int) -> float:
         """Seconds to re-read a version's files: none for a version already known bad."""
         return 0.0 if version in self.marks or version in self.tried else self.verify_deadline
+
+    def say(self, version: int, then: str = "") -> bool:
+        """Log ``version`` as bad, with ``then`` (what the receiver does about it): at ERROR
+        with why when it was marked in this sync, else at WARNING. True when why was said."""
+        why = self.unsaid.pop(version, None)
+        if why is None:
+            if then:
+                logger.warning("agent %s: v%d is bad%s", self.engine_id, version, then)
+            return False
+        logger.error("agent %s: v%d is bad (%s)%s", self.engine_id, version, why, then)
+        return True
+
+    def say_rest(self) -> None:
+        """Log the versions marked in this sync and gone past without a word (at its end)."""
+        for version in sorted(self.unsaid):
+            self.say(version)
+
+    def wait(self, version: int, then: str) -> None:
+        """Record why a receiver stays where it is: ``version`` is bad, and ``then``."""
+        self.waiting, self.waiting_on = f"v{version} is bad{then}", (version, then)
 
     # -- reading and planning (blocking) ----------------------------------------------------
     def read(self, root: Path, version: int) -> Manifest:
@@ -149,10 +172,7 @@ class BadVersions:
         if cur is not None and cur + 1 in self.skip():
             kf = self.keyframe_after(cur + 1, latest)
             if kf is not None:
-                logger.warning(
-                    "agent %s: v%d is bad: going on from keyframe v%d",
-                    self.engine_id, cur + 1, kf.version,
-                )  # fmt: skip
+                self.say(cur + 1, f": going on from keyframe v{kf.version}")
                 return kf, "full"
         try:
             return plan_next(self.root, state, latest, self.read, self.skip())
@@ -163,6 +183,7 @@ class BadVersions:
             if kf is None:
                 self.stuck(cur + 1, cur)
                 raise
+            self.say(cur + 1, f": going on from keyframe v{kf.version}")
             return kf, "full"
 
     def can_go_past(self, version: int, cur: int | None, latest: int) -> bool:
@@ -171,7 +192,7 @@ class BadVersions:
         if cur is None:
             if keyframes_in(self.root, 0, latest, None, self.read, self.skip()) is not None:
                 return True
-            self.waiting = f"v{version} is bad and no other keyframe is readable"
+            self.wait(version, " and no other keyframe is readable")
             return False
         if self.keyframe_after(version, latest) is not None:
             return True
@@ -180,7 +201,8 @@ class BadVersions:
 
     def stuck(self, version: int, cur: int) -> None:
         """Record why a receiver stays at ``cur``: ``version`` is bad, nothing follows it."""
-        self.waiting = (
-            f"v{version} is bad and no keyframe follows it yet: the engine stays at v{cur} "
-            "and goes on from the next keyframe as soon as one is published"
+        self.wait(
+            version,
+            f" and no keyframe follows it yet: the engine stays at v{cur} and goes on from "
+            "the next keyframe as soon as one is published",
         )

@@ -298,9 +298,50 @@ async def test_a_receiver_stuck_behind_a_damaged_version_backs_off_and_says_it_o
                 await asyncio.wait_for(task, 30)
             lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
             assert agent.status().failures <= 12  # backed off: 0.02 s doubling
-            assert 1 <= len([r for r in lines if "sync failed" in r.getMessage()]) <= 1
+            # said once, in the bad version's line (see the test below); "sync failed" comes
+            # back as a reminder only after REPEAT_LOG_SECONDS
+            assert not [r for r in lines if "sync failed" in r.getMessage()]
             assert len(lines) <= 4, [r.getMessage() for r in lines]
             assert agent.version == 2
+
+
+@pytest.mark.parametrize("keyframe", [False, True])
+async def test_a_bad_version_is_one_log_line_with_why_and_what_follows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, keyframe: bool
+) -> None:
+    """A bad version was said two or three times: "v3 is bad (why)" when marked, then "v3 is
+    bad and no keyframe follows it yet: ..." (or "v3 is bad: going on from keyframe v6"),
+    then, stuck, the same error again as "sync failed: ...". One line says it all now."""
+    root = tmp_path / "root"
+    t = Trainer(root)
+    async with t.pub:
+        await t.publish(3)
+        agent = ReceiverAgent(
+            root, LocalCheckpoint(tmp_path / "ckpt"), "e1", use_inotify=False,
+            verify_deadline=0.05, poll_interval=0.02,
+        )  # fmt: skip
+        async with agent:
+            assert await agent.sync_once() == 2
+            await t.publish(3)  # v3..v5
+            flip(root, 3)
+            if keyframe:
+                await t.publish(1, keyframe=True)  # v6
+            stop = asyncio.Event()
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="receiver"):
+                task = asyncio.create_task(agent.run(stop=stop))
+                await asyncio.sleep(1.0)
+                stop.set()
+                await asyncio.wait_for(task, 30)
+            assert agent.version == (6 if keyframe else 2)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("agent e1: v3 is bad (ChecksumMismatch: ") and "checksum" in lines[0]
+    if keyframe:
+        assert lines[0].endswith("): going on from keyframe v6")
+    else:
+        assert lines[0].endswith("the engine stays at v2 and goes on from the next keyframe "
+                                 "as soon as one is published")  # fmt: skip
 
 
 @pytest.mark.parametrize("planted", ["garbage", "copied"])
