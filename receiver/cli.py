@@ -19,10 +19,10 @@ the checkpoint directory; the receiver owns that directory (one agent per engine
 acknowledges each version once the directory holds it bit for bit.
 
 Without ``--once`` it runs until SIGINT (Ctrl-C) or SIGTERM, then finishes (or rolls back) the
-version in flight and exits 0; a second Ctrl-C meanwhile is ignored until it has exited (the
-status stays 0; SIGKILL still ends it at once). ``--once`` applies everything committed so far,
-prints the version held and exits. Errors print one line on stderr and exit 1. uvloop is used
-when it is installed.
+version in flight and exits 0; a second Ctrl-C or SIGTERM meanwhile is ignored until it has
+exited (the status stays 0; SIGKILL still ends it at once). ``--once`` applies everything
+committed so far, prints the version held and exits. An error prints one line on stderr, exit
+status 1. uvloop is used when it is installed.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="asyncsync-receiver",
         description="Keep a local safetensors checkpoint at the newest version of a shared root.",
         epilog="Without --once, Ctrl-C (SIGINT) or SIGTERM stops it after the version in flight "
-        f"(allowed {_STOP_GRACE:.0f} s); a second Ctrl-C meanwhile is ignored. Exit status: 0 "
-        "stopped, or --once done; 1 an error (one line on stderr); 2 bad usage.",
+        f"(allowed {_STOP_GRACE:.0f} s); a second Ctrl-C or SIGTERM meanwhile is ignored. Exit "
+        "status: 0 stopped, or --once done; 1 an error (one line on stderr); 2 bad usage.",
     )
     p.add_argument("--root", required=True, help="the shared root the publisher writes")
     p.add_argument(
@@ -516,11 +516,13 @@ async def _serve(args: argparse.Namespace) -> int | None:
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
-        if stop.is_set() and signal.SIGINT in installed:
-            # stopping: a second Ctrl-C is ignored until the process has exited, as it is while
-            # the version in flight finishes (stop.set again); the default handler back here
-            # raised KeyboardInterrupt in the loop's or the interpreter's teardown: status 130
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if stop.is_set():
+            # stopping: a second Ctrl-C or SIGTERM is ignored until the process has exited, as
+            # it is while the version in flight finishes (stop.set again); the default handlers
+            # back here ended the loop's or the interpreter's teardown: status 130 (a
+            # KeyboardInterrupt) or 143 (killed by SIGTERM)
+            for sig in installed:
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -413,35 +413,41 @@ def test_receiver_runs_until_sigint_and_exits_0(root: Path, tmp_path: Path) -> N
     assert "stopped at version 3" in err
 
 
-_SECOND_CTRL_C = """
+_SECOND_SIGNAL = """
 import signal, sys
 from receiver.entry import main
 status = main()
-signal.raise_signal(signal.SIGINT)  # a second Ctrl-C, landing while the process exits
+signal.raise_signal(signal.{sig})  # a second one, landing while the process exits
 print("exiting", flush=True)
 sys.exit(status)
 """
 
 
-def test_a_second_ctrl_c_while_the_receiver_stops_is_ignored(root: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_second_stop_signal_while_the_receiver_stops_is_ignored(
+    root: Path, tmp_path: Path, sig: signal.Signals
+) -> None:
     """(helper-26) The first Ctrl-C stops the running receiver cleanly (status 0); a second
     one that landed after its signal handlers were removed (the loop's and the interpreter's
     teardown, ~0.1 s) raised KeyboardInterrupt there: status 130, maybe a traceback. It is
-    ignored now until the process has exited, as one during the shutdown itself is."""
+    ignored now until the process has exited, as one during the shutdown itself is. So is a
+    second SIGTERM (a supervisor sending it twice), which ended the process there: 143."""
+    engine_id = f"rx-2nd-{sig.name.lower()}"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SECOND_CTRL_C, "--root", str(root), "--engine-id", "rx-2nd",
-         "--checkpoint", str(tmp_path / "engine"), "--poll-interval", "0.1"],
+        [sys.executable, "-c", _SECOND_SIGNAL.format(sig=sig.name), "--root", str(root),
+         "--engine-id", engine_id, "--checkpoint", str(tmp_path / "engine"),
+         "--poll-interval", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not (root / "acks" / "rx-2nd.json").exists():
+        while not (root / "acks" / f"{engine_id}.json").exists():
             assert proc.poll() is None, proc.communicate()[1]
             assert time.monotonic() < deadline, "the receiver never acknowledged"
             time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)  # during the shutdown, or as it exits
+        proc.send_signal(sig)  # during the shutdown, or as it exits
         out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
