@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from asyncsync.format import LOG_NAME
 from asyncsync.format import log as log_module
@@ -276,6 +277,44 @@ async def test_an_overlong_line_is_said_once_across_replacements(tmp_path: Path)
         f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte 32)",
         f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {at})",
     ], notices
+
+
+async def test_tail_without_f_skips_an_overlong_line_with_one_notice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(helper-30) `tail` without -f parsed a line longer than MAX_LINE_BYTES like any other
+    (a forged 40 MiB record was shown, its bytes read whole and decoded); it skips it now with
+    the notice `tail -f` gives, holding at most a read's worth of it, as -f does. An
+    unfinished overlong last line is said too, as -f says it."""
+    from asyncsync import Publisher
+    from asyncsync.ops.cli import main
+
+    async with Publisher(tmp_path) as pub:
+        await pub.seed({"w": torch.zeros(4)})  # v0, its log line
+    log = tmp_path / LOG_NAME
+    first, big = log.stat().st_size, 40 << 20
+    with open(log, "ab") as f:
+        f.write(b'{"version": 7, "x": "' + b"A" * big + b'"}\n')  # parses: a record
+        f.write(_lines("run", range(1, 2)))
+        last = f.tell()
+        f.write(b'{"version": 8, "x": "' + b"B" * (MAX_LINE_BYTES + 1))  # unfinished
+    notices: list[str] = []
+    tracemalloc.start()
+    try:
+        got = [r["version"] for r in read_log(tmp_path, notice=notices.append)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got == [0, 1]
+    assert notices == [
+        f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {first})",
+        f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {last})",
+    ], notices
+    assert peak < 16 << 20, f"read_log held {peak} bytes"
+    assert main(["tail", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split()[0] for line in out.splitlines()] == ["v0", "v1"], out
+    assert err.splitlines() == [f"asyncsync tail: {n}" for n in notices], err
 
 
 async def test_a_line_torn_by_a_crash_does_not_swallow_the_next_version(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from asyncsync.errors import FormatError
 from asyncsync.format import LOG_NAME, Manifest
-from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_file, read_bytes
+from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_file
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -41,10 +41,10 @@ logger = logging.getLogger(__name__)
 # ~300 bytes per kept version). Like every file of a root it is opened through asyncsync.fsio:
 # a log that is a symlink or a FIFO is refused (UnsafePath), never followed nor waited on.
 MAX_LOG_BYTES = 256 << 20
-# The longest line a follower keeps (a log line is a few hundred bytes): a longer one is skipped
-# up to its newline, its bytes never held (one warning), so a follower's memory stays bounded.
+# The longest line a reader keeps (a log line is a few hundred bytes): a longer one is skipped
+# up to its newline, its bytes never held (one warning), so a reader's memory stays bounded.
 MAX_LINE_BYTES = 1 << 20
-_READ_BYTES = 4 << 20  # a follower's reads
+_READ_BYTES = 4 << 20  # a reader's reads
 _HEAD_BYTES = 256  # the first bytes of the log a follower compares, to see it made again
 
 
@@ -127,35 +127,55 @@ def _not_a_record(raw: bytes) -> str:
     return f"{LOG_NAME}: skipped a line that is not a log record: {raw[:80]!r}"
 
 
+def _overlong(at: int) -> str:
+    """What a reader says of a line longer than ``MAX_LINE_BYTES`` (at byte ``at``)."""
+    return f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {at})"
+
+
 def read_log(root: Path, notice: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The records of the log, [] when there is none. FormatError when it is larger than
-    ``MAX_LOG_BYTES`` (a reader never holds more; retention keeps a log far smaller).
+    ``MAX_LOG_BYTES`` (a reader never reads more; retention keeps a log far smaller).
 
-    Lines end at a newline byte only, as :func:`follow_log` splits them. ``notice``, when
-    given, gets one line, as :func:`follow_log` says it, for each whole line that is no log
-    record; an unfinished last line (an append under way, a line torn by a crash) is read if
-    it parses and skipped without a word if it does not."""
+    The log is read in chunks and split into lines as :func:`follow_log` splits them (at
+    newline bytes only): a line longer than ``MAX_LINE_BYTES`` is skipped without its bytes
+    being held. ``notice``, when given, gets one line, as :func:`follow_log` says it, for each
+    such line and each whole line that is no log record; an unfinished last line (an append
+    under way, a line torn by a crash) is read if it parses and skipped without a word if it
+    does not."""
     path = root / LOG_NAME
     try:
-        data = read_bytes(path, limit=MAX_LOG_BYTES, root=root)
+        f = os.fdopen(open_file(path, root=root), "rb")
     except FileNotFoundError:
         return []
-    except ValueError as exc:  # larger than the limit (fsio.read_file)
-        raise FormatError(
-            f"{path} is larger than {MAX_LOG_BYTES} bytes, the most a reader reads whole: "
-            "move it away (receivers never read it; the publisher starts a new one)"
-        ) from exc
-    *lines, last = data.split(b"\n")
-    out = []
-    for raw in lines:
-        rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
-        if rec is not None:
-            out.append(rec)
-        elif notice is not None and raw.strip():
-            notice(_not_a_record(raw))
-    if (rec := _parse_lines_one(last.decode("utf-8", errors="replace"))) is not None:
+    lines, out, offset = _Lines(), [], 0
+    with f:
+        if os.fstat(f.fileno()).st_size > MAX_LOG_BYTES:
+            raise _too_large(path)
+        while chunk := f.read(_READ_BYTES):
+            got = lines.feed(chunk, offset)
+            offset += len(chunk)
+            if offset > MAX_LOG_BYTES:  # it grew meanwhile
+                raise _too_large(path)
+            for at, _key in lines.overlong:
+                if notice is not None:
+                    notice(_overlong(at))
+            lines.overlong.clear()
+            for raw in got:
+                rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
+                if rec is not None:
+                    out.append(rec)
+                elif notice is not None and raw.strip():
+                    notice(_not_a_record(raw))
+    if (rec := _parse_lines_one(lines.buf.decode("utf-8", errors="replace"))) is not None:
         out.append(rec)
     return out
+
+
+def _too_large(path: Path) -> FormatError:
+    return FormatError(
+        f"{path} is larger than {MAX_LOG_BYTES} bytes, the most a reader reads: move it away "
+        "(receivers never read it; the publisher starts a new one)"
+    )
 
 
 def _line_version(line: bytes) -> int | None:
@@ -332,8 +352,7 @@ async def follow_log(
             for at, key in lines.overlong:
                 seen.add(key)
                 if key not in shown:  # said before the log was replaced (a trim keeps it)
-                    long = f"longer than {MAX_LINE_BYTES} bytes"
-                    say(f"{LOG_NAME}: skipped a line {long} (at byte {at})")
+                    say(_overlong(at))
             lines.overlong.clear()
             for raw in got:
                 if not raw.strip():
