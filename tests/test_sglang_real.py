@@ -17,8 +17,10 @@ damaged shard, the two keys, a version the server refuses.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,7 +354,11 @@ async def test_both_keys_are_needed_and_each_where_it_belongs(stack: Stack) -> N
 
 async def test_a_refused_version_is_not_acked_and_is_retried(stack: Stack) -> None:
     """The server cannot open the path it is given (a mount not there yet): 400, nothing acked;
-    once the path exists the receiver retries (backoff) and the version is acknowledged."""
+    once the path exists the receiver retries (backoff) and the version is acknowledged.
+
+    SGLang takes a path that is no directory for a Hugging Face repo id and locks its download
+    with ``<tempdir>/<sha256 of the name><the path, "/" as "-">.lock`` (its
+    ``weight_utils.get_lock``), a file it never removes: the test removes it."""
     s = stack
     s.receiver.stop()
     d = s.dir / "refused"
@@ -387,3 +393,6 @@ async def test_a_refused_version_is_not_acked_and_is_retried(stack: Stack) -> No
         receiver.stop()
         await trainer.close()
         await asyncio.sleep(0)
+        name = str(seen_by_server).replace("/", "-")  # the server's temp dir is ours (its env)
+        lock = f"{hashlib.sha256(name.encode()).hexdigest()}{name}.lock"
+        (Path(tempfile.gettempdir()) / lock).unlink(missing_ok=True)
