@@ -19,6 +19,7 @@ from asyncsync import ApplyFailed
 from asyncsync.format.acks import read_acks
 from receiver import ReceiverAgent
 from receiver.engines import SGLang
+from receiver.engines.http_engine import EngineHTTPError
 from receiver.engines.sglang import CACHE_NOT_FLUSHED
 from receiver.server import StatusServer
 from tests.fake_engines import FAST, FAST_RETRY, Chain, FakeSGLang
@@ -62,6 +63,34 @@ async def test_admin_key_on_the_admin_endpoints_user_key_on_the_others(
         assert {c.auth for c in srv.calls} == {"ok"}
         assert {c.path for c in srv.calls} >= {"/model_info", "/update_weights_from_disk"}
         assert "admin_auth=yes" in repr(engine.client) and ADMIN not in repr(engine.client)
+
+
+@pytest.mark.parametrize("admin", [None, "wrong-admin-key-0123"])
+async def test_a_refused_admin_key_names_the_admin_key_file(
+    chain: Chain, tmp_path: Path, admin: str | None
+) -> None:
+    """A 401 on an admin endpoint says which key to fix: --admin-api-key-file, not only the
+    API key (it said "give the key it was started with (--api-key-file ...)" whichever)."""
+    await chain.next()
+    async with FakeSGLang(api_key=USER, admin_api_key=ADMIN) as srv:
+        engine = engine_for(srv, tmp_path / "ckpt", api_key=USER, admin_api_key=admin)
+        agent = agent_for(chain, engine)
+        with pytest.raises(EngineHTTPError) as ei:
+            await agent.open()
+        err = str(ei.value)
+        assert ei.value.status == 401 and "/continue_generation" in err, err
+        assert "--admin-api-key-file or ASYNCSYNC_ADMIN_API_KEY" in err, err
+        assert ("admin API key" in err) == (admin is not None), err
+        assert USER not in err and (admin is None or admin not in err)
+        await agent.close()
+        # the API key refused on a user endpoint still names the API key file alone
+        engine = engine_for(srv, tmp_path / "ckpt", api_key="wrong-user-key-0123")
+        agent = agent_for(chain, engine)
+        with pytest.raises(EngineHTTPError, match=r"GET /model_info: HTTP 401") as ei:
+            await agent.open()
+        assert "(--api-key-file or ASYNCSYNC_API_KEY)" in str(ei.value)
+        assert "admin" not in str(ei.value)
+        await agent.close()
 
 
 async def test_a_dropped_connection_mid_reload_is_an_error_then_a_wait(

@@ -137,14 +137,25 @@ def _server_message(body: str) -> str:
     return text[:_MAX_MESSAGE] or "(empty body)"
 
 
-def _hint(status: int) -> str:
+_USER_KEY = "(--api-key-file or ASYNCSYNC_API_KEY)"
+_ADMIN_KEY = "(--admin-api-key-file or ASYNCSYNC_ADMIN_API_KEY)"
+
+
+def _hint(status: int, admin: str | None = None) -> str:
+    """What to do about ``status``; ``admin``: an admin endpoint's call, ``"own"`` when it
+    carried the admin key, ``"shared"`` when it carried the API key (no admin key given)."""
     if 300 <= status < 400:
         return "; redirects are not followed: give the server's own URL"
     if status in (401, 403):
-        return (
-            "; the server refused the API key: give the key it was started with "
-            "(--api-key-file or ASYNCSYNC_API_KEY)"
-        )
+        if admin == "own":
+            return f"; the server refused the admin API key: give its --admin-api-key {_ADMIN_KEY}"
+        if admin == "shared":  # SGLang with --admin-api-key wants that one here, not the API key
+            return (
+                "; the server refused the API key on an admin endpoint: give the server's "
+                f"--admin-api-key if it was started with one {_ADMIN_KEY}, else the key it was "
+                f"started with {_USER_KEY}"
+            )
+        return f"; the server refused the API key: give the key it was started with {_USER_KEY}"
     if status == 404:
         return "; the server has no such endpoint: check the engine kind and its version/mode"
     return ""
@@ -233,6 +244,7 @@ class HttpClient:
         attempts = self.retry.attempts if retries else 1
         auth = self._admin_auth if admin else self._auth
         headers = {"Authorization": auth} if auth else None
+        key = None if not admin else "shared" if auth == self._auth else "own"
         for attempt in range(1, attempts + 1):
             try:
                 async with self._get_session(endpoint).request(
@@ -266,7 +278,7 @@ class HttpClient:
                     return _decode(body)
                 msg = _server_message(body)
                 err = EngineHTTPError(
-                    f"{self.name} {endpoint}: HTTP {status}: {msg}{_hint(status)}",
+                    f"{self.name} {endpoint}: HTTP {status}: {msg}{_hint(status, key)}",
                     endpoint=endpoint,
                     status=status,
                     server_message=msg,
