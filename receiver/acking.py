@@ -65,11 +65,23 @@ def check_root_for_receiver(root: Path) -> bool:
         target = d if st is not None and stat.S_ISDIR(st.st_mode) else root
         if not os.access(target, os.W_OK | os.X_OK):
             code = None  # root passes every mode bit: refused all the same, the cause is other
-            if not os.getuid():
+            if not os.getuid() and _overrides_modes():
                 ro = os.statvfs(target).f_flag & os.ST_RDONLY
                 code = errno.EROFS if ro else errno.EPERM
             raise ConfigError(not_writable(root, str(target), code))
     return True
+
+
+def _overrides_modes() -> bool:
+    """Whether this process (uid 0) passes mode bits: it holds CAP_DAC_OVERRIDE. A root
+    without it (a container whose capabilities were dropped) is refused by the modes like any
+    uid, so it is told to make the directories writable, not to look for an attribute."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            caps = next((ln.split()[1] for ln in f if ln.startswith("CapEff:")), None)
+        return caps is None or bool(int(caps, 16) & (1 << 1))  # bit 1: CAP_DAC_OVERRIDE
+    except (OSError, ValueError, IndexError):
+        return True  # no /proc: as before
 
 
 def not_writable(root: Path, path: str, code: int | None = None) -> str:

@@ -163,6 +163,34 @@ async def test_a_receiver_under_another_uid_is_told_what_to_make_writable(shared
     assert read_acks(root)["e1"].version == 0
 
 
+async def test_a_root_receiver_without_cap_dac_override_is_told_the_modes(
+    shared_tmp: Path,
+) -> None:
+    """(helper-32) uid 0 with its capabilities dropped (k8s ``capabilities: drop: [ALL]``,
+    ``docker run --cap-drop ALL``) is refused by the modes of a root another uid owns, like any
+    uid: the refusal said "refused whatever its mode (EPERM): an immutable or append-only
+    attribute ..., or a security module's policy", which sends the operator to ``lsattr``."""
+    setpriv = shutil.which("setpriv")
+    caps = "-dac_override,-dac_read_search,-fowner"
+    drop = [f"--bounding-set={caps}", f"--inh-caps={caps}", "--"]
+    if setpriv is None or subprocess.run([setpriv, *drop, "true"], check=False).returncode:
+        pytest.skip("needs setpriv and the right to drop capabilities")
+    root, ckpt = shared_tmp / "root", shared_tmp / "ckpt"
+    async with Publisher(root, bucket_bytes=8192) as pub:
+        await pub.seed(mixed_state(0))
+    for d, _, files in os.walk(root):  # the publisher is another uid than the receiver
+        for name in [d, *(os.path.join(d, f) for f in files)]:
+            os.chown(name, NOBODY, NOBODY)
+    argv = [setpriv, *drop, sys.executable, "-m", "receiver.cli", "--root", str(root),
+            "--engine-id", "e1", "--checkpoint", str(ckpt), "--once"]  # fmt: skip
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 1 and "Traceback" not in err, err
+    assert "(uid 0," in err and "cannot write" in err and "immutable" not in err, err
+    assert f"asyncsync prepare {root} --group GROUP" in err, err
+    assert not (root / "acks").exists() and not (ckpt / ".asyncsync").exists()
+
+
 @pytest.mark.parametrize("group", ["99999999999999999999", "4294967295", "٣", "no-such-group-x"])
 def test_prepare_refuses_a_bad_group_before_creating_anything(
     tmp_path: Path, group: str, capsys: pytest.CaptureFixture[str]
