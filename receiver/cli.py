@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ops.add_argument(
         "--control-token-file", default=None, metavar="F",
-        help=f"bearer token for POST /sync (else ${TOKEN_ENV}; none: control disabled)",
+        help=f"bearer token for POST /sync, at least {MIN_TOKEN_CHARS} characters (else "
+        f"${TOKEN_ENV}; none: control disabled)",
     )  # fmt: skip
     add_logging_arguments(p, default_level="INFO")
     return p
