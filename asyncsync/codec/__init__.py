@@ -56,7 +56,7 @@ from asyncsync.codec.delta import (
 from asyncsync.codec.diff import Change, changed_positions, diff_tensors, revert
 from asyncsync.codec.patch import Patch, apply_patch
 from asyncsync.codec.patch_hash import can_journal_in_pass, patch_and_checksum
-from asyncsync.codec.views import gather, int_dtype, int_view
+from asyncsync.codec.views import gather, int_dtype, int_view, raw_clone, raw_view
 
 __all__ = [
     "Change",
@@ -78,6 +78,8 @@ __all__ = [
     "int_view",
     "can_journal_in_pass",
     "patch_and_checksum",
+    "raw_clone",
+    "raw_view",
     "revert",
 ]
 

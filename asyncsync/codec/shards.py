@@ -112,7 +112,7 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for k, t in tensors.items():
         ptr = t.untyped_storage().data_ptr() if t.numel() else -id(t)
-        out[k] = t.clone() if ptr in seen else t
+        out[k] = codec.raw_clone(t) if ptr in seen else t  # a bool's bytes, not 0/1
         seen.add(ptr)
     return out
 

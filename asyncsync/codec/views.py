@@ -15,7 +15,7 @@ from numpy.typing import NDArray
 from asyncsync.codec import native
 from asyncsync.errors import ConfigError
 
-__all__ = ["gather", "int_dtype", "int_view"]
+__all__ = ["gather", "int_dtype", "int_view", "raw_clone", "raw_view"]
 
 _INT_BY_WIDTH: dict[int, torch.dtype] = {
     1: torch.uint8,
@@ -46,6 +46,20 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     target = int_dtype(t.dtype)
     flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
     return flat if flat.dtype == target else flat.view(target)
+
+
+def raw_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` seen as the integer dtype of its width, same shape and strides (no copy, any
+    layout). Copy through it to keep a tensor's bytes: torch copies a bool tensor's elements
+    as 0 or 1 (``clone``, ``copy_``, ``contiguous``), and a bool's other bytes (a uint8 mask
+    viewed as bool, ``torch.empty``) are what the diff reads and the engines hold."""
+    target = int_dtype(t.dtype)
+    return t if t.dtype == target else t.view(target)
+
+
+def raw_clone(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` with its bytes (``clone`` through :func:`raw_view`)."""
+    return raw_view(t).clone(memory_format=torch.contiguous_format).view(t.dtype)
 
 
 def gather(

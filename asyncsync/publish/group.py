@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from asyncsync import fsio
+from asyncsync import codec, fsio
 from asyncsync.codec.shards import PendingUpdate
 from asyncsync.errors import (
     AsyncSyncError,
@@ -425,7 +425,10 @@ class RankGroup:
 
 def _kept(a: Attempt) -> Attempt:
     """``a`` made independent of the caller's tensors (whole-tensor updates reference them)."""
-    ups = [u if u.positions is not None else replace(u, values=u.values.clone()) for u in a.updates]
+    ups = [
+        u if u.positions is not None else replace(u, values=codec.raw_clone(u.values))
+        for u in a.updates
+    ]
     return replace(a, updates=ups)
 
 

@@ -180,11 +180,13 @@ def advance(
             codec.apply_patch(codec.int_view(cur), codec.Patch("set", p.positions, p.values))
             out[name] = cur
         elif cur is not None and cur.dtype == p.values.dtype and cur.shape == p.values.shape:
-            cur.copy_(p.values)
+            codec.raw_view(cur).copy_(codec.raw_view(p.values))  # bytes: a bool's too
             out[name] = cur
         else:
-            t = p.values.detach().to("cpu").clone().contiguous()
-            out[name] = t.pin_memory() if pin else t
+            t = codec.raw_view(p.values.detach().to("cpu")).clone(
+                memory_format=torch.contiguous_format
+            )
+            out[name] = (t.pin_memory() if pin else t).view(p.values.dtype)
     return out
 
 

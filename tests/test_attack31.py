@@ -1,0 +1,73 @@
+"""The trainer-side publish API under a hostile or unlucky trainer (helper-31): what it publishes
+reaches a real receiver bit for bit, or publish raises a typed error and commits nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from asyncsync import Publisher
+from receiver import ReceiverAgent
+from receiver.engines import LocalCheckpoint
+
+
+def checkpoint_tensors(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a receiver's checkpoint directory, read as a server reads it."""
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        with safe_open(str(d / f), "pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                out[k] = st.get_tensor(k)
+    return out
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, never its values (a bool's copy would write 0/1)."""
+    return t.reshape(-1).view(torch.uint8).clone()
+
+
+def bools(*values: int) -> torch.Tensor:
+    """A bool tensor holding these bytes (a mask viewed from uint8, ``torch.empty``'s garbage)."""
+    return torch.tensor(values, dtype=torch.uint8).view(torch.bool)
+
+
+async def publish_and_receive(
+    root: Path, ckpt: Path, versions: list[dict[str, torch.Tensor]]
+) -> None:
+    """Seed ``versions[0]``, publish the others; after each the receiver holds its bytes."""
+    async with Publisher(root) as pub, ReceiverAgent(root, LocalCheckpoint(ckpt), "e0") as agent:
+        for i, sd in enumerate(versions):
+            want = {k: raw_bytes(v) for k, v in sd.items()}
+            r = await (pub.seed(sd) if i == 0 else pub.publish(sd))
+            assert await agent.sync_once() == r.version, r
+            got = {k: raw_bytes(v) for k, v in checkpoint_tensors(ckpt).items()}
+            assert set(got) == set(want)
+            assert all(torch.equal(got[k], want[k]) for k in want), (r.version, r.kind)
+
+
+async def test_bool_bytes_other_than_0_and_1_survive_the_snapshot(tmp_path: Path) -> None:
+    """A bool tensor's bytes are shipped as they are (the diff reads int views), but the
+    snapshot of a full version was a torch clone (or ``copy_``), which writes 0/1: the next
+    delta was diffed against bytes no engine held, and every engine refused it until the next
+    keyframe (helper-31, finding 1)."""
+    versions = [
+        {"mask": bools(0, 1, 2, 255), "w": torch.ones(3)},  # seed: the snapshot is cloned
+        {"mask": bools(0, 1, 3, 255), "w": torch.ones(3)},
+        {"mask": bools(0, 1, 3, 255, 9), "w": torch.ones(3)},  # a new shape: full, copied
+        {"mask": bools(0, 7, 3, 255, 9), "w": torch.ones(3)},
+    ]
+    await publish_and_receive(tmp_path / "root", tmp_path / "ckpt", versions)
+
+
+async def test_tied_bool_tensors_with_other_bytes_make_a_seed_engines_take(tmp_path: Path) -> None:
+    """Tied tensors (one storage under two names) are copied apart for the full shard; a bool
+    copy wrote 0/1, so the shard disagreed with the checksum taken from the bytes and no
+    engine could ever start from the seed ("no other keyframe is readable"; helper-31,
+    finding 1)."""
+    m = bools(0, 1, 2, 255)
+    versions = [{"a": m, "b": m}, {"a": bools(0, 1, 2, 254), "b": bools(0, 1, 2, 254)}]
+    await publish_and_receive(tmp_path / "root", tmp_path / "ckpt", versions)
