@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
-from asyncsync import Publisher
+from asyncsync import ConfigError, Publisher
+from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.publish.merge import TensorSlice
 from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
 
@@ -71,3 +74,33 @@ async def test_tied_bool_tensors_with_other_bytes_make_a_seed_engines_take(tmp_p
     m = bools(0, 1, 2, 255)
     versions = [{"a": m, "b": m}, {"a": bools(0, 1, 2, 254), "b": bools(0, 1, 2, 254)}]
     await publish_and_receive(tmp_path / "root", tmp_path / "ckpt", versions)
+
+
+@pytest.mark.parametrize(
+    ("what", "tensor", "name", "match"),
+    [
+        ("rank 65", torch.zeros([1] * 65), "a", "65 dimensions"),
+        ("a dim over 2^53", torch.empty(0, 2**60), "a", "dimension"),
+        ("a lone surrogate", torch.ones(2), "x\ud800", "UTF-8"),
+    ],
+)
+async def test_a_tensor_no_manifest_can_hold_is_refused_at_publish(
+    tmp_path: Path, what: str, tensor: torch.Tensor, name: str, match: str
+) -> None:
+    """A tensor of more than 64 dimensions or a dimension over 2^53 (a 0-element tensor needs
+    no memory for it) was committed in a manifest every reader refuses: each receiver marked
+    the version bad while publish returned it. A name that is no UTF-8 failed deep in the
+    write. Each is a ConfigError naming the tensor, at seed and at publish, and nothing is
+    committed (helper-31, finding 2)."""
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        with pytest.raises(ConfigError, match=match):
+            await pub.seed({"w": torch.ones(2), name: tensor})
+        await pub.seed({"w": torch.ones(2)})
+        with pytest.raises(ConfigError, match=match):
+            await pub.publish({"w": torch.ones(2), name: tensor})
+    assert list_versions(root) == [0], what
+    assert [e.name for e in read_manifest(root, 0).tensors] == ["w"]
+    for full_shape in ((1,) * 65, (2**60,)):  # a slice's full shape: the same bounds
+        with pytest.raises(ConfigError, match="at most"):
+            TensorSlice(offset=0, full_shape=full_shape)

@@ -38,6 +38,7 @@ from asyncsync.format import (
 )
 from asyncsync.format.checksum import parts_checksum
 from asyncsync.format.fields import _load_json
+from asyncsync.format.names import _MAX_INT, _MAX_RANK
 
 __all__ = [
     "PART_RECORD",
@@ -74,11 +75,15 @@ class TensorSlice:
             isinstance(self.offset, bool)
             or not isinstance(self.offset, int)
             or self.offset < 0
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+            or len(shape) > _MAX_RANK
+            or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_INT for s in shape
+            )
         ):
             raise ConfigError(
                 f"TensorSlice(offset={self.offset!r}, full_shape={self.full_shape!r}): offset "
-                "and dims must be non-negative ints"
+                f"and dims must be non-negative ints, dims at most 2^53 - 1 and {_MAX_RANK} "
+                "of them at most (what a manifest holds)"
             )
         object.__setattr__(self, "full_shape", shape)
 
@@ -97,6 +102,12 @@ def check_state_dict(
                 f"state dict keys must be strings of 1 to {MAX_NAME_CHARS} characters, "
                 f"got {name!r:.80}"
             )
+        try:  # a lone surrogate: no JSON header nor manifest can hold the name
+            name.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(
+                f"state dict key {name!r:.80} is not valid UTF-8 ({exc.reason}): rename it"
+            ) from None
         if name == SAFETENSORS_METADATA:  # safetensors' header key: no shard can hold it
             raise ConfigError(
                 f"a tensor may not be named {name!r} (the key safetensors reserves for its "
@@ -121,6 +132,12 @@ def check_state_dict(
             raise ConfigError(
                 f"state_dict[{name!r}] is {odd}: only dense tensors with data are carried "
                 "(densify or materialize it first)"
+            )
+        if t.dim() > _MAX_RANK or any(n > _MAX_INT for n in t.shape):
+            raise ConfigError(
+                f"state_dict[{name!r}] has shape {list(t.shape)} ({t.dim()} dimensions): a "
+                f"manifest holds at most {_MAX_RANK} dimensions of at most 2^53 - 1 each "
+                "(reshape it)"
             )
     for name, sl in (slices or {}).items():
         if name not in state_dict or not isinstance(sl, TensorSlice):
