@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -104,3 +105,36 @@ async def test_a_tensor_no_manifest_can_hold_is_refused_at_publish(
     for full_shape in ((1,) * 65, (2**60,)):  # a slice's full shape: the same bounds
         with pytest.raises(ConfigError, match="at most"):
             TensorSlice(offset=0, full_shape=full_shape)
+
+
+def _pairs() -> Any:
+    return ((k, torch.ones(2)) for k in ("w",))
+
+
+@pytest.mark.parametrize(
+    ("what", "make"),
+    [
+        ("the module itself", lambda: torch.nn.Linear(2, 2)),
+        ("None", lambda: None),
+        ("a generator of pairs", _pairs),
+        ("a list of pairs", lambda: [("w", torch.ones(2))]),
+        ("a tensor", lambda: torch.ones(2)),
+        ("an int", lambda: 5),
+    ],
+)
+async def test_a_state_dict_that_is_no_mapping_is_a_config_error(
+    tmp_path: Path, what: str, make: Any
+) -> None:
+    """``publish(model)`` for ``publish(model.state_dict())``, None, pairs, a tensor: each raised
+    whatever its first use did (TypeError "'Linear' object is not iterable", RuntimeError
+    "Boolean value of Tensor ... is ambiguous", "the state dict is empty" for None, a key
+    "('w', tensor(...))"; ``seed`` a TypeError from ``Path()``). A ConfigError that says a
+    mapping of names to tensors is wanted, and nothing committed (helper-31, finding 3)."""
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        with pytest.raises(ConfigError, match="mapping of names to tensors"):
+            await pub.seed(make())
+        await pub.seed({"w": torch.ones(2)})
+        with pytest.raises(ConfigError, match="mapping of names to tensors"):
+            await pub.publish(make())
+    assert list_versions(root) == [0], what

@@ -8,6 +8,7 @@ writing it again, ``Publisher.seed(path)`` references its files from the base ma
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import safetensors.torch
@@ -18,7 +19,27 @@ from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.format import FullRef, ShardInfo, TensorEntry, check_file_name, dtype_name
 from asyncsync.format.checksum import checksum_file, checksum_tensor
 
-__all__ = ["checkpoint_files", "register_scan", "resolve_files", "scan_checkpoint"]
+__all__ = [
+    "checkpoint_files",
+    "checkpoint_path",
+    "register_scan",
+    "resolve_files",
+    "scan_checkpoint",
+]
+
+
+def checkpoint_path(source: object) -> Path:
+    """What ``Publisher.seed`` was given when it is no mapping: a checkpoint directory's path,
+    or ConfigError (the module itself, None, pairs: what it is and what seed takes)."""
+    if isinstance(source, str | os.PathLike) and not isinstance(source, bytes):
+        try:
+            return Path(source)
+        except TypeError:  # an os.PathLike whose path is bytes
+            pass
+    raise ConfigError(
+        "seed takes a mapping of names to tensors (model.state_dict(), a dict) or the path "
+        f"of a safetensors checkpoint directory, got {type(source).__name__}"
+    )
 
 
 def checkpoint_files(path: Path) -> list[str]:

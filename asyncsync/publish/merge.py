@@ -55,6 +55,9 @@ __all__ = [
 PART_RECORD = "asyncsync-part"
 _ATTEMPT_RE = re.compile(r"^[0-9a-f]{8,64}$")
 _SUPPORTED = frozenset(dtype_from_name(n) for n in DTYPE_SIZES)
+NOT_A_MAPPING = (
+    "the state dict must be a mapping of names to tensors (model.state_dict(), a dict), got {}"
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ def check_state_dict(
     state_dict: Mapping[str, torch.Tensor], slices: Mapping[str, TensorSlice] | None
 ) -> dict[str, TensorSlice]:
     """Raise ConfigError for a state dict or slices the format cannot carry; return the slices."""
+    if not isinstance(state_dict, Mapping):  # the module itself, None, pairs, a tensor
+        raise ConfigError(NOT_A_MAPPING.format(type(state_dict).__name__))
     for name in state_dict:
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
             raise ConfigError(

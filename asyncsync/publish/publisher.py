@@ -84,7 +84,7 @@ from asyncsync.publish.commit import (
 )
 from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.group import Attempt
-from asyncsync.publish.hf import register_scan
+from asyncsync.publish.hf import checkpoint_path, register_scan
 from asyncsync.publish.merge import TensorSlice
 from asyncsync.publish.options import ShardSizer, check_options
 from asyncsync.publish.ranked import Committer, RankedCommitter, Round, SoloCommitter, Written
@@ -293,7 +293,7 @@ class Publisher:
             if not isinstance(source, Mapping):
                 if self._committer.ranked:
                     raise ConfigError("a multi-rank publisher seeds from each rank's state dict")
-                return await self._register_checkpoint(Path(source))
+                return await self._register_checkpoint(checkpoint_path(source))
             return await self._round(source, slices, keyframe=True, base=False, step=step)
 
     async def publish(

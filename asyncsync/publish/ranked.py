@@ -152,12 +152,12 @@ class SoloCommitter:
         ``abstain``: raised (a publisher alone has nobody to tell)."""
         if abstain is not None:
             raise abstain
+        sl = check_state_dict(state_dict, slices)
         if not state_dict:  # (a rank of a group may hold none of the tensors)
             raise ConfigError(
                 "the state dict is empty: a version without tensors would leave every engine "
                 "with none (a filter that matched nothing?); pass the model's tensors"
             )
-        sl = check_state_dict(state_dict, slices)
         version = pub.next_version
         if not base or pub.mode == "full":  # no snapshot needed: the version is complete
             return Round(version, delta=False, full=True, slices=sl)
