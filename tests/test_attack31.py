@@ -3,7 +3,10 @@ reaches a real receiver bit for bit, or publish raises a typed error and commits
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.publish.merge import TensorSlice
 from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
+from tests.conftest import mixed_state, mutate
 
 
 def checkpoint_tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -138,3 +142,39 @@ async def test_a_state_dict_that_is_no_mapping_is_a_config_error(
         with pytest.raises(ConfigError, match="mapping of names to tensors"):
             await pub.publish(make())
     assert list_versions(root) == [0], what
+
+
+async def test_a_publish_cancelled_while_its_directory_is_made_leaves_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The version directory is made in a thread; a publish cancelled meanwhile removed the
+    directory (none yet) and returned while the thread went on and made it: an uncommitted
+    ``vN/`` stayed in the root until the next publish or open (40 random ``wait_for``
+    timeouts met it once). The cancelled publish waits for the thread, as the pipeline's
+    stages do, and leaves nothing (helper-31, finding 4)."""
+    from asyncsync.publish import commit
+
+    root = tmp_path / "root"
+    started, made = threading.Event(), threading.Event()
+
+    def slow_claim(*a: Any, **k: Any) -> None:  # a mkdir on a slow network filesystem
+        started.set()
+        time.sleep(0.3)
+        try:
+            commit.claim_version_dir(*a, **k)
+        finally:
+            made.set()
+
+    sd = mixed_state(0)
+    async with Publisher(root) as pub:
+        await pub.seed(sd)
+        monkeypatch.setattr("asyncsync.publish.publisher.claim_version_dir", slow_claim)
+        task = asyncio.create_task(pub.publish(mutate(sd, 0.05, seed=1)))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.to_thread(made.wait, 10)
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith("v")) == ["v000000000000"]
+        monkeypatch.undo()
+        assert (await pub.publish(mutate(sd, 0.05, seed=1))).version == 1

@@ -151,11 +151,13 @@ async def commit_version(
     return False
 
 
-def claim_version_dir(root: Path, vdir: Path, *, shared: bool = False) -> None:
+def claim_version_dir(root: Path, vdir: Path, shared: bool = False) -> None:
     """Create the directory of the version about to be written (``shared``: other ranks may
     have created it). The committer owns that name: anything else found there, a symlink, a
     FIFO, a file or an uncommitted directory (put there by hand or by a crash), is removed
-    first, never followed; a directory holding a manifest is committed and never rewritten."""
+    first, never followed; a directory holding a manifest is committed and never rewritten.
+    Run it by ``finish_thread``: a cancelled caller that went on would remove the directory
+    before this thread made it."""
     try:
         fsio.make_dir(vdir, root=root, exist_ok=shared)
         return

@@ -452,7 +452,7 @@ class Publisher:
         try:
             if rnd.refuse is not None:
                 raise PublishError(rnd.refuse)
-            await asyncio.to_thread(claim_version_dir, self.root, vdir, shared=rnd.shared_dir)
+            await finish_thread(claim_version_dir, self.root, vdir, rnd.shared_dir)
             snap = self._snapshot if delta else None
             sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
             buckets = snapshot.plan_for(state_dict, sizes, self.bucket_bytes, advance and not full)
@@ -586,7 +586,7 @@ class Publisher:
         )
         stage = ["mkdir"]
         try:
-            await asyncio.to_thread(claim_version_dir, self.root, vdir)
+            await finish_thread(claim_version_dir, self.root, vdir)
             await self._commit(vdir, manifest, stage)
         except BaseException as exc:
             self._progress = None
