@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -14,12 +15,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from asyncsync import ConfigError, Publisher
+from asyncsync import AsyncSyncError, ConfigError, Publisher
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.publish.merge import TensorSlice
 from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
-from tests.conftest import mixed_state, mutate
+from tests.conftest import mixed_state, mutate, same_bytes
 
 
 def checkpoint_tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -178,3 +179,45 @@ async def test_a_publish_cancelled_while_its_directory_is_made_leaves_none(
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("v")) == ["v000000000000"]
         monkeypatch.undo()
         assert (await pub.publish(mutate(sd, 0.05, seed=1))).version == 1
+
+
+@pytest.mark.parametrize("meanwhile", ["another publisher", "the root wiped"])
+async def test_a_publisher_reopened_after_the_root_moved_on_never_ships_a_stale_delta(
+    tmp_path: Path, meanwhile: str
+) -> None:
+    """A Publisher closed and opened again kept its snapshot although the root had moved on:
+    after another publisher's version it published a delta of its own old snapshot on top of
+    that version (every engine refused it, publish returned it), and on a wiped root a v0
+    whose base_version is -1 (no reader takes that manifest). The snapshot goes when the root
+    is not where this publisher left it: publish raises (seed again) or publishes a version
+    the receiver applies, bit for bit (helper-31, finding 5)."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    sd0 = mixed_state(0)
+    sd1, sd2 = mutate(sd0, 0.05, seed=1), mutate(sd0, 0.05, seed=2)
+    a = Publisher(root)
+    await a.open()
+    await a.seed(sd0)
+    await a.publish(sd1)
+    await a.close()
+    if meanwhile == "another publisher":
+        async with Publisher(root) as b:
+            await b.seed(sd2)
+    else:
+        shutil.rmtree(root)
+    before = list_versions(root) if root.exists() else []
+    await a.open()
+    try:
+        try:
+            await a.publish(sd2)
+        except AsyncSyncError:
+            assert list_versions(root) == before  # nothing committed
+            await a.seed(sd2)
+    finally:
+        await a.close()
+    for v in list_versions(root):
+        read_manifest(root, v)  # every manifest reads
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e0") as agent:
+        assert await agent.sync_once() == list_versions(root)[-1]
+    got = checkpoint_tensors(ckpt)
+    assert set(got) == set(sd2)
+    assert all(same_bytes(got[k], t) for k, t in sd2.items())

@@ -225,7 +225,7 @@ class Publisher:
             info = await asyncio.to_thread(
                 ensure_root_info if committer else read_root_info, self.root
             )
-            self._run_id = info.run_id if info is not None else ""
+            run_id = info.run_id if info is not None else ""
             if committer:
                 await asyncio.to_thread(clean_leftovers, self.root)
                 await asyncio.to_thread(finish_interrupted, self.root)
@@ -238,8 +238,10 @@ class Publisher:
         except BaseException:
             self._lock.release()
             raise
-        self._last_version = versions[-1] if versions else None
-        self._next_version = nxt
+        latest = versions[-1] if versions else None
+        if (latest, run_id) != (self._last_version, self._run_id):  # the root moved on since
+            self._snapshot, self._checksums, self._fingerprint, self._slices = None, {}, "", {}
+        self._run_id, self._last_version, self._next_version = run_id, latest, nxt
         logger.info(
             "publisher open root=%s run=%s next_version=%d",
             self.root,

@@ -162,7 +162,11 @@ class SoloCommitter:
         if not base or pub.mode == "full":  # no snapshot needed: the version is complete
             return Round(version, delta=False, full=True, slices=sl)
         if not pub.has_snapshot:
-            raise PublishError("nothing published by this publisher yet: call seed() first")
+            raise PublishError(
+                "no snapshot of the root's newest version to diff against (nothing published "
+                "by this publisher yet, or the root moved on while it was closed): call seed() "
+                "first"
+            )
         if not pub.same_schema(state_dict, sl):
             logger.warning(
                 "v%d: the tensor set changed (%s): publishing a full version; receivers "
