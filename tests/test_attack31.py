@@ -221,3 +221,38 @@ async def test_a_publisher_reopened_after_the_root_moved_on_never_ships_a_stale_
     got = checkpoint_tensors(ckpt)
     assert set(got) == set(sd2)
     assert all(same_bytes(got[k], t) for k, t in sd2.items())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="unfixed (helper-31, finding 6): a full version's snapshot is copied from the "
+    "caller's tensors after the commit, not from the bytes shipped; the docstring forbids "
+    "changing them before publish returns",
+)
+async def test_a_tensor_changed_while_a_seed_commits_never_breaks_the_deltas_after_it(
+    tmp_path: Path,
+) -> None:
+    """The seed (any full version) checksums and writes the caller's tensors, then copies them
+    into the snapshot once the manifest is in place. A trainer whose optimizer step (another
+    task, a thread; here the pre-commit hook) changes a weight in between gets a snapshot that
+    is not what was shipped: publish returns, and every delta after it is refused by every
+    engine until the next keyframe (20 versions by default). A delta, by contrast, advances
+    the snapshot from the bytes its diff read."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    w = torch.zeros(1000)
+
+    def optimizer_step_meanwhile(vdir: Path) -> None:
+        if vdir.name.endswith("0"):
+            w.add_(1)
+
+    async with (
+        Publisher(root, pre_commit_hook=optimizer_step_meanwhile) as pub,
+        ReceiverAgent(root, LocalCheckpoint(ckpt), "e0") as agent,
+    ):
+        await pub.seed({"w": w})
+        assert await agent.sync_once() == 0
+        nxt = w.clone()
+        nxt[:10] += 5
+        await pub.publish({"w": nxt})
+        assert await agent.sync_once() == 1  # ChecksumMismatch: v1 is bad
+        assert same_bytes(checkpoint_tensors(ckpt)["w"], nxt)
