@@ -256,3 +256,25 @@ async def test_a_tensor_changed_while_a_seed_commits_never_breaks_the_deltas_aft
         await pub.publish({"w": nxt})
         assert await agent.sync_once() == 1  # ChecksumMismatch: v1 is bad
         assert same_bytes(checkpoint_tensors(ckpt)["w"], nxt)
+
+
+async def test_a_manifest_larger_than_readers_take_is_refused_before_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readers refuse a manifest over ``MAX_MANIFEST_BYTES`` (256 MiB), the publisher wrote one
+    of any size: 5600 one-element tensors named with 4096 emoji (each escaped to 12 bytes of
+    JSON, twice) made a 525 MiB manifest, committed, that every receiver marked bad. Here the
+    limit is made small for a small model. A ConfigError saying why, nothing committed
+    (helper-31, finding 7)."""
+    from asyncsync.format import store
+
+    monkeypatch.setattr(store, "MAX_MANIFEST_BYTES", 64 << 10)
+    root = tmp_path / "root"
+    sd = {f"{i:03d}" + "\U0001f600" * 200: torch.zeros(1) for i in range(40)}
+    async with Publisher(root) as pub:
+        with pytest.raises(ConfigError, match=r"manifest .* bytes"):
+            await pub.seed(sd)
+        assert list_versions(root) == []
+        assert not any(p.name.startswith("v") for p in root.iterdir())
+        await pub.seed({"w": torch.ones(2)})
+    read_manifest(root, 0)

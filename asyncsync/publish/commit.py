@@ -34,6 +34,7 @@ from asyncsync.format import (
     TensorEntry,
     Totals,
     fingerprint,
+    store,
     version_dir,
 )
 from asyncsync.format.log import append_manifest, parse_record
@@ -114,6 +115,15 @@ async def commit_version(
     a cancellation arrived after the rename: the version is committed, and the caller must
     finish its bookkeeping and then raise ``CancelledError``.
     """
+    stage[0] = "manifest"
+    data = manifest.to_json().encode()
+    if len(data) > store.MAX_MANIFEST_BYTES:  # no reader takes it (FORMAT.md 3)
+        raise ConfigError(
+            f"the manifest of version {manifest.version} would be {len(data)} bytes, more than "
+            f"the {store.MAX_MANIFEST_BYTES} bytes readers take: publish fewer tensors or give "
+            "them shorter names (a non-ASCII character takes 6-12 bytes of its JSON), or a "
+            "smaller producer"
+        )
     stage[0] = "fsync"
     await asyncio.to_thread(functools.partial(fsync_dir, vdir, root=root))
     await asyncio.to_thread(fsync_dir, root)
@@ -130,7 +140,6 @@ async def commit_version(
         stage[0] = "pre-commit hook"
         await run_hook(hook, vdir)
     stage[0] = "manifest"
-    data = manifest.to_json().encode()
     write = functools.partial(atomic_write, path, data, root=root, sync_dir=False)
     try:
         await finish_thread(write)
