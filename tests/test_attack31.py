@@ -278,3 +278,33 @@ async def test_a_manifest_larger_than_readers_take_is_refused_before_the_commit(
         assert not any(p.name.startswith("v") for p in root.iterdir())
         await pub.seed({"w": torch.ones(2)})
     read_manifest(root, 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"engines": "gpu0"}, "list of engine ids"),  # waited for engines g, p, u and 0
+        ({"engines": ["../gpu0"]}, "invalid engine id"),  # a ManifestError
+        ({"engines": ["gpu0"], "version": None}, "version"),  # TypeError from a comparison
+        ({"engines": ["gpu0"], "timeout": "5"}, "timeout"),  # TypeError
+        ({"engines": ["gpu0"], "timeout": float("nan")}, "timeout"),  # returned at once
+        ({"quorum": "1"}, "quorum"),  # TypeError
+    ],
+)
+async def test_wait_acked_refuses_what_it_cannot_wait_for(
+    tmp_path: Path, kwargs: dict[str, Any], match: str
+) -> None:
+    """``wait_acked(v, engines="gpu0")`` iterated the string and waited for engines 'g', 'p',
+    'u' and '0': with the default ``timeout=None`` forever, though gpu0 had acked. Arguments
+    it cannot use are a ConfigError at once (helper-31, finding 8)."""
+    root = tmp_path / "root"
+    async with (
+        Publisher(root) as pub,
+        ReceiverAgent(root, LocalCheckpoint(tmp_path / "ckpt"), "gpu0") as agent,
+    ):
+        await pub.seed({"w": torch.ones(3)})
+        assert await agent.sync_once() == 0
+        version = kwargs.pop("version", 0)
+        with pytest.raises(ConfigError, match=match):
+            await asyncio.wait_for(pub.wait_acked(version, **kwargs), 5)
+        assert set(await pub.wait_acked(0, engines=["gpu0"])) == {"gpu0"}

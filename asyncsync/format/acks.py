@@ -13,7 +13,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -222,6 +222,33 @@ def ack_ages(root: Path, acks: dict[str, AckRecord], now: float | None = None) -
     return out
 
 
+def _check_wait(version: object, engines: object, quorum: object, timeout: object) -> None:
+    """ConfigError for arguments :func:`wait_acked` cannot wait on (a string for ``engines``
+    was waited on character by character: with no timeout, forever)."""
+    if (engines is None) == (quorum is None):
+        raise ConfigError("wait_acked needs exactly one of engines=[...] or quorum=N")
+    if engines is not None and (
+        isinstance(engines, str | bytes) or not isinstance(engines, Iterable)
+    ):
+        raise ConfigError(f"wait_acked: engines must be a list of engine ids, got {engines!r}")
+    if engines is not None and not engines:
+        raise ConfigError("wait_acked: engines=[] names no engine")
+    if quorum is not None and not (_whole(quorum) and quorum >= 1):  # type: ignore[operator]
+        raise ConfigError(f"wait_acked: quorum must be an int >= 1, got {quorum!r}")
+    if not _whole(version):
+        raise ConfigError(f"wait_acked: version must be an int, got {version!r}")
+    if timeout is not None and not (
+        isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout == timeout
+    ):  # (NaN is not equal to itself)
+        raise ConfigError(
+            f"wait_acked: timeout must be a number of seconds or None, got {timeout!r}"
+        )
+
+
+def _whole(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 async def wait_acked(
     root: Path,
     version: int,
@@ -239,14 +266,12 @@ async def wait_acked(
     Returns the acks that satisfied the wait. On timeout raises :class:`AckTimeout` naming the
     engines that are behind and the versions they hold.
     """
-    if (engines is None) == (quorum is None):
-        raise ConfigError("wait_acked needs exactly one of engines=[...] or quorum=N")
+    _check_wait(version, engines, quorum, timeout)
     if engines is not None:
-        engines = [check_engine_id(e) for e in engines]
-        if not engines:
-            raise ConfigError("wait_acked: engines=[] names no engine")
-    if quorum is not None and quorum < 1:
-        raise ConfigError(f"wait_acked: quorum must be >= 1, got {quorum}")
+        try:
+            engines = [check_engine_id(e) for e in engines]
+        except ManifestError as exc:  # the caller's argument, not a record of the root
+            raise ConfigError(f"wait_acked: {exc}") from None
     deadline = None if timeout is None else time.monotonic() + timeout
     delay = poll_interval
     while True:
@@ -268,9 +293,10 @@ async def wait_acked(
                 f"{e} at {v if v is not None else 'no ack'}" for e, v in behind.items()
             )
             need = f"engines {list(engines)}" if engines is not None else f"a quorum of {quorum}"
+            desc = desc or ("no other engine has acked" if ok else "no engine has acked yet")
             raise AckTimeout(
                 f"version {version} not acknowledged by {need} within {timeout}s; "
-                f"{len(ok)} acked, behind: {desc or 'no engine has acked yet'}. "
+                f"{len(ok)} acked, behind: {desc}. "
                 "Are the receivers running and do they see this root? (asyncsync tail ROOT -f)",
                 version=version,
                 behind=behind,
