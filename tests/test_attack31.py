@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from safetensors import safe_open
 
@@ -308,3 +309,27 @@ async def test_wait_acked_refuses_what_it_cannot_wait_for(
         with pytest.raises(ConfigError, match=match):
             await asyncio.wait_for(pub.wait_acked(version, **kwargs), 5)
         assert set(await pub.wait_acked(0, engines=["gpu0"])) == {"gpu0"}
+
+
+@pytest.mark.parametrize(
+    ("what", "tensor", "match"),
+    [
+        ("rank 65", torch.zeros([1] * 65), "65 dimensions"),
+        ("a dim over 2^53", torch.zeros(0, 2**60), "dimension"),
+        ("uint16", torch.zeros(3, dtype=torch.uint16), "dtype"),  # a ManifestError before
+    ],
+)
+async def test_a_checkpoint_seed_with_a_tensor_no_manifest_holds_is_refused(
+    tmp_path: Path, what: str, tensor: torch.Tensor, match: str
+) -> None:
+    """``seed(path)`` registers a checkpoint's files as they are: a tensor of 65 dimensions or
+    a dimension over 2^53 in them was committed in a manifest every reader refuses (finding 2
+    by the other door). A ConfigError naming the file, nothing committed (helper-31)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    safetensors.torch.save_file({"w": torch.ones(2), "x": tensor}, hf / "model.safetensors")
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        with pytest.raises(ConfigError, match=match):
+            await pub.seed(hf)
+    assert list_versions(root) == [], what

@@ -18,6 +18,7 @@ from asyncsync import fsio
 from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.format import FullRef, ShardInfo, TensorEntry, check_file_name, dtype_name
 from asyncsync.format.checksum import checksum_file, checksum_tensor
+from asyncsync.publish.merge import check_state_dict
 
 __all__ = [
     "checkpoint_files",
@@ -108,6 +109,10 @@ def scan_checkpoint(
             loaded = safetensors.torch.load_file(shard_dir / f)
         except Exception as exc:  # safetensors raises its own error types
             raise ConfigError(f"{shard_dir / f} is not a readable safetensors file: {exc}") from exc
+        try:  # what a state dict must be: dtypes, shapes and names a manifest holds
+            check_state_dict(loaded, None)
+        except ConfigError as exc:
+            raise ConfigError(f"{shard_dir / f}: {exc}") from None
         for name, t in loaded.items():
             if name in tensors:
                 raise ConfigError(f"{path}: tensor {name!r} appears in two files")
