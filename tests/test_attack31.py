@@ -333,3 +333,19 @@ async def test_a_checkpoint_seed_with_a_tensor_no_manifest_holds_is_refused(
         with pytest.raises(ConfigError, match=match):
             await pub.seed(hf)
     assert list_versions(root) == [], what
+
+
+@pytest.mark.parametrize(
+    "producer",
+    [{"lr": float("nan")}, {"t": torch.ones(1)}, {"s": {1}}, {1: "a"}, [("a", 1)], "abc"],
+)
+def test_a_producer_no_manifest_can_hold_is_refused_by_the_constructor(
+    tmp_path: Path, producer: Any
+) -> None:
+    """``producer`` goes into every manifest as JSON: a NaN, a tensor, a set made every publish
+    write all its shards and then fail at the manifest; a list was a TypeError from the
+    constructor. A ConfigError naming ``producer``, before anything is written (helper-31,
+    finding 9)."""
+    with pytest.raises(ConfigError, match="producer"):
+        Publisher(tmp_path / "root", producer=producer)
+    assert not (tmp_path / "root").exists()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,10 +78,20 @@ def check_options(
     pre_commit_hook: Any,
     retention: Any,
     coordinator: Any,
+    producer: Any = None,
 ) -> None:
     """Raise ConfigError for the first option out of its range or of the wrong type (see
     Publisher's Args)."""
     root_path(root)  # "" (the working directory), None, bytes: a ConfigError
+    if producer is not None:  # every manifest holds it as JSON (FORMAT.md 11.3)
+        try:
+            if not isinstance(producer, Mapping) or not all(isinstance(k, str) for k in producer):
+                raise TypeError("not a mapping of str keys")
+            json.dumps(dict(producer), allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ConfigError(
+                f"producer must be a mapping of str keys to JSON values (no NaN): {exc}"
+            ) from None
     for name, value in (
         ("bucket_bytes", bucket_bytes),
         ("delta_shard_bytes", delta_shard_bytes),

@@ -154,9 +154,9 @@ class Publisher:
         delta_shard_bytes: int | None = None,
     ) -> None:
         check_options(
-            encoding=encoding, checksum=checksum, bucket_bytes=bucket_bytes,
+            encoding=encoding, checksum=checksum, bucket_bytes=bucket_bytes, root=root,
             delta_shard_bytes=delta_shard_bytes, max_in_flight=max_in_flight, mode=mode,
-            keyframe_interval=keyframe_interval, zstd_level=zstd_level, root=root,
+            keyframe_interval=keyframe_interval, zstd_level=zstd_level, producer=producer,
             pre_commit_hook=pre_commit_hook, retention=retention, coordinator=coordinator,
         )  # fmt: skip
         self.root = Path(root)
