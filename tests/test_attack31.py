@@ -349,3 +349,25 @@ def test_a_producer_no_manifest_can_hold_is_refused_by_the_constructor(
     with pytest.raises(ConfigError, match="producer"):
         Publisher(tmp_path / "root", producer=producer)
     assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize(
+    ("what", "producer", "sd"),
+    [
+        ("a producer list of 50000 zeros", {"hist": [0] * 50000}, {"w": torch.ones(2)}),
+        ("2000 tensors of 64 dims", None, {f"t{i}": torch.ones([1] * 64) for i in range(2000)}),
+    ],
+)
+async def test_a_manifest_readers_refuse_unparsed_is_refused_before_the_commit(
+    tmp_path: Path, what: str, producer: dict[str, Any] | None, sd: dict[str, torch.Tensor]
+) -> None:
+    """Readers refuse, unparsed, a manifest over 64 KiB with more than one ``,``/``:`` per 5
+    bytes or ``{``/``[`` per 16 (FORMAT.md 11.3's density bound). A producer holding a list of
+    small numbers, or many tensors of many dimensions (``[1,1,...]``), made one: committed,
+    and every receiver marked it bad. A ConfigError, nothing committed (helper-31, finding 7,
+    by density)."""
+    root = tmp_path / "root"
+    async with Publisher(root, producer=producer) as pub:
+        with pytest.raises(ConfigError, match="manifest"):
+            await pub.seed(sd)
+    assert list_versions(root) == [], what

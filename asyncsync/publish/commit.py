@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from asyncsync import fsio
-from asyncsync.errors import AsyncSyncError, ConfigError, PublishError, first_error
+from asyncsync.errors import (
+    AsyncSyncError,
+    ConfigError,
+    ManifestError,
+    PublishError,
+    first_error,
+)
 from asyncsync.format import (
     LOG_NAME,
     MANIFEST_NAME,
@@ -37,6 +43,7 @@ from asyncsync.format import (
     store,
     version_dir,
 )
+from asyncsync.format.fields import _check_density as check_density
 from asyncsync.format.log import append_manifest, parse_record
 from asyncsync.format.store import list_versions, read_manifest, uncommitted_dirs
 from asyncsync.fsio import atomic_write, fsync_dir
@@ -102,6 +109,25 @@ def build_manifest(
     )
 
 
+def check_readable(data: bytes, version: int) -> None:
+    """ConfigError for a manifest every reader would refuse unparsed: over 256 MiB (FORMAT.md
+    3), or denser than any valid record (11.3: a producer holding a long list of small
+    numbers, thousands of tensors of many dimensions)."""
+    fix = (
+        "publish fewer tensors or give them shorter names (a non-ASCII character takes 6-12 "
+        "bytes of its JSON) or fewer dimensions, or a smaller producer"
+    )
+    if len(data) > store.MAX_MANIFEST_BYTES:
+        raise ConfigError(
+            f"the manifest of version {version} would be {len(data)} bytes, more than the "
+            f"{store.MAX_MANIFEST_BYTES} bytes readers take: {fix}"
+        )
+    try:
+        check_density(data, f"the manifest of version {version}")
+    except ManifestError as exc:
+        raise ConfigError(f"{exc}; every reader would refuse it: {fix}") from None
+
+
 async def commit_version(
     root: Path,
     vdir: Path,
@@ -117,13 +143,7 @@ async def commit_version(
     """
     stage[0] = "manifest"
     data = manifest.to_json().encode()
-    if len(data) > store.MAX_MANIFEST_BYTES:  # no reader takes it (FORMAT.md 3)
-        raise ConfigError(
-            f"the manifest of version {manifest.version} would be {len(data)} bytes, more than "
-            f"the {store.MAX_MANIFEST_BYTES} bytes readers take: publish fewer tensors or give "
-            "them shorter names (a non-ASCII character takes 6-12 bytes of its JSON), or a "
-            "smaller producer"
-        )
+    check_readable(data, manifest.version)
     stage[0] = "fsync"
     await asyncio.to_thread(functools.partial(fsync_dir, vdir, root=root))
     await asyncio.to_thread(fsync_dir, root)
