@@ -371,3 +371,16 @@ async def test_a_manifest_readers_refuse_unparsed_is_refused_before_the_commit(
         with pytest.raises(ConfigError, match="manifest"):
             await pub.seed(sd)
     assert list_versions(root) == [], what
+
+
+def test_a_receiver_reads_back_any_index_it_writes() -> None:
+    """A LocalCheckpoint writes an HF index naming each tensor of the version it applied, and
+    refused to read one over 64 MiB: 17000 tensors of 4096-character names (a 135 MiB
+    manifest, which readers take) were applied and acked, and every later start of the
+    receiver failed ("cannot read .../model.safetensors.index.json: ... larger than 67108864
+    bytes"). An index is smaller than the manifest it comes from, so its bound is the
+    manifests' (helper-31, finding 10; the full-size run takes ~20 s and 0.7 GB)."""
+    from asyncsync.format import store
+    from receiver.engines.checkpoint import files
+
+    assert files._MAX_INDEX_BYTES >= store.MAX_MANIFEST_BYTES

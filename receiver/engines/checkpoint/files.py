@@ -22,13 +22,17 @@ from asyncsync import fsio
 from asyncsync.errors import ConfigError, EngineStateError
 from asyncsync.format import Manifest
 from asyncsync.format.checksum import entry_checksum, new_hasher
+from asyncsync.format.store import MAX_MANIFEST_BYTES
 from receiver.engines.st_layout import TensorLocation, read_layout
 from receiver.state import STATE_DIR_NAME, STATE_NAME
 
 __all__ = ["CheckpointFiles", "verify_checkpoint"]
 
-# An HF index names each tensor once: even models with 100k tensors stay below a few MiB.
-_MAX_INDEX_BYTES = 64 << 20
+# An HF index names each tensor once (the manifest it was written from names it once or twice,
+# with more fields): an index is smaller than its manifest, so the manifests' bound never
+# refuses the index of a version this receiver applied (64 MiB did: 17000 tensors of
+# 4096-character names, a 135 MiB manifest, left a checkpoint that no start could open).
+_MAX_INDEX_BYTES = MAX_MANIFEST_BYTES
 
 
 def _open_data(path: Path) -> BinaryIO:
