@@ -203,3 +203,50 @@ async def wait(cond: Any, timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
             await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("via", ["file", "env"])
+async def test_a_ray_receiver_sends_the_admin_key_from_its_node(
+    chain: Chain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str
+) -> None:
+    """ReceiverSpec.admin_api_key_file (else the node's ASYNCSYNC_ADMIN_API_KEY) reaches an
+    SGLang started with --admin-api-key, as the CLI's --admin-api-key-file does (the actor's
+    body runs here, without Ray: tests/test_ray_cluster.py runs it on a cluster)."""
+    from asyncsync.training.ray import ReceiverSpec
+    from asyncsync.training.ray.receivers import ReceiverActor
+
+    (tmp_path / "key").write_text(USER)
+    (tmp_path / "admin").write_text(ADMIN)
+    if via == "env":
+        monkeypatch.setenv("ASYNCSYNC_ADMIN_API_KEY", ADMIN)
+    async with FakeSGLang(api_key=USER, admin_api_key=ADMIN) as srv:
+        spec = ReceiverSpec(
+            "e1",
+            str(tmp_path / "ckpt"),
+            engine="sglang",
+            url=srv.url,
+            api_key_file=str(tmp_path / "key"),
+            admin_api_key_file=str(tmp_path / "admin") if via == "file" else None,
+            poll_interval=0.05,
+        )
+        actor = ReceiverActor(str(chain.root), spec)
+        await chain.next()
+        await actor.start()
+        try:
+            await actor.wait_ready()
+            await chain.next()
+            assert await actor.sync_now() == 1
+        finally:
+            await actor.stop()
+        assert "/update_weights_from_disk" in {c.path for c in srv.calls}
+        assert {c.auth for c in srv.calls} == {"ok"}
+        assert acked(chain) == 1
+
+
+def test_the_admin_key_file_is_an_sglang_option(tmp_path: Path) -> None:
+    from asyncsync import ConfigError
+    from asyncsync.training.ray import ReceiverSpec
+
+    for engine, url in (("vllm", "http://127.0.0.1:1"), ("checkpoint", None)):
+        with pytest.raises(ConfigError, match="admin_api_key_file is an SGLang option"):
+            ReceiverSpec("e1", "/c", engine=engine, url=url, admin_api_key_file="/k")  # type: ignore[arg-type]

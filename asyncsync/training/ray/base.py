@@ -66,6 +66,9 @@ class ReceiverSpec:
         url: the inference server, e.g. ``http://127.0.0.1:30000`` (sglang and vllm only).
         api_key_file: a file on the node holding the server's API key (else the node's
             ``ASYNCSYNC_API_KEY``); the key itself never travels through Ray.
+        admin_api_key_file: a file on the node holding SGLang's ``--admin-api-key`` (else the
+            node's ``ASYNCSYNC_ADMIN_API_KEY``), sent on the endpoints that change weights, as
+            ``asyncsync-receiver --admin-api-key-file`` (sglang only).
         model_path: the checkpoint as the server sees it, when its mount differs.
         node_id: the Ray node (hex id) to run on, for ``placement="node"``; None: any engine
             node not taken by another spec.
@@ -92,6 +95,7 @@ class ReceiverSpec:
     engine: EngineKind = "checkpoint"
     url: str | None = None
     api_key_file: str | None = None
+    admin_api_key_file: str | None = None
     model_path: str | None = None
     node_id: str | None = None
     resources: Mapping[str, float] | None = None
@@ -119,6 +123,10 @@ class ReceiverSpec:
             )
         if self.engine == "checkpoint" and (self.api_key_file or self.model_path):
             raise ConfigError(f"{self.engine_id}: api_key_file and model_path need a server url")
+        if self.admin_api_key_file is not None and self.engine != "sglang":
+            raise ConfigError(
+                f"{self.engine_id}: admin_api_key_file is an SGLang option (engine='sglang')"
+            )
         if self.engine == "checkpoint" and self.version_offset:
             raise ConfigError(f"{self.engine_id}: version_offset needs a server url")
         if not self.poll_interval > 0:

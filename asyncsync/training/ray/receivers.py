@@ -62,7 +62,7 @@ STOP_GRACE = 120.0  # seconds a version in flight may take to finish after stop(
 
 def build_engine(spec: ReceiverSpec) -> Engine:
     """The engine ``spec`` describes, built where it runs (reads the API key file there)."""
-    from receiver.cli import API_KEY_ENV, read_secret
+    from receiver.cli import ADMIN_API_KEY_ENV, API_KEY_ENV, read_secret
     from receiver.engines import VLLM, LocalCheckpoint, SGLang
 
     if spec.engine == "checkpoint":
@@ -70,14 +70,17 @@ def build_engine(spec: ReceiverSpec) -> Engine:
     # a regular file of at most 64 KiB (a FIFO there would block this actor for ever)
     key = read_secret(spec.api_key_file, API_KEY_ENV, f"{spec.engine_id}: api_key_file")
     assert spec.url is not None  # checked by the spec
-    cls: type[SGLang] | type[VLLM] = SGLang if spec.engine == "sglang" else VLLM
-    return cls(
-        spec.url,
-        spec.checkpoint,
-        api_key=key,
-        model_path=spec.model_path,
-        version_offset=spec.version_offset,
+    common: dict[str, Any] = {
+        "api_key": key,
+        "model_path": spec.model_path,
+        "version_offset": spec.version_offset,
+    }
+    if spec.engine == "vllm":  # the node's ASYNCSYNC_ADMIN_API_KEY is for its SGLang engines
+        return VLLM(spec.url, spec.checkpoint, **common)
+    admin = read_secret(
+        spec.admin_api_key_file, ADMIN_API_KEY_ENV, f"{spec.engine_id}: admin_api_key_file"
     )
+    return SGLang(spec.url, spec.checkpoint, admin_api_key=admin, **common)
 
 
 class ReceiverActor:
