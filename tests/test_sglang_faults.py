@@ -211,7 +211,7 @@ async def test_a_ray_receiver_sends_the_admin_key_from_its_node(
 ) -> None:
     """ReceiverSpec.admin_api_key_file (else the node's ASYNCSYNC_ADMIN_API_KEY) reaches an
     SGLang started with --admin-api-key, as the CLI's --admin-api-key-file does (the actor's
-    body runs here, without Ray: tests/test_ray_cluster.py runs it on a cluster)."""
+    body, without Ray; tests/test_ray_cluster.py runs the actors on a real two-raylet cluster)."""
     from asyncsync.training.ray import ReceiverSpec
     from asyncsync.training.ray.receivers import ReceiverActor
 
