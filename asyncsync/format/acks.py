@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from asyncsync.errors import AckTimeout, ConfigError, ManifestError
-from asyncsync.format.fields import _float, _hex, _int, _load_json, _str
+from asyncsync.format.fields import _float, _hex, _int, _str, load_json
 from asyncsync.format.lease import read_lease, replace_record
 from asyncsync.format.names import (
     ACKS_DIR,
@@ -80,7 +80,7 @@ class AckRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "ack") -> AckRecord:
-        d = _load_json(text, where)
+        d = load_json(text, where)
         if d.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not an asyncsync ack record")
         fv = _int(d, "format_version", where)

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from asyncsync.errors import ManifestError
 from asyncsync.format.fields import _dict, _get, _hex, _int, _str
 from asyncsync.format.names import (
-    _MAX_INT,
-    _MAX_RANK,
     DTYPE_SIZES,
+    MAX_INT,
     MAX_NAME_CHARS,
+    MAX_RANK,
     MAX_SHARD_BYTES,
     SAFETENSORS_METADATA,
     check_dtype_name,
@@ -173,14 +173,14 @@ class TensorEntry:
         dtype = _get(d, "dtype", str, where)
         check_dtype_name(dtype)
         shape_raw = _get(d, "shape", list, where)
-        if len(shape_raw) > _MAX_RANK or not all(
-            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_INT for s in shape_raw
+        if len(shape_raw) > MAX_RANK or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_INT for s in shape_raw
         ):
             raise ManifestError(
                 f"{where}: shape must be a list of non-negative ints, got {shape_raw!r}"
             )
         shape = tuple(int(s) for s in shape_raw)
-        if math.prod(shape) > _MAX_INT:
+        if math.prod(shape) > MAX_INT:
             raise ManifestError(f"{where}: shape {shape} is too large")
         entry = cls(
             name=name,

@@ -1,4 +1,8 @@
-"""Strict readers of JSON fields: every value read from the shared directory is checked here."""
+"""Strict readers of JSON fields: every value read from the shared directory is checked here.
+
+Public: :func:`load_json` (the strict reader of every JSON file of a root) and
+:func:`check_density` (its refusal of JSON denser than any valid record); the ``_int``,
+``_str``, ... field readers are the format package's own."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import math
 from typing import Any
 
 from asyncsync.errors import ManifestError, ManifestUnreadable
-from asyncsync.format.names import _HEX_RE, _MAX_INT
+from asyncsync.format.names import _HEX_RE, MAX_INT
 
 
 def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -23,7 +27,7 @@ def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str)
     return v
 
 
-def _int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX_INT) -> int:
+def _int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = MAX_INT) -> int:
     v = _get(d, key, int, where)
     if not lo <= v <= hi:
         raise ManifestError(f"{where}: field {key!r}={v} out of range {lo}..{hi}")
@@ -31,7 +35,7 @@ def _int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX
 
 
 def _opt_int(
-    d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = _MAX_INT
+    d: dict[str, Any], key: str, where: str, *, lo: int = 0, hi: int = MAX_INT
 ) -> int | None:
     if d.get(key) is None:
         return None
@@ -44,9 +48,9 @@ def _float(d: dict[str, Any], key: str, where: str) -> float:
     v = _get(d, key, (int, float), where)
     # an int above 2^53-1 is not exact as a double (and 10**400 overflows); a float is held
     # to the same range, so 1e20 is refused as 10**20 is
-    if not (math.isfinite(v) if isinstance(v, float) else True) or not 0 <= v <= _MAX_INT:
+    if not (math.isfinite(v) if isinstance(v, float) else True) or not 0 <= v <= MAX_INT:
         raise ManifestError(
-            f"{where}: field {key!r}={v} must be a finite non-negative number at most {_MAX_INT}"
+            f"{where}: field {key!r}={v} must be a finite non-negative number at most {MAX_INT}"
         )
     return float(v)
 
@@ -108,7 +112,10 @@ _BYTES_PER_CONTAINER = 16
 _BYTES_PER_SEPARATOR = 5
 
 
-def _check_density(data: bytes, what: str) -> None:
+def check_density(data: bytes, what: str) -> None:
+    """Refuse (ManifestError) JSON bytes denser than any valid record, before parsing them.
+
+    Used by :func:`load_json` and by the publisher on a manifest it is about to commit."""
     n = len(data)
     if n < _DENSITY_CHECK_FROM:
         return
@@ -122,19 +129,19 @@ def _check_density(data: bytes, what: str) -> None:
         )
 
 
-def _load_json(text: str | bytes, what: str) -> dict[str, Any]:
+def load_json(text: str | bytes, what: str) -> dict[str, Any]:
     """A JSON object read from the shared directory: UTF-8 without a BOM, no NaN/Infinity,
-    no duplicate key in any object, not denser than a valid record (:func:`_check_density`).
+    no duplicate key in any object, not denser than a valid record (:func:`check_density`).
     ManifestUnreadable when the bytes are not (yet) JSON, ManifestError for the rest."""
     if isinstance(text, bytes | bytearray):
-        _check_density(bytes(text), what)
+        check_density(bytes(text), what)
         # json.loads(bytes) would also read UTF-16/32; the files are UTF-8 without a BOM
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ManifestUnreadable(f"{what} is not UTF-8: {exc}") from exc
     else:
-        _check_density(text.encode("utf-8", "surrogatepass"), what)
+        check_density(text.encode("utf-8", "surrogatepass"), what)
     try:
         obj = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_object)
     except _DuplicateKey as exc:

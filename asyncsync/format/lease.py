@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from asyncsync.errors import ConfigError, LockHeld, ManifestError
-from asyncsync.format.fields import _float, _int, _load_json, _str
+from asyncsync.format.fields import _float, _int, _str, load_json
 from asyncsync.format.names import LEASES_DIR, check_engine_id
 from asyncsync.fsio import (
     TMP_PREFIX,
@@ -175,7 +175,7 @@ class LeaseRecord:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> LeaseRecord:
-        d = _load_json(data, where)
+        d = load_json(data, where)
         if d.get("format") != LEASE_FORMAT:
             raise ManifestError(f"{where}: not an asyncsync lease")
         opt = {k: _str(d, k, where, 64) for k in ("boot_id", "pid_ns", "nonce") if k in d}

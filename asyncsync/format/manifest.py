@@ -28,9 +28,9 @@ from asyncsync.format.fields import (
     _hex,
     _int,
     _known,
-    _load_json,
     _opt_int,
     _str,
+    load_json,
 )
 from asyncsync.format.names import (
     _HEX_RE,
@@ -161,7 +161,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "manifest") -> Manifest:
-        d = _load_json(text, where)
+        d = load_json(text, where)
         if d.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not an asyncsync manifest (format={d.get('format')!r})")
         fv = _int(d, "format_version", where)

@@ -32,8 +32,10 @@ MAX_VERSION = 10**VERSION_DIGITS - 1
 # its header metadata: a shard could not hold a tensor of that name (FORMAT.md section 3).
 MAX_NAME_CHARS = 4096
 SAFETENSORS_METADATA = "__metadata__"
-_MAX_INT = 2**53 - 1  # the largest integer our JSON may hold: all are exact doubles (< 2^53)
-_MAX_RANK = 64
+# The largest integer our JSON may hold (all are exact doubles, < 2^53) and the most dimensions
+# a tensor entry may have: every reader and the multi-rank merge hold shapes to both.
+MAX_INT = 2**53 - 1
+MAX_RANK = 64
 # The largest shard a reader accepts (FORMAT.md section 3): a claim above it is refused by
 # validation, before a reader allocates anything for it.
 MAX_SHARD_BYTES = (1 << 40) - 1

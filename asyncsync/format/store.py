@@ -34,7 +34,7 @@ from asyncsync.format import (
     parse_version_dir,
     version_dir,
 )
-from asyncsync.format.fields import _load_json
+from asyncsync.format.fields import load_json
 from asyncsync.format.names import LEASES_DIR, MAX_VERSION
 
 __all__ = [
@@ -74,7 +74,7 @@ def read_root_info(root: Path) -> RootInfo | None:
         return None
     except (OSError, ValueError) as exc:
         raise ManifestError(f"cannot read {root / ROOT_INFO_NAME}: {exc}") from exc
-    d = _load_json(data, str(root / ROOT_INFO_NAME))
+    d = load_json(data, str(root / ROOT_INFO_NAME))
     if d.get("format") != FORMAT_NAME or not isinstance(d.get("run_id"), str):
         raise ManifestError(f"{root / ROOT_INFO_NAME} is not an asyncsync root record")
     if d.get("format_version") not in READ_FORMAT_VERSIONS:

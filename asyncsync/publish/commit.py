@@ -43,7 +43,7 @@ from asyncsync.format import (
     store,
     version_dir,
 )
-from asyncsync.format.fields import _check_density as check_density
+from asyncsync.format.fields import check_density
 from asyncsync.format.log import append_manifest, parse_record
 from asyncsync.format.store import list_versions, read_manifest, uncommitted_dirs
 from asyncsync.fsio import atomic_write, fsync_dir

@@ -37,8 +37,8 @@ from asyncsync.format import (
     dtype_from_name,
 )
 from asyncsync.format.checksum import parts_checksum
-from asyncsync.format.fields import _load_json
-from asyncsync.format.names import _MAX_INT, _MAX_RANK
+from asyncsync.format.fields import load_json
+from asyncsync.format.names import MAX_INT, MAX_RANK
 
 __all__ = [
     "PART_RECORD",
@@ -78,14 +78,14 @@ class TensorSlice:
             isinstance(self.offset, bool)
             or not isinstance(self.offset, int)
             or self.offset < 0
-            or len(shape) > _MAX_RANK
+            or len(shape) > MAX_RANK
             or not all(
-                isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_INT for s in shape
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_INT for s in shape
             )
         ):
             raise ConfigError(
                 f"TensorSlice(offset={self.offset!r}, full_shape={self.full_shape!r}): offset "
-                f"and dims must be non-negative ints, dims at most 2^53 - 1 and {_MAX_RANK} "
+                f"and dims must be non-negative ints, dims at most 2^53 - 1 and {MAX_RANK} "
                 "of them at most (what a manifest holds)"
             )
         object.__setattr__(self, "full_shape", shape)
@@ -138,10 +138,10 @@ def check_state_dict(
                 f"state_dict[{name!r}] is {odd}: only dense tensors with data are carried "
                 "(densify or materialize it first)"
             )
-        if t.dim() > _MAX_RANK or any(n > _MAX_INT for n in t.shape):
+        if t.dim() > MAX_RANK or any(n > MAX_INT for n in t.shape):
             raise ConfigError(
                 f"state_dict[{name!r}] has shape {list(t.shape)} ({t.dim()} dimensions): a "
-                f"manifest holds at most {_MAX_RANK} dimensions of at most 2^53 - 1 each "
+                f"manifest holds at most {MAX_RANK} dimensions of at most 2^53 - 1 each "
                 "(reshape it)"
             )
     for name, sl in (slices or {}).items():
@@ -305,7 +305,7 @@ class PartRecord:
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "part record") -> PartRecord:
         """Parse and check a part record (its entries are checked as a manifest's would be)."""
-        d = _load_json(text, where)  # the strict reader of every JSON file of a root
+        d = load_json(text, where)  # the strict reader of every JSON file of a root
         if d.get("format") != PART_RECORD:
             raise ManifestError(f"{where}: not an asyncsync part record")
         if d.get("format_version") != FORMAT_VERSION:
