@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import socket
 import time
 from collections.abc import Iterable, Sequence
@@ -237,9 +238,11 @@ def _check_wait(version: object, engines: object, quorum: object, timeout: objec
         raise ConfigError(f"wait_acked: quorum must be an int >= 1, got {quorum!r}")
     if not _whole(version):
         raise ConfigError(f"wait_acked: version must be an int, got {version!r}")
-    if timeout is not None and not (
-        isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout == timeout
-    ):  # (NaN is not equal to itself)
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or (isinstance(timeout, float) and math.isnan(timeout))  # (an int may exceed a float)
+    ):
         raise ConfigError(
             f"wait_acked: timeout must be a number of seconds or None, got {timeout!r}"
         )
