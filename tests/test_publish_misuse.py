@@ -384,3 +384,19 @@ def test_a_receiver_reads_back_any_index_it_writes() -> None:
     from receiver.engines.checkpoint import files
 
     assert files._MAX_INDEX_BYTES >= store.MAX_MANIFEST_BYTES
+
+
+@pytest.mark.parametrize("keyframe", ["no", "", 1, 0, None, torch.tensor(True)])
+async def test_publish_refuses_a_keyframe_that_is_not_a_bool(tmp_path: Path, keyframe: Any) -> None:
+    """``publish(sd, keyframe="no")`` was taken as True (a truthy string published a full
+    version, 1 too; "" and None a delta). Anything but a bool is a ConfigError before anything
+    is written, and the publisher goes on (helper-33)."""
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed({"w": torch.zeros(4)})
+        with pytest.raises(ConfigError, match="keyframe must be True or False"):
+            await pub.publish({"w": torch.ones(4)}, keyframe=keyframe)
+        assert list_versions(root) == [0]
+        assert not (root / "v000000000001").exists()
+        r = await pub.publish({"w": torch.ones(4)})
+    assert (r.version, r.kind) == (1, "delta")

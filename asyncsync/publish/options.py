@@ -17,7 +17,7 @@ from asyncsync.format.names import root_path
 from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.retention import RetentionPolicy
 
-__all__ = ["ShardSizer", "adaptive_shard_bytes", "check_options"]
+__all__ = ["ShardSizer", "adaptive_shard_bytes", "check_options", "check_round"]
 
 #: the adaptive delta shard size: about SHARDS_PER_DELTA shards per delta, each within
 #: [MIN_DELTA_SHARD_BYTES, min(bucket_bytes, MAX_DELTA_SHARD_BYTES)]
@@ -121,3 +121,13 @@ def check_options(
         raise ConfigError("retention must be a RetentionPolicy or None")
     if coordinator is not None and not isinstance(coordinator, Coordinator):
         raise ConfigError("coordinator must be an asyncsync.publish.distributed.Coordinator")
+
+
+def check_round(*, keyframe: object, step: object) -> None:
+    """Raise ConfigError for a publish call's ``keyframe`` that is not a bool (``keyframe="no"``
+    was taken as True: a truthy string published a full version) or ``step`` that is not an
+    int or None. Checked before the round begins: nothing is written."""
+    if not isinstance(keyframe, bool):
+        raise ConfigError(f"keyframe must be True or False, got {keyframe!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise ConfigError(f"step must be an int (the training step) or None, got {step!r}")

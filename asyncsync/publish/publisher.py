@@ -86,7 +86,7 @@ from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.group import Attempt
 from asyncsync.publish.hf import checkpoint_path, register_scan
 from asyncsync.publish.merge import TensorSlice
-from asyncsync.publish.options import ShardSizer, check_options
+from asyncsync.publish.options import ShardSizer, check_options, check_round
 from asyncsync.publish.ranked import Committer, RankedCommitter, Round, SoloCommitter, Written
 from asyncsync.publish.retention import RetentionPolicy
 from asyncsync.publish.stats import PublisherStats, PublishResult, Tally
@@ -403,8 +403,7 @@ class Publisher:
         self, sd: Mapping[str, torch.Tensor], slices: Any, *, keyframe: bool, base: bool,
         step: int | None, abstain: Exception | None = None,
     ) -> PublishResult:  # fmt: skip
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-            raise ConfigError(f"step must be an int (the training step) or None, got {step!r}")
+        check_round(keyframe=keyframe, step=step)
         try:  # the committer sets the round up (a plan), the pipeline runs, the committer ends it
             rnd = await self._committer.begin(
                 self, sd, slices, keyframe=keyframe, base=base, step=step, abstain=abstain
