@@ -166,6 +166,7 @@ def read_log(root: Path, notice: Callable[[str], None] | None = None) -> list[di
                     out.append(rec)
                 elif notice is not None and raw.strip():
                     notice(_not_a_record(raw))
+            del chunk, got  # before the next read: one read's bytes held at a time
     if (rec := _parse_lines_one(lines.buf.decode("utf-8", errors="replace"))) is not None:
         out.append(rec)
     return out
@@ -239,6 +240,18 @@ def _read_at(path: Path, root: Path, offset: int, n: int) -> bytes:
         os.close(fd)
 
 
+def _read_lines(
+    path: Path, root: Path, offset: int, n: int, lines: _Lines, head: int
+) -> tuple[int, bytes, list[bytes]]:
+    """Read up to ``n`` bytes of the log at ``offset`` and feed them to ``lines``: (how many
+    were read, the first ``head`` of them, the whole lines they end). One thread call for both,
+    so that the chunk is dropped before it returns: a follower holds one read's bytes at a
+    time, never the last one's while it makes the next (nor does an executor worker late to
+    drop its result: `tail -f` held up to four 4 MiB reads under load)."""
+    chunk = _read_at(path, root, offset, n)
+    return len(chunk), chunk[:head], lines.feed(chunk, offset)
+
+
 def _read_head(path: Path, root: Path, n: int) -> bytes:
     """The first ``n`` bytes of the log (b"" when there is none): a file made again under the
     same inode number (the root wiped and seeded again) starts with other bytes."""
@@ -274,12 +287,13 @@ class _Lines:
         if not self.buf and not self.skipping:
             self.start = offset
         while (i := chunk.find(b"\n", pos)) >= 0:
-            line = chunk[pos:i] if not self.buf else self.buf + chunk[pos:i]
-            if self.skipping or len(line) > MAX_LINE_BYTES:
-                if not self.skipping:
-                    self.overlong.append((self.start, hash(line[: MAX_LINE_BYTES + 1])))
+            if self.skipping:  # the end of a line already counted: its bytes are never copied
+                pass
+            elif len(self.buf) + i - pos > MAX_LINE_BYTES:
+                head = self.buf + chunk[pos : pos + MAX_LINE_BYTES + 1 - len(self.buf)]
+                self.overlong.append((self.start, hash(head)))
             else:
-                out.append(line)
+                out.append(chunk[pos:i] if not self.buf else self.buf + chunk[pos:i])
             self.buf, self.skipping = b"", False
             pos = i + 1
             self.start = offset + pos
@@ -339,16 +353,17 @@ async def follow_log(
         ident = now
         while size > offset:
             n = min(size - offset, _READ_BYTES)
+            want = _HEAD_BYTES - len(head) if offset == len(head) < _HEAD_BYTES else 0
             try:
-                chunk = await asyncio.to_thread(_read_at, path, root, offset, n)
+                nread, start, got = await asyncio.to_thread(
+                    _read_lines, path, root, offset, n, lines, want
+                )
             except FileNotFoundError:  # removed since the stat: the next poll sees it gone
                 break
-            if not chunk:
+            if not nread:
                 break
-            if offset == len(head) < _HEAD_BYTES:
-                head = (head + chunk)[:_HEAD_BYTES]
-            got = lines.feed(chunk, offset)
-            offset += len(chunk)
+            head += start
+            offset += nread
             for at, key in lines.overlong:
                 seen.add(key)
                 if key not in shown:  # said before the log was replaced (a trim keeps it)
@@ -373,4 +388,5 @@ async def follow_log(
                     run = new_run
                 replaced = False
                 yield rec
+            got.clear()  # before the next read (an executor worker may still hold the list)
         await asyncio.sleep(poll_interval)
