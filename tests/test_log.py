@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import tracemalloc
@@ -337,3 +338,55 @@ async def test_a_line_torn_by_a_crash_does_not_swallow_the_next_version(tmp_path
         await pub.publish(mutate(mixed_state(0), 0.03, seed=1))
     assert [r["version"] for r in read_log(root)] == [0, 1]
     assert (root / LOG_NAME).read_bytes().endswith(b"}\n")
+
+
+async def test_tail_f_prints_an_ack_after_its_versions_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(helper-32, helper-33) A receiver may ack a version before the publisher appends its log
+    line, and `tail -f` polled acks apart from the log: it printed ``ack engine=e1 version=1``
+    before the line of v1. An ack now waits for its version's line; one whose line is shown
+    is printed at once."""
+    from asyncsync import Publisher
+    from asyncsync.ops.cli import versions
+    from receiver import ReceiverAgent
+    from receiver.engines import LocalCheckpoint
+
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed({"w": torch.zeros(4)})
+        async with ReceiverAgent(root, LocalCheckpoint(tmp_path / "c0"), "e0") as agent:
+            assert await agent.sync_once() == 0
+        await pub.publish({"w": torch.ones(4)})
+    log = root / LOG_NAME
+    v0, v1 = log.read_bytes().splitlines(keepends=True)
+    log.write_bytes(v0)  # v1 is committed, its log line not appended yet
+    async with ReceiverAgent(root, LocalCheckpoint(tmp_path / "c1"), "e1") as agent:
+        assert await agent.sync_once() == 1
+    polls = [0]
+    real = versions.read_acks
+
+    def counted(r: Path) -> Any:
+        polls[0] += 1
+        return real(r)
+
+    monkeypatch.setattr(versions, "read_acks", counted)
+    out: list[str] = []
+
+    def printed() -> list[str]:
+        out.append(capsys.readouterr().out)
+        return [line.split("  ")[0] for line in "".join(out).splitlines()]
+
+    task = asyncio.create_task(versions._follow(root, 0.01, lambda message: None))
+    try:
+        await eventually(lambda: printed() and polls[0] >= 3, "v0's line and a few ack polls")
+        assert printed() == ["v0", "ack engine=e0 version=0"]  # e1's ack waits for v1's line
+        with open(log, "ab") as f:
+            f.write(v1)
+        await eventually(lambda: len(printed()) == 4, "v1's line and e1's ack")
+        await asyncio.sleep(0.05)  # a few more polls
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert printed() == ["v0", "ack engine=e0 version=0", "v1", "ack engine=e1 version=1"]

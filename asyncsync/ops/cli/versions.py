@@ -15,7 +15,7 @@ from typing import Any
 from asyncsync.console.logsetup import print_notice
 from asyncsync.errors import ConfigError
 from asyncsync.format import Manifest, TensorEntry
-from asyncsync.format.acks import read_acks
+from asyncsync.format.acks import AckRecord, read_acks
 from asyncsync.format.log import follow_log, read_log
 from asyncsync.format.store import read_manifest, read_root_info
 from asyncsync.ops.cli.common import (
@@ -163,17 +163,33 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 async def _follow(root: Path, interval: float, notice: Callable[[str], None]) -> None:
+    """Print log lines and acks as they land, an ack only after the line of its version (or of
+    a later one of its run): a receiver may ack a version before the publisher appends its
+    log line, and the two are polled apart (an ack line came before its version's)."""
+    shown: dict[object, int] = {}  # the newest version printed from the log, per run
+    held: dict[str, AckRecord] = {}  # each engine's newest ack, until its version is printed
+
+    def print_acks() -> None:
+        for engine, ack in sorted(held.items()):
+            if shown.get(ack.run_id, -1) >= ack.version:
+                del held[engine]
+                print(printable(f"ack engine={engine} version={ack.version}"), flush=True)
+
     async def log_task() -> None:
         async for rec in follow_log(root, poll_interval=interval, notice=notice):
             print(_log_line(rec), flush=True)
+            run = rec.get("run_id")
+            shown[run] = max(shown.get(run, -1), rec["version"])
+            print_acks()
 
     async def ack_task() -> None:
         seen: dict[str, int] = {}
         while True:
-            for engine, ack in sorted((await asyncio.to_thread(read_acks, root)).items()):
+            for engine, ack in (await asyncio.to_thread(read_acks, root)).items():
                 if seen.get(engine) != ack.version:
                     seen[engine] = ack.version
-                    print(printable(f"ack engine={engine} version={ack.version}"), flush=True)
+                    held[engine] = ack
+            print_acks()
             await asyncio.sleep(interval)
 
     async with asyncio.TaskGroup() as tg:
