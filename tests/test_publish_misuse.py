@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from asyncsync import AsyncSyncError, ConfigError, Publisher
+from asyncsync import AsyncSyncError, ConfigError, Publisher, codec
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.publish.merge import TensorSlice
 from receiver import ReceiverAgent
@@ -36,8 +36,9 @@ def checkpoint_tensors(d: Path) -> dict[str, torch.Tensor]:
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes, never its values (a bool's copy would write 0/1)."""
-    return t.reshape(-1).view(torch.uint8).clone()
+    """``t``'s bytes, never its values (a bool's copy would write 0/1; a non-contiguous
+    one's ``reshape`` copies it)."""
+    return codec.raw_view(t).reshape(-1).view(torch.uint8).clone()
 
 
 def bools(*values: int) -> torch.Tensor:
@@ -81,6 +82,50 @@ async def test_tied_bool_tensors_with_other_bytes_make_a_seed_engines_take(tmp_p
     m = bools(0, 1, 2, 255)
     versions = [{"a": m, "b": m}, {"a": bools(0, 1, 2, 254), "b": bools(0, 1, 2, 254)}]
     await publish_and_receive(tmp_path / "root", tmp_path / "ckpt", versions)
+
+
+class BoolMasks(torch.nn.Module):
+    """A module with a bool buffer, a non-contiguous one (a transposed mask) and a float one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.zeros(8, dtype=torch.bool))
+        self.register_buffer("mask_t", torch.zeros(4, 6, dtype=torch.bool).t())
+        self.register_buffer("w", torch.zeros(3))
+
+
+async def test_a_torch_module_holds_the_bool_bytes_shipped(tmp_path: Path) -> None:
+    """The publisher ships a bool tensor's bytes as they are (2, 255: a uint8 mask viewed as
+    bool); TorchModule copied a full version in with ``copy_``, which writes 0/1, so its
+    commit found other bytes than the checksums and rolled back: no engine of that module took
+    the seed, nor any delta after it (helper-33). It holds the shipped bytes now, contiguous
+    or not, and a delta after them."""
+    from receiver.engines import TorchModule
+    from receiver.engines.base import TensorUpdate
+
+    versions = [
+        {"mask": bools(0, 1, 2, 255, 7, 0, 128, 3), "mask_t": bools(*range(24)).reshape(6, 4)},
+        {"mask": bools(0, 1, 3, 255, 7, 0, 128, 4), "mask_t": bools(*range(2, 26)).reshape(6, 4)},
+    ]
+    module = BoolMasks()
+    engine, root = TorchModule(module), tmp_path / "root"
+    async with Publisher(root) as pub, ReceiverAgent(root, engine, "e0") as agent:
+        for i, sd in enumerate(versions):
+            sd["w"] = torch.full((3,), float(i))
+            r = await (pub.seed(sd) if i == 0 else pub.publish(sd))
+            assert (r.version, r.kind) == (i, "full" if i == 0 else "delta")
+            assert await agent.sync_once() == r.version
+            for k, v in sd.items():
+                assert torch.equal(raw_bytes(module.get_buffer(k)), raw_bytes(v)), (i, k)
+    assert not module.get_buffer("mask_t").is_contiguous()
+    # a full copy rolled back restores the bytes it journaled, not 0/1
+    m = read_manifest(root, 1)
+    await engine.begin(m, "full")
+    new = bools(*range(100, 124)).reshape(6, 4)
+    await engine.apply([TensorUpdate(m.tensor_map()["mask_t"], full=new)])
+    assert torch.equal(raw_bytes(module.get_buffer("mask_t")), raw_bytes(new))
+    await engine.abort()
+    assert torch.equal(raw_bytes(module.get_buffer("mask_t")), raw_bytes(versions[1]["mask_t"]))
 
 
 @pytest.mark.parametrize(

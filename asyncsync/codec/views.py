@@ -43,8 +43,10 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     1 byte -> uint8, 2 -> int16, 4 -> int32, 8 -> int64. Copies only when ``t`` is not
     contiguous; stays on ``t``'s device. A 0-d tensor gives one element.
     """
+    if not t.is_contiguous():  # copied as ints: a bool's copy writes 0/1 (see raw_view)
+        return raw_view(t).contiguous().reshape(-1)
+    flat = t.reshape(-1)
     target = int_dtype(t.dtype)
-    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
     return flat if flat.dtype == target else flat.view(target)
 
 

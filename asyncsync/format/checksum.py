@@ -72,6 +72,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     import torch  # reading a root needs no torch: imported on first use
 
     t = t.detach()
+    if t.dtype == torch.bool:  # copied as bytes: torch copies a bool's elements as 0/1
+        t = t.view(torch.uint8)
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.contiguous().reshape(-1)

@@ -5,7 +5,8 @@ reach): parameters AND buffers, named by ``module.state_dict(keep_vars=True)``, 
 in place, so the module serves the new weights without a reload and without a second copy.
 
 * delta: each patch is applied to the int view of the tensor's storage (a contiguous copy is
-  patched and copied back when the tensor is not contiguous). Full: ``copy_`` of the new value.
+  patched and copied back when the tensor is not contiguous). Full: ``copy_`` of the new bytes
+  (through int views: torch copies a bool's elements as 0/1, not the bytes shipped).
 * Tied weights (one storage under two names) are applied once and verified under both names.
 * Before each write the old values are kept in an in-memory undo journal (positions and old
   values for a sparse patch, the whole old tensor, on the CPU, for a dense patch or a full
@@ -33,7 +34,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from asyncsync.codec import Patch, apply_patch, int_view, patch_and_checksum
+from asyncsync.codec import Patch, apply_patch, int_view, patch_and_checksum, raw_view
 from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
 from asyncsync.format import Manifest, TensorEntry
 from asyncsync.format.checksum import entry_checksum, layout_checksum, tensor_bytes
@@ -100,13 +101,14 @@ def _apart(spans: dict[str, tuple[Any, int, int]]) -> set[str]:
 
 
 def _write_int(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
-    """Run ``fn`` on the flat int view of ``t``'s bytes and make the change land in ``t``."""
+    """Run ``fn`` on the flat int view of ``t``'s bytes and make the change land in ``t``
+    (copied through :func:`raw_view`: a bool's copy would write 0/1 over its other bytes)."""
     if t.is_contiguous():
         fn(int_view(t))
     else:
-        work = t.contiguous()
-        fn(int_view(work))
-        t.copy_(work)
+        work = raw_view(t).contiguous()
+        fn(work.reshape(-1))
+        raw_view(t).copy_(work)
 
 
 def _restore(positions: torch.Tensor | None, old: torch.Tensor, flat: torch.Tensor) -> None:
@@ -370,7 +372,7 @@ class TorchModule(Engine):
                     )
                 txn.applied.add(key)
                 txn.undo.append((name, None, int_view(t).to("cpu", copy=True)))
-                t.copy_(new)
+                raw_view(t).copy_(raw_view(new))  # the bytes shipped: a bool's are not all 0/1
 
     @staticmethod
     def _patch(txn: _Txn, name: str, patch: Patch, flat: torch.Tensor) -> None:
