@@ -14,7 +14,8 @@
 # It builds the C kernels with that Python, checks the accelerator paths bit-exact
 # (`asyncsync bench --device cuda`), then runs `python -m asyncsync.ops.bench.threads` at
 # 1, 2, 4, 8 and 16 threads; the tables and JSON land in $OUT (threads.md, threads.json,
-# device.md, log.txt). `run local` does the same here with this machine's python3 and
+# device.md, log.txt). `kernels` instead times each kernel stage apart at those thread counts
+# (stress/kernel_scaling.py, 1 GiB: about 2 minutes). `run local` does the same here with this machine's python3 and
 # thread counts 1,2 (to try the script without the host).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,8 @@ fetch)
         --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
     ls -l .whl
     ;;
-run)
+run | kernels)
+    what=$1
     out=${OUT:-$(mktemp -d)}
     counts=1,2,4,8,16
     size=2GiB
@@ -61,16 +63,21 @@ import torch
 print("torch", torch.__version__, "cuda", torch.cuda.is_available())
 sys.exit(0 if native.kernels is not None else 1)
 EOF
-    if "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    if [[ "$what" == run ]] && "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
         timeout 120 "$py" -m asyncsync bench --device cuda --scale-sizes 1GiB \
             --markdown "$out/device.md" || echo "bench --device failed: rc=$?"
+    fi
+    if [[ "$what" == kernels ]]; then  # each kernel stage apart (stress/kernel_scaling.py)
+        timeout 300 "$py" stress/kernel_scaling.py --threads "$counts" --model-mib 1024 \
+            --json "$out/kernels.json" | tee "$out/kernels.md"
+        exit 0
     fi
     timeout 420 "$py" -m asyncsync.ops.bench.threads --threads "$counts" --size "$size" \
         --json "$out/threads.json" | tee "$out/threads.md"
     echo "results in $out"
     ;;
 *)
-    echo "usage: $0 fetch | run [local]" >&2
+    echo "usage: $0 fetch | run [local] | kernels [local]" >&2
     exit 2
     ;;
 esac

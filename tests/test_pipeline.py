@@ -260,3 +260,16 @@ def test_a_forked_child_gets_a_pool_of_its_own() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         pipeline.set_threads(None)
+
+
+def test_the_kernel_scaling_probe_times_every_stage_and_checks_what_it_timed() -> None:
+    """stress/kernel_scaling.py (the 16-core host's per-stage scaling, BENCHMARKS.md) at a tiny
+    size: a row per stage and thread count, and the diff's snapshot and the patched copies end
+    at the new bytes (it raises otherwise)."""
+    from stress import kernel_scaling
+
+    rows = kernel_scaling.run([1, 2], model_mib=4, tensor_mib=1, bucket_mib=2, reps=1)
+    assert [(r["stage"], r["threads"]) for r in rows] == [
+        (s, n) for n in (1, 2) for s in ("diff", "encode", "decode", "patch")
+    ]
+    assert all(r[k]["gb_s"] > 0 for r in rows for k in ("bucket", "model"))
