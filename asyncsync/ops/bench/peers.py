@@ -27,6 +27,16 @@ writes after applying; ours is its ack). The shared root is throttled like the r
 (``--throttle``, or none with ``--throttle none``), in both processes. The peers' files are
 written with :func:`asyncsync.fsio.atomic_write` and read with
 :func:`asyncsync.fsio.read_bytes`, the throttled calls ours uses.
+
+As the real ones do (audit-35 read slime's code), the peers' per-tensor work runs on a pool, this
+project's (:func:`asyncsync.pipeline.parallel_map`, one worker per core, as ours): slime's
+second generation diffs and applies on ``min(32, cores)`` threads. zstd compresses straight
+from the arrays; the appliers read each file's tensors as views of its bytes (a loader's mmap),
+not copies. A peer's file is fsynced before its rename, its directory is not (slime's writers);
+the full checkpoint is not fsynced at all (slime's ``save_file``). What the peers still do not
+pay and the real systems do: slime's checksums (gen-2 hashes each tensor, gen-1 with
+``torch.hash_tensor``), gen-1's NaN-masked ``load_weights`` and gen-2's full reload after the
+XOR; ours pays its own (per-tensor verification, the undo journal, a durable checkpoint).
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import struct
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +63,7 @@ from asyncsync.memory import freeze_startup_objects
 from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import reset_peak_rss, rss
 from asyncsync.ops.bench.scale import make_state, step_state
+from asyncsync.pipeline import parallel_map
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -69,35 +82,58 @@ def _order(version: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the writers
-def _write_gen1(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+# Each peer's per-tensor work runs on this project's pool (one worker per core, as ours; slime
+# uses a pool of min(32, cores) for its second generation): NumPy's comparisons and zstd
+# release the GIL. Their files are renamed into place after an fsync of the file only (slime
+# fsyncs no directory); the full checkpoint is not fsynced at all (slime's ``save_file``).
+def _gen1_one(item: tuple[str, torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    name, old, new = item
+    a, b = codec.int_view(old).numpy(), codec.int_view(new).numpy()
+    idx = np.flatnonzero(a != b)
+    if not idx.size:
+        return {}
+    gaps = np.diff(idx, prepend=-1) - 1
+    width = "<u2" if gaps.max() <= 0xFFFF else "<u4" if gaps.max() <= 0xFFFFFFFF else "<u8"
+    pos = zstandard.ZstdCompressor(level=1).compress(gaps.astype(width))  # type: ignore[arg-type]
+    return {
+        f"{name}.pos": torch.frombuffer(bytearray(pos), dtype=torch.uint8),
+        f"{name}.val": torch.from_numpy(b[idx].view(np.uint8)),
+    }
+
+
+def _gen2_one(item: tuple[str, torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    name, old, new = item
+    x = np.bitwise_xor(codec.int_view(old).numpy(), codec.int_view(new).numpy())
+    if not x.any():
+        return {}
+    blob = zstandard.ZstdCompressor(level=1).compress(x)  # from the array: no copy
+    return {name: torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
+
+
+def _per_tensor(
+    fn: Callable[[tuple[str, torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]],
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    items = [(name, old[name], t) for name, t in new.items()]
     blobs: dict[str, torch.Tensor] = {}
-    z = zstandard.ZstdCompressor(level=1)
-    for name, t in new.items():
-        a, b = codec.int_view(old[name]).numpy(), codec.int_view(t).numpy()
-        idx = np.flatnonzero(a != b)
-        if not idx.size:
-            continue
-        gaps = np.diff(idx, prepend=-1) - 1
-        width = "<u2" if gaps.max() <= 0xFFFF else "<u4" if gaps.max() <= 0xFFFFFFFF else "<u8"
-        pos = np.frombuffer(z.compress(gaps.astype(width).tobytes()), np.uint8)
-        blobs[f"{name}.pos"] = torch.from_numpy(pos.copy())
-        blobs[f"{name}.val"] = torch.from_numpy(b[idx].view(np.uint8).copy())
-    fsio.atomic_write(path, safetensors.torch.save(blobs))
+    for part in parallel_map(fn, items, cost=lambda it: it[2].nbytes):
+        blobs.update(part)
+    return blobs
+
+
+def _write_gen1(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    blobs = _per_tensor(_gen1_one, old, new)
+    fsio.atomic_write(path, safetensors.torch.save(blobs), sync_dir=False)
 
 
 def _write_gen2(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
-    blobs: dict[str, torch.Tensor] = {}
-    z = zstandard.ZstdCompressor(level=1)
-    for name, t in new.items():
-        x = np.bitwise_xor(codec.int_view(old[name]).numpy(), codec.int_view(t).numpy())
-        if not x.any():
-            continue
-        blobs[name] = torch.from_numpy(np.frombuffer(z.compress(x.tobytes()), np.uint8).copy())
-    fsio.atomic_write(path, safetensors.torch.save(blobs))
+    blobs = _per_tensor(_gen2_one, old, new)
+    fsio.atomic_write(path, safetensors.torch.save(blobs), sync_dir=False)
 
 
 def _write_full(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
-    fsio.atomic_write(path, safetensors.torch.save(dict(new)))
+    fsio.atomic_write(path, safetensors.torch.save(dict(new)), fsync=False, sync_dir=False)
 
 
 _WRITERS: dict[str, Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor]], None]] = {
@@ -108,31 +144,60 @@ _WRITERS: dict[str, Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Ten
 
 
 # ----------------------------------------------------------------------------- the appliers
+def _views(data: bytes) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as views of ``data`` (no copy, as a loader's mmap gives)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header.pop("__metadata__", None)
+    out = {}
+    with warnings.catch_warnings():  # read only: they are read, never written
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        for name, info in header.items():
+            lo, hi = info["data_offsets"]
+            dtype = _DTYPES[info["dtype"]]
+            if hi == lo:
+                out[name] = torch.empty(info["shape"], dtype=dtype)
+                continue
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=hi - lo, offset=8 + n + lo)
+            out[name] = raw.view(dtype).view(info["shape"])
+    return out
+
+
+_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+           "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+           "BOOL": torch.bool, "F64": torch.float64}  # fmt: skip
+
+
 def _apply_gen1(data: bytes, state: dict[str, torch.Tensor]) -> None:
-    blobs = safetensors.torch.load(data)
-    d = zstandard.ZstdDecompressor()
-    for key, pos in blobs.items():
-        if not key.endswith(".pos"):
-            continue
+    blobs = _views(data)
+
+    def one(key: str) -> None:
         name = key[: -len(".pos")]
         flat = codec.int_view(state[name]).numpy()
         vals = blobs[f"{name}.val"].numpy().view(flat.dtype)
-        raw = d.decompress(pos.numpy().tobytes())
+        raw = zstandard.ZstdDecompressor().decompress(memoryview(blobs[key].numpy()))  # type: ignore[arg-type]
         width = len(raw) // vals.size
         gaps = np.frombuffer(raw, f"<u{width}").astype(np.int64)
         flat[np.cumsum(gaps + 1) - 1] = vals  # the scatter
 
+    keys = [k for k in blobs if k.endswith(".pos")]
+    parallel_map(one, keys, cost=lambda k: state[k[: -len(".pos")]].nbytes)
+
 
 def _apply_gen2(data: bytes, state: dict[str, torch.Tensor]) -> None:
-    d = zstandard.ZstdDecompressor()
-    for name, blob in safetensors.torch.load(data).items():
+    blobs = _views(data)
+
+    def one(name: str) -> None:
         flat = codec.int_view(state[name]).numpy()
-        flat ^= np.frombuffer(d.decompress(blob.numpy().tobytes()), flat.dtype)
+        blob = memoryview(blobs[name].numpy())  # type: ignore[arg-type]
+        flat ^= np.frombuffer(zstandard.ZstdDecompressor().decompress(blob), flat.dtype)
+
+    parallel_map(one, list(blobs), cost=lambda k: state[k].nbytes)
 
 
 def _apply_full(data: bytes, state: dict[str, torch.Tensor]) -> None:
-    for name, t in safetensors.torch.load(data).items():
-        state[name].copy_(t)
+    blobs = _views(data)
+    parallel_map(lambda k: state[k].copy_(blobs[k]), list(blobs), cost=lambda k: state[k].nbytes)
 
 
 _APPLIERS: dict[str, Callable[[bytes, dict[str, torch.Tensor]], None]] = {
