@@ -445,3 +445,30 @@ async def test_publish_refuses_a_keyframe_that_is_not_a_bool(tmp_path: Path, key
         assert not (root / "v000000000001").exists()
         r = await pub.publish({"w": torch.ones(4)})
     assert (r.version, r.kind) == (1, "delta")
+
+
+async def test_a_cancelled_publish_returns_only_once_its_pre_commit_hook_thread_ended(
+    tmp_path: Path,
+) -> None:
+    """A sync pre-commit hook runs in a thread, which cancellation cannot stop: the cancelled
+    publish used to return (and remove the version directory) while the hook still ran in it.
+    It now waits for the hook's thread, then the cancellation proceeds (helper-34)."""
+    started, ended = threading.Event(), threading.Event()
+
+    def slow_hook(vdir: Path) -> None:
+        started.set()
+        time.sleep(0.5)
+        ended.set()
+
+    root = tmp_path / "root"
+    async with Publisher(root, pre_commit_hook=slow_hook) as pub:
+        task = asyncio.create_task(pub.seed({"w": torch.ones(8)}))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ended.is_set()
+        assert list_versions(root) == []
+        await pub.seed({"w": torch.ones(8)})
+    assert list_versions(root) == [0]

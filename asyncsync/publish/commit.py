@@ -221,11 +221,14 @@ async def discard(vdir: Path, exc: BaseException, version: int, stage: str) -> N
 
 
 async def run_hook(hook: PreCommitHook, vdir: Path) -> None:
-    """Run a pre-commit hook, sync (in a thread) or async; await what a sync hook returns."""
+    """Run a pre-commit hook, sync (in a thread) or async; await what a sync hook returns.
+
+    A cancelled publish waits for a sync hook's thread (:func:`finish_thread`): it cannot be
+    stopped, and the version directory it may be reading is removed once the publish unwinds."""
     if inspect.iscoroutinefunction(hook):
         await hook(vdir)
         return
-    result = await asyncio.to_thread(hook, vdir)
+    result = await finish_thread(hook, vdir)
     if inspect.isawaitable(result):
         await result
 
