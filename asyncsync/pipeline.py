@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from asyncsync.errors import ConfigError, first_error
 
 __all__ = [
+    "LoopLock",
     "Stage",
     "finish_thread",
     "pack_cap",
@@ -192,6 +193,37 @@ async def finish_thread(fn: Callable[..., Any], *args: Any) -> Any:
         if not fut.cancelled():
             fut.exception()  # retrieved: the cancellation is what the caller sees
         raise
+
+
+class LoopLock:
+    """An :class:`asyncio.Lock` made anew in each event loop that takes it.
+
+    An ``asyncio.Lock`` binds itself to the first loop that waits on it, so an object that
+    outlives one ``asyncio.run`` (a publisher) could not be contended under the next one. Taken
+    while a task of another loop holds it, it raises ``RuntimeError`` (two loops at once is a
+    misuse: the object is not thread-safe).
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = asyncio.Lock()
+
+    def _current(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            if self._lock.locked():
+                raise RuntimeError("this lock is held by a task of another event loop")
+            self._loop, self._lock = loop, asyncio.Lock()
+        return self._lock
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    async def __aenter__(self) -> None:
+        await self._current().acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 async def _call(fn: Callable[[Any], Any], item: Any) -> Any:

@@ -472,3 +472,24 @@ async def test_a_cancelled_publish_returns_only_once_its_pre_commit_hook_thread_
         assert list_versions(root) == []
         await pub.seed({"w": torch.ones(8)})
     assert list_versions(root) == [0]
+
+
+def test_a_publisher_serves_one_asyncio_run_after_another(tmp_path: Path) -> None:
+    """The publisher's asyncio.Lock bound itself to the first loop that waited on it: under a
+    later ``asyncio.run``, two overlapping publishes raised RuntimeError ("bound to a different
+    event loop"). The lock is now made anew in each running loop (helper-34)."""
+    pub = Publisher(tmp_path / "root")
+
+    async def two_at_once(first: int) -> None:
+        sds = [{"w": torch.full((64,), float(first + i))} for i in range(2)]
+        await asyncio.gather(*(pub.publish(sd) for sd in sds))
+
+    async def open_and_seed() -> None:
+        await pub.open()
+        await pub.seed({"w": torch.zeros(64)})
+        await two_at_once(1)
+
+    asyncio.run(open_and_seed())
+    asyncio.run(two_at_once(3))
+    asyncio.run(pub.close())
+    assert list_versions(tmp_path / "root") == [0, 1, 2, 3, 4]

@@ -68,7 +68,7 @@ from asyncsync.format.store import (
 )
 from asyncsync.fsio import FileLock, make_dir
 from asyncsync.memory import release_large_buffers
-from asyncsync.pipeline import finish_thread, run_pipeline
+from asyncsync.pipeline import LoopLock, finish_thread, run_pipeline
 from asyncsync.publish import snapshot
 from asyncsync.publish.commit import (
     PreCommitHook,
@@ -181,7 +181,7 @@ class Publisher:
         lock = self.root / (f".publisher.r{rank:04d}.lock" if rank else LOCK_NAME)
         self._lock = FileLock(lock, root=self.root)
         self._slices: dict[str, TensorSlice] = {}  # of the snapshot
-        self._busy = asyncio.Lock()
+        self._busy = LoopLock()  # not asyncio.Lock: reusable across asyncio.run calls
         self._run_id = ""
         self._next_version = 0
         self._last_version: int | None = None
