@@ -269,12 +269,6 @@ async def test_a_publisher_reopened_after_the_root_moved_on_never_ships_a_stale_
     assert all(same_bytes(got[k], t) for k, t in sd2.items())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unfixed (helper-31, finding 6): a full version's snapshot is copied from the "
-    "caller's tensors after the commit, not from the bytes shipped; the docstring forbids "
-    "changing them before publish returns",
-)
 async def test_a_tensor_changed_while_a_seed_commits_never_breaks_the_deltas_after_it(
     tmp_path: Path,
 ) -> None:
@@ -283,7 +277,9 @@ async def test_a_tensor_changed_while_a_seed_commits_never_breaks_the_deltas_aft
     task, a thread; here the pre-commit hook) changes a weight in between gets a snapshot that
     is not what was shipped: publish returns, and every delta after it is refused by every
     engine until the next keyframe (20 versions by default). A delta, by contrast, advances
-    the snapshot from the bytes its diff read."""
+    the snapshot from the bytes its diff read. Now a hash pass over the full version's
+    snapshot finds the changed tensor, a warning is logged, and the next version is a keyframe
+    (helper-31 finding 6, fixed by helper-34)."""
     root, ckpt = tmp_path / "root", tmp_path / "ckpt"
     w = torch.zeros(1000)
 
@@ -296,11 +292,13 @@ async def test_a_tensor_changed_while_a_seed_commits_never_breaks_the_deltas_aft
         ReceiverAgent(root, LocalCheckpoint(ckpt), "e0") as agent,
     ):
         await pub.seed({"w": w})
+        assert pub.stale == ["w"]  # found by a hash pass over the full version's snapshot
         assert await agent.sync_once() == 0
         nxt = w.clone()
         nxt[:10] += 5
-        await pub.publish({"w": nxt})
-        assert await agent.sync_once() == 1  # ChecksumMismatch: v1 is bad
+        res = await pub.publish({"w": nxt})  # was: a delta onto the wrong base, refused
+        assert res.kind == "full" and pub.stale == []  # a keyframe
+        assert await agent.sync_once() == 1
         assert same_bytes(checkpoint_tensors(ckpt)["w"], nxt)
 
 

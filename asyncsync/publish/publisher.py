@@ -186,6 +186,7 @@ class Publisher:
         self._next_version = 0
         self._last_version: int | None = None
         self._snapshot: dict[str, torch.Tensor] | None = None
+        self.stale: list[str] = []  # tensors whose snapshot is not what was shipped: keyframe
         self._checksums: dict[str, str] = {}
         self._fingerprint = ""  # of the last committed version (a streaming shard's base)
         self._tally = Tally()
@@ -394,7 +395,7 @@ class Publisher:
     def adopt(self, a: Attempt) -> None:
         """The group committed an attempt whose outcome this rank missed: advance to it."""
         if self.mode == "delta":
-            self._advance_snapshot(a.names, a.updates)
+            self._advance_snapshot(a.names, a.updates, None)
         self._checksums, self._slices = a.checksums, a.slices
         self._last_version, self._next_version = a.version, a.version + 1
 
@@ -514,7 +515,7 @@ class Publisher:
         # Committed: from here on the version exists for readers.
         self._in_flight = 0
         if self.mode == "delta":
-            self._advance_snapshot(names, acc.pending)
+            self._advance_snapshot(names, acc.pending, acc.sums if full else None)
         self._slices = sl
         seconds = dict(acc.seconds)
         seconds["commit"] = time.perf_counter() - t_commit
@@ -570,8 +571,9 @@ class Publisher:
             producer={**self._producer, **(producer or {})}, shard_dir=shard_dir, attempt=attempt,
         )  # fmt: skip
 
-    def _advance_snapshot(self, names: list[str], pending: list[PendingUpdate]) -> None:
+    def _advance_snapshot(self, names: list[str], pending: list[PendingUpdate], sums: Any) -> None:
         self._snapshot = snapshot.advance(self._snapshot, names, pending)
+        self.stale = snapshot.unshipped(self._snapshot, pending, sums or {}, self.checksum)
 
     async def _register_checkpoint(self, path: Path) -> PublishResult:
         """Seed from an existing HF safetensors checkpoint without rewriting it."""

@@ -75,6 +75,8 @@ class Written:
 class PublisherView(Protocol):
     """What a committer reads of its publisher."""
 
+    stale: list[str]  # tensors whose snapshot is not what was shipped: the next is a keyframe
+
     @property
     def mode(self) -> str: ...
     @property
@@ -174,7 +176,7 @@ class SoloCommitter:
             )  # fmt: skip
             return Round(version, delta=False, full=True, slices=sl)
         due = pub.keyframe_interval > 0 and version % pub.keyframe_interval == 0
-        return Round(version, delta=True, full=keyframe or due, slices=sl)
+        return Round(version, delta=True, full=keyframe or due or bool(pub.stale), slices=sl)
 
     async def finish(
         self,

@@ -11,6 +11,7 @@ memory, pinned when CUDA is present so device-to-host copies of the next state a
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,7 +27,10 @@ from asyncsync.codec.shards import (
     delta_keys,
 )
 from asyncsync.format import MANIFEST_NAME
+from asyncsync.format.checksum import checksum_tensor
 from asyncsync.pipeline import pack_cap, threads
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Undo",
@@ -188,6 +192,36 @@ def advance(
             )
             out[name] = (t.pin_memory() if pin else t).view(p.values.dtype)
     return out
+
+
+def unshipped(
+    snap: Mapping[str, torch.Tensor],
+    pending: Sequence[PendingUpdate],
+    sums: Mapping[str, str],
+    algorithm: str,
+) -> list[str]:
+    """The tensors copied whole into ``snap`` whose bytes are not those shipped (``sums``).
+
+    A full version checksums and writes the caller's tensors and copies them into the snapshot
+    only after the commit; a tensor changed in between (an optimizer step in another thread)
+    leaves a snapshot that every later delta would be applied onto wrongly. One hash pass over
+    the tensors copied whole (a full version's: rare) finds them; the caller then makes the
+    next version a keyframe, which re-ships every tensor (helper-34)."""
+    bad = [
+        p.name
+        for p in pending
+        if p.positions is None
+        and p.name in sums
+        and checksum_tensor(snap[p.name], algorithm) != sums[p.name]
+    ]
+    if bad:
+        logger.warning(
+            "%d tensor(s) changed while the version was committed (%s): the snapshot is not "
+            "what was shipped; the next version is a keyframe. Do not change the tensors "
+            "passed to publish() before it returns",
+            len(bad), ", ".join(bad[:5]),
+        )  # fmt: skip
+    return bad
 
 
 #: one advanced tensor, compactly: (the snapshot tensor, its changed positions, old values)
