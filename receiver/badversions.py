@@ -161,7 +161,7 @@ class BadVersions:
         return None, first
 
     def keyframe_after(self, version: int, latest: int) -> Manifest | None:
-        return keyframe_after(self.root, version, latest, self.read, self.skip())
+        return keyframe_after(self.root, version, latest, self.read, self.skip(), self.run)
 
     def plan(self, state: EngineState, latest: int) -> tuple[Manifest, Mode]:
         """The next step toward ``latest``: the newest keyframe past a bad next version, else
@@ -175,7 +175,7 @@ class BadVersions:
                 self.say(cur + 1, f": going on from keyframe v{kf.version}")
                 return kf, "full"
         try:
-            return plan_next(self.root, state, latest, self.read, self.skip())
+            return plan_next(self.root, state, latest, self.read, self.skip(), self.run)
         except ManifestError:  # the next version's manifest is damaged (now marked)
             if cur is None:
                 raise
@@ -190,7 +190,7 @@ class BadVersions:
         """Whether a receiver at ``cur`` has a way around the bad ``version``: a keyframe past
         it, or (an empty engine) any keyframe that is not bad. Records why not."""
         if cur is None:
-            if keyframes_in(self.root, 0, latest, None, self.read, self.skip()) is not None:
+            if keyframes_in(self.root, 0, latest, self.run, self.read, self.skip()) is not None:
                 return True
             self.wait(version, " and no other keyframe is readable")
             return False

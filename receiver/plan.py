@@ -66,11 +66,17 @@ def keyframes_in(
 
 
 def keyframe_after(
-    root: Path, bad: int, target: int, read: Reader = read_manifest, skip: Collection[int] = ()
+    root: Path,
+    bad: int,
+    target: int,
+    read: Reader = read_manifest,
+    skip: Collection[int] = (),
+    run_id: str | None = None,
 ) -> Manifest | None:
-    """The newest keyframe past the bad version ``bad`` (at most ``target``, not in ``skip``):
-    where a receiver that cannot take ``bad`` goes instead (FORMAT.md section 8)."""
-    return keyframes_in(root, bad + 1, target, None, read, skip)
+    """The newest keyframe past the bad version ``bad`` (at most ``target``, not in ``skip``,
+    of ``run_id`` when given): where a receiver that cannot take ``bad`` goes instead
+    (FORMAT.md section 8)."""
+    return keyframes_in(root, bad + 1, target, run_id, read, skip)
 
 
 def newest_keyframe(
@@ -98,9 +104,14 @@ def plan_next(
     latest: int,
     read: Reader = read_manifest,
     skip: Collection[int] = (),
+    run_id: str | None = None,
 ) -> tuple[Manifest, Mode]:
-    """The next version to apply from the engine's version toward ``latest``, and how.
+    """The next version to apply from the engine's version toward ``latest`` (of the run
+    ``run_id`` when given: the root's), and how.
 
+    A full version of another run is never a step of the chain (a version directory copied
+    from another root, FORMAT.md 11.4): taken there, the next version of the root's run would
+    re-seed the engine from an older keyframe and walk back to it, for ever (attack-38).
     Raises FormatError when the next version's manifest is damaged (the caller decides).
     """
     cur = state.version
@@ -111,11 +122,11 @@ def plan_next(
             m = None
         if m is not None and m.run_id == state.run_id and m.has_delta:
             return m, "delta"
-        if m is not None and m.kind == "full":
+        if m is not None and m.kind == "full" and run_id in (None, m.run_id):
             return m, "full"
         if m is None:
             logger.warning("version %d is gone: catching up from a keyframe", cur + 1)
-    return newest_keyframe(root, latest, read=read, skip=skip), "full"
+    return newest_keyframe(root, latest, run_id, read=read, skip=skip), "full"
 
 
 def diverged(
