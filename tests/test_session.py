@@ -58,9 +58,9 @@ def test_interrupt_cancels_the_publish_and_cleans_up(tmp_path: Path) -> None:
     """Ctrl-C while a version is being written: nothing is committed, the session still works."""
     entered, release = threading.Event(), threading.Event()
 
-    def slow_hook(version_dir: Path) -> None:
+    def slow_hook(version_dir: Path) -> None:  # a cancelled publish waits for it to return
         entered.set()
-        release.wait(30)
+        release.wait(2)
 
     sd = mixed_state(0)
     cfg = SyncConfig(root=tmp_path, pre_commit_hook=slow_hook)
