@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from asyncsync import AsyncSyncError, ConfigError, Publisher, codec
+from asyncsync import AsyncSyncError, ConfigError, Publisher, PublishError, codec
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.publish.merge import TensorSlice
 from receiver import ReceiverAgent
@@ -491,3 +491,27 @@ def test_a_publisher_serves_one_asyncio_run_after_another(tmp_path: Path) -> Non
     asyncio.run(two_at_once(3))
     asyncio.run(pub.close())
     assert list_versions(tmp_path / "root") == [0, 1, 2, 3, 4]
+
+
+async def test_a_publisher_whose_root_was_wiped_never_commits_beside_the_new_one(
+    tmp_path: Path,
+) -> None:
+    """The root wiped under an open publisher (its lock file with it): a second publisher locks
+    a new file and seeds; the first one's next publish used to commit its delta into the second
+    one's root (two writers). Now it is refused before the manifest, nothing of it is left, and
+    the second publisher goes on (helper-34's finding)."""
+    root = tmp_path / "root"
+    sd = {"w": torch.arange(4096, dtype=torch.float32)}
+    async with Publisher(root) as a:
+        await a.seed(sd)
+        for p in list(root.iterdir()):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        async with Publisher(root) as b:
+            assert (await b.seed(sd)).version == 0
+            sd["w"][:100] += 1
+            with pytest.raises(PublishError, match="no longer the lock file this publisher holds"):
+                await a.publish(sd)
+            assert sorted(p.name for p in root.iterdir() if p.name.startswith("v")) == [
+                "v000000000000"
+            ]
+            assert (await b.publish(sd)).version == 1

@@ -66,12 +66,13 @@ from asyncsync.format.store import (
     next_version_after,
     read_root_info,
 )
-from asyncsync.fsio import FileLock, make_dir
+from asyncsync.fsio import make_dir
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import LoopLock, finish_thread, run_pipeline
 from asyncsync.publish import snapshot
 from asyncsync.publish.commit import (
     PreCommitHook,
+    PublisherLock,
     build_manifest,
     claim_version_dir,
     clean_leftovers,
@@ -179,7 +180,7 @@ class Publisher:
             self._committer = RankedCommitter(coordinator, config, keyframe_interval)
         rank = self._committer.rank
         lock = self.root / (f".publisher.r{rank:04d}.lock" if rank else LOCK_NAME)
-        self._lock = FileLock(lock, root=self.root)
+        self._lock = PublisherLock(lock, root=self.root)
         self._slices: dict[str, TensorSlice] = {}  # of the snapshot
         self._busy = LoopLock()  # not asyncio.Lock: reusable across asyncio.run calls
         self._run_id = ""
@@ -523,7 +524,7 @@ class Publisher:
         return await self._committed(manifest, seconds, vdir, acc.sums)
 
     async def _commit(self, vdir: Path, manifest: Manifest, stage: list[str]) -> None:
-        if await commit_version(self.root, vdir, manifest, stage, self.pre_commit_hook):
+        if await commit_version(self.root, vdir, manifest, stage, self.pre_commit_hook, self._lock):
             self._cancel_after_commit = True  # committed: finish the bookkeeping, then cancel
         self._renamed = True
 
