@@ -28,7 +28,7 @@ from asyncsync.codec.shards import (
 )
 from asyncsync.format import MANIFEST_NAME
 from asyncsync.format.checksum import checksum_tensor
-from asyncsync.pipeline import pack_cap, threads
+from asyncsync.pipeline import pack_cap, parallel_map, threads
 
 logger = logging.getLogger(__name__)
 
@@ -207,13 +207,11 @@ def unshipped(
     leaves a snapshot that every later delta would be applied onto wrongly. One hash pass over
     the tensors copied whole (a full version's: rare) finds them; the caller then makes the
     next version a keyframe, which re-ships every tensor (helper-34)."""
-    bad = [
-        p.name
-        for p in pending
-        if p.positions is None
-        and p.name in sums
-        and checksum_tensor(snap[p.name], algorithm) != sums[p.name]
-    ]
+    whole = [p.name for p in pending if p.positions is None and p.name in sums]
+    got = parallel_map(  # on every core: a keyframe of a large model is many GB to hash
+        lambda n: checksum_tensor(snap[n], algorithm), whole, cost=lambda n: snap[n].nbytes
+    )
+    bad = [n for n, d in zip(whole, got, strict=True) if d != sums[n]]
     if bad:
         logger.warning(
             "%d tensor(s) changed while the version was committed (%s): the snapshot is not "
