@@ -342,6 +342,37 @@ def test_scale_states_are_seeded_and_change_one_ulp() -> None:
     assert 0.025 < changed / total < 0.031  # ~3 %, less the positions drawn twice
 
 
+def test_the_trainer_floor_times_one_thread_too() -> None:
+    """A multi-thread torch.ne pass beside another process's work waits for its descheduled
+    thread (1 GiB read 1.8-3.7 s against ~0.2 s quiet on the 2-core host): the floor is also
+    timed on one thread, and torch's own thread count is left as it was."""
+    from asyncsync.ops.bench.scale import make_state, ne_passes, step_state, trainer_floor
+
+    old = make_state(1 << 20, seed=1)
+    new = {k: t.clone() for k, t in old.items()}
+    step_state(new, 1, 0.03, seed=1)
+    threads = torch.get_num_threads()
+    seen: list[int] = []
+    real_ne = torch.ne
+
+    def ne(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return real_ne(*args, **kwargs)
+
+    try:
+        torch.set_num_threads(2)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "ne", ne)
+            passes = ne_passes(old, new)
+        assert len(passes) == 2 and all(w > 0 and c >= 0 for w, c in passes)
+        assert set(seen) == {1, 2} and torch.get_num_threads() == 2
+        assert trainer_floor(old, new) > 0
+        torch.set_num_threads(1)
+        assert len(ne_passes(old, new)) == 1  # one thread already: one pass
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_scale_flag_validation(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--scale", "--scale-sizes", "12"]) == 2  # under 1 MiB
     assert "at least 1 MiB" in capsys.readouterr().err
