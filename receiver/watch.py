@@ -69,8 +69,7 @@ async def _watch(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> bool:
     may be made again once it is a directory again (it went away, or was not there)."""
     if inotify.available():
         return await _watch_inotify(root, wake, stop)
-    await _watch_watchfiles(root, wake, stop)
-    return False
+    return await _watch_watchfiles(root, wake, stop)
 
 
 async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> bool:
@@ -124,14 +123,19 @@ async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -
     return gone.is_set()
 
 
-async def _watch_watchfiles(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> None:
+async def _watch_watchfiles(root: Path, wake: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Wake on each batch of wanted events, through watchfiles' thread, until ``stop`` or the
+    watch ends; True when it ended because the root went away or names another directory now
+    (a new root may be watched again), False for a watch that failed on a root still there
+    (e.g. a watch limit: polling only, not a new failed watch at every wake-up)."""
     try:
         import watchfiles
     except ImportError:  # pragma: no cover - a declared dependency
         logger.warning("watchfiles is not installed; polling only")
-        return
+        return False
+    watched = _directory_ident(root)
     try:
-        async for _changes in watchfiles.awatch(
+        async for changes in watchfiles.awatch(
             root,
             stop_event=stop,
             debounce=5,  # ms: a commit is seen at most this late (a version is a few events)
@@ -141,8 +145,25 @@ async def _watch_watchfiles(root: Path, wake: asyncio.Event, stop: asyncio.Event
             watch_filter=_version_events(root),
         ):
             wake.set()
+            if any(path == str(root) for _, path in changes):
+                # the root itself removed or moved: the watch goes on, on a directory nobody
+                # can reach, and the new root may reuse its inode number (not seen as another)
+                logger.warning(
+                    "inotify watch on %s stopped (the root went away); polling until it is back",
+                    root,
+                )
+                return True
     except Exception as exc:  # e.g. inotify watch limit reached, root removed
-        logger.warning("inotify watch on %s stopped (%s); polling only", root, exc)
+        if stop.is_set() or _directory_ident(root) == watched:
+            logger.warning("inotify watch on %s stopped (%s); polling only", root, exc)
+            return False
+        logger.warning(
+            "inotify watch on %s stopped (%s: the root went away); polling until it is back",
+            root,
+            exc,
+        )
+        return True
+    return not stop.is_set() and _directory_ident(root) != watched
 
 
 async def wakeups(

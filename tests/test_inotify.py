@@ -300,3 +300,23 @@ async def test_the_watchfiles_fallback_still_wakes(
         (tmp_path / "v000000000001").mkdir()
 
     assert await _reasons_until_an_event(tmp_path, write()) == ["start", "event"]
+
+
+@pytest.mark.parametrize("start", ["root-goes-and-comes-back", "root-missing-at-start"])
+async def test_the_watchfiles_fallback_watches_a_root_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start: str
+) -> None:
+    """Where the receiver's own inotify is not available (not Linux), watchfiles watches the
+    root. Its watch ended when the root went, and was never made again: the receiver found
+    versions by polls alone until it was restarted. Here watchfiles stands in on Linux."""
+    monkeypatch.setattr(inotify, "available", lambda: False)
+    root = tmp_path / "root"
+    if start == "root-goes-and-comes-back":
+        root.mkdir()
+
+    def remake() -> None:
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir()
+
+    assert "event" in await _event_after(root, remake, root)
