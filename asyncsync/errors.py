@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from typing import Any
 
 __all__ = [
@@ -200,8 +201,52 @@ def check_number(
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
         what = "an integer" if integer else "a number"
-        raise ConfigError(f"{name} must be {what}, got {value!r}")
-    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be {what}, got {shown(value)}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # a number too large for a float (10**400) is still finite
+        finite = True
+    if not finite:
         raise ConfigError(f"{name} must be finite, got {value!r}")
     if value < minimum or (above and value == minimum):
-        raise ConfigError(f"{name} must be {'>' if above else '>='} {minimum:g}, got {value!r}")
+        raise ConfigError(
+            f"{name} must be {'>' if above else '>='} {minimum:g}, got {shown(value)}"
+        )
+
+
+# The longest duration that threading, asyncio and time arithmetic all take (~292 years): a
+# longer one (``timeout=10**400``) was an OverflowError from deep inside the wait, not a
+# ConfigError at the call.
+MAX_SECONDS = threading.TIMEOUT_MAX
+
+
+def check_seconds(
+    name: str,
+    value: Any,
+    *,
+    above: bool = False,
+    optional: bool = False,
+    forever: bool = False,
+) -> None:
+    """ConfigError unless ``value`` is a number of seconds (never a bool, never NaN) ``>= 0``
+    (``> 0`` if ``above``) and at most :data:`MAX_SECONDS`. ``inf`` passes only with
+    ``forever`` (a wait without a limit); None only with ``optional``."""
+    if optional and value is None:
+        return
+    if forever and isinstance(value, float) and value == math.inf:
+        return
+    check_number(name, value, above=above)
+    if value > MAX_SECONDS:
+        none = "; None waits without a limit" if optional and forever else ""
+        raise ConfigError(
+            f"{name} must be at most {MAX_SECONDS:.0f} seconds (~292 years){none}, "
+            f"got {shown(value)}"
+        )
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for a message, but an integer too long to print (Python refuses
+    ``repr(10**5000)``: ValueError) or to read is shown by its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)

@@ -39,6 +39,7 @@ from asyncsync.errors import (
     LockHeld,
     ManifestError,
     check_number,
+    check_seconds,
 )
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
@@ -135,8 +136,9 @@ class ReceiverAgent:
             ("lease_ttl", lease_ttl),
             ("stream_timeout", stream_timeout),
         ):
-            check_number(name, value, above=True)
-        check_number("verify_deadline", verify_deadline)
+            check_seconds(name, value, above=True)
+        check_seconds("verify_deadline", verify_deadline)
+        check_seconds("lease_settle", lease_settle, optional=True)
         self.root = root_path(root)
         self.engine = engine
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from asyncsync.errors import MAX_SECONDS
 from asyncsync.fsio import parse_size
 
 __all__ = [
@@ -29,6 +30,10 @@ def _seconds(zero_ok: bool) -> Callable[[str], float]:
             ) from None
         if not (v >= 0 if zero_ok else v > 0) or v == float("inf"):
             raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
+        if v > MAX_SECONDS:  # a longer wait overflows (threading, time arithmetic)
+            raise argparse.ArgumentTypeError(
+                f"must be at most {MAX_SECONDS:.0f} seconds (~292 years), got {text}"
+            )
         return v
 
     return parse

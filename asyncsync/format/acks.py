@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import socket
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from asyncsync.errors import AckTimeout, ConfigError, ManifestError
+from asyncsync.errors import AckTimeout, ConfigError, ManifestError, check_seconds, shown
 from asyncsync.format.fields import _float, _hex, _int, _str, load_json
 from asyncsync.format.lease import read_lease, replace_record
 from asyncsync.format.names import (
@@ -235,17 +234,10 @@ def _check_wait(version: object, engines: object, quorum: object, timeout: objec
     if engines is not None and not engines:
         raise ConfigError("wait_acked: engines=[] names no engine")
     if quorum is not None and not (_whole(quorum) and quorum >= 1):  # type: ignore[operator]
-        raise ConfigError(f"wait_acked: quorum must be an int >= 1, got {quorum!r}")
+        raise ConfigError(f"wait_acked: quorum must be an int >= 1, got {shown(quorum)}")
     if not _whole(version):
         raise ConfigError(f"wait_acked: version must be an int, got {version!r}")
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or (isinstance(timeout, float) and math.isnan(timeout))  # (an int may exceed a float)
-    ):
-        raise ConfigError(
-            f"wait_acked: timeout must be a number of seconds or None, got {timeout!r}"
-        )
+    check_seconds("wait_acked: timeout", timeout, optional=True, forever=True)
 
 
 def _whole(v: object) -> bool:
@@ -270,6 +262,8 @@ async def wait_acked(
     engines that are behind and the versions they hold.
     """
     _check_wait(version, engines, quorum, timeout)
+    check_seconds("wait_acked: poll_interval", poll_interval, above=True)
+    check_seconds("wait_acked: max_poll_interval", max_poll_interval, above=True)
     if engines is not None:
         try:
             engines = [check_engine_id(e) for e in engines]

@@ -39,7 +39,7 @@ from asyncsync.errors import AsyncSyncError
 from asyncsync.format.acks import read_acks
 from asyncsync.format.store import read_manifest
 from asyncsync.ops.cli import human_bytes, verify_checkpoint_dir
-from asyncsync.ops.cli.common import int_at_least
+from asyncsync.ops.cli.common import int_at_least, positive_float
 from asyncsync.ops.workload import Workload
 from asyncsync.publish.publisher import Publisher, PublishResult
 
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ack-timeout",
-        type=float,
+        type=positive_float,
         default=60.0,
         metavar="S",
         help="seconds to wait for every engine to acknowledge a version (default 60)",

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync import fsio
-from asyncsync.errors import ConfigError, CoordinationError
+from asyncsync.errors import ConfigError, CoordinationError, check_seconds
 from asyncsync.fsio import atomic_write, is_temp_name, read_bytes
 from asyncsync.pipeline import finish_thread
 from asyncsync.publish.distributed import Coordinator, Decide, Message, step_of
@@ -106,11 +106,9 @@ class FileRendezvous(Coordinator):
         job: str | None = None,
     ) -> None:
         _check_rank(rank, world_size)
-        if not timeout > 0 or not poll_interval > 0 or not (max_wait is None or max_wait > 0):
-            raise ConfigError(
-                f"timeout, poll_interval and max_wait must be > 0, got {timeout}, "
-                f"{poll_interval}, {max_wait}"
-            )
+        check_seconds("FileRendezvous timeout", timeout, above=True)
+        check_seconds("FileRendezvous poll_interval", poll_interval, above=True)
+        check_seconds("FileRendezvous max_wait", max_wait, above=True, optional=True)
         self.root = Path(root)
         self.dir = self.root / RENDEZVOUS_DIR
         self.rank = rank

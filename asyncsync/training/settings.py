@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncsync.codec import ENCODINGS
-from asyncsync.errors import ConfigError, ManifestError
+from asyncsync.errors import MAX_SECONDS, ConfigError, ManifestError, shown
 from asyncsync.format import check_engine_id
 from asyncsync.format.checksum import ALGORITHMS
 from asyncsync.fsio import parse_size
@@ -175,10 +175,12 @@ def parse_value(spec: FieldSpec, raw: Any) -> Any:
     if kind == "float":
         try:
             value = float(raw) if isinstance(raw, int | float | str) else math.nan
-        except ValueError:
+        except (ValueError, OverflowError):  # (float(10**400) overflows)
             value = math.nan
-        if not math.isfinite(value):
-            raise ValueError(f"expected a finite number of seconds, got {raw!r}")
+        if not math.isfinite(value) or value > MAX_SECONDS:
+            raise ValueError(
+                f"expected a finite number of seconds (at most {MAX_SECONDS:.0f}), got {shown(raw)}"
+            )
     elif kind == "size":
         if isinstance(raw, str):
             value = parse_size(raw)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from asyncsync.errors import ConfigError
+from asyncsync.errors import ConfigError, check_seconds
 from asyncsync.format import AckRecord
 
 __all__ = ["AckPolicy", "AckWait", "StalenessGate"]
@@ -65,11 +65,7 @@ class AckPolicy:
             )
         if self.quorum is not None and self.quorum < 1:
             raise ConfigError(f"ack policy: quorum must be >= 1, got {self.quorum}")
-        if self.timeout is not None and not self.timeout > 0:
-            raise ConfigError(
-                f"ack policy: timeout must be > 0 seconds (or None to wait forever), "
-                f"got {self.timeout}"
-            )
+        check_seconds("ack policy: timeout", self.timeout, above=True, optional=True, forever=True)
         if self.max_staleness < 0:
             raise ConfigError(f"ack policy: max_staleness must be >= 0, got {self.max_staleness}")
 

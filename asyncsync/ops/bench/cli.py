@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.console.args import int_at_least
+from asyncsync.console.args import int_at_least, positive_float
 from asyncsync.errors import ConfigError
 from asyncsync.fsio import Throttle, parse_size
 from asyncsync.ops.cli.common import positive_int
@@ -346,7 +346,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
     sp.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         metavar="S",
         help="seconds a benchmark child may run before it is stopped, its threads' stacks "
         "dumped into the error (default 300 with --quick, else 900)",
