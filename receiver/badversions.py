@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from asyncsync.errors import ManifestError, ManifestUnreadable
-from asyncsync.format import Manifest
-from asyncsync.format.store import ManifestCache, list_versions
+from asyncsync.format import ROOT_INFO_NAME, Manifest, manifest_path
+from asyncsync.format.store import ManifestCache, list_versions, read_root_info
 from receiver.engines.base import EngineState
 from receiver.plan import Mode, keyframe_after, keyframes_in, plan_next
 
@@ -49,6 +49,7 @@ class BadVersions:
         # mark evicted at once would otherwise be planned, tried and marked again forever)
         self.tried: set[int] = set()
         self.run: str | None = None
+        self.root_run: str | None = None  # asyncsync.json's run id, re-read on a mismatch
         self.waiting: str | None = None  # why the last sync stayed where it was
         self.waiting_on: tuple[int, str] | None = None  # (the bad version, what follows it)
         # marked in this sync and not yet logged: each is said once, in one line with what
@@ -122,13 +123,34 @@ class BadVersions:
         deadline, delay = time.monotonic() + self.patience(version), 0.05
         while True:
             try:
-                return self.manifests.get(root, version)
+                return self._of_the_root(self.manifests.get(root, version))
             except ManifestError as exc:
                 if not isinstance(exc, ManifestUnreadable) or time.monotonic() >= deadline:
                     self.mark(version, exc)
                     raise
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 1.0)
+
+    def _of_the_root(self, m: Manifest) -> Manifest:
+        """``m``, or ManifestError when its run id is not the root's (``asyncsync.json``): a
+        manifest copied in from another root, or a damaged one, is refused by name. Taken for
+        the root's chain it made the receiver say what did not happen ("version N is missing",
+        "the root is run X: re-seeding"). The root record is re-read on a mismatch: it is
+        written before a new run's first manifest (a root wiped and published into again)."""
+        if m.run_id == self.root_run:
+            return m
+        try:
+            info = read_root_info(self.root)
+        except (OSError, ManifestError):  # no verdict without the record: FORMAT.md 11.4
+            return m
+        self.root_run = None if info is None else info.run_id
+        if self.root_run is None or m.run_id == self.root_run:
+            return m
+        raise ManifestError(
+            f"{manifest_path(self.root, m.version)} names run {m.run_id}, but the root's run "
+            f"is {self.root_run} ({ROOT_INFO_NAME}): refused (a manifest copied from another "
+            "root, or damaged)"
+        )
 
     def newest_readable(self, found: int) -> tuple[Manifest | None, ManifestError | None]:
         """The newest committed version at or below ``found`` whose manifest reads, and the

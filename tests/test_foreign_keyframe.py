@@ -12,14 +12,16 @@ next keyframe of its own run.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
 from asyncsync import Publisher
-from asyncsync.errors import AsyncSyncError
+from asyncsync.errors import AsyncSyncError, ManifestError
 from asyncsync.format.acks import read_acks
+from asyncsync.format.store import read_root_info
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import assert_holds, mixed_state, mutate
@@ -65,6 +67,67 @@ async def test_a_keyframe_of_another_run_mid_chain_is_never_taken(tmp_path: Path
             assert_holds(engine.load_state_dict(), states[2])
             states.append(mutate(states[-1], 0.03, seed=20))
             await pub.publish(states[-1], keyframe=True)  # v5: this run's keyframe
+            assert await agent.sync_once() == 5
+            assert engine.state.run_id == run
+            assert_holds(engine.load_state_dict(), states[5])
+
+
+@pytest.mark.parametrize("bad", [3, 4], ids=["mid-chain", "newest"])
+@pytest.mark.parametrize("how", ["another root's", "a flipped bit"])
+async def test_a_manifest_of_another_run_is_refused_by_name(
+    tmp_path: Path, how: str, bad: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A manifest whose run id is not the root's (``asyncsync.json``): the receiver said
+    "version 3 is missing" (mid-chain) or "the root is run X: re-seeding from a keyframe"
+    (the newest), neither true. It is a bad version whose message names the file, its run id
+    and the root's, and says refused; the receiver goes as far as the root's run allows, and
+    on from the root's next keyframe (helper-39, task 2)."""
+    other = tmp_path / "other"
+    async with Publisher(other, bucket_bytes=8192, keyframe_interval=0) as pub:
+        sd = mixed_state(5)
+        await pub.seed(sd)
+        for i in range(4):
+            sd = mutate(sd, 0.03, seed=50 + i)
+            await pub.publish(sd)
+
+    root = tmp_path / "root"
+    states = [mixed_state(0)]
+    async with Publisher(root, bucket_bytes=8192, keyframe_interval=0) as pub:
+        await pub.seed(states[0])
+        info = read_root_info(root)
+        assert info is not None
+        run = info.run_id
+        engine = LocalCheckpoint(tmp_path / "ckpt")
+        agent = ReceiverAgent(root, engine, "e1", use_inotify=False, verify_deadline=0.05)
+        async with agent:
+            for i in range(4):
+                states.append(mutate(states[-1], 0.03, seed=i + 1))
+                await pub.publish(states[-1])
+                if i == 1:
+                    assert await agent.sync_once() == 2
+            path = _vdir(root, bad) / "manifest.json"
+            if how == "another root's":
+                shutil.copy(_vdir(other, bad) / "manifest.json", path)
+                foreign = json.loads(path.read_bytes())["run_id"]
+            else:
+                d = json.loads(path.read_bytes())
+                foreign = d["run_id"] = format(int(d["run_id"], 16) ^ 1, "016x")
+                path.write_text(json.dumps(d))
+            assert foreign != run
+            for attempt in range(2):
+                caplog.clear()
+                with pytest.raises(ManifestError, match="refused") as exc_info:
+                    await agent.sync_once()
+                said = str(exc_info.value)
+                assert str(path) in said and foreign in said and run in said, said
+                assert (engine.state.version, engine.state.run_id) == (bad - 1, run)
+                assert agent.status().bad_versions == (bad,)
+                assert "re-seeding" not in caplog.text and "missing" not in caplog.text
+                if attempt == 0:  # said once, with why
+                    assert f"v{bad} is bad" in caplog.text and foreign in caplog.text
+            assert_holds(engine.load_state_dict(), states[bad - 1])
+            states.append(mutate(states[-1], 0.03, seed=20))
+            await pub.publish(states[-1], keyframe=True)  # v5: the root's run again
             assert await agent.sync_once() == 5
             assert engine.state.run_id == run
             assert_holds(engine.load_state_dict(), states[5])
