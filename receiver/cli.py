@@ -30,17 +30,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import logging
-import os
 import signal
-import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
-from asyncsync import fsio
 from asyncsync.console.args import non_negative_float, positive_float, size_bytes
 from asyncsync.console.logsetup import (
     CliParser,
@@ -51,11 +46,19 @@ from asyncsync.console.logsetup import (
 )
 from asyncsync.console.progress import Progress, ProgressWatcher
 from asyncsync.errors import AsyncSyncError, ConfigError
-from asyncsync.format.names import check_engine_id
 from asyncsync.memory import freeze_startup_objects
-from receiver.acking import check_root_for_receiver
 from receiver.agent import ReceiverAgent
 from receiver.audit import receiver_auditor
+from receiver.cli_checks import (
+    MAX_SECRET_BYTES,
+    MIN_TOKEN_CHARS,
+    TOKEN_ENV,
+    check_paths,
+    check_status_options,
+    engine_id_arg,
+    port_arg,
+    read_secret,
+)
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import Timeouts
@@ -66,7 +69,7 @@ from receiver.engines.vllm import VLLM
 from receiver.server import StatusServer
 from receiver.shard_reader import APPLY_GROUP_BYTES
 
-__all__ = ["MAX_SECRET_BYTES", "build_parser", "main", "read_secret"]
+__all__ = ["MAX_SECRET_BYTES", "build_parser", "check_paths", "main", "read_secret"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +79,6 @@ _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a st
 SGLANG_AUDIT_WAIT = 120.0
 API_KEY_ENV = "ASYNCSYNC_API_KEY"
 ADMIN_API_KEY_ENV = "ASYNCSYNC_ADMIN_API_KEY"
-TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
-MIN_TOKEN_CHARS = 16  # what StatusServer accepts: checked here before the engine is opened
-MAX_SECRET_BYTES = 64 << 10  # a token or an API key file: a few dozen bytes in practice
-
-
-def _engine_id(text: str) -> str:
-    """``--engine-id``: checked at parse time (a bad one is bad usage, exit 2; it also names
-    the receiver in every error line, which must stay one line)."""
-    try:
-        return check_engine_id(text)
-    except AsyncSyncError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-id",
         required=True,
-        type=_engine_id,
+        type=engine_id_arg,
         help="this engine's name in acks ([A-Za-z0-9._-], unique)",
     )
     p.add_argument(
@@ -229,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         "operator endpoints (/healthz, /readyz, /status, /metrics, POST /sync)"
     )
     ops.add_argument(
-        "--status-port", type=_port, default=None, metavar="PORT",
+        "--status-port", type=port_arg, default=None, metavar="PORT",
         help="serve the endpoints on this port (0: any free port; default: not served)",
     )  # fmt: skip
     ops.add_argument(
@@ -248,119 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_logging_arguments(p, default_level="INFO")
     return p
-
-
-def _port(text: str) -> int:
-    """A TCP port for argparse: 0 (any free port) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} out of range 0..65535")
-    return port
-
-
-def check_paths(args: argparse.Namespace) -> None:
-    """Refuse, before anything is opened, paths that cannot work.
-
-    A checkpoint equal to or inside the root would write engine files into the shared root;
-    a root that does not exist is an error for ``--once`` (nothing to apply) and is waited
-    for, with a log line saying so, by the daemon (the trainer may create it later).
-    """
-    root = os.path.realpath(args.root)
-    ckpt = os.path.realpath(args.checkpoint)
-    if ckpt == root or ckpt.startswith(root.rstrip(os.sep) + os.sep):
-        raise ConfigError(
-            f"--checkpoint {args.checkpoint} is inside --root {args.root}: the checkpoint is "
-            "this host's own copy; give a local directory outside the shared root"
-        )
-    if root.startswith(ckpt.rstrip(os.sep) + os.sep):
-        raise ConfigError(f"--root {args.root} is inside --checkpoint {args.checkpoint}")
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise ConfigError(f"--root {args.root} is not a directory")
-    if not os.path.exists(root):
-        if args.once:
-            raise ConfigError(f"--root {args.root} does not exist: nothing to apply")
-        logger.warning(
-            "root %s does not exist (yet); waiting for the publisher to create it", args.root
-        )
-    # another directory (a checkpoint, a typo): refused before anything is created in it
-    elif not check_root_for_receiver(Path(args.root)) and not args.once:
-        logger.warning("root %s is empty; waiting for the publisher to open it", args.root)
-
-
-def check_status_options(args: argparse.Namespace) -> str | None:
-    """The control token, and the status port free: checked before the engine is opened."""
-    token = read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
-    if token is not None and len(token) < MIN_TOKEN_CHARS:
-        raise ConfigError(
-            f"the control token must be at least {MIN_TOKEN_CHARS} characters (got "
-            f"{len(token)}): generate one, e.g. `openssl rand -hex 16`"
-        )
-    if args.status_port is not None:  # port 0 too: the host is checked by a bind all the same
-        host = args.status_host
-        try:
-            infos = socket.getaddrinfo(host, args.status_port, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as exc:
-            why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
-            raise ConfigError(
-                f"--status-host {host!r}: {why}; give an address of this host (default "
-                "127.0.0.1; 0.0.0.0 or :: for every interface)"
-            ) from exc
-        family, kind, proto, _, addr = infos[0]
-        try:
-            probe = socket.socket(family, kind, proto)
-        except OSError as exc:  # e.g. an IPv6 address on a host without IPv6
-            raise ConfigError(f"--status-host {host!r}: {exc.strerror}") from exc
-        with probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # as asyncio's server binds it
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                probe.bind(addr)
-            except OSError as exc:
-                if exc.errno in (errno.EADDRNOTAVAIL, errno.EINVAL):
-                    hint = " (a link-local IPv6 address needs its scope: fe80::1%eth0)"
-                    raise ConfigError(
-                        f"--status-host {host!r}: {exc.strerror}: not an address this host can "
-                        f"serve on{hint if ':' in host else ''}"
-                    ) from exc
-                raise ConfigError(
-                    f"--status-port {args.status_port} on {host}: {exc.strerror}; "
-                    "pick a free port (0: any free one)"
-                ) from exc
-    return token
-
-
-def read_secret(path: str | None, env: str, what: str) -> str | None:
-    """A secret from a file, else from the environment; never from the command line.
-
-    The file must be a regular file (a symlink to one is fine, as Kubernetes mounts secrets) of
-    UTF-8 text of at most :data:`MAX_SECRET_BYTES`: a FIFO is refused at once, never waited on,
-    and ``/dev/zero`` is not read without end. Errors name ``what`` (the option) and the file.
-    """
-    if not path:
-        return os.environ.get(env, "").strip() or None
-    try:
-        value = fsio.read_bytes(path, limit=MAX_SECRET_BYTES, follow_symlinks=True).decode()
-    except fsio.UnsafePath:
-        raise ConfigError(
-            f"{what} {path} is not a regular file (a FIFO, a device or a directory?): "
-            "point it at a file holding the secret"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError:
-        raise ConfigError(f"{what} {path} is not UTF-8 text: it must hold the secret") from None
-    except ValueError:  # larger than the limit
-        raise ConfigError(
-            f"{what} {path} is larger than {MAX_SECRET_BYTES >> 10} KiB: it must hold the secret"
-        ) from None
-    value = value.strip()
-    if not value:
-        raise ConfigError(f"{what} {path} is empty")
-    return value
 
 
 def run_async(main_fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:

@@ -1,0 +1,156 @@
+"""What ``asyncsync-receiver`` checks of its arguments before anything is opened: the engine
+id and the status port (as argparse types), the paths, the status options and the secrets
+read from files (never from the command line, where ``ps`` would show them)."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import socket
+from pathlib import Path
+
+from asyncsync import fsio
+from asyncsync.errors import AsyncSyncError, ConfigError
+from asyncsync.format.names import check_engine_id
+from receiver.acking import check_root_for_receiver
+
+__all__ = [
+    "MAX_SECRET_BYTES",
+    "MIN_TOKEN_CHARS",
+    "TOKEN_ENV",
+    "check_paths",
+    "check_status_options",
+    "engine_id_arg",
+    "port_arg",
+    "read_secret",
+]
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
+MIN_TOKEN_CHARS = 16  # what StatusServer accepts: checked here before the engine is opened
+MAX_SECRET_BYTES = 64 << 10  # a token or an API key file: a few dozen bytes in practice
+
+
+def engine_id_arg(text: str) -> str:
+    """``--engine-id``: checked at parse time (a bad one is bad usage, exit 2; it also names
+    the receiver in every error line, which must stay one line)."""
+    try:
+        return check_engine_id(text)
+    except AsyncSyncError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def port_arg(text: str) -> int:
+    """A TCP port for argparse: 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} out of range 0..65535")
+    return port
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse, before anything is opened, paths that cannot work.
+
+    A checkpoint equal to or inside the root would write engine files into the shared root;
+    a root that does not exist is an error for ``--once`` (nothing to apply) and is waited
+    for, with a log line saying so, by the daemon (the trainer may create it later).
+    """
+    root = os.path.realpath(args.root)
+    ckpt = os.path.realpath(args.checkpoint)
+    if ckpt == root or ckpt.startswith(root.rstrip(os.sep) + os.sep):
+        raise ConfigError(
+            f"--checkpoint {args.checkpoint} is inside --root {args.root}: the checkpoint is "
+            "this host's own copy; give a local directory outside the shared root"
+        )
+    if root.startswith(ckpt.rstrip(os.sep) + os.sep):
+        raise ConfigError(f"--root {args.root} is inside --checkpoint {args.checkpoint}")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"--root {args.root} is not a directory")
+    if not os.path.exists(root):
+        if args.once:
+            raise ConfigError(f"--root {args.root} does not exist: nothing to apply")
+        logger.warning(
+            "root %s does not exist (yet); waiting for the publisher to create it", args.root
+        )
+    # another directory (a checkpoint, a typo): refused before anything is created in it
+    elif not check_root_for_receiver(Path(args.root)) and not args.once:
+        logger.warning("root %s is empty; waiting for the publisher to open it", args.root)
+
+
+def check_status_options(args: argparse.Namespace) -> str | None:
+    """The control token, and the status port free: checked before the engine is opened."""
+    token = read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"the control token must be at least {MIN_TOKEN_CHARS} characters (got "
+            f"{len(token)}): generate one, e.g. `openssl rand -hex 16`"
+        )
+    if args.status_port is not None:  # port 0 too: the host is checked by a bind all the same
+        host = args.status_host
+        try:
+            infos = socket.getaddrinfo(host, args.status_port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+            raise ConfigError(
+                f"--status-host {host!r}: {why}; give an address of this host (default "
+                "127.0.0.1; 0.0.0.0 or :: for every interface)"
+            ) from exc
+        family, kind, proto, _, addr = infos[0]
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError as exc:  # e.g. an IPv6 address on a host without IPv6
+            raise ConfigError(f"--status-host {host!r}: {exc.strerror}") from exc
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio's server binds it
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRNOTAVAIL, errno.EINVAL):
+                    hint = " (a link-local IPv6 address needs its scope: fe80::1%eth0)"
+                    raise ConfigError(
+                        f"--status-host {host!r}: {exc.strerror}: not an address this host can "
+                        f"serve on{hint if ':' in host else ''}"
+                    ) from exc
+                raise ConfigError(
+                    f"--status-port {args.status_port} on {host}: {exc.strerror}; "
+                    "pick a free port (0: any free one)"
+                ) from exc
+    return token
+
+
+def read_secret(path: str | None, env: str, what: str) -> str | None:
+    """A secret from a file, else from the environment; never from the command line.
+
+    The file must be a regular file (a symlink to one is fine, as Kubernetes mounts secrets) of
+    UTF-8 text of at most :data:`MAX_SECRET_BYTES`: a FIFO is refused at once, never waited on,
+    and ``/dev/zero`` is not read without end. Errors name ``what`` (the option) and the file.
+    """
+    if not path:
+        return os.environ.get(env, "").strip() or None
+    try:
+        value = fsio.read_bytes(path, limit=MAX_SECRET_BYTES, follow_symlinks=True).decode()
+    except fsio.UnsafePath:
+        raise ConfigError(
+            f"{what} {path} is not a regular file (a FIFO, a device or a directory?): "
+            "point it at a file holding the secret"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not UTF-8 text: it must hold the secret") from None
+    except ValueError:  # larger than the limit
+        raise ConfigError(
+            f"{what} {path} is larger than {MAX_SECRET_BYTES >> 10} KiB: it must hold the secret"
+        ) from None
+    value = value.strip()
+    if not value:
+        raise ConfigError(f"{what} {path} is empty")
+    return value
