@@ -67,11 +67,13 @@ from receiver.shard_reader import (
 from receiver.status import AgentStatus, Counters
 from receiver.watch import Repeats, first_of, wakeups
 
-__all__ = ["AgentStatus", "ReceiverAgent"]
+__all__ = ["VERIFY_DEADLINE", "AgentStatus", "ReceiverAgent"]
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_LOG_SECONDS = 5.0
+#: the default ``verify_deadline``: seconds a damaged or incomplete shard is re-read
+VERIFY_DEADLINE = 10.0
 
 
 class ReceiverAgent:
@@ -119,7 +121,7 @@ class ReceiverAgent:
         engine_id: str,
         *,
         poll_interval: float = 1.0,
-        verify_deadline: float = 10.0,
+        verify_deadline: float = VERIFY_DEADLINE,
         use_inotify: bool | None = None,
         pipelined: bool = True,
         prefetch: bool = True,

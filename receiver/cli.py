@@ -47,7 +47,7 @@ from asyncsync.console.logsetup import (
 from asyncsync.console.progress import Progress, ProgressWatcher
 from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.memory import freeze_startup_objects
-from receiver.agent import ReceiverAgent
+from receiver.agent import VERIFY_DEADLINE, ReceiverAgent
 from receiver.audit import receiver_auditor
 from receiver.cli_checks import (
     MAX_SECRET_BYTES,
@@ -129,6 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--force-polling",
         action="store_true",
         help="do not use inotify (use on NFS/FUSE mounts written by other hosts)",
+    )
+    p.add_argument(
+        "--verify-deadline",
+        type=non_negative_float,
+        default=VERIFY_DEADLINE,
+        metavar="S",
+        help="seconds a shard that is missing, short or fails its checksum (or a manifest that "
+        "does not parse) is re-read before the version is refused as bad: above the time the "
+        "root's filesystem takes to show another host's write in full (default "
+        f"{VERIFY_DEADLINE:g}; docs/FORMAT.md section 8)",
     )
     p.add_argument(
         "--lease-settle",
@@ -299,6 +309,7 @@ def _make_agent(args: argparse.Namespace) -> ReceiverAgent:
         use_inotify=False if args.force_polling else None,
         apply_group_bytes=args.apply_group_bytes,
         lease_settle=args.lease_settle,
+        verify_deadline=args.verify_deadline,
     )
 
 

@@ -297,3 +297,35 @@ def test_a_secret_file_is_a_small_regular_utf8_file(tmp_path: Path, option: str,
     needle = {"not-utf8": "not UTF-8", "too-big": "larger than 64 KiB"}.get(kind, "regular file")
     assert needle in err, err
     assert not (tmp_path / "c").exists()
+
+
+def test_verify_deadline_is_a_flag_that_reaches_the_agent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify_deadline`` (how long a damaged or incomplete shard is re-read before its
+    version is refused) had no flag: a receiver on a slow mount could not raise it."""
+    import asyncio
+
+    import receiver.cli
+    from receiver.agent import VERIFY_DEADLINE, ReceiverAgent
+
+    root = asyncio.run(_root(tmp_path))
+    base = ["--root", str(root), "--engine-id", "e1", "--checkpoint", str(tmp_path / "ckpt")]
+    parser = build_parser()
+    assert parser.parse_args(base).verify_deadline == VERIFY_DEADLINE
+    assert parser.parse_args([*base, "--verify-deadline", "0"]).verify_deadline == 0.0
+    assert "--verify-deadline" in parser.format_help()
+    for bad in ("-1", "nan", "inf", "1e300", "soon"):
+        assert receiver_main([*base, "--once", "--verify-deadline", bad]) == 2
+        assert "--verify-deadline" in capsys.readouterr().err
+    made: list[ReceiverAgent] = []
+
+    class Recorded(ReceiverAgent):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr(receiver.cli, "ReceiverAgent", Recorded)
+    assert receiver_main([*base, "--once", "--verify-deadline", "2.5"]) == 0
+    assert [a.verify_deadline for a in made] == [2.5]
+    assert made[0]._bad.verify_deadline == 2.5  # what the re-reads wait on
