@@ -49,6 +49,7 @@ from pathlib import Path
 
 from asyncsync.errors import ConfigError, LockHeld, ManifestError
 from asyncsync.format.fields import _float, _int, _str, load_json
+from asyncsync.format.mounts import NETWORK_SETTLE, default_settle, filesystem_type
 from asyncsync.format.names import LEASES_DIR, check_engine_id
 from asyncsync.fsio import (
     TMP_PREFIX,
@@ -85,15 +86,7 @@ logger = logging.getLogger(__name__)
 LEASE_FORMAT = "asyncsync-lease"
 LEASE_FORMAT_VERSION = 2  # 2 added boot_id, pid_ns, nonce and the claims; 1 is still read
 DEFAULT_LEASE_TTL = 30.0
-NETWORK_SETTLE = 5.0  # the default settle on a network or FUSE filesystem (FORMAT.md 7.1)
 CLAIM_SUFFIX = ".claim"
-# Filesystems of this kernel only: a write is visible to every reader at once (settle 0).
-LOCAL_FILESYSTEMS = frozenset(
-    {
-        "ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "zfs", "f2fs", "overlay",
-        "bcachefs", "jfs", "reiserfs", "nilfs2", "hfsplus", "vfat", "exfat", "ntfs", "ntfs3",
-    }
-)  # fmt: skip
 _HELD: set[str] = set()  # owners of the leases this process holds or is taking
 _NONCE = secrets.token_hex(8)  # this process; a forked child draws its own
 
@@ -128,32 +121,6 @@ def lease_path(root: Path, engine_id: str) -> Path:
 
 def claim_path(root: Path, engine_id: str, owner: str) -> Path:
     return root / LEASES_DIR / f"{check_engine_id(engine_id)}.{owner}{CLAIM_SUFFIX}"
-
-
-def filesystem_type(path: str | os.PathLike[str]) -> str:
-    """The type of the filesystem holding ``path`` (``ext4``, ``nfs4``, ``fuse.rclone``...)."""
-    target = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return ""
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) < 5 or not right:
-            continue
-        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: " "
-        inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) >= len(best):
-            best, kind = mnt, right.split()[0]
-    return kind
-
-
-def default_settle(path: str | os.PathLike[str]) -> float:
-    """0 on a filesystem of this kernel; :data:`NETWORK_SETTLE` on NFS, FUSE and the rest."""
-    return 0.0 if filesystem_type(path) in LOCAL_FILESYSTEMS else NETWORK_SETTLE
 
 
 @dataclass(frozen=True)
