@@ -276,6 +276,19 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _ahead(engine_id: str, what: str, rec: LeaseRecord, age: float) -> str:
+    """Why a record dated ``-age`` seconds in the future of the root's clock keeps a taker out."""
+    when = "last heartbeat" if what.startswith("lease") else "written"
+    return (
+        f"engine id {engine_id!r}: its {what} names the receiver on {rec.describe()}, {when} "
+        f"{-age:.0f}s in the future (clock set back? the root filesystem's clock, e.g. the NFS "
+        f"server's, is behind the one that dated it). A record is live until it is {rec.ttl:g}s "
+        f"old on that clock, so it is taken over in {rec.ttl - age:.0f}s: the safe direction, "
+        "never two receivers of one id. If no receiver of this id runs, remove the file to take "
+        "it now; else give this receiver another --engine-id"
+    )
+
+
 class EngineLease:
     """The lease of one engine id, held by one agent (see the module docstring).
 
@@ -364,6 +377,8 @@ class EngineLease:
                 f"lease until it is {self.ttl:g}s old, then taken over: retry in "
                 f"{self.ttl - age:.0f}s, or remove it if no receiver of this id runs"
             )
+        if age < -1:
+            raise LockHeld(_ahead(self.engine_id, f"lease {self.path}", found[0], age))
         raise LockHeld(
             f"engine id {self.engine_id!r} is in use by the receiver on {found[0].describe()}, "
             f"last heartbeat {ago} (a lease goes stale after {found[0].ttl:g}s): give this "
@@ -420,12 +435,7 @@ class EngineLease:
             self._withdraw()
             self._refuse_if_held()  # the rival may be the holder
             if time.monotonic() > deadline:
-                rival = next(iter(rivals.values()))
-                raise LockHeld(
-                    f"engine id {self.engine_id!r}: another receiver is taking it at the same "
-                    f"time ({rival.describe()}); give this receiver another --engine-id, or "
-                    "stop that one"
-                )
+                raise LockHeld(self._contended(rivals))
             time.sleep(random.uniform(2 * settle, 3 * settle) + random.uniform(0.005, 0.05))
 
     def _claims(self) -> list[Path]:
@@ -443,19 +453,34 @@ class EngineLease:
                     out.append(self.path.parent / name)
         return out
 
-    def _rival_claims(self) -> dict[str, LeaseRecord | UnreadableLease]:
-        """The live claims of other takers, by owner ("" for an unreadable one)."""
-        out: dict[str, LeaseRecord | UnreadableLease] = {}
+    def _rival_claims(self) -> dict[str, tuple[Path, LeaseRecord | UnreadableLease, float]]:
+        """The live claims of other takers (path, record, mtime), by owner ("" for an
+        unreadable one)."""
+        out: dict[str, tuple[Path, LeaseRecord | UnreadableLease, float]] = {}
         for path in self._claims():
             if path == self.claim:
                 continue
             found = _read_lease_file(path, self.root)
             if isinstance(found, UnreadableLease):
                 if self._live(found):
-                    out[""] = found  # sorts first: we yield to it
+                    out[""] = (path, found, found.mtime)  # sorts first: we yield to it
             elif found is not None and self._live(found):
-                out[found[0].owner] = found[0]
+                out[found[0].owner] = (path, *found)
         return out
+
+    def _contended(
+        self, rivals: dict[str, tuple[Path, LeaseRecord | UnreadableLease, float]]
+    ) -> str:
+        """Why a taker gives up on live rival claims: one dated in the future of the root's
+        clock is named as such (it stays live until that clock catches up), else the first."""
+        now = fs_now(self.path.parent, root=self.root)
+        path, rival, mtime = min(rivals.values(), key=lambda r: now - r[2])
+        if now - mtime < -1 and isinstance(rival, LeaseRecord):
+            return _ahead(self.engine_id, f"claim {path}", rival, now - mtime)
+        return (
+            f"engine id {self.engine_id!r}: another receiver is taking it at the same time "
+            f"({rival.describe()}); give this receiver another --engine-id, or stop that one"
+        )
 
     def _withdraw(self) -> None:
         with contextlib.suppress(OSError):
