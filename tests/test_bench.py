@@ -498,3 +498,33 @@ def test_pertensor_bench_measures_both_sides(capsys: pytest.CaptureFixture[str])
         with pytest.raises(SystemExit) as ei:  # a usage error (helper-21: --threads 0 raised)
             pertensor.main(bad)
         assert ei.value.code == 2
+
+
+def test_profile_runs_on_the_threads_given_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--profile --threads N`` ran on every core whatever N was (the sweep's children take
+    it): the pool and torch now run publish and apply at N threads, the report says which,
+    and both are put back afterwards."""
+    from asyncsync import pipeline
+
+    torch_before, pool_before = torch.get_num_threads(), pipeline.threads()
+    seen: set[tuple[int, int]] = set()
+    real = pipeline.threads
+
+    def watched() -> int:  # what parallel_map sizes its pool by, with torch's count
+        seen.add((real(), torch.get_num_threads()))
+        return real()
+
+    monkeypatch.setattr(pipeline, "threads", watched)
+    out = tmp_path / "prof"
+    argv = ["bench", "--profile", str(out), "--scale-sizes", "2MiB", "--versions", "1"]
+    argv += ["--threads", "1", "--throttle", "none", "--workdir", str(tmp_path)]
+    assert main(argv) == 0
+    assert (1, 1) in seen and all(pool == 1 for pool, _ in seen), seen
+    for side in ("publish", "apply"):
+        text = (out / f"profile_{side}_2m.txt").read_text()
+        assert "--threads 1" in text
+        assert "CPU pool (asyncsync-cpu) 1 threads, torch 1 intra-op threads" in text
+        assert "1-thread pool" in text
+    assert (torch.get_num_threads(), real()) == (torch_before, pool_before)

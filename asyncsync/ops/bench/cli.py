@@ -160,6 +160,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         versions=args.versions or 3,
         throttle=_throttle(args),
         workdir=None if args.workdir is None else Path(args.workdir),
+        threads=args.threads,
     )
     for path in paths.values():
         print(path.read_text())
@@ -341,7 +342,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         type=int_at_least(1, MAX_THREADS),
         metavar="N",
         help="CPU threads of each side (its pool and torch's; default: every core; the "
-        "scale sweep and --peers); see python -m asyncsync.ops.bench.threads",
+        "scale sweep, --peers and --profile); see python -m asyncsync.ops.bench.threads",
     )
     sp.add_argument("--keep", action="store_true", help="keep the work directory (logs, roots)")
     sp.add_argument(

@@ -41,10 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from asyncsync import fsio
 from asyncsync.codec import native
 from asyncsync.ops.bench.scale import make_state, receiver_floor, step_state, trainer_floor
-from asyncsync.pipeline import threads
+from asyncsync.pipeline import set_threads, threads
 from asyncsync.publish.publisher import Publisher
 from receiver.agent import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -296,16 +298,39 @@ async def run_profile(
     seed: int = 0,
     top: int = 25,
     workdir: Path | None = None,
+    threads: int | None = None,
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Path]:
     """Profile publish and apply at ``size`` model bytes; write the two text files into
     ``out_dir`` and return their paths (``{"publish": ..., "apply": ...}``). ``throttle``: as
-    ``fsio.Throttle.parse`` reads it, ``""`` for none (the local filesystem)."""
+    ``fsio.Throttle.parse`` reads it, ``""`` for none (the local filesystem). ``threads``: the
+    CPU pool's and torch's intra-op threads while publish and apply run, as the sweep's
+    ``--threads`` sets them in its children (None: the machine's default); the floors keep
+    the machine's, and both are put back afterwards."""
     work = Path(tempfile.mkdtemp(prefix="asyncsync-profile-", dir=workdir))
     try:
-        return await _profile(size, out_dir, work, versions, throttle, density, seed, top, say)
+        return await _profile(
+            size, out_dir, work, versions, throttle, density, seed, top, threads, say
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _threads_set(n: int | None) -> Iterator[int]:
+    """The pool and torch at ``n`` threads (None: as they are) meanwhile; yields the pool size
+    (after: ASYNCSYNC_THREADS or the CPU count, and torch's count as it was)."""
+    if n is None:
+        yield threads()
+        return
+    saved = torch.get_num_threads()
+    set_threads(n)
+    torch.set_num_threads(n)
+    try:
+        yield threads()
+    finally:
+        set_threads(None)
+        torch.set_num_threads(saved)
 
 
 async def _profile(
@@ -317,6 +342,7 @@ async def _profile(
     density: float,
     seed: int,
     top: int,
+    nthreads: int | None,
     say: Callable[[str], None],
 ) -> dict[str, Path]:
     root, ckpt = work / "root", work / "ckpt"
@@ -340,33 +366,42 @@ async def _profile(
     engine = LocalCheckpoint(ckpt)
     agent = ReceiverAgent(root, engine, "profile", poll_interval=0.05)
     async with Publisher(root, bucket_bytes=32 << 20, keyframe_interval=0) as pub, agent:
-        say(f"profile {model / 1e9:.2f} GB: seed")
-        await pub.seed(sd)
-        await agent.sync_once()
-        await engine.flushed()
-        for v in range(1, versions + 2):
-            sampled = v == versions + 1  # the last version: sampled, not timed by stage
-            say(f"profile: version {v}" + (" (sampled)" if sampled else ""))
-            step_state(sd, v, density, seed)
-            gc.collect()
-            fsio.set_throttle(spec)
-            try:
-                for side, step in (
-                    ("publish", lambda: pub.publish(sd)),
-                    ("apply", agent.sync_once),
-                ):
-                    timers = pub_timers if side == "publish" else rec_timers
-                    ctx: Any = samplers[side] if sampled else timers.installed()
-                    with ctx:
-                        t0 = time.perf_counter()
-                        await step()
-                        dt = time.perf_counter() - t0
-                        if side == "apply":
-                            await engine.flushed()
-                    if not sampled:
-                        walls[side].append(dt)
-            finally:
-                fsio.set_throttle(None)
+        with _threads_set(nthreads) as pool:
+            torch_threads = torch.get_num_threads()
+            say(f"profile {model / 1e9:.2f} GB: seed (a pool of {pool} threads)")
+            await pub.seed(sd)
+            await agent.sync_once()
+            await engine.flushed()
+            for v in range(1, versions + 2):
+                sampled = v == versions + 1  # the last version: sampled, not timed by stage
+                say(f"profile: version {v}" + (" (sampled)" if sampled else ""))
+                step_state(sd, v, density, seed)
+                gc.collect()
+                fsio.set_throttle(spec)
+                try:
+                    for side, step in (
+                        ("publish", lambda: pub.publish(sd)),
+                        ("apply", agent.sync_once),
+                    ):
+                        timers = pub_timers if side == "publish" else rec_timers
+                        ctx: Any = samplers[side] if sampled else timers.installed()
+                        with ctx:
+                            t0 = time.perf_counter()
+                            await step()
+                            dt = time.perf_counter() - t0
+                            if side == "apply":
+                                await engine.flushed()
+                        if not sampled:
+                            walls[side].append(dt)
+                finally:
+                    fsio.set_throttle(None)
+    given = (
+        "--threads" if nthreads is not None else "the default: ASYNCSYNC_THREADS, else every core"
+    )
+    pool_line = (
+        f"# CPU pool (asyncsync-cpu) {pool} threads, torch {torch_threads} intra-op threads "
+        f"({given})"
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for side, timers, total in (
@@ -380,7 +415,10 @@ async def _profile(
             f"# {side} at {model / 1e9:.2f} GB bf16, ~{100 * density:g} % changed, "
             + (f"throttle {throttle}" if throttle else "no throttle")
             + " on the shared root",
-            f"# asyncsync bench --profile --scale-sizes {size >> 20}MiB  ({_machine()})",
+            f"# asyncsync bench --profile --scale-sizes {size >> 20}MiB"
+            + (f" --threads {nthreads}" if nthreads is not None else "")
+            + f"  ({_machine()})",
+            pool_line,
             f"# {side} wall per version (s): "
             + ", ".join(f"{x:.3f}" for x in walls[side])
             + f"; median {w[len(w) // 2]:.3f}",
@@ -388,7 +426,7 @@ async def _profile(
         lines += [f"# {k}: {1e3 * s:.1f} ms" for k, s in floors.items()]
         lines += ["", f"## stages (mean of {versions} versions)", ""]
         lines += [
-            f"(CPU: the calling thread's; the tensors' work on the {threads()}-thread pool "
+            f"(CPU: the calling thread's; the tensors' work on the {pool}-thread pool "
             "(asyncsync-cpu) is in the samples below, not in this column)",
             "",
         ]
@@ -407,6 +445,7 @@ def main(
     versions: int = 3,
     throttle: str = "200MB/s,5ms",
     workdir: Path | None = None,
+    threads: int | None = None,
 ) -> dict[str, Path]:
     """Run :func:`run_profile` in a fresh event loop (the CLI's entry), progress on stderr."""
     t0 = time.perf_counter()
@@ -415,5 +454,13 @@ def main(
         print(f"profile [{time.perf_counter() - t0:5.1f}s]: {msg}", file=sys.stderr, flush=True)
 
     return asyncio.run(
-        run_profile(size, out_dir, versions=versions, throttle=throttle, workdir=workdir, say=say)
+        run_profile(
+            size,
+            out_dir,
+            versions=versions,
+            throttle=throttle,
+            workdir=workdir,
+            threads=threads,
+            say=say,
+        )
     )
