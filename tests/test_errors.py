@@ -98,10 +98,13 @@ BAD_SECONDS = [10**400, -(10**5000), 1e300, float("nan"), -1.0, True, "5"]
 
 def _duration_calls(tmp_path: Any) -> dict[str, Any]:
     from asyncsync.publish.rendezvous import FileRendezvous
+    from asyncsync.publish.retention import RetentionPolicy
     from asyncsync.training.config import SyncConfig
+    from asyncsync.training.session import SyncSession
     from asyncsync.training.staleness import AckPolicy
     from receiver.agent import ReceiverAgent
     from receiver.engines.checkpoint import LocalCheckpoint
+    from receiver.engines.http_engine import RetryPolicy, Timeouts
 
     def agent(**kw: Any) -> Any:
         return ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e0", **kw)
@@ -116,6 +119,12 @@ def _duration_calls(tmp_path: Any) -> dict[str, Any]:
             for name in ("poll_interval", "verify_deadline", "lease_ttl", "stream_timeout")
         },
         "ReceiverAgent.lease_settle": lambda v: agent(lease_settle=v, lease_ttl=10**9),
+        "RetentionPolicy.ack_ttl": lambda v: RetentionPolicy(ack_ttl=v),
+        "Timeouts.update": lambda v: Timeouts(update=v),
+        "RetryPolicy.maximum": lambda v: RetryPolicy(maximum=v),
+        "SyncSession.cancel_grace": lambda v: SyncSession(
+            SyncConfig(root=tmp_path / "s"), cancel_grace=v
+        ),
     }
 
 

@@ -54,7 +54,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from asyncsync.errors import ConfigError, CoordinationError, check_number
+from asyncsync.errors import ConfigError, CoordinationError, check_seconds
 
 __all__ = ["Coordinator", "Decide", "Message", "TorchDistCoordinator", "step_key", "step_of"]
 
@@ -141,7 +141,7 @@ class TorchDistCoordinator(Coordinator):
     def __init__(self, process_group: Any = None, *, broken_grace: float = 5.0) -> None:
         import torch.distributed as dist
 
-        check_number("broken_grace", broken_grace)
+        check_seconds("broken_grace", broken_grace)
         self.broken_grace = float(broken_grace)
 
         if not dist.is_available() or not dist.is_initialized():

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import torch
 
 from asyncsync.console.progress import ProgressWatcher
-from asyncsync.errors import ConfigError, PublishError
+from asyncsync.errors import ConfigError, PublishError, check_seconds
 from asyncsync.training.config import SyncConfig
 from asyncsync.training.staleness import AckPolicy, AckWait, StalenessGate
 
@@ -173,6 +173,7 @@ class SyncSession:
     ) -> None:
         from asyncsync.training.factory import create_publisher
 
+        check_seconds("cancel_grace", cancel_grace)
         self.config = config
         self._publisher: Publisher = create_publisher(
             config, producer=producer, coordinator=coordinator

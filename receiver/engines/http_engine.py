@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from asyncsync.errors import ApplyFailed, ConfigError, check_number
+from asyncsync.errors import ApplyFailed, ConfigError, check_number, check_seconds
 
 __all__ = ["EngineHTTPError", "HttpClient", "RetryPolicy", "Timeouts"]
 
@@ -73,8 +73,10 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         check_number("RetryPolicy.attempts", self.attempts, integer=True, minimum=1)
-        for name in ("initial", "multiplier", "maximum", "jitter"):
+        for name in ("multiplier", "jitter"):
             check_number(f"RetryPolicy.{name}", getattr(self, name))
+        for name in ("initial", "maximum"):
+            check_seconds(f"RetryPolicy.{name}", getattr(self, name))
         if self.initial < 0 or self.maximum < 0 or self.multiplier < 1:
             raise ConfigError("RetryPolicy: initial/maximum must be >= 0 and multiplier >= 1")
         if not 0 <= self.jitter < 1:
@@ -102,7 +104,7 @@ class Timeouts:
 
     def __post_init__(self) -> None:
         for name in ("control", "update", "connect", "startup"):
-            check_number(f"Timeouts.{name}", getattr(self, name), above=True)
+            check_seconds(f"Timeouts.{name}", getattr(self, name), above=True)
 
 
 def check_url(url: str) -> URL:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from asyncsync import fsio
-from asyncsync.errors import ApplyFailed, ConfigError, check_number
+from asyncsync.errors import ApplyFailed, ConfigError, check_seconds
 from asyncsync.format import Manifest
 from receiver.engines.audit_view import AuditWatch
 from receiver.engines.base import Engine, EngineState, TensorUpdate
@@ -134,7 +134,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 f"failure_backoff must be (first, max) seconds, got {failure_backoff!r}"
             )
         for x in failure_backoff:
-            check_number("failure_backoff", x)
+            check_seconds("failure_backoff", x)
         if failure_backoff[0] < 0 or failure_backoff[1] < failure_backoff[0]:
             raise ConfigError(
                 f"failure_backoff must be (first >= 0, max >= first), got {failure_backoff}"
