@@ -34,6 +34,7 @@ from asyncsync.format.acks import AckRecord, read_ack, write_ack
 from asyncsync.format.lease import DEFAULT_LEASE_TTL, EngineLease, remove_left_temps
 from asyncsync.format.names import LEASES_DIR
 from asyncsync.format.store import not_a_root
+from asyncsync.pipeline import LoopLock
 from receiver.engines.base import Engine, EngineState
 
 __all__ = ["RootPresence", "check_root_for_receiver", "not_writable"]
@@ -134,7 +135,7 @@ class RootPresence:
         self._retried = 0.0  # when the lost lease was last tried again
         # held by a renew, and by an ack from its check to its write: an ack waits for a renew
         # in flight (it may find the id lost) instead of writing meanwhile
-        self._renewal = asyncio.Lock()
+        self._renewal = LoopLock()  # (not an asyncio.Lock: the presence outlives a loop)
 
     # -- the lease -------------------------------------------------------------------------
     async def hold(self) -> None:

@@ -46,7 +46,7 @@ from asyncsync.format.lease import DEFAULT_LEASE_TTL
 from asyncsync.format.names import root_path
 from asyncsync.format.store import is_committed
 from asyncsync.memory import release_large_buffers
-from asyncsync.pipeline import run_pipeline
+from asyncsync.pipeline import LoopLock, run_pipeline
 from receiver.acking import RootPresence
 from receiver.badversions import BadVersions
 from receiver.early import EarlyRead
@@ -162,7 +162,7 @@ class ReceiverAgent:
             self.root, self.engine_id, engine, lease_ttl=lease_ttl, lease_settle=lease_settle
         )
         self._opened = False
-        self._sync_lock = asyncio.Lock()
+        self._sync_lock = LoopLock()  # (not an asyncio.Lock: the agent may outlive a loop)
         self._refused: set[int] = set()  # versions the engine refused (a keyframe follows)
         self._said_waiting: str | None = None
         self._said_failure: BaseException | None = None  # the bad version's line said it
@@ -318,7 +318,7 @@ class ReceiverAgent:
             await self._early.stop()
             self._wake = None
 
-    def exclusive(self) -> asyncio.Lock:
+    def exclusive(self) -> LoopLock:
         """``async with agent.exclusive():`` no version is applied meanwhile (the sync lock;
         the served-bytes audit holds it, ``receiver.audit``)."""
         return self._sync_lock

@@ -452,3 +452,34 @@ async def test_a_packed_delta_shard_is_applied_in_groups(
         e.delta is not None for m in (m1, m2) for e in m.tensors
     )
     assert_holds(eng.load_state_dict(), states[2])
+
+
+def test_an_agent_serves_one_asyncio_run_after_another(tmp_path: Path) -> None:
+    """The agent's sync lock and its presence's renewal lock were ``asyncio.Lock`` objects,
+    bound to the first loop that waited on them: contended under a later ``asyncio.run`` (two
+    syncs at once; a renew meeting a renew or an ack), they raised RuntimeError ("bound to a
+    different event loop"). Both are LoopLocks now, made anew in each running loop."""
+    asyncio.run(publish_chain(tmp_path, 1))
+    # (synced before the ack: a background flush is a task of the loop that started it, which
+    # cancels it as it ends; that is the engine's own leftover, not what is tested here)
+    engine = LocalCheckpoint(tmp_path / "ckpt", sync_before_ack=True)
+    agent = ReceiverAgent(tmp_path, engine, "e", use_inotify=False)
+
+    async def contended() -> list[int | None]:
+        await agent.open()
+        presence = agent._presence
+        await asyncio.gather(presence.renew(), presence.renew())
+        return await asyncio.gather(agent.sync_once(), agent.sync_once())
+
+    assert asyncio.run(contended()) == [1, 1]
+    assert asyncio.run(contended()) == [1, 1]
+
+    async def audit_meets_sync() -> int | None:
+        async with agent.exclusive():
+            task = asyncio.create_task(agent.sync_once())
+            await asyncio.sleep(0.01)
+            assert not task.done()  # waits for the audit's hold
+        return await task
+
+    assert asyncio.run(audit_meets_sync()) == 1
+    asyncio.run(agent.close())
