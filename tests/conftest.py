@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from asyncsync.codec import raw_view
+
 # A shell without job control starts background jobs (`make test &`) with SIGINT ignored, and
 # that disposition is inherited through exec: Python then never raises KeyboardInterrupt, and
 # the tests of Ctrl-C (in this process and in the CLIs they start) would fail for the way the
@@ -76,8 +78,9 @@ def mutate(
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    ua = a.contiguous().reshape(-1).view(torch.uint8)
-    ub = b.contiguous().reshape(-1).view(torch.uint8)
+    # copied as ints: a non-contiguous bool's own copy (contiguous, reshape) writes 0/1
+    ua = raw_view(a).contiguous().reshape(-1).view(torch.uint8)
+    ub = raw_view(b).contiguous().reshape(-1).view(torch.uint8)
     return bool(torch.equal(ua, ub))
 
 
@@ -98,7 +101,7 @@ def assert_holds(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     """``got`` has exactly ``want``'s names, each with the same bytes."""
     assert set(got) == set(want)
     for k, v in want.items():
-        assert same_bytes(got[k], v.contiguous()), k
+        assert same_bytes(got[k], v), k  # (a bool's contiguous() would write 0/1)
 
 
 async def eventually(cond: Callable[[], object], what: str, *, timeout: float = 10.0) -> None:

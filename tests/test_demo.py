@@ -43,3 +43,16 @@ def test_demo_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--versions", "1"]) == 2
     assert main(["--engines", "zero"]) == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_the_demo_compares_bytes_not_bool_values() -> None:
+    """The demo's check copied a non-contiguous bool with ``contiguous()`` (which writes 0/1)
+    before comparing: a mask viewed from uint8 compared equal to its normalised copy."""
+    import torch
+
+    from asyncsync.codec import raw_clone
+    from asyncsync.ops.demo import _same_bytes
+
+    mask = torch.arange(24, dtype=torch.uint8).view(torch.bool).reshape(4, 6).t()
+    assert not _same_bytes(mask, mask.contiguous())
+    assert _same_bytes(mask, raw_clone(mask)) and _same_bytes(torch.ones(3), torch.ones(3))

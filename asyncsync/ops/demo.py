@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from asyncsync.codec import raw_view
 from asyncsync.errors import AsyncSyncError
 from asyncsync.format.acks import read_acks
 from asyncsync.format.store import read_manifest
@@ -225,8 +226,9 @@ def _check_engines(
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    ua = a.contiguous().reshape(-1).view(torch.uint8)
-    ub = b.contiguous().reshape(-1).view(torch.uint8)
+    # copied as ints: a non-contiguous bool's own copy (contiguous) writes 0/1
+    ua = raw_view(a).contiguous().reshape(-1).view(torch.uint8)
+    ub = raw_view(b).contiguous().reshape(-1).view(torch.uint8)
     return bool(torch.equal(ua, ub))
 
 
