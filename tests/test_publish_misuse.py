@@ -74,6 +74,21 @@ async def test_bool_bytes_other_than_0_and_1_survive_the_snapshot(tmp_path: Path
     await publish_and_receive(tmp_path / "root", tmp_path / "ckpt", versions)
 
 
+async def test_a_non_contiguous_bool_tensor_is_shipped_with_its_bytes(tmp_path: Path) -> None:
+    """The publisher made each tensor contiguous with ``contiguous()``, which copies a
+    non-contiguous bool as bools and writes 0/1: a transposed or sliced mask viewed from uint8
+    was shipped normalised, under the checksum of its real bytes (no engine could take it).
+    Its bytes are copied as ints now, in a full version and in a delta."""
+    versions = [
+        {"mask": bools(*range(24)).reshape(4, 6).t(), "w": torch.ones(3)},  # seed: full
+        {"mask": bools(*range(3, 27)).reshape(4, 6).t(), "w": torch.ones(3)},  # a delta
+        {"mask": bools(*range(40))[::2].reshape(5, 4), "w": torch.zeros(3)},  # full: re-shaped
+        {"mask": bools(*range(1, 41))[::2].reshape(5, 4), "w": torch.zeros(3)},
+    ]
+    assert not any(v["mask"].is_contiguous() for v in versions)
+    await publish_and_receive(tmp_path / "root", tmp_path / "ckpt", versions)
+
+
 async def test_tied_bool_tensors_with_other_bytes_make_a_seed_engines_take(tmp_path: Path) -> None:
     """Tied tensors (one storage under two names) are copied apart for the full shard; a bool
     copy wrote 0/1, so the shard disagreed with the checksum taken from the bytes and no

@@ -148,13 +148,14 @@ def bucket_items(
     for i in bucket:
         name = names[i]
         new = state_dict[name].detach()
-        if new.device.type != "cpu":
-            new = new.to("cpu")
+        raw = codec.raw_view(new)  # copied as ints: a bool's copy writes 0/1, not its bytes
+        if raw.device.type != "cpu":
+            raw = raw.to("cpu")
         items.append(
             BucketItem(
                 index=i,
                 name=name,
-                new=new.contiguous(),
+                new=raw.contiguous().view(new.dtype),
                 old=snap[name] if snap is not None else None,
                 cached_checksum=checksums.get(name) if snap is not None else None,
             )
