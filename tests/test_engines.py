@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 
 import receiver.engines.checkpoint.inplace as ckpt_mod
-from asyncsync.codec import Patch, int_view
+from asyncsync.codec import Patch, int_view, raw_clone
 from asyncsync.errors import (
     ApplyFailed,
     AsyncSyncError,
@@ -197,6 +197,19 @@ async def test_full_init_is_a_plain_hf_checkpoint(tmp_path: Path) -> None:
     state = json.loads((tmp_path / "ck" / ".asyncsync" / "state.json").read_text())
     assert state["status"] == "clean" and set(state["checksums"]) == set(sd)
     await ck2.close()
+
+
+async def test_a_full_version_stages_a_non_contiguous_bool_with_its_bytes(tmp_path: Path) -> None:
+    """A full version's tensors were staged with ``.cpu().contiguous()``, which copies a
+    non-contiguous bool as bools and writes 0/1: a transposed mask viewed from uint8 was staged
+    with other bytes than its checksum's, and the commit refused it. Copied as ints now."""
+    mask = torch.arange(24, dtype=torch.uint8).view(torch.bool).reshape(4, 6).t()
+    sd = {"mask": mask, "w": torch.ones(3)}
+    ck = await init_checkpoint(tmp_path / "ck", sd)
+    assert_same(ck.load_state_dict(), sd)
+    await ck.close()
+    # (same_bytes compares the bytes: it copied a non-contiguous bool as bools, hiding this)
+    assert not same_bytes(mask, mask.contiguous()) and same_bytes(mask, raw_clone(mask))
 
 
 @pytest.mark.parametrize(

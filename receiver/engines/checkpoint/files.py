@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 
 from asyncsync import fsio
+from asyncsync.codec import raw_clone
 from asyncsync.errors import ConfigError, EngineStateError
 from asyncsync.format import Manifest
 from asyncsync.format.checksum import entry_checksum, new_hasher
@@ -94,7 +95,8 @@ class CheckpointFiles:
         out: dict[str, torch.Tensor] = {}
         for file in dict.fromkeys(weight_map.values()):
             out.update(safetensors.torch.load_file(self.directory / file))
-        return {name: out[name].clone() for name in weight_map}  # load_file maps the file
+        # load_file maps the file; cloned as ints: a bool's clone writes 0/1, not its bytes
+        return {name: raw_clone(out[name]) for name in weight_map}
 
     def load_layout(self) -> dict[str, TensorLocation]:
         """Where each tensor of the index lies: its file and byte range (from the headers)."""

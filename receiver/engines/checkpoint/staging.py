@@ -11,6 +11,7 @@ import safetensors.torch
 import torch
 
 from asyncsync import fsio
+from asyncsync.codec import raw_view
 from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError, IncompatibleVersion
 from asyncsync.format import TensorEntry
 from asyncsync.format.checksum import entry_checksum
@@ -32,7 +33,8 @@ def stage_part(
                 f"tensor {entry.name!r}: got {t.dtype}{list(t.shape)}, manifest says "
                 f"{entry.dtype}{list(entry.shape)}"
             )
-        t = t.detach().cpu().contiguous()
+        # copied as ints: a non-contiguous bool's own copy writes 0/1, not its bytes
+        t = raw_view(t.detach()).cpu().contiguous().view(t.dtype)
         ptr = t.untyped_storage().data_ptr()
         if t.numel() and ptr in ptrs:  # safetensors refuses shared storage
             t = t.clone()
