@@ -134,6 +134,10 @@ class Publisher:
         delta_shard_bytes: delta shard size (default: ~1/8 of the last delta, 1 MiB to
             ``min(bucket_bytes, 4 MiB)``: :class:`~asyncsync.publish.options.ShardSizer`); a single
             publisher's are self-describing (FORMAT.md 4.3): receivers apply each as it lands.
+
+    Attributes:
+        stale: set after a full version: the tensors changed before its commit (their snapshot
+            is not what was shipped; a warning says so), making the next version a keyframe.
     """
 
     def __init__(
@@ -346,14 +350,8 @@ class Publisher:
 
         Raises :class:`~asyncsync.errors.AckTimeout` naming the engines that are behind.
         """
-        return await acks.wait_acked(
-            self.root,
-            version,
-            engines=engines,
-            quorum=quorum,
-            timeout=timeout,
-            run_id=self._run_id or None,
-        )
+        return await acks.wait_acked(self.root, version, engines=engines, quorum=quorum,
+                                     timeout=timeout, run_id=self._run_id or None)  # fmt: skip
 
     def statistics(self) -> PublisherStats:
         return self._tally.stats(self.root, self._run_id, self._last_version)
@@ -361,8 +359,7 @@ class Publisher:
     def __repr__(self) -> str:
         return (
             f"<Publisher root={str(self.root)!r}{self._committer.describe()} "
-            f"version={self._last_version} "
-            f"in_flight={self._in_flight} encoding={self.encoding}>"
+            f"version={self._last_version} in_flight={self._in_flight} encoding={self.encoding}>"
         )
 
     # ------------------------------------------------------------------ for the committer
