@@ -460,10 +460,7 @@ def test_an_agent_serves_one_asyncio_run_after_another(tmp_path: Path) -> None:
     syncs at once; a renew meeting a renew or an ack), they raised RuntimeError ("bound to a
     different event loop"). Both are LoopLocks now, made anew in each running loop."""
     asyncio.run(publish_chain(tmp_path, 1))
-    # (synced before the ack: a background flush is a task of the loop that started it, which
-    # cancels it as it ends; that is the engine's own leftover, not what is tested here)
-    engine = LocalCheckpoint(tmp_path / "ckpt", sync_before_ack=True)
-    agent = ReceiverAgent(tmp_path, engine, "e", use_inotify=False)
+    agent = ReceiverAgent(tmp_path, LocalCheckpoint(tmp_path / "ckpt"), "e", use_inotify=False)
 
     async def contended() -> list[int | None]:
         await agent.open()

@@ -881,9 +881,9 @@ async def test_a_delta_is_made_durable_after_or_before_the_commit(
     assert ck.state.version == 1 and verify_checkpoint(tmp_path, m1) == []
     st = _state(tmp_path)
     assert (st["status"], st["version"], st.get("synced", True)) == ("clean", 1, before)
-    # deferred: no flush before the ack, neither started nor about to start (a flush is a
-    # thread that a task of this loop starts: no task may be pending)
-    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+    # deferred: no flush before the ack, neither started nor about to start (none submitted
+    # to the engine's flush thread)
+    assert ck._flushing is None
     assert calls == [False] * int(before)
     acked = True
     await ck.acknowledged()  # the agent calls this once the ack is written
@@ -951,6 +951,28 @@ async def test_the_next_delta_applies_while_the_last_one_is_flushed(
     await crashed.close()
 
 
+def test_a_flush_outlives_the_event_loop_that_started_it(tmp_path: Path) -> None:
+    """A committed delta's flush was a task of the loop that started it (``acknowledged``):
+    ``asyncio.run`` cancels what is pending as it ends, so the engine used under a later
+    ``asyncio.run`` (an agent driven by one ``asyncio.run`` per sync) found a cancelled flush:
+    v1 never made durable, and ``close`` raised CancelledError. The flushes run on the
+    engine's own thread now, whatever loop awaits them."""
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+
+    async def apply_and_ack() -> LocalCheckpoint:
+        ck = await init_checkpoint(tmp_path, sd0)
+        m1 = build_manifest(sd1, 1, base=sd0)
+        await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+        await ck.acknowledged()  # v1's flush starts; this loop ends before anyone awaits it
+        return ck
+
+    ck = asyncio.run(apply_and_ack())
+    asyncio.run(ck.close())  # waits for v1's flush
+    assert _state(tmp_path).get("synced", True) is True
+    assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd1)
+
+
 async def test_a_failed_flush_refuses_the_next_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -963,15 +985,17 @@ async def test_a_failed_flush_refuses_the_next_commit(
     await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
     sd2 = mutate(sd1, 0.05, seed=2)
     m2 = build_manifest(sd2, 2, base=sd1)
-    working = FileMaps.sync
+    working, begun = FileMaps.sync, threading.Event()
 
     def eio(self: FileMaps) -> None:
+        begun.wait(10)  # (the flush thread starts at once: fail once v2 has begun)
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(FileMaps, "sync", eio)
     await ck.begin(m2, "delta")  # starts v1's flush, which fails
+    begun.set()
     with pytest.raises(ApplyFailed):
-        await ck._flushing  # type: ignore[misc]
+        await asyncio.wrap_future(ck._flushing)  # type: ignore[arg-type]
     monkeypatch.setattr(FileMaps, "sync", working)
     for b in delta_batches(m2, sd1, sd2):
         await ck.apply(b)

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -93,7 +94,10 @@ class LocalCheckpoint(Engine):
         self._undo_pending: str | None = None  # a rollback that failed: done again at begin
         self._mutex = threading.Lock()
         self.sync_before_ack = sync_before_ack
-        self._flushing: asyncio.Future[None] | None = None  # the last delta's background sync
+        # the last delta's background sync, on the engine's own thread (flushes in order): not
+        # a task, which the loop that started it cancels as it ends (asyncio.run)
+        self._flushing: Future[None] | None = None
+        self._flusher: ThreadPoolExecutor | None = None
         self._unflushed: tuple[FileMaps, int] | None = None  # committed, flush not yet started
         self.state = EngineState()
 
@@ -108,6 +112,9 @@ class LocalCheckpoint(Engine):
         if self._txn is not None:
             await self.abort()
         await self.flushed()
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.shutdown(wait=False)  # idle: every flush is done
         self._store.close()
 
     async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
@@ -129,7 +136,7 @@ class LocalCheckpoint(Engine):
         await self.acknowledged()
         while (pending := self._flushing) is not None:
             with contextlib.suppress(AsyncSyncError):  # logged; the engine is marked broken
-                await asyncio.shield(pending)  # a cancelled caller leaves the flush running
+                await asyncio.shield(asyncio.wrap_future(pending))  # a cancelled caller too
             if self._flushing is pending:
                 self._flushing = None
 
@@ -161,16 +168,13 @@ class LocalCheckpoint(Engine):
         if self._unflushed is not None:
             maps, version = self._unflushed
             self._unflushed = None
-            self._flushing = asyncio.ensure_future(self._flush(self._flushing, maps, version))
+            if self._flusher is None:
+                self._flusher = ThreadPoolExecutor(1, f"flush {self.directory.name}")
+            self._flushing = self._flusher.submit(self._flush, maps, version)
 
-    async def _flush(
-        self, previous: asyncio.Future[None] | None, maps: FileMaps, version: int
-    ) -> None:
-        if previous is not None:
-            with contextlib.suppress(AsyncSyncError):
-                await asyncio.shield(previous)
+    def _flush(self, maps: FileMaps, version: int) -> None:
         try:
-            await asyncio.to_thread(self._make_durable, maps, version)
+            self._make_durable(maps, version)
         except AsyncSyncError:
             raise
         except (OSError, RuntimeError, ValueError) as exc:
