@@ -76,7 +76,7 @@ PUBLISH_STAGES: tuple[tuple[int, str, str], ...] = (
         "asyncsync.publish.writer:VersionWriter._write_shard",
     ),
     (1, "commit manifest (throttled)", "asyncsync.publish.publisher:commit_version"),
-    (1, "advance snapshot", "asyncsync.publish.publisher:Publisher._advance_snapshot"),
+    (1, "advance snapshot", "asyncsync.publish.advance:bring_up"),
     (1, "log + retention", "asyncsync.publish.publisher:log_and_collect"),
 )
 APPLY_STAGES: tuple[tuple[int, str, str], ...] = (

@@ -1,0 +1,156 @@
+"""After a commit the publisher brings its snapshot to the committed version
+(:mod:`asyncsync.publish.advance`): off the event loop's thread, and never half-way."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncsync import Publisher
+from asyncsync.format.store import list_versions
+from asyncsync.publish import snapshot
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+from tests.conftest import assert_holds, mixed_state, mutate
+
+
+def timed(spans: list[tuple[float, float]], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, noting the (start, end) of each call in ``spans``."""
+
+    def wrapper(*a: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a)
+        finally:
+            spans.append((t0, time.perf_counter()))
+
+    return wrapper
+
+
+@pytest.mark.slow  # 512 MiB written and copied
+async def test_a_full_versions_snapshot_copy_leaves_the_event_loop_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full version's tensors are copied into the snapshot, then hashed against the bytes
+    shipped, once the manifest is in place: ~0.4 s per GiB, minutes for a large model, which
+    ran on the event loop's thread and froze every other task of the trainer's loop (acks,
+    heartbeats). A ticker task on the loop measures the longest wait between its wakeups
+    while that copy runs: it must stay well below the copy's own time."""
+    spans: list[tuple[float, float]] = []
+    monkeypatch.setattr(snapshot, "advance", timed(spans, snapshot.advance))
+    monkeypatch.setattr(snapshot, "unshipped", timed(spans, snapshot.unshipped))
+    sd = {f"w{i}": torch.full((32 << 20,), float(i)) for i in range(4)}  # 512 MiB of float32
+    ticks: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.002)
+
+    async with Publisher(tmp_path / "root", bucket_bytes=64 << 20) as pub:
+        tick = asyncio.create_task(ticker())
+        try:
+            await pub.seed(sd)  # a full version: every tensor copied whole into the snapshot
+        finally:
+            tick.cancel()
+        assert pub.stale == []
+    start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    gap = max(b - a for a, b in itertools.pairwise(ticks) if b > start and a < end)
+    print(f"snapshot copy + hash {end - start:.3f} s; longest loop gap meanwhile {gap:.3f} s")
+    assert end - start > 0.05, "this machine copies too fast to tell: publish a larger state"
+    assert gap < (end - start) / 3
+
+
+def held(fn: Callable[..., Any], started: threading.Event, release: threading.Event) -> Any:
+    """``fn``, whose calls wait for ``release`` (after setting ``started``) before they run."""
+
+    def wrapper(*a: Any) -> Any:
+        started.set()
+        if not release.wait(10):
+            raise AssertionError("never released")
+        return fn(*a)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("kind", ["seed", "schema change", "delta"])
+async def test_a_cancel_during_the_snapshot_copy_never_leaves_a_half_advanced_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The publish is cancelled while its thread copies the committed version into the
+    snapshot (held there by an event). The version is committed, so the cancel waits for the
+    copy and is raised once the bookkeeping is done; the next version is then diffed against
+    exactly the committed one, and a receiver replays the chain to the trainer's bytes."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    sd0 = mixed_state(0)
+    started, release = threading.Event(), threading.Event()
+    if kind == "seed":  # no snapshot before: cloned
+        held_sd = sd0
+    elif kind == "schema change":  # a full version onto a snapshot: copied in place
+        held_sd = {**mutate(sd0, 0.5, seed=1), "extra": torch.arange(10.0)}
+    else:  # a delta advances the snapshot in its diff: the copy after the commit has no work
+        held_sd = mutate(sd0, 0.05, seed=1)
+    after = mutate(held_sd, 0.05, seed=2)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        if kind != "seed":
+            await pub.seed(sd0)
+        monkeypatch.setattr(snapshot, "advance", held(snapshot.advance, started, release))
+        task = asyncio.create_task(pub.seed(held_sd) if kind == "seed" else pub.publish(held_sd))
+        assert await asyncio.to_thread(started.wait, 10)  # the loop runs while the copy waits
+        held_version = list_versions(root)[-1]
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()  # the copy is not abandoned half-way
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pub.version == held_version and pub.stale == []
+        res = await pub.publish(after)
+        assert (res.version, res.kind, res.base_version) == (
+            held_version + 1,
+            "delta",
+            held_version,
+        )
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == held_version + 1
+        assert_holds(LocalCheckpoint(ckpt).load_state_dict(), after)
+
+
+async def test_a_snapshot_copy_that_fails_after_the_commit_makes_the_next_version_a_keyframe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The version is committed before the snapshot copy: a copy that fails (out of memory)
+    leaves the publisher at that version, its snapshot not trusted, so the next version is a
+    keyframe, and a receiver still reaches the trainer's bytes. (It raised out of publish
+    before, the publisher still at the version before, so the next publish collided with the
+    committed version's directory.)"""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.5, seed=1)  # seeded again: a full version of the same tensors
+    sd2 = mutate(sd1, 0.05, seed=2)
+    real = snapshot.advance
+
+    def fails_half_way(snap: Any, names: Any, pending: Any) -> Any:
+        real(snap, names[: len(names) // 2], pending)  # some tensors copied in place
+        raise RuntimeError("out of pinned memory")
+
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        monkeypatch.setattr(snapshot, "advance", fails_half_way)
+        res = await pub.seed(sd1)
+        assert res.version == 1 and pub.version == 1 and list_versions(root) == [0, 1]
+        assert pub.stale  # the snapshot is not what was shipped
+        monkeypatch.setattr(snapshot, "advance", real)
+        res = await pub.publish(sd2)
+        assert (res.version, res.kind, res.base_version) == (2, "full", 1)  # a keyframe
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 2
+        assert_holds(LocalCheckpoint(ckpt).load_state_dict(), sd2)
