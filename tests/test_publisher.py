@@ -250,7 +250,7 @@ async def test_failure_at_each_stage_commits_nothing(
         hook_fails["on"] = False
         assert files_under(tmp_path) == before  # no manifest, no shard, no temp file
         assert list_versions(tmp_path) == [0]
-        snap = pub._snapshot  # advanced in the diff's pass, then put back
+        snap = pub._base.tensors  # advanced in the diff's pass, then put back
         assert snap is not None and all(same_bytes(snap[k], t) for k, t in sd0.items())
         r = await pub.publish(sd1)  # the next publish works, against the unchanged snapshot
         assert r.version == 1 and r.kind == "delta"
@@ -448,7 +448,7 @@ async def test_full_mode_publishes_complete_checkpoints(tmp_path: Path) -> None:
     async with Publisher(tmp_path, mode="full") as pub:
         r1 = await pub.publish(sd)  # no seed needed
         r2 = await pub.publish(mutate(sd, 0.01, seed=1))
-        assert pub._snapshot in (None, {})  # keeps no model copy
+        assert pub._base.tensors in (None, {})  # keeps no model copy
     for r in (r1, r2):
         m = read_manifest(tmp_path, r.version)
         assert (m.kind, m.base_version) == ("full", None)

@@ -420,7 +420,7 @@ async def test_a_format_2_root_is_applied_after_its_manifest(
     sd2 = _state(2)
 
     async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
-        pub._fingerprint = ""  # what a format-2 writer does: no self-describing shards
+        pub._base.fingerprint = ""  # what a format-2 writer does: no self-describing shards
         res = await pub.publish(sd2)
         assert json.loads((res.path / "manifest.json").read_text())["format_version"] == 2
         assert stream_header(_delta_files(res.path)[0].read_bytes(), where="s") is None

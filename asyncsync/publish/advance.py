@@ -1,4 +1,6 @@
-"""After a commit: the publisher's snapshot brought to the committed version, off the loop.
+"""After a commit: the publisher's base (:class:`Base`: the snapshot and records of the last
+committed version, which the next delta is built on) brought to the committed version, the
+snapshot off the loop.
 
 Once a version's manifest is in place the publisher's snapshot must become that version before
 the next delta is diffed against it: the updates the version did not already make in its diff's
@@ -12,8 +14,9 @@ them in a worker thread.
 The version is committed when this runs, so the snapshot is never left between two versions:
 a cancellation that arrives meanwhile waits for the thread and is reported to the caller
 (which raises it once its bookkeeping is done, as :func:`asyncsync.publish.commit.complete`
-does), and a copy that fails (out of memory) leaves every tensor marked stale, so that the
-next version is a keyframe and no delta is diffed against a snapshot nobody verified.
+does), and a copy that fails (out of memory) leaves every tensor marked stale
+(``Publisher.stale``), so that the next version is a keyframe and no delta is diffed against
+a snapshot nobody verified.
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from asyncsync.codec.shards import PendingUpdate
+from asyncsync.format import Manifest
 from asyncsync.publish import snapshot
+from asyncsync.publish.merge import TensorSlice
 
-__all__ = ["after_commit", "bring_up"]
+__all__ = ["Base", "after_commit", "bring_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,3 +89,51 @@ async def after_commit(
         )
         return snap, list(names), cancelled
     return new, stale, cancelled
+
+
+@dataclass
+class Base:
+    """What a publisher's next delta is built on: the last committed version's snapshot
+    (``tensors``: this rank's, on the host; None before the first version), their checksums
+    (reused for the tensors that did not change), the version's fingerprint (a streaming
+    shard's base, FORMAT.md 4.3) and this rank's slices. Brought to each committed version by
+    :meth:`advance` (the snapshot) and :meth:`committed` (the records)."""
+
+    tensors: Snapshot | None = None
+    checksums: dict[str, str] = field(default_factory=dict)
+    fingerprint: str = ""
+    slices: dict[str, TensorSlice] = field(default_factory=dict)
+
+    def same_schema(
+        self, state_dict: Mapping[str, torch.Tensor], slices: Mapping[str, TensorSlice]
+    ) -> bool:
+        """Whether ``state_dict`` can be diffed against the snapshot (names, dtypes, shapes,
+        slices)."""
+        assert self.tensors is not None
+        return dict(slices) == self.slices and snapshot.same_schema(self.tensors, state_dict)
+
+    def schema_changes(self, state_dict: Mapping[str, torch.Tensor]) -> str:
+        assert self.tensors is not None
+        return snapshot.schema_changes(self.tensors, state_dict)
+
+    async def advance(
+        self,
+        names: Sequence[str],
+        pending: Sequence[PendingUpdate],
+        algorithm: str,
+        sums: Mapping[str, str] | None,
+    ) -> tuple[list[str], bool]:
+        """After the commit: the snapshot brought to the version (:func:`after_commit`);
+        returns ``(stale names, cancelled meanwhile)``."""
+        self.tensors, stale, cancelled = await after_commit(
+            self.tensors, names, pending, algorithm, sums
+        )
+        return stale, cancelled
+
+    def committed(self, manifest: Manifest, checksums: dict[str, str] | None = None) -> None:
+        """The records of the committed ``manifest`` (``checksums``: of this rank's own
+        tensors; the manifest's, by default)."""
+        self.fingerprint = manifest.fingerprint
+        if checksums is None:
+            checksums = {e.name: e.checksum for e in manifest.tensors}
+        self.checksums = checksums

@@ -69,7 +69,7 @@ from asyncsync.fsio import make_dir
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import LoopLock, finish_thread, run_pipeline
 from asyncsync.publish import snapshot
-from asyncsync.publish.advance import after_commit, bring_up
+from asyncsync.publish.advance import Base, bring_up
 from asyncsync.publish.commit import (
     PreCommitHook,
     PublisherLock,
@@ -185,15 +185,12 @@ class Publisher:
         rank = self._committer.rank
         lock = self.root / (f".publisher.r{rank:04d}.lock" if rank else LOCK_NAME)
         self._lock = PublisherLock(lock, root=self.root)
-        self._slices: dict[str, TensorSlice] = {}  # of the snapshot
         self._busy = LoopLock()  # not asyncio.Lock: reusable across asyncio.run calls
         self._run_id = ""
         self._next_version = 0
         self._last_version: int | None = None
-        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._base = Base()  # the last committed version's snapshot and records
         self.stale: list[str] = []  # tensors whose snapshot is not what was shipped: keyframe
-        self._checksums: dict[str, str] = {}
-        self._fingerprint = ""  # of the last committed version (a streaming shard's base)
         self._tally = Tally()
         self._in_flight = 0
         self._progress: Progress = None
@@ -246,7 +243,7 @@ class Publisher:
             raise
         latest = versions[-1] if versions else None
         if (latest, run_id) != (self._last_version, self._run_id):  # the root moved on since
-            self._snapshot, self._checksums, self._fingerprint, self._slices = None, {}, "", {}
+            self._base = Base()
         self._run_id, self._last_version, self._next_version = run_id, latest, nxt
         logger.info(
             "publisher open root=%s run=%s next_version=%d",
@@ -373,28 +370,25 @@ class Publisher:
 
     @property
     def has_snapshot(self) -> bool:
-        return self._snapshot is not None
+        return self._base.tensors is not None
 
     def same_schema(
         self, state_dict: Mapping[str, torch.Tensor], slices: Mapping[str, TensorSlice]
     ) -> bool:
-        """Whether ``state_dict`` can be diffed against the snapshot (names, dtypes, shapes,
-        slices)."""
-        assert self._snapshot is not None
-        return dict(slices) == self._slices and snapshot.same_schema(self._snapshot, state_dict)
+        return self._base.same_schema(state_dict, slices)
 
     def schema_changes(self, state_dict: Mapping[str, torch.Tensor]) -> str:
-        assert self._snapshot is not None
-        return snapshot.schema_changes(self._snapshot, state_dict)
+        return self._base.schema_changes(state_dict)
 
     def set_round(self, run_id: str, next_version: int) -> None:
         self._run_id, self._next_version = run_id, next_version
 
     def adopt(self, a: Attempt) -> None:
         """The group committed an attempt whose outcome this rank missed: advance to it."""
-        if self.mode == "delta":
-            self._snapshot, self.stale = bring_up(self._snapshot, a.names, a.updates, self.checksum)
-        self._checksums, self._slices = a.checksums, a.slices
+        b = self._base
+        if self.mode == "delta":  # (rare: on the loop's thread)
+            b.tensors, self.stale = bring_up(b.tensors, a.names, a.updates, self.checksum)
+        b.checksums, b.slices = a.checksums, a.slices
         self._last_version, self._next_version = a.version, a.version + 1
 
     # ------------------------------------------------------------------ internals
@@ -418,8 +412,8 @@ class Publisher:
         vdir = version_dir(self.root, version)
         t_start = time.perf_counter()
         created = time.time()
-        streams = delta and not self._committer.ranked and bool(self._fingerprint)  # FORMAT 4.3
-        stream = (version - 1, self._fingerprint, secrets.token_hex(6), self.encoding)
+        streams = delta and not self._committer.ranked and bool(self._base.fingerprint)  # 4.3
+        stream = (version - 1, self._base.fingerprint, secrets.token_hex(6), self.encoding)
         acc = VersionWriter(
             vdir=vdir, algorithm=self.checksum, version=version, run_id=self._run_id,
             shard_bytes=self._shards.next(state_dict),
@@ -453,13 +447,13 @@ class Publisher:
             if rnd.refuse is not None:
                 raise PublishError(rnd.refuse)
             await finish_thread(claim_version_dir, self.root, vdir, rnd.shared_dir)
-            snap = self._snapshot if delta else None
+            snap = self._base.tensors if delta else None
             sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
             buckets = snapshot.plan_for(state_dict, sizes, self.bucket_bytes, advance and not full)
             codec.scratch.fit(sum(sizes))  # the diff's temporaries: by the model's size
 
             def diff(bucket: list[int]) -> DiffedBucket:
-                items = snapshot.bucket_items(bucket, names, state_dict, snap, self._checksums)
+                items = snapshot.bucket_items(bucket, names, state_dict, snap, self._base.checksums)
                 d = diff_bucket(items, delta=delta, algorithm=self.checksum, advance=advance)
                 advanced.diffed(d)  # reverted if the version is not committed
                 return d
@@ -513,11 +507,12 @@ class Publisher:
         # Committed: from here on the version exists for readers.
         self._in_flight = 0
         if self.mode == "delta":  # in a thread: a full version's copy takes ~0.4 s per GiB
-            self._snapshot, self.stale, cancelled = await after_commit(
-                self._snapshot, names, acc.pending, self.checksum, acc.sums if full else None
+            sums = acc.sums if full else None
+            self.stale, cancelled = await self._base.advance(
+                names, acc.pending, self.checksum, sums
             )
             self._cancel_after_commit |= cancelled
-        self._slices = sl
+        self._base.slices = sl
         seconds = dict(acc.seconds)
         seconds["commit"] = time.perf_counter() - t_commit
         seconds["total"] = time.perf_counter() - t_start
@@ -540,10 +535,7 @@ class Publisher:
         self._progress = None
         self._next_version = manifest.version + 1
         self._last_version = manifest.version
-        self._fingerprint = manifest.fingerprint
-        self._checksums = (
-            checksums if checksums is not None else {e.name: e.checksum for e in manifest.tensors}
-        )
+        self._base.committed(manifest, checksums)
         self._tally.elements = manifest.totals.elements
         self._shards.committed(manifest)
         if not self._committer.is_committer:
@@ -591,6 +583,6 @@ class Publisher:
         except BaseException as exc:
             self._progress = None
             await discard(vdir, exc, version, stage[0])
-        self._snapshot = tensors
+        self._base.tensors = tensors
         t1 = time.perf_counter()
         return await self._committed(manifest, {"total": t1 - t0, "commit": t1 - t0}, vdir)
