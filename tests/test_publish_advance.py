@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from asyncsync import Publisher
+from asyncsync import FileRendezvous, Publisher
 from asyncsync.format.store import list_versions
 from asyncsync.publish import snapshot
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import assert_holds, mixed_state, mutate
+from tests.dist_worker import full_state, portion
 
 
 def timed(spans: list[tuple[float, float]], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -154,3 +155,49 @@ async def test_a_snapshot_copy_that_fails_after_the_commit_makes_the_next_versio
     async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
         assert await agent.sync_once() == 2
         assert_holds(LocalCheckpoint(ckpt).load_state_dict(), sd2)
+
+
+async def test_a_ranks_failed_snapshot_copy_makes_the_groups_next_version_a_keyframe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank of a group advances its snapshot after each commit (its diff does not); the
+    copy failing half-way leaves that rank's snapshot stale, which its plan must tell rank 0
+    (``want_full``), or the next version carries that rank's delta against a snapshot no engine
+    holds, refused by every engine until the next keyframe."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    pubs = [
+        Publisher(
+            root,
+            coordinator=FileRendezvous(root, r, 2, timeout=30, poll_interval=0.002),
+            keyframe_interval=0,
+        )
+        for r in range(2)
+    ]
+    real = snapshot.advance
+
+    def rank1_fails_half_way(snap: Any, names: Any, pending: Any) -> Any:
+        if names and names[0].startswith("rank1."):
+            real(snap, names[: len(names) // 2], pending)
+            raise RuntimeError("out of pinned memory")
+        return real(snap, names, pending)
+
+    async def together(step: int) -> list[Any]:
+        parts = [portion(step, r, 2) for r in range(2)]
+        calls = [p.seed if step == 0 else p.publish for p in pubs]
+        return await asyncio.gather(
+            *(c(sd, slices=sl) for c, (sd, sl) in zip(calls, parts, strict=True))
+        )
+
+    async with pubs[0], pubs[1]:
+        await together(0)
+        async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+            assert await agent.sync_once() == 0
+            monkeypatch.setattr(snapshot, "advance", rank1_fails_half_way)
+            assert [r.kind for r in await together(1)] == ["delta", "delta"]
+            assert pubs[1].stale and not pubs[0].stale
+            assert await agent.sync_once() == 1
+            monkeypatch.setattr(snapshot, "advance", real)
+            assert [r.kind for r in await together(2)] == ["full", "full"]  # a keyframe
+            assert not pubs[1].stale
+            assert await agent.sync_once() == 2
+    assert_holds(LocalCheckpoint(ckpt).load_state_dict(), full_state(2, 2))

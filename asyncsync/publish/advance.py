@@ -15,8 +15,8 @@ The version is committed when this runs, so the snapshot is never left between t
 a cancellation that arrives meanwhile waits for the thread and is reported to the caller
 (which raises it once its bookkeeping is done, as :func:`asyncsync.publish.commit.complete`
 does), and a copy that fails (out of memory) leaves every tensor marked stale
-(``Publisher.stale``), so that the next version is a keyframe and no delta is diffed against
-a snapshot nobody verified.
+(``Publisher.stale``), so that the next version is a keyframe (a group's, when one rank's is
+stale) and no delta is diffed against a snapshot nobody verified.
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ class RankedCommitter:
             snapshot=pub.last_version if pub.has_snapshot else None,
             can_delta=ok and pub.has_snapshot and pub.same_schema(state_dict, sl),
             can_delta_after=ok and u is not None and u.schema == schema,
-            want_full=keyframe,
+            want_full=keyframe or bool(pub.stale),  # its snapshot is not what it shipped
             error=error,
             next_version=pub.next_version,
             last_version=pub.last_version,
