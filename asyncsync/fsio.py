@@ -31,7 +31,7 @@ from pathlib import Path, PurePath
 __all__ = [
     "TMP_PREFIX", "FileLock", "Throttle", "UnsafePath", "append_bytes", "append_line",
     "atomic_write", "fs_now", "fsync_dir", "get_throttle", "is_temp_name", "lstat", "make_dir",
-    "open_dir", "open_file", "parse_size", "read_bytes", "read_file", "remove",
+    "open_dir", "open_file", "read_bytes", "read_file", "remove",
     "remove_temp_files", "remove_tree", "scan", "set_throttle",
 ]  # fmt: skip
 
@@ -112,26 +112,6 @@ class Throttle:
 _throttle: Throttle | None = (
     Throttle.parse(_env) if (_env := os.environ.get("ASYNCSYNC_THROTTLE")) else None
 )
-
-
-_SIZE_UNITS = {
-    "": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
-    "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40,
-    "tb": 10**12,
-}  # fmt: skip
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: ``4096``, ``32MiB``, ``1.5G`` (K/M/G/T = 1024^n, KB/MB/... = 1000^n)."""
-    m = _SIZE_RE.match(text.replace("_", ""))
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"{text!r} is not a size; write e.g. 33554432, 32MiB or 1G")
-    value = float(m.group(1)) * _SIZE_UNITS[unit]
-    if value != int(value):
-        raise ValueError(f"{text!r} is not a whole number of bytes")
-    return int(value)
 
 
 def set_throttle(throttle: Throttle | None) -> None:

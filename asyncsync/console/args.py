@@ -1,21 +1,43 @@
-"""argparse types shared by every command-line tool (``asyncsync``, ``asyncsync-receiver``)."""
+"""argparse types shared by every command-line tool (``asyncsync``, ``asyncsync-receiver``), and
+:func:`parse_size`, the sizes they and :class:`~asyncsync.training.config.SyncConfig` take."""
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 
 from asyncsync.errors import MAX_SECONDS
-from asyncsync.fsio import parse_size
 
 __all__ = [
     "int_at_least",
     "non_negative_float",
     "non_negative_int",
+    "parse_size",
     "positive_float",
     "positive_int",
     "size_bytes",
 ]
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
+    "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40,
+    "tb": 10**12,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: ``4096``, ``32MiB``, ``1.5G`` (K/M/G/T = 1024^n, KB/MB/... = 1000^n)."""
+    m = _SIZE_RE.match(text.replace("_", ""))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size; write e.g. 33554432, 32MiB or 1G")
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
 
 
 def _seconds(zero_ok: bool) -> Callable[[str], float]:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncsync.codec import ENCODINGS
+from asyncsync.console.args import parse_size
 from asyncsync.errors import MAX_SECONDS, ConfigError, ManifestError, shown
 from asyncsync.format import check_engine_id
 from asyncsync.format.checksum import ALGORITHMS
-from asyncsync.fsio import parse_size
 from asyncsync.publish.hooks import check_import_path
 
 __all__ = ["FIELD_SPECS", "FieldSpec", "parse_size", "parse_value"]

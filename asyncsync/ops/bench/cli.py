@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.console.args import int_at_least, positive_float
+from asyncsync.console.args import int_at_least, parse_size, positive_float
 from asyncsync.errors import ConfigError
-from asyncsync.fsio import Throttle, parse_size
+from asyncsync.fsio import Throttle
 from asyncsync.ops.cli.common import positive_int
 from asyncsync.pipeline import MAX_THREADS
 
