@@ -534,9 +534,18 @@ def remove_temp_files(directory: _Path, *, root: _Root = None) -> list[Path]:
 
 
 class FileLock:
-    """An exclusive, non-blocking ``flock`` held for the life of the object; the file records
-    the holder's pid and host (for the next taker's error). The kernel drops it when the process
-    dies. A lock file that is a symlink, a FIFO or hard-linked raises :class:`UnsafePath`."""
+    """An exclusive, non-blocking ``flock`` held for the life of the object. The kernel drops it
+    when the process dies. A lock file that is a symlink, a FIFO or hard-linked raises
+    :class:`UnsafePath`.
+
+    The file names its holder, ``pid host token`` (the token is this lock's own: two of one
+    process differ), and :meth:`intact` reads it back: an ``flock`` holds the inode it opened,
+    so a directory wiped (or the file replaced) under a holder let a second taker lock a new
+    file there, and both wrote beside each other. A holder checks it before each write that
+    must be its alone (a publisher's manifest, a receiver's state). Not the inode number: FUSE
+    filesystems need not keep one stable."""
+
+    text = b""  # what the file held when this lock took it
 
     def __init__(self, path: _Path, *, root: _Root = None):
         self.path = Path(path)
@@ -551,14 +560,25 @@ class FileLock:
         except BlockingIOError:
             os.close(fd)
             return False
+        text = f"{os.getpid()} {os.uname().nodename} {secrets.token_hex(8)}\n".encode()
         try:
             os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {os.uname().nodename}\n".encode())
+            os.write(fd, text)
         except OSError:
             os.close(fd)  # closing drops the lock too
             raise
-        self._fd = fd
+        self._fd, self.text = fd, text
         return True
+
+    def intact(self) -> bool:
+        """Whether the file at the path is still the one this lock holds (False when it is
+        not held, or the file was removed or replaced since it was taken)."""
+        if self._fd is None:
+            return False
+        try:
+            return read_bytes(self.path, limit=4096, root=self.root) == self.text
+        except (FileNotFoundError, UnsafePath, ValueError):  # removed, or something else there
+            return False
 
     def holder(self) -> str:
         try:

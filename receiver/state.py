@@ -302,7 +302,7 @@ class StateStore:
             if not self._lock.acquire():
                 raise LockHeld(
                     f"engine state {self.directory} is locked by {self._lock.holder()} "
-                    "(pid host): one receiver agent per engine. Stop that agent, or point "
+                    "(pid host token): one receiver agent per engine. Stop that agent, or point "
                     "this one at another engine"
                 )
         try:
@@ -326,6 +326,12 @@ class StateStore:
         """Persist ``state`` (stamped with the current time) atomically; return what was saved."""
         if not self._lock.held:
             raise EngineStateError(f"{self.directory}: save() without holding the lock")
+        if not self._lock.intact():  # the directory wiped under us: another agent may own it
+            raise LockHeld(
+                f"{self._lock.path} is no longer the lock file this receiver holds (the state "
+                "directory was wiped, or the file removed or replaced): another receiver may "
+                "be writing this engine; nothing was saved. Close this agent and open it again"
+            )
         state = replace(state, updated_at=time.time())
         fsio.atomic_write(self.path, state.to_json().encode())
         logger.debug(

@@ -62,6 +62,26 @@ def test_file_lock_is_exclusive_and_names_holder(tmp_path: Path) -> None:
     b.release()
 
 
+def test_file_lock_tells_when_its_file_is_no_longer_the_one_it_holds(tmp_path: Path) -> None:
+    """An flock holds the inode it opened: once the file is removed or replaced, a second taker
+    locks a new one at the same path. Each lock's token tells them apart (one process's too)."""
+    path = tmp_path / "lock"
+    a = FileLock(path)
+    assert not a.intact()  # not held
+    assert a.acquire() and a.intact()
+    path.unlink()
+    b = FileLock(path)
+    assert b.acquire() and b.intact() and not a.intact()
+    assert a.text != b.text and a.text.split()[:2] == b.text.split()[:2]  # pid host token
+    path.unlink()
+    (tmp_path / "elsewhere").write_bytes(b.text)
+    path.symlink_to(tmp_path / "elsewhere")
+    assert not b.intact()  # never read through a symlink
+    a.release()
+    b.release()
+    assert not b.intact()
+
+
 def test_throttle_parse_and_scope() -> None:
     t = Throttle.parse("200MB/s,5ms@/shared/root")
     assert (t.bandwidth, t.latency, t.root) == (200e6, 0.005, "/shared/root")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,28 @@ def test_lock_names_holder_across_processes(tmp_path: Path) -> None:
     store = StateStore(tmp_path)  # released when the holder exits
     assert store.open() is None
     store.close()
+
+
+def test_a_state_directory_wiped_under_its_receiver_never_gets_two_writers(tmp_path: Path) -> None:
+    """An ``flock`` holds the inode it opened: a state directory removed (or its lock file
+    replaced) under an open receiver let a second receiver lock a new file at the same path,
+    and both saved the engine's state beside each other. The lock file names its holder with
+    a token of its own, read back before each save (as the publisher's is before a manifest)."""
+    ps = PersistedState(version=3, run_id="r", fingerprint="ab" * 8,
+                        checksum_algorithm="xxh3-128", checksums={})  # fmt: skip
+    first = StateStore(tmp_path / "st")
+    first.open()
+    first.save(ps)
+    shutil.rmtree(tmp_path / "st")
+    second = StateStore(tmp_path / "st")
+    try:
+        assert second.open() is None
+        with pytest.raises(LockHeld, match="no longer the lock file this receiver holds"):
+            first.save(ps.begin(4, "delta"))
+        assert second.save(ps).version == 3 and not second.load().applying  # type: ignore[union-attr]
+    finally:
+        first.close()
+        second.close()
 
 
 def test_leftover_temp_files_are_removed(tmp_path: Path) -> None:

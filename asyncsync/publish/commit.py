@@ -19,7 +19,6 @@ import functools
 import inspect
 import logging
 import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -56,7 +55,6 @@ __all__ = [
     "build_manifest",
     "claim_version_dir",
     "collect_garbage",
-    "PublisherLock",
     "commit_version",
     "complete",
     "discard",
@@ -130,60 +128,21 @@ def check_readable(data: bytes, version: int) -> None:
         raise ConfigError(f"{exc}; every reader would refuse it: {fix}") from None
 
 
-class PublisherLock(FileLock):
-    """The publisher's :class:`~asyncsync.fsio.FileLock`, which also tells when its file is no
-    longer the root's: an ``flock`` holds the inode it opened, so a root wiped (or its lock file
-    removed) under an open publisher let a second publisher lock a new file and write the same
-    root beside it. The file names the holder with a token of its own (pid and host are not
-    enough: two publishers of one process); :meth:`check`, before each commit, reads it back.
-    Not the inode number: FUSE filesystems need not keep one stable."""
-
-    text = b""
-
-    def acquire(self) -> bool:
-        if not super().acquire():
-            return False
-        text = f"{os.getpid()} {os.uname().nodename} {secrets.token_hex(8)}\n".encode()
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                os.write(fd, text)
-            finally:
-                os.close(fd)
-        except OSError:  # (a symlink planted since the lock): not held, as a failed acquire
-            self.release()
-            raise
-        self.text = text
-        return True
-
-    def check(self) -> None:
-        """Raise PublishError unless the lock file at the path is still the one held."""
-        try:
-            now = fsio.read_bytes(self.path, limit=4096, root=self.root)
-        except FileNotFoundError:
-            now = b""
-        if now != self.text:
-            raise PublishError(
-                f"{self.path} is no longer the lock file this publisher holds (the root was "
-                "wiped, or the file removed or replaced): another publisher may be writing this "
-                "root; nothing was committed. Close this publisher and open it again"
-            )
-
-
 async def commit_version(
     root: Path,
     vdir: Path,
     manifest: Manifest,
     stage: list[str],
     hook: PreCommitHook | None,
-    lock: PublisherLock | None = None,
+    lock: FileLock | None = None,
 ) -> bool:
     """Make the shards durable, run the hook, write the manifest: the commit.
 
     ``stage[0]`` names the step in flight (for the caller's error message). Returns True when
     a cancellation arrived after the rename: the version is committed, and the caller must
     finish its bookkeeping and then raise ``CancelledError``. ``lock``: the publisher's, checked
-    to be still the root's (:class:`PublisherLock`) right before the manifest is written.
+    to be still the root's (:meth:`~asyncsync.fsio.FileLock.intact`) right before the manifest
+    is written.
     """
     stage[0] = "manifest"
     data = manifest.to_json().encode()
@@ -204,8 +163,12 @@ async def commit_version(
         stage[0] = "pre-commit hook"
         await run_hook(hook, vdir)
     stage[0] = "manifest"
-    if lock is not None:
-        await asyncio.to_thread(lock.check)
+    if lock is not None and not await asyncio.to_thread(lock.intact):
+        raise PublishError(
+            f"{lock.path} is no longer the lock file this publisher holds (the root was "
+            "wiped, or the file removed or replaced): another publisher may be writing this "
+            "root; nothing was committed. Close this publisher and open it again"
+        )
     write = functools.partial(atomic_write, path, data, root=root, sync_dir=False)
     try:
         await finish_thread(write)

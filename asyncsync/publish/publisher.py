@@ -65,14 +65,13 @@ from asyncsync.format.store import (
     next_version_after,
     read_root_info,
 )
-from asyncsync.fsio import make_dir
+from asyncsync.fsio import FileLock, make_dir
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import LoopLock, finish_thread, run_pipeline
 from asyncsync.publish import snapshot
 from asyncsync.publish.advance import Base, bring_up
 from asyncsync.publish.commit import (
     PreCommitHook,
-    PublisherLock,
     build_manifest,
     claim_version_dir,
     clean_leftovers,
@@ -184,7 +183,7 @@ class Publisher:
             self._committer = RankedCommitter(coordinator, config, keyframe_interval)
         rank = self._committer.rank
         lock = self.root / (f".publisher.r{rank:04d}.lock" if rank else LOCK_NAME)
-        self._lock = PublisherLock(lock, root=self.root)
+        self._lock = FileLock(lock, root=self.root)
         self._busy = LoopLock()  # not asyncio.Lock: reusable across asyncio.run calls
         self._run_id = ""
         self._next_version = 0
