@@ -84,9 +84,9 @@ async def after_commit(
     except Exception as exc:
         logger.error(
             "the version is committed, but its snapshot could not be brought up to it (%r): "
-            "the next version is a keyframe",
-            exc,
-        )
+            "%s", exc, "the next version is a keyframe" if snap is not None else
+            "there is no snapshot to diff against (seed again)",
+        )  # fmt: skip
         return snap, list(names), cancelled
     return new, stale, cancelled
 
