@@ -2,7 +2,9 @@
 
 :class:`HttpClient` is the one way these engines talk to a server:
 
-* one ``aiohttp`` session per engine, created in the running loop, closed by ``close()``;
+* one ``aiohttp`` session per engine and event loop (a session belongs to the loop it was made
+  in, and an agent serves one ``asyncio.run`` after another): reused for every call in that loop,
+  closed as the loop ends (``asyncio.run``'s shutdown of async generators) or by ``close()``;
 * a deadline on every call (``timeout=`` per call; the caller picks it, :class:`Timeouts`);
 * bounded retries with exponential backoff on connection errors, 5xx answers and timeouts
   (:class:`RetryPolicy`); never a retry on a 4xx: the server understood and said no;
@@ -22,6 +24,7 @@ import asyncio
 import json
 import logging
 import random
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,7 +195,8 @@ class HttpClient:
         self._auth = _bearer(api_key, "API key")
         # without an admin key the one key opens every endpoint (as SGLang treats --api-key alone)
         self._admin_auth = _bearer(admin_api_key, "admin API key") or self._auth
-        self._session: aiohttp.ClientSession | None = None
+        # loop -> its session and the async generator that closes it when the loop shuts down
+        self._sessions: dict[asyncio.AbstractEventLoop, _LoopSession] = {}
         self._closed = False
 
     def __repr__(self) -> str:  # no headers: they hold the key
@@ -204,22 +208,52 @@ class HttpClient:
     def closed(self) -> bool:
         return self._closed
 
-    async def close(self) -> None:
-        """Close the session; a closed client refuses requests (it never opens another)."""
-        self._closed = True
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
+    @property
+    def _session(self) -> aiohttp.ClientSession | None:
+        """The running loop's session, if it has one (None outside a loop)."""
+        try:
+            held = self._sessions.get(asyncio.get_running_loop())
+        except RuntimeError:
+            return None
+        return held.session if held is not None else None
 
-    def _get_session(self, endpoint: str) -> aiohttp.ClientSession:
+    async def close(self) -> None:
+        """Close the sessions; a closed client refuses requests (it never opens another).
+
+        The running loop's session is closed here; one of a loop running in another thread is
+        closed on that loop; one of a loop that is not running is closed when that loop shuts
+        down its async generators (``asyncio.run`` does as it ends).
+        """
+        self._closed = True
+        here = asyncio.get_running_loop()
+        for loop, held in list(self._sessions.items()):
+            if loop is here:
+                del self._sessions[loop]
+                await held.keeper.aclose()
+            elif loop.is_closed():
+                del self._sessions[loop]
+            elif loop.is_running():
+                del self._sessions[loop]
+                asyncio.run_coroutine_threadsafe(_aclose(held.keeper), loop)
+
+    async def _get_session(self, endpoint: str) -> aiohttp.ClientSession:
         if self._closed:
             raise EngineHTTPError(
                 f"{self.name} {endpoint}: the client is closed (the engine was closed)",
                 endpoint=endpoint,
             )
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self._headers, trust_env=False)
-        return self._session
+        loop = asyncio.get_running_loop()
+        held = self._sessions.get(loop)
+        if held is not None and not held.session.closed:
+            return held.session
+        # the sessions of loops that ended were closed as they shut down: forget them
+        for gone in [lp for lp in self._sessions if lp.is_closed()]:
+            del self._sessions[gone]
+        session = aiohttp.ClientSession(headers=self._headers, trust_env=False)
+        keeper = _close_at_shutdown(session)
+        self._sessions[loop] = _LoopSession(session, keeper)
+        await anext(keeper)  # the loop now knows it: its shutdown closes the session
+        return session
 
     async def request(
         self,
@@ -249,7 +283,7 @@ class HttpClient:
         key = None if not admin else "shared" if auth == self._auth else "own"
         for attempt in range(1, attempts + 1):
             try:
-                async with self._get_session(endpoint).request(
+                async with (await self._get_session(endpoint)).request(
                     method,
                     url,
                     json=json_body,
@@ -314,6 +348,26 @@ class HttpClient:
                 logger.info("%s not up yet (%s); waiting", self.name, exc)
                 await asyncio.sleep(min(delay, left))
                 delay = min(delay * 2, max(self.retry.maximum, 0.1))
+
+
+@dataclass(frozen=True)
+class _LoopSession:
+    session: aiohttp.ClientSession
+    keeper: AsyncGenerator[None, None]
+
+
+async def _close_at_shutdown(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
+    """Hold ``session`` open until closed: by ``aclose()`` (``HttpClient.close``) or by the
+    loop's ``shutdown_asyncgens()``, which ``asyncio.run`` awaits once its tasks are done, so a
+    session never outlives its loop unclosed."""
+    try:
+        yield
+    finally:
+        await session.close()
+
+
+async def _aclose(keeper: AsyncGenerator[None, None]) -> None:
+    await keeper.aclose()
 
 
 def _bearer(key: str | None, what: str) -> str | None:

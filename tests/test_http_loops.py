@@ -1,0 +1,87 @@
+"""One HTTP engine under one ``asyncio.run`` after another.
+
+An ``aiohttp.ClientSession`` belongs to the event loop it was made in; a ReceiverAgent (and so
+its engine) serves successive ``asyncio.run`` calls. The client keeps one session per running
+loop: reused within the loop (one connection for successive calls), closed when its loop ends
+or at ``close()``, and no "Unclosed client session" / "Unclosed connector" is ever reported
+(the suite turns warnings into errors; the asyncio log is checked as well).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from receiver.engines import SGLang
+from receiver.engines.http_engine import EngineHTTPError, HttpClient
+from receiver.engines.vllm import VLLM
+from tests.fake_engines import FAST, FAST_RETRY, FakeSGLang, FakeVLLM, ServerThread
+
+_LEAKS = ("Unclosed client session", "Unclosed connector", "never retrieved", "unclosed")
+
+
+def _no_leak_reported(caplog: pytest.LogCaptureFixture) -> None:
+    gc.collect()
+    bad = [r.getMessage() for r in caplog.records if any(w in r.getMessage() for w in _LEAKS)]
+    assert bad == []
+
+
+def test_a_client_serves_one_asyncio_run_after_another(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    with ServerThread(FakeSGLang()) as srv:
+        client = HttpClient(srv.url, retry=FAST_RETRY)
+
+        async def twice() -> aiohttp.ClientSession:
+            await client.request("GET", "/health", timeout=2)
+            first = client._session
+            await client.request("GET", "/health", timeout=2)
+            assert first is not None and client._session is first  # reused within one loop
+            return first
+
+        first = asyncio.run(twice())
+        assert first.closed  # closed as its loop ended, not left to the garbage collector
+        second = asyncio.run(twice())
+        assert second is not first and second.closed
+        asyncio.run(client.close())
+        assert client._session is None
+        with pytest.raises(EngineHTTPError, match="closed"):
+            asyncio.run(client.request("GET", "/health", timeout=2))
+    _no_leak_reported(caplog)
+
+
+def test_close_under_the_same_loop_closes_its_session(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    with ServerThread(FakeSGLang()) as srv:
+        client = HttpClient(srv.url, retry=FAST_RETRY)
+        asyncio.run(client.request("GET", "/health", timeout=2))
+
+        async def use_and_close() -> None:
+            await client.request("GET", "/health", timeout=2)
+            session = client._session
+            await client.close()
+            assert session is not None and session.closed
+
+        asyncio.run(use_and_close())
+    _no_leak_reported(caplog)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_an_engine_serves_one_asyncio_run_after_another(
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    ckpt = tmp_path / "ckpt"
+    fake = FakeSGLang() if kind == "sglang" else FakeVLLM(str(ckpt.absolute()))
+    with ServerThread(fake) as srv:
+        engine = (SGLang if kind == "sglang" else VLLM)(
+            srv.url, ckpt, timeouts=FAST, retry=FAST_RETRY
+        )
+        asyncio.run(engine.served_version())
+        asyncio.run(engine.served_version())
+        asyncio.run(engine.close())
+    _no_leak_reported(caplog)
