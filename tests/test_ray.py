@@ -16,10 +16,11 @@ import safetensors.torch
 import torch
 
 from asyncsync import ConfigError, LockHeld
-from asyncsync.errors import AckTimeout
+from asyncsync.errors import AckTimeout, shown
 from asyncsync.training.config import SyncConfig
 from asyncsync.training.ray import (
     ReceiverActor,
+    ReceiverFleet,
     ReceiverSpec,
     TrainerActor,
     engine_nodes,
@@ -98,6 +99,48 @@ def test_receiver_spec_validation() -> None:
     with pytest.raises(ConfigError, match="status_port"):
         ReceiverSpec("e0", "/ckpt", status_port=70000)
     assert plain({"p": Path("/a"), "t": (1, 2), "s": spec})["s"]["checkpoint"] == "/ckpt"
+
+
+# a duration no wait can take: refused at the call, naming the argument, before Ray is touched
+# (each was an OverflowError or TypeError from inside ray.wait or asyncio, or a silent wrong wait)
+BAD_SECONDS = [float("nan"), -1, True, 10**400, 1e300, "5"]
+
+
+def _ray_duration_calls(tmp_path: Path) -> dict[str, tuple[Any, bool]]:
+    """What each call names in its error -> (the call, whether ``inf`` means no limit there)."""
+    root, ckpt = str(tmp_path / "root"), str(tmp_path / "ckpt")
+    spec = ReceiverSpec("e0", ckpt)
+    fleet = ReceiverFleet(root, {}, {})
+    actor = ReceiverActor(root, spec)
+    return {
+        "poll_interval": (lambda v: ReceiverSpec("e0", ckpt, poll_interval=v), False),
+        "ReceiverActor: take_over": (lambda v: ReceiverActor(root, spec, take_over=v), False),
+        "ReceiverActor.stop: grace": (lambda v: asyncio.run(actor.stop(v)), False),
+        "ReceiverFleet.stop: grace": (lambda v: fleet.stop(grace=v), False),
+        "ReceiverFleet.statuses: timeout": (lambda v: fleet.statuses(timeout=v), False),
+        "ReceiverFleet.sync_now: timeout": (lambda v: fleet.sync_now(timeout=v), True),
+        "ReceiverFleet.verify: timeout": (lambda v: fleet.verify(timeout=v), True),
+        "ReceiverFleet.wait_for: timeout": (lambda v: fleet.wait_for(1, timeout=v), True),
+        "ReceiverFleet.wait_for: poll_interval": (
+            lambda v: fleet.wait_for(1, poll_interval=v),
+            False,
+        ),
+        "ReceiverFleet.replace_dead: take_over": (lambda v: fleet.replace_dead(take_over=v), False),
+        "start_receivers: ready_timeout": (
+            lambda v: start_receivers(root, [spec], ready_timeout=v),
+            True,
+        ),
+    }
+
+
+@pytest.mark.parametrize("value", [*BAD_SECONDS, float("inf")], ids=shown)
+def test_ray_durations_are_checked_at_the_call(tmp_path: Path, value: Any) -> None:
+    for what, (call, forever) in _ray_duration_calls(tmp_path).items():
+        if forever and value == float("inf"):
+            continue  # inf waits without a limit there, as None does
+        with pytest.raises(ConfigError, match=what) as info:
+            call(value)
+        assert info.value.__context__ is None, what  # refused before any wait started
 
 
 def test_float8_tensors_cross_pickle_packed() -> None:

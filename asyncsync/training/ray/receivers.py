@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.errors import AckTimeout, ConfigError, LockHeld
+from asyncsync.errors import AckTimeout, ConfigError, LockHeld, check_seconds
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
 from asyncsync.memory import freeze_startup_objects
 from asyncsync.training.ray.base import (
@@ -95,6 +95,7 @@ class ReceiverActor:
     """
 
     def __init__(self, root: str, spec: ReceiverSpec, take_over: float = 0.0) -> None:
+        check_seconds("ReceiverActor: take_over", take_over)
         self.root = os.fspath(root)
         self.spec = spec
         self.take_over = take_over
@@ -232,6 +233,7 @@ class ReceiverActor:
 
     async def stop(self, grace: float = STOP_GRACE) -> int | None:
         """Stop the loop (a version in flight finishes, or rolls back after ``grace`` s)."""
+        check_seconds("ReceiverActor.stop: grace", grace)
         self._stop.set()
         task = self._task
         if task is not None and not task.done():
@@ -316,6 +318,7 @@ class ReceiverFleet:
     def statuses(self, *, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
         """Each receiver's :meth:`ReceiverActor.status`; a dead one's says ``alive`` False and
         why in ``stopped_by``, one not up yet ``starting`` True. Each has ``restarts``."""
+        check_seconds("ReceiverFleet.statuses: timeout", timeout)
 
         def lost(e: str, exc: BaseException) -> dict[str, Any]:
             from ray.exceptions import GetTimeoutError
@@ -333,12 +336,13 @@ class ReceiverFleet:
 
     def sync_now(self, *, timeout: float | None = 600.0) -> dict[str, int | None]:
         """Make every receiver apply what is committed now; the versions they hold. Raises
-        Ray's ``RayActorError`` when a receiver is dead."""
-        return self._each("sync_now", timeout=timeout)
+        Ray's ``RayActorError`` when a receiver is dead. ``timeout`` None or inf: no limit."""
+        return self._each("sync_now", timeout=_limit("ReceiverFleet.sync_now: timeout", timeout))
 
     def verify(self, *, timeout: float | None = 600.0) -> dict[str, dict[str, Any]]:
-        """Each receiver's :meth:`ReceiverActor.verify` (bit-exact check, on its node)."""
-        return self._each("verify", timeout=timeout)
+        """Each receiver's :meth:`ReceiverActor.verify` (bit-exact check, on its node).
+        ``timeout`` None or inf: no limit."""
+        return self._each("verify", timeout=_limit("ReceiverFleet.verify: timeout", timeout))
 
     def wait_for(
         self, version: int, *, timeout: float | None = 60.0, poll_interval: float = 0.2
@@ -347,7 +351,10 @@ class ReceiverFleet:
 
         Raises :class:`~asyncsync.errors.AckTimeout` naming the engines behind, and at once
         when a receiver's loop has stopped or its actor died (its error in the message).
+        ``timeout`` None or inf: no limit.
         """
+        timeout = _limit("ReceiverFleet.wait_for: timeout", timeout)
+        check_seconds("ReceiverFleet.wait_for: poll_interval", poll_interval, above=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             statuses = self.statuses()
@@ -381,6 +388,7 @@ class ReceiverFleet:
         lease's ttl, for a dead holder's lease to go stale) and goes on from the version its
         checkpoint holds. Returns, per engine not running, what was done ("replaced", or why
         not). Does not wait for the new actors: :meth:`statuses` shows them come up."""
+        check_seconds("ReceiverFleet.replace_dead: take_over", take_over, optional=True)
         if self._stopped:
             return {}
         ray = import_ray()
@@ -415,6 +423,7 @@ class ReceiverFleet:
     def stop(self, *, grace: float = STOP_GRACE) -> dict[str, int | None]:
         """Stop every receiver (versions in flight finish), end the actors; the versions held
         (None for a receiver that was dead). Never raises for a dead receiver or node."""
+        check_seconds("ReceiverFleet.stop: grace", grace)
         if self._stopped:
             return {}
         ray = import_ray()
@@ -425,6 +434,12 @@ class ReceiverFleet:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
             self._stopped = True
+
+
+def _limit(name: str, timeout: float | None) -> float | None:
+    """``timeout`` checked as seconds; None (no limit) for None or inf, as Ray takes it."""
+    check_seconds(name, timeout, optional=True, forever=True)
+    return None if timeout is None or timeout == float("inf") else timeout
 
 
 def _lost_at_stop(engine_id: str, exc: BaseException) -> None:
@@ -478,7 +493,7 @@ def start_receivers(
         num_cpus: CPUs each actor reserves (default 0: it shares the node with its engine;
             decoding runs in threads either way).
         ready_timeout: wait this long for every engine to open (an SGLang server may take
-            minutes to start); None: return at once.
+            minutes to start); None: return at once; inf: wait without a limit.
         actor_options: more Ray actor options (``runtime_env``, ``namespace``, ``lifetime``...).
 
     Actors are named ``asyncsync-receiver-<engine_id>`` (``ray.get_actor`` finds them), so a
@@ -494,6 +509,7 @@ def start_receivers(
         with start_receivers("/shared/weights", specs) as fleet:
             fleet.wait_for(3, timeout=120)
     """
+    check_seconds("start_receivers: ready_timeout", ready_timeout, optional=True, forever=True)
     ray = import_ray()
     ids = [s.engine_id for s in specs]
     if not specs:
@@ -523,7 +539,8 @@ def start_receivers(
         )
         if ready_timeout is not None:
             refs = {a.wait_ready.remote(): e for e, a in actors.items()}
-            done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=ready_timeout)
+            limit = _limit("ready_timeout", ready_timeout)
+            done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=limit)
             ray.get(done)  # raises the first receiver's error
             if pending:
                 late = sorted(refs[r] for r in pending)
