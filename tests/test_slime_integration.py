@@ -17,10 +17,13 @@ import torch
 from torch import nn
 
 from asyncsync import AckTimeout, ConfigError, Publisher, PublishError
+from asyncsync.errors import shown
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.training.slime import (
     AsyncSyncWeightUpdater,
+    HostReceivers,
     NoEngines,
+    RayReceivers,
     create_weight_updater,
     sync_config_from_args,
 )
@@ -393,3 +396,15 @@ def test_a_failing_hook_fails_the_call_and_the_committed_version_counts(tmp_path
         assert updater.weight_version == 1  # v0 is committed: slime's counter advanced too
         m = updater.pop_metrics()
         assert m["perf/update_weights_failed"] == 1 and m["perf/update_weights_version"] == 0
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1, True, 10**400, 1e300, "5"], ids=shown)
+def test_a_ready_timeout_no_wait_can_take_is_refused_at_once(tmp_path: Path, value: Any) -> None:
+    """The ray link's ``ready_timeout`` went to Ray unchecked when the engines connected
+    (``ray.wait`` overflowed, or a bool waited a second); None does not wait, inf waits
+    without a limit."""
+    for link in (RayReceivers, HostReceivers):
+        with pytest.raises(ConfigError, match="ready_timeout"):
+            link(str(tmp_path / "root"), str(tmp_path / "ckpt"), ready_timeout=value)
+    for fine in (None, float("inf"), 0, 600.0):
+        assert RayReceivers("/r", "/c", ready_timeout=fine).ready_timeout == fine

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.errors import ConfigError
+from asyncsync.errors import ConfigError, check_seconds
 from asyncsync.training.staleness import AckPolicy
 
 if TYPE_CHECKING:
@@ -104,6 +104,8 @@ class RayReceivers(EngineLink):
             ``<dir>/<engine id>``.
         version_offset: the server's weight version label for root version ``v`` is
             ``v + version_offset`` (slime's ``weight_version``).
+        ready_timeout: seconds to wait for every receiver to open when the engines connect
+            (:func:`~asyncsync.training.ray.start_receivers`); None: do not wait; inf: no limit.
         spec_options: more :class:`~asyncsync.training.ray.ReceiverSpec` fields
             (``poll_interval``...).
     """
@@ -122,6 +124,7 @@ class RayReceivers(EngineLink):
         self.root = root
         self.local_checkpoint_dir = local_checkpoint_dir.rstrip("/")
         self.version_offset = version_offset
+        check_seconds("RayReceivers: ready_timeout", ready_timeout, optional=True, forever=True)
         self.ready_timeout = ready_timeout
         self.spec_options = dict(spec_options or {})
         self.fleet: ReceiverFleet | None = None
