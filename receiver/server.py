@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from asyncsync.errors import check_number, check_seconds
 from receiver.agent import ReceiverAgent
 from receiver.audit import Auditor
 from receiver.plan import latest_version
@@ -205,11 +206,9 @@ class StatusServer:
             raise ValueError("the control token must be at least 16 characters")
         if ready_max_lag < 0:
             raise ValueError(f"ready_max_lag must be >= 0, got {ready_max_lag}")
-        if max_connections < 1 or not header_timeout > 0:
-            raise ValueError(
-                f"max_connections must be >= 1 and header_timeout > 0, got {max_connections}, "
-                f"{header_timeout}"
-            )
+        check_number("StatusServer: max_connections", max_connections, integer=True, minimum=1)
+        check_seconds("StatusServer: ready_timeout", ready_timeout, above=True)
+        check_seconds("StatusServer: header_timeout", header_timeout, above=True)
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.ready_max_lag = ready_max_lag

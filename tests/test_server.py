@@ -14,7 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from asyncsync import IncompleteVersion, Publisher
+from asyncsync import ConfigError, IncompleteVersion, Publisher
+from asyncsync.errors import shown
 from asyncsync.format.acks import read_acks
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -276,3 +277,15 @@ async def test_an_ipv6_status_url_has_brackets(tmp_path: Path) -> None:
         assert server.url.startswith("http://[::1]:")
         async with http.get(f"{server.url}/healthz") as r:
             assert r.status in (200, 503)
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1, True, 10**400, 1e300, float("inf"), 0, "5"],
+                         ids=shown)  # fmt: skip
+def test_a_duration_no_wait_can_take_is_refused_at_once(tmp_path: Path, value: Any) -> None:
+    """``ready_timeout`` reached ``asyncio.timeout`` on the first /readyz unchecked (10**400
+    overflowed there, a bool waited a second) and ``header_timeout`` aiohttp's keep-alive
+    timer; both are seconds > 0, with a limit (a probe must answer)."""
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
+    for name in ("ready_timeout", "header_timeout"):
+        with pytest.raises(ConfigError, match=f"StatusServer: {name}"):
+            StatusServer(agent, **{name: value})
