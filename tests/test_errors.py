@@ -104,7 +104,7 @@ def _duration_calls(tmp_path: Any) -> dict[str, Any]:
     from asyncsync.training.staleness import AckPolicy
     from receiver.agent import ReceiverAgent
     from receiver.engines.checkpoint import LocalCheckpoint
-    from receiver.engines.http_engine import RetryPolicy, Timeouts
+    from receiver.engines.http_engine import HttpClient, RetryPolicy, Timeouts
 
     def agent(**kw: Any) -> Any:
         return ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e0", **kw)
@@ -121,6 +121,7 @@ def _duration_calls(tmp_path: Any) -> dict[str, Any]:
         "ReceiverAgent.lease_settle": lambda v: agent(lease_settle=v, lease_ttl=10**9),
         "RetentionPolicy.ack_ttl": lambda v: RetentionPolicy(ack_ttl=v),
         "Timeouts.update": lambda v: Timeouts(update=v),
+        "HttpClient.connect_timeout": lambda v: HttpClient("http://127.0.0.1:1", connect_timeout=v),
         "RetryPolicy.maximum": lambda v: RetryPolicy(maximum=v),
         "SyncSession.cancel_grace": lambda v: SyncSession(
             SyncConfig(root=tmp_path / "s"), cancel_grace=v

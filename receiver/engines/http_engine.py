@@ -188,6 +188,7 @@ class HttpClient:
         name: str = "engine",
     ):
         self.url = check_url(url)
+        check_seconds("HttpClient: connect_timeout", connect_timeout, above=True)
         self.retry = retry or RetryPolicy()
         self.connect_timeout = connect_timeout
         self.name = name
