@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from asyncsync.errors import ConfigError, shown
 from asyncsync.format import LOG_NAME
 from asyncsync.format import log as log_module
 from asyncsync.format.log import MAX_LINE_BYTES, follow_log, read_log
@@ -390,3 +391,15 @@ async def test_tail_f_prints_an_ack_after_its_versions_line(
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert printed() == ["v0", "ack engine=e0 version=0", "v1", "ack engine=e1 version=1"]
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1, True, 10**400, 1e300, float("inf"), 0, "5"],
+                         ids=shown)  # fmt: skip
+def test_follow_log_refuses_a_poll_interval_no_wait_can_take_at_the_call(
+    tmp_path: Path, value: Any
+) -> None:
+    """The interval reached ``asyncio.sleep`` after the first poll, unchecked (10**400
+    overflowed there, nan slept for ever, 0 spun on the log): refused as the call is made,
+    not when the generator is first iterated."""
+    with pytest.raises(ConfigError, match="follow_log: poll_interval"):
+        follow_log(tmp_path, poll_interval=value)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from asyncsync.errors import FormatError
+from asyncsync.errors import FormatError, check_seconds
 from asyncsync.format import LOG_NAME, Manifest
 from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_file
 
@@ -306,14 +306,14 @@ class _Lines:
         return out
 
 
-async def follow_log(
+def follow_log(
     root: Path,
     *,
     poll_interval: float = 0.5,
     from_start: bool = True,
     notice: Callable[[str], None] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """Yield log records as they are appended (polling: works on NFS and FUSE too).
+    """An async iterator of the log's records as they are appended (polling: NFS, FUSE too).
 
     A log replaced (a trim, the root wiped and seeded again, a restore) or truncated is read
     again from its start: its lines that were in the file it replaced, byte for byte, are not
@@ -321,8 +321,18 @@ async def follow_log(
     forged or stray line never hides a later one. ``notice`` (default: a logged warning) gets
     one line when a new run's records follow another run's, and when a line that is no record
     or is longer than ``MAX_LINE_BYTES`` is skipped: once, not again for the same line in a
-    log that replaced it.
+    log that replaced it. ``poll_interval`` is checked as seconds > 0 as the call is made.
     """
+    check_seconds("follow_log: poll_interval", poll_interval, above=True)
+    return _follow(root, poll_interval, from_start, notice)
+
+
+async def _follow(
+    root: Path,
+    poll_interval: float,
+    from_start: bool,
+    notice: Callable[[str], None] | None,
+) -> AsyncIterator[dict[str, Any]]:
     say = notice or logger.warning
     path = root / LOG_NAME
     offset = 0
