@@ -12,10 +12,13 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from asyncsync.errors import ConfigError, shown
+from receiver.plugins.audit import Auditor
 from receiver.plugins.prefetch import ENV_PREFETCH, StagePrefetch, start_prefetch
 from receiver.plugins.stage import DATA_NAME, STAGE_NAME
 from tests.sglang_toy import Rig, hf_state, step
@@ -156,3 +159,25 @@ async def test_an_apply_waits_for_the_read_ahead_in_progress(
         assert "verified in" in rig.apply_all(v)[0]  # no read ahead: read by the apply
         assert not ahead.poll() and ahead.prefetched == 1  # and not read again after
         rig.check()
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1, True, 10**400, 1e300, "5"], ids=shown)
+def test_the_plugins_durations_are_checked_at_the_call(value: Any) -> None:
+    """``stop(timeout)`` of the plugins' threads (StagePrefetch, the in-engine Auditor) went
+    to ``Thread.join`` unchecked (10**400, 1e300 and inf raised OverflowError there, nan
+    waited for ever, True a second), and so did StagePrefetch's ``interval`` to
+    ``Event.wait``. inf stops without a limit; the interval must be > 0 and finite."""
+    loader = SimpleNamespace(on_change=None)  # the checks come before any use of it
+    ahead, auditor = StagePrefetch(loader), Auditor(loader, enabled=False)  # type: ignore[arg-type]
+    calls = {
+        "StagePrefetch: interval": lambda v: StagePrefetch(loader, interval=v),  # type: ignore[arg-type]
+        "StagePrefetch.stop: timeout": lambda v: ahead.stop(v),
+        "Auditor.stop: timeout": lambda v: auditor.stop(v),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ConfigError, match=what):
+            call(value)
+    with pytest.raises(ConfigError, match="StagePrefetch: interval"):
+        StagePrefetch(loader, interval=float("inf"))  # type: ignore[arg-type]
+    ahead.stop(float("inf"))  # no thread started: returns at once
+    auditor.stop(float("inf"))

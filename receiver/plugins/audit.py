@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync import fsio
+from asyncsync.errors import check_seconds
 from receiver.plugins.held import INDEX_NAME, Held, read_verified, read_weight_map
 from receiver.plugins.inplace import InEngineLoader
 from receiver.plugins.routing import compare, route
@@ -195,10 +196,12 @@ class Auditor:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; wait at most ``timeout`` seconds for it (inf: without a limit)."""
+        check_seconds("Auditor.stop: timeout", timeout, forever=True)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(None if timeout == float("inf") else timeout)
             self._thread = None
 
     # -- the loader's listener (called under its lock, in the engine's thread) ---------------

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncsync.errors import FormatError
+from asyncsync.errors import FormatError, check_seconds
 from receiver.plugins.stage import STAGE_DIR, STAGE_NAME, read_stage
 
 if TYPE_CHECKING:
@@ -62,8 +62,7 @@ class StagePrefetch:
     """
 
     def __init__(self, loader: InEngineLoader, *, interval: float = 0.01):
-        if not interval > 0:
-            raise ValueError(f"interval must be > 0, got {interval}")
+        check_seconds("StagePrefetch: interval", interval, above=True)
         self.loader = loader
         self.interval = interval
         self.prefetched = 0  # stages read and verified ahead
@@ -83,9 +82,11 @@ class StagePrefetch:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; wait at most ``timeout`` seconds for it (inf: without a limit)."""
+        check_seconds("StagePrefetch.stop: timeout", timeout, forever=True)
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(None if timeout == float("inf") else timeout)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
