@@ -54,6 +54,7 @@ from receiver.engines.base import Engine, TensorUpdate
 from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe
 from receiver.shard_reader import (
+    VERIFY_DEADLINE,
     Piece,
     ShardData,
     apply_groups,
@@ -72,8 +73,6 @@ __all__ = ["VERIFY_DEADLINE", "AgentStatus", "ReceiverAgent"]
 logger = logging.getLogger(__name__)
 
 PROGRESS_LOG_SECONDS = 5.0
-#: the default ``verify_deadline``: seconds a damaged or incomplete shard is re-read
-VERIFY_DEADLINE = 10.0
 
 
 class ReceiverAgent:

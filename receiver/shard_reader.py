@@ -37,6 +37,7 @@ from receiver.parts import PartUpdate
 __all__ = [
     "ShardData",
     "APPLY_GROUP_BYTES",
+    "VERIFY_DEADLINE",
     "Piece",
     "apply_groups",
     "decode_pieces",
@@ -60,6 +61,9 @@ APPLY_GROUP_BYTES = 16 << 20
 # (decoded patches and undo records) a 64 MB model kept 1.69x its size with 16 MiB groups
 # (issue 26; 1.35x with 1 MiB), while a 1 GiB model keeps its ~10 records of 16 MiB.
 MIN_APPLY_GROUP_BYTES = 1 << 20
+#: the default ``verify_deadline`` (the agent's, the stream's): seconds a damaged or incomplete
+#: shard is re-read (here, where the agent and receiver.stream both read shards: no cycle)
+VERIFY_DEADLINE = 10.0
 
 
 def group_bytes_for(model_bytes: int, limit: int = APPLY_GROUP_BYTES) -> int:

@@ -42,7 +42,13 @@ from asyncsync.fsio import read_bytes
 from asyncsync.pipeline import threads
 from receiver.engines.base import Engine
 from receiver.prefetch import Prefetcher, being_written, probe
-from receiver.shard_reader import Piece, decode_pieces, group_bytes_for, group_pieces
+from receiver.shard_reader import (
+    VERIFY_DEADLINE,
+    Piece,
+    decode_pieces,
+    group_bytes_for,
+    group_pieces,
+)
 
 __all__ = ["AppliedShard", "StreamApplier", "early_reader"]
 
@@ -86,7 +92,7 @@ class StreamApplier:
         on_manifest: asyncio.Event,
         group_bytes: int,
         idle_timeout: float = 120.0,
-        verify_deadline: float = 10.0,
+        verify_deadline: float = VERIFY_DEADLINE,
         interval: float = 0.005,
     ) -> None:
         self.root = root

@@ -518,3 +518,12 @@ async def test_a_stream_that_ends_without_a_valid_manifest_is_rolled_back(
             assert read_ack(root, "e1").version == 1  # type: ignore[union-attr]
         finally:
             stop.set()
+
+
+def test_the_stream_waits_as_long_as_the_agent_for_a_shard_to_verify() -> None:
+    """One default for how long a shard that does not verify yet is read again, whether the
+    agent reads it or the stream does: the stream kept a 10.0 of its own."""
+    from receiver.agent import VERIFY_DEADLINE
+
+    defaults = StreamApplier.__init__.__kwdefaults__
+    assert defaults is not None and defaults["verify_deadline"] is VERIFY_DEADLINE
