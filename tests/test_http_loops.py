@@ -70,6 +70,26 @@ def test_close_under_the_same_loop_closes_its_session(caplog: pytest.LogCaptureF
     _no_leak_reported(caplog)
 
 
+def test_a_loop_that_runs_again_keeps_its_session(caplog: pytest.LogCaptureFixture) -> None:
+    """A loop run again after another loop ran (an ``asyncio.Runner``) finds its own session
+    still open; the other loop's was closed as that loop ended."""
+    caplog.set_level(logging.DEBUG)
+    with ServerThread(FakeSGLang()) as srv, asyncio.Runner() as runner:
+        client = HttpClient(srv.url, retry=FAST_RETRY)
+
+        async def call() -> aiohttp.ClientSession | None:
+            await client.request("GET", "/health", timeout=2)
+            return client._session
+
+        first = runner.run(call())
+        other = asyncio.run(call())
+        assert other is not first and other is not None and other.closed
+        assert runner.run(call()) is first and first is not None and not first.closed
+        runner.run(client.close())
+        assert first.closed and not client._sessions
+    _no_leak_reported(caplog)
+
+
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
 def test_an_engine_serves_one_asyncio_run_after_another(
     kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
