@@ -17,9 +17,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from asyncsync import Publisher
+from receiver import ReceiverAgent
 from receiver.engines import SGLang
 from receiver.engines.http_engine import EngineHTTPError, HttpClient
 from receiver.engines.vllm import VLLM
+from tests.conftest import mixed_state, mutate
 from tests.fake_engines import FAST, FAST_RETRY, FakeSGLang, FakeVLLM, ServerThread
 
 _LEAKS = ("Unclosed client session", "Unclosed connector", "never retrieved", "unclosed")
@@ -104,4 +107,32 @@ def test_an_engine_serves_one_asyncio_run_after_another(
         asyncio.run(engine.served_version())
         asyncio.run(engine.served_version())
         asyncio.run(engine.close())
+    _no_leak_reported(caplog)
+
+
+def test_an_agent_with_an_sglang_engine_syncs_under_one_asyncio_run_after_another(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent serves successive ``asyncio.run`` calls (its locks are LoopLocks): so must its
+    engine's HTTP client, for a version applied under each."""
+    caplog.set_level(logging.DEBUG)
+    root = tmp_path / "root"
+    states = [mixed_state(0), mutate(mixed_state(0), 0.03, seed=1)]
+
+    async def publish(i: int) -> None:
+        async with Publisher(root, bucket_bytes=8192) as pub:
+            await pub.seed(states[i])  # a full version: this publisher has no snapshot
+
+    with ServerThread(FakeSGLang()) as srv:
+        engine = SGLang(srv.url, tmp_path / "ckpt", timeouts=FAST, retry=FAST_RETRY)
+        agent = ReceiverAgent(root, engine, "e", use_inotify=False)
+
+        async def sync() -> int | None:
+            await agent.open()
+            return await agent.sync_once()
+
+        for i in (0, 1):
+            asyncio.run(publish(i))
+            assert asyncio.run(sync()) == i and srv.weight_version == str(i)
+        asyncio.run(agent.close())
     _no_leak_reported(caplog)
