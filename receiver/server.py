@@ -36,6 +36,7 @@ from dataclasses import asdict
 from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -162,6 +163,38 @@ class _Capped(asyncio.Protocol):
             self.inner.resume_writing()
 
 
+class _HttpLog:
+    """aiohttp's server logger for the status port. A malformed request (a 400: a bad header,
+    a port scanner's probe) is the client's fault, not the receiver's: one WARNING line a
+    minute with the count, no traceback (aiohttp logs an ERROR with its traceback for each, so
+    any client of the port could fill the receiver's log). Anything else, a handler's own
+    exception, is logged with its traceback as aiohttp does."""
+
+    def __init__(self) -> None:
+        self.malformed = 0
+        self.warned = -float("inf")
+
+    def debug(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        logger.debug(msg, *args, **kwargs)
+
+    def warning(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        logger.warning(msg, *args, **kwargs)
+
+    def exception(self, msg: str, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
+        if not isinstance(exc_info, HttpProcessingError):
+            logger.error(msg, *args, exc_info=exc_info, **kwargs)
+            return
+        self.malformed += 1
+        now = time.monotonic()
+        if now - self.warned > 60:
+            self.warned = now
+            what = " ".join(str(exc_info.message).split())[:120]
+            logger.warning(
+                "status port: refused %d malformed request(s) (400) so far; the latest: %s",
+                self.malformed, what,
+            )  # fmt: skip
+
+
 class _CappedRunner(web.AppRunner):
     """An AppRunner whose sites take at most ``max_connections`` connections at once."""
 
@@ -256,6 +289,7 @@ class StatusServer:
             max_connections=self.max_connections,
             access_log=None,
             keepalive_timeout=self.header_timeout,
+            logger=_HttpLog(),
         )
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port)

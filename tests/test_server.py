@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import resource
 import socket
 import subprocess
@@ -289,3 +290,34 @@ def test_a_duration_no_wait_can_take_is_refused_at_once(tmp_path: Path, value: A
     for name in ("ready_timeout", "header_timeout"):
         with pytest.raises(ConfigError, match=f"StatusServer: {name}"):
             StatusServer(agent, **{name: value})
+
+
+async def test_malformed_requests_log_one_line_a_minute_without_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(attack-42) Each malformed request (a bad Content-Length, an overlong header line, a
+    port scanner's probe) logged an ERROR with an 11-line traceback through aiohttp's server
+    logger: any client of the port could write ~1.4 MB of log a second into the receiver's
+    log. The client's fault is one WARNING a minute now, with a count; still answered 400."""
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e1")
+    bad = (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 9000 + b"\r\n\r\n",
+        b"GET /status\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+    )
+    caplog.set_level(logging.DEBUG)
+    async with StatusServer(agent) as server:
+        for i in range(30):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(bad[i % len(bad)])
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readline(), 10)
+            writer.close()
+            assert head.split()[1:2] == [b"400"], head
+        async with aiohttp.ClientSession() as http, http.get(f"{server.url}/healthz") as resp:
+            assert resp.status == 200
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1, [r.getMessage() for r in loud]
+    assert loud[0].levelno == logging.WARNING and loud[0].exc_info is None
+    assert "malformed" in loud[0].getMessage() and "\n" not in loud[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records if r.levelno > logging.DEBUG)
