@@ -21,8 +21,8 @@ acknowledges each version once the directory holds it bit for bit.
 Without ``--once`` it runs until SIGINT (Ctrl-C) or SIGTERM, then finishes (or rolls back) the
 version in flight and exits 0; a second Ctrl-C or SIGTERM meanwhile is ignored until it has
 exited (the status stays 0; SIGKILL still ends it at once). ``--once`` applies everything
-committed so far, prints the version held and exits. An error prints one line on stderr, exit
-status 1. uvloop is used when it is installed.
+committed so far, prints the version held and exits (status 130 if interrupted). An error
+prints one line on stderr, exit status 1. uvloop is used when it is installed.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Keep a local safetensors checkpoint at the newest version of a shared root.",
         epilog="Without --once, Ctrl-C (SIGINT) or SIGTERM stops it after the version in flight "
         f"(allowed {_STOP_GRACE:.0f} s); a second Ctrl-C or SIGTERM meanwhile is ignored. Exit "
-        "status: 0 stopped, or --once done; 1 an error (one line on stderr); 2 bad usage.",
+        "status: 0 stopped, or --once done; 1 an error (one line on stderr); 2 bad usage; "
+        "130 --once interrupted.",
     )
     p.add_argument("--root", required=True, help="the shared root the publisher writes")
     p.add_argument(
@@ -445,7 +446,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_paths(args)
         args.control_token = None if args.once else check_status_options(args)
         if args.once:
-            version = run_async(lambda: _once(args))
+            try:
+                version = run_async(lambda: _once(args))
+            except KeyboardInterrupt:  # not done: a script must not go on as if it were
+                print_error(
+                    f"asyncsync-receiver {args.engine_id}",
+                    "interrupted before every committed version was applied (a version in "
+                    "flight is undone when the checkpoint is next opened)",
+                    args.log_format,
+                )
+                return 130
             if version is None:
                 print(f"{args.engine_id}: holds no version ({args.root} has none committed yet)")
             else:
