@@ -1,9 +1,14 @@
 """Signals an operator sends to the command-line tools (attack-42): an interrupted ``--once``
-says so in its exit status."""
+says so in its exit status; a terminated demo stops its receivers."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,3 +44,56 @@ def test_an_interrupted_once_is_not_a_success(
     assert status == 130, (status, out, err)
     assert out == ""
     assert "interrupted" in err and len(err.strip().splitlines()) == 1, err
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_a_terminated_demo_stops_its_receivers(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM (``timeout``, a CI job cancelled, ``kill``) or SIGHUP (the terminal closed) to
+    ``python -m asyncsync.ops.demo`` killed it at once and left its receiver processes running
+    for good, polling the root. They are stopped now, as on Ctrl-C: "DEMO FAILED:
+    interrupted", status 1."""
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncsync.ops.demo", "--root", str(workdir),
+         "--versions", "1000", "--elements", "100000", "--engines", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all((workdir / "shared" / "acks" / f"engine-{i}.json").exists() for i in (0, 1)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the receivers never acknowledged"
+            time.sleep(0.1)
+        kids = _children(proc.pid)
+        assert len(kids) == 2, kids
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if _alive(k)], "receivers left running"
+    finally:
+        proc.kill()
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+    assert proc.returncode == 1, (proc.returncode, out, err)
+    assert out.strip().splitlines()[-1] == "DEMO FAILED: interrupted", out
+    assert "Traceback" not in err, err

@@ -333,6 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    """SIGTERM or SIGHUP: a KeyboardInterrupt, so that the receivers are stopped (killed at
+    once, the demo left them running for good); a second one meanwhile is ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -355,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         temp = True
     t0 = time.perf_counter()
     ok, message = False, ""
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the receivers, as on Ctrl-C
+        signal.signal(sig, _interrupt)
     try:
         version = run_demo(
             workdir,
