@@ -156,6 +156,7 @@ class ReceiverAgent:
         self.stream_timeout = stream_timeout
         self._early = EarlyRead(self.root, self.engine_id)  # the next version, before its manifest
         self._wake: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None  # run()'s: checked between versions
         self._bad = BadVersions(self.root, self.engine_id, verify_deadline)
         self._presence = RootPresence(
             self.root, self.engine_id, engine, lease_ttl=lease_ttl, lease_settle=lease_settle
@@ -253,7 +254,7 @@ class ReceiverAgent:
         last good version meanwhile.
         """
         await self.open()
-        stop = stop or asyncio.Event()
+        stop = self._stop = stop or asyncio.Event()
         wake = self._wake = asyncio.Event()
 
         async def watch() -> None:
@@ -315,7 +316,7 @@ class ReceiverAgent:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self._early.stop()
-            self._wake = None
+            self._wake = self._stop = None
 
     def exclusive(self) -> LoopLock:
         """``async with agent.exclusive():`` no version is applied meanwhile (the sync lock;
@@ -364,7 +365,7 @@ class ReceiverAgent:
         bad.waiting = None
         try:
             await self._walk(latest, newest.run_id)
-            if damaged is not None:  # the newest version's manifest does not read: say so
+            if damaged is not None and self.version == latest:  # the newest does not read
                 bad.stuck(found, latest)
                 raise damaged
         except AsyncSyncError as exc:
@@ -435,6 +436,8 @@ class ReceiverAgent:
                     )  # fmt: skip
                 raise
             await self._ack(m)
+            if self._stop is not None and self._stop.is_set():
+                return  # stopping: after the version in flight, not the whole catch-up
         if cur > latest:
             raise ChainError(
                 f"engine holds version {cur} but the root's newest is {latest}: was the root "

@@ -17,6 +17,7 @@ from asyncsync import (
     ConfigError,
     FormatError,
     IncompleteVersion,
+    Manifest,
     Publisher,
 )
 from asyncsync.format.acks import read_acks
@@ -480,3 +481,28 @@ def test_an_agent_serves_one_asyncio_run_after_another(tmp_path: Path) -> None:
 
     assert asyncio.run(audit_meets_sync()) == 1
     asyncio.run(agent.close())
+
+
+async def test_a_stop_during_a_catch_up_stops_after_the_version_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(attack-42) SIGTERM to a receiver catching up through a chain applied every version to
+    the newest before it stopped (5 s for 100 versions of 4 MiB; past the 120 s grace, or a
+    pod's 30 s, on a long chain of a large model): the stop is checked after each version
+    now, as the CLI's help says ("stops it after the version in flight")."""
+    states = await publish_chain(tmp_path, 8, keyframe_interval=0)
+    agent = ReceiverAgent(tmp_path, LocalCheckpoint(tmp_path / "c"), "s1", use_inotify=False)
+    stop = asyncio.Event()
+    acked = agent._ack
+
+    async def ack_then_stop(m: Manifest) -> None:
+        await acked(m)
+        if m.version == 2:
+            stop.set()  # as the CLI's signal handler does
+
+    monkeypatch.setattr(agent, "_ack", ack_then_stop)
+    async with agent:
+        await asyncio.wait_for(agent.run(stop=stop), 60)
+        assert agent.version == 2
+    assert read_acks(tmp_path)["s1"].version == 2
+    assert_holds(LocalCheckpoint(tmp_path / "c").load_state_dict(), states[2])

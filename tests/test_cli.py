@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncsync import Manifest, Publisher
+from asyncsync.format.acks import read_acks
 from asyncsync.ops.cli import human_bytes, main
 from asyncsync.ops.workload import Workload, WorkloadConfig
 from receiver import ReceiverAgent
@@ -400,7 +401,8 @@ def test_receiver_runs_until_sigint_and_exits_0(root: Path, tmp_path: Path) -> N
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not (root / "acks" / "rx-run.json").exists():
+        # the catch-up done (a stop ends it after the version in flight)
+        while getattr(read_acks(root).get("rx-run"), "version", None) != 3:
             assert proc.poll() is None, proc.communicate()[1]
             assert time.monotonic() < deadline, "the receiver never acknowledged"
             time.sleep(0.1)
@@ -441,7 +443,7 @@ def test_a_second_stop_signal_while_the_receiver_stops_is_ignored(
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not (root / "acks" / f"{engine_id}.json").exists():
+        while getattr(read_acks(root).get(engine_id), "version", None) != 3:
             assert proc.poll() is None, proc.communicate()[1]
             assert time.monotonic() < deadline, "the receiver never acknowledged"
             time.sleep(0.1)
