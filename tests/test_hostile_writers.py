@@ -11,6 +11,7 @@ stop a commit; a symlinked old version is unlinked by retention, its target unto
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import stat
@@ -19,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncsync import ConfigError, Publisher
+from asyncsync import AckTimeout, ConfigError, Publisher
 from asyncsync.format import LOG_NAME, MANIFEST_NAME, version_dir
+from asyncsync.format.acks import read_acks, wait_acked
 from asyncsync.format.store import list_versions
 from asyncsync.publish.rendezvous import FileRendezvous
 from asyncsync.publish.retention import RetentionPolicy, collect
@@ -134,3 +136,28 @@ async def test_a_junk_entry_at_the_next_version_is_removed_not_followed(tmp_path
         assert (await pub.publish(_state(2))).version == 2
     assert list_versions(root) == [0, 1, 2] and not version_dir(root, 1).is_symlink()
     assert _tree(elsewhere.parent) == before  # today's main: v1's shards written into it
+
+
+async def test_an_unreadable_ack_is_said_once_not_at_every_poll(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(attack-42) One unreadable file in ``acks/`` (a torn ack, a stray file) was logged as a
+    WARNING at every read of the acks: ~11 a second from a trainer's ``wait_acked`` (it polls
+    every 20-100 ms) and from ``asyncsync tail -f``, for as long as they ran. It is said once
+    (again after ten minutes, or when its reason changes)."""
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed({"w": torch.zeros(100)})
+    (root / "acks").mkdir(exist_ok=True)
+    (root / "acks" / "torn.json").write_text('{"format": "asyncsync", "engine_id": ')
+    (root / "acks" / "other.json").write_text(
+        (root / "acks" / "torn.json").read_text() + '"x", "version": 0}'
+    )
+    with pytest.raises(AckTimeout):
+        await wait_acked(root, 0, engines=["gpu0"], timeout=1.0)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 2, said  # once for each file
+    assert any("torn.json" in m for m in said) and any("other.json" in m for m in said)
+    (root / "acks" / "torn.json").write_text("[]")  # another reason: said again
+    read_acks(root)
+    assert sum("torn.json" in r.getMessage() for r in caplog.records) == 2

@@ -51,6 +51,22 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 _MAX_ACK_BYTES = 64 << 10
+_SAY_AGAIN_AFTER = 600.0  # seconds before the same complaint about the same ack is said again
+_said: dict[tuple[str, str], float] = {}  # (path, complaint) -> when it was last said
+
+
+def _say_once(path: Path, complaint: str) -> None:
+    """A WARNING about an ack file, said once (again after ``_SAY_AGAIN_AFTER`` s, or with
+    another complaint), DEBUG otherwise: the acks are read at every poll (``wait_acked`` every
+    20-100 ms, ``asyncsync tail -f``), and one bad file must not fill the reader's log."""
+    key, now = (str(path), complaint), time.monotonic()
+    if now - _said.get(key, -math.inf) < _SAY_AGAIN_AFTER:
+        logger.debug("%s (said before)", complaint)
+        return
+    if len(_said) >= 4096:  # bounded: files come and go
+        _said.clear()
+    _said[key] = now
+    logger.warning("%s", complaint)
 
 
 @dataclass(frozen=True)
@@ -164,7 +180,7 @@ def read_acks(root: Path) -> dict[str, AckRecord]:
     except FileNotFoundError:
         return out
     except OSError as exc:  # acks/ is a file or a symlink: a damaged root, not a crash
-        logger.warning("cannot list acks in %s: %s", d, exc)
+        _say_once(d, f"cannot list acks in {d}: {exc}")
         return out
     for name in names:
         if is_temp_name(name) or not name.endswith(".json"):
@@ -177,10 +193,10 @@ def read_acks(root: Path) -> dict[str, AckRecord]:
             logger.debug("ignoring %s: %s", d / name, exc)
             continue
         except (OSError, ManifestError) as exc:
-            logger.warning("ignoring unreadable ack %s: %s", d / name, exc)
+            _say_once(d / name, f"ignoring unreadable ack {d / name}: {exc}")
             continue
         if f"{rec.engine_id}.json" != name:
-            logger.warning("ignoring ack %s: it names engine %r", d / name, rec.engine_id)
+            _say_once(d / name, f"ignoring ack {d / name}: it names engine {rec.engine_id!r}")
             continue
         out[rec.engine_id] = rec
     return out
