@@ -255,6 +255,7 @@ class StatusServer:
         self._registry.register(_AgentCollector(agent, auditor))
         self._runner: _CappedRunner | None = None
         self._site: web.TCPSite | None = None
+        self._scan: asyncio.Future[int | None] | None = None  # /readyz's scan of the root
 
     @property
     def open_connections(self) -> int:
@@ -312,9 +313,21 @@ class StatusServer:
             {"ok": False, "version": st.version, "error": st.last_error}, status=503
         )
 
+    async def _latest(self) -> int | None:
+        """The root's newest committed version. A request that arrives while a scan runs waits
+        for that one: a scan holds a worker of the pool the agent's own reads wait in, and a
+        client asking without pause must not fill it (nor a slow filesystem's listing)."""
+        if self._scan is None or self._scan.done():
+            agent = self.agent
+            self._scan = asyncio.ensure_future(
+                asyncio.to_thread(latest_version, agent.root, agent.version)
+            )
+            self._scan.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+        return await asyncio.shield(self._scan)  # a client gone does not cancel the others'
+
     async def _readyz(self, _request: web.Request) -> web.Response:
         agent = self.agent
-        latest = await asyncio.to_thread(latest_version, agent.root, agent.version)
+        latest = await self._latest()
         try:
             async with asyncio.timeout(self.ready_timeout):
                 serving = await agent.engine.serving_version()
