@@ -153,4 +153,6 @@ def read_secret(path: str | None, env: str, what: str) -> str | None:
     value = value.strip()
     if not value:
         raise ConfigError(f"{what} {path} is empty")
+    if not value.isprintable():  # a second line, a tab: no HTTP header can carry it
+        raise ConfigError(f"{what} {path} must hold the secret alone, on one line")
     return value

@@ -1,5 +1,6 @@
-"""Signals an operator sends to the command-line tools (attack-42): an interrupted ``--once``
-says so in its exit status; a terminated demo stops its receivers."""
+"""The operator's surface of the command-line tools (attack-42): an interrupted ``--once`` says
+so in its exit status; a terminated demo stops its receivers; a secret file of two lines is
+refused."""
 
 from __future__ import annotations
 
@@ -97,3 +98,27 @@ def test_a_terminated_demo_stops_its_receivers(tmp_path: Path, sig: signal.Signa
     assert proc.returncode == 1, (proc.returncode, out, err)
     assert out.strip().splitlines()[-1] == "DEMO FAILED: interrupted", out
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("option", ["--control-token-file", "--api-key-file"])
+def test_a_secret_file_of_more_than_one_line_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str
+) -> None:
+    """A token file of two lines (a comment, ``KEY=value`` pairs, two keys pasted) was taken
+    whole, newline included: no Authorization header can carry it, so POST /sync answered
+    401 to every request of a receiver that had started without a word, and an API key of two
+    lines failed each request to the server with aiohttp's "Forbidden control character
+    detected in headers. Potential header injection attack". Refused at start now, naming
+    the option and the file; surrounding whitespace is still stripped."""
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123\n# rotated 2026-12-01\n")
+    argv = ["--root", str(tmp_path / "root"), "--engine-id", "e1",
+            "--checkpoint", str(tmp_path / "c"), option, str(secret)]  # fmt: skip
+    argv += ["--status-port", "0"] if option == "--control-token-file" else [
+        "--sglang-url", "http://127.0.0.1:9", "--engine-startup-timeout", "1"]  # fmt: skip
+    assert receiver_cli.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert f"{option} {secret}" in err and "one line" in err, err
+    assert not (tmp_path / "c").exists()
+    secret.write_text("  0123456789abcdef0123 \n\n")
+    assert receiver_cli.read_secret(str(secret), "X", option) == "0123456789abcdef0123"
