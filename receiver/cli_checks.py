@@ -133,26 +133,26 @@ def read_secret(path: str | None, env: str, what: str) -> str | None:
     UTF-8 text of at most :data:`MAX_SECRET_BYTES`: a FIFO is refused at once, never waited on,
     and ``/dev/zero`` is not read without end. Errors name ``what`` (the option) and the file.
     """
-    if not path:
-        return os.environ.get(env, "").strip() or None
+    where = f"{what} {path}" if path else f"${env}"
     try:
-        value = fsio.read_bytes(path, limit=MAX_SECRET_BYTES, follow_symlinks=True).decode()
+        value = os.environ.get(env, "") if not path else fsio.read_bytes(
+            path, limit=MAX_SECRET_BYTES, follow_symlinks=True).decode()  # fmt: skip
     except fsio.UnsafePath:
         raise ConfigError(
-            f"{what} {path} is not a regular file (a FIFO, a device or a directory?): "
+            f"{where} is not a regular file (a FIFO, a device or a directory?): "
             "point it at a file holding the secret"
         ) from None
     except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"cannot read {where}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError:
-        raise ConfigError(f"{what} {path} is not UTF-8 text: it must hold the secret") from None
+        raise ConfigError(f"{where} is not UTF-8 text: it must hold the secret") from None
     except ValueError:  # larger than the limit
         raise ConfigError(
-            f"{what} {path} is larger than {MAX_SECRET_BYTES >> 10} KiB: it must hold the secret"
+            f"{where} is larger than {MAX_SECRET_BYTES >> 10} KiB: it must hold the secret"
         ) from None
     value = value.strip()
-    if not value:
-        raise ConfigError(f"{what} {path} is empty")
+    if not value and path:
+        raise ConfigError(f"{where} is empty")
     if not value.isprintable():  # a second line, a tab: no HTTP header can carry it
-        raise ConfigError(f"{what} {path} must hold the secret alone, on one line")
-    return value
+        raise ConfigError(f"{where} must hold the secret alone, on one line")
+    return value or None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncsync import Publisher
+from asyncsync import ConfigError, Publisher
 from receiver import cli as receiver_cli
 from tests.conftest import mixed_state
 
@@ -44,7 +44,8 @@ def test_an_interrupted_once_is_not_a_success(
     out, err = capsys.readouterr()
     assert status == 130, (status, out, err)
     assert out == ""
-    assert "interrupted" in err and len(err.strip().splitlines()) == 1, err
+    last = err.strip().splitlines()[-1]  # (earlier lines: the start-up's log, if any)
+    assert last.startswith("asyncsync-receiver e1: error: interrupted"), err
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,3 +123,15 @@ def test_a_secret_file_of_more_than_one_line_is_refused(
     assert not (tmp_path / "c").exists()
     secret.write_text("  0123456789abcdef0123 \n\n")
     assert receiver_cli.read_secret(str(secret), "X", option) == "0123456789abcdef0123"
+
+
+def test_a_secret_of_more_than_one_line_in_the_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(receiver_cli.TOKEN_ENV, "0123456789abcdef0123\nsecond line")
+    with pytest.raises(ConfigError, match=r"\$ASYNCSYNC_RECEIVER_TOKEN must hold the secret"):
+        receiver_cli.read_secret(None, receiver_cli.TOKEN_ENV, "--control-token-file")
+    monkeypatch.setenv(receiver_cli.TOKEN_ENV, "  0123456789abcdef0123\n")
+    assert receiver_cli.read_secret(None, receiver_cli.TOKEN_ENV, "x") == "0123456789abcdef0123"
+    monkeypatch.setenv(receiver_cli.TOKEN_ENV, " ")
+    assert receiver_cli.read_secret(None, receiver_cli.TOKEN_ENV, "x") is None
