@@ -403,3 +403,34 @@ def test_follow_log_refuses_a_poll_interval_no_wait_can_take_at_the_call(
     not when the generator is first iterated."""
     with pytest.raises(ConfigError, match="follow_log: poll_interval"):
         follow_log(tmp_path, poll_interval=value)
+
+
+@pytest.mark.parametrize("then", ["new log", "no log yet"])
+async def test_lines_appended_just_before_a_rotation_are_shown(tmp_path: Path, then: str) -> None:
+    """(attack-42) A line appended to the log, then the log renamed away (logrotate, an
+    operator's ``mv``) before the follower's next poll: ``tail -f`` followed the path and
+    never read the rest of the file it was reading; that version was never printed. The file
+    read is held now, and read to its end once its path names another file or none."""
+    root = tmp_path / "root"
+    root.mkdir()
+    log = root / LOG_NAME
+    log.write_bytes(_lines("r", range(2)))
+    got: list[int] = []
+
+    async def follow() -> None:
+        async for r in follow_log(root, poll_interval=0.5):
+            got.append(r["version"])
+            if len(got) == 4:
+                return
+
+    task = asyncio.create_task(follow())
+    await eventually(lambda: len(got) == 2, "the first two lines")
+    with open(log, "ab") as f:  # between two polls: the append, then the rotation
+        f.write(_lines("r", range(2, 3)))
+    log.rename(root / f"{LOG_NAME}.1")
+    if then == "no log yet":
+        await asyncio.sleep(1.2)  # polls find no log: the held file is read meanwhile
+        assert got == [0, 1, 2]
+    log.write_bytes(_lines("r", range(3, 4)))  # the publisher's next line, a new file
+    await asyncio.wait_for(task, 10)
+    assert got == [0, 1, 2, 3]

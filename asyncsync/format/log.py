@@ -265,6 +265,25 @@ def _read_head(path: Path, root: Path, n: int) -> bytes:
         os.close(fd)
 
 
+def _open_as(path: Path, root: Path, ident: tuple[int, int]) -> int | None:
+    """The log opened, if it is still the file ``ident`` names (None otherwise, or gone)."""
+    try:
+        fd = open_file(path, root=root)
+    except FileNotFoundError:
+        return None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) == ident:
+        return fd
+    os.close(fd)
+    return None
+
+
+def _drain(fd: int, offset: int, lines: _Lines) -> tuple[int, list[bytes]]:
+    """Read a held log at ``offset`` and feed the bytes to ``lines``: (how many, whole lines)."""
+    chunk = os.pread(fd, _READ_BYTES, offset)
+    return len(chunk), lines.feed(chunk, offset)
+
+
 class _Lines:
     """Whole lines out of a file's bytes fed in order. Only the unfinished last line is kept,
     and at most ``MAX_LINE_BYTES`` of it: a longer line is dropped up to its newline without
@@ -338,65 +357,91 @@ async def _follow(
     offset = 0
     lines = _Lines()
     ident: tuple[int, int] | None = None  # (device, inode) of the file read
+    fd: int | None = None  # that file, held: its last lines are read once it is moved away
     head = b""  # its first bytes, once read
     seen: set[int] = set()  # hashes of the lines of the file read
     shown: set[int] = set()  # ... of the file it replaced: not yielded again
     replaced = False  # since the last record yielded
     run: str | None = None  # the run of the last record yielded
+
+    def take(got: list[bytes]) -> list[dict[str, Any]]:
+        """The records of whole lines read, the notices said."""
+        nonlocal replaced, run
+        out = []
+        for at, key in lines.overlong:
+            seen.add(key)
+            if key not in shown:  # said before the log was replaced (a trim keeps it)
+                say(_overlong(at))
+        lines.overlong.clear()
+        for raw in got:
+            if not raw.strip():
+                continue
+            key = hash(raw.strip())
+            seen.add(key)
+            if key in shown:
+                continue  # shown before the log was replaced (a trim keeps its lines)
+            rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
+            if rec is None:  # not JSON, not a record (a raw control byte in a string...)
+                say(_not_a_record(raw))
+                continue
+            new_run = rec.get("run_id")
+            if isinstance(new_run, str):
+                if run is not None and new_run != run:
+                    how = "was replaced" if replaced else "goes on with another run"
+                    say(f"{LOG_NAME} {how} (new run {new_run})")
+                run = new_run
+            replaced = False
+            out.append(rec)
+        got.clear()  # (an executor worker may still hold the list)
+        return out
+
     if not from_start:
         offset, ident = await asyncio.to_thread(_stat, path, root)
         head = await asyncio.to_thread(_read_head, path, root, min(offset, _HEAD_BYTES))
-    while True:
-        size, now = await asyncio.to_thread(_stat, path, root)
-        if now == (0, 0):
-            now = ident or now
-        remade = size > offset > 0 and (  # made again under the same inode number
-            await asyncio.to_thread(_read_head, path, root, len(head)) != head
-        )
-        if remade or size < offset or ident not in (None, now):  # replaced, truncated: anew
-            offset = 0
-            lines.reset()
-            head = b""
-            if seen:
-                shown, seen = seen, set()
-            replaced = True
-        ident = now
-        while size > offset:
-            n = min(size - offset, _READ_BYTES)
-            want = _HEAD_BYTES - len(head) if offset == len(head) < _HEAD_BYTES else 0
-            try:
-                nread, start, got = await asyncio.to_thread(
-                    _read_lines, path, root, offset, n, lines, want
-                )
-            except FileNotFoundError:  # removed since the stat: the next poll sees it gone
-                break
-            if not nread:
-                break
-            head += start
-            offset += nread
-            for at, key in lines.overlong:
-                seen.add(key)
-                if key not in shown:  # said before the log was replaced (a trim keeps it)
-                    say(_overlong(at))
-            lines.overlong.clear()
-            for raw in got:
-                if not raw.strip():
-                    continue
-                key = hash(raw.strip())
-                seen.add(key)
-                if key in shown:
-                    continue  # shown before the log was replaced (a trim keeps its lines)
-                rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
-                if rec is None:  # not JSON, not a record (a raw control byte in a string...)
-                    say(_not_a_record(raw))
-                    continue
-                new_run = rec.get("run_id")
-                if isinstance(new_run, str):
-                    if run is not None and new_run != run:
-                        how = "was replaced" if replaced else "goes on with another run"
-                        say(f"{LOG_NAME} {how} (new run {new_run})")
-                    run = new_run
-                replaced = False
-                yield rec
-            got.clear()  # before the next read (an executor worker may still hold the list)
-        await asyncio.sleep(poll_interval)
+    try:
+        while True:
+            size, now = await asyncio.to_thread(_stat, path, root)
+            if fd is not None and now != ident:  # moved away, removed or replaced: its last
+                while True:  # lines first (a rotation right after an append lost them)
+                    nread, got = await asyncio.to_thread(_drain, fd, offset, lines)
+                    if not nread:
+                        break
+                    offset += nread
+                    for rec in take(got):
+                        yield rec
+                os.close(fd)
+                fd = None
+            if now == (0, 0):
+                now = ident or now
+            remade = size > offset > 0 and (  # made again under the same inode number
+                await asyncio.to_thread(_read_head, path, root, len(head)) != head
+            )
+            if remade or size < offset or ident not in (None, now):  # replaced, truncated: anew
+                offset = 0
+                lines.reset()
+                head = b""
+                if seen:
+                    shown, seen = seen, set()
+                replaced = True
+            ident = now
+            if fd is None and now != (0, 0):
+                fd = await asyncio.to_thread(_open_as, path, root, now)
+            while size > offset:
+                n = min(size - offset, _READ_BYTES)
+                want = _HEAD_BYTES - len(head) if offset == len(head) < _HEAD_BYTES else 0
+                try:
+                    nread, start, got = await asyncio.to_thread(
+                        _read_lines, path, root, offset, n, lines, want
+                    )
+                except FileNotFoundError:  # removed since the stat: the next poll sees it gone
+                    break
+                if not nread:
+                    break
+                head += start
+                offset += nread
+                for rec in take(got):
+                    yield rec
+            await asyncio.sleep(poll_interval)
+    finally:
+        if fd is not None:
+            os.close(fd)
