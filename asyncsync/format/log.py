@@ -337,7 +337,9 @@ def follow_log(
     A log replaced (a trim, the root wiped and seeded again, a restore) or truncated is read
     again from its start: its lines that were in the file it replaced, byte for byte, are not
     yielded again (a trim keeps the lines of the versions it keeps), every other line is, so a
-    forged or stray line never hides a later one. ``notice`` (default: a logged warning) gets
+    forged or stray line never hides a later one. The file read is held open, and read to its
+    end before that: lines appended just before it was renamed away are not lost. ``notice``
+    (default: a logged warning) gets
     one line when a new run's records follow another run's, and when a line that is no record
     or is longer than ``MAX_LINE_BYTES`` is skipped: once, not again for the same line in a
     log that replaced it. ``poll_interval`` is checked as seconds > 0 as the call is made.
