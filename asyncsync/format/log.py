@@ -339,10 +339,10 @@ def follow_log(
     yielded again (a trim keeps the lines of the versions it keeps), every other line is, so a
     forged or stray line never hides a later one. The file read is held open, and read to its
     end before that: lines appended just before it was renamed away are not lost. ``notice``
-    (default: a logged warning) gets
-    one line when a new run's records follow another run's, and when a line that is no record
-    or is longer than ``MAX_LINE_BYTES`` is skipped: once, not again for the same line in a
-    log that replaced it. ``poll_interval`` is checked as seconds > 0 as the call is made.
+    (default: a logged warning) gets one line when a new run's records follow another run's,
+    and when a line that is no record or is longer than ``MAX_LINE_BYTES`` is skipped: once,
+    not again for the same line in a log that replaced it. ``poll_interval`` is checked as
+    seconds > 0 as the call is made.
     """
     check_seconds("follow_log: poll_interval", poll_interval, above=True)
     return _follow(root, poll_interval, from_start, notice)
