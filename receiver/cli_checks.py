@@ -99,7 +99,7 @@ def check_status_options(args: argparse.Namespace) -> str | None:
             why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
             raise ConfigError(
                 f"--status-host {host!r}: {why}; give an address of this host (default "
-                "127.0.0.1; 0.0.0.0 or :: for every interface)"
+                "127.0.0.1; 0.0.0.0 for every IPv4 interface, :: for every IPv6 one)"
             ) from exc
         family, kind, proto, _, addr = infos[0]
         try:
