@@ -135,3 +135,18 @@ def test_a_secret_of_more_than_one_line_in_the_environment_is_refused(
     assert receiver_cli.read_secret(None, receiver_cli.TOKEN_ENV, "x") == "0123456789abcdef0123"
     monkeypatch.setenv(receiver_cli.TOKEN_ENV, " ")
     assert receiver_cli.read_secret(None, receiver_cli.TOKEN_ENV, "x") is None
+
+
+def test_an_error_naming_a_path_with_control_characters_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``asyncsync inspect`` (and every command's error) printed the path as it was: a newline
+    in it split the "one line on stderr" in two, an escape sequence reached the terminal. They
+    are escaped now, as ``printable`` escapes a root's strings in tables."""
+    from asyncsync.ops.cli import main as asyncsync_main
+
+    weird = tmp_path / "we\nird\x1b[31mRED"
+    assert asyncsync_main(["inspect", str(weird)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "\x1b" not in err, err
+    assert "we\\nird\\x1b[31mRED" in err, err

@@ -109,8 +109,9 @@ def _print_line(prog: str, level: int, label: str, message: str, fmt: str) -> No
     if fmt == "json":
         record = logging.LogRecord(prog, level, "", 0, message, None, None)
         print(JsonFormatter().format(record), file=sys.stderr, flush=True)
-    else:
-        print(f"{prog}: {label}{message}", file=sys.stderr, flush=True)
+    else:  # one line, whatever a path in it holds (a newline, a terminal's escape sequence)
+        text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+        print(f"{prog}: {label}{text}", file=sys.stderr, flush=True)
 
 
 class CliParser(argparse.ArgumentParser):
