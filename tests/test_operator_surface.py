@@ -142,7 +142,8 @@ def test_an_error_naming_a_path_with_control_characters_is_one_line(
 ) -> None:
     """``asyncsync inspect`` (and every command's error) printed the path as it was: a newline
     in it split the "one line on stderr" in two, an escape sequence reached the terminal. They
-    are escaped now, as ``printable`` escapes a root's strings in tables."""
+    are escaped now, as ``printable`` escapes a root's strings in tables; so is the root in
+    ``asyncsync status``'s header."""
     from asyncsync.ops.cli import main as asyncsync_main
 
     weird = tmp_path / "we\nird\x1b[31mRED"
@@ -150,3 +151,13 @@ def test_an_error_naming_a_path_with_control_characters_is_one_line(
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "\x1b" not in err, err
     assert "we\\nird\\x1b[31mRED" in err, err
+
+    async def seed() -> None:
+        async with Publisher(weird) as pub:
+            await pub.seed(mixed_state(0))
+
+    asyncio.run(seed())
+    assert asyncsync_main(["status", str(weird)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("root ") and "\x1b" not in out, out
+    assert "we\\nird\\x1b[31mRED: newest version 0" in out.splitlines()[0], out

@@ -110,7 +110,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         doc = {"latest": latest, "engines": rows, "stragglers": stragglers}
         print(json.dumps({**doc, "unreadable_leases": bad}, indent=1))
     else:
-        print(f"root {root}: newest version {latest if latest is not None else '-'}, "
+        print(f"root {printable(root)}: newest version {latest if latest is not None else '-'}, "
               f"{len(rows)} engines, {len(stragglers)} stragglers")  # fmt: skip
         if rows:
             headers = ["engine", "version", "lag", "acked", "age s", "skew s", "host", "state"]

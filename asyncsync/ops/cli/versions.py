@@ -59,7 +59,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(json.dumps(summaries, indent=1))
             return 0
         if not summaries:
-            print(f"{root}: no committed version yet")
+            print(f"{printable(root)}: no committed version yet")
             return 0
         rows = [
             [
