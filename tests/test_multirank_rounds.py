@@ -290,3 +290,20 @@ def test_job_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert FileRendezvous(tmp_path, 0, 2, job="x").job == "x"
     with pytest.raises(ValueError, match="job must be"):
         FileRendezvous(tmp_path, 0, 2, job="a/b")
+
+
+def test_torchruns_placeholder_run_id_is_no_job_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """torchrun without --rdzv-id (a multi-node static rendezvous: --master-addr/--master-port)
+    gives every job TORCHELASTIC_RUN_ID=none: taken as the token, it named two Slurm jobs the
+    same and hid their SLURM_JOB_IDs (one job's rank joined the other's group and its weights
+    were committed into that job's version; helper-43)."""
+    for k in rendezvous_mod.JOB_SOURCES:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert FileRendezvous(tmp_path, 0, 2).job == ""
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    assert FileRendezvous(tmp_path, 0, 2).job == "4711"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "b7f0c1d2")  # --rdzv-id, or --standalone's uuid
+    assert FileRendezvous(tmp_path, 0, 2).job == "b7f0c1d2"

@@ -51,6 +51,9 @@ GROUP_FILE = "group-v2.json"
 JOB_ENV = "ASYNCSYNC_JOB"
 #: where a job token comes from when none is given, first set wins (torchrun, Slurm)
 JOB_SOURCES = (JOB_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+#: values of a source that name no job: torchrun's default ``--rdzv-id`` (every multi-node job
+#: launched with --master-addr/--master-port gets it), which would hide SLURM_JOB_ID behind it
+NO_JOB = {"TORCHELASTIC_RUN_ID": "none"}
 HISTORY = 64  # chained plan rounds rank 0 remembers (a rank further behind rejoins)
 
 
@@ -63,7 +66,7 @@ def _check_rank(rank: int, world_size: int) -> None:
 
 def _job(job: str | None) -> str:
     if job is None:
-        job = next((os.environ[k] for k in JOB_SOURCES if os.environ.get(k)), "")
+        job = next((v for k in JOB_SOURCES if (v := os.environ.get(k)) and v != NO_JOB.get(k)), "")
     if not isinstance(job, str) or len(job) > 128 or not re.fullmatch(r"[A-Za-z0-9._:@-]*", job):
         raise ConfigError(f"job must be up to 128 of [A-Za-z0-9._:@-], got {job!r}")
     return job
@@ -90,8 +93,9 @@ class FileRendezvous(Coordinator):
             seconds into a commit (the error says "slow"); None (default) waits as long as
             it beats.
         job: a token every rank of this trainer shares and no other job uses (``[A-Za-z0-9._:@-]``,
-            up to 128); default: ``ASYNCSYNC_JOB``, else torchrun's ``TORCHELASTIC_RUN_ID``,
-            else ``SLURM_JOB_ID``, else none (then two jobs on one root are not told apart).
+            up to 128); default: ``ASYNCSYNC_JOB``, else torchrun's ``TORCHELASTIC_RUN_ID``
+            (unless ``none``, torchrun's default for every job), else ``SLURM_JOB_ID``, else
+            none (then two jobs on one root are not told apart).
     """
 
     def __init__(
