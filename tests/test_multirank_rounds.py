@@ -307,3 +307,18 @@ def test_torchruns_placeholder_run_id_is_no_job_token(
     assert FileRendezvous(tmp_path, 0, 2).job == "4711"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "b7f0c1d2")  # --rdzv-id, or --standalone's uuid
     assert FileRendezvous(tmp_path, 0, 2).job == "b7f0c1d2"
+
+
+async def test_rank0_clears_a_directory_left_in_the_rendezvous(tmp_path: Path) -> None:
+    """A directory at one of the rendezvous' names (any host that writes the root can make one)
+    was never removed when rank 0 started the group (it removed files only), and no result can
+    be renamed over it: every plan failed, restarts included (helper-43)."""
+    root = tmp_path / "root"
+    for name in ("plan.json", "commit.json", "beat-r0001.json", rendezvous_mod.GROUP_FILE):
+        (root / RENDEZVOUS_DIR / name / "x").mkdir(parents=True)
+    pubs = _pair(root, timeout=2)
+    async with pubs[0], pubs[1]:
+        assert await _together(pubs, 0, "step") == 0
+        assert await _together(pubs, 1, "step") == 1
+    assert_steps(root, [0, 1])
+    assert_finished(root)

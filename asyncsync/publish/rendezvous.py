@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
@@ -162,8 +163,9 @@ class FileRendezvous(Coordinator):
                 # a temp file is another rank's write in flight: only a dead writer's goes
                 if is_temp_name(name) and now - st.st_mtime < max(60, 2 * self.timeout):
                     continue
-                if name != GROUP_FILE:
-                    fsio.remove(self.dir / name, root=self.root)
+                # a directory too (the group file's included): no file could replace it
+                if name != GROUP_FILE or stat.S_ISDIR(st.st_mode):
+                    fsio.remove_tree(self.dir / name, root=self.root)
         gid = secrets.token_hex(8)
         rec = {"group": gid, "job": self.job, "host": socket.gethostname(), "pid": os.getpid()}
         atomic_write(self.dir / GROUP_FILE, json.dumps(rec).encode(), root=self.root)
