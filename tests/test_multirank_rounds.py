@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from asyncsync import FileRendezvous, Publisher, PublishError
+from asyncsync import ConfigError, FileRendezvous, Publisher, PublishError
 from asyncsync.errors import CoordinationError
 from asyncsync.format.store import list_versions
 from asyncsync.fsio import Throttle, set_throttle
@@ -322,3 +322,35 @@ async def test_rank0_clears_a_directory_left_in_the_rendezvous(tmp_path: Path) -
         assert await _together(pubs, 1, "step") == 1
     assert_steps(root, [0, 1])
     assert_finished(root)
+
+
+async def test_a_rank_whose_tensors_vanish_fails_the_round(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank that published tensors and then passes an empty state dict (a filter that matched
+    nothing, weights not gathered) was taken as a rank that holds none: the group committed a
+    full version without that rank's tensors, and receivers re-initialised from it, without a
+    word on any rank (helper-43). As for a publisher alone, an empty state dict is refused; a
+    rank whose tensors change (without vanishing) says so."""
+    root = tmp_path / "root"
+    pubs = _pair(root, timeout=2)
+
+    def own(step: int, rank: int) -> dict[str, Any]:
+        return {k: v for k, v in portion(step, rank, W)[0].items() if k.startswith(f"rank{rank}.")}
+
+    async with pubs[0], pubs[1]:
+        await asyncio.gather(*(p.seed(own(0, r), step=0) for r, p in enumerate(pubs)))
+        r0, r1 = await asyncio.gather(
+            pubs[0].publish(own(1, 0), step=1), pubs[1].publish({}, step=1),
+            return_exceptions=True,
+        )  # fmt: skip
+        assert isinstance(r1, ConfigError) and "empty" in str(r1), r1
+        assert isinstance(r0, PublishError) and r0.ranks == (1,), r0
+        assert list_versions(root) == [0]
+        sd = own(2, 1)
+        sd.pop(next(iter(sd)))  # one tensor less: published (full), and said
+        with caplog.at_level("WARNING"):
+            calls = [pubs[0].publish(own(2, 0), step=2), pubs[1].publish(sd, step=2)]
+            r = await asyncio.gather(*calls)
+        assert [x.version for x in r] == [1, 1]
+        assert "rank 1: the tensor set changed" in caplog.text

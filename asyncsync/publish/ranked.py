@@ -242,6 +242,18 @@ class RankedCommitter:
             sl, error = {}, exc
         if abstain is not None:
             sl, error = {}, abstain
+        elif error is None and pub.has_snapshot and not pub.same_schema(state_dict, sl):
+            if not state_dict:  # it held tensors: a filter that matched nothing?
+                error = ConfigError(
+                    "the state dict is empty, and this rank's last version held tensors "
+                    f"({pub.schema_changes(state_dict)}): a version without them would leave "
+                    "every engine without them; pass this rank's tensors"
+                )
+            else:
+                logger.warning(
+                    "rank %d: the tensor set changed (%s): the group publishes a full version; "
+                    "receivers re-initialise from it", self.rank, pub.schema_changes(state_dict),
+                )  # fmt: skip
         ok = base and error is None and pub.mode == "delta"
         u = group.unresolved
         schema = schema_of(state_dict, sl) if error is None else {}
