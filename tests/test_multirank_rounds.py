@@ -354,3 +354,33 @@ async def test_a_rank_whose_tensors_vanish_fails_the_round(
             r = await asyncio.gather(*calls)
         assert [x.version for x in r] == [1, 1]
         assert "rank 1: the tensor set changed" in caplog.text
+
+
+async def test_a_rank_whose_lock_file_is_gone_takes_no_part(tmp_path: Path) -> None:
+    """The root wiped while a rank of the old run lived on (an orphan): its lock file gone, the
+    relaunched rank 1 locked a new one, and both rank-1 processes sent messages to the same
+    group: rank 0 took whichever it read, and versions were made with the orphan's weights
+    (helper-43). A rank whose lock file is no longer the one it holds sends nothing."""
+    root = tmp_path / "root"
+    pubs = _pair(root, timeout=2)
+    async with pubs[0], pubs[1]:
+        assert await _together(pubs, 0, "step") == 0
+        (root / ".publisher.r0001.lock").unlink()  # the root wiped under the running rank 1
+        new = _pair(root, timeout=2)[1]
+        async with new:
+            orphan = asyncio.ensure_future(_call(pubs[1], 1, 1, "step"))
+            await asyncio.sleep(0.3)  # the orphan's message first: the others overwrite it
+            r0, r1 = await _together_with(pubs[0], new, 1)
+            with pytest.raises(PublishError, match="lock file"):
+                await orphan
+            assert r0.version == r1.version == 1
+            orphan2 = asyncio.ensure_future(_call(pubs[1], 1, 2, "step"))  # and at every call
+            await asyncio.sleep(0.3)
+            assert (await _together_with(pubs[0], new, 2))[0].version == 2
+            with pytest.raises(PublishError, match="lock file"):
+                await orphan2
+    assert_steps(root, [0, 1, 2])
+
+
+async def _together_with(p0: Publisher, p1: Publisher, step: int) -> list[Any]:
+    return await asyncio.gather(_call(p0, 0, step, "step"), _call(p1, 1, step, "step"))

@@ -128,6 +128,19 @@ def check_readable(data: bytes, version: int) -> None:
         raise ConfigError(f"{exc}; every reader would refuse it: {fix}") from None
 
 
+def lock_name(rank: int) -> str:
+    """The lock file of a publisher (rank 0 of a group, or alone) or of rank ``rank``."""
+    return f".publisher.r{rank:04d}.lock" if rank else ".publisher.lock"
+
+
+def read_lock(path: Path, root: str | os.PathLike[str] | None) -> bytes:
+    """What the lock file at ``path`` says now (b"" when it is gone)."""
+    try:
+        return fsio.read_bytes(path, limit=4096, root=root)
+    except FileNotFoundError:
+        return b""
+
+
 async def commit_version(
     root: Path,
     vdir: Path,

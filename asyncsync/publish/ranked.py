@@ -12,10 +12,11 @@ a part to rank 0 and learn the outcome). That is a *committer*, given to the pub
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +25,7 @@ import torch
 from asyncsync.codec.shards import PendingUpdate
 from asyncsync.errors import ConfigError, PublishError
 from asyncsync.format import Manifest, ShardInfo, TensorEntry
-from asyncsync.publish.commit import discard
+from asyncsync.publish.commit import discard, lock_name, read_lock
 from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.group import Attempt, Plan, RankGroup
 from asyncsync.publish.merge import PartRecord, TensorSlice, check_state_dict, merge, schema_of
@@ -215,9 +216,27 @@ class RankedCommitter:
         self.rank = self.group.rank
         self.is_committer = self.group.is_committer
         self._beating = AsyncExitStack()  # this rank's heartbeat, from the plan to end()
+        self._lock: tuple[Path, Path, bytes] | None = None  # (file, root, what it said at open)
 
     async def open(self, root: Path, latest: int | None) -> None:
+        path = root / lock_name(self.rank)  # the publisher holds it now: its token is in it
+        self._lock = (path, root, await asyncio.to_thread(read_lock, path, root))
         await self.group.open(root, latest)
+
+    async def _check_lock(self) -> None:
+        """Raise PublishError when this rank's lock file is no longer the one its publisher
+        holds (the root wiped under it): another process may be this rank now, and a message
+        of ours would stand for its weights (or overwrite its message)."""
+        if self._lock is None:
+            return
+        path, root, text = self._lock
+        if await asyncio.to_thread(read_lock, path, root) != text:
+            raise PublishError(
+                f"rank {self.rank}: {path} is no longer the lock file this publisher holds (the "
+                "root was wiped, or the file removed or replaced): another process may be rank "
+                f"{self.rank} now; this one takes no part. Close this publisher",
+                ranks=(self.rank,),
+            )
 
     async def begin(
         self,
@@ -234,6 +253,7 @@ class RankedCommitter:
         (False for seed). A rank without a snapshot (restarted) makes the group publish full.
         ``step``: the caller's, the plan round's key. ``abstain``: this rank's reason not to
         publish: told to rank 0, which fails the round on every rank, then raised here."""
+        await self._check_lock()  # before any message: an orphaned rank sends none
         group = self.group
         error: Exception | None = abstain
         try:
@@ -299,6 +319,11 @@ class RankedCommitter:
         plan = rnd.plan
         assert plan is not None
         part: PartRecord | BaseException
+        if written.error is None:
+            try:  # the root may have been wiped since the plan
+                await self._check_lock()
+            except PublishError as exc:
+                written = replace(written, error=exc)
         if written.error is not None:
             part = written.error
         else:
