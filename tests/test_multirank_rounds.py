@@ -384,3 +384,23 @@ async def test_a_rank_whose_lock_file_is_gone_takes_no_part(tmp_path: Path) -> N
 
 async def _together_with(p0: Publisher, p1: Publisher, step: int) -> list[Any]:
     return await asyncio.gather(_call(p0, 0, step, "step"), _call(p1, 1, step, "step"))
+
+
+async def test_ranks_with_different_timeouts_are_refused(tmp_path: Path) -> None:
+    """A rank beats every quarter of its own timeout and rank 0 judges it silent after its own:
+    with rank 1's timeout 8 s and rank 0's 1 s, every commit whose writes took rank 1 more than
+    a second failed as "ranks [1] went silent (died or hung?)" while it beat as told (helper-43).
+    Ranks are refused at the plan when their timeouts differ, naming both."""
+    root = tmp_path / "root"
+    pubs = [
+        Publisher(root, coordinator=FileRendezvous(root, r, W, timeout=t, job="j"))
+        for r, t in ((0, 1.0), (1, 8.0))
+    ]
+    async with pubs[0], pubs[1]:
+        r0, r1 = await asyncio.gather(
+            *(_call(p, r, 0, "step") for r, p in enumerate(pubs)), return_exceptions=True
+        )
+        for r in (r0, r1):
+            assert isinstance(r, PublishError) and "timeout" in str(r), r
+        assert r0.ranks == (1,), r0  # type: ignore[union-attr]
+    assert list_versions(root) == []

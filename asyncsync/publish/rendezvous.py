@@ -236,7 +236,8 @@ class FileRendezvous(Coordinator):
         async def send() -> None:
             nonlocal seen
             record: Message = {"group": self._group, "job": self.job, "key": key, "nonce": nonce,
-                               "host": socket.gethostname(), "body": message}  # fmt: skip
+                               "host": socket.gethostname(), "timeout": self.timeout,
+                               "body": message}  # fmt: skip
             if chained:
                 record.update(key=self._chain, skip=self._skip)
             elif mine is not None:
@@ -376,6 +377,16 @@ class FileRendezvous(Coordinator):
                     "joins the next round")  # fmt: skip
         return "stale"
 
+    def _odd_timeout(self, m: Message) -> str | None:
+        """Why a plan message of a rank with another timeout fails the round (None: the same):
+        it beats every quarter of its own and rank 0 judges it silent after rank 0's (a rank
+        with a longer one was given up while it beat as told)."""
+        t = m.get("timeout")
+        if not isinstance(t, int | float) or isinstance(t, bool) or t == self.timeout:
+            return None
+        return (f"its FileRendezvous timeout is {t:g}s, rank 0's {self.timeout:g}s: give every "
+                "rank the same (each is judged silent after the others' timeout)")  # fmt: skip
+
     async def _lead(self, step: str, key: str | None, message: Message, decide: Decide) -> Message:
         plan = step == "plan"
         chained, mine = plan and key is None, step_of(key) if plan else None
@@ -395,7 +406,9 @@ class FileRendezvous(Coordinator):
                     m = await asyncio.to_thread(_read_json, self._path(step, r))
                     took = self._take(m, chained, rkey, mine)
                     if took == "ours" and m is not None:
-                        got[r], nonces[str(r)] = m["body"], str(m.get("nonce"))
+                        why = self._odd_timeout(m) if plan else None  # (it learns why)
+                        got[r] = m["body"] if why is None else {"error": why}
+                        nonces[str(r)] = str(m.get("nonce"))
                     elif took == "late" and m is not None:
                         await self._send_late(m)
                     elif took != "stale":
