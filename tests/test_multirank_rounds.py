@@ -404,3 +404,18 @@ async def test_ranks_with_different_timeouts_are_refused(tmp_path: Path) -> None
             assert isinstance(r, PublishError) and "timeout" in str(r), r
         assert r0.ranks == (1,), r0  # type: ignore[union-attr]
     assert list_versions(root) == []
+
+
+def test_rendezvous_files_are_read_within_what_they_can_hold(tmp_path: Path) -> None:
+    """Every rendezvous file was read up to 1 GiB, at every poll: a large (sparse) file at a
+    message's or a heartbeat's name made each rank allocate that much again and again (any host
+    that writes the root can plant one; helper-43). Only a commit result carries a manifest;
+    the others are small."""
+    d = tmp_path / RENDEZVOUS_DIR
+    d.mkdir()
+    big = b'{"pad": "' + b"x" * (rendezvous_mod.MESSAGE_LIMIT + 1) + b'"}'
+    for name in ("plan-r0001.json", "beat-r0000.json", "plan.json", rendezvous_mod.GROUP_FILE):
+        (d / name).write_bytes(big)
+        assert rendezvous_mod._read_json(d / name) is None, name
+    (d / "commit.json").write_bytes(big)
+    assert rendezvous_mod._read_json(d / "commit.json") == {"pad": "x" * (len(big) - 11)}

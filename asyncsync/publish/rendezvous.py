@@ -56,6 +56,9 @@ JOB_SOURCES = (JOB_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 #: launched with --master-addr/--master-port gets it), which would hide SLURM_JOB_ID behind it
 NO_JOB = {"TORCHELASTIC_RUN_ID": "none"}
 HISTORY = 64  # chained plan rounds rank 0 remembers (a rank further behind rejoins)
+#: the largest rendezvous file read but a commit result (which carries the manifest): a planted
+#: larger one is no message, never read whole at every poll
+MESSAGE_LIMIT = 16 << 20
 
 
 def _check_rank(rank: int, world_size: int) -> None:
@@ -546,8 +549,9 @@ def _body(res: Message) -> Message:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     """A rendezvous file's JSON object, or None while it does not exist (or is not one)."""
+    limit = 1 << 30 if path.name == "commit.json" else MESSAGE_LIMIT  # (a manifest in it)
     try:  # ROOT/.rendezvous/NAME: nothing below the root is followed or blocked on (fsio)
-        data = read_bytes(path, limit=1 << 30, root=path.parent.parent)
+        data = read_bytes(path, limit=limit, root=path.parent.parent)
         obj = json.loads(data)
     except (OSError, ValueError):
         return None
