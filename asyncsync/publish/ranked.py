@@ -217,6 +217,7 @@ class RankedCommitter:
         self.is_committer = self.group.is_committer
         self._beating = AsyncExitStack()  # this rank's heartbeat, from the plan to end()
         self._lock: tuple[Path, Path, bytes] | None = None  # (file, root, what it said at open)
+        self._held = 0  # tensors of this rank in the last version it knows committed
 
     async def open(self, root: Path, latest: int | None) -> None:
         path = root / lock_name(self.rank)  # the publisher holds it now: its token is in it
@@ -262,20 +263,24 @@ class RankedCommitter:
             sl, error = {}, exc
         if abstain is not None:
             sl, error = {}, abstain
+        elif error is None and not state_dict and self._held:  # a filter that matched nothing?
+            error = ConfigError(
+                f"the state dict is empty, and this rank's last version held {self._held} "
+                "tensors: a version without them would leave every engine without them; pass "
+                "this rank's tensors"
+            )
         elif error is None and pub.has_snapshot and not pub.same_schema(state_dict, sl):
-            if not state_dict:  # it held tensors: a filter that matched nothing?
-                error = ConfigError(
-                    "the state dict is empty, and this rank's last version held tensors "
-                    f"({pub.schema_changes(state_dict)}): a version without them would leave "
-                    "every engine without them; pass this rank's tensors"
-                )
-            else:
-                logger.warning(
-                    "rank %d: the tensor set changed (%s): the group publishes a full version; "
-                    "receivers re-initialise from it", self.rank, pub.schema_changes(state_dict),
-                )  # fmt: skip
+            logger.warning(
+                "rank %d: the tensor set changed (%s): the group publishes a full version; "
+                "receivers re-initialise from it", self.rank, pub.schema_changes(state_dict),
+            )  # fmt: skip
         ok = base and error is None and pub.mode == "delta"
         u = group.unresolved
+
+        def adopt(a: Attempt) -> None:  # the attempt whose outcome it missed was committed
+            self._count(a.names)
+            pub.adopt(a)
+
         schema = schema_of(state_dict, sl) if error is None else {}
         plan = await group.plan(
             snapshot=pub.last_version if pub.has_snapshot else None,
@@ -286,7 +291,7 @@ class RankedCommitter:
             next_version=pub.next_version,
             last_version=pub.last_version,
             run_id=pub.run_id,
-            adopt=pub.adopt,
+            adopt=adopt,
             step=step,
         )
         pub.set_round(plan.run_id, plan.version)
@@ -335,9 +340,15 @@ class RankedCommitter:
             rnd.version, plan.attempt, written.names, written.pending, written.sums,
             rnd.slices, rnd.schema,
         )  # fmt: skip
-        return await self.group.commit(
+        m = await self.group.commit(
             plan, vdir, part, attempt, algorithm=checksum, commit_merged=commit_merged
         )
+        self._count(written.names)
+        return m
+
+    def _count(self, names: list[str]) -> None:
+        """A version holding this rank's ``names`` was committed."""
+        self._held = len(names)
 
     async def end(self) -> None:
         """The round is over (committed or not): stop the heartbeat."""
