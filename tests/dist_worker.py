@@ -16,7 +16,9 @@ process (code 3) after a failed publish; ``kill_after_rename`` = [0, step] SIGKI
 after it renamed that step's manifest into place; ``cancel_after_rename`` = [0, step] cancels
 rank 0's publish of that step once its manifest exists, while ``slow_broadcast`` = [rank, step]
 makes that rank join rank 0's broadcast of the commit result a second late (torch only).
-``stepped`` passes the step to every publish (``step=``); ``skip`` = [rank, step] makes that
+``cancel_in_plan`` = [rank, step, s] cancels that rank's publish of that step s seconds in,
+while it waits in the plan (rank 0 calls 3 s later). ``stepped`` passes the step to every
+publish (``step=``); ``skip`` = [rank, step] makes that
 rank skip that step's call (as a trainer whose step failed before it could publish); a rank
 told that its call is behind the group's step moves on to the next step.
 """
@@ -223,11 +225,19 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 if cfg.get("cancel_after_rename") == [rank, step] and first:
                     await _cancelled_after_rename(pub, root, call)
                     raise AssertionError("the publish was not cancelled")
+                if (c := cfg.get("cancel_in_plan")) and c[:2] == [rank, step] and first:
+                    task = asyncio.ensure_future(call)  # rank 0 comes c[2] * 3 s later
+                    asyncio.get_running_loop().call_later(c[2], task.cancel)
+                    call = task
+                elif (c := cfg.get("cancel_in_plan")) and rank == 0 and c[1] == step and first:
+                    await asyncio.sleep(3 * c[2])
                 res = await call
                 rec.update(version=res.version, kind=res.kind, base=res.base_version)
                 step, tries = step + 1, 0
             except asyncio.CancelledError:
-                rec.update(cancelled=True, version=pub.version)
+                rec.update(cancelled=True)
+                if not cfg.get("cancel_in_plan"):  # (cancelled after the rename: committed)
+                    rec.update(version=pub.version)
                 step, tries = step + 1, 0  # the version was committed: the step is out
             except OutcomeUnknown as exc:
                 rec.update(unknown=str(exc))

@@ -234,6 +234,26 @@ async def test_torch_killed_rank_then_the_group_restarts(tmp_path: Path) -> None
     assert_holds(mod.state_dict(), full_state(3, WORLD))
 
 
+async def test_torch_a_cancelled_call_leaves_the_group_whole(tmp_path: Path) -> None:
+    """gloo: rank 1's publish of step 2 is cancelled while it waits in the plan (rank 0 comes
+    later). Its gather went on in its thread without the broadcast after it, so the next
+    collectives paired with another kind on the other ranks and the process group stayed broken
+    for good: every later publish failed, as would the trainer's own collectives on the group
+    (helper-43). A cancelled exchange now runs to its end first: a step or two fail, then the
+    group commits again."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    cfg = {"coord": "torch", "world": WORLD, "root": str(root), "out": str(out), "steps": 5,
+           "stepped": True, "cancel_in_plan": [1, 2, 0.3], "port": free_port()}  # fmt: skip
+    procs = [_spawn({**cfg, "rank": r}) for r in range(WORLD)]
+    await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 120, "the group")
+    assert [p.exitcode for p in procs] == [0] * WORLD
+    logs = _logs(out)
+    assert next(r for r in logs[1] if r["step"] == 2).get("cancelled")
+    step_of = _check_versions(root, logs)
+    assert {0, 1, 5} <= set(step_of.values()), step_of
+
+
 def test_worker_model_tiles() -> None:
     """The test model itself: the ranks' portions tile the sliced tensors."""
     full = full_state(3, WORLD)

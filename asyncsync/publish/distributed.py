@@ -136,7 +136,9 @@ class TorchDistCoordinator(Coordinator):
 
     A collective broken by one rank's death hears from no rank: rank 0 then waits up to
     ``broken_grace`` seconds for the part records of the ranks still writing theirs, and names
-    only the ranks whose record never came."""
+    only the ranks whose record never came. A call cancelled during an exchange first completes
+    it (rank 0 answers one it cannot decide with a failure): a collective half done would pair
+    with another kind on the other ranks and break the group."""
 
     def __init__(self, process_group: Any = None, *, broken_grace: float = 5.0) -> None:
         import torch.distributed as dist
@@ -192,7 +194,10 @@ class TorchDistCoordinator(Coordinator):
                     raise _behind(self.rank, mine, top)
                 continue
             try:
-                got = await asyncio.to_thread(self._gather, wrapped)
+                got = await _to_the_end(asyncio.to_thread(self._gather, wrapped))
+            except asyncio.CancelledError:  # the others wait for an answer: give one
+                await self._send(step, self._abort(step, key))
+                raise
             except Exception as exc:  # gloo/NCCL errors: a rank died, a timeout, a broken group
                 logger.error("rank 0: the %s exchange failed (%s); deciding alone", step, exc)
                 return await decide([message] + [None] * (self.world_size - 1))
@@ -208,15 +213,18 @@ class TorchDistCoordinator(Coordinator):
                 if rounds > 64:
                     raise CoordinationError(f"rank 0: ranks stayed behind step {top}: {steps}")
                 continue
-            result = await decide(bodies)
+            try:
+                result = await decide(bodies)
+            except BaseException:  # cancelled or failed: the others wait for an answer
+                await self._send(step, self._abort(step, key))
+                raise
             await self._send(step, {"group": self.group_id, "step": step, "key": key,
                                     "body": result})  # fmt: skip
             return result
 
     async def _follow(self, step: str, key: str | None, wrapped: Message) -> Message:
         try:
-            await asyncio.to_thread(self._gather, wrapped)
-            res = await asyncio.to_thread(self._broadcast, None)
+            res = await _to_the_end(asyncio.to_thread(self._gather_and_receive, wrapped))
         except CoordinationError:
             raise
         except Exception as exc:  # gloo/NCCL errors: a rank died, a timeout, a broken group
@@ -235,9 +243,20 @@ class TorchDistCoordinator(Coordinator):
             )
         return res
 
+    def _gather_and_receive(self, wrapped: Message) -> Message:
+        self._gather(wrapped)
+        return self._broadcast(None)
+
+    def _abort(self, step: str, key: str | None) -> Message:
+        """Rank 0's answer when its call ended before its result (cancelled, or its decision
+        failed): the round failed for every rank."""
+        why = f"rank 0's {step} of round {key} ended without a result (its call was cancelled)"
+        body = {"error": why, "ranks": [0], "committed": False}
+        return {"group": self.group_id, "step": step, "key": key, "body": body}
+
     async def _send(self, step: str, out: Message) -> None:
         try:
-            await asyncio.to_thread(self._broadcast, out)
+            await _to_the_end(asyncio.to_thread(self._broadcast, out))
         except Exception as exc:  # the decision stands; the others learn it at the next plan
             logger.error("rank 0: sending the %s result failed: %s", step, exc)
 
@@ -256,3 +275,24 @@ class TorchDistCoordinator(Coordinator):
                         "pass step= to publish on every rank, or on none"}  # fmt: skip
             return None
         return dict(m["body"])
+
+
+async def _to_the_end(aw: Awaitable[Any]) -> Any:
+    """Await a collective (in its thread) to its end, even when cancelled meanwhile, and then
+    raise the cancellation: a collective that every other rank joined cannot be taken back,
+    and a rank that left its exchange half done (a gather without its broadcast) paired its
+    next collective with another kind on the others, which broke the process group for good,
+    the trainer's own collectives on it included (helper-43)."""
+    fut = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            out = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.done():
+                raise
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return out
