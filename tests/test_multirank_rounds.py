@@ -421,3 +421,19 @@ def test_rendezvous_files_are_read_within_what_they_can_hold(tmp_path: Path) -> 
         assert rendezvous_mod._read_json(d / name) is None, name
     (d / "commit.json").write_bytes(big)
     assert rendezvous_mod._read_json(d / "commit.json") == {"pad": "x" * (len(big) - 11)}
+
+
+async def test_rank0_puts_back_its_group_file(tmp_path: Path) -> None:
+    """A group-v2.json of this job naming another run (written by hand, or by any host that
+    writes the root) made every other rank wait for that run's rank 0: every round failed until
+    rank 0 restarted, since rank 0 wrote the file only when it opened (helper-43). Rank 0 holds
+    the root's lock, so no other run of its job is live: it writes its own back at each plan."""
+    root = tmp_path / "root"
+    pubs = _pair(root, timeout=1)
+    async with pubs[0], pubs[1]:
+        assert await _together(pubs, 0, "step") == 0
+        group = root / RENDEZVOUS_DIR / rendezvous_mod.GROUP_FILE
+        group.write_text('{"group": "0123456789abcdef", "job": "j", "host": "x", "pid": 1}')
+        out = await asyncio.gather(*(_rank(p, r, [1, 2], "step") for r, p in enumerate(pubs)))
+        assert isinstance(out[0][-1][1], int), out  # the group commits again
+    assert_steps(root, [0] + [s for s, v in out[0] if isinstance(v, int)])

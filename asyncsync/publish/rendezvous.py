@@ -170,10 +170,25 @@ class FileRendezvous(Coordinator):
                 if name != GROUP_FILE or stat.S_ISDIR(st.st_mode):
                     fsio.remove_tree(self.dir / name, root=self.root)
         gid = secrets.token_hex(8)
-        rec = {"group": gid, "job": self.job, "host": socket.gethostname(), "pid": os.getpid()}
-        atomic_write(self.dir / GROUP_FILE, json.dumps(rec).encode(), root=self.root)
+        self._write_group(gid)
         logger.info("rank 0: rendezvous group %s of job %r in %s", gid, self.job, self.dir)
         return gid
+
+    def _write_group(self, gid: str) -> None:
+        rec = {"group": gid, "job": self.job, "host": socket.gethostname(), "pid": os.getpid()}
+        atomic_write(self.dir / GROUP_FILE, json.dumps(rec).encode(), root=self.root)
+
+    def _keep_group(self) -> None:
+        """Rank 0, at each plan: write its group file back if it names another run (rank 0
+        holds the root's lock: no other run of the group is live). One written by hand or by
+        any host that writes the root sent the other ranks to wait for that run's rank 0, in
+        every round until rank 0 restarted."""
+        rec = _read_json(self.dir / GROUP_FILE) or {}
+        if self._group is not None and rec.get("group") != self._group:
+            logger.warning("rank 0: %s names another run (%.200r): writing ours back",
+                           self.dir / GROUP_FILE, rec)  # fmt: skip
+            with contextlib.suppress(OSError):
+                self._write_group(self._group)
 
     async def exchange(
         self, step: str, key: str | None, message: Message, decide: Decide
@@ -392,6 +407,8 @@ class FileRendezvous(Coordinator):
 
     async def _lead(self, step: str, key: str | None, message: Message, decide: Decide) -> Message:
         plan = step == "plan"
+        if plan:
+            await asyncio.to_thread(self._keep_group)
         chained, mine = plan and key is None, step_of(key) if plan else None
         rkey = self._chain if chained else key
         got: list[Message | None] = [message] + [None] * (self.world_size - 1)
