@@ -79,6 +79,7 @@ from asyncsync.publish.commit import (
     complete,
     discard,
     finish_interrupted,
+    lock_name,
     log_and_collect,
     through_commit,
 )
@@ -99,7 +100,7 @@ logger = logging.getLogger(__name__)
 _ROOT_FIXES = {errno.ENOSPC: "free space on its filesystem", errno.EDQUOT: "raise the quota",
                errno.EROFS: "mount its filesystem writable"}  # fmt: skip
 
-LOCK_NAME = ".publisher.lock"
+LOCK_NAME = lock_name(0)
 #: (label, done, total) of the publish in flight, or None (asyncsync.console.progress draws it)
 Progress = tuple[str, int, int] | None
 
@@ -182,7 +183,7 @@ class Publisher:
             config = {"encoding": encoding, "checksum": checksum, "mode": mode}
             self._committer = RankedCommitter(coordinator, config, keyframe_interval)
         rank = self._committer.rank
-        lock = self.root / (f".publisher.r{rank:04d}.lock" if rank else LOCK_NAME)
+        lock = self.root / lock_name(rank)
         self._lock = FileLock(lock, root=self.root)
         self._busy = LoopLock()  # not asyncio.Lock: reusable across asyncio.run calls
         self._run_id = ""
