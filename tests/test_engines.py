@@ -883,7 +883,7 @@ async def test_a_delta_is_made_durable_after_or_before_the_commit(
     assert (st["status"], st["version"], st.get("synced", True)) == ("clean", 1, before)
     # deferred: no flush before the ack, neither started nor about to start (none submitted
     # to the engine's flush thread)
-    assert ck._flushing is None
+    assert ck._flusher.pending is None
     assert calls == [False] * int(before)
     acked = True
     await ck.acknowledged()  # the agent calls this once the ack is written
@@ -995,7 +995,7 @@ async def test_a_failed_flush_refuses_the_next_commit(
     await ck.begin(m2, "delta")  # starts v1's flush, which fails
     begun.set()
     with pytest.raises(ApplyFailed):
-        await asyncio.wrap_future(ck._flushing)  # type: ignore[arg-type]
+        await asyncio.wrap_future(ck._flusher.pending)  # type: ignore[arg-type]
     monkeypatch.setattr(FileMaps, "sync", working)
     for b in delta_batches(m2, sd1, sd2):
         await ck.apply(b)

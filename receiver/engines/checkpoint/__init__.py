@@ -53,7 +53,8 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
 Blocking file work runs in ``asyncio.to_thread`` so the receiver's event loop stays free.
 
 The package: :mod:`~receiver.engines.checkpoint.engine` (:class:`LocalCheckpoint`: transactions,
-recovery at open, the flush after the ack), :mod:`~receiver.engines.checkpoint.files` (data
+recovery at open), :mod:`~receiver.engines.checkpoint.flusher` (the flush after the ack, on
+the engine's own thread), :mod:`~receiver.engines.checkpoint.files` (data
 files, index, layout; :func:`verify_checkpoint`), :mod:`~receiver.engines.checkpoint.inplace`
 (undoable in-place deltas), :mod:`~receiver.engines.checkpoint.journal` (the undo record's
 format) and :mod:`~receiver.engines.checkpoint.staging` (full versions through staged files).

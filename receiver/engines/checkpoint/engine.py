@@ -10,7 +10,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -25,6 +24,7 @@ from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import inplace, staging
 from receiver.engines.checkpoint.files import CheckpointFiles
+from receiver.engines.checkpoint.flusher import Flusher
 from receiver.engines.st_layout import FileMaps, TensorLocation, no_copy_on_write
 from receiver.state import (
     STATE_DIR_NAME,
@@ -94,10 +94,7 @@ class LocalCheckpoint(Engine):
         self._undo_pending: str | None = None  # a rollback that failed: done again at begin
         self._mutex = threading.Lock()
         self.sync_before_ack = sync_before_ack
-        # the last delta's background sync, on the engine's own thread (flushes in order): not
-        # a task, which the loop that started it cancels as it ends (asyncio.run)
-        self._flushing: Future[None] | None = None
-        self._flusher: ThreadPoolExecutor | None = None
+        self._flusher = Flusher(f"flush {self.directory.name}", self._flush)
         self._unflushed: tuple[FileMaps, int] | None = None  # committed, flush not yet started
         self.state = EngineState()
 
@@ -112,9 +109,7 @@ class LocalCheckpoint(Engine):
         if self._txn is not None:
             await self.abort()
         await self.flushed()
-        flusher, self._flusher = self._flusher, None
-        if flusher is not None:
-            flusher.shutdown(wait=False)  # idle: every flush is done
+        self._flusher.close()
         self._store.close()
 
     async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
@@ -134,11 +129,7 @@ class LocalCheckpoint(Engine):
         """Wait until every committed delta is durable (a no-op with sync_before_ack); start
         the last one's flush first if nobody called :meth:`acknowledged`."""
         await self.acknowledged()
-        while (pending := self._flushing) is not None:
-            with contextlib.suppress(AsyncSyncError):  # logged; the engine is marked broken
-                await asyncio.shield(asyncio.wrap_future(pending))  # a cancelled caller too
-            if self._flushing is pending:
-                self._flushing = None
+        await self._flusher.wait()
 
     async def apply(self, updates: list[TensorUpdate]) -> None:
         txn = self._need_txn()
@@ -168,9 +159,7 @@ class LocalCheckpoint(Engine):
         if self._unflushed is not None:
             maps, version = self._unflushed
             self._unflushed = None
-            if self._flusher is None:
-                self._flusher = ThreadPoolExecutor(1, f"flush {self.directory.name}")
-            self._flushing = self._flusher.submit(self._flush, maps, version)
+            self._flusher.submit(maps, version)
 
     def _flush(self, maps: FileMaps, version: int) -> None:
         try:
