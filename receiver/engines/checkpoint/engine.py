@@ -120,6 +120,9 @@ class LocalCheckpoint(Engine):
             await self.acknowledged()
         else:
             await self.flushed()  # a full version replaces the files the flush writes
+        if self._broken is not None:  # a flush failed: once it can be done again, go on
+            await self.flushed()
+            await self._run(self._recover)
         t0 = time.perf_counter()
         await self._run(self._begin, manifest, mode)
         if (waited := time.perf_counter() - t0) > 0.05:
@@ -225,6 +228,7 @@ class LocalCheckpoint(Engine):
         if not (self._store.directory / STATE_NAME).exists():
             self.files.refuse_foreign()
         ps = self._store.open()
+        self._broken = None  # the held version is checked below: not synced after a failed flush
         try:
             if ps is None:
                 self.files.refuse_foreign()
@@ -296,6 +300,18 @@ class LocalCheckpoint(Engine):
         self.files.fsync_data_files()
         self._ps = replace(ps, synced=True)
         logger.info("%s: v%s verified and made durable after a restart", self.directory, ps.version)
+
+    def _recover(self) -> None:
+        """After a failed flush, what a reopen does (the held version is not ``synced``): check
+        it again and flush it (an error there: still broken, the begin refused), or wipe it."""
+        if (why := self._broken) is None or self._txn is not None:
+            return
+        self._finish_rollback()
+        if self._ps.version is not None:
+            self._check_unsynced()
+            self._set(self._ps)
+        self._broken = None
+        logger.info("%s: %s; flushed again, at v%s", self.directory, why, self.state.version)
 
     def _wipe(self) -> None:
         """Forget everything: the state holds no version (first, durably: a wipe cut short

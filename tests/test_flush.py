@@ -1,0 +1,75 @@
+"""LocalCheckpoint's flush after the ack, under a disk that fails for a while or falls behind
+(found by attack 44 on the flush moved to the engine's own thread, with a real receiver)."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+from asyncsync.errors import ApplyFailed
+from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.st_layout import FileMaps
+from tests.conftest import mixed_state, mutate
+from tests.test_engines import (
+    apply_version,
+    assert_same,
+    build_manifest,
+    delta_batches,
+    init_checkpoint,
+)
+
+
+def _state(path: Path) -> dict[str, Any]:
+    st: dict[str, Any] = json.loads((path / ".asyncsync" / "state.json").read_text())
+    return st
+
+
+@pytest.mark.parametrize("how", ["in_place", "reopened"])
+async def test_the_engine_goes_on_once_a_failed_flush_can_be_done_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: Literal["in_place", "reopened"]
+) -> None:
+    """v1's flush fails (a disk full for a few seconds; a real receiver on a tmpfs filled while
+    the flush ran): the engine is broken, and it stayed so for good, every later version
+    refused until the process restarted ("close and reopen it", but the agent never does,
+    and the same object closed and reopened stayed broken too). Now the next begin does what
+    a reopen does: re-checks v1, flushes it again, and goes on; while the disk still fails,
+    that begin is refused and v1 kept."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    working = FileMaps.sync
+
+    def enospc(self: FileMaps) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileMaps, "sync", enospc)
+    await ck.acknowledged()
+    await ck.flushed()  # v1's flush failed: logged, the engine broken
+    assert _state(tmp_path)["synced"] is False
+    sd2 = mutate(sd1, 0.05, seed=2)
+    m2 = build_manifest(sd2, 2, base=sd1)
+    if how == "in_place":
+        monkeypatch.setattr(
+            "receiver.engines.checkpoint.files.CheckpointFiles.fsync_data_files", enospc
+        )
+        with pytest.raises(ApplyFailed):  # still full: refused, v1 kept
+            await ck.begin(m2, "delta")
+        assert ck.state.version == 1 and _state(tmp_path)["status"] == "clean"
+        monkeypatch.undo()  # the space is back
+    else:
+        monkeypatch.setattr(FileMaps, "sync", working)
+        await ck.close()
+        assert (await ck.open()).version == 1
+    await apply_version(ck, m2, delta_batches(m2, sd1, sd2), "delta")
+    await ck.acknowledged()
+    await ck.flushed()
+    st = _state(tmp_path)
+    assert (st["version"], st.get("synced", True)) == (2, True)
+    await ck.close()
+    assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd2)
