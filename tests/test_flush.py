@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,3 +77,56 @@ async def test_the_engine_goes_on_once_a_failed_flush_can_be_done_again(
     assert (st["version"], st.get("synced", True)) == (2, True)
     await ck.close()
     assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd2)
+
+
+def _data_fds() -> int:
+    fds = Path("/proc/self/fd")
+    n = 0
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            n += os.readlink(fd).endswith(".safetensors")
+    return n
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+async def test_versions_ahead_of_a_slow_flush_hold_two_flushes_at_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1's flush is held (a slow disk) while v2..v9 are applied and acknowledged: each waiting
+    flush held its maps, a descriptor and a mapping per data file, so the descriptors grew
+    with the versions behind (a real receiver at ``ulimit -n 128`` ran out at 58 versions,
+    EMFILE broke the engine). A waiting flush is dropped when a newer one comes (that one
+    writes back every data file): v9 is still made durable, bit for bit."""
+    sd = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd)
+    files = len(ck.files.data_files())
+    gate, started = threading.Event(), threading.Event()
+    working = FileMaps.sync
+    calls: list[int] = []
+
+    def held(self: FileMaps) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            started.set()
+            gate.wait(20)
+        working(self)
+
+    monkeypatch.setattr(FileMaps, "sync", held)
+    for v in range(1, 10):
+        new = mutate(sd, 0.05, seed=v)
+        m = build_manifest(new, v, base=sd)
+        await apply_version(ck, m, delta_batches(m, sd, new), "delta")
+        await ck.acknowledged()
+        sd = new
+        if v == 1:
+            assert await asyncio.to_thread(started.wait, 10)
+    # v1's flush running, v9's waiting: two maps, each file's descriptor and its mapping's own
+    assert _data_fds() <= 2 * 2 * files
+    gate.set()
+    await ck.flushed()
+    assert len(calls) == 2
+    st = _state(tmp_path)
+    assert (st["version"], st.get("synced", True)) == (9, True)
+    await ck.close()
+    assert _data_fds() == 0
+    assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd)

@@ -32,7 +32,8 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   through the mappings, and unlike ``mmap.flush`` it releases the GIL; elsewhere ``msync``
   first), and ``synced`` becomes true.
   The next delta does not wait for that flush: it journals and patches beside it (a full
-  version and ``bump`` do wait); flushes run one after another. The flush is the largest
+  version and ``bump`` do wait); flushes run one after another, and one still waiting when
+  a newer one comes is dropped (the newer writes back every data file). The flush is the largest
   single cost of an apply (a 3 % delta dirties every page of a bf16 tensor), so this takes it
   off the version's latency and off the next one's. A process crash loses nothing (the page
   cache survives it); if the machine itself fails before the flush, ``open`` undoes any delta
