@@ -147,3 +147,61 @@ def fill(mount: Path, leave: int) -> int:
 def free_bytes(mount: Path) -> int:
     st = os.statvfs(mount)
     return st.f_bavail * st.f_frsize
+
+
+@contextlib.contextmanager
+def ext4_on_tmpfs(path: Path, size: str = "40m") -> Iterator[tuple[Path, Path]]:
+    """An ext4 of 32 MiB mounted at ``path`` on a loop device whose backing file lies on a tmpfs
+    of ``size`` (mounted beside ``path``): yields (``path``, the backing file). A block punched
+    out of the backing file (:func:`punch_pages`) while that tmpfs is full (:func:`fill`)
+    cannot be written again: its writeback fails, as on a failing disk; the others can.
+    :func:`remount` drops its page cache (a reboot)."""
+    for tool in ("losetup", "mkfs.ext4", "filefrag", "fallocate"):
+        if not shutil.which(tool):
+            pytest.skip(f"{tool} is not installed (util-linux, e2fsprogs)")
+    with tmpfs(path.parent / f".{path.name}.lower", size) as lower:
+        image = lower / "img"
+        with open(image, "wb") as f:  # every block allocated but the ones punched later
+            os.posix_fallocate(f.fileno(), 0, 32 << 20)
+        r = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"no loop device: {r.stderr.strip()}")
+        dev = r.stdout.strip()
+        mounted = False
+        try:
+            subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True, capture_output=True)
+            path.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["mount", dev, str(path)], check=True, capture_output=True)
+            mounted = True
+            yield path, image
+        finally:
+            if mounted:
+                subprocess.run(["umount", str(path)], check=False)
+            subprocess.run(["losetup", "-d", dev], check=False)
+
+
+def remount(path: Path) -> None:
+    """Unmount the filesystem at ``path`` and mount its device again (its page cache gone)."""
+    dev = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(path)], capture_output=True,
+                         text=True, check=True).stdout.strip()  # fmt: skip
+    subprocess.run(["umount", str(path)], check=True)
+    subprocess.run(["mount", dev, str(path)], check=True)
+
+
+def punch_pages(file: Path, image: Path, pages: set[int]) -> int:
+    """Punch the blocks holding ``file``'s 4 KiB ``pages`` (their indexes) out of ``image``,
+    the backing file of its ext4 (``filefrag``); returns how many."""
+    out = subprocess.run(["filefrag", "-v", "-b4096", str(file)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    n = 0
+    for line in out.splitlines():
+        f = line.replace(":", " ").replace("..", " ").split()
+        if len(f) > 5 and f[0].isdigit():  # extent: logical first, last, physical first, last
+            logical, physical, length = int(f[1]), int(f[3]), int(f[5])
+            for k in range(length):
+                if logical + k in pages:
+                    off = str((physical + k) * 4096)
+                    subprocess.run(["fallocate", "--punch-hole", "-o", off, "-l", "4096",
+                                    str(image)], check=True)  # fmt: skip
+                    n += 1
+    return n

@@ -18,6 +18,7 @@ from asyncsync.errors import ApplyFailed
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.st_layout import FileMaps
 from tests.conftest import mixed_state, mutate
+from tests.mounts import ext4_on_tmpfs, fill, punch_pages, remount
 from tests.test_engines import (
     apply_version,
     assert_same,
@@ -60,7 +61,7 @@ async def test_the_engine_goes_on_once_a_failed_flush_can_be_done_again(
     m2 = build_manifest(sd2, 2, base=sd1)
     if how == "in_place":
         monkeypatch.setattr(
-            "receiver.engines.checkpoint.files.CheckpointFiles.fsync_data_files", enospc
+            "receiver.engines.checkpoint.files.CheckpointFiles.rewrite_data_files", enospc
         )
         with pytest.raises(ApplyFailed):  # still full: refused, v1 kept
             await ck.begin(m2, "delta")
@@ -130,3 +131,50 @@ async def test_versions_ahead_of_a_slow_flush_hold_two_flushes_at_most(
     await ck.close()
     assert _data_fds() == 0
     assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd)
+
+
+@pytest.mark.parametrize("how", ["in_place", "reopened"])
+async def test_a_version_flushed_again_after_a_failed_writeback_is_on_the_disk(
+    tmp_path: Path, how: Literal["in_place", "reopened"]
+) -> None:
+    """v2's flush fails for real (ext4 on a failing disk: the blocks of the pages v2 changed
+    cannot be written); the kernel marks those pages clean, so the fsync of the recovery
+    succeeded and wrote nothing: ``synced`` became true at v3 with v2's pages not on disk,
+    and after a reboot (remount) the checkpoint was damaged (its first file's header, here).
+    The recovery writes the bytes again before the fsync: v3 is on the disk, bit for bit."""
+    with ext4_on_tmpfs(tmp_path / "disk") as (disk, image):
+        ck_dir = disk / "ck"
+        sd1 = mutate(mixed_state(0), 0.05, seed=1)
+        ck = await init_checkpoint(ck_dir, sd1)  # (v0 holds sd1)
+        os.sync()
+        before = {f: f.read_bytes() for f in ck.files.data_files()}
+        sd2 = mutate(sd1, 0.05, seed=2)
+        m2 = build_manifest(sd2, 1, base=sd1)
+        await apply_version(ck, m2, delta_batches(m2, sd1, sd2), "delta")  # not flushed yet
+        for f, old in before.items():  # the disk cannot write the pages v2 changed
+            new = f.read_bytes()
+            changed = {
+                i // 4096
+                for i in range(0, len(new), 4096)
+                if new[i : i + 4096] != old[i : i + 4096]
+            }
+            punch_pages(f, image, changed)
+        fill(image.parent, 0)
+        await ck.acknowledged()
+        await ck.flushed()
+        assert ck._broken is not None and _state(ck_dir)["synced"] is False
+        (image.parent / "ballast").unlink()  # the space is back
+        if how == "reopened":
+            await ck.close()
+            assert (await ck.open()).version == 1
+        sd3 = mutate(sd2, 0.05, seed=3, names=["model.scalar"])
+        m3 = build_manifest(sd3, 2, base=sd2)
+        await apply_version(ck, m3, delta_batches(m3, sd2, sd3), "delta")
+        await ck.flushed()
+        assert _state(ck_dir).get("synced", True) is True
+        await ck.close()
+        remount(disk)
+        ck = LocalCheckpoint(ck_dir)
+        assert (await ck.open()).version == 2
+        assert_same(ck.load_state_dict(), sd3)
+        await ck.close()

@@ -47,6 +47,7 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   A flush that fails marks the engine broken: the next commit is refused (rolled back), and
   the next ``begin`` first does what a reopen does (the held version re-checked and flushed
   again, or wiped if a tensor differs): refused while that fails, it goes on once it succeeds.
+  Flushed again means written again, then fsynced: a failed writeback leaves its pages clean.
   ``sync_before_ack=True`` flushes before the commit instead.
 * full: new files are written to ``.asyncsync/staging/`` and verified; only then is the state
   marked ``applying`` and the files moved into place. A crash in that window leaves old and

@@ -228,7 +228,7 @@ class LocalCheckpoint(Engine):
         if not (self._store.directory / STATE_NAME).exists():
             self.files.refuse_foreign()
         ps = self._store.open()
-        self._broken = None  # the held version is checked below: not synced after a failed flush
+        rewrite, self._broken = self._broken is not None, None  # not synced: checked below
         try:
             if ps is None:
                 self.files.refuse_foreign()
@@ -264,7 +264,7 @@ class LocalCheckpoint(Engine):
                 self._store.clear_dir(self._store.journal_dir)  # stale: a commit that finished
                 self._store.clear_dir(self._store.staging_dir)
             if not self._ps.synced and self._ps.version is not None:
-                self._check_unsynced()
+                self._check_unsynced(rewrite)
             self._set(self._ps)
             if self._ps.version is not None:
                 self._layout = self.files.load_layout()
@@ -281,7 +281,7 @@ class LocalCheckpoint(Engine):
         logger.info("%s: open at version %s", self.directory, self.state.version)
         return self.state
 
-    def _check_unsynced(self) -> None:
+    def _check_unsynced(self, rewrite: bool = False) -> None:
         """The held version was committed before it was durable and the receiver stopped: if
         the machine went down, some of its pages may be lost. Keep it if every tensor still
         matches, else wipe (the receiver re-initialises from a keyframe)."""
@@ -297,7 +297,7 @@ class LocalCheckpoint(Engine):
             )  # fmt: skip
             self._wipe()
             return
-        self.files.fsync_data_files()
+        (self.files.rewrite_data_files if rewrite else self.files.fsync_data_files)()
         self._ps = replace(ps, synced=True)
         logger.info("%s: v%s verified and made durable after a restart", self.directory, ps.version)
 
@@ -308,7 +308,7 @@ class LocalCheckpoint(Engine):
             return
         self._finish_rollback()
         if self._ps.version is not None:
-            self._check_unsynced()
+            self._check_unsynced(rewrite=True)  # a failed flush's pages may be clean, unwritten
             self._set(self._ps)
         self._broken = None
         logger.info("%s: %s; flushed again, at v%s", self.directory, why, self.state.version)

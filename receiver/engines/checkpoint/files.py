@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -122,6 +123,27 @@ class CheckpointFiles:
         for p in self.data_files():
             fd = fsio.open_file(p, follow_symlinks=True)  # a FIFO: refused, never waited on
             try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def rewrite_data_files(self, chunk: int = 16 << 20) -> None:
+        """Write every data file's bytes over themselves, then fsync. After a flush that failed
+        the kernel may have marked the pages it could not write clean (the error reported once,
+        to that flush): a second fsync then succeeds and writes nothing, and the bytes are lost
+        with the page cache. Written again, the pages are dirty, and the fsync writes them or
+        fails."""
+        for p in self.data_files():
+            fd = os.open(p, os.O_RDWR | os.O_NONBLOCK)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise EngineStateError(f"{p}: not a regular file")
+                off = 0
+                while data := os.pread(fd, chunk, off):
+                    view = memoryview(data)
+                    while view:
+                        n = os.pwrite(fd, view, off)
+                        view, off = view[n:], off + n
                 os.fsync(fd)
             finally:
                 os.close(fd)
