@@ -299,7 +299,7 @@ class LocalCheckpoint(Engine):
             return
         (self.files.rewrite_data_files if rewrite else self.files.fsync_data_files)()
         self._ps = replace(ps, synced=True)
-        logger.info("%s: v%s verified and made durable after a restart", self.directory, ps.version)
+        logger.info("%s: v%s verified and made durable again", self.directory, ps.version)
 
     def _recover(self) -> None:
         """After a failed flush, what a reopen does (the held version is not ``synced``): check
