@@ -133,9 +133,23 @@ async def test_versions_ahead_of_a_slow_flush_hold_two_flushes_at_most(
     assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd)
 
 
-@pytest.mark.parametrize("how", ["in_place", "reopened"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "in_place",
+        "reopened",
+        pytest.param(
+            "restarted",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open in a new process cannot tell a failed flush from one not yet run: "
+                "it fsyncs without writing again (rewriting at every unsynced open would)",
+            ),
+        ),
+    ],
+)
 async def test_a_version_flushed_again_after_a_failed_writeback_is_on_the_disk(
-    tmp_path: Path, how: Literal["in_place", "reopened"]
+    tmp_path: Path, how: Literal["in_place", "reopened", "restarted"]
 ) -> None:
     """v2's flush fails for real (ext4 on a failing disk: the blocks of the pages v2 changed
     cannot be written); the kernel marks those pages clean, so the fsync of the recovery
@@ -164,8 +178,10 @@ async def test_a_version_flushed_again_after_a_failed_writeback_is_on_the_disk(
         await ck.flushed()
         assert ck._broken is not None and _state(ck_dir)["synced"] is False
         (image.parent / "ballast").unlink()  # the space is back
-        if how == "reopened":
+        if how != "in_place":
             await ck.close()
+            if how == "restarted":  # a new process (the error says: close and reopen it)
+                ck = LocalCheckpoint(ck_dir)
             assert (await ck.open()).version == 1
         sd3 = mutate(sd2, 0.05, seed=3, names=["model.scalar"])
         m3 = build_manifest(sd3, 2, base=sd2)
