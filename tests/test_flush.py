@@ -180,7 +180,7 @@ async def test_a_version_flushed_again_after_a_failed_writeback_is_on_the_disk(
         (image.parent / "ballast").unlink()  # the space is back
         if how != "in_place":
             await ck.close()
-            if how == "restarted":  # a new process (the error says: close and reopen it)
+            if how == "restarted":  # a new process (a receiver restarted by its operator)
                 ck = LocalCheckpoint(ck_dir)
             assert (await ck.open()).version == 1
         sd3 = mutate(sd2, 0.05, seed=3, names=["model.scalar"])

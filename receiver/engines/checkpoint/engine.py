@@ -328,7 +328,7 @@ class LocalCheckpoint(Engine):
         if not self._store.locked:
             raise ApplyFailed(f"{self.directory}: begin before open")
         if self._broken:
-            raise EngineStateError(f"{self.directory}: {self._broken}; close and reopen it")
+            raise EngineStateError(f"{self.directory}: {self._broken}; rechecked at next begin")
         if self._txn is not None:
             raise ApplyFailed(
                 f"{self.directory}: begin v{manifest.version} while v"
@@ -444,7 +444,7 @@ class LocalCheckpoint(Engine):
         m = txn.manifest
         try:
             if self._broken:  # the flush of the version before failed meanwhile
-                raise EngineStateError(f"{self.directory}: {self._broken}; close and reopen it")
+                raise EngineStateError(f"{self.directory}: {self._broken}; rechecked at next begin")
             if self.sync_before_ack:
                 txn.maps.sync()
             algo = m.checksum_algorithm  # touched tensors by the digests taken as they were
