@@ -977,7 +977,7 @@ async def test_a_failed_flush_refuses_the_next_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """v1's flush fails while v2 is applied beside it: v2 is not committed (rolled back), the
-    engine says it is broken until reopened."""
+    engine says it is broken until the next begin checks v1 again (tests/test_flush.py)."""
     sd0 = mixed_state(0)
     ck = await init_checkpoint(tmp_path, sd0)
     sd1 = mutate(sd0, 0.05, seed=1)
