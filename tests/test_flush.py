@@ -138,14 +138,7 @@ async def test_versions_ahead_of_a_slow_flush_hold_two_flushes_at_most(
     [
         "in_place",
         "reopened",
-        pytest.param(
-            "restarted",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="open in a new process cannot tell a failed flush from one not yet run: "
-                "it fsyncs without writing again (rewriting at every unsynced open would)",
-            ),
-        ),
+        "restarted",
     ],
 )
 async def test_a_version_flushed_again_after_a_failed_writeback_is_on_the_disk(

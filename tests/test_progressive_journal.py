@@ -434,7 +434,7 @@ async def test_undo_at_open_is_not_trusted_before_the_check(
     tensor: the state the undo left says ``synced: false``, so the next open still checks."""
     sd0, _record = await _crashed_mid_delta(tmp_path)
 
-    def killed(self: LocalCheckpoint) -> None:
+    def killed(self: LocalCheckpoint, rewrite: bool = False) -> None:
         raise KeyboardInterrupt("killed before the check")
 
     monkeypatch.setattr(LocalCheckpoint, "_check_unsynced", killed)

@@ -6,7 +6,8 @@ The directory is what ``from_pretrained`` / vLLM / SGLang load::
       model-00001-of-00003.safetensors ...   the weights (names = state-dict keys)
       model.safetensors.index.json           {"metadata": {"total_size", "asyncsync_version"},
                                               "weight_map": {name: file}}
-      .asyncsync/                            receiver.state: state.json, lock, journal/, staging/
+      .asyncsync/                            receiver.state: state.json, lock, journal/, staging/,
+                                             flush-failed (a failed flush: rewrite at open)
 
 Why in place: a delta touches a small fraction of the bytes, so rewriting multi-GB files per
 version would cost far more than the delta. Each tensor sits at a fixed byte range of its file

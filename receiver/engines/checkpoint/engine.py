@@ -94,7 +94,7 @@ class LocalCheckpoint(Engine):
         self._undo_pending: str | None = None  # a rollback that failed: done again at begin
         self._mutex = threading.Lock()
         self.sync_before_ack = sync_before_ack
-        self._flusher = Flusher(f"flush {self.directory.name}", self._flush)
+        self._flusher = Flusher(f"flush {self.directory.name}", self._flush, self._store.directory)
         self._unflushed: tuple[FileMaps, int] | None = None  # committed, flush not yet started
         self.state = EngineState()
 
@@ -228,7 +228,8 @@ class LocalCheckpoint(Engine):
         if not (self._store.directory / STATE_NAME).exists():
             self.files.refuse_foreign()
         ps = self._store.open()
-        rewrite, self._broken = self._broken is not None, None  # not synced: checked below
+        rewrite = bool(self._broken) or self._flusher.failed_before()
+        self._broken = None  # a flush failed (here, or before a restart): rewritten, checked below
         try:
             if ps is None:
                 self.files.refuse_foreign()
@@ -298,6 +299,7 @@ class LocalCheckpoint(Engine):
             self._wipe()
             return
         (self.files.rewrite_data_files if rewrite else self.files.fsync_data_files)()
+        self._flusher.clear()
         self._ps = replace(ps, synced=True)
         logger.info("%s: v%s verified and made durable again", self.directory, ps.version)
 

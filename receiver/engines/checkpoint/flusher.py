@@ -5,13 +5,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
+from asyncsync import fsio
 from asyncsync.errors import AsyncSyncError
 from receiver.engines.st_layout import FileMaps
 
-__all__ = ["Flusher"]
+__all__ = ["FAILED_NAME", "Flusher"]
+
+logger = logging.getLogger(__name__)
+
+#: in the engine's state directory while a failed flush's pages may be clean and unwritten
+FAILED_NAME = "flush-failed"
+
+
+def _note(state_dir: Path, why: str) -> bool:
+    """Note, durably where the disk lets it, that a flush failed: the kernel may have marked
+    the pages it could not write clean (the error is reported once, to that flush), so an
+    fsync at the next open would succeed and write nothing. An open in a new process (the
+    receiver restarted) reads the note and writes the data files again before it trusts them
+    (``CheckpointFiles.rewrite_data_files``); without it, it could not tell a failed flush from
+    one not yet run."""
+    try:
+        fsio.atomic_write(state_dir / FAILED_NAME, (why + "\n").encode())
+    except OSError as exc:  # the disk that failed the flush: noted again at close
+        logger.warning("%s: the failed flush could not be noted yet (%s)", state_dir, exc)
+        return False
+    return True
 
 
 class Flusher:
@@ -25,9 +48,11 @@ class Flusher:
     their maps, a descriptor and a mapping per file, instead of one per version behind (the
     descriptors ran out: EMFILE broke the engine)."""
 
-    def __init__(self, name: str, flush: Callable[[FileMaps, int], None]) -> None:
+    def __init__(self, name: str, flush: Callable[[FileMaps, int], None], state_dir: Path) -> None:
         self._name = name
         self._flush = flush
+        self._state_dir = state_dir
+        self._unnoted: str | None = None  # a failure not yet noted on the disk (:func:`_note`)
         self._pool: ThreadPoolExecutor | None = None
         self._waiting: tuple[Future[None], FileMaps] | None = None  # submitted last
         self.pending: Future[None] | None = None  # the newest flush, until awaited
@@ -37,8 +62,28 @@ class Flusher:
             self._pool = ThreadPoolExecutor(1, self._name)
         if (waiting := self._waiting) is not None and waiting[0].cancel():  # not started
             waiting[1].close()
-        self.pending = self._pool.submit(self._flush, maps, version)
+        self.pending = self._pool.submit(self._run, maps, version)
         self._waiting = (self.pending, maps)
+
+    def _run(self, maps: FileMaps, version: int) -> None:
+        try:
+            self._flush(maps, version)
+        except BaseException as exc:
+            self._unnoted = f"making v{version} durable failed ({exc})"
+            if _note(self._state_dir, self._unnoted):
+                self._unnoted = None
+            raise
+
+    def failed_before(self) -> bool:
+        """Whether a flush failed (here, or in an earlier process) since the data files were last
+        written again whole: they must be, before an fsync can be trusted."""
+        return self._unnoted is not None or (self._state_dir / FAILED_NAME).exists()
+
+    def clear(self) -> None:
+        """The data files were written again and synced (or removed): the note goes (a crash
+        before this only costs one more rewrite)."""
+        self._unnoted = None
+        (self._state_dir / FAILED_NAME).unlink(missing_ok=True)
 
     async def wait(self) -> None:
         """Until every flush submitted is done or dropped (a failed one is logged and marks
@@ -56,6 +101,8 @@ class Flusher:
 
     def close(self) -> None:
         """Let the thread go (call once :meth:`wait` returned: every flush is done)."""
+        if self._unnoted is not None and _note(self._state_dir, self._unnoted):
+            self._unnoted = None  # the disk is back: a new process rewrites before it trusts
         pool, self._pool, self._waiting = self._pool, None, None
         if pool is not None:
             pool.shutdown(wait=False)
