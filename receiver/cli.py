@@ -18,11 +18,12 @@ Why a separate process: the receiver runs next to an inference engine, which rel
 the checkpoint directory; the receiver owns that directory (one agent per engine, a lock) and
 acknowledges each version once the directory holds it bit for bit.
 
-Without ``--once`` it runs until SIGINT (Ctrl-C) or SIGTERM, then finishes (or rolls back) the
-version in flight and exits 0; a second Ctrl-C or SIGTERM meanwhile is ignored until it has
-exited (the status stays 0; SIGKILL still ends it at once). ``--once`` applies everything
-committed so far, prints the version held and exits (status 130 if interrupted). An error
-prints one line on stderr, exit status 1. uvloop is used when it is installed.
+Without ``--once`` it runs until SIGINT (Ctrl-C), SIGTERM or SIGHUP (unless ignored: nohup),
+then finishes (or rolls back) the version in flight and exits 0; a second signal meanwhile is
+ignored until it has exited (the status stays 0; SIGKILL still ends it at once). ``--once``
+applies everything committed so far, prints the version held and exits (status 130 if
+interrupted). An error prints one line on stderr, exit status 1. uvloop is used when it is
+installed.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = CliParser(
         prog="asyncsync-receiver",
         description="Keep a local safetensors checkpoint at the newest version of a shared root.",
-        epilog="Without --once, Ctrl-C (SIGINT) or SIGTERM stops it after the version in flight "
-        f"(allowed {_STOP_GRACE:.0f} s); a second Ctrl-C or SIGTERM meanwhile is ignored. Exit "
+        epilog="Without --once, Ctrl-C (SIGINT), SIGTERM or SIGHUP stops it after the version in "
+        f"flight (allowed {_STOP_GRACE:.0f} s); a second signal meanwhile is ignored. Exit "
         "status: 0 stopped, or --once done; 1 an error (one line on stderr); 2 bad usage; "
         "130 --once interrupted.",
     )
@@ -331,7 +332,11 @@ async def _serve(args: argparse.Namespace) -> int | None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     installed: list[signal.Signals] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    sigs = [signal.SIGINT, signal.SIGTERM]
+    hangup: signal.Signals | None = getattr(signal, "SIGHUP", None)
+    if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:  # (nohup: left)
+        sigs.append(hangup)  # the terminal closed, a supervisor's hang-up: a stop
+    for sig in sigs:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)

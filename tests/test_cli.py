@@ -392,21 +392,34 @@ def test_receiver_once_applies_and_the_checkpoint_verifies(
     assert acks["version"] == 3
 
 
-def test_receiver_runs_until_sigint_and_exits_0(root: Path, tmp_path: Path) -> None:
-    ckpt = tmp_path / "engine"
+def _ignore_sighup() -> None:  # as nohup starts a process
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("how", ["sigint", "sighup", "sighup-under-nohup"])
+def test_receiver_runs_until_sigint_and_exits_0(root: Path, tmp_path: Path, how: str) -> None:
+    """Ctrl-C stops it after the version in flight, status 0. So does SIGHUP (attack-42: the
+    terminal closed, or a supervisor's hang-up, killed it mid-version: status 129, the version
+    undone at the next start), except where it is ignored (``nohup``): it is left ignored."""
+    ckpt, engine_id = tmp_path / "engine", f"rx-run-{how}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx-run",
+        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", engine_id,
          "--checkpoint", str(ckpt), "--poll-interval", "0.1", "--sync-before-ack"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        preexec_fn=_ignore_sighup if how == "sighup-under-nohup" else None,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         # the catch-up done (a stop ends it after the version in flight)
-        while getattr(read_acks(root).get("rx-run"), "version", None) != 3:
+        while getattr(read_acks(root).get(engine_id), "version", None) != 3:
             assert proc.poll() is None, proc.communicate()[1]
             assert time.monotonic() < deadline, "the receiver never acknowledged"
             time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGHUP)
+        if how == "sighup-under-nohup":
+            time.sleep(1.0)
+            assert proc.poll() is None  # ignored, as nohup asked
+            proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
