@@ -299,7 +299,15 @@ class StateStore:
             # its entry durable before anything next to it refers to it (a crash must never
             # leave the engine's files without the state that says what they hold)
             fsio.fsync_dir(self.directory.parent)
-            if not self._lock.acquire():
+            try:
+                took = self._lock.acquire()
+            except PermissionError as exc:  # it printed "Permission denied: 'lock'", no path
+                raise EngineStateError(
+                    f"cannot lock engine state {self.directory} ({exc.strerror}): it belongs to "
+                    f"uid {self.directory.stat().st_uid}, this receiver runs as uid "
+                    f"{os.geteuid()}; run it as that user, or chown -R the checkpoint directory"
+                ) from exc
+            if not took:
                 raise LockHeld(
                     f"engine state {self.directory} is locked by {self._lock.holder()} "
                     "(pid host token): one receiver agent per engine. Stop that agent, or point "

@@ -163,6 +163,26 @@ async def test_a_receiver_under_another_uid_is_told_what_to_make_writable(shared
     assert read_acks(root)["e1"].version == 0
 
 
+async def test_a_checkpoint_of_another_uid_is_named_with_both_uids(shared_tmp: Path) -> None:
+    """(attack-42) A checkpoint made by root, then a receiver under another uid (the root
+    prepared for it): the error was "Permission denied: 'lock'", no path, no fix. It names the
+    checkpoint's state directory, its owner, the receiver's uid and what to do."""
+    from asyncsync.ops.cli import main as cli
+
+    root, ckpt = shared_tmp / "root", shared_tmp / "ckpt"
+    async with Publisher(root, bucket_bytes=8192) as pub:
+        await pub.seed(mixed_state(0))
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e1", use_inotify=False) as agent:
+        assert await agent.sync_once() == 0  # made by root
+    assert cli(["prepare", str(root), "--group", str(NOBODY)]) == 0
+    os.chown(ckpt, NOBODY, NOBODY)  # the directory handed over, not what root made inside it
+    r = _receiver_as_nobody(root, ckpt)
+    assert r.returncode == 1
+    err = " ".join(r.stderr.split())
+    assert f"{ckpt}/.asyncsync" in err and f"uid {NOBODY}" in err and "uid 0" in err, err
+    assert "chown -R" in err
+
+
 async def test_a_root_receiver_without_cap_dac_override_is_told_the_modes(
     shared_tmp: Path,
 ) -> None:
