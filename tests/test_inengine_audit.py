@@ -167,3 +167,22 @@ async def test_a_rank_left_behind_is_not_ready(
         problem = await watch.check(state_of(rig))
         assert problem is not None and "rank 1" in problem and f"loaded v{v}" in problem
         assert "rank 0" not in problem
+
+
+@pytest.mark.parametrize("value", ["abc", "1e400", "nan", "-1", "inf"])
+async def test_a_bad_audit_setting_in_the_environment_is_a_warning_and_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: str
+) -> None:
+    """The auditor is built while the engine loads its model (the SGLang plugin): a setting in
+    the environment that is no usable number failed the load ("abc": ValueError) or ended the
+    audit's thread later (1e400: OverflowError in its wait). It is a warning naming it, and the
+    default; an argument given in code is a ConfigError."""
+    for env in ("ASYNCSYNC_AUDIT_INTERVAL", "ASYNCSYNC_AUDIT_DELAY", "ASYNCSYNC_AUDIT_BYTES_PER_S"):
+        monkeypatch.setenv(env, value)
+    async with Rig(tmp_path, tp=1) as rig:
+        aud = Auditor(rig.loaders[0])
+        assert (aud.interval, aud.delay, aud.bytes_per_s) == (300.0, 2.0, float(256 << 20))
+        said = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+        assert "$ASYNCSYNC_AUDIT_INTERVAL" in said and "$ASYNCSYNC_AUDIT_DELAY" in said, said
+        with pytest.raises(ValueError, match="Auditor: interval"):
+            Auditor(rig.loaders[0], interval=float("nan"))

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync import fsio
-from asyncsync.errors import check_seconds
+from asyncsync.errors import check_number, check_seconds
 from receiver.plugins.held import INDEX_NAME, Held, read_verified, read_weight_map
 from receiver.plugins.inplace import InEngineLoader
 from receiver.plugins.routing import compare, route
@@ -138,6 +138,23 @@ def read_records(checkpoint: str | os.PathLike[str]) -> list[AuditRecord]:
     return out
 
 
+def _env_number(name: str, default: float, *, zero: bool = False, rate: bool = False) -> float:
+    """``$name`` as a number of seconds (or bytes a second) > 0 (``>= 0`` with ``zero``), else
+    ``default``. A value that is not one is a WARNING naming it, and the default: the engine's
+    model loading, which builds the auditor, must not fail on an audit setting (``1e400`` ended
+    the audit's thread with an OverflowError; ``abc`` failed the load with a ValueError)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+        (check_number if rate else check_seconds)(name, value, above=not zero)
+    except ValueError as exc:  # (ConfigError is one)
+        logger.warning("$%s=%r is not a usable number (%s); using %g", name, text, exc, default)
+        return default
+    return value
+
+
 class Auditor:
     """Audits one model in a background thread (see the module docstring).
 
@@ -167,11 +184,13 @@ class Auditor:
     ):
         self.loader = loader
         self.rank, self.tp_size, self.role = rank, tp_size, role
-        self.bytes_per_s = bytes_per_s or float(os.environ.get(ENV_RATE, "") or 256 << 20)
-        self.interval = interval or float(os.environ.get(ENV_INTERVAL, "") or 300.0)
-        if delay is None:
-            delay = float(os.environ.get(ENV_DELAY, "") or 2.0)
-        self.delay = delay
+        if bytes_per_s is not None:
+            check_number("Auditor: bytes_per_s", bytes_per_s, above=True)
+        check_seconds("Auditor: interval", interval, above=True, optional=True)
+        check_seconds("Auditor: delay", delay, optional=True)
+        self.bytes_per_s = bytes_per_s or _env_number(ENV_RATE, float(256 << 20), rate=True)
+        self.interval = interval or _env_number(ENV_INTERVAL, 300.0)
+        self.delay = _env_number(ENV_DELAY, 2.0, zero=True) if delay is None else delay
         if enabled is None:
             enabled = os.environ.get(ENV_AUDIT, "1").strip() != "0"
         self.enabled = enabled
