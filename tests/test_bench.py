@@ -3,8 +3,13 @@ exact byte counts of the baselines. Timings are never asserted: they depend on t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -528,3 +533,35 @@ def test_profile_runs_on_the_threads_given_and_says_so(
         assert "CPU pool (asyncsync-cpu) 1 threads, torch 1 intra-op threads" in text
         assert "1-thread pool" in text
     assert (torch.get_num_threads(), real()) == (torch_before, pool_before)
+
+
+def test_a_terminated_bench_stops_its_children(tmp_path: Path) -> None:
+    """(attack-42) SIGTERM to ``asyncsync bench`` (a CI job cancelled, ``timeout``) ended it
+    at once and left its child processes running on for 15-20 s, a core each. It unwinds as
+    Ctrl-C does now: the children are stopped, status 143."""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncsync", "bench", "--peers", "--scale-sizes", "32MiB",
+         "--throttle", "none", "--timeout", "120"],
+        cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not children:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the bench started no child"
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+            time.sleep(0.1)
+        time.sleep(1.0)  # the children at work
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    alive = [c for c in children if Path(f"/proc/{c}").exists()]
+    for c in alive:  # (not ours to leave behind, whatever the outcome)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(c, signal.SIGKILL)
+    assert alive == [], "children left running"

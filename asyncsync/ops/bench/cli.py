@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,6 +84,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """``asyncsync bench``; a SIGTERM meanwhile stops its children as Ctrl-C does
+    (:func:`_terminated`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _cmd_bench(args)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _cmd_bench(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
     from asyncsync.ops.bench.measure import run_bench
     from asyncsync.ops.bench.report import markdown, plot, summarise
     from asyncsync.ops.bench.scale_report import scale_markdown, scale_plot, scale_summary
@@ -129,6 +143,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ):
             progress(f"wrote {path}")
     return 0
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    """SIGTERM (a CI job cancelled, ``timeout``): unwinds as Ctrl-C does, so the bench stops
+    its child processes (``measure._finish``); by default it ended at once and left them
+    running for 15-20 s, each on a core (attack-42). Status 128 + the signal."""
+    raise SystemExit(128 + signum)
 
 
 def _cmd_device(args: argparse.Namespace) -> int:
