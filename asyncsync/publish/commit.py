@@ -133,14 +133,6 @@ def lock_name(rank: int) -> str:
     return f".publisher.r{rank:04d}.lock" if rank else ".publisher.lock"
 
 
-def read_lock(path: Path, root: str | os.PathLike[str] | None) -> bytes:
-    """What the lock file at ``path`` says now (b"" when it is gone)."""
-    try:
-        return fsio.read_bytes(path, limit=4096, root=root)
-    except FileNotFoundError:
-        return b""
-
-
 async def commit_version(
     root: Path,
     vdir: Path,

@@ -234,7 +234,7 @@ class Publisher:
                 await asyncio.to_thread(finish_interrupted, self.root)
             versions = await asyncio.to_thread(list_versions, self.root)
             nxt = next_version_after(self.root, versions)  # (the lock is released below)
-            await self._committer.open(self.root, versions[-1] if versions else None)
+            await self._committer.open(self.root, versions[-1] if versions else None, self._lock)
         except OSError as exc:  # e.g. fsio.UnsafePath: a symlink where .rendezvous/ should be
             self._lock.release()
             raise ConfigError(f"cannot open the root {self.root}: {exc}") from exc

@@ -25,7 +25,8 @@ import torch
 from asyncsync.codec.shards import PendingUpdate
 from asyncsync.errors import ConfigError, PublishError
 from asyncsync.format import Manifest, ShardInfo, TensorEntry
-from asyncsync.publish.commit import discard, lock_name, read_lock
+from asyncsync.fsio import FileLock
+from asyncsync.publish.commit import discard
 from asyncsync.publish.distributed import Coordinator
 from asyncsync.publish.group import Attempt, Plan, RankGroup
 from asyncsync.publish.merge import PartRecord, TensorSlice, check_state_dict, merge, schema_of
@@ -105,7 +106,10 @@ class Committer(Protocol):
     ranked: bool  # one rank of a group
     is_committer: bool  # commits manifests, appends the log, runs retention
 
-    async def open(self, root: Path, latest: int | None) -> None: ...
+    async def open(self, root: Path, latest: int | None, lock: FileLock | None = None) -> None:
+        """Start at ``latest`` in ``root``; ``lock``: the publisher's, held (its file names
+        this rank's token)."""
+
     async def begin(
         self,
         pub: PublisherView,
@@ -137,7 +141,7 @@ class SoloCommitter:
     ranked = False
     is_committer = True
 
-    async def open(self, root: Path, latest: int | None) -> None:
+    async def open(self, root: Path, latest: int | None, lock: FileLock | None = None) -> None:
         return None
 
     async def begin(
@@ -216,26 +220,23 @@ class RankedCommitter:
         self.rank = self.group.rank
         self.is_committer = self.group.is_committer
         self._beating = AsyncExitStack()  # this rank's heartbeat, from the plan to end()
-        self._lock: tuple[Path, Path, bytes] | None = None  # (file, root, what it said at open)
+        self._lock: FileLock | None = None  # the publisher's (this rank's file)
         self._held = 0  # tensors of this rank in the last version it knows committed
 
-    async def open(self, root: Path, latest: int | None) -> None:
-        path = root / lock_name(self.rank)  # the publisher holds it now: its token is in it
-        self._lock = (path, root, await asyncio.to_thread(read_lock, path, root))
+    async def open(self, root: Path, latest: int | None, lock: FileLock | None = None) -> None:
+        self._lock = lock
         await self.group.open(root, latest)
 
     async def _check_lock(self) -> None:
         """Raise PublishError when this rank's lock file is no longer the one its publisher
         holds (the root wiped under it): another process may be this rank now, and a message
         of ours would stand for its weights (or overwrite its message)."""
-        if self._lock is None:
-            return
-        path, root, text = self._lock
-        if await asyncio.to_thread(read_lock, path, root) != text:
+        lock = self._lock
+        if lock is not None and not await asyncio.to_thread(lock.intact):
             raise PublishError(
-                f"rank {self.rank}: {path} is no longer the lock file this publisher holds (the "
-                "root was wiped, or the file removed or replaced): another process may be rank "
-                f"{self.rank} now; this one takes no part. Close this publisher",
+                f"rank {self.rank}: {lock.path} is no longer the lock file this publisher holds "
+                "(the root was wiped, or the file removed or replaced): another process may be "
+                f"rank {self.rank} now; this one takes no part. Close this publisher",
                 ranks=(self.rank,),
             )
 
