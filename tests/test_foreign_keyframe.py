@@ -31,14 +31,20 @@ def _vdir(root: Path, v: int) -> Path:
     return root / f"v{v:012d}"
 
 
-async def test_a_keyframe_of_another_run_mid_chain_is_never_taken(tmp_path: Path) -> None:
-    other = tmp_path / "other"
-    async with Publisher(other, bucket_bytes=8192, keyframe_interval=0) as pub:
+async def _another_run(root: Path, versions: int, keyframe_at: int | None = None) -> Path:
+    """``root``: a seed and ``versions`` deltas of a run of its own (``keyframe_at``: that
+    version a keyframe instead)."""
+    async with Publisher(root, bucket_bytes=8192, keyframe_interval=0) as pub:
         sd = mixed_state(5)
         await pub.seed(sd)
-        for i in range(3):
-            sd = mutate(sd, 0.03, seed=50 + i)
-            await pub.publish(sd, keyframe=i == 2)  # v3: a keyframe of the other run
+        for v in range(1, versions + 1):
+            sd = mutate(sd, 0.03, seed=49 + v)
+            await pub.publish(sd, keyframe=v == keyframe_at)
+    return root
+
+
+async def test_a_keyframe_of_another_run_mid_chain_is_never_taken(tmp_path: Path) -> None:
+    other = await _another_run(tmp_path / "other", 3, keyframe_at=3)
 
     root = tmp_path / "root"
     states = [mixed_state(0)]
@@ -82,13 +88,7 @@ async def test_a_manifest_of_another_run_is_refused_by_name(
     (the newest), neither true. It is a bad version whose message names the file, its run id
     and the root's, and says refused; the receiver goes as far as the root's run allows, and
     on from the root's next keyframe (helper-39, task 2)."""
-    other = tmp_path / "other"
-    async with Publisher(other, bucket_bytes=8192, keyframe_interval=0) as pub:
-        sd = mixed_state(5)
-        await pub.seed(sd)
-        for i in range(4):
-            sd = mutate(sd, 0.03, seed=50 + i)
-            await pub.publish(sd)
+    other = await _another_run(tmp_path / "other", 4)
 
     root = tmp_path / "root"
     states = [mixed_state(0)]
