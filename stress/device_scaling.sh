@@ -30,7 +30,7 @@ fetch)
         --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
     ls -l .whl
     ;;
-run | kernels)
+run | kernels | gpuprof)
     what=$1
     out=${OUT:-$(mktemp -d)}
     counts=1,2,4,8,16
@@ -67,6 +67,12 @@ EOF
         timeout 120 "$py" -m asyncsync bench --device cuda --scale-sizes 1GiB \
             --markdown "$out/device.md" || echo "bench --device failed: rc=$?"
     fi
+    if [[ "$what" == gpuprof ]]; then  # where a device publish and apply go (device_profile.py)
+        timeout 240 "$py" stress/device_profile.py --size 1GiB | tee "$out/device_profile.md"
+        OMP_WAIT_POLICY=passive timeout 150 "$py" stress/kernel_scaling.py --threads 1,4,16 \
+            --model-mib 1024 --json "$out/kernels_passive.json" | tee "$out/kernels_passive.md"
+        exit 0
+    fi
     if [[ "$what" == kernels ]]; then  # each kernel stage apart (stress/kernel_scaling.py)
         timeout 300 "$py" stress/kernel_scaling.py --threads "$counts" --model-mib 1024 \
             --json "$out/kernels.json" | tee "$out/kernels.md"
@@ -77,7 +83,7 @@ EOF
     echo "results in $out"
     ;;
 *)
-    echo "usage: $0 fetch | run [local] | kernels [local]" >&2
+    echo "usage: $0 fetch | run [local] | kernels [local] | gpuprof" >&2
     exit 2
     ;;
 esac
