@@ -14,24 +14,61 @@ keeps every buffer of ``threshold`` bytes or more out of the arenas.
 :func:`release_large_buffers` does that once per process; the publisher and the receiver agent
 call it when they open. Set ``ASYNCSYNC_MALLOPT=0`` to leave malloc alone (an application with
 its own allocator policy). Elsewhere than glibc it does nothing.
+
+:class:`ScratchPool` reuses large buffers whose pages are already faulted in (the codec's
+temporaries: :mod:`asyncsync.codec.scratch`). :func:`host_copy` and :func:`host_chunks` bring a
+GPU tensor's bytes to the host through such a pool of *pinned* buffers: a copy into fresh
+pageable memory ran at 1.4 GB/s on an H200 host, one into a reused pinned buffer at 53 GB/s
+(BENCHMARKS.md, "Issue 26, nineteenth session"), and both the publish of device tensors and
+the apply into a module on the device spent ~75 % of their time in such copies.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import gc
 import logging
+import math
 import os
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DEFAULT_THRESHOLD", "freeze_startup_objects", "release_large_buffers"]
+import numpy as np
+from numpy.typing import DTypeLike, NDArray
+
+from asyncsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "MIN_BYTES",
+    "ScratchPool",
+    "freeze_startup_objects",
+    "host_chunks",
+    "host_copy",
+    "pinned_pool",
+    "release_large_buffers",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_THRESHOLD = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
 _applied: int | None = None
+#: below this, malloc's own free lists serve a buffer without faults: not worth pooling
+MIN_BYTES = 256 << 10
+#: the pinned pool's bytes at most, unless ``ASYNCSYNC_PINNED_MB`` says (0: no pinned buffers)
+PINNED_LIMIT = 1 << 30
+#: the bytes :func:`host_chunks` copies at a time
+CHUNK = 16 << 20
+#: the largest ``ASYNCSYNC_PINNED_MB`` taken (1 TiB)
+MAX_PINNED_MB = 1 << 20
 
 
 def release_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
@@ -68,3 +105,168 @@ def freeze_startup_objects() -> None:
     trainer's process. Objects alive now are never collected afterwards, so call it once."""
     gc.collect()
     gc.freeze()
+
+
+class ScratchPool:
+    """Best-fit reuse of at most ``limit`` bytes of NumPy buffers (thread-safe).
+
+    ``alloc(n)`` makes a new buffer of ``n`` bytes (a 1-D uint8 array; ``np.empty`` unless
+    given): the pinned pool's are NumPy views of pinned torch tensors. Beyond ``limit``, buffers
+    are plain ``np.empty`` arrays, not pooled."""
+
+    def __init__(self, limit: int, alloc: Callable[[int], NDArray[np.uint8]] | None = None) -> None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        self.limit = limit
+        self._alloc = alloc or _plain
+        self._bufs: list[NDArray[np.uint8]] = []
+        self._sizes: list[int] = []  # their sizes, ascending
+        self._held = 0
+        self._lock = threading.Lock()
+        self.reused = 0  # buffers handed out again (for tests and the bench)
+
+    @property
+    def held(self) -> int:
+        """Bytes of the buffers the pool keeps (in use or free)."""
+        return self._held
+
+    def empty(self, n: int, dtype: DTypeLike) -> NDArray[Any]:
+        """An uninitialised 1-D array of ``n`` elements of ``dtype`` (a view of a pooled
+        buffer when one is free and large enough, or when the pool has room for a new one)."""
+        dt = np.dtype(dtype)
+        nbytes = n * dt.itemsize
+        if nbytes < MIN_BYTES or self.limit == 0:
+            return np.empty(n, dt)
+        with self._lock:
+            bufs = self._bufs  # ascending by size: the first free one that fits fits best
+            for i in range(bisect.bisect_left(self._sizes, nbytes), len(bufs)):
+                if _refs(bufs, i) <= _FREE:
+                    self.reused += 1
+                    return bufs[i][:nbytes].view(dt)
+            over = self._held + nbytes - self.limit
+            i = 0
+            while over > 0 and i < len(bufs):  # make room: drop free ones, smallest first
+                if _refs(bufs, i) <= _FREE:
+                    over -= self._sizes[i]
+                    self._held -= self._sizes.pop(i)
+                    del bufs[i]
+                else:
+                    i += 1
+            if over > 0:
+                return np.empty(n, dt)
+            buf = self._alloc(nbytes)
+            i = bisect.bisect_right(self._sizes, nbytes)
+            self._sizes.insert(i, nbytes)
+            bufs.insert(i, buf)
+            self._held += nbytes
+            return buf.view(dt)
+
+
+def _refs(bufs: list[NDArray[np.uint8]], i: int) -> int:
+    return sys.getrefcount(bufs[i])
+
+
+#: what :func:`_refs` reads for a buffer only its list refers to (measured, not assumed:
+#: interpreters differ in the references they count); a view or tensor of it adds one or more
+_FREE = _refs([np.empty(1, np.uint8)], 0)
+
+
+def _plain(n: int) -> NDArray[np.uint8]:
+    return np.empty(n, np.uint8)
+
+
+def _pinned_limit() -> int:
+    """``ASYNCSYNC_PINNED_MB`` in bytes, or :data:`PINNED_LIMIT` when it is not set."""
+    raw = os.environ.get("ASYNCSYNC_PINNED_MB", "").strip()
+    if not raw:
+        return PINNED_LIMIT
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = math.nan
+    if not math.isfinite(mib) or not 0 <= mib <= MAX_PINNED_MB:
+        raise ConfigError(
+            f"ASYNCSYNC_PINNED_MB must be a number of MiB in [0, {MAX_PINNED_MB}], got {raw!r}"
+        )
+    return int(mib * (1 << 20))
+
+
+def _pinned_alloc(n: int) -> NDArray[np.uint8]:
+    import torch
+
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+_pinned: ScratchPool | None = None
+_pinned_lock = threading.Lock()
+
+
+def pinned_pool() -> ScratchPool:
+    """The process-wide pool of pinned host buffers (made on first use: only a process that
+    copies CUDA tensors pins memory). It keeps at most ``ASYNCSYNC_PINNED_MB`` (default 1 GiB)
+    locked in RAM for the life of the process; a copy that does not fit goes to plain memory."""
+    global _pinned
+    with _pinned_lock:
+        if _pinned is None:
+            _pinned = ScratchPool(_pinned_limit(), _pinned_alloc)
+        return _pinned
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with a bool's elements as its bytes (torch copies a bool as 0/1)."""
+    import torch
+
+    t = t.detach()
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with ``t``'s dtype, shape and bytes (a bool's too).
+
+    A CUDA tensor is copied into a buffer of :func:`pinned_pool` (taken back by the pool once
+    nothing refers to the result); other devices, and copies the pool has no room for, go to
+    plain memory. A CPU tensor is returned contiguous, copied only when it is not."""
+    import torch
+
+    src = _bytes_of(t)
+    nbytes = src.numel() * src.element_size()
+    if t.device.type == "cpu":
+        out = src.contiguous()
+    elif t.device.type != "cuda" or nbytes < MIN_BYTES:
+        out = src.to("cpu").contiguous()
+    else:
+        buf = pinned_pool().empty(nbytes, np.uint8)
+        out = torch.from_numpy(buf).view(src.dtype).view(src.shape)
+        out.copy_(src)
+    return out.view(torch.bool) if t.dtype == torch.bool else out
+
+
+def host_chunks(t: torch.Tensor, start: int = 0, stop: int | None = None) -> Iterator[memoryview]:
+    """Bytes ``start:stop`` of ``t``'s row-major bytes, :data:`CHUNK` bytes at a time.
+
+    A CPU tensor's chunks are views of its memory (of a contiguous copy when it is not
+    contiguous). A device tensor's are copied through one reused pinned buffer: each view is
+    valid until the next one is asked for."""
+    import torch
+
+    src = _bytes_of(t)
+    if not src.is_contiguous():
+        src = src.contiguous()
+    flat = src.reshape(-1).view(torch.uint8)
+    stop = flat.numel() if stop is None else stop
+    if not 0 <= start <= stop <= flat.numel():
+        raise ValueError(f"bytes {start}:{stop} of a tensor of {flat.numel()} bytes")
+    if flat.device.type == "cpu":
+        mv = memoryview(flat.numpy())  # type: ignore[arg-type]
+        for o in range(start, stop, CHUNK):
+            yield mv[o : min(o + CHUNK, stop)]
+        return
+    size = min(CHUNK, stop - start)
+    buf: Any = (
+        pinned_pool().empty(size, np.uint8) if t.device.type == "cuda" else np.empty(size, np.uint8)
+    )
+    staged = torch.from_numpy(buf)
+    for o in range(start, stop, CHUNK):
+        n = min(CHUNK, stop - o)
+        staged[:n].copy_(flat[o : o + n])
+        yield memoryview(buf[:n])

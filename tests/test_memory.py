@@ -5,7 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
+
+from asyncsync import memory
+from asyncsync.errors import ConfigError
+from asyncsync.format import checksum
 
 CHECK = """
 import ctypes, sys
@@ -72,3 +78,89 @@ print("ok", frozen)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
+
+
+# ------------------------------------------------------- device-to-host staging (pinned buffers)
+
+_DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def _odd_tensors(device: str) -> dict[str, torch.Tensor]:
+    """Tensors whose bytes a careless copy would change or lose: a bool whose bytes are not
+    all 0/1, a non-contiguous view, a 0-d, an empty, one large enough for the pinned pool and
+    one spanning several of host_chunks' chunks."""
+    g = torch.Generator().manual_seed(5)
+    big = torch.randint(
+        -(2**15), 2**15, (3 * memory.CHUNK // 2 + 7,), dtype=torch.int16, generator=g
+    )
+    odd_bool = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=g).view(torch.bool)
+    wide = torch.randn(700, 900, generator=g).to(torch.bfloat16)
+    out = {
+        "big": big.view(torch.bfloat16),
+        "bool": odd_bool,
+        "transposed": wide.t(),
+        "strided_bool": odd_bool[1::3],
+        "scalar": torch.tensor(3.5, dtype=torch.float32),
+        "empty": torch.empty(0, 4, dtype=torch.float16),
+        "pool_sized": torch.randn(memory.MIN_BYTES // 2 + 3, generator=g).to(torch.float16),
+    }
+    return {k: t.to(device) for k, t in out.items()}
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """The reference: a tensor's row-major bytes, copied element by element as integers."""
+    ints = t.detach().cpu().view(torch.uint8) if t.dtype == torch.bool else t.detach().cpu()
+    return ints.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_host_copy_keeps_every_byte(device: str) -> None:
+    for name, t in _odd_tensors(device).items():
+        got = memory.host_copy(t)
+        assert got.device.type == "cpu" and got.is_contiguous(), name
+        assert (got.dtype, tuple(got.shape)) == (t.dtype, tuple(t.shape)), name
+        assert _raw_bytes(got) == _raw_bytes(t), name
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_host_chunks_and_streamed_checksums_match_the_whole_bytes(device: str) -> None:
+    for name, t in _odd_tensors(device).items():
+        whole = _raw_bytes(t)
+        for start, stop in ((0, None), (1, len(whole) - 1), (len(whole) // 2, len(whole) // 2)):
+            if stop is not None and stop < start:
+                continue
+            got = b"".join(bytes(c) for c in memory.host_chunks(t, start, stop))
+            assert got == whole[start:stop], (name, start, stop)
+        flat = t.reshape(-1)
+        layout = [(0, flat.numel() // 3), (flat.numel() // 3, flat.numel() - flat.numel() // 3)]
+        for parts in (None, layout):
+            want = checksum.layout_checksum(whole, t.element_size(), parts)
+            assert checksum._streamed(t, t.element_size(), parts, "xxh3-128") == want, name
+            assert checksum.checksum_tensor(t, layout=parts) == want, name
+    with pytest.raises(ValueError, match="bytes 5:3"):
+        next(memory.host_chunks(torch.zeros(8, device=device), 5, 3))
+
+
+def test_pinned_pool_hands_a_buffer_out_again_only_once_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[int] = []
+
+    def alloc(n: int) -> np.ndarray:
+        made.append(n)
+        return np.empty(n, np.uint8)
+
+    pool = memory.ScratchPool(8 * memory.MIN_BYTES, alloc)
+    a = pool.empty(2 * memory.MIN_BYTES, np.uint8)
+    b = pool.empty(2 * memory.MIN_BYTES, np.uint8)  # `a` is in use: a second buffer
+    assert made == [2 * memory.MIN_BYTES] * 2 and not np.shares_memory(a, b)
+    del a
+    c = pool.empty(memory.MIN_BYTES, np.uint8)  # best fit: `a`'s buffer, not a new one
+    assert len(made) == 2 and pool.reused == 1 and not np.shares_memory(b, c)
+    d = pool.empty(6 * memory.MIN_BYTES, np.uint8)  # over the limit: a plain array
+    assert len(made) == 2 and d.nbytes == 6 * memory.MIN_BYTES
+    monkeypatch.setenv("ASYNCSYNC_PINNED_MB", "abc")
+    with pytest.raises(ConfigError, match="ASYNCSYNC_PINNED_MB"):
+        memory._pinned_limit()
+    monkeypatch.setenv("ASYNCSYNC_PINNED_MB", "0")
+    assert memory._pinned_limit() == 0

@@ -19,22 +19,17 @@ before. What it keeps stays resident while the process lives.
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
-import sys
-import threading
 from typing import Any
 
-import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from asyncsync.errors import ConfigError
+from asyncsync.memory import MIN_BYTES, ScratchPool
 
-__all__ = ["ScratchPool", "empty", "fit", "pool"]
+__all__ = ["MIN_BYTES", "ScratchPool", "empty", "fit", "pool"]
 
-#: below this, malloc's own free lists serve a buffer without faults: not worth pooling
-MIN_BYTES = 256 << 10
 #: bytes the process-wide pool keeps at most, unless ``ASYNCSYNC_SCRATCH_MB`` says
 DEFAULT_LIMIT = 256 << 20
 #: ... and at most this share of the largest model the process moves (:func:`fit`), but
@@ -42,65 +37,6 @@ DEFAULT_LIMIT = 256 << 20
 FIT_SHARE, FIT_FLOOR = 4, 16 << 20
 #: the largest ``ASYNCSYNC_SCRATCH_MB`` taken (1 TiB): beyond, the pool would have no bound
 MAX_MB = 1 << 20
-
-
-class ScratchPool:
-    """Best-fit reuse of at most ``limit`` bytes of NumPy buffers (thread-safe)."""
-
-    def __init__(self, limit: int) -> None:
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
-        self.limit = limit
-        self._bufs: list[NDArray[np.uint8]] = []
-        self._sizes: list[int] = []  # their sizes, ascending
-        self._held = 0
-        self._lock = threading.Lock()
-        self.reused = 0  # buffers handed out again (for tests and the bench)
-
-    @property
-    def held(self) -> int:
-        """Bytes of the buffers the pool keeps (in use or free)."""
-        return self._held
-
-    def empty(self, n: int, dtype: DTypeLike) -> NDArray[Any]:
-        """An uninitialised 1-D array of ``n`` elements of ``dtype`` (a view of a pooled
-        buffer when one is free and large enough, or when the pool has room for a new one)."""
-        dt = np.dtype(dtype)
-        nbytes = n * dt.itemsize
-        if nbytes < MIN_BYTES or self.limit == 0:
-            return np.empty(n, dt)
-        with self._lock:
-            bufs = self._bufs  # ascending by size: the first free one that fits fits best
-            for i in range(bisect.bisect_left(self._sizes, nbytes), len(bufs)):
-                if _refs(bufs, i) <= _FREE:
-                    self.reused += 1
-                    return bufs[i][:nbytes].view(dt)
-            over = self._held + nbytes - self.limit
-            i = 0
-            while over > 0 and i < len(bufs):  # make room: drop free ones, smallest first
-                if _refs(bufs, i) <= _FREE:
-                    over -= self._sizes[i]
-                    self._held -= self._sizes.pop(i)
-                    del bufs[i]
-                else:
-                    i += 1
-            if over > 0:
-                return np.empty(n, dt)
-            buf = np.empty(nbytes, np.uint8)
-            i = bisect.bisect_right(self._sizes, nbytes)
-            self._sizes.insert(i, nbytes)
-            bufs.insert(i, buf)
-            self._held += nbytes
-            return buf.view(dt)
-
-
-def _refs(bufs: list[NDArray[np.uint8]], i: int) -> int:
-    return sys.getrefcount(bufs[i])
-
-
-#: what :func:`_refs` reads for a buffer only its list refers to (measured, not assumed:
-#: interpreters differ in the references they count); a view or tensor of it adds one or more
-_FREE = _refs([np.empty(1, np.uint8)], 0)
 
 
 def _env_limit() -> int | None:
