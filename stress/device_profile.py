@@ -108,12 +108,12 @@ async def _round_trip(sd: dict[str, torch.Tensor], device: torch.device, version
                     for side, s in zip(("publish", "apply"), samplers, strict=True):
                         print(f"\n## {side}: one version under the stack sampler")
                         print("\n".join(_sample_table(s, 25)))
-    for side, t, total in (
+    for side, timers, total in (
         ("publish", pub_t, "publish (total)"),
         ("apply", app_t, "sync_once (discover .. ack)"),
     ):
         print(f"\n## {side}: walls {[round(1e3 * w) for w in walls[side]]} ms; stages per version")
-        print("\n".join(_stage_table(t, versions, total)))
+        print("\n".join(_stage_table(timers, versions, total)))
 
 
 def _primitives(sd: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -143,11 +143,11 @@ def _primitives(sd: dict[str, torch.Tensor], device: torch.device) -> None:
     host = [b.view(torch.uint8).reshape(-1).numpy() for b in pinned]
     row(
         "XXH3 each tensor, one thread",
-        _best(device, lambda: [checksum_bytes(memoryview(h)) for h in host]),
+        _best(device, lambda: [checksum_bytes(h.data) for h in host]),
     )
     row(
         f"XXH3 each tensor, pool of {threads()}",
-        _best(device, lambda: parallel_map(lambda h: checksum_bytes(memoryview(h)), host)),
+        _best(device, lambda: parallel_map(lambda h: checksum_bytes(h.data), host)),
     )
     # the receiver's per-tensor patch: positions and values from the host, old values saved
     g = torch.Generator().manual_seed(3)
@@ -161,7 +161,7 @@ def _primitives(sd: dict[str, torch.Tensor], device: torch.device) -> None:
 
     def patch_all() -> None:
         for flat, p in patches:
-            old = torch.empty(p.positions.numel(), dtype=flat.dtype, device=flat.device)
+            old = torch.empty(p.values.numel(), dtype=flat.dtype, device=flat.device)
             codec.apply_patch(flat, p, old_out=old)
 
     row(

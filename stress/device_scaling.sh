@@ -67,10 +67,12 @@ EOF
         timeout 120 "$py" -m asyncsync bench --device cuda --scale-sizes 1GiB \
             --markdown "$out/device.md" || echo "bench --device failed: rc=$?"
     fi
-    if [[ "$what" == gpuprof ]]; then  # where a device publish and apply go (device_profile.py)
+    if [[ "$what" == gpuprof ]]; then  # the CUDA tests, the device check, then the profile
+        timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_memory.py \
+            tests/test_engines.py -k "cuda or host" 2>&1 | tail -15 || echo "pytest: rc=$?"
+        timeout 150 "$py" -m asyncsync bench --device cuda --scale-sizes 1GiB \
+            --markdown "$out/device.md" || echo "bench --device failed: rc=$?"
         timeout 240 "$py" stress/device_profile.py --size 1GiB | tee "$out/device_profile.md"
-        OMP_WAIT_POLICY=passive timeout 150 "$py" stress/kernel_scaling.py --threads 1,4,16 \
-            --model-mib 1024 --json "$out/kernels_passive.json" | tee "$out/kernels_passive.md"
         exit 0
     fi
     if [[ "$what" == kernels ]]; then  # each kernel stage apart (stress/kernel_scaling.py)

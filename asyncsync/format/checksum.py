@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import xxhash
 
-from asyncsync import fsio
+from asyncsync import fsio, memory
 from asyncsync.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -68,23 +68,52 @@ def checksum_bytes(data: bytes | bytearray | memoryview, algorithm: str = DEFAUL
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes, row-major, as a memoryview (copied to CPU / contiguous if needed)."""
+    """The tensor's bytes, row-major, as a memoryview (copied to CPU / contiguous if needed: a
+    CUDA tensor through a reused pinned buffer, :func:`asyncsync.memory.host_copy`)."""
     import torch  # reading a root needs no torch: imported on first use
 
     t = t.detach()
     if t.dtype == torch.bool:  # copied as bytes: torch copies a bool's elements as 0/1
         t = t.view(torch.uint8)
-    if t.device.type != "cpu":
-        t = t.cpu()
-    flat = t.contiguous().reshape(-1)
+    flat = memory.host_copy(t).reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def checksum_tensor(t: torch.Tensor, algorithm: str = DEFAULT_ALGORITHM) -> str:
-    """Checksum of a tensor's complete bytes (row-major, little-endian as stored)."""
-    return checksum_bytes(tensor_bytes(t), algorithm)
+def _streamed(
+    t: torch.Tensor,
+    itemsize: int,
+    layout: Sequence[tuple[int, int]] | None,
+    algorithm: str,
+) -> str:
+    """:func:`layout_checksum` of a device tensor's bytes, hashed as they come to the host a
+    chunk at a time (:func:`asyncsync.memory.host_chunks`): no host copy of the whole tensor."""
+
+    def one(start: int, stop: int) -> str:
+        h = new_hasher(algorithm)
+        for chunk in memory.host_chunks(t, start, stop):
+            h.update(chunk)
+        return h.hexdigest()
+
+    if layout is None:
+        return one(0, t.numel() * t.element_size())
+    return parts_checksum(
+        ((o, n, one(o * itemsize, (o + n) * itemsize)) for o, n in layout), algorithm
+    )
+
+
+def checksum_tensor(
+    t: torch.Tensor,
+    algorithm: str = DEFAULT_ALGORITHM,
+    layout: Sequence[tuple[int, int]] | None = None,
+) -> str:
+    """Checksum of a tensor's complete bytes (row-major, little-endian as stored), or with
+    ``layout`` the composite of its parts' (:func:`layout_checksum`). A device tensor is hashed
+    as its bytes come to the host, a chunk at a time."""
+    if t.device.type != "cpu":
+        return _streamed(t, t.element_size(), layout, algorithm)
+    return layout_checksum(tensor_bytes(t), t.element_size(), layout, algorithm)
 
 
 def checksum_file(
@@ -152,5 +181,9 @@ def entry_checksum(
 ) -> str:
     """The checksum a manifest entry records for a tensor whose complete bytes are ``data``
     (a tensor, or its row-major bytes), for plain entries and entries in parts alike."""
-    raw = data if isinstance(data, bytes | bytearray | memoryview) else tensor_bytes(data)
-    return layout_checksum(raw, entry.torch_dtype.itemsize, entry.layout, algorithm)
+    itemsize = entry.torch_dtype.itemsize
+    if isinstance(data, bytes | bytearray | memoryview):
+        return layout_checksum(data, itemsize, entry.layout, algorithm)
+    if data.device.type != "cpu":
+        return _streamed(data, itemsize, entry.layout, algorithm)
+    return layout_checksum(tensor_bytes(data), itemsize, entry.layout, algorithm)

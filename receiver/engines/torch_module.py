@@ -37,7 +37,7 @@ import torch
 from asyncsync.codec import Patch, apply_patch, int_view, patch_and_checksum, raw_view
 from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
 from asyncsync.format import Manifest, TensorEntry
-from asyncsync.format.checksum import entry_checksum, layout_checksum, tensor_bytes
+from asyncsync.format.checksum import checksum_tensor, entry_checksum
 from asyncsync.pipeline import parallel_map
 from receiver.engines.base import AuditReport, Engine, EngineState, TensorUpdate
 from receiver.state import (
@@ -275,7 +275,7 @@ class TorchModule(Engine):
             if name not in tensors:
                 continue
             t, layout = tensors[name], ps.parts.get(name)
-            if layout_checksum(tensor_bytes(t), t.element_size(), layout, algo) != want:
+            if checksum_tensor(t, algo, layout) != want:
                 bad.append(name)
         return bad
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from asyncsync.format.checksum import layout_checksum, tensor_bytes
+from asyncsync.format.checksum import checksum_tensor
 from receiver.plugins import vllm_loader
 
 __all__ = ["AsyncSyncWorkerExtension", "audit_spec", "canonical_zeros", "served_tensors"]
@@ -181,13 +181,11 @@ class AsyncSyncWorkerExtension:
             served, zero_sign, unmapped = served_tensors(model, tensors)
             sums = {}
             for n, t in served.items():
-                raw = tensor_bytes(canonical_zeros(t) if n in zero_sign else t)
                 layout = spec["tensors"][n].get("layout")
-                sums[n] = layout_checksum(
-                    raw,
-                    t.element_size(),
-                    None if layout is None else [tuple(x) for x in layout],
+                sums[n] = checksum_tensor(
+                    canonical_zeros(t) if n in zero_sign else t,
                     spec["algorithm"],
+                    None if layout is None else [tuple(x) for x in layout],
                 )
         return {
             "checksums": sums,
