@@ -194,7 +194,17 @@ def _pinned_limit() -> int:
 def _pinned_alloc(n: int) -> NDArray[np.uint8]:
     import torch
 
-    return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+    try:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+    except RuntimeError as exc:  # no page-locked memory left, or no allocator for it
+        if _pinned is not None and _pinned.limit:
+            logger.warning(
+                "pinned host memory is not available (%s): device-to-host copies go through "
+                "plain memory from now on (slower)",
+                exc,
+            )
+            _pinned.limit = 0
+        return np.empty(n, np.uint8)
 
 
 _pinned: ScratchPool | None = None

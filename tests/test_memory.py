@@ -164,3 +164,19 @@ def test_pinned_pool_hands_a_buffer_out_again_only_once_free(
         memory._pinned_limit()
     monkeypatch.setenv("ASYNCSYNC_PINNED_MB", "0")
     assert memory._pinned_limit() == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine that cannot pin memory")
+def test_a_pinned_allocation_that_fails_falls_back_to_plain_memory(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Here torch has no pinned allocator: the real failure a host out of page-locked memory
+    gives. The copy still gets a buffer, one warning is logged, and the pool stops trying."""
+    pool = memory.ScratchPool(64 * memory.MIN_BYTES, memory._pinned_alloc)
+    monkeypatch.setattr(memory, "_pinned", pool)
+    a = pool.empty(2 * memory.MIN_BYTES, np.uint8)
+    a[:] = 7
+    assert a.nbytes == 2 * memory.MIN_BYTES and pool.limit == 0
+    b = pool.empty(2 * memory.MIN_BYTES, np.uint8)
+    assert not np.shares_memory(a, b)
+    assert [r.levelname for r in caplog.records if "pinned" in r.message] == ["WARNING"]
