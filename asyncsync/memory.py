@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,6 +51,7 @@ __all__ = [
     "ScratchPool",
     "freeze_startup_objects",
     "host_chunks",
+    "host_copies",
     "host_copy",
     "pinned_pool",
     "release_large_buffers",
@@ -124,6 +125,7 @@ class ScratchPool:
         self._held = 0
         self._lock = threading.Lock()
         self.reused = 0  # buffers handed out again (for tests and the bench)
+        self.spilled = 0  # plain arrays handed out because the pool had no room
 
     @property
     def held(self) -> int:
@@ -153,6 +155,7 @@ class ScratchPool:
                 else:
                     i += 1
             if over > 0:
+                self.spilled += 1
                 return np.empty(n, dt)
             buf = self._alloc(nbytes)
             i = bisect.bisect_right(self._sizes, nbytes)
@@ -236,19 +239,33 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     A CUDA tensor is copied into a buffer of :func:`pinned_pool` (taken back by the pool once
     nothing refers to the result); other devices, and copies the pool has no room for, go to
     plain memory. A CPU tensor is returned contiguous, copied only when it is not."""
+    return host_copies([t])[0]
+
+
+def host_copies(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`host_copy` of each of ``ts``: the CUDA copies are issued together, then each
+    device's stream is waited for once (not once per tensor)."""
     import torch
 
-    src = _bytes_of(t)
-    nbytes = src.numel() * src.element_size()
-    if t.device.type == "cpu":
-        out = src.contiguous()
-    elif t.device.type != "cuda" or nbytes < MIN_BYTES:
-        out = src.to("cpu").contiguous()
-    else:
-        buf = pinned_pool().empty(nbytes, np.uint8)
-        out = torch.from_numpy(buf).view(src.dtype).view(src.shape)
-        out.copy_(src)
-    return out.view(torch.bool) if t.dtype == torch.bool else out
+    out: list[torch.Tensor] = []
+    streams = {}
+    for t in ts:
+        src = _bytes_of(t)
+        nbytes = src.numel() * src.element_size()
+        if t.device.type == "cpu":
+            host = src.contiguous()
+        elif t.device.type != "cuda" or nbytes < MIN_BYTES:
+            host = src.to("cpu").contiguous()
+        else:
+            buf = pinned_pool().empty(nbytes, np.uint8)
+            host = torch.from_numpy(buf).view(src.dtype).view(src.shape)
+            stream = torch.cuda.current_stream(t.device)
+            streams[stream.cuda_stream] = stream
+            host.copy_(src, non_blocking=True)  # read only once the stream is waited for
+        out.append(host.view(torch.bool) if t.dtype == torch.bool else host)
+    for stream in streams.values():
+        stream.synchronize()
+    return out
 
 
 def host_chunks(t: torch.Tensor, start: int = 0, stop: int | None = None) -> Iterator[memoryview]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncsync import codec
+from asyncsync import codec, memory
 from asyncsync.format.checksum import checksum_bytes, tensor_bytes
 from asyncsync.ops.bench.device import _Params
 from asyncsync.ops.bench.profile import (
@@ -184,6 +184,13 @@ def main() -> None:
     print(f"# device profile: {device}, {args.size}, {len(sd)} tensors, pool {threads()}")
     _primitives(sd, device)
     asyncio.run(_round_trip(sd, device, args.versions))
+    if device.type == "cuda":
+        pool = memory.pinned_pool()
+        print(
+            f"\npinned pool: holds {pool.held / 2**20:.0f} MiB of at most "
+            f"{pool.limit / 2**20:.0f}; buffers reused {pool.reused}, plain copies "
+            f"(no room) {pool.spilled}"
+        )
 
 
 if __name__ == "__main__":

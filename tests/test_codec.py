@@ -553,6 +553,31 @@ def test_apply_patch_saves_old_values(kernel: str, op: str, dtype: torch.dtype) 
     assert torch.equal(strided[pos], values) and not old.any()
 
 
+@pytest.mark.parametrize("op", ["set", "xor"])
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_the_device_patch_matches_the_host_patch(op: str, device: str) -> None:
+    """The device branch of apply_patch (one copy of the positions, one gather, one scatter):
+    run here on the CPU by calling it directly, and on a GPU through apply_patch itself."""
+    from asyncsync.codec.patch import _device_patch
+
+    g = torch.Generator().manual_seed(9)
+    for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        flat = torch.randint(0, 100, (5000,), generator=g).to(dtype)
+        pos = torch.unique(torch.randint(0, 5000, (700,), generator=g))
+        values = torch.randint(1, 100, (pos.numel(),), generator=g).to(dtype)
+        want, want_old = flat.clone(), torch.empty(pos.numel(), dtype=dtype)
+        apply_patch(want, Patch(op, pos, values), old_out=want_old)
+        for save in (True, False):
+            got = flat.clone().to(device)
+            old = torch.full((pos.numel(),), 7, dtype=dtype, device=device) if save else None
+            if device == "cpu":
+                _device_patch(got, op, pos, values, old)
+            else:
+                apply_patch(got, Patch(op, pos, values), old_out=old)
+            assert torch.equal(got.cpu(), want), (dtype, save)
+            assert old is None or torch.equal(old.cpu(), want_old), dtype
+
+
 def test_apply_patch_old_out_and_bounds_checks(kernel: str) -> None:
     flat = torch.arange(8, dtype=torch.int32)
     patch = Patch("xor", torch.tensor([1, 3]), torch.tensor([5, 5], dtype=torch.int32))

@@ -115,8 +115,11 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
 
 @pytest.mark.parametrize("device", _DEVICES)
 def test_host_copy_keeps_every_byte(device: str) -> None:
-    for name, t in _odd_tensors(device).items():
+    ts = _odd_tensors(device)
+    together = dict(zip(ts, memory.host_copies(list(ts.values())), strict=True))
+    for name, t in ts.items():
         got = memory.host_copy(t)
+        assert _raw_bytes(together[name]) == _raw_bytes(t), name
         assert got.device.type == "cpu" and got.is_contiguous(), name
         assert (got.dtype, tuple(got.shape)) == (t.dtype, tuple(t.shape)), name
         assert _raw_bytes(got) == _raw_bytes(t), name

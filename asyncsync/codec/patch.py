@@ -101,20 +101,33 @@ def apply_patch(flat: torch.Tensor, patch: Patch, *, old_out: torch.Tensor | Non
         raise ConfigError(f"position {int(pos[-1])} outside a tensor of {flat.numel()}")
     if native.kernels is not None and _native_patch(flat, patch.op, pos, values, old_out):
         return
+    if flat.device.type != "cpu":
+        _device_patch(flat, patch.op, pos.to(flat.device), values, old_out)
+        return
     if old_out is not None:
         old_out.copy_(gather(flat, pos))
-    if flat.device.type == "cpu":  # NumPy fancy indexing: no intra-op thread pool to contend on
-        arr, idx, vals = flat.numpy(), pos.numpy(), values.numpy()
-        if patch.op == "set":
-            arr[idx] = vals
-        else:
-            arr[idx] ^= vals
-        return
-    pos = pos.to(flat.device)
+    # NumPy fancy indexing: no intra-op thread pool to contend on
+    arr, idx, vals = flat.numpy(), pos.numpy(), values.numpy()
     if patch.op == "set":
-        flat.index_copy_(0, pos, values)
+        arr[idx] = vals
     else:
-        flat.index_put_((pos,), flat.index_select(0, pos).bitwise_xor_(values))
+        arr[idx] ^= vals
+
+
+def _device_patch(
+    flat: torch.Tensor, op: str, pos: torch.Tensor, values: torch.Tensor, old: torch.Tensor | None
+) -> None:
+    """A sparse patch on the device: the positions copied there once, one gather (the old
+    values, which an XOR also needs), one scatter."""
+    if op == "set":
+        if old is not None:
+            torch.index_select(flat, 0, pos, out=old)
+        flat.index_copy_(0, pos, values)
+        return
+    before = flat.index_select(0, pos)
+    if old is not None:
+        old.copy_(before)
+    flat.index_copy_(0, pos, before.bitwise_xor_(values))
 
 
 def _native_patch(
