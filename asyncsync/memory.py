@@ -249,22 +249,24 @@ def host_copies(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
     out: list[torch.Tensor] = []
     streams = {}
-    for t in ts:
-        src = _bytes_of(t)
-        nbytes = src.numel() * src.element_size()
-        if t.device.type == "cpu":
-            host = src.contiguous()
-        elif t.device.type != "cuda" or nbytes < MIN_BYTES:
-            host = src.to("cpu").contiguous()
-        else:
-            buf = pinned_pool().empty(nbytes, np.uint8)
-            host = torch.from_numpy(buf).view(src.dtype).view(src.shape)
-            stream = torch.cuda.current_stream(t.device)
-            streams[stream.cuda_stream] = stream
-            host.copy_(src, non_blocking=True)  # read only once the stream is waited for
-        out.append(host.view(torch.bool) if t.dtype == torch.bool else host)
-    for stream in streams.values():
-        stream.synchronize()
+    try:
+        for t in ts:
+            src = _bytes_of(t)
+            nbytes = src.numel() * src.element_size()
+            if t.device.type == "cpu":
+                host = src.contiguous()
+            elif t.device.type != "cuda" or nbytes < MIN_BYTES:
+                host = src.to("cpu").contiguous()
+            else:
+                buf = pinned_pool().empty(nbytes, np.uint8)
+                host = torch.from_numpy(buf).view(src.dtype).view(src.shape)
+                stream = torch.cuda.current_stream(t.device)
+                streams[stream.cuda_stream] = stream
+                host.copy_(src, non_blocking=True)  # read only once the stream is waited for
+            out.append(host.view(torch.bool) if t.dtype == torch.bool else host)
+    finally:  # on an error too: no buffer goes back to the pool with a copy still landing in it
+        for stream in streams.values():
+            stream.synchronize()
     return out
 
 
