@@ -112,14 +112,23 @@ class ScratchPool:
     """Best-fit reuse of at most ``limit`` bytes of NumPy buffers (thread-safe).
 
     ``alloc(n)`` makes a new buffer of ``n`` bytes (a 1-D uint8 array; ``np.empty`` unless
-    given): the pinned pool's are NumPy views of pinned torch tensors. Beyond ``limit``, buffers
-    are plain ``np.empty`` arrays, not pooled."""
+    given): the pinned pool's are NumPy views of pinned torch tensors. ``pow2``: new buffers are
+    rounded up to a power of two (torch's caching host allocator pins that much for any
+    request: the pool then counts the bytes pinned, and reuses more). Beyond ``limit``,
+    buffers are plain ``np.empty`` arrays, not pooled."""
 
-    def __init__(self, limit: int, alloc: Callable[[int], NDArray[np.uint8]] | None = None) -> None:
+    def __init__(
+        self,
+        limit: int,
+        alloc: Callable[[int], NDArray[np.uint8]] | None = None,
+        *,
+        pow2: bool = False,
+    ) -> None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         self.limit = limit
         self._alloc = alloc or _plain
+        self._pow2 = pow2
         self._bufs: list[NDArray[np.uint8]] = []
         self._sizes: list[int] = []  # their sizes, ascending
         self._held = 0
@@ -157,12 +166,16 @@ class ScratchPool:
             if over > 0:
                 self.spilled += 1
                 return np.empty(n, dt)
-            buf = self._alloc(nbytes)
-            i = bisect.bisect_right(self._sizes, nbytes)
-            self._sizes.insert(i, nbytes)
+            size = 1 << (nbytes - 1).bit_length() if self._pow2 else nbytes
+            if self._held + size > self.limit:  # rounded up past the limit: a plain one
+                self.spilled += 1
+                return np.empty(n, dt)
+            buf = self._alloc(size)
+            i = bisect.bisect_right(self._sizes, size)
+            self._sizes.insert(i, size)
             bufs.insert(i, buf)
-            self._held += nbytes
-            return buf.view(dt)
+            self._held += size
+            return buf[:nbytes].view(dt)
 
 
 def _refs(bufs: list[NDArray[np.uint8]], i: int) -> int:
@@ -216,12 +229,15 @@ _pinned_lock = threading.Lock()
 
 def pinned_pool() -> ScratchPool:
     """The process-wide pool of pinned host buffers (made on first use: only a process that
-    copies CUDA tensors pins memory). It keeps at most ``ASYNCSYNC_PINNED_MB`` (default 1 GiB)
-    locked in RAM for the life of the process; a copy that does not fit goes to plain memory."""
+    copies CUDA tensors pins memory). Its buffers, powers of two, come to at most
+    ``ASYNCSYNC_PINNED_MB`` (default 1 GiB) for the life of the process; a copy that does not
+    fit goes to plain memory. A buffer it drops to make room for another size stays pinned in
+    torch's cache of freed pinned blocks (for torch's next pinned allocation), so a process
+    whose tensor sizes keep changing can pin more than the limit."""
     global _pinned
     with _pinned_lock:
         if _pinned is None:
-            _pinned = ScratchPool(_pinned_limit(), _pinned_alloc)
+            _pinned = ScratchPool(_pinned_limit(), _pinned_alloc, pow2=True)
         return _pinned
 
 

@@ -162,6 +162,19 @@ def test_pinned_pool_hands_a_buffer_out_again_only_once_free(
     assert len(made) == 2 and pool.reused == 1 and not np.shares_memory(b, c)
     d = pool.empty(6 * memory.MIN_BYTES, np.uint8)  # over the limit: a plain array
     assert len(made) == 2 and d.nbytes == 6 * memory.MIN_BYTES
+    # powers of two, as torch's pinned allocator pins: the pool counts what is pinned
+    made.clear()
+    pinned = memory.ScratchPool(8 * memory.MIN_BYTES, alloc, pow2=True)
+    e = pinned.empty(memory.MIN_BYTES + 1, np.uint8)
+    assert made == [2 * memory.MIN_BYTES] and e.nbytes == memory.MIN_BYTES + 1
+    assert pinned.held == 2 * memory.MIN_BYTES
+    del e
+    f = pinned.empty(2 * memory.MIN_BYTES, np.uint16)  # 4 MIN_BYTES: a new buffer of 4
+    g = pinned.empty(memory.MIN_BYTES + 5, np.uint8)  # the free one of 2 fits it
+    assert made == [2 * memory.MIN_BYTES, 4 * memory.MIN_BYTES] and pinned.reused == 1
+    h = pinned.empty(3 * memory.MIN_BYTES, np.uint8)  # 4 more would make 10 of 8: plain
+    assert len(made) == 2 and pinned.spilled == 1 and h.nbytes == 3 * memory.MIN_BYTES
+    assert not np.shares_memory(f, g)
     monkeypatch.setenv("ASYNCSYNC_PINNED_MB", "abc")
     with pytest.raises(ConfigError, match="ASYNCSYNC_PINNED_MB"):
         memory._pinned_limit()
