@@ -271,7 +271,9 @@ def host_copies(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             nbytes = src.numel() * src.element_size()
             if t.device.type == "cpu":
                 host = src.contiguous()
-            elif t.device.type != "cuda" or nbytes < MIN_BYTES:
+            elif t.device.type != "cuda" or nbytes < MIN_BYTES or not src.is_contiguous():
+                # a strided view goes as before: torch would make it contiguous on the device
+                # first, a copy of it in GPU memory, which an engine may not have to spare
                 host = src.to("cpu").contiguous()
             else:
                 buf = pinned_pool().empty(nbytes, np.uint8)
@@ -295,8 +297,8 @@ def host_chunks(t: torch.Tensor, start: int = 0, stop: int | None = None) -> Ite
     import torch
 
     src = _bytes_of(t)
-    if not src.is_contiguous():
-        src = src.contiguous()
+    if not src.is_contiguous():  # made contiguous on the host, not in the device's memory
+        src = src.to("cpu").contiguous()
     flat = src.reshape(-1).view(torch.uint8)
     stop = flat.numel() if stop is None else stop
     if not 0 <= start <= stop <= flat.numel():
