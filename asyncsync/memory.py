@@ -252,9 +252,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with ``t``'s dtype, shape and bytes (a bool's too).
 
-    A CUDA tensor is copied into a buffer of :func:`pinned_pool` (taken back by the pool once
-    nothing refers to the result); other devices, and copies the pool has no room for, go to
-    plain memory. A CPU tensor is returned contiguous, copied only when it is not."""
+    A contiguous CUDA tensor is copied into a buffer of :func:`pinned_pool` (taken back by the
+    pool once nothing refers to the result); strided ones, other devices, and copies the pool
+    has no room for, go to plain memory. A CPU tensor is returned contiguous, copied only when it is not."""
     return host_copies([t])[0]
 
 
