@@ -254,7 +254,8 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
     A contiguous CUDA tensor is copied into a buffer of :func:`pinned_pool` (taken back by the
     pool once nothing refers to the result); strided ones, other devices, and copies the pool
-    has no room for, go to plain memory. A CPU tensor is returned contiguous, copied only when it is not."""
+    has no room for, go to plain memory. A CPU tensor is returned contiguous, copied only when
+    it is not."""
     return host_copies([t])[0]
 
 
