@@ -45,7 +45,9 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generat
 
 
 def mixed_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
-    """Every supported dtype, 0-d and empty tensors, dotted names, one non-contiguous tensor."""
+    """Every supported dtype, 0-d and empty tensors, dotted names, non-contiguous tensors (one
+    a bool whose bytes are not 0/1: a uint8 mask viewed as bool, which torch's own copies of a
+    bool, ``clone``, ``contiguous``, ``copy_``, rewrite as 0/1: copy through ``raw_view``)."""
     g = torch.Generator().manual_seed(seed)
     sd: dict[str, torch.Tensor] = {}
     for i, dt in enumerate(ALL_DTYPES):
@@ -54,23 +56,29 @@ def mixed_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
     sd["model.empty"] = random_tensor((0, 5), torch.bfloat16, g)
     sd["model.step"] = torch.tensor(7, dtype=torch.int64)
     sd["model.transposed.weight"] = random_tensor((40, 24), torch.bfloat16, g).t()
+    mask = torch.randint(0, 256, (24 * scale, 40), dtype=torch.uint8, generator=g)
+    sd["model.transposed.mask"] = mask.view(torch.bool).t()  # bytes 0..255, not contiguous
     return sd
 
 
 def mutate(
     sd: dict[str, torch.Tensor], density: float, seed: int, names: list[str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """A copy of ``sd`` with about ``density`` of each tensor's elements given new random bytes."""
+    """A copy of ``sd`` with about ``density`` of each tensor's elements given new random bytes
+    (the others keep theirs: copied through ``raw_view``, and a non-contiguous tensor's copy
+    keeps its strides)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for k, t in sd.items():
-        t = t.clone()
+        t = raw_view(t).clone().view(t.dtype)  # (preserve_format: same strides)
         if (names is None or k in names) and t.numel():
-            flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+            raw = raw_view(t)
+            flat = raw.reshape(-1) if raw.is_contiguous() else raw.contiguous().reshape(-1)
             mask = torch.rand(flat.numel(), generator=g) < density
-            repl = random_tensor((flat.numel(),), t.dtype, g)
+            repl = raw_view(random_tensor((flat.numel(),), t.dtype, g))
             flat[mask] = repl[mask]
-            t = flat.reshape(t.shape)
+            if not raw.is_contiguous():
+                raw.copy_(flat.reshape(raw.shape))
         out[k] = t
     return out
 

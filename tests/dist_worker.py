@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from asyncsync import OutcomeUnknown, Publisher, PublishError
+from asyncsync.codec import raw_clone
 from asyncsync.errors import CoordinationError
 from asyncsync.format import manifest_path
 from asyncsync.publish import commit as commit_mod
@@ -80,7 +81,7 @@ def _state(step: int, world: int) -> dict[str, torch.Tensor]:
 
 def full_state(step: int, world: int) -> dict[str, torch.Tensor]:
     """The whole model at ``step`` (what a receiver must end up holding)."""
-    return {k: v.clone() for k, v in _state(step, world).items()}
+    return {k: raw_clone(v) for k, v in _state(step, world).items()}  # a bool's bytes too
 
 
 def portion(
@@ -88,7 +89,7 @@ def portion(
 ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSlice]]:
     """Rank ``rank``'s state dict at ``step`` and its slices."""
     sd = _state(step, world)
-    mine = {k: v.clone() for k, v in sd.items() if k.startswith(f"rank{rank}.")}
+    mine = {k: raw_clone(v) for k, v in sd.items() if k.startswith(f"rank{rank}.")}
     mine["shared.weight"] = sd["shared.weight"][ROWS * rank : ROWS * (rank + 1)].clone()
     a, b = emb_cuts(world)[rank : rank + 2]
     mine["shared.emb"] = sd["shared.emb"].reshape(-1)[a:b].clone()

@@ -27,7 +27,7 @@ from asyncsync import (
     codec,
     fsio,
 )
-from asyncsync.codec import shards
+from asyncsync.codec import raw_clone, shards
 from asyncsync.format import MANIFEST_NAME
 from asyncsync.format import acks as acks_mod
 from asyncsync.format.log import read_log
@@ -58,11 +58,7 @@ async def test_seed_publish_and_format(tmp_path: Path) -> None:
         with safetensors.safe_open(str(tmp_path / "v000000000000" / s.file), "pt") as f:
             full.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
     for k, t in sd0.items():
-        assert (
-            torch.equal(full[k].view(torch.uint8), t.contiguous().view(torch.uint8))
-            if t.dim()
-            else True
-        )
+        assert same_bytes(full[k], t), k  # a bool's bytes too, not 0/1
         assert full[k].dtype == t.dtype and full[k].shape == t.shape
     # delta shards: uint8 blobs named in the manifest
     for e in m1.tensors:
@@ -79,7 +75,7 @@ async def test_zero_diff_commits_a_version_without_shards(tmp_path: Path) -> Non
     sd = mixed_state(0)
     async with Publisher(tmp_path, keyframe_interval=0) as pub:
         await pub.seed(sd)
-        r = await pub.publish({k: v.clone() for k, v in sd.items()})
+        r = await pub.publish({k: raw_clone(v) for k, v in sd.items()})  # a bool's bytes too
     assert r.zero_diff and r.shards == 0 and r.wire_bytes == 0
     m = read_manifest(tmp_path, 1)
     assert m.kind == "delta" and m.shards == () and m.totals.changed == 0
@@ -281,7 +277,7 @@ def test_undo_log_puts_back_what_the_diff_advanced(
     )  # every element changes: xef codes it dense
     sd1["model.scalar"] = sd0["model.scalar"].clone()  # unchanged
     names = sorted(sd0)
-    snap = {k: t.clone().contiguous() for k, t in sd0.items()}
+    snap = {k: raw_clone(t) for k, t in sd0.items()}  # (clone() writes a bool's bytes as 0/1)
     log = snapshot.UndoLog(encoding)
     modes = set()
     for bucket in snapshot.plan_buckets([sd0[n].numel() * 4 for n in names], 4096):
@@ -526,7 +522,7 @@ async def test_cancel_after_the_manifest_rename_keeps_the_version(
         assert await agent.sync_once() == 2
         held = ckpt.load_state_dict()
     for k, v in sd2.items():
-        assert torch.equal(held[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+        assert same_bytes(held[k], v), k
 
 
 async def test_directory_fsync_failure_after_the_rename_is_not_a_failed_publish(
@@ -883,7 +879,7 @@ async def test_seed_from_a_hugging_face_cache_snapshot_references_the_blobs(
     async with agent:
         assert await agent.sync_once() == 1
         held = agent.engine.load_state_dict()  # type: ignore[attr-defined]
-    assert all(same_bytes(held[k], v.contiguous()) for k, v in sd2.items())
+    assert all(same_bytes(held[k], v) for k, v in sd2.items())
 
 
 async def test_seed_from_a_checkpoint_missing_a_file_names_it_and_commits_nothing(
