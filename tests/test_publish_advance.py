@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from asyncsync import FileRendezvous, Publisher
+from asyncsync import FileRendezvous, OutcomeUnknown, Publisher, PublishError
 from asyncsync.format.store import list_versions
 from asyncsync.publish import snapshot
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import assert_holds, mixed_state, mutate
-from tests.dist_worker import full_state, portion
+from tests.dist_worker import MissOutcome, full_state, portion
 
 
 def held(fn: Callable[..., Any], started: threading.Event, release: threading.Event) -> Any:
@@ -181,3 +181,117 @@ async def test_a_ranks_failed_snapshot_copy_makes_the_groups_next_version_a_keyf
             assert not pubs[1].stale
             assert await agent.sync_once() == 2
     assert_holds(LocalCheckpoint(ckpt).load_state_dict(), full_state(2, 2))
+
+
+# --------------------------------------------------------------------------- a rank of a group
+
+
+def _ranks(root: Path, timeout: float = 30) -> tuple[list[Publisher], MissOutcome]:
+    """Two ranks' publishers in this loop; rank 1's coordinator can miss a commit's outcome."""
+    coords = [FileRendezvous(root, r, 2, timeout=timeout, poll_interval=0.002) for r in range(2)]
+    miss = MissOutcome(coords[1])
+    pubs = [Publisher(root, coordinator=c, keyframe_interval=0) for c in (coords[0], miss)]
+    return pubs, miss
+
+
+def _step(pubs: list[Publisher], step: int) -> list[Any]:
+    """Both ranks' calls for ``step`` (coroutines)."""
+    parts = [portion(step, r, 2) for r in range(2)]
+    calls = [p.seed if step == 0 else p.publish for p in pubs]
+    return [c(sd, slices=sl, step=step) for c, (sd, sl) in zip(calls, parts, strict=True)]
+
+
+def _rank1_held(started: threading.Event, release: threading.Event) -> Callable[..., Any]:
+    """``snapshot.advance`` whose calls for rank 1's tensors are held (:func:`held`)."""
+    real, wait = snapshot.advance, held(snapshot.advance, started, release)
+    return lambda snap, names, pending: (wait if names and names[0].startswith("rank1.") else real)(
+        snap, names, pending
+    )
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+async def test_a_rank_adopting_a_missed_version_leaves_the_event_loop_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cancel: bool
+) -> None:
+    """Rank 1 misses the outcome of v1 (a keyframe: every tensor copied whole), which rank 0
+    committed; its next plan learns it and adopts v1: its snapshot brought to it, which ran
+    on the event loop's thread (a full version: ~0.4 s per GiB that froze the trainer's loop).
+    The copy is held until a task of the same loop lets it go (on the loop's thread it waits
+    in vain). ``cancel``: rank 1's call is cancelled meanwhile: the copy is finished, then the
+    cancel raised; rank 1 holds v1 and the group's next version is a delta on it."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    pubs, miss = _ranks(root, timeout=3 if cancel else 30)
+    started, release = threading.Event(), threading.Event()
+    freed: list[bool] = []
+
+    async def let_go() -> None:
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        freed.append(True)
+        if cancel:
+            t1.cancel()
+            await asyncio.sleep(0.05)
+            freed.append(not t1.done())  # the copy is not abandoned half-way
+        release.set()
+
+    async with pubs[0], pubs[1]:
+        await asyncio.gather(*_step(pubs, 0))
+        miss.armed = True
+        parts = [portion(1, r, 2) for r in range(2)]
+        r0, r1 = await asyncio.gather(
+            *(p.publish(sd, slices=sl, step=1, keyframe=True)
+              for p, (sd, sl) in zip(pubs, parts, strict=True)),
+            return_exceptions=True,
+        )  # fmt: skip
+        assert isinstance(r1, OutcomeUnknown) and (r0.version, r0.kind) == (1, "full"), (r0, r1)
+        assert pubs[1].version == 0
+        monkeypatch.setattr(snapshot, "advance", _rank1_held(started, release))
+        t0, t1 = (asyncio.ensure_future(c) for c in _step(pubs, 2))
+        task = asyncio.create_task(let_go())
+        try:
+            got = await asyncio.gather(t0, t1, return_exceptions=True)
+        finally:
+            release.set()
+            await task
+        assert not any(isinstance(g, AssertionError) for g in got), got  # never released
+        assert freed == ([True, True] if cancel else [True]), got
+        assert pubs[1].version == (1 if cancel else 2) and pubs[1].stale == []  # v1 adopted
+        if cancel:
+            assert isinstance(got[1], asyncio.CancelledError), got
+            assert isinstance(got[0], PublishError), got  # rank 1 left the round
+            got = await asyncio.gather(*_step(pubs, 3))
+        step = 2 + cancel
+        assert [(r.version, r.kind, r.base_version) for r in got] == [(2, "delta", 1)] * 2
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 2
+        assert_holds(LocalCheckpoint(ckpt).load_state_dict(), full_state(step, 2))
+
+
+async def test_a_cancel_after_the_commit_on_rank_1_is_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 is cancelled once the version is committed, while its thread brings its
+    snapshot up to it. The version stands, so the cancel waits for the copy; then it must be
+    raised, as rank 0's is: rank 1 returned the version as if never cancelled (the caller's
+    CancelledError swallowed, a task that was told to stop went on)."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    pubs, _ = _ranks(root)
+    started, release = threading.Event(), threading.Event()
+    async with pubs[0], pubs[1]:
+        await asyncio.gather(*_step(pubs, 0))
+        monkeypatch.setattr(snapshot, "advance", _rank1_held(started, release))
+        t0, t1 = (asyncio.ensure_future(c) for c in _step(pubs, 1))
+        assert await asyncio.to_thread(started.wait, 30)
+        t1.cancel()
+        await asyncio.sleep(0.05)
+        assert not t1.done()  # the copy is not abandoned half-way
+        release.set()
+        assert (await t0).version == 1
+        with pytest.raises(asyncio.CancelledError):
+            await t1
+        assert pubs[1].version == 1 and pubs[1].stale == []
+        got = await asyncio.gather(*_step(pubs, 2))
+        assert [(r.version, r.kind, r.base_version) for r in got] == [(2, "delta", 1)] * 2
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 2
+        assert_holds(LocalCheckpoint(ckpt).load_state_dict(), full_state(2, 2))

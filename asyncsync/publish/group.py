@@ -133,7 +133,7 @@ class RankGroup:
         next_version: int,
         last_version: int | None,
         run_id: str,
-        adopt: Callable[[Attempt], None],
+        adopt: Callable[[Attempt], Awaitable[None]],
         step: int | None = None,
     ) -> Plan:
         """Agree on the next attempt; raise PublishError if the group cannot (``error``, this
@@ -141,7 +141,7 @@ class RankGroup:
 
         ``can_delta_after``: whether this rank could diff if its unresolved attempt turns out
         committed. ``next_version``, ``last_version``, ``run_id`` count on rank 0 only. ``adopt``
-        is called with the unresolved attempt when the plan says that it was committed. ``step``:
+        is awaited with the unresolved attempt when the plan says that it was committed. ``step``:
         the caller's step, the round's key (None: rounds are paired by count)."""
         u = self.unresolved
         hello: Message = {
@@ -170,7 +170,7 @@ class RankGroup:
                 "nothing was published by this attempt",
                 ranks=(0,),
             ) from exc
-        self._resolve(res.get("last_attempt"), adopt)
+        await self._resolve(res.get("last_attempt"), adopt)
         if error is not None:
             raise error
         if res.get("error"):
@@ -226,7 +226,9 @@ class RankGroup:
         plan = {"version": next_version, "attempt": attempt, "delta": delta, "full": full}
         return {**last, **plan, "run_id": run_id}
 
-    def _resolve(self, last_attempt: object, adopt: Callable[[Attempt], None]) -> None:
+    async def _resolve(
+        self, last_attempt: object, adopt: Callable[[Attempt], Awaitable[None]]
+    ) -> None:
         u, self.unresolved = self.unresolved, None
         if isinstance(last_attempt, str):
             self.last_attempt = last_attempt
@@ -237,7 +239,7 @@ class RankGroup:
                 "rank %d: version %d (attempt %s), whose outcome this rank missed, was "
                 "committed: advancing the snapshot to it", self.rank, u.version, u.attempt,
             )  # fmt: skip
-            adopt(u)
+            await adopt(u)
         else:
             logger.warning(
                 "rank %d: version %d (attempt %s), whose outcome this rank missed, was not "

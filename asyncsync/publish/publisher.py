@@ -69,7 +69,7 @@ from asyncsync.fsio import FileLock, make_dir
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import LoopLock, finish_thread, run_pipeline
 from asyncsync.publish import snapshot
-from asyncsync.publish.advance import Base, bring_up
+from asyncsync.publish.advance import Base
 from asyncsync.publish.commit import (
     PreCommitHook,
     build_manifest,
@@ -383,13 +383,16 @@ class Publisher:
     def set_round(self, run_id: str, next_version: int) -> None:
         self._run_id, self._next_version = run_id, next_version
 
-    def adopt(self, a: Attempt) -> None:
-        """The group committed an attempt whose outcome this rank missed: advance to it."""
-        b = self._base
-        if self.mode == "delta":  # (rare: on the loop's thread)
-            b.tensors, self.stale = bring_up(b.tensors, a.names, a.updates, self.checksum)
+    async def adopt(self, a: Attempt) -> None:
+        """The group committed an attempt whose outcome this rank missed: advance to it (the
+        snapshot in a thread, finished even if cancelled meanwhile; the cancel raised after)."""
+        b, cancelled = self._base, False
+        if self.mode == "delta":
+            self.stale, cancelled = await b.advance(a.names, a.updates, self.checksum, None)
         b.checksums, b.slices = a.checksums, a.slices
         self._last_version, self._next_version = a.version, a.version + 1
+        if cancelled:
+            raise asyncio.CancelledError
 
     # ------------------------------------------------------------------ internals
     async def _round(
@@ -541,13 +544,17 @@ class Publisher:
         if not self._committer.is_committer:
             res = PublishResult.of(manifest, seconds, vdir)  # the log and retention are rank 0's
             self._tally.record(res)
-            self._cancel_after_commit = False
-            return res
+            return self._result(res)
         _, cancelled = await complete(log_and_collect(self.root, manifest, self.retention))
         self._cancel_after_commit |= cancelled
         res = PublishResult.of(manifest, seconds, vdir)
         self._tally.record(res)
-        if self._cancel_after_commit:  # cancelled once the version could no longer be undone
+        return self._result(res)
+
+    def _result(self, res: PublishResult) -> PublishResult:
+        """``res``, or the cancel that arrived once the version could no longer be undone (on
+        every rank: the bookkeeping is done)."""
+        if self._cancel_after_commit:
             self._cancel_after_commit = False
             raise asyncio.CancelledError
         return res

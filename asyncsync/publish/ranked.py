@@ -96,7 +96,7 @@ class PublisherView(Protocol):
     ) -> bool: ...
     def schema_changes(self, state_dict: Mapping[str, torch.Tensor]) -> str: ...
     def set_round(self, run_id: str, next_version: int) -> None: ...
-    def adopt(self, a: Attempt) -> None: ...
+    async def adopt(self, a: Attempt) -> None: ...
 
 
 class Committer(Protocol):
@@ -278,9 +278,9 @@ class RankedCommitter:
         ok = base and error is None and pub.mode == "delta"
         u = group.unresolved
 
-        def adopt(a: Attempt) -> None:  # the attempt whose outcome it missed was committed
+        async def adopt(a: Attempt) -> None:  # the attempt whose outcome it missed: committed
             self._count(a.names)
-            pub.adopt(a)
+            await pub.adopt(a)
 
         schema = schema_of(state_dict, sl) if error is None else {}
         plan = await group.plan(
