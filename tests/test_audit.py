@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from asyncsync import Publisher
+from asyncsync.codec import raw_clone, raw_view
 from asyncsync.format.checksum import checksum_tensor
 from receiver import ReceiverAgent
 from receiver.audit import Auditor
@@ -38,7 +39,7 @@ class Restoring(TorchModule):
         self.repairs += 1
         if self.good is not None:
             for name, t in self.tensors().items():
-                t.copy_(self.good[name])
+                raw_view(t).copy_(raw_view(self.good[name]))  # a bool's bytes, not 0/1
 
 
 @dataclass
@@ -76,7 +77,7 @@ async def test_a_mismatch_makes_readyz_503_until_a_repair_restores_the_bytes(
     assert auditor.healthy and auditor.stats.audits == 1
 
     name = "model.layers.2.weight"
-    s.engine.good = {n: t.clone() for n, t in s.engine.tensors().items()}
+    s.engine.good = {n: raw_clone(t) for n, t in s.engine.tensors().items()}
     tamper(s.engine, name)
     s.engine.good = None  # the first repair restores nothing: still different
     async with StatusServer(s.agent, auditor=auditor) as server, aiohttp.ClientSession() as h:
@@ -97,7 +98,7 @@ async def test_a_mismatch_makes_readyz_503_until_a_repair_restores_the_bytes(
         assert 'asyncsync_receiver_audit_mismatched_tensors{engine_id="gpu0"} 1.0' in text
         assert 'asyncsync_receiver_audit_repairs_total{engine_id="gpu0"} 1.0' in text
 
-        s.engine.good = {n: t.clone() for n, t in s.sd.items()}  # now the repair works
+        s.engine.good = {n: raw_clone(t) for n, t in s.sd.items()}  # now the repair works
         tamper(s.engine, "model.layers.5.weight")  # another one: this repair restores it
         report = await auditor.audit_once()
         assert report is not None and report.ok and auditor.healthy
