@@ -525,6 +525,53 @@ async def test_cancel_after_the_manifest_rename_keeps_the_version(
         assert same_bytes(held[k], v), k
 
 
+@pytest.mark.parametrize("ranked", [False, True])
+async def test_a_cancel_as_the_commit_ends_keeps_the_publisher_at_the_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranked: bool
+) -> None:
+    """The caller's cancel lands after the round's end (commit, clean-up) has returned but
+    before the publish has taken its result (one turn of the loop: a timeout, a failing
+    sibling task). The version is committed: the cancel must wait for the bookkeeping. It
+    was raised at once, the publisher left at the version before, so every later publish
+    tried to rewrite the committed version ("already committed") until it was reopened and
+    seeded again; a group of ranks stuck that way for good."""
+    from asyncsync import FileRendezvous
+    from asyncsync.publish import ranked as ranked_mod
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+
+    root = tmp_path / "root"
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    sd2 = mutate(sd1, 0.05, seed=2)
+    cls = ranked_mod.RankedCommitter if ranked else ranked_mod.SoloCommitter
+    real, task = cls.finish, []
+
+    async def finish(self: Any, *a: Any, **k: Any) -> Any:
+        m = await real(self, *a, **k)
+        if task:  # the cancel comes once this has returned, before the publish resumes
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, task[0].cancel)
+        return m
+
+    coord = FileRendezvous(root, 0, 1, timeout=10, poll_interval=0.002) if ranked else None
+    async with Publisher(root, keyframe_interval=0, coordinator=coord) as pub:
+        await pub.seed(sd0)
+        monkeypatch.setattr(cls, "finish", finish)
+        task.append(asyncio.ensure_future(pub.publish(sd1)))
+        with pytest.raises(asyncio.CancelledError):
+            await task[0]
+        assert list_versions(root) == [0, 1] and pub.version == 1
+        task.clear()
+        r = await pub.publish(sd2)
+        assert (r.version, r.kind, r.base_version) == (2, "delta", 1)
+    ckpt = LocalCheckpoint(tmp_path / "ckpt")
+    async with ReceiverAgent(root, ckpt, "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 2
+    held = ckpt.load_state_dict()
+    assert all(same_bytes(held[k], v) for k, v in sd2.items())
+
+
 async def test_directory_fsync_failure_after_the_rename_is_not_a_failed_publish(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -281,8 +281,10 @@ async def through_commit(aw: Awaitable[T], renamed: Callable[[], bool]) -> tuple
         try:
             return await asyncio.shield(fut), cancelled
         except asyncio.CancelledError:
-            if fut.done():
-                raise
+            if fut.done():  # ended, and the cancel came before this took its result
+                if fut.cancelled() or fut.exception() is not None:
+                    raise
+                return fut.result(), True  # (the caller's bookkeeping must not be skipped)
             cancelled = True
             if not renamed():
                 fut.cancel()
