@@ -90,7 +90,8 @@ def save_state_dict(sd: Mapping[str, torch.Tensor], path: Path) -> None:
 
     The state dict's order is kept in the metadata: the publisher numbers tensors by it.
     """
-    tensors = {k: v.contiguous() for k, v in sd.items()}
+    # copied as ints: a non-contiguous bool's contiguous() writes its bytes as 0/1
+    tensors = {k: v if v.is_contiguous() else codec.raw_clone(v) for k, v in sd.items()}
     safetensors.torch.save_file(tensors, str(path), metadata={"order": json.dumps(list(sd))})
 
 
