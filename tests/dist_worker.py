@@ -21,6 +21,10 @@ while it waits in the plan (rank 0 calls 3 s later). ``stepped`` passes the step
 publish (``step=``); ``skip`` = [rank, step] makes that
 rank skip that step's call (as a trainer whose step failed before it could publish); a rank
 told that its call is behind the group's step moves on to the next step.
+``in_adopt`` = [rank, step, how] acts while that rank's call of that step brings its snapshot
+up to a version it missed (``miss``), half-way through the copy; ``after_commit`` = [rank, step,
+how] while it brings it up to the version just committed. ``how``: "kill" (SIGKILL) or "cancel"
+(the call is cancelled, the copy then finishes).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from asyncsync.errors import CoordinationError
 from asyncsync.format import manifest_path
 from asyncsync.publish import commit as commit_mod
 from asyncsync.publish import publisher as publisher_mod
+from asyncsync.publish import snapshot as snapshot_mod
 from asyncsync.publish import writer as writer_mod
 from asyncsync.publish.distributed import Coordinator, Decide, TorchDistCoordinator
 from asyncsync.publish.merge import TensorSlice
@@ -176,6 +181,35 @@ def _arm_slow_broadcast(coord: Any) -> None:
     coord._broadcast = late
 
 
+def _arm_snapshot(how: str, task: list[Any], adopting: bool) -> None:
+    """The next snapshot copy of an adoption (``adopting``) or after a commit kills this
+    process or cancels ``task[0]`` half-way through (then finishes)."""
+    real_advance, real_adopt = snapshot_mod.advance, Publisher.adopt
+    inside = [False]
+    loop = asyncio.get_running_loop()
+
+    async def adopt(self: Publisher, a: Any) -> None:
+        inside[0] = True
+        try:
+            await real_adopt(self, a)
+        finally:
+            inside[0] = False
+
+    def advance(snap: Any, names: Any, pending: Any) -> Any:
+        if inside[0] != adopting:
+            return real_advance(snap, names, pending)
+        snapshot_mod.advance = real_advance
+        half = real_advance(snap, names[: len(names) // 2], pending)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        loop.call_soon_threadsafe(task[0].cancel)
+        time.sleep(0.2)  # the cancel lands while the copy runs
+        return {**half, **real_advance(snap, names, pending)}
+
+    snapshot_mod.advance = advance
+    Publisher.adopt = adopt  # type: ignore[method-assign]
+
+
 async def _cancelled_after_rename(pub: Publisher, root: Path, call: Any) -> None:
     """Run ``call``; cancel it once the manifest of the version it commits exists."""
     version = 0 if pub.version is None else pub.version + 1
@@ -226,6 +260,11 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 if cfg.get("cancel_after_rename") == [rank, step] and first:
                     await _cancelled_after_rename(pub, root, call)
                     raise AssertionError("the publish was not cancelled")
+                snap_fault = [(k, cfg[k][2]) for k in ("in_adopt", "after_commit")
+                              if (cfg.get(k) or [None])[:2] == [rank, step] and first]  # fmt: skip
+                if snap_fault:
+                    call = asyncio.ensure_future(call)
+                    _arm_snapshot(snap_fault[0][1], [call], snap_fault[0][0] == "in_adopt")
                 if (c := cfg.get("cancel_in_plan")) and c[:2] == [rank, step] and first:
                     task = asyncio.ensure_future(call)  # rank 0 comes c[2] * 3 s later
                     asyncio.get_running_loop().call_later(c[2], task.cancel)
@@ -237,9 +276,12 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 step, tries = step + 1, 0
             except asyncio.CancelledError:
                 rec.update(cancelled=True)
-                if not cfg.get("cancel_in_plan"):  # (cancelled after the rename: committed)
-                    rec.update(version=pub.version)
-                step, tries = step + 1, 0  # the version was committed: the step is out
+                if (cfg.get("in_adopt") or [None])[:2] == [rank, step]:
+                    tries += 1  # cancelled in the plan: this step was not published, again
+                else:
+                    if not cfg.get("cancel_in_plan"):  # (cancelled after the rename: committed)
+                        rec.update(version=pub.version)
+                    step, tries = step + 1, 0  # the version was committed: the step is out
             except OutcomeUnknown as exc:
                 rec.update(unknown=str(exc))
                 step, tries = step + 1, 0

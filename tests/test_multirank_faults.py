@@ -31,7 +31,7 @@ from asyncsync.fsio import Throttle, set_throttle
 from asyncsync.publish import group as group_mod
 from asyncsync.publish import rendezvous as rendezvous_mod
 from asyncsync.publish.rendezvous import RENDEZVOUS_DIR
-from tests.conftest import Holder, assert_holds
+from tests.conftest import Holder, assert_holds, sync_to
 from tests.dist_worker import full_state, portion
 from tests.ports import free_port
 from tests.test_distributed import _logs, _spawn, _wait_for
@@ -361,6 +361,44 @@ async def test_torch_cancel_during_the_broadcast_keeps_the_version(tmp_path: Pat
     assert_steps(root, [0, 1, 2, 3])
     assert read_manifest(root, 2).base_version == 1
     assert_finished(root)
+
+
+@pytest.mark.parametrize(
+    ("coord", "fault"),
+    [("torch", ["after_commit", 1, 3, "cancel"]), ("file", ["in_adopt", 1, 3, "kill"])],
+)
+async def test_a_rank_stopped_while_it_brings_its_snapshot_up(
+    tmp_path: Path, coord: str, fault: list[Any]
+) -> None:
+    """Rank 1, as a process, is stopped half-way through bringing its snapshot up to a
+    committed version: its call cancelled after v3's commit (gloo: it must see the cancel, which
+    it did not, and the group stay whole), or SIGKILLed while it adopts v2, whose outcome it
+    missed (restarted: no snapshot, so the group publishes full). Every version is then one
+    step's whole model, and a receiver walking the versions holds each one."""
+    from receiver import ReceiverAgent
+    from receiver.engines.torch_module import TorchModule
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    cfg = {"coord": coord, "world": W, "root": str(root), "out": str(out), "steps": 5,
+           "port": free_port(), "timeout": 3.0, "miss": [1, 2], fault[0]: fault[1:]}  # fmt: skip
+    procs = [_spawn({**cfg, "rank": r}) for r in range(W)]
+    if fault[-1] == "kill":
+        await _wait_for(lambda: procs[1].exitcode is not None, procs, 120, "rank 1's kill")
+        assert procs[1].exitcode == -9
+        procs.append(_spawn({**cfg, "rank": 1, "start": 3, "incarnation": 1}))
+    await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 120, "the group")
+    assert [p.exitcode for p in procs if p is not procs[1] or fault[-1] != "kill"] == [0, 0]
+    logs = _logs(out)
+    if fault[-1] == "cancel":
+        assert next(r for r in logs[1] if r["step"] == 3).get("cancelled"), logs[1]
+    steps = [min(steps_of_version(root, v, W, range(6))) for v in list_versions(root)]
+    assert steps == sorted(steps) and steps[-1] == 5, steps
+    mod = Holder(full_state(0, W))
+    async with ReceiverAgent(root, TorchModule(mod), "walk", use_inotify=False) as agent:
+        for v, step in enumerate(steps):
+            await sync_to(agent, root, v)
+            assert_holds(mod.state_dict(), full_state(step, W))
 
 
 # --------------------------------------------------------------------------- a skipped step
