@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from asyncsync import FileRendezvous, OutcomeUnknown, Publisher, PublishError
+from asyncsync import FileRendezvous, OutcomeUnknown, Publisher, PublishError, codec
+from asyncsync.codec.shards import PendingUpdate
 from asyncsync.format.store import list_versions
+from asyncsync.pipeline import set_threads
 from asyncsync.publish import snapshot
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
-from tests.conftest import assert_holds, mixed_state, mutate
+from tests.conftest import assert_holds, mixed_state, mutate, random_tensor
 from tests.dist_worker import MissOutcome, full_state, portion
 
 
@@ -295,3 +297,39 @@ async def test_a_cancel_after_the_commit_on_rank_1_is_raised(
     async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
         assert await agent.sync_once() == 2
         assert_holds(LocalCheckpoint(ckpt).load_state_dict(), full_state(2, 2))
+
+
+@pytest.mark.parametrize("shift", [0, 1, 2])  # which of the three ways each tensor takes
+def test_the_snapshot_advances_on_the_pool_to_the_committed_bytes(shift: int) -> None:
+    """:func:`snapshot.advance` updates the tensors side by side on the pool (those of 1 MiB
+    and more): sparse scatters, whole copies in place and into new tensors (a bool whose
+    bytes are not 0/1 among them), untouched and dropped tensors; each ends with the
+    committed version's bytes, in the version's order."""
+    g = torch.Generator().manual_seed(5)
+    big = {f"big.{i}": random_tensor((1 << 19,), dt, g) for i, dt in
+           enumerate([torch.bfloat16, torch.float32, torch.int8, torch.float64])}  # fmt: skip
+    big["big.mask"] = torch.randint(0, 256, (1 << 21,), dtype=torch.uint8, generator=g).view(
+        torch.bool
+    )
+    old = {**mixed_state(0), **big, "gone": torch.zeros(3)}
+    new = mutate({k: v for k, v in old.items() if k != "gone"}, 0.05, seed=6)
+    new["big.3"] = random_tensor((7, 5), torch.float64, g)  # re-typed: a new tensor
+    snap = {k: codec.raw_clone(v) for k, v in old.items()}
+    pending = []
+    for i, (k, v) in enumerate(new.items(), start=shift):
+        if i % 3 == 0 and old[k].shape == v.shape:  # sparse: the changed positions
+            a, b = codec.int_view(old[k]), codec.int_view(v)
+            (pos,) = codec.changed_positions([a], [b])
+            pending.append(PendingUpdate(k, pos, codec.gather(b, pos)))
+        elif i % 3 == 1 or old[k].shape != v.shape:
+            pending.append(PendingUpdate(k, None, v))
+        else:
+            snap[k] = codec.raw_clone(v)  # (advanced already, as the diff's pass does)
+    set_threads(4)
+    try:
+        out = snapshot.advance(snap, list(new), pending)
+    finally:
+        set_threads(None)
+    assert list(out) == list(new)
+    assert_holds(out, new)
+    assert all(t.is_contiguous() for t in out.values())
