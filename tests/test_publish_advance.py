@@ -19,7 +19,7 @@ from asyncsync.pipeline import set_threads
 from asyncsync.publish import snapshot
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
-from tests.conftest import assert_holds, mixed_state, mutate, random_tensor
+from tests.conftest import assert_holds, mixed_state, mutate, random_tensor, sync_to
 from tests.dist_worker import MissOutcome, full_state, portion
 
 
@@ -333,3 +333,41 @@ def test_the_snapshot_advances_on_the_pool_to_the_committed_bytes(shift: int) ->
     assert list(out) == list(new)
     assert_holds(out, new)
     assert all(t.is_contiguous() for t in out.values())
+
+
+async def test_a_failed_adoption_copy_never_lets_the_round_diff_against_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 adopts v1, whose outcome it missed, after the plan of v2 was agreed (a delta,
+    rank 1 said it could diff once v1 turned out committed), and the copy fails half-way (out
+    of memory). Its snapshot is then not v1: diffing v2 against it would ship a delta no engine
+    can apply. The round must fail instead, and the next one be a keyframe; every version
+    committed holds one step's model."""
+    root = tmp_path / "root"
+    pubs, miss = _ranks(root)
+    real = snapshot.advance
+
+    def rank1_fails_half_way(snap: Any, names: Any, pending: Any) -> Any:
+        if names and names[0].startswith("rank1."):
+            monkeypatch.setattr(snapshot, "advance", real)
+            real(snap, names[: len(names) // 2], pending)
+            raise RuntimeError("out of pinned memory")
+        return real(snap, names, pending)
+
+    async with pubs[0], pubs[1]:
+        await asyncio.gather(*_step(pubs, 0))
+        miss.armed = True
+        r0, r1 = await asyncio.gather(*_step(pubs, 1), return_exceptions=True)
+        assert isinstance(r1, OutcomeUnknown) and r0.version == 1, (r0, r1)
+        monkeypatch.setattr(snapshot, "advance", rank1_fails_half_way)
+        got = await asyncio.gather(*_step(pubs, 3), return_exceptions=True)
+        assert all(isinstance(g, PublishError) for g in got), got  # refused
+        assert "could not be brought up to v1" in str(got[1]), got
+        assert pubs[1].version == 1 and pubs[1].stale
+        got = await asyncio.gather(*_step(pubs, 3))
+        assert [(r.version, r.kind) for r in got] == [(2, "full")] * 2, got  # a keyframe
+        top = got[0].version
+    async with ReceiverAgent(root, LocalCheckpoint(tmp_path / "ckpt"), "e", use_inotify=False) as a:
+        for v, step in ((1, 1), (top, 3)):
+            await sync_to(a, root, v)
+            assert_holds(LocalCheckpoint(tmp_path / "ckpt").load_state_dict(), full_state(step, 2))

@@ -300,6 +300,12 @@ class RankedCommitter:
         refuse = None
         if plan.delta and pub.last_version != plan.version - 1:
             refuse = f"rank {self.rank} holds v{pub.last_version}, not v{plan.version - 1}"
+        elif plan.delta and not plan.full and pub.stale:  # the adoption's copy failed
+            refuse = (
+                f"rank {self.rank}: its snapshot could not be brought up to v{pub.last_version}, "
+                "whose outcome it had missed (see its log): no delta is diffed against it; "
+                "the next version is a keyframe"
+            )
         return Round(
             plan.version,
             delta=plan.delta,
