@@ -35,6 +35,7 @@ import json
 import os
 import signal
 import time
+from contextlib import AbstractAsyncContextManager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,14 @@ class MissOutcome(Coordinator):
     def __init__(self, inner: Coordinator) -> None:
         self.inner = inner
         self.rank, self.world_size = inner.rank, inner.world_size
+        self.broken_grace = inner.broken_grace
         self.armed = False
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    def heartbeat(self, key: str) -> AbstractAsyncContextManager[None]:
+        return self.inner.heartbeat(key)  # (without it this rank never beat: "silent")
 
     async def exchange(
         self, step: str, key: str | None, message: dict[str, Any], decide: Decide
