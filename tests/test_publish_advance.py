@@ -371,3 +371,36 @@ async def test_a_failed_adoption_copy_never_lets_the_round_diff_against_it(
         for v, step in ((1, 1), (top, 3)):
             await sync_to(a, root, v)
             assert_holds(LocalCheckpoint(tmp_path / "ckpt").load_state_dict(), full_state(step, 2))
+
+
+async def test_a_rank_adopting_a_missed_version_is_not_called_silent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's adoption of v1 (after the plan of v2, before its pipeline) takes longer than
+    the rendezvous timeout (held here for three of them, a large model's copy). Rank 0 waits
+    for rank 1's part meanwhile and judges it by its heartbeat, which only started after the
+    adoption: the round failed, "ranks [1] went silent", with rank 1 alive and working."""
+    root = tmp_path / "root"
+    pubs, miss = _ranks(root, timeout=2.0)
+    started, release = threading.Event(), threading.Event()
+
+    async def let_go() -> None:
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(3 * 2.0)  # past rank 0's timeout for rank 1's part
+        release.set()
+
+    async with pubs[0], pubs[1]:
+        await asyncio.gather(*_step(pubs, 0))
+        miss.armed = True
+        r0, r1 = await asyncio.gather(*_step(pubs, 1), return_exceptions=True)
+        assert isinstance(r1, OutcomeUnknown) and r0.version == 1, (r0, r1)
+        monkeypatch.setattr(snapshot, "advance", _rank1_held(started, release))
+        task = asyncio.create_task(let_go())
+        try:
+            got = await asyncio.gather(*_step(pubs, 3), return_exceptions=True)
+        finally:
+            release.set()
+            await task
+        assert not any(isinstance(g, BaseException) for g in got), got
+        assert [(r.version, r.kind) for r in got] == [(2, "delta")] * 2, got

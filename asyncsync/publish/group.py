@@ -170,7 +170,12 @@ class RankGroup:
                 "nothing was published by this attempt",
                 ranks=(0,),
             ) from exc
-        await self._resolve(res.get("last_attempt"), adopt)
+        attempt = res.get("attempt")
+        beat: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
+        if isinstance(attempt, str) and not res.get("error"):  # rank 0 now waits for our part
+            beat = self.coordinator.heartbeat(attempt)
+        async with beat:  # an adoption's copy may take long: this rank is alive meanwhile
+            await self._resolve(res.get("last_attempt"), adopt)
         if error is not None:
             raise error
         if res.get("error"):
