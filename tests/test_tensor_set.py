@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncsync import AsyncSyncError, IncompatibleVersion, Publisher
+from asyncsync.codec import raw_clone
 from asyncsync.format.acks import read_acks
 from asyncsync.format.checksum import checksum_bytes
 from asyncsync.format.manifest import Manifest, Totals, fingerprint
@@ -222,7 +223,7 @@ async def test_a_full_version_the_files_cannot_hold_is_refused_before_the_swap(
     await engine.open()
     try:
         await engine.begin(m0, "full")
-        await engine.apply([TensorUpdate(e, full=s0[e.name].contiguous()) for e in m0.tensors])
+        await engine.apply([TensorUpdate(e, full=raw_clone(s0[e.name])) for e in m0.tensors])
         await engine.commit()
         # v1 as a writer that does not refuse the name made it (validation skipped: the
         # engine's own check is under test)
@@ -232,7 +233,7 @@ async def test_a_full_version_the_files_cannot_hold_is_refused_before_the_swap(
         forged = dataclasses.replace(m1, tensors=tensors)
         s1 = {**mutate(s0, 0.5, seed=1), RESERVED: torch.arange(6.0)}
         await engine.begin(forged, "full")
-        await engine.apply([TensorUpdate(e, full=s1[e.name].contiguous()) for e in tensors])
+        await engine.apply([TensorUpdate(e, full=raw_clone(s1[e.name])) for e in tensors])
         with pytest.raises(IncompatibleVersion, match="does not read back"):
             await engine.commit()
         assert engine.state.version == 0
