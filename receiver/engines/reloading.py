@@ -313,7 +313,6 @@ class ReloadingEngine(Engine, abc.ABC):
             return self.state
         local = await self.checkpoint.open()
         try:
-            await asyncio.to_thread(clear_stages, self.checkpoint.directory)
             record = await asyncio.to_thread(self._read_record)
             await self.client.wait_until_up(
                 self.ready_path,
@@ -321,6 +320,9 @@ class ReloadingEngine(Engine, abc.ABC):
                 call_timeout=self.timeouts.control,
             )
             await self._check_server()
+            # after the checks: a server still applying a stage sent by a receiver killed while
+            # it waited for the answer reads it to the end (SGLang's _check_server waits for it)
+            await asyncio.to_thread(clear_stages, self.checkpoint.directory)
             label = await self._served()
             if local.version is None:
                 self.state = EngineState()  # nothing to serve yet: the agent seeds the checkpoint

@@ -198,18 +198,36 @@ class SGLang(ReloadingEngine):
     async def _check_server(self) -> None:
         # a receiver killed between pause and continue leaves the server paused: clear it
         await self._resume()
+        info = await self._drain()
         if self.pause_mode == "auto":
-            self.mode = await self._auto_mode()
+            self.mode = self._auto_mode(info)
 
-    async def _auto_mode(self) -> PauseMode:
+    async def _drain(self) -> Any:
+        """Wait until the server finished every weight update sent to it before (by a receiver
+        killed while it waited for the answer, or by this one after its call timed out): ``GET
+        /server_info`` is a round trip through SGLang's scheduler, which takes requests in
+        order. SGLang 0.5.23 keeps one result slot for weight updates and takes no lock while
+        paused: a second update sent while the first still runs is answered with the first
+        one's result, and the second result kills the server's TokenizerManager. Waits as long
+        as an update may take; the answer, or None when the server has no ``/server_info``."""
+        try:
+            return await self.client.request(
+                "GET", "/server_info", timeout=self.timeouts.update, retries=False
+            )
+        except EngineHTTPError as exc:
+            if exc.status is None:  # no answer: whatever it runs may still be running
+                raise
+            logger.warning("sglang at %s: no /server_info (%s): cannot wait for an update "
+                           "still running in it", self.client.url, exc)  # fmt: skip
+            return None
+
+    def _auto_mode(self, info: Any) -> PauseMode:
         """``retract`` when the server's release flushes with retracted requests queued (seen
         on 0.5.23: nothing in flight is lost, and the requests are re-prefilled with the new
-        weights), else ``abort``: the flush must succeed after every weight change."""
-        try:
-            info = await self.client.request("GET", "/server_info", timeout=self.timeouts.control)
-        except EngineHTTPError as exc:
-            logger.warning("sglang at %s: no /server_info (%s): pausing with abort",
-                           self.client.url, exc)  # fmt: skip
+        weights), else ``abort``: the flush must succeed after every weight change. ``info``:
+        the server's ``/server_info`` (None: it has none)."""
+        if info is None:
+            logger.warning("sglang at %s: no /server_info: pausing with abort", self.client.url)
             return "abort"
         version = info.get("version") if isinstance(info, dict) else None
         self.server_version = None if version is None else str(version)
