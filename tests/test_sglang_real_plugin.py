@@ -276,6 +276,26 @@ async def test_a_stage_is_applied_in_place(chain: Chain) -> None:
     wait_for("the audit pass", lambda: any(want in line for line in chain.server.audit_lines()))
 
 
+async def test_a_stage_gone_before_sglang_reads_it_is_refused(chain: Chain) -> None:
+    """The receiver removed the stage before SGLang came to it (its update call timed out on a
+    slow server, or a new receiver started): the path is not handed to SGLang as a model (it
+    would take it for a hub repo id), nothing is loaded, and the model keeps its base: the next
+    stage is applied in place."""
+    v = chain.trainer.pub.version
+    gone = chain.ckpt / ".asyncsync" / "engine-stage" / f"v{v + 1:012d}"
+    assert not gone.exists()
+    code, answer, lines = chain.reload(v + 1, gone)
+    assert not answer["success"], answer
+    assert lines[0].startswith(f"asyncsync: refused to load: the stage {gone} is gone"), lines
+    assert "Repo id" not in answer["message"], answer
+    assert chain.server.model_info_version() == str(v)
+    v = await chain.next([ONE])
+    code, answer, lines = chain.reload(v, chain.stage(v))
+    assert code == 200, answer
+    assert lines[0].startswith(f"asyncsync: in-engine apply: v{v - 1} -> v{v}"), lines
+    chain.assert_serves(chain.trainer.sd, v)
+
+
 async def test_a_damaged_stage_goes_through_the_checkpoint(chain: Chain) -> None:
     """The stage is rewritten (a new record) with damaged data: whether the plugin's prefetch
     thread reads it ahead (and finds it damaged) or the apply reads it, it does not verify, and

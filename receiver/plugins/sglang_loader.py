@@ -25,7 +25,8 @@ hooks nothing; the receiver then never sends a stage (answers carry no
   holds are read, verified, and loaded whole; SGLang's own full reload when the base is
   unknown (first load, another directory, another tensor set).
 * Refused (``success: false``, nothing loaded, SGLang keeps its weights and stays up): bytes
-  that fail their checksum, a checkpoint that is not clean or not at the stage's version.
+  that fail their checksum, a checkpoint that is not clean or not at the stage's version, a
+  stage removed before the call came to it (never handed to SGLang as a model path).
   SGLang 0.5.23 cannot survive a checkpoint it fails to load (its rollback re-reads the new
   path and the scheduler dies), so only verified bytes ever reach it.
 
@@ -205,6 +206,16 @@ def update_weights_from_disk_hook(
         return full_of(model_path)
     path = model_path
     stage = is_stage(model_path)
+    if not stage and checkpoint_of_stage(Path(model_path).resolve()) is not None:
+        # the receiver removed it before we came to it (its call timed out, or a new receiver
+        # started): never SGLang's own load of that path (a hub repo id to it), nothing changes
+        msg = (
+            f"asyncsync: refused to load: the stage {model_path} is gone (its receiver removed "
+            "it: it gave up waiting for this call, or restarted); nothing was loaded, the "
+            "server keeps its weights"
+        )
+        logger.error("%s", msg)
+        return False, msg + STAGE_CAPABILITY
     if stage:
         ckpt = checkpoint_of_stage(Path(model_path).resolve())
         if ckpt is None:
