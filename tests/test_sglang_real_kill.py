@@ -13,6 +13,9 @@ version waits in SGLang's TokenizerManager; then:
   receiver waits for the server to finish the update in flight (a ``/server_info`` round trip
   through the scheduler) and keeps its stage until then: the dead receiver's stage is applied
   in place, and the new receiver acks after finding the server at that version;
+* a receiver with a short ``--engine-update-timeout`` gives up on its update and removes its
+  stage: its next attempt waits for the update still in SGLang (no second one), and the
+  plugin refuses the gone stage with nothing loaded;
 * the whole server is SIGKILLed and restarted with the weights it loads from disk: nothing is
   acked meanwhile, ``/readyz`` is 503, and the receiver reloads the checkpoint into the new
   process (a full reload: it knows no base), then goes in place again.
@@ -209,3 +212,46 @@ async def test_server_killed_while_it_applies_a_stage(stack: Stack) -> None:
     await s.wait_acked_or_broken(v)
     s.check_served(v)
     assert s.server.plugin_lines()[-1].startswith(f"asyncsync: in-engine apply: v{v - 1} -> v{v}")
+
+
+async def test_an_update_that_timed_out_is_waited_for_before_the_next(stack: Stack) -> None:
+    """A receiver with ``--engine-update-timeout 5`` gives up on its update while SGLang's
+    scheduler is stopped, and removes its stage. Its next attempt waits for the update still
+    in SGLang instead of sending a second one (which would crash the server, as above); SGLang
+    then comes to the first update's stage, gone, and the plugin refuses it with nothing
+    loaded; the next attempt loads the checkpoint."""
+    s = stack
+    s.receiver.stop()
+    impatient = Receiver(
+        s.dir / "impatient.log", [*s.receiver.cmd[1:-4], "--engine-update-timeout", "5"]
+    )
+    impatient.start()
+    try:
+        wait_for("the receiver up", lambda: impatient.get("/readyz")[0] == 200)
+        v = await s.trainer.step([ONE])  # its first answer tells it the server takes stages
+        wait_for(f"v{v} acked", lambda: s.trainer.ack_of(EID) == v)
+        lines = len(s.server.plugin_lines())
+        started = s.updates_started()
+        sched = s.stop_scheduler_in_update()
+        try:
+            v = await s.trainer.step(TWO)
+            wait_for("the receiver to give up", lambda: "no answer within 5s" in impatient.text())
+            with contextlib.suppress(AssertionError):  # as above: not a check
+                wait_for("a second update", lambda: s.updates_started() > started + 1, timeout=10)
+        finally:
+            os.kill(sched, signal.SIGCONT)
+        wait_for(
+            f"v{v} acked (or the receiver or the server gone)",
+            lambda: s.trainer.ack_of(EID) == v or not impatient.alive
+            or CRASH in s.server.this_start(),
+            timeout=300,
+        )  # fmt: skip
+        assert CRASH not in s.server.this_start(), s.server.diagnosis()
+        assert s.trainer.ack_of(EID) == v, impatient.tail()
+        s.check_served(v)
+        after = s.plugin_lines_since(lines)
+        assert after[0].startswith("asyncsync: refused to load: the stage "), after
+        assert " is gone " in after[0], after
+    finally:
+        impatient.stop()
+        s.receiver.start()
