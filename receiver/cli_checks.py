@@ -5,16 +5,15 @@ read from files (never from the command line, where ``ps`` would show them)."""
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
-import socket
 from pathlib import Path
 
 from asyncsync import fsio
 from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.format.names import check_engine_id
 from receiver.acking import check_root_for_receiver
+from receiver.listen import bind_sockets
 
 __all__ = [
     "MAX_SECRET_BYTES",
@@ -92,37 +91,13 @@ def check_status_options(args: argparse.Namespace) -> str | None:
             f"{len(token)}): generate one, e.g. `openssl rand -hex 16`"
         )
     if args.status_port is not None:  # port 0 too: the host is checked by a bind all the same
-        host = args.status_host
-        try:
-            infos = socket.getaddrinfo(host, args.status_port, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as exc:
-            why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
-            raise ConfigError(
-                f"--status-host {host!r}: {why}; give an address of this host (default "
-                "127.0.0.1; 0.0.0.0 for every IPv4 interface, :: for every IPv6 one)"
-            ) from exc
-        family, kind, proto, _, addr = infos[0]
-        try:
-            probe = socket.socket(family, kind, proto)
-        except OSError as exc:  # e.g. an IPv6 address on a host without IPv6
-            raise ConfigError(f"--status-host {host!r}: {exc.strerror}") from exc
-        with probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # as asyncio's server binds it
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                probe.bind(addr)
-            except OSError as exc:
-                if exc.errno in (errno.EADDRNOTAVAIL, errno.EINVAL):
-                    hint = " (a link-local IPv6 address needs its scope: fe80::1%eth0)"
-                    raise ConfigError(
-                        f"--status-host {host!r}: {exc.strerror}: not an address this host can "
-                        f"serve on{hint if ':' in host else ''}"
-                    ) from exc
-                raise ConfigError(
-                    f"--status-port {args.status_port} on {host}: {exc.strerror}; "
-                    "pick a free port (0: any free one)"
-                ) from exc
+        for sock in bind_sockets(  # as the server binds them
+            args.status_host,
+            args.status_port,
+            host_option="--status-host",
+            port_option="--status-port",
+        ):
+            sock.close()
     return token
 
 

@@ -44,6 +44,7 @@ from prometheus_client.registry import Collector
 from asyncsync.errors import check_number, check_seconds
 from receiver.agent import ReceiverAgent
 from receiver.audit import Auditor
+from receiver.listen import bind_sockets
 from receiver.plan import latest_version
 
 __all__ = ["StatusServer"]
@@ -254,7 +255,7 @@ class StatusServer:
         self._registry = CollectorRegistry(auto_describe=True)
         self._registry.register(_AgentCollector(agent, auditor))
         self._runner: _CappedRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._sites: list[web.SockSite] = []
         self._scan: asyncio.Future[int | None] | None = None  # /readyz's scan of the root
 
     @property
@@ -264,7 +265,7 @@ class StatusServer:
 
     @property
     def url(self) -> str:
-        if self._site is None:
+        if not self._sites:
             raise RuntimeError("the server is not started")
         host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
         return f"http://{host}:{self.port}"
@@ -293,17 +294,28 @@ class StatusServer:
             logger=_HttpLog(),
         )
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.host, self.port)
-        await self._site.start()
-        addresses = self._runner.addresses
-        if addresses:
-            self.port = int(addresses[0][1])
+        socks = []
+        try:
+            # bound here, not by aiohttp's TCPSite: "::" dual-stack, the addresses of a name on
+            # one port (receiver.listen)
+            socks = bind_sockets(self.host, self.port, host_option="StatusServer: host",
+                                 port_option="StatusServer: port")  # fmt: skip
+            for sock in socks:
+                self._sites.append(web.SockSite(self._runner, sock))
+                await self._sites[-1].start()
+        except BaseException:
+            for sock in socks:
+                sock.close()
+            await self.stop()
+            raise
+        self.port = int(socks[0].getsockname()[1])
         logger.info("receiver %s serving status on %s", self.agent.engine_id, self.url)
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        self._runner = self._site = None
+        self._runner = None
+        self._sites = []
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         st = self.agent.status()

@@ -357,3 +357,38 @@ async def test_concurrent_readyz_requests_share_one_scan_of_the_root(
 
         assert await asyncio.gather(*(ready() for _ in range(20))) == [200] * 20
     assert calls <= 3, calls
+
+
+async def test_the_ipv6_any_address_serves_ipv4_clients_too(tmp_path: Path) -> None:
+    """``--status-host ::`` ("every interface") listened on IPv6 only: asyncio binds each IPv6
+    address with IPV6_V6ONLY, so a probe to 127.0.0.1 found nothing. It is bound dual-stack
+    now: 127.0.0.1 and ::1 both reach /healthz on the one port."""
+    if not has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
+    async with StatusServer(agent, host="::") as server, aiohttp.ClientSession() as http:
+        assert server.url == f"http://[::]:{server.port}"
+        for host in ("127.0.0.1", "[::1]"):
+            async with http.get(f"http://{host}:{server.port}/healthz") as r:
+                assert r.status == 200, host
+
+
+def test_the_check_before_the_engine_binds_the_ipv6_any_address_as_the_server_does(
+    tmp_path: Path,
+) -> None:
+    """The receiver's check of ``--status-host :: --status-port P`` (before the engine is
+    opened) bound IPv6 only, so a port an IPv4 server holds passed it. It binds as the server
+    does, dual-stack: refused at once, naming the option."""
+    if not has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    import argparse
+
+    from receiver.cli_checks import check_status_options
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = argparse.Namespace(control_token_file=None, status_port=port, status_host="::")
+        with pytest.raises(ConfigError, match=f"--status-port {port} on ::: Address already"):
+            check_status_options(args)

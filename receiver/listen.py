@@ -1,0 +1,109 @@
+"""The listening sockets of the status server, bound one way for the server and for the
+receiver's check before the engine is opened (a port the check found free is the port the
+server binds, on the same addresses).
+
+``::``, the IPv6 unspecified address, is bound dual-stack (``IPV6_V6ONLY`` off where the
+system allows it): it serves IPv4 clients too, as an operator who writes ``::`` for "every
+interface" means (asyncio's own server binds each IPv6 address IPv6 only, so 127.0.0.1 found
+nothing). Any other IPv6 address is bound IPv6 only, as asyncio does. A name that resolves to
+several addresses (``localhost`` to 127.0.0.1 and ::1) is bound on each, on one port: with
+port 0 asyncio gave each its own free port, and the URL named one of them.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+
+from asyncsync.errors import ConfigError
+
+__all__ = ["bind_sockets", "is_dual_stack"]
+
+logger = logging.getLogger(__name__)
+
+_ANY_HINT = "0.0.0.0 for every IPv4 interface, :: for every interface, IPv4 and IPv6"
+
+
+def is_dual_stack(host: str) -> bool:
+    """Whether ``host`` is the IPv6 unspecified address, which is bound for IPv4 too."""
+    try:
+        return ipaddress.ip_address(host) == ipaddress.IPv6Address("::")
+    except ValueError:
+        return False
+
+
+def bind_sockets(
+    host: str, port: int, *, host_option: str = "host", port_option: str = "port"
+) -> list[socket.socket]:
+    """Bound (not yet listening) TCP sockets for ``host``:``port``, one per address ``host``
+    resolves to, all on one port; ConfigError naming ``host_option`` or ``port_option`` for a
+    host that is no address of this host or a port that is taken."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise ConfigError(
+            f"{host_option} {host!r}: {why}; give an address of this host (default 127.0.0.1; "
+            f"{_ANY_HINT})"
+        ) from exc
+    seen: set[tuple[int, object]] = set()
+    out: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr[0]) in seen:
+                continue
+            seen.add((family, addr[0]))
+            if out:  # the port the first one took (port 0: the same free port for each)
+                addr = (addr[0], out[0].getsockname()[1], *addr[2:])
+            out.append(_bind(host, port, family, kind, proto, addr, host_option, port_option))
+    except BaseException:
+        for s in out:
+            s.close()
+        raise
+    return out
+
+
+def _bind(
+    host: str,
+    port: int,
+    family: int,
+    kind: int,
+    proto: int,
+    addr: tuple[object, ...],
+    host_option: str,
+    port_option: str,
+) -> socket.socket:
+    try:
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:  # e.g. an IPv6 address on a host without IPv6
+        raise ConfigError(f"{host_option} {host!r}: {exc.strerror}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            dual = is_dual_stack(host)
+            try:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual else 1)
+            except OSError as exc:  # a system whose IPv6 sockets are IPv6 only, always
+                logger.warning(
+                    "%s %s: serving IPv6 only (this system refuses dual-stack sockets: %s); "
+                    "give 0.0.0.0 for IPv4 clients", host_option, host, exc.strerror,
+                )  # fmt: skip
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EINVAL):
+                hint = " (a link-local IPv6 address needs its scope: fe80::1%eth0)"
+                raise ConfigError(
+                    f"{host_option} {host!r}: {exc.strerror}: not an address this host can "
+                    f"serve on{hint if ':' in host else ''}"
+                ) from exc
+            raise ConfigError(
+                f"{port_option} {port} on {host}: {exc.strerror}; pick a free port (0: any free "
+                "one)"
+            ) from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock
