@@ -14,6 +14,7 @@ from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.format.names import check_engine_id
 from receiver.acking import check_root_for_receiver
 from receiver.listen import bind_sockets
+from receiver.server import MIN_TOKEN_CHARS, check_token
 
 __all__ = [
     "MAX_SECRET_BYTES",
@@ -29,7 +30,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "ASYNCSYNC_RECEIVER_TOKEN"
-MIN_TOKEN_CHARS = 16  # what StatusServer accepts: checked here before the engine is opened
 MAX_SECRET_BYTES = 64 << 10  # a token or an API key file: a few dozen bytes in practice
 
 
@@ -85,11 +85,9 @@ def check_paths(args: argparse.Namespace) -> None:
 def check_status_options(args: argparse.Namespace) -> str | None:
     """The control token, and the status port free: checked before the engine is opened."""
     token = read_secret(args.control_token_file, TOKEN_ENV, "--control-token-file")
-    if token is not None and len(token) < MIN_TOKEN_CHARS:
-        raise ConfigError(
-            f"the control token must be at least {MIN_TOKEN_CHARS} characters (got "
-            f"{len(token)}): generate one, e.g. `openssl rand -hex 16`"
-        )
+    where = f"--control-token-file {args.control_token_file}" if args.control_token_file else (
+        f"${TOKEN_ENV}")  # fmt: skip
+    check_token(token, where)
     if args.status_port is not None:  # port 0 too: the host is checked by a bind all the same
         for sock in bind_sockets(  # as the server binds them
             args.status_host,

@@ -41,13 +41,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from asyncsync.errors import check_number, check_seconds
+from asyncsync.errors import ConfigError, check_number, check_seconds
 from receiver.agent import ReceiverAgent
 from receiver.audit import Auditor
 from receiver.listen import bind_sockets
 from receiver.plan import latest_version
 
-__all__ = ["StatusServer"]
+__all__ = ["MIN_TOKEN_CHARS", "StatusServer", "check_token"]
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +214,31 @@ class _CappedRunner(web.AppRunner):
         return lambda: _Capped(self, inner())
 
 
+#: the shortest control token StatusServer takes (asyncsync-receiver checks it before it opens
+#: the engine)
+MIN_TOKEN_CHARS = 16
+
+
+def check_token(token: object, what: str = "StatusServer: token") -> None:
+    """ConfigError naming ``what`` unless ``token`` is None or a str a client can send back in
+    a header: one line of printable characters without surrounding whitespace (HTTP strips
+    it), of at least :data:`MIN_TOKEN_CHARS`."""
+    if token is None:
+        return
+    if not isinstance(token, str):
+        raise ConfigError(f"{what} must be a str or None, got {type(token).__name__}")
+    if not token.isprintable() or token != token.strip():
+        raise ConfigError(
+            f"{what} must be one line of printable characters without surrounding whitespace "
+            "(no HTTP header carries another)"
+        )
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"{what}: the control token must be at least {MIN_TOKEN_CHARS} characters (got "
+            f"{len(token)}): generate one, e.g. `openssl rand -hex 16`"
+        )
+
+
 class StatusServer:
     """Serves ``/healthz``, ``/status``, ``/metrics`` and ``POST /sync`` for one agent.
 
@@ -236,10 +261,8 @@ class StatusServer:
         max_connections: int = 64,
         header_timeout: float = 10.0,
     ) -> None:
-        if token is not None and len(token) < 16:
-            raise ValueError("the control token must be at least 16 characters")
-        if ready_max_lag < 0:
-            raise ValueError(f"ready_max_lag must be >= 0, got {ready_max_lag}")
+        check_token(token)
+        check_number("StatusServer: ready_max_lag", ready_max_lag, integer=True)
         check_number("StatusServer: max_connections", max_connections, integer=True, minimum=1)
         check_seconds("StatusServer: ready_timeout", ready_timeout, above=True)
         check_seconds("StatusServer: header_timeout", header_timeout, above=True)

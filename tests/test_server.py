@@ -93,7 +93,7 @@ async def test_unhealthy_after_a_failed_sync_and_control_disabled_without_token(
         assert r.status == 503 and body["ok"] is False and "IncompleteVersion" in body["error"]
         async with http.post(f"{server.url}/sync", headers={"Authorization": "Bearer x"}) as r:
             assert r.status == 403
-    with pytest.raises(ValueError, match="16 characters"):
+    with pytest.raises(ConfigError, match="16 characters"):
         StatusServer(agent, token="short")
 
 
@@ -392,3 +392,27 @@ def test_the_check_before_the_engine_binds_the_ipv6_any_address_as_the_server_do
         args = argparse.Namespace(control_token_file=None, status_port=port, status_host="::")
         with pytest.raises(ConfigError, match=f"--status-port {port} on ::: Address already"):
             check_status_options(args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"token": "short"}, "token: .* at least 16 characters .got 5."),
+        ({"token": b"0123456789abcdef0"}, "token must be a str"),
+        ({"token": "0123456789abcdef\nX-Evil: 1"}, "token must be one line of printable"),
+        ({"token": " 0123456789abcdef"}, "token must be one line of printable"),
+        ({"ready_max_lag": -1}, "ready_max_lag must be >= 0"),
+        ({"ready_max_lag": 1.5}, "ready_max_lag must be an integer"),
+    ],
+    ids=["short", "bytes", "newline", "space", "negative-lag", "float-lag"],
+)
+def test_bad_control_options_are_config_errors(
+    tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    """StatusServer's token and lag checks raised a plain ValueError, outside the error tree
+    (a caller catching AsyncSyncError missed it); a bytes token was sent as "Bearer b'...'"
+    and one with a newline or a surrounding space matched no header a client can send (every
+    POST /sync answered 401)."""
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
+    with pytest.raises(ConfigError, match=f"^StatusServer: {message}"):
+        StatusServer(agent, **kwargs)
