@@ -39,6 +39,7 @@ from asyncsync.errors import (
     LockHeld,
     ManifestError,
     check_number,
+    check_poll_interval,
     check_seconds,
 )
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
@@ -82,7 +83,8 @@ class ReceiverAgent:
         root: the shared directory the publisher writes.
         engine: where the weights go (``receiver.engines``).
         engine_id: this engine's name in acks (``[A-Za-z0-9._-]``).
-        poll_interval: seconds between polls (inotify events wake it sooner where they work).
+        poll_interval: seconds between polls, at least ``MIN_POLL_SECONDS`` (0.01; inotify
+            events wake it sooner where they work).
         verify_deadline: how long a shard that is missing, short or failing its checksum is
             re-read before the version is refused (network filesystems publish lazily).
         use_inotify: force inotify on/off (default: on unless ASYNCSYNC_FORCE_POLLING=1).
@@ -132,8 +134,8 @@ class ReceiverAgent:
     ) -> None:
         check_number("apply_group_bytes", apply_group_bytes, integer=True, minimum=1, optional=True)
         check_number("prefetch_bytes", prefetch_bytes, integer=True)
+        check_poll_interval("poll_interval", poll_interval)
         for name, value in (
-            ("poll_interval", poll_interval),
             ("lease_ttl", lease_ttl),
             ("stream_timeout", stream_timeout),
         ):

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from asyncsync.console.args import non_negative_float, positive_float, size_bytes
+from asyncsync.console.args import non_negative_float, poll_seconds, positive_float, size_bytes
 from asyncsync.console.logsetup import (
     CliParser,
     add_logging_arguments,
@@ -122,10 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--poll-interval",
-        type=positive_float,
+        type=poll_seconds,
         default=1.0,
         metavar="S",
-        help="seconds between polls of the root (inotify wakes it sooner; default 1.0)",
+        help="seconds between polls of the root, at least 0.01 (inotify wakes it sooner; "
+        "default 1.0)",
     )
     p.add_argument(
         "--force-polling",

@@ -161,3 +161,44 @@ def test_an_error_naming_a_path_with_control_characters_is_one_line(
     out = capsys.readouterr().out
     assert out.startswith("root ") and "\x1b" not in out, out
     assert "we\\nird\\x1b[31mRED: newest version 0" in out.splitlines()[0], out
+
+
+def test_a_poll_interval_below_the_floor_is_refused_everywhere_it_is_taken(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--poll-interval 0.001`` had no floor: an idle receiver spun ~60-70 % of a core on its
+    polls of the root. Below 0.01 s it is refused, naming the option and the floor, wherever a
+    poll interval is taken: the receiver's command line, ReceiverAgent, the Ray ReceiverSpec
+    and ReceiverFleet.wait_for, ``asyncsync tail -f --interval`` and follow_log."""
+    from asyncsync.format.log import follow_log
+    from asyncsync.ops.cli import main as asyncsync_main
+    from asyncsync.training.ray.base import ReceiverSpec
+    from asyncsync.training.ray.receivers import ReceiverFleet
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+
+    calls = {
+        "poll_interval": lambda v: ReceiverAgent(
+            tmp_path, LocalCheckpoint(tmp_path / "c"), "e", poll_interval=v
+        ),
+        "e0: poll_interval": lambda v: ReceiverSpec("e0", str(tmp_path / "c"), poll_interval=v),
+        "ReceiverFleet.wait_for: poll_interval": lambda v: ReceiverFleet(
+            str(tmp_path), {}, {}
+        ).wait_for(1, poll_interval=v),
+        "follow_log: poll_interval": lambda v: follow_log(tmp_path, poll_interval=v),
+    }
+    for name, call in calls.items():
+        for value in (0.001, 1e-9, 0.0099):
+            with pytest.raises(ConfigError, match=f"^{name} must be at least 0.01 seconds"):
+                call(value)
+    ReceiverAgent(tmp_path, LocalCheckpoint(tmp_path / "c"), "e", poll_interval=0.01)
+    ReceiverSpec("e0", str(tmp_path / "c"), poll_interval=0.01)
+    # (after the calls: before the fix, the receiver ran)
+    argv = ["--root", str(tmp_path / "root"), "--engine-id", "e1",
+            "--checkpoint", str(tmp_path / "c"), "--poll-interval", "0.001"]  # fmt: skip
+    assert receiver_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--poll-interval" in err and "at least 0.01" in err and "Traceback" not in err, err
+    assert asyncsync_main(["tail", str(tmp_path), "-f", "--interval", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "--interval" in err and "at least 0.01" in err, err

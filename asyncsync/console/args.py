@@ -7,13 +7,14 @@ import argparse
 import re
 from collections.abc import Callable
 
-from asyncsync.errors import MAX_SECONDS
+from asyncsync.errors import MAX_SECONDS, MIN_POLL_SECONDS
 
 __all__ = [
     "int_at_least",
     "non_negative_float",
     "non_negative_int",
     "parse_size",
+    "poll_seconds",
     "positive_float",
     "positive_int",
     "size_bytes",
@@ -63,6 +64,18 @@ def _seconds(zero_ok: bool) -> Callable[[str], float]:
 
 positive_float = _seconds(zero_ok=False)
 non_negative_float = _seconds(zero_ok=True)
+
+
+def poll_seconds(text: str) -> float:
+    """An argparse type: a poll interval, :func:`positive_float` of at least
+    :data:`~asyncsync.errors.MIN_POLL_SECONDS` (a shorter poll spins a core)."""
+    v = positive_float(text)
+    if v < MIN_POLL_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_POLL_SECONDS:g} seconds (a shorter poll spins a core), "
+            f"got {text}"
+        )
+    return v
 
 
 def size_bytes(text: str) -> int:

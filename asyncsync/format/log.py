@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from asyncsync.errors import FormatError, check_seconds
+from asyncsync.errors import FormatError, check_poll_interval
 from asyncsync.format import LOG_NAME, Manifest
 from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_file
 
@@ -342,9 +342,9 @@ def follow_log(
     (default: a logged warning) gets one line when a new run's records follow another run's,
     and when a line that is no record or is longer than ``MAX_LINE_BYTES`` is skipped: once,
     not again for the same line in a log that replaced it. ``poll_interval`` is checked as
-    seconds > 0 as the call is made.
+    the call is made (at least ``MIN_POLL_SECONDS``, 0.01).
     """
-    check_seconds("follow_log: poll_interval", poll_interval, above=True)
+    check_poll_interval("follow_log: poll_interval", poll_interval)
     return _follow(root, poll_interval, from_start, notice)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncsync.console.args import poll_seconds
 from asyncsync.console.logsetup import print_notice
 from asyncsync.errors import ConfigError
 from asyncsync.format import Manifest, TensorEntry
@@ -23,7 +24,6 @@ from asyncsync.ops.cli.common import (
     fmt_density,
     fmt_time,
     human_bytes,
-    positive_float,
     printable,
     resolve_version,
     table,
@@ -218,9 +218,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     sp.add_argument(
         "--interval",
-        type=positive_float,
+        type=poll_seconds,
         default=0.5,
         metavar="S",
-        help="poll interval in seconds with -f (default 0.5)",
+        help="poll interval in seconds with -f, at least 0.01 (default 0.5)",
     )
     sp.set_defaults(func=cmd_tail)

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
-from asyncsync.errors import AsyncSyncError, ConfigError, check_seconds
+from asyncsync.errors import AsyncSyncError, ConfigError, check_poll_interval
 from asyncsync.format import check_engine_id
 
 __all__ = [
@@ -129,7 +129,7 @@ class ReceiverSpec:
             )
         if self.engine == "checkpoint" and self.version_offset:
             raise ConfigError(f"{self.engine_id}: version_offset needs a server url")
-        check_seconds(f"{self.engine_id}: poll_interval", self.poll_interval, above=True)
+        check_poll_interval(f"{self.engine_id}: poll_interval", self.poll_interval)
         if self.status_port is not None and not 0 <= self.status_port <= 65535:
             raise ConfigError(f"{self.engine_id}: status_port must be in 0..65535")
         if self.resources is not None:

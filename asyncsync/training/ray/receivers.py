@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.errors import AckTimeout, ConfigError, LockHeld, check_seconds
+from asyncsync.errors import AckTimeout, ConfigError, LockHeld, check_poll_interval, check_seconds
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
 from asyncsync.memory import freeze_startup_objects
 from asyncsync.training.ray.base import (
@@ -354,7 +354,7 @@ class ReceiverFleet:
         ``timeout`` None or inf: no limit.
         """
         timeout = _limit("ReceiverFleet.wait_for: timeout", timeout)
-        check_seconds("ReceiverFleet.wait_for: poll_interval", poll_interval, above=True)
+        check_poll_interval("ReceiverFleet.wait_for: poll_interval", poll_interval)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             statuses = self.statuses()
