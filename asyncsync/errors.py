@@ -244,6 +244,19 @@ def check_seconds(
         )
 
 
+#: The largest byte size an option takes (1 PiB): a bucket, a shard, a prefetch budget, a
+#: retention size. Far above any model; ``prefetch_bytes=10**400`` passed unchecked before.
+MAX_BYTES = 1 << 50
+
+
+def check_bytes(name: str, value: Any, *, minimum: int = 1, optional: bool = False) -> None:
+    """ConfigError unless ``value`` is an integer number of bytes from ``minimum`` to
+    :data:`MAX_BYTES` (1 PiB); None passes if ``optional``."""
+    check_number(name, value, integer=True, minimum=minimum, optional=optional)
+    if value is not None and value > MAX_BYTES:
+        raise ConfigError(f"{name} must be at most 1 PiB ({MAX_BYTES} bytes), got {shown(value)}")
+
+
 #: The shortest poll interval taken (seconds): an idle receiver polling its root every 1 ms
 #: took ~60 % of a core, every 10 ms ~12 %; inotify wakes a receiver sooner where it works.
 MIN_POLL_SECONDS = 0.01

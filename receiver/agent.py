@@ -38,7 +38,7 @@ from asyncsync.errors import (
     IncompleteVersion,
     LockHeld,
     ManifestError,
-    check_number,
+    check_bytes,
     check_poll_interval,
     check_seconds,
 )
@@ -132,8 +132,8 @@ class ReceiverAgent:
         lease_settle: float | None = None,
         stream_timeout: float = 120.0,
     ) -> None:
-        check_number("apply_group_bytes", apply_group_bytes, integer=True, minimum=1, optional=True)
-        check_number("prefetch_bytes", prefetch_bytes, integer=True)
+        check_bytes("apply_group_bytes", apply_group_bytes, optional=True)
+        check_bytes("prefetch_bytes", prefetch_bytes, minimum=0)
         check_poll_interval("poll_interval", poll_interval)
         for name, value in (
             ("lease_ttl", lease_ttl),

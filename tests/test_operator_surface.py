@@ -202,3 +202,71 @@ def test_a_poll_interval_below_the_floor_is_refused_everywhere_it_is_taken(
     assert asyncsync_main(["tail", str(tmp_path), "-f", "--interval", "0.001"]) == 2
     err = capsys.readouterr().err
     assert "--interval" in err and "at least 0.01" in err, err
+
+
+def test_a_size_past_one_pib_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Byte sizes had no upper bound: ``prefetch_bytes=10**400`` (and a bucket, a shard, a
+    retention size) passed, and a size string of 400 digits was an OverflowError traceback
+    from parse_size. Each is at most 1 PiB now, a ConfigError naming it; the command line's
+    sizes say so as a usage error."""
+    from asyncsync.console.args import parse_size
+    from asyncsync.publish.retention import RetentionPolicy
+    from asyncsync.training.config import SyncConfig
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+
+    def agent(**kw: object) -> object:
+        return ReceiverAgent(tmp_path, LocalCheckpoint(tmp_path / "c"), "e", **kw)  # type: ignore[arg-type]
+
+    def publisher(**kw: object) -> object:
+        return Publisher(tmp_path / "root", **kw)  # type: ignore[arg-type]
+
+    calls = {
+        "prefetch_bytes": lambda v: agent(prefetch_bytes=v),
+        "apply_group_bytes": lambda v: agent(apply_group_bytes=v),
+        "bucket_bytes": lambda v: publisher(bucket_bytes=v),
+        "delta_shard_bytes": lambda v: publisher(delta_shard_bytes=v),
+        "keep_bytes": lambda v: RetentionPolicy(keep_bytes=v),
+    }
+    for name, call in calls.items():
+        for value in (10**400, (1 << 50) + 1):
+            with pytest.raises(ConfigError, match=f"^{name} must be at most 1 PiB"):
+                call(value)
+        call(1 << 50)  # the bound itself is taken
+    for name in ("bucket_bytes", "keep_bytes"):
+        for value in (10**400, "2PiB", "9" * 400, "1025T"):
+            with pytest.raises(ConfigError, match=f"{name}.*at most 1 PiB"):
+                SyncConfig(root=tmp_path, **{name: value})
+    for text in ("9" * 400, "1025T", "2000000000000000"):
+        with pytest.raises(ValueError, match="at most 1 PiB"):
+            parse_size(text)
+    assert parse_size("1024T") == 1 << 50
+    argv = ["--root", str(tmp_path / "root"), "--engine-id", "e1",
+            "--checkpoint", str(tmp_path / "c"), "--apply-group-bytes", "9" * 400]  # fmt: skip
+    assert receiver_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--apply-group-bytes" in err and "at most 1 PiB" in err and "Traceback" not in err
+
+
+def test_the_in_engine_loaders_batch_size_is_bounded_and_its_setting_never_fails_the_load(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``InEngineLoader(batch_bytes=10**400)`` passed, and a bad
+    ``$ASYNCSYNC_SGLANG_BATCH_BYTES`` (``abc``, ``64MiB``, 400 digits) failed the engine's model
+    load with a bare ValueError or OverflowError from ``int()``. The argument is checked as a
+    size (ConfigError naming it); the setting takes sizes as the command lines do, and one that
+    is none is a warning naming it, and the default (1 GiB), as the audit's settings are."""
+    from receiver.plugins.inplace import ENV_BATCH_BYTES, InEngineLoader
+
+    for value in (10**400, 0, 1.5, True):
+        with pytest.raises(ConfigError, match=r"^InEngineLoader: batch_bytes must be"):
+            InEngineLoader(object(), batch_bytes=value)  # type: ignore[arg-type]
+    monkeypatch.setenv(ENV_BATCH_BYTES, "64MiB")
+    assert InEngineLoader(object()).batch_bytes == 64 << 20
+    for bad in ("abc", "9" * 400, "0", "2PiB"):
+        monkeypatch.setenv(ENV_BATCH_BYTES, bad)
+        caplog.clear()
+        assert InEngineLoader(object()).batch_bytes == 1 << 30
+        assert f"${ENV_BATCH_BYTES}=" in caplog.text and "using 1073741824" in caplog.text

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import re
 from collections.abc import Callable
 
-from asyncsync.errors import MAX_SECONDS, MIN_POLL_SECONDS
+from asyncsync.errors import MAX_BYTES, MAX_SECONDS, MIN_POLL_SECONDS
 
 __all__ = [
+    "env_size",
     "int_at_least",
     "non_negative_float",
     "non_negative_int",
@@ -20,25 +23,47 @@ __all__ = [
     "size_bytes",
 ]
 
+logger = logging.getLogger(__name__)
 
 _SIZE_UNITS = {
     "": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
     "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40,
-    "tb": 10**12,
+    "tb": 10**12, "p": 1 << 50, "pib": 1 << 50, "pb": 10**15,
 }  # fmt: skip
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(text: str) -> int:
-    """Bytes in ``text``: ``4096``, ``32MiB``, ``1.5G`` (K/M/G/T = 1024^n, KB/MB/... = 1000^n)."""
+    """Bytes in ``text``: ``4096``, ``32MiB``, ``1.5G`` (K/M/G/T/P = 1024^n, KB/MB/... =
+    1000^n), at most :data:`~asyncsync.errors.MAX_BYTES` (1 PiB)."""
     m = _SIZE_RE.match(text.replace("_", ""))
     unit = m.group(2).lower() if m else ""
+    shown = repr(text) if len(text) <= 40 else f"{text[:24]!r}... ({len(text)} characters)"
     if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"{text!r} is not a size; write e.g. 33554432, 32MiB or 1G")
-    value = float(m.group(1)) * _SIZE_UNITS[unit]
+        raise ValueError(f"{shown} is not a size; write e.g. 33554432, 32MiB or 1G")
+    value = float(m.group(1)) * _SIZE_UNITS[unit]  # 400 digits: inf, no OverflowError
+    if value > MAX_BYTES:
+        raise ValueError(f"{shown} is more than 1 PiB: a size must be at most 1 PiB")
     if value != int(value):
-        raise ValueError(f"{text!r} is not a whole number of bytes")
+        raise ValueError(f"{shown} is not a whole number of bytes")
     return int(value)
+
+
+def env_size(name: str, default: int) -> int:
+    """``$name`` as a size (:func:`parse_size`, at least 1 byte), else ``default``. A value that
+    is no such size is a WARNING naming it, and the default: a tuning setting read inside an
+    inference engine must not fail its model load."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = parse_size(text)
+        if value < 1:
+            raise ValueError("a size must be at least 1 byte")
+    except ValueError as exc:
+        logger.warning("$%s=%.40r is not a usable size (%s); using %d", name, text, exc, default)
+        return default
+    return value
 
 
 def _seconds(zero_ok: bool) -> Callable[[str], float]:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from asyncsync import codec
-from asyncsync.errors import ConfigError, check_number
+from asyncsync.errors import ConfigError, check_bytes, check_number
 from asyncsync.format import Manifest
 from asyncsync.format.checksum import new_hasher
 from asyncsync.format.names import root_path
@@ -92,21 +92,17 @@ def check_options(
             raise ConfigError(
                 f"producer must be a mapping of str keys to JSON values (no NaN): {exc}"
             ) from None
+    check_bytes("bucket_bytes", bucket_bytes)
+    check_bytes("delta_shard_bytes", delta_shard_bytes, optional=True)
     for name, value in (
-        ("bucket_bytes", bucket_bytes),
-        ("delta_shard_bytes", delta_shard_bytes),
         ("max_in_flight", max_in_flight),
         ("keyframe_interval", keyframe_interval),
         ("zstd_level", zstd_level),
     ):
-        check_number(name, value, integer=True, optional=name == "delta_shard_bytes")
+        check_number(name, value, integer=True)
     if not isinstance(encoding, str) or encoding not in codec.ENCODINGS:
         raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
     new_hasher(checksum)  # raises ConfigError for an unknown algorithm
-    if bucket_bytes < 1:
-        raise ConfigError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    if delta_shard_bytes is not None and delta_shard_bytes < 1:
-        raise ConfigError(f"delta_shard_bytes must be >= 1, got {delta_shard_bytes}")
     if max_in_flight < 1:
         raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if not isinstance(mode, str) or mode not in ("delta", "full"):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncsync import fsio
-from asyncsync.errors import ManifestError, check_number, check_seconds
+from asyncsync.errors import ManifestError, check_bytes, check_number, check_seconds
 from asyncsync.format import MANIFEST_NAME, version_dir
 from asyncsync.format.acks import ack_ages, read_acks
 from asyncsync.format.log import trim_log
@@ -54,8 +54,8 @@ class RetentionPolicy:
     ack_ttl: float | None = 3600.0
 
     def __post_init__(self) -> None:
-        for name in ("keep_versions", "keep_bytes"):
-            check_number(name, getattr(self, name), integer=True, minimum=1, optional=True)
+        check_number("keep_versions", self.keep_versions, integer=True, minimum=1, optional=True)
+        check_bytes("keep_bytes", self.keep_bytes, optional=True)
         check_seconds("ack_ttl", self.ack_ttl, above=True, optional=True)
 
 

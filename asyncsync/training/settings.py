@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from asyncsync.codec import ENCODINGS
 from asyncsync.console.args import parse_size
-from asyncsync.errors import MAX_SECONDS, ConfigError, ManifestError, shown
+from asyncsync.errors import MAX_BYTES, MAX_SECONDS, ConfigError, ManifestError, shown
 from asyncsync.format import check_engine_id
 from asyncsync.format.checksum import ALGORITHMS
 from asyncsync.publish.hooks import check_import_path
@@ -188,6 +188,8 @@ def parse_value(spec: FieldSpec, raw: Any) -> Any:
             value = raw
         else:
             raise ValueError(f"expected a size such as 33554432 or 32MiB, got {raw!r}")
+        if value > MAX_BYTES:
+            raise ValueError(f"must be at most 1 PiB ({MAX_BYTES} bytes), got {shown(value)}")
     else:  # int
         if isinstance(raw, str):
             try:

@@ -42,7 +42,8 @@ from typing import Any, Protocol
 import safetensors
 import torch
 
-from asyncsync.errors import FormatError
+from asyncsync.console.args import env_size
+from asyncsync.errors import FormatError, check_bytes
 from asyncsync.pipeline import run_all
 from receiver.plugins.held import (
     INDEX_NAME,
@@ -134,9 +135,8 @@ class InEngineLoader:
         volatile: Callable[[str, Any], bool] | None = None,
     ):
         if batch_bytes is None:
-            batch_bytes = int(os.environ.get(ENV_BATCH_BYTES, "") or 1 << 30)
-        if batch_bytes < 1:
-            raise ValueError(f"batch_bytes must be >= 1, got {batch_bytes}")
+            batch_bytes = env_size(ENV_BATCH_BYTES, 1 << 30)
+        check_bytes("InEngineLoader: batch_bytes", batch_bytes)
         if in_place is None:
             in_place = os.environ.get(ENV_IN_PLACE, "1").strip() != "0"
         self.model = model
