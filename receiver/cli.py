@@ -42,6 +42,7 @@ from asyncsync.console.logsetup import (
     CliParser,
     add_logging_arguments,
     print_error,
+    printable,
     setup_logging,
     sniff_log_format,
 )
@@ -463,7 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 return 130
             if version is None:
-                print(f"{args.engine_id}: holds no version ({args.root} has none committed yet)")
+                print(printable(f"{args.engine_id}: holds no version ({args.root} has none "
+                                "committed yet)"))  # fmt: skip
             else:
                 print(f"{args.engine_id}: holds version {version}")
             return 0

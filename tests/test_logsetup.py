@@ -53,3 +53,43 @@ async def test_cli_log_format_json(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(ValueError):
         setup_logging("INFO", "xml")
     setup_logging("WARNING", "text")
+
+
+def test_the_text_log_escapes_control_characters_in_paths(tmp_path: Path) -> None:
+    """(fix-47) The text log printed a path's control characters raw: an escape sequence in a
+    checkpoint's directory name reached the operator's terminal from the INFO lines ("open
+    at version", "committed"), and a newline in it forged a log line. Every line of the text
+    log is escaped as a command's error line is (``\\x1b``, ``\\n``), once: a message already
+    escaped is left as it is. So is the path ``--once`` prints on stdout."""
+    import asyncio
+    import subprocess
+    import sys
+
+    weird = "c\x1b[31mRED\nX"
+    root = tmp_path / f"root{weird}"
+
+    async def seed() -> None:
+        async with Publisher(root) as pub:
+            await pub.seed(mixed_state(0))
+
+    asyncio.run(seed())
+    argv = [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "e1",
+            "--checkpoint", str(tmp_path / weird), "--once", "--log-level", "INFO"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines and all(line[:2] == "20" for line in lines), lines  # each a record's own
+    assert f"{tmp_path}/c\\x1b[31mRED\\nX: committed full v0" in proc.stderr, proc.stderr
+    assert "\\\\x1b" not in proc.stderr  # escaped once
+    empty = tmp_path / f"empty{weird}"
+    empty.mkdir()
+    argv[4] = str(empty)
+    argv[8] = str(tmp_path / "c2")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert "\x1b" not in proc.stdout + proc.stderr, (proc.stdout, proc.stderr)
+    from asyncsync.console.logsetup import printable
+
+    for s in (weird, "a\u2028b\u202ec\x7f\x9b", "plain", "\\x1b already"):
+        assert printable(printable(s)) == printable(s)  # idempotent: never escaped twice
+    assert printable("a\u2028b\u202e\x9b\tz") == "a\\u2028b\\u202e\\x9b\\tz"

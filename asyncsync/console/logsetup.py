@@ -3,6 +3,10 @@
 ``--log-format json`` is for log shippers (Loki, Elasticsearch, Cloud Logging): every record
 becomes ``{"ts", "level", "logger", "msg", ...}`` with the exception text and any ``extra=``
 fields included, one per line on stderr.
+
+Text for a terminal goes through :func:`printable`, the one place control characters are
+escaped: the text log's lines, a command's error line, the tables and lines of ``asyncsync``
+(a path or a root file's string may hold an escape sequence or a newline).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ __all__ = [
     "LOG_LEVELS",
     "CliParser",
     "JsonFormatter",
+    "TextFormatter",
     "add_logging_arguments",
     "print_error",
     "print_notice",
+    "printable",
     "setup_logging",
     "sniff_log_format",
 ]
@@ -29,6 +35,38 @@ __all__ = [
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+def printable(value: object) -> str:
+    """``str(value)`` with every character that is not printable escaped as Python writes it
+    (``\\x1b``, ``\\n``, ``\\u2028``, ``\\u202e``): an escape sequence cannot recolour or
+    clear the terminal, a newline cannot forge a line. Idempotent: the escapes are printable,
+    so text escaped once is left as it is."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+class TextFormatter(logging.Formatter):
+    """``asctime level logger: message``, the line escaped by :func:`printable`; a traceback
+    keeps its lines, each escaped."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:
+        return _lines(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _lines(super().formatStack(stack_info))
+
+
+def _lines(text: str) -> str:
+    return "\n".join(map(printable, text.split("\n")))
 
 
 class JsonFormatter(logging.Formatter):
@@ -58,7 +96,7 @@ def setup_logging(level: str = "WARNING", fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -110,8 +148,7 @@ def _print_line(prog: str, level: int, label: str, message: str, fmt: str) -> No
         record = logging.LogRecord(prog, level, "", 0, message, None, None)
         print(JsonFormatter().format(record), file=sys.stderr, flush=True)
     else:  # one line, whatever a path in it holds (a newline, a terminal's escape sequence)
-        text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
-        print(f"{prog}: {label}{text}", file=sys.stderr, flush=True)
+        print(printable(f"{prog}: {label}{message}"), file=sys.stderr, flush=True)
 
 
 class CliParser(argparse.ArgumentParser):

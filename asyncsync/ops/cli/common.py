@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +16,7 @@ from asyncsync.console.args import (
     positive_int,
     size_bytes,
 )
+from asyncsync.console.logsetup import printable  # every string from a root file shown
 from asyncsync.errors import ConfigError, FormatError
 from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest, read_root_info
@@ -38,24 +38,6 @@ __all__ = [
     "table",
     "version_summaries",
 ]
-
-
-# C0 controls, DEL, C1 controls and the Unicode line and paragraph separators: in a string read
-# from a root file they would move the cursor, recolour or clear the terminal, or start a forged
-# line of a table (any receiver host may write the root)
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape(m: re.Match[str]) -> str:
-    c = m.group()
-    return _SHORT.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
-
-
-def printable(value: object) -> str:
-    """``str(value)`` with control characters escaped (``\\x1b``, ``\\n``, ``\\u2028``): every
-    string from a root file that a human-readable line or table shows goes through here."""
-    return _CONTROL.sub(_escape, str(value))
 
 
 def human_bytes(n: float) -> str:
