@@ -20,16 +20,18 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, MutableMapping, Sequence
 from typing import Any, TypeVar
 
 from asyncsync.errors import ConfigError, first_error
 
 __all__ = [
     "LoopLock",
+    "LoopTasks",
     "Stage",
     "finish_thread",
     "pack_cap",
@@ -224,6 +226,48 @@ class LoopLock:
 
     async def __aexit__(self, *exc: object) -> None:
         self._lock.release()
+
+
+class LoopTasks:
+    """Tasks started to outlive the call that made them (a resume a cancelled sync still owes),
+    each bound to the event loop that runs it, as every task is.
+
+    :meth:`finish` waits for the running loop's tasks and forgets the others: a task of a loop
+    that has ended was cancelled with it, and one of a loop that is not running (an
+    ``asyncio.Runner`` between runs) can be neither awaited nor cancelled from this one. An
+    error of a task is logged when it ends, never lost.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._tasks)
+
+    def start(self, coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logging.getLogger(__name__).warning("%s failed: %s", task.get_name(), task.exception())
+
+    async def finish(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds for the running loop's tasks, then cancel and await
+        those still running (their names are returned); forget the other loops'."""
+        loop = asyncio.get_running_loop()
+        others = [t for t in self._tasks if t.get_loop() is not loop]
+        self._tasks.difference_update(others)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+        late = list(self._tasks)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        return [t.get_name() for t in late]
 
 
 async def _call(fn: Callable[[Any], Any], item: Any) -> Any:

@@ -136,3 +136,47 @@ def test_an_agent_with_an_sglang_engine_syncs_under_one_asyncio_run_after_anothe
             assert asyncio.run(sync()) == i and srv.weight_version == str(i)
         asyncio.run(agent.close())
     _no_leak_reported(caplog)
+
+
+@pytest.mark.parametrize("first", ["asyncio.run", "a runner left open"])
+def test_a_resume_cut_by_the_end_of_its_loop_is_made_under_the_next(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, first: str
+) -> None:
+    """(fix-47) A sync cancelled while its server is being resumed leaves the resume running in
+    a task of the engine's (``_background``), bound to that event loop. When the loop ended
+    (``asyncio.run`` cancels what is left), the resume was cancelled and the server stayed
+    paused for good, serving nothing; with the loop left open (an ``asyncio.Runner``), a close
+    under the next ``asyncio.run`` waited on the other loop's task, then failed with "got
+    Future attached to a different loop". The next loop's close now forgets the other loop's
+    task and resumes the server itself."""
+    caplog.set_level(logging.DEBUG)
+    root = tmp_path / "root"
+
+    async def publish() -> None:
+        async with Publisher(root) as pub:
+            await pub.seed(mixed_state(0))
+
+    asyncio.run(publish())
+    thread = ServerThread(FakeSGLang())
+    with thread as srv, asyncio.Runner() as runner:
+        engine = SGLang(srv.url, tmp_path / "ckpt", timeouts=FAST, retry=FAST_RETRY)
+        agent = ReceiverAgent(root, engine, "e", use_inotify=False)
+        hold = asyncio.Event()  # (waited on by the server's loop)
+
+        async def cut() -> None:
+            await agent.open()
+            srv.inject("/continue_generation", status=None, hold=hold)  # the resume hangs
+            n = len(srv.calls)
+            task = asyncio.create_task(agent.sync_once())
+            while "POST /continue_generation" not in srv.endpoints()[n:]:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        (asyncio.run if first == "asyncio.run" else runner.run)(cut())
+        assert srv.paused == "abort"  # the resume did not get through
+        asyncio.run(agent.close())
+        assert srv.paused is None  # resumed under the second loop
+        assert [c.path for c in srv.calls].count("/continue_generation") == 3
+        thread._loop.call_soon_threadsafe(hold.set)

@@ -48,6 +48,7 @@ from typing import Any, ClassVar, Literal
 from asyncsync import fsio
 from asyncsync.errors import ApplyFailed, ConfigError, check_seconds
 from asyncsync.format import Manifest
+from asyncsync.pipeline import LoopTasks
 from receiver.engines.audit_view import AuditWatch
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -149,7 +150,8 @@ class ReloadingEngine(Engine, abc.ABC):
         self._last_failure: str | None = None
         self._lost = False  # the server dropped a call or reported another version: reconcile
         self._weights_unknown: str | None = None  # why the served weights cannot be trusted
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background = LoopTasks()  # a resume a cancelled sync still owes
+        self._paused = False  # paused by us and not (known to be) resumed since
         self.in_engine = in_engine
         #: whether the server's plugin takes stages (None: not known until its first answer)
         self.stages_supported: bool | None = None
@@ -351,14 +353,17 @@ class ReloadingEngine(Engine, abc.ABC):
     async def close(self) -> None:
         if self._txn is not None:
             await self.abort()
-        if self._background:  # a resume call still running after a cancellation
-            await asyncio.wait(list(self._background), timeout=self.timeouts.control)
-        pending = list(self._background)
-        for task in pending:  # still running after its deadline: it must not outlive close()
-            task.cancel()
-        if pending:
+        # a resume still running after a cancellation: waited for, cancelled past its deadline
+        # (it must not outlive close()); one of another event loop is forgotten (LoopTasks)
+        if await self._background.finish(self.timeouts.control):
             logger.warning("%s: a resume call was still running at close: cancelled", self.kind)
-            await asyncio.gather(*pending, return_exceptions=True)
+        elif self._paused and self._opened:  # its resume was cut by its event loop's end
+            try:
+                await self._resumed()
+            except Exception as exc:
+                logger.warning(
+                    "%s: resuming at close failed: may still be paused: %s", self.kind, exc
+                )
         await self.client.close()
         await self.checkpoint.close()
         self._opened = False
@@ -523,9 +528,8 @@ class ReloadingEngine(Engine, abc.ABC):
 
     async def _resume_always(self, failed: bool) -> None:
         """Resume in a task of its own, so a cancelled sync still unpauses the server."""
-        task = asyncio.create_task(self._resume(), name=f"{self.kind} resume")
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
+        self._paused = True
+        task = self._background.start(self._resumed(), name=f"{self.kind} resume")
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -537,12 +541,9 @@ class ReloadingEngine(Engine, abc.ABC):
             else:
                 raise ApplyFailed(msg) from exc
 
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
-        """Forget a finished background task, retrieving its error (logged, never lost)."""
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.warning("%s: background %s failed: %s", self.kind, task.get_name(),
-                           task.exception())  # fmt: skip
+    async def _resumed(self) -> None:
+        await self._resume()
+        self._paused = False
 
     async def _confirm(self, version: int) -> None:
         label = await self._guard(self._served())
