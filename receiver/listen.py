@@ -34,6 +34,18 @@ def is_dual_stack(host: str) -> bool:
         return False
 
 
+def _hint(host: str, port_option: str) -> str:
+    """What to write instead of a host that does not resolve, when its shape tells."""
+    name, _, port = host.rpartition(":")
+    if "://" in host:
+        return "an address, not a URL: e.g. 127.0.0.1"
+    if host.startswith("[") and host.endswith("]"):
+        return f"an IPv6 address is written without brackets: {host[1:-1]!r}"
+    if port.isdigit() and name and ":" not in name:
+        return f"the port goes in {port_option}: {name!r}"
+    return f"give an address of this host (default 127.0.0.1; {_ANY_HINT})"
+
+
 def bind_sockets(
     host: str, port: int, *, host_option: str = "host", port_option: str = "port"
 ) -> list[socket.socket]:
@@ -44,10 +56,7 @@ def bind_sockets(
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
-        raise ConfigError(
-            f"{host_option} {host!r}: {why}; give an address of this host (default 127.0.0.1; "
-            f"{_ANY_HINT})"
-        ) from exc
+        raise ConfigError(f"{host_option} {host!r}: {why}; {_hint(host, port_option)}") from exc
     seen: set[tuple[int, object]] = set()
     out: list[socket.socket] = []
     try:

@@ -416,3 +416,56 @@ def test_bad_control_options_are_config_errors(
     agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
     with pytest.raises(ConfigError, match=f"^StatusServer: {message}"):
         StatusServer(agent, **kwargs)
+
+
+async def test_a_name_of_two_addresses_is_served_on_one_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host name that resolves to IPv4 and IPv6 addresses (``localhost`` on most hosts:
+    127.0.0.1 and ::1; this machine's /etc/hosts gives one, so the resolver is stood in for)
+    was bound by asyncio on each address with port 0 separately: each got its own free port,
+    the URL named the first, and a client whose resolver tried ::1 first found nothing there
+    (or another server). Every address of the name is bound on the one port now."""
+    if not has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    real = socket.getaddrinfo
+
+    def two(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "dual.test":
+            return real(host, port, *args, **kwargs)
+        return [*real("::1", port, *args, **kwargs), *real("127.0.0.1", port, *args, **kwargs)]
+
+    monkeypatch.setattr(socket, "getaddrinfo", two)
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
+    async with StatusServer(agent, host="dual.test") as server, aiohttp.ClientSession() as http:
+        assert server.url == f"http://dual.test:{server.port}"
+        for host in ("127.0.0.1", "[::1]"):
+            async with http.get(f"http://{host}:{server.port}/healthz") as r:
+                assert r.status == 200, host
+
+
+@pytest.mark.parametrize(
+    ("host", "hint"),
+    [
+        ("[::1]", "written without brackets: '::1'"),
+        ("127.0.0.1:9500", "the port goes in --status-port"),
+        ("localhost:0", "the port goes in --status-port"),
+        ("http://0.0.0.0", "an address, not a URL"),
+    ],
+)
+def test_a_status_host_written_as_in_a_url_says_how_to_write_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], host: str, hint: str
+) -> None:
+    """``--status-host [::1]`` (as the receiver prints it in its URL), ``127.0.0.1:9500`` or a
+    URL failed as "Name or service not known", as a typo does: the line now says what to
+    write instead. Refused before the engine is opened."""
+    from receiver.cli import main as receiver_main
+
+    root = tmp_path / "root"
+    root.mkdir()
+    argv = ["--root", str(root), "--engine-id", "e1", "--checkpoint", str(tmp_path / "c"),
+            "--status-port", "0", "--status-host", host]  # fmt: skip
+    assert receiver_main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"--status-host {host!r}" in err and hint in err, err
+    assert not (tmp_path / "c").exists()
