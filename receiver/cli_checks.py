@@ -102,14 +102,15 @@ def check_status_options(args: argparse.Namespace) -> str | None:
 def read_secret(path: str | None, env: str, what: str) -> str | None:
     """A secret from a file, else from the environment; never from the command line.
 
-    The file must be a regular file (a symlink to one is fine, as Kubernetes mounts secrets) of
+    A byte order mark (a Windows editor's) is dropped; the secret must be ASCII. The file must
+    be a regular file (a symlink to one is fine, as Kubernetes mounts secrets) of
     UTF-8 text of at most :data:`MAX_SECRET_BYTES`: a FIFO is refused at once, never waited on,
     and ``/dev/zero`` is not read without end. Errors name ``what`` (the option) and the file.
     """
     where = f"{what} {path}" if path else f"${env}"
     try:
         value = os.environ.get(env, "") if not path else fsio.read_bytes(
-            path, limit=MAX_SECRET_BYTES, follow_symlinks=True).decode()  # fmt: skip
+            path, limit=MAX_SECRET_BYTES, follow_symlinks=True).decode("utf-8-sig")  # fmt: skip
     except fsio.UnsafePath:
         raise ConfigError(
             f"{where} is not a regular file (a FIFO, a device or a directory?): "
@@ -126,6 +127,14 @@ def read_secret(path: str | None, env: str, what: str) -> str | None:
     value = value.strip()
     if not value and path:
         raise ConfigError(f"{where} is empty")
-    if not value.isprintable():  # a second line, a tab: no HTTP header can carry it
-        raise ConfigError(f"{where} must hold the secret alone, on one line")
+    if not value.isprintable():  # a second line, a tab, a NUL: no HTTP header can carry it
+        i, c = next((i, c) for i, c in enumerate(value) if not c.isprintable())
+        raise ConfigError(
+            f"{where} must hold the secret alone, on one line: it holds {c!a} at character {i + 1}"
+        )
+    if not value.isascii():  # clients and servers encode it differently (Latin-1, UTF-8)
+        raise ConfigError(
+            f"{where} holds a non-ASCII character: HTTP clients and servers encode one "
+            "differently, so the other side would see other bytes; use an ASCII secret"
+        )
     return value or None

@@ -221,8 +221,8 @@ MIN_TOKEN_CHARS = 16
 
 def check_token(token: object, what: str = "StatusServer: token") -> None:
     """ConfigError naming ``what`` unless ``token`` is None or a str a client can send back in
-    a header: one line of printable characters without surrounding whitespace (HTTP strips
-    it), of at least :data:`MIN_TOKEN_CHARS`."""
+    a header: one line of printable ASCII without surrounding whitespace (HTTP strips it), of
+    at least :data:`MIN_TOKEN_CHARS`."""
     if token is None:
         return
     if not isinstance(token, str):
@@ -232,6 +232,8 @@ def check_token(token: object, what: str = "StatusServer: token") -> None:
             f"{what} must be one line of printable characters without surrounding whitespace "
             "(no HTTP header carries another)"
         )
+    if not token.isascii():  # urllib sent it as Latin-1, curl and aiohttp as UTF-8: 401 or not
+        raise ConfigError(f"{what} must be ASCII (HTTP clients encode other characters apart)")
     if len(token) < MIN_TOKEN_CHARS:
         raise ConfigError(
             f"{what}: the control token must be at least {MIN_TOKEN_CHARS} characters (got "

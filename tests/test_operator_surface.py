@@ -270,3 +270,26 @@ def test_the_in_engine_loaders_batch_size_is_bounded_and_its_setting_never_fails
         caplog.clear()
         assert InEngineLoader(object()).batch_bytes == 1 << 30
         assert f"${ENV_BATCH_BYTES}=" in caplog.text and "using 1073741824" in caplog.text
+
+
+def test_secret_files_with_odd_contents(tmp_path: Path) -> None:
+    """(fix-47, a hostile operator's token files) A file saved with a byte order mark (Windows
+    editors write one) was refused as "must hold the secret alone, on one line", as was one
+    with a NUL, without saying what was wrong: the mark is dropped now, and another character
+    no header carries is named (escaped) with its place. A non-ASCII secret was taken, but
+    clients encode it differently: POST /sync with the right token answered 401 to urllib
+    (Latin-1) and 202/409 to curl and aiohttp (UTF-8); an API key so written reaches SGLang
+    (Latin-1) as other bytes. Refused, naming the file; StatusServer refuses such a token."""
+    from receiver.server import StatusServer
+
+    f = tmp_path / "secret"
+    f.write_bytes(b"\xef\xbb\xbf0123456789abcdef0123\r\n")
+    assert receiver_cli.read_secret(str(f), "X", "--control-token-file") == "0123456789abcdef0123"
+    f.write_bytes(b"0123\x00456789abcdef0123")
+    with pytest.raises(ConfigError, match=r"holds '\\x00' at character 5"):
+        receiver_cli.read_secret(str(f), "X", "--control-token-file")
+    f.write_text("pässwörd-0123456789", encoding="utf-8")
+    with pytest.raises(ConfigError, match=f"--api-key-file {f} holds a non-ASCII character"):
+        receiver_cli.read_secret(str(f), "X", "--api-key-file")
+    with pytest.raises(ConfigError, match="StatusServer: token must be ASCII"):
+        StatusServer(None, token="pässwörd-0123456789")  # type: ignore[arg-type]
