@@ -16,10 +16,13 @@ import errno
 import ipaddress
 import logging
 import socket
+from typing import Any
 
 from asyncsync.errors import ConfigError
 
-__all__ = ["bind_sockets", "is_dual_stack"]
+__all__ = ["bind_sockets", "is_dual_stack", "resolve"]
+
+Infos = list[tuple[Any, Any, int, str, tuple[Any, ...]]]  # what socket.getaddrinfo returns
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +49,30 @@ def _hint(host: str, port_option: str) -> str:
     return f"give an address of this host (default 127.0.0.1; {_ANY_HINT})"
 
 
-def bind_sockets(
-    host: str, port: int, *, host_option: str = "host", port_option: str = "port"
-) -> list[socket.socket]:
-    """Bound (not yet listening) TCP sockets for ``host``:``port``, one per address ``host``
-    resolves to, all on one port; ConfigError naming ``host_option`` or ``port_option`` for a
-    host that is no address of this host or a port that is taken."""
+def resolve(host: str, port: int, *, host_option: str, port_option: str) -> Infos:
+    """The addresses of ``host`` (blocking: a name may ask a slow DNS); ConfigError naming
+    ``host_option`` for one that does not resolve."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
         raise ConfigError(f"{host_option} {host!r}: {why}; {_hint(host, port_option)}") from exc
+
+
+def bind_sockets(
+    host: str,
+    port: int,
+    *,
+    host_option: str = "host",
+    port_option: str = "port",
+    infos: Infos | None = None,
+) -> list[socket.socket]:
+    """Bound (not yet listening) TCP sockets for ``host``:``port``, one per address ``host``
+    resolves to (``infos``, when resolved already), all on one port; ConfigError naming
+    ``host_option`` or ``port_option`` for a host that is no address of this host or a port
+    that is taken."""
+    if infos is None:
+        infos = resolve(host, port, host_option=host_option, port_option=port_option)
     seen: set[tuple[int, object]] = set()
     out: list[socket.socket] = []
     try:

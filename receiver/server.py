@@ -44,7 +44,7 @@ from prometheus_client.registry import Collector
 from asyncsync.errors import ConfigError, check_number, check_seconds
 from receiver.agent import ReceiverAgent
 from receiver.audit import Auditor
-from receiver.listen import bind_sockets
+from receiver.listen import bind_sockets, resolve
 from receiver.plan import latest_version
 
 __all__ = ["MIN_TOKEN_CHARS", "StatusServer", "check_token"]
@@ -323,8 +323,10 @@ class StatusServer:
         try:
             # bound here, not by aiohttp's TCPSite: "::" dual-stack, the addresses of a name on
             # one port (receiver.listen)
-            socks = bind_sockets(self.host, self.port, host_option="StatusServer: host",
-                                 port_option="StatusServer: port")  # fmt: skip
+            names = {"host_option": "StatusServer: host", "port_option": "StatusServer: port"}
+            # resolved in a thread: a name behind a slow DNS must not stall the loop
+            infos = await asyncio.to_thread(resolve, self.host, self.port, **names)
+            socks = bind_sockets(self.host, self.port, infos=infos, **names)
             for sock in socks:
                 self._sites.append(web.SockSite(self._runner, sock))
                 await self._sites[-1].start()

@@ -469,3 +469,39 @@ def test_a_status_host_written_as_in_a_url_says_how_to_write_it(
     err = capsys.readouterr().err
     assert f"--status-host {host!r}" in err and hint in err, err
     assert not (tmp_path / "c").exists()
+
+
+async def test_resolving_the_status_host_does_not_stall_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """StatusServer.start resolved its host on the event loop: a name behind a slow resolver
+    (DNS timeouts run 5 s per try) stalled everything on the loop, a Ray receiver actor's
+    agent and status calls included. The name is resolved in a worker thread now (the
+    resolver is stood in for: a slow DNS cannot be had on demand)."""
+    import threading
+
+    real = socket.getaddrinfo
+    release = threading.Event()
+
+    def slow(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow.test":
+            release.wait(10)  # (a bound: the code before this fix blocked the loop here)
+            host = "127.0.0.1"
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
+    server = StatusServer(agent, host="slow.test")
+    starting = asyncio.create_task(server.start())
+    ticks = 0
+    for _ in range(20):  # the loop runs while the name is resolved
+        await asyncio.sleep(0.01)
+        ticks += 1
+    running_meanwhile = not starting.done()
+    release.set()
+    await starting
+    try:
+        assert running_meanwhile and ticks == 20
+        assert server.url == f"http://slow.test:{server.port}"
+    finally:
+        await server.stop()
