@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ops.add_argument(
         "--status-host", default="127.0.0.1", metavar="HOST",
-        help="address to bind (default 127.0.0.1; exposing it is an explicit decision)",
+        help="address to bind (default 127.0.0.1; exposing it is an explicit decision: "
+        "0.0.0.0 every IPv4 interface, :: every interface, IPv4 and IPv6)",
     )  # fmt: skip
     ops.add_argument(
         "--ready-max-lag", type=int, default=0, metavar="N",
