@@ -29,6 +29,15 @@ logger = logging.getLogger(__name__)
 _ANY_HINT = "0.0.0.0 for every IPv4 interface, :: for every interface, IPv4 and IPv6"
 
 
+def _unprivileged_start() -> int:
+    """The first port any user may bind (Linux: net.ipv4.ip_unprivileged_port_start)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_unprivileged_port_start") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1024
+
+
 def is_dual_stack(host: str) -> bool:
     """Whether ``host`` is the IPv6 unspecified address, which is bound for IPv4 too."""
     try:
@@ -124,10 +133,11 @@ def _bind(
                     f"{host_option} {host!r}: {exc.strerror}: not an address this host can "
                     f"serve on{hint if ':' in host else ''}"
                 ) from exc
-            raise ConfigError(
-                f"{port_option} {port} on {host}: {exc.strerror}; pick a free port (0: any free "
-                "one)"
-            ) from exc
+            why = "pick a free port (0: any free one)"
+            if exc.errno == errno.EACCES:
+                why = (f"ports below {_unprivileged_start()} need root or CAP_NET_BIND_SERVICE; "
+                       "pick one above (0: any free one)")  # fmt: skip
+            raise ConfigError(f"{port_option} {port} on {host}: {exc.strerror}; {why}") from exc
     except BaseException:
         sock.close()
         raise

@@ -20,6 +20,7 @@ def main() -> int:
     mod = importlib.import_module(module)
     import asyncio.base_events
     import asyncio.unix_events  # noqa: F401
+    import encodings.idna  # noqa: F401  (a host name's lookup encodes it: imported lazily)
 
     os.setgroups([])
     os.setgid(gid)
