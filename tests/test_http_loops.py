@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from asyncsync import Publisher
+from asyncsync.errors import ApplyFailed
 from receiver import ReceiverAgent
 from receiver.engines import SGLang
 from receiver.engines.http_engine import EngineHTTPError, HttpClient
@@ -180,3 +181,23 @@ def test_a_resume_cut_by_the_end_of_its_loop_is_made_under_the_next(
         assert srv.paused is None  # resumed under the second loop
         assert [c.path for c in srv.calls].count("/continue_generation") == 3
         thread._loop.call_soon_threadsafe(hold.set)
+
+
+async def test_a_resume_that_failed_is_not_made_again_at_close(tmp_path: Path) -> None:
+    """Only a resume cut by a cancellation is made again at close (above): one the server
+    refused was reported when it failed ("the server may still be paused"), and making it
+    again at close would hold a shutdown for another round of retries (4 x 30 s against a
+    server that hangs, with the default deadlines)."""
+    root = tmp_path / "root"
+    async with Publisher(root) as pub:
+        await pub.seed(mixed_state(0))
+    with ServerThread(FakeSGLang()) as srv:
+        engine = SGLang(srv.url, tmp_path / "ckpt", timeouts=FAST, retry=FAST_RETRY)
+        agent = ReceiverAgent(root, engine, "e", use_inotify=False)
+        await agent.open()
+        srv.inject("/continue_generation", status=500, times=FAST_RETRY.attempts)
+        with pytest.raises(ApplyFailed, match="resuming generation failed"):
+            await agent.sync_once()
+        n = [c.path for c in srv.calls].count("/continue_generation")
+        await agent.close()
+        assert [c.path for c in srv.calls].count("/continue_generation") == n

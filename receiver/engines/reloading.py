@@ -353,17 +353,15 @@ class ReloadingEngine(Engine, abc.ABC):
     async def close(self) -> None:
         if self._txn is not None:
             await self.abort()
-        # a resume still running after a cancellation: waited for, cancelled past its deadline
-        # (it must not outlive close()); one of another event loop is forgotten (LoopTasks)
+        # a resume still running: waited for, cancelled past its deadline (it must not outlive
+        # close()); one of another event loop is forgotten (LoopTasks) and made here
         if await self._background.finish(self.timeouts.control):
             logger.warning("%s: a resume call was still running at close: cancelled", self.kind)
-        elif self._paused and self._opened:  # its resume was cut by its event loop's end
+        elif self._paused and self._opened:
             try:
                 await self._resumed()
             except Exception as exc:
-                logger.warning(
-                    "%s: resuming at close failed: may still be paused: %s", self.kind, exc
-                )
+                logger.warning("%s: resuming at close failed: %s", self.kind, exc)
         await self.client.close()
         await self.checkpoint.close()
         self._opened = False
@@ -542,8 +540,10 @@ class ReloadingEngine(Engine, abc.ABC):
                 raise ApplyFailed(msg) from exc
 
     async def _resumed(self) -> None:
-        await self._resume()
-        self._paused = False
+        try:
+            await self._resume()
+        finally:  # made, or failed (and said so); one cut by a cancellation is still owed
+            self._paused = self._paused and asyncio.current_task().cancelling() > 0  # type: ignore[union-attr]
 
     async def _confirm(self, version: int) -> None:
         label = await self._guard(self._served())
