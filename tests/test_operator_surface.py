@@ -174,6 +174,7 @@ def test_a_poll_interval_below_the_floor_is_refused_everywhere_it_is_taken(
     from asyncsync.ops.cli import main as asyncsync_main
     from asyncsync.training.ray.base import ReceiverSpec
     from asyncsync.training.ray.receivers import ReceiverFleet
+    from asyncsync.training.slime.engines import RayReceivers
     from receiver import ReceiverAgent
     from receiver.engines.checkpoint import LocalCheckpoint
 
@@ -186,6 +187,10 @@ def test_a_poll_interval_below_the_floor_is_refused_everywhere_it_is_taken(
             str(tmp_path), {}, {}
         ).wait_for(1, poll_interval=v),
         "follow_log: poll_interval": lambda v: follow_log(tmp_path, poll_interval=v),
+        # slime's receivers: at construction, not when the engines connect (a Ray actor's error)
+        "spec_options: poll_interval": lambda v: RayReceivers(
+            str(tmp_path), str(tmp_path / "c"), spec_options={"poll_interval": v}
+        ),
     }
     for name, call in calls.items():
         for value in (0.001, 1e-9, 0.0099):

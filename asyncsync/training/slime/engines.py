@@ -127,6 +127,14 @@ class RayReceivers(EngineLink):
         check_seconds("RayReceivers: ready_timeout", ready_timeout, optional=True, forever=True)
         self.ready_timeout = ready_timeout
         self.spec_options = dict(spec_options or {})
+        from asyncsync.training.ray.base import ReceiverSpec
+
+        try:  # checked now, not when the engines connect (a Ray actor's error, a step later)
+            ReceiverSpec("spec_options", f"{self.local_checkpoint_dir}/x", engine="sglang",
+                         url="http://127.0.0.1:1", version_offset=version_offset,
+                         **self.spec_options)  # fmt: skip
+        except TypeError as exc:  # an unknown or a repeated field
+            raise ConfigError(f"RayReceivers: spec_options: {exc}") from None
         self.fleet: ReceiverFleet | None = None
         self._urls: tuple[str, ...] = ()
         self._base = AckPolicy()
