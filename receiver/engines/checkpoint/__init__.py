@@ -57,8 +57,9 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
 
 Blocking file work runs in ``asyncio.to_thread`` so the receiver's event loop stays free.
 
-The package: :mod:`~receiver.engines.checkpoint.engine` (:class:`LocalCheckpoint`: transactions,
-recovery at open), :mod:`~receiver.engines.checkpoint.flusher` (the flush after the ack, on
+The package: :mod:`~receiver.engines.checkpoint.engine` (:class:`LocalCheckpoint`: transactions),
+:mod:`~receiver.engines.checkpoint.recovery` (open after a crash, the recovery after a failed
+flush, the wipe), :mod:`~receiver.engines.checkpoint.flusher` (the flush after the ack, on
 the engine's own thread), :mod:`~receiver.engines.checkpoint.files` (data
 files, index, layout; :func:`verify_checkpoint`), :mod:`~receiver.engines.checkpoint.inplace`
 (undoable in-place deltas), :mod:`~receiver.engines.checkpoint.journal` (the undo record's

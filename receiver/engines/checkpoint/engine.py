@@ -1,5 +1,6 @@
-"""The LocalCheckpoint engine: its transactions, recovery at open and the flush after the ack
-(the directory layout and crash-safety rules are in :mod:`receiver.engines.checkpoint`)."""
+"""The LocalCheckpoint engine: its transactions and the flush after the ack (recovery at open
+and after a failed flush is :mod:`~receiver.engines.checkpoint.recovery`; the directory layout
+and crash-safety rules are in :mod:`receiver.engines.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import inplace, staging
 from receiver.engines.checkpoint.files import CheckpointFiles
 from receiver.engines.checkpoint.flusher import Flusher
-from receiver.engines.st_layout import FileMaps, TensorLocation, no_copy_on_write
+from receiver.engines.checkpoint.recovery import Recovery
+from receiver.engines.st_layout import FileMaps, TensorLocation
 from receiver.state import (
     STATE_DIR_NAME,
-    STATE_NAME,
     PersistedState,
     StateStore,
     bumped,
@@ -64,7 +65,7 @@ class _Txn:
 # --------------------------------------------------------------------------- the engine
 
 
-class LocalCheckpoint(Engine):
+class LocalCheckpoint(Recovery, Engine):
     """A safetensors checkpoint directory patched in place (see :mod:`receiver.engines.checkpoint`).
 
     Its data files and index are :attr:`files` (:mod:`~receiver.engines.checkpoint.files`); a
@@ -120,8 +121,8 @@ class LocalCheckpoint(Engine):
             await self.acknowledged()
         else:
             await self.flushed()  # a full version replaces the files the flush writes
-        if self._broken is not None:  # a flush failed: once it can be done again, go on
-            await self.flushed()
+        if self._broken is not None and self._txn is None:  # a flush failed: once it can be
+            await self.flushed()  # done again, go on
             await self._run(self._recover)
         t0 = time.perf_counter()
         await self._run(self._begin, manifest, mode)
@@ -208,122 +209,12 @@ class LocalCheckpoint(Engine):
             raise ApplyFailed(f"{self.directory}: apply/commit without begin")
         return self._txn
 
-    def _set(self, ps: PersistedState) -> None:
-        self._ps = self._store.save(ps)
-        self.state = EngineState(ps.version, ps.run_id, ps.fingerprint)
-
     def _write_index(self, version: int) -> None:
         """Write the HF index of the current layout, only the version new."""
         weight_map = {n: loc.file for n, loc in self._layout.items()}
         self.files.write_index(
             version, weight_map, sum(loc.nbytes for loc in self._layout.values())
         )
-
-    # -- open / recovery ------------------------------------------------------------------
-    def _open(self) -> EngineState:
-        if self._store.locked:
-            return self.state
-        fsio.make_dir(self.directory, parents=True, exist_ok=True)  # 0755: servers read it
-        no_copy_on_write(self.directory)  # btrfs: the files it gets from now on (and staging/)
-        if not (self._store.directory / STATE_NAME).exists():
-            self.files.refuse_foreign()
-        ps = self._store.open()
-        rewrite = bool(self._broken) or self._flusher.failed_before()
-        self._broken = None  # a flush failed (here, or before a restart): rewritten, checked below
-        try:
-            if ps is None:
-                self.files.refuse_foreign()
-                ps = PersistedState()
-            self._ps = ps
-            for d in (self._store.journal_dir, self._store.staging_dir):
-                d.mkdir(exist_ok=True)
-            no_copy_on_write(self._store.staging_dir)  # made before the flag, by an older one
-            fsio.fsync_dir(self._store.directory)  # durable before a journal record or staged file
-            if ps.applying and ps.mode == "delta":
-                logger.warning(
-                    "%s: interrupted delta to v%s; undoing", self.directory, ps.target_version
-                )
-                self._layout = self.files.load_layout()
-                maps = FileMaps(self.directory)
-                try:
-                    self._undo(maps, at_open=True)  # progressive: not synced, checked below
-                except inplace.LostJournal as exc:
-                    logger.warning("%s: %s; removing the files so the receiver re-initialises "
-                                   "from a keyframe", self.directory, exc)  # fmt: skip
-                    self._wipe()
-                finally:
-                    maps.close()
-            elif ps.applying:
-                logger.warning(
-                    "%s: interrupted full apply of v%s; the files are mixed, removing them so "
-                    "the receiver re-initialises from a keyframe",
-                    self.directory,
-                    ps.target_version,
-                )
-                self._wipe()
-            else:
-                self._store.clear_dir(self._store.journal_dir)  # stale: a commit that finished
-                self._store.clear_dir(self._store.staging_dir)
-            if not self._ps.synced and self._ps.version is not None:
-                self._check_unsynced(rewrite)
-            self._set(self._ps)
-            if self._ps.version is not None:
-                self._layout = self.files.load_layout()
-                if self._ps.checksums and set(self._ps.checksums) != set(self._layout):
-                    raise EngineStateError(
-                        f"{self.directory}: the tensors in the files differ from state.json; "
-                        "remove the directory to re-initialise from the newest keyframe"
-                    )
-            elif self.files.data_files():
-                logger.warning("%s: holds no version but has data files", self.directory)
-        except BaseException:
-            self._store.close()
-            raise
-        logger.info("%s: open at version %s", self.directory, self.state.version)
-        return self.state
-
-    def _check_unsynced(self, rewrite: bool = False) -> None:
-        """The held version was committed before it was durable and the receiver stopped: if
-        the machine went down, some of its pages may be lost. Keep it if every tensor still
-        matches, else wipe (the receiver re-initialises from a keyframe)."""
-        ps = self._ps
-        self._layout = self.files.load_layout()
-        bad = inplace.mismatched(self.directory, self._layout, ps)
-        if bad:
-            logger.warning(
-                "%s: v%s was committed but not yet durable when the receiver stopped, and "
-                "%d tensors (e.g. %r) no longer match it; removing the files so the receiver "
-                "re-initialises from a keyframe",
-                self.directory, ps.version, len(bad), bad[0],
-            )  # fmt: skip
-            self._wipe()
-            return
-        (self.files.rewrite_data_files if rewrite else self.files.fsync_data_files)()
-        self._flusher.clear()
-        self._ps = replace(ps, synced=True)
-        logger.info("%s: v%s verified and made durable again", self.directory, ps.version)
-
-    def _recover(self) -> None:
-        """After a failed flush, what a reopen does (the held version is not ``synced``): check
-        it again and flush it (an error there: still broken, the begin refused), or wipe it."""
-        if (why := self._broken) is None or self._txn is not None:
-            return
-        self._finish_rollback()
-        if self._ps.version is not None:
-            self._check_unsynced(rewrite=True)  # a failed flush's pages may be clean, unwritten
-            self._set(self._ps)
-        self._broken = None
-        logger.info("%s: %s; flushed again, at v%s", self.directory, why, self.state.version)
-
-    def _wipe(self) -> None:
-        """Forget everything: the state holds no version (first, durably: a wipe cut short
-        then leaves a directory that opens empty, not one that names removed files), then
-        remove data files, index, staging and journal."""
-        self._layout = {}
-        self._set(PersistedState())
-        self.files.remove_data()
-        self._store.clear_dir(self._store.staging_dir)
-        self._store.clear_dir(self._store.journal_dir)
 
     # -- begin --------------------------------------------------------------------------------
     def _begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
@@ -410,36 +301,6 @@ class LocalCheckpoint(Engine):
             layouts, durable=self.sync_before_ack,
         )  # fmt: skip
         txn.digests.update(vdigests)
-
-    def _undo(self, maps: FileMaps, *, at_open: bool = False) -> None:
-        """:func:`inplace.undo`, then the state clean. At open after a progressive delta also
-        not ``synced`` (durably, before its records go: a crash of the machine may have cost
-        pages the records cannot restore, so the bytes are checked before they are trusted);
-        in the process the page cache is whole and the undo's sync makes it durable."""
-        progressive = inplace.undo(self._store.journal_dir, self._layout, maps)
-        lost = at_open and (progressive or self._ps.progressive)
-        clean = replace(self._ps.clean(), synced=self._ps.synced and not lost)
-        try:
-            self._set(clean)
-        except OSError:  # a full disk (no block or inode left), which the records may fill: the
-            self._store.clear_dir(self._store.journal_dir)  # old bytes are durable, they can go
-            self._set(clean)  # first (open() then finds an interrupted delta without records)
-        self._store.clear_dir(self._store.journal_dir)
-
-    def _finish_rollback(self) -> None:
-        """Undo again after a rollback that failed (idempotent): the engine goes on once the
-        cause (a full disk) is gone, without a reopen."""
-        if (why := self._undo_pending) is not None:
-            maps = FileMaps(self.directory)
-            try:
-                self._undo(maps)
-            except Exception as exc:
-                again = "the same" if str(exc) in why else str(exc)
-                raise EngineStateError(f"{self.directory}: {why}; retried: {again}") from exc
-            finally:
-                maps.close()
-            self._undo_pending = None
-            logger.info("%s: %s; retried: back at v%s", self.directory, why, self.state.version)
 
     def _commit_delta(self, txn: _Txn) -> str:
         assert txn.maps is not None

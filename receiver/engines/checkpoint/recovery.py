@@ -1,0 +1,182 @@
+"""What :class:`~receiver.engines.checkpoint.LocalCheckpoint` does when it finds its directory
+not as it left it: ``open`` after a crash (an interrupted delta undone from its journal, an
+interrupted full apply wiped, a version committed before it was durable checked again), the
+recovery after a failed flush, a rollback that failed done again, and the wipe that sends the
+receiver back to a keyframe. The rules are in :mod:`receiver.engines.checkpoint`.
+
+:class:`Recovery` is a part of the engine, not an object of its own: it reads and writes the
+engine's state (declared below), always under the engine's lock (``LocalCheckpoint._run``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from asyncsync import fsio
+from asyncsync.errors import EngineStateError
+from receiver.engines.base import EngineState
+from receiver.engines.checkpoint import inplace
+from receiver.engines.checkpoint.files import CheckpointFiles
+from receiver.engines.checkpoint.flusher import Flusher
+from receiver.engines.st_layout import FileMaps, TensorLocation, no_copy_on_write
+from receiver.state import STATE_NAME, PersistedState, StateStore
+
+__all__ = ["Recovery"]
+
+logger = logging.getLogger(__name__)
+
+
+class Recovery:
+    """The engine's state changes and its ways back to a version it fully holds (a mixin of
+    :class:`~receiver.engines.checkpoint.LocalCheckpoint`, which sets every attribute)."""
+
+    directory: Path
+    files: CheckpointFiles
+    state: EngineState
+    _store: StateStore
+    _ps: PersistedState
+    _layout: dict[str, TensorLocation]
+    _flusher: Flusher
+    _broken: str | None  # why the last flush failed (the held version must be checked again)
+    _undo_pending: str | None  # a rollback that failed: done again at the next begin
+
+    def _set(self, ps: PersistedState) -> None:
+        self._ps = self._store.save(ps)
+        self.state = EngineState(ps.version, ps.run_id, ps.fingerprint)
+
+    def _open(self) -> EngineState:
+        if self._store.locked:
+            return self.state
+        fsio.make_dir(self.directory, parents=True, exist_ok=True)  # 0755: servers read it
+        no_copy_on_write(self.directory)  # btrfs: the files it gets from now on (and staging/)
+        if not (self._store.directory / STATE_NAME).exists():
+            self.files.refuse_foreign()
+        ps = self._store.open()
+        rewrite = bool(self._broken) or self._flusher.failed_before()
+        self._broken = None  # a flush failed (here, or before a restart): rewritten, checked below
+        try:
+            if ps is None:
+                self.files.refuse_foreign()
+                ps = PersistedState()
+            self._ps = ps
+            for d in (self._store.journal_dir, self._store.staging_dir):
+                d.mkdir(exist_ok=True)
+            no_copy_on_write(self._store.staging_dir)  # made before the flag, by an older one
+            fsio.fsync_dir(self._store.directory)  # durable before a journal record or staged file
+            if ps.applying and ps.mode == "delta":
+                logger.warning(
+                    "%s: interrupted delta to v%s; undoing", self.directory, ps.target_version
+                )
+                self._layout = self.files.load_layout()
+                maps = FileMaps(self.directory)
+                try:
+                    self._undo(maps, at_open=True)  # progressive: not synced, checked below
+                except inplace.LostJournal as exc:
+                    logger.warning("%s: %s; removing the files so the receiver re-initialises "
+                                   "from a keyframe", self.directory, exc)  # fmt: skip
+                    self._wipe()
+                finally:
+                    maps.close()
+            elif ps.applying:
+                logger.warning(
+                    "%s: interrupted full apply of v%s; the files are mixed, removing them so "
+                    "the receiver re-initialises from a keyframe",
+                    self.directory,
+                    ps.target_version,
+                )
+                self._wipe()
+            else:
+                self._store.clear_dir(self._store.journal_dir)  # stale: a commit that finished
+                self._store.clear_dir(self._store.staging_dir)
+            if not self._ps.synced and self._ps.version is not None:
+                self._check_unsynced(rewrite)
+            self._set(self._ps)
+            if self._ps.version is not None:
+                self._layout = self.files.load_layout()
+                if self._ps.checksums and set(self._ps.checksums) != set(self._layout):
+                    raise EngineStateError(
+                        f"{self.directory}: the tensors in the files differ from state.json; "
+                        "remove the directory to re-initialise from the newest keyframe"
+                    )
+            elif self.files.data_files():
+                logger.warning("%s: holds no version but has data files", self.directory)
+        except BaseException:
+            self._store.close()
+            raise
+        logger.info("%s: open at version %s", self.directory, self.state.version)
+        return self.state
+
+    def _check_unsynced(self, rewrite: bool = False) -> None:
+        """The held version was committed before it was durable and the receiver stopped: if
+        the machine went down, some of its pages may be lost. Keep it if every tensor still
+        matches, else wipe (the receiver re-initialises from a keyframe)."""
+        ps = self._ps
+        self._layout = self.files.load_layout()
+        bad = inplace.mismatched(self.directory, self._layout, ps)
+        if bad:
+            logger.warning(
+                "%s: v%s was committed but not yet durable when the receiver stopped, and "
+                "%d tensors (e.g. %r) no longer match it; removing the files so the receiver "
+                "re-initialises from a keyframe",
+                self.directory, ps.version, len(bad), bad[0],
+            )  # fmt: skip
+            self._wipe()
+            return
+        (self.files.rewrite_data_files if rewrite else self.files.fsync_data_files)()
+        self._flusher.clear()
+        self._ps = replace(ps, synced=True)
+        logger.info("%s: v%s verified and made durable again", self.directory, ps.version)
+
+    def _recover(self) -> None:
+        """After a failed flush, what a reopen does (the held version is not ``synced``): check
+        it again and flush it (an error there: still broken, the begin refused), or wipe it."""
+        if (why := self._broken) is None:
+            return
+        self._finish_rollback()
+        if self._ps.version is not None:
+            self._check_unsynced(rewrite=True)  # a failed flush's pages may be clean, unwritten
+            self._set(self._ps)
+        self._broken = None
+        logger.info("%s: %s; flushed again, at v%s", self.directory, why, self.state.version)
+
+    def _wipe(self) -> None:
+        """Forget everything: the state holds no version (first, durably: a wipe cut short
+        then leaves a directory that opens empty, not one that names removed files), then
+        remove data files, index, staging and journal."""
+        self._layout = {}
+        self._set(PersistedState())
+        self.files.remove_data()
+        self._store.clear_dir(self._store.staging_dir)
+        self._store.clear_dir(self._store.journal_dir)
+
+    def _undo(self, maps: FileMaps, *, at_open: bool = False) -> None:
+        """:func:`inplace.undo`, then the state clean. At open after a progressive delta also
+        not ``synced`` (durably, before its records go: a crash of the machine may have cost
+        pages the records cannot restore, so the bytes are checked before they are trusted);
+        in the process the page cache is whole and the undo's sync makes it durable."""
+        progressive = inplace.undo(self._store.journal_dir, self._layout, maps)
+        lost = at_open and (progressive or self._ps.progressive)
+        clean = replace(self._ps.clean(), synced=self._ps.synced and not lost)
+        try:
+            self._set(clean)
+        except OSError:  # a full disk (no block or inode left), which the records may fill: the
+            self._store.clear_dir(self._store.journal_dir)  # old bytes are durable, they can go
+            self._set(clean)  # first (open() then finds an interrupted delta without records)
+        self._store.clear_dir(self._store.journal_dir)
+
+    def _finish_rollback(self) -> None:
+        """Undo again after a rollback that failed (idempotent): the engine goes on once the
+        cause (a full disk) is gone, without a reopen."""
+        if (why := self._undo_pending) is not None:
+            maps = FileMaps(self.directory)
+            try:
+                self._undo(maps)
+            except Exception as exc:
+                again = "the same" if str(exc) in why else str(exc)
+                raise EngineStateError(f"{self.directory}: {why}; retried: {again}") from exc
+            finally:
+                maps.close()
+            self._undo_pending = None
+            logger.info("%s: %s; retried: back at v%s", self.directory, why, self.state.version)
