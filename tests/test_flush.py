@@ -187,3 +187,74 @@ async def test_a_version_flushed_again_after_a_failed_writeback_is_on_the_disk(
         assert (await ck.open()).version == 2
         assert_same(ck.load_state_dict(), sd3)
         await ck.close()
+
+
+class _LockAfter:
+    """The engine's lock, taken by any thread but the flush's only once ``ready`` is set: holds
+    a begin between its look at the engine and its locked part (where a flush may fail)."""
+
+    def __init__(self, inner: Any, ready: threading.Event) -> None:
+        self.inner, self.ready, self.waiting = inner, ready, threading.Event()
+
+    def __enter__(self) -> None:
+        if not threading.current_thread().name.startswith("flush "):
+            self.waiting.set()
+            assert self.ready.wait(20)
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.__exit__(*exc)
+
+
+async def test_a_flush_that_fails_as_a_begin_takes_the_lock_is_recovered_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1's flush fails after v2's begin looked for a failed flush (none yet) and before it
+    took the engine's lock: the flag was set outside the lock, and the begin's locked part
+    found it and refused v2 ("rechecked at next begin"); the agent then takes a refused version
+    as a reason to go on from the next keyframe (a full download) instead of the delta. The
+    failure is now recorded under the lock, and a begin that finds it there recovers first
+    (v1 re-checked and flushed again), as one that saw it before does: v2 applies."""
+    from receiver.engines.checkpoint import flusher
+
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    release, noted = threading.Event(), threading.Event()
+    working, calls = FileMaps.sync, []
+
+    def fails_once(self: FileMaps) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            assert release.wait(20)
+            raise OSError(errno.EIO, "Input/output error")
+        working(self)
+
+    def note(state_dir: Path, why: str) -> bool:
+        try:
+            return real_note(state_dir, why)
+        finally:
+            noted.set()  # the failure is recorded (before the note) in either code
+
+    real_note = flusher._note
+    monkeypatch.setattr(FileMaps, "sync", fails_once)
+    monkeypatch.setattr(flusher, "_note", note)
+    await ck.acknowledged()  # v1's flush runs, held in its sync
+    lock = _LockAfter(ck._mutex, noted)
+    monkeypatch.setattr(ck, "_mutex", lock)
+    sd2 = mutate(sd1, 0.05, seed=2)
+    m2 = build_manifest(sd2, 2, base=sd1)
+    begin = asyncio.ensure_future(ck.begin(m2, "delta"))
+    assert await asyncio.to_thread(lock.waiting.wait, 20)  # past its look, before its lock
+    release.set()  # v1's flush fails now
+    await begin
+    for b in delta_batches(m2, sd1, sd2):
+        await ck.apply(b)
+    await ck.commit()
+    await ck.flushed()
+    st = _state(tmp_path)
+    assert (st["version"], st.get("synced", True)) == (2, True)
+    await ck.close()
+    assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd2)

@@ -121,11 +121,12 @@ class LocalCheckpoint(Recovery, Engine):
             await self.acknowledged()
         else:
             await self.flushed()  # a full version replaces the files the flush writes
-        if self._broken is not None and self._txn is None:  # a flush failed: once it can be
-            await self.flushed()  # done again, go on
-            await self._run(self._recover)
         t0 = time.perf_counter()
-        await self._run(self._begin, manifest, mode)
+        if not await self._run(self._begin, manifest, mode):  # a flush failed: once it can be
+            await self.flushed()  # done again, go on (every flush done: none fails meanwhile)
+            await self._run(self._recover)
+            if not await self._run(self._begin, manifest, mode):
+                raise EngineStateError(f"{self.directory}: {self._broken}; begin refused")
         if (waited := time.perf_counter() - t0) > 0.05:
             logger.info("%s: begin of v%s waited %.3fs", self.directory, manifest.version, waited)
 
@@ -217,22 +218,25 @@ class LocalCheckpoint(Recovery, Engine):
         )
 
     # -- begin --------------------------------------------------------------------------------
-    def _begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
+    def _begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> bool:
+        """Start the transaction; False (nothing started) while a flush's failure is recorded:
+        read under the lock the flush records it under, so a flush failing at any instant of
+        a begin is either seen here (recovered first) or refuses this version's commit."""
         if not self._store.locked:
             raise ApplyFailed(f"{self.directory}: begin before open")
-        if self._broken:
-            raise EngineStateError(f"{self.directory}: {self._broken}; rechecked at next begin")
         if self._txn is not None:
             raise ApplyFailed(
                 f"{self.directory}: begin v{manifest.version} while v"
                 f"{self._txn.manifest.version} is in progress; commit or abort it first"
             )
+        if self._broken:
+            return False
         entries = manifest.tensor_map()
         txn = _Txn(manifest, mode, entries)
         if mode == "full":  # replaces every file: a rollback still pending is moot once it commits
             self._store.clear_dir(self._store.staging_dir)
             self._txn = txn
-            return
+            return True
         if mode != "delta":
             raise ApplyFailed(f"unknown apply mode {mode!r}")
         self._finish_rollback()
@@ -243,6 +247,7 @@ class LocalCheckpoint(Recovery, Engine):
         txn.maps = FileMaps(self.directory)
         txn.digest_on_patch = inplace.disjoint(self._layout)
         self._txn = txn
+        return True
 
     def _confirm(self, txn: _Txn, manifest: Manifest) -> None:
         """The streamed delta's real manifest replaces the provisional one (same version, base,
@@ -353,8 +358,10 @@ class LocalCheckpoint(Recovery, Engine):
                 if self._ps.version == version and not self._broken:
                     self._set(replace(self._ps, synced=True))
         except BaseException as exc:
-            self._broken = f"making v{version} durable failed ({exc})"
-            logger.error("%s: %s", self.directory, self._broken)
+            why = f"making v{version} durable failed ({exc})"
+            with self._mutex:  # ordered with the begins and commits, which read it under it
+                self._broken = why
+            logger.error("%s: %s", self.directory, why)
             raise
         finally:
             maps.close()
