@@ -38,6 +38,7 @@ from asyncsync.errors import (
     IncompleteVersion,
     LockHeld,
     ManifestError,
+    OutOfOrder,
     check_bytes,
     check_poll_interval,
     check_seconds,
@@ -400,6 +401,10 @@ class ReceiverAgent:
                 )
             try:
                 await self._apply_version(m, mode)
+            except OutOfOrder:
+                if cur is None or self.version is not None:
+                    raise
+                continue  # the engine lost its version (a wipe): on from a keyframe now
             except (FormatError, IncompatibleVersion) as exc:
                 if mode == "delta" and getattr(exc, "tensor", None) is not None and not fell_back:
                     # A tensor that does not match after a delta was applied (the engine rolled
@@ -479,9 +484,9 @@ class ReceiverAgent:
         if mode == "delta" and not shards and early is None:
             await self.engine.bump(m)
         else:
-            if early is None:
-                await self.engine.begin(m, mode)
             try:
+                if early is None:  # (in the try: a begin may lose what the engine held)
+                    await self.engine.begin(m, mode)
                 rest = [(i, s) for i, s in shards if early is None or s.file not in early]
                 await self._stream(m, mode, rest)
                 await self.engine.commit()

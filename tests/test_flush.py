@@ -14,7 +14,10 @@ from typing import Any, Literal
 
 import pytest
 
+from asyncsync import Publisher
 from asyncsync.errors import ApplyFailed
+from asyncsync.format.acks import read_acks
+from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.st_layout import FileMaps
 from tests.conftest import mixed_state, mutate
@@ -258,3 +261,61 @@ async def test_a_flush_that_fails_as_a_begin_takes_the_lock_is_recovered_not_ref
     assert (st["version"], st.get("synced", True)) == (2, True)
     await ck.close()
     assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd2)
+
+
+def _damage(ck: LocalCheckpoint) -> None:
+    """One tensor's first bytes changed in its file: what a page the failed flush could not
+    write reads back as once the kernel dropped it (clean, unwritten)."""
+    loc = next(iter(ck.files.load_layout().values()))
+    with open(ck.directory / loc.file, "r+b") as f:
+        f.seek(loc.begin)
+        old = f.read(4)
+        f.seek(loc.begin)
+        f.write(bytes(b ^ 0xFF for b in old))
+
+
+async def test_a_version_the_recovery_wipes_is_no_longer_acked_and_the_sync_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1's flush fails; before v2 its bytes no longer match (a dropped page), so the recovery
+    at v2's begin wipes the checkpoint. The begin raised OutOfOrder ("the engine holds
+    vNone"), the sync failed, and the ack still named v1, which the receiver no longer held,
+    until a later sync (the next wake) applied the keyframe. Now the ack goes at once, and the
+    same sync goes on from the keyframe: the ack is gone while the keyframe is applied."""
+    root, ckpt = tmp_path / "root", tmp_path / "ck"
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    sd2 = mutate(sd1, 0.05, seed=2)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        await pub.publish(sd1)
+        ck = LocalCheckpoint(ckpt)
+        async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
+            working = FileMaps.sync
+
+            def enospc(self: FileMaps) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(FileMaps, "sync", enospc)
+            assert await agent.sync_once() == 1
+            await ck.flushed()  # failed, after the ack
+            assert ck._broken is not None and read_acks(root)["e"].version == 1
+            monkeypatch.setattr(FileMaps, "sync", working)
+            _damage(ck)
+            await pub.publish(sd2)
+            acks_at_full: list[int | None] = []
+            begin = ck.begin
+
+            async def watched(m: Any, mode: Literal["delta", "full"]) -> None:
+                if mode == "full":
+                    ack = read_acks(root).get("e")
+                    acks_at_full.append(None if ack is None else ack.version)
+                    assert agent.status().version is None
+                await begin(m, mode)
+
+            monkeypatch.setattr(ck, "begin", watched)
+            assert await agent.sync_once() == 2
+            assert acks_at_full == [None]  # v1 was no longer claimed while v0 was applied
+            assert read_acks(root)["e"].version == 2
+            await ck.flushed()
+        assert_same(LocalCheckpoint(ckpt).load_state_dict(), sd2)

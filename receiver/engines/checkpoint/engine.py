@@ -20,7 +20,13 @@ import safetensors.torch
 import torch
 
 from asyncsync import fsio
-from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch, EngineStateError
+from asyncsync.errors import (
+    ApplyFailed,
+    AsyncSyncError,
+    ChecksumMismatch,
+    EngineStateError,
+    OutOfOrder,
+)
 from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import inplace, staging
@@ -125,6 +131,12 @@ class LocalCheckpoint(Recovery, Engine):
         if not await self._run(self._begin, manifest, mode):  # a flush failed: once it can be
             await self.flushed()  # done again, go on (every flush done: none fails meanwhile)
             await self._run(self._recover)
+            if mode == "delta" and self.state.version is None:  # wiped: its base is gone
+                raise OutOfOrder(
+                    f"{self.directory}: v{manifest.version} applies on v{manifest.base_version}, "
+                    "which was removed (its bytes no longer matched after the failed flush): "
+                    "the receiver re-initialises from a keyframe"
+                )
             if not await self._run(self._begin, manifest, mode):
                 raise EngineStateError(f"{self.directory}: {self._broken}; begin refused")
         if (waited := time.perf_counter() - t0) > 0.05:
