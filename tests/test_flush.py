@@ -15,7 +15,7 @@ from typing import Any, Literal
 import pytest
 
 from asyncsync import Publisher
-from asyncsync.errors import ApplyFailed
+from asyncsync.errors import ApplyFailed, OutOfOrder
 from asyncsync.format.acks import read_acks
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -27,6 +27,7 @@ from tests.test_engines import (
     assert_same,
     build_manifest,
     delta_batches,
+    full_batches,
     init_checkpoint,
 )
 
@@ -319,3 +320,76 @@ async def test_a_version_the_recovery_wipes_is_no_longer_acked_and_the_sync_goes
             assert read_acks(root)["e"].version == 2
             await ck.flushed()
         assert_same(LocalCheckpoint(ckpt).load_state_dict(), sd2)
+
+
+@pytest.mark.parametrize("how", ["in_place", "restarted"])
+async def test_a_wipe_removes_the_failed_flush_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: Literal["in_place", "restarted"]
+) -> None:
+    """A failed flush leaves ``.asyncsync/flush-failed`` (the next open in a new process writes
+    the data files again before it trusts them). A wipe (the held version no longer matched)
+    removes every data file, but the note stayed: the next checkpoint, made from a keyframe,
+    was rewritten whole at its first open for nothing. The wipe removes the note, after the
+    files (a crash before that leaves a note and no version: an open removes it then)."""
+    from receiver.engines.checkpoint.flusher import FAILED_NAME
+
+    note = tmp_path / ".asyncsync" / FAILED_NAME
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+
+    def enospc(self: FileMaps) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(FileMaps, "sync", enospc)
+        await ck.acknowledged()
+        await ck.flushed()
+    assert note.exists()
+    _damage(ck)
+    if how == "in_place":
+        sd2 = mutate(sd1, 0.05, seed=2)
+        m2 = build_manifest(sd2, 2, base=sd1)
+        with pytest.raises(OutOfOrder, match="removed"):
+            await ck.begin(m2, "delta")
+    else:
+        await ck.close()
+        ck = LocalCheckpoint(tmp_path)
+        await ck.open()
+    assert ck.state.version is None and not ck.files.data_files()
+    assert not note.exists()
+    await ck.close()
+
+
+async def test_an_open_holding_no_version_removes_the_failed_flush_note(tmp_path: Path) -> None:
+    """A wipe killed after the files went but before the note did: the open, which finds no
+    version to check, removes the note (else the next version's first open rewrites it all)."""
+    from receiver.engines.checkpoint.flusher import FAILED_NAME
+
+    ck = LocalCheckpoint(tmp_path)
+    await ck.open()
+    await ck.close()
+    note = tmp_path / ".asyncsync" / FAILED_NAME
+    note.write_text("making v1 durable failed (ENOSPC)\n")
+    await ck.open()
+    assert not note.exists()
+    await ck.close()
+
+
+async def test_a_full_version_removes_the_failed_flush_note(tmp_path: Path) -> None:
+    """A full version replaces every data file with one written and fsynced whole: a failed
+    flush's note has nothing left to cover and goes (it stayed until a later open rewrote it
+    all)."""
+    from receiver.engines.checkpoint.flusher import FAILED_NAME
+
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    note = tmp_path / ".asyncsync" / FAILED_NAME
+    note.write_text("making v0 durable failed (ENOSPC)\n")
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1)
+    await apply_version(ck, m1, full_batches(m1, sd1), "full")
+    assert not note.exists()
+    await ck.close()

@@ -444,6 +444,8 @@ class LocalCheckpoint(Recovery, Engine):
                 f"{self.directory}: moving v{m.version} into place failed ({exc}); the files "
                 "were removed, the receiver re-initialises from a keyframe"
             ) from exc
+        with contextlib.suppress(OSError):  # kept, it costs one rewrite at a later open
+            self._flusher.clear()  # nothing left to write again: every file new and fsynced
         logger.info("%s: committed full v%s (%d files)", self.directory, m.version, n)
         return m.fingerprint
 

@@ -10,6 +10,7 @@ engine's state (declared below), always under the engine's lock (``LocalCheckpoi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -100,8 +101,10 @@ class Recovery:
                         f"{self.directory}: the tensors in the files differ from state.json; "
                         "remove the directory to re-initialise from the newest keyframe"
                     )
-            elif self.files.data_files():
-                logger.warning("%s: holds no version but has data files", self.directory)
+            else:  # nothing to write again before it is trusted (a wipe killed before the note)
+                self._flusher.clear()
+                if self.files.data_files():
+                    logger.warning("%s: holds no version but has data files", self.directory)
         except BaseException:
             self._store.close()
             raise
@@ -117,9 +120,9 @@ class Recovery:
         bad = inplace.mismatched(self.directory, self._layout, ps)
         if bad:
             logger.warning(
-                "%s: v%s was committed but not yet durable when the receiver stopped, and "
-                "%d tensors (e.g. %r) no longer match it; removing the files so the receiver "
-                "re-initialises from a keyframe",
+                "%s: v%s was committed but not yet durable (its flush failed, or the receiver "
+                "stopped first), and %d tensors (e.g. %r) no longer match it; removing the "
+                "files so the receiver re-initialises from a keyframe",
                 self.directory, ps.version, len(bad), bad[0],
             )  # fmt: skip
             self._wipe()
@@ -144,12 +147,15 @@ class Recovery:
     def _wipe(self) -> None:
         """Forget everything: the state holds no version (first, durably: a wipe cut short
         then leaves a directory that opens empty, not one that names removed files), then
-        remove data files, index, staging and journal."""
+        remove data files, index, staging and journal, and last a failed flush's note (its
+        files gone, nothing is left to write again)."""
         self._layout = {}
         self._set(PersistedState())
         self.files.remove_data()
         self._store.clear_dir(self._store.staging_dir)
         self._store.clear_dir(self._store.journal_dir)
+        with contextlib.suppress(OSError):  # kept, it costs one rewrite at a later open
+            self._flusher.clear()
 
     def _undo(self, maps: FileMaps, *, at_open: bool = False) -> None:
         """:func:`inplace.undo`, then the state clean. At open after a progressive delta also
