@@ -302,10 +302,14 @@ class StateStore:
             try:
                 took = self._lock.acquire()
             except PermissionError as exc:  # it printed "Permission denied: 'lock'", no path
+                try:  # (removed meanwhile, or no search right on its parent: still this error)
+                    owner = f"it belongs to uid {self.directory.stat().st_uid}"
+                except OSError as why:
+                    owner = f"its owner cannot be read ({why.strerror})"
                 raise EngineStateError(
-                    f"cannot lock engine state {self.directory} ({exc.strerror}): it belongs to "
-                    f"uid {self.directory.stat().st_uid}, this receiver runs as uid "
-                    f"{os.geteuid()}; run it as that user, or chown -R the checkpoint directory"
+                    f"cannot lock engine state {self.directory} ({exc.strerror}): {owner}, this "
+                    f"receiver runs as uid {os.geteuid()}; run it as the directory's owner, or "
+                    "chown -R the checkpoint directory"
                 ) from exc
             if not took:
                 raise LockHeld(

@@ -167,3 +167,37 @@ def test_check_patch() -> None:
     for p in bad:
         with pytest.raises(ApplyFailed, match="'w'"):
             check_patch(p, flat, "w")
+
+
+@pytest.mark.parametrize(
+    "stat_error", [FileNotFoundError(2, "No such file or directory"), PermissionError(13, "no")]
+)
+def test_a_lock_refused_whose_owner_cannot_be_read_is_still_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stat_error: OSError
+) -> None:
+    """A state directory this uid may not lock is named with its owner's uid (a ``stat``); that
+    ``stat`` raised its own OSError out of the error path when it failed too (the directory
+    removed meanwhile, or no search right on its parent), a traceback without the advice. Both
+    faults are made up here (root passes every mode bit; a removal between the two is a race)."""
+    from asyncsync import fsio
+
+    store = StateStore(tmp_path / ".asyncsync")
+
+    def refused(self: fsio.FileLock) -> bool:
+        raise PermissionError(13, "Permission denied", "lock")
+
+    real_stat = Path.stat
+
+    def stat(self: Path, **kwargs: object) -> os.stat_result:
+        if self == store.directory:
+            raise stat_error
+        return real_stat(self, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fsio.FileLock, "acquire", refused)
+    monkeypatch.setattr(Path, "stat", stat)
+    with pytest.raises(EngineStateError) as err:
+        store.open()
+    msg = str(err.value)
+    assert f"cannot lock engine state {store.directory}" in msg and "Permission denied" in msg
+    assert f"uid {os.geteuid()}" in msg and "chown -R" in msg
+    assert stat_error.strerror in msg  # why the owner is not named
