@@ -393,3 +393,44 @@ async def test_a_full_version_removes_the_failed_flush_note(tmp_path: Path) -> N
     await apply_version(ck, m1, full_batches(m1, sd1), "full")
     assert not note.exists()
     await ck.close()
+
+
+@pytest.mark.parametrize("how", ["in_place", "restarted"])
+async def test_an_unsynced_version_whose_header_was_lost_is_wiped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: Literal["in_place", "restarted"]
+) -> None:
+    """v1's flush fails and the kernel drops the pages it could not write (clean): the first
+    page of the data file reads back as the disk holds it, here zeros (found by the real
+    receiver on an ext4 whose blocks were lost, killed after the failed flush and restarted).
+    The re-check read the layout before any checksum, and the unreadable header made the open
+    fail ("the checkpoint is damaged, remove it"): the receiver stayed down with its ack on v1,
+    and an engine still running refused every begin while it reported v1. A version that is
+    not known durable and whose layout no longer reads is wiped like one whose bytes differ."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+
+    def enospc(self: FileMaps) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(FileMaps, "sync", enospc)
+        await ck.acknowledged()
+        await ck.flushed()
+    for f in ck.files.data_files():
+        with open(f, "r+b") as fh:
+            fh.write(bytes(4096))
+    if how == "in_place":
+        sd2 = mutate(sd1, 0.05, seed=2)
+        m2 = build_manifest(sd2, 2, base=sd1)
+        with pytest.raises(OutOfOrder, match="removed"):
+            await ck.begin(m2, "delta")
+    else:
+        await ck.close()
+        ck = LocalCheckpoint(tmp_path)
+        await ck.open()
+    assert ck.state.version is None and not ck.files.data_files()
+    assert _state(tmp_path)["version"] is None
+    await ck.close()

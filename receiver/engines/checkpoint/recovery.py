@@ -112,12 +112,19 @@ class Recovery:
         return self.state
 
     def _check_unsynced(self, rewrite: bool = False) -> None:
-        """The held version was committed before it was durable and the receiver stopped: if
-        the machine went down, some of its pages may be lost. Keep it if every tensor still
-        matches, else wipe (the receiver re-initialises from a keyframe)."""
+        """The held version was committed before it was durable and the receiver stopped (or
+        its flush failed): if the machine went down (or the kernel dropped pages a failed flush
+        could not write), some of its pages may be lost. Keep it if every tensor still matches,
+        else wipe (the receiver re-initialises from a keyframe); a layout that no longer reads
+        is wiped too."""
         ps = self._ps
-        self._layout = self.files.load_layout()
-        bad = inplace.mismatched(self.directory, self._layout, ps)
+        try:
+            self._layout = self.files.load_layout()
+        except EngineStateError as exc:  # a header in the pages lost (no layout: no checksums)
+            logger.warning("%s: %s", self.directory, exc)
+            bad = ["(its file's header)"]
+        else:
+            bad = inplace.mismatched(self.directory, self._layout, ps)
         if bad:
             logger.warning(
                 "%s: v%s was committed but not yet durable (its flush failed, or the receiver "
