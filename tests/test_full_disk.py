@@ -212,3 +212,48 @@ async def test_an_ack_that_a_full_root_refuses_names_the_ack(tmp_path: Path) -> 
             with pytest.raises(OSError, match=r"No space left.*writing the ack.*acks/e\.json"):
                 await agent.sync_once()
         assert _acked(root, "e") == 0
+
+
+def _unsynced(ck: Path) -> None:
+    """What a failed flush leaves: state.json at the version with ``synced: false``."""
+    st = json.loads((ck / ".asyncsync" / "state.json").read_text())
+    st["synced"] = False
+    (ck / ".asyncsync" / "state.json").write_text(json.dumps(st))
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+async def test_a_checkpoint_opens_on_its_full_disk(tmp_path: Path, damaged: bool) -> None:
+    """A receiver (re)started while its checkpoint's disk is full: every open wrote state.json
+    again, unchanged, and the full disk refused it: the receiver could not even start to serve
+    what it held. And a version not known durable whose bytes no longer match (a failed
+    flush's lost pages) is wiped, state first: the full disk refused that too, so the open
+    failed with the files (and the ack naming them) kept. An open writes the state only where
+    it changed, and a wipe the disk refuses removes the files first (the state left, not
+    known durable, makes an open wipe again), which frees the room its state needs."""
+    from tests.test_engines import build_manifest, full_batches, init_checkpoint
+
+    with tmpfs(tmp_path / "small", "4m") as mnt:
+        ck = await init_checkpoint(mnt / "ck", _model(1))
+        await ck.close()
+        if damaged:
+            _unsynced(mnt / "ck")
+            loc = next(iter(ck.files.load_layout().values()))
+            with open(mnt / "ck" / loc.file, "r+b") as f:
+                f.seek(loc.begin)
+                f.write(b"\x00\x01\x02\x03")
+        fill(mnt, 0)
+        ck = LocalCheckpoint(mnt / "ck")
+        assert (await ck.open()).version == (None if damaged else 0)
+        (mnt / "ballast").unlink()
+        if damaged:
+            assert not ck.files.data_files()
+            sd = _model(1, seed=2)
+            m = build_manifest(sd, 3)
+            await ck.begin(m, "full")
+            for b in full_batches(m, sd):
+                await ck.apply(b)
+            await ck.commit()
+        await ck.close()
+        ck = LocalCheckpoint(mnt / "ck")
+        assert (await ck.open()).version == (3 if damaged else 0)
+        await ck.close()

@@ -57,6 +57,7 @@ class Recovery:
         ps = self._store.open()
         rewrite = bool(self._broken) or self._flusher.failed_before()
         self._broken = None  # a flush failed (here, or before a restart): rewritten, checked below
+        fresh = ps is None
         try:
             if ps is None:
                 self.files.refuse_foreign()
@@ -93,7 +94,10 @@ class Recovery:
                 self._store.clear_dir(self._store.staging_dir)
             if not self._ps.synced and self._ps.version is not None:
                 self._check_unsynced(rewrite)
-            self._set(self._ps)
+            if fresh:  # the first state.json: the directory is an asyncsync checkpoint now
+                self._set(self._ps)
+            else:  # saved by each step that changed it: none written to a full disk for nothing
+                self.state = EngineState(self._ps.version, self._ps.run_id, self._ps.fingerprint)
             if self._ps.version is not None:
                 self._layout = self.files.load_layout()
                 if self._ps.checksums and set(self._ps.checksums) != set(self._layout):
@@ -136,7 +140,7 @@ class Recovery:
             return
         (self.files.rewrite_data_files if rewrite else self.files.fsync_data_files)()
         self._flusher.clear()
-        self._ps = replace(ps, synced=True)
+        self._set(replace(ps, synced=True))
         logger.info("%s: v%s verified and made durable again", self.directory, ps.version)
 
     def _recover(self) -> None:
@@ -147,7 +151,6 @@ class Recovery:
         self._finish_rollback()
         if self._ps.version is not None:
             self._check_unsynced(rewrite=True)  # a failed flush's pages may be clean, unwritten
-            self._set(self._ps)
         self._broken = None
         logger.info("%s: %s; flushed again, at v%s", self.directory, why, self.state.version)
 
@@ -155,9 +158,18 @@ class Recovery:
         """Forget everything: the state holds no version (first, durably: a wipe cut short
         then leaves a directory that opens empty, not one that names removed files), then
         remove data files, index, staging and journal, and last a failed flush's note (its
-        files gone, nothing is left to write again)."""
+        files gone, nothing is left to write again). On a full disk that refuses the state, the
+        files go first (freeing their space) where the state left makes an open wipe again
+        (a full apply, a version not known durable): a wipe cut short still opens empty."""
         self._layout = {}
-        self._set(PersistedState())
+        try:
+            self._set(PersistedState())
+        except OSError:
+            ps = self._ps
+            if not (ps.mode == "full" if ps.applying else not ps.synced):
+                raise
+            self.files.remove_data()
+            self._set(PersistedState())
         self.files.remove_data()
         self._store.clear_dir(self._store.staging_dir)
         self._store.clear_dir(self._store.journal_dir)
