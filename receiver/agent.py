@@ -359,6 +359,7 @@ class ReceiverAgent:
         bad.for_run(newest.run_id)
         if self.version is not None and self.version >= latest:
             await self.engine.reconcile()  # nothing newer: a restarted server gets what we hold
+            await self._reconcile_ack()  # (and an engine may find it lost what it held)
         why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest, bad.read)
         if why is not None:
             # Version numbers say nothing across runs (a wiped root, another trainer), nor about

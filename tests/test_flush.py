@@ -434,3 +434,46 @@ async def test_an_unsynced_version_whose_header_was_lost_is_wiped(
     assert ck.state.version is None and not ck.files.data_files()
     assert _state(tmp_path)["version"] is None
     await ck.close()
+
+
+async def test_a_failed_flush_is_recovered_when_nothing_newer_comes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1's flush fails and no newer version comes: the recovery waited for the next version's
+    begin, so meanwhile the receiver went on acknowledging and serving v1 while the kernel
+    could drop the pages it had not written (here one tensor reads back other bytes): every
+    sync said v1 with the files no longer holding it. A sync with nothing newer recovers now:
+    v1 re-checked, found lost, wiped, its ack removed, and applied again from the keyframe."""
+    root, ckpt = tmp_path / "root", tmp_path / "ck"
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        await pub.publish(sd1)
+    ck = LocalCheckpoint(ckpt)
+    async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
+
+        def enospc(self: FileMaps) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        with monkeypatch.context() as m:
+            m.setattr(FileMaps, "sync", enospc)
+            assert await agent.sync_once() == 1
+            await ck.flushed()
+        _damage(ck)
+        acks_at_full: list[int | None] = []
+        begin = ck.begin
+
+        async def watched(m: Any, mode: Literal["delta", "full"]) -> None:
+            if mode == "full":
+                ack = read_acks(root).get("e")
+                acks_at_full.append(None if ack is None else ack.version)
+            await begin(m, mode)
+
+        monkeypatch.setattr(ck, "begin", watched)
+        assert await agent.sync_once() == 1
+        assert acks_at_full == [None]
+        await ck.flushed()
+    assert_same(LocalCheckpoint(ckpt).load_state_dict(), sd1)
+    st = _state(ckpt)
+    assert (st["version"], st.get("synced", True)) == (1, True)

@@ -142,6 +142,14 @@ class LocalCheckpoint(Recovery, Engine):
         if (waited := time.perf_counter() - t0) > 0.05:
             logger.info("%s: begin of v%s waited %.3fs", self.directory, manifest.version, waited)
 
+    async def reconcile(self) -> None:
+        """Nothing newer to apply: a failed flush is recovered now (the held version checked,
+        written again, or wiped), not at the next version's begin only: until then the kernel
+        may drop the pages it could not write, and the version acked would not be the files'."""
+        if self._broken is not None and self._txn is None:
+            await self.flushed()
+            await self._run(self._recover)
+
     async def flushed(self) -> None:
         """Wait until every committed delta is durable (a no-op with sync_before_ack); start
         the last one's flush first if nobody called :meth:`acknowledged`."""
