@@ -358,8 +358,10 @@ class ReceiverAgent:
         latest = newest.version
         bad.for_run(newest.run_id)
         if self.version is not None and self.version >= latest:
-            await self.engine.reconcile()  # nothing newer: a restarted server gets what we hold
-            await self._reconcile_ack()  # (and an engine may find it lost what it held)
+            try:  # nothing newer: a restarted server gets what we hold (and an engine may
+                await self.engine.reconcile()  # find it lost what it held: the ack says so)
+            finally:
+                await asyncio.shield(self._reconcile_ack())
         why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest, bad.read)
         if why is not None:
             # Version numbers say nothing across runs (a wiped root, another trainer), nor about

@@ -477,3 +477,42 @@ async def test_a_failed_flush_is_recovered_when_nothing_newer_comes(
     assert_same(LocalCheckpoint(ckpt).load_state_dict(), sd1)
     st = _state(ckpt)
     assert (st["version"], st.get("synced", True)) == (1, True)
+
+
+async def test_a_wipe_whose_state_the_disk_refuses_claims_no_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recovery after a failed flush wipes v1 (its pages lost) on a disk that refuses even
+    the state's small write (a real receiver on a failing ext4: the loop device refused the
+    blocks of the files just removed): the files went, but the engine's state and the ack
+    kept naming v1 until a retry could save the state (22 s in the attack). Once its files go,
+    the engine claims no version, saved or not, and the ack goes with the failed sync; once
+    the disk takes the state, the receiver goes on from the keyframe."""
+    from receiver.state import StateStore
+
+    root, ckpt = tmp_path / "root", tmp_path / "ck"
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        await pub.publish(sd1)
+    ck = LocalCheckpoint(ckpt)
+    async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
+
+        def enospc(*_args: object) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        with monkeypatch.context() as m:
+            m.setattr(FileMaps, "sync", enospc)
+            assert await agent.sync_once() == 1
+            await ck.flushed()
+        _damage(ck)
+        with monkeypatch.context() as m:
+            m.setattr(StateStore, "save", enospc)
+            with pytest.raises(ApplyFailed, match="No space left"):
+                await agent.sync_once()
+            assert not ck.files.data_files()
+            assert agent.status().version is None and "e" not in read_acks(root)
+        assert await agent.sync_once() == 1
+        await ck.flushed()
+    assert_same(LocalCheckpoint(ckpt).load_state_dict(), sd1)

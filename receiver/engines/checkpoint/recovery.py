@@ -168,6 +168,7 @@ class Recovery:
             ps = self._ps
             if not (ps.mode == "full" if ps.applying else not ps.synced):
                 raise
+            self.state = EngineState()  # its files go: claimed no more, saved or not
             self.files.remove_data()
             self._set(PersistedState())
         self.files.remove_data()
