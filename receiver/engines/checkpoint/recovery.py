@@ -152,7 +152,8 @@ class Recovery:
         if self._ps.version is not None:
             self._check_unsynced(rewrite=True)  # a failed flush's pages may be clean, unwritten
         self._broken = None
-        logger.info("%s: %s; flushed again, at v%s", self.directory, why, self.state.version)
+        done = "wiped" if self.state.version is None else f"flushed again, at v{self.state.version}"
+        logger.info("%s: %s; %s", self.directory, why, done)
 
     def _wipe(self) -> None:
         """Forget everything: the state holds no version (first, durably: a wipe cut short
