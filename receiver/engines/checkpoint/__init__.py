@@ -45,9 +45,11 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   says, and a progressive record it cannot read makes it remove the files at once. With
   durable records, ``synced`` may become true while the next delta is open: its journal
   restores the positions it patched.
-  A flush that fails marks the engine broken: the next commit is refused (rolled back), and
-  the next ``begin`` first does what a reopen does (the held version re-checked and flushed
-  again, or wiped if a tensor differs): refused while that fails, it goes on once it succeeds.
+  A flush that fails marks the engine broken (under its lock): the next commit is refused
+  (rolled back), and the next ``begin``, or a sync with nothing newer (``reconcile``), first
+  does what a reopen does (the held version re-checked and flushed again, or wiped if a tensor
+  differs or its layout no longer reads): refused while that fails, it goes on once it
+  succeeds.
   Flushed again means written again, then fsynced: a failed writeback leaves its pages clean.
   ``sync_before_ack=True`` flushes before the commit instead.
 * full: new files are written to ``.asyncsync/staging/`` and verified; only then is the state
