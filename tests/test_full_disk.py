@@ -32,6 +32,7 @@ from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, inplace, verify_checkpoint
 from receiver.state import StateStore
+from tests.conftest import mixed_state
 from tests.mounts import btrfs, fill, tmpfs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -256,4 +257,69 @@ async def test_a_checkpoint_opens_on_its_full_disk(tmp_path: Path, damaged: bool
         await ck.close()
         ck = LocalCheckpoint(mnt / "ck")
         assert (await ck.open()).version == (3 if damaged else 0)
+        await ck.close()
+
+
+_FLUSH_FAILS_ON_A_FULL_DISK = """
+import asyncio, errno, os, sys
+from pathlib import Path
+from receiver.engines.checkpoint import LocalCheckpoint
+from receiver.engines.st_layout import FileMaps
+from tests.conftest import mixed_state, mutate
+from tests.mounts import fill
+from tests.test_engines import apply_version, build_manifest, delta_batches
+
+async def main(ck: str, mnt: str) -> None:
+    c = LocalCheckpoint(ck)
+    await c.open()
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(c, m1, delta_batches(m1, sd0, sd1), "delta")
+    def failed(self: FileMaps) -> None:  # the writeback fails (a tmpfs has none to fail)
+        raise OSError(errno.EIO, "Input/output error")
+    FileMaps.sync = failed
+    fill(Path(mnt), 0)  # and the disk refuses the note's new file
+    await c.acknowledged()
+    await c.flushed()
+    os.kill(os.getpid(), 9)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_a_flush_failure_is_noted_on_a_disk_full_to_the_last_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flush fails on a disk so full that the note of the failure (a new file) is refused,
+    and the receiver is killed before its close could write it: the next open in a new
+    process found no note, trusted a plain fsync (the pages the failed writeback left clean
+    write nothing) and marked the version durable with them lost at the next reboot. An
+    open makes a spare note beforehand; a failure the disk refuses a new file for renames the
+    spare into place (no new block), and the next open writes the data files again."""
+    from receiver.engines.checkpoint import files
+    from tests.test_engines import init_checkpoint
+
+    with tmpfs(tmp_path / "small", "8m") as mnt:
+        ck = await init_checkpoint(mnt / "ck", mixed_state(0))
+        await ck.close()
+        r = subprocess.run(
+            [sys.executable, "-c", _FLUSH_FAILS_ON_A_FULL_DISK, str(mnt / "ck"), str(mnt)],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert r.returncode == -9, r.stderr
+        (mnt / "ballast").unlink()
+        rewritten: list[int] = []
+        rewrite = files.CheckpointFiles.rewrite_data_files
+
+        def spy(self: files.CheckpointFiles, chunk: int = 16 << 20) -> None:
+            rewritten.append(1)
+            rewrite(self, chunk)
+
+        monkeypatch.setattr(files.CheckpointFiles, "rewrite_data_files", spy)
+        ck = LocalCheckpoint(mnt / "ck")
+        assert (await ck.open()).version == 1
+        assert rewritten == [1]  # written again before it is trusted
+        assert not (mnt / "ck" / ".asyncsync" / "flush-failed").exists()
         await ck.close()

@@ -7,7 +7,8 @@ The directory is what ``from_pretrained`` / vLLM / SGLang load::
       model.safetensors.index.json           {"metadata": {"total_size", "asyncsync_version"},
                                               "weight_map": {name: file}}
       .asyncsync/                            receiver.state: state.json, lock, journal/, staging/,
-                                             flush-failed (a failed flush: rewrite at open)
+                                             flush-failed (a failed flush: rewrite at open),
+                                             flush-failed.spare (renamed to it on a full disk)
 
 Why in place: a delta touches a small fraction of the bytes, so rewriting multi-GB files per
 version would cost far more than the delta. Each tensor sits at a fixed byte range of its file

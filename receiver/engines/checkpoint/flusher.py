@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -14,12 +15,15 @@ from asyncsync import fsio
 from asyncsync.errors import AsyncSyncError
 from receiver.engines.st_layout import FileMaps
 
-__all__ = ["FAILED_NAME", "Flusher"]
+__all__ = ["FAILED_NAME", "SPARE_NAME", "Flusher"]
 
 logger = logging.getLogger(__name__)
 
 #: in the engine's state directory while a failed flush's pages may be clean and unwritten
 FAILED_NAME = "flush-failed"
+#: made at open, renamed to :data:`FAILED_NAME` where the disk refuses the note a new file
+SPARE_NAME = "flush-failed.spare"
+_SPARE_TEXT = b"a flush failed; the disk refused a new note, so this spare one was renamed\n"
 
 
 def _note(state_dir: Path, why: str) -> bool:
@@ -31,9 +35,14 @@ def _note(state_dir: Path, why: str) -> bool:
     one not yet run."""
     try:
         fsio.atomic_write(state_dir / FAILED_NAME, (why + "\n").encode())
-    except OSError as exc:  # the disk that failed the flush: noted again at close
-        logger.warning("%s: the failed flush could not be noted yet (%s)", state_dir, exc)
-        return False
+    except OSError as exc:  # the disk that failed the flush, full: a rename needs no new block
+        try:
+            os.replace(state_dir / SPARE_NAME, state_dir / FAILED_NAME)
+            fsio.fsync_dir(state_dir)
+        except OSError:  # noted again at close (a kill before then: the plain re-check)
+            logger.warning("%s: the failed flush could not be noted yet (%s)", state_dir, exc)
+            return False
+        logger.warning("%s: the failed flush is noted by the spare note (%s)", state_dir, exc)
     return True
 
 
@@ -73,6 +82,14 @@ class Flusher:
             if _note(self._state_dir, self._unnoted):
                 self._unnoted = None
             raise
+
+    def prepare(self) -> None:
+        """At open: the spare note :func:`_note` renames into place where a disk too full for
+        a new file refuses the note (no spare on a disk already full: the note as before)."""
+        spare = self._state_dir / SPARE_NAME
+        if not spare.exists():
+            with contextlib.suppress(OSError):
+                fsio.atomic_write(spare, _SPARE_TEXT)
 
     def failed_before(self) -> bool:
         """Whether a flush failed (here, or in an earlier process) since the data files were last

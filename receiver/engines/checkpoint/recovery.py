@@ -67,6 +67,7 @@ class Recovery:
                 d.mkdir(exist_ok=True)
             no_copy_on_write(self._store.staging_dir)  # made before the flag, by an older one
             fsio.fsync_dir(self._store.directory)  # durable before a journal record or staged file
+            self._flusher.prepare()
             if ps.applying and ps.mode == "delta":
                 logger.warning(
                     "%s: interrupted delta to v%s; undoing", self.directory, ps.target_version
