@@ -323,3 +323,38 @@ async def test_a_flush_failure_is_noted_on_a_disk_full_to_the_last_block(
         assert rewritten == [1]  # written again before it is trusted
         assert not (mnt / "ck" / ".asyncsync" / "flush-failed").exists()
         await ck.close()
+
+
+async def test_the_spare_note_is_made_again_once_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spare note renamed for one failed flush is made again when the recovery clears the
+    note, so a second failure on a full disk in the same process is noted too."""
+    from receiver.engines.checkpoint.flusher import FAILED_NAME, SPARE_NAME
+    from receiver.engines.st_layout import FileMaps
+    from tests.conftest import mutate
+    from tests.test_engines import apply_version, build_manifest, delta_batches, init_checkpoint
+
+    with tmpfs(tmp_path / "small", "8m") as mnt:
+        sd0 = mixed_state(0)
+        ck = await init_checkpoint(mnt / "ck", sd0)
+        state = mnt / "ck" / ".asyncsync"
+        sd1 = mutate(sd0, 0.05, seed=1)
+        m1 = build_manifest(sd1, 1, base=sd0)
+        await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+
+        def failed(self: FileMaps) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+        with monkeypatch.context() as m:
+            m.setattr(FileMaps, "sync", failed)
+            fill(mnt, 0)
+            await ck.acknowledged()
+            await ck.flushed()
+        assert (state / FAILED_NAME).exists() and not (state / SPARE_NAME).exists()
+        (mnt / "ballast").unlink()
+        sd2 = mutate(sd1, 0.05, seed=2)
+        m2 = build_manifest(sd2, 2, base=sd1)
+        await apply_version(ck, m2, delta_batches(m2, sd1, sd2), "delta")  # recovers first
+        assert not (state / FAILED_NAME).exists() and (state / SPARE_NAME).exists()
+        await ck.close()

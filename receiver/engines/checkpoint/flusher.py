@@ -101,6 +101,7 @@ class Flusher:
         before this only costs one more rewrite)."""
         self._unnoted = None
         (self._state_dir / FAILED_NAME).unlink(missing_ok=True)
+        self.prepare()  # a spare again for the next failure (one renamed for this one)
 
     async def wait(self) -> None:
         """Until every flush submitted is done or dropped (a failed one is logged and marks
