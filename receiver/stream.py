@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+from asyncsync import fsio
 from asyncsync.codec.shards import ShardData, StreamHeader, parse_delta_shard, stream_header
 from asyncsync.errors import AsyncSyncError, FormatError
 from asyncsync.format import MANIFEST_NAME, DeltaRef, Manifest, TensorEntry, version_dir
@@ -243,7 +244,7 @@ class StreamApplier:
         delay = self.interval
         manifest = self.dir / MANIFEST_NAME
         while not self._stop.is_set():
-            if await asyncio.to_thread(probe, manifest, self.root) is not None:
+            if await asyncio.to_thread(_seen, manifest, self.root):
                 self.on_manifest.set()
                 return
             path = self.dir / f"delta-{k:05d}.safetensors"
@@ -420,6 +421,17 @@ async def early_reader(
         idle_timeout=idle_timeout,
         verify_deadline=verify_deadline,
     )
+
+
+def _seen(path: Path, root: Path) -> bool:
+    """Whether an entry is at ``path`` in ``root`` (whatever it is: the agent reads or refuses
+    it). StreamAbandoned when it cannot be looked at (a dead FUSE mount: ENOTCONN; EIO; a
+    version directory replaced by a symlink): a stream that took that for its manifest ended
+    with its transaction open and no sync to take it over, the engine half patched for good."""
+    try:
+        return fsio.lstat(path, root=root) is not None
+    except OSError as exc:
+        raise StreamAbandoned(f"{path} cannot be looked at: {exc}") from exc
 
 
 def _check_data(data: bytes, where: str) -> tuple[StreamHeader | None, bool]:

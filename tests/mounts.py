@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -67,6 +68,25 @@ def rclone_mounts(src: Path, *dsts: Path) -> Iterator[tuple[Path, ...]]:
         deadline = time.monotonic() + 10
         while any(os.path.ismount(d) for d in mounted) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def kill_rclone(dst: Path) -> None:
+    """SIGKILL the ``rclone mount`` daemon serving ``dst`` (one :func:`rclone_mounts` started):
+    the mount stays, dead (every access fails with ENOTCONN) until it is unmounted, as after
+    a crash of the FUSE daemon."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            os.path.basename(argv[0]) == b"rclone"
+            and b"mount" in argv
+            and str(dst).encode() in argv
+        ):
+            os.kill(int(pid), signal.SIGKILL)
+            return
+    raise AssertionError(f"no rclone mount serves {dst}")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,97 @@
+"""Streaming apply (receiver/stream.py, FORMAT.md 8.1) over real FUSE mounts, with a real
+``asyncsync-receiver`` process polling (a FUSE client sees no other host's writes through
+inotify): what the mount itself does to a stream in flight. Mounts: tests/mounts.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from asyncsync import Publisher
+from asyncsync.format.store import read_manifest
+from receiver.engines.checkpoint import verify_checkpoint
+from tests.conftest import mixed_state, mutate
+from tests.mounts import RCLONE_SETTLE, kill_rclone, rclone_mounts
+
+REPO = Path(__file__).resolve().parent.parent
+SHARD = 4096  # delta shard bytes: a version is several shards
+
+
+def _state(i: int) -> dict[str, torch.Tensor]:
+    sd = mixed_state(0, scale=16)
+    return mutate(sd, 0.05, seed=i) if i else sd
+
+
+def _engine(ckpt: Path) -> dict[str, object]:
+    path = ckpt / ".asyncsync" / "state.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"still waiting after {timeout}s for {what}"
+        await asyncio.sleep(0.1)
+
+
+async def _stop(task: asyncio.Task[object] | None) -> None:
+    """Cancel a publish stalled in its hook (it holds the publisher until it ends)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _receiver(root: Path, ckpt: Path, settle: float = RCLONE_SETTLE) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "e1",
+            "--checkpoint", str(ckpt), "--poll-interval", "0.2", "--force-polling",
+            "--lease-settle", str(settle), "--verify-deadline", "1"]  # fmt: skip
+    return subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
+
+
+async def test_a_stream_cut_by_a_dead_mount_is_rolled_back(tmp_path: Path) -> None:
+    """The receiver's rclone daemon dies while it streams v2 (every access: ENOTCONN) and the
+    trainer never commits v2. The stream must roll the checkpoint back to v1: it ended as if
+    v2's manifest had come (the failed look at it), leaving the transaction open with no one
+    to close it: the checkpoint held half of v2 for good, after the mount was back too."""
+    src = tmp_path / "src"
+    with rclone_mounts(src, tmp_path / "a", tmp_path / "b") as (a, b):
+        ckpt = tmp_path / "ckpt"
+        held = asyncio.Event()
+
+        async def hang(vdir: Path) -> None:  # the trainer stalls before v2's manifest
+            held.set()
+            await asyncio.Event().wait()
+
+        async with Publisher(a, bucket_bytes=SHARD, delta_shard_bytes=SHARD,
+                             keyframe_interval=0) as pub:  # fmt: skip
+            await pub.seed(_state(0))
+            await pub.publish(_state(1))
+            child = _receiver(b, ckpt)
+            publishing: asyncio.Task[object] | None = None
+            try:
+                await _until(lambda: _engine(ckpt).get("version") == 1, "the receiver at v1")
+                pub.pre_commit_hook = hang
+                publishing = asyncio.create_task(pub.publish(_state(2)))
+                await held.wait()
+                await _until(lambda: _engine(ckpt).get("status") == "applying", "v2 streamed")
+                kill_rclone(b)  # the receiver's mount dies under the stream
+                await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
+                assert _engine(ckpt)["version"] == 1
+                assert verify_checkpoint(ckpt, read_manifest(src, 1)) == []  # v1, bit for bit
+                assert child.poll() is None
+            finally:
+                child.send_signal(signal.SIGTERM)
+                _, err = child.communicate(timeout=120)
+                await _stop(publishing)
+        assert child.returncode == 0, err
+        assert "Transport endpoint is not connected" in err  # said, in one line
