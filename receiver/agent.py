@@ -288,6 +288,7 @@ class ReceiverAgent:
                 try:
                     await self.sync_once()
                     failing.clear()
+                    await self._early.drop_stale(self._bad)  # a stream no sync took
                 except (AsyncSyncError, OSError) as exc:
                     await self._early.drop_stale(self._bad)  # now, not after the backoff below
                     # a lost id is said by renew; a bad version's error by its own line

@@ -14,6 +14,7 @@ from collections.abc import Container
 from pathlib import Path
 
 from asyncsync.format import Manifest, ShardInfo
+from asyncsync.format.store import is_committed
 from receiver.engines.base import Engine
 from receiver.plan import Mode
 from receiver.prefetch import Prefetcher, being_written
@@ -62,18 +63,21 @@ class EarlyRead:
         self.task = asyncio.create_task(self.reader.run(), name=f"prefetch v{nxt} {self.engine_id}")
 
     async def drop_stale(self, bad: Container[int]) -> None:
-        """After a failed sync: roll back a streamed transaction whose manifest came (the
-        stream ended) but is bad (unreadable, refused), which no later sync will take."""
+        """After a sync: roll back a streamed transaction whose stream ended (its manifest
+        came, or seemed to) but that no later sync will take: the manifest is bad (unreadable,
+        refused) or gone (shown, then removed: a hostile or buggy writer, a mount's stale
+        cache). Left open, the engine stayed half patched with no deadline left to undo it."""
         s, task = self.reader, self.task
-        if (
-            isinstance(s, StreamApplier)
-            and s.txn_open
-            and task
-            and task.done()
-            and s.version in bad
-        ):
-            await s.abandon(task, "its manifest came but does not read or was refused")
-            self.reader = self.task = None
+        if not (isinstance(s, StreamApplier) and s.txn_open and task and task.done()):
+            return
+        if s.version in bad:
+            why = "its manifest came but does not read or was refused"
+        elif not await asyncio.to_thread(is_committed, self.root, s.version):
+            why = "its manifest was seen but is gone"
+        else:
+            return  # committed: the next sync takes it
+        await s.abandon(task, why)
+        self.reader = self.task = None
 
     async def take_stream(self, m: Manifest, mode: Mode) -> set[str] | None:
         """The shard files a streaming apply applied into the engine's transaction for ``m``,

@@ -21,6 +21,7 @@ from asyncsync.format.store import read_manifest
 from receiver.engines.checkpoint import verify_checkpoint
 from tests.conftest import mixed_state, mutate
 from tests.mounts import RCLONE_SETTLE, kill_rclone, rclone_mounts
+from tests.test_filesystems import bindfs_mount
 
 REPO = Path(__file__).resolve().parent.parent
 SHARD = 4096  # delta shard bytes: a version is several shards
@@ -95,3 +96,48 @@ async def test_a_stream_cut_by_a_dead_mount_is_rolled_back(tmp_path: Path) -> No
                 await _stop(publishing)
         assert child.returncode == 0, err
         assert "Transport endpoint is not connected" in err  # said, in one line
+
+
+async def test_a_manifest_that_shows_and_goes_again_rolls_the_stream_back(tmp_path: Path) -> None:
+    """A ``manifest.json`` shows in the streamed version's directory and goes again (a writer
+    that put a wrong one there and took it back; a mount's cache), the trainer stalled before
+    its commit. The stream ended at the sight of it; the sync found no committed v2 and took
+    nothing: the transaction stayed open for good, the checkpoint half v2, and nothing said
+    so (a trainer that died then left it so). It must be rolled back at once (the stream then
+    starts again: v2 is still being written)."""
+    with bindfs_mount(tmp_path / "src", tmp_path / "fuse") as root:
+        ckpt = tmp_path / "ckpt"
+        held = asyncio.Event()
+
+        async def hang(vdir: Path) -> None:
+            held.set()
+            await asyncio.Event().wait()
+
+        async with Publisher(root, bucket_bytes=SHARD, delta_shard_bytes=SHARD,
+                             keyframe_interval=0) as pub:  # fmt: skip
+            await pub.seed(_state(0))
+            await pub.publish(_state(1))
+            child = _receiver(root, ckpt, settle=0.5)
+            publishing: asyncio.Task[object] | None = None
+            try:
+                await _until(lambda: _engine(ckpt).get("version") == 1, "the receiver at v1")
+                pub.pre_commit_hook = hang
+                publishing = asyncio.create_task(pub.publish(_state(2)))
+                await held.wait()
+                await _until(lambda: _engine(ckpt).get("status") == "applying", "v2 streamed")
+                ghost = root / "v000000000002" / "manifest.json"
+                ghost.write_text("{")  # does not parse: the sync re-reads it for 1 s
+                await asyncio.sleep(0.5)  # the stream polls every 0.1 s at most: it saw it
+                ghost.unlink()
+                await asyncio.sleep(2)  # a sync or two: they find no v2 committed
+                await _stop(publishing)  # the trainer dies: v2 removed before its manifest
+                publishing = None
+                await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
+                assert _engine(ckpt)["version"] == 1
+                assert verify_checkpoint(ckpt, read_manifest(root, 1)) == []  # v1, bit for bit
+            finally:
+                child.send_signal(signal.SIGTERM)
+                _, err = child.communicate(timeout=120)
+                await _stop(publishing)
+        assert child.returncode == 0, err
+        assert "its manifest was seen but is gone" in err
