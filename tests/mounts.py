@@ -15,7 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -41,8 +41,10 @@ def why_no_fuse(tool: str) -> str | None:
 
 
 @contextlib.contextmanager
-def rclone_mounts(src: Path, *dsts: Path) -> Iterator[tuple[Path, ...]]:
-    """Mount ``src`` at each of ``dsts`` with rclone (a local remote, ``RCLONE_FLAGS``)."""
+def rclone_mounts(
+    src: Path, *dsts: Path, flags: Sequence[str] = RCLONE_FLAGS
+) -> Iterator[tuple[Path, ...]]:
+    """Mount ``src`` at each of ``dsts`` with rclone (a local remote, ``flags``)."""
     why = why_no_fuse("rclone") or why_no_fuse("fusermount3")  # mounts and unmounts with it
     if why:
         pytest.skip(why)
@@ -53,7 +55,7 @@ def rclone_mounts(src: Path, *dsts: Path) -> Iterator[tuple[Path, ...]]:
             dst.mkdir(parents=True, exist_ok=True)
             cache = src.parent / f".rclone-cache-{dst.name}-{i}"
             r = subprocess.run(
-                ["rclone", "mount", str(src), str(dst), *RCLONE_FLAGS, "--cache-dir", str(cache),
+                ["rclone", "mount", str(src), str(dst), *flags, "--cache-dir", str(cache),
                  "--daemon", "--log-level", "ERROR"],
                 capture_output=True, text=True, timeout=60, env={**os.environ, "RCLONE_CONFIG": ""},
             )  # fmt: skip

@@ -141,3 +141,35 @@ async def test_a_manifest_that_shows_and_goes_again_rolls_the_stream_back(tmp_pa
                 await _stop(publishing)
         assert child.returncode == 0, err
         assert "its manifest was seen but is gone" in err
+
+
+async def test_a_receiver_started_before_the_root_record_shows_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    """rclone makes a directory in its backend at once but uploads a file only after its
+    write-back delay: another mount shows the trainer's version directories before its
+    ``asyncsync.json`` and manifests. A receiver started then called the root "not an asyncsync
+    root" and exited (status 1): it must wait, as for a root its publisher has not opened."""
+    src = tmp_path / "src"
+    slow = ("--vfs-cache-mode", "writes", "--dir-cache-time", "1s", "--vfs-write-back", "10s")
+    with (
+        rclone_mounts(src, tmp_path / "a", flags=slow) as (a,),
+        rclone_mounts(src, tmp_path / "b") as (b,),
+    ):
+        ckpt = tmp_path / "ckpt"
+        async with Publisher(a, bucket_bytes=SHARD, keyframe_interval=0) as pub:
+            await pub.seed(_state(0))
+            await _until(lambda: (b / "v000000000000").is_dir(), "v0's directory through b")
+            assert not (b / "asyncsync.json").exists()  # the premise: its upload is pending
+            child = _receiver(b, ckpt)
+            try:
+                await _until(
+                    lambda: child.poll() is not None or _engine(ckpt).get("version") == 0,
+                    "the receiver at v0",
+                )
+                assert child.poll() is None
+                assert verify_checkpoint(ckpt, read_manifest(src, 0)) == []
+            finally:
+                child.send_signal(signal.SIGTERM)
+                _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err

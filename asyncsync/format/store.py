@@ -176,12 +176,31 @@ _BEFORE_FIRST_PUBLISH = frozenset({ACKS_DIR, LEASES_DIR, "lost+found"})
 
 def foreign_entries(root: Path) -> list[str]:
     """Entries of a directory that is not (yet) a root that no publisher writes: a non-empty
-    list means ``root`` is some other directory (another engine's checkpoint, a typo)."""
+    list means ``root`` is some other directory (another engine's checkpoint, a typo).
+
+    A version directory (``v`` + 12 digits, a real directory) is a publisher's: a mount that
+    uploads a file only after a delay but makes a directory at once (rclone's
+    ``--vfs-write-back``) shows another host the first versions' directories before their
+    manifests and before ``asyncsync.json``, a root being opened, not some other directory."""
     try:
         names = sorted(os.listdir(root))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return [n for n in names if not n.startswith(".") and n not in _BEFORE_FIRST_PUBLISH]
+    return [
+        n
+        for n in names
+        if not n.startswith(".") and n not in _BEFORE_FIRST_PUBLISH and not _version_dir(root, n)
+    ]
+
+
+def _version_dir(root: Path, name: str) -> bool:
+    if parse_version_dir(name) is None:
+        return False
+    try:
+        st = fsio.lstat(root / name, root=root)
+    except OSError:
+        return False
+    return st is not None and stat.S_ISDIR(st.st_mode)
 
 
 def not_a_root(root: Path) -> list[str] | None:
