@@ -68,6 +68,7 @@ from receiver.shard_reader import (
     verified,
 )
 from receiver.status import AgentStatus, Counters
+from receiver.stream import STREAM_TIMEOUT
 from receiver.watch import Repeats, first_of, wakeups
 
 __all__ = ["VERIFY_DEADLINE", "AgentStatus", "ReceiverAgent"]
@@ -131,7 +132,7 @@ class ReceiverAgent:
         apply_group_bytes: int | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         lease_settle: float | None = None,
-        stream_timeout: float = 120.0,
+        stream_timeout: float = STREAM_TIMEOUT,
     ) -> None:
         check_bytes("apply_group_bytes", apply_group_bytes, optional=True)
         check_bytes("prefetch_bytes", prefetch_bytes, minimum=0)

@@ -70,6 +70,7 @@ from receiver.engines.sglang import PAUSE_MODES, SGLang
 from receiver.engines.vllm import VLLM
 from receiver.server import StatusServer
 from receiver.shard_reader import APPLY_GROUP_BYTES
+from receiver.stream import STREAM_TIMEOUT
 
 __all__ = ["MAX_SECRET_BYTES", "build_parser", "check_paths", "main", "read_secret"]
 
@@ -143,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
         "does not parse) is re-read before the version is refused as bad: above the time the "
         "root's filesystem takes to show another host's write in full (default "
         f"{VERIFY_DEADLINE:g}; docs/FORMAT.md section 8)",
+    )
+    p.add_argument(
+        "--stream-timeout",
+        type=positive_float,
+        default=STREAM_TIMEOUT,
+        metavar="S",
+        help="seconds a version applied shard by shard before its manifest (docs/FORMAT.md "
+        "section 8.1) may go without a new shard or its manifest before it is rolled back: the "
+        "checkpoint holds part of it meanwhile, and a trainer that stalls or dies leaves it so "
+        f"that long (default {STREAM_TIMEOUT:g})",
     )
     p.add_argument(
         "--lease-settle",
@@ -315,6 +326,7 @@ def _make_agent(args: argparse.Namespace) -> ReceiverAgent:
         apply_group_bytes=args.apply_group_bytes,
         lease_settle=args.lease_settle,
         verify_deadline=args.verify_deadline,
+        stream_timeout=args.stream_timeout,
     )
 
 

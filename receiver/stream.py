@@ -51,9 +51,12 @@ from receiver.shard_reader import (
     group_pieces,
 )
 
-__all__ = ["AppliedShard", "StreamApplier", "early_reader"]
+__all__ = ["STREAM_TIMEOUT", "AppliedShard", "StreamApplier", "early_reader"]
 
 logger = logging.getLogger(__name__)
+
+#: seconds a streamed version may go without a new shard or its manifest before it is rolled back
+STREAM_TIMEOUT = 120.0
 
 
 class StreamAbandoned(FormatError):
@@ -92,7 +95,7 @@ class StreamApplier:
         *,
         on_manifest: asyncio.Event,
         group_bytes: int,
-        idle_timeout: float = 120.0,
+        idle_timeout: float = STREAM_TIMEOUT,
         verify_deadline: float = VERIFY_DEADLINE,
         interval: float = 0.005,
     ) -> None:

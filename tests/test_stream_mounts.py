@@ -52,10 +52,12 @@ async def _stop(task: asyncio.Task[object] | None) -> None:
             await task
 
 
-def _receiver(root: Path, ckpt: Path, settle: float = RCLONE_SETTLE) -> subprocess.Popen[str]:
+def _receiver(
+    root: Path, ckpt: Path, *extra: str, settle: float = RCLONE_SETTLE
+) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "e1",
             "--checkpoint", str(ckpt), "--poll-interval", "0.2", "--force-polling",
-            "--lease-settle", str(settle), "--verify-deadline", "1"]  # fmt: skip
+            "--lease-settle", str(settle), "--verify-deadline", "1", *extra]  # fmt: skip
     return subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
 
 
@@ -173,3 +175,63 @@ async def test_a_receiver_started_before_the_root_record_shows_waits_for_it(
                 child.send_signal(signal.SIGTERM)
                 _, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
+
+
+_TRAINER = """
+import asyncio, sys
+from asyncsync import Publisher
+from tests.test_stream_mounts import SHARD, _state
+
+async def held(vdir):  # v2's shards are written: wait for the test before the manifest
+    print("held", flush=True)
+    sys.stdin.readline()
+
+async def main():
+    async with Publisher(sys.argv[1], bucket_bytes=SHARD, delta_shard_bytes=SHARD,
+                         keyframe_interval=0) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        pub.pre_commit_hook = held
+        await pub.publish(_state(2))
+    print("committed", flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_trainer_stopped_past_the_stream_timeout_is_rolled_back_then_applied(
+    tmp_path: Path,
+) -> None:
+    """The trainer is SIGSTOPped after v2's shards, before its manifest, for longer than the
+    receiver's ``--stream-timeout``: the receiver rolls the checkpoint back to v1 (bit for bit)
+    meanwhile, and applies v2 once the trainer, resumed, commits it. (The option was not on
+    the command line: a receiver process waited 120 s with the checkpoint half v2.)"""
+    src = tmp_path / "src"
+    with rclone_mounts(src, tmp_path / "a", tmp_path / "b") as (a, b):
+        ckpt = tmp_path / "ckpt"
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", _TRAINER, str(a)], cwd=REPO, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        assert trainer.stdin is not None and trainer.stdout is not None
+        child = _receiver(b, ckpt, "--stream-timeout", "3")
+        try:
+            assert trainer.stdout.readline().strip() == "held"
+            await _until(lambda: _engine(ckpt).get("target_version") == 2, "v2 streamed")
+            trainer.send_signal(signal.SIGSTOP)
+            await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
+            assert _engine(ckpt)["version"] == 1
+            assert verify_checkpoint(ckpt, read_manifest(src, 1)) == []  # v1, bit for bit
+            trainer.send_signal(signal.SIGCONT)
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            assert trainer.stdout.readline().strip() == "committed"
+            await _until(lambda: _engine(ckpt).get("version") == 2, "the receiver at v2")
+            assert verify_checkpoint(ckpt, read_manifest(src, 2)) == []
+        finally:
+            trainer.send_signal(signal.SIGCONT)
+            trainer.communicate("go\n", timeout=120)
+            child.send_signal(signal.SIGTERM)
+            _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        assert "no shard nor manifest of v2 for 3s" in err
