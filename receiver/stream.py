@@ -118,6 +118,7 @@ class StreamApplier:
         self._applying = False  # a shard is being applied (progress: no idle timeout)
         self._progressed = 0.0  # when the last shard's apply ended (monotonic)
         self._base_entries = base.tensor_map()
+        self._limit = shard_limit(base)
 
     # ------------------------------------------------------------------ the agent's side
     async def finish(self, task: asyncio.Task[None] | None) -> None:
@@ -306,7 +307,7 @@ class StreamApplier:
         deadline = time.monotonic() + self.verify_deadline
         delay = 0.02
         while True:
-            read = partial(read_bytes, path, limit=MAX_SHARD_BYTES, root=self.root)
+            read = partial(read_bytes, path, limit=self._limit, root=self.root)
             data = await asyncio.to_thread(read)  # nothing below the root is followed
             hdr, ok = await asyncio.to_thread(_check_data, data, str(path))
             if hdr is not None and ok:
@@ -424,6 +425,16 @@ async def early_reader(
         idle_timeout=idle_timeout,
         verify_deadline=verify_deadline,
     )
+
+
+def shard_limit(base: Manifest) -> int:
+    """The most bytes a delta shard of the version after ``base`` can hold: every tensor of
+    ``base`` in it, each with its widest positions (8 bytes an element) and values (a zstd
+    frame of every element, with its overhead), and their header entries. No manifest names
+    the shard's size yet: without this a file put there (a sparse 1 TiB one) was read whole
+    into memory, checked from ``fstat`` against 1 TiB only."""
+    tensors = sum(8 * e.numel + 2 * e.nbytes + 4096 for e in base.tensors)
+    return min(MAX_SHARD_BYTES, tensors + 8192 * len(base.tensors) + (1 << 20))
 
 
 def _seen(path: Path, root: Path) -> bool:

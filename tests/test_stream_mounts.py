@@ -235,3 +235,52 @@ async def test_a_trainer_stopped_past_the_stream_timeout_is_rolled_back_then_app
             _, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
         assert "no shard nor manifest of v2 for 3s" in err
+
+
+def _peak_rss(pid: int) -> int:
+    """The highest resident memory of process ``pid`` so far (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+async def test_a_huge_file_in_the_next_shards_place_is_not_read_into_memory(
+    tmp_path: Path,
+) -> None:
+    """A writer puts a 2 GiB sparse file where the next shard of the streamed version goes: no
+    manifest names its size yet, and the stream read it whole (a limit of 1 TiB), again at
+    each re-read, in a receiver of a model of under 2 MiB. It is refused from its size."""
+    with bindfs_mount(tmp_path / "src", tmp_path / "fuse") as root:
+        ckpt = tmp_path / "ckpt"
+        held = asyncio.Event()
+
+        async def hang(vdir: Path) -> None:
+            held.set()
+            await asyncio.Event().wait()
+
+        async with Publisher(root, bucket_bytes=SHARD, delta_shard_bytes=SHARD,
+                             keyframe_interval=0) as pub:  # fmt: skip
+            await pub.seed(_state(0))
+            await pub.publish(_state(1))
+            child = _receiver(root, ckpt, settle=0.5)
+            publishing: asyncio.Task[object] | None = None
+            try:
+                await _until(lambda: _engine(ckpt).get("version") == 1, "the receiver at v1")
+                pub.pre_commit_hook = hang
+                publishing = asyncio.create_task(pub.publish(_state(2)))
+                await held.wait()
+                vdir = root / "v000000000002"
+                n = len(list(vdir.glob("delta-*.safetensors")))
+                await _until(lambda: _engine(ckpt).get("status") == "applying", "v2 streamed")
+                with open(vdir / f"delta-{n:05d}.safetensors", "wb") as f:
+                    f.truncate(2 << 30)  # sparse: no disk, 2 GiB to whoever reads it
+                await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
+                assert verify_checkpoint(ckpt, read_manifest(root, 1)) == []
+                assert _peak_rss(child.pid) < 1 << 30
+            finally:
+                child.send_signal(signal.SIGTERM)
+                _, err = child.communicate(timeout=120)
+                await _stop(publishing)
+        assert child.returncode == 0, err
+        assert f"delta-{n:05d}.safetensors is larger than" in err  # one line names it
