@@ -49,6 +49,7 @@ __all__ = [
     "DEFAULT_THRESHOLD",
     "MIN_BYTES",
     "ScratchPool",
+    "env_mib",
     "freeze_startup_objects",
     "host_chunks",
     "host_copies",
@@ -191,20 +192,25 @@ def _plain(n: int) -> NDArray[np.uint8]:
     return np.empty(n, np.uint8)
 
 
-def _pinned_limit() -> int:
-    """``ASYNCSYNC_PINNED_MB`` in bytes, or :data:`PINNED_LIMIT` when it is not set."""
-    raw = os.environ.get("ASYNCSYNC_PINNED_MB", "").strip()
+def env_mib(name: str, most: int = MAX_PINNED_MB) -> int | None:
+    """The environment variable ``name``, a number of MiB in [0, ``most``], in bytes; None when
+    it is not set; a :class:`ConfigError` naming it when it is not such a number."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return PINNED_LIMIT
+        return None
     try:
         mib = float(raw)
     except ValueError:
         mib = math.nan
-    if not math.isfinite(mib) or not 0 <= mib <= MAX_PINNED_MB:
-        raise ConfigError(
-            f"ASYNCSYNC_PINNED_MB must be a number of MiB in [0, {MAX_PINNED_MB}], got {raw!r}"
-        )
+    if not math.isfinite(mib) or not 0 <= mib <= most:
+        raise ConfigError(f"{name} must be a number of MiB in [0, {most}], got {raw!r}")
     return int(mib * (1 << 20))
+
+
+def _pinned_limit() -> int:
+    """``ASYNCSYNC_PINNED_MB`` in bytes, or :data:`PINNED_LIMIT` when it is not set."""
+    limit = env_mib("ASYNCSYNC_PINNED_MB")
+    return PINNED_LIMIT if limit is None else limit
 
 
 def _pinned_alloc(n: int) -> NDArray[np.uint8]:

@@ -17,13 +17,12 @@ import asyncio
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from asyncsync import codec, memory
 from asyncsync.format.checksum import checksum_bytes, tensor_bytes
-from asyncsync.ops.bench.device import _Params
+from asyncsync.ops.bench.device import _Params, _sync, _timed
 from asyncsync.ops.bench.profile import (
     PUBLISH_STAGES,
     StackSampler,
@@ -55,23 +54,6 @@ APPLY: tuple[tuple[int, str, str], ...] = (
     (4, "tensor bytes (device-to-host)", "asyncsync.format.checksum:tensor_bytes"),
     (1, "ack", "receiver.agent:ReceiverAgent._ack"),
 )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _best(device: torch.device, fn: Any, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 async def _round_trip(sd: dict[str, torch.Tensor], device: torch.device, versions: int) -> None:
@@ -127,7 +109,7 @@ def _primitives(sd: dict[str, torch.Tensor], device: torch.device) -> None:
 
     row(
         "`t.cpu()` each tensor (fresh pageable memory)",
-        _best(device, lambda: [t.cpu() for t in ts]),
+        _timed(device, lambda: [t.cpu() for t in ts]),
     )
     pinned = [torch.empty_like(t, device="cpu", pin_memory=device.type == "cuda") for t in ts]
 
@@ -135,19 +117,19 @@ def _primitives(sd: dict[str, torch.Tensor], device: torch.device) -> None:
         for b, t in zip(pinned, ts, strict=True):
             b.copy_(t, non_blocking=True)
 
-    row("copy into reused pinned buffers (non_blocking, one sync)", _best(device, to_pinned))
+    row("copy into reused pinned buffers (non_blocking, one sync)", _timed(device, to_pinned))
     row(
         "`tensor_bytes` each tensor (the checksum's copy)",
-        _best(device, lambda: [tensor_bytes(t) for t in ts]),
+        _timed(device, lambda: [tensor_bytes(t) for t in ts]),
     )
     host = [b.view(torch.uint8).reshape(-1).numpy() for b in pinned]
     row(
         "XXH3 each tensor, one thread",
-        _best(device, lambda: [checksum_bytes(h.data) for h in host]),
+        _timed(device, lambda: [checksum_bytes(h.data) for h in host]),
     )
     row(
         f"XXH3 each tensor, pool of {threads()}",
-        _best(device, lambda: parallel_map(lambda h: checksum_bytes(h.data), host)),
+        _timed(device, lambda: parallel_map(lambda h: checksum_bytes(h.data), host)),
     )
     # the receiver's per-tensor patch: positions and values from the host, old values saved
     g = torch.Generator().manual_seed(3)
@@ -166,7 +148,7 @@ def _primitives(sd: dict[str, torch.Tensor], device: torch.device) -> None:
 
     row(
         f"`apply_patch` on device, {len(ts)} tensors at 3 % (host positions/values)",
-        _best(device, patch_all),
+        _timed(device, patch_all),
     )
     print(f"\n## primitives ({len(ts)} tensors, {gb:.2f} GB, median of 3)\n")
     print("| what | time | model GB/s |\n|---|---:|---:|")

@@ -19,14 +19,11 @@ before. What it keeps stays resident while the process lives.
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Any
 
 from numpy.typing import DTypeLike, NDArray
 
-from asyncsync.errors import ConfigError
-from asyncsync.memory import MIN_BYTES, ScratchPool
+from asyncsync.memory import MIN_BYTES, ScratchPool, env_mib
 
 __all__ = ["MIN_BYTES", "ScratchPool", "empty", "fit", "pool"]
 
@@ -41,18 +38,7 @@ MAX_MB = 1 << 20
 
 def _env_limit() -> int | None:
     """``ASYNCSYNC_SCRATCH_MB`` in bytes (0 turns the pool off), None when it is not set."""
-    raw = os.environ.get("ASYNCSYNC_SCRATCH_MB", "").strip()
-    if not raw:
-        return None
-    try:
-        mib = float(raw)
-    except ValueError:
-        mib = math.nan
-    if not math.isfinite(mib) or not 0 <= mib <= MAX_MB:
-        raise ConfigError(
-            f"ASYNCSYNC_SCRATCH_MB must be a number of MiB in [0, {MAX_MB}], got {raw!r}"
-        )
-    return int(mib * (1 << 20))
+    return env_mib("ASYNCSYNC_SCRATCH_MB", MAX_MB)
 
 
 def fit(model_bytes: int) -> None:

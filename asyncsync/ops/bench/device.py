@@ -42,7 +42,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(device: torch.device, fn: Any, repeats: int) -> float:
+def _timed(device: torch.device, fn: Any, repeats: int = 3) -> float:
     """The median seconds of ``fn()`` on ``device`` (synchronised), after one warm-up call."""
     fn()
     times = []
