@@ -32,6 +32,26 @@ from tests.test_engines import (
 )
 
 
+def _enospc(*_args: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+async def _v1_whose_flush_failed(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[LocalCheckpoint, dict[str, Any], dict[str, Any]]:
+    """A checkpoint at v1 over the seed whose flush of v1 failed (ENOSPC): (it, sd0, sd1)."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    with monkeypatch.context() as m:
+        m.setattr(FileMaps, "sync", _enospc)
+        await ck.acknowledged()
+        await ck.flushed()
+    return ck, sd0, sd1
+
+
 def _state(path: Path) -> dict[str, Any]:
     st: dict[str, Any] = json.loads((path / ".asyncsync" / "state.json").read_text())
     return st
@@ -54,10 +74,7 @@ async def test_the_engine_goes_on_once_a_failed_flush_can_be_done_again(
     await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
     working = FileMaps.sync
 
-    def enospc(self: FileMaps) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(FileMaps, "sync", enospc)
+    monkeypatch.setattr(FileMaps, "sync", _enospc)
     await ck.acknowledged()
     await ck.flushed()  # v1's flush failed: logged, the engine broken
     assert _state(tmp_path)["synced"] is False
@@ -65,7 +82,7 @@ async def test_the_engine_goes_on_once_a_failed_flush_can_be_done_again(
     m2 = build_manifest(sd2, 2, base=sd1)
     if how == "in_place":
         monkeypatch.setattr(
-            "receiver.engines.checkpoint.files.CheckpointFiles.rewrite_data_files", enospc
+            "receiver.engines.checkpoint.files.CheckpointFiles.rewrite_data_files", _enospc
         )
         with pytest.raises(ApplyFailed):  # still full: refused, v1 kept
             await ck.begin(m2, "delta")
@@ -294,10 +311,7 @@ async def test_a_version_the_recovery_wipes_is_no_longer_acked_and_the_sync_goes
         async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
             working = FileMaps.sync
 
-            def enospc(self: FileMaps) -> None:
-                raise OSError(errno.ENOSPC, "No space left on device")
-
-            monkeypatch.setattr(FileMaps, "sync", enospc)
+            monkeypatch.setattr(FileMaps, "sync", _enospc)
             assert await agent.sync_once() == 1
             await ck.flushed()  # failed, after the ack
             assert ck._broken is not None and read_acks(root)["e"].version == 1
@@ -334,19 +348,7 @@ async def test_a_wipe_removes_the_failed_flush_note(
     from receiver.engines.checkpoint.flusher import FAILED_NAME
 
     note = tmp_path / ".asyncsync" / FAILED_NAME
-    sd0 = mixed_state(0)
-    ck = await init_checkpoint(tmp_path, sd0)
-    sd1 = mutate(sd0, 0.05, seed=1)
-    m1 = build_manifest(sd1, 1, base=sd0)
-    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
-
-    def enospc(self: FileMaps) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    with monkeypatch.context() as m:
-        m.setattr(FileMaps, "sync", enospc)
-        await ck.acknowledged()
-        await ck.flushed()
+    ck, _, sd1 = await _v1_whose_flush_failed(tmp_path, monkeypatch)
     assert note.exists()
     _damage(ck)
     if how == "in_place":
@@ -406,19 +408,7 @@ async def test_an_unsynced_version_whose_header_was_lost_is_wiped(
     fail ("the checkpoint is damaged, remove it"): the receiver stayed down with its ack on v1,
     and an engine still running refused every begin while it reported v1. A version that is
     not known durable and whose layout no longer reads is wiped like one whose bytes differ."""
-    sd0 = mixed_state(0)
-    ck = await init_checkpoint(tmp_path, sd0)
-    sd1 = mutate(sd0, 0.05, seed=1)
-    m1 = build_manifest(sd1, 1, base=sd0)
-    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
-
-    def enospc(self: FileMaps) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    with monkeypatch.context() as m:
-        m.setattr(FileMaps, "sync", enospc)
-        await ck.acknowledged()
-        await ck.flushed()
+    ck, _, sd1 = await _v1_whose_flush_failed(tmp_path, monkeypatch)
     for f in ck.files.data_files():
         with open(f, "r+b") as fh:
             fh.write(bytes(4096))
@@ -452,12 +442,8 @@ async def test_a_failed_flush_is_recovered_when_nothing_newer_comes(
         await pub.publish(sd1)
     ck = LocalCheckpoint(ckpt)
     async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
-
-        def enospc(self: FileMaps) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
         with monkeypatch.context() as m:
-            m.setattr(FileMaps, "sync", enospc)
+            m.setattr(FileMaps, "sync", _enospc)
             assert await agent.sync_once() == 1
             await ck.flushed()
         _damage(ck)
@@ -498,17 +484,13 @@ async def test_a_wipe_whose_state_the_disk_refuses_claims_no_version(
         await pub.publish(sd1)
     ck = LocalCheckpoint(ckpt)
     async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
-
-        def enospc(*_args: object) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
         with monkeypatch.context() as m:
-            m.setattr(FileMaps, "sync", enospc)
+            m.setattr(FileMaps, "sync", _enospc)
             assert await agent.sync_once() == 1
             await ck.flushed()
         _damage(ck)
         with monkeypatch.context() as m:
-            m.setattr(StateStore, "save", enospc)
+            m.setattr(StateStore, "save", _enospc)
             with pytest.raises(ApplyFailed, match="No space left"):
                 await agent.sync_once()
             assert not ck.files.data_files()
