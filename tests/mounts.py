@@ -1,5 +1,6 @@
-"""Real mounts for tests: two ``rclone mount`` views of one directory; a small tmpfs; a small
-btrfs on a loop device; and a way to fill a filesystem.
+"""Real mounts for tests: two ``rclone mount`` views of one directory; a bindfs view (FUSE:
+inotify is blind to writes through the other path); a small tmpfs; a small btrfs on a loop
+device; and a way to fill a filesystem.
 
 rclone, like gcsfuse and s3fs, has no ``link()`` and no create or rename that excludes across
 mounts. The mounts need root, ``/dev/fuse``, rclone and fuse3 (``.ci/run`` installs them); the
@@ -89,6 +90,23 @@ def kill_rclone(dst: Path) -> None:
             os.kill(int(pid), signal.SIGKILL)
             return
     raise AssertionError(f"no rclone mount serves {dst}")
+
+
+@contextlib.contextmanager
+def bindfs_mount(src: Path, dst: Path) -> Iterator[Path]:
+    """``dst`` shows ``src`` through FUSE: writes to ``src`` raise no inotify event in ``dst``."""
+    why = why_no_fuse("bindfs")
+    if why:
+        pytest.skip(why)
+    src.mkdir(parents=True, exist_ok=True)
+    dst.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["bindfs", str(src), str(dst)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"bindfs mount failed: {r.stderr.strip()}")
+    try:
+        yield dst
+    finally:
+        subprocess.run(["umount", "-l", str(dst)], check=False)
 
 
 @contextlib.contextmanager

@@ -7,12 +7,8 @@ The FUSE and full-disk tests mount real filesystems (bindfs, a tiny tmpfs); they
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import os
-import shutil
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,32 +20,8 @@ from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.watch import wakeups
 from tests.conftest import mixed_state, mutate, same_bytes
+from tests.mounts import bindfs_mount
 from tests.mounts import tmpfs as tiny_tmpfs
-
-
-def _can_mount() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to mount"
-    return None
-
-
-@contextlib.contextmanager
-def bindfs_mount(src: Path, dst: Path) -> Iterator[Path]:
-    """``dst`` shows ``src`` through FUSE: writes to ``src`` raise no inotify event in ``dst``."""
-    why = _can_mount() or (None if shutil.which("bindfs") else "bindfs is not installed")
-    if why is None and not os.path.exists("/dev/fuse"):
-        why = "no /dev/fuse"
-    if why:
-        pytest.skip(why)
-    src.mkdir(parents=True, exist_ok=True)
-    dst.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["bindfs", str(src), str(dst)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"bindfs mount failed: {r.stderr.strip()}")
-    try:
-        yield dst
-    finally:
-        subprocess.run(["umount", "-l", str(dst)], check=False)
 
 
 async def test_inotify_is_blind_on_fuse_but_polling_finds_every_version(tmp_path: Path) -> None:

@@ -20,8 +20,7 @@ from asyncsync import Publisher
 from asyncsync.format.store import read_manifest
 from receiver.engines.checkpoint import verify_checkpoint
 from tests.conftest import mixed_state, mutate
-from tests.mounts import RCLONE_SETTLE, kill_rclone, rclone_mounts
-from tests.test_filesystems import bindfs_mount
+from tests.mounts import RCLONE_SETTLE, bindfs_mount, kill_rclone, rclone_mounts
 
 REPO = Path(__file__).resolve().parent.parent
 SHARD = 4096  # delta shard bytes: a version is several shards
