@@ -38,7 +38,7 @@ from asyncsync.errors import AsyncSyncError, FormatError
 from asyncsync.format import MANIFEST_NAME, DeltaRef, Manifest, TensorEntry, version_dir
 from asyncsync.format.checksum import checksum_bytes, new_hasher
 from asyncsync.format.names import MAX_SHARD_BYTES
-from asyncsync.format.store import read_manifest
+from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import read_bytes
 from asyncsync.pipeline import threads
 from receiver.engines.base import Engine
@@ -112,6 +112,7 @@ class StreamApplier:
         self.applied: list[AppliedShard] = []
         self.txn_open = False  # the engine holds a transaction for self.version
         self.failed: str | None = None
+        self.gone = False  # it failed because the version directory was gone
         self._provisional: Manifest | None = None
         self._names: set[str] = set()
         self._stop = asyncio.Event()
@@ -256,7 +257,8 @@ class StreamApplier:
                 if self.txn_open and not await asyncio.to_thread(
                     being_written, self.root, self.version
                 ):
-                    raise StreamAbandoned(f"{self.dir} was removed before its manifest")
+                    self.gone = True
+                    raise StreamAbandoned(await asyncio.to_thread(self._gone_why))
                 idle = time.monotonic() - max(last, self._progressed)
                 if self.txn_open and not self._applying and idle > self.idle_timeout:
                     raise StreamAbandoned(
@@ -282,6 +284,21 @@ class StreamApplier:
             k += 1
             last = time.monotonic()
             delay = self.interval
+
+    def _gone_why(self) -> str:
+        """Why the version directory went before its manifest was seen: a later version is
+        committed (then this one was too, and retention removed it: the receiver is behind),
+        or none is (the publisher abandoned it: a failed or killed publish removes it)."""
+        try:
+            later = [v for v in list_versions(self.root) if v > self.version]
+        except OSError:
+            later = []
+        if later:
+            return (
+                f"v{self.version} was committed and retention removed it before this receiver "
+                f"saw its manifest (v{later[-1]} is committed: the receiver is behind)"
+            )
+        return f"{self.dir} is gone and no manifest of it was seen: the publish was abandoned"
 
     async def abandon(self, task: asyncio.Task[None] | None, why: str) -> None:
         """Stop, and roll back the transaction if one is open (its manifest came but did not

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from asyncsync import Publisher
 from asyncsync.codec.shards import StreamEntry, stream_header
 from asyncsync.errors import FormatError
 from asyncsync.format import version_dir
-from asyncsync.format.acks import read_ack
+from asyncsync.format.acks import ack_path, read_ack
 from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -151,7 +152,9 @@ async def test_the_next_shard_is_read_while_the_engine_applies_this_one(
     await _with_agent(tmp_path, body)
 
 
-async def test_a_version_whose_manifest_never_comes_is_rolled_back(tmp_path: Path) -> None:
+async def test_a_version_whose_manifest_never_comes_is_rolled_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sd1, sd2 = _state(1), _state(2)
 
     async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
@@ -171,6 +174,7 @@ async def test_a_version_whose_manifest_never_comes_is_rolled_back(tmp_path: Pat
         await eventually(lambda: (s := _streamer(agent)) is not None and not s.txn_open, "abort")
         assert engine.state.version == 1 and _holds(engine, sd1)
         assert read_ack(pub.root, "e1").version == 1  # type: ignore[union-attr]
+        assert "is gone and no manifest of it was seen: the publish was abandoned" in caplog.text
         pub.pre_commit_hook = None
         await pub.publish(sd2)  # the retry (another attempt) goes through
         await eventually(lambda: agent.version == 2, "the agent at v2")
@@ -527,3 +531,59 @@ def test_the_stream_waits_as_long_as_the_agent_for_a_shard_to_verify() -> None:
 
     defaults = StreamApplier.__init__.__kwdefaults__
     assert defaults is not None and defaults["verify_deadline"] is VERIFY_DEADLINE
+
+
+async def test_a_streamed_version_retention_removed_is_not_called_abandoned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver behind: v2's shards were streamed, then v2 committed, v3 committed and
+    retention removed v2 before the stream looked again. The stream rolls back (the agent
+    applies what is committed); its log line said "v2 ... was removed before its manifest",
+    untrue: it was committed. Found by attack-50 (the line named only the abandoned case)."""
+    from asyncsync.publish.retention import RetentionPolicy
+
+    root = tmp_path / "root"
+    engine = LocalCheckpoint(tmp_path / "ck")
+    async with Publisher(
+        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        async with ReceiverAgent(root, engine, "e1", use_inotify=False) as agent:
+            assert await agent.sync_once() == 1  # (no run(): nothing takes the stream over)
+        ack = ack_path(root, "e1")
+        os.utime(ack, (ack.stat().st_atime, ack.stat().st_mtime - 7200))  # acked 2 h ago
+        await engine.open()
+        applying, gate = asyncio.Event(), asyncio.Event()
+        real_apply = engine.apply
+
+        async def held_apply(updates: Any) -> None:  # the stream's first apply waits for the
+            if not applying.is_set():  # test; meanwhile its reader, one shard ahead, waits too
+                applying.set()
+                await gate.wait()
+            await real_apply(updates)
+
+        monkeypatch.setattr(engine, "apply", held_apply)
+        stream = StreamApplier(
+            root, engine, read_manifest(root, 1), on_manifest=asyncio.Event(), group_bytes=1 << 20
+        )
+
+        async def hook(vdir: Path) -> None:
+            assert len(_delta_files(vdir)) > 1  # shard 1 is read ahead while shard 0 applies
+            await eventually(lambda: applying.is_set() and len(stream._names) > 0, "shard 0")
+
+        task = asyncio.create_task(stream.run())
+        pub.pre_commit_hook = hook
+        await pub.publish(_state(2))  # committed while the stream is held
+        pub.pre_commit_hook = None
+        pub.retention = RetentionPolicy(keep_versions=1, ack_ttl=3600)
+        await pub.publish(_state(3), keyframe=True)  # and removed by retention
+        assert not version_dir(root, 2).exists()
+        with caplog.at_level("WARNING", logger="receiver.stream"):
+            gate.set()
+            await task
+        await engine.close()
+    assert stream.failed and not stream.txn_open and engine.state.version == 1
+    assert _holds(engine, _state(1))
+    line = next(r.getMessage() for r in caplog.records if "stopped" in r.getMessage())
+    assert "v2 was committed" in line and "retention" in line and "abandoned" not in line, line
