@@ -49,7 +49,7 @@ class EarlyRead:
             return
         nxt = cur + 1
         if self.reader is not None:
-            if self.reader.version == nxt:
+            if self.reader.version == nxt and not await self._again():
                 return
             if self.task is not None:
                 self.task.cancel()
@@ -61,6 +61,15 @@ class EarlyRead:
             group_bytes=group_bytes, idle_timeout=idle_timeout, verify_deadline=verify_deadline,
         )  # fmt: skip
         self.task = asyncio.create_task(self.reader.run(), name=f"prefetch v{nxt} {self.engine_id}")
+
+    async def _again(self) -> bool:
+        """Whether the stream of the next version failed (rolled back) and that version is
+        being written anew: stream it again (:meth:`StreamApplier.shows_again`). Before, it
+        was applied only after its manifest once a stream of it had failed."""
+        s, task = self.reader, self.task
+        if not (isinstance(s, StreamApplier) and s.failed and task and task.done()):
+            return False
+        return not s.txn_open and await asyncio.to_thread(s.shows_again)
 
     async def drop_stale(self, bad: Container[int]) -> None:
         """After a sync: roll back a streamed transaction whose stream ended (its manifest

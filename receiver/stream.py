@@ -18,8 +18,10 @@ engine's ``confirm`` (the manifest replaces the provisional one the transaction 
 the shards not applied yet are then applied the ordinary way. A shard of another attempt, of
 another base, damaged, the version directory removed, or no progress for ``idle_timeout``: the
 applier aborts the transaction (the engine rolls back) and the version is applied the ordinary
-way once its manifest exists. Only engines that say ``streams`` (``LocalCheckpoint``) are fed
-early; for the others the agent only prefetches the bytes (:mod:`receiver.prefetch`).
+way once its manifest exists, or streamed again if it is written anew before that (the
+directory shows again, or another shard 0 is there: :meth:`StreamApplier.shows_again`).
+Only engines that say ``streams`` (``LocalCheckpoint``) are fed early; for the others the
+agent only prefetches the bytes (:mod:`receiver.prefetch`).
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class StreamApplier:
         self.txn_open = False  # the engine holds a transaction for self.version
         self.failed: str | None = None
         self.gone = False  # it failed because the version directory was gone
+        self.first: tuple[int, int] | None = None  # (inode, mtime) of the shard 0 it read
         self._provisional: Manifest | None = None
         self._names: set[str] = set()
         self._stop = asyncio.Event()
@@ -269,6 +272,8 @@ class StreamApplier:
                     await asyncio.wait_for(self._stop.wait(), delay)
                 delay = min(delay * 1.25, 0.1)  # an abandoned write must not spin the CPU
                 continue
+            if k == 0:  # before the read: a file replaced meanwhile only restarts a failed one
+                self.first = await asyncio.to_thread(_identity, path, self.root)
             got = await self._read(path, first=k == 0)
             if got is None:  # shard 0 is not self-describing: the agent applies the version
                 return  # after its commit
@@ -299,6 +304,18 @@ class StreamApplier:
                 f"saw its manifest (v{later[-1]} is committed: the receiver is behind)"
             )
         return f"{self.dir} is gone and no manifest of it was seen: the publish was abandoned"
+
+    def shows_again(self) -> bool:
+        """After this stream failed: whether its version is being written anew, so a new stream
+        of it may start: the directory shows again after it was seen gone, or holds another
+        shard 0 than the one read (another attempt). Never on the same files: a stream that
+        failed on them would fail again, rolling the engine back each time."""
+        if not being_written(self.root, self.version):
+            return False
+        if self.gone:
+            return True
+        now = _identity(self.dir / "delta-00000.safetensors", self.root)
+        return self.first is not None and now is not None and now != self.first
 
     async def abandon(self, task: asyncio.Task[None] | None, why: str) -> None:
         """Stop, and roll back the transaction if one is open (its manifest came but did not
@@ -463,6 +480,15 @@ def _seen(path: Path, root: Path) -> bool:
         return fsio.lstat(path, root=root) is not None
     except OSError as exc:
         raise StreamAbandoned(f"{path} cannot be looked at: {exc}") from exc
+
+
+def _identity(path: Path, root: Path) -> tuple[int, int] | None:
+    """(inode, mtime in ns) of the file at ``path`` (never followed), None when none is."""
+    try:
+        st = fsio.lstat(path, root=root)
+    except OSError:
+        return None
+    return None if st is None else (st.st_ino, st.st_mtime_ns)
 
 
 def _check_data(data: bytes, where: str) -> tuple[StreamHeader | None, bool]:

@@ -587,3 +587,113 @@ async def test_a_streamed_version_retention_removed_is_not_called_abandoned(
     assert _holds(engine, _state(1))
     line = next(r.getMessage() for r in caplog.records if "stopped" in r.getMessage())
     assert "v2 was committed" in line and "retention" in line and "abandoned" not in line, line
+
+
+async def test_a_version_abandoned_then_written_again_is_streamed_again(tmp_path: Path) -> None:
+    """v2's stream is rolled back when the trainer's failed publish removes v2; the retry
+    writes v2 again (another attempt). Its shards are applied before its manifest again (the
+    stream of v2 was never started again: v2 was applied only after its manifest), and still
+    nothing is served or acked before the manifest."""
+    sd1, sd2 = _state(1), _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        async def die(vdir: Path) -> None:
+            n = len(_delta_files(vdir))
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) == n,
+                "every shard applied",
+            )
+            raise RuntimeError("the trainer dies before the commit (injected)")
+
+        pub.pre_commit_hook = die
+        with pytest.raises(Exception, match="injected"):
+            await pub.publish(sd2)
+        first = _streamer(agent)
+        assert first is not None
+        await eventually(lambda: bool(first.failed) and not first.txn_open, "the rollback")
+        assert _holds(engine, sd1)
+        seen: dict[str, Any] = {}
+
+        def again() -> bool:
+            s = _streamer(agent)
+            return s is not None and s is not first and s.txn_open and len(s.applied) == seen["n"]
+
+        async def hook(vdir: Path) -> None:
+            seen["n"] = len(_delta_files(vdir))
+            await eventually(again, "the retry's shards applied before its manifest")
+            seen["held"], seen["ack"] = engine.state.version, read_ack(pub.root, "e1")
+
+        pub.pre_commit_hook = hook
+        await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2)
+        assert seen["held"] == 1 and seen["ack"].version == 1  # not served nor acked before
+        assert agent.status().streamed_shards == seen["n"] > 1
+
+    await _with_agent(tmp_path, body)
+
+
+async def test_a_stream_stopped_by_another_attempt_streams_that_attempt(tmp_path: Path) -> None:
+    """v2's stream applied shard 0 of attempt A; shard 1 of attempt B lands (another trainer's
+    try): the stream rolls back. Then B's shard 0 is in place (another file than the one read):
+    the stream starts again and applies B's shards before any manifest. The same files never
+    start it again (a stream that failed on them would fail again, rolling back each time)."""
+    import shutil
+
+    root = tmp_path / "root"
+    vdir = version_dir(root, 2)
+
+    def dies(aside: Path) -> Callable[[Path], Awaitable[None]]:
+        async def die(vdir: Path) -> None:  # the shards are durable: keep them, then die
+            shutil.copytree(vdir, aside)
+            raise RuntimeError("the trainer dies before the commit (injected)")
+
+        return die
+
+    async with Publisher(
+        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        for name, sd in (("a", _state(2)), ("b", _state(3))):
+            pub.pre_commit_hook = dies(tmp_path / name)
+            with pytest.raises(Exception, match="injected"):
+                await pub.publish(sd)
+    a = sorted((tmp_path / "a").glob("delta-*.safetensors"))
+    b = sorted((tmp_path / "b").glob("delta-*.safetensors"))
+    assert len(a) > 1 and len(b) > 1
+
+    def land(src: Path) -> None:
+        (vdir / f".{src.name}.tmp").write_bytes(src.read_bytes())
+        (vdir / f".{src.name}.tmp").rename(vdir / src.name)
+
+    engine = LocalCheckpoint(tmp_path / "ck")
+    agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
+    stop = asyncio.Event()
+    async with agent, asyncio.TaskGroup() as tg:
+        tg.create_task(agent.run(stop=stop))
+        try:
+            await eventually(lambda: agent.version == 1, "the agent at v1")
+            vdir.mkdir()
+            land(a[0])
+            await eventually(lambda: (s := _streamer(agent)) is not None and len(s.applied) == 1,
+                             "A's shard 0 applied")  # fmt: skip
+            first = _streamer(agent)
+            assert first is not None
+            land(b[1])
+            await eventually(lambda: bool(first.failed) and not first.txn_open, "the rollback")
+            assert "another publish attempt" in (first.failed or "")
+            for _ in range(5):  # wake-ups with the same files: no stream starts again
+                await asyncio.sleep(0.05)
+                assert _streamer(agent) is first
+            land(b[0])
+            for p in b[2:]:
+                land(p)
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and s is not first and s.txn_open
+                and len(s.applied) == len(b), "B's shards applied",
+            )  # fmt: skip
+            assert engine.state.version == 1 and read_ack(root, "e1").version == 1  # type: ignore[union-attr]
+        finally:
+            stop.set()
+    assert engine.state.version == 1 and _holds(engine, _state(1))  # rolled back at the stop
