@@ -697,3 +697,38 @@ async def test_a_stream_stopped_by_another_attempt_streams_that_attempt(tmp_path
         finally:
             stop.set()
     assert engine.state.version == 1 and _holds(engine, _state(1))  # rolled back at the stop
+
+
+async def test_a_version_directory_briefly_gone_is_streamed_again(tmp_path: Path) -> None:
+    """v2's directory goes for a moment while its shards are streamed (a mount's cache; here
+    renamed away and back, the same files): the stream rolls back, then streams the same shards
+    again once the directory shows again, and the manifest confirms them."""
+    sd2 = _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        seen: dict[str, Any] = {}
+
+        async def hook(vdir: Path) -> None:
+            n = len(_delta_files(vdir))
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) == n, "streamed"
+            )
+            first = _streamer(agent)
+            assert first is not None
+            vdir.rename(tmp_path / "away")
+            await eventually(lambda: bool(first.failed) and not first.txn_open, "the rollback")
+            assert first.gone and "abandoned" in (first.failed or "")
+            (tmp_path / "away").rename(vdir)
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and s is not first and s.txn_open
+                and len(s.applied) == n, "the same shards streamed again",
+            )  # fmt: skip
+            seen["n"], seen["held"] = n, engine.state.version
+
+        pub.pre_commit_hook = hook
+        await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2) and seen["held"] == 1
+        assert agent.status().streamed_shards == seen["n"] > 1
+
+    await _with_agent(tmp_path, body)
