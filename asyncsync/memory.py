@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
-from asyncsync.errors import ConfigError
+from asyncsync.errors import ConfigError, check_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -125,8 +125,7 @@ class ScratchPool:
         *,
         pow2: bool = False,
     ) -> None:
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
+        check_bytes("ScratchPool limit", limit, minimum=0)
         self.limit = limit
         self._alloc = alloc or _plain
         self._pow2 = pow2

@@ -101,6 +101,14 @@ def test_the_process_pool_follows_the_environment(monkeypatch: pytest.MonkeyPatc
             scratch._env_limit()
 
 
+@pytest.mark.parametrize("bad", [-1, -(64 << 20), 1.5, True, "8", None])
+def test_a_bad_limit_is_a_config_error(bad: object) -> None:
+    """A negative limit was a plain ValueError (and a str or None a TypeError): the pool is
+    public through asyncsync.codec.scratch, and a bad argument is the project's ConfigError."""
+    with pytest.raises(ConfigError, match="limit"):
+        ScratchPool(bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(native.kernels is None, reason="the C kernels did not build")
 @pytest.mark.parametrize("limit", [0, 64 << 20])
 def test_the_diff_takes_its_outputs_from_the_pool_and_gives_them_back(
