@@ -36,6 +36,7 @@ from asyncsync.errors import (
     OutcomeUnknown,
     OutOfOrder,
     PublishError,
+    StepBehind,
 )
 
 # Everything past the errors is imported on first use (PEP 562): `import asyncsync` and the
@@ -116,6 +117,7 @@ __all__ = [
     "Publisher",
     "PublisherStats",
     "RetentionPolicy",
+    "StepBehind",
     "SyncConfig",
     "SyncSession",
     "TensorEntry",

@@ -13,7 +13,9 @@
     ├── PublishError                    a publish failed; nothing was committed, the next one works
     │   ├── OutcomeUnknown              (multi-rank) this rank missed the commit decision; the
     │   │                               next publish learns it and resolves the snapshot
-    │   └── CoordinationError           (multi-rank) ranks could not exchange a message in time
+    │   ├── CoordinationError           (multi-rank) ranks could not exchange a message in time
+    │   └── StepBehind                  (multi-rank, step=) this rank's step is older than the
+    │                                   group's: publish the group's step, not the same again
     ├── LockHeld                        another live process owns the root or the engine
     ├── ApplyFailed                     an engine refused a version, keeps its last good one
     │   ├── EngineStateError            an engine's persisted state is unreadable or inconsistent
@@ -54,6 +56,7 @@ __all__ = [
     "OutOfOrder",
     "OutcomeUnknown",
     "PublishError",
+    "StepBehind",
 ]
 
 
@@ -139,6 +142,25 @@ class OutcomeUnknown(PublishError):
 class CoordinationError(PublishError):
     """The ranks of a multi-rank publisher could not exchange a message in time (a rank died,
     hung, or the coordinator failed). Raised by coordinators; publishers translate it."""
+
+
+class StepBehind(PublishError):
+    """(multi-rank, publish with ``step=``) This rank's call is for an older step than another
+    rank's: nothing was published by it, and calling again with the same step never succeeds.
+    Publish the group's step ``group_step`` (or a later one) on this rank; ``ranks`` names this
+    rank, ``step`` its call's step."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        ranks: tuple[int, ...] = (),
+        step: int | None = None,
+        group_step: int | None = None,
+    ):
+        super().__init__(message, ranks=ranks)
+        self.step = step
+        self.group_step = group_step
 
 
 class LockHeld(AsyncSyncError):

@@ -44,7 +44,7 @@ import torch
 
 from asyncsync import OutcomeUnknown, Publisher, PublishError
 from asyncsync.codec import raw_clone
-from asyncsync.errors import CoordinationError
+from asyncsync.errors import CoordinationError, StepBehind
 from asyncsync.format import manifest_path
 from asyncsync.publish import commit as commit_mod
 from asyncsync.publish import publisher as publisher_mod
@@ -299,8 +299,8 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 rec.update(error=str(exc), ranks=list(exc.ranks), at=at)
                 rec.update(manifest_after_error=nxt.exists())
                 tries += 1
-                if "while the group is at step" in str(exc) or "at a later step" in str(exc):
-                    step, tries = step + 1, 0  # the group went on without this step
+                if isinstance(exc, StepBehind):  # the group went on without this step
+                    step, tries = step + 1, 0
                 if tries > 6:
                     raise
             log.append(rec)

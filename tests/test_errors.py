@@ -22,6 +22,7 @@ FIELDS: dict[type[AsyncSyncError], dict[str, Any]] = {
     PublishError: {"ranks": (1, 3)},
     errors.OutcomeUnknown: {"ranks": (0,)},
     errors.CoordinationError: {"ranks": (2,)},
+    errors.StepBehind: {"ranks": (0,), "step": 3, "group_step": 4},
     AckTimeout: {"version": 7, "behind": {"e0": 5, "e1": None}},
 }
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from asyncsync import ConfigError, FileRendezvous, Publisher, PublishError
-from asyncsync.errors import CoordinationError
+from asyncsync.errors import CoordinationError, StepBehind
 from asyncsync.format.store import list_versions
 from asyncsync.fsio import Throttle, set_throttle
 from asyncsync.publish import rendezvous as rendezvous_mod
@@ -153,8 +153,33 @@ async def test_a_rank_that_skips_a_step_rejoins_with_steps(tmp_path: Path) -> No
             _rank(pubs[0], 0, [3, 4], "step", late=0.3), _rank(pubs[1], 1, [2, 3, 4], "step")
         )
     _failed(o1, [2])
-    assert "later step" in str(o1[0][1]) and o0 == o1[1:] == [(3, 2), (4, 3)], (o0, o1)
+    assert isinstance(o1[0][1], StepBehind) and o1[0][1].ranks == (1,)
+    assert "while the group is at step 3" in str(o1[0][1]), o1
+    assert o0 == o1[1:] == [(3, 2), (4, 3)], (o0, o1)
     assert_steps(root, [0, 1, 3, 4])
+
+
+async def test_a_rank0_a_step_behind_is_told_to_publish_the_groups_step(tmp_path: Path) -> None:
+    """Rank 0 calls step 2 while rank 1 already waits in step 3: rank 0's call fails with
+    StepBehind blaming rank 0 (it used to blame rank 1, "already at step 3 ... (rank 0 late)",
+    and a trainer retrying step 2 looped), saying which step to publish; retrying step 2 fails
+    the same way, and step 3 then commits on both."""
+    root = tmp_path / "root"
+    pubs = _pair(root, timeout=5)
+    async with pubs[0], pubs[1]:
+        await _together(pubs, 0, "step")
+        await _together(pubs, 1, "step")
+        r1 = asyncio.ensure_future(_call(pubs[1], 1, 3, "step"))
+        await asyncio.sleep(0.3)  # rank 1's step-3 message is there first
+        for _ in range(2):
+            with pytest.raises(StepBehind) as err:
+                await _call(pubs[0], 0, 2, "step")
+            assert err.value.ranks == (0,) and err.value.group_step == 3, err.value
+            assert "rank 0: this call is for step 2 while the group is at step 3" in str(err.value)
+            assert "step=3" in str(err.value)
+        r0 = await _call(pubs[0], 0, 3, "step")
+        assert r0.version == (await r1).version == 2
+    assert_steps(root, [0, 1, 3])
 
 
 async def test_abstain_fails_the_round_on_every_rank(tmp_path: Path) -> None:

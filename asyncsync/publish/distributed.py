@@ -54,9 +54,10 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from asyncsync.errors import ConfigError, CoordinationError, check_seconds
+from asyncsync.errors import ConfigError, CoordinationError, StepBehind, check_seconds
 
-__all__ = ["Coordinator", "Decide", "Message", "TorchDistCoordinator", "step_key", "step_of"]
+__all__ = ["Coordinator", "Decide", "Message", "TorchDistCoordinator", "step_behind", "step_key",
+           "step_of"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +101,10 @@ class Coordinator(abc.ABC):
         awaits ``decide(messages)`` and sends its result to every rank; every rank returns that
         result. ``step`` names the exchange ("plan", "commit"); ``key``, when not None, is an id
         every rank knows in advance: the attempt of a commit, the caller's step of a plan
-        (:func:`step_key`; a rank whose step is behind another's raises at once, and the
-        others take part in the next round). A plan without a key is the round after the last
-        one this rank took part in. A message of another round or another run of the group is
-        never taken. Raises CoordinationError when this rank cannot learn the result.
+        (:func:`step_key`; a rank whose step is behind another's raises :class:`StepBehind` at
+        once, and the others take part in the next round). A plan without a key is the round
+        after the last one this rank took part in. A message of another round or another run of
+        the group is never taken. Raises CoordinationError when this rank cannot learn the result.
         """
 
     def heartbeat(self, key: str) -> AbstractAsyncContextManager[None]:
@@ -115,11 +116,17 @@ class Coordinator(abc.ABC):
         return f"<{type(self).__name__} rank={self.rank}/{self.world_size}>"
 
 
-def _behind(rank: int, mine: int | None, top: int) -> CoordinationError:
-    return CoordinationError(
-        f"rank {rank}: this call is for step {mine} while the group is at step {top} (this rank "
-        "skipped a call, or came late): nothing was published by it; the next call with a "
-        "later step joins the group"
+def step_behind(rank: int, mine: int | None, top: int) -> StepBehind:
+    """The error of a rank whose call is for step ``mine`` while another rank is at ``top``
+    (the same words on every coordinator): it blames this rank and says what to do."""
+    return StepBehind(
+        f"rank {rank}: this call is for step {mine} while the group is at step {top} (rank "
+        f"{rank} skipped a call, or came late): nothing was published by it; rank {rank} must "
+        f"publish the group's step: call publish with step={top} or later (calling again with "
+        f"step={mine} fails the same way)",
+        ranks=(rank,),
+        step=mine,
+        group_step=top,
     )
 
 
@@ -191,7 +198,7 @@ class TorchDistCoordinator(Coordinator):
                     self.group_id = res.get("group")
                     return dict(res["body"])
                 if mine is None or mine < top:
-                    raise _behind(self.rank, mine, top)
+                    raise step_behind(self.rank, mine, top)
                 continue
             try:
                 got = await _to_the_end(asyncio.to_thread(self._gather, wrapped))
@@ -209,7 +216,7 @@ class TorchDistCoordinator(Coordinator):
                 top = max(steps)
                 await self._send(step, {"group": self.group_id, "step": step, "realign": top})
                 if mine < top:
-                    raise _behind(0, mine, top)
+                    raise step_behind(0, mine, top)
                 if rounds > 64:
                     raise CoordinationError(f"rank 0: ranks stayed behind step {top}: {steps}")
                 continue

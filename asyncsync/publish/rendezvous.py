@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync import fsio
-from asyncsync.errors import ConfigError, CoordinationError, check_seconds
+from asyncsync.errors import ConfigError, CoordinationError, StepBehind, check_seconds
 from asyncsync.fsio import atomic_write, is_temp_name, read_bytes
 from asyncsync.pipeline import finish_thread
-from asyncsync.publish.distributed import Coordinator, Decide, Message, step_of
+from asyncsync.publish.distributed import Coordinator, Decide, Message, step_behind, step_of
 
 __all__ = ["GROUP_FILE", "JOB_ENV", "RENDEZVOUS_DIR", "FileRendezvous"]
 
@@ -288,6 +288,8 @@ class FileRendezvous(Coordinator):
                             self._chain, self._skip = str(res.get("id")), 0
                         if verdict == "ours":
                             return _body(res)
+                        if isinstance(verdict, StepBehind):
+                            raise verdict
                         raise CoordinationError(f"rank {self.rank}: {verdict}")
                 rec = await asyncio.to_thread(_read_json, self.dir / GROUP_FILE) or {}
                 gid = rec.get("group")
@@ -327,7 +329,7 @@ class FileRendezvous(Coordinator):
     def _verdict(
         self, step: str, key: str | None, nonce: str, mine: int | None, seen: object,
         res: Message,
-    ) -> str | None:  # fmt: skip
+    ) -> str | StepBehind | None:  # fmt: skip
         """What rank 0's result ``res`` tells this call: None (not ours yet: wait), "ours" (the
         result of our round, with our message), or why this call failed."""
         if step != "plan":
@@ -351,8 +353,9 @@ class FileRendezvous(Coordinator):
             if theirs < mine or (theirs == mine and res.get("id") == seen):
                 return None
             if theirs > mine:
-                return (f"rank 0 is at step {theirs}, past this call's step {mine} (it came "
-                        "late): nothing was published by it")  # fmt: skip
+                return step_behind(self.rank, mine, theirs)
+        if isinstance(res.get("group_step"), int):  # rank 0 told this rank it is behind
+            return step_behind(self.rank, mine, res["group_step"])
         if res.get("aborted"):
             return f"rank 0 gave the plan round up: {res['aborted']}"
         if res.get("nonces", {}).get(str(self.rank)) != nonce:
@@ -381,8 +384,8 @@ class FileRendezvous(Coordinator):
         if mine is not None and theirs is not None:
             if theirs == mine:
                 return "ours"
-            if theirs > mine:
-                return f"it is already at step {theirs}, past rank 0's step {mine} (rank 0 late)"
+            if theirs > mine:  # rank 0 is the one behind: its call fails, the others wait
+                raise step_behind(0, mine, theirs)
             return "late"
         hist = list(self._history)
         if m.get("key") not in hist or not isinstance(m.get("skip"), int):
@@ -430,7 +433,7 @@ class FileRendezvous(Coordinator):
                         got[r] = m["body"] if why is None else {"error": why}
                         nonces[str(r)] = str(m.get("nonce"))
                     elif took == "late" and m is not None:
-                        await self._send_late(m)
+                        await self._send_late(m, mine)
                     elif took != "stale":
                         got[r] = {"error": took}
                     if not plan and got[r] is None:
@@ -497,7 +500,7 @@ class FileRendezvous(Coordinator):
             self._history.append(rid)
         return record
 
-    async def _send_late(self, m: Message) -> None:
+    async def _send_late(self, m: Message, top: int | None) -> None:
         """A rank waits for an older step than rank 0's: tell it to give that step up (rank 0
         skipped it), so that its next call meets this round."""
         nonce = str(m.get("nonce"))
@@ -505,7 +508,7 @@ class FileRendezvous(Coordinator):
             return
         self._warned.add(nonce)
         record: Message = {"group": self._group, "job": self.job, "key": m.get("key"),
-                           "id": secrets.token_hex(8), "nonces": {},
+                           "id": secrets.token_hex(8), "nonces": {}, "group_step": top,
                   "aborted": "rank 0 is at a later step (it skipped this one)"}  # fmt: skip
         with contextlib.suppress(OSError):
             data = json.dumps(record).encode()
