@@ -7,7 +7,9 @@ system allows it): it serves IPv4 clients too, as an operator who writes ``::`` 
 interface" means (asyncio's own server binds each IPv6 address IPv6 only, so 127.0.0.1 found
 nothing). Any other IPv6 address is bound IPv6 only, as asyncio does. A name that resolves to
 several addresses (``localhost`` to 127.0.0.1 and ::1) is bound on each, on one port: with
-port 0 asyncio gave each its own free port, and the URL named one of them.
+port 0 asyncio gave each its own free port, and the URL named one of them. With port 0, a
+free port of the first address that is taken on another (by a socket of the other family) is
+given up for a new one, a few times.
 """
 
 from __future__ import annotations
@@ -82,6 +84,32 @@ def bind_sockets(
     that is taken."""
     if infos is None:
         infos = resolve(host, port, host_option=host_option, port_option=port_option)
+    for tries in range(_PORT_TRIES):
+        try:
+            return _bind_all(host, port, infos, host_option, port_option)
+        except _Taken as taken:
+            # port 0: the free port the first address took is taken on another (another
+            # family's socket holds it): every address again, on a new free port
+            if tries == _PORT_TRIES - 1:
+                raise taken.error from taken.error.__cause__
+            logger.debug("%s %s: %s; again on another port", port_option, host, taken.error)
+    raise AssertionError("unreachable")
+
+
+#: how many free ports ``bind_sockets`` tries for port 0 and a host of several addresses
+_PORT_TRIES = 5
+
+
+class _Taken(Exception):
+    """Port 0's free port, taken on an address after the first (``error``: the ConfigError)."""
+
+    def __init__(self, error: ConfigError) -> None:
+        self.error = error
+
+
+def _bind_all(
+    host: str, port: int, infos: Infos, host_option: str, port_option: str
+) -> list[socket.socket]:
     seen: set[tuple[int, object]] = set()
     out: list[socket.socket] = []
     try:
@@ -91,7 +119,13 @@ def bind_sockets(
             seen.add((family, addr[0]))
             if out:  # the port the first one took (port 0: the same free port for each)
                 addr = (addr[0], out[0].getsockname()[1], *addr[2:])
-            out.append(_bind(host, port, family, kind, proto, addr, host_option, port_option))
+            try:
+                out.append(_bind(host, port, family, kind, proto, addr, host_option, port_option))
+            except ConfigError as exc:
+                cause = exc.__cause__
+                if port == 0 and out and getattr(cause, "errno", None) == errno.EADDRINUSE:
+                    raise _Taken(exc) from None
+                raise
     except BaseException:
         for s in out:
             s.close()

@@ -444,6 +444,54 @@ async def test_a_name_of_two_addresses_is_served_on_one_port(
                 assert r.status == 200, host
 
 
+async def test_port_0_on_two_addresses_takes_another_port_when_the_first_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Port 0 and a name of two addresses: the second address is bound on the free port the
+    first took, which an IPv6-only socket may hold on the other family; that failed the start
+    ("port 0 on dual.test: Address already in use"). It takes another free port now. The
+    kernel's choice of port cannot be steered, so the first bind of port 0 is handed the port a
+    listening ::1 socket holds (a stand-in socket class); the rest is real."""
+    if not has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    real_info, real_socket = socket.getaddrinfo, socket.socket
+
+    def two(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "dual.test":
+            return real_info(host, port, *args, **kwargs)
+        return [*real_info("127.0.0.1", port, *args, **kwargs),
+                *real_info("::1", port, *args, **kwargs)]  # fmt: skip
+
+    with real_socket(socket.AF_INET6) as busy:
+        busy.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        busy.bind(("::1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        handed: list[int] = []
+
+        class FirstGetsTheTakenPort(real_socket):  # type: ignore[misc,valid-type]
+            def bind(self, addr: Any) -> None:
+                if addr[1] == 0 and not handed:
+                    handed.append(taken)
+                    addr = (addr[0], taken, *addr[2:])
+                super().bind(addr)
+
+        monkeypatch.setattr(socket, "getaddrinfo", two)
+        monkeypatch.setattr(socket, "socket", FirstGetsTheTakenPort)
+        agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
+        server = StatusServer(agent, host="dual.test")
+        await server.start()
+        monkeypatch.undo()
+        try:
+            assert handed == [taken] and server.port != taken
+            async with aiohttp.ClientSession() as http:
+                for host in ("127.0.0.1", "[::1]"):
+                    async with http.get(f"http://{host}:{server.port}/healthz") as r:
+                        assert r.status == 200, host
+        finally:
+            await server.stop()
+
+
 @pytest.mark.parametrize(
     ("host", "hint"),
     [
