@@ -395,8 +395,9 @@ async def _serve(args: argparse.Namespace) -> int | None:
                     token=token,
                     ready_max_lag=args.ready_max_lag,
                     auditor=auditor,
+                    option_names=("--status-host", "--status-port"),
                 )
-                await server.start()
+                await server.start()  # the port may have been taken since the check
                 print(f"{args.engine_id}: status on {server.url}", file=sys.stderr, flush=True)
             task = asyncio.create_task(agent.run(stop=stop), name=f"agent {args.engine_id}")
             auditing = None

@@ -248,6 +248,9 @@ class StatusServer:
 
         async with StatusServer(agent, port=9500, token=token) as server:
             await agent.run()
+
+    ``option_names``: what the errors of :meth:`start` call the host and the port (a command
+    line names its options: a port taken since its own check says which option to change).
     """
 
     def __init__(
@@ -262,6 +265,7 @@ class StatusServer:
         auditor: Auditor | None = None,
         max_connections: int = 64,
         header_timeout: float = 10.0,
+        option_names: tuple[str, str] = ("StatusServer: host", "StatusServer: port"),
     ) -> None:
         check_token(token)
         check_number("StatusServer: ready_max_lag", ready_max_lag, integer=True)
@@ -276,6 +280,8 @@ class StatusServer:
         self.auditor = auditor
         self.host = host
         self.port = port
+        # what start()'s errors call the host and the port (the CLI: its options)
+        self._names = {"host_option": option_names[0], "port_option": option_names[1]}
         self._token = token
         self._registry = CollectorRegistry(auto_describe=True)
         self._registry.register(_AgentCollector(agent, auditor))
@@ -323,7 +329,7 @@ class StatusServer:
         try:
             # bound here, not by aiohttp's TCPSite: "::" dual-stack, the addresses of a name on
             # one port (receiver.listen)
-            names = {"host_option": "StatusServer: host", "port_option": "StatusServer: port"}
+            names = self._names
             # resolved in a thread: a name behind a slow DNS must not stall the loop
             infos = await asyncio.to_thread(resolve, self.host, self.port, **names)
             socks = bind_sockets(self.host, self.port, infos=infos, **names)

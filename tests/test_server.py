@@ -519,6 +519,37 @@ def test_a_status_host_written_as_in_a_url_says_how_to_write_it(
     assert not (tmp_path / "c").exists()
 
 
+def test_a_status_port_taken_after_the_check_names_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The port is free at the check before the engine is opened and taken by the time the
+    server starts (another process was quicker): the line said "StatusServer: port N ...", a
+    name the operator never wrote; it names --status-port now. The race is made on demand by
+    taking the port right after the real check."""
+    from receiver import cli
+
+    root = tmp_path / "root"
+    root.mkdir()
+    port = free_port()
+    real_check = cli.check_status_options
+    busy = socket.socket()
+
+    def check_then_taken(args: Any) -> Any:
+        token = real_check(args)
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        return token
+
+    monkeypatch.setattr(cli, "check_status_options", check_then_taken)
+    argv = ["--root", str(root), "--engine-id", "e1", "--checkpoint", str(tmp_path / "c"),
+            "--status-port", str(port), "--force-polling"]  # fmt: skip
+    with busy:
+        assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"--status-port {port} on 127.0.0.1: Address already in use" in err, err
+    assert "StatusServer" not in err, err
+
+
 async def test_resolving_the_status_host_does_not_stall_the_event_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
