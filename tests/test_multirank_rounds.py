@@ -182,6 +182,35 @@ async def test_a_rank0_a_step_behind_is_told_to_publish_the_groups_step(tmp_path
     assert_steps(root, [0, 1, 3])
 
 
+async def test_every_rank_behind_with_rank0_is_told_the_groups_step(tmp_path: Path) -> None:
+    """Three ranks: ranks 2 and 0 call step 2 while rank 1 already waits in step 3. Rank 0
+    gives its round up with StepBehind; rank 2, waiting in that round, was told only "rank 0's
+    call ended before it decided (cancelled or failed)", blaming rank 0. It fails with
+    StepBehind too now, blaming itself and naming step 3; then step 3 commits on all three."""
+    root = tmp_path / "root"
+    coords = [FileRendezvous(root, r, 3, timeout=5, poll_interval=0.002) for r in range(3)]
+    pubs = [Publisher(root, keyframe_interval=0, coordinator=c) for c in coords]
+
+    def call(r: int, step: int) -> Any:
+        sd, sl = portion(step, r, 3)
+        act = pubs[r].seed if step == 0 else pubs[r].publish
+        return act(sd, slices=sl, step=step)
+
+    async with pubs[0], pubs[1], pubs[2]:
+        await asyncio.gather(*(call(r, 0) for r in range(3)))
+        r1 = asyncio.ensure_future(call(1, 3))
+        r2 = asyncio.ensure_future(call(2, 2))
+        await asyncio.sleep(0.3)  # both messages are there before rank 0 comes
+        with pytest.raises(StepBehind) as e0:
+            await call(0, 2)
+        with pytest.raises(StepBehind) as e2:
+            await r2
+        assert e0.value.ranks == (0,) and e2.value.ranks == (2,), (e0.value, e2.value)
+        assert e2.value.group_step == 3 and "step=3" in str(e2.value), e2.value
+        done = await asyncio.gather(call(0, 3), r1, call(2, 3))
+        assert [d.version for d in done] == [1, 1, 1]
+
+
 async def test_abstain_fails_the_round_on_every_rank(tmp_path: Path) -> None:
     """Rank 0 cannot publish step 1 (a check failed): abstain() fails the round on rank 1 too,
     naming rank 0 and why; step 2 commits."""

@@ -421,6 +421,7 @@ class FileRendezvous(Coordinator):
         seqs: dict[int, object] = {}
         delay = self.poll_interval
         result: Message | None = None
+        behind: int | None = None  # the group's step, when rank 0's call is behind it
         try:
             while True:
                 for r in range(1, self.world_size):
@@ -463,10 +464,14 @@ class FileRendezvous(Coordinator):
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, 20 * self.poll_interval)
             result = await decide(got)
+        except StepBehind as exc:  # the ranks waiting in this round are behind the group too
+            behind = exc.group_step
+            raise
         finally:
             if plan and result is None:  # cancelled or failed: the round is given up, not reused
                 record = self._plan_record(rkey, chained, nonces, None)
                 record["aborted"] = "rank 0's call ended before it decided (cancelled or failed)"
+                record["group_step"] = behind
                 with contextlib.suppress(OSError):
                     data = json.dumps(record).encode()
                     write = partial(atomic_write, self._path(step), data, root=self.root)
