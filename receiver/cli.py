@@ -22,8 +22,11 @@ Without ``--once`` it runs until SIGINT (Ctrl-C), SIGTERM or SIGHUP (unless igno
 then finishes (or rolls back) the version in flight and exits 0; a second signal meanwhile is
 ignored until it has exited (the status stays 0; SIGKILL still ends it at once). ``--once``
 applies everything committed so far, prints the version held and exits (status 130 if
-interrupted). An error prints one line on stderr, exit status 1. uvloop is used when it is
-installed.
+interrupted). An error prints one line on stderr, exit status 1. Without ``--once``, a
+start-up call to the server that fails for now (no answer within its deadline: an update still
+running in the server; a 5xx) is retried with backoff instead, nothing acked and no status
+port open meanwhile; a refused key or a server that never came up within
+``--engine-startup-timeout`` still ends it. uvloop is used when it is installed.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from asyncsync.console.args import non_negative_float, poll_seconds, positive_float, size_bytes
@@ -47,7 +50,7 @@ from asyncsync.console.logsetup import (
     sniff_log_format,
 )
 from asyncsync.console.progress import Progress, ProgressWatcher
-from asyncsync.errors import AsyncSyncError, ConfigError
+from asyncsync.errors import ApplyFailed, AsyncSyncError, ConfigError
 from asyncsync.memory import freeze_startup_objects
 from receiver.agent import VERIFY_DEADLINE, ReceiverAgent
 from receiver.audit import receiver_auditor
@@ -63,7 +66,7 @@ from receiver.cli_checks import (
 )
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
-from receiver.engines.http_engine import Timeouts
+from receiver.engines.http_engine import Timeouts, transient
 from receiver.engines.reloading import ReloadingEngine
 from receiver.engines.sglang import AUDIT_INTERVAL as SGLANG_AUDIT_INTERVAL
 from receiver.engines.sglang import PAUSE_MODES, SGLang
@@ -77,6 +80,8 @@ __all__ = ["MAX_SECRET_BYTES", "build_parser", "check_paths", "main", "read_secr
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+#: seconds between attempts to open the engine after a transient failure: first, most
+_OPEN_RETRY = (1.0, 30.0)
 _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a stop signal
 #: --audit-after-apply on SGLang: seconds an audit waits for the plugin's pass over the version
 SGLANG_AUDIT_WAIT = 120.0
@@ -343,6 +348,57 @@ async def _once(args: argparse.Namespace) -> int | None:
         return await agent.sync_once()
 
 
+async def _until(aw: Awaitable[_T], stop: asyncio.Event) -> tuple[bool, _T | None]:
+    """Await ``aw`` unless ``stop`` is set first (``aw`` is then cancelled): (done, result)."""
+    task = asyncio.ensure_future(aw)
+    stop_wait = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_wait.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+async def _open_agent(args: argparse.Namespace, stop: asyncio.Event) -> ReceiverAgent | None:
+    """An opened agent, or None when stopped first. Opening waits for an inference server
+    that may take minutes to start, and makes it reload the checkpoint when it serves
+    another version. A transient failure of that (no answer within a call's deadline: an
+    update still running in the server; a 5xx) is retried with backoff by a new agent,
+    nothing acked meanwhile; a configuration error (a refused key, a server that never came
+    up within --engine-startup-timeout) ends the process with its one line."""
+    delay = _OPEN_RETRY[0]
+    while True:
+        agent = _make_agent(args)
+        try:
+            opened, _ = await _until(agent.open(), stop)
+        except ApplyFailed as exc:
+            if not transient(exc):
+                raise
+            logger.warning(
+                "receiver %s: could not start (%s); retrying in %gs",
+                args.engine_id,
+                printable(str(exc)),
+                delay,
+            )
+            await agent.close()
+            slept, _ = await _until(asyncio.sleep(delay), stop)
+            delay = min(delay * 2, _OPEN_RETRY[1])
+            if slept:
+                continue
+            opened = False
+        if not opened:
+            logger.info("receiver %s: stopped while starting", args.engine_id)
+            await agent.close()
+            return None
+        return agent
+
+
 async def _serve(args: argparse.Namespace) -> int | None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -356,20 +412,9 @@ async def _serve(args: argparse.Namespace) -> int | None:
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
     try:
-        agent = _make_agent(args)
-        # opening waits for an inference server that may take minutes to start: stoppable
-        opening = asyncio.create_task(agent.open(), name=f"open {args.engine_id}")
-        stop_wait = asyncio.create_task(stop.wait())
-        await asyncio.wait({opening, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-        stop_wait.cancel()
-        if not opening.done():
-            logger.info("receiver %s: stopped while starting", args.engine_id)
-            opening.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await opening
-            await agent.close()
-            return agent.version
-        opening.result()
+        agent = await _open_agent(args, stop)
+        if agent is None:
+            return None
         freeze_startup_objects()  # this process runs this one agent
         async with agent:
             logger.info(

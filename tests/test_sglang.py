@@ -515,3 +515,47 @@ def test_cli_option_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     missing = [*base, "--once", "--sglang-url", "http://127.0.0.1:1", "--api-key-file", "nope"]
     assert receiver_main(missing) == 1
     assert "cannot read --api-key-file nope" in capsys.readouterr().err
+
+
+def test_cli_retries_a_start_that_failed_for_now_and_not_a_refused_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The start-up calls to the server failing with 5xx past the client's own retries ended
+    the receiver with status 1 (a supervisor had to restart it). It retries now, acking
+    nothing until it is up; a refused key still ends it at once with its one line."""
+    root = tmp_path / "root"
+    _publish(root, 1)
+    with ServerThread(FakeSGLang(api_key=KEY)) as srv:
+        argv = ["--root", str(root), "--force-polling", "--sglang-url", srv.url,
+                "--engine-id", "w", "--checkpoint", str(tmp_path / "w")]  # fmt: skip
+        capsys.readouterr()  # (what publishing logged)
+        assert receiver_main([*argv, "--log-level", "ERROR"]) == 1  # no key: a 401
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "HTTP 401" in err, err
+
+        srv.inject("/continue_generation", status=503, times=2 * RetryPolicy().attempts)
+        key = tmp_path / "key"
+        key.write_text(KEY)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "receiver.cli", *argv, "--api-key-file", str(key)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            lines = [proc.stderr.readline()]
+            while "holding version" not in lines[-1]:
+                assert lines[-1], "".join(lines)  # it exited
+                if "could not start" in lines[-1]:
+                    assert "w" not in read_acks(root)
+                lines.append(proc.stderr.readline())
+            assert sum("could not start" in line for line in lines) == 2, lines
+            while "w" not in read_acks(root):  # bounded by the test's timeout
+                time.sleep(0.05)  # polling another process's files
+            assert read_acks(root)["w"].version == 0  # the one version published
+            proc.send_signal(signal.SIGTERM)
+            _, rest = proc.communicate(timeout=60)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 0, rest

@@ -255,3 +255,33 @@ async def test_an_update_that_timed_out_is_waited_for_before_the_next(stack: Sta
     finally:
         impatient.stop()
         s.receiver.start()
+
+
+async def test_a_start_while_the_server_is_busy_is_retried(stack: Stack) -> None:
+    """A receiver started while an update still runs in SGLang (its scheduler stopped here)
+    gets no answer from ``/server_info`` within ``--engine-update-timeout``: it exited with
+    status 1, for a supervisor to restart. It retries with backoff now, acks nothing
+    meanwhile, and serves once the server answers."""
+    s = stack
+    s.receiver.stop()
+    held = s.trainer.ack_of(EID)
+    patient = Receiver(
+        s.dir / "patient.log", [*s.receiver.cmd[1:-4], "--engine-update-timeout", "2"]
+    )
+    sched = s.stop_scheduler_in_update()
+    try:
+        patient.start()
+        wait_for("two failed starts", lambda: patient.text().count("could not start") >= 2)
+        assert patient.alive, patient.tail()
+        assert "no answer within 2s" in patient.text(), patient.tail()
+        assert s.trainer.ack_of(EID) == held
+    finally:
+        os.kill(sched, signal.SIGCONT)
+    try:
+        wait_for("the receiver up", lambda: patient.get("/readyz")[0] == 200)
+        v = await s.trainer.step([ONE])
+        wait_for(f"v{v} acked", lambda: s.trainer.ack_of(EID) == v)
+        s.check_served(v)
+    finally:
+        patient.stop()
+        s.receiver.start()

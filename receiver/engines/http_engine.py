@@ -33,7 +33,7 @@ from yarl import URL
 
 from asyncsync.errors import ApplyFailed, ConfigError, check_number, check_seconds
 
-__all__ = ["EngineHTTPError", "HttpClient", "RetryPolicy", "Timeouts"]
+__all__ = ["EngineHTTPError", "EngineNotUp", "HttpClient", "RetryPolicy", "Timeouts", "transient"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,23 @@ class EngineHTTPError(ApplyFailed):
         self.endpoint = endpoint
         self.status = status
         self.server_message = server_message
+
+
+class EngineNotUp(EngineHTTPError):
+    """The server did not answer its ready path within the start-up deadline (not running,
+    unreachable, or still loading past ``--engine-startup-timeout``)."""
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while opening an engine, may pass by itself: a server that
+    answered its ready path, then gave no answer (a call timed out: an update still running
+    in it, a stopped scheduler) or a 5xx. A 4xx (a refused key, a missing endpoint), a server
+    that never came up within the start-up deadline, and every other error are final."""
+    if isinstance(exc, EngineNotUp):
+        return False
+    if isinstance(exc, EngineHTTPError):
+        return exc.status is None or exc.status >= 500
+    return False
 
 
 @dataclass(frozen=True)
@@ -341,7 +358,7 @@ class HttpClient:
                     raise
                 left = end - loop.time()
                 if left <= 0:
-                    raise EngineHTTPError(
+                    raise EngineNotUp(
                         f"{self.name} at {self.url} did not come up within {deadline:g}s "
                         f"(last error: {exc}); is the server running and reachable?",
                         endpoint=exc.endpoint,
