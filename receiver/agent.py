@@ -52,6 +52,7 @@ from asyncsync.pipeline import LoopLock, run_pipeline
 from receiver.acking import RootPresence
 from receiver.badversions import BadVersions
 from receiver.early import EarlyRead
+from receiver.engine_watch import watch_engine
 from receiver.engines.base import Engine, TensorUpdate
 from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe
@@ -279,6 +280,8 @@ class ReceiverAgent:
 
         watcher = asyncio.create_task(watch(), name=f"watch {self.engine_id}")
         beat = asyncio.create_task(heartbeat(), name=f"lease {self.engine_id}")
+        check = watch_engine(self.engine, wake, self._sync_lock.locked)  # a restarted server
+        checker = asyncio.create_task(check, name=f"engine check {self.engine_id}")
         failing = Repeats()
         try:
             while not stop.is_set():
@@ -316,7 +319,7 @@ class ReceiverAgent:
                         verify_deadline=self.verify_deadline,
                     )  # fmt: skip
         finally:
-            for task in (watcher, beat):
+            for task in (watcher, beat, checker):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

@@ -285,3 +285,28 @@ async def test_a_start_while_the_server_is_busy_is_retried(stack: Stack) -> None
     finally:
         patient.stop()
         s.receiver.start()
+
+
+async def test_a_restarted_server_is_noticed_while_idle(stack: Stack) -> None:
+    """The server SIGKILLed and restarted while no version is in flight comes back with the
+    weights it loads from disk: the receiver noticed only at its next version or when asked
+    ``/readyz``, the ack naming the old version meanwhile. Its idle check of the served
+    version (every few seconds) finds it now and reloads the version held; nobody asks
+    ``/readyz`` here."""
+    s = stack
+    wait_for("the receiver up", lambda: s.receiver.get("/readyz")[0] == 200)
+    v = s.trainer.ack_of(EID)
+    assert v is not None
+    s.server.stop(sig=signal.SIGKILL)
+    s.server.start()
+    wait_for(
+        f"v{v} reloaded into the new process",
+        lambda: "asyncsync: full reload" in s.server.this_start(),
+        timeout=60,
+    )
+    wait_for(f"v{v} served", lambda: s.server.model_info_version() == str(v))
+    s.check_served(v)
+    assert s.trainer.ack_of(EID) == v
+    v = await s.trainer.step([ONE])  # and in place from there
+    await s.wait_acked_or_broken(v)
+    s.check_served(v)
