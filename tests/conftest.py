@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from asyncsync.codec import raw_view
@@ -138,3 +140,21 @@ async def sync_to(agent: Any, root: Path, version: int) -> None:
     finally:
         for p in hidden:
             p.with_name("." + p.name).rename(p)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Any:
+    """A command run in-process (``receiver_main``, ``asyncsync.ops.cli.main``) configures the
+    root logger (``setup_logging``: its level, a stderr handler of ours); put the level back
+    and take that handler off after each test, or every later test's ``caplog`` misses the
+    records below that level (seen: a receiver main run at ``--log-level ERROR`` emptied two
+    later tests' warnings). pytest's own capture handlers come and go by themselves."""
+    from asyncsync.console.logsetup import JsonFormatter, TextFormatter
+
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+    for h in list(root.handlers):
+        if isinstance(h.formatter, TextFormatter | JsonFormatter):
+            root.removeHandler(h)
