@@ -23,7 +23,12 @@ side; both start from the same generated version 0 (the scale sweep's bf16 state
 publisher steps the state once, then runs the systems **interleaved** (the order rotates per
 version, so the machine's noise falls on all of them alike): each writes the version, and the
 latency is from its write start to the engine's ack (the peers' ack is a small file the applier
-writes after applying; ours is its ack). The shared root is throttled like the rest of the bench
+writes after applying; ours is its ack). Version 1 is a warm-up round, run by every system and
+left out of the medians: in three runs at 1 GiB before it was, version 1 was the slowest of its
+system's three in 11 of 15 cases (the first touch of each system's buffers). Between two systems
+the machine's dirty pages are written back (``sync``) and it settles (:func:`_quiesce`): without
+that the full checkpoint's unsynced gigabyte, or our checkpoint's flush after its ack, fell into
+the next system's window. The shared root is throttled like the rest of the bench
 (``--throttle``, or none with ``--throttle none``), in both processes. The peers' files are
 written with :func:`asyncsync.fsio.atomic_write` and read with
 :func:`asyncsync.fsio.read_bytes`, the throttled calls ours uses.
@@ -44,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import struct
 import time
 import warnings
@@ -233,7 +239,7 @@ async def run_peer_publish(job: Job) -> dict[str, Any]:
         await _wait(Path(job.ready), job.timeout)
         gc.collect()
         reset_peak_rss()
-        for v in range(1, job.versions + 1):
+        for v in range(1, _last(job) + 1):
             step_state(sd, v, job.density, job.seed)
             fsio.set_throttle(_throttle(job))
             for system in _order(v):
@@ -250,7 +256,9 @@ async def run_peer_publish(job: Job) -> dict[str, Any]:
                     t1 = time.perf_counter()
                     await _wait_ack(_ack(root, system), v, job.timeout)
                 t2 = time.perf_counter()
-                out[system].append({"version": v, "write": t1 - t0, "e2e": t2 - t0})
+                row = {"version": v, "write": t1 - t0, "e2e": t2 - t0}
+                out[system].append({**row, "warmup": True} if v == 1 else row)
+                await _quiesce(job)
             fsio.set_throttle(None)
             for k, t in sd.items():
                 old[k].copy_(t)
@@ -279,7 +287,7 @@ async def run_peer_receive(job: Job) -> dict[str, Any]:
         stop = asyncio.Event()
 
         async def peer(system: str) -> None:
-            for v in range(1, job.versions + 1):
+            for v in range(1, _last(job) + 1):
                 path = _file(root, system, v)
                 while not await asyncio.to_thread(path.exists):
                     await asyncio.sleep(_POLL)
@@ -295,7 +303,7 @@ async def run_peer_receive(job: Job) -> dict[str, Any]:
             while True:
                 mine = [(await asyncio.to_thread(acks.read_acks, a.root)).get(a.engine_id)
                         for a in agents]  # fmt: skip
-                if all(m is not None and m.version >= job.versions for m in mine):
+                if all(m is not None and m.version >= _last(job) for m in mine):
                     stop.set()
                     return
                 await asyncio.sleep(0.01)
@@ -323,6 +331,19 @@ def _module(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
             mod = getattr(mod, part)
         mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
     return top
+
+
+def _last(job: Job) -> int:
+    """The last version: the warm-up round (version 1) and then ``job.versions`` timed."""
+    return job.versions + 1
+
+
+async def _quiesce(job: Job) -> None:
+    """Between two systems: the machine's dirty pages written back (``sync``: a full checkpoint
+    not fsynced, a checkpoint's flush after its ack) and a pause, so that no system's window
+    holds another's deferred work, as the sweep waits for its flush and settles per version."""
+    await asyncio.to_thread(os.sync)
+    await asyncio.sleep(job.settle)
 
 
 def _throttle(job: Job) -> fsio.Throttle | None:
@@ -354,7 +375,10 @@ def peers_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     each peer's median over ours (above 1: ours is faster)."""
     out = []
     for row in rows:
-        systems = row["publisher"]["systems"]
+        systems = {
+            s: [v for v in vs if not v.get("warmup")]
+            for s, vs in row["publisher"]["systems"].items()
+        }
         med = {s: _median([v["e2e"] for v in vs]) for s, vs in systems.items()}
         out.append(
             {
@@ -368,7 +392,7 @@ def peers_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "peer_vs_ours": {s: med[s] / med["ours"] for s in med if s != "ours"},
                 "versions": len(systems["ours"]),
                 "streamed_shards": row["receiver"]["streamed_shards"],
-                "raw": systems,
+                "raw": row["publisher"]["systems"],  # the warm-up round marked
             }
         )
     return {"peers": out}
