@@ -37,15 +37,16 @@ sglang-env:
 vllm-env:
 	$(PYTHON) tests/vllm_env/build.py
 
-# every test but those marked heavy (~20 min on 2 shared cores, the real servers included)
+# every test but those marked heavy (~20 min on 2 shared cores, the real servers included);
+# the 30 slowest are listed at the end, to keep the run inside its budget
 test: lint sglang-env vllm-env
-	$(VENV)/bin/pytest -q -m 'not heavy'
+	$(VENV)/bin/pytest -q -m 'not heavy' --durations=30
 
 # the tests marked heavy (~5 min): rclone lease takeovers, the 8-receiver load run, the
 # multi-rank model, a SIGKILL inside the kernel, the acceptance script's clean-up; each
 # self-contained (a heavy test must not need a test make test runs); .ci/run runs them after
 test-heavy: $(STAMP) sglang-env vllm-env
-	$(VENV)/bin/pytest -q -m heavy
+	$(VENV)/bin/pytest -q -m heavy --durations=10
 
 # full vs partial reload times on the real server (BENCHMARKS.md); a few minutes
 bench-sglang: $(STAMP) sglang-env
