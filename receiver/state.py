@@ -7,6 +7,7 @@ of moving to another one when the process died. That record lives in a small *st
 
     STATE_DIR/
       state.json     PersistedState as JSON, replaced atomically (fsio.atomic_write)
+      state.json.spare  room made beforehand for a state a full disk refuses (StateStore.save)
       lock           flock held by the one agent that owns the engine (pid and host inside)
       journal/       engine-specific undo records of an in-flight delta (see the engine)
       staging/       engine-specific new files of an in-flight full apply (see the engine)
@@ -29,11 +30,13 @@ Everything here blocks; async engines call it through ``asyncio.to_thread``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
 import os
 import shutil
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -73,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 STATE_DIR_NAME = ".asyncsync"
 STATE_NAME = "state.json"
+SPARE_STATE_NAME = "state.json.spare"
+_SPARE_MIN = 64 << 10  # the spare's least size; it keeps ~1/4 more room than the state needs
 LOCK_NAME = "lock"
 JOURNAL_DIR = "journal"
 STAGING_DIR = "staging"
@@ -334,8 +339,14 @@ class StateStore:
             raise EngineStateError(f"cannot read {self.path}: {exc}. {_REMEDY}") from exc
         return PersistedState.from_json(data, where=str(self.path))
 
-    def save(self, state: PersistedState) -> PersistedState:
-        """Persist ``state`` (stamped with the current time) atomically; return what was saved."""
+    def save(self, state: PersistedState, *, spare: bool = False) -> PersistedState:
+        """Persist ``state`` (stamped with the current time) atomically; return what was saved.
+
+        ``spare`` (a rollback, which must not fail on the disk that failed the apply; a begin on
+        a full disk is refused instead of using it up): where the disk is too full for a new
+        file, the state is written over the spare (:data:`SPARE_STATE_NAME`, allocated and
+        written before: no new block, even on a thinly provisioned disk), renamed into place.
+        """
         if not self._lock.held:
             raise EngineStateError(f"{self.directory}: save() without holding the lock")
         if not self._lock.intact():  # the directory wiped under us: another agent may own it
@@ -345,7 +356,16 @@ class StateStore:
                 "be writing this engine; nothing was saved. Close this agent and open it again"
             )
         state = replace(state, updated_at=time.time())
-        fsio.atomic_write(self.path, state.to_json().encode())
+        data = state.to_json().encode()
+        try:
+            fsio.atomic_write(self.path, data)
+        except OSError as exc:  # a full disk: a new file needs a block it cannot get
+            if not (spare and exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._in_spare(data)):
+                raise
+            logger.warning("%s: state saved over its spare (%s)", self.directory, exc)
+        else:
+            with contextlib.suppress(OSError):  # made again once there is room
+                self._make_spare(len(data))
         logger.debug(
             "state %s: version=%s status=%s target=%s",
             self.directory,
@@ -354,6 +374,38 @@ class StateStore:
             state.target_version,
         )
         return state
+
+    def _make_spare(self, need: int) -> None:
+        """The spare, written and synced, where it is missing or has little room left."""
+        spare = self.directory / SPARE_STATE_NAME
+        with contextlib.suppress(FileNotFoundError):
+            if spare.stat().st_size >= need + 4096:
+                return
+        size = -(-max(_SPARE_MIN, need * 5 // 4) // 4096) * 4096
+        fsio.atomic_write(spare, b" " * (size - 1) + b"\n")
+
+    def _in_spare(self, data: bytes) -> bool:
+        """Write ``data`` over the spare in place (padded with blanks: JSON ignores them, and no
+        truncate), sync it and rename it to ``state.json``; False where there is none that
+        fits (the disk was full before one could be made)."""
+        spare = self.directory / SPARE_STATE_NAME
+        try:
+            fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < len(data):
+                return False
+            view = memoryview(data + b" " * (st.st_size - len(data)))
+            while view:
+                view = view[os.pwrite(fd, view, st.st_size - len(view)) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(spare, self.path)  # a directory entry replaced: no new block
+        fsio.fsync_dir(self.directory)
+        return True
 
     def clear_dir(self, path: Path) -> None:
         """Remove every file in ``path`` (one level, e.g. journal/ or staging/) and fsync it.

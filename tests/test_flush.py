@@ -32,7 +32,7 @@ from tests.test_engines import (
 )
 
 
-def _enospc(*_args: object) -> None:
+def _enospc(*_args: object, **_kw: object) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 

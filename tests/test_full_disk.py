@@ -106,10 +106,10 @@ async def test_a_rollback_that_failed_is_done_again_at_the_next_version(
                 real_patch(*args, **kw)  # type: ignore[arg-type]
                 raise OSError(errno.EIO, "injected after the patch")
 
-            def save(store: StateStore, state: object) -> object:
+            def save(store: StateStore, state: object, **kw: bool) -> object:
                 if getattr(state, "status", None) == "clean":  # the rollback's save
                     raise OSError(errno.EIO, "injected: state not saved")
-                return real_save(store, state)  # type: ignore[arg-type]
+                return real_save(store, state, **kw)  # type: ignore[arg-type]
 
             monkeypatch.setattr(inplace, "journal_and_patch", patch_then_fail)
             monkeypatch.setattr(StateStore, "save", save)
@@ -358,3 +358,49 @@ async def test_the_spare_note_is_made_again_once_used(
         await apply_version(ck, m2, delta_batches(m2, sd1, sd2), "delta")  # recovers first
         assert not (state / FAILED_NAME).exists() and (state / SPARE_NAME).exists()
         await ck.close()
+
+
+async def test_a_rollback_on_a_disk_filled_meanwhile_needs_no_new_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills (another writer) after a delta's patch: the commit's state is refused
+    and the rollback's state (a new file, the size of every tensor's checksum) did not fit in
+    the room the cleared undo record gave back, so every sync said "rollback of v1 failed (No
+    space left); retried: the same" until space came back. The state is written over a spare
+    made beforehand (allocated and written: no new block, even on a thinly provisioned disk),
+    so the rollback completes on the full disk, the version is refused in one line, and it
+    applies once there is room."""
+    root = tmp_path / "root"
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layer.{i}.weight": torch.randn(16, generator=g) for i in range(600)}  # a long state
+    with tmpfs(tmp_path / "small", "4m") as mnt:
+        async with Publisher(root, keyframe_interval=0) as pub:
+            await pub.seed(sd)
+            agent = ReceiverAgent(root, LocalCheckpoint(mnt / "ck"), "e", use_inotify=False)
+            async with agent:
+                assert await agent.sync_once() == 0
+                await agent.engine.flushed()  # type: ignore[attr-defined]
+                sd = {**sd, "layer.7.weight": sd["layer.7.weight"] + 1}
+                await pub.publish(sd)
+                real_patch = inplace.journal_and_patch
+
+                def patch_then_fill(*args: object, **kw: object) -> object:
+                    out = real_patch(*args, **kw)  # type: ignore[arg-type]
+                    fill(mnt, 0)  # another writer fills the disk meanwhile
+                    return out
+
+                monkeypatch.setattr(inplace, "journal_and_patch", patch_then_fill)
+                with pytest.raises(ApplyFailed, match="No space left") as failed:
+                    await agent.sync_once()
+                monkeypatch.undo()
+                assert "rollback of" not in str(failed.value)
+                st = json.loads((mnt / "ck" / ".asyncsync" / "state.json").read_text())
+                assert (st["version"], st["status"]) == (0, "clean")  # rolled back, on disk
+                with pytest.raises(ApplyFailed, match="No space left") as again:
+                    await agent.sync_once()  # refused in one line: nothing to roll back
+                assert "rollback of" not in str(again.value)
+                assert agent.version == 0 and _acked(root, "e") == 0
+                assert verify_checkpoint(mnt / "ck", read_manifest(root, 0)) == []
+                (mnt / "ballast").unlink()
+                assert await agent.sync_once() == 1  # the same agent, once there is room
+            assert verify_checkpoint(mnt / "ck", read_manifest(root, 1)) == []

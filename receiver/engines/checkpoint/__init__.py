@@ -6,7 +6,9 @@ The directory is what ``from_pretrained`` / vLLM / SGLang load::
       model-00001-of-00003.safetensors ...   the weights (names = state-dict keys)
       model.safetensors.index.json           {"metadata": {"total_size", "asyncsync_version"},
                                               "weight_map": {name: file}}
-      .asyncsync/                            receiver.state: state.json, lock, journal/, staging/,
+      .asyncsync/                            receiver.state: state.json (and its spare: a
+                                             rollback's state on a full disk), lock, journal/,
+                                             staging/,
                                              flush-failed (a failed flush: rewrite at open),
                                              flush-failed.spare (renamed to it on a full disk)
 

@@ -43,8 +43,8 @@ class Recovery:
     _broken: str | None  # why the last flush failed (the held version must be checked again)
     _undo_pending: str | None  # a rollback that failed: done again at the next begin
 
-    def _set(self, ps: PersistedState) -> None:
-        self._ps = self._store.save(ps)
+    def _set(self, ps: PersistedState, *, spare: bool = False) -> None:
+        self._ps = self._store.save(ps, spare=spare)
         self.state = EngineState(ps.version, ps.run_id, ps.fingerprint)
 
     def _open(self) -> EngineState:
@@ -187,11 +187,12 @@ class Recovery:
         progressive = inplace.undo(self._store.journal_dir, self._layout, maps)
         lost = at_open and (progressive or self._ps.progressive)
         clean = replace(self._ps.clean(), synced=self._ps.synced and not lost)
-        try:
-            self._set(clean)
+        try:  # on a full disk over the state's spare (no new block)
+            self._set(clean, spare=True)
         except OSError:  # a full disk (no block or inode left), which the records may fill: the
             self._store.clear_dir(self._store.journal_dir)  # old bytes are durable, they can go
-            self._set(clean)  # first (open() then finds an interrupted delta without records)
+            self._set(clean, spare=True)  # first (open() then finds an interrupted delta
+            # without records)
         self._store.clear_dir(self._store.journal_dir)
 
     def _finish_rollback(self) -> None:
