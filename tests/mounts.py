@@ -209,7 +209,10 @@ def ext4_on_tmpfs(path: Path, size: str = "40m") -> Iterator[tuple[Path, Path]]:
         dev = r.stdout.strip()
         mounted = False
         try:
-            subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True, capture_output=True)
+            # no discard: mkfs.ext4 discards the whole device by default, which punched every
+            # free block out of the backing file (then every new block, state or journal, failed)
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", dev], check=True,
+                           capture_output=True)  # fmt: skip
             path.mkdir(parents=True, exist_ok=True)
             subprocess.run(["mount", dev, str(path)], check=True, capture_output=True)
             mounted = True
