@@ -269,9 +269,13 @@ from tests.conftest import mixed_state, mutate
 from tests.mounts import fill
 from tests.test_engines import apply_version, build_manifest, delta_batches
 
-async def main(ck: str, mnt: str) -> None:
+async def main(ck: str, mnt: str, full_at_open: bool) -> None:
     c = LocalCheckpoint(ck)
+    if full_at_open:  # no spare note can be made
+        fill(Path(mnt), 0)
     await c.open()
+    if full_at_open:
+        (Path(mnt) / "ballast").unlink()
     sd0 = mixed_state(0)
     sd1 = mutate(sd0, 0.05, seed=1)
     m1 = build_manifest(sd1, 1, base=sd0)
@@ -284,27 +288,34 @@ async def main(ck: str, mnt: str) -> None:
     await c.flushed()
     os.kill(os.getpid(), 9)
 
-asyncio.run(main(sys.argv[1], sys.argv[2]))
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3] == "full"))
 """
 
 
+@pytest.mark.parametrize("at_open", ["room", "full"])
 async def test_a_flush_failure_is_noted_on_a_disk_full_to_the_last_block(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at_open: str
 ) -> None:
     """A flush fails on a disk so full that the note of the failure (a new file) is refused,
     and the receiver is killed before its close could write it: the next open in a new
     process found no note, trusted a plain fsync (the pages the failed writeback left clean
     write nothing) and marked the version durable with them lost at the next reboot. An
     open makes a spare note beforehand; a failure the disk refuses a new file for renames the
-    spare into place (no new block), and the next open writes the data files again."""
+    spare into place (no new block), and the next open writes the data files again. A disk
+    already full at open (``full``; the spare of an earlier open used up, or never made by
+    an older receiver) gets no spare: the failure was lost as before; it is noted by an
+    empty note then (a new name, no data block)."""
     from receiver.engines.checkpoint import files
+    from receiver.engines.checkpoint.flusher import SPARE_NAME
     from tests.test_engines import init_checkpoint
 
     with tmpfs(tmp_path / "small", "8m") as mnt:
         ck = await init_checkpoint(mnt / "ck", mixed_state(0))
         await ck.close()
+        if at_open == "full":
+            (mnt / "ck" / ".asyncsync" / SPARE_NAME).unlink()
         r = subprocess.run(
-            [sys.executable, "-c", _FLUSH_FAILS_ON_A_FULL_DISK, str(mnt / "ck"), str(mnt)],
+            [sys.executable, "-c", _FLUSH_FAILS_ON_A_FULL_DISK, str(mnt / "ck"), str(mnt), at_open],
             cwd=REPO, capture_output=True, text=True, timeout=300,
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )  # fmt: skip

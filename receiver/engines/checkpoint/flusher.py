@@ -24,6 +24,7 @@ FAILED_NAME = "flush-failed"
 #: made at open, renamed to :data:`FAILED_NAME` where the disk refuses the note a new file
 SPARE_NAME = "flush-failed.spare"
 _SPARE_TEXT = b"a flush failed; the disk refused a new note, so this spare one was renamed\n"
+_EMPTY_NOTE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _note(state_dir: Path, why: str) -> bool:
@@ -37,12 +38,17 @@ def _note(state_dir: Path, why: str) -> bool:
         fsio.atomic_write(state_dir / FAILED_NAME, (why + "\n").encode())
     except OSError as exc:  # the disk that failed the flush, full: a rename needs no new block
         try:
-            os.replace(state_dir / SPARE_NAME, state_dir / FAILED_NAME)
+            try:
+                os.replace(state_dir / SPARE_NAME, state_dir / FAILED_NAME)
+            except FileNotFoundError:  # none (the disk full at open): an empty note, a new name
+                os.close(os.open(state_dir / FAILED_NAME, _EMPTY_NOTE, 0o644))  # no data block
             fsio.fsync_dir(state_dir)
         except OSError:  # noted again at close (a kill before then: the plain re-check)
             logger.warning("%s: the failed flush could not be noted yet (%s)", state_dir, exc)
             return False
-        logger.warning("%s: the failed flush is noted by the spare note (%s)", state_dir, exc)
+        logger.warning(
+            "%s: the failed flush is noted by a spare or empty note (%s)", state_dir, exc
+        )
     return True
 
 
@@ -85,7 +91,7 @@ class Flusher:
 
     def prepare(self) -> None:
         """At open: the spare note :func:`_note` renames into place where a disk too full for
-        a new file refuses the note (no spare on a disk already full: the note as before)."""
+        a new file refuses the note (none on a disk already full: an empty note then)."""
         spare = self._state_dir / SPARE_NAME
         if not spare.exists():
             with contextlib.suppress(OSError):
