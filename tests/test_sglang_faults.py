@@ -250,3 +250,47 @@ def test_the_admin_key_file_is_an_sglang_option(tmp_path: Path) -> None:
     for engine, url in (("vllm", "http://127.0.0.1:1"), ("checkpoint", None)):
         with pytest.raises(ConfigError, match="admin_api_key_file is an SGLang option"):
             ReceiverSpec("e1", "/c", engine=engine, url=url, admin_api_key_file="/k")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["raised", "cancelled"])
+async def test_an_abort_after_a_failed_begin_leaves_the_next_version_free(
+    chain: Chain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A begin that fails inside the checkpoint's begin, then the abort the agent and the
+    stream send after it. Cancelled while the checkpoint's begin ran in its thread (a stream
+    stopped, the receiver stopping), that begin still opened the checkpoint's transaction,
+    and the engine's abort, which knew of none, left it open: every later version was refused
+    ("begin v1 while v1 is in progress") until the receiver was restarted."""
+    import threading
+
+    from asyncsync.format.store import read_manifest
+    from receiver.engines.checkpoint import LocalCheckpoint
+
+    async with FakeSGLang() as srv:
+        engine = engine_for(srv, tmp_path / "ckpt")
+        async with agent_for(chain, engine) as agent:
+            await chain.next()
+            assert await agent.sync_once() == 0
+            await chain.next()
+            real_begin, entered, go = LocalCheckpoint._begin, threading.Event(), threading.Event()
+
+            def begin(ck: LocalCheckpoint, *args: Any) -> bool:
+                if how == "raised":
+                    raise OSError(28, "injected: No space left on device")
+                entered.set()
+                go.wait(30)
+                return real_begin(ck, *args)
+
+            monkeypatch.setattr(LocalCheckpoint, "_begin", begin)
+            task = asyncio.create_task(engine.begin(read_manifest(chain.root, 1), "delta"))
+            if how == "cancelled":
+                await asyncio.to_thread(entered.wait, 30)
+                task.cancel()
+                go.set()
+            with pytest.raises((asyncio.CancelledError, ApplyFailed)):
+                await task
+            await engine.abort()
+            monkeypatch.undo()
+            assert engine.checkpoint.state.version == 0
+            assert await agent.sync_once() == 1  # was: "begin v1 while v1 is in progress"
+            assert acked(chain) == 1 and srv.weight_version == "1"

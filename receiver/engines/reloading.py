@@ -431,8 +431,8 @@ class ReloadingEngine(Engine, abc.ABC):
     async def abort(self) -> None:
         await self._staging.drop()
         txn, self._txn = self._txn, None
-        if txn is not None and not txn.reload_only and not txn.local_committed:
-            await self.checkpoint.abort()
+        if txn is None or not (txn.reload_only or txn.local_committed):  # None: a begin cancelled
+            await self.checkpoint.abort()  # while the checkpoint's ran on in its thread (or none)
 
     async def acknowledged(self) -> None:
         await self.checkpoint.acknowledged()
