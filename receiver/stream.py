@@ -19,7 +19,8 @@ the shards not applied yet are then applied the ordinary way. A shard of another
 another base, damaged, the version directory removed, or no progress for ``idle_timeout``: the
 applier aborts the transaction (the engine rolls back) and the version is applied the ordinary
 way once its manifest exists, or streamed again if it is written anew before that (the
-directory shows again, or another shard 0 is there: :meth:`StreamApplier.shows_again`).
+directory shows again, or another shard 0 is there), or the publisher goes on after its stall
+(the shard waited for lands): :meth:`StreamApplier.shows_again`.
 Only engines that say ``streams`` (``LocalCheckpoint``) are fed early; for the others the
 agent only prefetches the bytes (:mod:`receiver.prefetch`).
 """
@@ -115,6 +116,7 @@ class StreamApplier:
         self.txn_open = False  # the engine holds a transaction for self.version
         self.failed: str | None = None
         self.gone = False  # it failed because the version directory was gone
+        self.stalled: int | None = None  # it timed out waiting for this shard (a stall)
         self.first: tuple[int, int] | None = None  # (inode, mtime) of the shard 0 it read
         self._provisional: Manifest | None = None
         self._names: set[str] = set()
@@ -264,6 +266,7 @@ class StreamApplier:
                     raise StreamAbandoned(await asyncio.to_thread(self._gone_why))
                 idle = time.monotonic() - max(last, self._progressed)
                 if self.txn_open and not self._applying and idle > self.idle_timeout:
+                    self.stalled = k
                     raise StreamAbandoned(
                         f"no shard nor manifest of v{self.version} for "
                         f"{self.idle_timeout:g}s: the publish was abandoned"
@@ -308,12 +311,17 @@ class StreamApplier:
     def shows_again(self) -> bool:
         """After this stream failed: whether its version is being written anew, so a new stream
         of it may start: the directory shows again after it was seen gone, or holds another
-        shard 0 than the one read (another attempt). Never on the same files: a stream that
-        failed on them would fail again, rolling the engine back each time."""
+        shard 0 than the one read (another attempt), or the shard it timed out waiting for is
+        there (the publisher went on after a stall longer than ``idle_timeout``: a slow mount;
+        streamed again on the same files, it was applied only after its manifest). Never on
+        the same files otherwise: a stream that failed on them would fail again, rolling the
+        engine back each time."""
         if not being_written(self.root, self.version):
             return False
         if self.gone:
             return True
+        if self.stalled is not None:
+            return probe(self.dir / f"delta-{self.stalled:05d}.safetensors", self.root) == 1
         now = _identity(self.dir / "delta-00000.safetensors", self.root)
         return self.first is not None and now is not None and now != self.first
 

@@ -732,3 +732,72 @@ async def test_a_version_directory_briefly_gone_is_streamed_again(tmp_path: Path
         assert agent.status().streamed_shards == seen["n"] > 1
 
     await _with_agent(tmp_path, body)
+
+
+async def _aside(tmp_path: Path, root: Path) -> list[Path]:
+    """Publish v0, v1, then a v2 that dies before its commit, its shards kept aside (the
+    publisher removes v2): returns them, to be landed one by one."""
+    import shutil
+
+    async with Publisher(
+        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+
+        async def die(vdir: Path) -> None:
+            shutil.copytree(vdir, tmp_path / "aside")
+            raise RuntimeError("the trainer dies before the commit (injected)")
+
+        pub.pre_commit_hook = die
+        with pytest.raises(Exception, match="injected"):
+            await pub.publish(_state(2))
+    return sorted((tmp_path / "aside").glob("delta-*.safetensors"))
+
+
+def _land(vdir: Path, src: Path) -> None:
+    (vdir / f".{src.name}.tmp").write_bytes(src.read_bytes())
+    (vdir / f".{src.name}.tmp").rename(vdir / src.name)
+
+
+async def test_a_stream_stalled_past_stream_timeout_is_streamed_again_once_it_goes_on(
+    tmp_path: Path,
+) -> None:
+    """v2's publisher stalls after its first shard (a slow mount) for longer than
+    ``stream_timeout``: the stream rolls back. Then the next shard lands (the publisher went
+    on, the same attempt): the version was applied only after its manifest; it is streamed
+    again now, on the same files. With no new shard, the same files never start it again."""
+    root = tmp_path / "root"
+    a = await _aside(tmp_path, root)
+    assert len(a) > 2
+    vdir = version_dir(root, 2)
+    engine = LocalCheckpoint(tmp_path / "ck")
+    agent = ReceiverAgent(
+        root, engine, "e1", use_inotify=False, poll_interval=0.02, stream_timeout=0.5
+    )
+    stop = asyncio.Event()
+    async with agent, asyncio.TaskGroup() as tg:
+        tg.create_task(agent.run(stop=stop))
+        try:
+            await eventually(lambda: agent.version == 1, "the agent at v1")
+            vdir.mkdir()
+            _land(vdir, a[0])
+            await eventually(lambda: (s := _streamer(agent)) is not None and len(s.applied) == 1,
+                             "shard 0 applied")  # fmt: skip
+            first = _streamer(agent)
+            assert first is not None
+            await eventually(lambda: bool(first.failed) and not first.txn_open, "the rollback")
+            assert "abandoned" in (first.failed or "")
+            for _ in range(5):  # wake-ups with the same files: no stream starts again
+                await asyncio.sleep(0.05)
+                assert _streamer(agent) is first
+            for p in a[1:]:
+                _land(vdir, p)
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and s is not first
+                and len(s.applied) == len(a), "the same shards streamed again",
+            )  # fmt: skip
+            assert engine.state.version == 1
+        finally:
+            stop.set()
+    assert engine.state.version == 1 and _holds(engine, _state(1))  # rolled back at the stop
