@@ -84,16 +84,23 @@ def bind_sockets(
     that is taken."""
     if infos is None:
         infos = resolve(host, port, host_option=host_option, port_option=port_option)
-    for tries in range(_PORT_TRIES):
+    tried: list[str] = []
+    cause: BaseException | None = None
+    for _ in range(_PORT_TRIES):
         try:
             return _bind_all(host, port, infos, host_option, port_option)
         except _Taken as taken:
             # port 0: the free port the first address took is taken on another (another
             # family's socket holds it): every address again, on a new free port
-            if tries == _PORT_TRIES - 1:
-                raise taken.error from taken.error.__cause__
+            tried.append(f"{taken.port} on {taken.addr}")
+            cause = taken.error.__cause__
             logger.debug("%s %s: %s; again on another port", port_option, host, taken.error)
-    raise AssertionError("unreachable")
+    why = getattr(cause, "strerror", None) or "taken"
+    raise ConfigError(
+        f"{port_option} 0 on {host}: tried {_PORT_TRIES} free ports, each taken on another "
+        f"address of it ({why}: {', '.join(tried)}); give a port free on every address, or "
+        "a host of one address"
+    ) from cause
 
 
 #: how many free ports ``bind_sockets`` tries for port 0 and a host of several addresses
@@ -101,10 +108,13 @@ _PORT_TRIES = 5
 
 
 class _Taken(Exception):
-    """Port 0's free port, taken on an address after the first (``error``: the ConfigError)."""
+    """Port 0's free port, taken on an address after the first (``error``: the ConfigError;
+    ``port`` and ``addr``: which port, on which address)."""
 
-    def __init__(self, error: ConfigError) -> None:
+    def __init__(self, error: ConfigError, port: int, addr: str) -> None:
         self.error = error
+        self.port = port
+        self.addr = addr
 
 
 def _bind_all(
@@ -124,7 +134,7 @@ def _bind_all(
             except ConfigError as exc:
                 cause = exc.__cause__
                 if port == 0 and out and getattr(cause, "errno", None) == errno.EADDRINUSE:
-                    raise _Taken(exc) from None
+                    raise _Taken(exc, addr[1], addr[0]) from None
                 raise
     except BaseException:
         for s in out:
