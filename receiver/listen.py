@@ -9,7 +9,10 @@ nothing). Any other IPv6 address is bound IPv6 only, as asyncio does. A name tha
 several addresses (``localhost`` to 127.0.0.1 and ::1) is bound on each, on one port: with
 port 0 asyncio gave each its own free port, and the URL named one of them. With port 0, a
 free port of the first address that is taken on another (by a socket of the other family) is
-given up for a new one, a few times.
+given up for a new one, a few times. On a host whose kernel has no IPv6 (booted with
+``ipv6.disable=1``), ``::`` is bound as ``0.0.0.0``, with a warning: "every interface" is every
+IPv4 one there, and a deployment written for every host works on this one too; any other IPv6
+address is refused, saying to give an IPv4 one.
 """
 
 from __future__ import annotations
@@ -82,6 +85,14 @@ def bind_sockets(
     resolves to (``infos``, when resolved already), all on one port; ConfigError naming
     ``host_option`` or ``port_option`` for a host that is no address of this host or a port
     that is taken."""
+    if is_dual_stack(host) and (missing := _no_ipv6()) is not None:
+        # "every interface" on a host whose kernel has no IPv6 (ipv6.disable=1): every
+        # interface it has, as a deployment written for all hosts means
+        logger.warning(
+            "%s %s: this host has no IPv6 (%s): serving every IPv4 interface (0.0.0.0) "
+            "instead", host_option, host, missing,
+        )  # fmt: skip
+        host, infos = "0.0.0.0", None
     if infos is None:
         infos = resolve(host, port, host_option=host_option, port_option=port_option)
     tried: list[str] = []
@@ -101,6 +112,16 @@ def bind_sockets(
         f"address of it ({why}: {', '.join(tried)}); give a port free on every address, or "
         "a host of one address"
     ) from cause
+
+
+def _no_ipv6() -> str | None:
+    """Why this host cannot make an IPv6 socket (a kernel without IPv6), or None if it can."""
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError as exc:
+        if exc.errno == errno.EAFNOSUPPORT:
+            return exc.strerror or str(exc)
+    return None
 
 
 #: how many free ports ``bind_sockets`` tries for port 0 and a host of several addresses
@@ -156,7 +177,10 @@ def _bind(
     try:
         sock = socket.socket(family, kind, proto)
     except OSError as exc:  # e.g. an IPv6 address on a host without IPv6
-        raise ConfigError(f"{host_option} {host!r}: {exc.strerror}") from exc
+        hint = ""
+        if family == socket.AF_INET6 and exc.errno == errno.EAFNOSUPPORT:
+            hint = "; this host has no IPv6: give an IPv4 address (127.0.0.1, or 0.0.0.0)"
+        raise ConfigError(f"{host_option} {host!r}: {exc.strerror}{hint}") from exc
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:

@@ -4,13 +4,20 @@ auditor's read rate, ``ASYNCSYNC_PINNED_MB`` and ``/readyz`` while the receiver 
 
 from __future__ import annotations
 
+import errno
+import logging
 import socket
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from asyncsync import ConfigError
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.listen import _PORT_TRIES, bind_sockets
+from receiver.server import StatusServer
 from tests.ports import has_ipv6_loopback
 
 
@@ -63,3 +70,45 @@ def test_port_0_taken_on_every_try_names_the_ports_tried(monkeypatch: pytest.Mon
     for port in taken:
         assert f"{port} on ::1" in msg, msg
     assert "pick a free port (0: any free one)" not in msg, msg
+
+
+@pytest.fixture
+def no_ipv6(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel without IPv6 (booted with ``ipv6.disable=1``): an AF_INET6 socket cannot be
+    made. That is a boot parameter, so it is stood in for; a network namespace with
+    ``net.ipv6.conf.all.disable_ipv6=1`` (``unshare -rn``) still makes AF_INET6 sockets, and
+    ``::`` bound there serves IPv4 clients (tried by hand: the receiver serves)."""
+    real = socket.socket
+
+    class NoInet6(real):  # type: ignore[misc,valid-type]
+        def __init__(self, family: Any = socket.AF_INET, *args: Any, **kwargs: Any) -> None:
+            if family == socket.AF_INET6:
+                raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+            super().__init__(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "socket", NoInet6)
+
+
+async def test_the_ipv6_any_address_on_a_host_without_ipv6_serves_ipv4(
+    tmp_path: Path, no_ipv6: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--status-host ::`` ("every interface, IPv4 and IPv6") on a host without IPv6 was
+    refused: "--status-host '::': Address family not supported by protocol", and a receiver
+    deployed with one manifest on every node failed on that one. It serves every IPv4
+    interface there, with a warning saying so."""
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
+    caplog.set_level(logging.WARNING, logger="receiver.listen")
+    async with (
+        StatusServer(agent, host="::") as server,
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{server.port}/healthz") as r,
+    ):
+        assert r.status == 200
+    assert "this host has no IPv6" in caplog.text and "0.0.0.0" in caplog.text, caplog.text
+
+
+def test_another_ipv6_address_on_a_host_without_ipv6_says_to_give_ipv4(no_ipv6: None) -> None:
+    """``--status-host ::1`` there: the error said only "Address family not supported by
+    protocol"; it says what to give instead now."""
+    with pytest.raises(ConfigError, match="this host has no IPv6: give an IPv4 address"):
+        bind_sockets("::1", 0, host_option="--status-host")
