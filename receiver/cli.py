@@ -443,7 +443,9 @@ async def _serve(args: argparse.Namespace) -> int | None:
                     option_names=("--status-host", "--status-port"),
                 )
                 await server.start()  # the port may have been taken since the check
-                print(f"{args.engine_id}: status on {server.url}", file=sys.stderr, flush=True)
+                every = f" (every interface, {server.host})" if server.every_interface else ""
+                print(f"{args.engine_id}: status on {server.url}{every}", file=sys.stderr,
+                      flush=True)  # fmt: skip
             task = asyncio.create_task(agent.run(stop=stop), name=f"agent {args.engine_id}")
             auditing = None
             if auditor is not None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from asyncsync.errors import ConfigError
 
-__all__ = ["bind_sockets", "is_dual_stack", "resolve"]
+__all__ = ["bind_sockets", "is_dual_stack", "is_unspecified", "resolve", "url_host"]
 
 Infos = list[tuple[Any, Any, int, str, tuple[Any, ...]]]  # what socket.getaddrinfo returns
 
@@ -49,6 +49,27 @@ def is_dual_stack(host: str) -> bool:
         return ipaddress.ip_address(host) == ipaddress.IPv6Address("::")
     except ValueError:
         return False
+
+
+def is_unspecified(host: str) -> bool:
+    """Whether ``host`` is ``0.0.0.0`` or ``::``: every interface, no address to connect to."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def url_host(host: str, sock: socket.socket) -> str:
+    """``host`` as a URL writes it, for a client on this host: the unspecified address (``::``,
+    ``0.0.0.0``: "every interface", no address a client can reach) becomes the loopback that
+    ``sock`` (the first socket bound for it) serves, an IPv6 address is bracketed (its scope's
+    ``%`` escaped), a name stays."""
+    if is_unspecified(host):
+        v6only = sock.family == socket.AF_INET6 and sock.getsockopt(
+            socket.IPPROTO_IPV6, socket.IPV6_V6ONLY
+        )
+        return "[::1]" if v6only else "127.0.0.1"  # a dual-stack socket serves 127.0.0.1 too
+    return f"[{host.replace('%', '%25')}]" if ":" in host else host  # (a name has no ":")
 
 
 def _hint(host: str, port_option: str) -> str:

@@ -44,7 +44,7 @@ from prometheus_client.registry import Collector
 from asyncsync.errors import ConfigError, check_number, check_seconds
 from receiver.agent import ReceiverAgent
 from receiver.audit import Auditor
-from receiver.listen import bind_sockets, resolve
+from receiver.listen import bind_sockets, is_unspecified, resolve, url_host
 from receiver.plan import latest_version
 
 __all__ = ["MIN_TOKEN_CHARS", "StatusServer", "check_token"]
@@ -288,6 +288,7 @@ class StatusServer:
         self._runner: _CappedRunner | None = None
         self._sites: list[web.SockSite] = []
         self._scan: asyncio.Future[int | None] | None = None  # /readyz's scan of the root
+        self._url_host = host  # (start: as a client on this host reaches it)
 
     @property
     def open_connections(self) -> int:
@@ -296,10 +297,16 @@ class StatusServer:
 
     @property
     def url(self) -> str:
+        """A URL a client on this host reaches the server at: bound to every interface (``::``,
+        ``0.0.0.0``), the loopback (from another host: this host's address, same port)."""
         if not self._sites:
             raise RuntimeError("the server is not started")
-        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
-        return f"http://{host}:{self.port}"
+        return f"http://{self._url_host}:{self.port}"
+
+    @property
+    def every_interface(self) -> bool:
+        """Whether the server is bound to every interface (the host ``::`` or ``0.0.0.0``)."""
+        return is_unspecified(self.host)
 
     async def __aenter__(self) -> StatusServer:
         await self.start()
@@ -342,7 +349,9 @@ class StatusServer:
             await self.stop()
             raise
         self.port = int(socks[0].getsockname()[1])
-        logger.info("receiver %s serving status on %s", self.agent.engine_id, self.url)
+        self._url_host = url_host(self.host, socks[0])
+        bound = f" (every interface, {self.host})" if self.every_interface else ""
+        logger.info("receiver %s serving status on %s%s", self.agent.engine_id, self.url, bound)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -4,9 +4,14 @@ auditor's read rate, ``ASYNCSYNC_PINNED_MB`` and ``/readyz`` while the receiver 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
+import os
+import re
+import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +21,7 @@ import pytest
 from asyncsync import ConfigError
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
-from receiver.listen import _PORT_TRIES, bind_sockets
+from receiver.listen import _PORT_TRIES, bind_sockets, url_host
 from receiver.server import StatusServer
 from tests.ports import has_ipv6_loopback
 
@@ -112,3 +117,48 @@ def test_another_ipv6_address_on_a_host_without_ipv6_says_to_give_ipv4(no_ipv6: 
     protocol"; it says what to give instead now."""
     with pytest.raises(ConfigError, match="this host has no IPv6: give an IPv4 address"):
         bind_sockets("::1", 0, host_option="--status-host")
+
+
+@pytest.mark.parametrize("host", ["::", "0.0.0.0"])
+async def test_the_status_url_of_every_interface_is_one_a_client_can_use(
+    tmp_path: Path, host: str
+) -> None:
+    """A receiver started with ``--status-host ::`` printed ``http://[::]:PORT`` (and
+    ``0.0.0.0``, ``http://0.0.0.0:PORT``): "every interface" is no address to connect to. It
+    prints the loopback it serves now, and says it is bound to every interface. A real
+    receiver process; its URL is fetched as printed."""
+    if host == "::" and not has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    (tmp_path / "root").mkdir()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "receiver.cli", "--root", str(tmp_path / "root"),
+        "--engine-id", "e1", "--checkpoint", str(tmp_path / "c"), "--status-port", "0",
+        "--status-host", host, "--force-polling", "--log-level", "WARNING",
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, "ASYNCSYNC_RECEIVER_TOKEN": ""},
+    )  # fmt: skip
+    assert proc.stderr is not None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            while not (m := re.search(r"status on (\S+)(.*)", lines[-1] if lines else "")):
+                line = (await proc.stderr.readline()).decode()
+                assert line, "receiver exited early: " + "".join(lines)
+                lines.append(line)
+            url, rest = m.groups()
+            assert url.startswith("http://127.0.0.1:"), url
+            assert f"every interface, {host}" in rest, rest
+            async with aiohttp.ClientSession() as http, http.get(f"{url}/healthz") as r:
+                assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def test_a_scoped_ipv6_address_in_a_url_escapes_its_percent() -> None:
+    """RFC 6874: ``fe80::1%eth0`` is written ``[fe80::1%25eth0]`` in a URL."""
+    with socket.socket() as s:
+        assert url_host("fe80::1%eth0", s) == "[fe80::1%25eth0]"
+        assert url_host("::1", s) == "[::1]" and url_host("localhost", s) == "localhost"
