@@ -39,9 +39,6 @@ from asyncsync.errors import (
     LockHeld,
     ManifestError,
     OutOfOrder,
-    check_bytes,
-    check_poll_interval,
-    check_seconds,
 )
 from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
@@ -54,6 +51,7 @@ from receiver.badversions import BadVersions
 from receiver.early import EarlyRead
 from receiver.engine_watch import watch_engine
 from receiver.engines.base import Engine, TensorUpdate
+from receiver.options import AGENT_OPTIONS, check_agent_options
 from receiver.parts import PartAssembler
 from receiver.plan import Mode, diverged, latest_version, newest_keyframe
 from receiver.shard_reader import (
@@ -135,16 +133,8 @@ class ReceiverAgent:
         lease_settle: float | None = None,
         stream_timeout: float = STREAM_TIMEOUT,
     ) -> None:
-        check_bytes("apply_group_bytes", apply_group_bytes, optional=True)
-        check_bytes("prefetch_bytes", prefetch_bytes, minimum=0)
-        check_poll_interval("poll_interval", poll_interval)
-        for name, value in (
-            ("lease_ttl", lease_ttl),
-            ("stream_timeout", stream_timeout),
-        ):
-            check_seconds(name, value, above=True)
-        check_seconds("verify_deadline", verify_deadline)
-        check_seconds("lease_settle", lease_settle, optional=True)
+        given = locals()  # the keyword-only options, checked as a Ray ReceiverSpec checks them
+        check_agent_options({name: given[name] for name in AGENT_OPTIONS})
         self.root = root_path(root)
         self.engine = engine
         try:

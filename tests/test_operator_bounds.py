@@ -22,6 +22,7 @@ from asyncsync import ConfigError
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.listen import _PORT_TRIES, bind_sockets, url_host
+from receiver.options import AGENT_OPTIONS
 from receiver.server import StatusServer
 from tests.ports import has_ipv6_loopback
 
@@ -162,3 +163,39 @@ def test_a_scoped_ipv6_address_in_a_url_escapes_its_percent() -> None:
     with socket.socket() as s:
         assert url_host("fe80::1%eth0", s) == "[fe80::1%25eth0]"
         assert url_host("::1", s) == "[::1]" and url_host("localhost", s) == "localhost"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"verify_deadlin": 5}, "ReceiverAgent takes no option 'verify_deadlin'; did you mean "
+                                "'verify_deadline'?"),
+        ({"lease_ttl": -1}, "lease_ttl must be > 0, got -1"),
+        ({"prefetch_bytes": float("nan")}, "prefetch_bytes must be an integer, got nan"),
+        ({"prefetch": "no"}, "prefetch must be True or False, got 'no'"),
+    ],
+)  # fmt: skip
+def test_a_ray_receiver_specs_agent_options_are_checked_when_it_is_made(
+    tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    """``ReceiverSpec.agent_options`` reached ReceiverAgent only inside the actor, on the
+    engine's node after placement: a typo was a TypeError there, a bad value a remote
+    ConfigError. Both are a ConfigError when the spec is made now, with the agent's own
+    message (the agent checks its options with the same checks)."""
+    from asyncsync.training.ray.base import ReceiverSpec
+
+    with pytest.raises(ConfigError) as caught:
+        ReceiverSpec("e0", str(tmp_path / "c"), agent_options=options)
+    assert str(caught.value).startswith(f"e0: agent_options: {message}"), caught.value
+    [name] = options
+    if name in AGENT_OPTIONS:  # the agent's own error says the same
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+            ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e0", **options)
+
+
+def test_the_checked_options_are_the_agents_keywords() -> None:
+    """The checks stay in step with ReceiverAgent's keyword-only parameters."""
+    import inspect
+
+    params = inspect.signature(ReceiverAgent).parameters.values()
+    assert {p.name for p in params if p.kind is p.KEYWORD_ONLY} == set(AGENT_OPTIONS)

@@ -79,7 +79,7 @@ class ReceiverSpec:
         status_port: serve ``/healthz``, ``/status``, ``/metrics`` on this port of the node
             (None: not served; 0: any free port), bound to ``status_host``.
         agent_options: more :class:`~receiver.agent.ReceiverAgent` keywords
-            (``verify_deadline``, ``prefetch`` ...).
+            (``verify_deadline``, ``prefetch`` ...), checked when the spec is made.
         version_offset: the server is told weight version ``v + version_offset`` for root
             version ``v`` (sglang and vllm; slime's ``weight_version`` when it does not start
             at the root's first version).
@@ -135,6 +135,10 @@ class ReceiverSpec:
         if self.resources is not None:
             object.__setattr__(self, "resources", dict(self.resources))
         object.__setattr__(self, "agent_options", dict(self.agent_options))
+        from receiver.options import check_agent_options  # (the agent's own checks)
+
+        # here, on the driver: inside the actor a typo surfaced late, on the engine's node
+        check_agent_options(self.agent_options, f"{self.engine_id}: agent_options: ")
 
 
 def plain(obj: Any) -> Any:
