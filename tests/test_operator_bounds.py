@@ -18,7 +18,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from asyncsync import ConfigError
+from asyncsync import AckTimeout, ConfigError
+from asyncsync.errors import shown
+from asyncsync.format.acks import wait_acked
+from asyncsync.publish.rendezvous import FileRendezvous
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.listen import _PORT_TRIES, bind_sockets, url_host
@@ -199,3 +202,37 @@ def test_the_checked_options_are_the_agents_keywords() -> None:
 
     params = inspect.signature(ReceiverAgent).parameters.values()
     assert {p.name for p in params if p.kind is p.KEYWORD_ONLY} == set(AGENT_OPTIONS)
+
+
+_POLLS = [0, -1, float("nan"), float("inf"), 1e-9, 0.0009]
+
+
+@pytest.mark.parametrize("value", _POLLS, ids=shown)
+@pytest.mark.parametrize("name", ["poll_interval", "max_poll_interval"])
+async def test_an_ack_wait_polls_at_least_a_millisecond_apart(
+    tmp_path: Path, name: str, value: float
+) -> None:
+    """``wait_acked(poll_interval=1e-9)`` (or ``max_poll_interval``) was taken: it read the
+    acks directory without pause, a core spinning for the whole wait. A poll below 1 ms is
+    refused (not 10 ms: the bench polls acks every 2 ms on purpose); 0, negative, NaN and inf
+    were and are."""
+    with pytest.raises(ConfigError, match=f"^wait_acked: {name} must be"):
+        await wait_acked(tmp_path, 0, quorum=1, timeout=0.01, **{name: value})
+
+
+async def test_the_benchs_ack_poll_is_taken(tmp_path: Path) -> None:
+    with pytest.raises(AckTimeout):
+        await wait_acked(tmp_path, 0, quorum=1, timeout=0.01, poll_interval=0.002,
+                         max_poll_interval=0.002)  # fmt: skip
+    FileRendezvous(tmp_path, 0, 1, poll_interval=0.001)
+
+
+@pytest.mark.parametrize("value", [*_POLLS, 10.0, 1e9], ids=shown)
+def test_a_rendezvous_polls_at_least_a_millisecond_apart_and_within_its_timeout(
+    tmp_path: Path, value: float
+) -> None:
+    """``FileRendezvous(poll_interval=1e-9)`` spun a core in each wait; one at or above its
+    timeout (10 s, the timeout 10 s) made its heartbeats (every poll at least) come after the
+    other ranks had given it up. Both are refused."""
+    with pytest.raises(ConfigError, match=r"^FileRendezvous poll_interval"):
+        FileRendezvous(tmp_path, 0, 2, timeout=10.0, poll_interval=value)

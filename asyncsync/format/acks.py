@@ -18,7 +18,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from asyncsync.errors import AckTimeout, ConfigError, ManifestError, check_seconds, shown
+from asyncsync.errors import (
+    MIN_SHORT_POLL_SECONDS,
+    AckTimeout,
+    ConfigError,
+    ManifestError,
+    check_poll_interval,
+    check_seconds,
+    shown,
+)
 from asyncsync.format.fields import _float, _hex, _int, _str, load_json
 from asyncsync.format.lease import read_lease, replace_record
 from asyncsync.format.names import (
@@ -279,8 +287,8 @@ async def wait_acked(
     engines that are behind and the versions they hold.
     """
     _check_wait(version, engines, quorum, timeout)
-    check_seconds("wait_acked: poll_interval", poll_interval, above=True)
-    check_seconds("wait_acked: max_poll_interval", max_poll_interval, above=True)
+    for name, value in (("poll_interval", poll_interval), ("max_poll_interval", max_poll_interval)):
+        check_poll_interval(f"wait_acked: {name}", value, minimum=MIN_SHORT_POLL_SECONDS)
     if engines is not None:
         try:
             engines = [check_engine_id(e) for e in engines]

@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync import fsio
-from asyncsync.errors import ConfigError, CoordinationError, StepBehind, check_seconds
+from asyncsync.errors import (
+    MIN_SHORT_POLL_SECONDS,
+    ConfigError,
+    CoordinationError,
+    StepBehind,
+    check_poll_interval,
+    check_seconds,
+)
 from asyncsync.fsio import atomic_write, is_temp_name, read_bytes
 from asyncsync.pipeline import finish_thread
 from asyncsync.publish.distributed import Coordinator, Decide, Message, step_behind, step_of
@@ -115,7 +122,14 @@ class FileRendezvous(Coordinator):
     ) -> None:
         _check_rank(rank, world_size)
         check_seconds("FileRendezvous timeout", timeout, above=True)
-        check_seconds("FileRendezvous poll_interval", poll_interval, above=True)
+        check_poll_interval(
+            "FileRendezvous poll_interval", poll_interval, minimum=MIN_SHORT_POLL_SECONDS
+        )
+        if poll_interval >= timeout:  # its heartbeats would come after the others gave it up
+            raise ConfigError(
+                f"FileRendezvous poll_interval ({poll_interval:g} s) must be below its timeout "
+                f"({timeout:g} s): a rank that polls and beats less often is given up"
+            )
         check_seconds("FileRendezvous max_wait", max_wait, above=True, optional=True)
         self.root = Path(root)
         self.dir = self.root / RENDEZVOUS_DIR
