@@ -300,13 +300,16 @@ def read_file(
     path: _Path, *, limit: int, root: _Root = None, follow_symlinks: bool = False
 ) -> tuple[bytes, os.stat_result]:
     """A whole regular file (see :func:`open_file`) and its ``fstat``; one larger than ``limit``
-    raises ValueError, from ``fstat`` before anything is allocated (plus one byte: it grew)."""
+    raises ValueError (from ``fstat`` before anything is allocated). One longer than ``fstat``
+    says (it grew; procfs says 0) is read on to its end, up to the limit."""
     started = time.perf_counter()
     with os.fdopen(open_file(path, root=root, follow_symlinks=follow_symlinks), "rb") as f:
         st = os.fstat(f.fileno())
         if st.st_size > limit:
             raise ValueError(f"{path} is larger than {limit} bytes ({st.st_size})")
         data = f.read(st.st_size + 1)
+        if st.st_size < len(data) <= limit:
+            data += f.read(limit + 1 - len(data))
     _throttled(path, len(data), started)
     if len(data) > limit:
         raise ValueError(f"{path} is larger than {limit} bytes")

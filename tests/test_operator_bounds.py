@@ -236,3 +236,25 @@ def test_a_rendezvous_polls_at_least_a_millisecond_apart_and_within_its_timeout(
     other ranks had given it up. Both are refused."""
     with pytest.raises(ConfigError, match=r"^FileRendezvous poll_interval"):
         FileRendezvous(tmp_path, 0, 2, timeout=10.0, poll_interval=value)
+
+
+def test_a_secret_in_a_procfs_file_is_read_whole(tmp_path: Path) -> None:
+    """A secret read from a file whose ``st_size`` says 0 whatever it holds (procfs, sysfs, some
+    FUSE secret stores) came back as its first byte: the read asked for ``st_size + 1``
+    bytes. It is read to its end now, bounded as before. ``/proc/self/comm`` (this process's
+    name, one line) stands for such a file: real procfs."""
+    from receiver.cli_checks import read_secret
+
+    comm = Path("/proc/self/comm")
+    assert comm.stat().st_size == 0
+    assert read_secret(str(comm), "UNSET_ENV", "--api-key-file") == comm.read_text().strip()
+
+
+def test_a_procfs_file_past_the_limit_is_refused() -> None:
+    """Read on to its end, a file that says 0 bytes is still refused past the limit (not read
+    without end): ``/proc/self/status`` holds over a kilobyte."""
+    from asyncsync import fsio
+
+    assert len(fsio.read_bytes("/proc/self/status", limit=4096)) > 200
+    with pytest.raises(ValueError, match="larger than 200 bytes"):
+        fsio.read_bytes("/proc/self/status", limit=200)
