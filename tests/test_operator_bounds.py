@@ -258,3 +258,25 @@ def test_a_procfs_file_past_the_limit_is_refused() -> None:
     assert len(fsio.read_bytes("/proc/self/status", limit=4096)) > 200
     with pytest.raises(ValueError, match="larger than 200 bytes"):
         fsio.read_bytes("/proc/self/status", limit=200)
+
+
+@pytest.mark.parametrize("value", [1.0, 1e-300, 1e300, 10**400, -5.0, 0], ids=shown)
+async def test_the_in_engine_auditors_read_pace_has_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: Any
+) -> None:
+    """``Auditor(bytes_per_s=1e-300)`` (or 1 byte a second) was taken: each tensor then waited
+    its share of an endless pace, a pass over a model took days and the audit never said a
+    thing; ``1e300`` is no pace a disk has. A pace from 1 MiB/s to 1 PiB/s is taken now: a
+    ConfigError in code, a warning and the default from ``$ASYNCSYNC_AUDIT_BYTES_PER_S`` (the
+    engine's model load, which builds the auditor, must not fail on it)."""
+    from receiver.plugins.audit import Auditor
+    from tests.sglang_toy import Rig
+
+    monkeypatch.setenv("ASYNCSYNC_AUDIT_BYTES_PER_S", str(value))
+    async with Rig(tmp_path, tp=1) as rig:
+        with pytest.raises(ConfigError, match=r"^Auditor: bytes_per_s must be"):
+            Auditor(rig.loaders[0], bytes_per_s=value)
+        caplog.set_level(logging.WARNING, logger="receiver.plugins.audit")
+        assert Auditor(rig.loaders[0]).bytes_per_s == float(256 << 20)
+        assert "$ASYNCSYNC_AUDIT_BYTES_PER_S" in caplog.text, caplog.text
+        assert Auditor(rig.loaders[0], bytes_per_s=float(1 << 20)).bytes_per_s == 1 << 20

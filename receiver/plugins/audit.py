@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncsync import fsio
-from asyncsync.errors import check_number, check_seconds
+from asyncsync.errors import MAX_BYTES, ConfigError, check_number, check_seconds, shown
 from receiver.plugins.held import INDEX_NAME, Held, read_verified, read_weight_map
 from receiver.plugins.inplace import InEngineLoader
 from receiver.plugins.routing import compare, route
@@ -138,6 +138,22 @@ def read_records(checkpoint: str | os.PathLike[str]) -> list[AuditRecord]:
     return out
 
 
+#: the slowest and fastest read pace the auditor takes (bytes a second): below 1 MiB/s a pass
+#: over a 14 GB model takes four hours and more, each tensor waiting its share; above 1 PiB/s
+#: is no pace at all (and 1e300 is no rate a disk has)
+MIN_RATE, MAX_RATE = float(1 << 20), float(MAX_BYTES)
+
+
+def check_rate(name: str, value: Any) -> None:
+    """ConfigError unless ``value`` is a read pace from :data:`MIN_RATE` to :data:`MAX_RATE`."""
+    check_number(name, value)
+    if not MIN_RATE <= value <= MAX_RATE:
+        raise ConfigError(
+            f"{name} must be from 1 MiB/s ({MIN_RATE:.0f}) to 1 PiB/s ({MAX_RATE:.0f}) bytes "
+            f"a second, got {shown(value)}"
+        )
+
+
 def _env_number(name: str, default: float, *, zero: bool = False, rate: bool = False) -> float:
     """``$name`` as a number of seconds (or bytes a second) > 0 (``>= 0`` with ``zero``), else
     ``default``. A value that is not one is a WARNING naming it, and the default: the engine's
@@ -148,7 +164,7 @@ def _env_number(name: str, default: float, *, zero: bool = False, rate: bool = F
         return default
     try:
         value = float(text)
-        (check_number if rate else check_seconds)(name, value, above=not zero)
+        check_rate(name, value) if rate else check_seconds(name, value, above=not zero)
     except ValueError as exc:  # (ConfigError is one)
         logger.warning("$%s=%r is not a usable number (%s); using %g", name, text, exc, default)
         return default
@@ -162,12 +178,13 @@ class Auditor:
         loader: the model's :class:`~receiver.plugins.inplace.InEngineLoader`; the auditor
             subscribes to its changes.
         rank, tp_size, role: where the record goes and what it says.
-        bytes_per_s: pace of the checkpoint reads (default ``$ASYNCSYNC_AUDIT_BYTES_PER_S`` or
-            256 MiB/s); ``interval``: seconds between passes when nothing changes (default
-            ``$ASYNCSYNC_AUDIT_INTERVAL`` or 300); ``delay``: seconds after a change before its
-            pass starts (``$ASYNCSYNC_AUDIT_DELAY`` or 2: serving recovers from the pause
-            first); ``enabled``: default unless ``$ASYNCSYNC_AUDIT`` is ``0`` (then the record
-            only reports the version held).
+        bytes_per_s: pace of the checkpoint reads, 1 MiB/s to 1 PiB/s (default
+            ``$ASYNCSYNC_AUDIT_BYTES_PER_S`` or 256 MiB/s); ``interval``: seconds between
+            passes when nothing changes (default ``$ASYNCSYNC_AUDIT_INTERVAL`` or 300);
+            ``delay``: seconds after a change before its pass starts
+            (``$ASYNCSYNC_AUDIT_DELAY`` or 2: serving recovers from the pause first);
+            ``enabled``: default unless ``$ASYNCSYNC_AUDIT`` is ``0`` (then the record only
+            reports the version held).
     """
 
     def __init__(
@@ -185,7 +202,7 @@ class Auditor:
         self.loader = loader
         self.rank, self.tp_size, self.role = rank, tp_size, role
         if bytes_per_s is not None:
-            check_number("Auditor: bytes_per_s", bytes_per_s, above=True)
+            check_rate("Auditor: bytes_per_s", bytes_per_s)
         check_seconds("Auditor: interval", interval, above=True, optional=True)
         check_seconds("Auditor: delay", delay, optional=True)
         self.bytes_per_s = bytes_per_s or _env_number(ENV_RATE, float(256 << 20), rate=True)
