@@ -276,6 +276,32 @@ async def test_a_stage_is_applied_in_place(chain: Chain) -> None:
     wait_for("the audit pass", lambda: any(want in line for line in chain.server.audit_lines()))
 
 
+async def test_the_served_model_name_survives_reloads(chain: Chain) -> None:
+    """SGLang 0.5.23 renames its served model to every reload's ``model_path``
+    (``TokenizerManager._update_model_path_info``): ``/v1/models`` then listed the stage (a
+    directory removed once applied), and a client that names the model it was started with
+    got 404 (``/v1/models/<name>``; ``/v1/responses`` refuses unknown models the same way).
+    The plugin keeps the name for asyncsync paths, and ``model_path`` names the checkpoint,
+    never a stage."""
+    launch = str(chain.server.model)
+
+    def assert_named() -> None:
+        status, models = chain.server.user("GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == [launch], models
+        assert chain.server.user("GET", "/v1/models/" + launch)[0] == 200
+        status, info = chain.server.user("GET", "/model_info")
+        assert info["served_model_name"] == launch, info
+        assert info["model_path"] == str(chain.ckpt), info
+
+    v = await chain.next([ONE])
+    code, answer, _ = chain.reload(v, chain.stage(v))
+    assert code == 200 and answer["success"], answer
+    assert_named()
+    code, answer, _ = chain.reload(v)  # the checkpoint too (a reconcile, a repair)
+    assert code == 200 and answer["success"], answer
+    assert_named()
+
+
 async def test_a_stage_gone_before_sglang_reads_it_is_refused(chain: Chain) -> None:
     """The receiver removed the stage before SGLang came to it (its update call timed out on a
     slow server, or a new receiver started): the path is not handed to SGLang as a model (it

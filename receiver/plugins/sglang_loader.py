@@ -69,6 +69,7 @@ from receiver.plugins.held import CheckpointSnapshot, read_snapshot
 from receiver.plugins.inplace import InEngineLoader, LoadResult, checkpoint_of_stage
 from receiver.plugins.prefetch import start_prefetch
 from receiver.plugins.stage import STAGE_CAPABILITY, is_stage
+from receiver.state import STATE_DIR_NAME
 
 __all__ = [
     "HOOK_TARGET",
@@ -94,6 +95,8 @@ HOOK_TARGETS = (
     "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_disk",
 )
 HOOK_TARGET = HOOK_TARGETS[0]
+#: where SGLang 0.5.23 renames its served model to each reload's ``model_path``
+NAME_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._update_model_path_info"
 ENV_TARGET = "ASYNCSYNC_SGLANG_HOOK_TARGET"
 ENV_PARTIAL = "ASYNCSYNC_SGLANG_PARTIAL"
 _PARTIAL_FORMATS = (None, "auto", "safetensors")
@@ -244,6 +247,27 @@ def update_weights_from_disk_hook(
     return ok, msg + STAGE_CAPABILITY
 
 
+def keep_served_name_hook(
+    original_fn: Callable[..., Any], manager: Any, model_path: str, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND hook of SGLang 0.5.23's ``TokenizerManager._update_model_path_info(self,
+    model_path, load_format)``, run after every successful reload: SGLang renames the served
+    model to ``model_path`` (``/v1/models``, ``/model_info``, the ``model`` of its answers,
+    the name ``/v1/responses`` and ``/v1/models/<name>`` accept). For an asyncsync stage or
+    checkpoint the weights changed, not the model: the name it was started with is kept, and
+    ``model_path`` names the checkpoint (never a stage, removed once applied). Other paths are
+    SGLang's own rename."""
+    resolved = Path(model_path).resolve()
+    ckpt = checkpoint_of_stage(resolved)
+    if ckpt is None and not (resolved / STATE_DIR_NAME).is_dir():
+        return original_fn(manager, model_path, *args, **kwargs)
+    name = getattr(manager, "served_model_name", None)
+    out = original_fn(manager, str(ckpt or model_path), *args, **kwargs)
+    if name is not None:
+        manager.served_model_name = name
+    return out
+
+
 def find_target(candidates: Iterable[str]) -> str | None:
     """The first of ``candidates`` (dotted paths) that resolves to a callable."""
     for target in candidates:
@@ -279,5 +303,10 @@ def register() -> None:
         )
         return
     HookRegistry.register(target, update_weights_from_disk_hook, HookType.AROUND)
+    if find_target((NAME_TARGET,)) is not None:
+        HookRegistry.register(NAME_TARGET, keep_served_name_hook, HookType.AROUND)
+    else:  # an SGLang that does not rename, or renames elsewhere: see docs/ENGINES.md
+        logger.warning("asyncsync SGLang plugin: no %s: the served model name may follow "
+                       "each reload's path", NAME_TARGET)  # fmt: skip
     logger.info("asyncsync SGLang plugin: in-place applies and partial reloads hooked on %s",
                 target)  # fmt: skip
