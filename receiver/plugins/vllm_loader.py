@@ -53,14 +53,17 @@ from typing import Any
 
 import torch
 
+from receiver.plugins.clean_load import WAIT_LINE, load_whole_version
 from receiver.plugins.inplace import InEngineLoader, LoadResult, checkpoint_of_stage
 from receiver.plugins.prefetch import start_prefetch
 from receiver.plugins.stage import FORMAT_VERSION as STAGE_FORMAT_VERSION
 
 __all__ = [
     "ENV_PLAIN",
+    "WAIT_LINE",
     "apply_stage",
     "capabilities",
+    "guard_start_load",
     "load_checkpoint",
     "loader_for",
     "packed",
@@ -87,7 +90,9 @@ def _opted_in() -> bool:
 def register() -> None:
     """Entry point (group ``vllm.general_plugins``): with ``ASYNCSYNC_VLLM_INPLACE=1``, keep the
     CPU build's linear weights plain (see the module docstring). Idempotent: vLLM loads
-    general plugins in each of its processes, possibly more than once."""
+    general plugins in each of its processes, possibly more than once. Always: vLLM's load
+    at start waits for a checkpoint its receiver is patching (:func:`guard_start_load`)."""
+    guard_start_load()
     if not _opted_in():
         server_log.info(
             "asyncsync vLLM plugin: %s is not set: CPU linear weights stay packed (every "
@@ -126,6 +131,32 @@ def register() -> None:
         "(torch.nn.functional.linear), so versions can be applied in place",
         ENV_PLAIN,
     )
+
+
+def guard_start_load() -> None:
+    """Wrap vLLM's ``DefaultModelLoader.load_weights`` (the load at start) so that an asyncsync
+    checkpoint is read only whole: never while its receiver patches it, and again if it
+    changed while it was read (:mod:`receiver.plugins.clean_load`). Idempotent."""
+    try:
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    except ImportError as exc:
+        server_log.warning("asyncsync vLLM plugin: no DefaultModelLoader (%s): a start on a "
+                           "checkpoint mid-apply is not held", exc)  # fmt: skip
+        return
+    original = DefaultModelLoader.load_weights
+    if getattr(original, "_asyncsync_whole", False):
+        return
+
+    def load_weights(self: Any, model: Any, model_config: Any) -> Any:
+        directory = str(getattr(model_config, "model", "") or "")
+        if not directory or not os.path.isdir(directory):
+            return original(self, model, model_config)
+        return load_whole_version(
+            directory, lambda: original(self, model, model_config), server_log
+        )
+
+    load_weights._asyncsync_whole = True  # type: ignore[attr-defined]
+    DefaultModelLoader.load_weights = load_weights
 
 
 # --------------------------------------------------------------------------- the worker side
