@@ -265,7 +265,7 @@ class RootPresence:
 
     async def ensure(self, bad: Sequence[int]) -> bool:
         """Rewrite the ack if it does not say what the engine holds; True if it was written."""
-        st = self.engine.state
+        st = self.engine.ackable()
         if st.version is None or st.run_id is None or st.fingerprint is None:
             return False
         if not await asyncio.to_thread(self.root.is_dir):

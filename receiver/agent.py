@@ -137,6 +137,7 @@ class ReceiverAgent:
         check_agent_options({name: given[name] for name in AGENT_OPTIONS})
         self.root = root_path(root)
         self.engine = engine
+        engine.on_lost = self._reconcile_ack  # a server found serving other weights: no ack
         try:
             self.engine_id = check_engine_id(engine_id)
         except ManifestError as exc:  # an argument, not the root's content
@@ -465,7 +466,7 @@ class ReceiverAgent:
             return
 
     async def _reconcile_ack(self) -> None:
-        await self._presence.reconcile(self.engine.state, self._bad.versions())
+        await self._presence.reconcile(self.engine.ackable(), self._bad.versions())
 
     async def _ack(self, m: Manifest) -> None:
         try:

@@ -162,6 +162,36 @@ async def test_zero_diff_after_a_restart_reloads_in_full(
         assert srv.weight_version == "2" and srv.loads[-1].checkpoint_version == 2
 
 
+async def test_a_restarted_server_has_its_ack_withdrawn_until_it_serves_the_version_again(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path
+) -> None:
+    """The ack says the engine holds the version (FORMAT.md 7). A server found serving another
+    version (restarted with its launch weights) no longer holds it: the ack is removed before
+    the reload, and written again once the server confirmed the version. Before, the ack named
+    the version throughout, the server serving its launch weights. The reload is held (a fault
+    of the fake) to look at the ack while it runs."""
+    async with agent_for(chain, make_engine(srv, tmp_path / "ckpt")) as agent:
+        await chain.next()
+        await chain.next()
+        assert await agent.sync_once() == 1
+        assert read_acks(chain.root)["e1"].version == 1
+        await srv.restart()  # the server now serves its launch weights as "default"
+        assert await agent.engine.serving_version() is None  # the idle check (or /readyz)
+        hold = asyncio.Event()
+        srv.inject("/update_weights_from_disk", status=None, hold=hold)
+        n = len(srv.calls)
+        sync = asyncio.create_task(agent.sync_once())
+        try:
+            await eventually(
+                lambda: "POST /update_weights_from_disk" in since(srv, n), "the reload"
+            )
+            assert "e1" not in read_acks(chain.root)
+        finally:
+            hold.set()
+        assert await sync == 1
+        assert srv.weight_version == "1" and read_acks(chain.root)["e1"].version == 1
+
+
 async def test_open_reconciles_only_when_needed(
     chain: Chain, srv: FakeSGLang, tmp_path: Path
 ) -> None:

@@ -20,6 +20,7 @@ the version the engine holds (``None`` when it holds nothing yet); it changes on
 from __future__ import annotations
 
 import abc
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -84,6 +85,14 @@ class Engine(abc.ABC):
     #: whether the agent may begin a delta from the version's self-describing shards, before
     #: its manifest exists (receiver.stream), and then :meth:`confirm` it
     streams: bool = False
+    #: set by the agent: awaited when the engine finds that it no longer serves the version it
+    #: holds, before it repairs that (the agent then withdraws the ack: :meth:`ackable`)
+    on_lost: Callable[[], Awaitable[None]] | None = None
+
+    def ackable(self) -> EngineState:
+        """What an ack may name now (FORMAT.md 7: the version the engine holds): ``state``,
+        or nothing while the engine knows it does not serve it (a restarted server)."""
+        return self.state
 
     async def open(self) -> EngineState:
         """Load persisted state (recovering from an interrupted apply) and return it."""

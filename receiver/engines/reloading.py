@@ -46,10 +46,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from asyncsync import fsio
-from asyncsync.errors import ApplyFailed, ConfigError, check_seconds
+from asyncsync.errors import ApplyFailed, ConfigError
 from asyncsync.format import Manifest
 from asyncsync.pipeline import LoopTasks
 from receiver.engines.audit_view import AuditWatch
+from receiver.engines.backoff import FailureBackoff
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import EngineHTTPError, HttpClient, RetryPolicy, Timeouts
@@ -130,26 +131,15 @@ class ReloadingEngine(Engine, abc.ABC):
         )
         self.checkpoint = LocalCheckpoint(checkpoint_dir)
         self.model_path = model_path or str(Path(checkpoint_dir).absolute())
-        if not isinstance(failure_backoff, tuple | list) or len(failure_backoff) != 2:
-            raise ConfigError(
-                f"failure_backoff must be (first, max) seconds, got {failure_backoff!r}"
-            )
-        for x in failure_backoff:
-            check_seconds("failure_backoff", x)
-        if failure_backoff[0] < 0 or failure_backoff[1] < failure_backoff[0]:
-            raise ConfigError(
-                f"failure_backoff must be (first >= 0, max >= first), got {failure_backoff}"
-            )
         self.failure_backoff = failure_backoff
+        self._backoff = FailureBackoff(failure_backoff, self.kind)
         self.record_path = self.checkpoint.directory / STATE_DIR_NAME / f"engine-{self.kind}.json"
         self.state = EngineState()
         self._txn: _Txn | None = None
         self._opened = False
-        self._failures = 0
-        self._retry_at = 0.0
-        self._last_failure: str | None = None
         self._lost = False  # the server dropped a call or reported another version: reconcile
         self._weights_unknown: str | None = None  # why the served weights cannot be trusted
+        self._serves_other: str | None = None  # the label a lost server reported instead
         self._background = LoopTasks()  # a resume a cancelled sync still owes
         self._paused = False  # paused by us and not (known to be) resumed since
         self.in_engine = in_engine
@@ -243,6 +233,15 @@ class ReloadingEngine(Engine, abc.ABC):
             ),
         }
 
+    def ackable(self) -> EngineState:
+        """Nothing while the server is known to serve other weights than the version held
+        (found restarted by :meth:`reconcile`, or a reload that failed midway): the ack then
+        names nothing until a reload is confirmed (docs/ENGINES.md, "What the agent
+        acknowledges")."""
+        if self._serves_other is not None or self._weights_unknown is not None:
+            return EngineState()
+        return self.state
+
     async def serving_version(self) -> int | None:
         """The version the server serves now: ``state.version`` when the server reports it,
         else None (restarted, down, or behind); a mismatch marks the server lost, so the next
@@ -286,7 +285,10 @@ class ReloadingEngine(Engine, abc.ABC):
                 label,
                 held,
             )
-            self._check_backoff(held)
+            self._serves_other = str(label)
+            if self.on_lost is not None:  # the agent withdraws the ack first
+                await self.on_lost()
+            self._backoff.check(held)
             await self._reload_server(held)
         self._lost = False
 
@@ -299,7 +301,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 f"v{self.checkpoint.state.version}, the server should serve v{held}"
             )
         logger.warning("%s at %s: reloading v%s in full", self.kind, self.client.url, held)
-        self._failures, self._retry_at = 0, 0.0  # an audit's repair is not a retried update
+        self._backoff.reset()  # an audit's repair is not a retried update
         await self._reload_server(held, full=True)
 
     async def _wait_for_server(self) -> None:
@@ -372,7 +374,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 f"{self.kind}: begin v{manifest.version} while v{self._txn.manifest.version} "
                 "is in progress; commit or abort it first"
             )
-        self._check_backoff(manifest.version)
+        self._backoff.check(manifest.version)
         if self.in_engine and await self.audit_watch.check(self.state) is not None:
             self._lost = True  # not staged onto it: this version's reload repairs it
         local = self.checkpoint.state
@@ -440,7 +442,7 @@ class ReloadingEngine(Engine, abc.ABC):
     async def bump(self, manifest: Manifest) -> None:
         if self._txn is not None:
             raise ApplyFailed(f"{self.kind}: bump while v{self._txn.manifest.version} is open")
-        self._check_backoff(manifest.version)
+        self._backoff.check(manifest.version)
         if not self._holds(self.checkpoint.state, manifest):
             await self.checkpoint.bump(manifest)
         if self._lost:
@@ -451,7 +453,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 await self._guard(self._relabel(manifest.version + self.version_offset))
                 await self._confirm(manifest.version)
             except ApplyFailed:
-                self._failed()
+                self._backoff.failed()
                 raise
         else:
             logger.warning(
@@ -509,11 +511,11 @@ class ReloadingEngine(Engine, abc.ABC):
                     self.client.url,
                     version,
                 )
-            self._failed()
+            self._backoff.failed()
             raise
         self._lost = False
-        self._weights_unknown = None
-        self._failures, self._retry_at, self._last_failure = 0, 0.0, None
+        self._weights_unknown = self._serves_other = None
+        self._backoff.reset()
         if repairs is not None:
             await self.audit_watch.repaired(started)
         logger.info(
@@ -564,20 +566,6 @@ class ReloadingEngine(Engine, abc.ABC):
             raise ApplyFailed(f"{self.kind}: unexpected answer: {exc}") from exc
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _failed(self) -> None:
-        self._failures += 1
-        first, most = self.failure_backoff
-        delay = min(first * 2 ** (self._failures - 1), most)
-        self._retry_at = time.monotonic() + delay
-        self._last_failure = f"{self._failures} consecutive failure(s), next attempt in {delay:g}s"
-
-    def _check_backoff(self, version: int) -> None:
-        left = self._retry_at - time.monotonic()
-        if left > 0:
-            raise ApplyFailed(
-                f"{self.kind}: not trying v{version} yet ({self._last_failure}; {left:.1f}s left)"
-            )
-
     def _need_txn(self) -> _Txn:
         if self._txn is None:
             raise ApplyFailed(f"{self.kind}: apply/commit without begin")
