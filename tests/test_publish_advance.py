@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -108,13 +109,15 @@ async def test_a_cancel_during_the_snapshot_copy_never_leaves_a_half_advanced_sn
 
 
 async def test_a_snapshot_copy_that_fails_after_the_commit_makes_the_next_version_a_keyframe(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The version is committed before the snapshot copy: a copy that fails (out of memory)
     leaves the publisher at that version, its snapshot not trusted, so the next version is a
     keyframe, and a receiver still reaches the trainer's bytes. (It raised out of publish
     before, the publisher still at the version before, so the next publish collided with the
-    committed version's directory.)"""
+    committed version's directory.) The keyframe is full alone: it carried a delta diffed
+    against the half-copied snapshot, which the receiver at v1 applied, found wrong ("does not
+    apply to the engine's bytes: re-seeding") and read the full data after (helper-56)."""
     root, ckpt = tmp_path / "root", tmp_path / "ckpt"
     sd0 = mixed_state(0)
     sd1 = mutate(sd0, 0.5, seed=1)  # seeded again: a full version of the same tensors
@@ -133,19 +136,25 @@ async def test_a_snapshot_copy_that_fails_after_the_commit_makes_the_next_versio
         assert pub.stale  # the snapshot is not what was shipped
         monkeypatch.setattr(snapshot, "advance", real)
         res = await pub.publish(sd2)
-        assert (res.version, res.kind, res.base_version) == (2, "full", 1)  # a keyframe
+        assert (res.version, res.kind, res.base_version) == (2, "full", None)  # no stale delta
     async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        await sync_to(agent, root, 1)
+        caplog.clear()
         assert await agent.sync_once() == 2
         assert_holds(LocalCheckpoint(ckpt).load_state_dict(), sd2)
+    assert not _reseeded(caplog)
 
 
 async def test_a_ranks_failed_snapshot_copy_makes_the_groups_next_version_a_keyframe(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A rank of a group advances its snapshot after each commit (its diff does not); the
     copy failing half-way leaves that rank's snapshot stale, which its plan must tell rank 0
     (``want_full``), or the next version carries that rank's delta against a snapshot no engine
-    holds, refused by every engine until the next keyframe."""
+    holds, refused by every engine until the next keyframe. The keyframe was planned with a
+    delta, which the stale rank diffed against that snapshot: the receiver at v1 applied it,
+    found its tensors wrong and re-seeded from the full data; now it is full alone, with no
+    base (helper-56)."""
     root, ckpt = tmp_path / "root", tmp_path / "ckpt"
     pubs = [
         Publisher(
@@ -179,10 +188,18 @@ async def test_a_ranks_failed_snapshot_copy_makes_the_groups_next_version_a_keyf
             assert pubs[1].stale and not pubs[0].stale
             assert await agent.sync_once() == 1
             monkeypatch.setattr(snapshot, "advance", real)
-            assert [r.kind for r in await together(2)] == ["full", "full"]  # a keyframe
+            caplog.clear()
+            got = await together(2)
+            assert [(r.kind, r.base_version) for r in got] == [("full", None)] * 2  # no delta
             assert not pubs[1].stale
             assert await agent.sync_once() == 2
     assert_holds(LocalCheckpoint(ckpt).load_state_dict(), full_state(2, 2))
+    assert not _reseeded(caplog)
+
+
+def _reseeded(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The receiver's warnings that a version's delta did not apply to what it held."""
+    return [r.getMessage() for r in caplog.records if "re-seeding" in r.getMessage()]
 
 
 # --------------------------------------------------------------------------- a rank of a group
@@ -196,10 +213,10 @@ def _ranks(root: Path, timeout: float = 30) -> tuple[list[Publisher], MissOutcom
     return pubs, miss
 
 
-def _step(pubs: list[Publisher], step: int) -> list[Any]:
-    """Both ranks' calls for ``step`` (coroutines)."""
+def _step(pubs: list[Publisher], step: int, **kw: Any) -> list[Any]:
+    """Both ranks' calls for ``step`` (coroutines); ``kw``: publish's."""
     parts = [portion(step, r, 2) for r in range(2)]
-    calls = [p.seed if step == 0 else p.publish for p in pubs]
+    calls = [p.seed if step == 0 else partial(p.publish, **kw) for p in pubs]
     return [c(sd, slices=sl, step=step) for c, (sd, sl) in zip(calls, parts, strict=True)]
 
 
@@ -335,14 +352,17 @@ def test_the_snapshot_advances_on_the_pool_to_the_committed_bytes(shift: int) ->
     assert all(t.is_contiguous() for t in out.values())
 
 
+@pytest.mark.parametrize("keyframe", [False, True])
 async def test_a_failed_adoption_copy_never_lets_the_round_diff_against_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyframe: bool
 ) -> None:
     """Rank 1 adopts v1, whose outcome it missed, after the plan of v2 was agreed (a delta,
     rank 1 said it could diff once v1 turned out committed), and the copy fails half-way (out
     of memory). Its snapshot is then not v1: diffing v2 against it would ship a delta no engine
     can apply. The round must fail instead, and the next one be a keyframe; every version
-    committed holds one step's model."""
+    committed holds one step's model. ``keyframe``: the round was a keyframe (its delta diffed
+    against that snapshot all the same: the round went through, and every receiver at v1
+    re-seeded; helper-56)."""
     root = tmp_path / "root"
     pubs, miss = _ranks(root)
     real = snapshot.advance
@@ -360,7 +380,7 @@ async def test_a_failed_adoption_copy_never_lets_the_round_diff_against_it(
         r0, r1 = await asyncio.gather(*_step(pubs, 1), return_exceptions=True)
         assert isinstance(r1, OutcomeUnknown) and r0.version == 1, (r0, r1)
         monkeypatch.setattr(snapshot, "advance", rank1_fails_half_way)
-        got = await asyncio.gather(*_step(pubs, 3), return_exceptions=True)
+        got = await asyncio.gather(*_step(pubs, 3, keyframe=keyframe), return_exceptions=True)
         assert all(isinstance(g, PublishError) for g in got), got  # refused
         assert "could not be brought up to v1" in str(got[1]), got
         assert pubs[1].version == 1 and pubs[1].stale

@@ -15,8 +15,9 @@ The version is committed when this runs, so the snapshot is never left between t
 a cancellation that arrives meanwhile waits for the thread and is reported to the caller
 (which raises it once its bookkeeping is done, as :func:`asyncsync.publish.commit.complete`
 does), and a copy that fails (out of memory) leaves every tensor marked stale
-(``Publisher.stale``), so that the next version is a keyframe (a group's, when one rank's is
-stale) and no delta is diffed against a snapshot nobody verified.
+(``Publisher.stale``), so that the next version is full with no delta (a group's, when one
+rank's is stale: no rank's delta is diffed against a snapshot nobody verified, a keyframe's
+included).
 """
 
 from __future__ import annotations

@@ -137,7 +137,8 @@ class Publisher:
 
     Attributes:
         stale: set after a full version: the tensors changed before its commit (their snapshot
-            is not what was shipped; a warning says so), making the next version a keyframe.
+            is not what was shipped; a warning says so), making the next version full, with
+            no delta (one diffed against that snapshot would not apply on any receiver).
     """
 
     def __init__(

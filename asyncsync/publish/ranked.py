@@ -180,8 +180,10 @@ class SoloCommitter:
                 "re-initialise from it", version, pub.schema_changes(state_dict),
             )  # fmt: skip
             return Round(version, delta=False, full=True, slices=sl)
+        if pub.stale:  # receivers hold what was shipped, not the snapshot: no delta from it
+            return Round(version, delta=False, full=True, slices=sl)
         due = pub.keyframe_interval > 0 and version % pub.keyframe_interval == 0
-        return Round(version, delta=True, full=keyframe or due or bool(pub.stale), slices=sl)
+        return Round(version, delta=True, full=keyframe or due, slices=sl)
 
     async def finish(
         self,
@@ -285,7 +287,9 @@ class RankedCommitter:
         schema = schema_of(state_dict, sl) if error is None else {}
         plan = await group.plan(
             snapshot=pub.last_version if pub.has_snapshot else None,
-            can_delta=ok and pub.has_snapshot and pub.same_schema(state_dict, sl),
+            # a stale snapshot is not what receivers hold: a delta from it (even a keyframe's)
+            # would not apply, and every receiver re-seeds; the group publishes full instead
+            can_delta=ok and pub.has_snapshot and not pub.stale and pub.same_schema(state_dict, sl),
             can_delta_after=ok and u is not None and u.schema == schema,
             want_full=keyframe or bool(pub.stale),  # its snapshot is not what it shipped
             error=error,
@@ -300,7 +304,7 @@ class RankedCommitter:
         refuse = None
         if plan.delta and pub.last_version != plan.version - 1:
             refuse = f"rank {self.rank} holds v{pub.last_version}, not v{plan.version - 1}"
-        elif plan.delta and not plan.full and pub.stale:  # the adoption's copy failed
+        elif plan.delta and pub.stale:  # the adoption's copy failed (a keyframe's delta too)
             refuse = (
                 f"rank {self.rank}: its snapshot could not be brought up to v{pub.last_version}, "
                 "whose outcome it had missed (see its log): no delta is diffed against it; "
