@@ -10,7 +10,10 @@ what each call returned in ``out/rank{r}-{incarnation}.json``.
 
 Fault injection (cfg keys): ``kill`` = [rank, step] SIGKILLs that rank after it wrote its first
 shard of that step; ``slow`` = [rank, step] makes that rank's first shard write of that step
-take 1.5 s longer; ``miss`` = [rank, step] makes that rank miss the commit outcome;
+take 1.5 s longer (``[rank, step, s]``: s seconds; ``pg_timeout``: the gloo group's timeout,
+30 s by default); ``cancel_in_write`` = [rank, step] cancels that rank's call of that step
+once it wrote its first shard (the step is then retried); ``miss`` = [rank, step] makes that
+rank miss the commit outcome;
 ``fail`` = [rank, step] makes that rank's encode stage raise once; ``exit_on_error`` ends the
 process (code 3) after a failed publish; ``kill_after_rename`` = [0, step] SIGKILLs rank 0 right
 after it renamed that step's manifest into place; ``cancel_after_rename`` = [0, step] cancels
@@ -113,7 +116,7 @@ class MissOutcome(Coordinator):
     def __init__(self, inner: Coordinator) -> None:
         self.inner = inner
         self.rank, self.world_size = inner.rank, inner.world_size
-        self.broken_grace = inner.broken_grace
+        self.broken_grace, self.silence = inner.broken_grace, inner.silence
         self.armed = False
 
     async def open(self) -> None:
@@ -121,6 +124,9 @@ class MissOutcome(Coordinator):
 
     def heartbeat(self, key: str) -> AbstractAsyncContextManager[None]:
         return self.inner.heartbeat(key)  # (without it this rank never beat: "silent")
+
+    async def abandon(self, step: str, key: str, message: dict[str, Any]) -> None:
+        await self.inner.abandon(step, key, message)
 
     async def exchange(
         self, step: str, key: str | None, message: dict[str, Any], decide: Decide
@@ -142,15 +148,27 @@ def _arm_kill() -> None:
     writer_mod.VersionWriter.write = write_then_die  # type: ignore[method-assign]
 
 
-def _arm_slow() -> None:
+def _arm_slow(seconds: float = 1.5) -> None:
     real = writer_mod.VersionWriter.write
 
     def slow_write(self: Any, *a: Any, **k: Any) -> None:
         writer_mod.VersionWriter.write = real  # type: ignore[method-assign]
-        time.sleep(1.5)
+        time.sleep(seconds)
         real(self, *a, **k)
 
     writer_mod.VersionWriter.write = slow_write  # type: ignore[method-assign]
+
+
+def _arm_cancel(task: list[Any]) -> None:
+    """The next shard write cancels ``task[0]`` (the call's), once the shard is written."""
+    real, loop = writer_mod.VersionWriter.write, asyncio.get_running_loop()
+
+    def write_then_cancel(self: Any, *a: Any, **k: Any) -> None:
+        writer_mod.VersionWriter.write = real  # type: ignore[method-assign]
+        real(self, *a, **k)
+        loop.call_soon_threadsafe(task[0].cancel)
+
+    writer_mod.VersionWriter.write = write_then_cancel  # type: ignore[method-assign]
 
 
 def _arm_fail() -> None:
@@ -242,8 +260,8 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
             sd, slices = portion(step, rank, world)
             if cfg.get("kill") == [rank, step] and not cfg.get("incarnation"):
                 _arm_kill()
-            if cfg.get("slow") == [rank, step] and not cfg.get("incarnation"):
-                _arm_slow()
+            if (cfg.get("slow") or [None])[:2] == [rank, step] and not cfg.get("incarnation"):
+                _arm_slow(*cfg["slow"][2:])
             if cfg.get("fail") == [rank, step] and tries == 0:
                 _arm_fail()
             if miss is not None and cfg.get("miss") == [rank, step]:
@@ -273,6 +291,9 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 if snap_fault:
                     call = asyncio.ensure_future(call)
                     _arm_snapshot(snap_fault[0][1], [call], snap_fault[0][0] == "in_adopt")
+                if cfg.get("cancel_in_write") == [rank, step] and first:
+                    call = asyncio.ensure_future(call)
+                    _arm_cancel([call])
                 if (c := cfg.get("cancel_in_plan")) and c[:2] == [rank, step] and first:
                     task = asyncio.ensure_future(call)  # rank 0 comes c[2] * 3 s later
                     asyncio.get_running_loop().call_later(c[2], task.cancel)
@@ -284,8 +305,10 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 step, tries = step + 1, 0
             except asyncio.CancelledError:
                 rec.update(cancelled=True)
-                if (cfg.get("in_adopt") or [None])[:2] == [rank, step]:
-                    tries += 1  # cancelled in the plan: this step was not published, again
+                if (cfg.get("in_adopt") or [None])[:2] == [rank, step] or cfg.get(
+                    "cancel_in_write"
+                ) == [rank, step]:  # fmt: skip
+                    tries += 1  # cancelled before the commit: this step was not published, again
                 else:
                     if not cfg.get("cancel_in_plan"):  # (cancelled after the rename: committed)
                         rec.update(version=pub.version)
@@ -321,8 +344,9 @@ def main(cfg: dict[str, Any]) -> None:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(cfg["port"])
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
-        )
+            "gloo", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 30)),
+        )  # fmt: skip
         coord = TorchDistCoordinator()
     else:
         coord = FileRendezvous(cfg["root"], rank, world, timeout=cfg.get("timeout", 10.0))

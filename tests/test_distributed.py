@@ -234,6 +234,30 @@ async def test_torch_killed_rank_then_the_group_restarts(tmp_path: Path) -> None
     assert_holds(mod.state_dict(), full_state(3, WORLD))
 
 
+async def test_torch_a_hung_rank_is_found_by_the_process_groups_timeout(tmp_path: Path) -> None:
+    """gloo: rank 1 hangs in its first shard write of step 1 (8 s; a stuck mount). The torch
+    coordinator has no heartbeat (a collective every rank joined cannot be left): rank 0 finds
+    rank 1 only at the process group's timeout (here 3 s; 30 minutes by default) and names it,
+    saying so; it said "no part record and no heartbeat within the timeout", of a heartbeat
+    that never existed, and the docs promised liveness by heartbeats."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    cfg = {"coord": "torch", "world": 2, "root": str(root), "out": str(out), "steps": 2,
+           "port": free_port(), "pg_timeout": 3, "slow": [1, 1, 8.0],
+           "exit_on_error": True}  # fmt: skip
+    procs = [_spawn({**cfg, "rank": r}) for r in range(2)]
+    await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 120, "the group")
+    assert [p.exitcode for p in procs] == [3, 3]
+    err = _logs(out)[0][-1]
+    assert err["step"] == 1 and err["ranks"] == [1], err
+    assert (
+        "ranks [1] went silent: nothing from it within the process group's timeout"
+        in (err["error"])
+    ), err
+    assert "heartbeat" not in err["error"]
+    assert list_versions(root) == [0]
+
+
 async def test_torch_a_cancelled_call_leaves_the_group_whole(tmp_path: Path) -> None:
     """gloo: rank 1's publish of step 2 is cancelled while it waits in the plan (rank 0 comes
     later). Its gather went on in its thread without the broadcast after it, so the next

@@ -300,12 +300,18 @@ def _uneven(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 async def test_a_slow_rank_is_waited_for_and_a_silent_one_named(
-    tmp_path: Path, throttle: Callable[[Throttle | None], None]
+    tmp_path: Path, throttle: Callable[[Throttle | None], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """16 B against 8 MB over a 4 MB/s filesystem with timeout=1.5: rank 1 writes for 2 s while
-    it beats, and the version commits; a rank that stops beating is called silent."""
+    it beats, and the version commits; a rank that stops beating is called silent (stopped by
+    a cancel that tells nobody, as a rank that dies)."""
     root = tmp_path / "root"
     throttle(Throttle(bandwidth=4e6, root=str(root)))
+
+    async def tells_nobody(*a: Any) -> None:
+        return None
+
+    monkeypatch.setattr(FileRendezvous, "abandon", tells_nobody)
     p0, p1 = _pair(root, timeout=1.5)
     async with p0, p1:
         t = time.monotonic()
@@ -399,6 +405,38 @@ async def test_a_rank_stopped_while_it_brings_its_snapshot_up(
         for v, step in enumerate(steps):
             await sync_to(agent, root, v)
             assert_holds(mod.state_dict(), full_state(step, W))
+
+
+# --------------------------------------------------------------------------- a cancelled rank
+
+
+@pytest.mark.parametrize("coord", ["torch", "file"])
+@pytest.mark.parametrize("cancelled", [0, 1])
+async def test_a_cancelled_rank_fails_the_round_at_once_naming_it(
+    tmp_path: Path, coord: str, cancelled: int
+) -> None:
+    """A rank's publish of step 2 is cancelled while it writes its shards (the trainer stopped
+    it). It told nobody: the other rank waited for its part until the timeout (the process
+    group's, 30 minutes by default, over gloo; here 20 s) and then called it silent, or over
+    gloo its next call's plan paired with the other's commit. Now it takes part in the commit
+    with its error: the other rank fails the round at once naming it and the cancel, the step
+    is published again, and every version is one step's model."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    cfg = {"coord": coord, "world": W, "root": str(root), "out": str(out), "steps": 3,
+           "port": free_port(), "timeout": 20.0, "pg_timeout": 20,
+           "cancel_in_write": [cancelled, 2]}  # fmt: skip
+    procs = [_spawn({**cfg, "rank": r}) for r in range(W)]
+    await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 120, "the group")
+    assert [p.exitcode for p in procs] == [0, 0]
+    logs = _logs(out)
+    first = [next(r for r in logs[k] if r["step"] == 2) for k in range(W)]
+    assert first[cancelled].get("cancelled"), first
+    other = first[1 - cancelled]
+    assert other["ranks"] == [cancelled], other
+    assert f"rank {cancelled}" in other["error"] and "was cancelled" in other["error"], other
+    assert_steps(root, [0, 1, 2, 3])
+    assert_finished(root)
 
 
 # --------------------------------------------------------------------------- a skipped step

@@ -107,10 +107,26 @@ class Coordinator(abc.ABC):
         the group is never taken. Raises CoordinationError when this rank cannot learn the result.
         """
 
+    #: how a silent rank is found, for the error that names it
+    silence: str = "no part record within the timeout"
+
     def heartbeat(self, key: str) -> AbstractAsyncContextManager[None]:
         """While entered, tell the other ranks that this rank is alive and working on round
         ``key`` (rank 0 waits for a rank that says so). Default: nothing to do."""
         return contextlib.nullcontext()
+
+    async def abandon(self, step: str, key: str, message: Message) -> None:
+        """This rank's call ended (cancelled) before it took part in round ``key`` of ``step``
+        (a commit, whose key every rank knows): tell the others as soon as the transport
+        allows, so that they fail at once naming this rank (``message["error"]``), not after
+        the timeout. Rank 0 answers every rank with a failure naming itself. Default: a full
+        exchange (every rank's messages, then rank 0's failure)."""
+        why = str(message.get("error"))
+
+        async def failed(msgs: list[Message | None]) -> Message:
+            return {"committed": False, "ranks": [0], "error": f"rank 0: {why}"}
+
+        await self.exchange(step, key, message, failed)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank}/{self.world_size}>"
@@ -145,7 +161,18 @@ class TorchDistCoordinator(Coordinator):
     ``broken_grace`` seconds for the part records of the ranks still writing theirs, and names
     only the ranks whose record never came. A call cancelled during an exchange first completes
     it (rank 0 answers one it cannot decide with a failure): a collective half done would pair
-    with another kind on the other ranks and break the group."""
+    with another kind on the other ranks and break the group.
+
+    There is no heartbeat: a collective cannot be left once every rank joined it, so a rank
+    hung inside a round (a write stuck on a dead mount, a deadlock) holds every rank in the
+    commit exchange until the process group's timeout (``init_process_group(timeout=...)``,
+    30 minutes by default for gloo), after which rank 0 names it silent and the group is broken
+    as by a dead rank. Use :class:`~asyncsync.publish.rendezvous.FileRendezvous` (heartbeats,
+    ``max_wait``) where a hung rank must be found sooner. A rank whose call is cancelled before
+    the commit exchange still takes part in it with its error (:meth:`abandon`): the others
+    fail that round naming it, once every rank has reached the exchange."""
+
+    silence = "nothing from it within the process group's timeout (hung or dead?)"
 
     def __init__(self, process_group: Any = None, *, broken_grace: float = 5.0) -> None:
         import torch.distributed as dist

@@ -174,8 +174,13 @@ class RankGroup:
         beat: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
         if isinstance(attempt, str) and not res.get("error"):  # rank 0 now waits for our part
             beat = self.coordinator.heartbeat(attempt)
-        async with beat:  # an adoption's copy may take long: this rank is alive meanwhile
-            await self._resolve(res.get("last_attempt"), adopt)
+        try:
+            async with beat:  # an adoption's copy may take long: this rank is alive meanwhile
+                await self._resolve(res.get("last_attempt"), adopt)
+        except asyncio.CancelledError:  # the others go on to the commit: tell them
+            if isinstance(attempt, str) and not res.get("error") and error is None:
+                await self._abandon(res.get("version"), attempt)
+            raise
         if error is not None:
             raise error
         if res.get("error"):
@@ -272,7 +277,9 @@ class RankGroup:
         defers a cancellation that arrives after the rename until this returns.)
         """
         if isinstance(part, BaseException) and not isinstance(part, Exception):
-            if self.is_committer:  # cancelled: the others time out; leave nothing behind
+            if isinstance(part, asyncio.CancelledError):  # the others would wait: tell them
+                await self._abandon(plan.version, plan.attempt)
+            if self.is_committer:  # leave nothing behind
                 await _remove_uncommitted(vdir)
             raise part
         message: Message = {"version": plan.version, "attempt": plan.attempt}  # the round
@@ -369,9 +376,26 @@ class RankGroup:
                 if pending is not None:
                     self.unresolved = _kept(pending)
                 raise OutcomeUnknown(f"rank {self.rank}: unreadable commit result: {exc}") from exc
-        if isinstance(part, BaseException):
+        blamed = tuple(res.get("ranks") or ())
+        if isinstance(part, BaseException) and (not blamed or self.rank in blamed):
             raise own_failure() from part
-        raise PublishError(str(res.get("error")), ranks=tuple(res.get("ranks") or ()))
+        if isinstance(part, BaseException):  # another rank's failure (rank 0 cancelled) came first
+            raise PublishError(
+                f"{res.get('error')} (this rank's own part failed too: {message['error']})",
+                ranks=blamed,
+            ) from part
+        raise PublishError(str(res.get("error")), ranks=blamed)
+
+    async def _abandon(self, version: object, attempt: str) -> None:
+        """This rank's call was cancelled before the commit exchange of ``attempt``: tell the
+        others (:meth:`Coordinator.abandon`), so that they fail it at once naming this rank
+        instead of waiting for it until the timeout."""
+        why = f"its publish call was cancelled before it reported its part of v{version}"
+        message: Message = {"version": version, "attempt": attempt, "error": why}
+        try:
+            await self.coordinator.abandon("commit", attempt, message)
+        except Exception as exc:  # the others find this rank silent after the timeout
+            logger.warning("rank %d: telling the others of the cancel failed: %r", self.rank, exc)
 
     async def _failure(self, plan: Plan, vdir: Path, msgs: Sequence[Message | None]) -> Message:
         """The failure result naming the ranks that failed or sent nothing."""
@@ -388,11 +412,7 @@ class RankGroup:
         failed = [(r, m["error"]) for r, m in enumerate(msgs) if m is not None and "error" in m]
         why = [f"rank {r} failed: {e}" for r, e in failed]
         if silent:
-            why.insert(
-                0,
-                f"ranks {silent} went silent: no part record and no heartbeat within the "
-                "timeout (died or hung?)",
-            )
+            why.insert(0, f"ranks {silent} went silent: {self.coordinator.silence}")
         return {
             "committed": False,
             "ranks": sorted({*silent, *(r for r, _ in failed)}),

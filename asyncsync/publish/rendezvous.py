@@ -147,6 +147,8 @@ class FileRendezvous(Coordinator):
         self._taken: collections.deque[str] = collections.deque(maxlen=4 * HISTORY)  # nonces
         self._warned: set[str] = set()  # rank 0: nonces of late messages it told to give up
 
+    silence = "no part record and no heartbeat within the timeout (died or hung?)"
+
     def __repr__(self) -> str:
         return f"<FileRendezvous rank={self.rank}/{self.world_size} job={self.job!r} {self.dir}>"
 
@@ -532,6 +534,19 @@ class FileRendezvous(Coordinator):
         with contextlib.suppress(OSError):
             data = json.dumps(record).encode()
             await asyncio.to_thread(partial(atomic_write, self._path("plan"), data, root=self.root))
+
+    async def abandon(self, step: str, key: str, message: Message) -> None:
+        """Without waiting: rank 0 writes the round's result (failed, naming rank 0), another
+        rank its message (rank 0 takes its error at once) and leaves it there."""
+        record: Message = {"group": self._group, "job": self.job, "key": key}
+        if self.rank == 0:
+            why = f"rank 0: {message.get('error')}"
+            record.update(id=None, nonces={}, body={"committed": False, "ranks": [0], "error": why})
+        else:  # as _follow's send() writes it
+            record.update(nonce=secrets.token_hex(8), timeout=self.timeout, body=message)
+        path = self._path(step, None if self.rank == 0 else self.rank)
+        data = json.dumps(record).encode()
+        await finish_thread(partial(atomic_write, path, data, root=self.root))
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self, key: str) -> AbstractAsyncContextManager[None]:

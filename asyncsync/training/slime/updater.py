@@ -85,6 +85,7 @@ class _HookedCoordinator(Coordinator):
     def __init__(self, inner: Coordinator, run_hook: Callable[[int], None]) -> None:
         self.inner, self.run_hook = inner, run_hook
         self.rank, self.world_size = inner.rank, inner.world_size
+        self.broken_grace, self.silence = inner.broken_grace, inner.silence
         self._version: int | None = None
 
     async def open(self) -> None:
@@ -92,6 +93,9 @@ class _HookedCoordinator(Coordinator):
 
     def heartbeat(self, key: str) -> AbstractAsyncContextManager[None]:
         return self.inner.heartbeat(key)
+
+    async def abandon(self, step: str, key: str, message: Message) -> None:
+        await self.inner.abandon(step, key, message)
 
     async def exchange(
         self, step: str, key: str | None, message: Message, decide: Decide
