@@ -11,7 +11,8 @@ what each call returned in ``out/rank{r}-{incarnation}.json``.
 Fault injection (cfg keys): ``kill`` = [rank, step] SIGKILLs that rank after it wrote its first
 shard of that step; ``slow`` = [rank, step] makes that rank's first shard write of that step
 take 1.5 s longer (``[rank, step, s]``: s seconds; ``pg_timeout``: the gloo group's timeout,
-30 s by default); ``cancel_in_write`` = [rank, step] cancels that rank's call of that step
+30 s by default); ``exit_at`` = [rank, step] ends that rank (code 5) before its call of that step;
+``cancel_in_write`` = [rank, step] cancels that rank's call of that step
 once it wrote its first shard (the step is then retried); ``miss`` = [rank, step] makes that
 rank miss the commit outcome;
 ``fail`` = [rank, step] makes that rank's encode stage raise once; ``exit_on_error`` ends the
@@ -271,6 +272,8 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 _arm_kill_after_rename()
             if cfg.get("slow_broadcast") == [rank, step] and first:
                 _arm_slow_broadcast(coord)
+            if cfg.get("exit_at") == [rank, step]:
+                os._exit(5)  # gone before the plan: the others' exchange breaks
             rec: dict[str, Any] = {"step": step}
             if cfg.get("skip") == [rank, step]:
                 rec["skipped"] = True

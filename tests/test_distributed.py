@@ -258,6 +258,27 @@ async def test_torch_a_hung_rank_is_found_by_the_process_groups_timeout(tmp_path
     assert list_versions(root) == [0]
 
 
+@pytest.mark.parametrize("gone", [0, 1])
+async def test_torch_a_broken_plan_exchange_says_what_broke(tmp_path: Path, gone: int) -> None:
+    """gloo: one rank of two ends before its call of step 1, and the other's plan exchange
+    breaks. Rank 1 read "could not agree on the next version with rank 0", rank 0 "ranks [1]
+    did not join the publish of v1 in time (slow to call publish, or not running)", whatever
+    broke; now each says that the exchange failed in torch.distributed, gloo's words, and what
+    to do."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    cfg = {"coord": "torch", "world": 2, "root": str(root), "out": str(out), "steps": 2,
+           "port": free_port(), "exit_at": [gone, 1], "exit_on_error": True}  # fmt: skip
+    procs = [_spawn({**cfg, "rank": r}) for r in range(2)]
+    await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 120, "the group")
+    assert procs[gone].exitcode == 5 and procs[1 - gone].exitcode == 3
+    err = _logs(out)[1 - gone][-1]
+    assert err["step"] == 1, err
+    assert f"rank {1 - gone}: the plan exchange failed in torch.distributed (" in err["error"]
+    assert "restart every rank" in err["error"], err
+    assert "could not agree" not in err["error"] and "did not join" not in err["error"], err
+
+
 async def test_torch_a_cancelled_call_leaves_the_group_whole(tmp_path: Path) -> None:
     """gloo: rank 1's publish of step 2 is cancelled while it waits in the plan (rank 0 comes
     later). Its gather went on in its thread without the broadcast after it, so the next

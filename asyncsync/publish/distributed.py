@@ -233,6 +233,8 @@ class TorchDistCoordinator(Coordinator):
                 await self._send(step, self._abort(step, key))
                 raise
             except Exception as exc:  # gloo/NCCL errors: a rank died, a timeout, a broken group
+                if step == "plan":  # nothing to decide alone: say what happened
+                    raise CoordinationError(f"rank 0: {_broken(step, exc)}") from exc
                 logger.error("rank 0: the %s exchange failed (%s); deciding alone", step, exc)
                 return await decide([message] + [None] * (self.world_size - 1))
             assert got is not None
@@ -262,9 +264,7 @@ class TorchDistCoordinator(Coordinator):
         except CoordinationError:
             raise
         except Exception as exc:  # gloo/NCCL errors: a rank died, a timeout, a broken group
-            raise CoordinationError(
-                f"rank {self.rank}: the {step} exchange with rank 0 failed: {exc}"
-            ) from exc
+            raise CoordinationError(f"rank {self.rank}: {_broken(step, exc)}") from exc
         if isinstance(res.get("realign"), int):
             return res
         if (res.get("step"), res.get("key")) != (step, key) or not isinstance(
@@ -309,6 +309,15 @@ class TorchDistCoordinator(Coordinator):
                         "pass step= to publish on every rank, or on none"}  # fmt: skip
             return None
         return dict(m["body"])
+
+
+def _broken(step: str, exc: Exception) -> str:
+    """What a collective that raised means (the transport's words, then what to do)."""
+    return (
+        f"the {step} exchange failed in torch.distributed ({exc}): a rank died or hung past the "
+        "process group's timeout, and the group is likely broken for good (restart every rank, "
+        "as after a rank's death)"
+    )
 
 
 async def _to_the_end(aw: Awaitable[Any]) -> Any:

@@ -162,13 +162,11 @@ class RankGroup:
         try:
             key = None if step is None else step_key(step)
             res = await self.coordinator.exchange("plan", key, hello, decide)
-        except CoordinationError as exc:
+        except CoordinationError as exc:  # its own words: a transport's failure, an odd round
             if error is not None:
                 raise error from exc
             raise PublishError(
-                f"rank {self.rank}: could not agree on the next version with rank 0 ({exc}); "
-                "nothing was published by this attempt",
-                ranks=(0,),
+                f"{exc}; nothing was published by this attempt", ranks=(0,) if self.rank else ()
             ) from exc
         attempt = res.get("attempt")
         beat: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
