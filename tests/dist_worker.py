@@ -22,9 +22,10 @@ rank 0's publish of that step once its manifest exists, while ``slow_broadcast``
 makes that rank join rank 0's broadcast of the commit result a second late (torch only).
 ``cancel_in_plan`` = [rank, step, s] cancels that rank's publish of that step s seconds in,
 while it waits in the plan (rank 0 calls 3 s later). ``stepped`` passes the step to every
-publish (``step=``); ``skip`` = [rank, step] makes that
-rank skip that step's call (as a trainer whose step failed before it could publish); a rank
-told that its call is behind the group's step moves on to the next step.
+publish (``step=``); ``skip`` = [rank, step, n] makes that
+rank skip the calls of n steps from that one (as a trainer whose steps failed before it could
+publish; n = 1 when left out); a rank told that its call is behind the group's step
+(``StepBehind``) moves on to the group's step, which the error names.
 ``in_adopt`` = [rank, step, how] acts while that rank's call of that step brings its snapshot
 up to a version it missed (``miss``), half-way through the copy; ``after_commit`` = [rank, step,
 how] while it brings it up to the version just committed. ``how``: "kill" (SIGKILL) or "cancel"
@@ -275,7 +276,7 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
             if cfg.get("exit_at") == [rank, step]:
                 os._exit(5)  # gone before the plan: the others' exchange breaks
             rec: dict[str, Any] = {"step": step}
-            if cfg.get("skip") == [rank, step]:
+            if (k := cfg.get("skip")) and k[0] == rank and 0 <= step - k[1] < (k[2:] or [1])[0]:
                 rec["skipped"] = True
                 log.append(rec)
                 step += 1
@@ -325,8 +326,8 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                 rec.update(error=str(exc), ranks=list(exc.ranks), at=at)
                 rec.update(manifest_after_error=nxt.exists())
                 tries += 1
-                if isinstance(exc, StepBehind):  # the group went on without this step
-                    step, tries = step + 1, 0
+                if isinstance(exc, StepBehind):  # the group went on: publish its step
+                    step, tries = exc.group_step if exc.group_step is not None else step + 1, 0
                 if tries > 6:
                     raise
             log.append(rec)

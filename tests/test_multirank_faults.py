@@ -447,27 +447,29 @@ async def test_a_cancelled_rank_fails_the_round_at_once_naming_it(
 async def test_a_rank_that_skips_a_step_costs_the_group_that_step_only(
     tmp_path: Path, coord: str, skipper: int
 ) -> None:
-    """Issue 23: rank ``skipper`` skips step 2 (its step failed before it could publish). With
-    the caller's step in every round, the other rank's step 2 is never paired with the
-    skipper's step 3 (over gloo the calls pair in order: that made a version of two steps); the
+    """Issue 23: rank ``skipper`` skips steps 2 and 3 (they failed before it could publish).
+    With the caller's step in every round, the other rank's step 2 is never paired with the
+    skipper's step 4 (over gloo the calls pair in order: that made a version of two steps); the
     other rank fails step 2 with StepBehind blaming itself and naming the group's step (rank 0
     behind used to blame rank 1, "already at step 3 ... (rank 0 late)", and the worker retried
-    step 2 until it gave up), and step 3 commits on both."""
+    step 2 until it gave up), and step 4 commits on both. The worker stepped by one after the
+    error, not to the step it names: its step 3 failed the same way (helper-56)."""
     root, out = tmp_path / "root", tmp_path / "out"
     out.mkdir()
     cfg = {"coord": coord, "world": W, "root": str(root), "out": str(out), "steps": 4,
-           "port": free_port(), "timeout": 10.0, "stepped": True, "skip": [skipper, 2]}  # fmt: skip
+           "port": free_port(), "timeout": 10.0, "stepped": True,
+           "skip": [skipper, 2, 2]}  # fmt: skip
     procs = [_spawn({**cfg, "rank": r}) for r in range(W)]
     await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 150, "the group")
     assert [p.exitcode for p in procs] == [0, 0]
     logs = _logs(out)
     behind = 1 - skipper
-    assert [r["step"] for r in logs[skipper] if "version" in r] == [0, 1, 3, 4]
-    two = [r for r in logs[behind] if r["step"] == 2]
-    assert len(two) == 1 and two[0]["ranks"] == [behind], logs[behind]
-    assert "step 2 while the group is at step 3" in two[0]["error"], two[0]
-    assert [r["step"] for r in logs[behind] if "version" in r] == [0, 1, 3, 4]
-    assert_steps(root, [0, 1, 3, 4])
+    assert [r["step"] for r in logs[skipper] if "version" in r] == [0, 1, 4]
+    failed = [r for r in logs[behind] if "error" in r]
+    assert len(failed) == 1 and failed[0]["ranks"] == [behind], logs[behind]  # one call only
+    assert "step 2 while the group is at step 4" in failed[0]["error"], failed[0]
+    assert [r["step"] for r in logs[behind] if "version" in r] == [0, 1, 4]
+    assert_steps(root, [0, 1, 4])
     assert_finished(root)
 
 
