@@ -29,7 +29,9 @@ from asyncsync.format.log import read_log
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import Throttle, set_throttle
 from asyncsync.publish import group as group_mod
+from asyncsync.publish import publisher as publisher_mod
 from asyncsync.publish import rendezvous as rendezvous_mod
+from asyncsync.publish import writer as writer_mod
 from asyncsync.publish.rendezvous import RENDEZVOUS_DIR
 from tests.conftest import Holder, assert_holds, sync_to
 from tests.dist_worker import full_state, portion
@@ -437,6 +439,47 @@ async def test_a_cancelled_rank_fails_the_round_at_once_naming_it(
     assert f"rank {cancelled}" in other["error"] and "was cancelled" in other["error"], other
     assert_steps(root, [0, 1, 2, 3])
     assert_finished(root)
+
+
+async def test_a_rank_that_failed_too_when_rank0_was_cancelled_says_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's encode fails while rank 0's call is cancelled during its write: rank 0 tells
+    the group of its cancel at once (FileRendezvous.abandon), and rank 1's error gave only its
+    own failure, as if rank 0 had been fine; now it names both ranks and both reasons."""
+    root = tmp_path / "root"
+    p0, p1 = _pair(root)
+    started, release = threading.Event(), threading.Event()
+    real_write, real_encode = writer_mod.VersionWriter.write, publisher_mod.encode_bucket
+
+    def held_write(self: Any, *a: Any, **k: Any) -> None:
+        if self.prefix.startswith("r0000"):
+            started.set()
+            release.wait(10)
+        real_write(self, *a, **k)
+
+    def rank1_fails(items: Any, **k: Any) -> Any:
+        if any(it.name.startswith("rank1.") for it in items.items):
+            raise OSError(28, "No space left on device (injected)")
+        return real_encode(items, **k)
+
+    async with p0, p1:
+        await asyncio.gather(*_calls(p0, p1, 0))
+        monkeypatch.setattr(writer_mod.VersionWriter, "write", held_write)
+        monkeypatch.setattr(publisher_mod, "encode_bucket", rank1_fails)
+        t0, t1 = (asyncio.ensure_future(c) for c in _calls(p0, p1, 1))
+        await _until(started.is_set)
+        t0.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(PublishError) as ei:
+            await t1
+        with pytest.raises(asyncio.CancelledError):
+            await t0
+    assert ei.value.ranks == (0, 1), ei.value
+    assert "rank 0: its publish call was cancelled" in str(ei.value), ei.value
+    assert "No space left on device" in str(ei.value), ei.value
+    assert list_versions(root) == [0]
 
 
 # --------------------------------------------------------------------------- a skipped step

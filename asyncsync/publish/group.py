@@ -377,10 +377,10 @@ class RankGroup:
         blamed = tuple(res.get("ranks") or ())
         if isinstance(part, BaseException) and (not blamed or self.rank in blamed):
             raise own_failure() from part
-        if isinstance(part, BaseException):  # another rank's failure (rank 0 cancelled) came first
+        if isinstance(part, BaseException):  # rank 0 gave up first (cancelled): both reasons
             raise PublishError(
-                f"{res.get('error')} (this rank's own part failed too: {message['error']})",
-                ranks=blamed,
+                f"{res.get('error')}; rank {self.rank}'s own part failed too: {message['error']}",
+                ranks=tuple(sorted({*blamed, self.rank})),
             ) from part
         raise PublishError(str(res.get("error")), ranks=blamed)
 
