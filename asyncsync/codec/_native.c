@@ -22,7 +22,10 @@
  *     by block right after the block is diffed (so it has hashed exactly elements [0,
  *     next_start) once a tensor is scanned from 0), and `advance` (old must be writable) copies
  *     each differing element's new bytes into old, so old becomes new as the scan passes (the
- *     publisher's snapshot; undone from the XORs if the publish fails).
+ *     publisher's snapshot; undone from the XORs if the publish fails). With `advance` the
+ *     hasher is fed old's bytes, after the copy: each element of new is read once, so a new
+ *     that another thread writes meanwhile (a trainer's optimizer step) is hashed as the
+ *     outputs carry it, never as a second read found it.
  *
  * xor_patch(flat, width, positions, values, old_out) / set_patch(...same...)
  *     For k in range(len(positions)): if old_out is not None: old_out[k] = flat[pos[k]];
@@ -569,8 +572,8 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
                                           px ? px + count * width : NULL, cap - count, &resume,
                                           adv);
                 count += got;
-                if (hasher && resume > i) {
-                    xxh3_feed(hasher, pn + i * width, (size_t)((resume - i) * width));
+                if (hasher && resume > i) { /* old once advanced: the bytes the outputs carry */
+                    xxh3_feed(hasher, (adv ? adv : pn) + i * width, (size_t)((resume - i) * width));
                 }
                 i = resume;
                 if (resume < end) {

@@ -14,7 +14,7 @@ goes; :func:`revert` puts the old values back from the changes, ``old = new ^ xo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,9 @@ class Change:
     positions: torch.Tensor
     values: torch.Tensor
     xor: torch.Tensor
-    checksum: str | None = None  # of the new tensor's complete bytes, when asked for
+    # of the new tensor's complete bytes, when asked for: as the delta carries them (with
+    # ``advance``, the old one's once advanced), whatever another thread writes to ``new``
+    checksum: str | None = None
 
 
 def changed_positions(
@@ -107,10 +109,12 @@ def diff_tensors(
         for o, n, new, pos in zip(ov, nv, news, positions, strict=True):
             values = gather(n, pos)
             xor = gather(o, pos).bitwise_xor_(values)
-            sum_ = None if algorithm is None else checksum_tensor(new, algorithm)
-            out.append(Change(pos, values, xor, sum_))
+            out.append(Change(pos, values, xor))
             if advance:
                 _set(olds[len(out) - 1], pos, values)
+            if algorithm is not None:  # of what the delta makes (``new`` may have moved on)
+                at = olds[len(out) - 1] if advance else new
+                out[-1] = replace(out[-1], checksum=checksum_tensor(at, algorithm))
         return out
     except BaseException:
         if advance:
@@ -147,8 +151,10 @@ def _native_change(
     old: torch.Tensor, new: torch.Tensor, algorithm: str | None, advance: bool
 ) -> Change:
     """One CPU pair through the C kernel, hashing and advancing in its pass where it can."""
-    h = None if algorithm is None else native.hasher(algorithm)
     in_pass = advance and old.is_contiguous()
+    # hashed in the pass only when advanced in it (old's bytes, each element of new read once);
+    # else the advanced old, after (a second read of new may not be what the delta carries)
+    h = None if algorithm is None or (advance and not in_pass) else native.hasher(algorithm)
     ov = int_view(old)
     arrs = native.diff(ov.numpy(), int_view(new).numpy(), True, hasher=h, advance=in_pass)
     pos, values, xor = map(torch.from_numpy, arrs)
@@ -156,7 +162,7 @@ def _native_change(
         _set(old, pos, values)
     sum_ = None
     if algorithm is not None:
-        sum_ = h.hexdigest() if h is not None else checksum_tensor(new, algorithm)
+        sum_ = h.hexdigest() if h is not None else checksum_tensor(old, algorithm)
     return Change(pos, values, xor, sum_)
 
 

@@ -20,8 +20,8 @@ import safetensors.torch
 import torch
 
 from asyncsync import codec
-from asyncsync.errors import FormatError
-from asyncsync.format.checksum import checksum_tensor
+from asyncsync.errors import FormatError, PublishError
+from asyncsync.format.checksum import checksum_bytes, checksum_tensor
 from asyncsync.pipeline import parallel_map
 
 __all__ = [
@@ -168,6 +168,7 @@ def encode_bucket(
     """
     diffed = items if isinstance(items, DiffedBucket) else diff_bucket(items, delta=delta)
     changes = diffed.changes
+    full_blob, full_sums = _full_blob(diffed, version, run_id, algorithm) if full else (None, {})
 
     def one(k: int) -> tuple[ItemResult, codec.EncodedDelta | None, PendingUpdate | None]:
         """Encode and checksum item ``k`` (on the pool: tensors are independent)."""
@@ -202,7 +203,15 @@ def encode_bucket(
         else:
             changed = it.new.numel()
             pending = PendingUpdate(it.name, None, it.new)
-        if ch is not None and ch.checksum is not None:
+        if it.name in full_sums:  # the bytes the full shard carries (read once)
+            checksum = full_sums[it.name]
+            if ch is not None and ch.checksum is not None and ch.checksum != checksum:
+                raise PublishError(
+                    f"tensor {it.name!r} changed while it was published (its delta and its "
+                    "whole bytes differ): do not change the tensors passed to publish() "
+                    "before it returns; nothing was committed"
+                )
+        elif ch is not None and ch.checksum is not None:
             checksum = ch.checksum  # taken in the diff's pass
         elif changed == 0 and it.cached_checksum is not None:
             checksum = it.cached_checksum
@@ -210,9 +219,8 @@ def encode_bucket(
             checksum = checksum_tensor(it.new, algorithm)
         return ItemResult(it.index, it.name, changed, checksum, mode, full), enc, pending
 
-    out = EncodedBucket()
+    out = EncodedBucket(full_blob=full_blob)
     delta_blobs: dict[str, bytes] = {}
-    full_tensors: dict[str, torch.Tensor] = {}
     for it, (res, enc, pending) in zip(
         diffed.items,
         parallel_map(one, range(len(diffed.items)), cost=lambda k: diffed.items[k].new.nbytes),
@@ -225,15 +233,43 @@ def encode_bucket(
             out.raw_bytes += enc.raw_bytes
         if pending is not None:
             out.pending.append(pending)
-        if full:
-            full_tensors[it.name] = it.new
         out.items.append(res)
     out.delta_blobs = delta_blobs
-    if full_tensors:
-        out.full_blob = safetensors.torch.save(
-            _unshare(full_tensors), metadata=shard_metadata(version, run_id, "full")
-        )
     return out
+
+
+def _shipped(it: BucketItem, advanced: bool) -> torch.Tensor:
+    """``it``'s bytes as its delta ships them: the snapshot, once the diff advanced it."""
+    return it.old if advanced and it.old is not None and it.old.is_contiguous() else it.new
+
+
+def _full_blob(
+    d: DiffedBucket, version: int, run_id: str, algorithm: str
+) -> tuple[bytes | None, dict[str, str]]:
+    """The full shard of a bucket and the checksum of each tensor's bytes in it.
+
+    A tensor is read once, into the shard, and checksummed there: the trainer may change its
+    tensors while publish() reads them (an optimizer step in another thread), and a checksum
+    taken of the tensor itself, before or after, could be of other bytes than those shipped.
+    A keyframe's tensor the diff advanced the snapshot to is saved from the snapshot: the bytes
+    its delta ships, so that the two parts of the keyframe agree (attack-58)."""
+    tensors = {it.name: _shipped(it, d.advanced) for it in d.items}
+    if not tensors:
+        return None, {}
+    blob = safetensors.torch.save(
+        _unshare(tensors), metadata=shard_metadata(version, run_id, "full")
+    )
+    header = read_header(blob, where="the full shard")
+    start = 8 + struct.unpack("<Q", blob[:8])[0]
+    view = memoryview(blob)
+
+    def one(name: str) -> str:
+        lo, hi = header[name]["data_offsets"]  # type: ignore[index]
+        return checksum_bytes(view[start + lo : start + hi], algorithm)
+
+    names = list(tensors)
+    sums = parallel_map(one, names, cost=lambda n: tensors[n].nbytes)
+    return blob, dict(zip(names, sums, strict=True))
 
 
 def delta_shard_blob(

@@ -1,0 +1,162 @@
+"""A tensor that the trainer changes while ``publish`` reads it (an optimizer step in another
+thread: CPU offload, a CPU trainer) never makes a version that engines cannot apply (attack-58).
+
+Which bytes a publish catches of a tensor being written is the trainer's race; what the
+publisher must keep is that the bytes it ships and the checksums it commits are the same bytes,
+read once: a receiver applies the version, and holds what the publisher's snapshot holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+from asyncsync import Publisher, codec
+from asyncsync.codec import native
+from asyncsync.format.checksum import checksum_tensor
+from receiver import ReceiverAgent
+from receiver.engines import LocalCheckpoint
+from tests.test_publish_misuse import checkpoint_tensors, raw_bytes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def step_before_the_write(monkeypatch: pytest.MonkeyPatch, w: torch.Tensor) -> None:
+    """An optimizer step lands on ``w`` right before its full shard is serialised: after the
+    publisher read it for its checksum (and the diff), before the shard's bytes are taken."""
+    save = safetensors.torch.save
+
+    def stepped(tensors: dict[str, torch.Tensor], metadata: Any = None) -> bytes:
+        if (metadata or {}).get("asyncsync.role") == "full":
+            w.add_(1)
+        return save(tensors, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save", stepped)
+
+
+def snapshot_bytes(pub: Publisher, name: str) -> torch.Tensor:
+    return raw_bytes(pub._base.tensors[name])
+
+
+async def test_a_step_between_the_checksum_and_the_full_shard_never_makes_a_bad_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full version checksummed each tensor, then serialised it for its shard (a second
+    read): a step in between committed a seed whose shard disagreed with its own checksum, and
+    every engine refused it ("checksum ... != ...; no other keyframe is readable"). The
+    checksum is now taken of the shard's bytes: the engine holds what was shipped."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    w = torch.zeros(4096)
+    step_before_the_write(monkeypatch, w)
+    async with (
+        Publisher(root) as pub,
+        ReceiverAgent(root, LocalCheckpoint(ckpt), "e0") as agent,
+    ):
+        await pub.seed({"w": w, "b": torch.ones(3)})
+        assert await agent.sync_once() == 0
+        assert torch.equal(raw_bytes(checkpoint_tensors(ckpt)["w"]), snapshot_bytes(pub, "w"))
+        monkeypatch.undo()
+        w[:10] += 5
+        assert (await pub.publish({"w": w, "b": torch.ones(3)})).version == 1
+        assert await agent.sync_once() == 1
+        assert torch.equal(raw_bytes(checkpoint_tensors(ckpt)["w"]), raw_bytes(w))
+
+
+async def test_a_step_between_a_keyframes_diff_and_its_full_shard_never_splits_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyframe carries a delta (checksummed in the diff's pass) and the whole tensor (read
+    again for its shard): a step in between shipped two different tensors under one checksum.
+    An engine at the base applied the delta; a new engine starting from the keyframe refused
+    it. The full shard is now the bytes the delta ships: both engines hold the same tensor."""
+    root = tmp_path / "root"
+    w = torch.zeros(4096)
+    async with (
+        Publisher(root) as pub,
+        ReceiverAgent(root, LocalCheckpoint(tmp_path / "old"), "old") as old,
+    ):
+        await pub.seed({"w": w})
+        assert await old.sync_once() == 0
+        w[:100] += 1
+        step_before_the_write(monkeypatch, w)
+        r = await pub.publish({"w": w}, keyframe=True)
+        monkeypatch.undo()
+        assert r.version == 1
+        assert await old.sync_once() == 1
+        shutil.rmtree(root / "v000000000000")  # as retention does: v1 is where engines start
+        async with ReceiverAgent(root, LocalCheckpoint(tmp_path / "new"), "new") as new:
+            assert await new.sync_once() == 1
+        for d in ("old", "new"):
+            got = raw_bytes(checkpoint_tensors(tmp_path / d)["w"])
+            assert torch.equal(got, snapshot_bytes(pub, "w")), d
+
+
+async def test_the_fallback_diff_checksums_the_bytes_its_delta_ships(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the C kernel the diff finds the positions, then gathers the values, then hashes
+    the new tensor: three reads. A step after the first made the checksum that of bytes the
+    delta does not carry. The checksum is now of the snapshot the diff advanced."""
+    from asyncsync.codec import diff
+
+    old, new = torch.zeros(1000), torch.zeros(1000)
+    new[::7] = 1
+    find = diff._changed_positions_numpy
+
+    def then_a_step(*a: Any) -> Any:
+        out = find(*a)
+        new.add_(1)
+        return out
+
+    monkeypatch.setattr(native, "kernels", None)
+    monkeypatch.setattr(diff, "_changed_positions_numpy", then_a_step)
+    (ch,) = codec.diff_tensors([old], [new], algorithm="xxh3-128", advance=True)
+    assert ch.checksum == checksum_tensor(old, "xxh3-128")
+
+
+@pytest.mark.skipif(native.kernels is None, reason="the C diff kernel is not built")
+async def test_a_trainer_thread_stepping_during_deltas_never_makes_one_engines_refuse(
+    tmp_path: Path,
+) -> None:
+    """The C kernel diffs a block and then hashes it from the new tensor (a second read): a
+    thread stepping the weights meanwhile made deltas whose checksum was of other bytes than
+    they carried, and a real receiver refused them ("does not apply to the engine's bytes")
+    about one publish in two. Each delta now hashes the snapshot it advanced, element by
+    element the bytes it ships: every one applies, and the receiver holds the snapshot."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    w = torch.zeros(1 << 21)
+    stop = threading.Event()
+
+    def trainer() -> None:
+        while not stop.is_set():
+            w.add_(1)
+
+    async with Publisher(root) as pub:
+        await pub.seed({"w": w.clone()})
+        th = threading.Thread(target=trainer)
+        th.start()
+        try:
+            for _ in range(4):
+                await pub.publish({"w": w})
+        finally:
+            stop.set()
+            th.join()
+        want = snapshot_bytes(pub, "w")
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx",
+         "--checkpoint", str(ckpt), "--once", "--force-polling", "--log-level", "WARNING"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "rx: holds version 4"
+    assert torch.equal(raw_bytes(checkpoint_tensors(ckpt)["w"]), want)
