@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from asyncsync import Publisher, codec
+from asyncsync import Publisher, PublishError, codec, memory
 from asyncsync.codec import native
 from asyncsync.format.checksum import checksum_tensor
+from asyncsync.format.store import list_versions
 from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
 from tests.test_publish_misuse import checkpoint_tensors, raw_bytes
@@ -160,3 +162,90 @@ async def test_a_trainer_thread_stepping_during_deltas_never_makes_one_engines_r
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "rx: holds version 4"
     assert torch.equal(raw_bytes(checkpoint_tensors(ckpt)["w"]), want)
+
+
+def step_at_the_first_read(monkeypatch: pytest.MonkeyPatch, step: Callable[[], None]) -> None:
+    """``step`` runs when the pipeline first reads tensors of the state dict (a trainer thread
+    that gets there while publish awaits)."""
+    copies = memory.host_copies
+    calls: list[int] = []
+
+    def first_read(ts: Any) -> Any:
+        if not calls:
+            calls.append(1)
+            step()
+        return copies(ts)
+
+    monkeypatch.setattr(memory, "host_copies", first_read)
+
+
+def eight() -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.full((1000,), float(i)) for i in range(8)}
+
+
+@pytest.mark.parametrize("how", ["reshape", "retype", "delete", "clear"])
+@pytest.mark.parametrize("kind", ["seed", "delta"])
+async def test_the_state_dict_is_read_as_it_was_when_publish_was_called(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, kind: str
+) -> None:
+    """The trainer's loop rebinds or drops entries of the dict it passed (``sd[k] = ...``, a
+    cast to a new tensor) while publish awaits. The publisher read the dict's entries again
+    bucket by bucket: a full version shipped an entry of another shape or dtype than its
+    manifest says (committed; every engine refused it, "no other keyframe is readable"), a
+    delta failed on a KeyError. The dict is read once, when publish is called."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    sd = eight()
+    want = {k: v.clone() for k, v in sd.items()}
+    changes: dict[str, Callable[[], None]] = {
+        "reshape": lambda: sd.__setitem__("t7", torch.ones(10, 100)),
+        "retype": lambda: sd.__setitem__("t7", torch.ones(1000, dtype=torch.float64)),
+        "delete": lambda: sd.pop("t7"),
+        "clear": sd.clear,
+    }
+    async with (
+        Publisher(root, bucket_bytes=4000) as pub,
+        ReceiverAgent(root, LocalCheckpoint(ckpt), "e0") as agent,
+    ):
+        if kind == "delta":
+            await pub.seed(eight())
+            sd["t0"][0] = want["t0"][0] = 5
+        step_at_the_first_read(monkeypatch, changes[how])
+        r = await (pub.seed(sd) if kind == "seed" else pub.publish(sd))
+        monkeypatch.undo()
+        assert await agent.sync_once() == r.version
+    got = checkpoint_tensors(ckpt)
+    assert set(got) == set(want)
+    assert all(torch.equal(raw_bytes(got[k]), raw_bytes(v)) for k, v in want.items())
+
+
+@pytest.mark.parametrize("kind", ["seed", "delta", "keyframe"])
+async def test_a_tensor_whose_data_is_swapped_while_publish_reads_it_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """``param.data = other`` (as FSDP's flat parameters and ZeRO-3's partitioned ones do)
+    changes the shape or dtype of the very tensor publish was given, after the manifest's
+    entries were taken from it: a full version shipped it as it then was (committed; every
+    engine refused it), a delta failed on "tensor 0: old is ..., new is ...". A PublishError
+    that names the tensor, nothing committed, and the next publish goes on."""
+    root = tmp_path / "root"
+    sd = eight()
+    p = torch.nn.Parameter(torch.zeros(1000), requires_grad=False)
+    sd["p"] = p
+
+    def swap() -> None:
+        p.data = torch.zeros(10, 100, dtype=torch.bfloat16)
+
+    async with Publisher(root, bucket_bytes=4000) as pub:
+        if kind != "seed":
+            await pub.seed({**eight(), "p": torch.zeros(1000)})
+        step_at_the_first_read(monkeypatch, swap)
+        with pytest.raises(PublishError, match=r"'p' .*changed"):
+            await (pub.seed(sd) if kind == "seed" else pub.publish(sd, keyframe=kind == "keyframe"))
+        monkeypatch.undo()
+        assert list_versions(root) == ([] if kind == "seed" else [0])
+        p.data = torch.ones(1000)
+        r = await (pub.seed(sd) if kind == "seed" else pub.publish(sd))
+    assert r.version == (0 if kind == "seed" else 1)
+    async with ReceiverAgent(root, LocalCheckpoint(tmp_path / "ckpt"), "e0") as agent:
+        assert await agent.sync_once() == r.version
+    assert torch.equal(checkpoint_tensors(tmp_path / "ckpt")["p"], torch.ones(1000))

@@ -209,7 +209,7 @@ def encode_bucket(
                 raise PublishError(
                     f"tensor {it.name!r} changed while it was published (its delta and its "
                     "whole bytes differ): do not change the tensors passed to publish() "
-                    "before it returns; nothing was committed"
+                    "before it returns"
                 )
         elif ch is not None and ch.checksum is not None:
             checksum = ch.checksum  # taken in the diff's pass

@@ -401,6 +401,8 @@ class Publisher:
         step: int | None, abstain: Exception | None = None,
     ) -> PublishResult:  # fmt: skip
         check_round(keyframe=keyframe, step=step)
+        # read once, as it is now: the trainer's loop may rebind or drop entries meanwhile
+        sd = dict(sd) if isinstance(sd, Mapping) else sd
         try:  # the committer sets the round up (a plan), the pipeline runs, the committer ends it
             rnd = await self._committer.begin(
                 self, sd, slices, keyframe=keyframe, base=base, step=step, abstain=abstain
@@ -458,6 +460,7 @@ class Publisher:
 
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(bucket, names, state_dict, snap, self._base.checksums)
+                snapshot.check_unchanged(items, acc.meta)
                 d = diff_bucket(items, delta=delta, algorithm=self.checksum, advance=advance)
                 advanced.diffed(d)  # reverted if the version is not committed
                 return d

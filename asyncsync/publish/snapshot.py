@@ -26,7 +26,8 @@ from asyncsync.codec.shards import (
     PendingUpdate,
     delta_keys,
 )
-from asyncsync.format import MANIFEST_NAME
+from asyncsync.errors import PublishError
+from asyncsync.format import MANIFEST_NAME, dtype_from_name
 from asyncsync.format.checksum import checksum_tensor
 from asyncsync.pipeline import pack_cap, parallel_map, threads
 
@@ -37,6 +38,7 @@ __all__ = [
     "UndoLog",
     "advance",
     "bucket_items",
+    "check_unchanged",
     "plan_buckets",
     "plan_for",
     "same_schema",
@@ -158,6 +160,22 @@ def bucket_items(
         )
         for i, new, raw in zip(bucket, news, raws, strict=True)
     ]
+
+
+def check_unchanged(
+    items: Sequence[BucketItem], meta: Mapping[str, tuple[str, tuple[int, ...]]]
+) -> None:
+    """Raise PublishError for an item whose dtype or shape is no longer ``meta``'s (what the
+    manifest says): ``param.data = other`` while publish read it (FSDP's flat parameters and
+    ZeRO-3's partitioned ones swap theirs)."""
+    for it in items:
+        dtype, shape = meta[it.name]
+        if it.new.dtype != dtype_from_name(dtype) or tuple(it.new.shape) != shape:
+            raise PublishError(
+                f"tensor {it.name!r} changed from {dtype}{list(shape)} to {it.new.dtype}"
+                f"{list(it.new.shape)} while it was published (its .data swapped?): no other "
+                "thread may reshape it until publish() returns"
+            )
 
 
 def advance(
