@@ -7,7 +7,8 @@ in place, so the module serves the new weights without a reload and without a se
 * delta: each patch is applied to the int view of the tensor's storage (a contiguous copy is
   patched and copied back when the tensor is not contiguous). Full: ``copy_`` of the new bytes
   (through int views: torch copies a bool's elements as 0/1, not the bytes shipped).
-* Tied weights (one storage under two names) are applied once and verified under both names.
+* Tied weights (one storage under two names) are applied once and verified under both names,
+  also when the version changed only one of them (a trainer that untied them).
 * Before each write the old values are kept in an in-memory undo journal (positions and old
   values for a sparse patch, the whole old tensor, on the CPU, for a dense patch or a full
   copy). ``abort`` and a failed checksum in ``commit`` restore them, so the module is back at
@@ -24,11 +25,12 @@ Work runs in ``asyncio.to_thread``; CUDA kernels are queued on the current strea
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
@@ -97,6 +99,29 @@ def _apart(spans: dict[str, tuple[Any, int, int]]) -> set[str]:
             if reach <= lo and after >= hi:
                 out.add(name)
             reach = max(reach, hi)
+    return out
+
+
+def _touched(
+    written: Iterable[tuple[Any, int, int]], spans: dict[str, tuple[Any, int, int]]
+) -> set[str]:
+    """The names of ``spans`` that share a byte with one of the ``written`` spans."""
+    merged: dict[str, tuple[list[int], list[int]]] = {}  # device -> disjoint (starts, ends)
+    for device, lo, hi in sorted(written, key=lambda s: (str(s[0]), s[1])):
+        starts, ends = merged.setdefault(str(device), ([], []))
+        if lo == hi:
+            continue
+        if ends and lo <= ends[-1]:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    out: set[str] = set()
+    for name, (device, lo, hi) in spans.items():
+        starts, ends = merged.get(str(device), ([], []))
+        i = bisect.bisect_left(starts, hi)  # the written spans that start before this one ends
+        if lo < hi and i and ends[i - 1] > lo:
+            out.add(name)
     return out
 
 
@@ -406,10 +431,14 @@ class TorchModule(Engine):
             # taken in the patch's pass, for memory no other patch of this version wrote
             alone = _apart(txn.spans)
             sums = {n: d for n, d in txn.sums.items() if n in alone}
+            # a tensor without a change of its own whose memory a patch wrote (a tied twin)
+            quiet = {n: _span(txn.tensors[n]) for n in txn.entries if n not in txn.spans}
+            written = _touched(txn.spans.values(), quiet) if txn.spans else set()
             hashed = [
                 name
                 for name, e in txn.entries.items()
-                if name not in sums and (name in txn.seen or e.changed > 0 or txn.mode == "full")
+                if name not in sums
+                and (name in txn.seen or e.changed > 0 or txn.mode == "full" or name in written)
             ]  # hashed on the pool (xxhash and the C kernels release the GIL)
             sums.update(zip(hashed, parallel_map(
                 lambda n: entry_checksum(txn.entries[n], txn.tensors[n], algo), hashed
