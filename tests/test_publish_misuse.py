@@ -22,6 +22,7 @@ from asyncsync.publish.merge import TensorSlice
 from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
 from tests.conftest import mixed_state, mutate, same_bytes
+from tests.ports import free_port
 
 
 def checkpoint_tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -530,3 +531,49 @@ async def test_a_publisher_whose_root_was_wiped_never_commits_beside_the_new_one
                 "v000000000000"
             ]
             assert (await b.publish(sd)).version == 1
+
+
+def _dtensor() -> torch.Tensor:
+    """A DTensor over a one-process CPU mesh (an FSDP2 trainer's ``state_dict()`` holds these)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1)  # fmt: skip
+    return distribute_tensor(torch.arange(8.0), init_device_mesh("cpu", (1,)), [Shard(0)])
+
+
+def _fake() -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.ones(4)  # says "cpu", holds no data
+
+
+@pytest.mark.parametrize(
+    ("what", "make", "match"),
+    [("a DTensor", _dtensor, "DTensor.*full_tensor"), ("a FakeTensor", _fake, "FakeTensor")],
+)
+async def test_a_tensor_subclass_without_plain_memory_is_a_config_error(
+    tmp_path: Path, what: str, make: Any, match: str
+) -> None:
+    """An FSDP2 trainer's ``model.state_dict()`` holds DTensors; a traced model's, FakeTensors.
+    Publishing one failed deep in the pipeline, after the version directory was made, with
+    "RuntimeError('.numpy() is not supported for tensor subclasses.')" (attack-58). It is a
+    ConfigError naming the tensor and what to pass instead, before anything is written."""
+    import torch.distributed as dist
+
+    root = tmp_path / "root"
+    try:
+        async with Publisher(root) as pub:
+            with pytest.raises(ConfigError, match=match):
+                await pub.seed({"w": torch.ones(2), "x": make()})
+            assert list_versions(root) == [], what
+            await pub.seed({"w": torch.ones(2)})
+            with pytest.raises(ConfigError, match=match):
+                await pub.publish({"w": torch.ones(2), "x": make()})
+    finally:  # no process group left for the tests after this one
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert list_versions(root) == [0]

@@ -95,6 +95,19 @@ class TensorSlice:
         return math.prod(self.full_shape)
 
 
+def _subclass(t: torch.Tensor) -> str | None:
+    """What ``t`` is when it is a tensor subclass whose data is not its own memory (its
+    operations dispatch in Python): a DTensor (FSDP2, tensor parallel), a FakeTensor."""
+    if not torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
+        return None
+    hint = (
+        "pass t.full_tensor(), or each rank's t.to_local() with slices"
+        if type(t).__name__ == "DTensor"
+        else "pass the plain tensor it wraps"
+    )
+    return f"a {type(t).__name__} (a tensor subclass without memory of its own to read: {hint})"
+
+
 def check_state_dict(
     state_dict: Mapping[str, torch.Tensor], slices: Mapping[str, TensorSlice] | None
 ) -> dict[str, TensorSlice]:
@@ -131,7 +144,7 @@ def check_state_dict(
             else "a nested tensor" if t.is_nested
             else "a meta tensor (no data)" if t.is_meta
             else "a lazily negated view" if t.is_neg()
-            else None
+            else _subclass(t)
         )  # fmt: skip
         if odd:
             raise ConfigError(
