@@ -172,9 +172,8 @@ def _descend(base: str, parts: Iterable[str], path: object, *, create: bool = Fa
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
     try:
         for name in parts:
-            fd2 = _open_subdir(fd, name, path, create=create)
-            os.close(fd)
-            fd = fd2
+            fd, above = _open_subdir(fd, name, path, create=create), fd
+            os.close(above)
     except BaseException:
         os.close(fd)
         raise
@@ -300,16 +299,15 @@ def read_file(
     path: _Path, *, limit: int, root: _Root = None, follow_symlinks: bool = False
 ) -> tuple[bytes, os.stat_result]:
     """A whole regular file (see :func:`open_file`) and its ``fstat``; one larger than ``limit``
-    raises ValueError (from ``fstat`` before anything is allocated). One longer than ``fstat``
-    says (it grew; procfs says 0) is read on to its end, up to the limit."""
+    raises ValueError (from ``fstat``; one that grew, or procfs's 0, is read on to the limit)."""
     started = time.perf_counter()
     with os.fdopen(open_file(path, root=root, follow_symlinks=follow_symlinks), "rb") as f:
         st = os.fstat(f.fileno())
         if st.st_size > limit:
             raise ValueError(f"{path} is larger than {limit} bytes ({st.st_size})")
         data = f.read(st.st_size + 1)
-        if st.st_size < len(data) <= limit:
-            data += f.read(limit + 1 - len(data))
+        if st.st_size < len(data) <= limit:  # (a read of n allocates n: 64 MiB more at most)
+            data += f.read(min(limit + 1 - len(data), 64 << 20))
     _throttled(path, len(data), started)
     if len(data) > limit:
         raise ValueError(f"{path} is larger than {limit} bytes")

@@ -88,6 +88,14 @@ class Coordinator(abc.ABC):
     #: judged by heartbeats and timeouts already
     broken_grace: float = 0.0
 
+    @staticmethod
+    def check_rank(rank: int, world_size: int) -> None:
+        """A rank and world size a coordinator can take (a ConfigError otherwise)."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ConfigError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
+
     async def open(self) -> None:  # noqa: B027 (optional hook)
         """Called when the publisher opens: rank 0 starts a new run of the group."""
 

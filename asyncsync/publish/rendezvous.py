@@ -35,15 +35,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from asyncsync import fsio
-from asyncsync.errors import (
-    MIN_SHORT_POLL_SECONDS,
-    ConfigError,
-    CoordinationError,
-    StepBehind,
-    check_poll_interval,
-    check_seconds,
-)
+from asyncsync import errors, fsio
+from asyncsync.errors import ConfigError, CoordinationError, StepBehind, check_seconds
 from asyncsync.fsio import atomic_write, is_temp_name, read_bytes
 from asyncsync.pipeline import finish_thread
 from asyncsync.publish.distributed import Coordinator, Decide, Message, step_behind, step_of
@@ -66,13 +59,6 @@ HISTORY = 64  # chained plan rounds rank 0 remembers (a rank further behind rejo
 #: the largest rendezvous file read but a commit result (which carries the manifest): a planted
 #: larger one is no message, never read whole at every poll
 MESSAGE_LIMIT = 16 << 20
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
 
 
 def _job(job: str | None) -> str:
@@ -120,10 +106,10 @@ class FileRendezvous(Coordinator):
         max_wait: float | None = None,
         job: str | None = None,
     ) -> None:
-        _check_rank(rank, world_size)
+        self.check_rank(rank, world_size)
         check_seconds("FileRendezvous timeout", timeout, above=True)
-        check_poll_interval(
-            "FileRendezvous poll_interval", poll_interval, minimum=MIN_SHORT_POLL_SECONDS
+        errors.check_poll_interval(
+            "FileRendezvous poll_interval", poll_interval, minimum=errors.MIN_SHORT_POLL_SECONDS
         )
         if poll_interval >= timeout:  # its heartbeats would come after the others gave it up
             raise ConfigError(
