@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import Container
 from pathlib import Path
 
@@ -20,7 +22,17 @@ from receiver.plan import Mode
 from receiver.prefetch import Prefetcher, being_written
 from receiver.stream import StreamApplier, early_reader
 
-__all__ = ["EarlyRead"]
+__all__ = ["MAX_RESTREAMS", "RESTREAM_DELAY", "EarlyRead"]
+
+logger = logging.getLogger(__name__)
+
+#: how often the stream of one version is started again after it failed (the version written
+#: anew, its directory back after it was gone, the publisher going on after a stall) before
+#: the version waits for its manifest: each start after a failure may cost one more rollback
+#: (a flapping mount: one per flap). The first at once, the n-th RESTREAM_DELAY * 2**(n-2) s
+#: after the one before.
+MAX_RESTREAMS = 3
+RESTREAM_DELAY = 1.0
 
 
 class EarlyRead:
@@ -31,6 +43,7 @@ class EarlyRead:
         self.engine_id = engine_id
         self.reader: Prefetcher | StreamApplier | None = None
         self.task: asyncio.Task[None] | None = None
+        self._restreams = (-1, 0, 0.0)  # (version, streams started again, when the last)
 
     async def start(
         self,
@@ -64,12 +77,26 @@ class EarlyRead:
 
     async def _again(self) -> bool:
         """Whether the stream of the next version failed (rolled back) and that version is
-        being written anew: stream it again (:meth:`StreamApplier.shows_again`). Before, it
-        was applied only after its manifest once a stream of it had failed."""
+        being written anew: stream it again (:meth:`StreamApplier.shows_again`), at most
+        :data:`MAX_RESTREAMS` times, backed off. Before, it was applied only after its
+        manifest once a stream of it had failed."""
         s, task = self.reader, self.task
         if not (isinstance(s, StreamApplier) and s.failed and task and task.done()):
             return False
-        return not s.txn_open and await asyncio.to_thread(s.shows_again)
+        if s.txn_open or not await asyncio.to_thread(s.shows_again):
+            return False
+        version, n, last = self._restreams if self._restreams[0] == s.version else (s.version, 0, 0)
+        if n >= MAX_RESTREAMS:
+            if n == MAX_RESTREAMS:  # said once
+                logger.warning("v%d: its stream failed %d times (the last: %s); it is applied "
+                               "after its manifest", version, n + 1, s.failed)  # fmt: skip
+                self._restreams = (version, n + 1, last)
+            return False
+        now = time.monotonic()
+        if n and now < last + RESTREAM_DELAY * 2 ** (n - 1):
+            return False  # a flapping directory: one rollback per flap, backed off
+        self._restreams = (version, n + 1, now)
+        return True
 
     async def drop_stale(self, bad: Container[int]) -> None:
         """After a sync: roll back a streamed transaction whose stream ended (its manifest

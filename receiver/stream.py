@@ -238,6 +238,10 @@ class StreamApplier:
             raise
         except Exception as exc:
             logger.warning("streaming apply of v%d stopped: %s", self.version, exc)
+            if isinstance(exc, OSError) and not self.gone:  # the directory went mid-read (a
+                self.gone = not await asyncio.to_thread(  # mount going stale): as if seen gone
+                    being_written, self.root, self.version
+                )
             await asyncio.shield(self._abort(f"{type(exc).__name__}: {exc}"))
         finally:
             if not reader.done():

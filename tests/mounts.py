@@ -109,6 +109,22 @@ def bindfs_mount(src: Path, dst: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(dst)], check=False)
 
 
+def go_stale(dst: Path, empty: Path) -> None:
+    """The mount at ``dst`` (a :func:`bindfs_mount`) shows nothing, as a stale NFS/FUSE mount
+    that went: a read-only view of the empty ``empty`` mounted over it (no moment where the
+    bare directory under it could be written). :func:`come_back` undoes it."""
+    empty.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(
+        ["bindfs", "-r", "-o", "nonempty", str(empty), str(dst)], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def come_back(dst: Path) -> None:
+    """The mount at ``dst`` shows its files again (:func:`go_stale` undone)."""
+    subprocess.run(["umount", str(dst)], check=True, capture_output=True)
+
+
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (e.g. ``"4m"``) mounted at ``path``."""

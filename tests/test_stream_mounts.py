@@ -13,7 +13,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from asyncsync import Publisher
@@ -283,3 +285,69 @@ async def test_a_huge_file_in_the_next_shards_place_is_not_read_into_memory(
                 await _stop(publishing)
         assert child.returncode == 0, err
         assert f"delta-{n:05d}.safetensors is larger than" in err  # one line names it
+
+
+async def test_a_flapping_mount_costs_a_bounded_number_of_rollbacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The receiver reads the root through a bindfs mount that goes and comes back again and
+    again (a stale NFS/FUSE mount) while v2 is streamed, before its manifest (here in the
+    process, to count the streams): each time the version's directory is gone the stream rolls
+    back, and each time it shows again v2 was streamed again: one rollback and one re-apply
+    per flap, for as long as it flapped. Now a version is streamed again at most
+    ``MAX_RESTREAMS`` times, backed off; then it waits for its manifest, and applies."""
+    import logging
+
+    from receiver import ReceiverAgent, early
+    from receiver.engines.checkpoint import LocalCheckpoint
+    from receiver.stream import StreamApplier
+    from tests.mounts import come_back, go_stale
+
+    starts: list[StreamApplier] = []
+    real = early.early_reader
+
+    async def counted(*args: Any, **kw: Any) -> Any:
+        r = await real(*args, **kw)
+        if isinstance(r, StreamApplier) and r.version == 2:
+            starts.append(r)
+        return r
+
+    monkeypatch.setattr(early, "early_reader", counted)
+    caplog.set_level(logging.WARNING, logger="receiver.early")
+    src, fuse = tmp_path / "src", tmp_path / "fuse"
+    with bindfs_mount(src, fuse) as root:
+        engine = LocalCheckpoint(tmp_path / "ckpt")
+        agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
+        stop = asyncio.Event()
+
+        def capped() -> bool:
+            return "it is applied after its manifest" in caplog.text
+
+        async def flap(vdir: Path) -> None:
+            n = 0  # the streams of v2 seen (the first may start before this hook)
+            for _ in range(early.MAX_RESTREAMS + 3):
+                await _until(lambda n=n: capped() or (len(starts) > n and starts[-1].txn_open),  # type: ignore[misc]
+                             "v2 streamed (again)")  # fmt: skip
+                if capped():
+                    return
+                s, n = starts[-1], len(starts)
+                go_stale(fuse, tmp_path / "empty")  # the mount goes stale...
+                await _until(lambda s=s: bool(s.failed) and not s.txn_open, "the rollback")  # type: ignore[misc]
+                come_back(fuse)  # ...and comes back
+            pytest.fail("v2 was streamed again at every flap")
+
+        async with Publisher(src, bucket_bytes=SHARD, delta_shard_bytes=SHARD,
+                             keyframe_interval=0) as pub:  # fmt: skip
+            await pub.seed(_state(0))
+            await pub.publish(_state(1))
+            async with agent, asyncio.TaskGroup() as tg:
+                tg.create_task(agent.run(stop=stop))
+                try:
+                    await _until(lambda: agent.version == 1, "the receiver at v1")
+                    pub.pre_commit_hook = flap
+                    await pub.publish(_state(2))
+                    await _until(lambda: agent.version == 2, "the receiver at v2")
+                finally:
+                    stop.set()
+        assert len(starts) == 1 + early.MAX_RESTREAMS
+        assert verify_checkpoint(tmp_path / "ckpt", read_manifest(src, 2)) == []
