@@ -664,8 +664,7 @@ async def test_a_stream_stopped_by_another_attempt_streams_that_attempt(tmp_path
     assert len(a) > 1 and len(b) > 1
 
     def land(src: Path) -> None:
-        (vdir / f".{src.name}.tmp").write_bytes(src.read_bytes())
-        (vdir / f".{src.name}.tmp").rename(vdir / src.name)
+        _land(vdir, src)
 
     engine = LocalCheckpoint(tmp_path / "ck")
     agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
