@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,6 +56,46 @@ async def _v1_whose_flush_failed(
 def _state(path: Path) -> dict[str, Any]:
     st: dict[str, Any] = json.loads((path / ".asyncsync" / "state.json").read_text())
     return st
+
+
+@contextlib.asynccontextmanager
+async def _receiver_whose_v1_was_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Path, dict[str, Any], LocalCheckpoint, ReceiverAgent]]:
+    """A root at v1 over a keyframe and a receiver that acked v1, whose flush of v1 failed and
+    one of whose tensors then read back other bytes (a dropped page): (root, sd1, ck, agent)."""
+    root = tmp_path / "root"
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        await pub.publish(sd1)
+    ck = LocalCheckpoint(tmp_path / "ck")
+    async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
+        with monkeypatch.context() as m:
+            m.setattr(FileMaps, "sync", _enospc)
+            assert await agent.sync_once() == 1
+            await ck.flushed()
+        _damage(ck)
+        yield root, sd1, ck, agent
+
+
+def _acks_at_full(
+    monkeypatch: pytest.MonkeyPatch, ck: LocalCheckpoint, root: Path, agent: ReceiverAgent
+) -> list[int | None]:
+    """The receiver's ack each time ``ck`` begins a full version (the agent then claims none)."""
+    seen: list[int | None] = []
+    begin = ck.begin
+
+    async def watched(m: Any, mode: Literal["delta", "full"]) -> None:
+        if mode == "full":
+            ack = read_acks(root).get("e")
+            seen.append(None if ack is None else ack.version)
+            assert agent.status().version is None
+        await begin(m, mode)
+
+    monkeypatch.setattr(ck, "begin", watched)
+    return seen
 
 
 @pytest.mark.parametrize("how", ["in_place", "reopened"])
@@ -318,17 +359,7 @@ async def test_a_version_the_recovery_wipes_is_no_longer_acked_and_the_sync_goes
             monkeypatch.setattr(FileMaps, "sync", working)
             _damage(ck)
             await pub.publish(sd2)
-            acks_at_full: list[int | None] = []
-            begin = ck.begin
-
-            async def watched(m: Any, mode: Literal["delta", "full"]) -> None:
-                if mode == "full":
-                    ack = read_acks(root).get("e")
-                    acks_at_full.append(None if ack is None else ack.version)
-                    assert agent.status().version is None
-                await begin(m, mode)
-
-            monkeypatch.setattr(ck, "begin", watched)
+            acks_at_full = _acks_at_full(monkeypatch, ck, root, agent)
             assert await agent.sync_once() == 2
             assert acks_at_full == [None]  # v1 was no longer claimed while v0 was applied
             assert read_acks(root)["e"].version == 2
@@ -434,29 +465,9 @@ async def test_a_failed_flush_is_recovered_when_nothing_newer_comes(
     could drop the pages it had not written (here one tensor reads back other bytes): every
     sync said v1 with the files no longer holding it. A sync with nothing newer recovers now:
     v1 re-checked, found lost, wiped, its ack removed, and applied again from the keyframe."""
-    root, ckpt = tmp_path / "root", tmp_path / "ck"
-    sd0 = mixed_state(0)
-    sd1 = mutate(sd0, 0.05, seed=1)
-    async with Publisher(root, keyframe_interval=0) as pub:
-        await pub.seed(sd0)
-        await pub.publish(sd1)
-    ck = LocalCheckpoint(ckpt)
-    async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
-        with monkeypatch.context() as m:
-            m.setattr(FileMaps, "sync", _enospc)
-            assert await agent.sync_once() == 1
-            await ck.flushed()
-        _damage(ck)
-        acks_at_full: list[int | None] = []
-        begin = ck.begin
-
-        async def watched(m: Any, mode: Literal["delta", "full"]) -> None:
-            if mode == "full":
-                ack = read_acks(root).get("e")
-                acks_at_full.append(None if ack is None else ack.version)
-            await begin(m, mode)
-
-        monkeypatch.setattr(ck, "begin", watched)
+    ckpt = tmp_path / "ck"
+    async with _receiver_whose_v1_was_lost(tmp_path, monkeypatch) as (root, sd1, ck, agent):
+        acks_at_full = _acks_at_full(monkeypatch, ck, root, agent)
         assert await agent.sync_once() == 1
         assert acks_at_full == [None]
         await ck.flushed()
@@ -476,19 +487,8 @@ async def test_a_wipe_whose_state_the_disk_refuses_claims_no_version(
     the disk takes the state, the receiver goes on from the keyframe."""
     from receiver.state import StateStore
 
-    root, ckpt = tmp_path / "root", tmp_path / "ck"
-    sd0 = mixed_state(0)
-    sd1 = mutate(sd0, 0.05, seed=1)
-    async with Publisher(root, keyframe_interval=0) as pub:
-        await pub.seed(sd0)
-        await pub.publish(sd1)
-    ck = LocalCheckpoint(ckpt)
-    async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
-        with monkeypatch.context() as m:
-            m.setattr(FileMaps, "sync", _enospc)
-            assert await agent.sync_once() == 1
-            await ck.flushed()
-        _damage(ck)
+    ckpt = tmp_path / "ck"
+    async with _receiver_whose_v1_was_lost(tmp_path, monkeypatch) as (root, sd1, ck, agent):
         with monkeypatch.context() as m:
             m.setattr(StateStore, "save", _enospc)
             with pytest.raises(ApplyFailed, match="No space left"):
