@@ -249,3 +249,55 @@ async def test_a_tensor_whose_data_is_swapped_while_publish_reads_it_is_refused(
     async with ReceiverAgent(root, LocalCheckpoint(tmp_path / "ckpt"), "e0") as agent:
         assert await agent.sync_once() == r.version
     assert torch.equal(checkpoint_tensors(tmp_path / "ckpt")["p"], torch.ones(1000))
+
+
+@pytest.mark.skipif(native.kernels is None, reason="the C diff kernel is not built")
+async def test_a_rank_whose_weights_a_thread_steps_never_makes_a_version_engines_refuse(
+    tmp_path: Path,
+) -> None:
+    """A rank of a group diffs without advancing its snapshot (it may miss the outcome): its
+    C diff hashed the new tensor in a second read, and a dense change was copied into the
+    snapshot from the live tensor after the commit. A thread stepping rank 0's weights made
+    versions a real receiver refused. The hash is of the bytes the delta makes, the snapshot
+    takes the values the diff read: every version applies, and the receiver holds the
+    ranks' snapshots."""
+    from asyncsync import FileRendezvous
+
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    pubs = [
+        Publisher(root, coordinator=FileRendezvous(root, r, 2, timeout=60, poll_interval=0.002))
+        for r in range(2)
+    ]
+    ws = [torch.zeros(1 << 20), torch.zeros(1 << 20)]
+    stop = threading.Event()
+
+    def trainer() -> None:
+        while not stop.is_set():
+            ws[0].add_(1)
+
+    for p in pubs:
+        await p.open()
+    try:
+        await asyncio.gather(*(p.seed({f"w{r}": ws[r].clone()}) for r, p in enumerate(pubs)))
+        th = threading.Thread(target=trainer)
+        th.start()
+        try:
+            for _ in range(4):
+                await asyncio.gather(*(p.publish({f"w{r}": ws[r]}) for r, p in enumerate(pubs)))
+        finally:
+            stop.set()
+            th.join()
+        want = {f"w{r}": snapshot_bytes(p, f"w{r}") for r, p in enumerate(pubs)}
+    finally:
+        for p in pubs:
+            await p.close()
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx",
+         "--checkpoint", str(ckpt), "--once", "--force-polling", "--log-level", "WARNING"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "rx: holds version 4"
+    got = checkpoint_tensors(ckpt)
+    assert all(torch.equal(raw_bytes(got[k]), v) for k, v in want.items())

@@ -22,10 +22,11 @@
  *     by block right after the block is diffed (so it has hashed exactly elements [0,
  *     next_start) once a tensor is scanned from 0), and `advance` (old must be writable) copies
  *     each differing element's new bytes into old, so old becomes new as the scan passes (the
- *     publisher's snapshot; undone from the XORs if the publish fails). With `advance` the
- *     hasher is fed old's bytes, after the copy: each element of new is read once, so a new
- *     that another thread writes meanwhile (a trainer's optimizer step) is hashed as the
- *     outputs carry it, never as a second read found it.
+ *     publisher's snapshot; undone from the XORs if the publish fails). The hasher is fed
+ *     the bytes the outputs make, never a second read of new: with `advance` old's, after
+ *     the copy; else (with new_out) old's block with the new values emitted put in. Each
+ *     element of new is read once, so a new that another thread writes meanwhile (a
+ *     trainer's optimizer step) is hashed as the outputs carry it.
  *
  * xor_patch(flat, width, positions, values, old_out) / set_patch(...same...)
  *     For k in range(len(positions)): if old_out is not None: old_out[k] = flat[pos[k]];
@@ -553,6 +554,13 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "pos_out has no room (capacity 0)");
         goto fail;
     }
+    /* not advanced: each block is hashed as old's bytes with the values emitted put in (the
+     * bytes the outputs make), built here, never from a second read of new */
+    char *made = (hasher && !advance && nv) ? PyMem_RawMalloc(DIFF_BLOCK_BYTES) : NULL;
+    if (hasher && !advance && nv && !made) {
+        PyErr_NoMemory();
+        goto fail;
+    }
     {
         const char *po = old->buf, *pn = new->buf;
         char *pp = pos->buf, *pv = nv ? nv->buf : NULL, *px = xv ? xv->buf : NULL;
@@ -571,10 +579,20 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
                                           pv ? pv + count * width : NULL,
                                           px ? px + count * width : NULL, cap - count, &resume,
                                           adv);
-                count += got;
                 if (hasher && resume > i) { /* old once advanced: the bytes the outputs carry */
-                    xxh3_feed(hasher, (adv ? adv : pn) + i * width, (size_t)((resume - i) * width));
+                    const char *src = adv ? adv + i * width : pn + i * width;
+                    if (made) { /* (resume - i <= block elements: one block at most) */
+                        memcpy(made, po + i * width, (size_t)((resume - i) * width));
+                        for (Py_ssize_t k = count; k < count + got; k++) {
+                            int64_t p;
+                            memcpy(&p, pp + k * 8, 8);
+                            memcpy(made + (p - i) * width, pv + k * width, (size_t)width);
+                        }
+                        src = made;
+                    }
+                    xxh3_feed(hasher, src, (size_t)((resume - i) * width));
                 }
+                count += got;
                 i = resume;
                 if (resume < end) {
                     break; /* the outputs are full */
@@ -584,6 +602,7 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
         }
         NOGIL_END;
     }
+    PyMem_RawFree(made);
     release_all(&b);
     return Py_BuildValue("nn", count, resume);
 fail:

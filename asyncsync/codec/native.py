@@ -57,7 +57,9 @@ def diff(
     """Where 1-D int arrays ``old`` and ``new`` differ, by the C kernel (which must be loaded):
     [positions (int64), new values there, ``old ^ new`` there], or [positions] only.
 
-    ``hasher`` (from :func:`hasher`) is fed all of ``new`` in the same pass; ``advance`` (needs
+    ``hasher`` (from :func:`hasher`) is fed, in the same pass, the bytes the outputs make
+    (``old`` with the changed elements of ``new`` put in: ``new`` as this pass read it, each
+    element once, whatever another thread writes to it meanwhile); ``advance`` (needs
     ``values``) copies each changed element of ``new`` into ``old`` as the pass goes. Should
     anything fail midway, the elements already copied are put back, so ``old`` is unchanged.
 

@@ -194,12 +194,10 @@ def encode_bucket(
                 )
                 changed = enc.changed  # what the decoder will check
                 mode = enc.mode
-                if diffed.advanced:
-                    pass  # the diff already brought the snapshot to the new bytes
-                elif enc.mode == "sparse":
+                if not diffed.advanced:  # (else the diff brought the snapshot to the new bytes)
+                    # the values the diff read, never ``it.new`` again: the trainer may have
+                    # changed it since, and the snapshot must hold what was shipped
                     pending = PendingUpdate(it.name, pos, ch.values)
-                else:
-                    pending = PendingUpdate(it.name, None, it.new)
         else:
             changed = it.new.numel()
             pending = PendingUpdate(it.name, None, it.new)
