@@ -45,6 +45,18 @@ def step_before_the_write(monkeypatch: pytest.MonkeyPatch, w: torch.Tensor) -> N
     monkeypatch.setattr(safetensors.torch, "save", stepped)
 
 
+async def real_receiver_holds(root: Path, ckpt: Path, version: int) -> None:
+    """A real receiver (``python -m receiver.cli --once``) into ``ckpt`` holds ``version``."""
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx",
+         "--checkpoint", str(ckpt), "--once", "--force-polling", "--log-level", "WARNING"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"rx: holds version {version}"
+
+
 def snapshot_bytes(pub: Publisher, name: str) -> torch.Tensor:
     return raw_bytes(pub._base.tensors[name])
 
@@ -153,14 +165,7 @@ async def test_a_trainer_thread_stepping_during_deltas_never_makes_one_engines_r
             stop.set()
             th.join()
         want = snapshot_bytes(pub, "w")
-    out = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx",
-         "--checkpoint", str(ckpt), "--once", "--force-polling", "--log-level", "WARNING"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "rx: holds version 4"
+    await real_receiver_holds(root, ckpt, 4)
     assert torch.equal(raw_bytes(checkpoint_tensors(ckpt)["w"]), want)
 
 
@@ -291,13 +296,6 @@ async def test_a_rank_whose_weights_a_thread_steps_never_makes_a_version_engines
     finally:
         for p in pubs:
             await p.close()
-    out = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "rx",
-         "--checkpoint", str(ckpt), "--once", "--force-polling", "--log-level", "WARNING"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "rx: holds version 4"
+    await real_receiver_holds(root, ckpt, 4)
     got = checkpoint_tensors(ckpt)
     assert all(torch.equal(raw_bytes(got[k]), v) for k, v in want.items())
