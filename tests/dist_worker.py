@@ -11,7 +11,9 @@ what each call returned in ``out/rank{r}-{incarnation}.json``.
 Fault injection (cfg keys): ``kill`` = [rank, step] SIGKILLs that rank after it wrote its first
 shard of that step; ``slow`` = [rank, step] makes that rank's first shard write of that step
 take 1.5 s longer (``[rank, step, s]``: s seconds; ``pg_timeout``: the gloo group's timeout,
-30 s by default); ``exit_at`` = [rank, step] ends that rank (code 5) before its call of that step;
+30 s by default); ``skew`` = [rank, s] sets that rank's wall clock s seconds off, and the
+mtimes of its rendezvous files and part records with it; ``exit_at`` = [rank, step] ends that
+rank (code 5) before its call of that step;
 ``cancel_in_write`` = [rank, step] cancels that rank's call of that step
 once it wrote its first shard (the step is then retried); ``miss`` = [rank, step] makes that
 rank miss the commit outcome;
@@ -35,6 +37,7 @@ how] while it brings it up to the version just committed. ``how``: "kill" (SIGKI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -339,8 +342,30 @@ async def _run(cfg: dict[str, Any], coord: Coordinator) -> None:
                     await asyncio.sleep(0.01)
 
 
+def _skew_clock(seconds: float) -> None:
+    """This process's wall clock ``seconds`` off, and the mtimes of the rendezvous files and
+    part records it writes set by it (as an object-store mount does: rclone, s3fs keep the
+    writer's mtime), as a host whose clock is wrong."""
+    from asyncsync.publish import group as group_mod
+    from asyncsync.publish import rendezvous as rendezvous_mod
+
+    real_time, real_write = time.time, rendezvous_mod.atomic_write
+    time.time = lambda: real_time() + seconds  # type: ignore[assignment]
+
+    def write_dated(path: Any, *a: Any, **k: Any) -> int:
+        n = real_write(path, *a, **k)
+        with contextlib.suppress(OSError):
+            os.utime(path, (time.time(), time.time()))
+        return n
+
+    rendezvous_mod.atomic_write = write_dated  # type: ignore[assignment]
+    group_mod.atomic_write = write_dated  # type: ignore[assignment]
+
+
 def main(cfg: dict[str, Any]) -> None:
     rank, world = cfg["rank"], cfg["world"]
+    if (skew := cfg.get("skew")) and skew[0] == rank:
+        _skew_clock(skew[1])
     coord: Coordinator
     if cfg["coord"] == "torch":
         import torch.distributed as dist

@@ -482,6 +482,31 @@ async def test_a_rank_that_failed_too_when_rank0_was_cancelled_says_both(
     assert list_versions(root) == [0]
 
 
+# --------------------------------------------------------------------------- clock skew
+
+
+@pytest.mark.parametrize("skew", [-86400.0, 86400.0])
+async def test_a_rank_on_a_host_with_a_wrong_clock_is_judged_by_its_heartbeat(
+    tmp_path: Path, skew: float
+) -> None:
+    """Rank 1 runs on a host whose clock is a day off, and its rendezvous files and part
+    records carry that clock's mtimes (an object-store mount keeps the writer's). Its step 2
+    writes for 4 s against a 2 s timeout: rank 0 must judge it by its beats changing (its own
+    monotonic clock), never by a time another host wrote, so every step commits on both."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    cfg = {"coord": "file", "world": W, "root": str(root), "out": str(out), "steps": 3,
+           "timeout": 2.0, "slow": [1, 2, 4.0], "skew": [1, skew]}  # fmt: skip
+    procs = [_spawn({**cfg, "rank": r}) for r in range(W)]
+    await _wait_for(lambda: not any(p.is_alive() for p in procs), procs, 120, "the group")
+    assert [p.exitcode for p in procs] == [0, 0]
+    logs = _logs(out)
+    assert [[r["step"] for r in logs[k] if "version" in r] for k in range(W)] == [[0, 1, 2, 3]] * 2
+    beat = root / RENDEZVOUS_DIR / "beat-r0001.json"
+    assert abs(beat.stat().st_mtime - time.time() - skew) < 600  # its clock dated its files
+    assert_steps(root, [0, 1, 2, 3])
+
+
 # --------------------------------------------------------------------------- a skipped step
 
 
