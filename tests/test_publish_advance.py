@@ -277,7 +277,10 @@ async def test_a_rank_adopting_a_missed_version_leaves_the_event_loop_running(
         assert pubs[1].version == (1 if cancel else 2) and pubs[1].stale == []  # v1 adopted
         if cancel:
             assert isinstance(got[1], asyncio.CancelledError), got
-            assert isinstance(got[0], PublishError), got  # rank 1 left the round
+            assert isinstance(got[0], PublishError), got  # rank 1 left the round: said at once
+            assert got[0].ranks == (1,) and "rank 1 failed: its publish call was cancelled" in str(
+                got[0]
+            ), got  # it was "ranks [1] went silent", after the timeout (helper-56)
             got = await asyncio.gather(*_step(pubs, 3))
         step = 2 + cancel
         assert [(r.version, r.kind, r.base_version) for r in got] == [(2, "delta", 1)] * 2
