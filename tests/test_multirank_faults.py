@@ -482,6 +482,48 @@ async def test_a_rank_that_failed_too_when_rank0_was_cancelled_says_both(
     assert list_versions(root) == [0]
 
 
+async def test_rank0_cancelled_again_while_it_tells_the_others_leaves_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's call is cancelled during its write, then again while it tells the others of
+    the cancel (over gloo that waits for every rank to reach the commit): the second cancel
+    skipped the removal of the version directory, left with rank 1's shards and part record."""
+    root = tmp_path / "root"
+    p0, p1 = _pair(root, timeout=1.0)
+    started, release = threading.Event(), threading.Event()
+    telling = asyncio.Event()
+    real_write, real_abandon = writer_mod.VersionWriter.write, FileRendezvous.abandon
+
+    def held_write(self: Any, *a: Any, **k: Any) -> None:
+        if self.prefix.startswith("r0000"):
+            started.set()
+            release.wait(10)
+        real_write(self, *a, **k)
+
+    async def slow_abandon(self: FileRendezvous, *a: Any) -> None:
+        telling.set()
+        await asyncio.sleep(30)
+        await real_abandon(self, *a)
+
+    async with p0, p1:
+        await asyncio.gather(*_calls(p0, p1, 0))
+        monkeypatch.setattr(writer_mod.VersionWriter, "write", held_write)
+        monkeypatch.setattr(FileRendezvous, "abandon", slow_abandon)
+        t0, t1 = (asyncio.ensure_future(c) for c in _calls(p0, p1, 1))
+        vdir = manifest_path(root, 1).parent
+        await _until(lambda: started.is_set() and any(vdir.glob("part-r0001-*")))
+        t0.cancel()
+        release.set()
+        await telling.wait()
+        t0.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t0
+        assert not vdir.exists(), sorted(p.name for p in vdir.iterdir())
+        with pytest.raises(PublishError):
+            await t1
+    assert list_versions(root) == [0]
+
+
 # --------------------------------------------------------------------------- clock skew
 
 

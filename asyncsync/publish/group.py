@@ -275,10 +275,12 @@ class RankGroup:
         defers a cancellation that arrives after the rename until this returns.)
         """
         if isinstance(part, BaseException) and not isinstance(part, Exception):
-            if isinstance(part, asyncio.CancelledError):  # the others would wait: tell them
-                await self._abandon(plan.version, plan.attempt)
-            if self.is_committer:  # leave nothing behind
-                await _remove_uncommitted(vdir)
+            try:
+                if isinstance(part, asyncio.CancelledError):  # the others would wait: tell them
+                    await self._abandon(plan.version, plan.attempt)
+            finally:  # (cancelled again meanwhile too)
+                if self.is_committer:  # leave nothing behind
+                    await _remove_uncommitted(vdir)
             raise part
         message: Message = {"version": plan.version, "attempt": plan.attempt}  # the round
         if isinstance(part, BaseException):
