@@ -60,6 +60,24 @@ async def test_a_cancelled_rank_fails_the_round_at_once_naming_it(
     assert_finished(root)
 
 
+def _hold_rank0_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, threading.Event]:
+    """Rank 0's shard writes wait for ``release`` (the second event) once they set ``started``
+    (the first)."""
+    started, release = threading.Event(), threading.Event()
+    real_write = writer_mod.VersionWriter.write
+
+    def held_write(self: Any, *a: Any, **k: Any) -> None:
+        if self.prefix.startswith("r0000"):
+            started.set()
+            release.wait(10)
+        real_write(self, *a, **k)
+
+    monkeypatch.setattr(writer_mod.VersionWriter, "write", held_write)
+    return started, release
+
+
 async def test_a_rank_that_failed_too_when_rank0_was_cancelled_says_both(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -68,14 +86,7 @@ async def test_a_rank_that_failed_too_when_rank0_was_cancelled_says_both(
     own failure, as if rank 0 had been fine; now it names both ranks and both reasons."""
     root = tmp_path / "root"
     p0, p1 = _pair(root)
-    started, release = threading.Event(), threading.Event()
-    real_write, real_encode = writer_mod.VersionWriter.write, publisher_mod.encode_bucket
-
-    def held_write(self: Any, *a: Any, **k: Any) -> None:
-        if self.prefix.startswith("r0000"):
-            started.set()
-            release.wait(10)
-        real_write(self, *a, **k)
+    real_encode = publisher_mod.encode_bucket
 
     def rank1_fails(items: Any, **k: Any) -> Any:
         if any(it.name.startswith("rank1.") for it in items.items):
@@ -84,7 +95,7 @@ async def test_a_rank_that_failed_too_when_rank0_was_cancelled_says_both(
 
     async with p0, p1:
         await asyncio.gather(*_calls(p0, p1, 0))
-        monkeypatch.setattr(writer_mod.VersionWriter, "write", held_write)
+        started, release = _hold_rank0_writes(monkeypatch)
         monkeypatch.setattr(publisher_mod, "encode_bucket", rank1_fails)
         t0, t1 = (asyncio.ensure_future(c) for c in _calls(p0, p1, 1))
         await _until(started.is_set)
@@ -109,15 +120,8 @@ async def test_rank0_cancelled_again_while_it_tells_the_others_leaves_no_directo
     skipped the removal of the version directory, left with rank 1's shards and part record."""
     root = tmp_path / "root"
     p0, p1 = _pair(root, timeout=1.0)
-    started, release = threading.Event(), threading.Event()
     telling = asyncio.Event()
-    real_write, real_abandon = writer_mod.VersionWriter.write, FileRendezvous.abandon
-
-    def held_write(self: Any, *a: Any, **k: Any) -> None:
-        if self.prefix.startswith("r0000"):
-            started.set()
-            release.wait(10)
-        real_write(self, *a, **k)
+    real_abandon = FileRendezvous.abandon
 
     async def slow_abandon(self: FileRendezvous, *a: Any) -> None:
         telling.set()
@@ -126,7 +130,7 @@ async def test_rank0_cancelled_again_while_it_tells_the_others_leaves_no_directo
 
     async with p0, p1:
         await asyncio.gather(*_calls(p0, p1, 0))
-        monkeypatch.setattr(writer_mod.VersionWriter, "write", held_write)
+        started, release = _hold_rank0_writes(monkeypatch)
         monkeypatch.setattr(FileRendezvous, "abandon", slow_abandon)
         t0, t1 = (asyncio.ensure_future(c) for c in _calls(p0, p1, 1))
         vdir = manifest_path(root, 1).parent
