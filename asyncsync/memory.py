@@ -49,6 +49,7 @@ __all__ = [
     "DEFAULT_THRESHOLD",
     "MIN_BYTES",
     "ScratchPool",
+    "check_env",
     "env_mib",
     "freeze_startup_objects",
     "host_chunks",
@@ -204,6 +205,13 @@ def env_mib(name: str, most: int = MAX_PINNED_MB) -> int | None:
     if not math.isfinite(mib) or not 0 <= mib <= most:
         raise ConfigError(f"{name} must be a number of MiB in [0, {most}], got {raw!r}")
     return int(mib * (1 << 20))
+
+
+def check_env() -> None:
+    """A :class:`ConfigError` now for a bad ``ASYNCSYNC_PINNED_MB``: the Publisher and the
+    receiver's agent call it as they are made, so the operator sees it at start-up, not at the
+    first device copy inside a publish (where the pinned pool is made)."""
+    _pinned_limit()
 
 
 def _pinned_limit() -> int:
