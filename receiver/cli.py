@@ -24,9 +24,10 @@ ignored until it has exited (the status stays 0; SIGKILL still ends it at once).
 applies everything committed so far, prints the version held and exits (status 130 if
 interrupted). An error prints one line on stderr, exit status 1. Without ``--once``, a
 start-up call to the server that fails for now (no answer within its deadline: an update still
-running in the server; a 5xx) is retried with backoff instead, nothing acked and no status
-port open meanwhile; a refused key or a server that never came up within
-``--engine-startup-timeout`` still ends it. uvloop is used when it is installed.
+running in the server; a 5xx) is retried with backoff instead, nothing acked meanwhile, while
+the status port answers ``/readyz`` 503 saying why (``receiver.cli_start``); a refused key
+or a server that never came up within ``--engine-startup-timeout`` still ends it. uvloop is
+used when it is installed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from asyncsync.console.args import non_negative_float, poll_seconds, positive_float, size_bytes
@@ -50,7 +51,7 @@ from asyncsync.console.logsetup import (
     sniff_log_format,
 )
 from asyncsync.console.progress import Progress, ProgressWatcher
-from asyncsync.errors import ApplyFailed, AsyncSyncError, ConfigError
+from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.memory import freeze_startup_objects
 from receiver.agent import VERIFY_DEADLINE, ReceiverAgent
 from receiver.audit import receiver_auditor
@@ -64,14 +65,14 @@ from receiver.cli_checks import (
     port_arg,
     read_secret,
 )
+from receiver.cli_start import open_agent
 from receiver.engines.base import Engine
 from receiver.engines.checkpoint import LocalCheckpoint
-from receiver.engines.http_engine import Timeouts, transient
+from receiver.engines.http_engine import Timeouts
 from receiver.engines.reloading import ReloadingEngine
 from receiver.engines.sglang import AUDIT_INTERVAL as SGLANG_AUDIT_INTERVAL
 from receiver.engines.sglang import PAUSE_MODES, SGLang
 from receiver.engines.vllm import VLLM
-from receiver.server import StatusServer
 from receiver.shard_reader import APPLY_GROUP_BYTES
 from receiver.stream import STREAM_TIMEOUT
 
@@ -80,8 +81,6 @@ __all__ = ["MAX_SECRET_BYTES", "build_parser", "check_paths", "main", "read_secr
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-#: seconds between attempts to open the engine after a transient failure: first, most
-_OPEN_RETRY = (1.0, 30.0)
 _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a stop signal
 #: --audit-after-apply on SGLang: seconds an audit waits for the plugin's pass over the version
 SGLANG_AUDIT_WAIT = 120.0
@@ -348,57 +347,6 @@ async def _once(args: argparse.Namespace) -> int | None:
         return await agent.sync_once()
 
 
-async def _until(aw: Awaitable[_T], stop: asyncio.Event) -> tuple[bool, _T | None]:
-    """Await ``aw`` unless ``stop`` is set first (``aw`` is then cancelled): (done, result)."""
-    task = asyncio.ensure_future(aw)
-    stop_wait = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait({task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop_wait.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return False, None
-    return True, task.result()
-
-
-async def _open_agent(args: argparse.Namespace, stop: asyncio.Event) -> ReceiverAgent | None:
-    """An opened agent, or None when stopped first. Opening waits for an inference server
-    that may take minutes to start, and makes it reload the checkpoint when it serves
-    another version. A transient failure of that (no answer within a call's deadline: an
-    update still running in the server; a 5xx) is retried with backoff by a new agent,
-    nothing acked meanwhile; a configuration error (a refused key, a server that never came
-    up within --engine-startup-timeout) ends the process with its one line."""
-    delay = _OPEN_RETRY[0]
-    while True:
-        agent = _make_agent(args)
-        try:
-            opened, _ = await _until(agent.open(), stop)
-        except ApplyFailed as exc:
-            if not transient(exc):
-                raise
-            logger.warning(
-                "receiver %s: could not start (%s); retrying in %gs",
-                args.engine_id,
-                printable(str(exc)),
-                delay,
-            )
-            await agent.close()
-            slept, _ = await _until(asyncio.sleep(delay), stop)
-            delay = min(delay * 2, _OPEN_RETRY[1])
-            if slept:
-                continue
-            opened = False
-        if not opened:
-            logger.info("receiver %s: stopped while starting", args.engine_id)
-            await agent.close()
-            return None
-        return agent
-
-
 async def _serve(args: argparse.Namespace) -> int | None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -412,11 +360,13 @@ async def _serve(args: argparse.Namespace) -> int | None:
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
     try:
-        agent = await _open_agent(args, stop)
+        agent, server = await open_agent(args, stop, _make_agent)
         if agent is None:
             return None
         freeze_startup_objects()  # this process runs this one agent
-        async with agent:
+        async with agent, contextlib.AsyncExitStack() as stack:
+            if server is not None:  # serving since before the engine opened; stopped first
+                stack.push_async_callback(server.stop)
             logger.info(
                 "receiver %s: root=%s checkpoint=%s holding version %s",
                 args.engine_id,
@@ -430,22 +380,8 @@ async def _serve(args: argparse.Namespace) -> int | None:
                 after_apply=args.audit_after_apply,
                 enabled=not args.no_audit,
             )
-            server = None
-            if args.status_port is not None:
-                token = args.control_token
-                server = StatusServer(
-                    agent,
-                    host=args.status_host,
-                    port=args.status_port,
-                    token=token,
-                    ready_max_lag=args.ready_max_lag,
-                    auditor=auditor,
-                    option_names=("--status-host", "--status-port"),
-                )
-                await server.start()  # the port may have been taken since the check
-                every = f" (every interface, {server.host})" if server.every_interface else ""
-                print(f"{args.engine_id}: status on {server.url}{every}", file=sys.stderr,
-                      flush=True)  # fmt: skip
+            if server is not None:
+                server.attach(agent, auditor)
             task = asyncio.create_task(agent.run(stop=stop), name=f"agent {args.engine_id}")
             auditing = None
             if auditor is not None:
@@ -467,8 +403,6 @@ async def _serve(args: argparse.Namespace) -> int | None:
                 auditing.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await auditing
-            if server is not None:
-                await server.stop()
             if task.done() and not task.cancelled():
                 task.result()  # re-raise what ended the agent, if anything
             return agent.version

@@ -17,6 +17,10 @@
                         no token configured, control endpoints answer 403
 ======================  ============================================================
 
+While :attr:`StatusServer.starting` says why (``asyncsync-receiver`` retrying the start of its
+engine), ``/readyz`` answers 503 with it; ``/healthz`` 200 (alive: a liveness probe must not
+restart a receiver for a slow engine) and ``/status`` name it as ``starting``.
+
 It binds ``127.0.0.1`` unless told otherwise: status reveals paths and versions, so exposing it
 is an explicit decision. The token is compared in constant time and never logged. Whoever can
 reach the port must not be able to starve the receiver of file descriptors: at most
@@ -283,8 +287,12 @@ class StatusServer:
         # what start()'s errors call the host and the port (the CLI: its options)
         self._names = {"host_option": option_names[0], "port_option": option_names[1]}
         self._token = token
+        self._collector = _AgentCollector(agent, auditor)
         self._registry = CollectorRegistry(auto_describe=True)
-        self._registry.register(_AgentCollector(agent, auditor))
+        self._registry.register(self._collector)
+        #: while set, the receiver is starting (its engine not open yet): /readyz answers 503
+        #: with this as ``why``; /healthz and /status say it as ``starting``
+        self.starting: str | None = None
         self._runner: _CappedRunner | None = None
         self._sites: list[web.SockSite] = []
         self._scan: asyncio.Future[int | None] | None = None  # /readyz's scan of the root
@@ -307,6 +315,12 @@ class StatusServer:
     def every_interface(self) -> bool:
         """Whether the server is bound to every interface (the host ``::`` or ``0.0.0.0``)."""
         return is_unspecified(self.host)
+
+    def attach(self, agent: ReceiverAgent, auditor: Auditor | None = None) -> None:
+        """Report ``agent`` (the one opened) and ``auditor`` from now on; the start is over."""
+        self.agent = self._collector.agent = agent
+        self.auditor = self._collector.auditor = auditor
+        self.starting = None
 
     async def __aenter__(self) -> StatusServer:
         await self.start()
@@ -360,6 +374,9 @@ class StatusServer:
         self._sites = []
 
     async def _healthz(self, _request: web.Request) -> web.Response:
+        if self.starting is not None:  # alive, waiting for its engine: a liveness probe must
+            # not restart it for that (readiness says it is not ready)
+            return web.json_response({"ok": True, "version": None, "starting": self.starting})
         st = self.agent.status()
         if st.last_error is None:
             return web.json_response({"ok": True, "version": st.version})
@@ -380,6 +397,9 @@ class StatusServer:
         return await asyncio.shield(self._scan)  # a client gone does not cancel the others'
 
     async def _readyz(self, _request: web.Request) -> web.Response:
+        if self.starting is not None:
+            why = f"starting: {self.starting}"
+            return web.json_response({"ready": False, "serving": None, "why": why}, status=503)
         agent = self.agent
         latest = await self._latest()
         try:
@@ -404,6 +424,7 @@ class StatusServer:
     async def _status(self, _request: web.Request) -> web.Response:
         body = asdict(self.agent.status())
         body["root"] = str(self.agent.root)
+        body["starting"] = self.starting
         if self.auditor is not None:
             body["audit"] = self.auditor.status()
         return web.json_response(body)

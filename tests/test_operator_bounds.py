@@ -304,3 +304,61 @@ def test_a_bad_pinned_memory_setting_is_said_at_start_up(
     err = capsys.readouterr().err
     assert "ASYNCSYNC_PINNED_MB must be a number of MiB" in err, err
     assert not (tmp_path / "c").exists()
+
+
+async def test_readyz_answers_503_saying_why_while_the_receiver_retries_its_start(
+    tmp_path: Path,
+) -> None:
+    """While ``asyncsync-receiver`` retried a start that failed for now (the SGLang server
+    answering 503), its status port was not open: ``/readyz`` refused the connection, so a
+    probe could not tell a receiver waiting for its engine from one that is not there. It
+    answers 503 now, saying why, from before the first attempt; ``/healthz`` (200: alive) and
+    ``/status`` say it is starting. A real receiver process and a real (fake SGLang) HTTP server."""
+    import subprocess
+
+    from tests.fake_engines import KEY, Chain, FakeSGLang, ServerThread
+
+    async def publish() -> None:
+        c = Chain(tmp_path / "root")
+        async with c.pub:
+            await c.next()
+
+    await publish()
+    key = tmp_path / "key"
+    key.write_text(KEY)
+    with ServerThread(FakeSGLang(api_key=KEY)) as srv:
+        srv.inject("/continue_generation", status=503, times=10**6)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "receiver.cli", "--root", str(tmp_path / "root"),
+             "--force-polling", "--sglang-url", srv.url, "--api-key-file", str(key),
+             "--engine-id", "w", "--checkpoint", str(tmp_path / "w"), "--status-port", "0"],
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "ASYNCSYNC_RECEIVER_TOKEN": ""},
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            lines = [await asyncio.to_thread(proc.stderr.readline)]
+            while "could not start" not in lines[-1]:
+                assert lines[-1], "".join(lines)  # it exited
+                lines.append(await asyncio.to_thread(proc.stderr.readline))
+            urls = [m.group(1) for x in lines if (m := re.search(r"status on (\S+)", x))]
+            assert urls, "".join(lines)  # printed before the first attempt
+            async with aiohttp.ClientSession() as http:
+                async with http.get(urls[0] + "/readyz") as r:
+                    body = await r.json()
+                    assert r.status == 503 and body["ready"] is False, body
+                    assert body["why"].startswith("starting: could not start"), body
+                async with http.get(urls[0] + "/healthz") as r:  # alive: no liveness restart
+                    body = await r.json()
+                    assert r.status == 200 and body["starting"].startswith("could not"), body
+                async with http.get(urls[0] + "/status") as r:
+                    status = await r.json()
+                    assert status["starting"].startswith("could not start"), status
+                    assert status["version"] is None
+            proc.send_signal(signal.SIGTERM)
+            _, rest = await asyncio.to_thread(proc.communicate, timeout=60)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 0, rest
+        assert "stopped while starting" in rest, rest
