@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import socket
 from pathlib import Path
+from typing import Any
 
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 #: from here up to the ephemeral range; below it are Ray's worker ports (10002-19999 by default)
@@ -76,3 +77,17 @@ def has_ipv6_loopback() -> bool:
     except OSError:
         return False
     return True
+
+
+def resolving_to(name: str, *addresses: str) -> Any:
+    """A stand-in for ``socket.getaddrinfo`` that resolves ``name`` to ``addresses`` (in that
+    order) and anything else as the real one does: a name of several addresses on demand (this
+    machine's /etc/hosts gives ``localhost`` one)."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != name:
+            return real(host, port, *args, **kwargs)
+        return [info for a in addresses for info in real(a, port, *args, **kwargs)]
+
+    return getaddrinfo

@@ -27,7 +27,7 @@ from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.listen import _PORT_TRIES, bind_sockets, url_host
 from receiver.options import AGENT_OPTIONS
 from receiver.server import StatusServer
-from tests.ports import has_ipv6_loopback
+from tests.ports import has_ipv6_loopback, resolving_to
 
 
 def test_port_0_taken_on_every_try_names_the_ports_tried(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,14 +39,7 @@ def test_port_0_taken_on_every_try_names_the_ports_tried(monkeypatch: pytest.Mon
     holds (a stand-in socket class); the binds are real."""
     if not has_ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
-    real_info, real_socket = socket.getaddrinfo, socket.socket
-
-    def two(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
-        if host != "dual.test":
-            return real_info(host, port, *args, **kwargs)
-        return [*real_info("127.0.0.1", port, *args, **kwargs),
-                *real_info("::1", port, *args, **kwargs)]  # fmt: skip
-
+    real_socket = socket.socket
     busy = []
     try:
         for _ in range(_PORT_TRIES):
@@ -65,7 +58,7 @@ def test_port_0_taken_on_every_try_names_the_ports_tried(monkeypatch: pytest.Mon
                     addr = (addr[0], handed[-1], *addr[2:])
                 super().bind(addr)
 
-        monkeypatch.setattr(socket, "getaddrinfo", two)
+        monkeypatch.setattr(socket, "getaddrinfo", resolving_to("dual.test", "127.0.0.1", "::1"))
         monkeypatch.setattr(socket, "socket", FirstGetsATakenPort)
         with pytest.raises(ConfigError) as caught:
             bind_sockets("dual.test", 0, port_option="--status-port")

@@ -23,7 +23,7 @@ from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.server import StatusServer
 from tests.conftest import eventually, mixed_state, mutate
-from tests.ports import free_port, has_ipv6_loopback
+from tests.ports import free_port, has_ipv6_loopback, resolving_to
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -428,14 +428,7 @@ async def test_a_name_of_two_addresses_is_served_on_one_port(
     (or another server). Every address of the name is bound on the one port now."""
     if not has_ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
-    real = socket.getaddrinfo
-
-    def two(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
-        if host != "dual.test":
-            return real(host, port, *args, **kwargs)
-        return [*real("::1", port, *args, **kwargs), *real("127.0.0.1", port, *args, **kwargs)]
-
-    monkeypatch.setattr(socket, "getaddrinfo", two)
+    monkeypatch.setattr(socket, "getaddrinfo", resolving_to("dual.test", "::1", "127.0.0.1"))
     agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
     async with StatusServer(agent, host="dual.test") as server, aiohttp.ClientSession() as http:
         assert server.url == f"http://dual.test:{server.port}"
@@ -454,14 +447,7 @@ async def test_port_0_on_two_addresses_takes_another_port_when_the_first_is_take
     listening ::1 socket holds (a stand-in socket class); the rest is real."""
     if not has_ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
-    real_info, real_socket = socket.getaddrinfo, socket.socket
-
-    def two(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
-        if host != "dual.test":
-            return real_info(host, port, *args, **kwargs)
-        return [*real_info("127.0.0.1", port, *args, **kwargs),
-                *real_info("::1", port, *args, **kwargs)]  # fmt: skip
-
+    real_socket = socket.socket
     with real_socket(socket.AF_INET6) as busy:
         busy.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         busy.bind(("::1", 0))
@@ -476,7 +462,7 @@ async def test_port_0_on_two_addresses_takes_another_port_when_the_first_is_take
                     addr = (addr[0], taken, *addr[2:])
                 super().bind(addr)
 
-        monkeypatch.setattr(socket, "getaddrinfo", two)
+        monkeypatch.setattr(socket, "getaddrinfo", resolving_to("dual.test", "127.0.0.1", "::1"))
         monkeypatch.setattr(socket, "socket", FirstGetsTheTakenPort)
         agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
         server = StatusServer(agent, host="dual.test")
