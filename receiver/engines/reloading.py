@@ -234,13 +234,10 @@ class ReloadingEngine(Engine, abc.ABC):
         }
 
     def ackable(self) -> EngineState:
-        """Nothing while the server is known to serve other weights than the version held
-        (found restarted by :meth:`reconcile`, or a reload that failed midway): the ack then
-        names nothing until a reload is confirmed (docs/ENGINES.md, "What the agent
-        acknowledges")."""
-        if self._serves_other is not None or self._weights_unknown is not None:
-            return EngineState()
-        return self.state
+        """Nothing while :meth:`reconcile` found the server serving another version (restarted
+        with its launch weights): the ack names nothing until a reload is confirmed
+        (docs/ENGINES.md, "What the agent acknowledges")."""
+        return EngineState() if self._serves_other is not None else self.state
 
     async def serving_version(self) -> int | None:
         """The version the server serves now: ``state.version`` when the server reports it,
