@@ -1,5 +1,5 @@
 """receiver.plugins.clean_load: an engine's start-up load reads only whole versions of a real
-checkpoint kept by a real receiver (the vLLM server itself: tests/test_vllm_real_midapply.py)."""
+checkpoint kept by a real receiver (the servers themselves: tests/test_real_midapply.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The receiver patches its host-local checkpoint in place while the server serves.
 which knows nothing of asyncsync: halfway through a version (``state.json`` says
 ``applying``; a receiver killed there leaves it so until it is restarted and undoes it) it
 loaded some tensors of the new version beside the rest of the old one, a model that no version
-ever was, and served it (seen on vLLM 0.32: ``tests/test_vllm_real_midapply.py``).
+ever was, and served it (seen on vLLM 0.32: ``tests/test_real_midapply.py``).
 
 :func:`load_whole_version` wraps such a load: while the directory is an asyncsync checkpoint
 that is not clean it waits (saying so once in the server's log, :data:`WAIT_LINE`), up to

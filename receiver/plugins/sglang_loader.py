@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from receiver.plugins.audit import Auditor
+from receiver.plugins.clean_load import load_whole_version
 from receiver.plugins.held import CheckpointSnapshot, read_snapshot
 from receiver.plugins.inplace import InEngineLoader, LoadResult, checkpoint_of_stage
 from receiver.plugins.prefetch import start_prefetch
@@ -95,6 +96,8 @@ HOOK_TARGETS = (
     "sglang.srt.model_executor.model_runner.ModelRunner.update_weights_from_disk",
 )
 HOOK_TARGET = HOOK_TARGETS[0]
+#: SGLang's load of the model at start (the checkpoint when ``--model-path`` names it)
+START_TARGET = "sglang.srt.model_loader.loader.DefaultModelLoader.load_model"
 #: where SGLang 0.5.23 renames its served model to each reload's ``model_path``
 NAME_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._update_model_path_info"
 ENV_TARGET = "ASYNCSYNC_SGLANG_HOOK_TARGET"
@@ -268,6 +271,18 @@ def keep_served_name_hook(
     return out
 
 
+def whole_version_start_hook(
+    original_fn: Callable[..., Any], loader: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND hook of ``DefaultModelLoader.load_model(self, *, model_config, device_config)``:
+    SGLang started with ``--model-path`` on an asyncsync checkpoint reads it only whole, never
+    while its receiver patches it (:mod:`receiver.plugins.clean_load`)."""
+    path = str(getattr(kwargs.get("model_config"), "model_path", "") or "")
+    if not path or not os.path.isdir(path):
+        return original_fn(loader, *args, **kwargs)
+    return load_whole_version(path, lambda: original_fn(loader, *args, **kwargs), logger)
+
+
 def find_target(candidates: Iterable[str]) -> str | None:
     """The first of ``candidates`` (dotted paths) that resolves to a callable."""
     for target in candidates:
@@ -303,6 +318,8 @@ def register() -> None:
         )
         return
     HookRegistry.register(target, update_weights_from_disk_hook, HookType.AROUND)
+    if find_target((START_TARGET,)) is not None:
+        HookRegistry.register(START_TARGET, whole_version_start_hook, HookType.AROUND)
     if find_target((NAME_TARGET,)) is not None:
         HookRegistry.register(NAME_TARGET, keep_served_name_hook, HookType.AROUND)
     else:  # an SGLang that does not rename, or renames elsewhere: see docs/ENGINES.md
