@@ -48,3 +48,71 @@ async def test_a_version_a_tied_module_cannot_hold_is_never_acked(
         assert agent.engine.state.version == 0
         for k, v in sd.items():
             assert torch.equal(raw_bytes(module.state_dict()[k]), raw_bytes(v)), k
+
+
+class FlatViews(torch.nn.Module):
+    """A flat buffer registered with views of it (FSDP-1's flat parameters, fused QKV): ``flat``
+    and its halves ``a``/``b``, and a fused ``qkv`` with its column block ``q`` (not
+    contiguous), all views of the same memory."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, *, views_first: bool = False) -> None:
+        super().__init__()
+        flat, qkv = torch.randn(300).to(dtype), torch.randn(8, 12).to(dtype)
+        views = {"a": flat[:100], "b": flat[100:], "q": qkv[:, :4], "kv": qkv[:, 4:]}
+        for k, t in (
+            views | {"flat": flat, "qkv": qkv}
+            if views_first
+            else {"flat": flat, "qkv": qkv} | views
+        ).items():
+            self.register_buffer(k, t)
+
+
+@pytest.mark.parametrize(("dtype", "views_first"), [(torch.float32, False), (torch.bfloat16, True)])
+async def test_views_of_one_buffer_follow_deltas_bit_exact(
+    tmp_path: Path, dtype: torch.dtype, views_first: bool
+) -> None:
+    """Names that view parts of one buffer (``flat`` and ``flat[:100]``) each carry the
+    version's change of the shared bytes: the engine XORed them in once per name, so every
+    changed byte under two names went back to its old value and every delta was refused
+    (ChecksumMismatch, waiting for a keyframe). Each byte is patched once per version: the
+    module follows every delta, bit-exact under every name."""
+    trainer, module = (
+        FlatViews(dtype, views_first=views_first),
+        FlatViews(dtype, views_first=views_first),
+    )
+    root = tmp_path / "root"
+    module.load_state_dict(trainer.state_dict())
+    gen = torch.Generator().manual_seed(5)
+    async with Publisher(root) as pub, ReceiverAgent(root, TorchModule(module), "e0") as agent:
+        await pub.seed(trainer.state_dict())
+        assert await agent.sync_once() == 0
+        for v in range(1, 5):
+            with torch.no_grad():  # sparse, then dense, changes through the big buffers
+                for buf in (trainer.flat, trainer.qkv.view(-1)):
+                    hit = torch.rand(buf.shape, generator=gen) < (0.05 if v % 2 else 0.9)
+                    buf[hit] += 1
+            await pub.publish(trainer.state_dict())
+            assert await agent.sync_once() == v
+            for k, t in trainer.state_dict().items():
+                assert torch.equal(raw_bytes(module.state_dict()[k]), raw_bytes(t)), (v, k)
+
+
+async def test_a_version_whose_views_disagree_is_rolled_back_exactly(tmp_path: Path) -> None:
+    """A version in which ``a`` is not ``flat[:100]`` (a trainer whose state dict holds copies,
+    not views) cannot be held by a module whose ``a`` views ``flat``: refused, and the undo of
+    the patches that wrote the shared bytes leaves every name at the version before."""
+    trainer, module, root = FlatViews(), FlatViews(), tmp_path / "root"
+    module.load_state_dict(trainer.state_dict())
+    async with Publisher(root) as pub, ReceiverAgent(root, TorchModule(module), "e0") as agent:
+        await pub.seed(trainer.state_dict())
+        assert await agent.sync_once() == 0
+        before = {k: raw_bytes(t) for k, t in trainer.state_dict().items()}
+        sd = {k: t.clone() for k, t in trainer.state_dict().items()}
+        sd["flat"][:150] += 1  # a's bytes and half of b's change under flat
+        sd["a"][::3] += 2  # and differently under a; b keeps v0's bytes
+        await pub.publish(sd)
+        with pytest.raises(ChecksumMismatch):
+            await agent.sync_once()
+        assert agent.engine.state.version == 0
+        for k, want in before.items():
+            assert torch.equal(raw_bytes(module.state_dict()[k]), want), k

@@ -9,6 +9,9 @@ in place, so the module serves the new weights without a reload and without a se
   (through int views: torch copies a bool's elements as 0/1, not the bytes shipped).
 * Tied weights (one storage under two names) are applied once and verified under both names,
   also when the version changed only one of them (a trainer that untied them).
+* Names that view parts of one buffer (FSDP-1's flat parameters with views of them, a fused
+  QKV with its blocks) each carry the version's change of the bytes they share: each byte is
+  patched once per version (:mod:`receiver.engines.overlap`) and verified under every name.
 * Before each write the old values are kept in an in-memory undo journal (positions and old
   values for a sparse patch, the whole old tensor, on the CPU, for a dense patch or a full
   copy). ``abort`` and a failed checksum in ``commit`` restore them, so the module is back at
@@ -25,12 +28,11 @@ Work runs in ``asyncio.to_thread``; CUDA kernels are queued on the current strea
 from __future__ import annotations
 
 import asyncio
-import bisect
 import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
@@ -42,6 +44,7 @@ from asyncsync.format import Manifest, TensorEntry
 from asyncsync.format.checksum import checksum_tensor, entry_checksum
 from asyncsync.pipeline import parallel_map
 from receiver.engines.base import AuditReport, Engine, EngineState, TensorUpdate
+from receiver.engines.overlap import Covered, apart, span, touched
 from receiver.state import (
     PersistedState,
     StateStore,
@@ -74,55 +77,12 @@ def _alias_key(name: str, t: torch.Tensor) -> _AliasKey:
     )
 
 
-def _span(t: torch.Tensor) -> tuple[Any, int, int]:
-    """(device, first byte, end) of the memory ``t``'s elements occupy."""
-    if t.numel() == 0:
-        return (t.device, 0, 0)
-    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    return (t.device, t.data_ptr(), t.data_ptr() + extent * t.element_size())
-
-
-def _apart(spans: dict[str, tuple[Any, int, int]]) -> set[str]:
-    """The names whose span shares no byte with another name's."""
-    out: set[str] = set()
-    by_device: dict[str, list[tuple[int, int, str]]] = {}
-    for name, (device, lo, hi) in spans.items():
-        if lo == hi:
-            out.add(name)  # no bytes
-        else:
-            by_device.setdefault(str(device), []).append((lo, hi, name))
-    for items in by_device.values():
-        items.sort()
-        reach = -1  # the furthest end of the spans that start before this one
-        for i, (lo, hi, name) in enumerate(items):
-            after = items[i + 1][0] if i + 1 < len(items) else hi  # later ones start later
-            if reach <= lo and after >= hi:
-                out.add(name)
-            reach = max(reach, hi)
-    return out
-
-
-def _touched(
-    written: Iterable[tuple[Any, int, int]], spans: dict[str, tuple[Any, int, int]]
-) -> set[str]:
-    """The names of ``spans`` that share a byte with one of the ``written`` spans."""
-    merged: dict[str, tuple[list[int], list[int]]] = {}  # device -> disjoint (starts, ends)
-    for device, lo, hi in sorted(written, key=lambda s: (str(s[0]), s[1])):
-        starts, ends = merged.setdefault(str(device), ([], []))
-        if lo == hi:
-            continue
-        if ends and lo <= ends[-1]:
-            ends[-1] = max(ends[-1], hi)
-        else:
-            starts.append(lo)
-            ends.append(hi)
-    out: set[str] = set()
-    for name, (device, lo, hi) in spans.items():
-        starts, ends = merged.get(str(device), ([], []))
-        i = bisect.bisect_left(starts, hi)  # the written spans that start before this one ends
-        if lo < hi and i and ends[i - 1] > lo:
-            out.add(name)
-    return out
+def _shared(tensors: dict[str, torch.Tensor]) -> set[_AliasKey]:
+    """The tensors (by alias key: a tied twin is one) whose memory another one's overlaps."""
+    one = {_alias_key(n, t): n for n, t in tensors.items()}
+    spans = {n: span(tensors[n]) for n in one.values()}
+    alone = apart(spans)
+    return {k for k, n in one.items() if n not in alone}
 
 
 def _write_int(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
@@ -160,6 +120,10 @@ class _Txn:
     # storages over overlapping memory)
     sums: dict[str, str] = field(default_factory=dict)
     spans: dict[str, tuple[Any, int, int]] = field(default_factory=dict)
+    # (delta) the tensors whose memory another name of the module views in part (a flat
+    # buffer and views of it), and per device the bytes the version's patches wrote there
+    shared: set[_AliasKey] = field(default_factory=set)
+    covered: dict[str, Covered] = field(default_factory=dict)
 
 
 class TorchModule(Engine):
@@ -343,6 +307,8 @@ class TorchModule(Engine):
         if self._store is not None:
             self._set(self._ps.begin(manifest.version, mode))
         self._txn = _Txn(manifest, mode, entries, tensors)
+        if mode == "delta":
+            self._txn.shared = _shared(tensors)
 
     def _apply(self, updates: list[TensorUpdate]) -> None:
         txn = self._need_txn()
@@ -351,17 +317,21 @@ class TorchModule(Engine):
             self._take(txn, updates, patches)
         finally:  # the patches taken so far still run: the undo journal covers them
             # on the pool, one task per storage (a tied twin is taken once; names that view
-            # parts of one storage are patched one after another, in order); each journals its
-            # old values itself, and every task ends before the first error is raised
+            # parts of one storage are patched one after another, in order; so are, per device,
+            # the names over memory that other names view in part, each byte once: Covered);
+            # each journals its old values itself, and every task ends before the first error
             by_storage: dict[tuple[Any, int], list[tuple[str, torch.Tensor, Patch]]] = {}
             for w in patches:
                 key = (w[1].device, w[1].untyped_storage().data_ptr())
+                if _alias_key(w[0], w[1]) in txn.shared:
+                    key = (w[1].device, -1)
+                    txn.covered.setdefault(str(w[1].device), Covered())
                 by_storage.setdefault(key, []).append(w)
-                txn.spans[w[0]] = _span(w[1])
+                txn.spans[w[0]] = span(w[1])
 
             def run(ws: list[tuple[str, torch.Tensor, Patch]]) -> None:
                 for name, t, patch in ws:
-                    _write_int(t, functools.partial(self._patch, txn, name, patch))
+                    _write_int(t, functools.partial(self._patch, txn, name, patch, t))
 
             parallel_map(run, by_storage.values())
 
@@ -400,22 +370,29 @@ class TorchModule(Engine):
                 raw_view(t).copy_(raw_view(new))  # the bytes shipped: a bool's are not all 0/1
 
     @staticmethod
-    def _patch(txn: _Txn, name: str, patch: Patch, flat: torch.Tensor) -> None:
-        """Validate, journal the old values, then patch ``flat`` in place (on the CPU, and
-        checksum its new bytes, in one pass: the C kernel saves, patches and hashes block by
-        block; ``_commit`` uses that digest instead of reading the tensor again)."""
+    def _patch(txn: _Txn, name: str, patch: Patch, t: torch.Tensor, flat: torch.Tensor) -> None:
+        """Validate, journal the old values, then patch ``flat`` (``t``'s int view) in place
+        (on the CPU, and checksum its new bytes, in one pass: the C kernel saves, patches and
+        hashes block by block; ``_commit`` uses that digest instead of reading the tensor
+        again). Memory that other names view in part: only the bytes no patch of the version
+        wrote yet (:class:`~receiver.engines.overlap.Covered`)."""
         patch = check_patch(patch, flat, name)
+        covered = txn.covered.get(str(t.device)) if _alias_key(name, t) in txn.shared else None
+        if covered is not None:
+            patch = covered.drop_written(t, patch)
         if patch.positions is None:
             txn.undo.append((name, None, flat.to("cpu", copy=True)))
             apply_patch(flat, patch)
-            return
-        old = torch.empty(patch.positions.numel(), dtype=flat.dtype, device=flat.device)
-        if flat.device.type == "cpu":
-            algo, layout = txn.manifest.checksum_algorithm, txn.entries[name].layout
-            txn.sums[name] = patch_and_checksum(flat, patch, algo, layout, old_out=old)
         else:
-            apply_patch(flat, patch, old_out=old)  # one pass: save the old values, patch
-        txn.undo.append((name, patch.positions, old))
+            old = torch.empty(patch.positions.numel(), dtype=flat.dtype, device=flat.device)
+            if flat.device.type == "cpu":
+                algo, layout = txn.manifest.checksum_algorithm, txn.entries[name].layout
+                txn.sums[name] = patch_and_checksum(flat, patch, algo, layout, old_out=old)
+            else:
+                apply_patch(flat, patch, old_out=old)  # one pass: save the old values, patch
+            txn.undo.append((name, patch.positions, old))
+        if covered is not None:
+            covered.add(t, patch)
 
     # -- commit / abort / bump ------------------------------------------------------------------
     def _commit(self) -> str:
@@ -429,11 +406,11 @@ class TorchModule(Engine):
                 if missing:
                     raise ApplyFailed(f"v{m.version}: tensors never arrived: {missing[:5]}")
             # taken in the patch's pass, for memory no other patch of this version wrote
-            alone = _apart(txn.spans)
+            alone = apart(txn.spans)
             sums = {n: d for n, d in txn.sums.items() if n in alone}
             # a tensor without a change of its own whose memory a patch wrote (a tied twin)
-            quiet = {n: _span(txn.tensors[n]) for n in txn.entries if n not in txn.spans}
-            written = _touched(txn.spans.values(), quiet) if txn.spans else set()
+            quiet = {n: span(txn.tensors[n]) for n in txn.entries if n not in txn.spans}
+            written = touched(txn.spans.values(), quiet) if txn.spans else set()
             hashed = [
                 name
                 for name, e in txn.entries.items()
