@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncsync import ChecksumMismatch, Publisher
+from asyncsync import ChecksumMismatch, ConfigError, Publisher
 from receiver import ReceiverAgent
 from receiver.engines import TorchModule
 from tests.test_publish_misuse import raw_bytes
@@ -116,3 +116,28 @@ async def test_a_version_whose_views_disagree_is_rolled_back_exactly(tmp_path: P
         assert agent.engine.state.version == 0
         for k, want in before.items():
             assert torch.equal(raw_bytes(module.state_dict()[k]), want), k
+
+
+class Expanded(torch.nn.Module):
+    """A buffer registered expanded (stride 0): its rows are one memory location."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pe", torch.randn(1, 8).expand(4, 8))
+        self.norm = torch.nn.Parameter(torch.ones(8))
+
+
+async def test_an_expanded_buffer_is_refused_at_begin_with_what_to_do(tmp_path: Path) -> None:
+    """A stride-0 buffer cannot take any write (torch: "more than one element of the written-to
+    tensor refers to a single memory location"): every version failed at apply time with
+    that as an ApplyFailed. It is refused before anything is written, naming the tensor and
+    what to do instead; the module is left as it was."""
+    trainer, module, root = Expanded(), Expanded(), tmp_path / "root"
+    before = {k: raw_bytes(t) for k, t in module.state_dict().items()}
+    async with Publisher(root) as pub, ReceiverAgent(root, TorchModule(module), "e0") as agent:
+        await pub.seed(trainer.state_dict())
+        with pytest.raises(ConfigError, match=r"'pe'.*expanded.*contiguous"):
+            await agent.sync_once()
+        assert agent.engine.state.version is None
+    for k, want in before.items():
+        assert torch.equal(raw_bytes(module.state_dict()[k]), want), k

@@ -12,6 +12,8 @@ in place, so the module serves the new weights without a reload and without a se
 * Names that view parts of one buffer (FSDP-1's flat parameters with views of them, a fused
   QKV with its blocks) each carry the version's change of the bytes they share: each byte is
   patched once per version (:mod:`receiver.engines.overlap`) and verified under every name.
+  An expanded tensor (stride 0: its elements one memory location) takes no write: a version
+  that names one is refused at ``begin`` (ConfigError, saying what to register instead).
 * Before each write the old values are kept in an in-memory undo journal (positions and old
   values for a sparse patch, the whole old tensor, on the CPU, for a dense patch or a full
   copy). ``abort`` and a failed checksum in ``commit`` restore them, so the module is back at
@@ -39,7 +41,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from asyncsync.codec import Patch, apply_patch, int_view, patch_and_checksum, raw_view
-from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch
+from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch, ConfigError
 from asyncsync.format import Manifest, TensorEntry
 from asyncsync.format.checksum import checksum_tensor, entry_checksum
 from asyncsync.pipeline import parallel_map
@@ -83,6 +85,20 @@ def _shared(tensors: dict[str, torch.Tensor]) -> set[_AliasKey]:
     spans = {n: span(tensors[n]) for n in one.values()}
     alone = apart(spans)
     return {k for k, n in one.items() if n not in alone}
+
+
+def _check_writable(name: str, t: torch.Tensor) -> None:
+    """ConfigError for a tensor that no write can land in: one expanded (stride 0), whose
+    elements along that dim are one memory location (torch refuses every ``copy_`` and patch)."""
+    for dim, (n, st) in enumerate(zip(t.shape, t.stride(), strict=True)):
+        if st == 0 and n > 1:
+            raise ConfigError(
+                f"tensor {name!r} of the module is expanded (stride 0 along dim {dim} of "
+                f"{list(t.shape)}): its {n} elements there are one memory location, which no "
+                "version can be written into; register the tensor before .expand() (and expand "
+                "it where it is used) or a .contiguous() copy, or leave it out of the published "
+                "state dict"
+            )
 
 
 def _write_int(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
@@ -294,6 +310,7 @@ class TorchModule(Engine):
                     f"tensor {name!r}: v{manifest.version} has {e.dtype}{list(e.shape)}, the "
                     f"module has {t.dtype}{list(t.shape)}"
                 )
+            _check_writable(name, t)
         if mode == "full":
             covered = {_alias_key(n, tensors[n]) for n in entries}
             extra = [n for n, t in tensors.items() if _alias_key(n, t) not in covered]
