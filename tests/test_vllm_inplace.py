@@ -13,6 +13,7 @@ rank, each holding a toy model.
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from collections.abc import AsyncIterator, Iterator
@@ -22,9 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncsync import Publisher
+from asyncsync import ApplyFailed, Publisher
 from receiver import ReceiverAgent
-from receiver.engines import VLLM, EngineHTTPError, LocalCheckpoint
+from receiver.engines import VLLM, EngineHTTPError, LocalCheckpoint, tied
 from receiver.plugins import vllm_loader
 from receiver.plugins.vllm_worker import AsyncSyncWorkerExtension
 from tests.fake_engines import FAST, FAST_RETRY, FakeVLLM
@@ -268,6 +269,51 @@ async def test_a_full_reload_that_fails_is_not_adopted(rig: Rig) -> None:
         w.fail_reload = None
     assert await r.agent.sync_once() == v
     r.workers.check(r.sd)
+
+
+@pytest.mark.parametrize("changed", ["lm_head.weight", "model.embed_tokens.weight"])
+async def test_a_trainer_that_unties_lm_head_is_refused_not_served_wrong(
+    rig: Rig, changed: str
+) -> None:
+    """The served model ties ``lm_head`` to the embedding (``tie_word_embeddings`` in the
+    checkpoint's config.json: its loader skips ``lm_head.weight``, as vLLM's and SGLang's do),
+    and the trainer unties them: a version changes one of the two. The server cannot hold it
+    (it serves the embedding's bytes under both names, in place and after vLLM's own reload
+    alike), yet the version was applied, confirmed and acknowledged. It is refused before
+    anything is written, saying why; the server keeps serving the version before."""
+    r = rig
+    (r.ckpt / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    v = await r.publish()  # still tied: in place as ever
+    assert await r.agent.sync_once() == v
+    good = r.sd
+    r.seed += 1
+    untied = step(good, ["model.embed_tokens.weight"], r.seed)  # both names (step re-ties)
+    other = "model.embed_tokens.weight" if changed == "lm_head.weight" else "lm_head.weight"
+    untied[other] = good[other]  # untied: the other one keeps its bytes
+    await r.pub.publish(untied)
+    with pytest.raises(ApplyFailed, match=r"lm_head.weight.*tie_word_embeddings"):
+        await r.agent.sync_once()
+    assert r.agent.engine.state.version == v
+    r.workers.check(good)
+    for w in r.workers.ranks:
+        assert w.model.lm_head.weight is w.model.model.embed_tokens.weight  # still tied
+
+
+@pytest.mark.parametrize(
+    ("config", "ties"),
+    [
+        ({"tie_word_embeddings": True}, True),
+        ({"tie_word_embeddings": False, "text_config": {"tie_word_embeddings": True}}, False),
+        ({"text_config": {"tie_word_embeddings": True}}, True),  # a multimodal model's
+        ({}, False),
+        ([], False),
+        (None, False),  # no config.json: cannot tell, nothing refused
+    ],
+)
+def test_which_configs_tie_the_embeddings(tmp_path: Path, config: Any, ties: bool) -> None:
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    assert tied.ties_embeddings(tmp_path) is ties
 
 
 # ----------------------------------------------------------------------- the general plugin

@@ -56,6 +56,7 @@ from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import EngineHTTPError, HttpClient, RetryPolicy, Timeouts
 from receiver.engines.server_record import read_record, record_of
 from receiver.engines.stage_builder import Staging, clear_stages
+from receiver.engines.tied import untied_why
 from receiver.state import STATE_DIR_NAME
 
 __all__ = ["ReloadingEngine"]
@@ -372,6 +373,9 @@ class ReloadingEngine(Engine, abc.ABC):
                 "is in progress; commit or abort it first"
             )
         self._backoff.check(manifest.version)
+        untied = await asyncio.to_thread(untied_why, self.checkpoint.directory, manifest)
+        if untied is not None:  # the server would serve another lm_head than the version's
+            raise ApplyFailed(f"{self.kind}: {untied}")
         if self.in_engine and await self.audit_watch.check(self.state) is not None:
             self._lost = True  # not staged onto it: this version's reload repairs it
         local = self.checkpoint.state
