@@ -51,14 +51,15 @@ async def test_a_version_a_tied_module_cannot_hold_is_never_acked(
 
 
 class FlatViews(torch.nn.Module):
-    """A flat buffer registered with views of it (FSDP-1's flat parameters, fused QKV): ``flat``
-    and its halves ``a``/``b``, and a fused ``qkv`` with its column block ``q`` (not
-    contiguous), all views of the same memory."""
+    """Buffers registered with views of them (FSDP-1's flat parameters, fused QKV): ``flat``
+    with its halves ``a``/``b`` and ``mid``, which overlaps both in part; a fused ``qkv`` with
+    its column blocks ``q``/``kv`` and its transpose (not contiguous)."""
 
     def __init__(self, dtype: torch.dtype = torch.float32, *, views_first: bool = False) -> None:
         super().__init__()
         flat, qkv = torch.randn(300).to(dtype), torch.randn(8, 12).to(dtype)
-        views = {"a": flat[:100], "b": flat[100:], "q": qkv[:, :4], "kv": qkv[:, 4:]}
+        views = {"a": flat[:100], "b": flat[100:], "mid": flat[50:250], "q": qkv[:, :4]}
+        views |= {"kv": qkv[:, 4:], "qkv_t": qkv.t()}
         for k, t in (
             views | {"flat": flat, "qkv": qkv}
             if views_first
