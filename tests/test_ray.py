@@ -190,6 +190,53 @@ async def test_actor_bodies_in_process(tmp_path: Path) -> None:
     await trainer.close()
 
 
+async def test_status_port_answers_while_the_receiver_waits_to_take_over(tmp_path: Path) -> None:
+    """A Ray receiver started its status server only once its engine was open: while it waited
+    to take a held checkpoint over (or for a slow engine) the port refused connections, so a
+    probe could not tell it from one that is not there. It serves from the start now, as
+    ``asyncsync-receiver`` does: ``/readyz`` 503 saying why, ``/healthz`` 200, ``/status``
+    ``starting``; once open, the opened agent's state."""
+    import aiohttp
+
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    holder = ReceiverActor(str(root), ReceiverSpec("e0", str(ckpt), poll_interval=0.02))
+    await holder.start()
+    await holder.wait_ready()
+    spec = ReceiverSpec("e1", str(ckpt), status_port=0, agent_options={"lease_ttl": 0.3})
+    waiter = ReceiverActor(str(root), spec, take_over=120)
+    await waiter.start()
+    try:
+        for _ in range(1000):
+            st = waiter.status()
+            if st["waiting"] is not None or not st["running"]:
+                break
+            await asyncio.sleep(0.01)
+        assert st["waiting"] is not None and st["waiting"].startswith("LockHeld"), st
+        assert st["status_url"] is not None, st  # (it was None: no server yet)
+        url = st["status_url"]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/readyz") as r:
+                body = await r.json()
+                assert r.status == 503 and body["ready"] is False, body
+                assert body["why"].startswith("starting: waiting to take over (LockHeld"), body
+            async with http.get(url + "/healthz") as r:
+                body = await r.json()
+                assert r.status == 200 and body["starting"].startswith("waiting to take"), body
+            async with http.get(url + "/status") as r:
+                assert (await r.json())["starting"].startswith("waiting to take over"), url
+            await holder.stop(grace=30)  # frees the checkpoint: the waiter takes it over
+            assert await waiter.wait_ready() is None and waiter.status()["status_url"] == url
+            async with http.get(url + "/healthz") as r:
+                body = await r.json()
+                assert r.status == 200 and "starting" not in body, body
+            async with http.get(url + "/status") as r:
+                assert (await r.json())["starting"] is None
+    finally:
+        await holder.stop(grace=30)
+        await waiter.stop(grace=30)
+    assert not waiter.status()["running"] and waiter.status()["status_url"] is None
+
+
 # --------------------------------------------------------------------------- on the cluster
 
 

@@ -76,8 +76,10 @@ class ReceiverSpec:
             one unit of ``DEFAULT_RESOURCE``).
         poll_interval, force_polling: as ``asyncsync-receiver --poll-interval/--force-polling``
             (force polling on NFS and other network filesystems).
-        status_port: serve ``/healthz``, ``/status``, ``/metrics`` on this port of the node
-            (None: not served; 0: any free port), bound to ``status_host``.
+        status_port: serve ``/healthz``, ``/readyz``, ``/status``, ``/metrics`` on this port of
+            the node (None: not served; 0: any free port), bound to ``status_host``, from before
+            the engine is open (meanwhile ``/readyz`` answers 503 saying why: the engine
+            starting, a take-over waiting for a held lease).
         agent_options: more :class:`~receiver.agent.ReceiverAgent` keywords
             (``verify_deadline``, ``prefetch`` ...), checked when the spec is made.
         version_offset: the server is told weight version ``v + version_offset`` for root

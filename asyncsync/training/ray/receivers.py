@@ -127,17 +127,20 @@ class ReceiverActor:
 
         auditing = None
         try:
+            if self.spec.status_port is not None:  # serving from before the engine is open:
+                # while a take-over waits or the engine starts, /readyz answers 503 saying why
+                from receiver.server import StatusServer
+
+                server = StatusServer(agent, host=self.spec.status_host, port=self.spec.status_port)
+                server.starting = "opening the engine"
+                self._server = server
+                await server.start()
             await self._open(agent)
             freeze_startup_objects()  # this actor's process runs this one agent
             self._opened.set()
             auditor = receiver_auditor(agent)  # the engine's default (SGLang: its plugin's)
-            if self.spec.status_port is not None:
-                from receiver.server import StatusServer
-
-                self._server = StatusServer(
-                    agent, host=self.spec.status_host, port=self.spec.status_port, auditor=auditor
-                )
-                await self._server.start()
+            if self._server is not None:
+                self._server.attach(agent, auditor)
             if auditor is not None:
                 auditing = asyncio.create_task(auditor.run(stop=self._stop), name="audit")
             logger.info("receiver %s: running at version %s", agent.engine_id, agent.version)
@@ -163,6 +166,8 @@ class ReceiverActor:
                 if time.monotonic() >= deadline or self._stop.is_set():
                     raise
                 self._waiting = f"LockHeld: {exc}"
+                if self._server is not None:
+                    self._server.starting = f"waiting to take over ({self._waiting})"
                 logger.info("receiver %s: waiting to take over (%s)", self.spec.engine_id, exc)
                 ttl = float(self.spec.agent_options.get("lease_ttl", DEFAULT_LEASE_TTL))
                 await asyncio.sleep(min(ttl / 3, 5.0, max(0.0, deadline - time.monotonic())))
@@ -196,9 +201,18 @@ class ReceiverActor:
         out["stopped_by"] = None
         if task is not None and task.done() and not task.cancelled() and task.exception():
             out["stopped_by"] = f"{type(task.exception()).__name__}: {task.exception()}"
-        out["status_url"] = self._server.url if self._server is not None else None
+        out["status_url"] = self._status_url()
         out["node"] = where()
         return out
+
+    def _status_url(self) -> str | None:
+        """Where the status server answers (None: not serving, or stopped)."""
+        if self._server is None:
+            return None
+        try:
+            return self._server.url
+        except RuntimeError:  # not started, or stopped
+            return None
 
     async def sync_now(self) -> int | None:
         """Apply every committed version now (not waiting for the next poll); return the
