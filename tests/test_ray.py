@@ -237,6 +237,42 @@ async def test_status_port_answers_while_the_receiver_waits_to_take_over(tmp_pat
     assert not waiter.status()["running"] and waiter.status()["status_url"] is None
 
 
+@pytest.mark.parametrize(
+    ("host", "node_ip", "want"),
+    [
+        ("0.0.0.0", None, "{ip}"),  # the address Ray gives this node
+        ("::", None, "{ip}"),
+        ("::", "2001:db8::5", "[2001:db8::5]"),  # an IPv6 node: bracketed
+        ("0.0.0.0", "2001:db8::5", "127.0.0.1"),  # not served over IPv6: the loopback stays
+    ],
+)
+async def test_status_url_bound_to_every_interface_names_the_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: str, node_ip: str | None, want: str
+) -> None:
+    """A Ray receiver whose status server is bound to every interface reported
+    ``http://127.0.0.1:PORT``: right on its node, useless to a driver on another one. It reports
+    the node's address as Ray knows it (``ray.util.get_node_ip_address``), when the server
+    serves that address's family; the real one answers."""
+    ray_util = pytest.importorskip("ray.util")
+    import aiohttp
+
+    if node_ip is not None:  # (a node address of another family than this host's)
+        monkeypatch.setattr(ray_util, "get_node_ip_address", lambda: node_ip)
+    spec = ReceiverSpec("e0", str(tmp_path / "ckpt"), status_port=0, status_host=host)
+    actor = ReceiverActor(str(tmp_path / "root"), spec)
+    await actor.start()
+    try:
+        await actor.wait_ready()
+        url = actor.status()["status_url"]
+        port = url.rsplit(":", 1)[1]
+        assert url == f"http://{want.format(ip=ray_util.get_node_ip_address())}:{port}", url
+        if node_ip is None:
+            async with aiohttp.ClientSession() as http, http.get(url + "/healthz") as r:
+                assert r.status == 200, await r.text()
+    finally:
+        await actor.stop(grace=30)
+
+
 # --------------------------------------------------------------------------- on the cluster
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import time
@@ -104,6 +105,7 @@ class ReceiverActor:
         self._stop = asyncio.Event()
         self._opened = asyncio.Event()
         self._server: StatusServer | None = None
+        self._url: str | None = None  # where the status server answers (from other nodes too)
         self._waiting: str | None = None  # why the open is waiting (a held lease)
 
     def __repr__(self) -> str:
@@ -135,6 +137,7 @@ class ReceiverActor:
                 server.starting = "opening the engine"
                 self._server = server
                 await server.start()
+                self._url = node_url(server)
             await self._open(agent)
             freeze_startup_objects()  # this actor's process runs this one agent
             self._opened.set()
@@ -151,6 +154,7 @@ class ReceiverActor:
                 with contextlib.suppress(asyncio.CancelledError):
                     await auditing
             if self._server is not None:
+                self._url = None
                 await self._server.stop()
             await agent.close()
 
@@ -190,7 +194,8 @@ class ReceiverActor:
 
     def status(self) -> dict[str, Any]:
         """The agent's :class:`~receiver.agent.AgentStatus` as a dict, with ``running``,
-        ``stopped_by`` (the error that ended the loop, if one did), ``status_url`` and ``node``."""
+        ``stopped_by`` (the error that ended the loop, if one did), ``status_url`` (bound to every
+        interface: at the node's address, for a driver elsewhere) and ``node``."""
         task = self._task
         out: dict[str, Any] = plain(self._agent.status()) if self._agent is not None else {}
         out["engine_id"] = self.spec.engine_id
@@ -201,18 +206,9 @@ class ReceiverActor:
         out["stopped_by"] = None
         if task is not None and task.done() and not task.cancelled() and task.exception():
             out["stopped_by"] = f"{type(task.exception()).__name__}: {task.exception()}"
-        out["status_url"] = self._status_url()
+        out["status_url"] = self._url
         out["node"] = where()
         return out
-
-    def _status_url(self) -> str | None:
-        """Where the status server answers (None: not serving, or stopped)."""
-        if self._server is None:
-            return None
-        try:
-            return self._server.url
-        except RuntimeError:  # not started, or stopped
-            return None
 
     async def sync_now(self) -> int | None:
         """Apply every committed version now (not waiting for the next poll); return the
@@ -266,6 +262,29 @@ class ReceiverActor:
         if self._task is None:
             raise RuntimeError(f"receiver {self.spec.engine_id} is not started: call start()")
         return self._task
+
+
+def node_url(server: StatusServer) -> str:
+    """Where a driver on another node reaches ``server``: bound to every interface (``::``,
+    ``0.0.0.0``), the node's address as Ray knows it, when the server serves its family (its own
+    :attr:`~receiver.server.StatusServer.url` says the loopback, for a client on the node)."""
+    url = server.url
+    if not server.every_interface:
+        return url
+    from receiver.listen import is_dual_stack
+
+    try:
+        import ray.util
+
+        addr = ipaddress.ip_address(ray.util.get_node_ip_address())
+    except (ImportError, ValueError):  # (in-process without Ray; a name)
+        return url
+    if addr.version == 4 and url.startswith("http://["):  # "::" bound IPv6 only
+        return url
+    if addr.version == 6 and not is_dual_stack(server.host):  # "0.0.0.0"
+        return url
+    host = f"[{str(addr).replace('%', '%25')}]" if addr.version == 6 else str(addr)
+    return f"http://{host}:{server.port}"
 
 
 class ReceiverFleet:
