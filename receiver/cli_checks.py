@@ -94,6 +94,7 @@ def check_status_options(args: argparse.Namespace) -> str | None:
             args.status_port,
             host_option="--status-host",
             port_option="--status-port",
+            check=True,  # (the server's bind warns, once)
         ):
             sock.close()
     return token

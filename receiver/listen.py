@@ -101,18 +101,21 @@ def bind_sockets(
     host_option: str = "host",
     port_option: str = "port",
     infos: Infos | None = None,
+    check: bool = False,
 ) -> list[socket.socket]:
     """Bound (not yet listening) TCP sockets for ``host``:``port``, one per address ``host``
     resolves to (``infos``, when resolved already), all on one port; ConfigError naming
     ``host_option`` or ``port_option`` for a host that is no address of this host or a port
-    that is taken."""
+    that is taken. ``check``: a check before the real bind, which warns (a host without IPv6
+    for ``::``) only once, itself."""
     if is_dual_stack(host) and (missing := _no_ipv6()) is not None:
         # "every interface" on a host whose kernel has no IPv6 (ipv6.disable=1): every
         # interface it has, as a deployment written for all hosts means
-        logger.warning(
-            "%s %s: this host has no IPv6 (%s): serving every IPv4 interface (0.0.0.0) "
-            "instead", host_option, host, missing,
-        )  # fmt: skip
+        if not check:
+            logger.warning(
+                "%s %r: this host has no IPv6 (%s): serving every IPv4 interface (0.0.0.0) "
+                "instead", host_option, host, missing,
+            )  # fmt: skip
         host, infos = "0.0.0.0", None
     if infos is None:
         infos = resolve(host, port, host_option=host_option, port_option=port_option)

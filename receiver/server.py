@@ -353,7 +353,7 @@ class StatusServer:
             names = self._names
             # resolved in a thread: a name behind a slow DNS must not stall the loop
             infos = await asyncio.to_thread(resolve, self.host, self.port, **names)
-            socks = bind_sockets(self.host, self.port, infos=infos, **names)
+            socks = bind_sockets(self.host, self.port, infos=infos, check=False, **names)
             for sock in socks:
                 self._sites.append(web.SockSite(self._runner, sock))
                 await self._sites[-1].start()

@@ -116,6 +116,32 @@ def test_another_ipv6_address_on_a_host_without_ipv6_says_to_give_ipv4(no_ipv6: 
         bind_sockets("::1", 0, host_option="--status-host")
 
 
+async def test_the_ipv6_fallback_is_said_once_by_the_receiver_cli(
+    tmp_path: Path, no_ipv6: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``asyncsync-receiver --status-host ::`` on a host without IPv6 said "this host has no
+    IPv6 ... serving every IPv4 interface" twice: from its early check of the status port and
+    from the server's bind. The check is quiet about it: the bind says it, once. The CLI's own
+    two steps, in the order it runs them."""
+    import argparse
+
+    from receiver.cli_checks import TOKEN_ENV, check_status_options
+    from receiver.cli_start import _serve_status
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    args = argparse.Namespace(
+        control_token_file=None, status_host="::", status_port=0, control_token=None,
+        ready_max_lag=0, engine_id="e",
+    )  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="receiver.listen")
+    check_status_options(args)
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
+    server = await _serve_status(args, agent)
+    await server.stop()
+    said = [r.getMessage() for r in caplog.records if "this host has no IPv6" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("--status-host '::': "), said
+
+
 @pytest.mark.parametrize("host", ["::", "0.0.0.0"])
 async def test_the_status_url_of_every_interface_is_one_a_client_can_use(
     tmp_path: Path, host: str
