@@ -57,6 +57,7 @@ __all__ = [
     "host_copy",
     "pinned_pool",
     "release_large_buffers",
+    "scratch_env",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ PINNED_LIMIT = 1 << 30
 CHUNK = 16 << 20
 #: the largest ``ASYNCSYNC_PINNED_MB`` taken (1 TiB)
 MAX_PINNED_MB = 1 << 20
+#: the largest ``ASYNCSYNC_SCRATCH_MB`` taken (1 TiB): beyond, the scratch pool would have no bound
+MAX_SCRATCH_MB = 1 << 20
 
 
 def release_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
@@ -208,10 +211,18 @@ def env_mib(name: str, most: int = MAX_PINNED_MB) -> int | None:
 
 
 def check_env() -> None:
-    """A :class:`ConfigError` now for a bad ``ASYNCSYNC_PINNED_MB``: the Publisher and the
-    receiver's agent call it as they are made, so the operator sees it at start-up, not at the
-    first device copy inside a publish (where the pinned pool is made)."""
+    """A :class:`ConfigError` now for a bad ``ASYNCSYNC_PINNED_MB`` or ``ASYNCSYNC_SCRATCH_MB``:
+    the Publisher and the receiver's agent call it as they are made, so the operator sees it at
+    start-up, not at the first device copy inside a publish (where the pinned pool is made) nor
+    as a traceback out of an import (where the scratch pool is made: it takes the default)."""
     _pinned_limit()
+    scratch_env()
+
+
+def scratch_env() -> int | None:
+    """``ASYNCSYNC_SCRATCH_MB`` in bytes (0 turns the scratch pool off), None when it is not set;
+    a :class:`ConfigError` when it is not a number of MiB in [0, :data:`MAX_SCRATCH_MB`]."""
+    return env_mib("ASYNCSYNC_SCRATCH_MB", MAX_SCRATCH_MB)
 
 
 def _pinned_limit() -> int:

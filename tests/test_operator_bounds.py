@@ -301,27 +301,39 @@ async def test_the_in_engine_auditors_read_pace_has_bounds(
         assert Auditor(rig.loaders[0], bytes_per_s=float(1 << 20)).bytes_per_s == 1 << 20
 
 
-def test_a_bad_pinned_memory_setting_is_said_at_start_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("env", ["ASYNCSYNC_PINNED_MB", "ASYNCSYNC_SCRATCH_MB"])
+def test_a_bad_memory_setting_is_said_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: str
 ) -> None:
     """``ASYNCSYNC_PINNED_MB=lots`` was read when the pinned pool was made: at the first copy of
     a CUDA tensor, inside a publish (its version failed) or an audit, hours after start-up (and
-    never on a host without a GPU). The Publisher and the receiver refuse it as they are made
-    now; the receiver's command line says it in one line before anything is opened."""
+    never on a host without a GPU). ``ASYNCSYNC_SCRATCH_MB=lots`` failed the import of
+    ``asyncsync.codec.scratch``: a traceback out of ``import asyncsync``, before any command
+    could say it in context. The Publisher and the receiver refuse either as they are made now;
+    the receiver's command line says it in one line before anything is opened."""
     from asyncsync import Publisher
     from receiver.cli import main as receiver_main
 
-    monkeypatch.setenv("ASYNCSYNC_PINNED_MB", "lots")
-    with pytest.raises(ConfigError, match="ASYNCSYNC_PINNED_MB must be a number of MiB"):
+    monkeypatch.setenv(env, "lots")
+    with pytest.raises(ConfigError, match=f"{env} must be a number of MiB"):
         Publisher(tmp_path / "root")
-    with pytest.raises(ConfigError, match="ASYNCSYNC_PINNED_MB must be a number of MiB"):
+    with pytest.raises(ConfigError, match=f"{env} must be a number of MiB"):
         ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
     (tmp_path / "root").mkdir()
     argv = ["--root", str(tmp_path / "root"), "--engine-id", "e1", "--checkpoint",
             str(tmp_path / "c"), "--once"]  # fmt: skip
     assert receiver_main(argv) == 1
     err = capsys.readouterr().err
-    assert "ASYNCSYNC_PINNED_MB must be a number of MiB" in err, err
+    assert f"{env} must be a number of MiB" in err, err
+    assert not (tmp_path / "c").exists()
+    # a new process: the setting is there as it imports the package
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "receiver.cli", *argv], capture_output=True, text=True
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and f"{env} must be a number" in proc.stderr, proc.stderr
     assert not (tmp_path / "c").exists()
 
 

@@ -11,6 +11,7 @@ import torch
 from asyncsync.codec import Patch, native, scratch
 from asyncsync.codec.scratch import MIN_BYTES, ScratchPool
 from asyncsync.errors import ConfigError
+from asyncsync.memory import scratch_env
 
 N = MIN_BYTES // 8  # int64 elements of the smallest pooled buffer
 
@@ -92,13 +93,13 @@ def test_threads_never_get_the_same_buffer_at_once() -> None:
 
 def test_the_process_pool_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", "0")
-    assert scratch._env_limit() == 0
+    assert scratch_env() == 0
     monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", "8")
-    assert scratch._env_limit() == 8 << 20
+    assert scratch_env() == 8 << 20
     for bad in ("lots", "-1", "nan", "inf", "1e30"):
         monkeypatch.setenv("ASYNCSYNC_SCRATCH_MB", bad)
         with pytest.raises(ConfigError, match="ASYNCSYNC_SCRATCH_MB"):
-            scratch._env_limit()
+            scratch_env()
 
 
 @pytest.mark.parametrize("bad", [-1, -(64 << 20), 1.5, True, "8", None])

@@ -23,7 +23,8 @@ from typing import Any
 
 from numpy.typing import DTypeLike, NDArray
 
-from asyncsync.memory import MIN_BYTES, ScratchPool, env_mib
+from asyncsync.errors import ConfigError
+from asyncsync.memory import MIN_BYTES, ScratchPool, scratch_env
 
 __all__ = ["MIN_BYTES", "ScratchPool", "empty", "fit", "pool"]
 
@@ -32,13 +33,6 @@ DEFAULT_LIMIT = 256 << 20
 #: ... and at most this share of the largest model the process moves (:func:`fit`), but
 #: not below FIT_FLOOR
 FIT_SHARE, FIT_FLOOR = 4, 16 << 20
-#: the largest ``ASYNCSYNC_SCRATCH_MB`` taken (1 TiB): beyond, the pool would have no bound
-MAX_MB = 1 << 20
-
-
-def _env_limit() -> int | None:
-    """``ASYNCSYNC_SCRATCH_MB`` in bytes (0 turns the pool off), None when it is not set."""
-    return env_mib("ASYNCSYNC_SCRATCH_MB", MAX_MB)
 
 
 def fit(model_bytes: int) -> None:
@@ -49,7 +43,10 @@ def fit(model_bytes: int) -> None:
         pool.limit = max(pool.limit, min(DEFAULT_LIMIT, model_bytes // FIT_SHARE))
 
 
-_ENV = _env_limit()
+try:
+    _ENV = scratch_env()
+except ConfigError:  # said at start-up (memory.check_env: the Publisher, the receiver's agent),
+    _ENV = None  # in context: an import never fails for it
 _FIXED = _ENV is not None
 #: the process-wide pool of the diff's and the decode's temporaries (FIT_FLOOR until
 #: :func:`fit` sizes it by the model)
