@@ -4,9 +4,12 @@ resource, trainer actors publishing, versions, bit-exact checkpoints, errors, st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import pickle
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -309,7 +312,8 @@ def test_trainer_and_receivers_by_node(cluster: Any, tmp_path: Path) -> None:
     specs = [
         ReceiverSpec(f"e{i}", str(tmp_path / f"ckpt{i}"), node_id=node, poll_interval=0.05)
         for i in range(2)
-    ]
+    ]  # e1 serves its status on every interface, at the node's address
+    specs[1] = dataclasses.replace(specs[1], status_port=0, status_host="0.0.0.0")
     states = [mixed_state(0)]
     for i in range(1, 4):
         states.append(mutate(states[-1], 0.03, seed=i))
@@ -336,6 +340,10 @@ def test_trainer_and_receivers_by_node(cluster: Any, tmp_path: Path) -> None:
         st = fleet.statuses()["e1"]
         assert st["running"] and st["applied"] == 4 and st["last_error"] is None
         assert st["node"]["node_id"] == node
+        (address,) = [n["NodeManagerAddress"] for n in cluster.nodes() if n["NodeID"] == node]
+        assert st["status_url"].startswith(f"http://{address}:"), (st["status_url"], address)
+        with urllib.request.urlopen(st["status_url"] + "/healthz", timeout=30) as r:
+            assert json.loads(r.read())["version"] == 3
         # a second receiver for a checkpoint another one holds: refused, its actor ended
         with pytest.raises(LockHeld):
             start_receivers(root, [ReceiverSpec("e9", specs[0].checkpoint)], ready_timeout=60)
