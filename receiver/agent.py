@@ -46,7 +46,7 @@ from asyncsync.format.names import root_path
 from asyncsync.format.store import is_committed
 from asyncsync.memory import check_env as check_memory_env
 from asyncsync.memory import release_large_buffers
-from asyncsync.pipeline import LoopLock, run_pipeline
+from asyncsync.pipeline import LoopLock, run_pipeline, threads
 from receiver.acking import RootPresence
 from receiver.badversions import BadVersions
 from receiver.early import EarlyRead
@@ -137,6 +137,7 @@ class ReceiverAgent:
         given = locals()  # the keyword-only options, checked as a Ray ReceiverSpec checks them
         check_agent_options({name: given[name] for name in AGENT_OPTIONS})
         check_memory_env()  # read at the first device copy (an audit): said at start-up
+        threads()  # ASYNCSYNC_THREADS, read at the first parallel map: said at start-up too
         self.root = root_path(root)
         self.engine = engine
         engine.on_lost = self._reconcile_ack  # a server found serving other weights: no ack

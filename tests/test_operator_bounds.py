@@ -301,30 +301,43 @@ async def test_the_in_engine_auditors_read_pace_has_bounds(
         assert Auditor(rig.loaders[0], bytes_per_s=float(1 << 20)).bytes_per_s == 1 << 20
 
 
-@pytest.mark.parametrize("env", ["ASYNCSYNC_PINNED_MB", "ASYNCSYNC_SCRATCH_MB"])
-def test_a_bad_memory_setting_is_said_at_start_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: str
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ("ASYNCSYNC_PINNED_MB", "ASYNCSYNC_PINNED_MB must be a number of MiB"),
+        ("ASYNCSYNC_SCRATCH_MB", "ASYNCSYNC_SCRATCH_MB must be a number of MiB"),
+        ("ASYNCSYNC_THREADS", "ASYNCSYNC_THREADS='lots' is not a whole number"),
+    ],
+)
+def test_a_bad_setting_in_the_environment_is_said_at_start_up(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: str,
+    said: str,
 ) -> None:
     """``ASYNCSYNC_PINNED_MB=lots`` was read when the pinned pool was made: at the first copy of
     a CUDA tensor, inside a publish (its version failed) or an audit, hours after start-up (and
     never on a host without a GPU). ``ASYNCSYNC_SCRATCH_MB=lots`` failed the import of
     ``asyncsync.codec.scratch``: a traceback out of ``import asyncsync``, before any command
-    could say it in context. The Publisher and the receiver refuse either as they are made now;
-    the receiver's command line says it in one line before anything is opened."""
+    could say it in context. ``ASYNCSYNC_THREADS=lots`` was read at the first parallel map:
+    the receiver had opened its engine (and a running one retried every version, each failing
+    with it). The Publisher and the receiver refuse each as they are made now; the receiver's
+    command line says it in one line before anything is opened."""
     from asyncsync import Publisher
     from receiver.cli import main as receiver_main
 
     monkeypatch.setenv(env, "lots")
-    with pytest.raises(ConfigError, match=f"{env} must be a number of MiB"):
+    with pytest.raises(ConfigError, match=re.escape(said)):
         Publisher(tmp_path / "root")
-    with pytest.raises(ConfigError, match=f"{env} must be a number of MiB"):
+    with pytest.raises(ConfigError, match=re.escape(said)):
         ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e")
     (tmp_path / "root").mkdir()
     argv = ["--root", str(tmp_path / "root"), "--engine-id", "e1", "--checkpoint",
             str(tmp_path / "c"), "--once"]  # fmt: skip
     assert receiver_main(argv) == 1
     err = capsys.readouterr().err
-    assert f"{env} must be a number of MiB" in err, err
+    assert said in err, err
     assert not (tmp_path / "c").exists()
     # a new process: the setting is there as it imports the package
     import subprocess
@@ -333,7 +346,7 @@ def test_a_bad_memory_setting_is_said_at_start_up(
         [sys.executable, "-m", "receiver.cli", *argv], capture_output=True, text=True
     )
     assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stderr and f"{env} must be a number" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and said in proc.stderr, proc.stderr
     assert not (tmp_path / "c").exists()
 
 
