@@ -362,6 +362,38 @@ def test_a_deeply_nested_index_is_a_one_line_error(
     assert len(err.splitlines()) == 1 and "nested too deeply" in err, err
 
 
+@pytest.mark.parametrize("damage", ["trailing", "gap"])
+def test_verify_refuses_a_data_file_safetensors_would_not_load(
+    root: Path, checkpoint: Path, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(attack-60) bytes past a data file's last tensor, or a hole between two tensors, make
+    safetensors (the engine's loader) refuse the file, while ``asyncsync verify`` said the
+    checkpoint was bit-exact (exit 0); it is now one line naming the file (exit 1)."""
+    from safetensors import SafetensorError, safe_open
+
+    data = checkpoint / "model-00001-of-00001.safetensors"
+    if damage == "trailing":
+        with open(data, "ab") as f:
+            f.write(b"JUNK")
+    else:  # the last tensor's bytes moved 8 bytes on: a hole of 8 bytes before them
+        raw = data.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        last = max((k for k in header if k != "__metadata__"),
+                   key=lambda k: header[k]["data_offsets"][0])  # fmt: skip
+        lo, hi = header[last]["data_offsets"]
+        header[last]["data_offsets"] = [lo + 8, hi + 8]
+        head = json.dumps(header, separators=(",", ":")).encode().ljust(n)  # spaces: allowed
+        assert len(head) == n
+        data.write_bytes(raw[:8] + head + raw[8 + n : 8 + n + lo] + bytes(8) + raw[8 + n + lo :])
+    with pytest.raises(SafetensorError), safe_open(str(data), "pt"):
+        pass
+    assert main(["verify", str(root), "--checkpoint", str(checkpoint)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("asyncsync verify: error:"), err
+    assert f"{data}:" in err and "not covered" in err, err
+
+
 def test_human_bytes() -> None:
     assert human_bytes(0) == "0 B"
     assert human_bytes(1023) == "1023 B"

@@ -190,6 +190,15 @@ def read_layout(path: Path) -> dict[str, TensorLocation]:
         if not data_start <= b <= e <= size or e - b != numel * dtype.itemsize:
             raise bad(f"tensor {name!r} byte range {offs} does not fit its shape or the file")
         out[name] = TensorLocation(name, path.name, dtype, tuple(shape), b, e)
+    # safetensors loads a file only if its tensors cover the data bytes end to end, no hole,
+    # no overlap, nothing after the last (else "file not fully covered"): nor is it ours then
+    at = data_start
+    for loc in sorted(out.values(), key=lambda loc: (loc.begin, loc.end)):
+        if loc.begin != at:
+            raise bad(f"bytes {at}..{loc.begin} are not covered by exactly one tensor")
+        at = loc.end
+    if at != size:
+        raise bad(f"bytes {at}..{size} are not covered by a tensor (safetensors refuses it)")
     return out
 
 
