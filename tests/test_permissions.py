@@ -268,3 +268,31 @@ def test_a_privileged_status_port_says_why_it_is_refused(shared_tmp: Path) -> No
     assert "--status-port 80 on 127.0.0.1: Permission denied" in last, last
     assert f"ports below {start}" in last and "CAP_NET_BIND_SERVICE" in last, last
     assert not (shared_tmp / "c").exists()
+
+
+async def test_prepare_refuses_a_root_receivers_of_the_group_cannot_enter(
+    shared_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(attack-60) A root made with ``mkdir`` under umask 077 stays 0700 (the publisher does
+    not change the mode of a root it did not create): ``asyncsync prepare --group`` said it
+    was done (exit 0), and every receiver of the group then failed "Permission denied" on the
+    root. It refuses now, naming the mode and the fix, before it creates anything; a root the
+    group (or everyone) may read and enter is prepared as before."""
+    from asyncsync.ops.cli import main as cli
+
+    root = shared_tmp / "root"
+    root.mkdir(mode=0o700)
+    os.chmod(root, 0o700)
+    async with Publisher(root, bucket_bytes=8192) as pub:
+        await pub.seed(mixed_state(0))
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert _receiver_as_nobody(root, shared_tmp / "ckpt").returncode == 1  # what it led to
+    assert cli(["prepare", str(root), "--group", str(NOBODY)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("asyncsync prepare: error:"), err
+    assert f"{root} is mode 0700" in err and f"chmod 755 {root}" in err, err
+    assert not (root / "acks").exists() and not (root / "leases").exists()
+    os.chown(root, -1, NOBODY)
+    os.chmod(root, 0o750)  # the group may read and enter: enough
+    assert cli(["prepare", str(root), "--group", str(NOBODY)]) == 0
+    assert (root / "acks").is_dir() and (root / "leases").is_dir()

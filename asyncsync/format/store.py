@@ -227,6 +227,7 @@ def prepare_shared_dirs(root: Path, group: str | int) -> list[Path]:
         raise ConfigError(f"no group named {group!r} on this host (give a name or a gid)") from None
     if not 0 <= gid <= MAX_GID:  # checked before anything is created
         raise ConfigError(f"gid {gid} is out of range: give a gid from 0 to {MAX_GID} or a name")
+    _check_enterable(root, gid)
     fsio.make_dir(root, parents=True, exist_ok=True)
     out = []
     for name in (ACKS_DIR, LEASES_DIR):
@@ -239,6 +240,24 @@ def prepare_shared_dirs(root: Path, group: str | int) -> list[Path]:
             os.close(fd)
         out.append(d)
     return out
+
+
+def _check_enterable(root: Path, gid: int) -> None:
+    """ConfigError when an existing ``root`` is a directory that receivers of group ``gid``
+    may not read and enter (a root made with ``mkdir`` under umask 077 is 0700; the publisher
+    leaves the mode of a root it did not create): they would fail on it, acks/ writable or not.
+    Its mode is the operator's to loosen, so it is named, not changed."""
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        return  # created 0755 below
+    need = 0o050 if st.st_gid == gid else 0o005
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & need != need and st.st_mode & 0o005 != 0o005:
+        raise ConfigError(
+            f"{root} is mode {stat.S_IMODE(st.st_mode):04o} (uid {st.st_uid}, gid {st.st_gid}):"
+            f" receivers of group {gid} cannot read and enter it; chmod 755 {root} (or chgrp "
+            f"{gid} and chmod 750), then run asyncsync prepare again"
+        )
 
 
 def list_versions(root: Path) -> list[int]:

@@ -6,6 +6,8 @@ When it runs as another uid than the publisher (a non-root container, a systemd
 command creates them (and the root, if missing) with the group ``G`` and mode ``2775``.
 Everything else in the root stays ``0644``/``0755``: receivers only read it. It is the one
 subcommand that writes; run it once, as the publisher's uid or root, before the receivers start.
+An existing root that the group may not read and enter (``mkdir`` under umask 077 makes it
+``0700``) is refused, naming the ``chmod`` that fixes it, before anything is created.
 """
 
 from __future__ import annotations
