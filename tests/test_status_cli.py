@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -142,3 +143,33 @@ async def test_lag_is_counted_from_the_newest_good_version_not_a_planted_one(
     assert main(["status", str(root), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {e["engine_id"]: e["lag"] for e in doc["engines"]}["unaware"] == 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "garbage", "other engine"])
+async def test_an_ack_it_cannot_read_is_named_not_all_clear(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(attack-60) An ack file it could not read (a FIFO or a symlink put there, bytes that are
+    no record, a record naming another engine) was left out: "1 engines, 0 stragglers", exit 0,
+    while that engine's version was unknown. It is listed now, and the exit status is 1."""
+    async with Publisher(tmp_path) as pub:
+        await pub.seed(mixed_state(0))
+        run = pub.run_id
+    write_ack(tmp_path, "good", 0, "ab" * 16, run)
+    bad = tmp_path / "acks" / "lost.json"
+    if kind == "fifo":
+        os.mkfifo(bad)
+    elif kind == "symlink":
+        bad.symlink_to(tmp_path / "acks" / "good.json")
+    elif kind == "garbage":
+        bad.write_bytes(b"\x00\xff not json")
+    else:
+        bad.write_text((tmp_path / "acks" / "good.json").read_text())
+    for argv in (["status", str(tmp_path)], ["status", str(tmp_path), "--json"]):
+        assert main(argv) == 1
+        out, err = capsys.readouterr()
+        assert "\x1b" not in out and str(bad) in out, out
+        assert err.strip().splitlines()[-1].startswith("asyncsync status: error: 1 ack"), err
+    assert json.loads(out)["unreadable_acks"][0]["path"] == str(bad)
+    bad.unlink()
+    assert main(["status", str(tmp_path)]) == 0

@@ -180,9 +180,11 @@ def read_ack(root: Path, engine_id: str) -> AckRecord | None:
     return rec
 
 
-def read_acks(root: Path) -> dict[str, AckRecord]:
-    """Every readable ack record in the root, by engine id; malformed ones are logged, skipped."""
+def read_acks(root: Path, unreadable: dict[Path, str] | None = None) -> dict[str, AckRecord]:
+    """Every readable ack record in the root, by engine id; malformed ones are logged, skipped,
+    and put in ``unreadable`` (path -> why), when given (``asyncsync status`` names them)."""
     out: dict[str, AckRecord] = {}
+    skipped: dict[Path, str] = {} if unreadable is None else unreadable
     d = root / ACKS_DIR
     try:
         names = [name for name, _ in scan(d, root=root)]
@@ -200,12 +202,15 @@ def read_acks(root: Path) -> dict[str, AckRecord]:
             continue
         except UnsafePath as exc:  # not a regular file: skipped as before, quietly (polled)
             logger.debug("ignoring %s: %s", d / name, exc)
+            skipped[d / name] = str(exc)
             continue
         except (OSError, ManifestError) as exc:
             _say_once(d / name, f"ignoring unreadable ack {d / name}: {exc}")
+            skipped[d / name] = str(exc)
             continue
         if f"{rec.engine_id}.json" != name:
             _say_once(d / name, f"ignoring ack {d / name}: it names engine {rec.engine_id!r}")
+            skipped[d / name] = f"it names engine {rec.engine_id!r}"
             continue
         out[rec.engine_id] = rec
     return out

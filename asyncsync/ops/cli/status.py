@@ -11,8 +11,9 @@ marked bad: a damaged or planted ``v999999999999`` above the publisher's version
 10^12 (it stays in the header's newest version and in the engine's ``bad``), while the good
 versions committed above a bad one still count (a receiver stuck below a bad version with no
 keyframe past it falls behind and is a straggler).
-Exit status 0, or 3 when there are stragglers (for scripts and alerts), or 1 when the root or
-its ``acks/`` cannot be read (never "0 engines, all clear" for acks it could not see).
+Exit status 0, or 3 when there are stragglers (for scripts and alerts), or 1 when the root,
+its ``acks/`` or one of the ack files in it cannot be read (never "0 engines, all clear" for
+acks it could not see: an unreadable ack file is listed, and its engine's version is unknown).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ STRAGGLERS_EXIT = 3
 
 
 def engine_rows(
-    root: Path, *, max_lag: int, stale: float
+    root: Path, *, max_lag: int, stale: float, unreadable: dict[Path, str] | None = None
 ) -> tuple[int | None, list[dict[str, Any]]]:
-    """(newest version, one row per engine with its version, lag, ack age and straggler flag)."""
+    """(newest version, one row per engine with its version, lag, ack age and straggler flag);
+    the ack files that cannot be read go to ``unreadable`` (path -> why), when given."""
     versions = check_root(root)
     latest = versions[-1] if versions else None
     # the run of the newest manifest that reads; the versions above it (a damaged newest
@@ -60,7 +62,7 @@ def engine_rows(
             run_id = read_manifest(root, versions[i]).run_id
             counted = versions[: i + 1]
             break
-    acks = read_acks(root)
+    acks = read_acks(root, unreadable)
     ages = ack_ages(root, acks)  # on the root filesystem's clock, not the receivers'
     rows = []
     for engine, ack in sorted(acks.items()):
@@ -98,7 +100,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     root = Path(args.root)
     with contextlib.suppress(FileNotFoundError):  # no acks/ yet: no engine has acked
         scan(root / ACKS_DIR, root=root)  # OSError (one line, exit 1): a file, symlink, mode
-    latest, rows = engine_rows(root, max_lag=args.max_lag, stale=args.stale)
+    unreadable: dict[Path, str] = {}
+    latest, rows = engine_rows(root, max_lag=args.max_lag, stale=args.stale, unreadable=unreadable)
+    lost = [{"path": str(p), "reason": why} for p, why in sorted(unreadable.items())]
     stragglers = [r["engine_id"] for r in rows if r["straggler"]]
     now = root_now(root)
     bad = [
@@ -108,7 +112,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     if args.json:
         doc = {"latest": latest, "engines": rows, "stragglers": stragglers}
-        print(json.dumps({**doc, "unreadable_leases": bad}, indent=1))
+        print(json.dumps({**doc, "unreadable_leases": bad, "unreadable_acks": lost}, indent=1))
     else:
         print(f"root {printable(root)}: newest version {latest if latest is not None else '-'}, "
               f"{len(rows)} engines, {len(stragglers)} stragglers")  # fmt: skip
@@ -124,6 +128,14 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "receiver's ttl"
                 )
             )
+        for u in lost:
+            print(printable(f"ack UNREADABLE: {u['path']} ({u['reason']})"))
+    if lost:  # an engine whose version it could not see: never "all clear"
+        raise FormatError(
+            f"{len(lost)} ack file(s) in {root / ACKS_DIR} cannot be read ({lost[0]['path']}: "
+            f"{lost[0]['reason']}): their engines' versions are unknown; remove what no "
+            "receiver wrote"
+        )
     return STRAGGLERS_EXIT if stragglers else 0
 
 
