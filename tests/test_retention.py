@@ -212,3 +212,36 @@ async def test_without_a_readable_keyframe_gc_keeps_the_whole_chain(tmp_path: Pa
     assert r.deleted == () and list_versions(tmp_path) == list(range(6))
     assert r.reasons[0] == "unreadable manifest"
     assert all(r.reasons[v] == "no keyframe: the whole chain is needed" for v in range(1, 6))
+
+
+@pytest.mark.parametrize("damage", ["acks a symlink", "acks a file", "ack a fifo", "ack garbage"])
+async def test_acks_it_cannot_read_pin_every_version(tmp_path: Path, damage: str) -> None:
+    """(attack-60) ``acks/`` a symlink or a file, or a live engine's ack a FIFO or bytes that
+    are no record: gc went on as if no engine had acked and deleted the versions that engine
+    needed (one warning, exit 0). Whose version such an ack pins is unknown: gc deletes
+    nothing while it cannot be read (an unreadable ack file older than ack_ttl pins nothing)."""
+    await chain(tmp_path, 9, keyframe_interval=4)  # keyframes 0, 4, 8
+    run_id = read_root_info(tmp_path).run_id  # type: ignore[union-attr]
+    write_ack(tmp_path, "live", 2, "ab" * 16, run_id)
+    acks, ack = tmp_path / "acks", tmp_path / "acks" / "live.json"
+    if damage == "acks a symlink":
+        acks.rename(tmp_path.parent / f"{tmp_path.name}-acks")
+        acks.symlink_to(tmp_path.parent / f"{tmp_path.name}-acks")
+    elif damage == "acks a file":
+        ack.unlink()
+        acks.rmdir()
+        acks.write_text("not a directory\n")
+    elif damage == "ack a fifo":
+        ack.unlink()
+        os.mkfifo(ack)
+    else:
+        ack.write_bytes(b"\x00\xff not json")
+    policy = RetentionPolicy(keep_versions=1, ack_ttl=600)
+    report = collect(tmp_path, policy)
+    assert list_versions(tmp_path) == list(range(10)) and not report.deleted
+    assert "cannot be read" in report.reasons[0], report.reasons[0]
+    if damage.startswith("ack "):  # silent for longer than the TTL: it pins nothing
+        old = time.time() - 10_000
+        os.utime(ack, (old, old))
+        collect(tmp_path, policy)
+        assert list_versions(tmp_path) == [8, 9]

@@ -182,7 +182,8 @@ def read_ack(root: Path, engine_id: str) -> AckRecord | None:
 
 def read_acks(root: Path, unreadable: dict[Path, str] | None = None) -> dict[str, AckRecord]:
     """Every readable ack record in the root, by engine id; malformed ones are logged, skipped,
-    and put in ``unreadable`` (path -> why), when given (``asyncsync status`` names them)."""
+    and put in ``unreadable`` (path -> why), when given, as is ``acks/`` when it cannot be
+    listed (``asyncsync status`` names them; retention deletes nothing for them)."""
     out: dict[str, AckRecord] = {}
     skipped: dict[Path, str] = {} if unreadable is None else unreadable
     d = root / ACKS_DIR
@@ -192,6 +193,7 @@ def read_acks(root: Path, unreadable: dict[Path, str] | None = None) -> dict[str
         return out
     except OSError as exc:  # acks/ is a file or a symlink: a damaged root, not a crash
         _say_once(d, f"cannot list acks in {d}: {exc}")
+        skipped[d] = str(exc)
         return out
     for name in names:
         if is_temp_name(name) or not name.endswith(".json"):

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncsync import fsio
 from asyncsync.errors import ManifestError, check_bytes, check_number, check_seconds
-from asyncsync.format import MANIFEST_NAME, version_dir
-from asyncsync.format.acks import ack_ages, read_acks
+from asyncsync.format import ACKS_DIR, MANIFEST_NAME, version_dir
+from asyncsync.format.acks import ack_ages, read_acks, root_now
 from asyncsync.format.log import trim_log
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import fsync_dir
@@ -102,8 +103,15 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
         for v in versions:
             if v >= newest_keyframe:
                 keep(v, "newest keyframe and its chain")
-    acks = read_acks(root)
+    unreadable: dict[Path, str] = {}
+    acks = read_acks(root, unreadable)
     ages = ack_ages(root, acks)  # on the filesystem's clock: receivers' clocks may be wrong
+    for path, why in unreadable.items():  # whose version it pins is unknown: keep them all
+        if _may_be_live(root, path, policy.ack_ttl):
+            logger.warning("gc: %s cannot be read (%s); deleting nothing", path, why)
+            for v in versions:
+                keep(v, f"{path} cannot be read ({why}): the versions it pins are unknown")
+            break
     for ack in acks.values():
         if policy.ack_ttl is not None and ages[ack.engine_id].age > policy.ack_ttl:
             continue
@@ -142,6 +150,20 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
             " [dry run]" if dry_run else "",
         )
     return GcReport(tuple(doomed), tuple(sorted(reasons)), freed, reasons)
+
+
+def _may_be_live(root: Path, path: Path, ack_ttl: float | None) -> bool:
+    """Whether an ack file that cannot be read may be a live engine's (written less than
+    ``ack_ttl`` ago, by its mtime on the filesystem's clock); ``acks/`` itself always may."""
+    if path == root / ACKS_DIR or ack_ttl is None:
+        return True
+    try:
+        mtime = os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return root_now(root) - mtime <= ack_ttl
 
 
 def _delete_version(root: Path, version: int) -> None:
