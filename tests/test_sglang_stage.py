@@ -174,6 +174,51 @@ async def test_a_stage_the_plugin_refuses_is_not_acked_and_retried_as_a_reload(
         assert loaded(srv) == ["checkpoint", "checkpoint"]
 
 
+async def test_a_begin_cancelled_while_its_stage_is_made_leaves_no_stage(
+    chain: Chain, srv: FakePluginSGLang, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The begin is cancelled (a stream stopped, the receiver stopping) while its thread
+    makes the version's stage: that thread ran on and made the stage's directory (and an open
+    data file), which neither the abort after it nor any later version removed; it stayed
+    until the receiver was restarted (``clear_stages`` at open). The abort removes it now."""
+    import asyncio
+    import threading
+
+    from asyncsync.format.store import read_manifest
+    from receiver.engines import stage_builder
+
+    ckpt = tmp_path / "ckpt"
+    engine = engine_for(srv, ckpt)
+    async with agent_for(chain, engine) as agent:
+        await chain.next()
+        await agent.sync_once()
+        assert engine.stages_supported is True
+        v = await chain.next()
+        real, entered, go, made = stage_builder.StageBuilder, *(threading.Event() for _ in "123")
+
+        def held(*args: Any) -> stage_builder.StageBuilder:
+            entered.set()
+            go.wait(30)
+            try:
+                return real(*args)
+            finally:
+                made.set()
+
+        monkeypatch.setattr(stage_builder, "StageBuilder", held)
+        task = asyncio.create_task(engine.begin(read_manifest(chain.root, v), "delta"))
+        await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.to_thread(made.wait, 30)  # the stage's directory is made
+        await engine.abort()
+        monkeypatch.undo()
+        assert list((ckpt / ".asyncsync/engine-stage").iterdir()) == []  # was: its stage
+        assert await agent.sync_once() == v
+        assert loaded(srv)[-1] == "stage"
+
+
 def _mismatch_record(ckpt: Path, version: int, at: float) -> None:
     rec = AuditRecord(0, 1, "target", 4242, "mismatch", {"version": version})
     rec.mismatches = [{"name": "w", "detail": "1 element(s) differ", "version": version,

@@ -132,11 +132,18 @@ class Staging:
     def __init__(self, kind: str):
         self.kind = kind
         self.builder: StageBuilder | None = None
+        #: a cancelled begin's stage, still being made by its thread (removed at the next drop)
+        self._building: asyncio.Future[StageBuilder] | None = None
 
     async def begin(self, checkpoint: LocalCheckpoint, m: Manifest, base: EngineState) -> None:
         await self.drop()
+        loop = asyncio.get_running_loop()
+        building = loop.run_in_executor(None, StageBuilder, checkpoint, m, base)
         try:
-            self.builder = await asyncio.to_thread(StageBuilder, checkpoint, m, base)
+            self.builder = await asyncio.shield(building)
+        except asyncio.CancelledError:  # its thread runs on and makes the stage's directory:
+            self._building = building  # kept, so the drop (the abort that follows) removes it
+            raise
         except (OSError, ApplyFailed) as exc:
             self._failed(m.version, exc)
 
@@ -163,6 +170,12 @@ class Staging:
 
     async def drop(self) -> None:
         b, self.builder = self.builder, None
+        if (building := self._building) is not None:
+            try:  # a cancelled begin's thread: what it makes is removed once it is made
+                b = await asyncio.shield(building)
+            except (OSError, ApplyFailed):
+                b = None  # nothing made (the begin's failure, which nobody waits for)
+            self._building = None
         if b is not None:
             await asyncio.to_thread(b.abort)
 
