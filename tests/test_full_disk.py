@@ -121,6 +121,42 @@ async def test_a_rollback_that_failed_is_done_again_at_the_next_version(
         assert verify_checkpoint(ck, read_manifest(root, 1)) == []
 
 
+async def test_a_rollback_that_failed_is_done_again_when_nothing_newer_comes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollback that failed was done again only at the next version's begin (or bump): with
+    the failed version marked bad and nothing newer, state.json said ``applying`` until then.
+    A sync with nothing newer (``reconcile``) does it again now."""
+    from tests.test_engines import build_manifest, delta_batches, init_checkpoint
+
+    sd0 = _model(1)
+    ck = await init_checkpoint(tmp_path / "ck", sd0)
+    sd1 = _step(sd0, 0.03, 1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await ck.begin(m1, "delta")
+    for b in delta_batches(m1, sd0, sd1):
+        await ck.apply(b)
+    real_save = StateStore.save
+
+    def save(store: StateStore, state: object, **kw: bool) -> object:
+        if getattr(state, "status", None) == "clean":  # the rollback's save
+            raise OSError(errno.EIO, "injected: state not saved")
+        return real_save(store, state, **kw)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as m:
+        m.setattr(StateStore, "save", save)
+        with pytest.raises(ApplyFailed, match="injected: state not saved"):
+            await ck.abort()
+    state = ck.directory / ".asyncsync" / "state.json"
+    assert json.loads(state.read_text())["status"] == "applying"
+    await ck.reconcile()
+    st = json.loads(state.read_text())
+    assert (st["version"], st["status"]) == (0, "clean")  # was: "applying" until a newer begin
+    assert not any((ck.directory / ".asyncsync" / "journal").iterdir())
+    await ck.close()
+    assert verify_checkpoint(ck.directory, build_manifest(sd0, 0)) == []
+
+
 def _receive_once(root: Path, ck: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "e",

@@ -294,3 +294,44 @@ async def test_an_abort_after_a_failed_begin_leaves_the_next_version_free(
             assert engine.checkpoint.state.version == 0
             assert await agent.sync_once() == 1  # was: "begin v1 while v1 is in progress"
             assert acked(chain) == 1 and srv.weight_version == "1"
+
+
+async def test_the_checkpoints_failed_rollback_is_done_again_when_nothing_newer_comes(
+    chain: Chain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's reconcile (a sync with nothing newer) reconciled the server only: its
+    checkpoint's rollback that failed (or flush) waited for the next version's begin, with
+    state.json saying ``applying`` meanwhile. It is done again now."""
+    import errno
+    import json
+
+    from receiver.engines.checkpoint import inplace
+    from receiver.state import StateStore
+
+    async with FakeSGLang() as srv:
+        engine = engine_for(srv, tmp_path / "ckpt")
+        async with agent_for(chain, engine) as agent:
+            await chain.next()
+            assert await agent.sync_once() == 0
+            await chain.next()
+            real_patch, real_save = inplace.journal_and_patch, StateStore.save
+
+            def patch_then_fail(*args: Any, **kw: Any) -> Any:
+                real_patch(*args, **kw)
+                raise OSError(errno.EIO, "injected after the patch")
+
+            def save(store: StateStore, state: Any, **kw: Any) -> Any:
+                if state.status == "clean":  # the rollback's save
+                    raise OSError(errno.EIO, "injected: state not saved")
+                return real_save(store, state, **kw)
+
+            monkeypatch.setattr(inplace, "journal_and_patch", patch_then_fail)
+            monkeypatch.setattr(StateStore, "save", save)
+            with pytest.raises(ApplyFailed, match="injected after the patch"):
+                await agent.sync_once()
+            monkeypatch.undo()
+            path = tmp_path / "ckpt" / ".asyncsync" / "state.json"
+            assert json.loads(path.read_text())["status"] == "applying"
+            await engine.reconcile()
+            assert json.loads(path.read_text())["status"] == "clean"  # was: "applying"
+            assert engine.checkpoint.state.version == 0 == engine.state.version

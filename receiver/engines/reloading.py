@@ -269,9 +269,15 @@ class ReloadingEngine(Engine, abc.ABC):
     async def reconcile(self) -> None:
         """When the server was lost: wait for it, and reload the checkpoint into it unless it
         reports the version held. A no-op otherwise (the agent calls it when it has no newer
-        version to apply; a newer version's own reload reconciles the server anyway)."""
-        if self._txn is not None or not self._lost:
+        version to apply; a newer version's own reload reconciles the server anyway). Then the
+        checkpoint's own (a rollback or a flush that failed: :meth:`LocalCheckpoint.reconcile`)."""
+        if self._txn is not None:
             return
+        if self._lost:
+            await self._reconcile_server()
+        await self.checkpoint.reconcile()
+
+    async def _reconcile_server(self) -> None:
         await self._wait_for_server()
         label = await self._guard(self._served())
         held = self.state.version

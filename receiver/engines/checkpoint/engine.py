@@ -143,10 +143,16 @@ class LocalCheckpoint(Recovery, Engine):
             logger.info("%s: begin of v%s waited %.3fs", self.directory, manifest.version, waited)
 
     async def reconcile(self) -> None:
-        """Nothing newer to apply: a failed flush is recovered now (the held version checked,
-        written again, or wiped), not at the next version's begin only: until then the kernel
-        may drop the pages it could not write, and the version acked would not be the files'."""
-        if self._broken is not None and self._txn is None:
+        """Nothing newer to apply: a rollback that failed is done again now (state.json said
+        ``applying`` until a newer version came, for good where the failed one was marked
+        bad), and a failed flush is recovered now (the held version checked, written again, or
+        wiped), not at the next version's begin only: until then the kernel may drop the pages
+        it could not write, and the version acked would not be the files'."""
+        if self._txn is not None:
+            return
+        if self._undo_pending is not None:
+            await self._run(self._finish_rollback)
+        if self._broken is not None:
             await self.flushed()
             await self._run(self._recover)
 
