@@ -498,3 +498,53 @@ async def test_a_wipe_whose_state_the_disk_refuses_claims_no_version(
         assert await agent.sync_once() == 1
         await ck.flushed()
     assert_same(LocalCheckpoint(ckpt).load_state_dict(), sd1)
+
+
+@pytest.mark.parametrize("records", ["progressive", "durable"])
+async def test_a_rollback_whose_data_sync_fails_ends_clean_not_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, records: str
+) -> None:
+    """A delta rolled back on a disk that cannot write the data blocks (the undo's data sync
+    fails until it can): the undo is written back in the page cache, but state.json said
+    ``applying`` and every begin did the undo again from the journal, whose progressive
+    records were never made durable (they are lost with the pages a failed writeback leaves
+    clean). It ends as a failed flush does: the note first (a restart rewrites before it
+    trusts), then state.json clean at v0 not durable, the records gone; the recovery (at
+    the next begin or sync) checks v0, writes it again or is refused while the disk fails.
+    Durable records (``sync_before_ack``) are kept instead: after a reboot they restore v0
+    exactly, where a check could only wipe it."""
+    from receiver.engines.checkpoint.files import CheckpointFiles
+    from receiver.engines.checkpoint.flusher import FAILED_NAME
+
+    sd0 = mixed_state(0)
+    await (await init_checkpoint(tmp_path, sd0)).close()
+    ck = LocalCheckpoint(tmp_path, sync_before_ack=records == "durable")
+    await ck.open()
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await ck.begin(m1, "delta")
+    for b in delta_batches(m1, sd0, sd1):
+        await ck.apply(b)
+    note, journal = tmp_path / ".asyncsync" / FAILED_NAME, tmp_path / ".asyncsync" / "journal"
+    with monkeypatch.context() as m:
+        m.setattr(FileMaps, "sync", _enospc)
+        if records == "durable":
+            with pytest.raises(ApplyFailed, match="No space left"):
+                await ck.abort()
+            assert _state(tmp_path)["status"] == "applying" and any(journal.iterdir())
+        else:
+            await ck.abort()  # was: ApplyFailed, "applying" and the undo done at every begin
+            st = _state(tmp_path)
+            assert (st["version"], st["status"], st.get("synced")) == (0, "clean", False)
+            assert note.exists() and not any(journal.iterdir())
+            m.setattr(CheckpointFiles, "rewrite_data_files", _enospc)
+            with pytest.raises(ApplyFailed, match="No space left"):  # the disk still fails
+                await ck.begin(m1, "delta")
+            assert ck.state.version == 0
+    await ck.reconcile()  # the disk writes again
+    st = _state(tmp_path)
+    assert (st["version"], st["status"], st.get("synced", True)) == (0, "clean", True)
+    assert not note.exists()
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    await ck.close()
+    assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd1)

@@ -54,6 +54,12 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   differs or its layout no longer reads): refused while that fails, it goes on once it
   succeeds.
   Flushed again means written again, then fsynced: a failed writeback leaves its pages clean.
+  A rollback (undo) whose data sync fails after it wrote the old values back ends the same
+  way where its records were progressive (never durable: a retried undo could not trust
+  them): the failed-flush note first, then ``state.json`` clean at the held version with
+  ``synced: false``, the records gone, the engine broken until the recovery succeeds. Durable
+  records (``sync_before_ack=True``) are kept, ``applying``: the undo is done again (at the
+  next begin or sync), and after a reboot they restore the version exactly.
   ``sync_before_ack=True`` flushes before the commit instead.
 * full: new files are written to ``.asyncsync/staging/`` and verified; only then is the state
   marked ``applying`` and the files moved into place. A crash in that window leaves old and

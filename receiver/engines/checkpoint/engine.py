@@ -266,6 +266,8 @@ class LocalCheckpoint(Recovery, Engine):
         if mode != "delta":
             raise ApplyFailed(f"unknown apply mode {mode!r}")
         self._finish_rollback()
+        if self._broken:  # it was written back, its sync failed: recovered first
+            return False
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
         check_tensor_set(self._held(), manifest, str(self.directory))
         self._store.clear_dir(self._store.journal_dir)

@@ -89,6 +89,11 @@ class Flusher:
                 self._unnoted = None
             raise
 
+    def note(self, why: str) -> bool:
+        """Note durably that data pages may be clean and unwritten (a rollback's sync failed,
+        as a flush's can): False where the disk refused even a spare or empty note."""
+        return _note(self._state_dir, why)
+
     def prepare(self) -> None:
         """At open: the spare note :func:`_note` renames into place where a disk too full for
         a new file refuses the note (none on a disk already full: an empty note then)."""

@@ -164,8 +164,11 @@ class LostJournal(EngineStateError):
     cache reached the disk): the files cannot be undone exactly."""
 
 
-def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps) -> bool:
-    """Write back the old values of every undo record (newest first), then sync the maps.
+def undo(
+    journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps, *, sync: bool = True
+) -> bool:
+    """Write back the old values of every undo record (newest first), then (``sync``) sync
+    the maps.
 
     Returns whether any record was progressive (not durable when written: after a crash of the
     machine the caller checks every tensor); raises :class:`LostJournal` if such a record is
@@ -201,7 +204,8 @@ def undo(journal_dir: Path, layout: Mapping[str, TensorLocation], maps: FileMaps
                 kind = LostJournal if lost else EngineStateError
                 raise kind(f"undo journal {path} does not fit tensor {name!r}: {exc}") from exc
             del flat
-    maps.sync()
+    if sync:
+        maps.sync()
     return progressive
 
 

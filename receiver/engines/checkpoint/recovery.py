@@ -184,9 +184,16 @@ class Recovery:
         not ``synced`` (durably, before its records go: a crash of the machine may have cost
         pages the records cannot restore, so the bytes are checked before they are trusted);
         in the process the page cache is whole and the undo's sync makes it durable."""
-        progressive = inplace.undo(self._store.journal_dir, self._layout, maps)
+        progressive = inplace.undo(self._store.journal_dir, self._layout, maps, sync=False)
         lost = at_open and (progressive or self._ps.progressive)
         clean = replace(self._ps.clean(), synced=self._ps.synced and not lost)
+        try:
+            maps.sync()
+        except OSError as exc:
+            if at_open or not progressive:  # durable records (or none): kept, they restore
+                raise  # it exactly after a reboot (a check could only wipe it): done again
+            self._undone_unsynced(clean, exc)
+            return
         try:  # on a full disk over the state's spare (no new block)
             self._set(clean, spare=True)
         except OSError:  # a full disk (no block or inode left), which the records may fill: the
@@ -194,6 +201,23 @@ class Recovery:
             self._set(clean, spare=True)  # first (open() then finds an interrupted delta
             # without records)
         self._store.clear_dir(self._store.journal_dir)
+
+    def _undone_unsynced(self, clean: PersistedState, exc: OSError) -> None:
+        """A rollback written back whose data sync failed (a disk that cannot write the
+        blocks): ended as a failed flush is, not kept ``applying`` to be undone again from
+        progressive records, which were never durable (lost with the pages a failed writeback
+        leaves clean). The note first (else a restart could trust a plain fsync of pages left
+        clean, unwritten), then the state clean at the held version, not durable: the recovery
+        (:meth:`_recover`, at the next begin or sync) checks it and writes it again, or wipes
+        it. Raises where the disk refuses the note or the state (the rollback done again)."""
+        why = f"the rollback to v{clean.version} was written back, its sync failed ({exc})"
+        if not self._flusher.note(why):
+            raise exc
+        self._set(replace(clean, synced=False), spare=True)
+        self._broken = why
+        logger.error("%s: %s", self.directory, why)
+        with contextlib.suppress(OSError):  # stale once the state is clean (cleared at begin)
+            self._store.clear_dir(self._store.journal_dir)
 
     def _finish_rollback(self) -> None:
         """Undo again after a rollback that failed (idempotent): the engine goes on once the
