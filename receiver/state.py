@@ -342,11 +342,11 @@ class StateStore:
     def save(self, state: PersistedState, *, spare: bool = False) -> PersistedState:
         """Persist ``state`` (stamped with the current time) atomically; return what was saved.
 
-        ``spare`` (a rollback, which must not fail on the disk that failed the apply; a begin on
-        a full disk is refused instead of using it up): where the disk is too full for a new
-        file, the state is written over the spare (:data:`SPARE_STATE_NAME`, allocated and
-        written before: no new block, even on a thinly provisioned disk), renamed into place.
-        """
+        ``spare`` (a rollback or a wipe, which must not fail on the disk that failed the
+        apply; a begin on a full disk is refused instead of using it up): where the disk is too
+        full for a new file, the state is written over the spare (:data:`SPARE_STATE_NAME`,
+        allocated and written before: no new block, even on a thinly provisioned disk), renamed
+        into place."""
         if not self._lock.held:
             raise EngineStateError(f"{self.directory}: save() without holding the lock")
         if not self._lock.intact():  # the directory wiped under us: another agent may own it

@@ -265,8 +265,9 @@ async def test_a_checkpoint_opens_on_its_full_disk(tmp_path: Path, damaged: bool
     what it held. And a version not known durable whose bytes no longer match (a failed
     flush's lost pages) is wiped, state first: the full disk refused that too, so the open
     failed with the files (and the ack naming them) kept. An open writes the state only where
-    it changed, and a wipe the disk refuses removes the files first (the state left, not
-    known durable, makes an open wipe again), which frees the room its state needs."""
+    it changed, and a wipe the disk refuses (here with no state spare to write over, as an
+    older receiver left it) removes the files first (the state left, not known durable, makes
+    an open wipe again), which frees the room its state needs."""
     from tests.test_engines import build_manifest, full_batches, init_checkpoint
 
     with tmpfs(tmp_path / "small", "4m") as mnt:
@@ -274,6 +275,7 @@ async def test_a_checkpoint_opens_on_its_full_disk(tmp_path: Path, damaged: bool
         await ck.close()
         if damaged:
             _unsynced(mnt / "ck")
+            (mnt / "ck" / ".asyncsync" / "state.json.spare").unlink()
             loc = next(iter(ck.files.load_layout().values()))
             with open(mnt / "ck" / loc.file, "r+b") as f:
                 f.seek(loc.begin)
@@ -293,6 +295,33 @@ async def test_a_checkpoint_opens_on_its_full_disk(tmp_path: Path, damaged: bool
         await ck.close()
         ck = LocalCheckpoint(mnt / "ck")
         assert (await ck.open()).version == (3 if damaged else 0)
+        await ck.close()
+
+
+async def test_a_lost_delta_is_wiped_on_a_full_disk(tmp_path: Path) -> None:
+    """A receiver killed mid-delta whose progressive undo record no longer reads (the machine
+    went down) reopens on a full disk: the wipe's state (no version) was refused, and its
+    fallback (the files first, freeing their room) is only for a state that makes an open
+    wipe again, not for a delta in flight (the files would go under a state naming them):
+    the open failed with ENOSPC until space came back. The wipe writes its state over the
+    state's spare (no new block), as a rollback does: it opens empty, and the files' room
+    is freed for the keyframe."""
+    from tests.test_engines import init_checkpoint
+
+    with tmpfs(tmp_path / "small", "4m") as mnt:
+        ck = await init_checkpoint(mnt / "ck", _model(1))
+        await ck.close()
+        state = mnt / "ck" / ".asyncsync"
+        st = json.loads((state / "state.json").read_text())
+        st.update(status="applying", target_version=1, mode="delta", progressive=True,
+                  format_version=2)  # fmt: skip
+        (state / "state.json").write_text(json.dumps(st))
+        (state / "journal" / "undo-000000.progressive").write_bytes(b"\0" * 100)  # torn
+        fill(mnt, 0)
+        ck = LocalCheckpoint(mnt / "ck")
+        assert (await ck.open()).version is None  # was: ApplyFailed, No space left
+        assert not ck.files.data_files()
+        assert json.loads((state / "state.json").read_text())["version"] is None
         await ck.close()
 
 

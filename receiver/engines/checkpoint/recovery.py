@@ -160,12 +160,14 @@ class Recovery:
         """Forget everything: the state holds no version (first, durably: a wipe cut short
         then leaves a directory that opens empty, not one that names removed files), then
         remove data files, index, staging and journal, and last a failed flush's note (its
-        files gone, nothing is left to write again). On a full disk that refuses the state, the
-        files go first (freeing their space) where the state left makes an open wipe again
-        (a full apply, a version not known durable): a wipe cut short still opens empty."""
+        files gone, nothing is left to write again). On a full disk the state is written over
+        the state's spare (no new block: an open after a delta whose undo record was lost
+        failed for want of space); where that is refused too, the files go first (freeing
+        their space) where the state left makes an open wipe again (a full apply, a version
+        not known durable): a wipe cut short still opens empty."""
         self._layout = {}
         try:
-            self._set(PersistedState())
+            self._set(PersistedState(), spare=True)
         except OSError:
             ps = self._ps
             if not (ps.mode == "full" if ps.applying else not ps.synced):
