@@ -61,6 +61,29 @@ def _acked(root: Path, engine_id: str) -> int | None:
     return json.loads(path.read_text())["version"] if path.exists() else None
 
 
+def failing_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every delta's patch done, then EIO (the version rolled back)."""
+    real_patch = inplace.journal_and_patch
+
+    def patch_then_fail(*args: object, **kw: object) -> object:
+        real_patch(*args, **kw)  # type: ignore[arg-type]
+        raise OSError(errno.EIO, "injected after the patch")
+
+    monkeypatch.setattr(inplace, "journal_and_patch", patch_then_fail)
+
+
+def rollback_state_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's state saved, but for a clean one (a rollback's): EIO."""
+    real_save = StateStore.save
+
+    def save(store: StateStore, state: object, **kw: bool) -> object:
+        if getattr(state, "status", None) == "clean":
+            raise OSError(errno.EIO, "injected: state not saved")
+        return real_save(store, state, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StateStore, "save", save)
+
+
 async def test_an_undo_record_filling_the_disk_rolls_back_and_the_receiver_goes_on(
     tmp_path: Path,
 ) -> None:
@@ -100,19 +123,8 @@ async def test_a_rollback_that_failed_is_done_again_at_the_next_version(
         async with agent:
             assert await agent.sync_once() == 0
             await pub.publish(_step(sd, 0.03, 1))
-            real_patch, real_save = inplace.journal_and_patch, StateStore.save
-
-            def patch_then_fail(*args: object, **kw: object) -> object:
-                real_patch(*args, **kw)  # type: ignore[arg-type]
-                raise OSError(errno.EIO, "injected after the patch")
-
-            def save(store: StateStore, state: object, **kw: bool) -> object:
-                if getattr(state, "status", None) == "clean":  # the rollback's save
-                    raise OSError(errno.EIO, "injected: state not saved")
-                return real_save(store, state, **kw)  # type: ignore[arg-type]
-
-            monkeypatch.setattr(inplace, "journal_and_patch", patch_then_fail)
-            monkeypatch.setattr(StateStore, "save", save)
+            failing_patch(monkeypatch)
+            rollback_state_refused(monkeypatch)
             with pytest.raises(ApplyFailed, match="injected after the patch"):
                 await agent.sync_once()
             monkeypatch.undo()
@@ -136,15 +148,8 @@ async def test_a_rollback_that_failed_is_done_again_when_nothing_newer_comes(
     await ck.begin(m1, "delta")
     for b in delta_batches(m1, sd0, sd1):
         await ck.apply(b)
-    real_save = StateStore.save
-
-    def save(store: StateStore, state: object, **kw: bool) -> object:
-        if getattr(state, "status", None) == "clean":  # the rollback's save
-            raise OSError(errno.EIO, "injected: state not saved")
-        return real_save(store, state, **kw)  # type: ignore[arg-type]
-
     with monkeypatch.context() as m:
-        m.setattr(StateStore, "save", save)
+        rollback_state_refused(m)
         with pytest.raises(ApplyFailed, match="injected: state not saved"):
             await ck.abort()
     state = ck.directory / ".asyncsync" / "state.json"

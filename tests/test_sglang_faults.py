@@ -252,6 +252,20 @@ def test_the_admin_key_file_is_an_sglang_option(tmp_path: Path) -> None:
             ReceiverSpec("e1", "/c", engine=engine, url=url, admin_api_key_file="/k")  # type: ignore[arg-type]
 
 
+@contextlib.asynccontextmanager
+async def _at_v0_with_v1_published(
+    chain: Chain, tmp_path: Path
+) -> AsyncIterator[tuple[FakeSGLang, SGLang, ReceiverAgent]]:
+    """A fake server, an engine on it and its agent, at v0, with v1 published."""
+    async with FakeSGLang() as srv:
+        engine = engine_for(srv, tmp_path / "ckpt")
+        async with agent_for(chain, engine) as agent:
+            await chain.next()
+            assert await agent.sync_once() == 0
+            await chain.next()
+            yield srv, engine, agent
+
+
 @pytest.mark.parametrize("how", ["raised", "cancelled"])
 async def test_an_abort_after_a_failed_begin_leaves_the_next_version_free(
     chain: Chain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
@@ -266,34 +280,29 @@ async def test_an_abort_after_a_failed_begin_leaves_the_next_version_free(
     from asyncsync.format.store import read_manifest
     from receiver.engines.checkpoint import LocalCheckpoint
 
-    async with FakeSGLang() as srv:
-        engine = engine_for(srv, tmp_path / "ckpt")
-        async with agent_for(chain, engine) as agent:
-            await chain.next()
-            assert await agent.sync_once() == 0
-            await chain.next()
-            real_begin, entered, go = LocalCheckpoint._begin, threading.Event(), threading.Event()
+    async with _at_v0_with_v1_published(chain, tmp_path) as (srv, engine, agent):
+        real_begin, entered, go = LocalCheckpoint._begin, threading.Event(), threading.Event()
 
-            def begin(ck: LocalCheckpoint, *args: Any) -> bool:
-                if how == "raised":
-                    raise OSError(28, "injected: No space left on device")
-                entered.set()
-                go.wait(30)
-                return real_begin(ck, *args)
+        def begin(ck: LocalCheckpoint, *args: Any) -> bool:
+            if how == "raised":
+                raise OSError(28, "injected: No space left on device")
+            entered.set()
+            go.wait(30)
+            return real_begin(ck, *args)
 
-            monkeypatch.setattr(LocalCheckpoint, "_begin", begin)
-            task = asyncio.create_task(engine.begin(read_manifest(chain.root, 1), "delta"))
-            if how == "cancelled":
-                await asyncio.to_thread(entered.wait, 30)
-                task.cancel()
-                go.set()
-            with pytest.raises((asyncio.CancelledError, ApplyFailed)):
-                await task
-            await engine.abort()
-            monkeypatch.undo()
-            assert engine.checkpoint.state.version == 0
-            assert await agent.sync_once() == 1  # was: "begin v1 while v1 is in progress"
-            assert acked(chain) == 1 and srv.weight_version == "1"
+        monkeypatch.setattr(LocalCheckpoint, "_begin", begin)
+        task = asyncio.create_task(engine.begin(read_manifest(chain.root, 1), "delta"))
+        if how == "cancelled":
+            await asyncio.to_thread(entered.wait, 30)
+            task.cancel()
+            go.set()
+        with pytest.raises((asyncio.CancelledError, ApplyFailed)):
+            await task
+        await engine.abort()
+        monkeypatch.undo()
+        assert engine.checkpoint.state.version == 0
+        assert await agent.sync_once() == 1  # was: "begin v1 while v1 is in progress"
+        assert acked(chain) == 1 and srv.weight_version == "1"
 
 
 async def test_the_checkpoints_failed_rollback_is_done_again_when_nothing_newer_comes(
@@ -302,36 +311,18 @@ async def test_the_checkpoints_failed_rollback_is_done_again_when_nothing_newer_
     """The engine's reconcile (a sync with nothing newer) reconciled the server only: its
     checkpoint's rollback that failed (or flush) waited for the next version's begin, with
     state.json saying ``applying`` meanwhile. It is done again now."""
-    import errno
     import json
 
-    from receiver.engines.checkpoint import inplace
-    from receiver.state import StateStore
+    from tests.test_full_disk import failing_patch, rollback_state_refused
 
-    async with FakeSGLang() as srv:
-        engine = engine_for(srv, tmp_path / "ckpt")
-        async with agent_for(chain, engine) as agent:
-            await chain.next()
-            assert await agent.sync_once() == 0
-            await chain.next()
-            real_patch, real_save = inplace.journal_and_patch, StateStore.save
-
-            def patch_then_fail(*args: Any, **kw: Any) -> Any:
-                real_patch(*args, **kw)
-                raise OSError(errno.EIO, "injected after the patch")
-
-            def save(store: StateStore, state: Any, **kw: Any) -> Any:
-                if state.status == "clean":  # the rollback's save
-                    raise OSError(errno.EIO, "injected: state not saved")
-                return real_save(store, state, **kw)
-
-            monkeypatch.setattr(inplace, "journal_and_patch", patch_then_fail)
-            monkeypatch.setattr(StateStore, "save", save)
-            with pytest.raises(ApplyFailed, match="injected after the patch"):
-                await agent.sync_once()
-            monkeypatch.undo()
-            path = tmp_path / "ckpt" / ".asyncsync" / "state.json"
-            assert json.loads(path.read_text())["status"] == "applying"
-            await engine.reconcile()
-            assert json.loads(path.read_text())["status"] == "clean"  # was: "applying"
-            assert engine.checkpoint.state.version == 0 == engine.state.version
+    async with _at_v0_with_v1_published(chain, tmp_path) as (_, engine, agent):
+        failing_patch(monkeypatch)
+        rollback_state_refused(monkeypatch)
+        with pytest.raises(ApplyFailed, match="injected after the patch"):
+            await agent.sync_once()
+        monkeypatch.undo()
+        path = tmp_path / "ckpt" / ".asyncsync" / "state.json"
+        assert json.loads(path.read_text())["status"] == "applying"
+        await engine.reconcile()
+        assert json.loads(path.read_text())["status"] == "clean"  # was: "applying"
+        assert engine.checkpoint.state.version == 0 == engine.state.version
