@@ -548,3 +548,33 @@ async def test_a_rollback_whose_data_sync_fails_ends_clean_not_durable(
     await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
     await ck.close()
     assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd1)
+
+
+async def test_a_rollback_done_again_whose_sync_fails_is_recovered_before_the_begin_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollback whose data sync fails while the disk refuses even its note stays pending
+    (``applying``, its records kept) and is done again at the next begin, where its sync fails
+    again and the note is taken: it ends clean, not durable, the engine broken, and that begin
+    went on with a delta over the unflushed version (refused only at its commit). It recovers
+    first now (the held version checked and written again), then goes on."""
+    from receiver.engines.checkpoint.flusher import Flusher
+
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await ck.begin(m1, "delta")
+    for b in delta_batches(m1, sd0, sd1):
+        await ck.apply(b)
+    with monkeypatch.context() as m:
+        m.setattr(FileMaps, "sync", _enospc)  # the undo's (the recovery's rewrite is written)
+        m.setattr(Flusher, "note", lambda self, why: False)
+        with pytest.raises(ApplyFailed, match="No space left"):
+            await ck.abort()
+        assert _state(tmp_path)["status"] == "applying"
+        m.undo()
+        m.setattr(FileMaps, "sync", _enospc)
+        await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")  # was: refused
+    await ck.close()
+    assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd1)
