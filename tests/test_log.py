@@ -434,3 +434,38 @@ async def test_lines_appended_just_before_a_rotation_are_shown(tmp_path: Path, t
     log.write_bytes(_lines("r", range(3, 4)))  # the publisher's next line, a new file
     await asyncio.wait_for(task, 10)
     assert got == [0, 1, 2, 3]
+
+
+async def test_a_flood_of_lines_that_are_no_records_is_said_in_21_lines(tmp_path: Path) -> None:
+    """(helper-64) 3 MB of random bytes appended to the log gave `tail` and `tail -f` ~11,000
+    "skipped a line" notices on stderr, one per line. Each read says the first
+    MAX_SKIP_NOTICES now, then one line with how many more it skipped."""
+    import random
+
+    cap = log_module.MAX_SKIP_NOTICES
+    junk = b"".join(b"junk %d\n" % i for i in range(1000))
+    (tmp_path / LOG_NAME).write_bytes(_lines("run", range(1)) + junk + _lines("run", range(1, 2)))
+    said = [f"{LOG_NAME}: skipped a line that is not a log record: b'junk {i}'" for i in range(cap)]
+    more = f"{LOG_NAME}: and {1000 - cap} more lines skipped (no log records, or too long)"
+    notices: list[str] = []
+    assert [r["version"] for r in read_log(tmp_path, notice=notices.append)] == [0, 1]
+    assert notices == [*said, more], notices[cap:]
+    followed: list[str] = []
+
+    async def follow() -> None:
+        async for _ in follow_log(tmp_path, poll_interval=0.01, notice=followed.append):
+            pass
+
+    task = asyncio.create_task(follow())
+    try:
+        await eventually(lambda: len(followed) > cap, "the poll's summary line")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert followed == [*said, more], followed[cap:]
+    with open(tmp_path / LOG_NAME, "ab") as f:
+        f.write(random.Random(64).randbytes(3 << 20))  # the reported case
+    notices.clear()
+    read_log(tmp_path, notice=notices.append)
+    assert len(notices) == cap + 1 and "more lines skipped" in notices[-1], notices[cap:]

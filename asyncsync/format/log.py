@@ -28,6 +28,7 @@ from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_
 __all__ = [
     "MAX_LINE_BYTES",
     "MAX_LOG_BYTES",
+    "MAX_SKIP_NOTICES",
     "append_manifest",
     "follow_log",
     "parse_record",
@@ -46,6 +47,9 @@ MAX_LOG_BYTES = 256 << 20
 MAX_LINE_BYTES = 1 << 20
 _READ_BYTES = 4 << 20  # a reader's reads
 _HEAD_BYTES = 256  # the first bytes of the log a follower compares, to see it made again
+# The skipped-line notices one read says (`tail`: one read of the log; `tail -f`: one poll):
+# the rest are counted in one more line (3 MB of random bytes is ~11,000 such lines).
+MAX_SKIP_NOTICES = 20
 
 
 def append_manifest(root: Path, manifest: Manifest) -> None:
@@ -132,6 +136,24 @@ def _overlong(at: int) -> str:
     return f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {at})"
 
 
+class _Skips:
+    """Says the first ``MAX_SKIP_NOTICES`` skipped-line notices of a read through ``say``,
+    counts the rest; :meth:`done` says how many more there were (one line) and starts over."""
+
+    def __init__(self, say: Callable[[str], None] | None) -> None:
+        self.say, self.count = say, 0
+
+    def __call__(self, message: str) -> None:
+        self.count += 1
+        if self.say is not None and self.count <= MAX_SKIP_NOTICES:
+            self.say(message)
+
+    def done(self) -> None:
+        more, self.count = self.count - MAX_SKIP_NOTICES, 0
+        if self.say is not None and more > 0:
+            self.say(f"{LOG_NAME}: and {more} more lines skipped (no log records, or too long)")
+
+
 def read_log(root: Path, notice: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The records of the log, [] when there is none. FormatError when it is larger than
     ``MAX_LOG_BYTES`` (a reader never reads more; retention keeps a log far smaller).
@@ -139,7 +161,8 @@ def read_log(root: Path, notice: Callable[[str], None] | None = None) -> list[di
     The log is read in chunks and split into lines as :func:`follow_log` splits them (at
     newline bytes only): a line longer than ``MAX_LINE_BYTES`` is skipped without its bytes
     being held. ``notice``, when given, gets one line, as :func:`follow_log` says it, for each
-    such line and each whole line that is no log record; an unfinished last line (an append
+    such line and each whole line that is no log record (the first ``MAX_SKIP_NOTICES``, then
+    one line with how many more); an unfinished last line (an append
     under way, a line torn by a crash) is read if it parses and skipped without a word if it
     does not."""
     path = root / LOG_NAME
@@ -147,7 +170,7 @@ def read_log(root: Path, notice: Callable[[str], None] | None = None) -> list[di
         f = os.fdopen(open_file(path, root=root), "rb")
     except FileNotFoundError:
         return []
-    lines, out, offset = _Lines(), [], 0
+    lines, out, offset, skips = _Lines(), [], 0, _Skips(notice)
     with f:
         if os.fstat(f.fileno()).st_size > MAX_LOG_BYTES:
             raise _too_large(path)
@@ -157,16 +180,16 @@ def read_log(root: Path, notice: Callable[[str], None] | None = None) -> list[di
             if offset > MAX_LOG_BYTES:  # it grew meanwhile
                 raise _too_large(path)
             for at, _key in lines.overlong:
-                if notice is not None:
-                    notice(_overlong(at))
+                skips(_overlong(at))
             lines.overlong.clear()
             for raw in got:
                 rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
                 if rec is not None:
                     out.append(rec)
-                elif notice is not None and raw.strip():
-                    notice(_not_a_record(raw))
+                elif raw.strip():
+                    skips(_not_a_record(raw))
             del chunk, got  # before the next read: one read's bytes held at a time
+    skips.done()
     if (rec := _parse_lines_one(lines.buf.decode("utf-8", errors="replace"))) is not None:
         out.append(rec)
     return out
@@ -341,7 +364,8 @@ def follow_log(
     end before that: lines appended just before it was renamed away are not lost. ``notice``
     (default: a logged warning) gets one line when a new run's records follow another run's,
     and when a line that is no record or is longer than ``MAX_LINE_BYTES`` is skipped: once,
-    not again for the same line in a log that replaced it. ``poll_interval`` is checked as
+    not again for the same line in a log that replaced it, the first ``MAX_SKIP_NOTICES`` of a
+    poll, then one line with how many more. ``poll_interval`` is checked as
     the call is made (at least ``MIN_POLL_SECONDS``, 0.01).
     """
     check_poll_interval("follow_log: poll_interval", poll_interval)
@@ -355,6 +379,7 @@ async def _follow(
     notice: Callable[[str], None] | None,
 ) -> AsyncIterator[dict[str, Any]]:
     say = notice or logger.warning
+    skips = _Skips(say)  # the skipped-line notices of a poll
     path = root / LOG_NAME
     offset = 0
     lines = _Lines()
@@ -373,7 +398,7 @@ async def _follow(
         for at, key in lines.overlong:
             seen.add(key)
             if key not in shown:  # said before the log was replaced (a trim keeps it)
-                say(_overlong(at))
+                skips(_overlong(at))
         lines.overlong.clear()
         for raw in got:
             if not raw.strip():
@@ -384,7 +409,7 @@ async def _follow(
                 continue  # shown before the log was replaced (a trim keeps its lines)
             rec = _parse_lines_one(raw.decode("utf-8", errors="replace"))
             if rec is None:  # not JSON, not a record (a raw control byte in a string...)
-                say(_not_a_record(raw))
+                skips(_not_a_record(raw))
                 continue
             new_run = rec.get("run_id")
             if isinstance(new_run, str):
@@ -443,6 +468,7 @@ async def _follow(
                 offset += nread
                 for rec in take(got):
                     yield rec
+            skips.done()
             await asyncio.sleep(poll_interval)
     finally:
         if fd is not None:
