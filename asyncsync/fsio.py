@@ -10,8 +10,7 @@ renamed into place by :func:`atomic_write`; a file written in place, the log or 
 a regular file with one link); removal, listing, ``lstat`` and ``mkdir`` go by descriptor too.
 A crash leaves the old or the complete new file of an :func:`atomic_write`, plus at most a temp
 file (:data:`TMP_PREFIX`, ignored by readers). Blocking: async callers use ``to_thread``. A
-:class:`Throttle` (``ASYNCSYNC_THROTTLE=200MB/s,5ms``) simulates a slow shared filesystem.
-"""
+:class:`Throttle` (``ASYNCSYNC_THROTTLE=200MB/s,5ms``) simulates a slow shared filesystem."""
 
 from __future__ import annotations
 
@@ -28,10 +27,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
+from asyncsync.errors import ConfigError
+
 __all__ = [
     "TMP_PREFIX", "FileLock", "Throttle", "UnsafePath", "append_bytes", "append_line",
-    "atomic_write", "fs_now", "fsync_dir", "get_throttle", "is_temp_name", "lstat", "make_dir",
-    "open_dir", "open_file", "read_bytes", "read_file", "remove",
+    "atomic_write", "check_throttle_env", "fs_now", "fsync_dir", "get_throttle", "is_temp_name",
+    "lstat", "make_dir", "open_dir", "open_file", "read_bytes", "read_file", "remove",
     "remove_temp_files", "remove_tree", "scan", "set_throttle",
 ]  # fmt: skip
 
@@ -109,9 +110,18 @@ class Throttle:
         return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
 
 
-_throttle: Throttle | None = (
-    Throttle.parse(_env) if (_env := os.environ.get("ASYNCSYNC_THROTTLE")) else None
-)
+def check_throttle_env() -> Throttle | None:
+    """``ASYNCSYNC_THROTTLE`` (None: unset); a ConfigError for one that does not parse, said
+    where a Publisher, a receiver's agent or bench starts (at import: no throttle, no error)."""
+    try:
+        return Throttle.parse(env) if (env := os.environ.get("ASYNCSYNC_THROTTLE")) else None
+    except ValueError as exc:
+        raise ConfigError(f"ASYNCSYNC_THROTTLE={env!r}: {exc}") from None
+
+
+_throttle: Throttle | None = None
+with contextlib.suppress(ConfigError):
+    _throttle = check_throttle_env()
 
 
 def set_throttle(throttle: Throttle | None) -> None:
@@ -371,11 +381,7 @@ def _open_write(dfd: int, name: str, flags: int, path: object) -> int:
 
 
 def make_dir(
-    path: _Path,
-    *,
-    root: _Root = None,
-    parents: bool = False,
-    exist_ok: bool = False,
+    path: _Path, *, root: _Root = None, parents: bool = False, exist_ok: bool = False
 ) -> Path:
     """``mkdir`` with the documented mode (:data:`DIR_MODE`) whatever the umask; an existing
     directory keeps its mode. With ``root``, no component below it is followed: an existing
@@ -410,12 +416,9 @@ def make_dir(
 
 
 def fs_now(directory: _Path, *, root: _Root = None) -> float:
-    """The current time on the clock of the filesystem holding ``directory``.
-
-    A file created there gets its mtime from that filesystem (on NFS: the server's clock), so
-    comparing it with other files' mtimes measures ages on one clock, whatever the local
-    clock says. The probe file is a temp name (readers ignore it) and is removed at once.
-    """
+    """The current time on the clock of the filesystem holding ``directory``: the mtime of a
+    file created there (on NFS: the server's clock), so ages are measured on one clock, whatever
+    the local clock says. The probe is a temp name (readers ignore it), removed at once."""
     name = f"{TMP_PREFIX}clock.{secrets.token_hex(6)}"
     fd = open_dir(directory, root=root)
     try:
@@ -508,15 +511,12 @@ def remove(path: _Path, *, root: _Root = None) -> bool:
 def remove_tree(path: _Path, *, root: _Root = None) -> None:
     """Remove ``path``: a directory with everything in it (descriptor-based: a symlink inside is
     unlinked, never followed), or any other entry (a symlink: the link only). Missing: no-op."""
-    try:
-        with _parent(path, root) as (dfd, name):
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(name, dir_fd=dfd)
-            else:
-                os.unlink(name, dir_fd=dfd)
-    except FileNotFoundError:
-        return
+    with contextlib.suppress(FileNotFoundError), _parent(path, root) as (dfd, name):
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=dfd)
+        else:
+            os.unlink(name, dir_fd=dfd)
 
 
 def remove_temp_files(directory: _Path, *, root: _Root = None) -> list[Path]:
@@ -535,9 +535,8 @@ def remove_temp_files(directory: _Path, *, root: _Root = None) -> list[Path]:
 
 
 class FileLock:
-    """An exclusive, non-blocking ``flock`` held for the life of the object. The kernel drops it
-    when the process dies. A lock file that is a symlink, a FIFO or hard-linked raises
-    :class:`UnsafePath`.
+    """An exclusive, non-blocking ``flock`` held for the life of the object (the kernel drops it
+    when the process dies); a lock file that is a symlink, a FIFO or hard-linked: UnsafePath.
 
     The file names its holder, ``pid host token`` (the token is this lock's own: two of one
     process differ), and :meth:`intact` reads it back: an ``flock`` holds the inode it opened,

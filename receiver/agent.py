@@ -44,6 +44,7 @@ from asyncsync.format import Manifest, ShardInfo, check_engine_id, version_dir
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
 from asyncsync.format.names import root_path
 from asyncsync.format.store import is_committed
+from asyncsync.fsio import check_throttle_env
 from asyncsync.memory import check_env as check_memory_env
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import LoopLock, run_pipeline, threads
@@ -138,6 +139,7 @@ class ReceiverAgent:
         check_agent_options({name: given[name] for name in AGENT_OPTIONS})
         check_memory_env()  # read at the first device copy (an audit): said at start-up
         threads()  # ASYNCSYNC_THREADS, read at the first parallel map: said at start-up too
+        check_throttle_env()  # ASYNCSYNC_THROTTLE, read at import (a bad one: no throttle)
         self.root = root_path(root)
         self.engine = engine
         engine.on_lost = self._reconcile_ack  # a server found serving other weights: no ack

@@ -156,3 +156,41 @@ def test_writing_never_goes_through_a_symlink_a_fifo_or_a_hard_link(
     assert (outside / "file").read_bytes() == b"outside\n"
     assert (outside / "file").stat().st_mode & 0o777 == 0o600
     assert os.listdir(outside / "dir") == []
+
+
+def test_a_bad_throttle_env_is_a_config_error_at_start_up_not_an_import_failure(
+    tmp_path: Path,
+) -> None:
+    """(helper-64) ASYNCSYNC_THROTTLE=fast made `import asyncsync.fsio` (so every import of
+    asyncsync, the CLI too) fail with a raw ValueError traceback. Importing works now (no
+    throttle); a Publisher, a ReceiverAgent and `asyncsync bench` refuse it as they start,
+    with a ConfigError naming the variable (bench: one line, exit 1)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from asyncsync import fsio
+assert fsio.get_throttle() is None
+from asyncsync import ConfigError, Publisher
+from asyncsync.ops.cli import main
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+root = {str(tmp_path / "root")!r}
+engine = LocalCheckpoint(root + "c")
+for make in (lambda: Publisher(root), lambda: ReceiverAgent(root, engine, "e")):
+    try:
+        make()
+    except ConfigError as exc:
+        print("refused:", exc)
+print("bench", main(["bench", "--quick", "--workdir", root + "b"]))
+"""
+    env = {**os.environ, "ASYNCSYNC_THROTTLE": "fast"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    said = "ASYNCSYNC_THROTTLE='fast': cannot parse throttle 'fast': use e.g. '200MB/s,5ms@/root'"
+    assert done.stdout.splitlines() == [f"refused: {said}"] * 2 + ["bench 1"], done.stdout
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "rootb").exists()

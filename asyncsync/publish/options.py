@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from asyncsync import codec, memory, pipeline
+from asyncsync import codec, fsio, memory, pipeline
 from asyncsync.errors import ConfigError, check_bytes, check_number
 from asyncsync.format import Manifest
 from asyncsync.format.checksum import new_hasher
@@ -85,6 +85,7 @@ def check_options(
     root_path(root)  # "" (the working directory), None, bytes: a ConfigError
     memory.check_env()  # read at the first device copy: said at start-up instead
     pipeline.threads()  # ASYNCSYNC_THREADS, read at the first parallel map: at start-up too
+    fsio.check_throttle_env()  # ASYNCSYNC_THROTTLE, read at import (a bad one: no throttle)
     if producer is not None:  # every manifest holds it as JSON (FORMAT.md 11.3)
         try:
             if not isinstance(producer, Mapping) or not all(isinstance(k, str) for k in producer):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncsync.console.args import int_at_least, parse_size, positive_float
 from asyncsync.errors import ConfigError
-from asyncsync.fsio import Throttle
+from asyncsync.fsio import Throttle, check_throttle_env
 from asyncsync.ops.cli.common import positive_int
 from asyncsync.pipeline import MAX_THREADS
 
@@ -86,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def cmd_bench(args: argparse.Namespace) -> int:
     """``asyncsync bench``; a SIGTERM meanwhile stops its children as Ctrl-C does
     (:func:`_terminated`)."""
+    check_throttle_env()  # read at import (a bad one: no throttle): refused before a run
     if threading.current_thread() is not threading.main_thread():
         return _cmd_bench(args)
     previous = signal.signal(signal.SIGTERM, _terminated)
