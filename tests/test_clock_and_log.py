@@ -57,6 +57,27 @@ async def test_an_ack_dated_in_the_future_does_not_pin_forever(tmp_path: Path) -
     assert list_versions(tmp_path) == [8, 9]
 
 
+async def test_status_flags_an_ack_dated_in_the_future_and_gc_keeps_it_live(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(helper-64) An ack whose mtime is in the future of the root's clock (a clock stepped
+    back on the file server, a hostile utime) had its age clamped to 0: `status` showed "age
+    0.0", as for an ack just written, and --stale could never fire. It says so now, in a line
+    and in the JSON; gc still counts the engine as live (keeps what it needs)."""
+    await _chain(tmp_path, 9)  # keyframes 0, 4, 8
+    _ack(tmp_path, "ahead", 2, applied_at=time.time(), mtime=time.time() + 2 * HOUR)
+    assert cli_main(["status", str(tmp_path), "--json"]) == 3  # behind by 7: a straggler
+    row = json.loads(capsys.readouterr().out)["engines"][0]
+    assert 1.9 * HOUR < row["ack_ahead_seconds"] <= 2 * HOUR, row
+    assert cli_main(["status", str(tmp_path)]) == 3
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "in the future" in line]
+    assert len(said) == 1 and said[0].startswith("ack of ahead dated 7"), out
+    assert "age unknown" in said[0] and "treats it as live" in said[0], said
+    collect(tmp_path, RetentionPolicy(keep_versions=1, ack_ttl=600))
+    assert list_versions(tmp_path) == list(range(3, 10))
+
+
 async def test_status_shows_age_on_the_root_clock_and_the_skew(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

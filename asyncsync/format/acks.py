@@ -233,11 +233,15 @@ class AckAge:
 
     ``age``: seconds since the later of its ack's write and its lease's last heartbeat (file
     mtimes, so no receiver's clock is trusted); ``skew``: the receiver's clock minus the
-    filesystem's when it wrote the ack (``applied_at - mtime``; large means a wrong clock).
+    filesystem's when it wrote the ack (``applied_at - mtime``; large means a wrong clock);
+    ``ahead``: how far that ack or heartbeat is dated in the future of the filesystem's clock
+    (a clock stepped back on the file server, a hand-set mtime), 0 when it is not: ``age`` is
+    then 0, so an engine that went quiet never looks stale; retention keeps it live (safe).
     """
 
     age: float
     skew: float
+    ahead: float = 0.0
 
 
 def ack_ages(root: Path, acks: dict[str, AckRecord], now: float | None = None) -> dict[str, AckAge]:
@@ -250,7 +254,7 @@ def ack_ages(root: Path, acks: dict[str, AckRecord], now: float | None = None) -
         if lease is not None:
             seen = max(seen, lease[1])
         skew = 0.0 if ack.mtime is None else ack.applied_at - ack.mtime
-        out[engine_id] = AckAge(age=max(0.0, now - seen), skew=skew)
+        out[engine_id] = AckAge(age=max(0.0, now - seen), skew=skew, ahead=max(0.0, seen - now))
     return out
 
 

@@ -11,6 +11,10 @@ marked bad: a damaged or planted ``v999999999999`` above the publisher's version
 10^12 (it stays in the header's newest version and in the engine's ``bad``), while the good
 versions committed above a bad one still count (a receiver stuck below a bad version with no
 keyframe past it falls behind and is a straggler).
+An ack (or lease heartbeat) dated more than a second in the future of the root's clock (the
+file server's clock stepped back, a hand-set mtime) has no age to show: one line says so (JSON:
+``ack_ahead_seconds``); it counts as just heard of, for ``--stale`` as for ``gc`` (the safe
+side for gc: its versions are kept).
 Exit status 0, or 3 when there are stragglers (for scripts and alerts), or 1 when the root,
 its ``acks/`` or one of the ack files in it cannot be read (never "0 engines, all clear" for
 acks it could not see: an unreadable ack file is listed, and its engine's version is unknown).
@@ -42,6 +46,7 @@ from asyncsync.ops.cli.common import (
 __all__ = ["cmd_status", "engine_rows", "register"]
 
 STRAGGLERS_EXIT = 3
+AHEAD_SLACK = 1.0  # seconds: mtime granularity, and this host's clock on a read-only root
 
 
 def engine_rows(
@@ -80,6 +85,7 @@ def engine_rows(
                 "acked_at": ack.applied_at,
                 "ack_age_seconds": round(age, 3),
                 "clock_skew_seconds": round(ages[engine].skew, 3),
+                "ack_ahead_seconds": round(ages[engine].ahead, 3),
                 "bad_versions": list(ack.bad_versions),
                 "host": ack.host,
                 "run_id": ack.run_id,
@@ -128,6 +134,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "receiver's ttl"
                 )
             )
+        for r in rows:
+            if r["ack_ahead_seconds"] > AHEAD_SLACK:
+                print(printable(
+                    f"ack of {r['engine_id']} dated {r['ack_ahead_seconds']:.0f} s in the future "
+                    "of the root's clock (a clock stepped back, a hand-set mtime): its age "
+                    "unknown, --stale cannot flag it; gc treats it as live"
+                ))  # fmt: skip
         for u in lost:
             print(printable(f"ack UNREADABLE: {u['path']} ({u['reason']})"))
     if lost:  # an engine whose version it could not see: never "all clear"
