@@ -129,3 +129,43 @@ async def test_follow_log_does_not_repeat_lines_after_a_trim(tmp_path: Path) -> 
         f.write(json.dumps({"version": 4}) + "\n")
     await asyncio.wait_for(task, 10)
     assert seen == [0, 1, 2, 3, 4]
+
+
+async def test_status_and_gc_dry_run_write_one_clock_probe_and_nothing_else(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(helper-64) `status` and `gc --dry-run` read the root, save the one temp file that reads
+    the file server's clock (asyncsync.ops.cli says why). `status` made two (one for the ack
+    ages, one for the leases'), `gc --dry-run` one more per unreadable ack; one each now, seen
+    by inotify on the root, and the root holds the same names after."""
+    from receiver.inotify import DirectoryWatch, available
+
+    if not available():
+        pytest.skip("no inotify here: the probe files cannot be seen")
+    await _chain(tmp_path, 9)
+    _ack(tmp_path, "e", 2, applied_at=time.time())
+    (tmp_path / "acks" / "bad.json").write_bytes(b"{")  # unreadable: gc measures its age
+    before = sorted(os.listdir(tmp_path))
+    for argv in (["status", str(tmp_path)], ["gc", str(tmp_path), "--dry-run"]):
+        watch = DirectoryWatch(tmp_path)
+        try:
+            cli_main(argv)
+            names = _names(watch)
+        finally:
+            watch.close()
+        assert len({n for n in names if n.startswith(".tmp.clock.")}) == 1, (argv, names)
+        assert {n for n in names if not n.startswith(".tmp.clock.")} == set(), (argv, names)
+        assert sorted(os.listdir(tmp_path)) == before
+    capsys.readouterr()
+
+
+def _names(watch: object) -> list[str]:
+    """The entry names of the events a receiver.inotify.DirectoryWatch holds, in order."""
+    names: list[str] = []
+
+    def keep(name: str) -> bool:
+        names.append(name)
+        return False  # never "wanted": every event's name is passed on
+
+    watch.read(keep)  # type: ignore[attr-defined]
+    return names

@@ -105,9 +105,10 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
                 keep(v, "newest keyframe and its chain")
     unreadable: dict[Path, str] = {}
     acks = read_acks(root, unreadable)
-    ages = ack_ages(root, acks)  # on the filesystem's clock: receivers' clocks may be wrong
+    now = root_now(root)  # once (a probe file): the one write of a dry run
+    ages = ack_ages(root, acks, now)  # on the filesystem's clock: receivers' clocks may be wrong
     for path, why in unreadable.items():  # whose version it pins is unknown: keep them all
-        if _may_be_live(root, path, policy.ack_ttl):
+        if _may_be_live(root, path, policy.ack_ttl, now):
             logger.warning("gc: %s cannot be read (%s); deleting nothing", path, why)
             for v in versions:
                 keep(v, f"{path} cannot be read ({why}): the versions it pins are unknown")
@@ -152,9 +153,9 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
     return GcReport(tuple(doomed), tuple(sorted(reasons)), freed, reasons)
 
 
-def _may_be_live(root: Path, path: Path, ack_ttl: float | None) -> bool:
+def _may_be_live(root: Path, path: Path, ack_ttl: float | None, now: float) -> bool:
     """Whether an ack file that cannot be read may be a live engine's (written less than
-    ``ack_ttl`` ago, by its mtime on the filesystem's clock); ``acks/`` itself always may."""
+    ``ack_ttl`` before ``now``, by its mtime on the filesystem's clock); ``acks/`` always may."""
     if path == root / ACKS_DIR or ack_ttl is None:
         return True
     try:
@@ -163,7 +164,7 @@ def _may_be_live(root: Path, path: Path, ack_ttl: float | None) -> bool:
         return False
     except OSError:
         return True
-    return root_now(root) - mtime <= ack_ttl
+    return now - mtime <= ack_ttl
 
 
 def _delete_version(root: Path, version: int) -> None:

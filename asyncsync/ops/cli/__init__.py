@@ -9,9 +9,15 @@
     asyncsync verify ROOT --checkpoint DIR [--version N]
                                            is a LocalCheckpoint directory bit-exact at a version?
 
-Why a CLI: operators debug weight sync on hosts where a Python REPL is a hassle; everything here
-only reads the root (nothing is locked or written), so it is safe next to a live publisher and
-live receivers.
+Why a CLI: operators debug weight sync on hosts where a Python REPL is a hassle. ``inspect``,
+``tail`` and ``verify`` only read the root (nothing is locked or written). ``status`` and
+``gc --dry-run`` only read it too, save one write: ack and lease ages are measured on the file
+server's clock (a receiver's clock, or this host's, may be off by hours: FORMAT.md 7), and the
+one way to read that clock is the mtime of a file made there, so each creates a temp file
+(``.tmp.clock.<hex>``, a name every reader ignores) in the root and removes it at once, which
+changes the root directory's mtime; on a root it cannot write it takes this host's clock
+instead. ``gc`` deletes versions and trims the log; ``prepare`` sets modes. None locks
+anything: each is safe next to a live publisher and live receivers.
 
 Exit status: 0 on success; 1 when ``verify`` finds mismatching tensors or a command fails (one
 line on stderr saying what to do, no traceback); 2 for bad usage.

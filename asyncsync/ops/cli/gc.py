@@ -1,4 +1,8 @@
-"""``asyncsync gc``: delete old versions no live engine needs (see asyncsync.publish.retention)."""
+"""``asyncsync gc``: delete old versions no live engine needs (see asyncsync.publish.retention).
+
+``--dry-run`` deletes nothing and trims nothing; like ``status`` it makes and removes one temp
+file in the root to read the file server's clock, which ack ages are measured on (see
+:mod:`asyncsync.ops.cli`): the preview then keeps and deletes what the real run would."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """``asyncsync status ROOT``: which engines hold which version, who lags, who went quiet.
 
 Read from the ack records in the root, so it works from any host that mounts the root, without
-reaching the receivers. Ages are measured on the root filesystem's clock (file mtimes); the
+reaching the receivers. Ages are measured on the root filesystem's clock (file mtimes against
+that of a temp file made in the root and removed at once: the one write of ``status``, see
+:mod:`asyncsync.ops.cli`; this host's clock on a root it cannot write); the
 ``skew`` column is how far a receiver's clock was from it when it wrote its ack, and ``bad``
 lists the versions a receiver found damaged and went past. An engine is a *straggler* when it
 is more than ``--max-lag`` versions behind the newest, or was last heard of (its ack, its
@@ -50,10 +52,16 @@ AHEAD_SLACK = 1.0  # seconds: mtime granularity, and this host's clock on a read
 
 
 def engine_rows(
-    root: Path, *, max_lag: int, stale: float, unreadable: dict[Path, str] | None = None
+    root: Path,
+    *,
+    max_lag: int,
+    stale: float,
+    unreadable: dict[Path, str] | None = None,
+    now: float | None = None,
 ) -> tuple[int | None, list[dict[str, Any]]]:
     """(newest version, one row per engine with its version, lag, ack age and straggler flag);
-    the ack files that cannot be read go to ``unreadable`` (path -> why), when given."""
+    the ack files that cannot be read go to ``unreadable`` (path -> why), when given. Ages are
+    counted to ``now`` on the root's clock (default: :func:`root_now`, a probe file)."""
     versions = check_root(root)
     latest = versions[-1] if versions else None
     # the run of the newest manifest that reads; the versions above it (a damaged newest
@@ -68,7 +76,7 @@ def engine_rows(
             counted = versions[: i + 1]
             break
     acks = read_acks(root, unreadable)
-    ages = ack_ages(root, acks)  # on the root filesystem's clock, not the receivers'
+    ages = ack_ages(root, acks, now)  # on the root filesystem's clock, not the receivers'
     rows = []
     for engine, ack in sorted(acks.items()):
         other_run = run_id is not None and ack.run_id != run_id
@@ -107,10 +115,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     with contextlib.suppress(FileNotFoundError):  # no acks/ yet: no engine has acked
         scan(root / ACKS_DIR, root=root)  # OSError (one line, exit 1): a file, symlink, mode
     unreadable: dict[Path, str] = {}
-    latest, rows = engine_rows(root, max_lag=args.max_lag, stale=args.stale, unreadable=unreadable)
+    now = root_now(root)  # once: the one write of status (asyncsync.ops.cli says why)
+    latest, rows = engine_rows(
+        root, max_lag=args.max_lag, stale=args.stale, unreadable=unreadable, now=now
+    )
     lost = [{"path": str(p), "reason": why} for p, why in sorted(unreadable.items())]
     stragglers = [r["engine_id"] for r in rows if r["straggler"]]
-    now = root_now(root)
     bad = [
         {"engine_id": e, "path": str(u.path), "reason": u.reason,
          "age_seconds": round(max(now - u.mtime, 0.0), 3)}
