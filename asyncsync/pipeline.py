@@ -33,6 +33,7 @@ __all__ = [
     "LoopLock",
     "LoopTasks",
     "Stage",
+    "check_threads_env",
     "finish_thread",
     "pack_cap",
     "parallel_map",
@@ -58,19 +59,28 @@ def threads() -> int:
     else the CPUs this process may run on)."""
     if _threads is not None:
         return _threads
-    env = os.environ.get("ASYNCSYNC_THREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ConfigError(f"ASYNCSYNC_THREADS={env!r} is not a whole number") from None
-        if not 1 <= n <= MAX_THREADS:
-            raise ConfigError(f"ASYNCSYNC_THREADS={env!r} must be from 1 to {MAX_THREADS}")
+    if (n := check_threads_env()) is not None:
         return n
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def check_threads_env() -> int | None:
+    """``ASYNCSYNC_THREADS`` (None: unset); a ConfigError if it is no count of threads. The
+    Publisher and the ReceiverAgent call it as they are made, so that a bad value is said at
+    start-up, not at the first parallel map."""
+    env = os.environ.get("ASYNCSYNC_THREADS", "").strip()
+    if not env:
+        return None
+    try:
+        n = int(env)
+    except ValueError:
+        raise ConfigError(f"ASYNCSYNC_THREADS={env!r} is not a whole number") from None
+    if not 1 <= n <= MAX_THREADS:
+        raise ConfigError(f"ASYNCSYNC_THREADS={env!r} must be from 1 to {MAX_THREADS}")
+    return n
 
 
 def set_threads(n: int | None) -> None:

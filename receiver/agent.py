@@ -47,7 +47,7 @@ from asyncsync.format.store import is_committed
 from asyncsync.fsio import check_throttle_env
 from asyncsync.memory import check_env as check_memory_env
 from asyncsync.memory import release_large_buffers
-from asyncsync.pipeline import LoopLock, run_pipeline, threads
+from asyncsync.pipeline import LoopLock, check_threads_env, run_pipeline
 from receiver.acking import RootPresence
 from receiver.badversions import BadVersions
 from receiver.early import EarlyRead
@@ -138,7 +138,7 @@ class ReceiverAgent:
         given = locals()  # the keyword-only options, checked as a Ray ReceiverSpec checks them
         check_agent_options({name: given[name] for name in AGENT_OPTIONS})
         check_memory_env()  # read at the first device copy (an audit): said at start-up
-        threads()  # ASYNCSYNC_THREADS, read at the first parallel map: said at start-up too
+        check_threads_env()  # read at the first parallel map: said at start-up too
         check_throttle_env()  # ASYNCSYNC_THROTTLE, read at import (a bad one: no throttle)
         self.root = root_path(root)
         self.engine = engine

@@ -84,7 +84,7 @@ def check_options(
     Publisher's Args)."""
     root_path(root)  # "" (the working directory), None, bytes: a ConfigError
     memory.check_env()  # read at the first device copy: said at start-up instead
-    pipeline.threads()  # ASYNCSYNC_THREADS, read at the first parallel map: at start-up too
+    pipeline.check_threads_env()  # read at the first parallel map: said at start-up too
     fsio.check_throttle_env()  # ASYNCSYNC_THROTTLE, read at import (a bad one: no throttle)
     if producer is not None:  # every manifest holds it as JSON (FORMAT.md 11.3)
         try:
