@@ -485,21 +485,21 @@ class ReceiverAgent:
         shards = [(i, s) for i, s in enumerate(m.shards) if s.role == mode]
         early = await self._early.take_stream(m, mode)
         self._c.streamed += len(early or ())
-        if mode == "delta" and not shards and early is None:
-            await self.engine.bump(m)
-        else:
-            try:
-                if early is None:  # (in the try: a begin may lose what the engine held)
+        try:  # (a bump or a begin may lose what the engine held: the ack says so at once)
+            if mode == "delta" and not shards and early is None:
+                await self.engine.bump(m)
+            else:
+                if early is None:
                     await self.engine.begin(m, mode)
                 rest = [(i, s) for i, s in shards if early is None or s.file not in early]
                 await self._stream(m, mode, rest)
                 await self.engine.commit()
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self.engine.abort())
-                with contextlib.suppress(Exception):  # a failed full apply can leave nothing
-                    await asyncio.shield(self._reconcile_ack())
-                raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.engine.abort())
+            with contextlib.suppress(Exception):  # a failed full apply can leave nothing
+                await asyncio.shield(self._reconcile_ack())
+            raise
         dt = time.perf_counter() - t0
         self._bad.cleared(m.version)
         self._c.applied += 1

@@ -578,3 +578,57 @@ async def test_a_rollback_done_again_whose_sync_fails_is_recovered_before_the_be
         await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")  # was: refused
     await ck.close()
     assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd1)
+
+
+async def test_a_zero_diff_version_over_a_lost_one_is_not_acked_and_the_sync_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1's flush fails and its bytes are lost, then a zero-diff v2 is published: the receiver
+    took v2 over the lost v1 and acked it. Now the bump recovers first, wipes, the ack goes at
+    once (not only after the keyframe), and the same sync goes on from the keyframe."""
+    root, ckpt = tmp_path / "root", tmp_path / "ck"
+    sd0 = mixed_state(0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        await pub.publish(sd1)
+        ck = LocalCheckpoint(ckpt)
+        async with ReceiverAgent(root, ck, "e", use_inotify=False, prefetch=False) as agent:
+            with monkeypatch.context() as m:
+                m.setattr(FileMaps, "sync", _enospc)
+                assert await agent.sync_once() == 1
+                await ck.flushed()
+            _damage(ck)
+            await pub.publish(sd1)  # zero diff
+            acks_at_full = _acks_at_full(monkeypatch, ck, root, agent)
+            assert await agent.sync_once() == 2
+            assert acks_at_full == [None]  # was: v1, the ack kept until the keyframe's
+            assert read_acks(root)["e"].version == 2
+            await ck.flushed()
+    assert_same(LocalCheckpoint(ckpt).load_state_dict(), sd1)
+
+
+@pytest.mark.parametrize("bytes_", ["kept", "lost"])
+async def test_a_zero_diff_version_recovers_a_failed_flush_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bytes_: Literal["kept", "lost"]
+) -> None:
+    """v1's flush fails, then a zero-diff v2 comes: the bump did not look at the failed flush,
+    so v2 was taken (and acked) over v1 not known durable, its bytes lost or not (``lost``:
+    a page the kernel dropped, v2 then claimed bytes the files no longer hold). A bump
+    recovers first, as a begin does: v1 checked and written again (v2 taken, durable), or
+    wiped (v2 refused, OutOfOrder: the receiver goes on from a keyframe)."""
+    from receiver.engines.checkpoint.flusher import FAILED_NAME
+
+    ck, _, sd1 = await _v1_whose_flush_failed(tmp_path, monkeypatch)
+    m2 = build_manifest(sd1, 2, base=sd1)
+    if bytes_ == "lost":
+        _damage(ck)
+        with pytest.raises(OutOfOrder, match="removed"):
+            await ck.bump(m2)
+        assert ck.state.version is None and _state(tmp_path)["version"] is None
+    else:
+        await ck.bump(m2)
+        st = _state(tmp_path)
+        assert (st["version"], st.get("synced", True)) == (2, True)
+        assert not (tmp_path / ".asyncsync" / FAILED_NAME).exists()
+    await ck.close()

@@ -132,11 +132,7 @@ class LocalCheckpoint(Recovery, Engine):
             await self.flushed()  # done again, go on (every flush done: none fails meanwhile)
             await self._run(self._recover)
             if mode == "delta" and self.state.version is None:  # wiped: its base is gone
-                raise OutOfOrder(
-                    f"{self.directory}: v{manifest.version} applies on v{manifest.base_version}, "
-                    "which was removed (its bytes no longer matched after the failed flush): "
-                    "the receiver re-initialises from a keyframe"
-                )
+                raise self._base_removed(manifest)
             if not await self._run(self._begin, manifest, mode):
                 raise EngineStateError(f"{self.directory}: {self._broken}; begin refused")
         if (waited := time.perf_counter() - t0) > 0.05:
@@ -241,6 +237,13 @@ class LocalCheckpoint(Recovery, Engine):
         weight_map = {n: loc.file for n, loc in self._layout.items()}
         self.files.write_index(
             version, weight_map, sum(loc.nbytes for loc in self._layout.values())
+        )
+
+    def _base_removed(self, manifest: Manifest) -> OutOfOrder:
+        return OutOfOrder(
+            f"{self.directory}: v{manifest.version} applies on v{manifest.base_version}, "
+            "which was removed (its bytes no longer matched after the failed flush): "
+            "the receiver re-initialises from a keyframe"
         )
 
     # -- begin --------------------------------------------------------------------------------
@@ -481,6 +484,10 @@ class LocalCheckpoint(Recovery, Engine):
         if self._txn is not None:
             raise ApplyFailed(f"{self.directory}: bump while v{self._txn.manifest.version} is open")
         self._finish_rollback()
+        if self._broken:  # a failed flush (or a rollback's sync): recovered first, as a begin
+            self._recover()  # is (the version taken over one not known durable, else)
+            if self.state.version is None:
+                raise self._base_removed(manifest)
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
         check_tensor_set(self._held(), manifest, str(self.directory))
         self._set(bumped(self._ps, manifest))
