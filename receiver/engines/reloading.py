@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -275,20 +276,26 @@ class ReloadingEngine(Engine, abc.ABC):
             return
         if self._lost:
             await self._reconcile_server()
-        await self.checkpoint.reconcile()
+        await self._on_checkpoint(self.checkpoint.reconcile())
+
+    async def _on_checkpoint(self, call: Awaitable[None]) -> None:
+        """A call that may wipe the checkpoint (its recovery after a failed flush found the held
+        version's bytes lost): the engine then holds nothing, as a reopen finds. The server
+        serves it from memory only: no restart brings it back and no delta applies on it, so
+        the ack goes and the agent goes on from a keyframe (docs/ENGINES.md)."""
+        try:
+            await call
+        finally:
+            if self.checkpoint.state.version is None:
+                self.state = EngineState()  # (the record: never trusted with no checkpoint)
 
     async def _reconcile_server(self) -> None:
         await self._wait_for_server()
         label = await self._guard(self._served())
         held = self.state.version
         if held is not None and label != str(held) and self.checkpoint.state.version == held:
-            logger.warning(
-                "%s at %s reports version %r after it was lost; reloading v%s",
-                self.kind,
-                self.client.url,
-                label,
-                held,
-            )
+            logger.warning("%s at %s reports version %r after it was lost; reloading v%s",
+                           self.kind, self.client.url, label, held)  # fmt: skip
             self._serves_other = str(label)
             if self.on_lost is not None:  # the agent withdraws the ack first
                 await self.on_lost()
@@ -321,7 +328,7 @@ class ReloadingEngine(Engine, abc.ABC):
             return self.state
         local = await self.checkpoint.open()
         try:
-            record = await asyncio.to_thread(self._read_record)
+            record = await asyncio.to_thread(read_record, self.record_path)
             await self.client.wait_until_up(
                 self.ready_path,
                 deadline=self.timeouts.startup,
@@ -393,7 +400,7 @@ class ReloadingEngine(Engine, abc.ABC):
             )
             self._txn = _Txn(manifest, reload_only=True)
             return
-        await self.checkpoint.begin(manifest, mode)
+        await self._on_checkpoint(self.checkpoint.begin(manifest, mode))
         self._txn = _Txn(manifest, reload_only=False)
         if mode == "delta" and self._may_stage(local):
             await self._staging.begin(self.checkpoint, manifest, self.state)
@@ -451,7 +458,7 @@ class ReloadingEngine(Engine, abc.ABC):
             raise ApplyFailed(f"{self.kind}: bump while v{self._txn.manifest.version} is open")
         self._backoff.check(manifest.version)
         if not self._holds(self.checkpoint.state, manifest):
-            await self.checkpoint.bump(manifest)
+            await self._on_checkpoint(self.checkpoint.bump(manifest))
         if self._lost:
             await self._wait_for_server()
         label = await self._guard(self._served())
@@ -585,9 +592,6 @@ class ReloadingEngine(Engine, abc.ABC):
 
     def _record_of(self, s: EngineState) -> dict[str, Any]:
         return record_of(self.kind, str(self.client.url), self.model_path, s)
-
-    def _read_record(self) -> dict[str, Any] | None:
-        return read_record(self.record_path)
 
     async def _set_state(self, s: EngineState) -> None:
         data = json.dumps({**self._record_of(s), "updated_at": time.time()}, indent=1) + "\n"
