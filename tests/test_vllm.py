@@ -155,6 +155,32 @@ async def test_a_refused_version_is_not_ready_and_a_keyframe_after_it_is_taken_i
         assert read_acks(chain.root)["v1"].version == v
 
 
+async def test_a_reload_that_failed_midway_withdraws_the_ack_until_one_is_confirmed(
+    chain: Chain, tmp_path: Path
+) -> None:
+    """A reload the server answers with an error leaves vLLM's weights unknown (layers on the
+    meta device): the server no longer serves v0 either, but the ack kept naming v0 (only
+    /readyz said 503). As for a restarted server (docs/ENGINES.md), the ack is withdrawn, and
+    written again once a reload is confirmed."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        FakeVLLM(str(ckpt.absolute())) as srv,
+        agent_for(chain, make_engine(srv, ckpt)) as agent,
+    ):
+        await chain.next()
+        assert await agent.sync_once() == 0
+        assert read_acks(chain.root)["v1"].version == 0
+        await chain.next()
+        srv.inject("/collective_rpc", status=500, message="no parameter named extra",
+                   times=FAST_RETRY.attempts)  # fmt: skip
+        with pytest.raises(EngineHTTPError, match="no parameter named extra"):
+            await agent.sync_once()
+        assert "v1" not in read_acks(chain.root)  # was: v0, no longer served
+        assert agent.engine.ackable().version is None and agent.engine.state.version == 0
+        assert await agent.sync_once() == 1
+        assert read_acks(chain.root)["v1"].version == 1
+
+
 async def test_a_server_without_the_worker_extension_cannot_audit(
     chain: Chain, tmp_path: Path
 ) -> None:

@@ -236,10 +236,11 @@ class ReloadingEngine(Engine, abc.ABC):
         }
 
     def ackable(self) -> EngineState:
-        """Nothing while :meth:`reconcile` found the server serving another version (restarted
-        with its launch weights): the ack names nothing until a reload is confirmed
-        (docs/ENGINES.md, "What the agent acknowledges")."""
-        return EngineState() if self._serves_other is not None else self.state
+        """Nothing while the server serves another version (restarted: :meth:`reconcile`) or a
+        failed reload left its weights unknown (vLLM): the ack names nothing until a reload is
+        confirmed (docs/ENGINES.md, "What the agent acknowledges")."""
+        lost = self._serves_other is not None or self._weights_unknown is not None
+        return EngineState() if lost else self.state
 
     async def serving_version(self) -> int | None:
         """The version the server serves now: ``state.version`` when the server reports it,
