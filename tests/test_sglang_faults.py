@@ -328,15 +328,17 @@ async def test_the_checkpoints_failed_rollback_is_done_again_when_nothing_newer_
         assert engine.checkpoint.state.version == 0 == engine.state.version
 
 
+@pytest.mark.parametrize("then", ["nothing_newer", "delta", "zero_diff"])
 async def test_a_version_the_checkpoint_lost_is_no_longer_acked_and_is_loaded_again(
-    chain: Chain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    chain: Chain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
 ) -> None:
-    """v1's flush fails and its bytes are then lost (a page dropped): the engine's reconcile (a
-    sync with nothing newer) wipes the checkpoint. The engine still said v1 (the server serves
-    it from memory), so the ack stayed though no restart could restore v1, and every later
-    delta was refused for good ("the engine holds vNone": the agent goes on from a keyframe
-    only once the engine holds nothing). It holds nothing now, as a reopen finds: the ack goes
-    at once and the same sync goes on from the keyframe; v2 then applies as a delta."""
+    """v1's flush fails and its bytes are then lost (a page dropped): the checkpoint's recovery
+    wipes it, in the engine's reconcile (a sync with nothing newer) or at the next version's
+    begin or bump. The engine still said v1 (the server serves it from memory), so the ack
+    stayed though no restart could restore v1, and every later delta was refused for good
+    ("the engine holds vNone": the agent goes on from a keyframe only once the engine holds
+    nothing). It holds nothing now, as a reopen finds: the ack goes at once and the same sync
+    goes on from the keyframe; the next version then applies as a delta."""
     from receiver.engines.checkpoint import LocalCheckpoint
     from receiver.engines.st_layout import FileMaps
     from tests.test_flush import _damage, _enospc
@@ -355,10 +357,11 @@ async def test_a_version_the_checkpoint_lost_is_no_longer_acked_and_is_loaded_ag
             await begin(ck, m, mode)
 
         monkeypatch.setattr(LocalCheckpoint, "begin", watched)
-        assert await agent.sync_once() == 1
-        pass  # TMP  # was: [] (the checkpoint left empty, acked v1)
-        assert engine.checkpoint.state.version == 1 == acked(chain)
-        assert srv.weight_version == "1"
+        v = 1 if then == "nothing_newer" else await chain.next(zero_diff=then == "zero_diff")
+        assert await agent.sync_once() == v  # was: OutOfOrder (a delta or zero diff)
+        assert acks_at_full == [(None, None)]  # was: [] (the checkpoint left empty, acked v1)
+        assert engine.checkpoint.state.version == v == acked(chain)
+        assert srv.weight_version == str(v)
         await chain.next()
-        assert await agent.sync_once() == 2  # was: OutOfOrder, at every sync
-        assert acked(chain) == 2 and srv.weight_version == "2"
+        assert await agent.sync_once() == v + 1  # was: OutOfOrder, at every sync
+        assert acked(chain) == v + 1 and srv.weight_version == str(v + 1)
