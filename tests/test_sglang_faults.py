@@ -365,3 +365,33 @@ async def test_a_version_the_checkpoint_lost_is_no_longer_acked_and_is_loaded_ag
         await chain.next()
         assert await agent.sync_once() == v + 1  # was: OutOfOrder, at every sync
         assert acked(chain) == v + 1 and srv.weight_version == str(v + 1)
+
+
+async def test_a_full_version_whose_move_into_place_fails_withdraws_the_ack(
+    chain: Chain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full version whose move into place fails midway (its index refused: a full disk)
+    wipes the checkpoint (its files mixed). The engine still said v0, served from memory only,
+    and the ack stayed until the version's next attempt. As for a checkpoint the recovery
+    wiped, the engine holds nothing at once: the ack goes with the failed sync, and the next
+    sync applies the version."""
+    import torch
+
+    from receiver.engines.checkpoint.files import CheckpointFiles
+    from tests.test_flush import _enospc
+
+    async with FakeSGLang() as srv:
+        engine = engine_for(srv, tmp_path / "ckpt")
+        async with agent_for(chain, engine) as agent:
+            await chain.next()
+            assert await agent.sync_once() == 0
+            sd = {**chain.states[-1], "model.extra.weight": torch.ones(4, 4)}
+            v = (await chain.pub.publish(sd)).version  # a new tensor set: a full version
+            with monkeypatch.context() as m:
+                m.setattr(CheckpointFiles, "write_index", _enospc)
+                with pytest.raises(ApplyFailed, match="moving v1 into place failed"):
+                    await agent.sync_once()
+            assert engine.checkpoint.state.version is None
+            assert acked(chain) is None and engine.state.version is None  # was: 0, 0
+            assert await agent.sync_once() == v
+            assert acked(chain) == v and srv.weight_version == str(v)

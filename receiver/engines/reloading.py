@@ -279,11 +279,11 @@ class ReloadingEngine(Engine, abc.ABC):
             await self._reconcile_server()
         await self._on_checkpoint(self.checkpoint.reconcile())
 
-    async def _on_checkpoint(self, call: Awaitable[None]) -> None:
+    async def _on_checkpoint(self, call: Awaitable[object]) -> None:
         """A call that may wipe the checkpoint (its recovery after a failed flush found the held
-        version's bytes lost): the engine then holds nothing, as a reopen finds. The server
-        serves it from memory only: no restart brings it back and no delta applies on it, so
-        the ack goes and the agent goes on from a keyframe (docs/ENGINES.md)."""
+        version's bytes lost, a full version's move failed): the engine then holds nothing, as
+        a reopen finds. The server serves it from memory only: no restart brings it back and
+        no delta applies on it, so the ack goes and the agent goes on from a keyframe."""
         try:
             await call
         finally:
@@ -432,7 +432,7 @@ class ReloadingEngine(Engine, abc.ABC):
         stage = await self._staging.commit()
         if not txn.reload_only:
             try:
-                await self.checkpoint.commit()
+                await self._on_checkpoint(self.checkpoint.commit())  # a full one may wipe it
             except BaseException:
                 await self._staging.drop()
                 raise
