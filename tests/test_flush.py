@@ -53,6 +53,23 @@ async def _v1_whose_flush_failed(
     return ck, sd0, sd1
 
 
+async def _recovered(
+    ck: LocalCheckpoint, path: Path, sd1: dict[str, Any], how: str
+) -> LocalCheckpoint:
+    """The recovery of v1 (lost after its failed flush) run by the next delta's begin, which it
+    refuses ("in_place"), or by an open of the directory after a close (else): the checkpoint."""
+    if how == "in_place":
+        sd2 = mutate(sd1, 0.05, seed=2)
+        m2 = build_manifest(sd2, 2, base=sd1)
+        with pytest.raises(OutOfOrder, match="removed"):
+            await ck.begin(m2, "delta")
+        return ck
+    await ck.close()
+    ck = LocalCheckpoint(path)
+    await ck.open()
+    return ck
+
+
 def _state(path: Path) -> dict[str, Any]:
     st: dict[str, Any] = json.loads((path / ".asyncsync" / "state.json").read_text())
     return st
@@ -386,15 +403,7 @@ async def test_a_wipe_removes_the_failed_flush_note(
     ck, _, sd1 = await _v1_whose_flush_failed(tmp_path, monkeypatch)
     assert note.exists()
     _damage(ck)
-    if how == "in_place":
-        sd2 = mutate(sd1, 0.05, seed=2)
-        m2 = build_manifest(sd2, 2, base=sd1)
-        with pytest.raises(OutOfOrder, match="removed"):
-            await ck.begin(m2, "delta")
-    else:
-        await ck.close()
-        ck = LocalCheckpoint(tmp_path)
-        await ck.open()
+    ck = await _recovered(ck, tmp_path, sd1, how)
     assert ck.state.version is None and not ck.files.data_files()
     assert not note.exists()
     await ck.close()
@@ -447,15 +456,7 @@ async def test_an_unsynced_version_whose_header_was_lost_is_wiped(
     for f in ck.files.data_files():
         with open(f, "r+b") as fh:
             fh.write(bytes(4096))
-    if how == "in_place":
-        sd2 = mutate(sd1, 0.05, seed=2)
-        m2 = build_manifest(sd2, 2, base=sd1)
-        with pytest.raises(OutOfOrder, match="removed"):
-            await ck.begin(m2, "delta")
-    else:
-        await ck.close()
-        ck = LocalCheckpoint(tmp_path)
-        await ck.open()
+    ck = await _recovered(ck, tmp_path, sd1, how)
     assert ck.state.version is None and not ck.files.data_files()
     assert _state(tmp_path)["version"] is None
     await ck.close()
