@@ -90,7 +90,7 @@ def mutated(change: Any) -> str:
         (lambda d: d["shards"][0].update(file="manifest.json"), r"may not be named manifest\.json"),
         (lambda d: d["shards"][0].update(bytes=-5), r"'bytes'=-5 out of range"),
         (lambda d: d["shards"][0].update(checksum="XYZ"), r"'checksum' must be a lowercase hex"),
-        (lambda d: d["tensors"][0].update(dtype="complex64"), r"unknown dtype 'complex64'"),
+        (lambda d: d["tensors"][0].update(dtype="complex128"), r"unknown dtype 'complex128'"),
         (
             lambda d: d["tensors"][0].update(shape=[-1, 5]),
             r"shape must be a list of non-negative ints",

@@ -149,7 +149,7 @@ async def test_publish_needs_seed_and_validates(tmp_path: Path) -> None:
         with pytest.raises(PublishError, match="seed"):
             await pub.publish({"a": torch.ones(2)})
         with pytest.raises(ConfigError, match="dtype"):
-            await pub.seed({"a": torch.ones(2, dtype=torch.complex64)})
+            await pub.seed({"a": torch.ones(2, dtype=torch.complex128)})
         # a tensor without dense data: ConfigError naming it, at seed and at publish
         odd = {
             "meta tensor": torch.empty(4, device="meta"),

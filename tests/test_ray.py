@@ -34,6 +34,7 @@ from asyncsync.training.ray import (
 )
 from asyncsync.training.ray.base import import_ray, placement_options, plain
 from tests.conftest import mixed_state, mutate, same_bytes
+from tests.test_dtypes import every_dtype_state
 
 ENGINE_RESOURCE = "asyncsync_engine"
 
@@ -150,6 +151,14 @@ def test_float8_tensors_cross_pickle_packed() -> None:
     sd = mixed_state(2)
     with pytest.raises(AttributeError):  # torch cannot unpickle float8 tensors itself
         pickle.loads(pickle.dumps(sd["model.layers.4.weight"]))
+    got = unpack_state_dict(pickle.loads(pickle.dumps(pack_state_dict(sd))))
+    assert set(got) == set(sd) and all(same_bytes(got[k], v) for k, v in sd.items())
+
+
+def test_every_carried_dtype_crosses_pickle_packed() -> None:
+    """uint16/32/64 and float8_e8m0fnu tensors do not unpickle either (helper-68); 0-d and
+    non-contiguous ones of every dtype cross too."""
+    sd = every_dtype_state(3)
     got = unpack_state_dict(pickle.loads(pickle.dumps(pack_state_dict(sd))))
     assert set(got) == set(sd) and all(same_bytes(got[k], v) for k, v in sd.items())
 

@@ -45,21 +45,39 @@ _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{8,128}$")
 
-# The dtypes a manifest may name and their sizes in bytes. The torch dtypes (DTYPES) are
-# built on first use: reading a root (the CLIs, the lease) never imports torch.
-DTYPE_SIZES: dict[str, int] = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
+# The dtypes a manifest may name: every dtype that both torch and safetensors name, with its
+# size in bytes and its safetensors code (FORMAT.md section 11.5). The torch dtypes (DTYPES)
+# are built on first use: reading a root (the CLIs, the lease) never imports torch.
+_FORMAT_DTYPES: dict[str, tuple[int, str]] = {
+    "bool": (1, "BOOL"),
+    "uint8": (1, "U8"),
+    "int8": (1, "I8"),
+    "int16": (2, "I16"),
+    "int32": (4, "I32"),
+    "int64": (8, "I64"),
+    "float16": (2, "F16"),
+    "bfloat16": (2, "BF16"),
+    "float32": (4, "F32"),
+    "float64": (8, "F64"),
+    "float8_e4m3fn": (1, "F8_E4M3"),
+    "float8_e5m2": (1, "F8_E5M2"),
+    # since helper-68 (an older reader refuses a manifest naming one: an unknown dtype)
+    "uint16": (2, "U16"),
+    "uint32": (4, "U32"),
+    "uint64": (8, "U64"),
+    "float8_e4m3fnuz": (1, "F8_E4M3FNUZ"),
+    "float8_e5m2fnuz": (1, "F8_E5M2FNUZ"),
+    "float8_e8m0fnu": (1, "F8_E8M0"),
+    "complex64": (8, "C64"),
+}
+DTYPE_SIZES: dict[str, int] = {n: size for n, (size, _) in _FORMAT_DTYPES.items()}
+SAFETENSORS_CODES: dict[str, str] = {n: code for n, (_, code) in _FORMAT_DTYPES.items()}
+#: the dtypes torch names that the format does not carry, and why (for the error)
+_NOT_CARRIED = {
+    "complex128": "safetensors has no code for it (publish torch.view_as_real(t))",
+    "complex32": "safetensors has no code for it (publish torch.view_as_real(t))",
+    "float4_e2m1fn_x2": "two values per byte, which safetensors' F4 counts as two elements "
+    "(publish its uint8 view)",
 }
 
 
@@ -67,12 +85,18 @@ DTYPE_SIZES: dict[str, int] = {
 def _torch_dtypes() -> dict[str, torch.dtype]:
     import torch
 
-    return {name: getattr(torch, name) for name in DTYPE_SIZES}
+    # float8_e8m0fnu came with torch 2.7: an older torch reads no tensor of it
+    return {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
 
 
 @functools.cache
 def _dtype_names() -> dict[torch.dtype, str]:
     return {v: k for k, v in _torch_dtypes().items()}
+
+
+def carried_dtypes() -> frozenset[torch.dtype]:
+    """The torch dtypes the format carries (those of DTYPE_SIZES the installed torch has)."""
+    return frozenset(_dtype_names())
 
 
 def __getattr__(name: str) -> Any:
@@ -81,13 +105,23 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def not_carried(dtype: torch.dtype) -> str:
+    """Why the format does not carry ``dtype``, and the list it carries (for an error)."""
+    name = str(dtype).removeprefix("torch.")
+    why = _NOT_CARRIED.get(name) or (
+        "a quantized dtype (publish its int_repr() and its scales)" if name.startswith("q")
+        else "a bit-packed dtype (publish its uint8 view)" if name.startswith("bits")
+        else "a sub-byte dtype (publish its packed uint8 view)" if re.fullmatch(r"u?int[1-7]", name)
+        else "safetensors has no code for it"
+    )  # fmt: skip
+    return f"{why}; supported: {', '.join(DTYPE_SIZES)}"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _dtype_names()[dtype]
     except KeyError:
-        raise ManifestError(
-            f"dtype {dtype} is not supported; supported: {', '.join(DTYPE_SIZES)}"
-        ) from None
+        raise ManifestError(f"dtype {dtype} is not supported: {not_carried(dtype)}") from None
 
 
 def check_dtype_name(name: object) -> str:
@@ -98,7 +132,15 @@ def check_dtype_name(name: object) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    return _torch_dtypes()[check_dtype_name(name)]
+    try:
+        return _torch_dtypes()[check_dtype_name(name)]
+    except KeyError:
+        import torch
+
+        raise ManifestError(
+            f"dtype {name!r} is not known to the installed torch {torch.__version__}: "
+            "upgrade torch on this host (float8_e8m0fnu needs torch 2.7 or later)"
+        ) from None
 
 
 # --------------------------------------------------------------------------- paths

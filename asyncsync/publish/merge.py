@@ -24,7 +24,6 @@ import torch
 
 from asyncsync.errors import ConfigError, ManifestError
 from asyncsync.format import (
-    DTYPE_SIZES,
     FORMAT_VERSION,
     MAX_NAME_CHARS,
     MAX_VERSION,
@@ -34,11 +33,10 @@ from asyncsync.format import (
     ShardInfo,
     TensorEntry,
     TensorPart,
-    dtype_from_name,
 )
 from asyncsync.format.checksum import parts_checksum
 from asyncsync.format.fields import load_json
-from asyncsync.format.names import MAX_INT, MAX_RANK
+from asyncsync.format.names import MAX_INT, MAX_RANK, carried_dtypes, not_carried
 
 __all__ = [
     "PART_RECORD",
@@ -54,7 +52,6 @@ __all__ = [
 
 PART_RECORD = "asyncsync-part"
 _ATTEMPT_RE = re.compile(r"^[0-9a-f]{8,64}$")
-_SUPPORTED = frozenset(dtype_from_name(n) for n in DTYPE_SIZES)
 NOT_A_MAPPING = (
     "the state dict must be a mapping of names to tensors (model.state_dict(), a dict), got {}"
 )
@@ -134,10 +131,10 @@ def check_state_dict(
         if not isinstance(state_dict[name], torch.Tensor):
             raise ConfigError(f"state_dict[{name!r}] is not a tensor")
         t = state_dict[name]
-        if t.dtype not in _SUPPORTED:
+        if t.dtype not in carried_dtypes():
             raise ConfigError(
-                f"state_dict[{name!r}] has dtype {t.dtype}, which the format "
-                f"does not carry; supported: {', '.join(DTYPE_SIZES)}"
+                f"state_dict[{name!r}] has dtype {t.dtype}, which the format does not carry: "
+                f"{not_carried(t.dtype)}"
             )
         odd = (
             f"of layout {t.layout}" if t.layout != torch.strided

@@ -28,6 +28,7 @@ from asyncsync import fsio
 from asyncsync.codec import int_dtype, native
 from asyncsync.errors import EngineStateError
 from asyncsync.format.checksum import checksum_bytes, layout_checksum
+from asyncsync.format.names import DTYPES, SAFETENSORS_CODES
 
 __all__ = ["FileMaps", "TensorLocation", "int_dtype", "read_layout"]
 
@@ -39,20 +40,8 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _FSYNC_WRITES_MAPPINGS = sys.platform.startswith("linux")
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+# safetensors code -> torch dtype: every dtype the format carries (FORMAT.md section 11.5)
+_ST_DTYPES: dict[str, torch.dtype] = {SAFETENSORS_CODES[name]: dt for name, dt in DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 
 from asyncsync.errors import AsyncSyncError
 from asyncsync.format.checksum import layout_checksum, tensor_bytes
-from asyncsync.format.names import dtype_from_name
+from asyncsync.format.names import SAFETENSORS_CODES, dtype_from_name
 from asyncsync.fsio import read_bytes
 from receiver.plugins.stage import Stage, VersionRef
 from receiver.state import STATE_DIR_NAME, STATE_NAME, PersistedState
@@ -42,9 +42,7 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
-              "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
-              "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
+_ST_DTYPES = {code: name for name, code in SAFETENSORS_CODES.items()}  # -> format name
 
 
 class Unverified(AsyncSyncError):

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from asyncsync.codec import raw_view
 from asyncsync.errors import ConfigError, PublishError
 from asyncsync.training.config import SyncConfig
 from asyncsync.training.ray.base import import_ray, plain, where
@@ -80,6 +81,9 @@ _BYTES_DTYPES = {
         "float8_e4m3fnuz",
         "float8_e5m2fnuz",
         "float8_e8m0fnu",
+        "uint16",
+        "uint32",
+        "uint64",
     )
     if hasattr(torch, n)
 }
@@ -87,7 +91,8 @@ _BYTES_DTYPES = {
 
 @dataclass(frozen=True)
 class _AsBytes:
-    """A tensor of a dtype in ``_BYTES_DTYPES``, carried as its uint8 view (same shape)."""
+    """A tensor of a dtype in ``_BYTES_DTYPES``, carried as its int view (:func:`raw_view`:
+    the signed int of its width, same shape, contiguous)."""
 
     data: torch.Tensor
     dtype: str
@@ -100,7 +105,7 @@ def pack_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """``state_dict`` ready to cross Ray's object store (float8 tensors as bytes), for
     ``TrainerActor.publish.remote(...)`` called on a handle directly."""
     return {
-        k: _AsBytes(t.contiguous().view(torch.uint8), str(t.dtype).removeprefix("torch."))
+        k: _AsBytes(raw_view(t).contiguous(), str(t.dtype).removeprefix("torch."))
         if t.dtype in _BYTES_DTYPES
         else t
         for k, t in state_dict.items()
