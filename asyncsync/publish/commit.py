@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import inspect
 import logging
@@ -22,12 +23,13 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from asyncsync import fsio
 from asyncsync.errors import (
     AsyncSyncError,
     ConfigError,
+    LockHeld,
     ManifestError,
     PublishError,
     first_error,
@@ -45,8 +47,15 @@ from asyncsync.format import (
 )
 from asyncsync.format.fields import check_density
 from asyncsync.format.log import append_manifest, parse_record
-from asyncsync.format.store import list_versions, read_manifest, uncommitted_dirs
-from asyncsync.fsio import FileLock, atomic_write, fsync_dir
+from asyncsync.format.store import (
+    ensure_root_info,
+    list_versions,
+    next_version_after,
+    read_manifest,
+    read_root_info,
+    uncommitted_dirs,
+)
+from asyncsync.fsio import FileLock, atomic_write, fsync_dir, make_dir
 from asyncsync.pipeline import finish_thread
 from asyncsync.publish.retention import RetentionPolicy, collect
 
@@ -61,6 +70,7 @@ __all__ = [
     "clean_leftovers",
     "finish_interrupted",
     "log_and_collect",
+    "open_root",
     "run_hook",
     "through_commit",
 ]
@@ -70,6 +80,53 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 PreCommitHook = Callable[[Path], Any] | Callable[[Path], Awaitable[Any]]
+# what to do when the root cannot be made or locked, by errno (otherwise: another directory)
+_ROOT_FIXES = {errno.ENOSPC: "free space on its filesystem", errno.EDQUOT: "raise the quota",
+               errno.EROFS: "mount its filesystem writable"}  # fmt: skip
+
+
+class Opener(Protocol):
+    """What :func:`open_root` reads of a publisher's committer."""
+
+    is_committer: bool
+
+    async def open(self, root: Path, latest: int | None, lock: FileLock | None = None) -> None: ...
+
+
+async def open_root(root: Path, lock: FileLock, committer: Opener) -> tuple[str, list[int], int]:
+    """Make ``root``, take ``lock``, and (the committer) create the root's record, remove what
+    interrupted publishes left and finish the commits a kill interrupted; open ``committer``.
+    Returns ``(run_id, committed versions, next version)``, the lock held; on an error the
+    lock is released (ConfigError for an OSError, LockHeld when another publisher holds it)."""
+    try:
+        await asyncio.to_thread(make_dir, root, parents=True, exist_ok=True)
+        acquired = await asyncio.to_thread(lock.acquire)
+    except OSError as exc:
+        fix = _ROOT_FIXES.get(exc.errno or 0, "pass a directory this process can write")
+        raise ConfigError(f"cannot open the root {root}: {exc}; {fix}") from exc
+    if not acquired:
+        raise LockHeld(
+            f"another publisher holds {lock.path} ({lock.holder()}); one publisher per root"
+        )
+    is_committer = committer.is_committer
+    try:
+        # only the committer creates the root or removes leftovers: other ranks may be
+        # writing into an uncommitted version directory right now
+        info = await asyncio.to_thread(ensure_root_info if is_committer else read_root_info, root)
+        run_id = info.run_id if info is not None else ""
+        if is_committer:
+            await asyncio.to_thread(clean_leftovers, root)
+            await asyncio.to_thread(finish_interrupted, root)
+        versions = await asyncio.to_thread(list_versions, root)
+        nxt = next_version_after(root, versions)  # (the lock is released below)
+        await committer.open(root, versions[-1] if versions else None, lock)
+    except OSError as exc:  # e.g. fsio.UnsafePath: a symlink where .rendezvous/ should be
+        lock.release()
+        raise ConfigError(f"cannot open the root {root}: {exc}") from exc
+    except BaseException:
+        lock.release()
+        raise
+    return run_id, versions, nxt
 
 
 def build_manifest(

@@ -29,7 +29,6 @@ version once, in one manifest, when every rank's shards are durable
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import secrets
@@ -48,7 +47,7 @@ from asyncsync.codec.shards import (
     diff_bucket,
     encode_bucket,
 )
-from asyncsync.errors import ConfigError, LockHeld, PublishError
+from asyncsync.errors import ConfigError, PublishError
 from asyncsync.format import (
     AckRecord,
     Manifest,
@@ -59,13 +58,7 @@ from asyncsync.format import (
     version_dir,
 )
 from asyncsync.format.checksum import DEFAULT_ALGORITHM
-from asyncsync.format.store import (
-    ensure_root_info,
-    list_versions,
-    next_version_after,
-    read_root_info,
-)
-from asyncsync.fsio import FileLock, make_dir
+from asyncsync.fsio import FileLock
 from asyncsync.memory import release_large_buffers
 from asyncsync.pipeline import LoopLock, finish_thread, run_pipeline
 from asyncsync.publish import snapshot
@@ -74,13 +67,12 @@ from asyncsync.publish.commit import (
     PreCommitHook,
     build_manifest,
     claim_version_dir,
-    clean_leftovers,
     commit_version,
     complete,
     discard,
-    finish_interrupted,
     lock_name,
     log_and_collect,
+    open_root,
     through_commit,
 )
 from asyncsync.publish.distributed import Coordinator
@@ -96,9 +88,6 @@ from asyncsync.publish.writer import VersionWriter
 __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 
 logger = logging.getLogger(__name__)
-# what to do when the root cannot be made or locked, by errno (otherwise: another directory)
-_ROOT_FIXES = {errno.ENOSPC: "free space on its filesystem", errno.EDQUOT: "raise the quota",
-               errno.EROFS: "mount its filesystem writable"}  # fmt: skip
 
 LOCK_NAME = lock_name(0)
 #: (label, done, total) of the publish in flight, or None (asyncsync.console.progress draws it)
@@ -211,37 +200,7 @@ class Publisher:
         if self._lock.held:
             return
         release_large_buffers()
-        try:
-            await asyncio.to_thread(make_dir, self.root, parents=True, exist_ok=True)
-            acquired = await asyncio.to_thread(self._lock.acquire)
-        except OSError as exc:
-            fix = _ROOT_FIXES.get(exc.errno or 0, "pass a directory this process can write")
-            raise ConfigError(f"cannot open the root {self.root}: {exc}; {fix}") from exc
-        if not acquired:
-            raise LockHeld(
-                f"another publisher holds {self._lock.path} ({self._lock.holder()}); "
-                "one publisher per root"
-            )
-        committer = self._committer.is_committer
-        try:
-            # only the committer creates the root or removes leftovers: other ranks may be
-            # writing into an uncommitted version directory right now
-            info = await asyncio.to_thread(
-                ensure_root_info if committer else read_root_info, self.root
-            )
-            run_id = info.run_id if info is not None else ""
-            if committer:
-                await asyncio.to_thread(clean_leftovers, self.root)
-                await asyncio.to_thread(finish_interrupted, self.root)
-            versions = await asyncio.to_thread(list_versions, self.root)
-            nxt = next_version_after(self.root, versions)  # (the lock is released below)
-            await self._committer.open(self.root, versions[-1] if versions else None, self._lock)
-        except OSError as exc:  # e.g. fsio.UnsafePath: a symlink where .rendezvous/ should be
-            self._lock.release()
-            raise ConfigError(f"cannot open the root {self.root}: {exc}") from exc
-        except BaseException:
-            self._lock.release()
-            raise
+        run_id, versions, nxt = await open_root(self.root, self._lock, self._committer)
         latest = versions[-1] if versions else None
         if (latest, run_id) != (self._last_version, self._run_id):  # the root moved on since
             self._base = Base()
