@@ -427,3 +427,45 @@ async def test_a_rank_adopting_a_missed_version_is_not_called_silent(
             await task
         assert not any(isinstance(g, BaseException) for g in got), got
         assert [(r.version, r.kind) for r in got] == [(2, "delta")] * 2, got
+
+
+@pytest.mark.parametrize("how", ["seed", "schema change", "mode full"])
+async def test_a_full_version_whose_tensors_change_before_the_commit_keeps_its_snapshot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A full version (a seed, a changed tensor set) wrote the trainer's tensors into its
+    shards, then copied them again into the snapshot after the commit: a trainer that stepped
+    in between (here in the pre-commit hook, as another thread would) left a snapshot that
+    was not what was shipped. The user saw a warning ("changed while the version was
+    committed") and the next version was full again, with no delta, every time the trainer
+    kept stepping. Now a full version's tensors are read once, into a copy that both the
+    shards and the snapshot come from: the next version is a delta, and receivers hold each
+    version's tensors as read (helper-68). ``mode full``: nothing to keep, nothing copied."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    sd0 = mixed_state(0)
+    live: dict[str, torch.Tensor] = {}
+
+    def trainer_steps(vdir: Path) -> None:
+        for t in live.values():
+            codec.raw_view(t).bitwise_xor_(1)
+
+    mode = "full" if how == "mode full" else "delta"
+    async with Publisher(root, keyframe_interval=0, pre_commit_hook=trainer_steps,
+                         mode=mode) as pub:  # fmt: skip
+        want = [sd0]
+        if how == "schema change":
+            await pub.seed(sd0)
+            want.append({**mutate(sd0, 0.05, seed=1), "extra": torch.arange(5.0)})
+        live.update({k: codec.raw_clone(v) for k, v in want[-1].items()})
+        caplog.clear()
+        res = await (pub.seed if how == "seed" else pub.publish)(live)
+        assert res.kind == "full" and pub.stale == []
+        assert "changed while the version was committed" not in caplog.text
+        live.clear()
+        want.append(mutate(want[-1], 0.05, seed=2))
+        res = await pub.publish(want[-1])
+        assert res.kind == ("full" if mode == "full" else "delta")
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        for v, sd in enumerate(want):
+            await sync_to(agent, root, v)
+            assert_holds(LocalCheckpoint(ckpt).load_state_dict(), sd)

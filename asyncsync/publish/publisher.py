@@ -16,7 +16,10 @@ serialise a full shard on keyframes) and **write** (temp file, fsync, rename; co
 deltas share a delta shard). When every shard is durable the pre-commit hook runs, then the manifest
 is written atomically: that rename is the commit. Only then is the snapshot advanced, so a publish
 that fails anywhere leaves no manifest, no files and an unchanged snapshot.
-The caller must not modify the tensors of ``state_dict`` until ``publish`` returns.
+Each tensor is read once: a version holds each tensor's bytes as read, in every part (a
+keyframe's delta and full data, a full version's shards and the snapshot kept after), even if
+the trainer changes them meanwhile, but a tensor written *while* it is read is published with
+some elements old and some new: do not modify the tensors until ``publish`` returns.
 
 How a round begins and ends is the publisher's *committer* (:mod:`asyncsync.publish.ranked`):
 alone, or, with a ``coordinator`` (:mod:`asyncsync.publish.distributed`), as one rank of a
@@ -125,9 +128,10 @@ class Publisher:
             publisher's are self-describing (FORMAT.md 4.3): receivers apply each as it lands.
 
     Attributes:
-        stale: set after a full version: the tensors changed before its commit (their snapshot
-            is not what was shipped; a warning says so), making the next version full, with
-            no delta (one diffed against that snapshot would not apply on any receiver).
+        stale: the tensors whose snapshot is not what was shipped (its copy after the commit
+            failed; a warning says so), making the next version full, with no delta (one
+            diffed against that snapshot would not apply on any receiver). A full version's
+            tensors are read once, into a copy its shards and its snapshot come from.
     """
 
     def __init__(
@@ -407,6 +411,7 @@ class Publisher:
         # A single publisher's snapshot advances in the diff's own pass (reverted if the version
         # is not committed); a rank of a group keeps its changes apart (it may miss the outcome)
         advance = delta and not self._committer.ranked
+        own = full and not advance and self.mode == "delta"  # a full shard and a snapshot: one read
         advanced = snapshot.UndoLog(self.encoding)
         try:
             if rnd.refuse is not None:
@@ -418,7 +423,9 @@ class Publisher:
             codec.scratch.fit(sum(sizes))  # the diff's temporaries: by the model's size
 
             def diff(bucket: list[int]) -> DiffedBucket:
-                items = snapshot.bucket_items(bucket, names, state_dict, snap, self._base.checksums)
+                items = snapshot.bucket_items(
+                    bucket, names, state_dict, snap, self._base.checksums, own
+                )
                 snapshot.check_unchanged(items, acc.meta)
                 d = diff_bucket(items, delta=delta, algorithm=self.checksum, advance=advance)
                 advanced.diffed(d)  # reverted if the version is not committed

@@ -141,15 +141,21 @@ def bucket_items(
     state_dict: Mapping[str, torch.Tensor],
     snap: Mapping[str, torch.Tensor] | None,
     checksums: Mapping[str, str],
+    own: bool = False,
 ) -> list[BucketItem]:
     """The bucket's tensors as CPU, contiguous BucketItems (device-to-host copies happen here).
 
     With a snapshot, each item carries its old value and its last checksum (reused when the
-    tensor did not change)."""
+    tensor did not change). ``own``: every item's ``new`` is a copy, never the caller's
+    tensor: the bucket's bytes are read once, here, for every use after (a keyframe's delta
+    and its full shard, a full version's shard and the snapshot copied after the commit),
+    whatever the trainer writes to its tensors meanwhile (helper-68)."""
     news = [state_dict[names[i]].detach() for i in bucket]
     # copied as ints (a bool's copy writes 0/1, not its bytes); a device tensor through a
     # reused pinned buffer (40x fresh pageable memory), the bucket's copies waited for once
     raws = memory.host_copies([codec.raw_view(new) for new in news])
+    if own:  # a CPU tensor that host_copies did not copy (contiguous: itself)
+        raws = [r.clone() if _shares(r, n) else r for r, n in zip(raws, news, strict=True)]
     return [
         BucketItem(
             index=i,
@@ -160,6 +166,11 @@ def bucket_items(
         )
         for i, new, raw in zip(bucket, news, raws, strict=True)
     ]
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is (a view of) ``b``'s memory."""
+    return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def check_unchanged(
@@ -229,11 +240,11 @@ def unshipped(
 ) -> list[str]:
     """The tensors copied whole into ``snap`` whose bytes are not those shipped (``sums``).
 
-    A full version checksums and writes the caller's tensors and copies them into the snapshot
-    only after the commit; a tensor changed in between (an optimizer step in another thread)
-    leaves a snapshot that every later delta would be applied onto wrongly. One hash pass over
-    the tensors copied whole (a full version's: rare) finds them; the caller then makes the
-    next version a keyframe, which re-ships every tensor (helper-34)."""
+    A full version's shards and the snapshot copied after the commit both come from the copy
+    :func:`bucket_items` made (``own``), but a copy that went wrong would leave a snapshot
+    that every later delta would be applied onto wrongly. One hash pass over the tensors
+    copied whole (a full version's: rare) finds them; the caller then makes the next version
+    a keyframe, which re-ships every tensor (helper-34)."""
     whole = [p.name for p in pending if p.positions is None and p.name in sums]
     got = parallel_map(  # on every core: a keyframe of a large model is many GB to hash
         lambda n: checksum_tensor(snap[n], algorithm), whole, cost=lambda n: snap[n].nbytes
