@@ -78,7 +78,8 @@ def diff_tensors(
 
     On CPU with the native kernel, one fused pass per tensor finds the positions and gathers
     the new values and XORs, the tensors spread over the pool of :mod:`asyncsync.pipeline`;
-    otherwise :func:`changed_positions` and then two gathers. ``algorithm``: also the checksum
+    otherwise a copy of each new tensor (one read of it), :func:`changed_positions` and two
+    gathers from the copy. ``algorithm``: also the checksum
     of each new tensor (``Change.checksum``; in the same pass on the native path).
     ``advance``: also make each old tensor equal to its new one (in the same pass on the native
     path, for contiguous CPU tensors; else a scatter after it); if this raises, the olds are as
@@ -104,17 +105,19 @@ def diff_tensors(
             raise failed[0]
         return [r for r in done if isinstance(r, Change)]
     try:
-        ov, nv = [int_view(o) for o in olds], [int_view(n) for n in news]
+        # each new tensor read once, into a copy its positions, values and checksum all come
+        # from: another thread may write to it meanwhile (int_view copies a strided one)
+        nv = [int_view(n).clone() if n.is_contiguous() else int_view(n) for n in news]
+        ov = [int_view(o) for o in olds]
         positions = (_changed_positions_numpy if cpu else _changed_positions_torch)(ov, nv, numels)
-        for o, n, new, pos in zip(ov, nv, news, positions, strict=True):
+        for o, n, pos in zip(ov, nv, positions, strict=True):
             values = gather(n, pos)
             xor = gather(o, pos).bitwise_xor_(values)
             out.append(Change(pos, values, xor))
             if advance:
                 _set(olds[len(out) - 1], pos, values)
-            if algorithm is not None:  # of what the delta makes (``new`` may have moved on)
-                at = olds[len(out) - 1] if advance else new
-                out[-1] = replace(out[-1], checksum=checksum_tensor(at, algorithm))
+            if algorithm is not None:  # of the bytes the delta makes (an int view's: the same)
+                out[-1] = replace(out[-1], checksum=checksum_tensor(n, algorithm))
         return out
     except BaseException:
         if advance:
