@@ -35,34 +35,32 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import random
 import re
 import secrets
 import socket
-import stat
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from asyncsync.errors import ConfigError, LockHeld, ManifestError
-from asyncsync.format.fields import _float, _int, _str, load_json
-from asyncsync.format.mounts import NETWORK_SETTLE, default_settle, filesystem_type
-from asyncsync.format.names import LEASES_DIR, check_engine_id
-from asyncsync.fsio import (
-    TMP_PREFIX,
-    UnsafePath,
-    atomic_write,
-    fs_now,
-    lstat,
-    make_dir,
-    open_dir,
-    read_file,
-    remove,
-    scan,
+from asyncsync.errors import ConfigError, LockHeld
+from asyncsync.format.lease_file import (
+    CLAIM_SUFFIX,
+    LeaseRecord,
+    UnreadableLease,
+    _read_lease_file,
+    claim_path,
+    inspect_lease,
+    lease_path,
+    read_lease,
+    remove_left_temps,
+    replace_record,
+    unreadable_leases,
 )
+from asyncsync.format.mounts import NETWORK_SETTLE, default_settle, filesystem_type
+from asyncsync.format.names import check_engine_id
+from asyncsync.fsio import TMP_PREFIX, atomic_write, fs_now, make_dir, remove, scan
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
@@ -83,10 +81,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LEASE_FORMAT = "asyncsync-lease"
-LEASE_FORMAT_VERSION = 2  # 2 added boot_id, pid_ns, nonce and the claims; 1 is still read
 DEFAULT_LEASE_TTL = 30.0
-CLAIM_SUFFIX = ".claim"
 _HELD: set[str] = set()  # owners of the leases this process holds or is taking
 _NONCE = secrets.token_hex(8)  # this process; a forked child draws its own
 
@@ -113,157 +108,6 @@ def _boot_id() -> str:
 
 def _pid_ns() -> str:
     return _read_proc("/proc/self/ns/pid", link=True)
-
-
-def lease_path(root: Path, engine_id: str) -> Path:
-    return root / LEASES_DIR / f"{check_engine_id(engine_id)}.json"
-
-
-def claim_path(root: Path, engine_id: str, owner: str) -> Path:
-    return root / LEASES_DIR / f"{check_engine_id(engine_id)}.{owner}{CLAIM_SUFFIX}"
-
-
-@dataclass(frozen=True)
-class LeaseRecord:
-    engine_id: str
-    owner: str  # a random id of the holding agent instance
-    host: str
-    pid: int
-    ttl: float
-    acquired_at: float  # the holder's clock: for people only
-    heartbeat_at: float  # the holder's clock: for people only; staleness uses the file's mtime
-    boot_id: str = ""  # the holder's kernel boot (empty: unknown, e.g. a version 1 record)
-    pid_ns: str = ""  # the holder's pid namespace, e.g. "pid:[4026531836]"
-    nonce: str = ""  # random per holder process: tells a previous life with the same pid
-
-    def to_json(self) -> bytes:
-        d = {"format": LEASE_FORMAT, "format_version": LEASE_FORMAT_VERSION, **asdict(self)}
-        return (json.dumps(d) + "\n").encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, where: str) -> LeaseRecord:
-        d = load_json(data, where)
-        if d.get("format") != LEASE_FORMAT:
-            raise ManifestError(f"{where}: not an asyncsync lease")
-        opt = {k: _str(d, k, where, 64) for k in ("boot_id", "pid_ns", "nonce") if k in d}
-        return cls(
-            engine_id=check_engine_id(d.get("engine_id")),
-            owner=_str(d, "owner", where, 64),
-            host=_str(d, "host", where, 256),
-            pid=_int(d, "pid", where),
-            ttl=_float(d, "ttl", where),
-            acquired_at=_float(d, "acquired_at", where),
-            heartbeat_at=_float(d, "heartbeat_at", where),
-            **opt,
-        )
-
-    def describe(self) -> str:
-        return f"host {self.host} pid {self.pid} (owner {self.owner})"
-
-
-@dataclass(frozen=True)
-class UnreadableLease:
-    """A lease file that exists but cannot be read as a lease (FORMAT.md section 7.1)."""
-
-    path: Path
-    mtime: float
-    reason: str
-    ident: tuple[int, int]  # (st_ino, st_mtime_ns)
-
-    def describe(self) -> str:
-        return f"the unreadable file {self.path} ({self.reason})"
-
-
-def _read_lease_file(path: Path, root: Path) -> tuple[LeaseRecord, float] | UnreadableLease | None:
-    # through asyncsync.fsio (FORMAT.md 11.1): a symlinked leases/, or a lease that is a
-    # symlink or a FIFO, is an unreadable lease, never followed nor blocked on
-    try:
-        st = lstat(path, root=root)
-    except OSError as exc:  # leases/ is not a directory
-        return UnreadableLease(path, 0.0, str(exc), (0, 0))
-    if st is None:
-        return None
-    ident = (st.st_ino, st.st_mtime_ns)
-    try:
-        rec = LeaseRecord.from_json(read_file(path, limit=64 << 10, root=root)[0], str(path))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, ManifestError) as exc:  # (a FIFO's size is 0 too: named)
-        empty = st.st_size == 0 and stat.S_ISREG(st.st_mode)
-        reason = "empty file" if empty else str(exc) or type(exc).__name__
-        return UnreadableLease(path, st.st_mtime, reason, ident)
-    return rec, st.st_mtime
-
-
-def inspect_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | UnreadableLease | None:
-    """The lease of ``engine_id`` and its file's mtime, an :class:`UnreadableLease`, or None."""
-    return _read_lease_file(lease_path(root, engine_id), root)
-
-
-def read_lease(root: Path, engine_id: str) -> tuple[LeaseRecord, float] | None:
-    """The lease of ``engine_id`` and its file's mtime, or None (no lease, or unreadable)."""
-    found = inspect_lease(root, engine_id)
-    if isinstance(found, UnreadableLease):
-        logger.warning("unreadable lease %s: %s", found.path, found.reason)
-        return None
-    return found
-
-
-def unreadable_leases(root: Path) -> dict[str, UnreadableLease]:
-    """The lease files in ``ROOT/leases/`` that cannot be read, by engine id (for status)."""
-    try:
-        names = sorted(name for name, _ in scan(root / LEASES_DIR, root=root))
-    except OSError:  # none, or leases/ is not a directory
-        return {}
-    out = {}
-    for name in names:
-        if name.startswith(".") or not name.endswith(".json"):
-            continue
-        try:
-            engine_id = check_engine_id(name[: -len(".json")])
-        except ValueError:
-            continue
-        found = _read_lease_file(root / LEASES_DIR / name, root)
-        if isinstance(found, UnreadableLease):
-            out[engine_id] = found
-    return out
-
-
-def replace_record(path: Path, data: bytes, root: Path) -> None:
-    """:func:`atomic_write` of a lease, claim or ack; a directory at its name (never one, FORMAT.md
-    11.1) is removed first when empty, else named (UnsafePath, EISDIR), never emptied."""
-    try:
-        atomic_write(path, data, root=root)
-        return
-    except IsADirectoryError:
-        pass
-    fd = open_dir(path.parent, root=root)
-    try:
-        os.rmdir(path.name, dir_fd=fd)
-    except OSError as exc:
-        raise UnsafePath(
-            errno.EISDIR, f"{path} is a directory where a file belongs and cannot be removed "
-            f"({exc.strerror}): remove it if you did not put it there",
-        ) from exc  # fmt: skip
-    finally:
-        os.close(fd)
-    logger.warning("removed the empty directory %s where a file belongs", path)
-    atomic_write(path, data, root=root)
-
-
-def remove_left_temps(root: Path, directory: Path, names: str, older_than: float) -> list[str]:
-    """Remove the temp files in ``directory`` whose names fully match the regex ``names`` and
-    that are older than ``older_than`` seconds on the filesystem's clock: what a writer killed
-    between its temp and the rename left (FORMAT.md 7.1; a write in flight is younger)."""
-    pattern, gone = re.compile(names), []
-    found = [(n, st) for n, st in scan(directory, root=root) if pattern.fullmatch(n)]
-    now = fs_now(directory, root=root) if found else 0.0
-    for name, st in found:
-        if stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than:
-            with contextlib.suppress(OSError):
-                remove(directory / name, root=root)
-                gone.append(name)
-    return gone
 
 
 def _pid_alive(pid: int) -> bool:
