@@ -93,14 +93,16 @@ def kill_rclone(dst: Path) -> None:
 
 
 @contextlib.contextmanager
-def bindfs_mount(src: Path, dst: Path) -> Iterator[Path]:
-    """``dst`` shows ``src`` through FUSE: writes to ``src`` raise no inotify event in ``dst``."""
+def bindfs_mount(src: Path, dst: Path, *, read_only: bool = False) -> Iterator[Path]:
+    """``dst`` shows ``src`` through FUSE: writes to ``src`` raise no inotify event in ``dst``.
+    ``read_only``: mounted ``-o ro`` (every write through ``dst`` fails with EROFS)."""
     why = why_no_fuse("bindfs")
     if why:
         pytest.skip(why)
     src.mkdir(parents=True, exist_ok=True)
     dst.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["bindfs", str(src), str(dst)], capture_output=True, text=True)
+    ro = ["-o", "ro"] if read_only else []
+    r = subprocess.run(["bindfs", *ro, str(src), str(dst)], capture_output=True, text=True)
     if r.returncode:
         pytest.skip(f"bindfs mount failed: {r.stderr.strip()}")
     try:

@@ -53,6 +53,7 @@ __all__ = [
     "ack_ages",
     "read_ack",
     "read_acks",
+    "root_clock",
     "root_now",
     "wait_acked",
     "write_ack",
@@ -218,13 +219,24 @@ def read_acks(root: Path, unreadable: dict[Path, str] | None = None) -> dict[str
     return out
 
 
-def root_now(root: Path) -> float:
+def root_clock(root: Path) -> tuple[float, str | None]:
     """Now on the clock of the root's filesystem (the mtime of a probe file, see
-    :func:`asyncsync.fsio.fs_now`); this host's clock where the root is not writable."""
+    :func:`asyncsync.fsio.fs_now`) and None; where this process cannot make the probe (a
+    read-only mount, an operator without write access: FORMAT.md 7), now on this host's clock
+    and a sentence saying so, for the caller to show."""
     try:
-        return fs_now(root, root=root)
-    except OSError:
-        return time.time()
+        return fs_now(root, root=root), None
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        return time.time(), (
+            f"cannot make the clock probe in {root} ({why}: a read-only root, or no write "
+            "access): ages are measured on this host's clock, not the file server's"
+        )
+
+
+def root_now(root: Path) -> float:
+    """:func:`root_clock` without the sentence."""
+    return root_clock(root)[0]
 
 
 @dataclass(frozen=True)

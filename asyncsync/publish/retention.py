@@ -28,7 +28,7 @@ from pathlib import Path
 from asyncsync import fsio
 from asyncsync.errors import ManifestError, check_bytes, check_number, check_seconds
 from asyncsync.format import ACKS_DIR, MANIFEST_NAME, version_dir
-from asyncsync.format.acks import ack_ages, read_acks, root_now
+from asyncsync.format.acks import ack_ages, read_acks, root_clock
 from asyncsync.format.log import trim_log
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import fsync_dir
@@ -66,6 +66,9 @@ class GcReport:
     kept: tuple[int, ...]
     freed_bytes: int
     reasons: dict[int, str] = field(default_factory=dict)  # why each kept version is kept
+    #: set when ack ages were measured on this host's clock (the root could not be written
+    #: here for the clock probe): the sentence saying so
+    clock: str | None = None
 
 
 def _dir_bytes(root: Path, path: Path) -> int:
@@ -105,7 +108,9 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
                 keep(v, "newest keyframe and its chain")
     unreadable: dict[Path, str] = {}
     acks = read_acks(root, unreadable)
-    now = root_now(root)  # once (a probe file): the one write of a dry run
+    now, clock = root_clock(root)  # once (a probe file): the one write of a dry run
+    if clock is not None:
+        logger.info("gc %s: %s", root, clock)
     ages = ack_ages(root, acks, now)  # on the filesystem's clock: receivers' clocks may be wrong
     for path, why in unreadable.items():  # whose version it pins is unknown: keep them all
         if _may_be_live(root, path, policy.ack_ttl, now):
@@ -150,7 +155,7 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
             freed,
             " [dry run]" if dry_run else "",
         )
-    return GcReport(tuple(doomed), tuple(sorted(reasons)), freed, reasons)
+    return GcReport(tuple(doomed), tuple(sorted(reasons)), freed, reasons, clock)
 
 
 def _may_be_live(root: Path, path: Path, ack_ttl: float | None, now: float) -> bool:

@@ -15,9 +15,11 @@ Why a CLI: operators debug weight sync on hosts where a Python REPL is a hassle.
 server's clock (a receiver's clock, or this host's, may be off by hours: FORMAT.md 7), and the
 one way to read that clock is the mtime of a file made there, so each creates a temp file
 (``.tmp.clock.<hex>``, a name every reader ignores) in the root and removes it at once, which
-changes the root directory's mtime; on a root it cannot write it takes this host's clock
-instead. ``gc`` deletes versions and trims the log; ``prepare`` sets modes. None locks
-anything: each is safe next to a live publisher and live receivers.
+changes the root directory's mtime; on a root it cannot write (a read-only mount, an operator
+without write access) it writes nothing and takes this host's clock instead, and says so on
+stderr (``status --json``: ``"clock": "this host"``). ``gc`` deletes versions and trims the
+log; ``prepare`` sets modes. None locks anything: each is safe next to a live publisher and
+live receivers.
 
 Exit status: 0 on success; 1 when ``verify`` finds mismatching tensors or a command fails (one
 line on stderr saying what to do, no traceback); 2 for bad usage.

@@ -2,11 +2,14 @@
 
 ``--dry-run`` deletes nothing and trims nothing; like ``status`` it makes and removes one temp
 file in the root to read the file server's clock, which ack ages are measured on (see
-:mod:`asyncsync.ops.cli`): the preview then keeps and deletes what the real run would."""
+:mod:`asyncsync.ops.cli`): the preview then keeps and deletes what the real run would. On a
+root it cannot write (a read-only mount or operator) it measures them on this host's clock and
+says so on stderr."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         ack_ttl=None if args.ack_ttl == 0 else args.ack_ttl,
     )
     report = collect(root, policy, dry_run=args.dry_run)
+    if report.clock is not None:  # a read-only root: said, the ages may carry this host's skew
+        print(f"note: {report.clock}", file=sys.stderr)
     verb = "would delete" if args.dry_run else "deleted"
     if report.deleted:
         vs = ", ".join(f"v{v}" for v in report.deleted)

@@ -3,7 +3,8 @@
 Read from the ack records in the root, so it works from any host that mounts the root, without
 reaching the receivers. Ages are measured on the root filesystem's clock (file mtimes against
 that of a temp file made in the root and removed at once: the one write of ``status``, see
-:mod:`asyncsync.ops.cli`; this host's clock on a root it cannot write); the
+:mod:`asyncsync.ops.cli`; this host's clock on a root it cannot write, a read-only mount or
+operator, said on stderr and in the JSON's ``clock``: ``"root"`` or ``"this host"``); the
 ``skew`` column is how far a receiver's clock was from it when it wrote its ack, and ``bad``
 lists the versions a receiver found damaged and went past. An engine is a *straggler* when it
 is more than ``--max-lag`` versions behind the newest, or was last heard of (its ack, its
@@ -27,12 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from asyncsync.errors import FormatError
 from asyncsync.format import ACKS_DIR
-from asyncsync.format.acks import ack_ages, read_acks, root_now
+from asyncsync.format.acks import ack_ages, read_acks, root_clock
 from asyncsync.format.lease import unreadable_leases
 from asyncsync.format.store import read_manifest
 from asyncsync.fsio import scan
@@ -115,7 +117,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     with contextlib.suppress(FileNotFoundError):  # no acks/ yet: no engine has acked
         scan(root / ACKS_DIR, root=root)  # OSError (one line, exit 1): a file, symlink, mode
     unreadable: dict[Path, str] = {}
-    now = root_now(root)  # once: the one write of status (asyncsync.ops.cli says why)
+    now, clock = root_clock(root)  # once: the one write of status (asyncsync.ops.cli says why)
+    if clock is not None:  # a read-only root: said, the ages may carry this host's skew
+        print(f"note: {clock}", file=sys.stderr)
     latest, rows = engine_rows(
         root, max_lag=args.max_lag, stale=args.stale, unreadable=unreadable, now=now
     )
@@ -127,7 +131,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for e, u in unreadable_leases(root).items()
     ]  # fmt: skip
     if args.json:
-        doc = {"latest": latest, "engines": rows, "stragglers": stragglers}
+        doc = {"latest": latest, "engines": rows, "stragglers": stragglers,
+               "clock": "root" if clock is None else "this host"}  # fmt: skip
         print(json.dumps({**doc, "unreadable_leases": bad, "unreadable_acks": lost}, indent=1))
     else:
         print(f"root {printable(root)}: newest version {latest if latest is not None else '-'}, "
