@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -11,7 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +72,41 @@ async def test_a_second_receiver_with_the_same_id_refuses_to_start(tmp_path: Pat
         assert await again.sync_once() == 2
 
 
+@contextlib.contextmanager
+def renewing(
+    path: Path, data: Callable[[], bytes], every: float, behind: float = 0.0
+) -> Iterator[None]:
+    """A live writer on another host: writes ``data()`` at ``path`` (temp, rename) every
+    ``every`` seconds until the block ends. ``behind``: its clock runs that many seconds behind
+    ours, and its files keep its clock's mtimes (as on an object-store mount)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            tmp = path.with_name(f".tmp.{path.name}.beat")
+            tmp.write_bytes(data())
+            if behind:
+                t = time.time() - behind
+                os.utime(tmp, (t, t))
+            os.replace(tmp, path)
+            if stop.wait(every):
+                return
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def heartbeats(rec: LeaseRecord) -> Callable[[], bytes]:
+    """The records a live holder writes: ``rec`` with a new ``heartbeat_at`` each time."""
+    return lambda: replace(rec, heartbeat_at=time.time()).to_json()
+
+
 def _foreign_lease(root: Path, age: float, ttl: float = 30.0) -> None:
     rec = LeaseRecord("e1", "f" * 16, "other-host", 4242, ttl, 0.0, 0.0)
     path = lease_path(root, "e1")
@@ -110,24 +149,29 @@ async def test_the_heartbeat_writes_nothing_in_a_root_made_again(
             assert read_lease(root, "e1") is not None
 
 
-async def test_a_live_lease_of_another_host_is_refused_a_stale_one_taken_over(
+async def test_a_renewed_lease_of_another_host_is_refused_a_silent_one_taken_over(
     tmp_path: Path,
 ) -> None:
+    """Judged by what the taker sees (FORMAT.md 7.1), never by the lease's mtime: a lease its
+    holder renews is refused, one seen unchanged for its ttl is taken over."""
     root = tmp_path / "root"
     await _publish(root, 1)
-    _foreign_lease(root, age=1.0)
-    with pytest.raises(LockHeld, match="host other-host pid 4242"):
-        await _agent(root, tmp_path / "a").open()
-    # stale on the filesystem's clock (mtime older than its ttl): taken over
-    _foreign_lease(root, age=120.0)
-    async with _agent(root, tmp_path / "a") as agent:
+    rec = LeaseRecord("e1", "f" * 16, "other-host", 4242, 1.0, 0.0, 0.0)
+    with (
+        renewing(lease_path(root, "e1"), heartbeats(rec), every=0.2),
+        pytest.raises(LockHeld, match=r"host other-host pid 4242.*renews its lease"),
+    ):
+        await _agent(root, tmp_path / "a", lease_ttl=1.0).open()
+    t0 = time.monotonic()
+    async with _agent(root, tmp_path / "a", lease_ttl=1.0) as agent:
+        assert time.monotonic() - t0 >= 1.0  # watched for its ttl first
         found = read_lease(root, "e1")
         assert found is not None and found[0].host == socket.gethostname()
         assert await agent.sync_once() == 1
 
 
 def test_only_one_of_two_contenders_takes_a_stale_lease(tmp_path: Path) -> None:
-    _foreign_lease(tmp_path, age=120.0)
+    _foreign_lease(tmp_path, age=120.0, ttl=1.0)
     a, b = EngineLease(tmp_path, "e1"), EngineLease(tmp_path, "e1")
     a.acquire()
     with pytest.raises(LockHeld):
@@ -295,7 +339,8 @@ async def test_a_crash_between_the_engine_commit_and_the_ack_is_acked_at_restart
     assert read_acks(root)["e1"].version == 2
 
 
-# An unreadable lease file (FORMAT.md section 7.1): honoured while fresh, taken over once stale.
+# An unreadable lease file (FORMAT.md section 7.1): honoured while it changes, taken over once
+# seen unchanged for the taker's ttl.
 _UNREADABLE = {
     "empty": b"",
     "garbage": b"\x00\xff\xfe garbage \x80",
@@ -314,16 +359,18 @@ def _unreadable_lease(root: Path, data: bytes, age: float) -> Path:
 
 
 @pytest.mark.parametrize("kind", sorted(_UNREADABLE))
-def test_an_unreadable_lease_is_refused_while_fresh_and_taken_over_when_stale(
+def test_an_unreadable_lease_is_refused_while_it_changes_and_taken_over_when_still(
     tmp_path: Path, kind: str
 ) -> None:
-    path = _unreadable_lease(tmp_path, _UNREADABLE[kind], age=1.0)
-    with pytest.raises(LockHeld, match=rf"lease file {path} is unreadable .*retry in \d+s"):
-        EngineLease(tmp_path, "e1").acquire()
+    path = lease_path(tmp_path, "e1")
+    with (
+        renewing(path, lambda: _UNREADABLE[kind], every=0.2),
+        pytest.raises(LockHeld, match=rf"lease file {path} is unreadable .*changed while"),
+    ):  # rewritten: a new inode each
+        EngineLease(tmp_path, "e1", ttl=1.0).acquire()
     assert path.read_bytes() == _UNREADABLE[kind]  # left as it was
-    _unreadable_lease(tmp_path, _UNREADABLE[kind], age=120.0)
-    lease = EngineLease(tmp_path, "e1")
-    lease.acquire()
+    lease = EngineLease(tmp_path, "e1", ttl=1.0)
+    lease.acquire()  # seen unchanged for the ttl
     found = read_lease(tmp_path, "e1")
     assert lease.held and found is not None and found[0].owner == lease.owner
     with pytest.raises(LockHeld, match="in use by"):  # the second live receiver still refused
@@ -343,8 +390,9 @@ def _foreign_claim(root: Path, age: float, owner: str = "f" * 16, ttl: float = 3
 def test_a_live_rival_claim_keeps_a_taker_out_and_a_dead_one_is_ignored_and_removed(
     tmp_path: Path,
 ) -> None:
-    """A concurrent taker's claim (no lease yet) is not overridden: the taker backs off and
-    refuses once its contention budget is spent; a claim older than its ttl is removed."""
+    """A concurrent taker's claim (no lease yet) is not overridden while it may be live (not
+    seen unchanged for its ttl, here 30 s): the taker backs off and refuses once its contention
+    budget is spent; a claim seen unchanged for its ttl is removed."""
     claim = _foreign_claim(tmp_path, age=0.0, owner="0" * 16)  # smaller: we yield to it
     t0 = time.monotonic()
     with pytest.raises(LockHeld, match=r"at the same time .*host other-host pid 4242"):
@@ -352,8 +400,8 @@ def test_a_live_rival_claim_keeps_a_taker_out_and_a_dead_one_is_ignored_and_remo
     assert time.monotonic() - t0 >= 2.0  # it retried for the ttl before refusing
     assert lease_path(tmp_path, "e1").exists() is False
     assert [p.name for p in (tmp_path / "leases").iterdir()] == [claim.name]  # withdrew its own
-    _foreign_claim(tmp_path, age=120.0, owner="0" * 16)  # its taker died long ago
-    lease = EngineLease(tmp_path, "e1", settle=0.0)
+    _foreign_claim(tmp_path, age=120.0, owner="0" * 16, ttl=1.0)  # its taker died
+    lease = EngineLease(tmp_path, "e1", ttl=1.0, settle=0.0)
     lease.acquire()
     assert sorted(p.name for p in (tmp_path / "leases").iterdir()) == sorted(
         ["e1.json", lease.claim.name]
@@ -379,23 +427,23 @@ def _own_record(**kw: object) -> LeaseRecord:
 
 
 def test_the_pid_shortcut_needs_the_same_boot_and_pid_namespace(tmp_path: Path) -> None:
-    """(issue 20, failure 5) A fresh lease is judged by its pid only when its holder runs in
-    this kernel boot and this pid namespace; a previous life with our pid has another nonce."""
+    """(issue 20, failure 5) A lease is judged by its pid only when its holder runs in this
+    kernel boot and this pid namespace; a previous life with our pid has another nonce."""
     lease = EngineLease(tmp_path, "e1")
     (tmp_path / "leases").mkdir()
-    now = time.time()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     dead_pid = int(dead.stdout)
-    assert lease.stale(_own_record(pid=dead_pid), now)  # same namespace, gone: free at once
-    assert lease.stale(_own_record(nonce="0" * 16), now)  # our pid, another process: gone
-    assert lease.stale(_own_record(), now)  # this process, a lease it does not hold
+    assert lease._by_pid(_own_record(pid=dead_pid)) is True  # same namespace, gone: free now
+    assert lease._by_pid(_own_record(nonce="0" * 16)) is True  # our pid, another process: gone
+    assert lease._by_pid(_own_record()) is True  # this process, a lease it does not hold
     # another pid namespace (another container on this host), or no identity (a version 1
-    # record): the pid says nothing; the heartbeat decides
-    for other in (_own_record(pid_ns="pid:[1]", pid=dead_pid), _own_record(pid_ns="", pid=dead_pid),
-                  _own_record(boot_id="x", nonce="0" * 16)):  # fmt: skip
-        assert not lease.stale(other, now)
-        assert lease.stale(other, now - 60)
+    # record): the pid says nothing; what the taker sees decides
+    for i, other in enumerate((_own_record(pid_ns="pid:[1]", pid=dead_pid),
+                               _own_record(pid_ns="", pid=dead_pid),
+                               _own_record(boot_id="x", nonce="0" * 16))):  # fmt: skip
+        assert lease._by_pid(other) is None
+        assert lease.judge(tmp_path / f"r{i}", (other, 0.0)) == "watching"
 
 
 def _can_unshare_pid() -> str | None:
@@ -461,16 +509,22 @@ def test_six_concurrent_takers_give_one_winner(tmp_path: Path) -> None:
 
 _CONTENDER = """
 import sys
+import threading
 from asyncsync.errors import LockHeld
 from asyncsync.format.lease import EngineLease
-lease = EngineLease(sys.argv[1], "e1")
+lease = EngineLease(sys.argv[1], "e1", ttl=2.0)
 sys.stdin.readline()  # go
 try:
     lease.acquire()
     print("won", flush=True)
 except LockHeld as exc:
     print("refused", exc, flush=True)
-sys.stdin.readline()  # hold it until every contender answered
+    sys.stdin.readline()
+    sys.exit(0)
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), done.set()), daemon=True).start()
+while not done.wait(2.0 / 3):  # a live holder renews, until every contender answered
+    lease.renew()
 """
 
 

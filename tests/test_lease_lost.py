@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -52,8 +53,8 @@ async def test_a_sync_under_way_when_the_id_is_lost_writes_no_more_acks(tmp_path
         while not committed or committed[-1] < 1 or agent._presence.lost is None:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
-        for _ in range(10):  # the other holder keeps its lease fresh
-            lease_path(root, "e1").write_bytes(other.to_json())
+        for _ in range(10):  # the other holder renews its lease (a new heartbeat each time)
+            lease_path(root, "e1").write_bytes(replace(other, heartbeat_at=time.time()).to_json())
             await asyncio.sleep(0.1)
         stop.set()
     await agent.close()

@@ -57,12 +57,13 @@ def test_rclone_has_no_link_and_its_creates_do_not_exclude_across_mounts(tmp_pat
 
 
 def _takers(
-    roots: Sequence[Path], *, ttl: float, prefix: Sequence[str] = ()
+    roots: Sequence[Path], *, ttl: float, prefix: Sequence[str] = (), clock_behind: float = 0.0
 ) -> list[subprocess.Popen[str]]:
     procs = []
     for root in roots:
         argv = [*prefix, sys.executable, "-m", "tests.lease_taker", str(root),
-                "--settle", str(RCLONE_SETTLE), "--ttl", str(ttl)]  # fmt: skip
+                "--settle", str(RCLONE_SETTLE), "--ttl", str(ttl),
+                "--clock-behind", str(clock_behind)]  # fmt: skip
         p = subprocess.Popen(
             argv, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

@@ -18,14 +18,17 @@ written through one mount shows in every mount's listing within a bound, the *se
   otherwise. It keeps its claim while it holds the id;
 * **heartbeat** (:meth:`EngineLease.renew`, every ``ttl / 3`` s): rewrite the claim and the
   lease after checking that the lease still names this holder;
-* a record (lease or claim) is **stale** when its file's mtime is older than its ``ttl`` on the
-  *filesystem's* clock (:func:`asyncsync.fsio.fs_now`), or when it was written by a process of
-  this kernel boot and this pid namespace that is gone (same ``boot_id`` and ``pid_ns``; a pid
-  equal to ours with another process ``nonce`` is a previous life, e.g. a restarted container's
-  pid 1). Records of another boot or pid namespace (containers sharing a hostname, each its
-  receiver as pid 1) are judged by their heartbeat only;
-* a lease or claim file that cannot be read is honoured as a live holder's for ``ttl`` after
-  its mtime (the file cannot say its own ttl), then taken over;
+* a record (lease or claim) is **dead** when its taker has *seen it unchanged for its ttl*,
+  on the taker's own monotonic clock (:mod:`asyncsync.format.liveness`), or when it was written
+  by a process of this kernel boot and this pid namespace that is gone (same ``boot_id`` and
+  ``pid_ns``; a pid equal to ours with another process ``nonce`` is a previous life, e.g. a
+  restarted container's pid 1). It is **live** once the taker sees it change (a heartbeat).
+  Never by its mtime's age: on object-store mounts (rclone, s3fs, gcsfuse) the mtime is the
+  writer's clock, so a taker whose clock ran more than the ttl ahead took live leases. A taker
+  that finds a lease of another holder therefore watches it, up to its ttl, before it either
+  refuses (it changed) or takes it (it did not);
+* a lease or claim file that cannot be read is watched the same way, for the taker's own ttl
+  (the file cannot say its own);
 * **release** removes the lease if it still names this holder, and the claim.
 
 Blocking functions: async callers use ``asyncio.to_thread``.
@@ -47,6 +50,7 @@ from pathlib import Path
 from asyncsync.errors import ConfigError, LockHeld
 from asyncsync.format.lease_file import (
     CLAIM_SUFFIX,
+    DEFAULT_LEASE_TTL,
     LeaseRecord,
     UnreadableLease,
     _read_lease_file,
@@ -58,9 +62,10 @@ from asyncsync.format.lease_file import (
     replace_record,
     unreadable_leases,
 )
+from asyncsync.format.liveness import ChangeWatch
 from asyncsync.format.mounts import NETWORK_SETTLE, default_settle, filesystem_type
 from asyncsync.format.names import check_engine_id
-from asyncsync.fsio import TMP_PREFIX, atomic_write, fs_now, make_dir, remove, scan
+from asyncsync.fsio import TMP_PREFIX, atomic_write, make_dir, remove, scan
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
@@ -81,7 +86,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LEASE_TTL = 30.0
 _HELD: set[str] = set()  # owners of the leases this process holds or is taking
 _NONCE = secrets.token_hex(8)  # this process; a forked child draws its own
 
@@ -118,19 +122,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _ahead(engine_id: str, what: str, rec: LeaseRecord, age: float) -> str:
-    """Why a record dated ``-age`` seconds in the future of the root's clock keeps a taker out."""
-    when = "last heartbeat" if what.startswith("lease") else "written"
-    return (
-        f"engine id {engine_id!r}: its {what} names the receiver on {rec.describe()}, {when} "
-        f"{-age:.0f}s in the future (clock set back? the root filesystem's clock, e.g. the NFS "
-        f"server's, is behind the one that dated it). A record is live until it is {rec.ttl:g}s "
-        f"old on that clock, so it is taken over in {rec.ttl - age:.0f}s: the safe direction, "
-        "never two receivers of one id. If no receiver of this id runs, remove the file to take "
-        "it now; else give this receiver another --engine-id"
-    )
 
 
 class EngineLease:
@@ -172,6 +163,8 @@ class EngineLease:
         self.claim = claim_path(self.root, engine_id, self.owner)
         self.held = False
         self._acquired_at = 0.0
+        self._watch = ChangeWatch()  # the leases and claims this taker saw, and since when
+        self._poll = min(1.0, max(0.02, ttl / 20))  # between two looks at a watched lease
 
     def __repr__(self) -> str:
         return f"<EngineLease {self.engine_id} owner={self.owner} held={self.held}>"
@@ -183,51 +176,87 @@ class EngineLease:
             self._acquired_at or now, now, _boot_id(), _pid_ns(), _NONCE,
         )  # fmt: skip
 
-    def _age(self, mtime: float) -> float:
-        return fs_now(self.path.parent, root=self.root) - mtime
-
-    def stale(self, rec: LeaseRecord, mtime: float) -> bool:
+    def _by_pid(self, rec: LeaseRecord) -> bool | None:
+        """Whether the record's holder is gone (True) or live (False) by its pid, where the pid
+        names the same process for us (same kernel boot and pid namespace); None: it tells
+        nothing (another host, boot or namespace; a live pid perhaps reused)."""
         if rec.boot_id and rec.pid_ns and (rec.boot_id, rec.pid_ns) == (_boot_id(), _pid_ns()):
-            # the same kernel boot and pid namespace: its pid means the same process as ours
             if rec.pid == os.getpid():
                 if rec.nonce != _NONCE:
                     return True  # a previous life with our pid (a restarted container's pid 1)
                 return rec.owner not in _HELD  # this process: live if one of its leases has it
             if not _pid_alive(rec.pid):
                 return True  # the holder is gone (kill -9): free at once
-        return self._age(mtime) > rec.ttl
+        return None
 
-    def _live(self, found: tuple[LeaseRecord, float] | UnreadableLease | None) -> bool:
-        """Whether a lease or claim read from the root belongs to a live holder other than us."""
+    def judge(self, path: Path, found: tuple[LeaseRecord, float] | UnreadableLease | None) -> str:
+        """What this taker knows of a lease or claim read from ``path`` (FORMAT.md 7.1):
+        ``"free"`` (none, ours, its holder gone by its pid, or seen unchanged for its ttl),
+        ``"live"`` (seen renewed, or a holder of this process) or ``"watching"`` (seen
+        unchanged for less than its ttl so far). Never by its mtime's age: on object-store
+        mounts that is the writer's clock (:mod:`asyncsync.format.liveness`)."""
+        key = str(path)
         if found is None:
-            return False
-        if isinstance(found, UnreadableLease):  # honoured for our ttl after its last write
-            return self._age(found.mtime) <= self.ttl
-        rec, mtime = found
-        return rec.owner != self.owner and not self.stale(rec, mtime)
+            self._watch.forget(key)
+            return "free"
+        if isinstance(found, UnreadableLease):  # honoured for our ttl after its last change
+            look, ttl = self._watch.look(key, found.ident), self.ttl
+        else:
+            rec = found[0]
+            if rec.owner == self.owner:
+                return "free"
+            gone = self._by_pid(rec)
+            if gone is not None:
+                return "free" if gone else "live"
+            look, ttl = self._watch.look(key, rec), rec.ttl  # every write changes heartbeat_at
+        if look.still > ttl:
+            return "free"
+        return "live" if look.renewed else "watching"
 
-    def _refuse_if_held(self) -> tuple[LeaseRecord, float] | UnreadableLease | None:
-        """Read the lease; LockHeld when a live holder (or a fresh unreadable file) has it."""
-        found = _read_lease_file(self.path, self.root)
-        if not self._live(found):
-            return found
-        assert found is not None
-        age = self._age(found.mtime if isinstance(found, UnreadableLease) else found[1])
-        ago = f"{-age:.0f}s in the future (clock set back?)" if age < -1 else f"{abs(age):.0f}s ago"
+    def _in_use(self, found: tuple[LeaseRecord, float] | UnreadableLease) -> str:
+        """Why a lease seen live keeps this taker out."""
         if isinstance(found, UnreadableLease):
-            raise LockHeld(
+            return (
                 f"engine id {self.engine_id!r}: the lease file {self.path} is unreadable "
-                f"({found.reason}), last written {ago}; it is honoured as a live receiver's "
-                f"lease until it is {self.ttl:g}s old, then taken over: retry in "
-                f"{self.ttl - age:.0f}s, or remove it if no receiver of this id runs"
+                f"({found.reason}) and changed while this receiver watched it: a live "
+                "receiver's lease being written? Retry, or remove it if no receiver of this "
+                "id runs"
             )
-        if age < -1:
-            raise LockHeld(_ahead(self.engine_id, f"lease {self.path}", found[0], age))
-        raise LockHeld(
+        return (
             f"engine id {self.engine_id!r} is in use by the receiver on {found[0].describe()}, "
-            f"last heartbeat {ago} (a lease goes stale after {found[0].ttl:g}s): give this "
-            "receiver another --engine-id, or stop that one"
+            "which renews its lease (a lease is taken once a taker sees it unchanged for its "
+            f"ttl, {found[0].ttl:g}s): give this receiver another --engine-id, or stop that one"
         )
+
+    def _undecided(self, found: tuple[LeaseRecord, float] | UnreadableLease, waited: float) -> str:
+        """Why a taker gives up watching a lease that neither changed nor stayed unchanged for
+        its ttl (a ttl longer than this taker's patience): it is taken at a later try."""
+        if isinstance(found, UnreadableLease):
+            what, ttl = f"the unreadable lease file {self.path} ({found.reason})", self.ttl
+        else:
+            what, ttl = f"the lease of the receiver on {found[0].describe()}", found[0].ttl
+        return (
+            f"engine id {self.engine_id!r}: {what} did not change in the {waited:.0f}s this "
+            f"receiver watched it; it is taken once seen unchanged for {ttl:g}s: retry, or "
+            "remove it if no receiver of this id runs"
+        )
+
+    def _await_lease(self, patience: float) -> tuple[LeaseRecord, float] | UnreadableLease | None:
+        """Read the lease until it is free (returned: None, ours or dead); LockHeld as soon as
+        it is seen live, or after ``patience`` seconds of watching it undecided."""
+        start = time.monotonic()
+        while True:
+            found = _read_lease_file(self.path, self.root)
+            verdict = self.judge(self.path, found)
+            if verdict == "free":
+                return found
+            assert found is not None
+            if verdict == "live":
+                raise LockHeld(self._in_use(found))
+            waited = time.monotonic() - start
+            if waited > patience:
+                raise LockHeld(self._undecided(found, waited))
+            time.sleep(self._poll)
 
     def settle_seconds(self) -> float:
         if self.settle is None:
@@ -241,23 +270,28 @@ class EngineLease:
         return self.settle
 
     def acquire(self) -> None:
-        """Take the lease, or raise LockHeld naming the live holder (or the unreadable file)."""
+        """Take the lease, or raise LockHeld naming the live holder (or the unreadable file).
+        Blocks while it watches a lease or claim of another holder for a renewal: up to the
+        ttl and a few settles."""
         make_dir(self.path.parent, root=self.root, exist_ok=True)
         settle = self.settle_seconds()
         self._acquired_at = time.time()
-        deadline = time.monotonic() + self.ttl + 4 * settle + 1  # a silent claim goes stale
         _HELD.add(self.owner)  # our claim is live to the other leases of this process
         try:
-            self._take(settle, deadline)
+            self._take(settle)
         except BaseException:
             if not self.held:  # refused, or interrupted while taking: leave no claim behind
                 _HELD.discard(self.owner)
                 self._withdraw()
             raise
 
-    def _take(self, settle: float, deadline: float) -> None:
+    def _take(self, settle: float) -> None:
+        patience = self.ttl + 4 * settle + 1
+        deadline = None
         while True:
-            self._refuse_if_held()
+            self._await_lease(patience)
+            if deadline is None:  # a silent rival claim is seen unchanged for its ttl by then
+                deadline = time.monotonic() + self.ttl + 6 * settle + 2
             atomic_write(self.claim, self._record().to_json(), root=self.root)
             time.sleep(settle)
             rivals = self._rival_claims()
@@ -267,18 +301,18 @@ class EngineLease:
                 rivals = self._rival_claims()
             if not rivals:
                 try:
-                    self._install()
+                    installed = self._install()
                 except BaseException:
                     self._withdraw()
                     raise
-                self.held = True
-                with contextlib.suppress(OSError):  # housekeeping: never fails a take
-                    self._remove_stale_claims()
-                logger.debug("engine id %s: lease taken (%s)", self.engine_id, self.path)
-                return
+                if installed:
+                    self.held = True
+                    with contextlib.suppress(OSError):  # housekeeping: never fails a take
+                        self._remove_stale_claims()
+                    logger.debug("engine id %s: lease taken (%s)", self.engine_id, self.path)
+                    return
             self._withdraw()
-            self._refuse_if_held()  # the rival may be the holder
-            if time.monotonic() > deadline:
+            if rivals and time.monotonic() > deadline:
                 raise LockHeld(self._contended(rivals))
             time.sleep(random.uniform(2 * settle, 3 * settle) + random.uniform(0.005, 0.05))
 
@@ -297,30 +331,26 @@ class EngineLease:
                     out.append(self.path.parent / name)
         return out
 
-    def _rival_claims(self) -> dict[str, tuple[Path, LeaseRecord | UnreadableLease, float]]:
-        """The live claims of other takers (path, record, mtime), by owner ("" for an
-        unreadable one)."""
-        out: dict[str, tuple[Path, LeaseRecord | UnreadableLease, float]] = {}
+    def _rival_claims(self) -> dict[str, LeaseRecord | UnreadableLease]:
+        """The claims of other takers not known dead (seen live, or watched for less than
+        their ttl so far), by owner ("" for an unreadable one)."""
+        out: dict[str, LeaseRecord | UnreadableLease] = {}
         for path in self._claims():
             if path == self.claim:
                 continue
             found = _read_lease_file(path, self.root)
+            if found is None or self.judge(path, found) == "free":
+                continue
             if isinstance(found, UnreadableLease):
-                if self._live(found):
-                    out[""] = (path, found, found.mtime)  # sorts first: we yield to it
-            elif found is not None and self._live(found):
-                out[found[0].owner] = (path, *found)
+                out[""] = found  # sorts first: we yield to it
+            else:
+                out[found[0].owner] = found[0]
         return out
 
-    def _contended(
-        self, rivals: dict[str, tuple[Path, LeaseRecord | UnreadableLease, float]]
-    ) -> str:
-        """Why a taker gives up on live rival claims: one dated in the future of the root's
-        clock is named as such (it stays live until that clock catches up), else the first."""
-        now = fs_now(self.path.parent, root=self.root)
-        path, rival, mtime = min(rivals.values(), key=lambda r: now - r[2])
-        if now - mtime < -1 and isinstance(rival, LeaseRecord):
-            return _ahead(self.engine_id, f"claim {path}", rival, now - mtime)
+    def _contended(self, rivals: dict[str, LeaseRecord | UnreadableLease]) -> str:
+        """Why a taker gives up on rival claims that neither went nor stayed unchanged for
+        their ttl within its deadline: the first one."""
+        rival = rivals[min(rivals)]
         return (
             f"engine id {self.engine_id!r}: another receiver is taking it at the same time "
             f"({rival.describe()}); give this receiver another --engine-id, or stop that one"
@@ -335,35 +365,47 @@ class EngineLease:
         temp files of this id's lease and claims (and clock probes) older than the ttl."""
         for path in self._claims():
             found = _read_lease_file(path, self.root)
-            if path != self.claim and found is not None and not self._live(found):
+            if path != self.claim and found is not None and self.judge(path, found) == "free":
                 with contextlib.suppress(OSError):
                     remove(path, root=self.root)
         eid, x = re.escape(self.engine_id), r"\.[0-9a-f]{12}"  # .tmp.<name>.<12 hex>
         own = rf"(?:\.tmp\.)?{eid}\.json{x}(?:{x})?|{eid}\.[0-9a-f]{{16}}\.claim{x}|clock{x}"
         remove_left_temps(self.root, self.path.parent, rf"\.tmp\.(?:{own})", self.ttl)
 
-    def _install(self) -> None:
+    def _free_lease(self) -> tuple[LeaseRecord, float] | UnreadableLease | bool | None:
+        """The lease read again before it is written: returned when free; LockHeld when seen
+        live; False while undecided (one that appeared or changed since it was watched)."""
+        found = _read_lease_file(self.path, self.root)
+        verdict = self.judge(self.path, found)
+        if verdict == "live":
+            assert found is not None
+            raise LockHeld(self._in_use(found))
+        return found if verdict == "free" else False
+
+    def _install(self) -> bool:
         """Write the lease of the claim that saw no rival: exclusively where the name is free
-        and the filesystem has ``link``, else replacing it (a stale lease, or no ``link``)."""
-        found = self._refuse_if_held()
+        and the filesystem has ``link``, else replacing it (a dead lease, or no ``link``).
+        False when a lease appeared or changed meanwhile: it is watched at the next round."""
+        found = self._free_lease()
+        if found is False:
+            return False
         data = self._record().to_json()
         if found is None:
             if self._create(data):
-                return
+                return True
             # Created meanwhile although our claim saw no rival: a filesystem whose listing
             # lags the settle (NFS attribute caches). The exclusive create kept one holder.
-            found = self._refuse_if_held()
-            if found is None:
-                raise LockHeld(
-                    f"engine id {self.engine_id!r}: {self.path} exists but cannot be read yet "
-                    "(another receiver took it at the same time); retry in a few seconds"
-                )
+            found = self._free_lease()
+            if found is None or found is False:
+                return False  # (not readable yet, or new: watched at the next round)
+        assert found is not True
         if not isinstance(found, UnreadableLease) and found[0].owner == self.owner:
             replace_record(self.path, data, self.root)
-            return
+            return True
         what = found.describe() if isinstance(found, UnreadableLease) else found[0].describe()
-        logger.warning("engine id %s: taking over the stale lease of %s", self.engine_id, what)
+        logger.warning("engine id %s: taking over the dead lease of %s", self.engine_id, what)
         replace_record(self.path, data, self.root)
+        return True
 
     def _create(self, data: bytes) -> bool:
         """Create the lease where none is: False when another was created first."""
@@ -392,18 +434,19 @@ class EngineLease:
         _HELD.discard(self.owner)
 
     def renew(self) -> None:
-        """The heartbeat: rewrite claim and lease. LockHeld when another live receiver took it;
-        a lease that is missing, or names another owner that is gone, is taken again."""
+        """The heartbeat: rewrite claim and lease. LockHeld when another receiver's lease is
+        there (lost: :meth:`acquire` takes the id again once it sees that lease dead); a lease
+        that is missing, or names another owner gone by its pid, is taken again at once."""
         found = _read_lease_file(self.path, self.root)
         if found is None:  # removed from outside: take it again
             self.held = False
             _HELD.discard(self.owner)
             self.acquire()
             return
-        if isinstance(found, UnreadableLease):  # damaged from outside: ours until it went stale
+        if isinstance(found, UnreadableLease):  # damaged from outside: ours, rewritten
             logger.warning("engine id %s: rewriting the unreadable lease %s (%s)",
                            self.engine_id, self.path, found.reason)  # fmt: skip
-        elif found[0].owner != self.owner and self.stale(*found):
+        elif found[0].owner != self.owner and self._by_pid(found[0]):
             # another owner's lease whose holder is gone (e.g. a root restored with its leases/):
             # nobody holds the id, so it is taken again as at the start, not given up for good
             logger.warning("engine id %s: the lease names %s, which is gone: taking it again",

@@ -31,6 +31,7 @@ from asyncsync.fsio import (
 
 __all__ = [
     "CLAIM_SUFFIX",
+    "DEFAULT_LEASE_TTL",
     "LEASE_FORMAT",
     "LEASE_FORMAT_VERSION",
     "LeaseRecord",
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 LEASE_FORMAT = "asyncsync-lease"
 LEASE_FORMAT_VERSION = 2  # 2 added boot_id, pid_ns, nonce and the claims; 1 is still read
 CLAIM_SUFFIX = ".claim"
+DEFAULT_LEASE_TTL = 30.0
 
 
 def lease_path(root: Path, engine_id: str) -> Path:
