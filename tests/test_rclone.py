@@ -136,7 +136,8 @@ def test_a_dead_holder_in_another_pid_namespace_is_taken_over_by_its_heartbeat_a
     tmp_path: Path,
 ) -> None:
     """Through the mounts, a holder that cannot be judged by its pid (another pid namespace)
-    stays the holder while it heartbeats and is taken over once its lease is older than its ttl."""
+    stays the holder while it heartbeats and is taken over once a taker has seen its lease
+    unchanged for its ttl."""
     if not _has_unshare():
         pytest.skip("unshare --pid is not available")
     src = tmp_path / "src"

@@ -11,10 +11,18 @@ saw dead ones as fresh. A change seen between two reads needs no clock but the r
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["ChangeWatch", "Look"]
+from asyncsync.format.lease_file import (
+    DEFAULT_LEASE_TTL,
+    UnreadableLease,
+    inspect_lease,
+    lease_path,
+)
+
+__all__ = ["WATCH_LIMIT", "ChangeWatch", "Look", "watch_leases"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +70,46 @@ class ChangeWatch:
 
     def forget(self, key: str) -> None:
         self._seen.pop(key, None)
+
+
+#: the longest a one-shot reader (``asyncsync status``, ``asyncsync gc``) watches leases: a
+#: lease is decided within its ttl (30 s by default); one with a longer ttl stays undecided
+WATCH_LIMIT = 120.0
+
+
+def watch_leases(
+    root: Path,
+    engine_ids: Collection[str],
+    *,
+    wait: float,
+    watch: ChangeWatch | None = None,
+    poll: float = 0.2,
+) -> dict[str, bool | None]:
+    """Whether the receiver holding each engine id is live, by its lease (FORMAT.md 7): True
+    once its lease was seen renewed (whatever the dates on it: its host's clock may be off by
+    hours), False when there is none (no receiver holds the id) or it was seen unchanged for its
+    ttl, None while undecided. Looks until every one is decided or ``wait`` seconds passed
+    (0: one look each; ``watch`` keeps what earlier looks saw, for a caller that looks again
+    at its next run, e.g. retention after each commit)."""
+    watch = ChangeWatch() if watch is None else watch
+    out: dict[str, bool | None] = {}
+    pending = sorted(set(engine_ids))
+    deadline = time.monotonic() + wait
+    while True:
+        for engine_id in pending:
+            path = lease_path(root, engine_id)
+            found = inspect_lease(root, engine_id)
+            if found is None:
+                watch.forget(str(path))
+                out[engine_id] = False
+                continue
+            if isinstance(found, UnreadableLease):
+                look, ttl = watch.look(str(path), found.ident), DEFAULT_LEASE_TTL
+            else:
+                look, ttl = watch.look(str(path), found[0]), found[0].ttl
+            out[engine_id] = False if look.still > ttl else True if look.renewed else None
+        pending = [e for e in pending if out[e] is None]
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            return out
+        time.sleep(min(poll, left))

@@ -4,9 +4,14 @@ What is always kept:
 
 * the newest keyframe and every version after it (the chain any engine can start from);
 * every version after the one a *live* engine acknowledged (it will replay them), where live
-  means its ack was written, or its lease renewed, less than ``ack_ttl`` seconds ago: both
-  measured by file mtimes against a freshly created file, on the shared filesystem's one
-  clock (a receiver host's clock, in ``applied_at``, is never compared with ours);
+  means its ack was written, or its lease renewed, less than ``ack_ttl`` seconds ago (file
+  mtimes against a freshly created file's; a receiver host's clock, in ``applied_at``, is
+  never compared with ours), **or** its lease is seen renewed, or not yet seen unchanged for
+  its ttl (FORMAT.md 7). On an object-store mount (rclone, s3fs, gcsfuse) the mtimes are the
+  writers' clocks: a live engine whose clock runs more than ``ack_ttl`` behind looks silent by
+  them, and only its lease's heartbeat, seen by this process on its own clock, tells. A
+  one-shot ``collect`` (``asyncsync gc``) watches such leases until it knows (up to their ttl);
+  the publisher's, after each commit, looks once per commit and keeps what it has not decided;
 * the newest ``keep_versions`` versions and, counting from the newest, as many versions as fit
   in ``keep_bytes`` (when set).
 
@@ -29,6 +34,7 @@ from asyncsync import fsio
 from asyncsync.errors import ManifestError, check_bytes, check_number, check_seconds
 from asyncsync.format import ACKS_DIR, MANIFEST_NAME, version_dir
 from asyncsync.format.acks import ack_ages, read_acks, root_clock
+from asyncsync.format.liveness import ChangeWatch, watch_leases
 from asyncsync.format.log import trim_log
 from asyncsync.format.store import list_versions, read_manifest
 from asyncsync.fsio import fsync_dir
@@ -36,6 +42,10 @@ from asyncsync.fsio import fsync_dir
 __all__ = ["GcReport", "RetentionPolicy", "collect"]
 
 logger = logging.getLogger(__name__)
+
+#: what this process saw of the leases of engines whose acks look old, from one ``collect`` to
+#: the next (the publisher's, after each commit, looks once each time)
+_LEASES = ChangeWatch()
 
 
 @dataclass(frozen=True)
@@ -80,8 +90,14 @@ def _dir_bytes(root: Path, path: Path) -> int:
     return sum(st.st_size for _, st in entries if stat.S_ISREG(st.st_mode))
 
 
-def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> GcReport:
-    """Apply ``policy`` to ``root`` once. Blocking; safe to run beside a live publisher."""
+def collect(
+    root: Path, policy: RetentionPolicy, *, dry_run: bool = False, watch: float = 0.0
+) -> GcReport:
+    """Apply ``policy`` to ``root`` once. Blocking; safe to run beside a live publisher.
+
+    ``watch``: seconds it may spend watching the leases of engines whose acks look older than
+    ``ack_ttl`` for a heartbeat (``asyncsync gc``: :data:`WATCH_LIMIT`); 0 looks once, and an
+    engine whose lease is not yet decided keeps its versions until a later ``collect`` knows."""
     versions = list_versions(root)
     if not versions:
         return GcReport((), (), 0)
@@ -118,12 +134,20 @@ def collect(root: Path, policy: RetentionPolicy, *, dry_run: bool = False) -> Gc
             for v in versions:
                 keep(v, f"{path} cannot be read ({why}): the versions it pins are unknown")
             break
+    ttl = policy.ack_ttl
+    quiet = [e for e in acks if ttl is not None and ages[e].age > ttl]  # by the mtimes
+    heard = watch_leases(root, quiet, wait=watch, watch=_LEASES) if quiet else {}
     for ack in acks.values():
-        if policy.ack_ttl is not None and ages[ack.engine_id].age > policy.ack_ttl:
+        e = ack.engine_id
+        if heard.get(e, True) is False:  # no lease, or seen unchanged for its ttl: not live
             continue
+        why = "" if e not in heard else (
+            f" (its ack looks {ages[e].age:.0f}s old, but its lease "
+            + ("renews: its clock is off)" if heard[e] else "is watched for a heartbeat)")
+        )  # fmt: skip
         for v in versions:
             if v > ack.version:
-                keep(v, f"engine {ack.engine_id} at {ack.version} needs it")
+                keep(v, f"engine {e} at {ack.version} needs it{why}")
     newest_first = list(reversed(versions))
     if policy.keep_versions is not None:
         for v in newest_first[: policy.keep_versions]:

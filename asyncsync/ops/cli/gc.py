@@ -4,7 +4,9 @@
 file in the root to read the file server's clock, which ack ages are measured on (see
 :mod:`asyncsync.ops.cli`): the preview then keeps and deletes what the real run would. On a
 root it cannot write (a read-only mount or operator) it measures them on this host's clock and
-says so on stderr."""
+says so on stderr. An engine whose ack looks older than ``--ack-ttl`` but that holds a lease is
+watched for a heartbeat first (up to its lease's ttl, 30 s by default): a live one whose clock
+runs behind keeps its versions (FORMAT.md 7)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncsync.format.liveness import WATCH_LIMIT
 from asyncsync.ops.cli.common import (
     check_root,
     human_bytes,
@@ -33,7 +36,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         keep_bytes=args.keep_bytes,
         ack_ttl=None if args.ack_ttl == 0 else args.ack_ttl,
     )
-    report = collect(root, policy, dry_run=args.dry_run)
+    report = collect(root, policy, dry_run=args.dry_run, watch=WATCH_LIMIT)
     if report.clock is not None:  # a read-only root: said, the ages may carry this host's skew
         print(f"note: {report.clock}", file=sys.stderr)
     verb = "would delete" if args.dry_run else "deleted"

@@ -14,10 +14,13 @@ marked bad: a damaged or planted ``v999999999999`` above the publisher's version
 10^12 (it stays in the header's newest version and in the engine's ``bad``), while the good
 versions committed above a bad one still count (a receiver stuck below a bad version with no
 keyframe past it falls behind and is a straggler).
-An ack (or lease heartbeat) dated more than a second in the future of the root's clock (the
-file server's clock stepped back, a hand-set mtime) has no age to show: one line says so (JSON:
-``ack_ahead_seconds``); it counts as just heard of, for ``--stale`` as for ``gc`` (the safe
-side for gc: its versions are kept).
+An ack (or lease heartbeat) dated more than a second in the future of the root's clock (its
+writer's clock ahead on an object-store mount, the file server's clock stepped back, a hand-set
+mtime) has no age to show: one line says so (JSON: ``ack_ahead_seconds``). Such an engine, and
+one whose ack and lease look older than ``--stale``, is judged by its lease when it is behind:
+``status`` watches it (up to its ttl, 30 s by default) and counts the engine silent, so a
+straggler, unless it sees a heartbeat (JSON: ``lease_renewed``); mtimes on rclone, s3fs and
+gcsfuse are the writers' clocks. ``gc`` keeps an engine dated ahead live (the safe side).
 Exit status 0, or 3 when there are stragglers (for scripts and alerts), or 1 when the root,
 its ``acks/`` or one of the ack files in it cannot be read (never "0 engines, all clear" for
 acks it could not see: an unreadable ack file is listed, and its engine's version is unknown).
@@ -36,6 +39,7 @@ from asyncsync.errors import FormatError
 from asyncsync.format import ACKS_DIR
 from asyncsync.format.acks import ack_ages, read_acks, root_clock
 from asyncsync.format.lease import unreadable_leases
+from asyncsync.format.liveness import WATCH_LIMIT, watch_leases
 from asyncsync.format.store import read_manifest
 from asyncsync.fsio import scan
 from asyncsync.ops.cli.common import (
@@ -60,10 +64,14 @@ def engine_rows(
     stale: float,
     unreadable: dict[Path, str] | None = None,
     now: float | None = None,
+    watch: float = WATCH_LIMIT,
 ) -> tuple[int | None, list[dict[str, Any]]]:
     """(newest version, one row per engine with its version, lag, ack age and straggler flag);
     the ack files that cannot be read go to ``unreadable`` (path -> why), when given. Ages are
-    counted to ``now`` on the root's clock (default: :func:`root_now`, a probe file)."""
+    counted to ``now`` on the root's clock (default: :func:`root_now`, a probe file). An engine
+    behind whose ack looks older than ``stale``, or is dated ahead (its age unknown), is judged
+    by its lease instead, watched up to ``watch`` seconds: silent (a straggler) unless it is
+    seen renewed."""
     versions = check_root(root)
     latest = versions[-1] if versions else None
     # the run of the newest manifest that reads; the versions above it (a damaged newest
@@ -79,14 +87,24 @@ def engine_rows(
             break
     acks = read_acks(root, unreadable)
     ages = ack_ages(root, acks, now)  # on the root filesystem's clock, not the receivers'
-    rows = []
-    for engine, ack in sorted(acks.items()):
+    rows, lags = [], {}
+    for engine, ack in acks.items():
         other_run = run_id is not None and ack.run_id != run_id
         newest = _newest_not_bad(counted, ack.bad_versions)
-        lag = None if newest is None or other_run else newest - ack.version
+        lags[engine] = None if newest is None or other_run else newest - ack.version
+    # behind and not heard of within --stale by the mtimes, or dated ahead (no age): what the
+    # mtimes say is a writer's clock on an object-store mount; its lease's heartbeat tells
+    quiet = [
+        e for e, lag in lags.items()
+        if (lag is None or lag > 0) and (ages[e].age > stale or ages[e].ahead > AHEAD_SLACK)
+    ]  # fmt: skip
+    heard = watch_leases(root, quiet, wait=watch) if quiet else {}
+    for engine, ack in sorted(acks.items()):
+        other_run = run_id is not None and ack.run_id != run_id
+        lag = lags[engine]
         age = ages[engine].age
-        behind = other_run or (lag is not None and lag > 0)
-        straggler = other_run or (lag is not None and lag > max_lag) or (behind and age > stale)
+        silent = engine in heard and heard[engine] is not True
+        straggler = other_run or (lag is not None and lag > max_lag) or silent
         rows.append(
             {
                 "engine_id": engine,
@@ -96,6 +114,7 @@ def engine_rows(
                 "ack_age_seconds": round(age, 3),
                 "clock_skew_seconds": round(ages[engine].skew, 3),
                 "ack_ahead_seconds": round(ages[engine].ahead, 3),
+                "lease_renewed": heard.get(engine),  # null: not watched (heard of lately)
                 "bad_versions": list(ack.bad_versions),
                 "host": ack.host,
                 "run_id": ack.run_id,
@@ -153,8 +172,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             if r["ack_ahead_seconds"] > AHEAD_SLACK:
                 print(printable(
                     f"ack of {r['engine_id']} dated {r['ack_ahead_seconds']:.0f} s in the future "
-                    "of the root's clock (a clock stepped back, a hand-set mtime): its age "
-                    "unknown, --stale cannot flag it; gc treats it as live"
+                    "of the root's clock (its writer's clock ahead, a clock stepped back, a "
+                    "hand-set mtime): its age unknown; --stale judges it by its lease's "
+                    "heartbeat; gc treats it as live"
                 ))  # fmt: skip
         for u in lost:
             print(printable(f"ack UNREADABLE: {u['path']} ({u['reason']})"))
