@@ -298,3 +298,49 @@ def test_secret_files_with_odd_contents(tmp_path: Path) -> None:
         receiver_cli.read_secret(str(f), "X", "--api-key-file")
     with pytest.raises(ConfigError, match="StatusServer: token must be ASCII"):
         StatusServer(None, token="pässwörd-0123456789")  # type: ignore[arg-type]
+
+
+def test_a_bad_throttle_env_is_refused_by_every_command_before_it_touches_the_root(
+    tmp_path: Path,
+) -> None:
+    """(attack-72) ASYNCSYNC_THROTTLE=fast was refused by the bench, a Publisher and a receiver
+    only: ``inspect``, ``tail``, ``status``, ``gc``, ``verify`` and ``prepare`` ran unthrottled
+    without a word, where a throttle was asked for (a typo in a slow-filesystem rehearsal).
+    Every command refuses it now, one line naming the variable, exit 1, before it reads the
+    root: ``gc`` deletes nothing, ``prepare`` creates nothing, ``status`` makes no probe."""
+
+    async def seed() -> None:
+        async with Publisher(tmp_path / "root", keyframe_interval=1) as pub:
+            await pub.seed(mixed_state(0))
+            for step in (1, 2):
+                await pub.publish(mixed_state(step), step=step)
+
+    asyncio.run(seed())
+    root = tmp_path / "root"
+    before = sorted(p.name for p in root.iterdir()), root.stat().st_mtime_ns
+    bad = {**os.environ, "ASYNCSYNC_THROTTLE": "fast"}
+    said = "ASYNCSYNC_THROTTLE='fast': cannot parse throttle 'fast'"
+    for args in (
+        ["inspect", str(root)], ["tail", str(root)], ["status", str(root)],
+        ["gc", str(root), "--keep-versions", "1", "--ack-ttl", "0"],
+        ["verify", str(root), "--checkpoint", str(tmp_path / "c")],
+        ["prepare", str(tmp_path / "new"), "--group", str(os.getgid())],
+    ):  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "asyncsync", *args],
+            env=bad, capture_output=True, text=True, timeout=120, cwd=REPO,
+        )  # fmt: skip
+        assert done.returncode == 1, (args, done.returncode, done.stdout, done.stderr)
+        assert done.stdout == "", (args, done.stdout)
+        assert done.stderr.strip().splitlines() == [
+            f"asyncsync {args[0]}: error: {said}: use e.g. '200MB/s,5ms@/root'"
+        ], (args, done.stderr)
+    assert (sorted(p.name for p in root.iterdir()), root.stat().st_mtime_ns) == before
+    assert not (tmp_path / "new").exists()
+    good = {**os.environ, "ASYNCSYNC_THROTTLE": "1GB/s,1ms"}  # a good one: the command runs
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncsync", "inspect", str(root)],
+        env=good, capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 4, done
+

@@ -23,6 +23,11 @@ live receivers.
 
 Exit status: 0 on success; 1 when ``verify`` finds mismatching tensors or a command fails (one
 line on stderr saying what to do, no traceback); 2 for bad usage.
+
+``ASYNCSYNC_THROTTLE`` (a simulated slow filesystem, ``200MB/s,5ms[@/path]``) applies to every
+command; one that does not parse is refused by every command before it reads the root (one
+line, exit 1), as a Publisher, a receiver and the bench refuse it: a typo never runs a command
+unthrottled that was meant to be throttled, nor leaves an operator wondering which it did.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from asyncsync.console.logsetup import (
     sniff_log_format,
 )
 from asyncsync.errors import AsyncSyncError, first_error
+from asyncsync.fsio import check_throttle_env
 from asyncsync.ops.bench import cli as bench
 from asyncsync.ops.cli import gc, prepare, status, verify, versions
 from asyncsync.ops.cli.common import human_bytes
@@ -88,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_format)
     try:
         try:
+            check_throttle_env()  # read at import (a bad one: no throttle): refused by each
             return int(args.func(args))
         except BaseExceptionGroup as group:  # a TaskGroup's (tail -f): its first error is the one
             raise first_error(group) from None
