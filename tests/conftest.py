@@ -158,3 +158,14 @@ def _root_logger_restored() -> Any:
     for h in list(root.handlers):
         if isinstance(h.formatter, TextFormatter | JsonFormatter):
             root.removeHandler(h)
+
+
+@pytest.fixture(autouse=True)
+def _ack_notices_uncapped() -> Any:
+    """The WARNINGs about ack files are capped per minute, process-wide (a steady stream of
+    junk acks is a line a minute): each test starts with the cap's whole minute, so that a
+    test's ``caplog`` does not depend on how many earlier tests complained about acks."""
+    from asyncsync.format import acks
+
+    acks._capped.reset()
+    yield

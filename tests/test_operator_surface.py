@@ -344,3 +344,59 @@ def test_a_bad_throttle_env_is_refused_by_every_command_before_it_touches_the_ro
     )  # fmt: skip
     assert done.returncode == 0 and len(done.stdout.splitlines()) == 4, done
 
+
+def test_tail_follow_says_a_steady_stream_of_junk_in_a_few_lines_a_minute(
+    tmp_path: Path,
+) -> None:
+    """(attack-72) Junk appended to the log at every poll (30 lines that are no records) and
+    junk ack files written at every poll: ``tail -f`` said the cap's 20 notices and an "and N
+    more" line at every poll (thousands of lines a minute), and one WARNING per junk ack file,
+    uncapped. Now each kind says its first 20 of a minute and one line counting the rest, at
+    most once a minute: here (under a minute, or a few) a few dozen lines in all."""
+    from asyncsync.format import LOG_NAME
+    from asyncsync.format.acks import write_ack
+    from asyncsync.format.store import read_manifest
+
+    async def seed() -> None:
+        async with Publisher(tmp_path / "root") as pub:
+            await pub.seed(mixed_state(0))
+
+    asyncio.run(seed())
+    root = tmp_path / "root"
+    (root / "acks").mkdir(exist_ok=True)
+    started = time.monotonic()
+    with open(tmp_path / "stderr", "w") as errors:  # (a pipe not read meanwhile would fill)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncsync", "tail", str(root), "-f", "--interval", "0.05"],
+            stdout=subprocess.PIPE, stderr=errors, text=True, cwd=REPO,
+        )  # fmt: skip
+        rounds, junk_lines, junk_acks = 40, 30, 3
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().startswith("v0")  # up and following
+            for r in range(rounds):
+                with open(root / LOG_NAME, "ab") as f:
+                    f.write(b"".join(b"junk %d %d\n" % (r, i) for i in range(junk_lines)))
+                for i in range(junk_acks):
+                    (root / "acks" / f"junk-{r}-{i}.json").write_text("{not json\n")
+                time.sleep(0.1)  # a couple of polls
+            m = read_manifest(root, 0)
+            write_ack(root, "marker", 0, m.fingerprint, m.run_id)  # said after every junk file
+            while "ack engine=marker version=0" not in proc.stdout.readline():
+                assert proc.poll() is None, proc.communicate()
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    err = (tmp_path / "stderr").read_text()
+    minutes = 1 + int((time.monotonic() - started) // 60)
+    assert proc.returncode == 0, err
+    lines = err.splitlines()
+    skipped = [ln for ln in lines if "skipped a line that is not a log record" in ln]
+    more = [ln for ln in lines if "more lines skipped" in ln]
+    acks = [ln for ln in lines if "ignoring unreadable ack" in ln]
+    acks_more = [ln for ln in lines if "more complaints about ack files" in ln]
+    assert len(lines) == len(skipped) + len(more) + len(acks) + len(acks_more), lines
+    assert "junk 0 0" in skipped[0] and len(skipped) <= 20 * minutes, len(skipped)
+    assert 1 <= len(more) <= minutes + 1, more
+    assert 20 <= len(acks) <= 20 * minutes and 1 <= len(acks_more) <= minutes + 1, lines

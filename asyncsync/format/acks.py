@@ -38,6 +38,7 @@ from asyncsync.format.names import (
     ack_path,
     check_engine_id,
 )
+from asyncsync.format.notices import NoticeCap
 from asyncsync.fsio import (
     UnsafePath,
     fs_now,
@@ -65,10 +66,19 @@ _SAY_AGAIN_AFTER = 600.0  # seconds before the same complaint about the same ack
 _said: dict[tuple[str, str], float] = {}  # (path, complaint) -> when it was last said
 
 
+# complaints said at WARNING: the first 20 of a minute (a steady stream of junk ack files is
+# a line a minute then, not one per file); the rest at DEBUG, counted in one line
+_capped = NoticeCap(
+    lambda message: logger.warning("%s", message),
+    lambda more: f"and {more} more complaints about ack files in the last minute (DEBUG: each)",
+)
+
+
 def _say_once(path: Path, complaint: str) -> None:
     """A WARNING about an ack file, said once (again after ``_SAY_AGAIN_AFTER`` s, or with
     another complaint), DEBUG otherwise: the acks are read at every poll (``wait_acked`` every
-    20-100 ms, ``asyncsync tail -f``), and one bad file must not fill the reader's log."""
+    20-100 ms, ``asyncsync tail -f``), and one bad file must not fill the reader's log; nor
+    must many (at most 20 such WARNINGs a minute, :data:`_capped`)."""
     key, now = (str(path), complaint), time.monotonic()
     if now - _said.get(key, -math.inf) < _SAY_AGAIN_AFTER:
         logger.debug("%s (said before)", complaint)
@@ -76,7 +86,8 @@ def _say_once(path: Path, complaint: str) -> None:
     if len(_said) >= 4096:  # bounded: files come and go
         _said.clear()
     _said[key] = now
-    logger.warning("%s", complaint)
+    if not _capped(complaint):
+        logger.debug("%s", complaint)
 
 
 @dataclass(frozen=True)
@@ -195,6 +206,7 @@ def read_acks(root: Path, unreadable: dict[Path, str] | None = None) -> dict[str
     except OSError as exc:  # acks/ is a file or a symlink: a damaged root, not a crash
         _say_once(d, f"cannot list acks in {d}: {exc}")
         skipped[d] = str(exc)
+        _capped.done()
         return out
     for name in names:
         if is_temp_name(name) or not name.endswith(".json"):
@@ -216,6 +228,7 @@ def read_acks(root: Path, unreadable: dict[Path, str] | None = None) -> dict[str
             skipped[d / name] = f"it names engine {rec.engine_id!r}"
             continue
         out[rec.engine_id] = rec
+    _capped.done()
     return out
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncsync.errors import FormatError, check_poll_interval
 from asyncsync.format import LOG_NAME, Manifest
+from asyncsync.format.notices import NoticeCap
 from asyncsync.fsio import append_bytes, append_line, atomic_write, lstat, open_file
 
 __all__ = [
@@ -47,9 +48,12 @@ MAX_LOG_BYTES = 256 << 20
 MAX_LINE_BYTES = 1 << 20
 _READ_BYTES = 4 << 20  # a reader's reads
 _HEAD_BYTES = 256  # the first bytes of the log a follower compares, to see it made again
-# The skipped-line notices one read says (`tail`: one read of the log; `tail -f`: one poll):
-# the rest are counted in one more line (3 MB of random bytes is ~11,000 such lines).
+# The skipped-line notices a reader says (`tail`: of its one read of the log; `tail -f`: of each
+# minute, SKIP_NOTICE_WINDOW): the rest are counted in one more line at the end of the read or
+# poll, said again at most once a window (3 MB of random bytes is ~11,000 such lines; a steady
+# stream of them gave `tail -f` 21 lines at every poll).
 MAX_SKIP_NOTICES = 20
+SKIP_NOTICE_WINDOW = 60.0
 
 
 def append_manifest(root: Path, manifest: Manifest) -> None:
@@ -136,22 +140,14 @@ def _overlong(at: int) -> str:
     return f"{LOG_NAME}: skipped a line longer than {MAX_LINE_BYTES} bytes (at byte {at})"
 
 
-class _Skips:
-    """Says the first ``MAX_SKIP_NOTICES`` skipped-line notices of a read through ``say``,
-    counts the rest; :meth:`done` says how many more there were (one line) and starts over."""
-
-    def __init__(self, say: Callable[[str], None] | None) -> None:
-        self.say, self.count = say, 0
-
-    def __call__(self, message: str) -> None:
-        self.count += 1
-        if self.say is not None and self.count <= MAX_SKIP_NOTICES:
-            self.say(message)
-
-    def done(self) -> None:
-        more, self.count = self.count - MAX_SKIP_NOTICES, 0
-        if self.say is not None and more > 0:
-            self.say(f"{LOG_NAME}: and {more} more lines skipped (no log records, or too long)")
+def _skips(say: Callable[[str], None] | None) -> NoticeCap:
+    """The skipped-line notices of a reader: the first ``MAX_SKIP_NOTICES`` of a minute."""
+    return NoticeCap(
+        say,
+        lambda more: f"{LOG_NAME}: and {more} more lines skipped (no log records, or too long)",
+        limit=MAX_SKIP_NOTICES,
+        window=SKIP_NOTICE_WINDOW,
+    )
 
 
 def read_log(root: Path, notice: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
@@ -170,7 +166,7 @@ def read_log(root: Path, notice: Callable[[str], None] | None = None) -> list[di
         f = os.fdopen(open_file(path, root=root), "rb")
     except FileNotFoundError:
         return []
-    lines, out, offset, skips = _Lines(), [], 0, _Skips(notice)
+    lines, out, offset, skips = _Lines(), [], 0, _skips(notice)
     with f:
         if os.fstat(f.fileno()).st_size > MAX_LOG_BYTES:
             raise _too_large(path)
@@ -364,9 +360,9 @@ def follow_log(
     end before that: lines appended just before it was renamed away are not lost. ``notice``
     (default: a logged warning) gets one line when a new run's records follow another run's,
     and when a line that is no record or is longer than ``MAX_LINE_BYTES`` is skipped: once,
-    not again for the same line in a log that replaced it, the first ``MAX_SKIP_NOTICES`` of a
-    poll, then one line with how many more. ``poll_interval`` is checked as
-    the call is made (at least ``MIN_POLL_SECONDS``, 0.01).
+    not again for the same line in a log that replaced it, the first ``MAX_SKIP_NOTICES`` of
+    each minute, then one line with how many more (at most one such line a minute).
+    ``poll_interval`` is checked as the call is made (at least ``MIN_POLL_SECONDS``, 0.01).
     """
     check_poll_interval("follow_log: poll_interval", poll_interval)
     return _follow(root, poll_interval, from_start, notice)
@@ -379,7 +375,7 @@ async def _follow(
     notice: Callable[[str], None] | None,
 ) -> AsyncIterator[dict[str, Any]]:
     say = notice or logger.warning
-    skips = _Skips(say)  # the skipped-line notices of a poll
+    skips = _skips(say)  # the skipped-line notices of a poll
     path = root / LOG_NAME
     offset = 0
     lines = _Lines()
