@@ -285,6 +285,43 @@ async def test_status_url_bound_to_every_interface_names_the_node(
         await actor.stop(grace=30)
 
 
+async def test_status_url_of_an_ipv6_only_every_interface_on_an_ipv4_node_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(attack-72) ``::`` on a system that refuses dual-stack sockets is served IPv6 only; on a
+    node Ray knows by an IPv4 address the status URL stays the loopback (``[::1]``: the node's
+    IPv4 address would not answer), which a driver on another node cannot use: it said nothing.
+    A WARNING says so now, and what to give instead; the loopback URL answers on the node."""
+    import socket
+
+    ray_util = pytest.importorskip("ray.util")
+    import aiohttp
+
+    monkeypatch.setattr(ray_util, "get_node_ip_address", lambda: "10.0.0.7")
+    real = socket.socket.setsockopt
+
+    def no_dual_stack(sock: socket.socket, level: int, opt: int, value: Any) -> None:
+        if (level, opt, value) == (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0):
+            real(sock, level, opt, 1)  # its IPv6 sockets are IPv6 only, always
+            raise OSError(95, "Operation not supported")  # as such a system says
+        real(sock, level, opt, value)
+
+    monkeypatch.setattr(socket.socket, "setsockopt", no_dual_stack)
+    spec = ReceiverSpec("e0", str(tmp_path / "ckpt"), status_port=0, status_host="::")
+    actor = ReceiverActor(str(tmp_path / "root"), spec)
+    await actor.start()
+    try:
+        await actor.wait_ready()
+        url = actor.status()["status_url"]
+        assert url.startswith("http://[::1]:"), url
+        said = [m for r in caplog.records if "on this node only" in (m := r.getMessage())]
+        assert len(said) == 1 and "10.0.0.7" in said[0] and "0.0.0.0" in said[0], said
+        async with aiohttp.ClientSession() as http, http.get(url + "/healthz") as r:
+            assert r.status == 200, await r.text()
+    finally:
+        await actor.stop(grace=30)
+
+
 # --------------------------------------------------------------------------- on the cluster
 
 

@@ -280,6 +280,11 @@ def node_url(server: StatusServer) -> str:
     except (ImportError, ValueError):  # (in-process without Ray; a name)
         return url
     if addr.version == 4 and url.startswith("http://["):  # "::" bound IPv6 only
+        logger.warning(
+            "status server on %s serves IPv6 only (this system refused a dual-stack socket) and "
+            "Ray knows this node as %s: status_url %s is reachable on this node only; give "
+            "status_host 0.0.0.0 (or this node's IPv6 address)", server.host, addr, url,
+        )  # fmt: skip
         return url
     if addr.version == 6 and not is_dual_stack(server.host):  # "0.0.0.0"
         return url
