@@ -22,8 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
+
+import pytest
 
 from tests.ports import free_ports
 
@@ -59,7 +62,8 @@ class TwoNodes:
         "RAY_agent_register_timeout_ms": "180000",  # a loaded machine starts agents slowly
     }
 
-    def __init__(self) -> None:
+    def __init__(self, node_b_ip: str | None = None) -> None:
+        self.node_b_ip = node_b_ip  # the second node's address (another loopback: 127.0.0.2)
         self._env = {k: os.environ.get(k) for k in self.DRIVER_ENV}
         self.tmp = Path(tempfile.mkdtemp(prefix="ray2n-", dir="/tmp"))  # short: unix sockets
         self.ray = str(Path(sys.executable).with_name("ray"))
@@ -114,8 +118,10 @@ class TwoNodes:
             ["--head", f"--port={port}", "--include-dashboard=false", f"--dashboard-port={dash}",
              f"--resources={{\"{ENGINE}\": 1}}"],
         )  # fmt: skip
+        ip = [f"--node-ip-address={self.node_b_ip}"] if self.node_b_ip else []
         self._start(
-            "b", [f"--address={self.address}", f'--resources={{"{ENGINE}": 1, "{NODE_B}": 1}}']
+            "b",
+            [f"--address={self.address}", f'--resources={{"{ENGINE}": 1, "{NODE_B}": 1}}', *ip],
         )
         return self
 
@@ -171,3 +177,15 @@ class TwoNodes:
             else:
                 os.environ[k] = v
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def running(node_b_ip: str | None = None) -> Iterator[TwoNodes]:
+    """A module fixture's body: the cluster started and connected, stopped after its tests."""
+    pytest.importorskip("ray")
+    cluster = TwoNodes(node_b_ip)
+    try:
+        cluster.start()
+        cluster.connect()
+        yield cluster
+    finally:
+        cluster.stop()

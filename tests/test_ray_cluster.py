@@ -26,7 +26,7 @@ from asyncsync.training.ray import ReceiverSpec, start_receivers, start_trainers
 from asyncsync.training.session import SyncSession
 from tests.conftest import mixed_state, mutate
 from tests.fake_engines import FakeSGLang, ServerThread
-from tests.ray_cluster import NODE_B, TwoNodes
+from tests.ray_cluster import NODE_B, TwoNodes, running
 from tests.test_ray import assert_holds
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster, pytest.mark.timeout(600)]
@@ -34,14 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster, pytest.mark.timeout(600
 
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[TwoNodes]:
-    pytest.importorskip("ray")
-    cluster = TwoNodes()
-    try:
-        cluster.start()
-        cluster.connect()
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from running()
 
 
 def _until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
