@@ -125,3 +125,15 @@ async def test_a_dtype_the_format_cannot_carry_is_refused_before_anything_is_wri
         with pytest.raises(ConfigError, match=rf"(?s)w.bad.*{dtype}.*{why}.*supported: bool"):
             await pub.seed({"w.ok": torch.zeros(3), "w.bad": bad})
     assert list_versions(root) == []
+
+
+async def test_a_lazily_conjugated_complex_tensor_is_refused_naming_it(tmp_path: Path) -> None:
+    """``t.conj()`` of a complex tensor is a view whose bytes are not its values (a bit says
+    "conjugate when read"): publishing its bytes would ship the unconjugated values. It failed
+    mid-pipeline with torch's RuntimeError about views; it is refused up front now."""
+    t = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    async with Publisher(tmp_path / "root") as pub:
+        with pytest.raises(ConfigError, match=r"state_dict\['c'\] is a lazily conjugated view"):
+            await pub.seed({"c": t})
+        res = await pub.seed({"c": t.resolve_conj()})
+    assert res.version == 0

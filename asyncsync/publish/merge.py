@@ -141,6 +141,7 @@ def check_state_dict(
             else "a nested tensor" if t.is_nested
             else "a meta tensor (no data)" if t.is_meta
             else "a lazily negated view" if t.is_neg()
+            else "a lazily conjugated view (t.conj(): resolve_conj() it)" if t.is_conj()
             else _subclass(t)
         )  # fmt: skip
         if odd:
