@@ -1,12 +1,14 @@
 """Shared fixtures: small mixed-dtype state dicts and a way to change a fraction of their bytes;
-``eventually``, the one way tests wait for something another task or thread does."""
+``eventually``, the one way tests wait for something another task or thread does; ``running``,
+a receiver agent running in the test's task group."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,20 @@ async def eventually(cond: Callable[[], object], what: str, *, timeout: float = 
         if loop.time() > deadline:
             raise AssertionError(f"still waiting after {timeout}s for {what}")
         await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def running(agent: Any, version: int) -> AsyncIterator[None]:
+    """``agent`` (a ReceiverAgent) opened and running (``agent.run``) for the block, which
+    starts once the agent holds ``version``; the agent is stopped when the block ends."""
+    stop = asyncio.Event()
+    async with agent, asyncio.TaskGroup() as tg:
+        tg.create_task(agent.run(stop=stop))
+        try:
+            await eventually(lambda: agent.version == version, f"the agent at v{version}")
+            yield
+        finally:
+            stop.set()
 
 
 async def sync_to(agent: Any, root: Path, version: int) -> None:

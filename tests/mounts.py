@@ -93,6 +93,20 @@ def kill_rclone(dst: Path) -> None:
 
 
 @contextlib.contextmanager
+def _mounted(argv: list[str], at: Path, failed: str) -> Iterator[Path]:
+    """Run the mount command ``argv``, which mounts at ``at`` (made first); skip the test with
+    ``failed`` and the command's complaint when it fails; unmount (lazily) after."""
+    at.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"{failed}: {r.stderr.strip()}")
+    try:
+        yield at
+    finally:
+        subprocess.run(["umount", "-l", str(at)], check=False)
+
+
+@contextlib.contextmanager
 def bindfs_mount(src: Path, dst: Path, *, read_only: bool = False) -> Iterator[Path]:
     """``dst`` shows ``src`` through FUSE: writes to ``src`` raise no inotify event in ``dst``.
     ``read_only``: mounted ``-o ro`` (every write through ``dst`` fails with EROFS)."""
@@ -100,15 +114,9 @@ def bindfs_mount(src: Path, dst: Path, *, read_only: bool = False) -> Iterator[P
     if why:
         pytest.skip(why)
     src.mkdir(parents=True, exist_ok=True)
-    dst.mkdir(parents=True, exist_ok=True)
     ro = ["-o", "ro"] if read_only else []
-    r = subprocess.run(["bindfs", *ro, str(src), str(dst)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"bindfs mount failed: {r.stderr.strip()}")
-    try:
-        yield dst
-    finally:
-        subprocess.run(["umount", "-l", str(dst)], check=False)
+    with _mounted(["bindfs", *ro, str(src), str(dst)], dst, "bindfs mount failed") as path:
+        yield path
 
 
 def go_stale(dst: Path, empty: Path) -> None:
@@ -123,8 +131,13 @@ def go_stale(dst: Path, empty: Path) -> None:
 
 
 def come_back(dst: Path) -> None:
-    """The mount at ``dst`` shows its files again (:func:`go_stale` undone)."""
-    subprocess.run(["umount", str(dst)], check=True, capture_output=True)
+    """The mount at ``dst`` shows its files again (:func:`go_stale` undone). A receiver's
+    thread that is looking at the mount right then (a stat, a listing) makes the unmount fail
+    with "target is busy" though no file is held open: tried again for up to 10 s."""
+    deadline = time.monotonic() + 10
+    while (r := subprocess.run(["umount", str(dst)], capture_output=True, text=True)).returncode:
+        assert "busy" in r.stderr and time.monotonic() < deadline, r.stderr
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -132,15 +145,9 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (e.g. ``"4m"``) mounted at ``path``."""
     if os.geteuid() != 0:
         pytest.skip("needs root to mount")
-    path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)  # fmt: skip
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+    argv = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    with _mounted(argv, path, "cannot mount a tmpfs here") as mounted:
+        yield mounted
 
 
 @contextlib.contextmanager

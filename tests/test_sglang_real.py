@@ -34,7 +34,7 @@ from receiver.engines import SGLang
 from receiver.engines.http_engine import EngineHTTPError
 from tests.sglang_env import build
 from tests.sglang_env.chain import Trainer, base_state, checkpoint_state
-from tests.sglang_env.fixtures import require_env
+from tests.sglang_env.fixtures import require_env, serving
 from tests.sglang_env.server import Receiver, SGLangServer, run_env_python, wait_for
 
 # a server start (in the first test's setup) takes ~15 s idle, minutes on a loaded host
@@ -84,20 +84,15 @@ def receiver_args(stack_dir: Path, server: SGLangServer, *extra: str) -> list[st
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    env = require_env()
     logs = tmp_path_factory.mktemp("sglang-real")
-    srv = SGLangServer(
-        env,
-        build.model_dir(env, "llama"),
-        logs / "sglang.log",
+    with serving(
+        logs,
         api_key=USER_KEY,
         admin_api_key=ADMIN_KEY,
         extra_path=[FAULTS],
         extra_env={"ASYNCSYNC_TEST_CORRUPT_PARAM": str(logs / "corrupt-param")},
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

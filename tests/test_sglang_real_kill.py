@@ -37,9 +37,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from tests.sglang_env import build
 from tests.sglang_env.chain import Trainer, base_state
-from tests.sglang_env.fixtures import require_env
+from tests.sglang_env.fixtures import serving
 from tests.sglang_env.server import Receiver, SGLangServer, http, wait_for
 
 pytestmark = [
@@ -119,12 +118,8 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    env = require_env()
-    d = tmp_path_factory.mktemp("sglang-kill")
-    srv = SGLangServer(env, build.model_dir(env, "llama"), d / "sglang.log")
-    srv.start()
-    yield srv
-    srv.stop()
+    with serving(tmp_path_factory.mktemp("sglang-kill")) as srv:
+        yield srv
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -41,7 +41,7 @@ from receiver.plugins.stage import DATA_NAME, STAGE_NAME
 from receiver.server import StatusServer
 from tests.sglang_env import build
 from tests.sglang_env.chain import Trainer, base_state
-from tests.sglang_env.fixtures import require_env
+from tests.sglang_env.fixtures import serving
 from tests.sglang_env.server import SGLangServer, wait_for
 from tests.sglang_toy import StagedCheckpoint
 
@@ -103,22 +103,17 @@ class Chain:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    env = require_env()
     d = tmp_path_factory.mktemp("sglang-plugin")
-    srv = SGLangServer(
-        env,
-        build.model_dir(env, "llama"),
-        d / "sglang.log",
+    with serving(
+        d,
         extra_path=[FAULTS],
         extra_env={
             "ASYNCSYNC_SGLANG_BATCH_BYTES": "1",
             "ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS": str(d / "fail-load-weights"),
             "ASYNCSYNC_TEST_CORRUPT_PARAM": str(d / "corrupt-param"),
         },
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

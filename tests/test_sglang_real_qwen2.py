@@ -17,7 +17,7 @@ import pytest
 from receiver.plugins.stage import StageWriter, VersionRef
 from tests.sglang_env import build
 from tests.sglang_env.chain import Trainer, base_state
-from tests.sglang_env.fixtures import require_env
+from tests.sglang_env.fixtures import require_env, serving
 from tests.sglang_env.server import Receiver, SGLangServer, run_env_python
 
 # a server start (in the first test's setup) takes ~15 s idle, minutes on a loaded host
@@ -34,17 +34,12 @@ MISSING = "sglang.srt.model_executor.model_runner.ModelRunner.no_such_reload"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    env = require_env()
-    d = tmp_path_factory.mktemp("sglang-qwen2")
-    srv = SGLangServer(
-        env,
-        build.model_dir(env, "qwen2"),
-        d / "sglang.log",
+    with serving(
+        tmp_path_factory.mktemp("sglang-qwen2"),
+        "qwen2",
         extra_env={"ASYNCSYNC_SGLANG_HOOK_TARGET": MISSING},
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 def greedy_reference(env: Path, server: SGLangServer, ckpt: Path) -> list[int]:

@@ -27,7 +27,7 @@ from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.stream import StreamApplier
-from tests.conftest import eventually, mixed_state, mutate, same_bytes
+from tests.conftest import eventually, mixed_state, mutate, running, same_bytes
 
 SMALL = 2048  # delta shard bytes: a version is several shards
 
@@ -51,22 +51,24 @@ async def _with_agent(
     body: Callable[[Publisher, ReceiverAgent, LocalCheckpoint], Awaitable[None]],
     **agent_kw: Any,
 ) -> None:
-    root, ck = tmp / "root", tmp / "ck"
-    engine = LocalCheckpoint(ck)
-    agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02, **agent_kw)
-    stop = asyncio.Event()
+    root = tmp / "root"
+    engine, agent = _agent(tmp, **agent_kw)
     async with Publisher(
         root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
     ) as pub:
         await pub.seed(_state(0))
         await pub.publish(_state(1))
-        async with agent, asyncio.TaskGroup() as tg:
-            tg.create_task(agent.run(stop=stop))
-            try:
-                await eventually(lambda: agent.version == 1, "the agent at v1")
-                await body(pub, agent, engine)
-            finally:
-                stop.set()
+        async with running(agent, 1):
+            await body(pub, agent, engine)
+
+
+def _agent(tmp: Path, **agent_kw: Any) -> tuple[LocalCheckpoint, ReceiverAgent]:
+    """A checkpoint ``tmp/ck`` and an agent (polling) syncing it from ``tmp/root``."""
+    engine = LocalCheckpoint(tmp / "ck")
+    agent = ReceiverAgent(
+        tmp / "root", engine, "e1", use_inotify=False, poll_interval=0.02, **agent_kw
+    )
+    return engine, agent
 
 
 def _streamer(agent: ReceiverAgent) -> StreamApplier | None:
@@ -467,61 +469,29 @@ async def test_a_stream_that_ends_without_a_valid_manifest_is_rolled_back(
     checkpoint held part of v2 while the agent reported and acked v1. Now the agent rolls it
     back once the manifest is refused, and the stream gives up on a shard that does not become
     a complete self-describing one in time."""
-    import shutil
-
-    root, aside = tmp_path / "root", tmp_path / "aside"
-    sd1, sd2 = _state(1), _state(2)
-
-    async def die(vdir: Path) -> None:  # the shards are durable: keep them, then die
-        shutil.copytree(vdir, aside)
-        raise RuntimeError("the trainer dies before the commit (injected)")
-
-    async with Publisher(
-        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
-    ) as pub:
-        await pub.seed(_state(0))
-        await pub.publish(sd1)
-        pub.pre_commit_hook = die
-        with pytest.raises(Exception, match="injected"):
-            await pub.publish(sd2)
-    shards = sorted(p.name for p in aside.glob("delta-*.safetensors"))
+    root = tmp_path / "root"
+    (shards,) = await _attempts(tmp_path, root, "aside")
     assert len(shards) >= 2
     vdir = version_dir(root, 2)
-
-    def land(name: str, data: bytes) -> None:
-        (vdir / f".{name}.tmp").write_bytes(data)
-        (vdir / f".{name}.tmp").rename(vdir / name)
-
-    engine = LocalCheckpoint(tmp_path / "ck")
-    agent = ReceiverAgent(
-        root, engine, "e1", use_inotify=False, poll_interval=0.02, verify_deadline=0.5
-    )
-    stop = asyncio.Event()
-    async with agent, asyncio.TaskGroup() as tg:
-        tg.create_task(agent.run(stop=stop))
-        try:
-            await eventually(lambda: agent.version == 1, "the agent at v1")
-            vdir.mkdir()  # what the dead publisher left, and then what lands in it
-            early = shards if damage == "manifest" else shards[:1]
-            for name in early:
-                land(name, (aside / name).read_bytes())
-            await eventually(
-                lambda: (s := _streamer(agent)) is not None and len(s.applied) == len(early),
-                "the landed shards applied early",
-            )
-            assert not _holds(engine, sd1)  # patched in place, not served
-            if damage == "manifest":
-                land("manifest.json", b'{"format": "asyncsync", "tru')
-            else:
-                land(shards[1], bytes((aside / shards[1]).stat().st_size))
-            state = engine.directory / ".asyncsync" / "state.json"
-            await eventually(
-                lambda: json.loads(state.read_text())["status"] == "clean", "the rollback"
-            )
-            assert engine.state.version == 1 and _holds(engine, sd1)
-            assert read_ack(root, "e1").version == 1  # type: ignore[union-attr]
-        finally:
-            stop.set()
+    engine, agent = _agent(tmp_path, verify_deadline=0.5)
+    async with running(agent, 1):
+        vdir.mkdir()  # what the dead publisher left, and then what lands in it
+        early = shards if damage == "manifest" else shards[:1]
+        for src in early:
+            _land(vdir, src)
+        await eventually(
+            lambda: (s := _streamer(agent)) is not None and len(s.applied) == len(early),
+            "the landed shards applied early",
+        )
+        assert not _holds(engine, _state(1))  # patched in place, not served
+        if damage == "manifest":
+            _land(vdir, shards[0].with_name("manifest.json"), b'{"format": "asyncsync", "tru')
+        else:
+            _land(vdir, shards[1], bytes(shards[1].stat().st_size))
+        state = engine.directory / ".asyncsync" / "state.json"
+        await eventually(lambda: json.loads(state.read_text())["status"] == "clean", "the rollback")
+        assert engine.state.version == 1 and _holds(engine, _state(1))
+        assert read_ack(root, "e1").version == 1  # type: ignore[union-attr]
 
 
 def test_the_stream_waits_as_long_as_the_agent_for_a_shard_to_verify() -> None:
@@ -638,63 +608,25 @@ async def test_a_stream_stopped_by_another_attempt_streams_that_attempt(tmp_path
     try): the stream rolls back. Then B's shard 0 is in place (another file than the one read):
     the stream starts again and applies B's shards before any manifest. The same files never
     start it again (a stream that failed on them would fail again, rolling back each time)."""
-    import shutil
-
     root = tmp_path / "root"
     vdir = version_dir(root, 2)
-
-    def dies(aside: Path) -> Callable[[Path], Awaitable[None]]:
-        async def die(vdir: Path) -> None:  # the shards are durable: keep them, then die
-            shutil.copytree(vdir, aside)
-            raise RuntimeError("the trainer dies before the commit (injected)")
-
-        return die
-
-    async with Publisher(
-        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
-    ) as pub:
-        await pub.seed(_state(0))
-        await pub.publish(_state(1))
-        for name, sd in (("a", _state(2)), ("b", _state(3))):
-            pub.pre_commit_hook = dies(tmp_path / name)
-            with pytest.raises(Exception, match="injected"):
-                await pub.publish(sd)
-    a = sorted((tmp_path / "a").glob("delta-*.safetensors"))
-    b = sorted((tmp_path / "b").glob("delta-*.safetensors"))
+    a, b = await _attempts(tmp_path, root, "a", "b")
     assert len(a) > 1 and len(b) > 1
-
-    def land(src: Path) -> None:
-        _land(vdir, src)
-
-    engine = LocalCheckpoint(tmp_path / "ck")
-    agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
-    stop = asyncio.Event()
-    async with agent, asyncio.TaskGroup() as tg:
-        tg.create_task(agent.run(stop=stop))
-        try:
-            await eventually(lambda: agent.version == 1, "the agent at v1")
-            vdir.mkdir()
-            land(a[0])
-            await eventually(lambda: (s := _streamer(agent)) is not None and len(s.applied) == 1,
-                             "A's shard 0 applied")  # fmt: skip
-            first = _streamer(agent)
-            assert first is not None
-            land(b[1])
-            await eventually(lambda: bool(first.failed) and not first.txn_open, "the rollback")
-            assert "another publish attempt" in (first.failed or "")
-            for _ in range(5):  # wake-ups with the same files: no stream starts again
-                await asyncio.sleep(0.05)
-                assert _streamer(agent) is first
-            land(b[0])
-            for p in b[2:]:
-                land(p)
-            await eventually(
-                lambda: (s := _streamer(agent)) is not None and s is not first and s.txn_open
-                and len(s.applied) == len(b), "B's shards applied",
-            )  # fmt: skip
-            assert engine.state.version == 1 and read_ack(root, "e1").version == 1  # type: ignore[union-attr]
-        finally:
-            stop.set()
+    engine, agent = _agent(tmp_path)
+    async with running(agent, 1):
+        first = await _first_shard_streamed(agent, vdir, a[0])
+        _land(vdir, b[1])
+        await eventually(lambda: bool(first.failed) and not first.txn_open, "the rollback")
+        assert "another publish attempt" in (first.failed or "")
+        await _not_streamed_again(agent, first)
+        _land(vdir, b[0])
+        for p in b[2:]:
+            _land(vdir, p)
+        await eventually(
+            lambda: (s := _streamer(agent)) is not None and s is not first and s.txn_open
+            and len(s.applied) == len(b), "B's shards applied",
+        )  # fmt: skip
+        assert engine.state.version == 1 and read_ack(root, "e1").version == 1  # type: ignore[union-attr]
     assert engine.state.version == 1 and _holds(engine, _state(1))  # rolled back at the stop
 
 
@@ -733,9 +665,10 @@ async def test_a_version_directory_briefly_gone_is_streamed_again(tmp_path: Path
     await _with_agent(tmp_path, body)
 
 
-async def _aside(tmp_path: Path, root: Path) -> list[Path]:
-    """Publish v0, v1, then a v2 that dies before its commit, its shards kept aside (the
-    publisher removes v2): returns them, to be landed one by one."""
+async def _attempts(tmp_path: Path, root: Path, *names: str) -> list[list[Path]]:
+    """Publish v0, v1, then for each of ``names`` an attempt at v2 (each of other bytes) that
+    dies before its commit, its shards kept aside in ``tmp_path / name`` (the publisher
+    removes v2): returns each attempt's shards, to be landed one by one."""
     import shutil
 
     async with Publisher(
@@ -743,20 +676,41 @@ async def _aside(tmp_path: Path, root: Path) -> list[Path]:
     ) as pub:
         await pub.seed(_state(0))
         await pub.publish(_state(1))
+        for i, name in enumerate(names):
 
-        async def die(vdir: Path) -> None:
-            shutil.copytree(vdir, tmp_path / "aside")
-            raise RuntimeError("the trainer dies before the commit (injected)")
+            async def die(vdir: Path, aside: Path = tmp_path / name) -> None:
+                shutil.copytree(vdir, aside)  # the shards are durable: keep them, then die
+                raise RuntimeError("the trainer dies before the commit (injected)")
 
-        pub.pre_commit_hook = die
-        with pytest.raises(Exception, match="injected"):
-            await pub.publish(_state(2))
-    return sorted((tmp_path / "aside").glob("delta-*.safetensors"))
+            pub.pre_commit_hook = die
+            with pytest.raises(Exception, match="injected"):
+                await pub.publish(_state(2 + i))
+    return [sorted((tmp_path / name).glob("delta-*.safetensors")) for name in names]
 
 
-def _land(vdir: Path, src: Path) -> None:
-    (vdir / f".{src.name}.tmp").write_bytes(src.read_bytes())
-    (vdir / f".{src.name}.tmp").rename(vdir / src.name)
+def _land(vdir: Path, src: Path, data: bytes | None = None) -> None:
+    """Put ``data`` (by default ``src``'s bytes) in ``vdir`` under ``src``'s name, atomically."""
+    tmp = vdir / f".{src.name}.tmp"
+    tmp.write_bytes(src.read_bytes() if data is None else data)
+    tmp.rename(vdir / src.name)
+
+
+async def _first_shard_streamed(agent: ReceiverAgent, vdir: Path, shard: Path) -> StreamApplier:
+    """Make v2's directory ``vdir`` and land ``shard`` in it: returns the stream applying it."""
+    vdir.mkdir()
+    _land(vdir, shard)
+    await eventually(lambda: (s := _streamer(agent)) is not None and len(s.applied) == 1,
+                     f"{shard.name} applied")  # fmt: skip
+    first = _streamer(agent)
+    assert first is not None
+    return first
+
+
+async def _not_streamed_again(agent: ReceiverAgent, first: StreamApplier) -> None:
+    """Wake-ups with the same files (the agent polls every 0.02 s): no stream starts again."""
+    for _ in range(5):
+        await asyncio.sleep(0.05)
+        assert _streamer(agent) is first
 
 
 async def test_a_stream_stalled_past_stream_timeout_is_streamed_again_once_it_goes_on(
@@ -767,36 +721,20 @@ async def test_a_stream_stalled_past_stream_timeout_is_streamed_again_once_it_go
     on, the same attempt): the version was applied only after its manifest; it is streamed
     again now, on the same files. With no new shard, the same files never start it again."""
     root = tmp_path / "root"
-    a = await _aside(tmp_path, root)
+    (a,) = await _attempts(tmp_path, root, "aside")
     assert len(a) > 2
     vdir = version_dir(root, 2)
-    engine = LocalCheckpoint(tmp_path / "ck")
-    agent = ReceiverAgent(
-        root, engine, "e1", use_inotify=False, poll_interval=0.02, stream_timeout=0.5
-    )
-    stop = asyncio.Event()
-    async with agent, asyncio.TaskGroup() as tg:
-        tg.create_task(agent.run(stop=stop))
-        try:
-            await eventually(lambda: agent.version == 1, "the agent at v1")
-            vdir.mkdir()
-            _land(vdir, a[0])
-            await eventually(lambda: (s := _streamer(agent)) is not None and len(s.applied) == 1,
-                             "shard 0 applied")  # fmt: skip
-            first = _streamer(agent)
-            assert first is not None
-            await eventually(lambda: bool(first.failed) and not first.txn_open, "the rollback")
-            assert "abandoned" in (first.failed or "")
-            for _ in range(5):  # wake-ups with the same files: no stream starts again
-                await asyncio.sleep(0.05)
-                assert _streamer(agent) is first
-            for p in a[1:]:
-                _land(vdir, p)
-            await eventually(
-                lambda: (s := _streamer(agent)) is not None and s is not first
-                and len(s.applied) == len(a), "the same shards streamed again",
-            )  # fmt: skip
-            assert engine.state.version == 1
-        finally:
-            stop.set()
+    engine, agent = _agent(tmp_path, stream_timeout=0.5)
+    async with running(agent, 1):
+        first = await _first_shard_streamed(agent, vdir, a[0])
+        await eventually(lambda: bool(first.failed) and not first.txn_open, "the rollback")
+        assert "abandoned" in (first.failed or "")
+        await _not_streamed_again(agent, first)
+        for p in a[1:]:
+            _land(vdir, p)
+        await eventually(
+            lambda: (s := _streamer(agent)) is not None and s is not first
+            and len(s.applied) == len(a), "the same shards streamed again",
+        )  # fmt: skip
+        assert engine.state.version == 1
     assert engine.state.version == 1 and _holds(engine, _state(1))  # rolled back at the stop

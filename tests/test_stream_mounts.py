@@ -11,7 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from asyncsync import Publisher
 from asyncsync.format.store import read_manifest
 from receiver.engines.checkpoint import verify_checkpoint
-from tests.conftest import mixed_state, mutate
+from tests.conftest import mixed_state, mutate, running
 from tests.mounts import RCLONE_SETTLE, bindfs_mount, kill_rclone, rclone_mounts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,13 +54,76 @@ async def _stop(task: asyncio.Task[object] | None) -> None:
             await task
 
 
-def _receiver(
+@dataclass
+class Receiver:
+    """A real receiver process (:func:`_receiving`); ``err`` its stderr once it has exited."""
+
+    proc: subprocess.Popen[str]
+    err: str = ""
+
+
+@contextlib.contextmanager
+def _receiving(
     root: Path, ckpt: Path, *extra: str, settle: float = RCLONE_SETTLE
-) -> subprocess.Popen[str]:
+) -> Iterator[Receiver]:
+    """A receiver process polling ``root`` into the checkpoint ``ckpt``; SIGTERMed at the end,
+    when it must exit with status 0 (unless the body failed)."""
     argv = [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "e1",
             "--checkpoint", str(ckpt), "--poll-interval", "0.2", "--force-polling",
             "--lease-settle", str(settle), "--verify-deadline", "1", *extra]  # fmt: skip
-    return subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    r = Receiver(subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True))
+    try:
+        yield r
+    finally:
+        r.proc.send_signal(signal.SIGTERM)
+        _, r.err = r.proc.communicate(timeout=120)
+    assert r.proc.returncode == 0, r.err
+
+
+@dataclass
+class Streamed:
+    """v2 held before its manifest, streamed by a receiver process (:func:`_v2_streamed`)."""
+
+    receiver: Receiver
+    publishing: asyncio.Task[object] | None = None
+
+    async def stop_publishing(self) -> None:
+        """The trainer dies: v2 is removed, never committed."""
+        await _stop(self.publishing)
+        self.publishing = None
+
+
+@contextlib.asynccontextmanager
+async def _v2_streamed(
+    writer: Path, reader: Path, ckpt: Path, settle: float = RCLONE_SETTLE
+) -> AsyncIterator[Streamed]:
+    """v0 and v1 published through ``writer`` and applied by a receiver process reading
+    ``reader``; then v2, its publish stalled before its manifest (the pre-commit hook) until
+    the receiver streams it. At the end the receiver is stopped (status 0), then the stalled
+    publish (it holds the publisher until it ends)."""
+    held = asyncio.Event()
+
+    async def hang(vdir: Path) -> None:  # the trainer stalls before v2's manifest
+        held.set()
+        await asyncio.Event().wait()
+
+    async with Publisher(writer, bucket_bytes=SHARD, delta_shard_bytes=SHARD,
+                         keyframe_interval=0) as pub:  # fmt: skip
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        streamed: Streamed | None = None
+        try:
+            with _receiving(reader, ckpt, settle=settle) as child:
+                streamed = Streamed(child)
+                await _until(lambda: _engine(ckpt).get("version") == 1, "the receiver at v1")
+                pub.pre_commit_hook = hang
+                streamed.publishing = asyncio.create_task(pub.publish(_state(2)))
+                await held.wait()
+                await _until(lambda: _engine(ckpt).get("status") == "applying", "v2 streamed")
+                yield streamed
+        finally:
+            if streamed is not None:
+                await streamed.stop_publishing()
 
 
 async def test_a_stream_cut_by_a_dead_mount_is_rolled_back(tmp_path: Path) -> None:
@@ -70,35 +134,13 @@ async def test_a_stream_cut_by_a_dead_mount_is_rolled_back(tmp_path: Path) -> No
     src = tmp_path / "src"
     with rclone_mounts(src, tmp_path / "a", tmp_path / "b") as (a, b):
         ckpt = tmp_path / "ckpt"
-        held = asyncio.Event()
-
-        async def hang(vdir: Path) -> None:  # the trainer stalls before v2's manifest
-            held.set()
-            await asyncio.Event().wait()
-
-        async with Publisher(a, bucket_bytes=SHARD, delta_shard_bytes=SHARD,
-                             keyframe_interval=0) as pub:  # fmt: skip
-            await pub.seed(_state(0))
-            await pub.publish(_state(1))
-            child = _receiver(b, ckpt)
-            publishing: asyncio.Task[object] | None = None
-            try:
-                await _until(lambda: _engine(ckpt).get("version") == 1, "the receiver at v1")
-                pub.pre_commit_hook = hang
-                publishing = asyncio.create_task(pub.publish(_state(2)))
-                await held.wait()
-                await _until(lambda: _engine(ckpt).get("status") == "applying", "v2 streamed")
-                kill_rclone(b)  # the receiver's mount dies under the stream
-                await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
-                assert _engine(ckpt)["version"] == 1
-                assert verify_checkpoint(ckpt, read_manifest(src, 1)) == []  # v1, bit for bit
-                assert child.poll() is None
-            finally:
-                child.send_signal(signal.SIGTERM)
-                _, err = child.communicate(timeout=120)
-                await _stop(publishing)
-        assert child.returncode == 0, err
-        assert "Transport endpoint is not connected" in err  # said, in one line
+        async with _v2_streamed(a, b, ckpt) as v2:
+            kill_rclone(b)  # the receiver's mount dies under the stream
+            await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
+            assert _engine(ckpt)["version"] == 1
+            assert verify_checkpoint(ckpt, read_manifest(src, 1)) == []  # v1, bit for bit
+            assert v2.receiver.proc.poll() is None
+    assert "Transport endpoint is not connected" in v2.receiver.err  # said, in one line
 
 
 async def test_a_manifest_that_shows_and_goes_again_rolls_the_stream_back(tmp_path: Path) -> None:
@@ -110,40 +152,17 @@ async def test_a_manifest_that_shows_and_goes_again_rolls_the_stream_back(tmp_pa
     starts again: v2 is still being written)."""
     with bindfs_mount(tmp_path / "src", tmp_path / "fuse") as root:
         ckpt = tmp_path / "ckpt"
-        held = asyncio.Event()
-
-        async def hang(vdir: Path) -> None:
-            held.set()
-            await asyncio.Event().wait()
-
-        async with Publisher(root, bucket_bytes=SHARD, delta_shard_bytes=SHARD,
-                             keyframe_interval=0) as pub:  # fmt: skip
-            await pub.seed(_state(0))
-            await pub.publish(_state(1))
-            child = _receiver(root, ckpt, settle=0.5)
-            publishing: asyncio.Task[object] | None = None
-            try:
-                await _until(lambda: _engine(ckpt).get("version") == 1, "the receiver at v1")
-                pub.pre_commit_hook = hang
-                publishing = asyncio.create_task(pub.publish(_state(2)))
-                await held.wait()
-                await _until(lambda: _engine(ckpt).get("status") == "applying", "v2 streamed")
-                ghost = root / "v000000000002" / "manifest.json"
-                ghost.write_text("{")  # does not parse: the sync re-reads it for 1 s
-                await asyncio.sleep(0.5)  # the stream polls every 0.1 s at most: it saw it
-                ghost.unlink()
-                await asyncio.sleep(2)  # a sync or two: they find no v2 committed
-                await _stop(publishing)  # the trainer dies: v2 removed before its manifest
-                publishing = None
-                await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
-                assert _engine(ckpt)["version"] == 1
-                assert verify_checkpoint(ckpt, read_manifest(root, 1)) == []  # v1, bit for bit
-            finally:
-                child.send_signal(signal.SIGTERM)
-                _, err = child.communicate(timeout=120)
-                await _stop(publishing)
-        assert child.returncode == 0, err
-        assert "its manifest was seen but is gone" in err
+        async with _v2_streamed(root, root, ckpt, settle=0.5) as v2:
+            ghost = root / "v000000000002" / "manifest.json"
+            ghost.write_text("{")  # does not parse: the sync re-reads it for 1 s
+            await asyncio.sleep(0.5)  # the stream polls every 0.1 s at most: it saw it
+            ghost.unlink()
+            await asyncio.sleep(2)  # a sync or two: they find no v2 committed
+            await v2.stop_publishing()  # the trainer dies: v2 removed before its manifest
+            await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
+            assert _engine(ckpt)["version"] == 1
+            assert verify_checkpoint(ckpt, read_manifest(root, 1)) == []  # v1, bit for bit
+    assert "its manifest was seen but is gone" in v2.receiver.err
 
 
 async def test_a_receiver_started_before_the_root_record_shows_waits_for_it(
@@ -164,18 +183,13 @@ async def test_a_receiver_started_before_the_root_record_shows_waits_for_it(
             await pub.seed(_state(0))
             await _until(lambda: (b / "v000000000000").is_dir(), "v0's directory through b")
             assert not (b / "asyncsync.json").exists()  # the premise: its upload is pending
-            child = _receiver(b, ckpt)
-            try:
+            with _receiving(b, ckpt) as child:
                 await _until(
-                    lambda: child.poll() is not None or _engine(ckpt).get("version") == 0,
+                    lambda: child.proc.poll() is not None or _engine(ckpt).get("version") == 0,
                     "the receiver at v0",
                 )
-                assert child.poll() is None
+                assert child.proc.poll() is None
                 assert verify_checkpoint(ckpt, read_manifest(src, 0)) == []
-            finally:
-                child.send_signal(signal.SIGTERM)
-                _, err = child.communicate(timeout=120)
-        assert child.returncode == 0, err
 
 
 _TRAINER = """
@@ -215,27 +229,24 @@ async def test_a_trainer_stopped_past_the_stream_timeout_is_rolled_back_then_app
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )  # fmt: skip
         assert trainer.stdin is not None and trainer.stdout is not None
-        child = _receiver(b, ckpt, "--stream-timeout", "3")
         try:
-            assert trainer.stdout.readline().strip() == "held"
-            await _until(lambda: _engine(ckpt).get("target_version") == 2, "v2 streamed")
-            trainer.send_signal(signal.SIGSTOP)
-            await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
-            assert _engine(ckpt)["version"] == 1
-            assert verify_checkpoint(ckpt, read_manifest(src, 1)) == []  # v1, bit for bit
-            trainer.send_signal(signal.SIGCONT)
-            trainer.stdin.write("go\n")
-            trainer.stdin.flush()
-            assert trainer.stdout.readline().strip() == "committed"
-            await _until(lambda: _engine(ckpt).get("version") == 2, "the receiver at v2")
-            assert verify_checkpoint(ckpt, read_manifest(src, 2)) == []
+            with _receiving(b, ckpt, "--stream-timeout", "3") as child:
+                assert trainer.stdout.readline().strip() == "held"
+                await _until(lambda: _engine(ckpt).get("target_version") == 2, "v2 streamed")
+                trainer.send_signal(signal.SIGSTOP)
+                await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
+                assert _engine(ckpt)["version"] == 1
+                assert verify_checkpoint(ckpt, read_manifest(src, 1)) == []  # v1, bit for bit
+                trainer.send_signal(signal.SIGCONT)
+                trainer.stdin.write("go\n")
+                trainer.stdin.flush()
+                assert trainer.stdout.readline().strip() == "committed"
+                await _until(lambda: _engine(ckpt).get("version") == 2, "the receiver at v2")
+                assert verify_checkpoint(ckpt, read_manifest(src, 2)) == []
         finally:
             trainer.send_signal(signal.SIGCONT)
             trainer.communicate("go\n", timeout=120)
-            child.send_signal(signal.SIGTERM)
-            _, err = child.communicate(timeout=120)
-        assert child.returncode == 0, err
-        assert "no shard nor manifest of v2 for 3s" in err
+    assert "no shard nor manifest of v2 for 3s" in child.err
 
 
 def _peak_rss(pid: int) -> int:
@@ -254,37 +265,15 @@ async def test_a_huge_file_in_the_next_shards_place_is_not_read_into_memory(
     each re-read, in a receiver of a model of under 2 MiB. It is refused from its size."""
     with bindfs_mount(tmp_path / "src", tmp_path / "fuse") as root:
         ckpt = tmp_path / "ckpt"
-        held = asyncio.Event()
-
-        async def hang(vdir: Path) -> None:
-            held.set()
-            await asyncio.Event().wait()
-
-        async with Publisher(root, bucket_bytes=SHARD, delta_shard_bytes=SHARD,
-                             keyframe_interval=0) as pub:  # fmt: skip
-            await pub.seed(_state(0))
-            await pub.publish(_state(1))
-            child = _receiver(root, ckpt, settle=0.5)
-            publishing: asyncio.Task[object] | None = None
-            try:
-                await _until(lambda: _engine(ckpt).get("version") == 1, "the receiver at v1")
-                pub.pre_commit_hook = hang
-                publishing = asyncio.create_task(pub.publish(_state(2)))
-                await held.wait()
-                vdir = root / "v000000000002"
-                n = len(list(vdir.glob("delta-*.safetensors")))
-                await _until(lambda: _engine(ckpt).get("status") == "applying", "v2 streamed")
-                with open(vdir / f"delta-{n:05d}.safetensors", "wb") as f:
-                    f.truncate(2 << 30)  # sparse: no disk, 2 GiB to whoever reads it
-                await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
-                assert verify_checkpoint(ckpt, read_manifest(root, 1)) == []
-                assert _peak_rss(child.pid) < 1 << 30
-            finally:
-                child.send_signal(signal.SIGTERM)
-                _, err = child.communicate(timeout=120)
-                await _stop(publishing)
-        assert child.returncode == 0, err
-        assert f"delta-{n:05d}.safetensors is larger than" in err  # one line names it
+        async with _v2_streamed(root, root, ckpt, settle=0.5) as v2:
+            vdir = root / "v000000000002"
+            n = len(list(vdir.glob("delta-*.safetensors")))  # every shard of v2 is written
+            with open(vdir / f"delta-{n:05d}.safetensors", "wb") as f:
+                f.truncate(2 << 30)  # sparse: no disk, 2 GiB to whoever reads it
+            await _until(lambda: _engine(ckpt).get("status") == "clean", "the rollback")
+            assert verify_checkpoint(ckpt, read_manifest(root, 1)) == []
+            assert _peak_rss(v2.receiver.proc.pid) < 1 << 30
+    assert f"delta-{n:05d}.safetensors is larger than" in v2.receiver.err  # one line names it
 
 
 async def test_a_flapping_mount_costs_a_bounded_number_of_rollbacks(
@@ -318,7 +307,6 @@ async def test_a_flapping_mount_costs_a_bounded_number_of_rollbacks(
     with bindfs_mount(src, fuse) as root:
         engine = LocalCheckpoint(tmp_path / "ckpt")
         agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
-        stop = asyncio.Event()
 
         def capped() -> bool:
             return "it is applied after its manifest" in caplog.text
@@ -340,14 +328,9 @@ async def test_a_flapping_mount_costs_a_bounded_number_of_rollbacks(
                              keyframe_interval=0) as pub:  # fmt: skip
             await pub.seed(_state(0))
             await pub.publish(_state(1))
-            async with agent, asyncio.TaskGroup() as tg:
-                tg.create_task(agent.run(stop=stop))
-                try:
-                    await _until(lambda: agent.version == 1, "the receiver at v1")
-                    pub.pre_commit_hook = flap
-                    await pub.publish(_state(2))
-                    await _until(lambda: agent.version == 2, "the receiver at v2")
-                finally:
-                    stop.set()
+            async with running(agent, 1):
+                pub.pre_commit_hook = flap
+                await pub.publish(_state(2))
+                await _until(lambda: agent.version == 2, "the receiver at v2")
         assert len(starts) == 1 + early.MAX_RESTREAMS
         assert verify_checkpoint(tmp_path / "ckpt", read_manifest(src, 2)) == []

@@ -1,12 +1,17 @@
-"""What the real-SGLang test modules share: the built environment (or a failure saying why)."""
+"""What the real-SGLang test modules share: the built environment (or a failure saying why),
+a server of one of its models started for a module."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.sglang_env import build
+from tests.sglang_env.server import SGLangServer
 
 
 def require_env() -> Path:
@@ -25,3 +30,16 @@ def require_env() -> Path:
             pytrace=False,
         )
     return env
+
+
+@contextlib.contextmanager
+def serving(d: Path, model: str = "llama", **kw: Any) -> Iterator[SGLangServer]:
+    """A real SGLang server of the built ``model`` (``build.model_dir``), started (its log
+    ``d/sglang.log``; ``kw``: :class:`SGLangServer`'s options), stopped at the end."""
+    env = require_env()
+    srv = SGLangServer(env, build.model_dir(env, model), d / "sglang.log", **kw)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
