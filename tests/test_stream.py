@@ -314,14 +314,17 @@ async def test_an_agent_stopped_while_the_stream_begins_leaves_no_transaction(
             stop = asyncio.Event()
             run = asyncio.create_task(agent.run(stop=stop))
             await eventually(lambda: agent.version == 1, "the agent at v1")
-            entered = asyncio.Event()
+            entered, begun = asyncio.Event(), asyncio.Event()
             loop = asyncio.get_running_loop()
             real_begin = engine._begin
 
             def slow_begin(m: Any, mode: Any) -> None:  # a slow fsync of the state, say
                 loop.call_soon_threadsafe(entered.set)
                 time.sleep(0.5)
-                real_begin(m, mode)
+                try:
+                    real_begin(m, mode)
+                finally:
+                    loop.call_soon_threadsafe(begun.set)
 
             engine._begin = slow_begin  # type: ignore[method-assign]
 
@@ -329,7 +332,7 @@ async def test_an_agent_stopped_while_the_stream_begins_leaves_no_transaction(
                 await asyncio.wait_for(entered.wait(), 10)
                 stop.set()
                 await run
-                await asyncio.sleep(0.7)  # the begin's thread has finished
+                await asyncio.wait_for(begun.wait(), 10)  # the begin's thread has finished
 
             pub.pre_commit_hook = hook
             await pub.publish(sds[2])
