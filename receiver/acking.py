@@ -164,8 +164,8 @@ class RootPresence:
 
     async def _retake(self) -> None:
         """The lease was lost: take the id again, by the take's steps, once no live receiver
-        holds it (the other holder stopped, or its lease was restored from a backup and went
-        stale); LockHeld until then. Tried at most once a third of the ttl."""
+        holds it (the other holder stopped, or its lease was restored from a backup and is seen
+        unchanged for its ttl); LockHeld until then. Tried at most once a third of the ttl."""
         assert self.lost is not None
         now = time.monotonic()
         if now - self._retried < self.lease.ttl / 3:
