@@ -87,17 +87,16 @@ def engine_rows(
             break
     acks = read_acks(root, unreadable)
     ages = ack_ages(root, acks, now)  # on the root filesystem's clock, not the receivers'
-    rows, lags = [], {}
+    rows, lags, behind = [], {}, set()
     for engine, ack in acks.items():
         other_run = run_id is not None and ack.run_id != run_id
         newest = _newest_not_bad(counted, ack.bad_versions)
-        lags[engine] = None if newest is None or other_run else newest - ack.version
+        lag = lags[engine] = None if newest is None or other_run else newest - ack.version
+        if other_run or (lag is not None and lag > 0):
+            behind.add(engine)
     # behind and not heard of within --stale by the mtimes, or dated ahead (no age): what the
     # mtimes say is a writer's clock on an object-store mount; its lease's heartbeat tells
-    quiet = [
-        e for e, lag in lags.items()
-        if (lag is None or lag > 0) and (ages[e].age > stale or ages[e].ahead > AHEAD_SLACK)
-    ]  # fmt: skip
+    quiet = [e for e in behind if ages[e].age > stale or ages[e].ahead > AHEAD_SLACK]
     heard = watch_leases(root, quiet, wait=watch) if quiet else {}
     for engine, ack in sorted(acks.items()):
         other_run = run_id is not None and ack.run_id != run_id
