@@ -100,8 +100,8 @@ class ReceiverAgent:
             at once; bounds the decoded patches and the engine's undo journal in memory. None
             (default): sized by the model, 1/64 of its bytes within [1 MiB, 16 MiB]
             (``receiver.shard_reader.group_bytes_for``).
-        lease_ttl: seconds after its last heartbeat that the engine id's lease in the root
-            goes stale (another receiver may then take the id; FORMAT.md section 7.1).
+        lease_ttl: seconds another receiver must see the engine id's lease unchanged before it
+            takes the id (this one renews it every third of that; FORMAT.md section 7.1).
         lease_settle: seconds between writing this receiver's claim on the engine id and
             reading the others' (FORMAT.md section 7.1): above the time the root's filesystem
             takes to show a file written on another host. None: 0 on a local filesystem,
