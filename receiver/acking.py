@@ -171,8 +171,8 @@ class RootPresence:
         if now - self._retried < self.lease.ttl / 3:
             raise LockHeld(self.lost)
         self._retried = now
-        try:
-            await asyncio.to_thread(self.lease.acquire)
+        try:  # one look at the other lease per try: its watch goes on across the tries
+            await asyncio.to_thread(partial(self.lease.acquire, patience=0.0))
         except LockHeld:
             raise LockHeld(self.lost) from None
         logger.warning("agent %s: engine id %r taken again: no live receiver holds it now",

@@ -269,24 +269,25 @@ class EngineLease:
                 )  # fmt: skip
         return self.settle
 
-    def acquire(self) -> None:
+    def acquire(self, *, patience: float | None = None) -> None:
         """Take the lease, or raise LockHeld naming the live holder (or the unreadable file).
-        Blocks while it watches a lease or claim of another holder for a renewal: up to the
-        ttl and a few settles."""
+        Blocks while it watches a lease or claim of another holder for a renewal: up to
+        ``patience`` seconds for the lease (default: the ttl and a few settles). What it saw
+        is kept: a caller that tries again later (a lost id's retake, ``patience=0``) takes a
+        dead lease once it has been seen unchanged for its ttl across the tries."""
         make_dir(self.path.parent, root=self.root, exist_ok=True)
         settle = self.settle_seconds()
         self._acquired_at = time.time()
         _HELD.add(self.owner)  # our claim is live to the other leases of this process
         try:
-            self._take(settle)
+            self._take(settle, self.ttl + 4 * settle + 1 if patience is None else patience)
         except BaseException:
             if not self.held:  # refused, or interrupted while taking: leave no claim behind
                 _HELD.discard(self.owner)
                 self._withdraw()
             raise
 
-    def _take(self, settle: float) -> None:
-        patience = self.ttl + 4 * settle + 1
+    def _take(self, settle: float, patience: float) -> None:
         deadline = None
         while True:
             self._await_lease(patience)
