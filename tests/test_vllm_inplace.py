@@ -190,7 +190,7 @@ async def test_packed_weights_on_one_rank_mean_no_stages(rig: Rig) -> None:
     caps = r.workers.ranks[1].asyncsync_capabilities()
     assert caps["in_place"] is False and vllm_loader.ENV_PLAIN in caps["why_not"]
     assert "model.layers.0.self_attn.qkv_proj" in caps["why_not"]
-    r.engine._lost = True  # as after a server restart: the receiver asks again
+    r.engine.standing.lost = True  # as after a server restart: the receiver asks again
     await r.engine.reconcile()
     assert r.engine.stages_supported is False
     assert "packed" in (r.engine.info()["in_engine"]["why_not"] or "")

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import json
 import logging
 import os
 import time
@@ -46,7 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from asyncsync import fsio
 from asyncsync.errors import ApplyFailed, ConfigError
 from asyncsync.format import Manifest
 from asyncsync.pipeline import LoopTasks
@@ -55,8 +53,9 @@ from receiver.engines.backoff import FailureBackoff
 from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import EngineHTTPError, HttpClient, RetryPolicy, Timeouts
-from receiver.engines.server_record import read_record, record_of
+from receiver.engines.server_record import read_record, record_of, write_record
 from receiver.engines.stage_builder import Staging, clear_stages
+from receiver.engines.standing import ServerStanding
 from receiver.engines.tied import untied_why
 from receiver.state import STATE_DIR_NAME
 
@@ -139,9 +138,7 @@ class ReloadingEngine(Engine, abc.ABC):
         self.state = EngineState()
         self._txn: _Txn | None = None
         self._opened = False
-        self._lost = False  # the server dropped a call or reported another version: reconcile
-        self._weights_unknown: str | None = None  # why the served weights cannot be trusted
-        self._serves_other: str | None = None  # the label a lost server reported instead
+        self.standing = ServerStanding()
         self._background = LoopTasks()  # a resume a cancelled sync still owes
         self._paused = False  # paused by us and not (known to be) resumed since
         self.in_engine = in_engine
@@ -210,8 +207,7 @@ class ReloadingEngine(Engine, abc.ABC):
         return {
             "kind": self.kind,
             "url": str(self.client.url),
-            "server_lost": self._lost,
-            "weights_unknown": self._weights_unknown,
+            **self.standing.info(),
             "in_engine": {
                 "enabled": self.in_engine,
                 "stages_supported": self.stages_supported,
@@ -239,23 +235,22 @@ class ReloadingEngine(Engine, abc.ABC):
         """Nothing while the server serves another version (restarted: :meth:`reconcile`) or a
         failed reload left its weights unknown (vLLM): the ack names nothing until a reload is
         confirmed (docs/ENGINES.md, "What the agent acknowledges")."""
-        lost = self._serves_other is not None or self._weights_unknown is not None
-        return EngineState() if lost else self.state
+        return EngineState() if self.standing.withdrawn else self.state
 
     async def serving_version(self) -> int | None:
         """The version the server serves now: ``state.version`` when the server reports it,
         else None (restarted, down, or behind); a mismatch marks the server lost, so the next
         sync reconciles it."""
-        if self.state.version is None or self._weights_unknown is not None:
+        if self.state.version is None or self.standing.weights_unknown is not None:
             return None
         try:
             label = await self._guard(self._served())
         except ApplyFailed as exc:
             logger.info("%s at %s: cannot read its version: %s", self.kind, self.client.url, exc)
-            self._lost = True
+            self.standing.lost = True
             return None
         if label != str(self.state.version):
-            if self._txn is None and not self._lost:
+            if self._txn is None and not self.standing.lost:
                 logger.warning(
                     "%s at %s reports version %r, the receiver holds v%s: it is reconciled on "
                     "the next sync",
@@ -264,7 +259,7 @@ class ReloadingEngine(Engine, abc.ABC):
                     label,
                     self.state.version,
                 )
-                self._lost = True
+                self.standing.lost = True
             return None
         return self.state.version
 
@@ -275,7 +270,7 @@ class ReloadingEngine(Engine, abc.ABC):
         checkpoint's own (a rollback or a flush that failed: :meth:`LocalCheckpoint.reconcile`)."""
         if self._txn is not None:
             return
-        if self._lost:
+        if self.standing.lost:
             await self._reconcile_server()
         await self._on_checkpoint(self.checkpoint.reconcile())
 
@@ -297,12 +292,12 @@ class ReloadingEngine(Engine, abc.ABC):
         if held is not None and label != str(held) and self.checkpoint.state.version == held:
             logger.warning("%s at %s reports version %r after it was lost; reloading v%s",
                            self.kind, self.client.url, label, held)  # fmt: skip
-            self._serves_other = str(label)
+            self.standing.serves_other = str(label)
             if self.on_lost is not None:  # the agent withdraws the ack first
                 await self.on_lost()
             self._backoff.check(held)
             await self._reload_server(held)
-        self._lost = False
+        self.standing.lost = False
 
     async def repair(self) -> None:
         """Reload the held version into the server in full (after a failed audit)."""
@@ -391,7 +386,7 @@ class ReloadingEngine(Engine, abc.ABC):
         if untied is not None:  # the server would serve another lm_head than the version's
             raise ApplyFailed(f"{self.kind}: {untied}")
         if self.in_engine and await self.audit_watch.check(self.state) is not None:
-            self._lost = True  # not staged onto it: this version's reload repairs it
+            self.standing.lost = True  # not staged onto it: this version's reload repairs it
         local = self.checkpoint.state
         if self._holds(local, manifest):
             logger.info(
@@ -412,8 +407,8 @@ class ReloadingEngine(Engine, abc.ABC):
         return (
             self.in_engine
             and self.stages_supported is True
-            and not self._lost
-            and self._weights_unknown is None
+            and not self.standing.lost
+            and self.standing.weights_unknown is None
             and self.audit_watch.problem is None
             and self.state.version is not None
             and self.state == local
@@ -460,7 +455,7 @@ class ReloadingEngine(Engine, abc.ABC):
         self._backoff.check(manifest.version)
         if not self._holds(self.checkpoint.state, manifest):
             await self._on_checkpoint(self.checkpoint.bump(manifest))
-        if self._lost:
+        if self.standing.lost:
             await self._wait_for_server()
         label = await self._guard(self._served())
         if self.state.version is not None and label == str(self.state.version):
@@ -489,7 +484,7 @@ class ReloadingEngine(Engine, abc.ABC):
         resume (always, even on failure or cancellation) -> confirm. ``stage``: the stage
         directory's name."""
         t0 = time.perf_counter()
-        if self._lost:
+        if self.standing.lost:
             await self._wait_for_server()
         loading = False
         repairs, started = self.audit_watch.problem, time.time()
@@ -516,9 +511,9 @@ class ReloadingEngine(Engine, abc.ABC):
             await self._confirm(version)
         except ApplyFailed as exc:
             if isinstance(exc, EngineHTTPError) and exc.status is None:
-                self._lost = True  # no answer: the server may have died (or be restarting)
+                self.standing.lost = True  # no answer: the server may have died (or restarts)
             if loading and failed and self.failed_load_leaves_weights_unknown:
-                self._weights_unknown = f"the reload of v{version} failed: {exc}"[:300]
+                self.standing.weights_unknown = f"the reload of v{version} failed: {exc}"[:300]
                 logger.error(
                     "%s at %s: the reload of v%s failed; what the server serves is unknown "
                     "(not ready) until a reload succeeds",
@@ -528,8 +523,7 @@ class ReloadingEngine(Engine, abc.ABC):
                 )
             self._backoff.failed()
             raise
-        self._lost = False
-        self._weights_unknown = self._serves_other = None
+        self.standing.confirmed()
         self._backoff.reset()
         if repairs is not None:
             await self.audit_watch.repaired(started)
@@ -595,6 +589,5 @@ class ReloadingEngine(Engine, abc.ABC):
         return record_of(self.kind, str(self.client.url), self.model_path, s)
 
     async def _set_state(self, s: EngineState) -> None:
-        data = json.dumps({**self._record_of(s), "updated_at": time.time()}, indent=1) + "\n"
-        await asyncio.to_thread(fsio.atomic_write, self.record_path, data.encode())
+        await asyncio.to_thread(write_record, self.record_path, self._record_of(s))
         self.state = s

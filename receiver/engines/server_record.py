@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from asyncsync import fsio
 from asyncsync.errors import EngineStateError
 from receiver.engines.base import EngineState
 
-__all__ = ["RECORD_FORMAT", "read_record", "record_of"]
+__all__ = ["RECORD_FORMAT", "read_record", "record_of", "write_record"]
 
 RECORD_FORMAT = "asyncsync-server-state"
 
@@ -46,3 +47,9 @@ def read_record(path: Path) -> dict[str, Any] | None:
         return None
     d.pop("updated_at", None)
     return d
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Replace the record at ``path`` atomically, stamped with ``updated_at``."""
+    data = json.dumps({**record, "updated_at": time.time()}, indent=1) + "\n"
+    fsio.atomic_write(path, data.encode())
