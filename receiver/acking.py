@@ -35,7 +35,7 @@ from asyncsync.format.lease import DEFAULT_LEASE_TTL, EngineLease, remove_left_t
 from asyncsync.format.names import LEASES_DIR
 from asyncsync.format.store import not_a_root
 from asyncsync.pipeline import LoopLock
-from receiver.engines.base import Engine, EngineState
+from receiver.engines.base import Engine
 
 __all__ = ["RootPresence", "check_root_for_receiver", "not_writable"]
 
@@ -233,6 +233,10 @@ class RootPresence:
             # ttl): renew first, so that a receiver that took the id over is not overwritten
             if self.lease.held and time.monotonic() - self._renewed >= self.lease.ttl / 3:
                 await self._renew()
+            if self.engine.ackable().version != version:  # its server stopped serving it since
+                logger.info("agent %s: v%d not acknowledged: the engine's server no longer "
+                            "serves it", self.engine_id, version)  # fmt: skip
+                return
             await self._write(version, fingerprint, run_id, bad)
 
     async def _write(self, version: int, fingerprint: str, run_id: str, bad: Sequence[int]) -> None:
@@ -288,33 +292,35 @@ class RootPresence:
         await self.ack(st.version, st.fingerprint, st.run_id, bad)
         return True
 
-    async def reconcile(self, state: EngineState, bad: Sequence[int]) -> None:
-        """Make our ack name no more than the engine holds.
+    async def reconcile(self, bad: Sequence[int]) -> None:
+        """Make our ack name no more than the engine holds (``Engine.ackable``).
 
         An engine can lose what it held: a full apply that fails or is killed while its files
-        are moved into place leaves none (LocalCheckpoint removes the mixed files), and a
-        restarted in-memory engine starts empty. An ack written before would then claim a
-        version the engine does not hold; it is rewritten to what the engine holds, or removed.
+        are moved into place leaves none (LocalCheckpoint removes the mixed files), a
+        restarted in-memory engine starts empty, and a server engine's server may stop serving
+        it (restarted, stopped). An ack written before would then claim a version the engine
+        does not hold; it is rewritten to what the engine holds, or removed. Decided and done
+        under the lock an ack is written under: the engine's idle check and ``/readyz`` call
+        it while a sync may be acking a version the server just confirmed.
         """
         if self.acked is None:
             return
-        self._not_lost()
-        run_id, version = self.acked
-        if state.version is not None and state.run_id == run_id and state.version >= version:
-            return
-        if state.version is not None and state.run_id is not None and state.fingerprint is not None:
-            logger.warning(
-                "agent %s: ack names v%d, the engine holds v%d: rewriting the ack",
-                self.engine_id, version, state.version,
-            )  # fmt: skip
-            await self.ack(state.version, state.fingerprint, state.run_id, bad)
-            return
-        logger.warning(
-            "agent %s: ack names v%d, the engine holds nothing: removing the ack",
-            self.engine_id, version,
-        )  # fmt: skip
-        path = ack_path(self.root, self.engine_id)
         async with self._renewal:
             self._not_lost()
+            state = self.engine.ackable()
+            if self.acked is None:
+                return
+            run_id, version = self.acked
+            if state.version is not None and state.run_id == run_id and state.version >= version:
+                return
+            if state.version is not None and state.run_id and state.fingerprint:
+                logger.warning("agent %s: ack names v%d, the engine holds v%d: rewriting the "
+                               "ack", self.engine_id, version, state.version)  # fmt: skip
+                await self._write(state.version, state.fingerprint, state.run_id, bad)
+                return
+            logger.warning("agent %s: ack names v%d, the engine holds nothing (or its server "
+                           "does not serve it): removing the ack",
+                           self.engine_id, version)  # fmt: skip
+            path = ack_path(self.root, self.engine_id)
             await asyncio.to_thread(partial(fsio.remove, path, root=self.root))  # never followed
-        self.acked = self._written = None
+            self.acked = self._written = None

@@ -346,6 +346,7 @@ class ReceiverAgent:
     # ------------------------------------------------------------------ sync
     async def _sync(self) -> int | None:
         self._bad.begin_sync()
+        await self._reconcile_ack()  # a server found serving other weights since: no ack
         found = await asyncio.to_thread(latest_version, self.root, self.version)
         self._c.latest = found
         if found is None:
@@ -471,7 +472,7 @@ class ReceiverAgent:
             return
 
     async def _reconcile_ack(self) -> None:
-        await self._presence.reconcile(self.engine.ackable(), self._bad.versions())
+        await self._presence.reconcile(self._bad.versions())
 
     async def _ack(self, m: Manifest) -> None:
         try:

@@ -217,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds a weight reload may take (default {Timeouts.update:g})",
     )
     server.add_argument(
+        "--engine-silence-timeout",
+        type=positive_float,
+        default=Timeouts.silence,
+        metavar="S",
+        help="seconds a server that answers nothing (stopped, hung) keeps the ack before it is "
+        f"withdrawn; restored when it answers with the version (default {Timeouts.silence:g})",
+    )
+    server.add_argument(
         "--engine-startup-timeout",
         type=positive_float,
         default=Timeouts.startup,
@@ -297,7 +305,11 @@ def _make_engine(args: argparse.Namespace) -> Engine:
 def _server_engine(args: argparse.Namespace) -> ReloadingEngine | None:
     if not (args.sglang_url or args.vllm_url):
         return None
-    timeouts = Timeouts(update=args.engine_update_timeout, startup=args.engine_startup_timeout)
+    timeouts = Timeouts(
+        update=args.engine_update_timeout,
+        startup=args.engine_startup_timeout,
+        silence=args.engine_silence_timeout,
+    )
     common: dict[str, Any] = {
         "api_key": _api_key(args),
         "model_path": args.engine_model_path,

@@ -3,10 +3,14 @@
 An inference server restarted by its supervisor comes back with the weights it loads from
 disk, not the version the receiver acked. Nothing noticed that until the next version arrived
 or something asked ``/readyz``; :func:`watch_engine` asks the engine every ``interval`` seconds
-while no version is being applied (``Engine.serving_version``: one cheap request to the
-server, ``GET /model_info`` on SGLang), and wakes the agent's sync when the engine serves
-nothing it holds. The sync then finds nothing newer and calls ``Engine.reconcile``, which
-reloads the held version into the server.
+(``Engine.serving_version``: one cheap request to the server, ``GET /model_info`` on SGLang),
+and wakes the agent's sync when the engine serves nothing it holds. The sync then finds nothing
+newer and calls ``Engine.reconcile``, which reloads the held version into the server.
+
+It asks while a version is being applied too: a server restarted while the receiver patches
+its checkpoint (minutes for a large model) must not keep the ack meanwhile. The engine judges
+no label read across a reload in flight, and withdraws the ack itself when the server no longer
+serves the version held (``Engine.on_lost``), so nothing here touches the ack.
 """
 
 from __future__ import annotations
@@ -31,13 +35,13 @@ async def watch_engine(
     busy: Callable[[], bool],
     interval: float = ENGINE_CHECK_INTERVAL,
 ) -> None:
-    """Until cancelled: every ``interval`` seconds, unless ``busy()`` (a sync is applying a
-    version) or the engine holds nothing, set ``wake`` when the engine does not serve the
-    version it holds."""
+    """Until cancelled: every ``interval`` seconds, unless the engine holds nothing, ask it what
+    it serves; set ``wake`` when it does not serve the version it holds, unless ``busy()`` (a
+    sync is applying a version: it reconciles the server with that version's reload)."""
     while True:
         await asyncio.sleep(interval)
         held = engine.state.version
-        if held is None or busy():
+        if held is None:
             continue
         try:
             serving = await engine.serving_version()

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from receiver.engines import (
     RetryPolicy,
     SGLang,
     Timeouts,
+    reloading,
     verify_checkpoint,
 )
 from tests.conftest import eventually
@@ -190,6 +192,44 @@ async def test_a_restarted_server_has_its_ack_withdrawn_until_it_serves_the_vers
             hold.set()
         assert await sync == 1
         assert srv.weight_version == "1" and read_acks(chain.root)["e1"].version == 1
+
+
+async def test_a_label_read_during_a_commits_reload_is_not_taken_for_a_restart(
+    chain: Chain, srv: FakeSGLang, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``/readyz`` (or the idle check) reads the server's label while a commit's reload runs:
+    the server already reports v2, the engine still holds v1 until its record is written.
+    That read marked the server lost (one more wait and label read on the next sync, and now
+    that a mismatch withdraws the ack, the ack withdrawn for nothing): a read across a change
+    in flight is not judged. The record's write is held (at the file boundary) to read there."""
+    async with agent_for(chain, make_engine(srv, tmp_path / "ckpt")) as agent:
+        await chain.next()
+        await chain.next()
+        assert await agent.sync_once() == 1
+        await chain.next()
+        writing, release = threading.Event(), threading.Event()
+        real = reloading.write_record
+
+        def held_write(path: Path, record: dict[str, Any]) -> None:
+            if record["version"] == 2:
+                writing.set()
+                release.wait(30)
+            real(path, record)
+
+        monkeypatch.setattr(reloading, "write_record", held_write)
+        sync = asyncio.create_task(agent.sync_once())
+        try:
+            await asyncio.to_thread(writing.wait, 30)
+            assert srv.weight_version == "2" and agent.engine.state.version == 1
+            assert await agent.engine.serving_version() == 2  # what the server serves
+        finally:
+            release.set()
+        assert await sync == 2
+        assert agent.engine.info()["server_lost"] is False
+        n = len(srv.calls)
+        assert await agent.sync_once() == 2
+        assert since(srv, n) == []  # nothing to reconcile: no wait, no label read
+        assert read_acks(chain.root)["e1"].version == 2
 
 
 async def test_open_reconciles_only_when_needed(

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from asyncsync.format.acks import read_acks
 from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.audit import Auditor, receiver_auditor
@@ -96,7 +97,8 @@ async def test_a_ranks_mismatch_record_makes_the_auditor_unhealthy_until_repaire
     chain: Chain, srv: FakePluginSGLang, tmp_path: Path
 ) -> None:
     """The Auditor the receiver runs by default (no flag) reads the plugin's records: rank 1's
-    mismatch turns /readyz 503 with the audit's reason, a repair that fails keeps it so, a
+    mismatch turns /readyz 503 with the audit's reason, a repair that fails keeps it so (and
+    withdraws the ack: the server does not serve the version as published), a
     full reload repairs it (the stale record of a rank that no plugin rewrites is dropped),
     and /readyz is 200 again; /status and /metrics say so through the Auditor."""
     ckpt = tmp_path / "ckpt"
@@ -129,8 +131,9 @@ async def test_a_ranks_mismatch_record_makes_the_auditor_unhealthy_until_repaire
             mismatch(ckpt, engine, names[2], rank=1)
             await until(lambda: auditor.stats.errors >= 1)
             code, body = await get("/readyz")
-            assert code == 503 and "the audit found served bytes that differ" in body["why"]
-            assert body["serving"] == v  # the server answers: only the audit says no
+            # the repair failed: the server does not serve v as published, the ack is withdrawn
+            assert code == 503 and body["serving"] is None
+            assert "e1" not in read_acks(chain.root)
             st = (await get("/status"))[1]["audit"]
             assert st["healthy"] is False and st["failing"] == [names[2]]
             metrics = (await get("/metrics"))[1]

@@ -194,7 +194,8 @@ async def test_server_killed_while_it_applies_a_stage(stack: Stack) -> None:
     wait_for("the receiver's update inside SGLang", lambda: s.updates_started() > started)
     s.server.stop(sig=signal.SIGKILL)
     wait_for("/readyz 503 with the server down", lambda: s.receiver.get("/readyz")[0] == 503)
-    assert s.trainer.ack_of(EID) == held
+    # refused connections: the process is gone, the next one serves its launch weights
+    wait_for("the ack withdrawn", lambda: s.trainer.ack_of(EID) is None, timeout=60)
     s.server.start()
     await s.wait_acked_or_broken(v)
     s.check_served(v)
@@ -287,13 +288,19 @@ async def test_a_restarted_server_is_noticed_while_idle(stack: Stack) -> None:
     weights it loads from disk: the receiver noticed only at its next version or when asked
     ``/readyz``, the ack naming the old version meanwhile. Its idle check of the served
     version (every few seconds) finds it now and reloads the version held; nobody asks
-    ``/readyz`` here. The ack is removed while the server serves its launch weights and
-    written again after the reload (tests/test_sglang.py shows the removal)."""
+    ``/readyz`` here. The ack was removed only once the new process answered with its launch
+    label (after the receiver's wait for it, up to 8 s between probes): for that long a
+    trainer read v in the ack while the server served its launch weights. It is removed now
+    as soon as the check finds nothing listening, before the new process serves anything, and
+    written again after the reload."""
     s = stack
     wait_for("the receiver up", lambda: s.receiver.get("/readyz")[0] == 200)
     v = s.trainer.ack_of(EID)
     assert v is not None
     s.server.stop(sig=signal.SIGKILL)
+    wait_for("the ack withdrawn while the server is down", lambda: s.trainer.ack_of(EID) is None,
+             timeout=60)  # fmt: skip
+    assert s.receiver.status()["engine"]["ack_withdrawn"], s.receiver.tail()
     s.server.start()
     wait_for(
         f"v{v} reloaded into the new process",
@@ -306,3 +313,40 @@ async def test_a_restarted_server_is_noticed_while_idle(stack: Stack) -> None:
     v = await s.trainer.step([ONE])  # and in place from there
     await s.wait_acked_or_broken(v)
     s.check_served(v)
+
+
+@pytest.mark.heavy
+async def test_a_stopped_server_loses_its_ack_and_gets_it_back_when_it_answers(
+    stack: Stack,
+) -> None:
+    """The whole server stopped (SIGSTOP of its process group: a hung host, a debugger) answers
+    nothing: the ack kept naming the version for as long as it stayed so, forever. With
+    ``--engine-silence-timeout 5`` it is withdrawn once nothing was answered for 5 s; on
+    SIGCONT the server answers with the version held, and the ack is written again, with no
+    reload (the weights never changed)."""
+    s = stack
+    s.receiver.stop()
+    strict = Receiver(
+        s.dir / "strict.log", [*s.receiver.cmd[1:-4], "--engine-silence-timeout", "5"]
+    )
+    strict.start()
+    assert s.server.proc is not None
+    group = s.server.proc.pid
+    try:
+        wait_for("the receiver up", lambda: strict.get("/readyz")[0] == 200)
+        v = s.trainer.ack_of(EID)
+        assert v is not None
+        started = s.updates_started()
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            wait_for("the ack withdrawn", lambda: s.trainer.ack_of(EID) is None, timeout=120)
+            assert "answered nothing" in strict.status()["engine"]["ack_withdrawn"]
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        wait_for(f"v{v} acked again", lambda: s.trainer.ack_of(EID) == v, timeout=180)
+        assert strict.status()["engine"]["ack_withdrawn"] is None
+        assert s.updates_started() == started  # nothing reloaded: it serves v as before
+        s.check_served(v)
+    finally:
+        strict.stop()
+        s.receiver.start()

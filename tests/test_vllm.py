@@ -159,6 +159,34 @@ async def test_a_refused_version_is_not_ready_and_a_keyframe_after_it_is_taken_i
         assert read_acks(chain.root)["v1"].version == v
 
 
+@pytest.mark.parametrize("fails", ["/pause", "/collective_rpc"])
+async def test_a_failed_repair_withdraws_the_ack_and_the_next_sync_repairs(
+    chain: Chain, tmp_path: Path, fails: str
+) -> None:
+    """A repair follows an audit that found the server serving other bytes than the version
+    held. When it fails (the pause refused, or the load: vLLM's weights then unknown), the
+    server still does not serve the version: the ack must go, and a sync with nothing newer
+    must load it again in full. Before, ``_lost`` was not set: a failed pause kept the ack,
+    a failed load lost it at the next idle sync, and neither was ever reloaded."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        FakeVLLM(str(ckpt.absolute())) as srv,
+        agent_for(chain, make_engine(srv, ckpt)) as agent,
+    ):
+        await chain.next()
+        assert await agent.sync_once() == 0
+        srv.inject(fails, status=500, message="refused", times=FAST_RETRY.attempts)
+        with pytest.raises(EngineHTTPError, match="refused"):
+            await agent.engine.repair()
+        assert "v1" not in read_acks(chain.root)
+        assert await agent.engine.serving_version() is None
+        n = len(srv.loads)
+        assert await agent.sync_once() == 0
+        assert [ld.checkpoint_version for ld in srv.loads[n:]] == [0]  # repaired
+        assert await agent.engine.serving_version() == 0
+        assert read_acks(chain.root)["v1"].version == 0
+
+
 async def test_a_server_without_the_worker_extension_cannot_audit(
     chain: Chain, tmp_path: Path
 ) -> None:

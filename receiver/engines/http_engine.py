@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -115,15 +117,18 @@ class Timeouts:
     ``control``: pause, continue, version calls, reads. ``update``: a weight reload (a full
     reload of a large model takes minutes). ``connect``: establishing a connection, within
     either. ``startup``: how long ``open()`` waits for a server that is still starting.
+    ``silence``: how long a server that answers nothing (stopped, hung, cut off) keeps the
+    ack; a reload in flight does not count (docs/ENGINES.md, "What the agent acknowledges").
     """
 
     control: float = 30.0
     update: float = 900.0
     connect: float = 10.0
     startup: float = 1800.0
+    silence: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("control", "update", "connect", "startup"):
+        for name in ("control", "update", "connect", "startup", "silence"):
             check_seconds(f"Timeouts.{name}", getattr(self, name), above=True)
 
 
@@ -216,6 +221,22 @@ class HttpClient:
         # loop -> its session and the async generator that closes it when the loop shuts down
         self._sessions: dict[asyncio.AbstractEventLoop, _LoopSession] = {}
         self._closed = False
+        #: a call since the server's last answer found nothing listening (stopped, restarting)
+        self.refused = False
+        self._answered_at = -math.inf  # monotonic time of the server's last answer
+        self._unanswered: float | None = None  # the start of the oldest call since, unanswered
+        self._pending: dict[object, float] = {}  # the calls waiting for an answer: their start
+
+    def silent_for(self) -> float:
+        """Seconds since the oldest call sent after the server's last answer that got none
+        (given up, or still waiting); 0 when every such call was answered."""
+        starts = [t for t in self._pending.values() if t > self._answered_at]
+        if self._unanswered is not None:
+            starts.append(self._unanswered)
+        return time.monotonic() - min(starts) if starts else 0.0
+
+    def _answered(self) -> None:
+        self._answered_at, self._unanswered, self.refused = time.monotonic(), None, False
 
     def __repr__(self) -> str:  # no headers: they hold the key
         auth = "yes" if self._auth else "no"
@@ -300,6 +321,7 @@ class HttpClient:
         headers = {"Authorization": auth} if auth else None
         key = None if not admin else "shared" if auth == self._auth else "own"
         for attempt in range(1, attempts + 1):
+            token, self._pending[token] = object(), time.monotonic()
             try:
                 async with (await self._get_session(endpoint)).request(
                     method,
@@ -312,6 +334,7 @@ class HttpClient:
                 ) as resp:
                     status = resp.status
                     body = await resp.text(errors="replace")
+                self._answered()
             except TimeoutError as exc:  # aiohttp's timeouts subclass TimeoutError
                 err = EngineHTTPError(
                     f"{self.name} {endpoint}: no answer within {timeout:g}s",
@@ -320,6 +343,10 @@ class HttpClient:
                 if not retry_timeouts or attempt == attempts:
                     raise err from exc
             except aiohttp.ClientError as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
+                    exc.os_error, ConnectionRefusedError
+                ):
+                    self.refused = True  # nothing listens: the process is gone (restarting)
                 err = EngineHTTPError(
                     f"{self.name} {endpoint}: cannot reach {self.url} "
                     f"({type(exc).__name__}: {exc})",
@@ -339,10 +366,19 @@ class HttpClient:
                 )
                 if status < 500 or attempt == attempts:
                     raise err
+            finally:
+                self._ended(token)
             delay = self.retry.delay(attempt)
             logger.warning("%s; retry %d/%d in %.2fs", err, attempt, attempts - 1, delay)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _ended(self, token: object) -> None:
+        """An attempt ended: one that got no answer (an error, a timeout, cancelled) counts
+        from its start towards :meth:`silent_for`, when it was sent after the last answer."""
+        start = self._pending.pop(token)
+        if start > self._answered_at:
+            self._unanswered = min(start, self._unanswered or start)
 
     async def wait_until_up(self, path: str, *, deadline: float, call_timeout: float) -> Any:
         """GET ``path`` until it answers 2xx (server starting: connection refused, 5xx) or

@@ -138,7 +138,7 @@ class ReloadingEngine(Engine, abc.ABC):
         self.state = EngineState()
         self._txn: _Txn | None = None
         self._opened = False
-        self.standing = ServerStanding()
+        self.standing = ServerStanding(self.client, self.timeouts.silence)
         self._background = LoopTasks()  # a resume a cancelled sync still owes
         self._paused = False  # paused by us and not (known to be) resumed since
         self.in_engine = in_engine
@@ -232,36 +232,40 @@ class ReloadingEngine(Engine, abc.ABC):
         }
 
     def ackable(self) -> EngineState:
-        """Nothing while the server serves another version (restarted: :meth:`reconcile`) or a
-        failed reload left its weights unknown (vLLM): the ack names nothing until a reload is
-        confirmed (docs/ENGINES.md, "What the agent acknowledges")."""
+        """Nothing while the server is not known to serve the version held: it reports another
+        (restarted: :meth:`reconcile`), refuses connections, answered nothing for
+        ``Timeouts.silence``, or a failed reload or repair left its weights unknown. The ack
+        names nothing until it answers with the version or a reload is confirmed
+        (docs/ENGINES.md, "What the agent acknowledges")."""
         return EngineState() if self.standing.withdrawn else self.state
 
     async def serving_version(self) -> int | None:
-        """The version the server serves now: ``state.version`` when the server reports it,
-        else None (restarted, down, or behind); a mismatch marks the server lost, so the next
-        sync reconciles it."""
-        if self.state.version is None or self.standing.weights_unknown is not None:
+        """The version the server serves now: ``state.version`` when the server reports it
+        (or the version a reload in flight just gave it), else None (restarted, down, or
+        behind). A mismatch or no answer marks the server lost, so the next sync reconciles
+        it; what makes the ack go (:meth:`ackable`) withdraws it at once (``on_lost``)."""
+        held, st = self.state.version, self.standing
+        if held is None or st.weights_unknown is not None or st.repair_owed is not None:
             return None
-        try:
-            label = await self._guard(self._served())
-        except ApplyFailed as exc:
-            logger.info("%s at %s: cannot read its version: %s", self.kind, self.client.url, exc)
-            self.standing.lost = True
-            return None
-        if label != str(self.state.version):
-            if self._txn is None and not self.standing.lost:
-                logger.warning(
-                    "%s at %s reports version %r, the receiver holds v%s: it is reconciled on "
-                    "the next sync",
-                    self.kind,
-                    self.client.url,
-                    label,
-                    self.state.version,
-                )
-                self.standing.lost = True
-            return None
-        return self.state.version
+        mark = self.standing.mark()
+        try:  # bounded: the idle check must come back to say a silence out
+            async with asyncio.timeout(min(self.timeouts.control, self.timeouts.silence)):
+                label = await self._guard(self._served())
+        except (ApplyFailed, TimeoutError) as exc:
+            logger.info("%s at %s: cannot read its version: %s", self.kind, self.client.url,
+                        exc or "no answer")  # fmt: skip
+            st.lost |= st.loading is None  # (a reload in flight judges the server itself)
+            serving, lost = None, False
+        else:
+            serving, lost = self.standing.judge(label, held, mark)
+        if lost and self.standing.serves_other is None:
+            logger.warning("%s at %s reports version %r, the receiver holds v%s: the ack is "
+                           "withdrawn and the server reconciled", self.kind, self.client.url,
+                           label, held)  # fmt: skip
+            self.standing.lost, self.standing.serves_other = True, str(label)
+        if self.standing.withdrawn and self.on_lost is not None:
+            await self.on_lost()  # (at once: not after the next sync's wait for the server)
+        return serving
 
     async def reconcile(self) -> None:
         """When the server was lost: wait for it, and reload the checkpoint into it unless it
@@ -288,16 +292,21 @@ class ReloadingEngine(Engine, abc.ABC):
     async def _reconcile_server(self) -> None:
         await self._wait_for_server()
         label = await self._guard(self._served())
-        held = self.state.version
-        if held is not None and label != str(held) and self.checkpoint.state.version == held:
-            logger.warning("%s at %s reports version %r after it was lost; reloading v%s",
-                           self.kind, self.client.url, label, held)  # fmt: skip
-            self.standing.serves_other = str(label)
+        held, st = self.state.version, self.standing
+        owed = st.repair_owed or st.weights_unknown  # the label says nothing of those
+        other = label != str(held)
+        if held is not None and (owed or other) and self.checkpoint.state.version == held:
+            logger.warning("%s at %s reports version %r after it was lost%s; reloading v%s",
+                           self.kind, self.client.url, label, f" ({owed})" if owed else "",
+                           held)  # fmt: skip
+            if other:
+                st.serves_other = str(label)
             if self.on_lost is not None:  # the agent withdraws the ack first
                 await self.on_lost()
             self._backoff.check(held)
-            await self._reload_server(held)
-        self.standing.lost = False
+            await self._reload_server(held, full=st.repair_owed is not None)
+        st.lost = False
+        st.serves_other = None  # (answered with the version held: the ack comes back)
 
     async def repair(self) -> None:
         """Reload the held version into the server in full (after a failed audit)."""
@@ -309,7 +318,14 @@ class ReloadingEngine(Engine, abc.ABC):
             )
         logger.warning("%s at %s: reloading v%s in full", self.kind, self.client.url, held)
         self._backoff.reset()  # an audit's repair is not a retried update
-        await self._reload_server(held, full=True)
+        self.standing.repair_owed = f"an audit found other bytes served than v{held}"
+        if self.on_lost is not None:  # not served as the ack says: withdrawn until repaired
+            await self.on_lost()
+        try:
+            await self._reload_server(held, full=True)
+        except BaseException:
+            self.standing.lost = True  # the next sync with nothing newer repairs it again
+            raise
 
     async def _wait_for_server(self) -> None:
         logger.info("%s at %s: waiting for the server to answer", self.kind, self.client.url)
@@ -349,8 +365,9 @@ class ReloadingEngine(Engine, abc.ABC):
                     local.version,
                     "matches" if record == self._record_of(local) else "differs or missing",
                 )
-                await self._reload_server(local.version)
-                await self._set_state(local)
+                with self.standing.changing(local.version):
+                    await self._reload_server(local.version)
+                    await self._set_state(local)
         except BaseException:
             await self.client.close()
             await self.checkpoint.close()
@@ -389,11 +406,8 @@ class ReloadingEngine(Engine, abc.ABC):
             self.standing.lost = True  # not staged onto it: this version's reload repairs it
         local = self.checkpoint.state
         if self._holds(local, manifest):
-            logger.info(
-                "%s: the checkpoint already holds v%s; only reloading the server",
-                self.kind,
-                manifest.version,
-            )
+            logger.info("%s: the checkpoint already holds v%s; only reloading the server",
+                        self.kind, manifest.version)  # fmt: skip
             self._txn = _Txn(manifest, reload_only=True)
             return
         await self._on_checkpoint(self.checkpoint.begin(manifest, mode))
@@ -433,11 +447,12 @@ class ReloadingEngine(Engine, abc.ABC):
                 raise
             txn.local_committed = True
         self._txn = None
-        try:
-            await self._reload_server(m.version, stage=stage)
-        finally:
-            await self._staging.drop()
-        await self._set_state(self.checkpoint.state)
+        with self.standing.changing(m.version):  # until the engine holds it (serving_version)
+            try:
+                await self._reload_server(m.version, stage=stage)
+            finally:
+                await self._staging.drop()
+            await self._set_state(self.checkpoint.state)
         return m.fingerprint
 
     async def abort(self) -> None:
@@ -458,23 +473,20 @@ class ReloadingEngine(Engine, abc.ABC):
         if self.standing.lost:
             await self._wait_for_server()
         label = await self._guard(self._served())
-        if self.state.version is not None and label == str(self.state.version):
-            try:
-                await self._guard(self._relabel(manifest.version + self.version_offset))
-                await self._confirm(manifest.version)
-            except ApplyFailed:
-                self._backoff.failed()
-                raise
-        else:
-            logger.warning(
-                "%s reports version %r, expected %s: loading v%s in full instead of relabelling",
-                self.kind,
-                label,
-                self.state.version,
-                manifest.version,
-            )
-            await self._reload_server(manifest.version)
-        await self._set_state(self.checkpoint.state)
+        with self.standing.changing(manifest.version):
+            if self.state.version is not None and label == str(self.state.version):
+                try:
+                    await self._guard(self._relabel(manifest.version + self.version_offset))
+                    await self._confirm(manifest.version)
+                except ApplyFailed:
+                    self._backoff.failed()
+                    raise
+            else:
+                logger.warning("%s reports version %r, expected %s: loading v%s in full "
+                               "instead of relabelling", self.kind, label, self.state.version,
+                               manifest.version)  # fmt: skip
+                await self._reload_server(manifest.version)
+            await self._set_state(self.checkpoint.state)
 
     # -- the server protocol -----------------------------------------------------------------
     async def _reload_server(
@@ -483,6 +495,10 @@ class ReloadingEngine(Engine, abc.ABC):
         """pause -> load (the stage in place, else the checkpoint; ``full``: every tensor) ->
         resume (always, even on failure or cancellation) -> confirm. ``stage``: the stage
         directory's name."""
+        with self.standing.changing(version):
+            await self._reload(version, full, stage)
+
+    async def _reload(self, version: int, full: bool, stage: str | None) -> None:
         t0 = time.perf_counter()
         if self.standing.lost:
             await self._wait_for_server()
@@ -514,26 +530,17 @@ class ReloadingEngine(Engine, abc.ABC):
                 self.standing.lost = True  # no answer: the server may have died (or restarts)
             if loading and failed and self.failed_load_leaves_weights_unknown:
                 self.standing.weights_unknown = f"the reload of v{version} failed: {exc}"[:300]
-                logger.error(
-                    "%s at %s: the reload of v%s failed; what the server serves is unknown "
-                    "(not ready) until a reload succeeds",
-                    self.kind,
-                    self.client.url,
-                    version,
-                )
+                logger.error("%s at %s: the reload of v%s failed; what the server serves is "
+                             "unknown (not ready) until a reload succeeds", self.kind,
+                             self.client.url, version)  # fmt: skip
             self._backoff.failed()
             raise
         self.standing.confirmed()
         self._backoff.reset()
         if repairs is not None:
             await self.audit_watch.repaired(started)
-        logger.info(
-            "%s at %s loaded v%s in %.2fs",
-            self.kind,
-            self.client.url,
-            version,
-            time.perf_counter() - t0,
-        )
+        logger.info("%s at %s loaded v%s in %.2fs", self.kind, self.client.url, version,
+                    time.perf_counter() - t0)  # fmt: skip
 
     async def _resume_always(self, failed: bool) -> None:
         """Resume in a task of its own, so a cancelled sync still unpauses the server."""
