@@ -240,13 +240,14 @@ class ReloadingEngine(Engine, abc.ABC):
         return EngineState() if self.standing.withdrawn else self.state
 
     async def serving_version(self) -> int | None:
-        """The version the server serves now: ``state.version`` when the server reports it
-        (or the version a reload in flight just gave it), else None (restarted, down, or
-        behind). A mismatch or no answer marks the server lost, so the next sync reconciles
-        it; what makes the ack go (:meth:`ackable`) withdraws it at once (``on_lost``)."""
+        """The version the server serves now (its label: ``state.version``, or that of a reload
+        in flight), else None. A mismatch or no answer marks the server lost (the next sync
+        reconciles it); what makes the ack go (:meth:`ackable`) withdraws it now (``on_lost``)."""
         held, st = self.state.version, self.standing
-        if held is None or st.weights_unknown is not None or st.repair_owed is not None:
+        if held is None or st.weights_unknown or st.repair_owed:
             return None
+        if st.lost and st.withdrawn and st.loading is None:
+            return None  # the sync waits for the server: its probes say when it is back
         mark = self.standing.mark()
         try:  # bounded: the idle check must come back to say a silence out
             async with asyncio.timeout(min(self.timeouts.control, self.timeouts.silence)):
@@ -299,8 +300,7 @@ class ReloadingEngine(Engine, abc.ABC):
             logger.warning("%s at %s reports version %r after it was lost%s; reloading v%s",
                            self.kind, self.client.url, label, f" ({owed})" if owed else "",
                            held)  # fmt: skip
-            if other:
-                st.serves_other = str(label)
+            st.serves_other = str(label) if other else st.serves_other
             if self.on_lost is not None:  # the agent withdraws the ack first
                 await self.on_lost()
             self._backoff.check(held)
