@@ -382,7 +382,7 @@ async def test_a_rank_with_bad_input_fails_the_group_fast(tmp_path: Path) -> Non
         (s0, l0), _ = _step(0)
         t0 = time.monotonic()
         r0, r1 = await _both(
-            [p0.seed(s0, slices=l0), p1.seed({"x": torch.ones(2).to(torch.cfloat)})]
+            [p0.seed(s0, slices=l0), p1.seed({"x": torch.ones(2).to(torch.cdouble)})]
         )
         assert time.monotonic() - t0 < 5
     assert isinstance(r1, ConfigError) and "dtype" in str(r1)
