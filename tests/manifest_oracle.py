@@ -31,7 +31,8 @@ ENCODINGS = ("xef", "indices", "deltas", "deltas_zstd")  # section 3, `encoding`
 DIGEST_HEX = {"xxh3-128": 32, "xxh3-64": 16}  # `checksum_algorithm`: hex digits of a digest
 HASHES = {"xxh3-128": xxhash.xxh3_128, "xxh3-64": xxhash.xxh3_64}
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
-          "float64", "float8_e4m3fn", "float8_e5m2")  # fmt: skip
+          "float64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
+          "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "complex64")  # fmt: skip
 INT_LIMIT = 2**53  # "all integers in JSON are exact (below 2^53)"
 MAX_VERSION = 10**12 - 1  # a version directory is "v" + 12 decimal digits
 SHARD_LIMIT = 2**40  # section 1, Sizes: "a shard's bytes is below 2^40"
