@@ -273,6 +273,11 @@ class LocalCheckpoint(Recovery, Engine):
             return False
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
         check_tensor_set(self._held(), manifest, str(self.directory))
+        if copied := self.files.own_data_files():  # written in place: never through a link
+            logger.warning(
+                "%s: %s had other links (a symlink or a hard link: a backup?); copied, so the "
+                "file elsewhere keeps its bytes", self.directory, ", ".join(copied),
+            )  # fmt: skip
         self._store.clear_dir(self._store.journal_dir)
         self._set(self._ps.begin(manifest.version, "delta", progressive=not self.sync_before_ack))
         txn.maps = FileMaps(self.directory)

@@ -13,6 +13,7 @@ import os
 import re
 import stat
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -126,6 +127,25 @@ class CheckpointFiles:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+    def own_data_files(self, chunk: int = 16 << 20) -> list[str]:
+        """Make each data file the checkpoint's own before it is patched in place: one that is
+        a symlink or has other hard links (an operator's ``cp -al`` backup, a file linked from a
+        model store) is copied into a new file of one link, renamed over its name
+        (:func:`~asyncsync.fsio.atomic_write`: a kill midway leaves a temp file that the next
+        open removes). Patched through the link, the file elsewhere changed with every version.
+        Returns the names copied."""
+        copied = []
+        for p in self.data_files():
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                continue
+            with _open_data(p) as f:  # a regular file at the end of a symlink, else refused
+                fsio.atomic_write(p, iter(partial(f.read, chunk), b""), sync_dir=False)
+            copied.append(p.name)
+        if copied:
+            fsio.fsync_dir(self.directory)
+        return copied
 
     def rewrite_data_files(self, chunk: int = 16 << 20) -> None:
         """Write every data file's bytes over themselves, then fsync. After a flush that failed

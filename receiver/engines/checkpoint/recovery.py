@@ -59,6 +59,8 @@ class Recovery:
         self._broken = None  # a flush failed (here, or before a restart): rewritten, checked below
         fresh = ps is None
         try:
+            # a copy of a linked data file (own_data_files) or an index cut short by a kill
+            fsio.remove_temp_files(self.directory)
             if ps is None:
                 self.files.refuse_foreign()
                 ps = PersistedState()
