@@ -5,12 +5,19 @@
   to a copy (a file linked from a model store): the receiver patched it in place through the
   link, so the file elsewhere changed with every version. It copies such a file into one of
   its own before the first in-place write now.
+* A data file edited between two versions (a byte flipped, the file truncated, a backup of an
+  older version put back): a tensor the next versions did not touch kept the edit for good,
+  acknowledged version after version (and after restarts); a truncated file refused every delta
+  ("buffer is smaller than requested size"), the ack left on the version before. The engine
+  stamps its files (``receiver.engines.checkpoint.stamps``): a changed file is checked, and
+  wiped if it no longer holds the version; the receiver re-initialises from a keyframe.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
 from pathlib import Path
 
@@ -18,9 +25,12 @@ import pytest
 import torch
 
 from asyncsync import Publisher
+from asyncsync.errors import EngineStateError
 from asyncsync.format.acks import read_acks
 from asyncsync.format.store import read_manifest
 from receiver.engines.checkpoint import verify_checkpoint
+from receiver.engines.st_layout import read_layout
+from tests.test_flush_killed import _receivers, _wait
 from tests.test_full_disk import _receive_once
 
 
@@ -43,11 +53,12 @@ def _step(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
 def _holds(root: Path, ck: Path, version: int) -> bool:
     """The receiver acknowledged ``version`` and its checkpoint holds it bit for bit."""
     ack = read_acks(root).get("e")
-    return (
-        ack is not None
-        and ack.version == version
-        and verify_checkpoint(ck, read_manifest(root, version)) == []
-    )
+    if ack is None or ack.version != version:
+        return False
+    try:
+        return verify_checkpoint(ck, read_manifest(root, version)) == []
+    except (OSError, EngineStateError):  # the receiver is wiping or re-writing it
+        return False
 
 
 @pytest.mark.parametrize("link", ["hard", "symbolic"])
@@ -76,3 +87,71 @@ async def test_a_linked_data_file_is_copied_before_it_is_patched(tmp_path: Path,
     assert stat.S_IMODE(st.st_mode) == 0o644
     assert _holds(root, ck, 1)
     assert not [p for p in ck.iterdir() if p.name.startswith(".tmp.")]
+
+
+def _flip(data: Path, name: str) -> None:
+    """One byte of tensor ``name`` in ``data`` flipped, as an editor or a bad disk would."""
+    loc = read_layout(data)[name]
+    with open(data, "r+b") as f:
+        f.seek(loc.begin + 7)
+        b = f.read(1)
+        f.seek(loc.begin + 7)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("edit", ["flip", "truncate", "old-copy"])
+async def test_a_data_file_edited_between_versions_is_caught_and_reinitialised(
+    tmp_path: Path, edit: str
+) -> None:
+    """v1 touches every tensor but ``l.0.w``; the edit lands between v0 and v1 (the old copy:
+    v0's file put back with ``cp -p`` after v1, then v2 comes, which touches ``l.0.w`` only:
+    the other tensors stayed v0's, acknowledged as v2's)."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    sd = _model()
+    rest = [n for n in sd if n != "l.0.w"]
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        assert _receive_once(root, ck).returncode == 0
+        (data,) = ck.glob("model-*.safetensors")
+        if edit == "flip":
+            _flip(data, "l.0.w")
+        elif edit == "truncate":
+            os.truncate(data, data.stat().st_size - 4096)
+        else:
+            shutil.copy2(data, tmp_path / "v0.safetensors")
+        sd1 = {**sd, **{n: t for n, t in _step(sd, 1).items() if n in rest}}
+        await pub.publish(sd1)
+        proc = _receive_once(root, ck)
+        last = 1
+        if edit == "old-copy":
+            assert proc.returncode == 0 and _holds(root, ck, 1), proc.stderr
+            os.replace(tmp_path / "v0.safetensors", data)  # (its mtime kept: cp -p)
+            await pub.publish({**sd1, "l.0.w": _step(sd1, 2)["l.0.w"]})  # the rest: v1's
+            proc = _receive_once(root, ck)
+            last = 2
+    assert proc.returncode == 0, proc.stderr
+    assert _holds(root, ck, last), proc.stderr  # l.0.w (and the rest) as published
+    assert "changed behind the receiver's back" in proc.stderr
+
+
+async def test_a_running_receiver_catches_an_edit_before_the_next_version(tmp_path: Path) -> None:
+    """The same in one receiver process that runs throughout: the edit is seen at its next sync
+    (nothing newer) or at the next delta's begin, whichever comes first; its ack of v0 is
+    withdrawn or replaced, never left on bytes that are not v0's."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    sd = _model()
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        with _receivers(root, ck, tmp_path / "receiver.log") as r:
+            r.start()
+            _wait(lambda: _holds(root, ck, 0), "v0", r)
+            (data,) = ck.glob("model-*.safetensors")
+            _flip(data, "l.0.w")
+            _wait(lambda: r.said("changed behind the receiver's back"), "the edit seen", r)
+            _wait(lambda: _holds(root, ck, 0), "v0 again", r)
+            _flip(data, "l.0.w")  # again, now with a delta that does not touch it on the way
+            await pub.publish({n: t if n == "l.0.w" else t + 1 for n, t in sd.items()})
+            _wait(lambda: _holds(root, ck, 1), "v1", r)
+            assert r.proc is not None
+            r.proc.send_signal(signal.SIGTERM)
+            assert r.proc.wait(60) == 0

@@ -393,7 +393,9 @@ def violations(ops: list[tuple[str, ...]]) -> list[str]:
       rename can leave an empty or partial file under the final name), except a progressive
       undo record (``*.progressive``), which is not durable by design: the engine's state
       marks the delta ``progressive`` first, durably, and a crash state that lost or tore the
-      record is then recovered by checking every tensor (the crash states below show it);
+      record is then recovered by checking every tensor (the crash states below show it); nor
+      a checkpoint's ``.asyncsync/stamps.json`` (its data files' stamps,
+      ``receiver.engines.checkpoint.stamps``): lost or torn, the files are stamped again;
     * R2 when ``vN/manifest.json`` is renamed in, every shard entry of ``vN`` and ``vN``'s own
       entry in the root are durable (else a committed version can lack a shard);
     * R3 gc removes a version's manifest, and makes that durable, before any other file of it
@@ -421,7 +423,7 @@ def violations(ops: list[tuple[str, ...]]) -> list[str]:
             pending[os.path.dirname(args[0])].add(args[0])
         elif op == "rename":
             s, d = args
-            if s in written and not d.endswith(".progressive"):
+            if s in written and not d.endswith((".progressive", "/.asyncsync/stamps.json")):
                 out.append(f"R1: {d} renamed in before its data was fsynced")
             written.discard(s)
             dd = os.path.dirname(d)

@@ -10,7 +10,8 @@ The directory is what ``from_pretrained`` / vLLM / SGLang load::
                                              rollback's state on a full disk), lock, journal/,
                                              staging/,
                                              flush-failed (a failed flush: rewrite at open),
-                                             flush-failed.spare (renamed to it on a full disk)
+                                             flush-failed.spare (renamed to it on a full disk),
+                                             stamps.json (the data files' inode, size, mtime)
 
 Why in place: a delta touches a small fraction of the bytes, so rewriting multi-GB files per
 version would cost far more than the delta. Each tensor sits at a fixed byte range of its file
@@ -66,6 +67,13 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   new files mixed, so ``open`` removes the data files and reports no version: the receiver
   re-initialises the directory from a keyframe.
 
+Edits behind the receiver's back (a byte flipped, a file truncated, an older copy put back):
+each data file's stamp (inode, size, mtime) is recorded whenever the state is saved clean, and
+compared before each delta or zero diff, at each sync with nothing newer and at open; the
+tensors of a file whose stamp changed are checked against the held version, and the files
+wiped if any differs (:mod:`~receiver.engines.checkpoint.stamps`). A data file with other links
+(a hard-linked backup, a symlink) is copied into one of its own before a delta writes it.
+
 Blocking file work runs in ``asyncio.to_thread`` so the receiver's event loop stays free.
 
 The package: :mod:`~receiver.engines.checkpoint.engine` (:class:`LocalCheckpoint`: transactions),
@@ -74,7 +82,8 @@ flush, the wipe), :mod:`~receiver.engines.checkpoint.flusher` (the flush after t
 the engine's own thread), :mod:`~receiver.engines.checkpoint.files` (data
 files, index, layout; :func:`verify_checkpoint`), :mod:`~receiver.engines.checkpoint.inplace`
 (undoable in-place deltas), :mod:`~receiver.engines.checkpoint.journal` (the undo record's
-format) and :mod:`~receiver.engines.checkpoint.staging` (full versions through staged files).
+format), :mod:`~receiver.engines.checkpoint.staging` (full versions through staged files) and
+:mod:`~receiver.engines.checkpoint.stamps` (the data files' stamps).
 """
 
 from receiver.engines.checkpoint.engine import LocalCheckpoint

@@ -33,6 +33,7 @@ from receiver.engines.checkpoint import inplace, staging
 from receiver.engines.checkpoint.files import CheckpointFiles
 from receiver.engines.checkpoint.flusher import Flusher
 from receiver.engines.checkpoint.recovery import Recovery
+from receiver.engines.checkpoint.stamps import Stamps
 from receiver.engines.st_layout import FileMaps, TensorLocation
 from receiver.state import (
     STATE_DIR_NAME,
@@ -50,6 +51,8 @@ __all__ = ["LocalCheckpoint"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+_EDITED = "its files were changed behind the receiver's back and no longer held it"
 
 
 @dataclass
@@ -94,6 +97,7 @@ class LocalCheckpoint(Recovery, Engine):
         self.file_prefix = file_prefix
         self.index_path = self.files.index_path
         self._store = StateStore(self.directory / STATE_DIR_NAME)
+        self._stamps = Stamps(self.files, self._store.directory)
         self._ps = PersistedState()
         self._layout: dict[str, TensorLocation] = {}
         self._txn: _Txn | None = None
@@ -151,6 +155,7 @@ class LocalCheckpoint(Recovery, Engine):
         if self._broken is not None:
             await self.flushed()
             await self._run(self._recover)
+        await self._run(self._edited)  # the files changed behind its back: checked now
 
     async def flushed(self) -> None:
         """Wait until every committed delta is durable (a no-op with sync_before_ack); start
@@ -239,11 +244,12 @@ class LocalCheckpoint(Recovery, Engine):
             version, weight_map, sum(loc.nbytes for loc in self._layout.values())
         )
 
-    def _base_removed(self, manifest: Manifest) -> OutOfOrder:
+    def _base_removed(
+        self, manifest: Manifest, why: str = "its bytes no longer matched after the failed flush"
+    ) -> OutOfOrder:
         return OutOfOrder(
             f"{self.directory}: v{manifest.version} applies on v{manifest.base_version}, "
-            "which was removed (its bytes no longer matched after the failed flush): "
-            "the receiver re-initialises from a keyframe"
+            f"which was removed ({why}): the receiver re-initialises from a keyframe"
         )
 
     # -- begin --------------------------------------------------------------------------------
@@ -271,6 +277,8 @@ class LocalCheckpoint(Recovery, Engine):
         self._finish_rollback()
         if self._broken:  # it was written back, its sync failed: recovered first
             return False
+        if self._edited():
+            raise self._base_removed(manifest, _EDITED)
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
         check_tensor_set(self._held(), manifest, str(self.directory))
         if copied := self.files.own_data_files():  # written in place: never through a link
@@ -493,6 +501,8 @@ class LocalCheckpoint(Recovery, Engine):
             self._recover()  # is (the version taken over one not known durable, else)
             if self.state.version is None:
                 raise self._base_removed(manifest)
+        if self._edited():
+            raise self._base_removed(manifest, _EDITED)
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
         check_tensor_set(self._held(), manifest, str(self.directory))
         self._set(bumped(self._ps, manifest))

@@ -128,6 +128,15 @@ class CheckpointFiles:
             finally:
                 os.close(fd)
 
+    def stamps(self) -> dict[str, list[int]]:
+        """Each data file's (inode, size, mtime in ns): what a change of it behind the
+        receiver's back changes (a write, a truncate, a copy put in its place)."""
+        out = {}
+        for p in self.data_files():
+            st = os.lstat(p)
+            out[p.name] = [st.st_ino, st.st_size, st.st_mtime_ns]
+        return out
+
     def own_data_files(self, chunk: int = 16 << 20) -> list[str]:
         """Make each data file the checkpoint's own before it is patched in place: one that is
         a symlink or has other hard links (an operator's ``cp -al`` backup, a file linked from a

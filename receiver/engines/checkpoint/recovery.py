@@ -21,6 +21,7 @@ from receiver.engines.base import EngineState
 from receiver.engines.checkpoint import inplace
 from receiver.engines.checkpoint.files import CheckpointFiles
 from receiver.engines.checkpoint.flusher import Flusher
+from receiver.engines.checkpoint.stamps import Stamps
 from receiver.engines.st_layout import FileMaps, TensorLocation, no_copy_on_write
 from receiver.state import STATE_NAME, PersistedState, StateStore
 
@@ -40,12 +41,17 @@ class Recovery:
     _ps: PersistedState
     _layout: dict[str, TensorLocation]
     _flusher: Flusher
+    _stamps: Stamps
     _broken: str | None  # why the last flush failed (the held version must be checked again)
     _undo_pending: str | None  # a rollback that failed: done again at the next begin
 
     def _set(self, ps: PersistedState, *, spare: bool = False) -> None:
         self._ps = self._store.save(ps, spare=spare)
         self.state = EngineState(ps.version, ps.run_id, ps.fingerprint)
+        if ps.version is None:
+            self._stamps.forget()
+        elif not ps.applying:  # the files hold ps.version: stamped as this engine left them
+            self._stamps.record()
 
     def _open(self) -> EngineState:
         if self._store.locked:
@@ -61,6 +67,7 @@ class Recovery:
         try:
             # a copy of a linked data file (own_data_files) or an index cut short by a kill
             fsio.remove_temp_files(self.directory)
+            self._stamps.load()
             if ps is None:
                 self.files.refuse_foreign()
                 ps = PersistedState()
@@ -101,7 +108,7 @@ class Recovery:
                 self._set(self._ps)
             else:  # saved by each step that changed it: none written to a full disk for nothing
                 self.state = EngineState(self._ps.version, self._ps.run_id, self._ps.fingerprint)
-            if self._ps.version is not None:
+            if self._ps.version is not None and not self._edited():
                 self._layout = self.files.load_layout()
                 if self._ps.checksums and set(self._ps.checksums) != set(self._layout):
                     raise EngineStateError(
@@ -145,6 +152,42 @@ class Recovery:
         self._flusher.clear()
         self._set(replace(ps, synced=True))
         logger.info("%s: v%s verified and made durable again", self.directory, ps.version)
+
+    def _edited(self) -> bool:
+        """Whether the data files were changed behind the engine's back, so that the version
+        held is theirs no more (:mod:`~receiver.engines.checkpoint.stamps`): the files whose
+        stamps changed are checked against the held version's checksums, and wiped if any
+        tensor differs or their layout no longer reads (True: the engine holds nothing now).
+        Nothing recorded (a checkpoint of an older receiver): stamped as they are."""
+        if self._ps.version is None or self._ps.applying:
+            return False
+        changed = self._stamps.changed()
+        if not changed:
+            if changed is None:
+                self._stamps.record()
+            return False
+        try:
+            self._layout = self.files.load_layout()
+        except EngineStateError as exc:
+            bad = [f"(a file's layout: {exc})"]
+        else:
+            ps = self._ps
+            bad = sorted(set(ps.checksums) ^ set(self._layout)) if ps.checksums else []
+            part = {n: loc for n, loc in self._layout.items() if loc.file in changed}
+            bad += inplace.mismatched(self.directory, part, ps)
+        files = ", ".join(sorted(changed))
+        if not bad:
+            logger.info("%s: %s changed since this receiver wrote them, but every tensor "
+                        "still matches v%s", self.directory, files, self._ps.version)  # fmt: skip
+            self._stamps.record()
+            return False
+        logger.warning(
+            "%s: %s changed behind the receiver's back and %d tensors (e.g. %r) no longer "
+            "match v%s; removing the files so the receiver re-initialises from a keyframe",
+            self.directory, files, len(bad), bad[0], self._ps.version,
+        )  # fmt: skip
+        self._wipe()
+        return True
 
     def _recover(self) -> None:
         """After a failed flush, what a reopen does (the held version is not ``synced``): check
