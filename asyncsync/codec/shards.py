@@ -77,6 +77,7 @@ class BucketItem:
     new: torch.Tensor  # CPU
     old: torch.Tensor | None  # CPU snapshot, None when there is no base
     cached_checksum: str | None = None  # checksum of ``old`` (reused when nothing changed)
+    owned: bool = False  # ``new`` is a fresh copy nothing else refers to (the snapshot may keep it)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class PendingUpdate:
     name: str
     positions: torch.Tensor | None  # None: copy the whole ``values`` tensor
     values: torch.Tensor
+    owned: bool = False  # ``values`` is a fresh copy: the snapshot takes it instead of copying
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,7 @@ def encode_bucket(
                     pending = PendingUpdate(it.name, pos, ch.values)
         else:
             changed = it.new.numel()
-            pending = PendingUpdate(it.name, None, it.new)
+            pending = PendingUpdate(it.name, None, it.new, it.owned)
         if it.name in full_sums:  # the bytes the full shard carries (read once)
             checksum = full_sums[it.name]
             if ch is not None and ch.checksum is not None and ch.checksum != checksum:

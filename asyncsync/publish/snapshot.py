@@ -163,6 +163,9 @@ def bucket_items(
             new=raw.view(new.dtype),
             old=snap[names[i]] if snap is not None else None,
             cached_checksum=checksums.get(names[i]) if snap is not None else None,
+            # a CPU tensor's copy is fresh memory (a clone, or ``contiguous`` of a strided
+            # one); a device tensor's may be a reused pinned buffer: never kept
+            owned=own and new.device.type == "cpu",
         )
         for i, new, raw in zip(bucket, news, raws, strict=True)
     ]
@@ -216,6 +219,8 @@ def advance(
             assert cur is not None, f"a sparse update for {name!r} needs its snapshot"
             codec.apply_patch(codec.int_view(cur), codec.Patch("set", p.positions, p.values))
             return cur
+        if p.owned and not pin:  # the copy the version was read into: kept, not copied again
+            return p.values  # (a seed's peak stays the trainer's tensors plus one copy)
         src = codec.raw_view(p.values.detach())  # copied as ints: a bool's bytes, not 0/1
         if cur is None or cur.dtype != p.values.dtype or cur.shape != p.values.shape:
             raw = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)  # contiguous
