@@ -1098,7 +1098,7 @@ def test_undo_journal_keeps_the_xef_positions_blob_as_it_came(tmp_path: Path) ->
     """A decoded xef patch carries its positions blob through check_patch; the journal stores
     that blob (no Elias-Fano coding again) and reads back the same positions and old values."""
     from asyncsync import codec
-    from receiver.state import check_patch
+    from receiver.rules import check_patch
 
     g = torch.Generator().manual_seed(1)
     old = torch.randint(-(2**15), 2**15, (10_000,), dtype=torch.int16, generator=g)

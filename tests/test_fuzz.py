@@ -60,8 +60,8 @@ from asyncsync.format.checksum import checksum_bytes
 from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+from receiver.rules import check_patch
 from receiver.shard_reader import decode_shard, int_dtype
-from receiver.state import check_patch
 from tests import manifest_oracle as oracle
 from tests.conftest import mixed_state, mutate
 

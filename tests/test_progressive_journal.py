@@ -595,7 +595,7 @@ def test_check_patch_refuses_positions_outside_the_tensor(
     either end or in the middle of an unsorted list, is an ApplyFailed naming the tensor."""
     from asyncsync.codec import Patch
     from asyncsync.errors import ApplyFailed
-    from receiver.state import check_patch
+    from receiver.rules import check_patch
 
     if kernels == "numpy":
         monkeypatch.setattr(native, "kernels", None)

@@ -14,7 +14,8 @@ import torch
 
 from asyncsync.codec import Patch
 from asyncsync.errors import ApplyFailed, EngineStateError, LockHeld, OutOfOrder
-from receiver.state import PersistedState, StateStore, check_base, check_patch
+from receiver.rules import check_base, check_patch
+from receiver.state import PersistedState, StateStore
 from tests.test_engines import build_manifest
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,8 @@ from receiver import ReceiverAgent
 from receiver.engines.base import TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from receiver.engines.torch_module import TorchModule
-from receiver.state import PersistedState, bumped
+from receiver.rules import bumped
+from receiver.state import PersistedState
 from tests.conftest import Holder, assert_holds, mixed_state, mutate
 
 

@@ -28,7 +28,8 @@ from asyncsync.format import Manifest
 from receiver.engines.base import EngineState, TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint, TensorLocation
 from receiver.plugins.stage import STAGE_DIR, StageWriter, VersionRef, remove_stage
-from receiver.state import STATE_DIR_NAME, layouts_of
+from receiver.rules import layouts_of
+from receiver.state import STATE_DIR_NAME
 
 __all__ = ["StageBuilder", "Staging", "clear_stages", "stage_dir_of"]
 

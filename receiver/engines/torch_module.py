@@ -47,15 +47,8 @@ from asyncsync.format.checksum import checksum_tensor, entry_checksum
 from asyncsync.pipeline import parallel_map
 from receiver.engines.base import AuditReport, Engine, EngineState, TensorUpdate
 from receiver.engines.overlap import Covered, apart, span, touched
-from receiver.state import (
-    PersistedState,
-    StateStore,
-    bumped,
-    check_base,
-    check_patch,
-    check_tensor_set,
-    layouts_of,
-)
+from receiver.rules import bumped, check_base, check_patch, check_tensor_set, layouts_of
+from receiver.state import PersistedState, StateStore
 
 __all__ = ["TorchModule"]
 

@@ -35,16 +35,8 @@ from receiver.engines.checkpoint.flusher import Flusher
 from receiver.engines.checkpoint.recovery import Recovery
 from receiver.engines.checkpoint.stamps import Stamps
 from receiver.engines.st_layout import FileMaps, TensorLocation
-from receiver.state import (
-    STATE_DIR_NAME,
-    PersistedState,
-    StateStore,
-    bumped,
-    check_base,
-    check_patch,
-    check_tensor_set,
-    holding,
-)
+from receiver.rules import bumped, check_base, check_patch, check_tensor_set, holding
+from receiver.state import STATE_DIR_NAME, PersistedState, StateStore
 
 __all__ = ["LocalCheckpoint"]
 
