@@ -41,7 +41,13 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from asyncsync.console.args import non_negative_float, poll_seconds, positive_float, size_bytes
+from asyncsync.console.args import (
+    non_negative_float,
+    non_negative_int,
+    poll_seconds,
+    positive_float,
+    size_bytes,
+)
 from asyncsync.console.logsetup import (
     CliParser,
     add_logging_arguments,
@@ -125,6 +131,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="flush each delta to disk before acknowledging it (default: acknowledge once it "
         "is verified in the page cache and flush in the background; see LocalCheckpoint)",
+    )
+    p.add_argument(
+        "--checkpoint-redo-log",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="keep each delta as a redo record beside the checkpoint's files and merge the "
+        "records into them every N versions, when idle and at start and stop (default 0: patch "
+        "each delta in place); the files are loadable by a server only while no record is held",
+    )
+    p.add_argument(
+        "--checkpoint-compact-idle",
+        type=positive_float,
+        default=2.0,
+        metavar="S",
+        help="with --checkpoint-redo-log: merge the records after S seconds without a version "
+        "(or twice the interval between versions where longer, at most 300; default 2)",
     )
     p.add_argument(
         "--poll-interval",
@@ -297,7 +320,12 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def _make_engine(args: argparse.Namespace) -> Engine:
     engine = _server_engine(args)
     if engine is None:
-        return LocalCheckpoint(args.checkpoint, sync_before_ack=args.sync_before_ack)
+        return LocalCheckpoint(
+            args.checkpoint,
+            sync_before_ack=args.sync_before_ack,
+            redo_log=args.checkpoint_redo_log,
+            compact_idle=args.checkpoint_compact_idle,
+        )
     engine.checkpoint.sync_before_ack = args.sync_before_ack
     return engine
 
@@ -451,6 +479,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.ready_max_lag < 0:
             parser.error("--ready-max-lag must be >= 0")
+        if args.checkpoint_redo_log and (args.sglang_url or args.vllm_url):
+            parser.error(
+                "--checkpoint-redo-log is for a checkpoint the receiver alone keeps: with "
+                "--sglang-url or --vllm-url the server reloads from the checkpoint's files, "
+                "which must hold every version (drop the option)"
+            )
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     setup_logging(args.log_level, args.log_format)

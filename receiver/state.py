@@ -11,6 +11,7 @@ of moving to another one when the process died. That record lives in a small *st
       lock           flock held by the one agent that owns the engine (pid and host inside)
       journal/       engine-specific undo records of an in-flight delta (see the engine)
       staging/       engine-specific new files of an in-flight full apply (see the engine)
+      redo/          engine-specific redo records held beside the files (see the engine)
 
 ``state.json`` is written *before* an engine modifies anything in place (``status:
 "applying"`` with the target version) and again after the new version is durable (``status:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import math
@@ -45,6 +47,7 @@ from asyncsync.errors import EngineStateError, LockHeld
 __all__ = [
     "JOURNAL_DIR",
     "LOCK_NAME",
+    "REDO_DIR",
     "STAGING_DIR",
     "STATE_DIR_NAME",
     "STATE_FORMAT",
@@ -63,10 +66,18 @@ _SPARE_MIN = 64 << 10  # the spare's least size; it keeps ~1/4 more room than th
 LOCK_NAME = "lock"
 JOURNAL_DIR = "journal"
 STAGING_DIR = "staging"
+REDO_DIR = "redo"
 STATE_FORMAT = "asyncsync-engine-state"
 STATE_FORMAT_VERSION = 1
 #: the format version of a state whose delta in flight journals progressively (``progressive``)
 STATE_FORMAT_VERSION_PROGRESSIVE = 2
+#: the format version of a state that names redo records held beside the files (``redo``)
+STATE_FORMAT_VERSION_REDO = 3
+_FORMAT_VERSIONS = (
+    STATE_FORMAT_VERSION,
+    STATE_FORMAT_VERSION_PROGRESSIVE,
+    STATE_FORMAT_VERSION_REDO,
+)
 _MAX_STATE_BYTES = 256 << 20  # per-tensor checksums of even huge models stay far below this
 
 Status = Literal["clean", "applying"]
@@ -90,6 +101,13 @@ class PersistedState:
     (:mod:`receiver.engines.checkpoint.journal`); a reader that finds it so after a crash
     undoes what the journal holds and then checks every tensor the same way. It is written
     with ``format_version`` 2, so a reader of version 1 refuses the file rather than trust it.
+
+    ``redo`` (a checkpoint run with a redo log, :mod:`receiver.engines.checkpoint.redolog`):
+    the (version, fingerprint) of each redo record held beside the files, oldest first, each
+    a delta on the one before, the first on ``version`` (which stays the version the files
+    hold, with its checksums). The engine holds the last one (:attr:`head_version`). Written
+    with ``format_version`` 3: an older reader refuses it (it would take the files' version
+    for the engine's and never apply the records).
     """
 
     version: int | None = None
@@ -104,11 +122,21 @@ class PersistedState:
     parts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     synced: bool = True
     progressive: bool = False
+    redo: tuple[tuple[int, str | None], ...] = ()
 
     # -- views --------------------------------------------------------------------------
     @property
     def applying(self) -> bool:
         return self.status == "applying"
+
+    @property
+    def head_version(self) -> int | None:
+        """The version the engine holds: the newest redo record's, else the files'."""
+        return self.redo[-1][0] if self.redo else self.version
+
+    @property
+    def head_fingerprint(self) -> str | None:
+        return self.redo[-1][1] if self.redo else self.fingerprint
 
     def begin(
         self, target_version: int, mode: Mode, *, progressive: bool = False
@@ -148,6 +176,9 @@ class PersistedState:
         if self.progressive:
             d["format_version"] = STATE_FORMAT_VERSION_PROGRESSIVE
             d["progressive"] = True
+        if self.redo:
+            d["format_version"] = STATE_FORMAT_VERSION_REDO
+            d["redo"] = [{"version": v, "fingerprint": f} for v, f in self.redo]
         return json.dumps(d, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
     @classmethod
@@ -163,11 +194,11 @@ class PersistedState:
             raise bad(f"not valid JSON ({exc})") from exc
         if not isinstance(d, dict) or d.get("format") != STATE_FORMAT:
             raise bad("not an asyncsync engine state file")
-        if d.get("format_version") not in (STATE_FORMAT_VERSION, STATE_FORMAT_VERSION_PROGRESSIVE):
+        fv = d.get("format_version")
+        if isinstance(fv, bool) or fv not in _FORMAT_VERSIONS:
             raise bad(
-                f"format_version {d.get('format_version')!r} is not supported "
-                f"(this reader understands {STATE_FORMAT_VERSION} and "
-                f"{STATE_FORMAT_VERSION_PROGRESSIVE})"
+                f"format_version {fv!r} is not supported (this reader understands "
+                f"{', '.join(map(str, _FORMAT_VERSIONS))})"
             )
 
         def opt_int(key: str) -> int | None:
@@ -217,13 +248,18 @@ class PersistedState:
         synced = d.get("synced", True)
         if not isinstance(synced, bool):
             raise bad(f"field 'synced' must be true or false, got {synced!r}")
+        redo = _redo_refs(d.get("redo", []), bad)
+        if bool(redo) != (fv == STATE_FORMAT_VERSION_REDO):
+            raise bad(f"field 'redo' must be non-empty exactly in format_version {fv}")
         progressive = d.get("progressive", False)
-        if not isinstance(progressive, bool) or progressive != (
-            d["format_version"] == STATE_FORMAT_VERSION_PROGRESSIVE
+        if not isinstance(progressive, bool) or (
+            progressive != (fv == STATE_FORMAT_VERSION_PROGRESSIVE)
+            and fv != STATE_FORMAT_VERSION_REDO
         ):
             raise bad(
                 f"field 'progressive' must be true exactly in format_version "
-                f"{STATE_FORMAT_VERSION_PROGRESSIVE}, got {progressive!r}"
+                f"{STATE_FORMAT_VERSION_PROGRESSIVE} (or either in {STATE_FORMAT_VERSION_REDO}), "
+                f"got {progressive!r}"
             )
         if progressive and (status, mode) != ("applying", "delta"):
             raise bad("field 'progressive' is only for a delta being applied")
@@ -240,10 +276,31 @@ class PersistedState:
             parts={k: [(p[0], p[1]) for p in v] for k, v in parts.items()},
             synced=synced,
             progressive=progressive,
+            redo=redo,
         )
+        if redo and (state.version is None or any(v <= state.version for v, _ in redo)):
+            raise bad("field 'redo' names versions not after the files' version")
+        if any(b[0] <= a[0] for a, b in itertools.pairwise(redo)):
+            raise bad("field 'redo' is not in increasing version order")
         if state.applying and (state.target_version is None or state.mode is None):
             raise bad("status 'applying' without target_version and mode")
         return state
+
+
+def _redo_refs(v: Any, bad: Any) -> tuple[tuple[int, str | None], ...]:
+    """The ``redo`` field: a list of {version, fingerprint}."""
+    if not isinstance(v, list):
+        raise bad("field 'redo' must be a list")
+    out = []
+    for r in v:
+        ver = r.get("version") if isinstance(r, dict) else None
+        fp = r.get("fingerprint") if isinstance(r, dict) else None
+        if isinstance(ver, bool) or not isinstance(ver, int) or ver < 0:
+            raise bad(f"field 'redo': {r!r} has no non-negative integer version")
+        if fp is not None and not isinstance(fp, str):
+            raise bad(f"field 'redo': {r!r} has a fingerprint that is not a string")
+        out.append((ver, fp))
+    return tuple(out)
 
 
 _REMEDY = (
@@ -266,6 +323,7 @@ class StateStore:
         self.path = self.directory / STATE_NAME
         self.journal_dir = self.directory / JOURNAL_DIR
         self.staging_dir = self.directory / STAGING_DIR
+        self.redo_dir = self.directory / REDO_DIR
         self._lock = fsio.FileLock(self.directory / LOCK_NAME)
 
     def __repr__(self) -> str:

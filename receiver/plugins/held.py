@@ -142,6 +142,11 @@ def checkpoint_snapshot(directory: str | os.PathLike[str]) -> CheckpointSnapshot
         raise Unverified(f"{d} is an asyncsync checkpoint that cannot be read: {exc}") from exc
     if state.applying:
         raise Unverified(f"{d}: a version is being applied (not verified yet)")
+    if state.redo:  # the files hold an older version: its receiver merges them when idle
+        raise Unverified(
+            f"{d}: {len(state.redo)} redo records (to v{state.head_version}) are not yet merged "
+            f"into its files (at v{state.version})"
+        )
     if state.version is None or state.checksum_algorithm is None:
         raise Unverified(f"{d}: no verified version yet")
     if set(state.checksums) != set(index):

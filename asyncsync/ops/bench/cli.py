@@ -80,6 +80,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overrides.setdefault("name", "scale")
         if args.versions is not None:
             overrides["scale_versions"] = args.versions
+    if args.redo_log:
+        if not args.scale:
+            raise ConfigError("--redo-log is an option of --scale (its receiver's checkpoint)")
+        # at least one compaction in the timed versions: two cycles by default
+        overrides["redo_log"] = args.redo_log
+        overrides.setdefault("scale_versions", 2 * args.redo_log)
+        if overrides["scale_versions"] < args.redo_log:
+            raise ConfigError(
+                f"--versions {overrides['scale_versions']} < --redo-log {args.redo_log}: no "
+                "compaction would fall in the timed versions; give at least N versions"
+            )
     return (BenchConfig.quick if args.quick and not args.scale else BenchConfig.full)(**overrides)
 
 
@@ -212,8 +223,11 @@ def _command(args: argparse.Namespace) -> str:
         "versions",
         "bucket_bytes",
         "threads",
+        "redo_log",
     ):
         value = getattr(args, flag)
+        if flag == "redo_log" and not value:
+            continue
         if value is not None and not (flag == "throttle" and value == _THROTTLE):
             words += [f"--{flag.replace('_', '-')}", str(value)]
     return " ".join(words)
@@ -338,6 +352,14 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="ours end to end beside re-implementations of slime's gen-1 and gen-2 deltas and a "
         "full safetensors sync, interleaved, at --scale-sizes (default 256MiB,1GiB); "
         "--throttle none for the local filesystem (BENCHMARKS.md)",
+    )
+    sp.add_argument(
+        "--redo-log",
+        type=int_at_least(0),
+        default=0,
+        metavar="N",
+        help="with --scale: the receiver keeps deltas as redo records merged every N versions "
+        "(LocalCheckpoint redo_log; default 0: in place); runs 2N versions unless --versions",
     )
     sp.add_argument(
         "--scale-sizes",

@@ -58,6 +58,7 @@ class Job:
     seed: int = 0
     threads: int = 0  # the CPU pool and torch's intra-op threads (0: the machine's default)
     peer: str = ""  # the peer comparison (asyncsync.ops.bench.peers): which system
+    redo_log: int = 0  # the scale receiver's LocalCheckpoint(redo_log=...)
 
     @classmethod
     def read(cls, path: str | Path) -> Job:

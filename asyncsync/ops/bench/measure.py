@@ -73,6 +73,7 @@ class BenchConfig:
     scale_only: bool = False  # --scale: the sweep alone
     peers_only: bool = False  # --peers: the peer comparison alone, at scale_sizes
     threads: int = 0  # the children's CPU pool and torch threads (0: the machine's default)
+    redo_log: int = 0  # --redo-log: the scale receiver keeps deltas as redo records
 
     def __post_init__(self) -> None:
         if self.elements < 1000 or self.sweep_elements < 1000:
@@ -322,6 +323,7 @@ def _run_scale(cfg: BenchConfig, work: Path, say: Progress) -> list[dict[str, An
         role="scale-cost", root="", result="", bandwidth=t.bandwidth, latency=t.latency,
         bucket_bytes=32 << 20, repeats=cfg.repeats, full_repeats=1, timeout=cfg.timeout,
         versions=cfg.scale_versions, density=cfg.density, seed=cfg.seed, threads=cfg.threads,
+        redo_log=cfg.redo_log,
     )  # fmt: skip
     rows = []
     for size in cfg.scale_sizes:

@@ -236,7 +236,10 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
     """Take version 0 (unthrottled), then run until the last version is acked."""
     base = rss()
     root = Path(job.root)
-    engine = LocalCheckpoint(job.checkpoint)
+    # with a redo log: compactions when N records are held only (not when idle), so that the
+    # cycle's CPU below is that of a receiver whose versions come back to back
+    engine = LocalCheckpoint(job.checkpoint, redo_log=job.redo_log, compact_idle=job.timeout)
+    compactions = _time_compactions(engine)
     agent = ReceiverAgent(root, engine, job.engine_id, poll_interval=job.poll_interval)
     async with agent, asyncio.timeout(job.timeout):
         while await agent.sync_once() is None:
@@ -249,15 +252,54 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
         Path(job.ready).write_text("ready\n")
         cpu: list[float] = []
         cpu_sys: list[float] = []
+        c0, w0 = cpu_seconds(), _written()
+        compactions.clear()
         applies = await run_until_acked(agent, job.versions, cpu=cpu, cpu_sys=cpu_sys)
+        if engine.redo_held:  # the records left: merged, and charged to the cycle
+            await engine._run(engine._compact, "bench")
+        await engine.flushed()  # without a redo log: the last version's flush, charged too
+        cycle_cpu, w1 = cpu_seconds() - c0, _written()
+        written = None if w0 is None or w1 is None else w1 - w0
         fsio.set_throttle(None)
     return {
+        # the whole run: every version and every compaction (with a redo log), all threads
+        "cycle_cpu": cycle_cpu,
+        "compactions": list(compactions),  # (records, seconds) of each in the run
+        "disk_write_bytes": written,  # /proc/self/io write_bytes (None elsewhere)
+        "redo_log": job.redo_log,
         "rss": {"base": base, "startup": startup, "steady": rss()},
         "applies": applies,  # each from its manifest to the ack (streamed shards came before)
         "apply_cpu": cpu,  # each from its directory's first sight to the ack, every thread
         "apply_cpu_sys": cpu_sys,  # of which the kernel's (page faults, the flush's writeback)
         "streamed_shards": agent.status().streamed_shards,
     }
+
+
+def _time_compactions(engine: LocalCheckpoint) -> list[tuple[int, float]]:
+    """(records, seconds) of each compaction of ``engine`` from now on."""
+    out: list[tuple[int, float]] = []
+    real = engine._compact
+
+    def timed(why: str) -> None:
+        n, t0 = engine.redo_held, time.perf_counter()
+        real(why)
+        if n:
+            out.append((n, time.perf_counter() - t0))
+
+    engine._compact = timed  # type: ignore[method-assign]
+    return out
+
+
+def _written() -> int | None:
+    """Bytes this process caused to be written to storage (dirtied pages included)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 async def run_scale_cost(job: Job) -> dict[str, Any]:
@@ -353,7 +395,14 @@ def summarise_size(
     overlap = e2e / (max(publish, apply_s) + one_shard)
     publish_cpu = med(v["publish_cpu"] for v in vs) if all("publish_cpu" in v for v in vs) else None
     apply_cpu = med(rec["apply_cpu"]) if rec.get("apply_cpu") else None
+    cycle = rec.get("cycle_cpu")
+    written = rec.get("disk_write_bytes")
     return {
+        "redo_log": rec.get("redo_log", 0),
+        # the mean over the whole run (compactions charged), beside the per-version median
+        "apply_cpu_cycle_s_per_gib": None if cycle is None else cycle / len(vs) / gib,
+        "compactions": rec.get("compactions", []),
+        "disk_writes_per_version_vs_model": None if written is None else written / len(vs) / model,
         "model_bytes": model,
         "density": med(v["changed"] / v["elements"] for v in vs),
         "wire_bytes": wire,

@@ -123,6 +123,15 @@ def scale_markdown(s: dict[str, Any]) -> str:
             f"{r['publisher_peak_rss_vs_model']:.2f} / {r['receiver_peak_rss_vs_model']:.2f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        f"\nreceiver {r['model_bytes'] / 1e9:.2f} GB (redo log {r.get('redo_log') or 'off'}): "
+        f"apply CPU {_num(r.get('apply_cpu_s_per_gib'))} s/GiB per version (median), "
+        f"{_num(r.get('apply_cpu_cycle_s_per_gib'))} s/GiB mean over the run with "
+        f"{len(r.get('compactions') or [])} compactions; disk writes per version "
+        f"{_num(r.get('disk_writes_per_version_vs_model'))}x the model"
+        for r in rows
+        if "apply_cpu_cycle_s_per_gib" in r
+    ]
     targets = s.get("scale_targets") or {}
     if targets:
         lines += ["", "| scale target | at | value | target | |", "|---|---|---|---|---|"]

@@ -27,6 +27,7 @@ class VerifyReport:
     version: int
     tensors: int
     mismatched: list[str] = field(default_factory=list)
+    note: str | None = None  # e.g. redo records held beside the files
 
     @property
     def ok(self) -> bool:
@@ -36,7 +37,7 @@ class VerifyReport:
         if self.ok:
             return (
                 f"OK: {self.directory} is bit-exact at version {self.version} "
-                f"({self.tensors} tensors)"
+                f"({self.tensors} tensors)" + (f"; {self.note}" if self.note else "")
             )
         return (
             f"MISMATCH: {self.directory} differs from version {self.version} in "
@@ -77,7 +78,7 @@ def verify_checkpoint_dir(
                 state.target_version,
             )
         if state is not None and state.version is not None:
-            version = state.version
+            version = state.version  # the files' (redo records held on top: not merged yet)
         elif versions:
             version = versions[-1]
         else:
@@ -94,8 +95,23 @@ def verify_checkpoint_dir(
             f"run {manifest.run_id} (the publisher started over): the checkpoint is of another "
             "run; its receiver re-initialises it from the root's newest keyframe"
         )
+    note = None
+    if state is not None and state.redo:
+        held = [v for v, _ in state.redo]
+        note = (
+            f"{len(held)} redo records (v{held[0]}..v{held[-1]}) are held beside the files, not "
+            f"merged into them yet: the files are at v{state.version}, the receiver holds "
+            f"v{held[-1]} (it merges them when idle, at its next start or stop; no server may "
+            "load the files meanwhile)"
+        )
+        logger.warning("%s: %s", checkpoint, note)
+        if version != state.version:
+            raise ConfigError(
+                f"{checkpoint}: its files are at v{state.version}, not v{version}: {note}; "
+                f"verify v{state.version}, or once the records are merged"
+            )
     bad = verify_checkpoint(checkpoint, manifest, progress=progress)
-    return VerifyReport(checkpoint, version, len(manifest.tensors), list(bad))
+    return VerifyReport(checkpoint, version, len(manifest.tensors), list(bad), note)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -113,6 +129,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if report.ok:
         print(report.describe())
         return 0
+    if report.note:
+        print(f"note: {report.note}")
     print(
         f"MISMATCH: {report.directory} differs from version {report.version} in "
         f"{len(report.mismatched)} of {report.tensors} tensors:"

@@ -8,7 +8,7 @@ The directory is what ``from_pretrained`` / vLLM / SGLang load::
                                               "weight_map": {name: file}}
       .asyncsync/                            receiver.state: state.json (and its spare: a
                                              rollback's state on a full disk), lock, journal/,
-                                             staging/,
+                                             staging/, redo/ (redo records: redo_log=N),
                                              flush-failed (a failed flush: rewrite at open),
                                              flush-failed.spare (renamed to it on a full disk),
                                              stamps.json (the data files' inode, size, mtime)
@@ -74,6 +74,33 @@ tensors of a file whose stamp changed are checked against the held version, and 
 wiped if any differs (:mod:`~receiver.engines.checkpoint.stamps`). A data file with other links
 (a hard-linked backup, a symlink) is copied into one of its own before a delta writes it.
 
+* redo log (opt-in, ``LocalCheckpoint(dir, redo_log=N)``, ``asyncsync-receiver
+  --checkpoint-redo-log N``; :mod:`~receiver.engines.checkpoint.redolog`): a delta is not
+  patched into the files. Its decoded patches and the version's checksums are written as one
+  record ``redo/redo-VVVVVVVVVVVV.rec`` (fsynced, renamed, the directory fsynced: durable before
+  anything names it), then ``state.json`` names it (``redo``: the records in order, on top of
+  ``version``, which stays the version the files hold; format_version 3, which an older reader
+  refuses); the ack follows. No prefault, patch or flush of the model's pages per version: a
+  3 % delta of bf16 writes ~5 % of the model to disk instead of all of it. Compaction merges the
+  records (a later value wins, XORs compose) and patches the merge in through the undoable path
+  above (journal, patch with checksums against the newest record's, flush), then ``state.json``
+  holds the newest version with no record, then the records go. It runs after the ack of the
+  Nth record (or at the next begin), when idle (no begin for ``compact_idle`` seconds, or twice
+  the interval between versions where longer, at most 5 minutes: versions a minute apart
+  would otherwise be compacted one by one), at open and close, and before anything reads the
+  bytes (``load_state_dict``, a zero-diff version; a full version drops the records instead:
+  it replaces every byte). Crash safety: a record no state names is removed at open (its
+  version was never acknowledged); named records are compacted at open; a compaction cut
+  short is undone from its journal (``applying``, as a delta) and done again; a checksum that
+  differs after the merge means the files were not the records' base (damaged between
+  versions): the files are removed and the receiver re-initialises from a keyframe, as after a
+  failed re-check. The trade: the composed bytes are verified against full-tensor checksums
+  at each compaction (every N versions, and before any load) instead of at every version;
+  each record's values were verified in transit (the shard checksums). While a record is held
+  the directory is not a loadable safetensors directory of the version acknowledged (the files
+  are older): the plugins' start-up load waits for it (``receiver.plugins.clean_load``) and
+  ``asyncsync verify`` says so. Not for the HTTP engines (their servers reload the files).
+
 Blocking file work runs in ``asyncio.to_thread`` so the receiver's event loop stays free.
 
 The package: :mod:`~receiver.engines.checkpoint.engine` (:class:`LocalCheckpoint`: transactions),
@@ -82,8 +109,10 @@ flush, the wipe), :mod:`~receiver.engines.checkpoint.flusher` (the flush after t
 the engine's own thread), :mod:`~receiver.engines.checkpoint.files` (data
 files, index, layout; :func:`verify_checkpoint`), :mod:`~receiver.engines.checkpoint.inplace`
 (undoable in-place deltas), :mod:`~receiver.engines.checkpoint.journal` (the undo record's
-format), :mod:`~receiver.engines.checkpoint.staging` (full versions through staged files) and
-:mod:`~receiver.engines.checkpoint.stamps` (the data files' stamps).
+format), :mod:`~receiver.engines.checkpoint.staging` (full versions through staged files),
+:mod:`~receiver.engines.checkpoint.stamps` (the data files' stamps),
+:mod:`~receiver.engines.checkpoint.redolog` (the redo log) and
+:mod:`~receiver.engines.checkpoint.redo` (its records' format).
 """
 
 from receiver.engines.checkpoint.engine import LocalCheckpoint

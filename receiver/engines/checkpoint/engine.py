@@ -32,7 +32,7 @@ from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import inplace, staging
 from receiver.engines.checkpoint.files import CheckpointFiles
 from receiver.engines.checkpoint.flusher import Flusher
-from receiver.engines.checkpoint.recovery import Recovery
+from receiver.engines.checkpoint.redolog import RedoLog, Writing, check_redo_log
 from receiver.engines.checkpoint.stamps import Stamps
 from receiver.engines.st_layout import FileMaps, TensorLocation
 from receiver.rules import bumped, check_base, check_patch, check_tensor_set, holding
@@ -61,18 +61,23 @@ class _Txn:
     seq: int = 0
     digests: dict[str, str] = field(default_factory=dict)  # name -> checksum taken at its patch
     digest_on_patch: bool = False  # the files' tensors are disjoint (inplace.disjoint)
+    redo: Writing | None = None  # with a redo log: the delta's record, the files untouched
 
 
 # --------------------------------------------------------------------------- the engine
 
 
-class LocalCheckpoint(Recovery, Engine):
+class LocalCheckpoint(RedoLog, Engine):
     """A safetensors checkpoint directory patched in place (see :mod:`receiver.engines.checkpoint`).
 
     Its data files and index are :attr:`files` (:mod:`~receiver.engines.checkpoint.files`); a
     delta is applied undoably in place (:mod:`~receiver.engines.checkpoint.inplace`), a full
     version through staged files (:mod:`~receiver.engines.checkpoint.staging`); and a committed
     delta is flushed after its ack (:meth:`acknowledged`, :meth:`flushed`).
+
+    ``redo_log=N`` (N > 0): a delta is kept as a redo record beside the files instead, and the
+    records are merged into them every N versions, after ``compact_idle`` seconds (or more)
+    without a version, and at open and close (:mod:`~receiver.engines.checkpoint.redolog`).
     """
 
     streams = True  # a delta may begin from self-describing shards (receiver.stream)
@@ -83,7 +88,12 @@ class LocalCheckpoint(Recovery, Engine):
         *,
         file_prefix: str = "model",
         sync_before_ack: bool = False,
+        redo_log: int = 0,
+        compact_idle: float = 2.0,
     ):
+        self.redo_log, self.compact_idle = check_redo_log(redo_log, compact_idle)
+        self._last_begin: float | None = None
+        self._begin_interval: float | None = None
         self.files = CheckpointFiles(directory, file_prefix)  # raises for a bad prefix
         self.directory = Path(directory)
         self.file_prefix = file_prefix
@@ -106,12 +116,28 @@ class LocalCheckpoint(Recovery, Engine):
 
     # -- public coroutines ----------------------------------------------------------------
     async def open(self) -> EngineState:
-        return await self._run(self._open)
+        return await self._run(self._open_all)
+
+    def _open_all(self) -> EngineState:
+        if self._store.locked:
+            return self.state
+        self._open()
+        try:  # records no state names removed, those it names merged into the files
+            self._open_redo()
+        except BaseException:
+            self._store.close()
+            raise
+        return self.state
 
     async def close(self) -> None:
         if self._txn is not None:
             await self.abort()
         await self.flushed()
+        if self._ps.redo and self._store.locked:
+            try:
+                await self._run(self._compact, "close")
+            except (AsyncSyncError, OSError) as exc:  # kept: merged at the next open
+                logger.warning("%s: compaction at close failed: %s", self.directory, exc)
         self._flusher.close()
         self._store.close()
 
@@ -123,6 +149,11 @@ class LocalCheckpoint(Recovery, Engine):
             await self.acknowledged()
         else:
             await self.flushed()  # a full version replaces the files the flush writes
+        self._note_begin()
+        if self.redo_log and mode == "delta" and self.redo_held >= self.redo_log:
+            await self._run(self._compact, f"{self.redo_held} records held")
+            if self.state.version is None:
+                raise self._base_removed(manifest)
         t0 = time.perf_counter()
         if not await self._run(self._begin, manifest, mode):  # a flush failed: once it can be
             await self.flushed()  # done again, go on (every flush done: none fails meanwhile)
@@ -148,6 +179,8 @@ class LocalCheckpoint(Recovery, Engine):
             await self.flushed()
             await self._run(self._recover)
         await self._run(self._edited)  # the files changed behind its back: checked now
+        if self._ps.redo and self._idle():  # the files loadable again while no version comes
+            await self._run(self._compact, f"idle {self.idle_for():g}s")
 
     async def flushed(self) -> None:
         """Wait until every committed delta is durable (a no-op with sync_before_ack); start
@@ -157,7 +190,12 @@ class LocalCheckpoint(Recovery, Engine):
 
     async def apply(self, updates: list[TensorUpdate]) -> None:
         txn = self._need_txn()
-        if txn.mode == "delta":
+        if txn.redo is not None:
+            w = txn.redo
+            await self._run(
+                lambda: self._apply_redo(w, [(self._claim(txn, u), u) for u in updates])
+            )
+        elif txn.mode == "delta":
             await self._run(self._apply_delta, txn, updates)
         else:
             await self._run(self._apply_full, txn, updates)
@@ -166,6 +204,10 @@ class LocalCheckpoint(Recovery, Engine):
         txn = self._need_txn()
         if txn.mode == "full":
             return await self._run(self._commit_full, txn)
+        if txn.redo is not None:
+            self._txn = None
+            await self._run(self._commit_redo, txn.redo, txn.manifest, txn.seen)
+            return txn.manifest.fingerprint
         fingerprint = await self._run(self._commit_delta, txn)
         if not self.sync_before_ack:
             assert txn.maps is not None
@@ -184,6 +226,11 @@ class LocalCheckpoint(Recovery, Engine):
             maps, version = self._unflushed
             self._unflushed = None
             self._flusher.submit(maps, version)
+        if self.redo_log and self.redo_held >= self.redo_log and self._txn is None:
+            try:  # after the ack of the Nth: not on any version's latency
+                await self._run(self._compact, f"{self.redo_held} records held")
+            except (AsyncSyncError, OSError) as exc:  # kept: tried again at the next begin
+                logger.warning("%s: compaction failed: %s", self.directory, exc)
 
     def _flush(self, maps: FileMaps, version: int) -> None:
         try:
@@ -206,7 +253,11 @@ class LocalCheckpoint(Recovery, Engine):
         return self.files.tensor_names()
 
     def load_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the checkpoint, copied into memory (later deltas do not alter it)."""
+        """Every tensor of the checkpoint, copied into memory (later deltas do not alter it).
+        Redo records held are merged into the files first."""
+        if self._ps.redo:
+            with self._mutex:
+                self._compact("load_state_dict")
         return self.files.load_state_dict()
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -278,6 +329,10 @@ class LocalCheckpoint(Recovery, Engine):
                 "%s: %s had other links (a symlink or a hard link: a backup?); copied, so the "
                 "file elsewhere keeps its bytes", self.directory, ", ".join(copied),
             )  # fmt: skip
+        if self.redo_log:  # the files untouched: the delta goes into a record
+            txn.redo = self._begin_redo(manifest)
+            self._txn = txn
+            return True
         self._store.clear_dir(self._store.journal_dir)
         self._set(self._ps.begin(manifest.version, "delta", progressive=not self.sync_before_ack))
         txn.maps = FileMaps(self.directory)
@@ -457,7 +512,7 @@ class LocalCheckpoint(Recovery, Engine):
             for p in old - {self.directory / name for name in final.values()}:
                 p.unlink()
             fsio.fsync_dir(self.directory)
-            self._set(holding(PersistedState(), m))
+            self._set(holding(PersistedState(), m))  # no redo record: they applied on old files
             self._layout = layout
             self._undo_pending = None  # every file replaced: nothing left to undo
         except BaseException as exc:
@@ -470,6 +525,8 @@ class LocalCheckpoint(Recovery, Engine):
             ) from exc
         with contextlib.suppress(OSError):  # kept, it costs one rewrite at a later open
             self._flusher.clear()  # nothing left to write again: every file new and fsynced
+        with contextlib.suppress(OSError):  # unnamed: removed at the next open otherwise
+            self._store.clear_dir(self._store.redo_dir)
         logger.info("%s: committed full v%s (%d files)", self.directory, m.version, n)
         return m.fingerprint
 
@@ -478,7 +535,10 @@ class LocalCheckpoint(Recovery, Engine):
         txn = self._txn
         if txn is None:
             return
-        if txn.mode == "delta":
+        if txn.redo is not None:
+            self._txn = None
+            txn.redo.writer.discard()
+        elif txn.mode == "delta":
             self._rollback(txn)
         else:
             self._txn = None
@@ -495,6 +555,10 @@ class LocalCheckpoint(Recovery, Engine):
                 raise self._base_removed(manifest)
         if self._edited():
             raise self._base_removed(manifest, _EDITED)
+        if self._ps.redo:  # its checksums are checked against the bytes: merged first
+            self._compact("zero-diff")
+            if self.state.version is None:
+                raise self._base_removed(manifest)
         check_base(self.state.version, self.state.run_id, manifest, str(self.directory))
         check_tensor_set(self._held(), manifest, str(self.directory))
         self._set(bumped(self._ps, manifest))

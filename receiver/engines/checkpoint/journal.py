@@ -178,13 +178,23 @@ def create_progressive(path: Path, work: Work, version: int) -> Progressive:
 
 def _positions(work: Work) -> tuple[list[int], list[int], list[str], list[bytes | memoryview]]:
     """Per patch of ``work``: its count, width, positions coding and positions blob."""
-    pos_blobs: list[bytes | memoryview] = []
-    encs: list[str] = []
     counts = [
         flat.numel() if p.positions is None else p.positions.numel() for _, _, flat, p in work
     ]
     widths = [flat.element_size() for _, _, flat, _ in work]
-    for *_, flat, patch in work:
+    encs, pos_blobs = code_positions([(flat.numel(), patch) for *_, flat, patch in work])
+    return counts, widths, encs, pos_blobs
+
+
+def code_positions(
+    patches: list[tuple[int, Patch]],
+) -> tuple[list[str], list[bytes | memoryview]]:
+    """The coding and blob of each (numel, patch)'s positions: the xef blob the patch was
+    decoded from, else Elias-Fano, else raw int64 (not strictly increasing); ``dense`` for a
+    patch of every element (no blob)."""
+    pos_blobs: list[bytes | memoryview] = []
+    encs: list[str] = []
+    for numel, patch in patches:
         if patch.positions is None:
             pos_blobs.append(b"")
             encs.append("dense")
@@ -195,12 +205,12 @@ def _positions(work: Work) -> tuple[list[int], list[int], list[str], list[bytes 
             encs.append("xef")
             continue
         try:
-            pos_blobs.append(ef.encode(idx, flat.numel())[0] if idx.size else b"")
+            pos_blobs.append(ef.encode(idx, numel)[0] if idx.size else b"")
             encs.append("ef")
         except ConfigError:  # not strictly increasing: keep them as they are
             pos_blobs.append(idx.astype("<i8").tobytes())
             encs.append("raw")
-    return counts, widths, encs, pos_blobs
+    return encs, pos_blobs
 
 
 def _offsets(
@@ -253,7 +263,7 @@ def _read_progressive(path: Path) -> list[tuple[str, torch.Tensor | None, torch.
             pos = None if done == numel else torch.arange(done, dtype=torch.int64)
         else:
             blob = _span(data, pos_at[i], int(pos_bytes[i]))
-            pos = torch.from_numpy(_decode_positions(enc, blob, n, numel)[:done].copy())
+            pos = torch.from_numpy(decode_positions(enc, blob, n, numel)[:done].copy())
         out.append((str(name), pos, old))
     return out
 
@@ -268,7 +278,7 @@ def _span(data: bytes, at: int, size: int) -> bytes:
     return data[at : at + size]
 
 
-def _decode_positions(enc: str, blob: bytes, n: int, numel: int) -> NDArray[np.int64]:
+def decode_positions(enc: str, blob: bytes, n: int, numel: int) -> NDArray[np.int64]:
     if enc == "xef":
         return decode_xef_positions(blob, n, numel)
     if enc == "ef":

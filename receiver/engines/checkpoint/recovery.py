@@ -47,7 +47,7 @@ class Recovery:
 
     def _set(self, ps: PersistedState, *, spare: bool = False) -> None:
         self._ps = self._store.save(ps, spare=spare)
-        self.state = EngineState(ps.version, ps.run_id, ps.fingerprint)
+        self.state = EngineState(ps.head_version, ps.run_id, ps.head_fingerprint)
         if ps.version is None:
             self._stamps.forget()
         elif not ps.applying:  # the files hold ps.version: stamped as this engine left them
@@ -107,7 +107,8 @@ class Recovery:
             if fresh:  # the first state.json: the directory is an asyncsync checkpoint now
                 self._set(self._ps)
             else:  # saved by each step that changed it: none written to a full disk for nothing
-                self.state = EngineState(self._ps.version, self._ps.run_id, self._ps.fingerprint)
+                ps = self._ps
+                self.state = EngineState(ps.head_version, ps.run_id, ps.head_fingerprint)
             if self._ps.version is not None and not self._edited():
                 self._layout = self.files.load_layout()
                 if self._ps.checksums and set(self._ps.checksums) != set(self._layout):
@@ -223,6 +224,7 @@ class Recovery:
         self.files.remove_data()
         self._store.clear_dir(self._store.staging_dir)
         self._store.clear_dir(self._store.journal_dir)
+        self._store.clear_dir(self._store.redo_dir)  # they applied on the files removed
         with contextlib.suppress(OSError):  # kept, it costs one rewrite at a later open
             self._flusher.clear()
 

@@ -1,0 +1,323 @@
+"""A LocalCheckpoint with a redo log (``redo_log=N``): committed deltas kept as redo records
+beside the data files, and merged into the files every N versions (compaction).
+
+Why: a delta of a few percent of the elements of a bf16 model writes into every 4 KiB page of
+the files, so each version patched in place dirties (and writes back) the whole checkpoint, and
+its apply is mostly page-cache work (prefault, patch, flush). A record holds only the changed
+positions and values (:mod:`~receiver.engines.checkpoint.redo`), a few percent of the model,
+written once and fsynced; compaction patches the merge of N records into the files once.
+
+* delta: each apply group's patches are appended to the version's record (a temp file); the
+  commit checks that every tensor the manifest says changed was patched, makes the record
+  durable (fsync, rename, directory fsync), then commits ``state.json`` naming it
+  (``redo``, format_version 3); the ack follows. The data files are not touched.
+* compaction (:meth:`RedoLog._compact`): when N records are held (after the ack of the Nth, or
+  at the next begin), when the receiver is idle, at close and at open, and before anything
+  reads the tensors' bytes (a zero-diff version, ``load_state_dict``): the records merged (a
+  later value wins, XORs compose), patched into the files through the undoable in-place path
+  (journal, patch with checksums, :mod:`~receiver.engines.checkpoint.inplace`) and checked
+  against the newest record's checksums, flushed, then ``state.json`` holds the newest version
+  with no records, then the records go. A checksum that differs means the files were not the
+  base the records apply on (damaged between versions): the files are removed, as a failed
+  re-check does, and the receiver re-initialises from a keyframe. A compaction that fails
+  otherwise is rolled back (the records kept, tried again).
+* a full version replaces every file: its records are dropped, not merged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError
+from asyncsync.format import Manifest, TensorEntry
+from receiver.engines.base import TensorUpdate
+from receiver.engines.checkpoint import inplace
+from receiver.engines.checkpoint.recovery import Recovery
+from receiver.engines.checkpoint.redo import Record, RecordWriter, merge, record_name
+from receiver.engines.st_layout import FileMaps
+from receiver.rules import check_patch, layouts_of
+from receiver.state import PersistedState
+
+__all__ = ["IDLE_CAP", "RedoLog", "Writing", "check_redo_log"]
+
+logger = logging.getLogger(__name__)
+
+#: the most seconds of idleness before a compaction, whatever the interval between versions
+IDLE_CAP = 300.0
+_GROUP_BYTES = 256 << 20  # merged values patched in one journaled group
+
+
+def check_redo_log(redo_log: object, compact_idle: object) -> tuple[int, float]:
+    """The validated options (ValueError saying what is wrong)."""
+    if isinstance(redo_log, bool) or not isinstance(redo_log, int) or redo_log < 0:
+        raise ValueError(
+            f"redo_log must be a non-negative integer (0: off; N: compact every N versions), "
+            f"got {redo_log!r}"
+        )
+    if (
+        isinstance(compact_idle, bool)
+        or not isinstance(compact_idle, int | float)
+        or not compact_idle > 0
+        or compact_idle == float("inf")
+    ):
+        raise ValueError(f"compact_idle must be a positive number of seconds, got {compact_idle!r}")
+    return redo_log, float(compact_idle)
+
+
+@dataclass
+class Writing:
+    """The record of the delta being applied."""
+
+    writer: RecordWriter
+    numels: dict[str, int]
+
+
+class RedoLog(Recovery):
+    """The redo log of :class:`~receiver.engines.checkpoint.LocalCheckpoint` (a part of the
+    engine, as :class:`~receiver.engines.checkpoint.recovery.Recovery` is: the engine sets
+    every attribute; everything here runs under the engine's lock)."""
+
+    sync_before_ack: bool
+    redo_log: int
+    compact_idle: float
+    _last_begin: float | None
+    _begin_interval: float | None
+
+    if TYPE_CHECKING:
+
+        def _after_commit(self, version: int) -> None: ...
+
+    # -- when ---------------------------------------------------------------------------
+    @property
+    def redo_held(self) -> int:
+        """Redo records held beside the files (merged into them at the next compaction)."""
+        return len(self._ps.redo)
+
+    def _note_begin(self) -> None:
+        now = time.monotonic()
+        if self._last_begin is not None:
+            self._begin_interval = now - self._last_begin
+        self._last_begin = now
+
+    def idle_for(self) -> float:
+        """How long without a begin makes the receiver idle (then it compacts): the configured
+        ``compact_idle``, or twice the interval between the last two versions where longer
+        (versions a minute apart: a compaction after each would write the model back per
+        version, which the log is there to avoid), at most :data:`IDLE_CAP`."""
+        interval = self._begin_interval or 0.0
+        return max(self.compact_idle, min(2 * interval, IDLE_CAP))
+
+    def _idle(self) -> bool:
+        last = self._last_begin
+        return last is None or time.monotonic() - last >= self.idle_for()
+
+    # -- open ---------------------------------------------------------------------------
+    def _open_redo(self) -> None:
+        """At open: records no state names removed (written, not committed: the version was
+        never acknowledged), then those it names compacted."""
+        d = self._store.redo_dir
+        if self.redo_log:
+            d.mkdir(exist_ok=True)
+        if d.is_dir():
+            named = {record_name(v) for v, _ in self._ps.redo}
+            stale = [p for p in d.iterdir() if p.name not in named]
+            for p in stale:
+                logger.warning("%s: removing redo record %s (no state names it)", d, p.name)
+                p.unlink(missing_ok=True)
+        if self._ps.redo:
+            self._compact("open")
+
+    # -- delta --------------------------------------------------------------------------
+    def _begin_redo(self, manifest: Manifest) -> Writing:
+        numels = {
+            n: loc.nbytes // max(loc.int_dtype.itemsize, 1) for n, loc in self._layout.items()
+        }
+        self._store.redo_dir.mkdir(exist_ok=True)
+        return Writing(RecordWriter(self._store.redo_dir, manifest.version), numels)
+
+    def _apply_redo(self, w: Writing, claimed: list[tuple[TensorEntry, TensorUpdate]]) -> None:
+        """Append the group's checked patches to the version's record."""
+        items = []
+        for entry, u in claimed:
+            if u.patch is None:
+                raise ApplyFailed(f"tensor {entry.name!r}: a delta needs a patch, not full data")
+            loc = self._layout[entry.name]
+            numel = w.numels[entry.name]
+            shape = torch.empty(1, dtype=loc.int_dtype).expand(numel)  # dtype and numel only
+            items.append((entry.name, numel, check_patch(u.patch, shape, entry.name)))
+        w.writer.add(items)
+
+    def _commit_redo(self, w: Writing, manifest: Manifest, seen: set[str]) -> None:
+        """The record made durable, then the state naming it (the ack follows)."""
+        m = manifest
+        try:
+            missing = [e.name for e in m.tensors if e.changed > 0 and e.name not in seen]
+            if missing:
+                raise ApplyFailed(
+                    f"{self.directory}: v{m.version} changes {len(missing)} tensors that were "
+                    f"not applied (e.g. {missing[0]!r}); refused"
+                )
+            w.writer.finish(
+                {
+                    "version": m.version,
+                    "base_version": m.base_version,
+                    "run_id": m.run_id,
+                    "fingerprint": m.fingerprint,
+                    "checksum_algorithm": m.checksum_algorithm,
+                    "checksums": {e.name: e.checksum for e in m.tensors},
+                    "parts": layouts_of(m),
+                }
+            )
+            self._set(replace(self._ps, redo=(*self._ps.redo, (m.version, m.fingerprint))))
+        except BaseException:
+            w.writer.discard()
+            raise
+        logger.info(
+            "%s: committed delta v%s as a redo record (%d held, %.1f MiB)",
+            self.directory, m.version, len(self._ps.redo), w.writer.nbytes / 2**20,
+        )  # fmt: skip
+
+    # -- compaction ---------------------------------------------------------------------
+    def _compact(self, why: str) -> None:
+        """Merge every record held into the files (see the module docstring)."""
+        ps = self._ps
+        if not ps.redo:
+            return
+        t0 = time.perf_counter()
+        records: list[Record] = []
+        try:
+            try:
+                for v, _ in ps.redo:
+                    rec = Record.open(self._store.redo_dir / record_name(v))
+                    records.append(rec)
+                    if rec.version != v:
+                        raise ValueError(f"{rec.path} holds v{rec.version}")
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                logger.error(
+                    "%s: a redo record cannot be read (%s); removing the files so the "
+                    "receiver re-initialises from a keyframe", self.directory, exc,
+                )  # fmt: skip
+                self._wipe()
+                return
+            self._merge_into_files(records, why)
+        finally:
+            for rec in records:
+                rec.close()
+        with contextlib.suppress(OSError):  # unnamed now: removed at the next open otherwise
+            self._store.clear_dir(self._store.redo_dir)
+        logger.info("%s: compacted %d redo records into v%s (%s) in %.3fs", self.directory,
+                    len(records), self._ps.version, why, time.perf_counter() - t0)  # fmt: skip
+
+    def _merge_into_files(self, records: list[Record], why: str) -> None:
+        ps, head = self._ps, records[-1].meta
+        version, algo = int(head["version"]), str(head["checksum_algorithm"])
+        checksums: dict[str, str] = dict(head["checksums"])
+        parts = {k: [(int(a), int(b)) for a, b in v] for k, v in head["parts"].items()}
+        if set(checksums) != set(self._layout):
+            raise EngineStateError(f"{self.directory}: v{version}'s record names other tensors")
+        self._set(ps.begin(version, "delta", progressive=not self.sync_before_ack))
+        maps = FileMaps(self.directory)
+        try:
+            digests = self._patch_merged(maps, records, version, algo, parts)
+            bad = self._first_bad(maps, ps, digests, algo, checksums, parts)
+            if bad is not None:
+                raise ChecksumMismatch(bad, path=str(self.directory))
+            maps.sync()
+            self._set(
+                replace(
+                    ps.clean(), version=version, fingerprint=head["fingerprint"],
+                    run_id=head["run_id"], checksum_algorithm=algo, checksums=checksums,
+                    parts=parts, synced=True, redo=(),
+                )
+            )  # fmt: skip
+        except ChecksumMismatch as exc:
+            logger.error("%s: compaction (%s): %s; the files were not the base the records "
+                         "apply on: removing them so the receiver re-initialises from a "
+                         "keyframe", self.directory, why, exc)  # fmt: skip
+            self._wipe()
+            return
+        except BaseException as exc:
+            try:
+                self._undo(maps)
+            except BaseException as undo_exc:
+                self._undo_pending = f"rollback of a compaction to v{version} failed ({undo_exc})"
+            raise ApplyFailed(
+                f"{self.directory}: compaction of {len(records)} redo records failed ({exc}); "
+                "rolled back, the records are kept and merged again later"
+            ) from exc
+        finally:
+            maps.close()
+        self._after_commit(version)
+
+    def _patch_merged(
+        self,
+        maps: FileMaps,
+        records: list[Record],
+        version: int,
+        algo: str,
+        parts: Mapping[str, Any],
+    ) -> dict[str, str | None]:
+        """Each touched tensor's merged patch journaled and patched, in groups of about
+        :data:`_GROUP_BYTES`; their checksums taken as they are patched (None: hashed later,
+        the tensors share bytes)."""
+        algorithm = algo if inplace.disjoint(self._layout) else None
+        digests: dict[str, str | None] = {}
+        work: list[inplace.Work] = []
+        size = seq = 0
+
+        def flush() -> None:
+            nonlocal work, size, seq
+            if work:
+                layouts = {n: parts.get(n) for n, *_ in work}
+                digests.update(dict.fromkeys((n for n, *_ in work), None))
+                digests.update(inplace.journal_and_patch(
+                    maps, self._store.journal_dir, seq, version, work, algorithm, layouts,
+                    durable=self.sync_before_ack,
+                ))  # fmt: skip
+                seq += 1
+            work, size = [], 0
+
+        self._store.clear_dir(self._store.journal_dir)
+        for name, loc in self._layout.items():
+            held = [r.patch(name, loc.int_dtype) for r in records if name in r.entries]
+            if not held:
+                continue
+            flat = maps.flat(loc)
+            patch = merge(held, flat.numel()).patch(flat)
+            work.append((name, loc, flat, check_patch(patch, flat, name, kernels_check=True)))
+            size += patch.values.nbytes
+            if size >= _GROUP_BYTES:
+                flush()
+        flush()
+        return digests
+
+    def _first_bad(
+        self,
+        maps: FileMaps,
+        ps: PersistedState,
+        digests: Mapping[str, str | None],
+        algo: str,
+        checksums: Mapping[str, str],
+        parts: Mapping[str, Any],
+    ) -> str | None:
+        """Why the merged files are not the newest record's version (None: they are).
+        Tensors patched (``digests``' keys) by their checksums, taken as they were patched or
+        else hashed from the files; the others by the checksums the files' version recorded,
+        where taken with the same algorithm."""
+        for name, loc in self._layout.items():
+            if name in digests:
+                got = digests[name] or maps.checksum(loc, algo, parts.get(name))
+            elif ps.checksum_algorithm == algo:
+                got = ps.checksums.get(name, checksums[name])
+            else:
+                continue
+            if got != checksums[name]:
+                return f"tensor {name!r} in {loc.file}: checksum {got} != {checksums[name]}"
+        return None

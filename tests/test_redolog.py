@@ -1,0 +1,232 @@
+"""LocalCheckpoint with a redo log (``redo_log=N``): deltas kept as redo records, the files
+untouched until a compaction merges them; every reader of the bytes compacts first; the state
+format and the start-up hold of the plugins while records are held."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync import Publisher
+from asyncsync.errors import ApplyFailed
+from asyncsync.format.store import read_manifest
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+from receiver.plugins.clean_load import load_whole_version
+from receiver.plugins.held import Unverified, checkpoint_snapshot
+from receiver.state import PersistedState, StateStore
+from tests.conftest import assert_holds, mixed_state, mutate
+
+
+def _files_digest(ck: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(ck.glob("model*.safetensors")):
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _state(ck: Path) -> dict:
+    return json.loads((ck / ".asyncsync" / "state.json").read_text())
+
+
+async def _publish(
+    pub: Publisher, sds: list[dict[str, torch.Tensor]], n: int, density: float = 0.05
+) -> list[dict[str, torch.Tensor]]:
+    """Seed v0 (first call), then publish versions until ``n``; returns every state so far."""
+    if not sds:
+        sds.append(mixed_state(0))
+        await pub.seed(sds[0])
+    while len(sds) <= n:
+        sds.append(mutate(sds[-1], density, seed=len(sds)))
+        await pub.publish(sds[-1])
+    return sds
+
+
+@contextlib.asynccontextmanager
+async def _running(
+    root: Path, ck: Path, redo_log: int
+) -> AsyncIterator[tuple[LocalCheckpoint, Publisher, ReceiverAgent]]:
+    """A publisher and an agent on a checkpoint with a redo log that is never idle."""
+    eng = LocalCheckpoint(ck, redo_log=redo_log, compact_idle=1e9)
+    async with (
+        Publisher(root, keyframe_interval=0) as pub,
+        ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent,
+    ):
+        yield eng, pub, agent
+
+
+async def _sync(root: Path, engine: LocalCheckpoint) -> int | None:
+    async with ReceiverAgent(root, engine, "e", use_inotify=False, prefetch=False) as agent:
+        return await agent.sync_once()
+
+
+async def test_deltas_become_records_and_the_files_stay_until_n(tmp_path: Path) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        sds = await _publish(pub, [], 1)
+        assert await _sync(root, LocalCheckpoint(ck, redo_log=3)) == 1  # merged at close
+        assert _state(ck)["version"] == 1 and "redo" not in _state(ck)
+        base = _files_digest(ck)
+        await _publish(pub, sds, 3)
+    eng = LocalCheckpoint(ck, redo_log=3, compact_idle=1e9)  # never idle in this test
+    try:
+        async with ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent:
+            assert await agent.sync_once() == 3
+            st = _state(ck)
+            assert st["format_version"] == 3 and st["version"] == 1
+            assert [r["version"] for r in st["redo"]] == [2, 3]
+            assert eng.state.version == 3 and eng.redo_held == 2
+            assert _files_digest(ck) == base  # not a byte of the files written
+            assert sorted(p.name for p in (ck / ".asyncsync" / "redo").iterdir()) == [
+                "redo-000000000002.rec",
+                "redo-000000000003.rec",
+            ]
+            with pytest.raises(Unverified, match="redo records"):
+                checkpoint_snapshot(ck)
+            assert_holds(eng.load_state_dict(), sds[3])  # a reader of the bytes: merged first
+            assert eng.redo_held == 0 and _state(ck)["format_version"] == 1
+            assert not list((ck / ".asyncsync" / "redo").iterdir())
+            assert checkpoint_snapshot(ck) is not None
+    finally:
+        await eng.close()
+    assert verify_checkpoint(ck, read_manifest(root, 3)) == []
+
+
+async def test_the_nth_record_is_merged_after_its_ack(tmp_path: Path) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        sds = await _publish(pub, [], 5)
+    eng = LocalCheckpoint(ck, redo_log=2, compact_idle=1e9)
+    seen: list[int] = []
+    real = eng._compact
+
+    def compact(why: str) -> None:
+        seen.append(len(eng._ps.redo))
+        real(why)
+
+    eng._compact = compact  # type: ignore[method-assign]
+    async with ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent:
+        assert await agent.sync_once() == 5
+        assert seen[:2] == [2, 2]  # after v2's and v4's acks; v5 held
+        assert eng.redo_held == 1 and _state(ck)["version"] == 4
+    assert seen[-1] == 1 and _state(ck)["version"] == 5  # merged at close
+    assert verify_checkpoint(ck, read_manifest(root, 5)) == []
+    eng = LocalCheckpoint(ck)
+    await eng.open()
+    assert_holds(eng.load_state_dict(), sds[5])
+    await eng.close()
+
+
+async def test_records_held_at_open_are_merged_even_with_the_log_off(tmp_path: Path) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        sds = await _publish(pub, [], 3)
+    eng = LocalCheckpoint(ck, redo_log=10, compact_idle=1e9)
+    await eng.open()
+    async with ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent:
+        await agent.sync_once()
+        assert eng.redo_held == 3
+        eng._store.close()  # a kill: nothing merged at close
+        eng._ps = PersistedState()
+    eng = LocalCheckpoint(ck)  # redo_log=0
+    assert (await eng.open()).version == 3
+    assert "redo" not in _state(ck) and _state(ck)["version"] == 3
+    assert_holds(eng.load_state_dict(), sds[3])
+    await eng.close()
+
+
+async def test_a_full_version_drops_the_records_and_a_zero_diff_merges_them(
+    tmp_path: Path,
+) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    async with _running(root, ck, 10) as (eng, pub, agent):
+        sds = await _publish(pub, [], 2)
+        await agent.sync_once()
+        assert eng.redo_held == 2
+        await pub.publish(sds[-1])  # a zero-diff v3
+        await agent.sync_once()
+        assert eng.redo_held == 0 and _state(ck)["version"] == 3
+        await pub.publish(mutate(sds[-1], 0.05, seed=9))  # v4: a record
+        await agent.sync_once()
+        assert eng.redo_held == 1
+        await pub.publish(mixed_state(5, scale=2))  # v5: other shapes, a full version
+        await agent.sync_once()
+        assert eng.redo_held == 0 and _state(ck)["version"] == 5
+        assert not list((ck / ".asyncsync" / "redo").iterdir())
+    assert verify_checkpoint(ck, read_manifest(root, 5)) == []
+
+
+async def test_an_aborted_or_incomplete_version_leaves_no_record(tmp_path: Path) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    async with _running(root, ck, 4) as (eng, pub, agent):
+        sds = await _publish(pub, [], 1)
+        await agent.sync_once()
+        await _publish(pub, sds, 2)
+        m2 = read_manifest(root, 2)
+        await eng.begin(m2, "delta")
+        assert list((ck / ".asyncsync" / "redo").glob(".redo-*.part"))
+        await eng.abort()
+        assert [p.name for p in (ck / ".asyncsync" / "redo").iterdir()] == ["redo-000000000001.rec"]
+        await eng.begin(m2, "delta")
+        with pytest.raises(ApplyFailed, match="not applied"):
+            await eng.commit()  # nothing applied
+        assert eng.state.version == 1 and eng.redo_held == 1
+        assert [p.name for p in (ck / ".asyncsync" / "redo").iterdir()] == ["redo-000000000001.rec"]
+    await eng.close()
+
+
+def test_options_are_checked() -> None:
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="redo_log"):
+            LocalCheckpoint("/tmp/x", redo_log=bad)  # type: ignore[arg-type]
+    for bad_idle in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="compact_idle"):
+            LocalCheckpoint("/tmp/x", redo_log=2, compact_idle=bad_idle)
+
+
+def test_state_with_records_is_format_version_3_and_checked() -> None:
+    ps = PersistedState(version=4, redo=((5, "a"), (6, None)))
+    d = json.loads(ps.to_json())
+    assert d["format_version"] == 3 and d["redo"] == [
+        {"version": 5, "fingerprint": "a"},
+        {"version": 6, "fingerprint": None},
+    ]
+    back = PersistedState.from_json(ps.to_json(), where="x")
+    assert back.redo == ps.redo and back.head_version == 6 and back.version == 4
+    for edit, why in (
+        ({"redo": []}, "non-empty exactly"),
+        ({"format_version": 1}, "non-empty exactly"),
+        ({"redo": [{"version": 3}]}, "not after"),
+        ({"redo": [{"version": 6}, {"version": 5}]}, "increasing"),
+        ({"redo": [{"version": "5"}]}, "integer version"),
+        ({"redo": {"version": 5}}, "must be a list"),
+    ):
+        with pytest.raises(Exception, match=why):
+            PersistedState.from_json(json.dumps({**d, **edit}), where="x")
+
+
+async def test_a_server_start_waits_while_records_are_held(tmp_path: Path) -> None:
+    """The plugins' start-up load (clean_load) holds while records are held: the files are an
+    older version than the receiver acknowledged."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await _publish(pub, [], 2)
+    eng = LocalCheckpoint(ck, redo_log=10, compact_idle=1e9)
+    loads: list[int] = []
+    log = logging.getLogger("test")
+    async with ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent:
+        await agent.sync_once()
+        assert eng.redo_held == 2
+        with pytest.raises(RuntimeError, match="still being patched"):
+            load_whole_version(ck, lambda: loads.append(1), log, wait=0.3)
+        assert loads == []
+    # closed: merged
+    assert load_whole_version(ck, lambda: loads.append(1) or 7, log, wait=0.3) == 7
+    assert StateStore(ck / ".asyncsync").load().redo == ()  # type: ignore[union-attr]
