@@ -230,3 +230,37 @@ async def test_a_server_start_waits_while_records_are_held(tmp_path: Path) -> No
     # closed: merged
     assert load_whole_version(ck, lambda: loads.append(1) or 7, log, wait=0.3) == 7
     assert StateStore(ck / ".asyncsync").load().redo == ()  # type: ignore[union-attr]
+
+
+async def test_verify_checks_the_files_version_and_says_records_are_held(tmp_path: Path) -> None:
+    from asyncsync.errors import ConfigError
+    from asyncsync.ops.cli.verify import verify_checkpoint_dir
+
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    async with _running(root, ck, 10) as (eng, pub, agent):
+        await _publish(pub, [], 2)
+        await agent.sync_once()
+        assert eng.redo_held == 2
+        report = verify_checkpoint_dir(root, ck)
+        assert report.ok and report.version == 0
+        assert report.note is not None and "2 redo records (v1..v2)" in report.note
+        assert "the receiver holds v2" in report.describe()
+        with pytest.raises(ConfigError, match="its files are at v0, not v2"):
+            verify_checkpoint_dir(root, ck, 2)
+    report = verify_checkpoint_dir(root, ck)  # merged at close
+    assert report.ok and report.version == 2 and report.note is None
+
+
+def test_the_receiver_option_is_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from receiver.cli import main
+
+    base = ["--root", str(tmp_path / "r"), "--engine-id", "e", "--checkpoint", str(tmp_path / "c")]
+    assert main([*base, "--checkpoint-redo-log", "2", "--vllm-url", "http://127.0.0.1:9"]) == 2
+    assert "--checkpoint-redo-log is for a checkpoint the receiver alone keeps" in (
+        capsys.readouterr().err
+    )
+    assert main([*base, "--checkpoint-redo-log", "-1"]) == 2
+    assert "--checkpoint-redo-log" in capsys.readouterr().err
+    assert main([*base, "--checkpoint-redo-log", "2", "--checkpoint-compact-idle", "0"]) == 2
+    assert "--checkpoint-compact-idle" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()  # refused before anything was opened
