@@ -83,6 +83,10 @@ async def test_deltas_become_records_and_the_files_stay_until_n(tmp_path: Path) 
             assert st["format_version"] == 3 and st["version"] == 1
             assert [r["version"] for r in st["redo"]] == [2, 3]
             assert eng.state.version == 3 and eng.redo_held == 2
+            status = agent.status().engine
+            assert status == {"redo_log": 3, "redo_records": [2, 3], "files_version": 1,
+                              "files_loadable": False}  # fmt: skip
+            assert eng.metrics()["redo_records"][1] == 2
             assert _files_digest(ck) == base  # not a byte of the files written
             assert sorted(p.name for p in (ck / ".asyncsync" / "redo").iterdir()) == [
                 "redo-000000000002.rec",

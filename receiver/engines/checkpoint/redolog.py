@@ -100,6 +100,26 @@ class RedoLog(Recovery):
         """Redo records held beside the files (merged into them at the next compaction)."""
         return len(self._ps.redo)
 
+    def info(self) -> dict[str, Any] | None:
+        """For ``/status`` (a redo log on, or records held): the records, and whether the
+        files are loadable (no record held: they hold the version acknowledged)."""
+        if not (self.redo_log or self._ps.redo):
+            return None
+        return {
+            "redo_log": self.redo_log,
+            "redo_records": [v for v, _ in self._ps.redo],
+            "files_version": self._ps.version,
+            "files_loadable": not self._ps.redo and not self._ps.applying,
+        }
+
+    def metrics(self) -> dict[str, tuple[str, float | None]]:
+        if not self.redo_log:
+            return {}
+        return {
+            "redo_records": ("Redo records held beside the checkpoint's files.", self.redo_held),
+            "files_version": ("Version the checkpoint's files hold.", self._ps.version),
+        }
+
     def _note_begin(self) -> None:
         now = time.monotonic()
         if self._last_begin is not None:
