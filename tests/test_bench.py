@@ -294,6 +294,19 @@ def test_scale_sweep_writes_the_promised_keys(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncsync-bench")] == []
 
 
+def test_scale_sweep_with_the_redo_log_charges_its_compactions(tmp_path: Path) -> None:
+    """``--scale --redo-log 2``: 4 versions (two cycles), each compaction in the run timed, the
+    mean CPU over the run (compactions charged) beside the per-version median."""
+    argv = ["bench", "--scale", "--scale-sizes", "2MiB", "--redo-log", "2", "--timeout", "200"]
+    argv += ["--workdir", str(tmp_path), "--json", str(tmp_path / "s.json")]
+    assert main(argv) == 0
+    (row,) = json.loads((tmp_path / "s.json").read_text())["scale"]
+    assert row["redo_log"] == 2 and row["repeats"]["versions"] == 4
+    assert [n for n, _secs in row["compactions"]] == [2, 2]
+    assert row["apply_cpu_cycle_s_per_gib"] > 0
+    assert row["disk_writes_per_version_vs_model"] is not None
+
+
 def test_peers_run_every_system_interleaved(tmp_path: Path) -> None:
     """``--peers`` at a tiny size: the real children, every system's versions, the appliers'
     results bit-exact (each peer's engine state is checked against the trainer's)."""
@@ -385,6 +398,10 @@ def test_scale_flag_validation(capsys: pytest.CaptureFixture[str]) -> None:
     assert "at least 1 MiB" in capsys.readouterr().err
     assert main(["bench", "--scale", "--scale-sizes", "lots"]) == 2
     assert "is not a size" in capsys.readouterr().err
+    assert main(["bench", "--redo-log", "2"]) == 2  # not a --scale run
+    assert "--redo-log is an option of --scale" in capsys.readouterr().err
+    assert main(["bench", "--scale", "--redo-log", "4", "--versions", "3"]) == 2
+    assert "no compaction would fall in the timed versions" in capsys.readouterr().err
 
 
 def test_device_check_runs_on_cpu(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
-"""receiver.engines.checkpoint.redo: the redo record's format and the merge of records.
+"""receiver.engines.checkpoint.redo: the redo record's format.
 
-Property-style: random versions of a tensor (sets and XORs, sparse and dense, positions coded
-xef, Elias-Fano or raw), each written as a record and read back; the merge of the records,
-applied once, equals applying each version in turn."""
+Property-style: random versions of tensors (sets and XORs, sparse and dense, positions coded
+Elias-Fano, raw, or the xef blob they were decoded from), written as records apply group by
+apply group and read back exactly; applying the records read back in turn equals applying the
+versions. (Compaction, tests/test_redolog.py, applies them so and checks the result.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncsync.codec import Patch
-from receiver.engines.checkpoint.redo import Record, RecordWriter, merge, record_name
+from receiver.engines.checkpoint.redo import Record, RecordWriter, record_name
 
 
 def _apply(flat: np.ndarray, op: str, pos: np.ndarray | None, val: np.ndarray) -> None:
@@ -34,42 +35,6 @@ def _random_patch(rng: np.random.Generator, numel: int, dtype: type) -> tuple[st
     pos = np.sort(rng.choice(numel, n, replace=False)).astype(np.int64)
     val = rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
     return op, pos, val
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    versions=st.integers(1, 6),
-    numel=st.integers(1, 300),
-    dtype=st.sampled_from([np.int16, np.int32, np.int8]),
-)
-def test_merge_equals_each_version_in_turn(
-    seed: int, versions: int, numel: int, dtype: type
-) -> None:
-    rng = np.random.default_rng(seed)
-    base = rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, numel, dtype=dtype)
-    patches = [_random_patch(rng, numel, dtype) for _ in range(versions)]
-    expected = base.copy()
-    for op, pos, val in patches:
-        _apply(expected, op, pos, val)
-    merged = merge(patches, numel)  # type: ignore[arg-type]
-    assert not np.isin(merged.set_pos, merged.xor_pos).any()
-    got = base.copy()
-    p = merged.patch(torch.from_numpy(base.copy()))
-    _apply(got, p.op, None if p.positions is None else p.positions.numpy(), p.values.numpy())
-    np.testing.assert_array_equal(got, expected)
-
-
-def test_merge_of_xors_alone_stays_a_xor_without_the_base() -> None:
-    a = ("xor", np.array([1, 3, 5], np.int64), np.array([1, 2, 4], np.int16))
-    b = ("xor", np.array([3, 4], np.int64), np.array([8, 16], np.int16))
-    p = merge([a, b], 8).patch()
-    assert p.op == "xor"
-    assert p.positions is not None
-    assert p.positions.tolist() == [1, 3, 4, 5]
-    assert p.values.tolist() == [1, 10, 16, 4]
-    with pytest.raises(ValueError, match="base"):
-        merge([("set", np.array([0], np.int64), np.array([1], np.int16)), b], 8).patch()
 
 
 @settings(max_examples=25, deadline=None)
@@ -108,6 +73,13 @@ def test_record_round_trip(
                 assert gpos is None
             else:
                 np.testing.assert_array_equal(gpos, pos)
+            p = rec.as_patch(name, torch.int16)
+            base = np.arange(rec.entries[name].numel, dtype=np.int16)
+            want, got = base.copy(), base.copy()
+            _apply(want, op, pos, val)
+            _apply(got, p.op, None if p.positions is None else p.positions.numpy(),
+                   p.values.numpy())  # fmt: skip
+            np.testing.assert_array_equal(got, want)
     finally:
         rec.close()
 
@@ -125,3 +97,30 @@ def test_a_torn_or_foreign_record_is_refused(tmp_path) -> None:
     w2.add([("a", 4, Patch("set", torch.tensor([1]), torch.tensor([5], dtype=torch.int16)))])
     w2.discard()
     assert not w2.part.exists() and not w2.path.exists()
+
+
+def test_a_patch_decoded_from_xef_keeps_its_blob(tmp_path) -> None:
+    """The record keeps an xef positions blob as it came; read back, the patch vouches for it
+    (the kernels check its ends only, a journal keeps it as it is)."""
+    from asyncsync.codec import decode_delta, encode_delta
+
+    old = torch.arange(4096, dtype=torch.int16)
+    new = old.clone()
+    new[::7] += 3
+    pos = torch.arange(0, 4096, 7)
+    enc = encode_delta(old, new, pos, "xef")
+    patch = decode_delta(
+        "xef", enc.mode, enc.positions, enc.values, changed=enc.changed, numel=4096,
+        dtype=torch.int16,
+    )  # fmt: skip
+    assert patch.decoded_xef() is not None
+    w = RecordWriter(tmp_path, 1)
+    w.add([("t", 4096, patch)])
+    rec = Record.open(w.finish({"version": 1}))
+    try:
+        assert rec.entries["t"].enc == "xef"
+        back = rec.as_patch("t", torch.int16)
+        assert back.decoded_xef() is not None and back.op == "xor"
+        assert torch.equal(back.positions, patch.positions)  # type: ignore[arg-type]
+    finally:
+        rec.close()

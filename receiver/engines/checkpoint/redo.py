@@ -1,11 +1,11 @@
 """The redo records of a LocalCheckpoint run with a redo log: a committed delta kept beside the
-data files instead of patched into them, and the merge of several into one patch per tensor.
+data files instead of patched into them.
 
 A record ``.asyncsync/redo/redo-VVVVVVVVVVVV.rec`` holds one version's decoded patches (per
 tensor: the positions it sets or XORs and their new values) and what the version says of the
 tensors (the manifest's checksums, its algorithm and the parts of tensors published in parts),
-so that the merge of every record held can be checked against the newest one's checksums
-once it is patched into the files (:mod:`~receiver.engines.checkpoint.redolog`).
+so that the files, once every record held is patched into them in turn, can be checked
+against the newest one's checksums (:mod:`~receiver.engines.checkpoint.redolog`).
 
 The file, written as the apply groups come (:class:`RecordWriter`: a temp file ``.redo-*.part``,
 fsynced, renamed, the directory fsynced: it exists whole or not at all)::
@@ -20,9 +20,6 @@ Positions are kept as they came (the xef blob a patch was decoded from: nothing 
 else Elias-Fano coded, else raw int64 (:func:`~receiver.engines.checkpoint.journal.code_positions`);
 values raw in the tensor's int view. Nothing in a record is hashed again: its values were checked
 in transit (the shard checksums) and the bytes it composes are checked at compaction.
-
-:func:`merge` composes patches in order (a later ``set`` wins; XORs compose by XOR; a XOR after
-a ``set`` is a ``set``), pure numpy on sorted positions.
 """
 
 from __future__ import annotations
@@ -44,15 +41,7 @@ from asyncsync import fsio
 from asyncsync.codec import Patch
 from receiver.engines.checkpoint.journal import align8, code_positions, decode_positions
 
-__all__ = [
-    "MAGIC",
-    "REDO_FORMAT",
-    "Merged",
-    "Record",
-    "RecordWriter",
-    "merge",
-    "record_name",
-]
+__all__ = ["MAGIC", "REDO_FORMAT", "Record", "RecordWriter", "record_name"]
 
 REDO_FORMAT = "asyncsync-redo"
 REDO_FORMAT_VERSION = 1
@@ -242,90 +231,21 @@ class Record:
         blob = self._map[e.pos_at : e.pos_at + e.pos_bytes]
         return e.op, decode_positions(e.enc, blob, e.count, e.numel), values
 
+    def as_patch(self, name: str, dtype: torch.dtype) -> Patch:
+        """``name``'s patch as the decoder made it (positions from an xef blob keep it: the
+        kernels check their ends only, the journal keeps the blob as it is)."""
+        op, pos, values = self.patch(name, dtype)
+        t = torch.from_numpy(values)
+        if pos is None:
+            return Patch(op, None, t)  # type: ignore[arg-type]
+        e = self.entries[name]
+        if e.enc == "xef":
+            assert self._map is not None
+            blob = self._map[e.pos_at : e.pos_at + e.pos_bytes]
+            return Patch.of_xef(op, torch.from_numpy(pos), t, blob)  # type: ignore[arg-type]
+        return Patch(op, torch.from_numpy(pos), t)  # type: ignore[arg-type]
+
     def close(self) -> None:
         if self._map is not None:
             self._map.close()
             self._map = None
-
-
-# --------------------------------------------------------------------------- merging
-
-
-@dataclass(frozen=True)
-class Merged:
-    """One tensor's patches composed: the positions it sets and those it XORs (disjoint,
-    each sorted), with their values."""
-
-    set_pos: NDArray[np.int64]
-    set_val: NDArray[Any]
-    xor_pos: NDArray[np.int64]
-    xor_val: NDArray[Any]
-
-    def patch(self, base: torch.Tensor | None = None) -> Patch:
-        """One Patch of it: XOR or set alone; both, with the old values of ``base`` (the
-        tensor's flat int view) at the XORed positions, as one ``set``."""
-        if not self.set_pos.size:
-            return Patch("xor", _t(self.xor_pos), _t(self.xor_val))
-        if not self.xor_pos.size:
-            return Patch("set", _t(self.set_pos), _t(self.set_val))
-        if base is None:
-            raise ValueError("a merge of sets and XORs needs the base values")
-        old = base.numpy()[self.xor_pos]
-        pos, val = _combine(self.set_pos, self.set_val, self.xor_pos, old ^ self.xor_val, False)
-        return Patch("set", _t(pos), _t(val))
-
-
-def _t(a: NDArray[Any]) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a))
-
-
-def merge(patches: Sequence[tuple[str, NDArray[Any] | None, NDArray[Any]]], numel: int) -> Merged:
-    """Compose one tensor's patches (op, positions or None: every element, values), oldest
-    first: applying the result equals applying each in turn."""
-    dtype = patches[0][2].dtype
-    empty_p, empty_v = np.empty(0, np.int64), np.empty(0, dtype)
-    sp, sv, xp, xv = empty_p, empty_v, empty_p, empty_v
-    ops = {op for op, _, _ in patches}
-    if ops == {"xor"} and len(patches) > 1:  # the usual case: one pass
-        pos = np.concatenate([_pos(p, numel) for _, p, _ in patches])
-        val = np.concatenate([v for *_, v in patches])
-        order = np.argsort(pos, kind="stable")
-        pos, val = pos[order], val[order]
-        starts = np.flatnonzero(np.concatenate(([True], pos[1:] != pos[:-1])))
-        return Merged(sp, sv, pos[starts], np.bitwise_xor.reduceat(val, starts))
-    for op, p, v in patches:
-        pos = _pos(p, numel)
-        if op == "set":
-            sp, sv = _combine(sp, sv, pos, v, xor=False)
-            keep = ~np.isin(xp, pos, assume_unique=True)
-            xp, xv = xp[keep], xv[keep]
-        else:
-            in_s = np.isin(pos, sp, assume_unique=True)
-            sp, sv = _combine(sp, sv, pos[in_s], v[in_s], xor=True)
-            xp, xv = _combine(xp, xv, pos[~in_s], v[~in_s], xor=True)
-    return Merged(sp, sv, xp, xv)
-
-
-def _pos(p: NDArray[Any] | None, numel: int) -> NDArray[np.int64]:
-    return np.arange(numel, dtype=np.int64) if p is None else p
-
-
-def _combine(
-    pa: NDArray[np.int64], va: NDArray[Any], pb: NDArray[np.int64], vb: NDArray[Any], xor: bool
-) -> tuple[NDArray[np.int64], NDArray[Any]]:
-    """The union of two position -> value maps (each sorted, unique); where both hold a
-    position, ``b``'s value (``xor``: the XOR of both)."""
-    if not pa.size:
-        return pb, vb
-    if not pb.size:
-        return pa, va
-    pos = np.concatenate((pa, pb))
-    val = np.concatenate((va, vb))
-    order = np.argsort(pos, kind="stable")  # two sorted runs: merged in one pass
-    pos, val = pos[order], val[order]
-    first = np.flatnonzero(pos[1:] == pos[:-1])  # a's copy; b's is the next one
-    if xor and first.size:
-        val[first + 1] ^= val[first]
-    keep = np.ones(pos.size, bool)
-    keep[first] = False
-    return pos[keep], val[keep]

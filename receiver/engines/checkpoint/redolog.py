@@ -5,7 +5,7 @@ Why: a delta of a few percent of the elements of a bf16 model writes into every 
 the files, so each version patched in place dirties (and writes back) the whole checkpoint, and
 its apply is mostly page-cache work (prefault, patch, flush). A record holds only the changed
 positions and values (:mod:`~receiver.engines.checkpoint.redo`), a few percent of the model,
-written once and fsynced; compaction patches the merge of N records into the files once.
+written once and fsynced; compaction patches N records into the files and flushes them once.
 
 * delta: each apply group's patches are appended to the version's record (a temp file); the
   commit checks that every tensor the manifest says changed was patched, makes the record
@@ -13,10 +13,10 @@ written once and fsynced; compaction patches the merge of N records into the fil
   (``redo``, format_version 3); the ack follows. The data files are not touched.
 * compaction (:meth:`RedoLog._compact`): when N records are held (after the ack of the Nth, or
   at the next begin), when the receiver is idle, at close and at open, and before anything
-  reads the tensors' bytes (a zero-diff version, ``load_state_dict``): the records merged (a
-  later value wins, XORs compose), patched into the files through the undoable in-place path
-  (journal, patch with checksums, :mod:`~receiver.engines.checkpoint.inplace`) and checked
-  against the newest record's checksums, flushed, then ``state.json`` holds the newest version
+  reads the tensors' bytes (a zero-diff version, ``load_state_dict``): the records patched
+  into the files in turn through the undoable in-place path (journal, patch with checksums,
+  :mod:`~receiver.engines.checkpoint.inplace`), checked against the newest record's
+  checksums, flushed once, then ``state.json`` holds the newest version
   with no records, then the records go. A checksum that differs means the files were not the
   base the records apply on (damaged between versions): the files are removed, as a failed
   re-check does, and the receiver re-initialises from a keyframe. A compaction that fails
@@ -40,7 +40,7 @@ from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import TensorUpdate
 from receiver.engines.checkpoint import inplace
 from receiver.engines.checkpoint.recovery import Recovery
-from receiver.engines.checkpoint.redo import Record, RecordWriter, merge, record_name
+from receiver.engines.checkpoint.redo import Record, RecordWriter, record_name
 from receiver.engines.st_layout import FileMaps
 from receiver.rules import check_patch, layouts_of
 from receiver.state import PersistedState
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 #: the most seconds of idleness before a compaction, whatever the interval between versions
 IDLE_CAP = 300.0
-_GROUP_BYTES = 256 << 20  # merged values patched in one journaled group
+_GROUP_BYTES = 256 << 20  # a record's values patched in one journaled group
 
 
 def check_redo_log(redo_log: object, compact_idle: object) -> tuple[int, float]:
@@ -245,7 +245,7 @@ class RedoLog(Recovery):
         self._set(ps.begin(version, "delta", progressive=not self.sync_before_ack))
         maps = FileMaps(self.directory)
         try:
-            digests = self._patch_merged(maps, records, version, algo, parts)
+            digests = self._patch_records(maps, records, version, algo, parts)
             bad = self._first_bad(maps, ps, digests, algo, checksums, parts)
             if bad is not None:
                 raise ChecksumMismatch(bad, path=str(self.directory))
@@ -276,7 +276,7 @@ class RedoLog(Recovery):
             maps.close()
         self._after_commit(version)
 
-    def _patch_merged(
+    def _patch_records(
         self,
         maps: FileMaps,
         records: list[Record],
@@ -284,9 +284,15 @@ class RedoLog(Recovery):
         algo: str,
         parts: Mapping[str, Any],
     ) -> dict[str, str | None]:
-        """Each touched tensor's merged patch journaled and patched, in groups of about
-        :data:`_GROUP_BYTES`; their checksums taken as they are patched (None: hashed later,
-        the tensors share bytes)."""
+        """Each record's patches journaled and patched in turn, oldest first, in groups of
+        about :data:`_GROUP_BYTES`; each tensor's checksum taken as it is patched, the last
+        pass that touches it giving its final one (None: hashed later, the tensors share
+        bytes).
+
+        One pass per record, not one of the records merged: the merge (numpy, on sorted or
+        dense positions) cost ~2x the passes it saved (measured, BENCHMARKS.md); each pass is
+        the in-place path's native kernels (positions as the decoder checked them, the xef
+        blob kept), and the pages it writes are in the cache for the next one."""
         algorithm = algo if inplace.disjoint(self._layout) else None
         digests: dict[str, str | None] = {}
         work: list[inplace.Work] = []
@@ -305,17 +311,19 @@ class RedoLog(Recovery):
             work, size = [], 0
 
         self._store.clear_dir(self._store.journal_dir)
-        for name, loc in self._layout.items():
-            held = [r.patch(name, loc.int_dtype) for r in records if name in r.entries]
-            if not held:
-                continue
-            flat = maps.flat(loc)
-            patch = merge(held, flat.numel()).patch(flat)
-            work.append((name, loc, flat, check_patch(patch, flat, name, kernels_check=True)))
-            size += patch.values.nbytes
-            if size >= _GROUP_BYTES:
-                flush()
-        flush()
+        for rec in records:
+            for name, loc in self._layout.items():
+                if name not in rec.entries:
+                    continue
+                flat = maps.flat(loc)
+                patch = check_patch(
+                    rec.as_patch(name, loc.int_dtype), flat, name, kernels_check=True
+                )
+                work.append((name, loc, flat, patch))
+                size += patch.values.nbytes
+                if size >= _GROUP_BYTES:
+                    flush()
+            flush()  # a record's group never holds a tensor a later record patches again
         return digests
 
     def _first_bad(
