@@ -77,6 +77,7 @@ async def _exact(root: Path, ck: Path, sd: dict[str, torch.Tensor], version: int
         assert torch.equal(got[k].view(torch.int16), sd[k].view(torch.int16)), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["record", "mid-compaction", "before-state", "after-state"])
 async def test_killed_in_the_redo_log_then_restarted_is_bit_exact(
     tmp_path: Path, point: str
@@ -129,6 +130,8 @@ async def _kill_and_restart(
     assert read_acks(root)["e"].version == 4
 
 
+@pytest.mark.slow
+@pytest.mark.heavy  # a running receiver, idle compactions waited for: ~40 s on a loaded host
 async def test_a_byte_flipped_between_versions_is_found_at_compaction(tmp_path: Path) -> None:
     root, ck, log = tmp_path / "root", tmp_path / "ck", tmp_path / "log"
     sds: list[dict[str, torch.Tensor]] = []

@@ -81,9 +81,9 @@ wiped if any differs (:mod:`~receiver.engines.checkpoint.stamps`). A data file w
   anything names it), then ``state.json`` names it (``redo``: the records in order, on top of
   ``version``, which stays the version the files hold; format_version 3, which an older reader
   refuses); the ack follows. No prefault, patch or flush of the model's pages per version: a
-  3 % delta of bf16 writes ~5 % of the model to disk instead of all of it. Compaction merges the
-  records (a later value wins, XORs compose) and patches the merge in through the undoable path
-  above (journal, patch with checksums against the newest record's, flush), then ``state.json``
+  3 % delta of bf16 writes ~5 % of the model to disk instead of all of it. Compaction patches the
+  records into the files in turn through the undoable path above (journal, patch with
+  checksums, checked against the newest record's; one flush for all), then ``state.json``
   holds the newest version with no record, then the records go. It runs after the ack of the
   Nth record (or at the next begin), when idle (no begin for ``compact_idle`` seconds, or twice
   the interval between versions where longer, at most 5 minutes: versions a minute apart
@@ -92,7 +92,7 @@ wiped if any differs (:mod:`~receiver.engines.checkpoint.stamps`). A data file w
   it replaces every byte). Crash safety: a record no state names is removed at open (its
   version was never acknowledged); named records are compacted at open; a compaction cut
   short is undone from its journal (``applying``, as a delta) and done again; a checksum that
-  differs after the merge means the files were not the records' base (damaged between
+  differs after the compaction means the files were not the records' base (damaged between
   versions): the files are removed and the receiver re-initialises from a keyframe, as after a
   failed re-check. The trade: the composed bytes are verified against full-tensor checksums
   at each compaction (every N versions, and before any load) instead of at every version;
