@@ -295,7 +295,9 @@ async def test_a_tensor_changed_while_a_seed_commits_never_breaks_the_deltas_aft
     engine until the next keyframe (20 versions by default). A delta, by contrast, advances
     the snapshot from the bytes its diff read. Now a hash pass over the full version's
     snapshot finds the changed tensor, a warning is logged, and the next version is a keyframe
-    (helper-31 finding 6, fixed by helper-34)."""
+    (helper-31 finding 6, fixed by helper-34). Since helper-68 a full version reads each
+    tensor once, into a copy its shards and its snapshot both come from: the step in between
+    changes nothing that was shipped, and the next version is a delta that applies."""
     root, ckpt = tmp_path / "root", tmp_path / "ckpt"
     w = torch.zeros(1000)
 
@@ -308,12 +310,13 @@ async def test_a_tensor_changed_while_a_seed_commits_never_breaks_the_deltas_aft
         ReceiverAgent(root, LocalCheckpoint(ckpt), "e0") as agent,
     ):
         await pub.seed({"w": w})
-        assert pub.stale == ["w"]  # found by a hash pass over the full version's snapshot
+        assert pub.stale == []  # the snapshot is the copy that was shipped (all zeros)
         assert await agent.sync_once() == 0
+        assert same_bytes(checkpoint_tensors(ckpt)["w"], torch.zeros(1000))
         nxt = w.clone()
         nxt[:10] += 5
         res = await pub.publish({"w": nxt})  # was: a delta onto the wrong base, refused
-        assert res.kind == "full" and pub.stale == []  # a keyframe
+        assert res.kind == "delta" and pub.stale == []
         assert await agent.sync_once() == 1
         assert same_bytes(checkpoint_tensors(ckpt)["w"], nxt)
 
@@ -375,7 +378,8 @@ async def test_wait_acked_refuses_what_it_cannot_wait_for(
     [
         ("rank 65", torch.zeros([1] * 65), "65 dimensions"),
         ("a dim over 2^53", torch.zeros(0, 2**60), "dimension"),
-        ("uint16", torch.zeros(3, dtype=torch.uint16), "dtype"),  # a ManifestError before
+        # (uint16 was refused here until the format carried it, helper-68; float4 is not)
+        ("float4", torch.zeros(3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), "dtype"),
     ],
 )
 async def test_a_checkpoint_seed_with_a_tensor_no_manifest_holds_is_refused(
