@@ -170,6 +170,8 @@ class Recovery:
         try:
             self._layout = self.files.load_layout()
         except EngineStateError as exc:
+            if isinstance(exc.__cause__, fsio.UnsafePath):  # a FIFO, a device, a directory:
+                raise  # put there, not an edit of the bytes; refused, never removed
             bad = [f"(a file's layout: {exc})"]
         else:
             ps = self._ps
