@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import threading
@@ -475,20 +474,22 @@ async def test_a_full_version_whose_tensors_change_before_the_commit_keeps_its_s
 
 
 _SEED_PEAK = """
-import asyncio, resource, sys, torch
+import asyncio, sys, torch
+from pathlib import Path
 from asyncsync import Publisher
 n = 64 << 20  # 128 MiB of bf16 in 32 tensors, in buckets of 4 MiB (their buffers stay small)
 sd = {f"w{i}": torch.randint(-9999, 9999, (n // 32,), dtype=torch.int16).view(torch.bfloat16)
       for i in range(32)}
 torch.set_num_threads(1)
-def rss():  # now, in KiB
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() // 1024
+def status(key):  # /proc/self/status's line, in KiB
+    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith(key + ":"))
 async def main():
     async with Publisher(sys.argv[1], keyframe_interval=0, bucket_bytes=4 << 20) as pub:
-        base = rss()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+        base = status("VmRSS")
         await pub.seed(sd)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = status("VmHWM")
         snap = pub._base.tensors
         assert all(snap[k].data_ptr() != t.data_ptr()
                    and torch.equal(snap[k].view(torch.int16), t.view(torch.int16))
@@ -503,15 +504,13 @@ def test_a_seed_keeps_its_read_copy_as_the_snapshot_one_model_of_memory(tmp_path
     snapshot (``PendingUpdate.owned``) instead of being copied again into a new snapshot
     tensor after the commit, which held the trainer's tensors plus two copies at the peak
     (publisher RSS ~3x the model at a seed, against the 2.2x of issue 26). Measured in a
-    child process (glibc's mmap threshold pinned, so freed buffers leave the RSS): the seed's
-    peak RSS growth is about one model, not two."""
+    child process by its own ``VmHWM``, reset before the seed: ``ru_maxrss`` survives
+    ``execve`` on Linux and carried the pytest process's own peak into the child's (the full
+    suite's run read 2.93 where a run alone read 1.17): the seed's peak RSS growth is about
+    one model, not two."""
     r = subprocess.run(
         [sys.executable, "-c", _SEED_PEAK, str(tmp_path / "root")],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
-        # glibc's mmap threshold fixed at its default: it rises with each freed buffer, after
-        # which freed 4 MiB buffers stay in the heap and the peak measures the allocator (the
-        # full suite's run read 2.97 where a run alone read 1.17)
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     growth = float(r.stdout.split()[-1])  # peak RSS growth over the model's bytes
