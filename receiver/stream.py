@@ -36,7 +36,8 @@ from functools import partial
 from pathlib import Path
 
 from asyncsync import fsio
-from asyncsync.codec.shards import ShardData, StreamHeader, parse_delta_shard, stream_header
+from asyncsync.codec.shards import ShardData, parse_delta_shard
+from asyncsync.codec.stream_shard import StreamHeader, stream_header
 from asyncsync.errors import AsyncSyncError, FormatError
 from asyncsync.format import MANIFEST_NAME, DeltaRef, Manifest, TensorEntry, version_dir
 from asyncsync.format.checksum import checksum_bytes, new_hasher

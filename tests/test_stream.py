@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from asyncsync import Publisher
-from asyncsync.codec.shards import StreamEntry, stream_header
+from asyncsync.codec.stream_shard import StreamEntry, stream_header
 from asyncsync.errors import FormatError
 from asyncsync.format import version_dir
 from asyncsync.format.acks import ack_path, read_ack

@@ -20,11 +20,10 @@ from asyncsync.codec.shards import (
     EncodedBucket,
     ItemResult,
     PendingUpdate,
-    StreamEntry,
     delta_keys,
     delta_shard_parts,
-    stream_metadata,
 )
+from asyncsync.codec.stream_shard import StreamEntry, stream_metadata
 from asyncsync.format import DeltaRef, FullRef, ShardInfo, TensorEntry
 from asyncsync.format.checksum import new_hasher
 from asyncsync.fsio import atomic_write
