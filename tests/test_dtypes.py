@@ -6,6 +6,8 @@ before anything is written, with the reason and the supported list.
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ import torch
 
 from asyncsync import ConfigError, Publisher
 from asyncsync.format import DTYPE_SIZES, dtype_from_name
-from asyncsync.format.names import SAFETENSORS_CODES
+from asyncsync.format.checksum import tensor_bytes
+from asyncsync.format.names import SAFETENSORS_CODES, version_dir
 from asyncsync.format.store import list_versions, read_manifest
 from receiver import ReceiverAgent
 from receiver.engines import st_layout
@@ -137,3 +140,36 @@ async def test_a_lazily_conjugated_complex_tensor_is_refused_naming_it(tmp_path:
             await pub.seed({"c": t})
         res = await pub.seed({"c": t.resolve_conj()})
     assert res.version == 0
+
+
+async def test_full_shards_are_plain_safetensors_files_each_tensor_at_its_alignment(
+    tmp_path: Path,
+) -> None:
+    """A full shard is written from the publisher's own copies, header then each tensor's bytes
+    (not one ``safetensors.torch.save`` buffer: a second copy of every tensor in flight, 2.27x
+    the model at a 1 GiB seed): safetensors' own reader takes the seed's and a keyframe's, each
+    tensor's bytes are the state's, and each starts at a multiple of its element size."""
+    root = tmp_path / "root"
+    sd = every_dtype_state(2)
+    async with Publisher(root, bucket_bytes=4096, keyframe_interval=1) as pub:
+        await pub.seed(sd)
+        old, sd = sd, mutate(sd, 0.1, seed=3)
+        await pub.publish(sd)  # a keyframe: its full shards come from the advanced snapshot
+    for version, want in ((0, old), (1, sd)):
+        vdir = version_dir(root, version)
+        seen = set()
+        for path in sorted(vdir.glob("full-*.safetensors")):
+            data = path.read_bytes()
+            (n,) = struct.unpack("<Q", data[:8])
+            assert (8 + n) % 8 == 0
+            for name, info in safetensors.deserialize(data):  # validates offsets: no holes
+                t = want[name]
+                assert info["dtype"] == SAFETENSORS_CODES[str(t.dtype).removeprefix("torch.")]
+                assert info["shape"] == list(t.shape)
+                assert bytes(info["data"]) == bytes(tensor_bytes(t)), name
+                seen.add(name)
+            header = json.loads(data[8 : 8 + n])
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    assert entry["data_offsets"][0] % want[name].element_size() == 0, name
+        assert seen == set(want)

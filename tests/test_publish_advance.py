@@ -507,11 +507,12 @@ def test_a_seed_keeps_its_read_copy_as_the_snapshot_one_model_of_memory(tmp_path
     child process by its own ``VmHWM``, reset before the seed: ``ru_maxrss`` survives
     ``execve`` on Linux and carried the pytest process's own peak into the child's (the full
     suite's run read 2.93 where a run alone read 1.17): the seed's peak RSS growth is about
-    one model, not two."""
+    one model, not two. And the full shards are written from that copy, not from a second copy
+    of each bucket held until written (``safetensors.torch.save``: 1.17 here, 1.02 without)."""
     r = subprocess.run(
         [sys.executable, "-c", _SEED_PEAK, str(tmp_path / "root")],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     growth = float(r.stdout.split()[-1])  # peak RSS growth over the model's bytes
-    assert growth < 1.5, growth
+    assert growth < 1.1, growth

@@ -16,13 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import safetensors.torch
+import safetensors
 import torch
 
 from asyncsync import codec
 from asyncsync.codec.views import from_safetensors
 from asyncsync.errors import FormatError, PublishError
-from asyncsync.format.checksum import checksum_bytes, checksum_tensor
+from asyncsync.format.checksum import checksum_bytes, checksum_tensor, tensor_bytes
+from asyncsync.format.names import SAFETENSORS_CODES, dtype_name
 from asyncsync.pipeline import parallel_map
 
 __all__ = [
@@ -100,20 +101,9 @@ class ItemResult:
 class EncodedBucket:
     items: list[ItemResult] = field(default_factory=list)
     delta_blobs: dict[str, bytes] = field(default_factory=dict)  # t{i}.pos / t{i}.val -> blob
-    full_blob: bytes | None = None
+    full_blob: list[bytes | memoryview] | None = None  # the full shard's pieces, in order
     raw_bytes: int = 0  # delta payload before compression
     pending: list[PendingUpdate] = field(default_factory=list)
-
-
-def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share storage (tied weights): give each its own copy."""
-    seen: set[int] = set()
-    out = {}
-    for k, t in tensors.items():
-        ptr = t.untyped_storage().data_ptr() if t.numel() else -id(t)
-        out[k] = codec.raw_clone(t) if ptr in seen else t  # a bool's bytes, not 0/1
-        seen.add(ptr)
-    return out
 
 
 @dataclass(frozen=True)
@@ -242,31 +232,59 @@ def _shipped(it: BucketItem, advanced: bool) -> torch.Tensor:
 
 def _full_blob(
     d: DiffedBucket, version: int, run_id: str, algorithm: str
-) -> tuple[bytes | None, dict[str, str]]:
-    """The full shard of a bucket and the checksum of each tensor's bytes in it.
+) -> tuple[list[bytes | memoryview] | None, dict[str, str]]:
+    """The full shard of a bucket, as the pieces to write one after another (its header, then
+    each tensor's bytes), and the checksum of each tensor's bytes in it.
 
-    A tensor is read once, into the shard, and checksummed there: the trainer may change its
+    A tensor is read once and checksummed there, never read again: the trainer may change its
     tensors while publish() reads them (an optimizer step in another thread), and a checksum
     taken of the tensor itself, before or after, could be of other bytes than those shipped.
-    A keyframe's tensor the diff advanced the snapshot to is saved from the snapshot: the bytes
-    its delta ships, so that the two parts of the keyframe agree (attack-58)."""
-    tensors = {it.name: _shipped(it, d.advanced) for it in d.items}
-    if not tensors:
+    The publisher's own bytes are written from where they are: a copy :func:`bucket_items`
+    read (``owned``), or the snapshot the diff advanced (a keyframe's tensor is saved from it:
+    the bytes its delta ships, so that the two parts of the keyframe agree, attack-58). Any
+    other tensor (the trainer's own) is copied first. The shard was one
+    ``safetensors.torch.save`` buffer, a second copy of every owned tensor held until written:
+    a seed's publisher peaked at 2.27x the model (1 GiB), against 2.0 for the trainer's tensors
+    and the snapshot."""
+    items = d.items
+    if not items:
         return None, {}
-    blob = safetensors.torch.save(
-        _unshare(tensors), metadata=shard_metadata(version, run_id, "full")
-    )
-    header = read_header(blob, where="the full shard")
-    start = 8 + struct.unpack("<Q", blob[:8])[0]
-    view = memoryview(blob)
 
-    def one(name: str) -> str:
-        lo, hi = header[name]["data_offsets"]  # type: ignore[index]
-        return checksum_bytes(view[start + lo : start + hi], algorithm)
+    def one(it: BucketItem) -> tuple[torch.Tensor, memoryview, str]:
+        t = _shipped(it, d.advanced)
+        if not (it.owned or t is it.old):  # the trainer's tensor: read once, into a copy
+            t = codec.raw_clone(t)
+        view = tensor_bytes(t)  # (``t`` is kept beside it: the bytes stay until written)
+        return t, view, checksum_bytes(view, algorithm)
 
-    names = list(tensors)
-    sums = parallel_map(one, names, cost=lambda n: tensors[n].nbytes)
-    return blob, dict(zip(names, sums, strict=True))
+    got = parallel_map(one, items, cost=lambda it: it.new.nbytes)
+    # widest elements first: each tensor starts at a multiple of its element size
+    order = sorted(range(len(items)), key=lambda k: -got[k][0].element_size())
+    entries = [(items[k].name, got[k][0], got[k][1]) for k in order]
+    parts = safetensors_parts(shard_metadata(version, run_id, "full"), entries)
+    return parts, {it.name: sum_ for it, (_, _, sum_) in zip(items, got, strict=True)}
+
+
+def safetensors_parts(
+    meta: dict[str, str], entries: Sequence[tuple[str, torch.Tensor | None, bytes | memoryview]]
+) -> list[bytes | memoryview]:
+    """A safetensors file as the pieces to write one after another: its header (metadata
+    ``meta``; each entry's dtype and shape, a 1-D ``U8`` where the entry has no tensor; the
+    data offsets in ``entries``' order, with no hole), then each entry's bytes. The header is
+    padded with spaces to a multiple of 8 bytes, as safetensors' own writer does."""
+    header: dict[str, object] = {"__metadata__": meta}
+    offset = 0
+    for key, t, data in entries:
+        n = len(data)
+        header[key] = {
+            "dtype": "U8" if t is None else SAFETENSORS_CODES[dtype_name(t.dtype)],
+            "shape": [n] if t is None else list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return [struct.pack("<Q", len(text)) + text, *(data for _, _, data in entries)]
 
 
 def delta_shard_blob(
@@ -286,7 +304,7 @@ def delta_shard_parts(
     version: int,
     run_id: str,
     stream: dict[str, str] | None = None,
-) -> list[bytes]:
+) -> list[bytes | memoryview]:
     """The bytes of one delta shard holding ``blobs`` (``t{i}.pos``/``t{i}.val``), in order, as
     the pieces to write one after another: the header, then each blob (not copied into one
     buffer: a fresh buffer of a shard's size is faulted in page by page, ~15 ms per GiB of
@@ -294,24 +312,12 @@ def delta_shard_parts(
 
     A plain safetensors file of 1-D ``U8`` tensors, written directly: ``safetensors.torch.save``
     needs a tensor per blob and costs ~30 us per tensor, more than the rest of the write for a
-    sparse version of a few hundred tensors. The header is padded with spaces to a multiple of
-    8 bytes, as safetensors' own writer does.
+    sparse version of a few hundred tensors (:func:`safetensors_parts`).
     """
     meta = shard_metadata(version, run_id, "delta")
     if stream is not None:  # a self-describing shard (format 3, FORMAT.md section 4.3)
         meta.update(stream)
-    header: dict[str, object] = {"__metadata__": meta}
-    offset = 0
-    for key, blob in blobs.items():
-        header[key] = {
-            "dtype": "U8",
-            "shape": [len(blob)],
-            "data_offsets": [offset, offset + len(blob)],
-        }
-        offset += len(blob)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
-    return [struct.pack("<Q", len(text)) + text, *blobs.values()]
+    return safetensors_parts(meta, [(key, None, blob) for key, blob in blobs.items()])
 
 
 @dataclass

@@ -86,7 +86,7 @@ class VersionWriter:
         if self._waiting:
             raise AssertionError(f"{len(self._waiting)} tensors' deltas were never written")
 
-    def _write_shard(self, role: str, blob: bytes | list[bytes]) -> int:
+    def _write_shard(self, role: str, blob: bytes | list[bytes | memoryview]) -> int:
         """Write one shard (its bytes, or the pieces to write one after another)."""
         n = sum(1 for s in self.shards if s.role == role)
         fname = f"{self.prefix}{role}-{n:05d}.safetensors"
