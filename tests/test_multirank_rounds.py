@@ -20,6 +20,7 @@ from asyncsync import ConfigError, FileRendezvous, Publisher, PublishError
 from asyncsync.errors import CoordinationError, StepBehind
 from asyncsync.format.store import list_versions
 from asyncsync.fsio import Throttle, set_throttle
+from asyncsync.publish import distributed
 from asyncsync.publish import rendezvous as rendezvous_mod
 from asyncsync.publish.rendezvous import RENDEZVOUS_DIR
 from tests.dist_worker import portion
@@ -334,7 +335,7 @@ async def test_two_jobs_on_one_root_never_mix(tmp_path: Path, mode: str) -> None
 
 
 def test_job_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for k in rendezvous_mod.JOB_SOURCES:
+    for k in distributed.JOB_SOURCES:
         monkeypatch.delenv(k, raising=False)
     assert FileRendezvous(tmp_path, 0, 2).job == ""
     monkeypatch.setenv("SLURM_JOB_ID", "4711")
@@ -353,7 +354,7 @@ def test_torchruns_placeholder_run_id_is_no_job_token(
     gives every job TORCHELASTIC_RUN_ID=none: taken as the token, it named two Slurm jobs the
     same and hid their SLURM_JOB_IDs (one job's rank joined the other's group and its weights
     were committed into that job's version; helper-43)."""
-    for k in rendezvous_mod.JOB_SOURCES:
+    for k in distributed.JOB_SOURCES:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     assert FileRendezvous(tmp_path, 0, 2).job == ""

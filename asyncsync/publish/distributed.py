@@ -48,6 +48,7 @@ import abc
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import secrets
 from collections.abc import Awaitable, Callable
@@ -56,8 +57,8 @@ from typing import Any
 
 from asyncsync.errors import ConfigError, CoordinationError, StepBehind, check_seconds
 
-__all__ = ["Coordinator", "Decide", "Message", "TorchDistCoordinator", "step_behind", "step_key",
-           "step_of"]  # fmt: skip
+__all__ = ["JOB_ENV", "Coordinator", "Decide", "Message", "TorchDistCoordinator", "job_token",
+           "step_behind", "step_key", "step_of"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,25 @@ def step_of(key: object) -> int | None:
     if isinstance(key, str) and (m := re.fullmatch(r"step-(-?\d+)", key)):
         return int(m.group(1))
     return None
+
+
+#: the job token of a :class:`~asyncsync.publish.rendezvous.FileRendezvous`
+JOB_ENV = "ASYNCSYNC_JOB"
+#: where a job token comes from when none is given, first set wins (torchrun, Slurm)
+JOB_SOURCES = (JOB_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+#: values of a source that name no job: torchrun's default ``--rdzv-id`` (every multi-node job
+#: launched with --master-addr/--master-port gets it), which would hide SLURM_JOB_ID behind it
+NO_JOB = {"TORCHELASTIC_RUN_ID": "none"}
+
+
+def job_token(job: str | None) -> str:
+    """``job``, or where none is given the first of :data:`JOB_SOURCES` set in the environment
+    (empty: none); a :class:`~asyncsync.errors.ConfigError` for one that is no token."""
+    if job is None:
+        job = next((v for k in JOB_SOURCES if (v := os.environ.get(k)) and v != NO_JOB.get(k)), "")
+    if not isinstance(job, str) or len(job) > 128 or not re.fullmatch(r"[A-Za-z0-9._:@-]*", job):
+        raise ConfigError(f"job must be up to 128 of [A-Za-z0-9._:@-], got {job!r}")
+    return job
 
 
 class Coordinator(abc.ABC):

@@ -24,7 +24,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import secrets
 import socket
 import stat
@@ -39,7 +38,15 @@ from asyncsync import errors, fsio
 from asyncsync.errors import ConfigError, CoordinationError, StepBehind, check_seconds
 from asyncsync.fsio import atomic_write, is_temp_name, read_bytes
 from asyncsync.pipeline import finish_thread
-from asyncsync.publish.distributed import Coordinator, Decide, Message, step_behind, step_of
+from asyncsync.publish.distributed import (
+    JOB_ENV,
+    Coordinator,
+    Decide,
+    Message,
+    job_token,
+    step_behind,
+    step_of,
+)
 
 __all__ = ["GROUP_FILE", "JOB_ENV", "RENDEZVOUS_DIR", "FileRendezvous"]
 
@@ -49,24 +56,10 @@ RENDEZVOUS_DIR = ".rendezvous"
 #: the run of the group; "-v2": the rendezvous of issue 23 (job tokens, steps, counted calls),
 #: so that a rank of an older asyncsync never joins a group of this one, nor the other way
 GROUP_FILE = "group-v2.json"
-JOB_ENV = "ASYNCSYNC_JOB"
-#: where a job token comes from when none is given, first set wins (torchrun, Slurm)
-JOB_SOURCES = (JOB_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
-#: values of a source that name no job: torchrun's default ``--rdzv-id`` (every multi-node job
-#: launched with --master-addr/--master-port gets it), which would hide SLURM_JOB_ID behind it
-NO_JOB = {"TORCHELASTIC_RUN_ID": "none"}
 HISTORY = 64  # chained plan rounds rank 0 remembers (a rank further behind rejoins)
 #: the largest rendezvous file read but a commit result (which carries the manifest): a planted
 #: larger one is no message, never read whole at every poll
 MESSAGE_LIMIT = 16 << 20
-
-
-def _job(job: str | None) -> str:
-    if job is None:
-        job = next((v for k in JOB_SOURCES if (v := os.environ.get(k)) and v != NO_JOB.get(k)), "")
-    if not isinstance(job, str) or len(job) > 128 or not re.fullmatch(r"[A-Za-z0-9._:@-]*", job):
-        raise ConfigError(f"job must be up to 128 of [A-Za-z0-9._:@-], got {job!r}")
-    return job
 
 
 class FileRendezvous(Coordinator):
@@ -124,7 +117,7 @@ class FileRendezvous(Coordinator):
         self.timeout = timeout
         self.poll_interval = poll_interval
         self.max_wait = max_wait
-        self.job = _job(job)
+        self.job = job_token(job)
         self.beat_interval = max(poll_interval, timeout / 4)
         self._group: str | None = None  # the run of the group this rank is in
         self._chain: str | None = None  # plans without step: the round this rank counts from
