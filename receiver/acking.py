@@ -16,11 +16,9 @@ Blocking file work runs in threads; the class itself is driven by the agent's on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import os
-import re
 import stat
 import time
 from collections.abc import Sequence
@@ -31,7 +29,7 @@ from asyncsync import fsio
 from asyncsync.errors import ConfigError, LockHeld, ManifestError
 from asyncsync.format import ACKS_DIR, ack_path
 from asyncsync.format.acks import AckRecord, read_ack, write_ack
-from asyncsync.format.lease import DEFAULT_LEASE_TTL, EngineLease, remove_left_temps
+from asyncsync.format.lease import DEFAULT_LEASE_TTL, EngineLease
 from asyncsync.format.names import LEASES_DIR
 from asyncsync.format.store import not_a_root
 from asyncsync.pipeline import LoopLock
@@ -153,11 +151,6 @@ class RootPresence:
             except PermissionError as exc:
                 raise ConfigError(not_writable(self.root, exc.filename or "", exc.errno)) from exc
             self._renewed = time.monotonic()
-            temps = rf"\.tmp\.{re.escape(self.engine_id)}\.json\.[0-9a-f]{{12}}"
-            with contextlib.suppress(OSError):  # what a receiver of this id killed mid-ack left
-                await asyncio.to_thread(
-                    remove_left_temps, self.root, self.root / ACKS_DIR, temps, self.lease.ttl
-                )
             return
         if time.monotonic() - self._renewed >= self.lease.ttl / 3:
             await self.renew()

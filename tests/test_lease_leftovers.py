@@ -100,23 +100,27 @@ def _temps(engine_id: str) -> list[str]:
     ]
 
 
-async def test_temp_files_of_a_killed_receiver_are_removed_at_the_next_take(
+async def test_temp_files_of_a_killed_receiver_are_removed_after_the_next_take(
     tmp_path: Path,
 ) -> None:
     """A receiver SIGKILLed in a write of its claim, lease or ack (a slow fsync on NFS) left its
     temp file in ``leases/`` or ``acks/`` for good: one more each time. The next taker of the
-    id removes those older than the ttl; younger ones (a write in flight) and another id's stay."""
+    id lists them and removes them at its first heartbeat after it saw them unchanged for the
+    ttl (a write in flight ends well before: tests/test_lease_temps.py); another id's stay."""
     root = tmp_path / "root"
     await _publish(root, 1)
     leases, acks = root / "leases", root / "acks"
     old = [_write(leases / n, b"{", age=120.0) for n in _temps("e1")]
     old.append(_write(acks / ".tmp.e1.json.0123456789ab", b"{", age=120.0))
     kept = [_write(leases / n, b"{", age=120.0) for n in _temps("e1.x")[:3]]
-    kept.append(_write(leases / ".tmp.e1.json.00000000000f", b"{"))  # being written now
     kept.append(_write(acks / ".tmp.e2.json.0123456789ab", b"{", age=120.0))
-    presence = RootPresence(root, "e1", LocalCheckpoint(tmp_path / "ck"), lease_settle=0.0)
+    presence = RootPresence(
+        root, "e1", LocalCheckpoint(tmp_path / "ck"), lease_ttl=1.0, lease_settle=0.0
+    )
     await presence.hold()
     assert presence.lease.held
+    time.sleep(1.2)
+    await presence.renew()
     assert [p.name for p in old if p.exists()] == []
     assert [p.name for p in kept if not p.exists()] == []
     await presence.release()

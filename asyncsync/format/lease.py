@@ -58,13 +58,12 @@ from asyncsync.format.lease_file import (
     inspect_lease,
     lease_path,
     read_lease,
-    remove_left_temps,
     replace_record,
     unreadable_leases,
 )
-from asyncsync.format.liveness import ChangeWatch
+from asyncsync.format.liveness import ChangeWatch, LeftTemps
 from asyncsync.format.mounts import NETWORK_SETTLE, default_settle, filesystem_type
-from asyncsync.format.names import check_engine_id
+from asyncsync.format.names import ACKS_DIR, check_engine_id
 from asyncsync.fsio import TMP_PREFIX, atomic_write, make_dir, remove, scan
 
 __all__ = [
@@ -79,7 +78,6 @@ __all__ = [
     "inspect_lease",
     "lease_path",
     "read_lease",
-    "remove_left_temps",
     "replace_record",
     "unreadable_leases",
 ]
@@ -164,6 +162,7 @@ class EngineLease:
         self.held = False
         self._acquired_at = 0.0
         self._watch = ChangeWatch()  # the leases and claims this taker saw, and since when
+        self._temps: list[LeftTemps] = []  # left temps of this id seen at the take, not decided
         self._poll = min(1.0, max(0.02, ttl / 20))  # between two looks at a watched lease
 
     def __repr__(self) -> str:
@@ -363,7 +362,9 @@ class EngineLease:
 
     def _remove_stale_claims(self) -> None:
         """Claims left by takers that died (kill -9 while holding or taking): removed; and the
-        temp files of this id's lease and claims (and clock probes) older than the ttl."""
+        temp files of this id's lease, claims and ack (and clock probes) that a writer killed
+        before its rename left: listed now, each removed at a heartbeat once seen unchanged for
+        the ttl (:class:`LeftTemps`: never by its mtime, the writer's clock on object stores)."""
         for path in self._claims():
             found = _read_lease_file(path, self.root)
             if path != self.claim and found is not None and self.judge(path, found) == "free":
@@ -371,7 +372,21 @@ class EngineLease:
                     remove(path, root=self.root)
         eid, x = re.escape(self.engine_id), r"\.[0-9a-f]{12}"  # .tmp.<name>.<12 hex>
         own = rf"(?:\.tmp\.)?{eid}\.json{x}(?:{x})?|{eid}\.[0-9a-f]{{16}}\.claim{x}|clock{x}"
-        remove_left_temps(self.root, self.path.parent, rf"\.tmp\.(?:{own})", self.ttl)
+        acks = re.compile(rf"\.tmp\.{eid}\.json{x}").fullmatch  # an ack being written
+        self._temps = [
+            LeftTemps(
+                self.root, self.path.parent, re.compile(rf"\.tmp\.(?:{own})").fullmatch, self.ttl
+            ),
+            LeftTemps(self.root, self.root / ACKS_DIR, acks, self.ttl),
+        ]
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """One look at the left temps not decided yet (see :meth:`_remove_stale_claims`)."""
+        for temps in self._temps:
+            with contextlib.suppress(OSError):  # housekeeping: never fails a take or heartbeat
+                temps.sweep()
+        self._temps = [t for t in self._temps if t.pending]
 
     def _free_lease(self) -> tuple[LeaseRecord, float] | UnreadableLease | bool | None:
         """The lease read again before it is written: returned when free; LockHeld when seen
@@ -468,6 +483,7 @@ class EngineLease:
         data = self._record().to_json()
         replace_record(self.claim, data, self.root)
         replace_record(self.path, data, self.root)
+        self._sweep()
 
     def release(self) -> None:
         if not self.held:

@@ -5,12 +5,10 @@ takes and holds a lease is :mod:`asyncsync.format.lease`."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
-import re
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,11 +19,9 @@ from asyncsync.format.names import LEASES_DIR, check_engine_id
 from asyncsync.fsio import (
     UnsafePath,
     atomic_write,
-    fs_now,
     lstat,
     open_dir,
     read_file,
-    remove,
     scan,
 )
 
@@ -40,7 +36,6 @@ __all__ = [
     "inspect_lease",
     "lease_path",
     "read_lease",
-    "remove_left_temps",
     "replace_record",
     "unreadable_leases",
 ]
@@ -187,18 +182,3 @@ def replace_record(path: Path, data: bytes, root: Path) -> None:
         os.close(fd)
     logger.warning("removed the empty directory %s where a file belongs", path)
     atomic_write(path, data, root=root)
-
-
-def remove_left_temps(root: Path, directory: Path, names: str, older_than: float) -> list[str]:
-    """Remove the temp files in ``directory`` whose names fully match the regex ``names`` and
-    that are older than ``older_than`` seconds on the filesystem's clock: what a writer killed
-    between its temp and the rename left (FORMAT.md 7.1; a write in flight is younger)."""
-    pattern, gone = re.compile(names), []
-    found = [(n, st) for n, st in scan(directory, root=root) if pattern.fullmatch(n)]
-    now = fs_now(directory, root=root) if found else 0.0
-    for name, st in found:
-        if stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than:
-            with contextlib.suppress(OSError):
-                remove(directory / name, root=root)
-                gone.append(name)
-    return gone

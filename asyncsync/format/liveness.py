@@ -10,8 +10,10 @@ saw dead ones as fresh. A change seen between two reads needs no clock but the r
 
 from __future__ import annotations
 
+import contextlib
+import stat
 import time
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +23,9 @@ from asyncsync.format.lease_file import (
     inspect_lease,
     lease_path,
 )
+from asyncsync.fsio import lstat, remove, scan
 
-__all__ = ["WATCH_LIMIT", "ChangeWatch", "Look", "watch_leases"]
+__all__ = ["WATCH_LIMIT", "ChangeWatch", "LeftTemps", "Look", "watch_leases"]
 
 
 @dataclass(frozen=True)
@@ -113,3 +116,68 @@ def watch_leases(
         if not pending or left <= 0:
             return out
         time.sleep(min(poll, left))
+
+
+class LeftTemps:
+    """The temp files in ``directory`` (the names ``is_left`` accepts) that writers killed
+    between a temp and its rename left (FORMAT.md 7.1, 10): each is removed once this process
+    has seen it unchanged (inode, size, mtime) for ``older_than`` seconds on its own monotonic
+    clock. Never by a temp's mtime against a clock: on object-store mounts that is the writer's
+    clock, so the temp of a live writer whose clock runs behind looked old and was removed under
+    it (its rename failed), and that of a dead one whose clock runs ahead was never removed. A
+    write in flight renames its temp, or grows it, well within ``older_than``.
+
+    Cost: the first :meth:`sweep` lists ``directory`` (an ``lstat`` per entry); each later one
+    ``lstat``s only the temps seen and not decided yet, nothing once they are removed or gone
+    (a temp that appears later is seen by the next :class:`LeftTemps`: the next take or start).
+    A temp goes at the first sweep ``older_than`` or more after the first one saw it.
+    """
+
+    def __init__(
+        self, root: Path, directory: Path, is_left: Callable[[str], object], older_than: float
+    ) -> None:
+        self.root, self.directory, self.older_than = root, directory, older_than
+        self._is_left = is_left
+        self._watch = ChangeWatch()
+        self._pending: list[str] | None = None  # None: not listed yet
+
+    def __repr__(self) -> str:
+        pending = "unlisted" if self._pending is None else len(self._pending)
+        return f"<LeftTemps {self.directory} pending={pending}>"
+
+    @property
+    def pending(self) -> bool:
+        """Whether a sweep has more to look at (not listed yet, or temps not decided)."""
+        return self._pending is None or bool(self._pending)
+
+    def sweep(self) -> list[str]:
+        """Look at the temps (the first call lists the directory, a missing one holds none) and
+        remove those seen unchanged for ``older_than``; their names. OSError when the directory
+        cannot be looked at (not a directory, a symlink)."""
+        if self._pending is None:
+            try:
+                found = [
+                    (n, st) for n, st in scan(self.directory, root=self.root) if self._is_left(n)
+                ]
+            except FileNotFoundError:
+                found = []
+        else:
+            found = []
+            for name in self._pending:
+                st = lstat(self.directory / name, root=self.root)
+                if st is not None:
+                    found.append((name, st))
+        self._pending, gone = [], []
+        for name, st in found:
+            if not stat.S_ISREG(st.st_mode):  # a writer's temp is a regular file
+                continue
+            if (
+                self._watch.look(name, (st.st_ino, st.st_size, st.st_mtime_ns)).still
+                <= self.older_than
+            ):
+                self._pending.append(name)
+                continue
+            with contextlib.suppress(OSError):
+                if remove(self.directory / name, root=self.root):
+                    gone.append(name)
+        return gone
