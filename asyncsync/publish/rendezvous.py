@@ -36,6 +36,7 @@ from typing import Any
 
 from asyncsync import errors, fsio
 from asyncsync.errors import ConfigError, CoordinationError, StepBehind, check_seconds
+from asyncsync.format.liveness import LeftTemps
 from asyncsync.fsio import atomic_write, is_temp_name, read_bytes
 from asyncsync.pipeline import finish_thread
 from asyncsync.publish.distributed import (
@@ -60,6 +61,8 @@ HISTORY = 64  # chained plan rounds rank 0 remembers (a rank further behind rejo
 #: the largest rendezvous file read but a commit result (which carries the manifest): a planted
 #: larger one is no message, never read whole at every poll
 MESSAGE_LIMIT = 16 << 20
+#: the least time rank 0 sees a temp file in ``.rendezvous/`` unchanged before it removes it
+LEFT_TEMP_FLOOR = 60.0
 
 
 class FileRendezvous(Coordinator):
@@ -125,6 +128,7 @@ class FileRendezvous(Coordinator):
         self._history: collections.deque[str] = collections.deque(maxlen=HISTORY)  # rank 0
         self._taken: collections.deque[str] = collections.deque(maxlen=4 * HISTORY)  # nonces
         self._warned: set[str] = set()  # rank 0: nonces of late messages it told to give up
+        self._temps: LeftTemps | None = None  # rank 0: the temps seen at open, not decided
 
     silence = "no part record and no heartbeat within the timeout (died or hung?)"
 
@@ -155,15 +159,15 @@ class FileRendezvous(Coordinator):
         # every access below the root goes through fsio: a symlinked .rendezvous/ is refused,
         # never followed (rank 0 would empty and write another directory)
         fsio.make_dir(self.dir, root=self.root, exist_ok=True)
-        now = fsio.fs_now(self.dir, root=self.root)
         for name, st in fsio.scan(self.dir, root=self.root):
             with contextlib.suppress(OSError):
-                # a temp file is another rank's write in flight: only a dead writer's goes
-                if is_temp_name(name) and now - st.st_mtime < max(60, 2 * self.timeout):
-                    continue
-                # a directory too (the group file's included): no file could replace it
-                if name != GROUP_FILE or stat.S_ISDIR(st.st_mode):
+                # a directory goes (the group file's included): no file could replace it; a temp
+                # file may be another rank's write in flight: _temps removes a dead writer's
+                if stat.S_ISDIR(st.st_mode) or not (is_temp_name(name) or name == GROUP_FILE):
                     fsio.remove_tree(self.dir / name, root=self.root)
+        older = max(LEFT_TEMP_FLOOR, 2 * self.timeout)  # the cost: LeftTemps' docstring
+        self._temps = LeftTemps(self.root, self.dir, is_temp_name, older)
+        self._temps.sweep()
         gid = secrets.token_hex(8)
         self._write_group(gid)
         logger.info("rank 0: rendezvous group %s of job %r in %s", gid, self.job, self.dir)
@@ -178,6 +182,9 @@ class FileRendezvous(Coordinator):
         holds the root's lock: no other run of the group is live). One written by hand or by
         any host that writes the root sent the other ranks to wait for that run's rank 0, in
         every round until rank 0 restarted."""
+        if self._temps is not None:
+            with contextlib.suppress(OSError):  # temps left by dead writers: seen long enough?
+                self._temps.sweep()
         rec = _read_json(self.dir / GROUP_FILE) or {}
         if self._group is not None and rec.get("group") != self._group:
             logger.warning("rank 0: %s names another run (%.200r): writing ours back",
