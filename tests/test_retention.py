@@ -11,12 +11,15 @@ import torch
 
 from asyncsync import ConfigError, Publisher
 from asyncsync.format.acks import write_ack
+from asyncsync.format.lease import LeaseRecord, lease_path
+from asyncsync.format.liveness import WATCH_LIMIT
 from asyncsync.format.store import list_versions, read_root_info
 from asyncsync.ops.cli import main
 from asyncsync.publish.retention import RetentionPolicy, collect
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import mixed_state, mutate, same_bytes
+from tests.test_lease import heartbeats, renewing
 
 
 async def chain(
@@ -212,6 +215,33 @@ async def test_without_a_readable_keyframe_gc_keeps_the_whole_chain(tmp_path: Pa
     assert r.deleted == () and list_versions(tmp_path) == list(range(6))
     assert r.reasons[0] == "unreadable manifest"
     assert all(r.reasons[v] == "no keyframe: the whole chain is needed" for v in range(1, 6))
+
+
+async def test_an_unreadable_ack_dated_long_ago_pins_every_version_while_its_lease_renews(
+    tmp_path: Path,
+) -> None:
+    """The receiver of e1 runs on a host whose clock is two hours behind (its files keep that
+    clock's mtimes, as on an object-store mount) and its ack cannot be read: dated two hours
+    back (ack_ttl 600 s), it pinned nothing, and gc deleted what e1 may need. Its lease, seen
+    renewed, keeps every version now; a lease seen unchanged for its ttl pins nothing."""
+    await chain(tmp_path, 9, keyframe_interval=4)  # keyframes 0, 4, 8
+    ack = tmp_path / "acks" / "e1.json"
+    ack.parent.mkdir(exist_ok=True)
+    ack.write_bytes(b"\x00\xff not json")
+    t = time.time() - 2 * 3600
+    os.utime(ack, (t, t))
+    rec = LeaseRecord("e1", "f" * 16, "other-host", 4242, 0.5, 0.0, 0.0)
+    policy = RetentionPolicy(keep_versions=1, ack_ttl=600)
+    with renewing(lease_path(tmp_path, "e1"), heartbeats(rec), every=0.1, behind=2 * 3600):
+        while not lease_path(tmp_path, "e1").exists():  # its first heartbeat
+            time.sleep(0.01)
+        report = collect(tmp_path, policy, watch=WATCH_LIMIT)
+    assert list_versions(tmp_path) == list(range(10)) and not report.deleted
+    assert "cannot be read" in report.reasons[0], report.reasons[0]
+    collect(tmp_path, policy)  # the receiver stopped: its last heartbeat may be news here
+    time.sleep(1.0)  # then its lease stays unchanged for longer than its ttl
+    collect(tmp_path, policy)
+    assert list_versions(tmp_path) == [8, 9]
 
 
 @pytest.mark.parametrize("damage", ["acks a symlink", "acks a file", "ack a fifo", "ack garbage"])

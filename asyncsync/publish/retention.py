@@ -12,6 +12,9 @@ What is always kept:
   them, and only its lease's heartbeat, seen by this process on its own clock, tells. A
   one-shot ``collect`` (``asyncsync gc``) watches such leases until it knows (up to their ttl);
   the publisher's, after each commit, looks once per commit and keeps what it has not decided;
+* every version while an ack that cannot be read may be live (whose version it holds is
+  unknown): written less than ``ack_ttl`` ago by its mtime, or, when older, while its engine's
+  lease is seen renewed or not yet seen unchanged for its ttl (as above);
 * the newest ``keep_versions`` versions and, counting from the newest, as many versions as fit
   in ``keep_bytes`` (when set).
 
@@ -32,7 +35,7 @@ from pathlib import Path
 
 from asyncsync import fsio
 from asyncsync.errors import ManifestError, check_bytes, check_number, check_seconds
-from asyncsync.format import ACKS_DIR, MANIFEST_NAME, version_dir
+from asyncsync.format import ACKS_DIR, MANIFEST_NAME, check_engine_id, version_dir
 from asyncsync.format.acks import ack_ages, read_acks, root_clock
 from asyncsync.format.liveness import ChangeWatch, watch_leases
 from asyncsync.format.log import trim_log
@@ -128,15 +131,18 @@ def collect(
     if clock is not None:
         logger.info("gc %s: %s", root, clock)
     ages = ack_ages(root, acks, now)  # on the filesystem's clock: receivers' clocks may be wrong
-    for path, why in unreadable.items():  # whose version it pins is unknown: keep them all
-        if _may_be_live(root, path, policy.ack_ttl, now):
+    ttl = policy.ack_ttl
+    quiet = [e for e in acks if ttl is not None and ages[e].age > ttl]  # by the mtimes
+    maybe = {path: _may_be_live(root, path, ttl, now) for path in unreadable}
+    asked = {*quiet, *(e for e in maybe.values() if isinstance(e, str))}  # their leases tell
+    heard = watch_leases(root, asked, wait=watch, watch=_LEASES) if asked else {}
+    for path, live in maybe.items():  # whose version it pins is unknown: keep them all
+        if live is True or (isinstance(live, str) and heard[live] is not False):
+            why = unreadable[path]
             logger.warning("gc: %s cannot be read (%s); deleting nothing", path, why)
             for v in versions:
                 keep(v, f"{path} cannot be read ({why}): the versions it pins are unknown")
             break
-    ttl = policy.ack_ttl
-    quiet = [e for e in acks if ttl is not None and ages[e].age > ttl]  # by the mtimes
-    heard = watch_leases(root, quiet, wait=watch, watch=_LEASES) if quiet else {}
     for ack in acks.values():
         e = ack.engine_id
         if heard.get(e, True) is False:  # no lease, or seen unchanged for its ttl: not live
@@ -182,9 +188,12 @@ def collect(
     return GcReport(tuple(doomed), tuple(sorted(reasons)), freed, reasons, clock)
 
 
-def _may_be_live(root: Path, path: Path, ack_ttl: float | None, now: float) -> bool:
-    """Whether an ack file that cannot be read may be a live engine's (written less than
-    ``ack_ttl`` before ``now``, by its mtime on the filesystem's clock); ``acks/`` always may."""
+def _may_be_live(root: Path, path: Path, ack_ttl: float | None, now: float) -> bool | str:
+    """Whether an ack file that cannot be read may be a live engine's: True when written less
+    than ``ack_ttl`` before ``now`` by its mtime (``acks/`` always may); when older, the engine
+    id its name gives, whose lease decides (its mtime is its writer's clock on object-store
+    mounts: a live receiver whose clock runs behind dates it in the past); False when it is
+    gone, or older and its name is no engine id."""
     if path == root / ACKS_DIR or ack_ttl is None:
         return True
     try:
@@ -193,7 +202,12 @@ def _may_be_live(root: Path, path: Path, ack_ttl: float | None, now: float) -> b
         return False
     except OSError:
         return True
-    return now - mtime <= ack_ttl
+    if now - mtime <= ack_ttl:
+        return True
+    try:
+        return check_engine_id(path.name.removesuffix(".json"))
+    except ManifestError:
+        return False
 
 
 def _delete_version(root: Path, version: int) -> None:
