@@ -224,8 +224,13 @@ class Record:
         assert self._map is not None
         if torch.empty(0, dtype=dtype).element_size() != e.width:
             raise ValueError(f"{self.path}: tensor {name!r} has {e.width}-byte values")
-        raw = np.frombuffer(self._map, np.uint8, e.count * e.width, e.val_at)
-        values = torch.from_numpy(raw.copy()).view(dtype).numpy()
+        raw = np.frombuffer(self._map, np.uint8, e.count * e.width, e.val_at).copy()
+        # (an empty patch's bytes have stride 0, which torch will not view as wider elements)
+        values = (
+            (torch.from_numpy(raw) if e.count else torch.empty(0, dtype=torch.uint8))
+            .view(dtype)
+            .numpy()
+        )
         if e.enc == "dense":
             return e.op, None, values
         blob = self._map[e.pos_at : e.pos_at + e.pos_bytes]
