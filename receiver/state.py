@@ -37,6 +37,7 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +56,8 @@ __all__ = [
     "STATE_NAME",
     "PersistedState",
     "StateStore",
+    "check_writable",
+    "unwritable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -310,6 +313,63 @@ _REMEDY = (
 )
 
 
+def unwritable(path: Path, exc: OSError, top: Path) -> EngineStateError | None:
+    """The error of a receiver refused (``exc``) a write to ``path`` in the engine directory
+    ``top``, naming the path and what to do; None where ``exc`` is no refusal to write (a full
+    disk, a missing file, an unsafe path)."""
+    code = exc.errno
+    if code not in (errno.EROFS, errno.EACCES, errno.EPERM) or isinstance(exc, fsio.UnsafePath):
+        return None
+    keeps = f"the receiver keeps {top} at the newest version in place, and its lock and state in "
+    keeps += f"{top / STATE_DIR_NAME}"
+    if code == errno.EROFS:
+        return EngineStateError(
+            f"cannot write {path}: its filesystem is mounted read-only (EROFS); {keeps}: mount "
+            "it read-write, or give the receiver a writable directory"
+        )
+    if code == errno.EPERM:
+        return EngineStateError(
+            f"cannot write {path}: refused whatever its mode (EPERM): an immutable or "
+            f"append-only attribute (`lsattr -d {path}`), or a security module's policy; {keeps}"
+        )
+    where = path if path.exists() else path.parent  # (refused a new file: its directory)
+    why, uid = exc.strerror or "permission denied", os.geteuid()
+    try:
+        st = where.stat()
+    except OSError as exc2:  # (removed meanwhile, or no search right on its parent)
+        return EngineStateError(
+            f"cannot write {path} ({why}): its owner cannot be read ({exc2.strerror}), this "
+            f"receiver runs as uid {uid}; {keeps}: run it as the directory's owner, or "
+            f"`chown -R {uid} {top}`"
+        )
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}"
+    if st.st_uid != uid:
+        return EngineStateError(
+            f"cannot write {path} ({why}): {where} belongs to uid {st.st_uid} ({mode}), this "
+            f"receiver runs as uid {uid}; {keeps}: run it as the directory's owner, or "
+            f"`chown -R {uid} {top}`"
+        )
+    return EngineStateError(
+        f"cannot write {path} ({why}): {where} has {mode}, which does not let its owner "
+        f"(uid {uid}, this receiver) write it; {keeps}: `chmod -R u+w {top}`"
+    )
+
+
+def check_writable(paths: Iterable[Path], top: Path, exc: OSError | None = None) -> None:
+    """Refuse (:func:`unwritable`) the first of ``paths`` (of those that exist) this process
+    cannot write: at open, rather than at the first version's first write (a daemon retried
+    that for ever). ``exc``: a write refused where its path is not known (a file opened by its
+    name in its directory), whose kind the error tells; else access(2) says it."""
+    for p in paths:
+        if os.path.lexists(p) and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0)):
+            if exc is None:
+                ro = os.statvfs(p).f_flag & os.ST_RDONLY
+                exc = OSError(errno.EROFS if ro else errno.EACCES, "refused")
+            err = unwritable(p, exc, top)
+            if err is not None:
+                raise err
+
+
 class StateStore:
     """The state directory of one engine: ``state.json``, the lock, journal and staging dirs.
 
@@ -340,22 +400,19 @@ class StateStore:
     def open(self) -> PersistedState | None:
         """Create the directory, take the lock, clear temp files, and load the state."""
         if not self._lock.held:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            # its entry durable before anything next to it refers to it (a crash must never
-            # leave the engine's files without the state that says what they hold)
-            fsio.fsync_dir(self.directory.parent)
+            top = self.directory.parent
             try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                # its entry durable before anything next to it refers to it (a crash must never
+                # leave the engine's files without the state that says what they hold)
+                fsio.fsync_dir(top)
                 took = self._lock.acquire()
-            except PermissionError as exc:  # it printed "Permission denied: 'lock'", no path
-                try:  # (removed meanwhile, or no search right on its parent: still this error)
-                    owner = f"it belongs to uid {self.directory.stat().st_uid}"
-                except OSError as why:
-                    owner = f"its owner cannot be read ({why.strerror})"
-                raise EngineStateError(
-                    f"cannot lock engine state {self.directory} ({exc.strerror}): {owner}, this "
-                    f"receiver runs as uid {os.geteuid()}; run it as the directory's owner, or "
-                    "chown -R the checkpoint directory"
-                ) from exc
+            except OSError as exc:  # the lock's error said "Permission denied: 'lock'", no path
+                name = exc.filename  # the lock's is its name alone (opened in its directory)
+                path = Path(name) if isinstance(name, str) and os.path.isabs(name) else None
+                if (err := unwritable(path or self._lock.path, exc, top)) is None:
+                    raise
+                raise err from exc
             if not took:
                 raise LockHeld(
                     f"engine state {self.directory} is locked by {self._lock.holder()} "

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import signal
-from collections.abc import AsyncIterator, Callable
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +188,17 @@ def _ack_notices_uncapped() -> Any:
 
     acks._capped.reset()
     yield
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory every uid can traverse (pytest's tmp_path lies under a 0700 directory), for
+    tests that mount or run a process as another uid (root only: skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount or to run a process as another uid")
+    d = Path(tempfile.mkdtemp(prefix="asyncsync-uid-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

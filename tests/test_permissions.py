@@ -8,7 +8,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,19 +83,6 @@ def test_fsio_primitives_set_the_mode_on_the_descriptor(tmp_path: Path, umask_07
 # -- issue 20: an engine, and a receiver, running as another user than the trainer -------------
 
 NOBODY = 65534  # nobody:nogroup
-
-
-@pytest.fixture
-def shared_tmp() -> Iterator[Path]:
-    """A directory every uid can traverse (pytest's tmp_path lies under a 0700 directory)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a process as another uid")
-    d = Path(tempfile.mkdtemp(prefix="asyncsync-uid-", dir="/tmp"))
-    os.chmod(d, 0o755)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _as_nobody(module: str, *args: str) -> subprocess.CompletedProcess[str]:

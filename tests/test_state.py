@@ -199,6 +199,6 @@ def test_a_lock_refused_whose_owner_cannot_be_read_is_still_a_clear_error(
     with pytest.raises(EngineStateError) as err:
         store.open()
     msg = str(err.value)
-    assert f"cannot lock engine state {store.directory}" in msg and "Permission denied" in msg
+    assert f"cannot write {store.directory}/lock" in msg and "Permission denied" in msg
     assert f"uid {os.geteuid()}" in msg and "chown -R" in msg
     assert stat_error.strerror in msg  # why the owner is not named

@@ -273,6 +273,8 @@ class LocalCheckpoint(RedoLog, Engine):
         except AsyncSyncError:
             raise
         except (OSError, RuntimeError, ValueError, LookupError, safetensors.SafetensorError) as exc:
+            if isinstance(exc, OSError) and (refused := self._refused(exc)) is not None:
+                raise refused from exc  # a read-only filesystem, the modes: named, with the fix
             raise ApplyFailed(f"{self.directory}: {type(exc).__name__}: {exc}") from exc
 
     def _need_txn(self) -> _Txn:

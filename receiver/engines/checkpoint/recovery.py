@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,11 +25,18 @@ from receiver.engines.checkpoint.files import CheckpointFiles
 from receiver.engines.checkpoint.flusher import Flusher
 from receiver.engines.checkpoint.stamps import Stamps
 from receiver.engines.st_layout import FileMaps, TensorLocation, no_copy_on_write
-from receiver.state import STATE_NAME, PersistedState, StateStore
+from receiver.state import STATE_NAME, PersistedState, StateStore, check_writable, unwritable
 
 __all__ = ["Recovery"]
 
 logger = logging.getLogger(__name__)
+
+
+def _own_file(path: Path) -> bool:
+    """A regular file with one link, which a delta writes in place (a symlink or a hard link
+    is copied into a file of the checkpoint's own first: ``own_data_files``)."""
+    st = fsio.lstat(path)
+    return st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 
 class Recovery:
@@ -56,7 +65,12 @@ class Recovery:
     def _open(self) -> EngineState:
         if self._store.locked:
             return self.state
-        fsio.make_dir(self.directory, parents=True, exist_ok=True)  # 0755: servers read it
+        try:
+            fsio.make_dir(self.directory, parents=True, exist_ok=True)  # 0755: servers read it
+        except OSError as exc:  # a read-only filesystem, a parent of another uid
+            if (refused := self._refused(exc)) is None:
+                raise
+            raise refused from exc
         no_copy_on_write(self.directory)  # btrfs: the files it gets from now on (and staging/)
         if not (self._store.directory / STATE_NAME).exists():
             self.files.refuse_foreign()
@@ -64,7 +78,8 @@ class Recovery:
         rewrite = bool(self._broken) or self._flusher.failed_before()
         self._broken = None  # a flush failed (here, or before a restart): rewritten, checked below
         fresh = ps is None
-        try:
+        try:  # every write refused now, not at the first version's (the lock opened: 0644)
+            check_writable(self._written(), self.directory)
             # a copy of a linked data file (own_data_files) or an index cut short by a kill
             fsio.remove_temp_files(self.directory)
             self._stamps.load()
@@ -125,6 +140,28 @@ class Recovery:
             raise
         logger.info("%s: open at version %s", self.directory, self.state.version)
         return self.state
+
+    def _written(self) -> list[Path]:
+        """The directories and files the engine writes (a data file with other links is
+        copied into one of its own before a delta writes it: only its directory counts)."""
+        store = self._store
+        dirs = [self.directory, store.directory, store.journal_dir, store.staging_dir]
+        return [*dirs, store.redo_dir, *filter(_own_file, self.files.data_files())]
+
+    def _refused(self, exc: OSError) -> EngineStateError | None:
+        """The typed error of a write the filesystem refused (None: ``exc`` is another),
+        naming the path refused: where ``exc`` names none (a file opened in its directory),
+        the first the engine writes that this process may not."""
+        name = exc.filename
+        if isinstance(name, str) and os.path.isabs(name):
+            return unwritable(Path(name), exc, self.directory)
+        try:
+            check_writable(self._written(), self.directory, exc)
+        except EngineStateError as err:
+            return err
+        except OSError:  # (the directory gone meanwhile): named as a whole
+            pass
+        return unwritable(self.directory, exc, self.directory)
 
     def _check_unsynced(self, rewrite: bool = False) -> None:
         """The held version was committed before it was durable and the receiver stopped (or
