@@ -259,12 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
         "check that the server serves the bytes of the version held (vLLM: its worker "
         "extension; SGLang: the asyncsync plugin's audit records, read every "
         f"{SGLANG_AUDIT_INTERVAL:g} s by default; docs/ENGINES.md); a mismatch makes /readyz "
-        "503 and reloads in full",
+        "503 and reloads in full. Without a server: the checkpoint's files, every tensor "
+        "hashed (each audit reads the whole model from disk); a mismatch removes them and the "
+        "receiver re-initialises them from the newest keyframe",
     )
     audit.add_argument(
         "--audit-interval", type=positive_float, default=None, metavar="S",
         help="audit every S seconds (default: SGLang every "
-             f"{SGLANG_AUDIT_INTERVAL:g} s, vLLM not on a schedule)",
+             f"{SGLANG_AUDIT_INTERVAL:g} s, vLLM and a checkpoint alone not on a schedule; "
+             "a checkpoint alone reads the whole model at each audit: minutes apart, not "
+             "seconds, for a large one)",
     )  # fmt: skip
     audit.add_argument(
         "--audit-after-apply", action="store_true",

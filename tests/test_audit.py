@@ -17,12 +17,13 @@ import aiohttp
 import pytest
 import torch
 
-from asyncsync import Publisher
+from asyncsync import Manifest, Publisher
 from asyncsync.codec import raw_clone, raw_view
 from asyncsync.format.checksum import checksum_tensor
 from receiver import ReceiverAgent
 from receiver.audit import Auditor
 from receiver.engines import TorchModule
+from receiver.engines.base import AuditReport
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.plugins.vllm_worker import canonical_zeros, served_tensors
 from receiver.server import StatusServer
@@ -128,11 +129,17 @@ async def test_the_audit_runs_after_each_apply_and_never_during_one(setup: Setup
         await task
 
 
+class _Blind(LocalCheckpoint):
+    """An engine that cannot audit (the Engine default; every engine shipped audits)."""
+
+    async def audit(self, manifest: Manifest) -> AuditReport | None:
+        return None
+
+
 async def test_an_engine_that_cannot_audit_says_so(tmp_path: Path) -> None:
     async with Publisher(tmp_path / "root") as pub:
         await pub.seed(mixed_state(0))
-        agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e",
-                              use_inotify=False)  # fmt: skip
+        agent = ReceiverAgent(tmp_path / "root", _Blind(tmp_path / "c"), "e", use_inotify=False)
         async with agent:
             await agent.sync_once()
             auditor = Auditor(agent, interval=5)

@@ -28,7 +28,7 @@ from asyncsync.errors import (
     OutOfOrder,
 )
 from asyncsync.format import Manifest, TensorEntry
-from receiver.engines.base import Engine, EngineState, TensorUpdate
+from receiver.engines.base import AuditReport, Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import inplace, staging
 from receiver.engines.checkpoint.files import CheckpointFiles
 from receiver.engines.checkpoint.flusher import Flusher
@@ -246,6 +246,21 @@ class LocalCheckpoint(RedoLog, Engine):
     async def bump(self, manifest: Manifest) -> None:
         await self.flushed()
         await self._run(self._bump, manifest)
+
+    async def audit(self, manifest: Manifest) -> AuditReport | None:
+        """The files' bytes against ``manifest``'s checksums (``receiver.audit``): every tensor
+        read and hashed, the whole model; redo records held are merged into the files first."""
+        if self._ps.redo:
+            await self._run(self._compact, "audit")
+        return await self._run(self._audit, manifest)
+
+    async def repair(self) -> None:
+        """After an audit found other bytes in the files: removed (the receiver re-initialises
+        them from a keyframe), the ack withdrawn at once (``on_lost``)."""
+        await self.flushed()
+        await self._run(self._wipe_audited)
+        if self.on_lost is not None:
+            await self.on_lost()
 
     # -- read-only helpers -----------------------------------------------------------------
     def tensor_names(self) -> list[str]:

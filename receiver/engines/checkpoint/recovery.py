@@ -19,9 +19,10 @@ from pathlib import Path
 
 from asyncsync import fsio
 from asyncsync.errors import EngineStateError
-from receiver.engines.base import EngineState
+from asyncsync.format import Manifest
+from receiver.engines.base import AuditReport, EngineState
 from receiver.engines.checkpoint import inplace
-from receiver.engines.checkpoint.files import CheckpointFiles
+from receiver.engines.checkpoint.files import CheckpointFiles, verify_checkpoint
 from receiver.engines.checkpoint.flusher import Flusher
 from receiver.engines.checkpoint.stamps import Stamps
 from receiver.engines.st_layout import FileMaps, TensorLocation, no_copy_on_write
@@ -228,6 +229,31 @@ class Recovery:
         )  # fmt: skip
         self._wipe()
         return True
+
+    def _audit(self, manifest: Manifest) -> AuditReport | None:
+        """:meth:`LocalCheckpoint.audit` (None: nothing held, a repair removed it)."""
+        if self._ps.version is None:
+            return None
+        if (self._ps.version, self._ps.run_id) != (manifest.version, manifest.run_id):
+            raise EngineStateError(
+                f"{self.directory} holds v{self._ps.version}, not v{manifest.version} of run "
+                f"{manifest.run_id}: audit the manifest of the version held"
+            )
+        try:
+            bad = verify_checkpoint(self.directory, manifest, file_prefix=self.files.file_prefix)
+        except EngineStateError as exc:  # a layout that no longer reads: nothing matches
+            if isinstance(exc.__cause__, fsio.UnsafePath):  # a FIFO put there: refused
+                raise
+            bad = [e.name for e in manifest.tensors]
+        return AuditReport(manifest.version, len(manifest.tensors), tuple(bad), {}, "the files")
+
+    def _wipe_audited(self) -> None:
+        """:meth:`LocalCheckpoint.repair`: the files hold the version no more."""
+        if self._ps.version is not None:
+            logger.warning("%s: an audit found other bytes in the files than v%s; removing "
+                           "them so the receiver re-initialises from a keyframe",
+                           self.directory, self._ps.version)  # fmt: skip
+            self._wipe()
 
     def _recover(self) -> None:
         """After a failed flush, what a reopen does (the held version is not ``synced``): check

@@ -1,0 +1,160 @@
+"""The served-bytes audit of a plain LocalCheckpoint (no server: what it serves is its files).
+
+``asyncsync-receiver --audit-interval S`` without ``--sglang-url``/``--vllm-url`` did nothing:
+LocalCheckpoint had no ``audit``, so the auditor found it "not supported" and said so only in
+``/status``. A byte changed in a data file without changing its stamp (bit rot, an edit that
+restored the mtime) was acknowledged for good. Now the audit re-hashes every tensor of the
+files against the manifest of the version held; a mismatch makes ``/readyz`` 503, the files
+are removed (``repair``) and the receiver re-initialises them from the newest keyframe."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from asyncsync import Publisher
+from asyncsync.errors import EngineStateError
+from asyncsync.format.acks import read_acks
+from asyncsync.format.store import read_manifest
+from asyncsync.ops.cli import main as asyncsync_main
+from receiver import ReceiverAgent
+from receiver.audit import Auditor
+from receiver.engines.checkpoint import LocalCheckpoint
+from tests.conftest import mixed_state, mutate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def rot_a_byte(ckpt: Path, name: str) -> None:
+    """Flip a byte of tensor ``name`` in its data file and put the file's mtime back, as bit
+    rot or a careful edit leaves it: its stamp (inode, size, mtime) unchanged."""
+    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    path = ckpt / weight_map[name]
+    st = path.stat()
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        at = 8 + n + json.loads(f.read(n))[name]["data_offsets"][0]
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+async def _status(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with http.get(f"{url}/status") as r:
+        return await r.json()  # type: ignore[no-any-return]
+
+
+async def test_the_receiver_cli_audits_a_plain_checkpoint_and_reseeds_one_that_rotted(
+    tmp_path: Path,
+) -> None:
+    root, ckpt = tmp_path / "root", tmp_path / "c"
+    sd = mixed_state(0)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        await pub.publish(mutate(sd, 0.1, seed=1))  # v1, a delta
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", "a1",
+        "--checkpoint", str(ckpt), "--status-port", "0", "--audit-interval", "0.2",
+        "--poll-interval", "0.2", "--force-polling", cwd=REPO, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    lines: list[str] = []
+
+    async def read_log() -> None:
+        assert proc.stderr is not None
+        while line := (await proc.stderr.readline()).decode():
+            lines.append(line)
+
+    logging = asyncio.create_task(read_log())
+    try:
+        async with asyncio.timeout(120), aiohttp.ClientSession() as http:
+            while not (m := re.search(r"status on (http://127\.0\.0\.1:\d+)", "".join(lines))):
+                assert proc.returncode is None, "".join(lines)
+                await asyncio.sleep(0.05)  # another process's log
+            url = m.group(1)
+            while (s := await _status(http, url)).get("audit", {}).get("last") is None:
+                assert s.get("audit", {}).get("supported") is not False, s["audit"]
+                await asyncio.sleep(0.05)  # polling another process's HTTP state (the audit
+                # shows once the engine is open)
+            assert s["audit"]["last"]["ok"] and s["audit"]["last"]["version"] == 1, s["audit"]
+            assert s["audit"]["last"]["checked"] == len(sd)
+
+            name = "model.layers.2.weight"
+            rot_a_byte(ckpt, name)
+            while (s := await _status(http, url))["audit"]["repairs"] == 0:
+                await asyncio.sleep(0.05)
+            assert s["audit"]["mismatches"] >= 1, s["audit"]
+            # re-initialised from the keyframe, the delta applied again, then audited clean
+            while not ((s := await _status(http, url))["version"] == 1 and s["audit"]["healthy"]):
+                await asyncio.sleep(0.05)
+            async with http.get(f"{url}/readyz") as r:
+                assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await logging
+    log = "".join(lines)
+    assert f"the engine serves other bytes than the manifest for 1 of {len(sd)}" in log, log
+    assert f"({name})" in log and "re-initialises from a keyframe" in log, log
+    assert asyncsync_main(["verify", str(root), "--checkpoint", str(ckpt)]) == 0
+    assert read_acks(root)["a1"].version == 1
+
+
+async def test_the_audit_merges_redo_records_first_and_a_mismatch_is_wiped(
+    tmp_path: Path,
+) -> None:
+    """With a redo log the files are older than the version held: the records are merged into
+    them before the audit (as before any read of the bytes), else every audit failed."""
+    sd = mixed_state(0)
+    async with Publisher(tmp_path / "root", keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        engine = LocalCheckpoint(tmp_path / "c", redo_log=8, compact_idle=3600)
+        async with ReceiverAgent(tmp_path / "root", engine, "r1", use_inotify=False) as agent:
+            await agent.sync_once()
+            await pub.publish(mutate(sd, 0.1, seed=1))
+            assert await agent.sync_once() == 1
+            assert engine.redo_held == 1
+            auditor = Auditor(agent, interval=None, after_apply=False)
+            report = await auditor.audit_once()
+            assert report is not None and report.ok and report.checked == len(sd)
+            assert engine.redo_held == 0
+
+            rot_a_byte(tmp_path / "c", "model.layers.5.weight")
+            report = await auditor.audit_once()
+            assert report is not None and report.mismatched == ("model.layers.5.weight",)
+            assert not auditor.healthy and engine.state.version is None  # removed
+            assert "r1" not in read_acks(tmp_path / "root")  # the ack withdrawn at once
+            assert await agent.sync_once() == 1  # re-initialised from the keyframe
+            report = await auditor.audit_once()
+            assert report is not None and report.ok and auditor.healthy
+
+
+async def test_an_audit_of_another_version_than_the_one_held_is_an_error(tmp_path: Path) -> None:
+    """(the auditor reads the manifest of the version held, under the agent's lock: a caller
+    of its own may pass another) refused, not reported as a mismatch of every tensor."""
+    sd = mixed_state(0)
+    async with Publisher(tmp_path / "root") as pub:
+        await pub.seed(sd)
+        await pub.publish(mutate(sd, 0.1, seed=1))
+    engine = LocalCheckpoint(tmp_path / "c")
+    async with ReceiverAgent(tmp_path / "root", engine, "r1", use_inotify=False) as agent:
+        assert await agent.sync_once() == 1
+        v0 = read_manifest(tmp_path / "root", 0)
+        with pytest.raises(EngineStateError, match="holds v1, not v0"):
+            await engine.audit(v0)
+        assert engine.state.version == 1
