@@ -34,7 +34,8 @@ import torch
 from aiohttp import web
 
 from asyncsync import Publisher
-from receiver.engines import RetryPolicy, Timeouts
+from asyncsync.format.store import read_manifest
+from receiver.engines import RetryPolicy, Timeouts, verify_checkpoint
 from tests.conftest import mixed_state, mutate
 
 KEY = "s3cret-token-8f2c"
@@ -405,6 +406,28 @@ class FakeSGLang(FakeServer):
         if not self._idle():
             return web.Response(text="Cache not flushed: requests are running", status=400)
         return web.Response(text="Cache flushed.")
+
+
+class VerifyingSGLang(FakeSGLang):
+    """A fake SGLang that checks, at each load, the checkpoint's files against the manifest in
+    ``root`` of the version it is told to label them: ``loads_checked`` holds (label, the
+    tensors that differ) per load, :meth:`served_wrong` the loads of other bytes."""
+
+    def __init__(self, root: Path, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.root = root
+        self.loads_checked: list[tuple[str, list[str]]] = []
+
+    async def _update_from_disk(self, request: web.Request) -> web.Response:
+        body = request[BODY]
+        label = body.get("weight_version") if isinstance(body, dict) else None
+        if isinstance(label, str) and label.isdigit():
+            bad = verify_checkpoint(body["model_path"], read_manifest(self.root, int(label)))
+            self.loads_checked.append((label, bad))
+        return await super()._update_from_disk(request)
+
+    def served_wrong(self) -> list[tuple[str, list[str]]]:
+        return [(v, bad) for v, bad in self.loads_checked if bad]
 
 
 class FakeVLLM(FakeServer):

@@ -275,9 +275,22 @@ class ReloadingEngine(ServerCalls, Engine):
             raise
 
     # -- Engine contract ---------------------------------------------------------------------
+    def _no_redo_log(self) -> None:
+        """Refuse a checkpoint that keeps deltas beside its files (``redo_log``): the server
+        reloads from the files, which would hold an older version than the label it is given
+        (set on ``self.checkpoint`` after the constructor, or a checkpoint put in its place)."""
+        if n := self.checkpoint.redo_log:
+            raise ConfigError(
+                f"{self.kind}: the checkpoint {self.checkpoint.directory} has redo_log={n}: the "
+                "server reloads from the checkpoint's files, which must hold every version "
+                "acknowledged, and a redo log keeps deltas beside them; use a LocalCheckpoint "
+                "without redo_log"
+            )
+
     async def open(self) -> EngineState:
         if self._opened:
             return self.state
+        self._no_redo_log()
         local = await self.checkpoint.open()
         try:
             record = await asyncio.to_thread(read_record, self.record_path)
@@ -338,6 +351,7 @@ class ReloadingEngine(ServerCalls, Engine):
                 f"{self.kind}: begin v{manifest.version} while v{self._txn.manifest.version} "
                 "is in progress; commit or abort it first"
             )
+        self._no_redo_log()
         self._backoff.check(manifest.version)
         untied = await asyncio.to_thread(untied_why, self.checkpoint.directory, manifest)
         if untied is not None:  # the server would serve another lm_head than the version's
@@ -407,6 +421,7 @@ class ReloadingEngine(ServerCalls, Engine):
     async def bump(self, manifest: Manifest) -> None:
         if self._txn is not None:
             raise ApplyFailed(f"{self.kind}: bump while v{self._txn.manifest.version} is open")
+        self._no_redo_log()
         self._backoff.check(manifest.version)
         if not self._holds(self.checkpoint.state, manifest):
             await self._on_checkpoint(self.checkpoint.bump(manifest))

@@ -99,7 +99,8 @@ wiped if any differs (:mod:`~receiver.engines.checkpoint.stamps`). A data file w
   each record's values were verified in transit (the shard checksums). While a record is held
   the directory is not a loadable safetensors directory of the version acknowledged (the files
   are older): the plugins' start-up load waits for it (``receiver.plugins.clean_load``) and
-  ``asyncsync verify`` says so. Not for the HTTP engines (their servers reload the files).
+  ``asyncsync verify`` says so. Not for the HTTP engines (their servers reload the files:
+  ``ReloadingEngine`` refuses a checkpoint with one, ConfigError).
 
 Blocking file work runs in ``asyncio.to_thread`` so the receiver's event loop stays free.
 
