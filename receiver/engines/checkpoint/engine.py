@@ -464,7 +464,8 @@ class LocalCheckpoint(RedoLog, Engine):
             self.files.fsync_data_files()  # also pages an interrupted earlier flush left dirty
             with self._mutex:  # not after a failed flush: its pages may be lost (and clean)
                 if self._ps.version == version and not self._broken:
-                    self._set(replace(self._ps, synced=True))
+                    # not stamped again: an edit since the commit would pass for ours
+                    self._set(replace(self._ps, synced=True), restamp=False)
         except BaseException as exc:
             why = f"making v{version} durable failed ({exc})"
             with self._mutex:  # ordered with the begins and commits, which read it under it

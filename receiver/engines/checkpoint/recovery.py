@@ -55,12 +55,14 @@ class Recovery:
     _broken: str | None  # why the last flush failed (the held version must be checked again)
     _undo_pending: str | None  # a rollback that failed: done again at the next begin
 
-    def _set(self, ps: PersistedState, *, spare: bool = False) -> None:
+    def _set(self, ps: PersistedState, *, spare: bool = False, restamp: bool = True) -> None:
+        """Save ``ps``; the files stamped as they are (``restamp``: False where the engine has
+        not just written them, whose stamps are those it recorded then)."""
         self._ps = self._store.save(ps, spare=spare)
         self.state = EngineState(ps.head_version, ps.run_id, ps.head_fingerprint)
         if ps.version is None:
             self._stamps.forget()
-        elif not ps.applying:  # the files hold ps.version: stamped as this engine left them
+        elif not ps.applying and restamp:  # the files hold ps.version, as this engine left them
             self._stamps.record()
 
     def _open(self) -> EngineState:
