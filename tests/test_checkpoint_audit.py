@@ -10,11 +10,8 @@ are removed (``repair``) and the receiver re-initialises them from the newest ke
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import re
 import signal
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,25 +27,9 @@ from asyncsync.ops.cli import main as asyncsync_main
 from receiver import ReceiverAgent
 from receiver.audit import Auditor
 from receiver.engines.checkpoint import LocalCheckpoint
-from tests.conftest import mixed_state, mutate
+from tests.conftest import flip_tensor_byte, mixed_state, mutate
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def rot_a_byte(ckpt: Path, name: str) -> None:
-    """Flip a byte of tensor ``name`` in its data file and put the file's mtime back, as bit
-    rot or a careful edit leaves it: its stamp (inode, size, mtime) unchanged."""
-    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    path = ckpt / weight_map[name]
-    st = path.stat()
-    with open(path, "r+b") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        at = 8 + n + json.loads(f.read(n))[name]["data_offsets"][0]
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x10]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 async def _status(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -92,7 +73,7 @@ async def test_the_receiver_cli_audits_a_plain_checkpoint_and_reseeds_one_that_r
             assert s["audit"]["last"]["checked"] == len(sd)
 
             name = "model.layers.2.weight"
-            rot_a_byte(ckpt, name)
+            flip_tensor_byte(ckpt, name, keep_mtime=True)
             while (s := await _status(http, url))["audit"]["repairs"] == 0:
                 await asyncio.sleep(0.05)
             assert s["audit"]["mismatches"] >= 1, s["audit"]
@@ -134,7 +115,7 @@ async def test_the_audit_merges_redo_records_first_and_a_mismatch_is_wiped(
             assert report is not None and report.ok and report.checked == len(sd)
             assert engine.redo_held == 0
 
-            rot_a_byte(tmp_path / "c", "model.layers.5.weight")
+            flip_tensor_byte(tmp_path / "c", "model.layers.5.weight", keep_mtime=True)
             report = await auditor.audit_once()
             assert report is not None and report.mismatched == ("model.layers.5.weight",)
             assert not auditor.healthy and engine.state.version is None  # removed

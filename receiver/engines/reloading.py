@@ -222,9 +222,10 @@ class ReloadingEngine(ServerCalls, Engine):
         checkpoint's own (a rollback or a flush that failed: :meth:`LocalCheckpoint.reconcile`)."""
         if self._txn is not None:
             return
+        # the checkpoint first: files changed behind its back are wiped here, never reloaded
+        await self._on_checkpoint(self.checkpoint.reconcile())
         if self.standing.lost:
             await self._reconcile_server()
-        await self._on_checkpoint(self.checkpoint.reconcile())
 
     async def _on_checkpoint(self, call: Awaitable[object]) -> None:
         """A call that may wipe the checkpoint (its recovery after a failed flush found the held
@@ -256,8 +257,18 @@ class ReloadingEngine(ServerCalls, Engine):
         st.serves_other = None  # (answered with the version held: the ack comes back)
 
     async def repair(self) -> None:
-        """Reload the held version into the server in full (after a failed audit)."""
+        """Reload the held version into the server in full (after a failed audit); its files
+        checked first (changed behind the receiver's back: wiped, never reloaded)."""
         held = self.state.version
+        await self._on_checkpoint(self.checkpoint.reconcile())
+        if held is not None and self.checkpoint.state.version is None:
+            if self.on_lost is not None:  # the engine holds nothing now: no ack
+                await self.on_lost()
+            raise ApplyFailed(
+                f"{self.kind}: cannot repair v{held}: the checkpoint's files were changed behind "
+                "the receiver's back and were removed; the receiver re-initialises them from a "
+                "keyframe"
+            )
         if held is None or self.checkpoint.state.version != held:
             raise ApplyFailed(
                 f"{self.kind}: cannot repair: the checkpoint holds "
@@ -358,12 +369,12 @@ class ReloadingEngine(ServerCalls, Engine):
             raise ApplyFailed(f"{self.kind}: {untied}")
         if self.in_engine and await self.audit_watch.check(self.state) is not None:
             self.standing.lost = True  # not staged onto it: this version's reload repairs it
-        local = self.checkpoint.state
-        if self._holds(local, manifest):
+        if await self._still_holds(manifest):
             logger.info("%s: the checkpoint already holds v%s; only reloading the server",
                         self.kind, manifest.version)  # fmt: skip
             self._txn = _Txn(manifest, reload_only=True)
             return
+        local = self.checkpoint.state
         await self._on_checkpoint(self.checkpoint.begin(manifest, mode))
         self._txn = _Txn(manifest, reload_only=False)
         if mode == "delta" and self._may_stage(local):
@@ -423,7 +434,7 @@ class ReloadingEngine(ServerCalls, Engine):
             raise ApplyFailed(f"{self.kind}: bump while v{self._txn.manifest.version} is open")
         self._no_redo_log()
         self._backoff.check(manifest.version)
-        if not self._holds(self.checkpoint.state, manifest):
+        if not await self._still_holds(manifest):
             await self._on_checkpoint(self.checkpoint.bump(manifest))
         if self.standing.lost:
             await self._wait_for_server()
@@ -448,6 +459,14 @@ class ReloadingEngine(ServerCalls, Engine):
         if self._txn is None:
             raise ApplyFailed(f"{self.kind}: apply/commit without begin")
         return self._txn
+
+    async def _still_holds(self, m: Manifest) -> bool:
+        """Whether the checkpoint holds ``m`` (the server alone behind), its files checked
+        first: changed behind the receiver's back, they are wiped, never reloaded."""
+        if not self._holds(self.checkpoint.state, m):
+            return False
+        await self._on_checkpoint(self.checkpoint.reconcile())
+        return self._holds(self.checkpoint.state, m)
 
     @staticmethod
     def _holds(local: EngineState, m: Manifest) -> bool:
