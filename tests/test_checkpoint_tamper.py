@@ -28,8 +28,10 @@ from asyncsync import Publisher
 from asyncsync.errors import EngineStateError
 from asyncsync.format.acks import read_acks
 from asyncsync.format.store import read_manifest
-from receiver.engines.checkpoint import verify_checkpoint
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
 from receiver.engines.st_layout import read_layout
+from tests.conftest import flip_tensor_byte
 from tests.test_flush_killed import _receivers, _wait
 from tests.test_full_disk import _receive_once
 
@@ -155,3 +157,40 @@ async def test_a_running_receiver_catches_an_edit_before_the_next_version(tmp_pa
             assert r.proc is not None
             r.proc.send_signal(signal.SIGTERM)
             assert r.proc.wait(60) == 0
+
+
+class _EditedBeforeItsFlush(LocalCheckpoint):
+    """A checkpoint whose data file is edited after the commit of a delta and before its flush
+    starts (``acknowledged``): in the window the flush after the ack runs in."""
+
+    edit: str | None = None
+
+    async def acknowledged(self) -> None:
+        if self._unflushed is not None and self.edit is not None:
+            flip_tensor_byte(self.directory, self.edit)
+            self.edit = None
+        await super().acknowledged()
+
+
+async def test_an_edit_while_a_delta_is_flushed_is_not_taken_for_the_receivers_own(
+    tmp_path: Path,
+) -> None:
+    """The flush after the ack saved state.json again (``synced``) and so stamped the files
+    again as they were then: an edit made meanwhile passed for the receiver's own write, and
+    its bytes were held (and acknowledged) for good."""
+    root = tmp_path / "root"
+    sd = _model()
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        engine = _EditedBeforeItsFlush(tmp_path / "ck")
+        async with ReceiverAgent(root, engine, "e", use_inotify=False) as agent:
+            assert await agent.sync_once() == 0
+            await pub.publish(_step(sd, 1))
+            engine.edit = "l.0.w"
+            assert await agent.sync_once() == 1
+            assert engine.edit is None  # made, then the flush ran
+            await engine.flushed()
+            await engine.reconcile()  # a sync with nothing newer: the stamps compared
+            assert engine.state.version is None  # wiped: the agent re-initialises
+            assert await agent.sync_once() == 1
+    assert _holds(root, tmp_path / "ck", 1)
