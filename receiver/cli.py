@@ -20,7 +20,9 @@ acknowledges each version once the directory holds it bit for bit.
 
 Without ``--once`` it runs until SIGINT (Ctrl-C), SIGTERM or SIGHUP (unless ignored: nohup),
 then finishes (or rolls back) the version in flight and exits 0; a second signal meanwhile is
-ignored until it has exited (the status stays 0; SIGKILL still ends it at once). ``--once``
+ignored until it has exited (the status stays 0; SIGKILL still ends it at once). One while
+it starts (importing, checking its paths) is held until its handlers are installed, then
+stops it the same way: "stopped before it started", status 0 (``receiver.entry``). ``--once``
 applies everything committed so far, prints the version held and exits (status 130 if
 interrupted). An error prints one line on stderr, exit status 1. Without ``--once``, a
 start-up call to the server that fails for now (no answer within its deadline: an update still
@@ -79,6 +81,7 @@ from receiver.engines.reloading import ReloadingEngine
 from receiver.engines.sglang import AUDIT_INTERVAL as SGLANG_AUDIT_INTERVAL
 from receiver.engines.sglang import PAUSE_MODES, SGLang
 from receiver.engines.vllm import VLLM
+from receiver.entry import stop_signals
 from receiver.shard_reader import APPLY_GROUP_BYTES
 from receiver.stream import STREAM_TIMEOUT
 
@@ -395,14 +398,13 @@ async def _serve(args: argparse.Namespace) -> int | None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     installed: list[signal.Signals] = []
-    sigs = [signal.SIGINT, signal.SIGTERM]
-    hangup: signal.Signals | None = getattr(signal, "SIGHUP", None)
-    if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:  # (nohup: left)
-        sigs.append(hangup)  # the terminal closed, a supervisor's hang-up: a stop
-    for sig in sigs:
+    for sig in sorted(stop_signals()):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
+    if set(installed) & signal.sigpending():  # one held since the start (main): a stop now
+        stop.set()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, installed)  # (delivered: stop.set again)
     try:
         agent, server = await open_agent(args, stop, _make_agent)
         if agent is None:
@@ -463,7 +465,24 @@ async def _serve(args: argparse.Namespace) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the receiver; returns the exit status (the console script passes it to sys.exit)."""
+    """Run the receiver; returns the exit status (the console script passes it to sys.exit).
+
+    A stop signal before the receiver's handlers are installed is held (blocked) until they
+    are: it stops the receiver as one after start-up does, not killing it silently (SIGTERM,
+    SIGHUP: status 143, 129) or interrupting it anywhere (Ctrl-C). With ``--once`` it is let
+    through before the sync starts (Ctrl-C: status 130; SIGTERM ends it, as during the sync).
+    """
+    sigs = stop_signals()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        return _main(argv)
+    finally:
+        while signal.sigtimedwait(sigs, 0) is not None:
+            pass  # exiting anyway: one that came with an error or a usage line is dropped
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     CliParser.log_format = sniff_log_format(argv)
     parser = build_parser()
@@ -499,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.control_token = None if args.once else check_status_options(args)
         if args.once:
             try:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals())
                 version = run_async(lambda: _once(args))
             except KeyboardInterrupt:  # not done: a script must not go on as if it were
                 print_error(
@@ -520,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AsyncSyncError, OSError, ValueError) as exc:
         print_error(f"asyncsync-receiver {args.engine_id}", _one_line(exc), args.log_format)
         return 1
-    except KeyboardInterrupt:  # a signal before the handlers were installed
+    except KeyboardInterrupt:  # (--once: a Ctrl-C after its sync, as it exits)
         return 0
     except Exception as exc:  # bad input must never end in a traceback (it is logged at DEBUG)
         logger.debug("asyncsync-receiver %s failed", args.engine_id, exc_info=True)

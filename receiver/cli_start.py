@@ -76,6 +76,9 @@ async def open_agent(
     backoff by a new agent, nothing acked meanwhile; a configuration error (a refused key, a
     server that never came up within --engine-startup-timeout) ends the process with its one
     line."""
+    if stop.is_set():  # a stop signal held while the receiver started (receiver.cli.main)
+        logger.info("receiver %s: stopped before it started", args.engine_id)
+        return None, None
     delay = OPEN_RETRY[0]
     server: StatusServer | None = None
     try:

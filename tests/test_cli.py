@@ -530,6 +530,88 @@ def test_a_ctrl_c_while_the_receiver_starts_is_quiet(tmp_path: Path) -> None:
         assert proc.returncode in (0, -signal.SIGINT), (delay, proc.returncode, err)
 
 
+_GATED_START = """
+import importlib.abc, sys
+GATE = sys.argv.pop(1)
+
+
+def wait(where):  # the test sends its signal now, then lets the start-up go on
+    print(where, flush=True)
+    sys.stdin.readline()
+
+
+class Gate(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == GATE:
+            sys.meta_path.remove(self)
+            wait("importing " + name)
+        return None
+
+
+def listing(event, args):  # the first listing of the root: its check, before the handlers
+    if event in ("os.listdir", "os.scandir") and args and str(args[0]) == ROOT and GATE:
+        globals()["GATE"] = None
+        wait("checking the root")
+
+
+ROOT = sys.argv[sys.argv.index("--root") + 1]
+if GATE == "check_paths":  # after the imports (the console script's own)
+    sys.addaudithook(listing)
+else:
+    sys.meta_path.insert(0, Gate())
+from receiver.entry import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("sig", "gate", "once"),
+    [
+        (signal.SIGTERM, "torch", False),  # inside the imports
+        (signal.SIGHUP, "torch", False),
+        (signal.SIGTERM, "receiver.cli_start", False),  # their end
+        (signal.SIGTERM, "check_paths", False),  # imported, the handlers not installed yet
+        (signal.SIGINT, "check_paths", False),
+        (signal.SIGINT, "torch", True),
+    ],
+    ids=["sigterm-torch", "sighup-torch", "sigterm-last-import", "sigterm-checks",
+         "sigint-checks", "sigint-torch-once"],
+)  # fmt: skip
+def test_a_stop_signal_while_the_receiver_starts_stops_it_as_after_start_up(
+    tmp_path: Path, sig: signal.Signals, gate: str, once: bool
+) -> None:
+    """(attack-76) A SIGTERM or SIGHUP while the console script imported its modules killed it
+    silently: status 143 or 129 (a supervisor stopping a receiver just started read a crash).
+    A Ctrl-C after the imports, before the handlers, exited 0 without a word, and a Ctrl-C
+    during the imports of ``--once`` exited 0 as if every version were applied. The signal is
+    held now until the handlers are installed: one line, status 0 (``--once``: 130), as a stop
+    after start-up; nothing is opened."""
+    root = tmp_path / "root"
+    root.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _GATED_START, gate, "--root", str(root), "--engine-id", "e1",
+         "--checkpoint", str(tmp_path / "ckpt"), *(["--once"] if once else [])],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        marker = proc.stdout.readline()
+        assert marker.startswith(("importing", "checking")), (marker, proc.communicate())
+        proc.send_signal(sig)
+        _, err = proc.communicate("go\n", timeout=120)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err, err
+    if once:
+        assert proc.returncode == 130, (proc.returncode, err)
+        assert "interrupted before every committed version was applied" in err, err
+        return
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert "receiver e1: stopped before it started" in err, err
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir()), err
+
+
 def test_the_console_script_is_the_light_entry() -> None:
     import tomllib
 
