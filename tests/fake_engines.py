@@ -574,3 +574,15 @@ class Chain:
         sd = self.states[-1] if zero_diff else mutate(self.states[-1], 0.03, seed=len(self.states))
         self.states.append(sd)
         return (await self.pub.publish(sd)).version
+
+
+def publish_chain(root: Path, n: int) -> None:
+    """Publish ``n`` versions of a :class:`Chain` on ``root`` (v0..v(n-1)), from sync code."""
+
+    async def run() -> None:
+        c = Chain(root)
+        async with c.pub:
+            for _ in range(n):
+                await c.next()
+
+    asyncio.run(run())

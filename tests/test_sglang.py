@@ -34,7 +34,15 @@ from receiver.engines import (
     verify_checkpoint,
 )
 from tests.conftest import eventually
-from tests.fake_engines import FAST, FAST_RETRY, KEY, Chain, FakeSGLang, ServerThread
+from tests.fake_engines import (
+    FAST,
+    FAST_RETRY,
+    KEY,
+    Chain,
+    FakeSGLang,
+    ServerThread,
+    publish_chain,
+)
 
 RELOAD = [
     "POST /pause_generation",
@@ -503,21 +511,11 @@ def test_engine_options_of_a_wrong_type_are_config_errors(make: Any, match: str)
 # --------------------------------------------------------------------------- CLI
 
 
-def _publish(root: Path, n: int) -> None:
-    async def run() -> None:
-        c = Chain(root)
-        async with c.pub:
-            for _ in range(n):
-                await c.next()
-
-    asyncio.run(run())
-
-
 def test_cli_once_with_key_file_and_env(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "root"
-    _publish(root, 2)
+    publish_chain(root, 2)
     key_file = tmp_path / "key"
     key_file.write_text(KEY + "\n")
     with ServerThread(FakeSGLang(api_key=KEY)) as srv:
@@ -594,7 +592,7 @@ def test_cli_retries_a_start_that_failed_for_now_and_not_a_refused_key(
     the receiver with status 1 (a supervisor had to restart it). It retries now, acking
     nothing until it is up; a refused key still ends it at once with its one line."""
     root = tmp_path / "root"
-    _publish(root, 1)
+    publish_chain(root, 1)
     with ServerThread(FakeSGLang(api_key=KEY)) as srv:
         argv = ["--root", str(root), "--force-polling", "--sglang-url", srv.url,
                 "--engine-id", "w", "--checkpoint", str(tmp_path / "w")]  # fmt: skip

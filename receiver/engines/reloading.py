@@ -52,6 +52,7 @@ from receiver.engines.base import Engine, EngineState, TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.http_engine import HttpClient, RetryPolicy, Timeouts
 from receiver.engines.server_calls import ServerCalls
+from receiver.engines.server_lock import ServerLock
 from receiver.engines.server_record import read_record, record_of, write_record
 from receiver.engines.stage_builder import Staging, clear_stages
 from receiver.engines.standing import ServerStanding
@@ -130,6 +131,7 @@ class ReloadingEngine(ServerCalls, Engine):
         self.state = EngineState()
         self._txn: _Txn | None = None
         self._opened = False
+        self._lock = ServerLock()  # held while open: one receiver per server
         self.standing = ServerStanding(self.client, self.timeouts.silence)
         self._background = LoopTasks()  # a resume a cancelled sync still owes
         self._paused = False  # paused by us and not (known to be) resumed since
@@ -302,8 +304,9 @@ class ReloadingEngine(ServerCalls, Engine):
         if self._opened:
             return self.state
         self._no_redo_log()
-        local = await self.checkpoint.open()
+        lock = await asyncio.to_thread(ServerLock.take, self.kind, self.client.url, self.model_path)
         try:
+            local = await self.checkpoint.open()
             record = await asyncio.to_thread(read_record, self.record_path)
             await self.client.wait_until_up(
                 self.ready_path,
@@ -320,23 +323,19 @@ class ReloadingEngine(ServerCalls, Engine):
             elif record == self._record_of(local) and label == str(local.version):
                 self.state = local
             else:
-                logger.warning(
-                    "%s at %s reports version %r, the checkpoint holds v%s (record: %s): "
-                    "reloading the checkpoint into the server",
-                    self.kind,
-                    self.client.url,
-                    label,
-                    local.version,
-                    "matches" if record == self._record_of(local) else "differs or missing",
-                )
+                logger.warning("%s at %s reports version %r, the checkpoint holds v%s (record: "
+                               "%s): reloading the checkpoint into the server", self.kind,
+                               self.client.url, label, local.version, "matches" if record ==
+                               self._record_of(local) else "differs or missing")  # fmt: skip
                 with self.standing.changing(local.version):
                     await self._reload_server(local.version)
                     await self._set_state(local)
         except BaseException:
             await self.client.close()
             await self.checkpoint.close()
+            lock.release()
             raise
-        self._opened = True
+        self._opened, self._lock = True, lock
         logger.info("%s at %s: serving version %s", self.kind, self.client.url, self.state.version)
         return self.state
 
@@ -355,6 +354,7 @@ class ReloadingEngine(ServerCalls, Engine):
         await self.client.close()
         await self.checkpoint.close()
         self._opened = False
+        self._lock.release()
 
     async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
         if self._txn is not None:

@@ -1,0 +1,93 @@
+"""One receiver per inference server on a host (``receiver.engines.server_lock``), with real
+receiver processes on one fake SGLang server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from yarl import URL
+
+from asyncsync.errors import ConfigError
+from asyncsync.format.acks import read_acks
+from receiver.engines.server_lock import ServerLock, server_key
+from tests.fake_engines import FakeSGLang, ServerThread, publish_chain
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _receiver(root: Path, engine_id: str, ckpt: Path, url: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "receiver.cli", "--root", str(root), "--engine-id", engine_id,
+         "--checkpoint", str(ckpt), "--sglang-url", url, "--poll-interval", "0.2",
+         "--force-polling", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+
+
+def _wait_ack(proc: subprocess.Popen[str], root: Path, engine_id: str, version: int) -> None:
+    deadline = time.monotonic() + 90
+    while getattr(read_acks(root).get(engine_id), "version", None) != version:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{engine_id} never acknowledged v{version}"
+        time.sleep(0.1)
+
+
+@pytest.mark.heavy
+def test_a_second_receiver_on_the_same_server_is_refused_until_the_first_dies(
+    tmp_path: Path,
+) -> None:
+    """(attack-76) Two receivers on one SGLang server (another root, one version behind)
+    reloaded it against each other: each saw the other's label, marked the server lost and
+    reloaded its own checkpoint, 20 reloads in 30 s with the server paused at each, for as long
+    as both ran. The second one is refused now, one line naming the first (under another name
+    of the same loopback server too); once the first is SIGKILLed, a replacement takes the
+    server at once."""
+    r1, r2 = tmp_path / "r1", tmp_path / "r2"
+    publish_chain(r1, 3)  # v0..v2
+    publish_chain(r2, 2)  # v0..v1: other weights
+    with ServerThread(FakeSGLang()) as srv:
+        first = _receiver(r1, "first", tmp_path / "ck1", srv.url)
+        procs = [first]
+        try:
+            _wait_ack(first, r1, "first", 2)
+            alias = srv.url.replace("127.0.0.1", "localhost")
+            second = _receiver(r2, "second", tmp_path / "ck2", alias)
+            procs.append(second)
+            _, err = second.communicate(timeout=120)
+            assert second.returncode == 1, err
+            assert len(err.strip().splitlines()) == 1, err
+            assert "driven by another receiver on this host" in err, err
+            assert f"pid {first.pid}, checkpoint {tmp_path / 'ck1'}" in err, err
+            assert srv.weight_version == "2" and "second" not in read_acks(r2)
+
+            first.send_signal(signal.SIGKILL)
+            first.communicate(timeout=30)
+            third = _receiver(r2, "third", tmp_path / "ck3", srv.url)
+            procs.append(third)
+            _wait_ack(third, r2, "third", 1)
+            assert srv.weight_version == "1"
+            third.send_signal(signal.SIGTERM)
+            _, err = third.communicate(timeout=60)
+            assert third.returncode == 0, err
+        finally:
+            for p in procs:
+                p.kill()
+                p.communicate()  # (its pipes closed)
+
+
+def test_the_lock_is_released_when_closed_and_names_its_holder(tmp_path: Path) -> None:
+    url = URL("http://127.0.0.1:1/")
+    lock = ServerLock.take("sglang", url, str(tmp_path / "a"))
+    with pytest.raises(ConfigError, match=rf"pid {os.getpid()}, checkpoint {tmp_path / 'a'}"):
+        ServerLock.take("sglang", URL("http://[::1]:1"), str(tmp_path / "b"))
+    lock.release()
+    lock.release()  # idempotent
+    ServerLock.take("sglang", URL("http://localhost:1"), str(tmp_path / "b")).release()
+    assert server_key(URL("http://LOCALHOST:80")) == server_key(URL("http://127.0.0.1"))
+    assert server_key(URL("http://10.0.0.1:30000")) != server_key(URL("http://10.0.0.2:30000"))
