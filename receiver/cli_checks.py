@@ -71,6 +71,7 @@ def check_paths(args: argparse.Namespace) -> None:
         raise ConfigError(f"--root {args.root} is inside --checkpoint {args.checkpoint}")
     if os.path.exists(root) and not os.path.isdir(root):
         raise ConfigError(f"--root {args.root} is not a directory")
+    _no_file_above(root, args.root)
     if not os.path.exists(root):
         if args.once:
             raise ConfigError(f"--root {args.root} does not exist: nothing to apply")
@@ -80,6 +81,20 @@ def check_paths(args: argparse.Namespace) -> None:
     # another directory (a checkpoint, a typo): refused before anything is created in it
     elif not check_root_for_receiver(Path(args.root)) and not args.once:
         logger.warning("root %s is empty; waiting for the publisher to open it", args.root)
+
+
+def _no_file_above(root: str, given: str) -> None:
+    """Refuse a root below a file (``FILE/sub``): it can never be created, so the daemon's
+    wait for the publisher to create it would never end."""
+    try:
+        os.stat(root)
+    except NotADirectoryError:
+        above = os.path.dirname(root)
+        while above != os.path.dirname(above) and not os.path.exists(above):
+            above = os.path.dirname(above)  # (the deepest part that exists: the file)
+        raise ConfigError(f"--root {given}: {above} is a file, not a directory") from None
+    except OSError:
+        pass  # missing (waited for), or unreadable: said when it is read
 
 
 def check_status_options(args: argparse.Namespace) -> str | None:

@@ -726,3 +726,21 @@ def test_a_file_where_a_directory_is_expected_is_named_as_such(
     assert main(["prepare", str(f), "--group", "0"]) == 1
     assert f"{f} is not a directory" in capsys.readouterr().err
     assert f.read_text() == "x\n"
+
+
+@pytest.mark.parametrize("once", [False, True], ids=["daemon", "once"])
+def test_a_root_below_a_file_is_refused_not_waited_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], once: bool
+) -> None:
+    """(attack-76) ``--root FILE/sub``: the daemon logged "does not exist (yet); waiting for the
+    publisher to create it" and waited forever (no publisher can make a directory below a
+    file); --once said "does not exist". One line naming the file now, exit 1."""
+    f = tmp_path / "file"
+    f.write_text("x\n")
+    argv = ["--root", str(f / "sub" / "root"), "--engine-id", "e1",
+            "--checkpoint", str(tmp_path / "ckpt"), *(["--once"] if once else [])]  # fmt: skip
+    assert receiver_main(argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"--root {f / 'sub' / 'root'}: {f} is a file, not a directory" in err, err
+    assert not (tmp_path / "ckpt").exists() and f.read_text() == "x\n"
