@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -91,3 +92,43 @@ def test_the_lock_is_released_when_closed_and_names_its_holder(tmp_path: Path) -
     ServerLock.take("sglang", URL("http://localhost:1"), str(tmp_path / "b")).release()
     assert server_key(URL("http://LOCALHOST:80")) == server_key(URL("http://127.0.0.1"))
     assert server_key(URL("http://10.0.0.1:30000")) != server_key(URL("http://10.0.0.2:30000"))
+
+
+def test_receivers_of_two_uids_exclude_each_other_under_a_umask_of_077(tmp_path: Path) -> None:
+    """(attack-76) The lock file is made 0666 whatever the umask: a receiver under another uid
+    (nobody) is refused while root's holds the server, naming it, and takes it once released;
+    then root's is refused while nobody's holds it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another uid")
+    url = URL(f"http://127.0.0.1:{65000 + os.getpid() % 500}")
+    old = os.umask(0o077)
+    try:
+        lock = ServerLock.take("sglang", url, "/ck-root")
+    finally:
+        os.umask(old)
+    assert lock.path is not None and stat.S_IMODE(lock.path.stat().st_mode) == 0o666
+
+    def as_nobody() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.as_user", "65534", "65534", "tests.server_lock_taker",
+             str(url).replace("127.0.0.1", "localhost"), "/ck-nobody"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO,
+        )  # fmt: skip
+
+    try:
+        out, err = as_nobody().communicate(timeout=120)
+        assert out.startswith("refused: ") and f"pid {os.getpid()}, checkpoint /ck-root" in out, err
+        lock.release()
+        holder = as_nobody()
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "took\n"
+            with pytest.raises(ConfigError, match=rf"pid {holder.pid}, checkpoint /ck-nobody"):
+                ServerLock.take("sglang", url, "/ck-root")
+        finally:
+            holder.communicate("\n", timeout=60)
+        assert holder.returncode == 0
+    finally:
+        lock.release()
+        if lock.path is not None:
+            lock.path.unlink(missing_ok=True)

@@ -341,10 +341,16 @@ async def test_both_keys_are_needed_and_each_where_it_belongs(stack: Stack) -> N
     s = stack
     assert s.server.user("POST", "/pause_generation", {"mode": "abort"})[0] == 401
     assert s.server.admin("GET", "/model_info")[0] == 401
-    engine = SGLang(s.server.url, s.dir / "user-only", api_key=USER_KEY)
-    with pytest.raises(EngineHTTPError) as ei:
-        await engine.open()  # /continue_generation needs the admin key
-    assert ei.value.status == 401 and "API key" in str(ei.value)
+    running = s.receiver.proc is not None
+    s.receiver.stop()  # it holds the server (one receiver per server: ServerLock)
+    try:
+        engine = SGLang(s.server.url, s.dir / "user-only", api_key=USER_KEY)
+        with pytest.raises(EngineHTTPError) as ei:
+            await engine.open()  # /continue_generation needs the admin key
+        assert ei.value.status == 401 and "API key" in str(ei.value)
+    finally:
+        if running:
+            s.receiver.start()
 
 
 async def test_a_refused_version_is_not_acked_and_is_retried(stack: Stack) -> None:

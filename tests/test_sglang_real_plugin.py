@@ -390,6 +390,7 @@ async def test_the_receivers_auditor_finds_a_flipped_bit_and_repairs(chain: Chai
     trainer's again. Last in the module: it leaves the server on another checkpoint."""
     victim = "model.layers.1.mlp.down_proj.weight"
     corrupt = chain.server.log.parent / "corrupt-param"
+    await chain.agent.close()  # it holds the server (one receiver per server: ServerLock)
     engine = SGLang(chain.server.url, chain.dir / "audited", audit_wait=120.0)
     agent = ReceiverAgent(chain.dir / "root", engine, "audited-0", use_inotify=False)
     auditor = Auditor(agent, after_apply=True, repair=False)

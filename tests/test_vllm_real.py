@@ -415,10 +415,16 @@ async def test_the_api_key(stack: Stack) -> None:
     assert http(s.server.url + "/v1/models")[0] == 401
     assert http(s.server.url + "/v1/models", key="wrong-key-0123456789")[0] == 401
     assert http(s.server.url + "/weight_info")[0] == 200  # unguarded, documented
-    engine = VLLM(s.server.url, s.dir / "wrong-key", api_key="wrong-key-0123456789")
-    with pytest.raises(EngineHTTPError) as ei:
-        await engine.open()
-    assert ei.value.status == 401 and "API key" in str(ei.value)
+    running = s.receiver.proc is not None
+    s.receiver.stop()  # it holds the server (one receiver per server: ServerLock)
+    try:
+        engine = VLLM(s.server.url, s.dir / "wrong-key", api_key="wrong-key-0123456789")
+        with pytest.raises(EngineHTTPError) as ei:
+            await engine.open()
+        assert ei.value.status == 401 and "API key" in str(ei.value)
+    finally:
+        if running:
+            s.receiver.start()
 
 
 async def test_a_method_the_workers_lack_is_named_in_the_error(stack: Stack) -> None:
