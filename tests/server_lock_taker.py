@@ -8,14 +8,14 @@ import sys
 
 from yarl import URL
 
-from asyncsync.errors import ConfigError
+from asyncsync.errors import LockHeld
 from receiver.engines.server_lock import ServerLock
 
 
 def main(args: list[str]) -> int:
     try:
         lock = ServerLock.take("sglang", URL(args[0]), args[1])
-    except ConfigError as exc:
+    except LockHeld as exc:
         print(f"refused: {exc}", flush=True)
         return 1
     print("took", flush=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from yarl import URL
 
-from asyncsync.errors import ConfigError
+from asyncsync.errors import LockHeld
 from asyncsync.format.acks import read_acks
 from receiver.engines.server_lock import ServerLock, server_key
 from tests.fake_engines import FakeSGLang, ServerThread, publish_chain
@@ -85,7 +85,7 @@ def test_a_second_receiver_on_the_same_server_is_refused_until_the_first_dies(
 def test_the_lock_is_released_when_closed_and_names_its_holder(tmp_path: Path) -> None:
     url = URL("http://127.0.0.1:1/")
     lock = ServerLock.take("sglang", url, str(tmp_path / "a"))
-    with pytest.raises(ConfigError, match=rf"pid {os.getpid()}, checkpoint {tmp_path / 'a'}"):
+    with pytest.raises(LockHeld, match=rf"pid {os.getpid()}, checkpoint {tmp_path / 'a'}"):
         ServerLock.take("sglang", URL("http://[::1]:1"), str(tmp_path / "b"))
     lock.release()
     lock.release()  # idempotent
@@ -123,7 +123,7 @@ def test_receivers_of_two_uids_exclude_each_other_under_a_umask_of_077(tmp_path:
         holder = as_nobody()
         try:
             assert holder.stdout is not None and holder.stdout.readline() == "took\n"
-            with pytest.raises(ConfigError, match=rf"pid {holder.pid}, checkpoint /ck-nobody"):
+            with pytest.raises(LockHeld, match=rf"pid {holder.pid}, checkpoint /ck-nobody"):
                 ServerLock.take("sglang", url, "/ck-root")
         finally:
             holder.communicate("\n", timeout=60)

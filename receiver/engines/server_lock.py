@@ -29,7 +29,7 @@ from pathlib import Path
 
 from yarl import URL
 
-from asyncsync.errors import ConfigError
+from asyncsync.errors import ConfigError, LockHeld
 
 __all__ = ["ServerLock", "server_key"]
 
@@ -53,7 +53,7 @@ class ServerLock:
 
     @classmethod
     def take(cls, kind: str, url: URL, checkpoint: str) -> ServerLock:
-        """Hold the server at ``url`` for this process, else raise ConfigError naming the
+        """Hold the server at ``url`` for this process, else raise LockHeld naming the
         receiver that holds it."""
         key = server_key(url)
         digest = hashlib.sha256(key.encode()).hexdigest()[:24]
@@ -64,7 +64,7 @@ class ServerLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise ConfigError(
+            raise LockHeld(
                 f"{kind} at {url} is driven by another receiver on this host ({holder}; lock "
                 f"{path}): two receivers on one server reload it against each other; stop that "
                 "one, or give this one its own server"
