@@ -215,3 +215,30 @@ def test_unknown_fields_are_ignored_and_integers_are_json_integers() -> None:
     for bad in ('"version": 5.0', '"version": 5e0'):
         with pytest.raises(ManifestError, match="'version'"):
             Manifest.from_json(m.to_json().replace('"version":5', bad))
+
+
+@pytest.mark.parametrize("kind", ["delta", "full", "both", "none", "parts"])
+def test_entry_to_dict_is_dataclasses_asdict(kind: str) -> None:
+    """TensorEntry.to_dict writes its fields out by hand (it runs once per tensor of every
+    version): it must stay what ``dataclasses.asdict`` makes of the record, field for field
+    and in order (the manifest's bytes), with ``shape`` a list and no ``parts`` key when the
+    tensor is not in parts. A field added to the record and not to to_dict fails here."""
+    import dataclasses
+
+    from asyncsync.format import TensorPart
+
+    delta = DeltaRef(2, "sparse", "t7.pos", "t7.val") if kind in ("delta", "both") else None
+    full = FullRef(1, "w") if kind in ("full", "both") else None
+    parts = None
+    if kind == "parts":
+        parts = (TensorPart(0, 4, H, 1, DeltaRef(0, "dense", "a", "b")), TensorPart(4, 2, H, 0))
+    entry = TensorEntry("w", "bfloat16", (2, 3), H, 1, delta, full, parts)
+    want = dataclasses.asdict(entry)
+    want["shape"] = [2, 3]
+    if parts is None:
+        del want["parts"]
+    else:
+        want["parts"] = [dataclasses.asdict(p) for p in parts]
+    got = entry.to_dict()
+    assert json.dumps(got) == json.dumps(want)
+    assert TensorEntry.from_dict(got, "t") == entry

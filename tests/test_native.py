@@ -736,3 +736,36 @@ def test_increasing(dtype: Any) -> None:
         assert not native.increasing(np.array(bad, dtype), ok.itemsize, limit), bad
     with pytest.raises(ValueError, match="positions width"):
         native.increasing(ok, 2, 10)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("n", [1, 7, 2048, 40_000])
+def test_small_planes_match_the_kernel(width: int, n: int, monkeypatch: Any) -> None:
+    """A tensor below delta._SMALL_PLANES bytes is planed and unplaned by NumPy (a MoE's
+    thousands of 4 KiB experts: the kernel's call and scratch buffer cost more than the bytes);
+    both paths give the same bytes, the same writable tensor and the same count of nonzero
+    elements, whichever path a size takes."""
+    import torch
+
+    from asyncsync.codec import delta
+
+    rng = np.random.default_rng(n + width)
+    raw = rng.integers(0, 256, n * width, dtype=np.uint8)
+    v = torch.from_numpy(raw.view(delta._NP_BY_WIDTH[width]).copy())
+    v[::3] = 0
+    small = n * width < delta._SMALL_PLANES
+    got = [bytes(delta._planes(v))]
+    back = [delta._unplanes(got[0], n, width)]
+    monkeypatch.setattr(delta, "_SMALL_PLANES", 0 if small else 1 << 62)  # the other path
+    got.append(bytes(delta._planes(v)))
+    back.append(delta._unplanes(got[0], n, width))
+    assert got[0] == got[1] == raw_planes(v.numpy().view(np.uint8), width)
+    for t, nonzero in back:
+        assert t.dtype == v.dtype and t.shape == (n,) and t.is_contiguous()
+        assert torch.equal(t, v) and nonzero == int(torch.count_nonzero(v))
+        t[0] = 1  # writable, its own memory
+        assert v[0].item() == 0
+
+
+def raw_planes(u8: np.ndarray[Any, Any], width: int) -> bytes:
+    return u8.reshape(-1, width).T.tobytes()

@@ -75,8 +75,12 @@ def diff(
     if values:
         outs += [scratch.empty(cap, old.dtype), scratch.empty(cap, old.dtype)]
     extra = () if hasher is None and not advance else (hasher, advance)
+    tails = outs + ([] if values else [None, None])
     count, start = 0, 0
     try:
+        if old.size:  # the first call on the outputs themselves (no tail views to make)
+            count, start = kernels.diff_extract(old, new, old.itemsize, 0, *tails, *extra)
+        del tails
         while start < old.size:
             if count == cap:  # full before the end: grow by the rate of change seen so far
                 guess = count + int((old.size - start) * count / max(1, start) * 1.25)

@@ -46,7 +46,7 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     """
     if not t.is_contiguous():  # copied as ints: a bool's copy writes 0/1 (see raw_view)
         return raw_view(t).contiguous().reshape(-1)
-    flat = t.reshape(-1)
+    flat = t if t.dim() == 1 else t.reshape(-1)  # (reshape costs ~3 us, called per tensor)
     target = int_dtype(t.dtype)
     return flat if flat.dtype == target else flat.view(target)
 
