@@ -290,8 +290,10 @@ async def test_the_audit_catches_a_corrupted_served_tensor(stack: Stack) -> None
     await s.trainer.wait_acked(v, EID)
     wait_for("the fault plugin's corruption",
              lambda: not (s.server.log.parent / "corrupt-param").exists(), timeout=120)  # fmt: skip
+    # (an audit every 5 s, then a full reload: ~1 min quiet; a CI run beside other work passed
+    # 180 s, a liveness bound, not a timing one)
     wait_for("the repair", lambda: s.receiver.status()["audit"]["repairs"] >= 1,
-             timeout=180)  # fmt: skip
+             timeout=480)  # fmt: skip
     wait_for("/readyz 200 after the repair", lambda: s.receiver.get("/readyz")[0] == 200)
     rlog = s.receiver.text()
     assert "in-engine audit: the audit on rank 0 (target) found the engine serving" in rlog
