@@ -27,7 +27,8 @@ from asyncsync.ops.cli import main as asyncsync_main
 from receiver import ReceiverAgent
 from receiver.audit import Auditor
 from receiver.engines.checkpoint import LocalCheckpoint
-from tests.conftest import flip_tensor_byte, mixed_state, mutate
+from receiver.stream import StreamApplier
+from tests.conftest import eventually, flip_tensor_byte, mixed_state, mutate, running, same_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -139,3 +140,52 @@ async def test_an_audit_of_another_version_than_the_one_held_is_an_error(tmp_pat
         with pytest.raises(EngineStateError, match="holds v1, not v0"):
             await engine.audit(v0)
         assert engine.state.version == 1
+
+
+async def test_an_audit_while_a_delta_streams_into_the_files_finds_no_mismatch(
+    tmp_path: Path,
+) -> None:
+    """(attack-80) The auditor holds the agent's sync lock, but a streamed delta (format 3,
+    receiver/stream.py) is applied into the files outside it, before its manifest: an audit
+    of the version held then hashed files half patched to the next one, called every patched
+    tensor a mismatch, and the repair removed the checkpoint under the open transaction (the
+    ack withdrawn, the model shipped again from a keyframe). Now the tensors patched so far
+    are checked against the version being applied, the others against the one held."""
+    root = tmp_path / "root"
+    sd = mixed_state(0, scale=4)
+    engine = LocalCheckpoint(tmp_path / "c")
+    agent = ReceiverAgent(root, engine, "e1", use_inotify=False, poll_interval=0.02)
+    auditor = Auditor(agent, interval=None, after_apply=False)
+    seen: dict[str, Any] = {}
+    async with Publisher(root, bucket_bytes=2048, delta_shard_bytes=2048,
+                         keyframe_interval=0) as pub:  # fmt: skip
+        await pub.seed(sd)
+        await pub.publish(mutate(sd, 0.05, seed=1))
+        async with running(agent, 1):
+
+            async def hook(vdir: Path) -> None:  # v2's shards durable, its manifest not yet
+                n = len(list(vdir.glob("delta-*.safetensors")))
+                await eventually(
+                    lambda: (
+                        isinstance(reader := agent._early.reader, StreamApplier)
+                        and len(reader.applied) == n
+                    ),
+                    "every shard of v2 applied before its manifest",
+                    timeout=120,
+                )
+                seen["report"] = await auditor.audit_once()
+                seen["held"] = engine.state.version
+
+            pub.pre_commit_hook = hook
+            sd2 = mutate(sd, 0.05, seed=2)
+            await pub.publish(sd2)
+            await eventually(lambda: agent.version == 2, "the agent at v2", timeout=120)
+            streamed = agent.status().streamed_shards
+    report = seen["report"]
+    assert report is not None and report.ok, report
+    assert streamed > 1  # v2 was streamed in, not shipped again after a repair
+    assert report.version == 1 and report.checked == len(sd) and seen["held"] == 1
+    assert auditor.healthy and auditor.stats.repairs == 0
+    got = engine.load_state_dict()
+    assert set(got) == set(sd2) and all(same_bytes(got[k], t) for k, t in sd2.items())
+    assert read_acks(root)["e1"].version == 2
