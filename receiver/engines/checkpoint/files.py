@@ -12,7 +12,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -202,17 +202,20 @@ def verify_checkpoint(
     *,
     file_prefix: str = "model",
     progress: Callable[[int, int], None] | None = None,
+    skip: Collection[str] = (),
 ) -> list[str]:
     """Names of tensors whose bytes differ from ``manifest`` (missing, extra, other dtype/shape
     or other checksum). An empty list means the directory holds the version bit for bit.
     Read-only and lock-free: run it on a quiet checkpoint (e.g. ``asyncsync verify``).
-    ``progress(done, total)`` is called after each tensor."""
+    ``progress(done, total)`` is called after each tensor. ``skip``: tensors not compared."""
     files = CheckpointFiles(directory, file_prefix)
     layout = files.load_layout()
     bad: list[str] = sorted(set(layout) - {e.name for e in manifest.tensors})
     for i, e in enumerate(manifest.tensors):
         if progress is not None and i:
             progress(i, len(manifest.tensors))
+        if e.name in skip:
+            continue
         loc = layout.get(e.name)
         if loc is None or loc.dtype != e.torch_dtype or loc.shape != e.shape:
             bad.append(e.name)

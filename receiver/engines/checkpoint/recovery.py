@@ -16,6 +16,7 @@ import os
 import stat
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncsync import fsio
 from asyncsync.errors import EngineStateError
@@ -27,6 +28,9 @@ from receiver.engines.checkpoint.flusher import Flusher
 from receiver.engines.checkpoint.stamps import Stamps
 from receiver.engines.st_layout import FileMaps, TensorLocation, no_copy_on_write
 from receiver.state import STATE_NAME, PersistedState, StateStore, check_writable, unwritable
+
+if TYPE_CHECKING:
+    from receiver.engines.checkpoint.engine import _Txn
 
 __all__ = ["Recovery"]
 
@@ -54,6 +58,7 @@ class Recovery:
     _stamps: Stamps
     _broken: str | None  # why the last flush failed (the held version must be checked again)
     _undo_pending: str | None  # a rollback that failed: done again at the next begin
+    _txn: _Txn | None  # the version being applied, between begin and commit or abort
 
     def _set(self, ps: PersistedState, *, spare: bool = False, restamp: bool = True) -> None:
         """Save ``ps``; the files stamped as they are (``restamp``: False where the engine has
@@ -241,13 +246,23 @@ class Recovery:
                 f"{self.directory} holds v{self._ps.version}, not v{manifest.version} of run "
                 f"{manifest.run_id}: audit the manifest of the version held"
             )
+        # A delta patched into the files in place may be open (streamed before its manifest,
+        # outside the agent's lock the auditor holds): the tensors it patched hold its bytes,
+        # not the version held's, and are not compared; the others are (attack-80)
+        txn, skipped = self._txn, {}
+        if txn is not None and txn.maps is not None:
+            why = f"being patched to v{txn.manifest.version} (a delta applied before its manifest)"
+            skipped = {e.name: why for e in manifest.tensors if e.name in txn.seen}
         try:
-            bad = verify_checkpoint(self.directory, manifest, file_prefix=self.files.file_prefix)
+            bad = verify_checkpoint(
+                self.directory, manifest, file_prefix=self.files.file_prefix, skip=skipped
+            )
         except EngineStateError as exc:  # a layout that no longer reads: nothing matches
             if isinstance(exc.__cause__, fsio.UnsafePath):  # a FIFO put there: refused
                 raise
             bad = [e.name for e in manifest.tensors]
-        return AuditReport(manifest.version, len(manifest.tensors), tuple(bad), {}, "the files")
+        checked = len(manifest.tensors) - len(skipped)
+        return AuditReport(manifest.version, checked, tuple(bad), skipped, "the files")
 
     def _wipe_audited(self) -> None:
         """:meth:`LocalCheckpoint.repair`: the files hold the version no more."""
