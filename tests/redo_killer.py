@@ -76,15 +76,15 @@ def main() -> int:
             saved_clean[0] = done
             return out
 
-        real_clear = StateStore.clear_dir
+        real_remove = redolog.RedoLog._remove_records
 
-        def clear_dir(self: StateStore, path: Path) -> None:
-            if path == self.redo_dir and saved_clean[0]:
+        def remove_records(self: Any, paths: list[Path]) -> None:
+            if saved_clean[0]:
                 _die()
-            real_clear(self, path)
+            real_remove(self, paths)
 
         StateStore.save = save  # type: ignore[method-assign]
-        StateStore.clear_dir = clear_dir  # type: ignore[method-assign]
+        redolog.RedoLog._remove_records = remove_records  # type: ignore[method-assign]
     else:
         raise SystemExit(f"unknown point {point!r}")
     return cli.main(args)

@@ -31,10 +31,12 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncsync import fsio
 from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError
 from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import TensorUpdate
@@ -231,9 +233,17 @@ class RedoLog(Recovery):
             for rec in records:
                 rec.close()
         with contextlib.suppress(OSError):  # unnamed now: removed at the next open otherwise
-            self._store.clear_dir(self._store.redo_dir)
+            self._remove_records([rec.path for rec in records])
         logger.info("%s: compacted %d redo records into v%s (%s) in %.3fs", self.directory,
                     len(records), self._ps.version, why, time.perf_counter() - t0)  # fmt: skip
+
+    def _remove_records(self, paths: list[Path]) -> None:
+        """The records a compaction merged (these alone, not the redo directory cleared: a
+        delta streamed into a record before its manifest, beside an audit's compaction, is
+        writing its own there, attack-80)."""
+        for path in paths:
+            path.unlink(missing_ok=True)
+        fsio.fsync_dir(self._store.redo_dir)
 
     def _merge_into_files(self, records: list[Record], why: str) -> None:
         ps, head = self._ps, records[-1].meta
