@@ -1,5 +1,5 @@
 """Take the server lock of ``URL`` and hold it until stdin closes or gives a line:
-``main([URL, CHECKPOINT])`` prints ``took`` or ``refused: <the error>`` (tests/test_server_lock.py,
+``main([URL, CHECKPOINT])`` prints ``took``, ``refused: <the error>`` (held) or ``error: <it>`` (tests/test_server_lock.py,
 run under another uid by tests/as_user.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 from yarl import URL
 
-from asyncsync.errors import LockHeld
+from asyncsync.errors import ConfigError, LockHeld
 from receiver.engines.server_lock import ServerLock
 
 
@@ -17,6 +17,9 @@ def main(args: list[str]) -> int:
         lock = ServerLock.take("sglang", URL(args[0]), args[1])
     except LockHeld as exc:
         print(f"refused: {exc}", flush=True)
+        return 1
+    except ConfigError as exc:
+        print(f"error: {exc}", flush=True)
         return 1
     print("took", flush=True)
     sys.stdin.readline()

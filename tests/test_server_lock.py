@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from yarl import URL
 
-from asyncsync.errors import LockHeld
+from asyncsync.errors import ConfigError, LockHeld
 from asyncsync.format.acks import read_acks
 from receiver.engines.server_lock import ServerLock, server_key
 from tests.fake_engines import FakeSGLang, ServerThread, publish_chain
@@ -132,3 +132,40 @@ def test_receivers_of_two_uids_exclude_each_other_under_a_umask_of_077(tmp_path:
         lock.release()
         if lock.path is not None:
             lock.path.unlink(missing_ok=True)
+
+
+def test_a_lock_file_a_receiver_cannot_open_is_one_clear_error(tmp_path: Path) -> None:
+    """(attack-80) What sits at the lock's path and cannot be opened (a directory; a file of
+    another uid this one may not read: left by a receiver under root with umask 077, made by
+    hand) raised a bare IsADirectoryError or PermissionError out of the engine's open: the
+    receiver printed "[Errno 13] Permission denied: '/tmp/asyncsync-server-...lock'" with no
+    owner, mode nor remedy. Now a ConfigError names the path, what is there and the fix."""
+    url = URL(f"http://127.0.0.1:{64000 + os.getpid() % 500}")
+    lock = ServerLock.take("sglang", url, "/ck")
+    lock.release()
+    assert lock.path is not None
+    path = lock.path
+    path.unlink()
+    path.mkdir()
+    try:
+        with pytest.raises(ConfigError, match=rf"{path} is a directory, not a lock file: remove"):
+            ServerLock.take("sglang", url, "/ck")
+    finally:
+        path.rmdir()
+    if os.geteuid() != 0:
+        return  # (the rest runs a process as another uid)
+    path.write_text("")
+    path.chmod(0o600)  # root's, unreadable by nobody
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.as_user", "65534", "65534", "tests.server_lock_taker",
+             str(url), "/ck-nobody"],
+            capture_output=True, text=True, cwd=REPO, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 1, (proc.stdout, proc.stderr)
+        assert proc.stdout.startswith(f"error: cannot open the lock file {path}"), proc
+        assert "belongs to uid 0 (mode 0600)" in proc.stdout, proc.stdout
+        assert "this receiver runs as uid 65534" in proc.stdout, proc.stdout
+        assert "Traceback" not in proc.stderr, proc.stderr
+    finally:
+        path.unlink(missing_ok=True)
