@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -93,14 +94,19 @@ def _open(path: Path) -> tuple[int, bool]:
     flags = os.O_CLOEXEC | os.O_NOFOLLOW
     for _ in range(3):
         try:
-            return os.open(path, flags | os.O_RDWR), True
-        except PermissionError:
-            return os.open(path, flags | os.O_RDONLY), False
+            try:
+                return os.open(path, flags | os.O_RDWR), True
+            except PermissionError:
+                return os.open(path, flags | os.O_RDONLY), False
         except FileNotFoundError:
             pass
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise ConfigError(f"{path} is a symbolic link: remove it") from exc
+            if exc.errno == errno.EISDIR:
+                raise ConfigError(f"{path} is a directory, not a lock file: remove it") from exc
+            if isinstance(exc, PermissionError):  # not even readable (flock needs no more)
+                raise ConfigError(_unreadable(path, exc)) from exc
             raise
         try:
             fd = os.open(path, flags | os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
@@ -110,6 +116,20 @@ def _open(path: Path) -> tuple[int, bool]:
             os.fchmod(fd, 0o666)  # (past the umask)
         return fd, True
     raise ConfigError(f"cannot open the lock file {path}: it keeps appearing and vanishing")
+
+
+def _unreadable(path: Path, exc: OSError) -> str:
+    """Why the lock file at ``path`` cannot be opened, and the fix."""
+    try:
+        st = os.lstat(path)
+        what = f"it belongs to uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):04o})"
+    except OSError as why:
+        what = f"its owner cannot be read ({why.strerror})"
+    return (
+        f"cannot open the lock file {path} ({exc.strerror}): {what}, this receiver runs as "
+        f"uid {os.geteuid()}; remove it (the next receiver makes it anew, mode 0666) or let "
+        "every receiver's uid read it"
+    )
 
 
 def _read_holder(fd: int) -> str:
