@@ -1,6 +1,6 @@
 """Take the server lock of ``URL`` and hold it until stdin closes or gives a line:
-``main([URL, CHECKPOINT])`` prints ``took``, ``refused: <the error>`` (held) or ``error: <it>`` (tests/test_server_lock.py,
-run under another uid by tests/as_user.py)."""
+``main([URL, CHECKPOINT])`` prints ``took``, ``refused: <the error>`` (held) or ``error: <it>``
+(tests/test_server_lock.py, run under another uid by tests/as_user.py)."""
 
 from __future__ import annotations
 
