@@ -15,13 +15,13 @@ from typing import Any, Literal
 
 import pytest
 
-from asyncsync import Publisher
+from asyncsync import Publisher, fsio
 from asyncsync.errors import ApplyFailed, OutOfOrder
 from asyncsync.format.acks import read_acks
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.engines.st_layout import FileMaps
-from tests.conftest import mixed_state, mutate
+from tests.conftest import flip_tensor_byte, mixed_state, mutate
 from tests.mounts import ext4_on_tmpfs, fill, punch_pages, remount
 from tests.test_engines import (
     apply_version,
@@ -613,3 +613,75 @@ async def test_a_zero_diff_version_recovers_a_failed_flush_first(
         assert (st["version"], st.get("synced", True)) == (2, True)
         assert not (tmp_path / ".asyncsync" / FAILED_NAME).exists()
     await ck.close()
+
+
+def _flush_held_at_its_files(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The flush held (a slow disk) once its maps are written back, before it opens the data
+    files to fsync them: it runs on until the returned event is set."""
+    gate, working = threading.Event(), fsio.open_file
+
+    def slow(*args: Any, **kw: Any) -> int:
+        if threading.current_thread().name.startswith("flush "):
+            assert gate.wait(60)
+        return working(*args, **kw)
+
+    monkeypatch.setattr(fsio, "open_file", slow)
+    return gate
+
+
+async def _released_when_done_or_waiting(
+    ck: LocalCheckpoint, call: Any, gate: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run ``call`` (an engine call) while the flush is held; the flush released once the call
+    ended or once it waits for the flush (never by a clock), then the call awaited."""
+    waiting = asyncio.Event()
+    wait = ck._flusher.wait
+
+    async def observed() -> None:
+        waiting.set()
+        await wait()
+
+    monkeypatch.setattr(ck._flusher, "wait", observed)
+    task = asyncio.ensure_future(call)
+    waits = asyncio.ensure_future(waiting.wait())
+    await asyncio.wait({task, waits}, return_when=asyncio.FIRST_COMPLETED)
+    waits.cancel()
+    gate.set()
+    with contextlib.suppress(OutOfOrder):
+        await task
+
+
+@pytest.mark.parametrize("call", ["reconcile", "begin"])
+async def test_files_edited_during_a_flush_are_wiped_after_it_not_under_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, call: str
+) -> None:
+    """v1's flush is slow and a data file is edited behind the receiver's back meanwhile; a
+    sync with nothing newer (``reconcile``) or the next delta's begin finds the edit and wipes
+    the files. The wipe ran under the running flush, which then failed on the files removed
+    under it: "making v1 durable failed" logged, a failed-flush note written and the engine
+    marked broken until the next begin. The check now waits for the flush first: it ends
+    clean, then the files are wiped, the engine holds nothing and is not broken."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    gate = _flush_held_at_its_files(monkeypatch)
+    await ck.acknowledged()  # v1's flush runs, held before it opens the data files
+    flip_tensor_byte(tmp_path, "model.layers.2.weight")
+    if call == "reconcile":
+        action = ck.reconcile()
+    else:
+        sd2 = mutate(sd1, 0.05, seed=2)
+        action = ck.begin(build_manifest(sd2, 2, base=sd1), "delta")
+    await _released_when_done_or_waiting(ck, action, gate, monkeypatch)
+    await ck.flushed()
+    assert "durable failed" not in caplog.text, caplog.text
+    assert ck._broken is None and ck.state.version is None
+    assert not (tmp_path / ".asyncsync" / "flush-failed").exists()
+    assert _state(tmp_path)["version"] is None and ck.files.data_files() == []
+    sd3 = mutate(sd1, 0.05, seed=3)  # the receiver re-initialises from a keyframe
+    m3 = build_manifest(sd3, 3)
+    await apply_version(ck, m3, full_batches(m3, sd3), "full")
+    await ck.close()
+    assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd3)

@@ -170,13 +170,14 @@ class LocalCheckpoint(RedoLog, Engine):
         ``applying`` until a newer version came, for good where the failed one was marked
         bad), and a failed flush is recovered now (the held version checked, written again, or
         wiped), not at the next version's begin only: until then the kernel may drop the pages
-        it could not write, and the version acked would not be the files'."""
+        it could not write, and the version acked would not be the files'. The last delta's
+        flush is waited for first: a wipe or a rewrite of the files under it failed it."""
         if self._txn is not None:
             return
+        await self.flushed()
         if self._undo_pending is not None:
             await self._run(self._finish_rollback)
         if self._broken is not None:
-            await self.flushed()
             await self._run(self._recover)
         await self._run(self._edited)  # the files changed behind its back: checked now
         if self._ps.redo and self._idle():  # the files loadable again while no version comes
@@ -316,7 +317,8 @@ class LocalCheckpoint(RedoLog, Engine):
     def _begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> bool:
         """Start the transaction; False (nothing started) while a flush's failure is recorded:
         read under the lock the flush records it under, so a flush failing at any instant of
-        a begin is either seen here (recovered first) or refuses this version's commit."""
+        a begin is either seen here (recovered first) or refuses this version's commit; False
+        too while a flush runs under files edited behind its back (checked once it is done)."""
         if not self._store.locked:
             raise ApplyFailed(f"{self.directory}: begin before open")
         if self._txn is not None:
@@ -335,7 +337,7 @@ class LocalCheckpoint(RedoLog, Engine):
         if mode != "delta":
             raise ApplyFailed(f"unknown apply mode {mode!r}")
         self._finish_rollback()
-        if self._broken:  # it was written back, its sync failed: recovered first
+        if self._broken or self._edited_under_flush():  # recovered / the flush done first
             return False
         if self._edited():
             raise self._base_removed(manifest, _EDITED)

@@ -80,6 +80,10 @@ class Flusher:
         self.pending = self._pool.submit(self._run, maps, version)
         self._waiting = (self.pending, maps)
 
+    def running(self) -> bool:
+        """Whether a flush submitted is not done yet (running, or waiting behind one)."""
+        return (pending := self.pending) is not None and not pending.done()
+
     def _run(self, maps: FileMaps, version: int) -> None:
         try:
             self._flush(maps, version)

@@ -237,6 +237,14 @@ class Recovery:
         self._wipe()
         return True
 
+    def _edited_under_flush(self) -> bool:
+        """Whether the data files changed behind the engine's back while a flush of theirs
+        runs: their check (:meth:`_edited`) may wipe them, so it waits for the flush (a wipe
+        under it failed it on the files removed: the engine marked broken, the failure noted)."""
+        if self._ps.version is None or self._ps.applying or not self._flusher.running():
+            return False
+        return bool(self._stamps.changed())
+
     def _audit(self, manifest: Manifest) -> AuditReport | None:
         """:meth:`LocalCheckpoint.audit` (None: nothing held, a repair removed it)."""
         if self._ps.version is None:
