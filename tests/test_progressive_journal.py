@@ -27,8 +27,15 @@ import pytest
 import torch
 import xxhash
 
-from asyncsync.codec import int_view, native
-from asyncsync.errors import EngineStateError
+from asyncsync.codec import (
+    Patch,
+    can_journal_in_pass,
+    int_view,
+    journal_patch,
+    native,
+    patch_and_checksum,
+)
+from asyncsync.errors import ConfigError, EngineStateError
 from receiver.engines.checkpoint import LocalCheckpoint, journal
 from receiver.state import PersistedState
 from tests.test_engines import (
@@ -87,6 +94,49 @@ def test_kernel_saves_then_patches_and_hashes(
     assert int.from_bytes(data[8:16], "little") == done + count
     start = 64 + done * width
     assert data[start : start + count * width] == saved.tobytes()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("op", ["xor", "set"])
+@pytest.mark.parametrize("layout", [None, [(0, 300_000), (300_000, 400_001)]])
+def test_journal_patch_is_the_hashed_pass_without_its_hash(
+    tmp_path: Path, dense: bool, op: str, layout: list[tuple[int, int]] | None
+) -> None:
+    """``journal_patch`` (a compaction's pass over a tensor a later record patches again)
+    leaves the tensor and the journal file byte for byte as ``patch_and_checksum`` with the
+    same journal does, and refuses what that pass cannot take before it writes anything."""
+    rng = np.random.default_rng(dense * 2 + (op == "xor"))
+    n = 700_001
+    orig = torch.from_numpy(rng.integers(-(2**15), 2**15, n, dtype=np.int16))
+    pos = None if dense else torch.from_numpy(np.sort(rng.choice(n, 30_000, replace=False)))
+    vals = torch.from_numpy(rng.integers(-(2**15), 2**15, n if dense else 30_000, dtype=np.int16))
+    patch = Patch(op, pos, vals)  # type: ignore[arg-type]
+    out = {}
+    for how in ("hashed", "not hashed"):
+        flat = orig.clone()
+        fd = os.open(tmp_path / how, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if how == "hashed":
+                assert can_journal_in_pass(flat, patch, "xxh3-128", layout)
+                patch_and_checksum(flat, patch, "xxh3-128", layout, journal=(fd, 64, 8))
+            else:
+                assert can_journal_in_pass(flat, patch, None)
+                journal_patch(flat, patch, (fd, 64, 8))
+        finally:
+            os.close(fd)
+        out[how] = (flat, (tmp_path / how).read_bytes())
+    assert torch.equal(out["hashed"][0], out["not hashed"][0])
+    assert out["hashed"][1] == out["not hashed"][1]
+    assert not torch.equal(out["hashed"][0], orig)
+    wide = torch.stack([orig, orig], 1).reshape(-1)[::2]  # orig's values, not contiguous
+    fd = os.open(tmp_path / "refused", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(ConfigError, match="cannot save its old values"):
+            journal_patch(wide, patch, (fd, 64, 8))
+    finally:
+        os.close(fd)
+    assert torch.equal(wide, orig) and (tmp_path / "refused").stat().st_size == 0
 
 
 @needs_kernel

@@ -6,23 +6,26 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from asyncsync import Publisher
+from asyncsync.codec import raw_view
 from asyncsync.errors import ApplyFailed
 from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
-from receiver.engines.checkpoint import LocalCheckpoint, verify_checkpoint
+from receiver.engines.checkpoint import LocalCheckpoint, inplace, verify_checkpoint
 from receiver.plugins.clean_load import load_whole_version
 from receiver.plugins.held import Unverified, checkpoint_snapshot
 from receiver.state import PersistedState, StateStore
-from tests.conftest import assert_holds, mixed_state, mutate
+from tests.conftest import assert_holds, flip_tensor_byte, mixed_state, mutate
 
 
 def _files_digest(ck: Path) -> str:
@@ -268,3 +271,80 @@ def test_the_receiver_option_is_checked(tmp_path: Path, capsys: pytest.CaptureFi
     assert main([*base, "--checkpoint-redo-log", "2", "--checkpoint-compact-idle", "0"]) == 2
     assert "--checkpoint-compact-idle" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()  # refused before anything was opened
+
+
+async def _four_records(root: Path, ck: Path) -> list[dict[str, torch.Tensor]]:
+    """v0 and four deltas published (the last changes two tensors only), then a checkpoint
+    left holding v0 in its files and v1..v4 as records (its receiver killed): every state."""
+    async with Publisher(root, keyframe_interval=0) as pub:
+        sds = await _publish(pub, [], 3)
+        sds.append(mutate(sds[-1], 0.05, seed=4, names=[_PATCHED, "model.layers.0.weight"]))
+        await pub.publish(sds[-1])
+    eng = LocalCheckpoint(ck, redo_log=10, compact_idle=1e9)
+    await eng.open()
+    async with ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent:
+        assert await agent.sync_once() == 4
+        assert eng.redo_held == 4
+        eng._store.close()  # a kill: nothing merged at close
+        eng._ps = PersistedState()
+    return sds
+
+
+_PATCHED = "model.layers.2.weight"  # patched by every record
+
+
+@pytest.mark.parametrize("sync_before_ack", [False, True])  # progressive / durable undo records
+async def test_a_compaction_hashes_each_tensor_in_its_last_pass_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync_before_ack: bool
+) -> None:
+    """A compaction of four records, most tensors patched by each: every pass took each
+    tensor's checksum as it patched it, though only the last pass over a tensor gives its
+    final digest (the others were thrown away). Each tensor is hashed once now, in its last
+    pass, to the newest version's checksum; the files are those an in-place receiver writes,
+    byte for byte, and the state records the same checksums."""
+    root = tmp_path / "root"
+    sds = await _four_records(root, tmp_path / "ck")
+    changed = {
+        n for n in sds[0]
+        if any(not torch.equal(raw_view(a[n]), raw_view(b[n])) for a, b in itertools.pairwise(sds))
+    }  # fmt: skip
+    digests: list[str] = []
+    real = inplace.patch_and_checksum
+
+    def counted(*args: Any, **kw: Any) -> str:
+        digests.append(real(*args, **kw))
+        return digests[-1]
+
+    monkeypatch.setattr(inplace, "patch_and_checksum", counted)
+    eng = LocalCheckpoint(tmp_path / "ck", sync_before_ack=sync_before_ack)
+    assert (await eng.open()).version == 4  # the records compacted
+    monkeypatch.undo()
+    assert_holds(eng.load_state_dict(), sds[4])
+    await eng.close()
+    m4 = read_manifest(root, 4)
+    assert sorted(digests) == sorted(e.checksum for e in m4.tensors if e.name in changed)
+    assert verify_checkpoint(tmp_path / "ck", m4) == []
+    assert await _sync(root, LocalCheckpoint(tmp_path / "inplace")) == 4
+    assert _files_digest(tmp_path / "ck") == _files_digest(tmp_path / "inplace")
+    assert _state(tmp_path / "ck")["checksums"] == _state(tmp_path / "inplace")["checksums"]
+
+
+@pytest.mark.parametrize("sync_before_ack", [False, True])
+async def test_a_compaction_over_a_wrong_base_is_wiped_and_reinitialised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, sync_before_ack: bool
+) -> None:
+    """The files held other bytes than the records' base (a byte flipped in a tensor that every
+    record patches, its stamp kept): the compaction, which hashes that tensor in its last pass
+    only, still finds it (ChecksumMismatch), wipes the files, and the receiver applies the
+    versions again from the keyframe, bit-exact."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    sds = await _four_records(root, ck)
+    flip_tensor_byte(ck, _PATCHED, keep_mtime=True)
+    eng = LocalCheckpoint(ck, sync_before_ack=sync_before_ack)
+    with caplog.at_level(logging.ERROR):
+        assert (await eng.open()).version is None  # the records compacted: a mismatch, wiped
+    assert "not the base the records apply on" in caplog.text and _PATCHED in caplog.text
+    assert _state(ck)["version"] is None and not list(ck.glob("model*.safetensors"))
+    assert await _sync(root, eng) == 4
+    assert verify_checkpoint(ck, read_manifest(root, 4)) == []
+    assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])

@@ -55,7 +55,7 @@ from asyncsync.codec.delta import (
 )
 from asyncsync.codec.diff import Change, changed_positions, diff_tensors, revert
 from asyncsync.codec.patch import Patch, apply_patch
-from asyncsync.codec.patch_hash import can_journal_in_pass, patch_and_checksum
+from asyncsync.codec.patch_hash import can_journal_in_pass, journal_patch, patch_and_checksum
 from asyncsync.codec.views import gather, int_dtype, int_view, raw_clone, raw_view
 
 __all__ = [
@@ -77,6 +77,7 @@ __all__ = [
     "int_dtype",
     "int_view",
     "can_journal_in_pass",
+    "journal_patch",
     "patch_and_checksum",
     "raw_clone",
     "raw_view",

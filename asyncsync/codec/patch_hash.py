@@ -26,7 +26,7 @@ from asyncsync.codec.patch import Patch, apply_patch
 from asyncsync.errors import ConfigError
 from asyncsync.format.checksum import layout_checksum, new_hasher, parts_checksum, tensor_bytes
 
-__all__ = ["CHUNK_BYTES", "Journal", "can_journal_in_pass", "patch_and_checksum"]
+__all__ = ["CHUNK_BYTES", "Journal", "can_journal_in_pass", "journal_patch", "patch_and_checksum"]
 
 #: Where the patch kernel saves what it overwrites (see ``journal`` of
 #: :func:`patch_and_checksum`): an open file, the offset of this tensor's old values in it, and
@@ -81,7 +81,9 @@ def patch_and_checksum(
         if not can_journal_in_pass(flat, patch, algorithm, layout):
             raise ConfigError("this patch cannot save its old values in its own pass")
         assert parts is not None
-        return _native_pass(flat, patch, algorithm, parts, layout is not None, None, journal)
+        digest = _native_pass(flat, patch, algorithm, parts, layout is not None, None, journal)
+        assert digest is not None
+        return digest
     if not _one_pass(flat, patch, parts, old_out):
         apply_patch(flat, patch, old_out=old_out)
         return layout_checksum(tensor_bytes(flat), flat.element_size(), layout, algorithm)
@@ -93,21 +95,33 @@ def patch_and_checksum(
     return _single_pass(flat, patch, algorithm, parts, layout is not None, old)
 
 
+def journal_patch(flat: torch.Tensor, patch: Patch, journal: Journal) -> None:
+    """:func:`patch_and_checksum` with ``journal``, without the checksum: ``patch`` applied to
+    ``flat``, the values it overwrites saved into the journal as it goes (at the same offsets),
+    no hash taken (a pass over a tensor that a later patch changes again, whose digest would
+    be thrown away). ConfigError unless ``can_journal_in_pass(flat, patch, None)`` (then nothing
+    is written)."""
+    if not can_journal_in_pass(flat, patch, None):
+        raise ConfigError("this patch cannot save its old values in its own pass")
+    _native_pass(flat, patch, None, [(0, flat.numel())], False, None, journal)
+
+
 def can_journal_in_pass(
     flat: torch.Tensor,
     patch: Patch,
-    algorithm: str,
+    algorithm: str | None,
     layout: Sequence[tuple[int, int]] | None = None,
 ) -> bool:
-    """Whether :func:`patch_and_checksum` can take ``journal`` for this patch: the C kernels are
-    loaded, hash ``algorithm`` and the patch takes the single pass (a contiguous CPU tensor of
-    the patch's dtype, positions strictly increasing, parts that neither overlap nor leave it)."""
+    """Whether :func:`patch_and_checksum` can take ``journal`` for this patch (``algorithm``
+    None: :func:`journal_patch`, no hash): the C kernels are loaded, hash ``algorithm`` and the
+    patch takes the single pass (a contiguous CPU tensor of the patch's dtype, positions
+    strictly increasing, parts that neither overlap nor leave it)."""
     k = native.kernels
     pos = patch.positions
     return (
         k is not None
         and hasattr(k, "journal_patch_hash")
-        and native.hasher(algorithm) is not None
+        and (algorithm is None or native.hasher(algorithm) is not None)
         and flat.dim() == 1
         and flat.dtype == patch.values.dtype
         and patch.op in ("set", "xor")
@@ -187,7 +201,9 @@ def _single_pass(
 ) -> str:
     k = native.kernels
     if k is not None and hasattr(k, "patch_hash") and native.hasher(algorithm) is not None:
-        return _native_pass(flat, patch, algorithm, parts, composite, old)
+        digest = _native_pass(flat, patch, algorithm, parts, composite, old)
+        assert digest is not None
+        return digest
     arr: Any = flat.numpy()
     vals: Any = patch.values.numpy()
     width, numel = flat.element_size(), flat.numel()
@@ -236,15 +252,16 @@ def _single_pass(
 def _native_pass(
     flat: torch.Tensor,
     patch: Patch,
-    algorithm: str,
+    algorithm: str | None,
     parts: list[tuple[int, int]],
     composite: bool,
     old: Any,
     journal: Journal | None = None,
-) -> str:
+) -> str | None:
     """The C kernel's ``patch_hash``: each part's range patched and hashed block by block in
     one call (the ranges between parts, if any, patched without hashing); with ``journal``,
-    ``journal_patch_hash``, which saves the old values into the journal first."""
+    ``journal_patch_hash``, which saves the old values into the journal first. ``algorithm``
+    None: nothing hashed, None returned."""
     arr: Any = flat.numpy()
     vals: Any = patch.values.numpy()
     width, numel = flat.element_size(), flat.numel()
@@ -266,7 +283,7 @@ def _native_pass(
         cuts = np.searchsorted(pos, [lo for lo, _, _ in ranges] + [numel])
     digests: list[str] = []
     for j, (lo, hi, hashed) in enumerate(ranges):
-        h = native.hasher(algorithm) if hashed else None
+        h = native.hasher(algorithm) if hashed and algorithm is not None else None
         if journal is not None:
             fd, values_at, progress_at = journal
             a, b = (lo, hi) if cuts is None else (int(cuts[j]), int(cuts[j + 1]))
@@ -283,6 +300,8 @@ def _native_pass(
             native.kernels.patch_hash(arr, width, pos[a:b], vals[a:b], xor, lo, hi, h, saved)
         if h is not None:
             digests.append(h.hexdigest())
+    if algorithm is None:
+        return None
     if not composite:
         return digests[0]
     return parts_checksum(((o, n, d) for (o, n), d in zip(parts, digests, strict=True)), algorithm)

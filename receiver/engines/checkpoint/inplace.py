@@ -23,13 +23,19 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from asyncsync import fsio
-from asyncsync.codec import Patch, apply_patch, can_journal_in_pass, patch_and_checksum
+from asyncsync.codec import (
+    Patch,
+    apply_patch,
+    can_journal_in_pass,
+    journal_patch,
+    patch_and_checksum,
+)
 from asyncsync.errors import EngineStateError
 from asyncsync.format import TensorEntry
 from asyncsync.pipeline import parallel_map
@@ -61,11 +67,14 @@ def journal_and_patch(
     layouts: Mapping[str, Sequence[tuple[int, int]] | None] | None = None,
     *,
     durable: bool = True,
+    hashed: Container[str] | None = None,
 ) -> dict[str, str]:
     """Write the undo record ``undo-{seq}`` of ``work`` durably, then patch the mapped bytes.
 
     With ``algorithm``, each tensor is checksummed in the pass that patches it (``layouts``: the
     parts of the tensors published in parts); returns those checksums by tensor name.
+    ``hashed``: only the tensors it names are (None: all), the others only patched (a
+    compaction's tensor that a later record patches again: its digest here would be stale).
 
     ``durable=False`` (a receiver that acks before its data is durable): where every patch can
     (:func:`~asyncsync.codec.can_journal_in_pass`), a progressive record instead, filled by the
@@ -76,25 +85,26 @@ def journal_and_patch(
     # (a page that cannot be is an error, not a SIGBUS): all (where most change), else those
     # holding a changed element
     prefault = {name for name, loc, _flat, patch in work if _touches_most_pages(patch, loc)}
+    hash_of = {n: algorithm if hashed is None or n in hashed else None for n, *_ in work}
     if (
         not durable
         and algorithm is not None
         and all(
-            can_journal_in_pass(flat, p, algorithm, None if layouts is None else layouts.get(n))
+            can_journal_in_pass(flat, p, hash_of[n], None if layouts is None else layouts.get(n))
             for n, _loc, flat, p in work
         )
     ):
-        return _journal_in_pass(maps, prefault, journal_dir, seq, version, work, algorithm, layouts)
+        return _journal_in_pass(maps, prefault, journal_dir, seq, version, work, hash_of, layouts)
     write_record(journal_dir / f"undo-{seq:06d}.safetensors", journal.encode_parts(work, version))
 
     def patch_one(item: Work) -> str | None:  # on the pool: the tensors are disjoint
         name, loc, flat, patch = item
         maps.prefault(loc, None if name in prefault else patch.positions)
-        if algorithm is None:
+        if (algo := hash_of[name]) is None:
             apply_patch(flat, patch)
             return None
         layout = None if layouts is None else layouts.get(name)
-        return patch_and_checksum(flat, patch, algorithm, layout)
+        return patch_and_checksum(flat, patch, algo, layout)
 
     sums = parallel_map(patch_one, work, cost=_work_bytes) if algorithm is not None else None
     if sums is None:  # tensors may share bytes (not disjoint): one after another, in order
@@ -111,24 +121,27 @@ def _journal_in_pass(
     seq: int,
     version: int,
     work: list[Work],
-    algorithm: str,
+    hash_of: Mapping[str, str | None],
     layouts: Mapping[str, Sequence[tuple[int, int]] | None] | None,
 ) -> dict[str, str]:
     """The progressive record ``undo-{seq}.progressive`` created, then every tensor patched,
-    checksummed and journaled in one pass (on the pool: the tensors are disjoint)."""
+    checksummed (with its algorithm in ``hash_of``: those with None are not) and journaled in
+    one pass (on the pool: the tensors are disjoint)."""
     path = journal_dir / f"undo-{seq:06d}{journal.PROGRESSIVE_SUFFIX}"
     record = journal.create_progressive(path, work, version)
     try:
         jobs = list(zip(work, record.values_at, record.progress_at, strict=True))
 
-        def patch_one(job: tuple[Work, int, int]) -> str:
+        def patch_one(job: tuple[Work, int, int]) -> str | None:
             (name, loc, flat, patch), values_at, progress_at = job
             maps.prefault(loc, None if name in prefault else patch.positions)
             layout = None if layouts is None else layouts.get(name)
+            at = (record.fd, values_at, progress_at)
             try:
-                return patch_and_checksum(
-                    flat, patch, algorithm, layout, journal=(record.fd, values_at, progress_at)
-                )
+                if (algorithm := hash_of[name]) is None:
+                    journal_patch(flat, patch, at)
+                    return None
+                return patch_and_checksum(flat, patch, algorithm, layout, journal=at)
             except OSError as exc:  # the kernel's write of the record: it names no file
                 if exc.filename is not None:
                     raise
@@ -139,7 +152,7 @@ def _journal_in_pass(
         sums = parallel_map(patch_one, jobs, cost=lambda job: _work_bytes(job[0]))
     finally:
         os.close(record.fd)
-    return {name: d for (name, *_), d in zip(work, sums, strict=True)}
+    return {name: d for (name, *_), d in zip(work, sums, strict=True) if d is not None}
 
 
 def _work_bytes(item: Work) -> int:

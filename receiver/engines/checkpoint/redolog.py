@@ -295,33 +295,34 @@ class RedoLog(Recovery):
         parts: Mapping[str, Any],
     ) -> dict[str, str | None]:
         """Each record's patches journaled and patched in turn, oldest first, in groups of
-        about :data:`_GROUP_BYTES`; each tensor's checksum taken as it is patched, the last
-        pass that touches it giving its final one (None: hashed later, the tensors share
-        bytes).
+        about :data:`_GROUP_BYTES`; each tensor's checksum taken in the last pass that touches
+        it, as it is patched (the earlier passes only patch it: their digests would be thrown
+        away), which gives its final one (None: hashed later, the tensors share bytes).
 
         One pass per record, not one of the records merged: the merge (numpy, on sorted or
         dense positions) cost ~2x the passes it saved (measured, BENCHMARKS.md); each pass is
         the in-place path's native kernels (positions as the decoder checked them, the xef
         blob kept), and the pages it writes are in the cache for the next one."""
         algorithm = algo if inplace.disjoint(self._layout) else None
+        last = {name: i for i, rec in enumerate(records) for name in rec.entries}
         digests: dict[str, str | None] = {}
         work: list[inplace.Work] = []
         size = seq = 0
 
-        def flush() -> None:
+        def flush(at: int) -> None:  # the group of records[at]
             nonlocal work, size, seq
             if work:
                 layouts = {n: parts.get(n) for n, *_ in work}
                 digests.update(dict.fromkeys((n for n, *_ in work), None))
                 digests.update(inplace.journal_and_patch(
                     maps, self._store.journal_dir, seq, version, work, algorithm, layouts,
-                    durable=self.sync_before_ack,
+                    durable=self.sync_before_ack, hashed={n for n, *_ in work if last[n] == at},
                 ))  # fmt: skip
                 seq += 1
             work, size = [], 0
 
         self._store.clear_dir(self._store.journal_dir)
-        for rec in records:
+        for i, rec in enumerate(records):
             for name, loc in self._layout.items():
                 if name not in rec.entries:
                     continue
@@ -332,8 +333,8 @@ class RedoLog(Recovery):
                 work.append((name, loc, flat, patch))
                 size += patch.values.nbytes
                 if size >= _GROUP_BYTES:
-                    flush()
-            flush()  # a record's group never holds a tensor a later record patches again
+                    flush(i)
+            flush(i)  # a record's group never holds a tensor a later record patches again
         return digests
 
     def _first_bad(
