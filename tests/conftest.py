@@ -150,6 +150,23 @@ async def running(agent: Any, version: int) -> AsyncIterator[None]:
             stop.set()
 
 
+@contextlib.asynccontextmanager
+async def stopped_at_end(
+    proc: asyncio.subprocess.Process, timeout: float = 60.0
+) -> AsyncIterator[None]:
+    """A real process stopped as an operator stops it at the end of the block: SIGTERM, then
+    it must exit 0 within ``timeout`` seconds; killed and reaped wherever it still runs after
+    (the block raised, or the exit timed out)."""
+    try:
+        yield
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def sync_to(agent: Any, root: Path, version: int) -> None:
     """Bring a ReceiverAgent's engine to ``version`` of ``root`` alone: the versions after it
     are hidden (renamed to dot names) while it syncs."""

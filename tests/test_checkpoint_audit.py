@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,15 @@ from receiver import ReceiverAgent
 from receiver.audit import Auditor
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.stream import StreamApplier
-from tests.conftest import eventually, flip_tensor_byte, mixed_state, mutate, running, same_bytes
+from tests.conftest import (
+    eventually,
+    flip_tensor_byte,
+    mixed_state,
+    mutate,
+    running,
+    same_bytes,
+    stopped_at_end,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,7 +68,7 @@ async def test_the_receiver_cli_audits_a_plain_checkpoint_and_reseeds_one_that_r
 
     logging = asyncio.create_task(read_log())
     try:
-        async with asyncio.timeout(120), aiohttp.ClientSession() as http:
+        async with stopped_at_end(proc), asyncio.timeout(120), aiohttp.ClientSession() as http:
             while not (m := re.search(r"status on (http://127\.0\.0\.1:\d+)", "".join(lines))):
                 assert proc.returncode is None, "".join(lines)
                 await asyncio.sleep(0.05)  # another process's log
@@ -83,12 +90,7 @@ async def test_the_receiver_cli_audits_a_plain_checkpoint_and_reseeds_one_that_r
                 await asyncio.sleep(0.05)
             async with http.get(f"{url}/readyz") as r:
                 assert r.status == 200
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 60) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
         await logging
     log = "".join(lines)
     assert f"the engine serves other bytes than the manifest for 1 of {len(sd)}" in log, log

@@ -27,6 +27,7 @@ from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.listen import _PORT_TRIES, bind_sockets, url_host
 from receiver.options import AGENT_OPTIONS
 from receiver.server import StatusServer
+from tests.conftest import stopped_at_end
 from tests.ports import has_ipv6_loopback, resolving_to
 
 
@@ -161,23 +162,16 @@ async def test_the_status_url_of_every_interface_is_one_a_client_can_use(
     )  # fmt: skip
     assert proc.stderr is not None
     lines: list[str] = []
-    try:
-        async with asyncio.timeout(60):
-            while not (m := re.search(r"status on (\S+)(.*)", lines[-1] if lines else "")):
-                line = (await proc.stderr.readline()).decode()
-                assert line, "receiver exited early: " + "".join(lines)
-                lines.append(line)
-            url, rest = m.groups()
-            assert url.startswith("http://127.0.0.1:"), url
-            assert f"every interface, {host}" in rest, rest
-            async with aiohttp.ClientSession() as http, http.get(f"{url}/healthz") as r:
-                assert r.status == 200
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 60) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    async with stopped_at_end(proc), asyncio.timeout(60):
+        while not (m := re.search(r"status on (\S+)(.*)", lines[-1] if lines else "")):
+            line = (await proc.stderr.readline()).decode()
+            assert line, "receiver exited early: " + "".join(lines)
+            lines.append(line)
+        url, rest = m.groups()
+        assert url.startswith("http://127.0.0.1:"), url
+        assert f"every interface, {host}" in rest, rest
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/healthz") as r:
+            assert r.status == 200
 
 
 def test_a_scoped_ipv6_address_in_a_url_escapes_its_percent() -> None:

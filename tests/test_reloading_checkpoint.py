@@ -18,6 +18,7 @@ behind), an audit's repair. Between two runs the open already caught it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import pytest
 from asyncsync import ApplyFailed, ConfigError
 from asyncsync.format.acks import read_acks
 from asyncsync.format.store import read_manifest
+from receiver import ReceiverAgent
 from receiver.engines import EngineHTTPError, SGLang, verify_checkpoint
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import flip_tensor_byte
@@ -40,6 +42,18 @@ async def chain(tmp_path: Path) -> AsyncIterator[Chain]:
         for _ in range(3):  # v0 (the only keyframe), v1, v2
             await c.next()
         yield c
+
+
+@contextlib.asynccontextmanager
+async def _synced_to_v2(
+    chain: Chain, ckpt: Path
+) -> AsyncIterator[tuple[VerifyingSGLang, SGLang, ReceiverAgent]]:
+    """A verifying server, an engine on the checkpoint ``ckpt`` and its agent, at v2."""
+    async with VerifyingSGLang(chain.root) as srv:
+        engine = make_engine(srv, ckpt)
+        async with agent_for(chain, engine) as agent:
+            assert await agent.sync_once() == 2
+            yield srv, engine, agent
 
 
 # --------------------------------------------------------------------------- a redo log
@@ -73,15 +87,12 @@ async def test_a_redo_log_set_after_open_is_refused_at_the_next_version(
     chain: Chain, tmp_path: Path
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    async with VerifyingSGLang(chain.root) as srv:
-        engine = make_engine(srv, ckpt)
-        async with agent_for(chain, engine) as agent:
-            assert await agent.sync_once() == 2
-            engine.checkpoint.redo_log = 2
-            await chain.next()  # v3
-            with pytest.raises(ConfigError, match="redo_log=2"):
-                await agent.sync_once()
-            assert engine.state.version == 2 and engine.checkpoint.state.version == 2
+    async with _synced_to_v2(chain, ckpt) as (srv, engine, agent):
+        engine.checkpoint.redo_log = 2
+        await chain.next()  # v3
+        with pytest.raises(ConfigError, match="redo_log=2"):
+            await agent.sync_once()
+        assert engine.state.version == 2 and engine.checkpoint.state.version == 2
     assert not srv.served_wrong(), srv.loads_checked
     assert read_acks(chain.root)["e1"].version == 2
 
@@ -112,15 +123,12 @@ async def test_a_server_restarted_after_an_edit_is_not_reloaded_from_the_edited_
     chain: Chain, tmp_path: Path
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    async with VerifyingSGLang(chain.root) as srv:
-        engine = make_engine(srv, ckpt)
-        async with agent_for(chain, engine) as agent:
-            assert await agent.sync_once() == 2
-            flip_tensor_byte(ckpt, EDITED)
-            await srv.restart()
-            assert await engine.serving_version() is None  # /readyz finds it lost
-            assert await agent.sync_once() == 2  # reconciled: re-initialised, then reloaded
-            assert await engine.serving_version() == 2
+    async with _synced_to_v2(chain, ckpt) as (srv, engine, agent):
+        flip_tensor_byte(ckpt, EDITED)
+        await srv.restart()
+        assert await engine.serving_version() is None  # /readyz finds it lost
+        assert await agent.sync_once() == 2  # reconciled: re-initialised, then reloaded
+        assert await engine.serving_version() == 2
     assert not srv.served_wrong(), srv.loads_checked
     assert srv.loads_checked[-1] == ("2", [])
 
@@ -131,30 +139,24 @@ async def test_a_version_the_checkpoint_holds_is_not_reloaded_from_edited_files(
     """The server failed after the checkpoint committed v2: the next try only reloads the
     server, from files edited meanwhile."""
     ckpt = tmp_path / "ckpt"
-    async with VerifyingSGLang(chain.root) as srv:
-        engine = make_engine(srv, ckpt)
-        async with agent_for(chain, engine) as agent:
-            assert await agent.sync_once() == 2
-            await chain.next()  # v3
-            srv.inject("/update_weights_from_disk", status=400, message="injected")
-            with pytest.raises(EngineHTTPError, match="injected"):
-                await agent.sync_once()
-            assert engine.checkpoint.state.version == 3 and engine.state.version == 2
-            flip_tensor_byte(ckpt, EDITED)
-            assert await agent.sync_once() == 3
+    async with _synced_to_v2(chain, ckpt) as (srv, engine, agent):
+        await chain.next()  # v3
+        srv.inject("/update_weights_from_disk", status=400, message="injected")
+        with pytest.raises(EngineHTTPError, match="injected"):
+            await agent.sync_once()
+        assert engine.checkpoint.state.version == 3 and engine.state.version == 2
+        flip_tensor_byte(ckpt, EDITED)
+        assert await agent.sync_once() == 3
     assert not srv.served_wrong(), srv.loads_checked
     assert srv.loads_checked[-1] == ("3", [])
 
 
 async def test_a_repair_does_not_reload_edited_files(chain: Chain, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    async with VerifyingSGLang(chain.root) as srv:
-        engine = make_engine(srv, ckpt)
-        async with agent_for(chain, engine) as agent:
-            assert await agent.sync_once() == 2
-            flip_tensor_byte(ckpt, EDITED)
-            with pytest.raises(ApplyFailed, match="cannot repair v2: the checkpoint's files were"):
-                await engine.repair()
-            assert engine.state.version is None and "e1" not in read_acks(chain.root)
-            assert await agent.sync_once() == 2
+    async with _synced_to_v2(chain, ckpt) as (srv, engine, agent):
+        flip_tensor_byte(ckpt, EDITED)
+        with pytest.raises(ApplyFailed, match="cannot repair v2: the checkpoint's files were"):
+            await engine.repair()
+        assert engine.state.version is None and "e1" not in read_acks(chain.root)
+        assert await agent.sync_once() == 2
     assert not srv.served_wrong(), srv.loads_checked
