@@ -685,3 +685,28 @@ async def test_files_edited_during_a_flush_are_wiped_after_it_not_under_it(
     await apply_version(ck, m3, full_batches(m3, sd3), "full")
     await ck.close()
     assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd3)
+
+
+async def test_a_sync_with_nothing_newer_does_not_wait_for_the_flush_of_unedited_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reconcile`` (every sync that finds nothing newer) waits for a running flush only where
+    the files were edited behind the receiver's back: otherwise the next version's sync would
+    queue behind the last one's writeback, which the flush runs beside by design."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    gate = _flush_held_at_its_files(monkeypatch)
+    await ck.acknowledged()  # v1's flush runs, held until the gate opens
+    try:
+        async with asyncio.timeout(120):  # liveness only: the flush cannot end before the gate
+            await ck.reconcile()
+        assert ck._flusher.running() and ck.state.version == 1
+    finally:
+        gate.set()
+    await ck.flushed()
+    assert ck._broken is None and _state(tmp_path)["version"] == 1
+    await ck.close()
+    assert_same(LocalCheckpoint(tmp_path).load_state_dict(), sd1)

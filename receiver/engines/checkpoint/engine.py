@@ -170,16 +170,19 @@ class LocalCheckpoint(RedoLog, Engine):
         ``applying`` until a newer version came, for good where the failed one was marked
         bad), and a failed flush is recovered now (the held version checked, written again, or
         wiped), not at the next version's begin only: until then the kernel may drop the pages
-        it could not write, and the version acked would not be the files'. The last delta's
-        flush is waited for first: a wipe or a rewrite of the files under it failed it."""
+        it could not write, and the version acked would not be the files'. Files edited behind
+        its back are checked once the last delta's flush is done (a wipe under the flush failed
+        it); with no edit a running flush is not waited for (the next version comes beside
+        it)."""
         if self._txn is not None:
             return
-        await self.flushed()
         if self._undo_pending is not None:
             await self._run(self._finish_rollback)
         if self._broken is not None:
+            await self.flushed()
             await self._run(self._recover)
-        await self._run(self._edited)  # the files changed behind its back: checked now
+        while await self._run(self._edited_unless_flushing) is None:
+            await self.flushed()  # the files changed behind its back: checked after the flush
         if self._ps.redo and self._idle():  # the files loadable again while no version comes
             await self._run(self._compact, f"idle {self.idle_for():g}s")
 

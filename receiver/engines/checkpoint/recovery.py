@@ -245,6 +245,10 @@ class Recovery:
             return False
         return bool(self._stamps.changed())
 
+    def _edited_unless_flushing(self) -> bool | None:
+        """:meth:`_edited`, or None (nothing checked) while a flush runs under edited files."""
+        return None if self._edited_under_flush() else self._edited()
+
     def _audit(self, manifest: Manifest) -> AuditReport | None:
         """:meth:`LocalCheckpoint.audit` (None: nothing held, a repair removed it)."""
         if self._ps.version is None:
