@@ -769,3 +769,103 @@ def test_small_planes_match_the_kernel(width: int, n: int, monkeypatch: Any) -> 
 
 def raw_planes(u8: np.ndarray[Any, Any], width: int) -> bytes:
     return u8.reshape(-1, width).T.tobytes()
+
+
+def _diff_one(
+    old: np.ndarray, new: np.ndarray, bits: int, advance: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, str | None]:
+    """One pair through diff_extract (outputs with room for every element), as diff_many's
+    reference: positions, new values, XORs and the hasher's hexdigest."""
+    n, width = old.size, old.itemsize
+    pos, nv, xv = np.empty(n, np.int64), np.empty(n, old.dtype), np.empty(n, old.dtype)
+    h = native.Xxh3(bits) if bits else None
+    count = 0
+    if n:
+        extra = (h, advance) if h is not None or advance else ()
+        count, end = native.diff_extract(old, new, width, 0, pos, nv, xv, *extra)
+        assert end == n
+    return pos[:count], nv[:count], xv[:count], h.hexdigest() if h is not None else None
+
+
+@_examples(120)
+@given(
+    width=st.sampled_from(WIDTHS),
+    bits=st.sampled_from([0, 64, 128]),
+    advance=st.booleans(),
+    sizes=st.lists(
+        st.one_of(st.integers(0, 300), st.sampled_from([2048, 40_000])), min_size=0, max_size=6
+    ),
+    density=st.sampled_from([0.0, 0.03, 0.5, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_diff_many_is_diff_extract_of_each_pair(
+    width: int,
+    bits: int,
+    advance: bool,
+    sizes: list[int],
+    density: float,
+    seed: int,
+    diff_loop: str,
+) -> None:
+    """diff_many (a MoE's small tensors, many to a call) gives each pair exactly what
+    diff_extract gives it alone: positions relative to the pair, values, XORs, the digest of
+    the bytes its outputs make (across 64 KiB hash blocks too) and, with advance, the olds."""
+    rng = np.random.default_rng(seed)
+    olds = [rng.integers(0, 256, n * width, dtype=np.uint8).view(DT[width]) for n in sizes]
+    news = []
+    for old in olds:
+        new = old.copy()
+        hit = rng.random(old.size) < density
+        new[hit] ^= rng.integers(1, 255, int(hit.sum()), dtype=np.uint8).astype(DT[width])
+        news.append(new)
+    want = [_diff_one(o.copy(), n, bits, advance) for o, n in zip(olds, news, strict=True)]
+    mine = [o.copy() for o in olds]
+    total = sum(sizes)
+    pos, nv, xv = np.empty(total, np.int64), np.empty(total, DT[width]), np.empty(total, DT[width])
+    counts, digests = np.empty(len(olds), np.int64), np.empty(16 * len(olds), np.uint8)
+    got = native.diff_many(mine, news, width, pos, nv, xv, counts, digests, bits, advance)
+    assert got == sum(len(w[0]) for w in want) == counts.sum()
+    start = 0
+    for j, (wpos, wnv, wxv, wdigest) in enumerate(want):
+        end = start + int(counts[j])
+        assert np.array_equal(pos[start:end], wpos)
+        assert np.array_equal(nv[start:end], wnv) and np.array_equal(xv[start:end], wxv)
+        if bits:
+            assert digests[16 * j : 16 * j + bits // 8].tobytes().hex() == wdigest
+        assert np.array_equal(mine[j], news[j] if advance else olds[j])
+        start = end
+
+
+def test_diff_many_rejects_bad_arguments_before_any_pair() -> None:
+    """Every argument is checked before the first pair is diffed: an error leaves every old
+    as it was (the caller's advance is all or nothing)."""
+    olds = [np.zeros(8, np.uint16), np.zeros(8, np.uint16)]
+    news = [np.ones(8, np.uint16), np.ones(8, np.uint16)]
+    pos, nv, xv = np.empty(16, np.int64), np.empty(16, np.uint16), np.empty(16, np.uint16)
+    counts, digests = np.empty(2, np.int64), np.empty(32, np.uint8)
+    ok = (pos, nv, xv, counts, digests)
+    readonly = np.zeros(8, np.uint16)
+    readonly.flags.writeable = False
+    bad: list[tuple[tuple[Any, ...], type[Exception], str]] = [
+        ((olds, news[:1], 2, *ok, 0, True), ValueError, "2 olds but 1 news"),
+        ((olds, news, 3, *ok, 0, True), ValueError, "width"),
+        ((olds, news, 2, *ok, 32, True), ValueError, "bits"),
+        (([olds[0], readonly], news, 2, *ok, 0, True), TypeError, r"olds\[1\] must be a writable"),
+        (([olds[0], np.zeros(16, np.uint16)[::2]], news, 2, *ok, 0, True), ValueError, "contig"),
+        (([olds[0], np.zeros(7, np.uint16)], news, 2, *ok, 0, True), ValueError, "bytes but"),
+        (
+            ([olds[0], np.zeros(3, np.uint16)], [news[0], np.ones(3, np.uint16)], 4, *ok, 0, True),
+            ValueError,
+            r"olds\[1\] is 6 bytes, not a whole number",
+        ),
+        ((olds, news, 2, pos[:15], nv, xv, counts, digests, 0, True), ValueError, "hold all"),
+        ((olds, news, 2, pos, nv, xv, counts[:1], digests, 0, True), ValueError, "2 pairs"),
+        ((olds, news, 2, pos, nv, xv, counts, digests[:31], 128, True), ValueError, "2 pairs"),
+        ((olds, 5, 2, *ok, 0, True), TypeError, "sequence"),
+        (([olds[0], "x"], news, 2, *ok, 0, True), TypeError, "bytes-like"),
+    ]
+    for args, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            native.diff_many(*args)
+        assert not any(o.any() for o in olds)
+    assert native.diff_many([], [], 2, *ok) == 0

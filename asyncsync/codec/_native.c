@@ -211,18 +211,44 @@ static PyTypeObject Xxh3Type;
 
 #define XXH3_NOGIL_BYTES NOGIL_MIN_BYTES
 
-static void xxh3_feed(Xxh3Object *h, const void *p, size_t len) {
+static void state_feed(XXH3_state_t *state, int bits, const void *p, size_t len) {
 #ifdef HAVE_SIMD
     if (simd_enabled) {
-        xxh3_update_avx2(h->state, p, len);
+        xxh3_update_avx2(state, p, len);
         return;
     }
 #endif
-    if (h->bits == 64) {
-        XXH3_64bits_update(h->state, p, len);
+    if (bits == 64) {
+        XXH3_64bits_update(state, p, len);
     } else {
-        XXH3_128bits_update(h->state, p, len);
+        XXH3_128bits_update(state, p, len);
     }
+}
+
+static void xxh3_feed(Xxh3Object *h, const void *p, size_t len) {
+    state_feed(h->state, h->bits, p, len);
+}
+
+static void state_reset(XXH3_state_t *state, int bits) {
+    if (bits == 64) {
+        XXH3_64bits_reset(state);
+    } else {
+        XXH3_128bits_reset(state);
+    }
+}
+
+/* The canonical (big-endian) digest of `state` into raw[0..len), len = bits / 8. */
+static int state_digest(XXH3_state_t *state, int bits, unsigned char *raw) {
+    if (bits == 64) {
+        XXH64_canonical_t c;
+        XXH64_canonicalFromHash(&c, XXH3_64bits_digest(state));
+        memcpy(raw, c.digest, 8);
+        return 8;
+    }
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(state));
+    memcpy(raw, c.digest, 16);
+    return 16;
 }
 
 static int xxh3_init(Xxh3Object *self, PyObject *args, PyObject *kw) {
@@ -240,11 +266,7 @@ static int xxh3_init(Xxh3Object *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     self->bits = bits;
-    if (bits == 64) {
-        XXH3_64bits_reset(self->state);
-    } else {
-        XXH3_128bits_reset(self->state);
-    }
+    state_reset(self->state, bits);
     return 0;
 }
 
@@ -275,18 +297,7 @@ static PyObject *xxh3_hexdigest(Xxh3Object *self, PyObject *unused) {
     char hex[33];
     static const char digits[] = "0123456789abcdef";
     unsigned char raw[16];
-    int len;
-    if (self->bits == 64) {
-        XXH64_canonical_t c;
-        XXH64_canonicalFromHash(&c, XXH3_64bits_digest(self->state));
-        memcpy(raw, c.digest, 8);
-        len = 8;
-    } else {
-        XXH128_canonical_t c;
-        XXH128_canonicalFromHash(&c, XXH3_128bits_digest(self->state));
-        memcpy(raw, c.digest, 16);
-        len = 16;
-    }
+    int len = state_digest(self->state, self->bits, raw);
     for (int k = 0; k < len; k++) {
         hex[2 * k] = digits[raw[k] >> 4];
         hex[2 * k + 1] = digits[raw[k] & 15];
@@ -500,6 +511,20 @@ static Py_ssize_t diff_any(Py_ssize_t width, const char *o, const char *nw, Py_s
     }
 }
 
+/* The bytes the outputs make of elements [i, resume) (what the hasher is fed when old is not
+ * advanced): old's, with the `got` values emitted from slot `count` on put in, in `made`. */
+static const char *made_block(char *made, const char *po, Py_ssize_t width, Py_ssize_t i,
+                              Py_ssize_t resume, const char *pp, const char *pv, Py_ssize_t count,
+                              Py_ssize_t got) {
+    memcpy(made, po + i * width, (size_t)((resume - i) * width));
+    for (Py_ssize_t k = count; k < count + got; k++) {
+        int64_t p;
+        memcpy(&p, pp + k * 8, 8);
+        memcpy(made + (p - i) * width, pv + k * width, (size_t)width);
+    }
+    return made;
+}
+
 static PyObject *diff_extract(PyObject *self, PyObject *args) {
     PyObject *old_o, *new_o, *pos_o, *nv_o, *xv_o, *hasher_o = Py_None;
     Py_ssize_t width, start;
@@ -582,13 +607,7 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
                 if (hasher && resume > i) { /* old once advanced: the bytes the outputs carry */
                     const char *src = adv ? adv + i * width : pn + i * width;
                     if (made) { /* (resume - i <= block elements: one block at most) */
-                        memcpy(made, po + i * width, (size_t)((resume - i) * width));
-                        for (Py_ssize_t k = count; k < count + got; k++) {
-                            int64_t p;
-                            memcpy(&p, pp + k * 8, 8);
-                            memcpy(made + (p - i) * width, pv + k * width, (size_t)width);
-                        }
-                        src = made;
+                        src = made_block(made, po, width, i, resume, pp, pv, count, got);
                     }
                     xxh3_feed(hasher, src, (size_t)((resume - i) * width));
                 }
@@ -608,6 +627,167 @@ static PyObject *diff_extract(PyObject *self, PyObject *args) {
 fail:
     release_all(&b);
     return NULL;
+}
+
+/* ------------------------------------------------------------------- batched diff kernel */
+
+/* diff_many(olds, news, width, pos_out, new_out, xor_out, counts_out, digests_out, bits,
+ * advance): diff_extract over many small pairs in one call (a MoE's thousands of expert
+ * tensors: the per-call glue cost ~8x the kernel at 4 KiB). The outputs of pair j follow
+ * those of pair j-1 (positions relative to its own start); counts_out[j] is its count. The
+ * outputs must hold every element of all pairs, so no pair stops short. bits (64/128):
+ * each pair's XXH3 digest (canonical, big-endian bytes) goes to digests_out[16 j ...], of
+ * the bytes the outputs make, as diff_extract's hasher is fed. Every argument is checked
+ * before any pair is diffed: an error leaves the olds as they were. */
+static PyObject *diff_many(PyObject *self, PyObject *args) {
+    PyObject *olds_o, *news_o, *pos_o, *nv_o, *xv_o, *counts_o, *dig_o;
+    Py_ssize_t width;
+    int bits = 0, advance = 0;
+    if (!PyArg_ParseTuple(args, "OOnOOOOO|ip:diff_many", &olds_o, &news_o, &width, &pos_o,
+                          &nv_o, &xv_o, &counts_o, &dig_o, &bits, &advance)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    if (bits != 0 && bits != 64 && bits != 128) {
+        PyErr_Format(PyExc_ValueError, "bits must be 0, 64 or 128, not %d", bits);
+        return NULL;
+    }
+    PyObject *olds = NULL, *news = NULL, *result = NULL;
+    Py_buffer *views = NULL;
+    Py_ssize_t held = 0, k = 0, total = 0, count = 0;
+    XXH3_state_t *state = NULL;
+    char *made = NULL;
+    Buffers b = {.held = 0};
+    if (!(olds = PySequence_Fast(olds_o, "olds must be a sequence")) ||
+        !(news = PySequence_Fast(news_o, "news must be a sequence"))) {
+        goto done;
+    }
+    k = PySequence_Fast_GET_SIZE(olds);
+    if (PySequence_Fast_GET_SIZE(news) != k) {
+        PyErr_Format(PyExc_ValueError, "%zd olds but %zd news", k,
+                     PySequence_Fast_GET_SIZE(news));
+        goto done;
+    }
+    if (k && !(views = PyMem_Calloc((size_t)(2 * k), sizeof(Py_buffer)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        for (int side = 0; side < 2; side++) {
+            PyObject *o = side ? PySequence_Fast_GET_ITEM(news, j)
+                               : PySequence_Fast_GET_ITEM(olds, j);
+            Py_buffer *v = &views[held];
+            if (PyObject_GetBuffer(o, v, PyBUF_FULL_RO) < 0) {
+                goto done;
+            }
+            held++;
+            if (!PyBuffer_IsContiguous(v, 'C')) {
+                PyErr_Format(PyExc_ValueError, "%s[%zd] must be a C-contiguous buffer",
+                             side ? "news" : "olds", j);
+                goto done;
+            }
+            if (!side && advance && v->readonly) {
+                PyErr_Format(PyExc_TypeError, "olds[%zd] must be a writable buffer", j);
+                goto done;
+            }
+        }
+        Py_buffer *ov = &views[2 * j], *nw = &views[2 * j + 1];
+        if (ov->len != nw->len) {
+            PyErr_Format(PyExc_ValueError, "olds[%zd] is %zd bytes but news[%zd] is %zd", j,
+                         ov->len, j, nw->len);
+            goto done;
+        }
+        if (ov->len % width) {
+            PyErr_Format(PyExc_ValueError,
+                         "olds[%zd] is %zd bytes, not a whole number of %zd-byte elements", j,
+                         ov->len, width);
+            goto done;
+        }
+        total += ov->len / width;
+    }
+    Py_buffer *pos, *nv, *xv, *cnt, *dig;
+    if (!(pos = acquire(&b, pos_o, "pos_out", 1)) || !(nv = acquire(&b, nv_o, "new_out", 1)) ||
+        !(xv = acquire(&b, xv_o, "xor_out", 1)) || !(cnt = acquire(&b, counts_o, "counts_out", 1)) ||
+        !(dig = acquire(&b, dig_o, "digests_out", 1))) {
+        goto done;
+    }
+    if (pos->len / 8 < total || nv->len / width < total || xv->len / width < total) {
+        PyErr_Format(PyExc_ValueError,
+                     "pos_out/new_out/xor_out (%zd/%zd/%zd bytes) must hold all %zd elements",
+                     pos->len, nv->len, xv->len, total);
+        goto done;
+    }
+    if (cnt->len / 8 < k || (bits && dig->len / 16 < k)) {
+        PyErr_Format(PyExc_ValueError,
+                     "counts_out/digests_out (%zd/%zd bytes) must hold %zd pairs (8/16 bytes each)",
+                     cnt->len, dig->len, k);
+        goto done;
+    }
+    if (bits && !(state = XXH3_createState())) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (bits && !advance && !(made = PyMem_RawMalloc(DIFF_BLOCK_BYTES))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        char *pp = pos->buf, *pv = nv->buf, *px = xv->buf;
+        unsigned char *pd = dig->buf;
+        const Py_ssize_t block = DIFF_BLOCK_BYTES / width;
+        NOGIL_BEGIN(total * width);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            const Py_ssize_t n = views[2 * j].len / width, first = count;
+            const char *po = views[2 * j].buf, *pn = views[2 * j + 1].buf;
+            char *adv = advance ? (char *)views[2 * j].buf : NULL;
+            Py_ssize_t resume = 0;
+            if (!state && !adv) {
+                count += diff_any(width, po, pn, n, 0, pp + count * 8, pv + count * width,
+                                  px + count * width, total - count, &resume, NULL);
+            } else {
+                if (state) {
+                    state_reset(state, bits);
+                }
+                for (Py_ssize_t i = 0; i < n; i = resume) {
+                    Py_ssize_t end = (i / block + 1) * block;
+                    end = end < n ? end : n;
+                    Py_ssize_t got = diff_any(width, po, pn, end, i, pp + count * 8,
+                                              pv + count * width, px + count * width,
+                                              total - count, &resume, adv);
+                    if (state) {
+                        const char *src = adv ? adv + i * width : pn + i * width;
+                        if (made) {
+                            src = made_block(made, po, width, i, resume, pp, pv, count, got);
+                        }
+                        state_feed(state, bits, src, (size_t)((resume - i) * width));
+                    }
+                    count += got;
+                }
+                if (state) {
+                    state_digest(state, bits, pd + 16 * j);
+                }
+            }
+            int64_t c = (int64_t)(count - first);
+            memcpy((char *)cnt->buf + 8 * j, &c, 8);
+        }
+        NOGIL_END;
+    }
+    result = PyLong_FromSsize_t(count);
+done:
+    if (state) {
+        XXH3_freeState(state);
+    }
+    PyMem_RawFree(made);
+    release_all(&b);
+    while (held > 0) {
+        PyBuffer_Release(&views[--held]);
+    }
+    PyMem_Free(views);
+    Py_XDECREF(olds);
+    Py_XDECREF(news);
+    return result;
 }
 
 /* ----------------------------------------------------------------------------- patch kernel */
@@ -1882,6 +2062,11 @@ static PyObject *populate_write(PyObject *self, PyObject *args) {
 /* --------------------------------------------------------------------------------- module */
 
 static PyMethodDef methods[] = {
+    {"diff_many", diff_many, METH_VARARGS,
+     "diff_many(olds, news, width, pos_out, new_out, xor_out, counts_out, digests_out, bits=0, "
+     "advance=False) -> count: diff_extract of many pairs in one call, outputs one after "
+     "another, counts_out[j] each pair's; bits 64/128: each pair's XXH3 digest in "
+     "digests_out[16 j:]."},
     {"diff_extract", diff_extract, METH_VARARGS,
      "diff_extract(old, new, width, start, pos_out, new_out, xor_out, hasher=None, "
      "advance=False) -> (count, next_start)\n\n"
