@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncsync import FileRendezvous, Publisher, codec
 from asyncsync.codec import diff as diff_mod
@@ -23,7 +25,7 @@ from asyncsync.codec import native
 from asyncsync.format.checksum import checksum_tensor
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
-from tests.conftest import assert_holds, mixed_state, mutate, same_bytes, sync_to
+from tests.conftest import ALL_DTYPES, assert_holds, mixed_state, mutate, same_bytes, sync_to
 from tests.dist_worker import full_state, portion
 
 
@@ -120,3 +122,121 @@ def test_mixed_state_round_trips_through_the_fallback(monkeypatch: pytest.Monkey
     for a, b in zip(with_c, without, strict=True):
         assert torch.equal(a.positions, b.positions) and torch.equal(a.values, b.values)
         assert torch.equal(a.xor, b.xor) and a.checksum == b.checksum
+
+
+_DTYPES = [*ALL_DTYPES, torch.int16]
+
+
+def _pair(data: st.DataObject, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An old and a new tensor of a drawn dtype, size (0, small, around the batch threshold or
+    above it) and layout (each contiguous or a strided view), a drawn share of bytes changed."""
+    dtype = data.draw(st.sampled_from(_DTYPES))
+    width = torch.empty(0, dtype=dtype).element_size()
+    cut = diff_mod.BATCH_BYTES // width
+    numel = data.draw(
+        st.one_of(st.integers(0, 70), st.sampled_from([cut - 1, cut, cut + 1, 2048 // width]))
+    )
+    numel -= numel % 2  # (a 2-row view of it)
+    raw = torch.randint(0, 256, (2 * numel * width,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:  # (0/1: the per-tensor path advances a strided old by a bool copy)
+        raw &= 1
+    base = raw.view(dtype)
+    old = base[::2] if data.draw(st.booleans(), "strided old") else base[:numel].clone()
+    flip = torch.rand(numel, generator=g) < data.draw(st.sampled_from([0.0, 0.03, 0.9, 1.0]))
+    new_base = codec.raw_clone(old)
+    codec.raw_view(new_base)[flip] ^= 1  # (a bool stays 0/1)
+    new = new_base.reshape(2, -1) if numel and data.draw(st.booleans(), "2-D new") else new_base
+    if data.draw(st.booleans(), "strided new"):
+        twice = torch.empty(2 * numel, dtype=dtype)
+        codec.raw_view(twice)[::2] = codec.raw_view(new_base)
+        new = twice[::2]
+    return old.reshape(new.shape), new
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_small_tensors_diffed_many_to_a_call_give_each_ones_change(data: st.DataObject) -> None:
+    """The native diff takes the small tensors (below BATCH_BYTES, a contiguous old) many to a
+    C call: each change, checksum and advanced old is the one the per-tensor path gives, and
+    each encoding of it is the same bytes (from the change alone, as the publisher encodes it,
+    and through encode_delta)."""
+    if not hasattr(native.kernels, "diff_many"):
+        pytest.skip("the C kernels are not built")
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), "seed"))
+    pairs = [_pair(data, g) for _ in range(data.draw(st.integers(1, 8), "tensors"))]
+    algorithm = data.draw(st.sampled_from([None, "xxh3-64", "xxh3-128"]))
+    advance = data.draw(st.booleans(), "advance")
+    news = [n for _, n in pairs]
+    olds = {way: [o.clone() if o.is_contiguous() else _strided_copy(o) for o, _ in pairs]
+            for way in ("many", "one")}  # fmt: skip
+    calls, real = [], native.diff_many
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "diff_many", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = codec.diff_tensors(olds["many"], news, algorithm=algorithm, advance=advance)
+    small = [o.is_contiguous() and n.nbytes < diff_mod.BATCH_BYTES for o, n in pairs]
+    assert bool(calls) == any(small)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(diff_mod, "BATCH_BYTES", 0)
+        want = codec.diff_tensors(olds["one"], news, algorithm=algorithm, advance=advance)
+    for (old, new), a, b, oa, ob in zip(pairs, got, want, olds["many"], olds["one"], strict=True):
+        assert torch.equal(a.positions, b.positions) and a.checksum == b.checksum
+        for x, y in ((a.values, b.values), (a.xor, b.xor)):  # (int views: bytewise equal)
+            assert x.dtype == y.dtype == codec.int_dtype(new.dtype) and torch.equal(x, y)
+        assert _same(oa, ob) and _same(oa, new if advance else old)
+        for encoding in codec.ENCODINGS:
+            enc = codec.encode_change(a.positions, a.values, a.xor, new.numel(), encoding)
+            ref = codec.encode_delta(
+                codec.int_view(old), codec.int_view(new), a.positions, encoding
+            )
+            assert enc == ref
+
+
+def _strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a strided view ``t`` that is as strided (every other element of a buffer)."""
+    twice = torch.empty(2 * t.numel(), dtype=t.dtype)
+    codec.raw_view(twice)[::2] = codec.raw_view(t).reshape(-1)
+    return twice[::2].reshape(t.shape)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (any layout, empty ones too)."""
+    ints = [codec.raw_view(t).reshape(-1) for t in (a, b)]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*ints)
+
+
+@pytest.mark.parametrize("encoding", codec.ENCODINGS)
+def test_a_bucket_of_small_tensors_makes_the_same_shard_either_way(encoding: str) -> None:
+    """A publisher's bucket of many small tensors (a MoE's experts, mixed dtypes, one large)
+    gives the same items, checksums and delta shard bytes whether its small tensors are diffed
+    many to a call or one by one, and leaves the same snapshot."""
+    from asyncsync.codec.shards import BucketItem, delta_shard_blob, diff_bucket, encode_bucket
+
+    if not hasattr(native.kernels, "diff_many"):
+        pytest.skip("the C kernels are not built")
+    g = torch.Generator().manual_seed(7)
+    dtypes = [torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.float32]
+    news = [
+        torch.randint(0, 256, (4096 if i != 5 else 1 << 20,), dtype=torch.uint8, generator=g)
+        .view(dtypes[i % 4])
+        .reshape(4, -1)
+        for i in range(300)
+    ]
+    olds = [codec.raw_clone(n) for n in news]
+    for n in news:
+        codec.raw_view(n).view(-1)[:: 7 + n.numel() % 5] ^= 3
+    shards, snapshots = [], []
+    for batch in (diff_mod.BATCH_BYTES, 0):
+        snap = [codec.raw_clone(o) for o in olds]
+        items = [BucketItem(i, f"e{i}", news[i], snap[i]) for i in range(len(news))]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(diff_mod, "BATCH_BYTES", batch)
+            d = diff_bucket(items, delta=True, algorithm="xxh3-128", advance=True)
+        e = encode_bucket(
+            d, version=3, run_id="r", delta=True, full=False, encoding=encoding, level=3,
+            algorithm="xxh3-128",
+        )  # fmt: skip
+        blob = delta_shard_blob(e.delta_blobs, version=3, run_id="r")
+        shards.append((e.items, e.raw_bytes, blob))
+        snapshots.append(snap)
+    assert shards[0] == shards[1]
+    assert all(_same(a, b) and _same(a, n) for a, b, n in zip(*snapshots, news, strict=True))

@@ -50,6 +50,7 @@ from asyncsync.codec.delta import (
     EncodedDelta,
     decode_delta,
     decode_xef_positions,
+    encode_change,
     encode_delta,
     encoded_size,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "decode_delta",
     "decode_xef_positions",
     "diff_tensors",
+    "encode_change",
     "encode_delta",
     "encoded_size",
     "gather",

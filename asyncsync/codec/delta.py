@@ -29,6 +29,7 @@ __all__ = [
     "EncodedDelta",
     "decode_delta",
     "decode_xef_positions",
+    "encode_change",
     "encode_delta",
     "encoded_size",
 ]
@@ -85,9 +86,8 @@ def encode_delta(
         raise ConfigError(f"old/new must be 1-D of equal length, got {old.shape}, {new.shape}")
     if positions.dtype != torch.int64 or positions.dim() != 1:
         raise ConfigError(f"positions must be 1-D int64, got {positions.dtype}{positions.shape}")
-    if not zstandard.MAX_COMPRESSION_LEVEL >= level >= -(1 << 17):
-        raise ConfigError(f"zstd level {level} out of range")
-    numel, n, width = old.numel(), positions.numel(), old.element_size()
+    _check_level(level)
+    numel, n = old.numel(), positions.numel()
     if n == 0:
         return EncodedDelta(encoding, "sparse", 0, b"", b"", 0)
     if n > numel:
@@ -95,26 +95,78 @@ def encode_delta(
     for what, given in (("values", values), ("xor", xor)):
         if given is not None and (given.dtype != old.dtype or given.shape != positions.shape):
             raise ConfigError(f"{what} must be {old.dtype}[{n}], got {given.dtype}{given.shape}")
+    if xor is None and encoding == "xef" and n > DENSE_THRESHOLD * numel:
+        return _dense(torch.bitwise_xor(new, old), level)
+    return _encode(positions, values, xor, numel, encoding, level, (old, new))
+
+
+def encode_change(
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    xor: torch.Tensor,
+    numel: int,
+    encoding: str = DEFAULT_ENCODING,
+    *,
+    level: int = 3,
+) -> EncodedDelta:
+    """:func:`encode_delta` of a change as a :class:`~asyncsync.codec.Change` holds it (sorted
+    ``positions``, exactly the changed elements of a tensor of ``numel``; ``values`` and
+    ``xor`` there, of its int-view dtype) without the tensors themselves: the same bytes.
+
+    The publisher's path: for a MoE's thousands of small tensors, the int views and checks of
+    the old and new tensors cost more than the encoding of a few changed elements.
+    """
+    _check_encoding(encoding)
+    if positions.dtype != torch.int64 or positions.dim() != 1:
+        raise ConfigError(f"positions must be 1-D int64, got {positions.dtype}{positions.shape}")
+    if values.dtype not in _WIDTH_BY_INT or (values.dtype, values.shape) != (xor.dtype, xor.shape):
+        raise ConfigError(
+            f"values and xor must be of one int-view dtype, got {values.dtype}{values.shape}, "
+            f"{xor.dtype}{xor.shape}"
+        )
+    if values.shape != positions.shape:
+        raise ConfigError(f"{positions.numel()} positions but {values.numel()} values")
+    if not 0 <= positions.numel() <= numel:
+        raise ConfigError(f"{positions.numel()} positions for a tensor of {numel} elements")
+    _check_level(level)
+    return _encode(positions, values, xor, numel, encoding, level)
+
+
+def _encode(
+    positions: torch.Tensor,
+    values: torch.Tensor | None,
+    xor: torch.Tensor | None,
+    numel: int,
+    encoding: str,
+    level: int,
+    tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> EncodedDelta:
+    """The encoding of checked changes; ``xor`` (xef) or ``values`` (the others) not given are
+    gathered from ``tensors`` (old, new) once the positions are known to be valid."""
+    n = positions.numel()
+    if n == 0:
+        return EncodedDelta(encoding, "sparse", 0, b"", b"", 0)
     if encoding == "xef" and n > DENSE_THRESHOLD * numel:
-        if xor is not None:  # from the changes alone: ``old`` may already hold the new bytes
-            dense = torch.zeros_like(new)
-            dense[positions.to(new.device)] = xor.to(new.device)
-        else:
-            dense = torch.bitwise_xor(new, old)
-        n = int(torch.count_nonzero(dense))  # exact even if positions held unchanged elements
-        return EncodedDelta(encoding, "dense", n, b"", _zstd(_planes(dense), level), numel * width)
+        assert xor is not None
+        dense = torch.zeros(numel, dtype=xor.dtype, device=xor.device)
+        dense[positions.to(xor.device)] = xor
+        return _dense(dense, level)
     idx: _Int64Array = np.ascontiguousarray(positions.cpu().numpy(), dtype=np.int64)
     if encoding == "xef":
         pblob, praw = _ef_encode(idx, numel)  # checks the positions (ConfigError)
         if xor is None:
+            assert tensors is not None
+            old, new = tensors
             pos = positions.to(old.device)
             xor = torch.bitwise_xor(gather(new, pos, idx), gather(old, pos, idx))
         vblob = _zstd(_planes(xor), level)
-        return EncodedDelta(encoding, "sparse", n, pblob, vblob, praw + n * width)
+        return EncodedDelta(encoding, "sparse", n, pblob, vblob, praw + n * xor.element_size())
     if idx[0] < 0 or idx[-1] >= numel or not bool(np.all(idx[1:] > idx[:-1])):
         raise ConfigError("positions must be strictly increasing and within the tensor")
     if values is None:
-        values = gather(new, positions.to(new.device), idx)
+        assert tensors is not None
+        values = gather(tensors[1], positions.to(tensors[1].device), idx)
+    width = values.element_size()
     vblob = values.cpu().numpy().astype(_NP_BY_WIDTH[width], copy=False).tobytes()
     if encoding == "indices":
         pblob = idx.astype("<i4" if numel <= _INDEX32_MAX else "<i8").tobytes()
@@ -127,6 +179,18 @@ def encode_delta(
     if encoding == "deltas_zstd":
         pblob = _zstd(pblob, _DELTAS_ZSTD_LEVEL)
     return EncodedDelta(encoding, "sparse", n, pblob, vblob, raw)
+
+
+def _dense(dense: torch.Tensor, level: int) -> EncodedDelta:
+    """The dense xef of a whole tensor's ``old ^ new``."""
+    n = int(torch.count_nonzero(dense))  # exact even if positions held unchanged elements
+    raw = dense.numel() * dense.element_size()
+    return EncodedDelta("xef", "dense", n, b"", _zstd(_planes(dense), level), raw)
+
+
+def _check_level(level: int) -> None:
+    if not zstandard.MAX_COMPRESSION_LEVEL >= level >= -(1 << 17):
+        raise ConfigError(f"zstd level {level} out of range")
 
 
 def decode_delta(

@@ -77,7 +77,8 @@ def diff_tensors(
     """The :class:`Change` of each ``old -> new`` pair (any dtype; compared bytewise).
 
     On CPU with the native kernel, one fused pass per tensor finds the positions and gathers
-    the new values and XORs, the tensors spread over the pool of :mod:`asyncsync.pipeline`;
+    the new values and XORs, the tensors spread over the pool of :mod:`asyncsync.pipeline`
+    (those below :data:`BATCH_BYTES` with a contiguous old many to a C call, in this thread);
     otherwise a copy of each new tensor (one read of it), :func:`changed_positions` and two
     gathers from the copy. ``algorithm``: also the checksum
     of each new tensor (``Change.checksum``; in the same pass on the native path).
@@ -91,11 +92,7 @@ def diff_tensors(
     cpu = olds[0].device.type == "cpu"
     out: list[Change] = []
     if cpu and native.kernels is not None:  # tensors on the pool, each one fused pass
-        done = run_all(
-            lambda pair: _native_change(pair[0], pair[1], algorithm, advance),
-            zip(olds, news, strict=True),
-            cost=lambda pair: pair[1].nbytes,
-        )
+        done = _native_changes(olds, news, algorithm, advance)
         failed = [r for r in done if isinstance(r, BaseException)]
         if failed:
             if advance:  # each failed one put itself back; put back the others
@@ -148,6 +145,87 @@ def _scatter(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> Non
         flat.numpy()[pos.numpy()] = values.numpy()
     else:
         flat.index_copy_(0, pos.to(flat.device), values.to(flat.device))
+
+
+#: tensors below this many bytes (with a contiguous old) are diffed many to a C call
+#: (:func:`asyncsync.codec.native.diff_many`): one call each costs ~8x its work at 4 KiB
+BATCH_BYTES = 64 << 10
+#: the most elements of one such call (its outputs have room for all of them: 4 MiB of positions)
+_BATCH_ELEMENTS = 1 << 19
+
+
+def _native_changes(
+    olds: Sequence[torch.Tensor],
+    news: Sequence[torch.Tensor],
+    algorithm: str | None,
+    advance: bool,
+) -> list[Change | BaseException]:
+    """Each CPU pair's change through the C kernels, or the exception it raised (a pair that
+    raised is as it was): the small pairs many to a call, in this thread; the others each on
+    its own, on the pool."""
+    done: list[Change | BaseException | None] = [None] * len(olds)
+    for batch in _batches(olds, news):
+        got: list[Change] | Exception
+        try:
+            got = _native_batch(
+                [olds[i] for i in batch], [news[i] for i in batch], algorithm, advance
+            )
+        except Exception as exc:  # (the batch put itself back)
+            got = exc
+        for k, i in enumerate(batch):
+            done[i] = got if isinstance(got, Exception) else got[k]
+    rest = [i for i, r in enumerate(done) if r is None]
+    alone = run_all(
+        lambda i: _native_change(olds[i], news[i], algorithm, advance),
+        rest,
+        cost=lambda i: news[i].nbytes,
+    )
+    for i, one in zip(rest, alone, strict=True):
+        done[i] = one
+    return [r for r in done if r is not None]
+
+
+def _batches(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The indices of the pairs :func:`_native_batch` takes, in calls of one element width and
+    at most :data:`_BATCH_ELEMENTS` elements (none where the kernels predate it)."""
+    if not hasattr(native.kernels, "diff_many"):
+        return []
+    filling: dict[int, tuple[list[int], list[int]]] = {}  # width -> (indices, [elements])
+    out: list[list[int]] = []
+    for i, (old, new) in enumerate(zip(olds, news, strict=True)):
+        if new.nbytes >= BATCH_BYTES or not old.is_contiguous():
+            continue
+        width, n = old.element_size(), old.numel()
+        batch, size = filling.setdefault(width, ([], [0]))
+        if batch and size[0] + n > _BATCH_ELEMENTS:
+            out.append(batch)
+            batch, size = filling[width] = ([], [0])
+        batch.append(i)
+        size[0] += n
+    return out + [batch for batch, _ in filling.values()]
+
+
+def _native_batch(
+    olds: Sequence[torch.Tensor],
+    news: Sequence[torch.Tensor],
+    algorithm: str | None,
+    advance: bool,
+) -> list[Change]:
+    """:func:`_native_change` of many contiguous olds of one element width, in one C call."""
+    bits = native.hash_bits(algorithm)
+    arrs = native.diff_many(
+        [int_view(o).numpy() for o in olds],
+        [int_view(n).numpy() for n in news],
+        bits=bits,
+        advance=advance,
+    )
+    out: list[Change] = []
+    for old, (pos, values, xor, digest) in zip(olds, arrs, strict=True):
+        if algorithm is not None and digest is None:  # not an XXH3: as _native_change does
+            digest = checksum_tensor(old, algorithm)
+        t = torch.from_numpy
+        out.append(Change(t(pos), t(values), t(xor), digest))
+    return out
 
 
 def _native_change(

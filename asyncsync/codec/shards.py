@@ -172,15 +172,8 @@ def encode_bucket(
             pos = ch.positions
             changed = int(pos.numel())
             if changed:
-                enc = codec.encode_delta(
-                    codec.int_view(it.old),
-                    codec.int_view(it.new),
-                    pos,
-                    encoding,
-                    level=level,
-                    values=ch.values,
-                    xor=ch.xor,
-                )
+                numel = it.new.numel()
+                enc = codec.encode_change(pos, ch.values, ch.xor, numel, encoding, level=level)
                 changed = enc.changed  # what the decoder will check
                 mode = enc.mode
                 if not diffed.advanced:  # (else the diff brought the snapshot to the new bytes)
