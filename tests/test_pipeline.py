@@ -206,32 +206,38 @@ def test_a_pool_shut_down_by_set_threads_elsewhere_leaves_the_rest_to_the_caller
         pipeline.set_threads(None)
 
 
-def test_a_failed_parallel_diff_leaves_every_old_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("failing", ["_native_change", "_native_batch"])
+def test_a_failed_parallel_diff_leaves_every_old_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """A tensor diffed alone (on the pool) or a call of small ones (diff_many) that fails
+    leaves its olds as they were, and the others that were advanced are put back."""
     import torch
 
     from asyncsync import codec, pipeline
     from asyncsync.codec import diff
 
-    olds = [torch.arange(1000, dtype=torch.int16) for _ in range(4)]
+    sizes = [1000, 1000, 40_000, 1000] if failing == "_native_batch" else [40_000] * 4
+    olds = [torch.arange(n, dtype=torch.int16) for n in sizes]
     news = [o.clone() for o in olds]
     for t in news:
         t[::7] += 1
     before = [o.clone() for o in olds]
-    real = diff._native_change
+    real = getattr(diff, failing)
 
-    def flaky(old: torch.Tensor, *a: object) -> codec.Change:
-        if old is olds[2]:
+    def flaky(old: Any, *a: Any) -> Any:
+        if old is olds[2] or (isinstance(old, list) and any(o is olds[0] for o in old)):
             raise MemoryError("injected")
-        return real(old, *a)  # type: ignore[arg-type]
+        return real(old, *a)
 
-    monkeypatch.setattr(diff, "_native_change", flaky)
+    monkeypatch.setattr(diff, failing, flaky)
     pipeline.set_threads(2)
     try:
         if codec.native.kernels is not None:
             with pytest.raises(MemoryError):
                 codec.diff_tensors(olds, news, algorithm="xxh3-128", advance=True)
             assert all(torch.equal(a, b) for a, b in zip(olds, before, strict=True))
-        monkeypatch.setattr(diff, "_native_change", real)
+        monkeypatch.setattr(diff, failing, real)
         changes = codec.diff_tensors(olds, news, algorithm="xxh3-128", advance=True)
         assert all(torch.equal(a, b) for a, b in zip(olds, news, strict=True))
         codec.revert(olds, changes)
