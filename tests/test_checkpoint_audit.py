@@ -10,8 +10,12 @@ are removed (``repair``) and the receiver re-initialises them from the newest ke
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 import re
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +49,12 @@ async def _status(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return await r.json()  # type: ignore[no-any-return]
 
 
-async def test_the_receiver_cli_audits_a_plain_checkpoint_and_reseeds_one_that_rotted(
-    tmp_path: Path,
-) -> None:
-    root, ckpt = tmp_path / "root", tmp_path / "c"
-    sd = mixed_state(0)
+@contextlib.asynccontextmanager
+async def _receiver_cli(tmp_path: Path) -> AsyncIterator[tuple[str, list[str]]]:
+    """``mixed_state(0)`` published on ``tmp_path/root`` (v0, then v1 a delta) and the
+    ``receiver`` CLI as a process syncing it into ``tmp_path/c``, auditing it every 0.2 s:
+    (status URL, its log lines so far); stopped by SIGTERM (exit 0) at the end."""
+    root, ckpt, sd = tmp_path / "root", tmp_path / "c", mixed_state(0)
     async with Publisher(root, keyframe_interval=0) as pub:
         await pub.seed(sd)
         await pub.publish(mutate(sd, 0.1, seed=1))  # v1, a delta
@@ -68,33 +73,83 @@ async def test_the_receiver_cli_audits_a_plain_checkpoint_and_reseeds_one_that_r
 
     logging = asyncio.create_task(read_log())
     try:
-        async with stopped_at_end(proc), asyncio.timeout(120), aiohttp.ClientSession() as http:
-            while not (m := re.search(r"status on (http://127\.0\.0\.1:\d+)", "".join(lines))):
-                assert proc.returncode is None, "".join(lines)
-                await asyncio.sleep(0.05)  # another process's log
-            url = m.group(1)
-            while (s := await _status(http, url)).get("audit", {}).get("last") is None:
-                assert s.get("audit", {}).get("supported") is not False, s["audit"]
-                await asyncio.sleep(0.05)  # polling another process's HTTP state (the audit
-                # shows once the engine is open)
-            assert s["audit"]["last"]["ok"] and s["audit"]["last"]["version"] == 1, s["audit"]
-            assert s["audit"]["last"]["checked"] == len(sd)
-
-            name = "model.layers.2.weight"
-            flip_tensor_byte(ckpt, name, keep_mtime=True)
-            while (s := await _status(http, url))["audit"]["repairs"] == 0:
-                await asyncio.sleep(0.05)
-            assert s["audit"]["mismatches"] >= 1, s["audit"]
-            # re-initialised from the keyframe, the delta applied again, then audited clean
-            while not ((s := await _status(http, url))["version"] == 1 and s["audit"]["healthy"]):
-                await asyncio.sleep(0.05)
-            async with http.get(f"{url}/readyz") as r:
-                assert r.status == 200
+        async with stopped_at_end(proc):
+            async with asyncio.timeout(120):
+                while not (m := re.search(r"status on (http://127\.0\.0\.1:\d+)", "".join(lines))):
+                    assert proc.returncode is None, "".join(lines)
+                    await asyncio.sleep(0.05)  # another process's log
+            yield m.group(1), lines
     finally:
         await logging
+
+
+async def test_the_receiver_cli_audits_a_plain_checkpoint_and_reseeds_one_that_rotted(
+    tmp_path: Path,
+) -> None:
+    root, ckpt, sd = tmp_path / "root", tmp_path / "c", mixed_state(0)
+    async with (
+        _receiver_cli(tmp_path) as (url, lines),
+        asyncio.timeout(120),
+        aiohttp.ClientSession() as http,
+    ):
+        while (s := await _status(http, url)).get("audit", {}).get("last") is None:
+            assert s.get("audit", {}).get("supported") is not False, s["audit"]
+            await asyncio.sleep(0.05)  # polling another process's HTTP state (the audit
+            # shows once the engine is open)
+        assert s["audit"]["last"]["ok"] and s["audit"]["last"]["version"] == 1, s["audit"]
+        assert s["audit"]["last"]["checked"] == len(sd)
+
+        name = "model.layers.2.weight"
+        flip_tensor_byte(ckpt, name, keep_mtime=True)
+        while (s := await _status(http, url))["audit"]["repairs"] == 0:
+            await asyncio.sleep(0.05)
+        assert s["audit"]["mismatches"] >= 1, s["audit"]
+        # re-initialised from the keyframe, the delta applied again, then audited clean
+        while not ((s := await _status(http, url))["version"] == 1 and s["audit"]["healthy"]):
+            await asyncio.sleep(0.05)
+        async with http.get(f"{url}/readyz") as r:
+            assert r.status == 200
     log = "".join(lines)
     assert f"the engine serves other bytes than the manifest for 1 of {len(sd)}" in log, log
     assert f"({name})" in log and "re-initialises from a keyframe" in log, log
+    assert asyncsync_main(["verify", str(root), "--checkpoint", str(ckpt)]) == 0
+    assert read_acks(root)["a1"].version == 1
+
+
+async def test_a_fifo_in_place_of_a_data_file_is_not_ready_nor_acked_and_never_opened(
+    tmp_path: Path,
+) -> None:
+    """(attack-80) A FIFO put in place of a data file of a plain checkpoint: the audit could
+    not run (logged at each interval, the auditor healthy), each sync failed ("the checkpoint
+    is damaged"), and yet ``/readyz`` answered 200 and the ack still named v1, which the files
+    no longer held. The FIFO is refused, never opened (a hostile one must not hang the
+    receiver) nor removed: the ack is withdrawn and ``/readyz`` is 503 with the reason until
+    it is gone; then the receiver re-initialises the files from a keyframe."""
+    root, ckpt = tmp_path / "root", tmp_path / "c"
+    async with (
+        _receiver_cli(tmp_path) as (url, _),
+        asyncio.timeout(120),
+        aiohttp.ClientSession() as http,
+    ):
+        while "a1" not in read_acks(root) or (await _status(http, url))["version"] != 1:
+            await asyncio.sleep(0.05)  # another process's ack
+        weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())
+        data = ckpt / weight_map["weight_map"]["model.layers.2.weight"]
+        data.unlink()
+        os.mkfifo(data)
+        while "a1" in read_acks(root):
+            await asyncio.sleep(0.05)  # the ack withdrawn
+        async with http.get(f"{url}/readyz") as r:
+            body = await r.json()
+            assert r.status == 503, body
+        assert body["serving"] is None and "FIFO" in body.get("error", ""), body
+        async with http.get(f"{url}/status") as r:  # the receiver not hung on it
+            assert "FIFO" in (await r.json())["last_error"]
+        data.unlink()  # the operator's fix: the files re-initialised from the keyframe
+        while not ((await _status(http, url))["version"] == 1 and "a1" in read_acks(root)):
+            await asyncio.sleep(0.05)
+        async with http.get(f"{url}/readyz") as r:
+            assert r.status == 200, await r.text()
     assert asyncsync_main(["verify", str(root), "--checkpoint", str(ckpt)]) == 0
     assert read_acks(root)["a1"].version == 1
 
