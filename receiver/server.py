@@ -8,7 +8,8 @@
                         server engine the server is asked (``Engine.serving_version``), so
                         a restarted SGLang is not ready until the receiver reloaded it:
                         the readiness gate of the inference container. With an auditor,
-                        also 503 from a served-bytes mismatch until it is repaired
+                        also 503 from a served-bytes mismatch until it is repaired. Serving
+                        nothing, the body names the last sync's error (``error``)
 ``GET /status``         JSON: engine id, applied version, newest version seen, lag, last
                         error, the version in flight and its progress, counters, the
                         audit's last result (``audit``)
@@ -412,6 +413,8 @@ class StatusServer:
             body.update(ready=False, why="nothing committed yet")
         elif serving is None:
             body.update(ready=False, why="the engine serves no version the receiver applied")
+            if (error := agent.status().last_error) is not None:  # e.g. its files unreadable
+                body["error"] = error
             agent.request_sync()  # a restarted server: reconcile it now
         elif latest - serving > self.ready_max_lag:
             body.update(ready=False, why=f"{latest - serving} version(s) behind")

@@ -256,7 +256,11 @@ class LocalCheckpoint(RedoLog, Engine):
         read and hashed, the whole model; redo records held are merged into the files first."""
         if self._ps.redo:
             await self._run(self._compact, "audit")
-        return await self._run(self._audit, manifest)
+        try:
+            return await self._run(self._audit, manifest)
+        finally:  # a data file that cannot be read back (a FIFO): the ack withdrawn at once
+            if self._unreadable is not None and self.on_lost is not None:
+                await self.on_lost()
 
     async def repair(self) -> None:
         """After an audit found other bytes in the files: removed (the receiver re-initialises

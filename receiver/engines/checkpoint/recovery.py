@@ -59,6 +59,26 @@ class Recovery:
     _broken: str | None  # why the last flush failed (the held version must be checked again)
     _undo_pending: str | None  # a rollback that failed: done again at the next begin
     _txn: _Txn | None  # the version being applied, between begin and commit or abort
+    #: why the files of the version held cannot be read back (a FIFO, a device, a directory
+    #: put in place of a data file: refused, never opened nor removed); None: they can
+    _unreadable: str | None = None
+
+    def ackable(self) -> EngineState:
+        """Nothing while the files cannot be read back (:attr:`_unreadable`): the ack claims no
+        version the files may no longer hold (``Engine.ackable``)."""
+        return EngineState() if self._unreadable else self.state
+
+    async def serving_version(self) -> int | None:
+        """None while the files cannot be read back: ``/readyz`` answers 503."""
+        return None if self._unreadable else self.state.version
+
+    def _refuse_unsafe(self, exc: EngineStateError) -> None:
+        """Raise ``exc`` when it is a data file that is not a regular file (``fsio.UnsafePath``:
+        put there, not an edit of the bytes; refused, never opened nor removed), the files
+        then claimed by no ack nor ``/readyz`` until they read again."""
+        if isinstance(exc.__cause__, fsio.UnsafePath):
+            self._unreadable = str(exc)
+            raise exc
 
     def _set(self, ps: PersistedState, *, spare: bool = False, restamp: bool = True) -> None:
         """Save ``ps``; the files stamped as they are (``restamp``: False where the engine has
@@ -206,8 +226,11 @@ class Recovery:
         tensor differs or their layout no longer reads (True: the engine holds nothing now).
         Nothing recorded (a checkpoint of an older receiver): stamped as they are."""
         if self._ps.version is None or self._ps.applying:
+            self._unreadable = None
             return False
         changed = self._stamps.changed()
+        if self._unreadable is not None:  # every file read again until they do (its stamps
+            changed = (changed or set()) | set(self.files.stamps())  # may be the FIFO's)
         if not changed:
             if changed is None:
                 self._stamps.record()
@@ -215,10 +238,11 @@ class Recovery:
         try:
             self._layout = self.files.load_layout()
         except EngineStateError as exc:
-            if isinstance(exc.__cause__, fsio.UnsafePath):  # a FIFO, a device, a directory:
-                raise  # put there, not an edit of the bytes; refused, never removed
+            self._refuse_unsafe(exc)  # a FIFO, a device, a directory put there: refused
+            self._unreadable = None
             bad = [f"(a file's layout: {exc})"]
         else:
+            self._unreadable = None  # (every file reads: checked below as any other change)
             ps = self._ps
             bad = sorted(set(ps.checksums) ^ set(self._layout)) if ps.checksums else []
             part = {n: loc for n, loc in self._layout.items() if loc.file in changed}
@@ -270,8 +294,7 @@ class Recovery:
                 self.directory, manifest, file_prefix=self.files.file_prefix, skip=skipped
             )
         except EngineStateError as exc:  # a layout that no longer reads: nothing matches
-            if isinstance(exc.__cause__, fsio.UnsafePath):  # a FIFO put there: refused
-                raise
+            self._refuse_unsafe(exc)  # a FIFO put there: refused
             bad = [e.name for e in manifest.tensors]
         checked = len(manifest.tensors) - len(skipped)
         return AuditReport(manifest.version, checked, tuple(bad), skipped, "the files")
@@ -305,7 +328,7 @@ class Recovery:
         failed for want of space); where that is refused too, the files go first (freeing
         their space) where the state left makes an open wipe again (a full apply, a version
         not known durable): a wipe cut short still opens empty."""
-        self._layout = {}
+        self._layout, self._unreadable = {}, None  # (a FIFO there: unlinked, never opened)
         try:
             self._set(PersistedState(), spare=True)
         except OSError:
