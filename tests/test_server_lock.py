@@ -3,11 +3,13 @@ receiver processes on one fake SGLang server."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,8 +18,11 @@ from yarl import URL
 
 from asyncsync.errors import ConfigError, LockHeld
 from asyncsync.format.acks import read_acks
+from receiver import ReceiverAgent
+from receiver.engines import SGLang, server_lock
+from receiver.engines.http_engine import Timeouts
 from receiver.engines.server_lock import ServerLock, server_key
-from tests.fake_engines import FakeSGLang, ServerThread, publish_chain
+from tests.fake_engines import FAST_RETRY, Chain, FakeSGLang, ServerThread, publish_chain
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -169,3 +174,85 @@ def test_a_lock_file_a_receiver_cannot_open_is_one_clear_error(tmp_path: Path) -
         assert "Traceback" not in proc.stderr, proc.stderr
     finally:
         path.unlink(missing_ok=True)
+
+
+def _taken_by_another_process(url: str) -> str:
+    """What tests/server_lock_taker says in a process of its own: ``took`` (then let go) or
+    ``refused: ...`` (this process still holds the server)."""
+    code = "import sys; from tests.server_lock_taker import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, url, "/ck-other"], input="\n", capture_output=True,
+        text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    return proc.stdout.strip() or proc.stderr
+
+
+async def test_an_open_cancelled_while_it_takes_the_lock_leaves_the_server_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(attack-80) ``open()`` took the server lock in a thread (``asyncio.to_thread``): cancelled
+    meanwhile, the thread went on, took it, and its result was dropped: the fd leaked and this
+    process held the server for good (a Ray actor reused, a library caller: no replacement
+    could drive it). The take finished after its caller was cancelled is released now."""
+    url = f"http://127.0.0.1:{63000 + os.getpid() % 500}"
+    inside, go, released = threading.Event(), threading.Event(), threading.Event()
+    real_open, real_release = server_lock._open, ServerLock.release
+
+    def held_open(path: Path) -> tuple[int, bool]:  # the lock file's open, held at a gate
+        inside.set()
+        assert go.wait(120)
+        return real_open(path)
+
+    def release(lock: ServerLock) -> None:
+        held = lock.fd is not None
+        real_release(lock)
+        if held:
+            released.set()
+
+    monkeypatch.setattr(server_lock, "_open", held_open)
+    monkeypatch.setattr(ServerLock, "release", release)
+    engine = SGLang(url, tmp_path / "ckpt")
+    task = asyncio.create_task(engine.open())
+    assert await asyncio.to_thread(inside.wait, 120)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    go.set()  # the take in the thread goes on, takes the lock, and must let it go
+    assert await asyncio.to_thread(released.wait, 120), "the lock a cancelled open() took is held"
+    assert _taken_by_another_process(url) == "took"
+    await engine.close()
+
+
+async def test_a_close_cancelled_midway_releases_the_server(tmp_path: Path) -> None:
+    """(attack-80) ``close()`` released the server lock on its last line only: cancelled while
+    it waited for a resume call still running (or failing before that line), it left the lock
+    held by a process that no longer drives the server. Released on every path now."""
+    chain = Chain(tmp_path / "root")
+    async with chain.pub, FakeSGLang() as srv:
+        timeouts = Timeouts(control=60.0, update=2.0, connect=0.2, startup=30.0)
+        engine = SGLang(srv.url, tmp_path / "ckpt", timeouts=timeouts, retry=FAST_RETRY,
+                        failure_backoff=(0.0, 0.0))  # fmt: skip
+        agent = ReceiverAgent(chain.root, engine, "e1", use_inotify=False)
+        await agent.open()
+        await chain.next()
+        assert await agent.sync_once() == 0
+        await chain.next()
+        srv.inject("/continue_generation", status=500, delay=5.0, times=50)  # resume hangs
+        n = len(srv.calls)
+        sync = asyncio.create_task(agent.sync_once())
+        while "POST /continue_generation" not in srv.endpoints()[n:]:
+            await asyncio.sleep(0.01)
+        sync.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sync
+        assert engine._background  # the resume call goes on: close() waits for it
+        assert _taken_by_another_process(srv.url).startswith("refused: ")  # (held while open)
+        closing = asyncio.create_task(agent.close())
+        for _ in range(3):  # into close(): it waits for the resume call (5 s an attempt)
+            await asyncio.sleep(0)
+        assert not closing.done()
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert _taken_by_another_process(srv.url) == "took"
+        await engine.close()  # (the resume call cancelled and awaited)
