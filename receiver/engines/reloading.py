@@ -304,7 +304,7 @@ class ReloadingEngine(ServerCalls, Engine):
         if self._opened:
             return self.state
         self._no_redo_log()
-        lock = await asyncio.to_thread(ServerLock.take, self.kind, self.client.url, self.model_path)
+        lock = await ServerLock.take_in_thread(self.kind, self.client.url, self.model_path)
         try:
             local = await self.checkpoint.open()
             record = await asyncio.to_thread(read_record, self.record_path)
@@ -331,30 +331,40 @@ class ReloadingEngine(ServerCalls, Engine):
                     await self._reload_server(local.version)
                     await self._set_state(local)
         except BaseException:
-            await self.client.close()
-            await self.checkpoint.close()
-            lock.release()
+            try:
+                await self.client.close()
+                await self.checkpoint.close()
+            finally:
+                lock.release()
             raise
         self._opened, self._lock = True, lock
         logger.info("%s at %s: serving version %s", self.kind, self.client.url, self.state.version)
         return self.state
 
     async def close(self) -> None:
-        if self._txn is not None:
-            await self.abort()
-        # a resume still running: waited for, cancelled past its deadline (it must not outlive
-        # close()); one of another event loop is forgotten (LoopTasks) and made here
-        if await self._background.finish(self.timeouts.control):
-            logger.warning("%s: a resume call was still running at close: cancelled", self.kind)
-        elif self._paused and self._opened:
+        """Close the client and the checkpoint and release the server; the server lock is
+        released on every path (an error or a cancellation earlier in ``close`` included: a
+        reused Ray actor, a library caller, would keep the server from a replacement)."""
+        try:
+            if self._txn is not None:
+                await self.abort()
+            # a resume still running: waited for, cancelled past its deadline (it must not
+            # outlive close()); one of another event loop is forgotten (LoopTasks), made here
+            if await self._background.finish(self.timeouts.control):
+                logger.warning("%s: a resume call was still running at close: cancelled",
+                               self.kind)  # fmt: skip
+            elif self._paused and self._opened:
+                try:
+                    await self._resumed()
+                except Exception as exc:
+                    logger.warning("%s: resuming at close failed: %s", self.kind, exc)
+        finally:
             try:
-                await self._resumed()
-            except Exception as exc:
-                logger.warning("%s: resuming at close failed: %s", self.kind, exc)
-        await self.client.close()
-        await self.checkpoint.close()
-        self._opened = False
-        self._lock.release()
+                await self.client.close()
+                await self.checkpoint.close()
+            finally:
+                self._opened = False
+                self._lock.release()
 
     async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
         if self._txn is not None:

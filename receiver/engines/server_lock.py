@@ -18,6 +18,7 @@ receiver on another host, is not seen.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -26,6 +27,7 @@ import json
 import os
 import stat
 import tempfile
+import threading
 from pathlib import Path
 
 from yarl import URL
@@ -79,6 +81,32 @@ class ServerLock:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
         return cls(fd, path)
+
+    @classmethod
+    async def take_in_thread(cls, kind: str, url: URL, checkpoint: str) -> ServerLock:
+        """:meth:`take` in a thread; a take that finishes after its caller was cancelled (or
+        failed otherwise) is released there, not left held by a lock nobody has."""
+        guard = threading.Lock()
+        taken: list[ServerLock] = []
+        abandoned: list[bool] = []  # (set by the caller, read by the thread, under guard)
+
+        def take() -> ServerLock:
+            lock = cls.take(kind, url, checkpoint)
+            with guard:
+                if abandoned:
+                    lock.release()
+                else:
+                    taken.append(lock)
+            return lock
+
+        try:
+            return await asyncio.to_thread(take)
+        except BaseException:  # cancelled in the thread, or once it returned (the result lost)
+            with guard:
+                abandoned.append(True)
+                for lock in taken:
+                    lock.release()
+            raise
 
     def release(self) -> None:
         """Let another receiver take the server (idempotent; the fd closed releases it)."""
