@@ -171,9 +171,7 @@ class LocalCheckpoint(RedoLog, Engine):
         bad), and a failed flush is recovered now (the held version checked, written again, or
         wiped), not at the next version's begin only: until then the kernel may drop the pages
         it could not write, and the version acked would not be the files'. Files edited behind
-        its back are checked once the last delta's flush is done (a wipe under the flush failed
-        it); with no edit a running flush is not waited for (the next version comes beside
-        it)."""
+        its back are checked after a running flush (a wipe under it failed it), else not waited."""
         if self._txn is not None:
             return
         if self._undo_pending is not None:
