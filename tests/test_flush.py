@@ -651,6 +651,21 @@ async def _released_when_done_or_waiting(
         await task
 
 
+async def _v1_flushing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[LocalCheckpoint, dict[str, Any], threading.Event]:
+    """A checkpoint at v1 (a delta) whose flush runs, held before it opens the data files
+    until the returned gate is set: (the engine, v1's state dict, the gate)."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    gate = _flush_held_at_its_files(monkeypatch)
+    await ck.acknowledged()
+    return ck, sd1, gate
+
+
 @pytest.mark.parametrize("call", ["reconcile", "begin"])
 async def test_files_edited_during_a_flush_are_wiped_after_it_not_under_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, call: str
@@ -661,13 +676,7 @@ async def test_files_edited_during_a_flush_are_wiped_after_it_not_under_it(
     under it: "making v1 durable failed" logged, a failed-flush note written and the engine
     marked broken until the next begin. The check now waits for the flush first: it ends
     clean, then the files are wiped, the engine holds nothing and is not broken."""
-    sd0 = mixed_state(0)
-    ck = await init_checkpoint(tmp_path, sd0)
-    sd1 = mutate(sd0, 0.05, seed=1)
-    m1 = build_manifest(sd1, 1, base=sd0)
-    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
-    gate = _flush_held_at_its_files(monkeypatch)
-    await ck.acknowledged()  # v1's flush runs, held before it opens the data files
+    ck, sd1, gate = await _v1_flushing(tmp_path, monkeypatch)
     flip_tensor_byte(tmp_path, "model.layers.2.weight")
     if call == "reconcile":
         action = ck.reconcile()
@@ -693,13 +702,7 @@ async def test_a_sync_with_nothing_newer_does_not_wait_for_the_flush_of_unedited
     """``reconcile`` (every sync that finds nothing newer) waits for a running flush only where
     the files were edited behind the receiver's back: otherwise the next version's sync would
     queue behind the last one's writeback, which the flush runs beside by design."""
-    sd0 = mixed_state(0)
-    ck = await init_checkpoint(tmp_path, sd0)
-    sd1 = mutate(sd0, 0.05, seed=1)
-    m1 = build_manifest(sd1, 1, base=sd0)
-    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
-    gate = _flush_held_at_its_files(monkeypatch)
-    await ck.acknowledged()  # v1's flush runs, held until the gate opens
+    ck, sd1, gate = await _v1_flushing(tmp_path, monkeypatch)
     try:
         async with asyncio.timeout(120):  # liveness only: the flush cannot end before the gate
             await ck.reconcile()
