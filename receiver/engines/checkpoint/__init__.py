@@ -110,7 +110,8 @@ flush, the wipe), :mod:`~receiver.engines.checkpoint.flusher` (the flush after t
 the engine's own thread), :mod:`~receiver.engines.checkpoint.files` (data
 files, index, layout; :func:`verify_checkpoint`), :mod:`~receiver.engines.checkpoint.inplace`
 (undoable in-place deltas), :mod:`~receiver.engines.checkpoint.journal` (the undo record's
-format), :mod:`~receiver.engines.checkpoint.staging` (full versions through staged files),
+format), :mod:`~receiver.engines.checkpoint.staging` (full versions through staged files) and
+:mod:`~receiver.engines.checkpoint.fullswap` (their apply and commit, the files swapped),
 :mod:`~receiver.engines.checkpoint.stamps` (the data files' stamps),
 :mod:`~receiver.engines.checkpoint.redolog` (the redo log) and
 :mod:`~receiver.engines.checkpoint.redo` (its records' format).

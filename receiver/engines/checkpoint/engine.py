@@ -1,11 +1,11 @@
 """The LocalCheckpoint engine: its transactions and the flush after the ack (recovery at open
-and after a failed flush is :mod:`~receiver.engines.checkpoint.recovery`; the directory layout
-and crash-safety rules are in :mod:`receiver.engines.checkpoint`)."""
+and after a failed flush is :mod:`~receiver.engines.checkpoint.recovery`, a full version's
+staged swap :mod:`~receiver.engines.checkpoint.fullswap`; the directory layout and crash-safety
+rules are in :mod:`receiver.engines.checkpoint`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -19,7 +19,6 @@ import safetensors
 import safetensors.torch
 import torch
 
-from asyncsync import fsio
 from asyncsync.errors import (
     ApplyFailed,
     AsyncSyncError,
@@ -29,9 +28,10 @@ from asyncsync.errors import (
 )
 from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import AuditReport, Engine, EngineState, TensorUpdate
-from receiver.engines.checkpoint import inplace, staging
+from receiver.engines.checkpoint import inplace
 from receiver.engines.checkpoint.files import CheckpointFiles
 from receiver.engines.checkpoint.flusher import Flusher
+from receiver.engines.checkpoint.fullswap import FullVersions
 from receiver.engines.checkpoint.redolog import RedoLog, Writing, check_redo_log
 from receiver.engines.checkpoint.stamps import Stamps
 from receiver.engines.st_layout import FileMaps, TensorLocation
@@ -67,7 +67,7 @@ class _Txn:
 # --------------------------------------------------------------------------- the engine
 
 
-class LocalCheckpoint(RedoLog, Engine):
+class LocalCheckpoint(RedoLog, FullVersions, Engine):
     """A safetensors checkpoint directory patched in place (see :mod:`receiver.engines.checkpoint`).
 
     Its data files and index are :attr:`files` (:mod:`~receiver.engines.checkpoint.files`); a
@@ -494,66 +494,6 @@ class LocalCheckpoint(RedoLog, Engine):
             raise
         finally:
             txn.maps.close()
-
-    # -- full ---------------------------------------------------------------------------------
-    def _apply_full(self, txn: _Txn, updates: list[TensorUpdate]) -> None:
-        items: list[tuple[TensorEntry, torch.Tensor]] = []
-        for u in updates:
-            entry = self._claim(txn, u)
-            if u.full is None:
-                raise ApplyFailed(f"tensor {entry.name!r}: full mode needs full data, not a patch")
-            items.append((entry, u.full))
-        if not items:
-            return
-        part = f"part-{txn.seq:06d}.safetensors"
-        txn.seq += 1
-        sums = staging.stage_part(
-            self._store.staging_dir, part, items, txn.manifest.checksum_algorithm
-        )
-        txn.parts.append(part)
-        txn.staged.update({n: (part, s) for n, s in sums.items()})
-
-    def _commit_full(self, txn: _Txn) -> str:
-        m, staged = txn.manifest, self._store.staging_dir
-        self._txn = None
-        try:
-            staging.check_staged(txn.entries, txn.staged, m.version, self.state.version, staged)
-            # the layout the swapped files will have, read back before any old file goes
-            layout = staging.staged_layout(txn.entries, txn.staged, m.version, staged)
-            fsio.fsync_dir(staged)
-        except BaseException:
-            self._store.clear_dir(staged)
-            raise
-        n = len(txn.parts)
-        final = {p: self.files.file_name(k, n) for k, p in enumerate(txn.parts, 1)}
-        weight_map = {name: final[part] for name, (part, _) in txn.staged.items()}
-        layout = {name: replace(loc, file=weight_map[name]) for name, loc in layout.items()}
-        try:
-            self._set(self._ps.begin(m.version, "full"))
-            old = set(self.files.data_files())
-            for part, name in final.items():
-                os.replace(staged / part, self.directory / name)
-            self.files.write_index(m.version, weight_map, sum(e.nbytes for e in m.tensors))
-            for p in old - {self.directory / name for name in final.values()}:
-                p.unlink()
-            fsio.fsync_dir(self.directory)
-            self._set(holding(PersistedState(), m))  # no redo record: they applied on old files
-            self._layout = layout
-            self._undo_pending = None  # every file replaced: nothing left to undo
-        except BaseException as exc:
-            logger.error("%s: full apply of v%s failed midway (%s)", self.directory, m.version, exc)
-            with contextlib.suppress(OSError, AsyncSyncError):
-                self._wipe()
-            raise ApplyFailed(
-                f"{self.directory}: moving v{m.version} into place failed ({exc}); the files "
-                "were removed, the receiver re-initialises from a keyframe"
-            ) from exc
-        with contextlib.suppress(OSError):  # kept, it costs one rewrite at a later open
-            self._flusher.clear()  # nothing left to write again: every file new and fsynced
-        with contextlib.suppress(OSError):  # unnamed: removed at the next open otherwise
-            self._store.clear_dir(self._store.redo_dir)
-        logger.info("%s: committed full v%s (%d files)", self.directory, m.version, n)
-        return m.fingerprint
 
     # -- abort / bump -------------------------------------------------------------------------
     def _abort(self) -> None:
