@@ -449,6 +449,41 @@ def test_profile_writes_both_sides_and_unwraps(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncsync-profile")] == []
 
 
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(), reason="Linux schedstat")
+def test_profile_stage_table_splits_the_wall_into_cpu_queued_and_asleep() -> None:
+    """A stage's wall beyond its CPU was one number: a prefault reading 178 ms of wall for
+    25 ms of CPU could not tell a wait on the disk from a wait for a core. The table now says
+    how long the thread was runnable but not running (schedstat) and asleep (the rest)."""
+    from asyncsync.ops.bench.profile import StageTimers, _stage_table
+
+    stages = tuple((0, name, f"{__name__}:_profile_{name}") for name in ("sleeps", "spins"))
+    timers = StageTimers(stages)
+    with timers.installed():
+        mod = sys.modules[__name__]
+        mod._profile_sleeps(0.05)  # type: ignore[attr-defined]
+        mod._profile_spins(0.02)  # type: ignore[attr-defined]
+    assert sys.modules[__name__]._profile_sleeps is _profile_sleeps  # put back
+    slept, spun = timers.tallies["sleeps"], timers.tallies["spins"]
+    for t in (slept, spun):
+        assert t.calls == 1 and t.queued >= 0 and t.cpu + t.queued <= t.wall + 1e-3
+    assert slept.wall - slept.cpu - slept.queued >= 0.045  # the sleep is neither CPU nor queued
+    assert spun.cpu > 0
+    table = _stage_table(timers, 1, "sleeps")
+    assert table[0].split()[-5:] == ["queued", "asleep", "%", "of", "wall"]
+    row = table[1].split()
+    assert row[0] == "sleeps" and float(row[5]) >= 45.0  # the asleep column, in ms
+
+
+def _profile_sleeps(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _profile_spins(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def test_profile_takes_throttle_none(tmp_path: Path) -> None:
     """``--profile DIR --throttle none`` profiles over the local filesystem, as ``--peers`` and
     the sweep take it (it was a ValueError traceback: 'cannot parse throttle')."""

@@ -13,6 +13,8 @@ Two views of each side, written as small text files (``profile_publish_<size>.tx
 * **stages**: wall and thread-CPU seconds per call of the functions that make up the data path
   (:data:`PUBLISH_STAGES`, :data:`APPLY_STAGES`), wrapped for the timed versions; nested stages
   are indented under the stage that calls them, so each line's time includes those below it;
+  where Linux says (schedstat) the wall is split further: the time the thread waited for a
+  core (``queued``) and the rest of the wall beyond CPU (``asleep``: I/O, locks, the GIL);
 * **samples**: one more version with a sampler thread that reads every thread's CPU clock every
   millisecond or so and charges the CPU used since to the thread's Python stack (self: the
   innermost frame; total: any frame on the stack). C code that holds the GIL delays a sample,
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import gc
 import importlib
@@ -133,6 +136,49 @@ class _Tally:
     calls: int = 0
     wall: float = 0.0
     cpu: float = 0.0
+    queued: float = 0.0  # runnable, not running (NaN where the kernel does not say)
+
+
+class _RunQueue:
+    """The calling thread's seconds spent runnable but not running so far (Linux schedstat's
+    second field: waiting for a core), NaN where it cannot be read. Read without letting go of
+    the GIL (``ctypes.PyDLL``): a stage timer that released it twice per call would add the
+    very waits it measures. One descriptor per thread, closed by :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+        self._buf = threading.local()
+        try:
+            pread = ctypes.PyDLL(None).pread
+        except (OSError, AttributeError):
+            self._pread = None
+        else:
+            pread.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long]
+            pread.restype = ctypes.c_ssize_t
+            self._pread = pread
+
+    def __call__(self) -> float:
+        if self._pread is None:
+            return float("nan")
+        tid = threading.get_native_id()
+        fd = self._fds.get(tid)
+        if fd is None:
+            try:
+                fd = self._fds[tid] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            except OSError:
+                fd = self._fds[tid] = -1
+        buf = getattr(self._buf, "b", None)
+        if buf is None:
+            buf = self._buf.b = ctypes.create_string_buffer(128)
+        n = self._pread(fd, buf, 127, 0) if fd >= 0 else -1
+        fields = buf.raw[: max(n, 0)].split()
+        return int(fields[1]) / 1e9 if len(fields) >= 2 else float("nan")
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd >= 0:
+                os.close(fd)
+        self._fds.clear()
 
 
 def _resolve(target: str) -> tuple[Any, str]:
@@ -151,6 +197,7 @@ class StageTimers:
     stages: tuple[tuple[int, str, str], ...]
     tallies: dict[str, _Tally] = field(default_factory=lambda: defaultdict(_Tally))
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _queued: _RunQueue = field(default_factory=_RunQueue)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StageTimers]:
@@ -168,13 +215,15 @@ class StageTimers:
         finally:
             for owner, attr, fn in reversed(saved):
                 setattr(owner, attr, fn)
+            self._queued.close()
 
-    def _add(self, label: str, wall: float, cpu: float) -> None:
+    def _add(self, label: str, wall: float, cpu: float, queued: float = float("nan")) -> None:
         with self._lock:
             t = self.tallies[label]
             t.calls += 1
             t.wall += wall
             t.cpu += cpu
+            t.queued += queued
 
     def _wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(fn):
@@ -191,11 +240,13 @@ class StageTimers:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            q0 = self._queued()
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._add(label, time.perf_counter() - t0, time.thread_time() - c0)
+                wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                self._add(label, wall, cpu, self._queued() - q0)
 
         return wrapper
 
@@ -254,18 +305,22 @@ class StackSampler:
 def _stage_table(timers: StageTimers, versions: int, total_label: str) -> list[str]:
     total = timers.tallies[total_label].wall / versions if total_label in timers.tallies else 0
     lines = [
-        f"{'stage':<58} {'calls/v':>8} {'wall ms/v':>10} {'CPU ms/v':>9} {'% of wall':>9}",
+        f"{'stage':<58} {'calls/v':>8} {'wall ms/v':>10} {'CPU ms/v':>9} {'queued':>7} "
+        f"{'asleep':>7} {'% of wall':>9}",
     ]
     for depth, label, _ in timers.stages:
         t = timers.tallies.get(label)
         if t is None or not t.calls:
             continue
-        wall, cpu = 1e3 * t.wall / versions, 1e3 * t.cpu / versions
+        wall, cpu, queued = (1e3 * x / versions for x in (t.wall, t.cpu, t.queued))
         share = f"{100 * t.wall / versions / total:8.0f}%" if total else ""
         cpu_text = "" if cpu != cpu else f"{cpu:9.1f}"  # NaN: a coroutine
+        queued_text, asleep_text = ("", "") if queued != queued else (
+            f"{queued:7.1f}", f"{max(wall - cpu - queued, 0.0):7.1f}"
+        )  # fmt: skip
         lines.append(
             f"{'  ' * depth + label:<58} {t.calls / versions:8.1f} {wall:10.1f} {cpu_text:>9} "
-            f"{share:>9}"
+            f"{queued_text:>7} {asleep_text:>7} {share:>9}"
         )
     return lines
 
@@ -427,7 +482,10 @@ async def _profile(
         lines += ["", f"## stages (mean of {versions} versions)", ""]
         lines += [
             f"(CPU: the calling thread's; the tensors' work on the {pool}-thread pool "
-            "(asyncsync-cpu) is in the samples below, not in this column)",
+            "(asyncsync-cpu) is in the samples below, not in this column. queued: the calling "
+            "thread runnable but not running (waiting for a core); asleep: wall - CPU - "
+            "queued (I/O, locks, the GIL). Stages run on several threads at once add their "
+            "walls up)",
             "",
         ]
         lines += _stage_table(timers, versions, total)
