@@ -146,8 +146,7 @@ class _RunQueue:
     very waits it measures. One descriptor per thread, closed by :meth:`close`."""
 
     def __init__(self) -> None:
-        self._fds: dict[int, int] = {}
-        self._buf = threading.local()
+        self._fds: dict[int, tuple[int, ctypes.Array[ctypes.c_char]]] = {}  # by thread id
         try:
             pread = ctypes.PyDLL(None).pread
         except (OSError, AttributeError):
@@ -161,21 +160,20 @@ class _RunQueue:
         if self._pread is None:
             return float("nan")
         tid = threading.get_native_id()
-        fd = self._fds.get(tid)
-        if fd is None:
+        at = self._fds.get(tid)
+        if at is None:
             try:
-                fd = self._fds[tid] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
             except OSError:
-                fd = self._fds[tid] = -1
-        buf = getattr(self._buf, "b", None)
-        if buf is None:
-            buf = self._buf.b = ctypes.create_string_buffer(128)
+                fd = -1
+            at = self._fds[tid] = (fd, ctypes.create_string_buffer(128))
+        fd, buf = at
         n = self._pread(fd, buf, 127, 0) if fd >= 0 else -1
-        fields = buf.raw[: max(n, 0)].split()
+        fields = buf.raw[: max(n, 0)].split(None, 2)
         return int(fields[1]) / 1e9 if len(fields) >= 2 else float("nan")
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd, _ in self._fds.values():
             if fd >= 0:
                 os.close(fd)
         self._fds.clear()
