@@ -238,13 +238,14 @@ class StageTimers:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            q0 = self._queued()
             t0, c0 = time.perf_counter(), time.thread_time()
+            q0 = self._queued()  # read inside the wall: queued + CPU never exceeds it
             try:
                 return fn(*args, **kwargs)
             finally:
+                queued = self._queued() - q0
                 wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-                self._add(label, wall, cpu, self._queued() - q0)
+                self._add(label, wall, cpu, queued)
 
         return wrapper
 
