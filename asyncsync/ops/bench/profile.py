@@ -483,8 +483,8 @@ async def _profile(
             f"(CPU: the calling thread's; the tensors' work on the {pool}-thread pool "
             "(asyncsync-cpu) is in the samples below, not in this column. queued: the calling "
             "thread runnable but not running (waiting for a core); asleep: wall - CPU - "
-            "queued (I/O, locks, the GIL). Stages run on several threads at once add their "
-            "walls up)",
+            "queued (I/O, locks, the GIL, and for a stage that hands its work to the pool, "
+            "the wait for it). Stages run on several threads at once add their walls up)",
             "",
         ]
         lines += _stage_table(timers, versions, total)
