@@ -275,3 +275,35 @@ async def test_acks_it_cannot_read_pin_every_version(tmp_path: Path, damage: str
         os.utime(ack, (old, old))
         collect(tmp_path, policy)
         assert list_versions(tmp_path) == [8, 9]
+
+
+@pytest.mark.parametrize("readable", [True, False])
+async def test_a_dead_engines_ack_dated_ahead_pins_only_while_its_lease_renews(
+    tmp_path: Path, readable: bool
+) -> None:
+    """(attack-85) A receiver whose clock ran two hours ahead (its files keep that clock's
+    mtimes, as on an object-store mount) acked v2 and is gone: its ack, dated in the future,
+    read as 0 s old (an unreadable one as written just now) and pinned 3.. (everything) until
+    the file server's clock caught up, whatever ack_ttl said. Dated more than ack_ttl ahead,
+    its lease decides, as for one dated more than ack_ttl back: renewed, it keeps them; none,
+    they go."""
+    await chain(tmp_path, 9, keyframe_interval=4)  # keyframes 0, 4, 8
+    run_id = read_root_info(tmp_path).run_id  # type: ignore[union-attr]
+    ack = tmp_path / "acks" / "e1.json"
+    if readable:
+        write_ack(tmp_path, "e1", 2, "ab" * 16, run_id)
+    else:
+        ack.parent.mkdir(exist_ok=True)
+        ack.write_bytes(b"\x00\xff not json")
+    t = time.time() + 2 * 3600
+    os.utime(ack, (t, t))
+    policy = RetentionPolicy(keep_versions=1, ack_ttl=600)
+    rec = LeaseRecord("e1", "f" * 16, "other-host", 4242, 0.5, 0.0, 0.0)
+    with renewing(lease_path(tmp_path, "e1"), heartbeats(rec), every=0.1, behind=-2 * 3600):
+        while not lease_path(tmp_path, "e1").exists():  # its first heartbeat
+            time.sleep(0.01)
+        report = collect(tmp_path, policy, watch=WATCH_LIMIT)  # live: kept
+    assert list_versions(tmp_path) == list(range(3 if readable else 0, 10)), report.reasons
+    lease_path(tmp_path, "e1").unlink()  # its receiver is gone, and its lease with it
+    collect(tmp_path, policy)
+    assert list_versions(tmp_path) == [8, 9]
