@@ -57,13 +57,14 @@ async def test_an_ack_dated_in_the_future_does_not_pin_forever(tmp_path: Path) -
     assert list_versions(tmp_path) == [8, 9]
 
 
-async def test_status_flags_an_ack_dated_in_the_future_and_gc_keeps_it_live(
+async def test_status_flags_an_ack_dated_in_the_future_and_gc_asks_its_lease(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """(helper-64) An ack whose mtime is in the future of the root's clock (a clock stepped
     back on the file server, a hostile utime) had its age clamped to 0: `status` showed "age
     0.0", as for an ack just written, and --stale could never fire. It says so now, in a line
-    and in the JSON; gc still counts the engine as live (keeps what it needs)."""
+    and in the JSON. gc keeps what the engine needs while the ack is dated within ack_ttl
+    ahead; further ahead, its lease decides (attack-85: none here, so it pins nothing)."""
     await _chain(tmp_path, 9)  # keyframes 0, 4, 8
     _ack(tmp_path, "ahead", 2, applied_at=time.time(), mtime=time.time() + 2 * HOUR)
     assert cli_main(["status", str(tmp_path), "--json"]) == 3  # behind by 7: a straggler
@@ -73,9 +74,11 @@ async def test_status_flags_an_ack_dated_in_the_future_and_gc_keeps_it_live(
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if "in the future" in line]
     assert len(said) == 1 and said[0].startswith("ack of ahead dated 7"), out
-    assert "age unknown" in said[0] and "treats it as live" in said[0], said
-    collect(tmp_path, RetentionPolicy(keep_versions=1, ack_ttl=600))
+    assert "age unknown" in said[0] and "gc too, once it is dated more" in said[0], said
+    collect(tmp_path, RetentionPolicy(keep_versions=1, ack_ttl=3 * HOUR))
     assert list_versions(tmp_path) == list(range(3, 10))
+    collect(tmp_path, RetentionPolicy(keep_versions=1, ack_ttl=600))
+    assert list_versions(tmp_path) == [8, 9]
 
 
 async def test_status_shows_age_on_the_root_clock_and_the_skew(

@@ -261,7 +261,8 @@ class AckAge:
     filesystem's when it wrote the ack (``applied_at - mtime``; large means a wrong clock);
     ``ahead``: how far that ack or heartbeat is dated in the future of the filesystem's clock
     (a clock stepped back on the file server, a hand-set mtime), 0 when it is not: ``age`` is
-    then 0, so an engine that went quiet never looks stale; retention keeps it live (safe).
+    then 0, so an engine that went quiet never looks stale: retention asks the lease of one
+    dated more than ``ack_ttl`` ahead, as of one that old.
     """
 
     age: float

@@ -4,7 +4,8 @@ What is always kept:
 
 * the newest keyframe and every version after it (the chain any engine can start from);
 * every version after the one a *live* engine acknowledged (it will replay them), where live
-  means its ack was written, or its lease renewed, less than ``ack_ttl`` seconds ago (file
+  means its ack was written, or its lease renewed, less than ``ack_ttl`` seconds ago, and not
+  dated more than ``ack_ttl`` ahead (file
   mtimes against a freshly created file's; a receiver host's clock, in ``applied_at``, is
   never compared with ours), **or** its lease is seen renewed, or not yet seen unchanged for
   its ttl (FORMAT.md 7). On an object-store mount (rclone, s3fs, gcsfuse) the mtimes are the
@@ -13,8 +14,8 @@ What is always kept:
   one-shot ``collect`` (``asyncsync gc``) watches such leases until it knows (up to their ttl);
   the publisher's, after each commit, looks once per commit and keeps what it has not decided;
 * every version while an ack that cannot be read may be live (whose version it holds is
-  unknown): written less than ``ack_ttl`` ago by its mtime, or, when older, while its engine's
-  lease is seen renewed or not yet seen unchanged for its ttl (as above);
+  unknown): dated within ``ack_ttl`` of now by its mtime, or, when further either way, while
+  its engine's lease is seen renewed or not yet seen unchanged for its ttl (as above);
 * the newest ``keep_versions`` versions and, counting from the newest, as many versions as fit
   in ``keep_bytes`` (when set).
 
@@ -132,7 +133,9 @@ def collect(
         logger.info("gc %s: %s", root, clock)
     ages = ack_ages(root, acks, now)  # on the filesystem's clock: receivers' clocks may be wrong
     ttl = policy.ack_ttl
-    quiet = [e for e in acks if ttl is not None and ages[e].age > ttl]  # by the mtimes
+    # by the mtimes: more than ack_ttl old, or dated more than ack_ttl ahead (a dead engine
+    # whose clock ran ahead pinned its versions until the file server's clock caught up)
+    quiet = [e for e in acks if ttl is not None and max(ages[e].age, ages[e].ahead) > ttl]
     maybe = {path: _may_be_live(root, path, ttl, now) for path in unreadable}
     asked = {*quiet, *(e for e in maybe.values() if isinstance(e, str))}  # their leases tell
     heard = watch_leases(root, asked, wait=watch, watch=_LEASES) if asked else {}
@@ -147,8 +150,9 @@ def collect(
         e = ack.engine_id
         if heard.get(e, True) is False:  # no lease, or seen unchanged for its ttl: not live
             continue
+        looks = f"{ages[e].age:.0f}s old" if ages[e].age else f"dated {ages[e].ahead:.0f}s ahead"
         why = "" if e not in heard else (
-            f" (its ack looks {ages[e].age:.0f}s old, but its lease "
+            f" (its ack looks {looks}, but its lease "
             + ("renews: its clock is off)" if heard[e] else "is watched for a heartbeat)")
         )  # fmt: skip
         for v in versions:
@@ -189,11 +193,12 @@ def collect(
 
 
 def _may_be_live(root: Path, path: Path, ack_ttl: float | None, now: float) -> bool | str:
-    """Whether an ack file that cannot be read may be a live engine's: True when written less
-    than ``ack_ttl`` before ``now`` by its mtime (``acks/`` always may); when older, the engine
+    """Whether an ack file that cannot be read may be a live engine's: True when its mtime is
+    within ``ack_ttl`` of ``now`` (``acks/`` always may); when further either way, the engine
     id its name gives, whose lease decides (its mtime is its writer's clock on object-store
-    mounts: a live receiver whose clock runs behind dates it in the past); False when it is
-    gone, or older and its name is no engine id."""
+    mounts: a live receiver whose clock runs behind dates it in the past, a dead one whose
+    clock ran ahead in the future); False when it is gone, or further and its name is no
+    engine id."""
     if path == root / ACKS_DIR or ack_ttl is None:
         return True
     try:
@@ -202,7 +207,7 @@ def _may_be_live(root: Path, path: Path, ack_ttl: float | None, now: float) -> b
         return False
     except OSError:
         return True
-    if now - mtime <= ack_ttl:
+    if abs(now - mtime) <= ack_ttl:
         return True
     try:
         return check_engine_id(path.name.removesuffix(".json"))

@@ -20,7 +20,8 @@ mtime) has no age to show: one line says so (JSON: ``ack_ahead_seconds``). Such 
 one whose ack and lease look older than ``--stale``, is judged by its lease when it is behind:
 ``status`` watches it (up to its ttl, 30 s by default) and counts the engine silent, so a
 straggler, unless it sees a heartbeat (JSON: ``lease_renewed``); mtimes on rclone, s3fs and
-gcsfuse are the writers' clocks. ``gc`` keeps an engine dated ahead live (the safe side).
+gcsfuse are the writers' clocks. ``gc`` judges an engine dated more than ``ack_ttl`` ahead
+by its lease the same way (within ``ack_ttl`` ahead: live, the safe side).
 Exit status 0, or 3 when there are stragglers (for scripts and alerts), or 1 when the root,
 its ``acks/`` or one of the ack files in it cannot be read (never "0 engines, all clear" for
 acks it could not see: an unreadable ack file is listed, and its engine's version is unknown).
@@ -173,7 +174,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"ack of {r['engine_id']} dated {r['ack_ahead_seconds']:.0f} s in the future "
                     "of the root's clock (its writer's clock ahead, a clock stepped back, a "
                     "hand-set mtime): its age unknown; --stale judges it by its lease's "
-                    "heartbeat; gc treats it as live"
+                    "heartbeat; gc too, once it is dated more than ack_ttl ahead"
                 ))  # fmt: skip
         for u in lost:
             print(printable(f"ack UNREADABLE: {u['path']} ({u['reason']})"))
