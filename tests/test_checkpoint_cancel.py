@@ -1,0 +1,110 @@
+"""A ``LocalCheckpoint.open()`` cancelled while its thread runs (a startup deadline, a Ray
+actor's task cancelled), then ``close()``: the checkpoint's lock (``flock`` on
+``.asyncsync/lock``: one receiver per checkpoint) as another process sees it."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncsync import Publisher, fsio
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint, recovery
+from tests.conftest import mixed_state
+
+REPO = Path(__file__).resolve().parent.parent
+
+_TAKER = """
+import asyncio, sys
+from asyncsync.errors import LockHeld
+from receiver.engines.checkpoint import LocalCheckpoint
+async def main():
+    ck = LocalCheckpoint(sys.argv[1])
+    try:
+        await ck.open()
+    except LockHeld:
+        print("refused")
+        return
+    await ck.close()
+    print("took")
+asyncio.run(main())
+"""
+
+
+def _opened_by_another_process(ckpt: Path) -> str:
+    """``took`` (then closed) or ``refused`` (the checkpoint's lock is held), as a receiver in
+    a process of its own finds it."""
+    proc = subprocess.run([sys.executable, "-c", _TAKER, str(ckpt)], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)  # fmt: skip
+    return proc.stdout.strip() or proc.stderr
+
+
+async def _checkpoint_at_v0(tmp_path: Path) -> Path:
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    async with Publisher(root) as pub:
+        await pub.seed(mixed_state(0))
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e1", use_inotify=False) as agent:
+        assert await agent.sync_once() == 0
+    return ckpt
+
+
+def _gated(real: Callable[..., Any], inside: threading.Event, go: threading.Event) -> Any:
+    """``real``, its first call held at a gate (``inside`` set, then ``go`` waited for)."""
+
+    def held(*args: Any, **kw: Any) -> Any:
+        if not inside.is_set():
+            inside.set()
+            assert go.wait(120)
+        return real(*args, **kw)
+
+    return held
+
+
+@pytest.mark.parametrize("gate", ["before the lock", "under the lock"])
+async def test_an_open_cancelled_midway_then_closed_leaves_the_checkpoint_to_one_receiver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: str
+) -> None:
+    """(attack-85) ``close()`` released the lock at once while the cancelled open's thread
+    still ran: held before it took the lock, the thread took it after ``close()`` returned, and
+    this process held the checkpoint for good, closed (a replacement receiver refused, as with
+    the server lock in attack-80); held after (an interrupted delta undone, files re-checked),
+    the thread went on patching the files with the lock let go, another receiver free to open
+    them beside it. ``close()`` now waits for that thread and releases the lock after it."""
+    ckpt = await _checkpoint_at_v0(tmp_path)
+    inside, go = threading.Event(), threading.Event()
+    if gate == "before the lock":  # the open's first I/O: before the state store's lock
+        monkeypatch.setattr(recovery, "no_copy_on_write",
+                            _gated(recovery.no_copy_on_write, inside, go))  # fmt: skip
+    else:  # the state store's temp files cleared, the lock taken
+        monkeypatch.setattr(fsio, "remove_temp_files", _gated(fsio.remove_temp_files, inside, go))
+    engine = LocalCheckpoint(ckpt)
+    try:
+        await _cancel_open_then_close(engine, ckpt, inside, go, gate)
+    finally:
+        go.set()  # (a failed assert: the thread let go)
+
+
+async def _cancel_open_then_close(
+    engine: LocalCheckpoint, ckpt: Path, inside: threading.Event, go: threading.Event, gate: str
+) -> None:
+    opening = asyncio.create_task(engine.open())
+    assert await asyncio.to_thread(inside.wait, 120)
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    closing = asyncio.create_task(engine.close())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    if gate == "under the lock":  # the open's thread works on the files: nobody else may
+        assert await asyncio.to_thread(_opened_by_another_process, ckpt) == "refused"
+    go.set()
+    await asyncio.wait_for(closing, 120)
+    await asyncio.to_thread(lambda: engine._mutex.acquire(timeout=120) and engine._mutex.release())
+    assert await asyncio.to_thread(_opened_by_another_process, ckpt) == "took"
