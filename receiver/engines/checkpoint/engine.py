@@ -139,7 +139,9 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
             except (AsyncSyncError, OSError) as exc:  # kept: merged at the next open
                 logger.warning("%s: compaction at close failed: %s", self.directory, exc)
         self._flusher.close()
-        self._store.close()
+        # after the work of a thread still running (a cancelled open's, which may take the lock
+        # yet or patch the files under it): not released under it, nor left held by nobody
+        await self._run(self._store.close)
 
     async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
         if mode == "delta":
