@@ -1,10 +1,12 @@
-"""A ``LocalCheckpoint.open()`` cancelled while its thread runs (a startup deadline, a Ray
-actor's task cancelled), then ``close()``: the checkpoint's lock (``flock`` on
-``.asyncsync/lock``: one receiver per checkpoint) as another process sees it."""
+"""An open that is cancelled or fails midway (a ``LocalCheckpoint.open()`` whose thread still
+runs: a startup deadline, a Ray actor's task cancelled; a ``ReceiverAgent.open()`` failing after
+its engine's), then closed: the checkpoint's lock (``flock`` on ``.asyncsync/lock``: one receiver
+per checkpoint) as another process sees it."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 import threading
@@ -107,4 +109,28 @@ async def _cancel_open_then_close(
     go.set()
     await asyncio.wait_for(closing, 120)
     await asyncio.to_thread(lambda: engine._mutex.acquire(timeout=120) and engine._mutex.release())
+    assert await asyncio.to_thread(_opened_by_another_process, ckpt) == "took"
+
+
+async def test_an_agent_whose_open_fails_after_the_engines_lets_the_checkpoint_go(
+    tmp_path: Path,
+) -> None:
+    """(attack-85) ``ReceiverAgent.open()`` opened the engine, then failed (here: its ack names
+    v0, the new checkpoint holds nothing, and the ack cannot be removed, ``chattr +i``; a
+    cancel there, an unreadable root the same): the engine stayed open, its lock held, and the
+    agent, never opened, closed nothing, so no receiver could take the checkpoint until this
+    process ended (a Ray actor retrying with a new agent: refused for good). The engine is
+    closed where the agent's open fails."""
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr (e2fsprogs)")
+    await _checkpoint_at_v0(tmp_path)  # acked v0 as e1
+    root, ckpt = tmp_path / "root", tmp_path / "other-ckpt"
+    ack = root / "acks" / "e1.json"
+    subprocess.run(["chattr", "+i", str(ack)], check=True)
+    try:
+        agent = ReceiverAgent(root, LocalCheckpoint(ckpt), "e1", use_inotify=False)
+        with pytest.raises(PermissionError):  # (the ack removed at open: EPERM)
+            await agent.open()
+    finally:
+        subprocess.run(["chattr", "-i", str(ack)], check=True)
     assert await asyncio.to_thread(_opened_by_another_process, ckpt) == "took"
