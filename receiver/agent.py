@@ -186,9 +186,15 @@ class ReceiverAgent:
             await self.engine.open()
             await self._presence.load()
             await self._reconcile_ack()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._presence.release())
+        except BaseException:  # the engine closed too: its locks (checkpoint, server) let go
+            try:
+                await asyncio.shield(self.engine.close())
+            except Exception as exc:
+                logger.warning("agent %s: closing the engine after a failed open: %s",
+                               self.engine_id, exc)  # fmt: skip
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._presence.release())
             raise
         self._opened = True
         logger.info("agent %s open: engine at %s", self.engine_id, self.engine.state.version)
