@@ -15,20 +15,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from asyncsync import Publisher, fsio
 from receiver import ReceiverAgent
-from receiver.engines.checkpoint import LocalCheckpoint, recovery
+from receiver.engines import TorchModule
+from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import mixed_state
 
 REPO = Path(__file__).resolve().parent.parent
 
 _TAKER = """
-import asyncio, sys
+import asyncio, sys, torch
 from asyncsync.errors import LockHeld
+from receiver.engines import TorchModule
 from receiver.engines.checkpoint import LocalCheckpoint
 async def main():
-    ck = LocalCheckpoint(sys.argv[1])
+    if sys.argv[2] == "module":
+        ck = TorchModule(torch.nn.Linear(2, 2), state_dir=sys.argv[1])
+    else:
+        ck = LocalCheckpoint(sys.argv[1])
     try:
         await ck.open()
     except LockHeld:
@@ -40,10 +46,11 @@ asyncio.run(main())
 """
 
 
-def _opened_by_another_process(ckpt: Path) -> str:
-    """``took`` (then closed) or ``refused`` (the checkpoint's lock is held), as a receiver in
-    a process of its own finds it."""
-    proc = subprocess.run([sys.executable, "-c", _TAKER, str(ckpt)], capture_output=True,
+def _opened_by_another_process(ckpt: Path, kind: str = "checkpoint") -> str:
+    """``took`` (then closed) or ``refused`` (the checkpoint's lock, or a ``TorchModule``'s
+    state directory's with ``kind="module"``, is held), as a receiver in a process of its own
+    finds it."""
+    proc = subprocess.run([sys.executable, "-c", _TAKER, str(ckpt), kind], capture_output=True,
                           text=True, cwd=REPO, timeout=120)  # fmt: skip
     return proc.stdout.strip() or proc.stderr
 
@@ -69,32 +76,42 @@ def _gated(real: Callable[..., Any], inside: threading.Event, go: threading.Even
     return held
 
 
+@pytest.mark.parametrize("kind", ["checkpoint", "module"])
 @pytest.mark.parametrize("gate", ["before the lock", "under the lock"])
 async def test_an_open_cancelled_midway_then_closed_leaves_the_checkpoint_to_one_receiver(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: str, kind: str
 ) -> None:
     """(attack-85) ``close()`` released the lock at once while the cancelled open's thread
     still ran: held before it took the lock, the thread took it after ``close()`` returned, and
     this process held the checkpoint for good, closed (a replacement receiver refused, as with
     the server lock in attack-80); held after (an interrupted delta undone, files re-checked),
     the thread went on patching the files with the lock let go, another receiver free to open
-    them beside it. ``close()`` now waits for that thread and releases the lock after it."""
-    ckpt = await _checkpoint_at_v0(tmp_path)
+    them beside it. ``close()`` now waits for that thread and releases the lock after it. A
+    ``TorchModule``'s state directory (its lock, its open checking the module's bytes) the same.
+    """
+    ckpt = await _checkpoint_at_v0(tmp_path) if kind == "checkpoint" else tmp_path / "state"
     inside, go = threading.Event(), threading.Event()
-    if gate == "before the lock":  # the open's first I/O: before the state store's lock
-        monkeypatch.setattr(recovery, "no_copy_on_write",
-                            _gated(recovery.no_copy_on_write, inside, go))  # fmt: skip
+    if gate == "before the lock":  # the state store's parent made durable, its lock not taken
+        monkeypatch.setattr(fsio, "fsync_dir", _gated(fsio.fsync_dir, inside, go))
     else:  # the state store's temp files cleared, the lock taken
         monkeypatch.setattr(fsio, "remove_temp_files", _gated(fsio.remove_temp_files, inside, go))
-    engine = LocalCheckpoint(ckpt)
+    engine: LocalCheckpoint | TorchModule = (
+        LocalCheckpoint(ckpt) if kind == "checkpoint"
+        else TorchModule(torch.nn.Linear(2, 2), state_dir=ckpt)
+    )  # fmt: skip
     try:
-        await _cancel_open_then_close(engine, ckpt, inside, go, gate)
+        await _cancel_open_then_close(engine, ckpt, inside, go, gate, kind)
     finally:
         go.set()  # (a failed assert: the thread let go)
 
 
 async def _cancel_open_then_close(
-    engine: LocalCheckpoint, ckpt: Path, inside: threading.Event, go: threading.Event, gate: str
+    engine: LocalCheckpoint | TorchModule,
+    ckpt: Path,
+    inside: threading.Event,
+    go: threading.Event,
+    gate: str,
+    kind: str,
 ) -> None:
     opening = asyncio.create_task(engine.open())
     assert await asyncio.to_thread(inside.wait, 120)
@@ -105,11 +122,11 @@ async def _cancel_open_then_close(
     for _ in range(3):
         await asyncio.sleep(0)
     if gate == "under the lock":  # the open's thread works on the files: nobody else may
-        assert await asyncio.to_thread(_opened_by_another_process, ckpt) == "refused"
+        assert await asyncio.to_thread(_opened_by_another_process, ckpt, kind) == "refused"
     go.set()
     await asyncio.wait_for(closing, 120)
     await asyncio.to_thread(lambda: engine._mutex.acquire(timeout=120) and engine._mutex.release())
-    assert await asyncio.to_thread(_opened_by_another_process, ckpt) == "took"
+    assert await asyncio.to_thread(_opened_by_another_process, ckpt, kind) == "took"
 
 
 async def test_an_agent_whose_open_fails_after_the_engines_lets_the_checkpoint_go(
