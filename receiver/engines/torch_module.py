@@ -167,8 +167,8 @@ class TorchModule(Engine):
     async def close(self) -> None:
         if self._txn is not None:
             await self.abort()
-        if self._store is not None:
-            self._store.close()
+        if self._store is not None:  # after a thread still at work (a cancelled open's)
+            await self._run(self._store.close)
 
     async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
         await self._run(self._begin, manifest, mode)
