@@ -105,7 +105,7 @@ def check_patch(
     if pos.dtype != torch.int64 or pos.numel() != values.numel():
         raise ApplyFailed(f"tensor {name!r}: positions must be int64, one per value")
     decoded = patch.decoded_xef() if kernels_check else None
-    if pos.numel() and not _increasing_within(pos, flat.numel(), decoded=decoded):
+    if pos.numel() and not _increasing_within(patch, pos, flat.numel(), decoded=decoded):
         lo, hi = torch.aminmax(pos)  # one pass, not two
         if int(lo) < 0 or int(hi) >= flat.numel():
             raise ApplyFailed(f"tensor {name!r}: patch positions outside 0..{flat.numel() - 1}")
@@ -130,7 +130,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _increasing_within(
-    pos: torch.Tensor, numel: int, *, decoded: bytes | memoryview | None
+    patch: Patch, pos: torch.Tensor, numel: int, *, decoded: bytes | memoryview | None
 ) -> bool:
     """Positions strictly increasing within ``[0, numel)`` (as decoded ones are), by the C
     kernel in one pass on this thread; False where it cannot tell (then aminmax checks).
@@ -141,7 +141,7 @@ def _increasing_within(
     if k is None or not hasattr(k, "increasing") or pos.device.type != "cpu":
         return False
     if decoded is not None:  # (read through NumPy: a tensor's element costs ~3 us)
-        arr = pos.numpy()
+        arr = patch.arrays()[0]  # (pos is the patch's: decoded_xef says so)
         return bool(arr[0] >= 0 and arr[-1] < numel)
     return bool(k.increasing(pos.contiguous().numpy(), 8, numel))
 

@@ -437,7 +437,7 @@ data = load_batches(sys.argv[2])
 mode = sys.argv[3]
 n = [0]
 if mode == "delta":
-    def dying(real):  # the patch alone, or the patch that also takes the checksum
+    def dying(real):  # the patch alone, the one that also takes the checksum, or a journal pass
         def patch(*args, **kw):
             n[0] += 1
             if n[0] > 3:
@@ -446,6 +446,7 @@ if mode == "delta":
         return patch
     ckip.apply_patch = dying(ckip.apply_patch)
     ckip.patch_and_checksum = dying(ckip.patch_and_checksum)
+    ckip.JournalPass.run = dying(ckip.JournalPass.run)
 else:
     real_replace = os.replace
     def dying_replace(a, b, **kw):
@@ -597,7 +598,7 @@ async def test_in_process_crash_then_reopen(
     m1 = build_manifest(sd1, 1, base=sd0)
     calls = [0]
 
-    def flaky(real: Any) -> Any:  # the patch alone, or the patch that also takes the checksum
+    def flaky(real: Any) -> Any:  # the patch alone, with the checksum, or a journal pass
         def patch(*args: Any, **kw: Any) -> Any:
             calls[0] += 1
             if calls[0] == 4:
@@ -608,6 +609,7 @@ async def test_in_process_crash_then_reopen(
 
     monkeypatch.setattr(ckpt_mod, "apply_patch", flaky(ckpt_mod.apply_patch))
     monkeypatch.setattr(ckpt_mod, "patch_and_checksum", flaky(ckpt_mod.patch_and_checksum))
+    monkeypatch.setattr(ckpt_mod.JournalPass, "run", flaky(ckpt_mod.JournalPass.run))
     await ck.begin(m1, "delta")
     with pytest.raises(ApplyFailed, match="injected"):
         for b in delta_batches(m1, sd0, sd1, dense=True):

@@ -56,7 +56,13 @@ from asyncsync.codec.delta import (
 )
 from asyncsync.codec.diff import Change, changed_positions, diff_tensors, revert
 from asyncsync.codec.patch import Patch, apply_patch
-from asyncsync.codec.patch_hash import can_journal_in_pass, journal_patch, patch_and_checksum
+from asyncsync.codec.patch_hash import (
+    JournalPass,
+    can_journal_in_pass,
+    journal_pass,
+    journal_patch,
+    patch_and_checksum,
+)
 from asyncsync.codec.views import gather, int_dtype, int_view, raw_clone, raw_view
 
 __all__ = [
@@ -65,6 +71,7 @@ __all__ = [
     "DENSE_THRESHOLD",
     "ENCODINGS",
     "EncodedDelta",
+    "JournalPass",
     "NATIVE",
     "Patch",
     "apply_patch",
@@ -79,6 +86,7 @@ __all__ = [
     "int_dtype",
     "int_view",
     "can_journal_in_pass",
+    "journal_pass",
     "journal_patch",
     "patch_and_checksum",
     "raw_clone",

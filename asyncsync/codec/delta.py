@@ -230,10 +230,12 @@ def decode_delta(
         return Patch(op, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype))
     if encoding == "xef":
         idx = _ef_decode(positions, changed, numel)
-        vals, nonzero = _unplanes(_unzstd(values, (changed * width,), "values"), changed, width)
+        raw = _unzstd(values, (changed * width,), "values")
+        varr, nonzero = _unplanes_np(raw, changed, width)
         if nonzero != changed:  # a listed position must change
             raise FormatError("sparse xef values hold a zero XOR: a position that did not change")
-        return Patch.of_xef(op, torch.from_numpy(idx), vals, positions)
+        pos_t, vals_t = torch.from_numpy(idx), torch.from_numpy(varr)
+        return Patch.of_xef(op, pos_t, vals_t, positions, (idx, varr))
     idx = _baseline_positions(encoding, positions, changed, numel)
     if len(values) != changed * width:
         raise FormatError(f"values blob is {len(values)} bytes, want {changed * width}")
@@ -326,20 +328,26 @@ def _unplanes(raw: bytes, n: int, width: int) -> tuple[torch.Tensor, int]:
     """Inverse of :func:`_planes`: a writable (n,) tensor of the int-view dtype that nothing
     else refers to (from the scratch pool), and how many of its elements are not zero (the C
     kernel counts them in its own pass)."""
+    arr, nonzero = _unplanes_np(raw, n, width)
+    return torch.from_numpy(arr), nonzero
+
+
+def _unplanes_np(raw: bytes, n: int, width: int) -> tuple[NDArray[Any], int]:
+    """:func:`_unplanes` as the NumPy array (the tensor is made from it without a copy)."""
     src = np.frombuffer(raw, np.uint8)
     if width > 1 and n * width < _SMALL_PLANES:  # (as _planes: NumPy's copy is quicker there)
-        small = torch.from_numpy(src.reshape(width, n).T.copy().view(_NP_BY_WIDTH[width])[:, 0])
-        return small, int(np.count_nonzero(small.numpy()))
+        small = src.reshape(width, n).T.copy().view(_NP_BY_WIDTH[width])[:, 0]
+        return small, int(np.count_nonzero(small))
     out = scratch.empty(n * width, np.uint8)
     kernels = native.kernels
     if width > 1 and kernels is not None and hasattr(kernels, "unplanes"):
         zeros = kernels.unplanes(src, width, out)
-        t = torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
-        return t, (n - zeros if isinstance(zeros, int) else int(torch.count_nonzero(t)))
+        arr = out.view(_NP_BY_WIDTH[width])
+        return arr, (n - zeros if isinstance(zeros, int) else int(np.count_nonzero(arr)))
     for k in range(width):
         out[k::width] = src[k * n : (k + 1) * n]
-    t = torch.from_numpy(out.view(_NP_BY_WIDTH[width]))
-    return t, int(torch.count_nonzero(t))
+    arr = out.view(_NP_BY_WIDTH[width])
+    return arr, int(np.count_nonzero(arr))
 
 
 def _ef_encode(idx: _Int64Array, numel: int) -> tuple[bytes, int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -30,8 +30,12 @@ class Patch:
     positions: torch.Tensor | None
     values: torch.Tensor
     positions_xef: bytes | memoryview | None = field(default=None, compare=False, repr=False)
-    # (storage address, offset, length, version counter, blob) of the decoded positions
-    _xef_key: tuple[int, int, int, int, bytes | memoryview] | None = field(
+    # (address, length, version counter, blob) of the decoded positions
+    _xef_key: tuple[int, int, int, bytes | memoryview] | None = field(
+        default=None, compare=False, repr=False
+    )
+    # (positions, values, their NumPy arrays, their addresses) as the decoder made them
+    _arrays: tuple[torch.Tensor, torch.Tensor, Any, Any, int, int] | None = field(
         default=None, compare=False, repr=False
     )
 
@@ -42,10 +46,32 @@ class Patch:
         positions: torch.Tensor,
         values: torch.Tensor,
         blob: bytes | memoryview,
+        arrays: tuple[Any, Any] | None = None,
     ) -> Patch:
         """A Patch whose ``positions`` the caller decoded from ``blob`` (and checked: strictly
-        increasing within the tensor), so that :meth:`decoded_xef` vouches for the blob."""
-        return cls(op, positions, values, blob, (*_identity(positions), blob))
+        increasing within the tensor), so that :meth:`decoded_xef` vouches for the blob.
+        ``arrays``: the NumPy arrays that ``positions`` and ``values`` are made from (for
+        :meth:`arrays`)."""
+        kept = None
+        if arrays is not None:
+            kept = (positions, values, *arrays, positions.data_ptr(), values.data_ptr())
+        return cls(op, positions, values, blob, (*_identity(positions), blob), kept)
+
+    def arrays(self) -> tuple[Any, Any]:
+        """NumPy views of ``positions`` (None when dense) and ``values`` (CPU tensors): those
+        the decoder made them from while they are still its tensors over the same memory (a
+        ``.numpy()`` costs ~3 us, several per tensor at a MoE model's tens of thousands of
+        small tensors), else new ones."""
+        a, pos, values = self._arrays, self.positions, self.values
+        if (
+            a is not None
+            and a[0] is pos
+            and a[1] is values
+            and a[4] == a[0].data_ptr()
+            and a[5] == values.data_ptr()
+        ):
+            return a[2], a[3]
+        return (None if pos is None else pos.numpy()), values.numpy()
 
     def decoded_xef(self) -> bytes | memoryview | None:
         """``positions_xef`` if this Patch was made by :meth:`of_xef` and its positions are the
@@ -54,14 +80,15 @@ class Patch:
         is checked and journaled from its positions, never from a blob that may not be
         theirs."""
         key, pos, blob = self._xef_key, self.positions, self.positions_xef
-        if key is None or pos is None or blob is None or key[4] is not blob:
+        if key is None or pos is None or blob is None or key[3] is not blob:
             return None
-        return blob if _identity(pos) == key[:4] else None
+        return blob if _identity(pos) == key[:3] else None
 
 
-def _identity(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """Where ``t``'s elements are and how often they were written in place (views share it)."""
-    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), t.numel(), t._version)
+def _identity(t: torch.Tensor) -> tuple[int, int, int]:
+    """Where ``t``'s elements are and how often they were written in place (views share it).
+    (``data_ptr`` is the storage's address plus the offset: one call, not three.)"""
+    return (t.data_ptr(), t.numel(), t._version)
 
 
 def apply_patch(flat: torch.Tensor, patch: Patch, *, old_out: torch.Tensor | None = None) -> None:

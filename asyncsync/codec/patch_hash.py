@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,15 @@ from asyncsync.codec.patch import Patch, apply_patch
 from asyncsync.errors import ConfigError
 from asyncsync.format.checksum import layout_checksum, new_hasher, parts_checksum, tensor_bytes
 
-__all__ = ["CHUNK_BYTES", "Journal", "can_journal_in_pass", "journal_patch", "patch_and_checksum"]
+__all__ = [
+    "CHUNK_BYTES",
+    "Journal",
+    "JournalPass",
+    "can_journal_in_pass",
+    "journal_pass",
+    "journal_patch",
+    "patch_and_checksum",
+]
 
 #: Where the patch kernel saves what it overwrites (see ``journal`` of
 #: :func:`patch_and_checksum`): an open file, the offset of this tensor's old values in it, and
@@ -77,11 +86,10 @@ def patch_and_checksum(
         raise ConfigError(
             f"old_out must be {flat.dtype}[{want}], got {old_out.dtype}{old_out.shape}"
         )
-    if journal is not None:  # (can_journal_in_pass: the single pass, every count checked)
-        if not can_journal_in_pass(flat, patch, algorithm, layout):
-            raise ConfigError("this patch cannot save its old values in its own pass")
-        assert parts is not None
-        digest = _native_pass(flat, patch, algorithm, parts, layout is not None, None, journal)
+    if journal is not None:  # (journal_pass: the single pass, every count checked)
+        if old_out is not None:
+            raise ConfigError("old_out and journal: the old values go to one or the other")
+        digest = _need_pass(journal_pass(flat, patch, algorithm, layout)).run(journal)
         assert digest is not None
         return digest
     if not _one_pass(flat, patch, parts, old_out):
@@ -101,9 +109,7 @@ def journal_patch(flat: torch.Tensor, patch: Patch, journal: Journal) -> None:
     no hash taken (a pass over a tensor that a later patch changes again, whose digest would
     be thrown away). ConfigError unless ``can_journal_in_pass(flat, patch, None)`` (then nothing
     is written)."""
-    if not can_journal_in_pass(flat, patch, None):
-        raise ConfigError("this patch cannot save its old values in its own pass")
-    _native_pass(flat, patch, None, [(0, flat.numel())], False, None, journal)
+    _need_pass(journal_pass(flat, patch, None)).run(journal)
 
 
 def can_journal_in_pass(
@@ -115,19 +121,70 @@ def can_journal_in_pass(
     """Whether :func:`patch_and_checksum` can take ``journal`` for this patch (``algorithm``
     None: :func:`journal_patch`, no hash): the C kernels are loaded, hash ``algorithm`` and the
     patch takes the single pass (a contiguous CPU tensor of the patch's dtype, positions
-    strictly increasing, parts that neither overlap nor leave it)."""
+    strictly increasing, parts that neither overlap nor leave it). A caller that then makes
+    the pass takes :func:`journal_pass` instead (the checks made once)."""
+    return journal_pass(flat, patch, algorithm, layout) is not None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class JournalPass:
+    """One patch checked to save its old values in its own pass (:func:`journal_pass` makes
+    it): :meth:`run` makes the pass with the checks and the NumPy views already taken. Checking
+    and then passing through :func:`patch_and_checksum` checked twice, which cost more than the
+    patch itself at a MoE model's tens of thousands of tensors of a few KiB."""
+
+    patch: Patch
+    algorithm: str | None
+    parts: list[tuple[int, int]]
+    composite: bool  # a tensor published in parts: the digest combines the parts'
+    arr: Any  # the NumPy views of the target, the values and the positions (None: dense)
+    vals: Any
+    pos: Any
+
+    def run(self, journal: Journal) -> str | None:
+        """The pass of :func:`patch_and_checksum` with ``journal`` (of :func:`journal_patch`
+        where ``algorithm`` is None: then None is returned)."""
+        return _native_pass(
+            self.arr, self.vals, self.pos, self.patch.op == "xor", self.algorithm, self.parts,
+            self.composite, None, journal,
+        )  # fmt: skip
+
+
+def journal_pass(
+    flat: torch.Tensor,
+    patch: Patch,
+    algorithm: str | None,
+    layout: Sequence[tuple[int, int]] | None = None,
+) -> JournalPass | None:
+    """The checked pass of ``patch`` over ``flat`` that saves its old values into a journal
+    as it goes (``algorithm``: as :func:`patch_and_checksum`'s, None for no hash), or None
+    where :func:`can_journal_in_pass` says it cannot."""
     k = native.kernels
-    pos = patch.positions
-    return (
-        k is not None
-        and hasattr(k, "journal_patch_hash")
-        and (algorithm is None or native.hasher(algorithm) is not None)
-        and flat.dim() == 1
-        and flat.dtype == patch.values.dtype
-        and patch.op in ("set", "xor")
-        and patch.values.numel() == (flat.numel() if pos is None else pos.numel())
-        and _one_pass(flat, patch, _parts(layout, flat.numel()), None)
-    )
+    if (
+        k is None
+        or not hasattr(k, "journal_patch_hash")
+        or (algorithm is not None and native.hasher(algorithm) is None)
+        or flat.dim() != 1
+        or flat.dtype != patch.values.dtype
+        or patch.op not in ("set", "xor")
+    ):
+        return None
+    pos, numel = patch.positions, flat.numel()
+    if patch.values.numel() != (numel if pos is None else pos.numel()):
+        return None
+    parts = _parts(layout, numel)
+    if parts is None or not _one_pass(flat, patch, parts, None):
+        return None
+    pos_arr, vals_arr = patch.arrays()
+    return JournalPass(
+        patch, algorithm, parts, layout is not None, flat.numpy(), vals_arr, pos_arr
+    )  # fmt: skip
+
+
+def _need_pass(p: JournalPass | None) -> JournalPass:
+    if p is None:
+        raise ConfigError("this patch cannot save its old values in its own pass")
+    return p
 
 
 def _one_pass(
@@ -180,7 +237,7 @@ def _increasing(patch: Patch, pos: torch.Tensor, numel: int, *, trust: bool) -> 
         return False
     if pos.numel() == 0:
         return True
-    p = pos.numpy()
+    p = patch.arrays()[0]
     if int(p[0]) < 0 or int(p[-1]) >= numel:
         return False
     if trust and patch.decoded_xef() is not None:
@@ -200,18 +257,18 @@ def _single_pass(
     old: Any,
 ) -> str:
     k = native.kernels
+    arr: Any = flat.numpy()
+    pos, vals = patch.arrays()
     if k is not None and hasattr(k, "patch_hash") and native.hasher(algorithm) is not None:
-        digest = _native_pass(flat, patch, algorithm, parts, composite, old)
+        xor = patch.op == "xor"
+        digest = _native_pass(arr, vals, pos, xor, algorithm, parts, composite, old)
         assert digest is not None
         return digest
-    arr: Any = flat.numpy()
-    vals: Any = patch.values.numpy()
     width, numel = flat.element_size(), flat.numel()
     step = max(1, CHUNK_BYTES // width)
     edges = sorted(
         {*range(0, numel, step), numel, *(o for o, _ in parts), *(o + n for o, n in parts)}
     )
-    pos: Any = None if patch.positions is None else patch.positions.numpy()
     cuts = None if pos is None else np.searchsorted(pos, edges).tolist()
     kernel = None
     if native.kernels is not None:
@@ -250,23 +307,22 @@ def _single_pass(
 
 
 def _native_pass(
-    flat: torch.Tensor,
-    patch: Patch,
+    arr: Any,
+    vals: Any,
+    pos: Any,
+    xor: bool,
     algorithm: str | None,
     parts: list[tuple[int, int]],
     composite: bool,
     old: Any,
     journal: Journal | None = None,
 ) -> str | None:
-    """The C kernel's ``patch_hash``: each part's range patched and hashed block by block in
-    one call (the ranges between parts, if any, patched without hashing); with ``journal``,
+    """The C kernel's ``patch_hash`` over ``arr`` (the target's NumPy view; ``vals``, ``pos``:
+    the patch's, ``pos`` None when dense): each part's range patched and hashed block by block
+    in one call (the ranges between parts, if any, patched without hashing); with ``journal``,
     ``journal_patch_hash``, which saves the old values into the journal first. ``algorithm``
     None: nothing hashed, None returned."""
-    arr: Any = flat.numpy()
-    vals: Any = patch.values.numpy()
-    width, numel = flat.element_size(), flat.numel()
-    pos: Any = None if patch.positions is None else patch.positions.numpy()
-    xor = patch.op == "xor"
+    width, numel = arr.itemsize, arr.size
     ranges: list[tuple[int, int, bool]] = []  # (lo, hi, hashed)
     end = 0
     for o, n in parts:

@@ -29,13 +29,7 @@ from pathlib import Path
 import torch
 
 from asyncsync import fsio
-from asyncsync.codec import (
-    Patch,
-    apply_patch,
-    can_journal_in_pass,
-    journal_patch,
-    patch_and_checksum,
-)
+from asyncsync.codec import JournalPass, Patch, apply_patch, journal_pass, patch_and_checksum
 from asyncsync.errors import EngineStateError
 from asyncsync.format import TensorEntry
 from asyncsync.pipeline import parallel_map
@@ -86,15 +80,15 @@ def journal_and_patch(
     # holding a changed element
     prefault = {name for name, loc, _flat, patch in work if _touches_most_pages(patch, loc)}
     hash_of = {n: algorithm if hashed is None or n in hashed else None for n, *_ in work}
-    if (
-        not durable
-        and algorithm is not None
-        and all(
-            can_journal_in_pass(flat, p, hash_of[n], None if layouts is None else layouts.get(n))
-            for n, _loc, flat, p in work
-        )
-    ):
-        return _journal_in_pass(maps, prefault, journal_dir, seq, version, work, hash_of, layouts)
+    if not durable and algorithm is not None:
+        passes: list[JournalPass] = []
+        for n, _loc, flat, p in work:  # each checked once, here, for the pass that makes it
+            one = journal_pass(flat, p, hash_of[n], None if layouts is None else layouts.get(n))
+            if one is None:
+                break
+            passes.append(one)
+        else:
+            return _journal_in_pass(maps, prefault, journal_dir, seq, version, work, passes)
     write_record(journal_dir / f"undo-{seq:06d}.safetensors", journal.encode_parts(work, version))
 
     def patch_one(item: Work) -> str | None:  # on the pool: the tensors are disjoint
@@ -121,27 +115,21 @@ def _journal_in_pass(
     seq: int,
     version: int,
     work: list[Work],
-    hash_of: Mapping[str, str | None],
-    layouts: Mapping[str, Sequence[tuple[int, int]] | None] | None,
+    passes: list[JournalPass],
 ) -> dict[str, str]:
     """The progressive record ``undo-{seq}.progressive`` created, then every tensor patched,
-    checksummed (with its algorithm in ``hash_of``: those with None are not) and journaled in
-    one pass (on the pool: the tensors are disjoint)."""
+    checksummed (by its pass's algorithm: one of None is not) and journaled in one pass (on the
+    pool: the tensors are disjoint)."""
     path = journal_dir / f"undo-{seq:06d}{journal.PROGRESSIVE_SUFFIX}"
     record = journal.create_progressive(path, work, version)
     try:
-        jobs = list(zip(work, record.values_at, record.progress_at, strict=True))
+        jobs = list(zip(work, passes, record.values_at, record.progress_at, strict=True))
 
-        def patch_one(job: tuple[Work, int, int]) -> str | None:
-            (name, loc, flat, patch), values_at, progress_at = job
+        def patch_one(job: tuple[Work, JournalPass, int, int]) -> str | None:
+            (name, loc, _flat, patch), one, values_at, progress_at = job
             maps.prefault(loc, None if name in prefault else patch.positions)
-            layout = None if layouts is None else layouts.get(name)
-            at = (record.fd, values_at, progress_at)
             try:
-                if (algorithm := hash_of[name]) is None:
-                    journal_patch(flat, patch, at)
-                    return None
-                return patch_and_checksum(flat, patch, algorithm, layout, journal=at)
+                return one.run((record.fd, values_at, progress_at))
             except OSError as exc:  # the kernel's write of the record: it names no file
                 if exc.filename is not None:
                     raise
