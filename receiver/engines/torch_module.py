@@ -105,6 +105,11 @@ def _write_int(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
         raw_view(t).copy_(work)
 
 
+def _group_bytes(ws: list[tuple[str, torch.Tensor, Patch]]) -> int:
+    """The bytes one storage's patch task passes over (each tensor is hashed whole)."""
+    return sum(t.nbytes for _, t, _ in ws)
+
+
 def _restore(positions: torch.Tensor | None, old: torch.Tensor, flat: torch.Tensor) -> None:
     """Write journaled old values back (idempotent)."""
     if positions is None:
@@ -343,7 +348,9 @@ class TorchModule(Engine):
                 for name, t, patch in ws:
                     _write_int(t, functools.partial(self._patch, txn, name, patch, t))
 
-            parallel_map(run, by_storage.values())
+            # (tasks of small tensors run on this thread: a pool task each cost more than
+            # their patches, at a MoE model's tens of thousands of experts)
+            parallel_map(run, by_storage.values(), cost=_group_bytes)
 
     def _take(
         self, txn: _Txn, updates: list[TensorUpdate], patches: list[tuple[str, torch.Tensor, Patch]]
