@@ -411,20 +411,24 @@ def parse_delta_shard(
     for key, info in header.items():
         if key == "__metadata__":
             continue
+        # (type(...) is int: not True, not 4.0; no generator per blob, two blobs a tensor)
         offs = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
         if not (
-            isinstance(info, dict)
-            and info.get("dtype") == "U8"
-            and isinstance(offs, list)
+            type(offs) is list
             and len(offs) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-            and 0 <= offs[0] <= offs[1]
-            and isinstance(info.get("shape"), list)
-            and [type(d) for d in info["shape"]] == [int]  # not [True], not [4.0]
-            and info["shape"] == [offs[1] - offs[0]]
+            and type(begin := offs[0]) is int
+            and type(stop := offs[1]) is int
+            and 0 <= begin <= stop
+            and isinstance(info, dict)
+            and info.get("dtype") == "U8"
+            and type(shape) is list
+            and len(shape) == 1
+            and type(shape[0]) is int
+            and shape[0] == stop - begin
         ):
             raise FormatError(f"{where}: delta blob {key!r} is not a 1-D U8 tensor: {info!r}")
-        ranges.append((offs[0], offs[1], key))
+        ranges.append((begin, stop, key))
     ranges.sort()
     end = 0
     for begin, stop, key in ranges:
