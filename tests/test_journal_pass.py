@@ -126,3 +126,18 @@ def test_a_patchs_kept_arrays_are_its_tensors_or_none_at_all() -> None:
     other = torch.zeros_like(patch.values)
     patch.values.set_(other.untyped_storage(), 0, other.shape, other.stride())
     assert not patch.arrays()[1].any()  # the values now over other's zeros
+
+
+def test_a_patch_resized_in_place_gets_views_of_its_new_length() -> None:
+    """A patch's tensors shrunk in place (``resize_`` keeps the address): its kept arrays
+    would overrun them, so Patch.arrays() takes new views of the lengths they have now."""
+    old = torch.arange(3000, dtype=torch.int16)
+    new = old.clone()
+    new[::7] += 1
+    patch = _decoded(old, new)
+    n = patch.values.numel()
+    patch.values.resize_(n - 1)
+    assert patch.arrays()[1].size == n - 1
+    patch.positions.resize_(n - 2)  # type: ignore[union-attr]
+    pos, vals = patch.arrays()
+    assert pos is not None and pos.size == n - 2 and vals.size == n - 1

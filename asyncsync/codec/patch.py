@@ -69,6 +69,8 @@ class Patch:
             and a[1] is values
             and a[4] == a[0].data_ptr()
             and a[5] == values.data_ptr()
+            and a[3].size == values.numel()  # not resized in place (a view would overrun)
+            and a[2].size == a[0].numel()
         ):
             return a[2], a[3]
         return (None if pos is None else pos.numpy()), values.numpy()
