@@ -20,8 +20,8 @@ import torch
 from asyncsync import Publisher, fsio
 from receiver import ReceiverAgent
 from receiver.engines import TorchModule
-from receiver.engines.checkpoint import LocalCheckpoint
-from tests.conftest import mixed_state
+from receiver.engines.checkpoint import CheckpointFiles, LocalCheckpoint
+from tests.conftest import eventually, mixed_state, mutate, sync_to
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,4 +150,42 @@ async def test_an_agent_whose_open_fails_after_the_engines_lets_the_checkpoint_g
             await agent.open()
     finally:
         subprocess.run(["chattr", "-i", str(ack)], check=True)
+    assert await asyncio.to_thread(_opened_by_another_process, ckpt) == "took"
+
+
+async def test_a_close_cancelled_while_the_flush_runs_lets_the_checkpoint_go_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(attack-85) ``ReceiverAgent.close()`` cancelled while the checkpoint's close waited for
+    the last delta's flush (a shutdown deadline): the checkpoint's lock was released on
+    close's last line only, so it stayed held by a process that had closed the agent (which
+    will not close it again). It is released on every path now, once the flush (which writes
+    ``state.json``) is done: never under it."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    inside, go = threading.Event(), threading.Event()
+    sd = mixed_state(0)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        await pub.publish(mutate(sd, 0.05, seed=1))
+    engine = LocalCheckpoint(ckpt)
+    agent = ReceiverAgent(root, engine, "e1", use_inotify=False)
+    await agent.open()
+    await sync_to(agent, root, 0)
+    real = CheckpointFiles.fsync_data_files
+    monkeypatch.setattr(CheckpointFiles, "fsync_data_files", _gated(real, inside, go))
+    try:
+        assert await agent.sync_once() == 1  # v1's flush started after its ack, held
+        assert await asyncio.to_thread(inside.wait, 120)
+        closing = asyncio.create_task(agent.close())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        # the flush still runs: nobody else may open the files
+        assert await asyncio.to_thread(_opened_by_another_process, ckpt) == "refused"
+    finally:
+        go.set()
+    # the flush done, the lock is let go (in the background: close() was cancelled)
+    await eventually(lambda: not engine._store.locked, "the lock released", timeout=60)
     assert await asyncio.to_thread(_opened_by_another_process, ckpt) == "took"
