@@ -109,6 +109,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         self.sync_before_ack = sync_before_ack
         self._flusher = Flusher(f"flush {self.directory.name}", self._flush, self._store.directory)
         self._unflushed: tuple[FileMaps, int] | None = None  # committed, flush not yet started
+        self._letting_go: asyncio.Future[None] | None = None  # the lock's release, at close
         self.state = EngineState()
 
     def __repr__(self) -> str:
@@ -130,17 +131,27 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         return self.state
 
     async def close(self) -> None:
-        if self._txn is not None:
-            await self.abort()
-        await self.flushed()
-        if self._ps.redo and self._store.locked:
-            try:
-                await self._run(self._compact, "close")
-            except (AsyncSyncError, OSError) as exc:  # kept: merged at the next open
-                logger.warning("%s: compaction at close failed: %s", self.directory, exc)
+        try:
+            if self._txn is not None:
+                await self.abort()
+            await self.flushed()
+            if self._ps.redo and self._store.locked:
+                try:
+                    await self._run(self._compact, "close")
+                except (AsyncSyncError, OSError) as exc:  # kept: merged at the next open
+                    logger.warning("%s: compaction at close failed: %s", self.directory, exc)
+        finally:  # on every path (a close cancelled or failing midway), never under work;
+            # cancelled: on its own (a strong reference kept), close() returns at once
+            self._letting_go = asyncio.ensure_future(self._let_go())
+            if not (task := asyncio.current_task()) or not task.cancelling():
+                await self._letting_go
+
+    async def _let_go(self) -> None:
+        """The lock released after the flush and any thread still at work (a cancelled open's,
+        which may take the lock yet or patch the files under it): not under them, nor left
+        held by nobody."""
+        await self._flusher.wait()
         self._flusher.close()
-        # after the work of a thread still running (a cancelled open's, which may take the lock
-        # yet or patch the files under it): not released under it, nor left held by nobody
         await self._run(self._store.close)
 
     async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
