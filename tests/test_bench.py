@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import signal
 import subprocess
@@ -23,8 +24,14 @@ from asyncsync.ops.bench import TARGETS, BenchConfig, BenchFailed
 from asyncsync.ops.bench.baselines import BASELINES, LABELS, all_sizes, xor_zstd_bytes
 from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.measure import _finish, _start
-from asyncsync.ops.bench.probes import load_state_dict, reset_peak_rss, rss, save_state_dict
-from asyncsync.ops.bench.scale_report import SCALE_TARGETS
+from asyncsync.ops.bench.probes import (
+    RssSampler,
+    load_state_dict,
+    reset_peak_rss,
+    rss,
+    save_state_dict,
+)
+from asyncsync.ops.bench.scale_report import SCALE_TARGETS, scale_markdown
 from asyncsync.ops.cli import main
 from asyncsync.ops.workload import Workload, WorkloadConfig
 from tests.conftest import mixed_state, same_bytes
@@ -184,6 +191,41 @@ def test_rss_readings() -> None:
         assert rss()["peak"] <= r["peak"] + (64 << 20)
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_the_rss_sampler_splits_the_peak_by_kind(tmp_path: Path) -> None:
+    """Anonymous memory reads in ``anon``; one file mapped twice and touched through both
+    mappings reads twice in ``file`` (no second copy in memory): what the split tells apart.
+    Each phase's peak is its own; the smaps copy is taken at the peak."""
+    mib = 1 << 20
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"\x01" * (32 * mib))
+    sampler = RssSampler(interval=0.001, smaps=tmp_path / "smaps").start()
+    try:
+        before = sampler.take()["at_peak"]
+        anon = bytearray(b"\x02" * (48 * mib))  # written: resident
+        with open(path, "r+b") as f:
+            maps = [mmap.mmap(f.fileno(), 0) for _ in range(2)]
+            for m in maps:
+                sum(m[i] for i in range(0, len(m), mmap.PAGESIZE))  # read every page: mapped
+            grown = sampler.take()
+            for m in maps:
+                m.close()
+        del anon
+        after = sampler.stop()
+    finally:
+        sampler.stop()
+    at = grown["at_peak"]
+    assert at["now"] == at["anon"] + at["file"] + at["shmem"]
+    assert at["anon"] - before["anon"] >= 40 * mib
+    assert at["file"] - before["file"] >= 2 * 30 * mib  # 32 MiB of pages, counted twice
+    assert grown["max"]["file"] >= at["file"] and grown["samples"] >= 1 and grown["cpu_s"] >= 0
+    assert after["at_peak"]["file"] < at["file"] - 30 * mib  # a new phase: unmapped since
+    smaps = (tmp_path / "smaps.1").read_text()
+    assert smaps.count(str(path)) == 2  # the copy of the peak names both mappings
+    with pytest.raises(ValueError, match="interval"):
+        RssSampler(interval=0)
+
+
 def test_a_failing_child_is_reported_with_its_log(tmp_path: Path) -> None:
     job = Job(
         role="cost",
@@ -284,6 +326,14 @@ def test_scale_sweep_writes_the_promised_keys(tmp_path: Path) -> None:
         slower = max(row["publish_s"], row["apply_s"])
         assert row["overlap"] == pytest.approx(row["e2e_s"] / (slower + one_shard))
         assert 0.02 < row["density"] < 0.04
+    for row in s["scale"]:  # the sampled peak of the VmHWM's phase, split by kind
+        for side in ("publisher", "receiver"):
+            sp = row[f"{side}_peak_rss_split"]
+            assert sp["phase"] in ("startup", "steady") and sp["samples"] >= 1, side
+            assert sp["vmhwm"] == pytest.approx(row[f"{side}_peak_rss_vs_model"])
+            assert sp["rss"] == pytest.approx(sp["anon"] + sp["file"] + sp["shmem"])
+            assert sp["max_file"] >= sp["file"] and sp["cpu_s"] >= 0
+    assert "split at the sampled peak (anon + file + shmem)" in scale_markdown(s)
     assert s["command"].startswith("asyncsync bench --scale --scale-sizes")
     assert set(s["scale_targets"]) >= {"publish_linear", "apply_linear"}
     assert {"e2e_vs_trainer_floor", "overlap"} <= set(SCALE_TARGETS)

@@ -55,6 +55,7 @@ from asyncsync.format import acks
 from asyncsync.memory import freeze_startup_objects
 from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import (
+    RssSampler,
     cpu_seconds,
     full_sync,
     reset_peak_rss,
@@ -69,6 +70,7 @@ from receiver.engines.checkpoint import LocalCheckpoint
 __all__ = [
     "DEFAULT_SIZES",
     "make_state",
+    "peak_split",
     "receiver_floor",
     "trainer_floor",
     "ne_passes",
@@ -195,6 +197,7 @@ async def run_scale_publish(job: Job) -> dict[str, Any]:
     """Seed version 0 (unthrottled), then publish versions 1..N over the throttle, each
     timed from publish start to the receiver's ack."""
     base = rss()
+    sampler = RssSampler(smaps=_smaps(job, "publisher")).start()  # each phase's peak, by kind
     sd = _state_at(job, 0)
     size = sum(t.numel() * t.element_size() for t in sd.values())
     root = Path(job.root)
@@ -203,7 +206,7 @@ async def run_scale_publish(job: Job) -> dict[str, Any]:
         await pub.seed(sd)
         await _wait(Path(job.ready), job.timeout)
         gc.collect()
-        startup = rss()
+        startup = {**rss(), "sampled": sampler.take()}
         reset_peak_rss()
         for v in range(1, job.versions + 1):
             step_state(sd, v, job.density, job.seed)
@@ -225,9 +228,10 @@ async def run_scale_publish(job: Job) -> dict[str, Any]:
                     "elements": res.total, "stages": dict(res.seconds),
                 }
             )  # fmt: skip
+    steady = {**rss(), "sampled": sampler.stop()}
     return {
         "model_bytes": size,
-        "rss": {"base": base, "startup": startup, "steady": rss()},
+        "rss": {"base": base, "startup": startup, "steady": steady},
         "versions": versions,
     }
 
@@ -235,6 +239,7 @@ async def run_scale_publish(job: Job) -> dict[str, Any]:
 async def run_scale_receive(job: Job) -> dict[str, Any]:
     """Take version 0 (unthrottled), then run until the last version is acked."""
     base = rss()
+    sampler = RssSampler(smaps=_smaps(job, "receiver")).start()  # each phase's peak, by kind
     root = Path(job.root)
     # with a redo log: compactions when N records are held only (not when idle), so that the
     # cycle's CPU below is that of a receiver whose versions come back to back
@@ -246,7 +251,7 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
             await asyncio.sleep(0.01)
         await engine.flushed()
         freeze_startup_objects()  # as the receiver command does once its agent is open
-        startup = rss()
+        startup = {**rss(), "sampled": sampler.take()}
         reset_peak_rss()
         fsio.set_throttle(job.throttle)
         Path(job.ready).write_text("ready\n")
@@ -261,18 +266,29 @@ async def run_scale_receive(job: Job) -> dict[str, Any]:
         cycle_cpu, w1 = cpu_seconds() - c0, _written()
         written = None if w0 is None or w1 is None else w1 - w0
         fsio.set_throttle(None)
+    steady = {**rss(), "sampled": sampler.stop()}
     return {
         # the whole run: every version and every compaction (with a redo log), all threads
         "cycle_cpu": cycle_cpu,
         "compactions": list(compactions),  # (records, seconds) of each in the run
         "disk_write_bytes": written,  # /proc/self/io write_bytes (None elsewhere)
         "redo_log": job.redo_log,
-        "rss": {"base": base, "startup": startup, "steady": rss()},
+        "rss": {"base": base, "startup": startup, "steady": steady},
         "applies": applies,  # each from its manifest to the ack (streamed shards came before)
         "apply_cpu": cpu,  # each from its directory's first sight to the ack, every thread
         "apply_cpu_sys": cpu_sys,  # of which the kernel's (page faults, the flush's writeback)
         "streamed_shards": agent.status().streamed_shards,
     }
+
+
+def _smaps(job: Job, side: str) -> Path | None:
+    """With ASYNCSYNC_BENCH_SMAPS=DIR: where the child copies its smaps at each phase's peak
+    (``DIR/smaps-receiver-1G.0`` the start-up, ``.1`` the steady phase)."""
+    where = os.environ.get("ASYNCSYNC_BENCH_SMAPS")
+    if not where:
+        return None
+    Path(where).mkdir(parents=True, exist_ok=True)
+    return Path(where) / f"smaps-{side}-{job.scale_bytes >> 20}M"
 
 
 def _time_compactions(engine: LocalCheckpoint) -> list[tuple[int, float]]:
@@ -432,6 +448,10 @@ def summarise_size(
         "streamed_shards": rec.get("streamed_shards", 0),
         "publisher_peak_rss_vs_model": _peak(pub, model),
         "receiver_peak_rss_vs_model": _peak(rec, model),
+        # the sampled peak of the same phase split by kind: a file mapped twice reads high in
+        # ``file`` with no second copy in memory; a temporary piling up reads in ``anon``
+        "publisher_peak_rss_split": peak_split(pub, model),
+        "receiver_peak_rss_split": peak_split(rec, model),
         "repeats": {
             "versions": len(vs),
             "publish": [v["publish"] for v in vs],
@@ -452,6 +472,35 @@ def _peak(side: dict[str, Any], model: int) -> float:
     r = side["rss"]
     base = r["base"]["now"]
     return max(r["startup"]["peak"] - base, r["steady"]["peak"] - base) / model
+
+
+def peak_split(side: dict[str, Any], model: int) -> dict[str, Any] | None:
+    """The phase (``startup`` or ``steady``) whose ``VmHWM`` gives :func:`_peak`, and its
+    sampled peak above the baseline / model: ``rss`` (what the sampler saw: at most
+    ``vmhwm``) = ``anon`` + ``file`` + ``shmem``; ``max_file`` the highest file part alone;
+    the sampler's ``samples`` and ``cpu_s``. None from a child without a sampler."""
+    r = side["rss"]
+    base = r["base"]
+    phase = max(("startup", "steady"), key=lambda p: r[p]["peak"])
+    sampled = r[phase].get("sampled")
+    if not sampled or not sampled["at_peak"]:
+        return None
+    at, top = sampled["at_peak"], sampled["max"]
+
+    def above(x: dict[str, int], key: str) -> float:
+        return (x[key] - base.get(key, 0)) / model
+
+    return {
+        "phase": phase,
+        "vmhwm": (r[phase]["peak"] - base["now"]) / model,
+        "rss": above(at, "now"),
+        "anon": above(at, "anon"),
+        "file": above(at, "file"),
+        "shmem": above(at, "shmem"),
+        "max_file": above(top, "file"),
+        "samples": sampled["samples"],
+        "cpu_s": sampled["cpu_s"],
+    }
 
 
 def _median(xs: Any) -> float:

@@ -68,6 +68,18 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _split(side: str, row: dict[str, Any]) -> str:
+    """``receiver 1.08 (VmHWM, steady): sampled 1.07 = 0.02 + 1.05 + 0.00``."""
+    sp = row.get(f"{side}_peak_rss_split")
+    if not sp:
+        return f"{side} not sampled"
+    return (
+        f"{side} {sp['vmhwm']:.2f} (VmHWM, {sp['phase']}): sampled {sp['rss']:.2f} = "
+        f"{sp['anon']:.2f} + {sp['file']:.2f} + {sp['shmem']:.2f} ({sp['samples']} samples, "
+        f"{1000 * sp['cpu_s']:.0f} ms CPU)"
+    )
+
+
 def _size(row: dict[str, Any]) -> int:
     return int(row["model_bytes"])
 
@@ -131,6 +143,12 @@ def scale_markdown(s: dict[str, Any]) -> str:
         f"{_num(r.get('disk_writes_per_version_vs_model'))}x the model"
         for r in rows
         if "apply_cpu_cycle_s_per_gib" in r
+    ]
+    lines += [
+        f"\npeak RSS above the baseline / model at {r['model_bytes'] / 1e9:.2f} GB, split at the "
+        f"sampled peak (anon + file + shmem): {_split('publisher', r)}; {_split('receiver', r)}"
+        for r in rows
+        if r.get("publisher_peak_rss_split") or r.get("receiver_peak_rss_split")
     ]
     targets = s.get("scale_targets") or {}
     if targets:
