@@ -225,6 +225,31 @@ def test_sync_writes_back_the_pages_written_through_the_map(tmp_path: Path) -> N
     assert data[:: mmap.PAGESIZE] == bytes([7]) * ((16 << 20) // mmap.PAGESIZE)
 
 
+def test_sync_after_unmap_writes_back_the_pages_written_through_the_dropped_map(
+    tmp_path: Path,
+) -> None:
+    """The flush drops its maps' mappings when it is submitted (``unmap``: held through it,
+    they counted every page the next version mapped again twice in the receiver's RSS) and
+    keeps the descriptors. The pages dirtied through the dropped mapping stay dirty in the
+    page cache, and ``sync`` (fsync of the descriptors) writes them back and cleans them."""
+    _needs_writeback(tmp_path)
+    loc = _file(tmp_path, 16 << 20)
+    path = tmp_path / loc.file
+    maps = FileMaps(tmp_path)
+    try:
+        maps.flat(loc)[:: mmap.PAGESIZE] = 7  # one byte in every page
+        maps.unmap()
+        assert str(path) not in Path("/proc/self/maps").read_text()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as probe:
+            assert sum(probe[:: mmap.PAGESIZE]) == 7 * ((16 << 20) // mmap.PAGESIZE)  # mapped
+            assert _dirty_kb(path) >= (16 << 10) * 9 // 10  # the pages' own dirty flags
+            maps.sync()
+            assert _dirty_kb(path) == 0
+    finally:
+        maps.close()
+    assert str(path) not in Path("/proc/self/maps").read_text()
+
+
 def test_sync_writes_back_with_the_gil_released(tmp_path: Path) -> None:
     """The writeback itself runs without the GIL: a thread armed just before ``sync`` first runs
     inside it and still finds most pages dirty. (``mmap.flush`` writes them back holding the

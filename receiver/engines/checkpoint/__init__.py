@@ -35,7 +35,9 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   version with ``synced: false`` and the receiver acknowledges it; then (``acknowledged``)
   ``fsync`` of the data files runs in the background (on Linux it writes back the pages dirtied
   through the mappings, and unlike ``mmap.flush`` it releases the GIL; elsewhere ``msync``
-  first), and ``synced`` becomes true.
+  first), and ``synced`` becomes true. On Linux the flush holds the files' descriptors, not
+  their mappings (dropped when it is submitted: the pages they dirtied stay dirty in the page
+  cache), so the next delta's mapping is the only one and its pages count once in the RSS.
   The next delta does not wait for that flush: it journals and patches beside it (a full
   version and ``bump`` do wait); flushes run one after another, and one still waiting when
   a newer one comes is dropped (the newer writes back every data file). The flush is the largest

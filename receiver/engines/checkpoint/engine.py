@@ -240,6 +240,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         if self._unflushed is not None:
             maps, version = self._unflushed
             self._unflushed = None
+            maps.unmap()  # the flush fsyncs; mapped, the next version's pages counted twice
             self._flusher.submit(maps, version)
         if self.redo_log and self.redo_held >= self.redo_log and self._txn is None:
             try:  # after the ack of the Nth: not on any version's latency
