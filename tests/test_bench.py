@@ -109,6 +109,18 @@ def test_markdown_has_every_table(run: tuple[Path, dict[str, Any]]) -> None:
         assert f"### {heading}" in text
     assert all(f"`{name}`" in text for name in TARGETS)
     assert all(LABELS[k] in text for k in BASELINES)
+    assert "at the sampled peak: anon / file-backed" in text
+
+
+def test_the_peak_rss_is_split_by_kind(run: tuple[Path, dict[str, Any]]) -> None:
+    """Each side's sampled peak (of the phase whose VmHWM is the peak) beside the VmHWM."""
+    _, s = run
+    for side in ("publisher", "receiver"):
+        r = s["details"]["rss"][side]
+        sp = r["peak_split"]
+        assert sp["vmhwm"] == pytest.approx(r["peak"]) and sp["samples"] >= 1, side
+        assert sp["rss"] == pytest.approx(sp["anon"] + sp["file"] + sp["shmem"])
+        assert all(_number(sp[k]) for k in ("anon", "file", "shmem", "max_file", "cpu_s"))
 
 
 def test_work_directory_is_removed(run: tuple[Path, dict[str, Any]]) -> None:

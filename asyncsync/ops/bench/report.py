@@ -17,6 +17,7 @@ from typing import Any
 
 from asyncsync.fsio import Throttle
 from asyncsync.ops.bench.baselines import BASELINES, LABELS
+from asyncsync.ops.bench.scale import peak_split
 
 __all__ = ["TARGETS", "markdown", "plot", "summarise"]
 
@@ -52,6 +53,7 @@ def _rss(side: dict[str, Any], model: int) -> dict[str, float]:
         "end_anon": (end.get("anon", 0) - r["base"].get("anon", 0)) / model,
         "end_file": (end.get("file", 0) - r["base"].get("file", 0)) / model,
         "base_bytes": base,
+        "peak_split": peak_split(side, model),  # the sampled peak: anon + file + shmem
     }
 
 
@@ -279,6 +281,7 @@ def markdown(s: dict[str, Any]) -> str:
                 f"{r['steady']:.2f}",
                 f"**{r['peak']:.2f}**",
                 f"{r['end_anon']:.2f} / {r['end_file']:.2f}",
+                "-" if not (sp := r.get("peak_split")) else f"{sp['anon']:.2f} / {sp['file']:.2f}",
             ]
         )
     parts.append(
@@ -291,6 +294,7 @@ def markdown(s: dict[str, Any]) -> str:
                 "steady (deltas)",
                 "peak",
                 "at end: anon / file-backed",
+                "at the sampled peak: anon / file-backed",
             ],
             rows,
         )

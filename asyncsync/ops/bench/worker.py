@@ -45,6 +45,7 @@ from asyncsync.format.checksum import checksum_tensor
 from asyncsync.ops.bench import peers, scale
 from asyncsync.ops.bench.job import Job
 from asyncsync.ops.bench.probes import (
+    RssSampler,
     full_sync,
     load_state_dict,
     model_bytes,
@@ -108,6 +109,7 @@ async def _baseline(job: Job, marks: dict[str, float]) -> dict[str, int]:
 async def run_publish(job: Job) -> dict[str, Any]:
     marks: dict[str, float] = {}
     base = await _baseline(job, marks)
+    sampler = RssSampler().start()  # each phase's peak split by kind (anon, file, shmem)
     sd = load_state_dict(job.states[0])  # the "trainer's parameters": updated in place below
     size = model_bytes(sd)
     root = Path(job.root)
@@ -120,7 +122,7 @@ async def run_publish(job: Job) -> dict[str, Any]:
         await _wait_file(Path(job.ready), job.timeout)
         _mark(job, marks, "receiver ready")
         gc.collect()
-        startup = rss()
+        startup = {**rss(), "sampled": sampler.take()}
         reset_peak_rss()
         fsio.set_throttle(job.throttle)
         for path in job.states[1:]:
@@ -152,9 +154,10 @@ async def run_publish(job: Job) -> dict[str, Any]:
             )
         fsio.set_throttle(None)
     _mark(job, marks, "done")
+    steady = {**rss(), "sampled": sampler.stop()}
     return {
         "model_bytes": size,
-        "rss": {"base": base, "startup": startup, "steady": rss()},
+        "rss": {"base": base, "startup": startup, "steady": steady},
         "versions": versions,
         "marks": marks,
     }
@@ -163,6 +166,7 @@ async def run_publish(job: Job) -> dict[str, Any]:
 async def run_receive(job: Job) -> dict[str, Any]:
     marks: dict[str, float] = {}
     base = await _baseline(job, marks)
+    sampler = RssSampler().start()
     root = Path(job.root)
     final = len(job.states) - 1
     agent = ReceiverAgent(
@@ -178,7 +182,7 @@ async def run_receive(job: Job) -> dict[str, Any]:
             await asyncio.sleep(0.01)
         _mark(job, marks, "synced v0")
         gc.collect()
-        startup = rss()
+        startup = {**rss(), "sampled": sampler.take()}
         reset_peak_rss()
         fsio.set_throttle(job.throttle)
         Path(job.ready).write_text("ready\n")
@@ -187,9 +191,10 @@ async def run_receive(job: Job) -> dict[str, Any]:
         _mark(job, marks, "last acked")
         status = agent.status()
     _mark(job, marks, "done")
+    steady = {**rss(), "sampled": sampler.stop()}
     return {
         "marks": marks,
-        "rss": {"base": base, "startup": startup, "steady": rss()},
+        "rss": {"base": base, "startup": startup, "steady": steady},
         "applies": applies,
         "prefetched_shards": status.prefetched_shards,
     }
