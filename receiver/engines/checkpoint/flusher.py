@@ -60,8 +60,9 @@ class Flusher:
     newer one writes back every data file (``fsync_data_files``), so it covers the dropped
     one's pages, and only the newest version may be marked ``synced`` anyway. However far the
     versions run ahead of a slow disk, at most two flushes (one running, one waiting) hold
-    their maps, a descriptor and a mapping per file, instead of one per version behind (the
-    descriptors ran out: EMFILE broke the engine)."""
+    their maps, a descriptor per file, instead of one per version behind (the descriptors ran
+    out: EMFILE broke the engine). On Linux the maps come without their mappings (the engine
+    drops them at submit, ``FileMaps.unmap``: the next version's mapping is the only one)."""
 
     def __init__(self, name: str, flush: Callable[[FileMaps, int], None], state_dir: Path) -> None:
         self._name = name
