@@ -242,7 +242,7 @@ def test_sync_after_unmap_writes_back_the_pages_written_through_the_dropped_map(
         assert str(path) not in Path("/proc/self/maps").read_text()
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as probe:
             assert sum(probe[:: mmap.PAGESIZE]) == 7 * ((16 << 20) // mmap.PAGESIZE)  # mapped
-            assert _dirty_kb(path) >= (16 << 10) * 9 // 10  # the pages' own dirty flags
+            assert _dirty_kb(path) >= (16 << 10) // 2  # the pages' own dirty flags
             maps.sync()
             assert _dirty_kb(path) == 0
     finally:

@@ -123,6 +123,8 @@ class RssSampler:
             key = _KINDS.get(line.partition(b":")[0])
             if key is not None:
                 out[key] = int(line.split()[1]) * 1024
+        if out["anon"] or out["file"]:  # VmRSS is their sum, but each read at its own instant
+            out["now"] = out["anon"] + out["file"] + out["shmem"]
         return out
 
     def _sample(self, now: dict[str, int]) -> None:
