@@ -116,6 +116,12 @@ async def test_the_receiver_cli_audits_a_plain_checkpoint_and_reseeds_one_that_r
     assert read_acks(root)["a1"].version == 1
 
 
+def _durable(ckpt: Path, version: int) -> bool:
+    """Whether the checkpoint's state.json holds ``version`` flushed (no ``synced: false``)."""
+    state = json.loads((ckpt / ".asyncsync" / "state.json").read_text())
+    return state["version"] == version and state.get("synced", True) is True
+
+
 async def test_a_fifo_in_place_of_a_data_file_is_not_ready_nor_acked_and_never_opened(
     tmp_path: Path,
 ) -> None:
@@ -133,6 +139,8 @@ async def test_a_fifo_in_place_of_a_data_file_is_not_ready_nor_acked_and_never_o
     ):
         while "a1" not in read_acks(root) or (await _status(http, url))["version"] != 1:
             await asyncio.sleep(0.05)  # another process's ack
+        while not _durable(ckpt, 1):  # v1's flush done: the FIFO meets the sync's check, not
+            await asyncio.sleep(0.05)  # the flush (which fails on it, and its recovery wipes)
         weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())
         data = ckpt / weight_map["weight_map"]["model.layers.2.weight"]
         data.unlink()
