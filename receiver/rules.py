@@ -142,7 +142,8 @@ def _increasing_within(
     if k is None or not hasattr(k, "increasing") or pos.device.type != "cpu":
         return False
     if decoded is not None:  # (read through NumPy: a tensor's element costs ~3 us)
-        arr = patch.arrays()[0]  # (pos is the patch's: decoded_xef says so)
+        # the decoder's array where pos is the patch's own tensor (a flattened view of it is not)
+        arr = patch.arrays()[0] if pos is patch.positions else pos.numpy()
         return bool(arr[0] >= 0 and arr[-1] < numel)
     return bool(k.increasing(pos.contiguous().numpy(), 8, numel))
 

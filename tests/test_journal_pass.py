@@ -141,3 +141,25 @@ def test_a_patch_resized_in_place_gets_views_of_its_new_length() -> None:
     patch.positions.resize_(n - 2)  # type: ignore[union-attr]
     pos, vals = patch.arrays()
     assert pos is not None and pos.size == n - 2 and vals.size == n - 1
+
+
+@needs_kernel
+def test_a_decoded_patchs_positions_reshaped_are_still_checked_flat() -> None:
+    """The decoder's positions as a 2-D view of the same memory (vouched for: the same
+    elements, unwritten): check_patch reads the flat positions it checks, not the patch's
+    2-D ones, and the patch applies as the decoded one does."""
+    from receiver.rules import check_patch
+
+    old = torch.arange(4096, dtype=torch.int16)
+    new = old.clone()
+    new[::7] += 1
+    patch = _decoded(old, new)
+    n = patch.values.numel()
+    assert n % 2 == 0
+    odd = dataclasses.replace(patch, positions=patch.positions.view(2, n // 2))  # type: ignore[union-attr]
+    assert odd.decoded_xef() is not None
+    checked = check_patch(odd, old.clone(), "w", kernels_check=True)
+    assert checked.positions is not None and checked.positions.dim() == 1
+    target = old.clone()
+    apply_patch(target, checked)
+    assert torch.equal(target, new)
