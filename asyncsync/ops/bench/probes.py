@@ -58,29 +58,28 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------ memory
-def _status(key: str) -> int:
-    """A ``kB`` line of /proc/self/status in bytes (0 where /proc is missing)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _kb_lines(status: bytes, keys: Mapping[bytes, str]) -> dict[str, int]:
+    """The ``kB`` lines of ``/proc/self/status`` text named in ``keys``, in bytes, under
+    ``keys``' names (0 for a line that is not there)."""
+    out = dict.fromkeys(keys.values(), 0)
+    for line in status.splitlines():
+        key = keys.get(line.partition(b":")[0])
+        if key is not None:
+            out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+_KINDS = {b"VmRSS": "now", b"RssAnon": "anon", b"RssFile": "file", b"RssShmem": "shmem"}
 
 
 def rss() -> dict[str, int]:
     """Bytes: ``now`` the current RSS, ``peak`` the highest since start or the last reset,
     ``anon``/``file``/``shmem`` the current anonymous, file-backed (mmap'd files) and shared
-    memory parts (``now`` is their sum)."""
-    return {
-        "now": _status("VmRSS"),
-        "peak": _status("VmHWM"),
-        "anon": _status("RssAnon"),
-        "file": _status("RssFile"),
-        "shmem": _status("RssShmem"),
-    }
-
-
-_KINDS = {b"VmRSS": "now", b"RssAnon": "anon", b"RssFile": "file", b"RssShmem": "shmem"}
+    memory parts (``now`` is their sum); all 0 where /proc is missing."""
+    status = b""
+    with contextlib.suppress(OSError):
+        status = Path("/proc/self/status").read_bytes()
+    return _kb_lines(status, {**_KINDS, b"VmHWM": "peak"})
 
 
 class RssSampler:
@@ -118,11 +117,7 @@ class RssSampler:
     @staticmethod
     def read(fd: int) -> dict[str, int]:
         """The four readings, in bytes, from an open ``/proc/self/status`` descriptor."""
-        out = dict.fromkeys(_KINDS.values(), 0)
-        for line in os.pread(fd, 8192, 0).splitlines():
-            key = _KINDS.get(line.partition(b":")[0])
-            if key is not None:
-                out[key] = int(line.split()[1]) * 1024
+        out = _kb_lines(os.pread(fd, 8192, 0), _KINDS)
         if out["anon"] or out["file"]:  # VmRSS is their sum, but each read at its own instant
             out["now"] = out["anon"] + out["file"] + out["shmem"]
         return out
