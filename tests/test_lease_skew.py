@@ -12,7 +12,7 @@ import pytest
 
 from asyncsync.format.lease import read_lease
 from tests.mounts import RCLONE_SETTLE, rclone_mounts
-from tests.test_rclone import _go, _stop, _takers, _wait_for
+from tests.test_rclone import _go, _refused_as_held, _stop, _takers, _wait_for
 
 HOUR = 3600.0
 
@@ -36,7 +36,9 @@ def test_a_holder_whose_clock_runs_behind_by_more_than_the_ttl_keeps_its_lease(
             taker = _takers([b], ttl=ttl)
             procs += taker
             ans = _go(taker)[0]
-            assert ans.startswith("refused") and "in use by" in ans, ans
+            # the lease seen renewed, or (rclone's EIO while the holder rewrites it through the
+            # other mount: the CI run of 30fb424 saw it) unreadable and seen changing: held
+            assert ans.startswith("refused") and _refused_as_held(ans), ans
             found = read_lease(src, "e1")
             assert found is not None and found[0].owner == owner
         finally:
