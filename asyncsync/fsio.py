@@ -224,13 +224,20 @@ def _entry_kind(fd: int, name: str) -> str:
 
 @contextlib.contextmanager
 def _parent(path: _Path, root: _Root, *, create: bool = False) -> Iterator[tuple[int, str]]:
-    """(descriptor of ``path``'s directory, ``path``'s last component), closed after."""
+    """(descriptor of ``path``'s directory, ``path``'s last component), closed after; an
+    ``OSError`` names ``path`` where it named its last component (or one on its way) alone."""
     base, parts = _split(path, root)
-    fd = _descend(base, parts, path, create=create)
     try:
-        yield fd, PurePath(path).name
-    finally:
-        os.close(fd)
+        fd = _descend(base, parts, path, create=create)
+        try:
+            yield fd, PurePath(path).name
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        for at in ("filename", "filename2"):
+            if getattr(exc, at) in (PurePath(path).name, *parts):  # not a temp file's name
+                setattr(exc, at, str(path))
+        raise
 
 
 def open_dir(path: _Path, *, root: _Root = None) -> int:
@@ -243,11 +250,9 @@ def open_dir(path: _Path, *, root: _Root = None) -> int:
 
 def lstat(path: _Path, *, root: _Root = None) -> os.stat_result | None:
     """``lstat`` of ``path``, None when it (or a directory on its way) does not exist."""
-    try:
-        with _parent(path, root) as (fd, name):
-            return os.stat(name, dir_fd=fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
+    with contextlib.suppress(FileNotFoundError), _parent(path, root) as (fd, name):
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    return None
 
 
 def scan(path: _Path, *, root: _Root = None) -> list[tuple[str, os.stat_result]]:
@@ -392,18 +397,16 @@ def make_dir(
             make_dir(path.parent, parents=True, exist_ok=True)
         try:
             os.mkdir(path, DIR_MODE)
+            os.chmod(path, DIR_MODE)
         except FileExistsError:
             if not exist_ok or not path.is_dir():
                 raise
-            return path
-        os.chmod(path, DIR_MODE)
         return path
     with _parent(path, root, create=parents) as (dfd, name):
         try:
             os.mkdir(name, DIR_MODE, dir_fd=dfd)
         except FileExistsError:
-            fd = _open_subdir(dfd, name, path)  # UnsafePath unless a real directory
-            os.close(fd)
+            os.close(_open_subdir(dfd, name, path))  # UnsafePath unless a real directory
             if not exist_ok:
                 raise
             return path
@@ -513,10 +516,7 @@ def remove_tree(path: _Path, *, root: _Root = None) -> None:
     unlinked, never followed), or any other entry (a symlink: the link only). Missing: no-op."""
     with contextlib.suppress(FileNotFoundError), _parent(path, root) as (dfd, name):
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(name, dir_fd=dfd)
-        else:
-            os.unlink(name, dir_fd=dfd)
+        (shutil.rmtree if stat.S_ISDIR(st.st_mode) else os.unlink)(name, dir_fd=dfd)
 
 
 def remove_temp_files(directory: _Path, *, root: _Root = None) -> list[Path]:

@@ -194,3 +194,21 @@ print("bench", main(["bench", "--quick", "--workdir", root + "b"]))
     assert done.stdout.splitlines() == [f"refused: {said}"] * 2 + ["bench 1"], done.stdout
     assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "rootb").exists()
+
+
+def test_an_error_below_a_root_names_the_whole_path_not_the_last_component(
+    tmp_path: Path,
+) -> None:
+    """Calls below ``root=`` act on a name relative to a directory descriptor, so the kernel's
+    error named only the basename (an ack the receiver could not remove read "Permission
+    denied: 'e1.json'"): it names the path the caller gave."""
+    d = tmp_path / "acks" / "e1.json"
+    d.mkdir(parents=True)  # a directory where a file is removed: EISDIR from unlink
+    with pytest.raises(IsADirectoryError) as err:
+        fsio.remove(d, root=tmp_path)
+    assert err.value.filename == str(d)
+    assert str(d) in str(err.value)
+    gone = tmp_path / "gone" / "sub"
+    with pytest.raises(FileNotFoundError) as err2:  # a directory missing on the way
+        fsio.scan(gone, root=tmp_path)
+    assert err2.value.filename == str(gone)
