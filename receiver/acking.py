@@ -85,6 +85,13 @@ def _overrides_modes() -> bool:
 
 def not_writable(root: Path, path: str, code: int | None = None) -> str:
     """What to do when this receiver cannot write ``path`` in the root (``code``: the errno)."""
+    if code == errno.EPERM and (sticky := _sticky_owner(path)):
+        return (
+            f"this receiver (uid {os.getuid()}) may not replace or remove {path}: {sticky}, and "
+            "in a sticky directory only a file's owner (or root) may. Remove it as that uid "
+            f"once, or let the publisher's user make {Path(path).parent} group-writable and not "
+            f"sticky: `asyncsync prepare {root} --group GROUP` (mode 2775)"
+        )
     if code in (errno.EPERM, errno.EROFS):  # not the mode bits (EACCES)
         why = (
             "its filesystem is mounted read-only" if code == errno.EROFS else "an immutable or "
@@ -107,6 +114,18 @@ def not_writable(root: Path, path: str, code: int | None = None) -> str:
         f"publisher's user: `asyncsync prepare {root} --group GROUP` (docs/INTEGRATION.md, "
         '"Receivers under another uid"), or run the receiver as the publisher\'s uid'
     )
+
+
+def _sticky_owner(path: str) -> str:
+    """Why a sticky directory keeps this uid from removing ``path`` ("": it does not)."""
+    try:
+        st, up = os.lstat(path), os.stat(Path(path).parent)
+    except (OSError, ValueError):
+        return ""
+    if not up.st_mode & stat.S_ISVTX or st.st_uid == os.getuid() or up.st_uid == os.getuid():
+        return ""
+    mode = stat.S_IMODE(up.st_mode)
+    return f"it belongs to uid {st.st_uid} and its directory is sticky (mode {mode:04o})"
 
 
 class RootPresence:
@@ -237,8 +256,9 @@ class RootPresence:
             await asyncio.to_thread(
                 write_ack, self.root, self.engine_id, version, fingerprint, run_id, tuple(bad)
             )
-        except PermissionError as exc:
-            raise ConfigError(not_writable(self.root, exc.filename or "", exc.errno)) from exc
+        except PermissionError as exc:  # a rename's: the ack it would replace (filename2)
+            path = exc.filename2 or exc.filename or ""
+            raise ConfigError(not_writable(self.root, path, exc.errno)) from exc
         except OSError as exc:  # e.g. ENOSPC from the write or fsync, which names no file
             if exc.filename is not None:
                 raise
@@ -315,5 +335,8 @@ class RootPresence:
                            "does not serve it): removing the ack",
                            self.engine_id, version)  # fmt: skip
             path = ack_path(self.root, self.engine_id)
-            await asyncio.to_thread(partial(fsio.remove, path, root=self.root))  # never followed
+            try:
+                await asyncio.to_thread(partial(fsio.remove, path, root=self.root))  # not followed
+            except PermissionError as exc:
+                raise ConfigError(not_writable(self.root, exc.filename or "", exc.errno)) from exc
             self.acked = self._written = None

@@ -282,3 +282,52 @@ async def test_prepare_refuses_a_root_receivers_of_the_group_cannot_enter(
     os.chmod(root, 0o750)  # the group may read and enter: enough
     assert cli(["prepare", str(root), "--group", str(NOBODY)]) == 0
     assert (root / "acks").is_dir() and (root / "leases").is_dir()
+
+
+async def test_an_ack_of_another_uid_in_a_sticky_acks_dir_is_a_clear_error(
+    shared_tmp: Path,
+) -> None:
+    """(attack-85's bare PermissionError) A receiver under another uid finds its engine id's ack
+    written by a root-run receiver before, naming a version its empty checkpoint does not hold,
+    in an acks/ an admin made 1777: it may not remove it (sticky). It said "[Errno 1] Operation
+    not permitted: 'e1.json'"; now what holds it back and the two ways out."""
+    root, ckpt = shared_tmp / "root", shared_tmp / "ckpt"
+    async with Publisher(root, bucket_bytes=8192) as pub:
+        await pub.seed(mixed_state(0))
+    write_ack(root, "e1", 0, "ab" * 16, "an-earlier-run")
+    (root / "leases").mkdir(exist_ok=True)
+    for d in ("acks", "leases"):
+        os.chmod(root / d, 0o1777)
+    ckpt.mkdir()
+    os.chown(ckpt, NOBODY, NOBODY)
+    r = _receiver_as_nobody(root, ckpt)
+    assert r.returncode == 1
+    err = " ".join(r.stderr.split())
+    assert f"may not replace or remove {root}/acks/e1.json" in err, err
+    assert "belongs to uid 0" in err and "sticky (mode 1777)" in err
+    assert f"asyncsync prepare {root} --group GROUP" in err
+    assert (root / "acks" / "e1.json").exists()  # left as it was
+
+
+async def test_replacing_an_ack_of_another_uid_in_a_sticky_acks_dir_is_a_clear_error(
+    shared_tmp: Path,
+) -> None:
+    """The same, where the ack names what the checkpoint holds (a root-run receiver synced v0,
+    then the checkpoint was given to nobody): the new version's ack cannot be renamed over it."""
+    root, ckpt = shared_tmp / "root", shared_tmp / "ckpt"
+    sd = mixed_state(0)
+    async with Publisher(root, bucket_bytes=8192) as pub:
+        await pub.seed(sd)
+        async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e1", use_inotify=False) as agent:
+            assert await agent.sync_once() == 0
+        await pub.publish(mutate(sd, 0.05, seed=1))
+    for d in ("acks", "leases"):
+        os.chmod(root / d, 0o1777)
+    for p in [ckpt, *ckpt.rglob("*")]:
+        os.chown(p, NOBODY, NOBODY, follow_symlinks=False)
+    r = _receiver_as_nobody(root, ckpt)
+    assert r.returncode == 1
+    err = " ".join(r.stderr.split())
+    assert f"may not replace or remove {root}/acks/e1.json" in err, err
+    assert "belongs to uid 0" in err and "sticky (mode 1777)" in err
+    assert read_acks(root)["e1"].version == 0  # the old ack stands; nothing claims v1
