@@ -407,8 +407,8 @@ class StateStore:
                 # leave the engine's files without the state that says what they hold)
                 fsio.fsync_dir(top)
                 took = self._lock.acquire()
-            except OSError as exc:  # the lock's error said "Permission denied: 'lock'", no path
-                name = exc.filename  # the lock's is its name alone (opened in its directory)
+            except OSError as exc:  # fsio names the lock's path; mkdir's, the directory's
+                name = exc.filename
                 path = Path(name) if isinstance(name, str) and os.path.isabs(name) else None
                 if (err := unwritable(path or self._lock.path, exc, top)) is None:
                     raise
