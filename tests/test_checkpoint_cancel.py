@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from asyncsync import Publisher, fsio
+from asyncsync.errors import ConfigError
 from receiver import ReceiverAgent
 from receiver.engines import TorchModule
 from receiver.engines.checkpoint import CheckpointFiles, LocalCheckpoint
@@ -146,7 +147,7 @@ async def test_an_agent_whose_open_fails_after_the_engines_lets_the_checkpoint_g
     subprocess.run(["chattr", "+i", str(ack)], check=True)
     try:
         agent = ReceiverAgent(root, LocalCheckpoint(ckpt), "e1", use_inotify=False)
-        with pytest.raises(PermissionError):  # (the ack removed at open: EPERM)
+        with pytest.raises(ConfigError, match="immutable"):  # (the ack removed at open: EPERM)
             await agent.open()
     finally:
         subprocess.run(["chattr", "-i", str(ack)], check=True)
