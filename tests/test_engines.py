@@ -1042,6 +1042,36 @@ async def test_reopen_after_a_crash_before_the_flush(tmp_path: Path) -> None:
     await ck.close()
 
 
+async def test_reopen_after_a_crash_before_the_flush_refuses_a_fifo_as_a_running_engine_does(
+    tmp_path: Path,
+) -> None:
+    """A FIFO put in place of a data file of a version committed but not durable: the open
+    removed it with the files (and re-initialised), where a running engine's check refuses it
+    and leaves it (``_refuse_unsafe``). One rule now: refused, named, left, never opened; once
+    it is removed the open re-initialises as for a lost file."""
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
+    await ck.close()
+    st = _state(tmp_path)
+    st["synced"] = False  # as if killed between the commit and the background flush
+    (tmp_path / ".asyncsync" / "state.json").write_text(json.dumps(st))
+    data = tmp_path / "model-00001-of-00002.safetensors"
+    data.unlink()
+    os.mkfifo(data)
+    ck = LocalCheckpoint(tmp_path)
+    with pytest.raises(EngineStateError, match="FIFO"):
+        await ck.open()
+    await ck.close()
+    assert data.is_fifo() and _state(tmp_path)["version"] == 1  # left as it was
+    data.unlink()
+    ck = LocalCheckpoint(tmp_path)
+    assert (await ck.open()).version is None  # a file lost: re-initialised from a keyframe
+    await ck.close()
+
+
 def test_state_synced_field_round_trips_and_is_validated() -> None:
     ps = PersistedState(version=3, run_id="r", synced=False)
     assert '"synced": false' in ps.to_json()

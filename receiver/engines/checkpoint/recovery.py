@@ -196,11 +196,12 @@ class Recovery:
         its flush failed): if the machine went down (or the kernel dropped pages a failed flush
         could not write), some of its pages may be lost. Keep it if every tensor still matches,
         else wipe (the receiver re-initialises from a keyframe); a layout that no longer reads
-        is wiped too."""
+        is wiped too, but not a FIFO, device or directory put there: refused and left."""
         ps = self._ps
         try:
             self._layout = self.files.load_layout()
         except EngineStateError as exc:  # a header in the pages lost (no layout: no checksums)
+            self._refuse_unsafe(exc)  # a FIFO put there: refused, as _edited and the audit do
             logger.warning("%s: %s", self.directory, exc)
             bad = ["(its file's header)"]
         else:
