@@ -534,6 +534,42 @@ def test_profile_stage_table_splits_the_wall_into_cpu_queued_and_asleep() -> Non
     assert row[0] == "sleeps" and float(row[5]) >= 45.0  # the asleep column, in ms
 
 
+def test_the_run_queue_reader_reopens_a_dead_threads_descriptor_under_a_reused_id() -> None:
+    """``_RunQueue`` keeps one /proc/thread-self/schedstat descriptor per native thread id. A
+    thread started after another ended may get its id: it read the dead thread's descriptor
+    (ESRCH) and every stage on it read NaN. Here the dead thread's descriptor is put under
+    this thread's id, as the reuse would leave it."""
+    import threading
+
+    from asyncsync.ops.bench.profile import _RunQueue
+
+    rq = _RunQueue()
+    got: list[tuple[int, float]] = []
+    t = threading.Thread(target=lambda: got.append((threading.get_native_id(), rq())))
+    t.start()
+    t.join()
+    dead, first = got[0]
+    if math.isnan(first):
+        pytest.skip("no /proc/thread-self/schedstat here")
+    fd = rq._fds[dead][0]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # join() returns before the kernel's thread is gone
+        try:
+            os.pread(fd, 128, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the joined thread's schedstat still reads after 30 s")
+    me = threading.get_native_id()
+    rq._fds.pop(me, None)
+    rq._fds[me] = rq._fds.pop(dead)
+    try:
+        assert not math.isnan(rq()) and not math.isnan(rq())
+    finally:
+        rq.close()
+
+
 def _profile_sleeps(seconds: float) -> None:
     time.sleep(seconds)
 

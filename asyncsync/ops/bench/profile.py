@@ -160,15 +160,20 @@ class _RunQueue:
         if self._pread is None:
             return float("nan")
         tid = threading.get_native_id()
-        at = self._fds.get(tid)
-        if at is None:
-            try:
-                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-            except OSError:
-                fd = -1
-            at = self._fds[tid] = (fd, ctypes.create_string_buffer(128))
-        fd, buf = at
-        n = self._pread(fd, buf, 127, 0) if fd >= 0 else -1
+        for _ in range(2):
+            at = self._fds.get(tid)
+            if at is None:
+                try:
+                    fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+                except OSError:
+                    fd = -1
+                at = self._fds[tid] = (fd, ctypes.create_string_buffer(128))
+            fd, buf = at
+            n = self._pread(fd, buf, 127, 0) if fd >= 0 else -1
+            if n >= 0 or fd < 0:
+                break
+            os.close(fd)  # a dead thread's (ESRCH), whose id this one reuses: opened again
+            del self._fds[tid]
         fields = buf.raw[: max(n, 0)].split(None, 2)
         return int(fields[1]) / 1e9 if len(fields) >= 2 else float("nan")
 
