@@ -12,8 +12,11 @@ from the per-thread arenas and stay resident after ``free``. Measured in the ben
 keeps every buffer of ``threshold`` bytes or more out of the arenas.
 
 :func:`release_large_buffers` does that once per process; the publisher and the receiver agent
-call it when they open. Set ``ASYNCSYNC_MALLOPT=0`` to leave malloc alone (an application with
-its own allocator policy). Elsewhere than glibc it does nothing.
+call it when they open. Buffers below the threshold still come from the arenas, which keep
+freed memory resident below a live chunk: :func:`trim_free_memory` gives it back, and the
+agent calls it after each full apply (whole tensors decoded at once). Set
+``ASYNCSYNC_MALLOPT=0`` to leave malloc alone (an application with its own allocator policy).
+Elsewhere than glibc they do nothing.
 
 :class:`ScratchPool` reuses large buffers whose pages are already faulted in (the codec's
 temporaries: :mod:`asyncsync.codec.scratch`). :func:`host_copy` and :func:`host_chunks` bring a
@@ -58,6 +61,7 @@ __all__ = [
     "pinned_pool",
     "release_large_buffers",
     "scratch_env",
+    "trim_free_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,19 +81,26 @@ MAX_PINNED_MB = 1 << 20
 MAX_SCRATCH_MB = 1 << 20
 
 
+def _malloc_call(name: str) -> Any:
+    """glibc's function ``name`` (a ctypes function), or None: not Linux, a libc without it
+    (musl), or ``ASYNCSYNC_MALLOPT=0`` (an application with its own allocator policy)."""
+    if os.environ.get("ASYNCSYNC_MALLOPT", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def release_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes; True when it is in effect."""
     global _applied
     if _applied is not None:
         return _applied == threshold
-    if os.environ.get("ASYNCSYNC_MALLOPT", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+    mallopt = _malloc_call("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -98,6 +109,23 @@ def release_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
         return False
     _applied = threshold
     logger.debug("malloc: buffers of %d bytes or more are returned to the OS on free", threshold)
+    return True
+
+
+def trim_free_memory() -> bool:
+    """Give the free pages malloc's arenas hold back to the OS (glibc ``malloc_trim(0)``);
+    True when it was called. Buffers below the mmap threshold come from the arenas, and an
+    arena keeps its freed memory resident while a live chunk sits above it: a receiver's full
+    apply of a model whose tensors are each under 1 MiB (a 64 MB model) left ~0.75x the
+    model's bytes free but resident in two worker threads' arenas (BENCHMARKS.md, issue 26,
+    twenty-fifth session). The agent calls it after each full apply; ``ASYNCSYNC_MALLOPT=0``
+    leaves malloc alone here too. Elsewhere than glibc it does nothing."""
+    trim = _malloc_call("malloc_trim")
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
     return True
 
 

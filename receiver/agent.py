@@ -46,7 +46,7 @@ from asyncsync.format.names import root_path
 from asyncsync.format.store import is_committed
 from asyncsync.fsio import check_throttle_env
 from asyncsync.memory import check_env as check_memory_env
-from asyncsync.memory import release_large_buffers
+from asyncsync.memory import release_large_buffers, trim_free_memory
 from asyncsync.pipeline import LoopLock, check_threads_env, run_pipeline
 from receiver.acking import RootPresence
 from receiver.badversions import BadVersions
@@ -501,6 +501,8 @@ class ReceiverAgent:
                 rest = [(i, s) for i, s in shards if early is None or s.file not in early]
                 await self._stream(m, mode, rest)
                 await self.engine.commit()
+                if mode == "full":  # its whole-tensor temporaries: freed, not yet given back
+                    await asyncio.to_thread(trim_free_memory)
         except BaseException:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.engine.abort())
@@ -512,14 +514,8 @@ class ReceiverAgent:
         self._c.applied += 1
         self._c.last_apply_seconds = dt
         self._c.last_error = None
-        logger.info(
-            "agent %s applied version %d (%s, %d shards) in %.3fs",
-            self.engine_id,
-            m.version,
-            mode,
-            len(shards),
-            dt,
-        )
+        logger.info("agent %s applied version %d (%s, %d shards) in %.3fs",
+                    self.engine_id, m.version, mode, len(shards), dt)  # fmt: skip
 
     async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
         """Read+verify each shard once; decode group k+1 while the engine applies group k."""
