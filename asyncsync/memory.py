@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 import math
@@ -88,9 +89,15 @@ def _malloc_call(name: str) -> Any:
         return None
     if not sys.platform.startswith("linux"):
         return None
+    return getattr(_libc(), name, None)
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library, looked up once (``find_library`` may run ``ldconfig``); None if none."""
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
         return None
 
 

@@ -501,8 +501,6 @@ class ReceiverAgent:
                 rest = [(i, s) for i, s in shards if early is None or s.file not in early]
                 await self._stream(m, mode, rest)
                 await self.engine.commit()
-                if mode == "full":  # its whole-tensor temporaries: freed, not yet given back
-                    await asyncio.to_thread(trim_free_memory)
         except BaseException:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.engine.abort())
@@ -516,6 +514,8 @@ class ReceiverAgent:
         self._c.last_error = None
         logger.info("agent %s applied version %d (%s, %d shards) in %.3fs",
                     self.engine_id, m.version, mode, len(shards), dt)  # fmt: skip
+        if mode == "full":  # its whole-tensor temporaries: freed, not yet given back (after
+            await asyncio.to_thread(trim_free_memory)  # the try: a cancel here aborts nothing)
 
     async def _stream(self, m: Manifest, mode: Mode, shards: list[tuple[int, ShardInfo]]) -> None:
         """Read+verify each shard once; decode group k+1 while the engine applies group k."""
