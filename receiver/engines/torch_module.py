@@ -22,6 +22,11 @@ in place, so the module serves the new weights without a reload and without a se
   of :mod:`receiver.state`), for a module whose weights outlive the receiver; a state found
   ``applying`` or whose checksums do not match the module at ``open`` is dropped (no version),
   so the receiver re-initialises the module from a keyframe instead of trusting it.
+* A tensor of the held version replaced or resized in the module since (a loader that rebinds
+  a parameter, ``module.weight = ...``, ``resize_``: its identity changed) is hashed before the
+  next delta or zero diff: where it no longer holds the version's bytes, the version is dropped
+  (OutOfOrder) and the receiver re-initialises the module from a keyframe; before, the next
+  version was acknowledged over bytes no version had. An edit in place is the audit's to find.
 
 Work runs in ``asyncio.to_thread``; CUDA kernels are queued on the current stream and
 ``commit`` synchronises through the checksum's device-to-host copy.
@@ -41,7 +46,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from asyncsync.codec import Patch, apply_patch, int_view, patch_and_checksum, raw_view
-from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch, ConfigError
+from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch, ConfigError, OutOfOrder
 from asyncsync.format import Manifest, TensorEntry
 from asyncsync.format.checksum import checksum_tensor, entry_checksum
 from asyncsync.pipeline import parallel_map
@@ -72,9 +77,13 @@ def _alias_key(name: str, t: torch.Tensor) -> _AliasKey:
     )
 
 
-def _shared(tensors: dict[str, torch.Tensor]) -> set[_AliasKey]:
+def _ids(tensors: dict[str, torch.Tensor]) -> dict[str, _AliasKey]:
+    return {n: _alias_key(n, t) for n, t in tensors.items()}
+
+
+def _shared(tensors: dict[str, torch.Tensor], ids: dict[str, _AliasKey]) -> set[_AliasKey]:
     """The tensors (by alias key: a tied twin is one) whose memory another one's overlaps."""
-    one = {_alias_key(n, t): n for n, t in tensors.items()}
+    one = {k: n for n, k in ids.items()}
     spans = {n: span(tensors[n]) for n in one.values()}
     alone = apart(spans)
     return {k for k, n in one.items() if n not in alone}
@@ -124,6 +133,7 @@ class _Txn:
     mode: Literal["delta", "full"]
     entries: dict[str, TensorEntry]
     tensors: dict[str, torch.Tensor]
+    ids: dict[str, _AliasKey]
     seen: set[str] = field(default_factory=set)
     applied: set[_AliasKey] = field(default_factory=set)
     # (name, positions or None for the whole tensor, old int values)
@@ -155,6 +165,7 @@ class TorchModule(Engine):
         self._store = StateStore(state_dir) if state_dir is not None else None
         self._ps = PersistedState()
         self._txn: _Txn | None = None
+        self._ids: dict[str, _AliasKey] = {}  # the held version's tensors, as they were then
         self._mutex = threading.Lock()
         self.state = EngineState()
 
@@ -257,6 +268,7 @@ class TorchModule(Engine):
                     )
                     ps = PersistedState()
             self._set(ps)
+            self._ids = _ids(self.tensors())
         except BaseException:
             self._store.close()
             raise
@@ -270,17 +282,49 @@ class TorchModule(Engine):
             for n in self._ps.checksums
         }
 
-    def _mismatches(self, ps: PersistedState) -> list[str]:
+    def _mismatches(self, ps: PersistedState, names: list[str] | None = None) -> list[str]:
         tensors = self.tensors()
         algo = ps.checksum_algorithm or "xxh3-128"
-        bad = sorted(set(ps.checksums) - set(tensors))
-        for name, want in ps.checksums.items():
+        names = list(ps.checksums) if names is None else names
+        bad = sorted(set(names) - set(tensors))
+        for name in names:
+            want = ps.checksums[name]
             if name not in tensors:
                 continue
             t, layout = tensors[name], ps.parts.get(name)
             if checksum_tensor(t, algo, layout) != want:
                 bad.append(name)
         return bad
+
+    def _check_rebound(self, ids: dict[str, _AliasKey], manifest: Manifest) -> None:
+        """Drop the held version (OutOfOrder: the receiver goes on from a keyframe) where a
+        tensor of it was replaced or resized in the module since it was last known to hold it
+        (``ids``: the tensors now) and no longer has its bytes; a copy of the same bytes (a
+        ``module.to()``) is taken."""
+        if self._ps.version is None:
+            return
+        was = self._ids
+        moved = [n for n in self._ps.checksums if ids.get(n) != was.get(n)]
+        if not moved:
+            return
+        form = [n for n in moved if n in ids and len(ids[n]) == len(was.get(n, ())) == 6]
+        same = [n for n in form if ids[n][3:5] == was[n][3:5]]  # dtype and shape
+        bad = sorted(set(moved) - set(same)) + self._mismatches(self._ps, same)
+        if not bad:
+            self._ids = ids
+            return
+        held = self._ps.version
+        logger.warning(
+            "%r: %d tensors of v%s (e.g. %r) were replaced or resized in the module since and "
+            "no longer hold its bytes; dropping v%s: the receiver re-initialises from a keyframe",
+            self, len(bad), held, bad[0], held,
+        )  # fmt: skip
+        self._set(PersistedState())
+        raise OutOfOrder(
+            f"{self!r}: v{manifest.version} applies on v{manifest.base_version}, which the "
+            f"module no longer holds (tensor {bad[0]!r} was replaced or resized in it): the "
+            "receiver re-initialises from a keyframe"
+        )
 
     # -- begin / apply --------------------------------------------------------------------------
     def _begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
@@ -293,11 +337,13 @@ class TorchModule(Engine):
             )
         if mode not in ("delta", "full"):
             raise ApplyFailed(f"unknown apply mode {mode!r}")
+        tensors = self.tensors()
+        ids = _ids(tensors)
         if mode == "delta":
+            self._check_rebound(ids, manifest)
             check_base(self.state.version, self.state.run_id, manifest, repr(self))
             if self._ps.checksums:
                 check_tensor_set(self._held(), manifest, repr(self))
-        tensors = self.tensors()
         entries = manifest.tensor_map()
         for name, e in entries.items():
             t = tensors.get(name)
@@ -321,9 +367,9 @@ class TorchModule(Engine):
                 )
         if self._store is not None:
             self._set(self._ps.begin(manifest.version, mode))
-        self._txn = _Txn(manifest, mode, entries, tensors)
+        self._txn = _Txn(manifest, mode, entries, tensors, ids)
         if mode == "delta":
-            self._txn.shared = _shared(tensors)
+            self._txn.shared = _shared(tensors, ids)
 
     def _apply(self, updates: list[TensorUpdate]) -> None:
         txn = self._need_txn()
@@ -465,6 +511,7 @@ class TorchModule(Engine):
             self._rollback(txn)
             raise
         self._txn = None
+        self._ids = txn.ids
         logger.info("%r: committed %s v%s", self, txn.mode, m.version)
         return m.fingerprint
 
@@ -484,6 +531,7 @@ class TorchModule(Engine):
     def _bump(self, manifest: Manifest) -> None:
         if self._txn is not None:
             raise ApplyFailed(f"{self!r}: bump while v{self._txn.manifest.version} is open")
+        self._check_rebound(_ids(self.tensors()), manifest)
         check_base(self.state.version, self.state.run_id, manifest, repr(self))
         if self._ps.checksums:
             check_tensor_set(self._held(), manifest, repr(self))
