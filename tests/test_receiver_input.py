@@ -7,6 +7,7 @@ A size is checked against the file (``fstat``) and sane limits before anything i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tracemalloc
@@ -329,3 +330,31 @@ def test_verify_deadline_is_a_flag_that_reaches_the_agent(
     assert receiver_main([*base, "--once", "--verify-deadline", "2.5"]) == 0
     assert [a.verify_deadline for a in made] == [2.5]
     assert made[0]._bad.verify_deadline == 2.5  # what the re-reads wait on
+
+
+@pytest.mark.parametrize("what", ["a FIFO", "a regular file"])
+@pytest.mark.parametrize("sub", ["journal", "staging", "redo"])
+async def test_a_state_subdirectory_that_is_no_directory_is_named_with_the_fix(
+    tmp_path: Path, sub: str, what: str
+) -> None:
+    """Something else in place of the checkpoint's ``.asyncsync/journal`` or ``staging``: one
+    line naming it and what to do (as for a symlink there). Before: ``FileExistsError: [Errno
+    17] File exists`` (``redo/``: with a redo log)."""
+    root = await _root(tmp_path)
+    ck = tmp_path / "ck"
+    args = ("--root", str(root), "--engine-id", "e1", "--checkpoint", str(ck), "--once")
+    if sub == "redo":
+        args += ("--checkpoint-redo-log", "2")
+    assert _run_receiver(*args).returncode == 0
+    path = ck / ".asyncsync" / sub
+    path.rmdir()
+    if what == "a FIFO":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(b"x")
+    r = _run_receiver(*args)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1, r.stderr
+    assert f"{path} is {what}, not the engine's own directory" in errors[0]
+    assert "remove it" in errors[0]

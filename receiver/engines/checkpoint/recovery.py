@@ -32,7 +32,7 @@ from receiver.state import STATE_NAME, PersistedState, StateStore, check_writabl
 if TYPE_CHECKING:
     from receiver.engines.checkpoint.engine import _Txn
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "own_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,24 @@ def _own_file(path: Path) -> bool:
     is copied into a file of the checkpoint's own first: ``own_data_files``)."""
     st = fsio.lstat(path)
     return st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFREG: "a regular file", stat.S_IFLNK: "a symlink"}
+
+
+def own_dir(path: Path) -> None:
+    """Make the state directory's ``path`` (journal/, staging/, redo/) where missing; anything else
+    there (a FIFO, a file: mkdir said only "File exists") is refused by name, never removed."""
+    try:
+        path.mkdir()
+    except FileExistsError:
+        st = fsio.lstat(path)
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "a special file")
+            raise EngineStateError(
+                f"{path} is {kind}, not the engine's own directory; remove it (the receiver "
+                "makes it again)"
+            ) from None
 
 
 class Recovery:
@@ -116,7 +134,7 @@ class Recovery:
                 ps = PersistedState()
             self._ps = ps
             for d in (self._store.journal_dir, self._store.staging_dir):
-                d.mkdir(exist_ok=True)
+                own_dir(d)
             no_copy_on_write(self._store.staging_dir)  # made before the flag, by an older one
             fsio.fsync_dir(self._store.directory)  # durable before a journal record or staged file
             self._flusher.prepare()

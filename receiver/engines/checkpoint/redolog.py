@@ -41,7 +41,7 @@ from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError
 from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import TensorUpdate
 from receiver.engines.checkpoint import inplace
-from receiver.engines.checkpoint.recovery import Recovery
+from receiver.engines.checkpoint.recovery import Recovery, own_dir
 from receiver.engines.checkpoint.redo import Record, RecordWriter, record_name
 from receiver.engines.st_layout import FileMaps
 from receiver.rules import check_patch, layouts_of
@@ -146,7 +146,7 @@ class RedoLog(Recovery):
         never acknowledged), then those it names compacted."""
         d = self._store.redo_dir
         if self.redo_log:
-            d.mkdir(exist_ok=True)
+            own_dir(d)
         if d.is_dir():
             named = {record_name(v) for v, _ in self._ps.redo}
             stale = [p for p in d.iterdir() if p.name not in named]
@@ -161,7 +161,7 @@ class RedoLog(Recovery):
         numels = {
             n: loc.nbytes // max(loc.int_dtype.itemsize, 1) for n, loc in self._layout.items()
         }
-        self._store.redo_dir.mkdir(exist_ok=True)
+        own_dir(self._store.redo_dir)
         return Writing(RecordWriter(self._store.redo_dir, manifest.version), numels)
 
     def _apply_redo(self, w: Writing, claimed: list[tuple[TensorEntry, TensorUpdate]]) -> None:
