@@ -173,8 +173,10 @@ class TorchModule(Engine):
         return f"<TorchModule {type(self.module).__name__} version={self.state.version}>"
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer by state-dict name (detached views of the live storage)."""
-        return {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items()}
+        """Every parameter and buffer by state-dict name (detached views of the live storage);
+        not a layer's extra state (``get_extra_state``: no tensor, which no version carries)."""
+        sd = self.module.state_dict(keep_vars=True)
+        return {k: v.detach() for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
     # -- public coroutines ----------------------------------------------------------------
     async def open(self) -> EngineState:
