@@ -72,6 +72,14 @@ def check_paths(args: argparse.Namespace) -> None:
     if os.path.exists(root) and not os.path.isdir(root):
         raise ConfigError(f"--root {args.root} is not a directory")
     _no_file_above(root, args.root)
+    # a file, a FIFO, a symlink to nothing there: the engine's mkdir said only "File exists"
+    if os.path.lexists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+        what = "a symlink to nothing" if os.path.islink(args.checkpoint) else "a file"
+        raise ConfigError(
+            f"--checkpoint {args.checkpoint} is {what}, not a directory: give the engine's "
+            "checkpoint directory (made where missing)"
+        )
+    _no_file_above(ckpt, args.checkpoint, "--checkpoint")
     if not os.path.exists(root):
         if args.once:
             raise ConfigError(f"--root {args.root} does not exist: nothing to apply")
@@ -83,16 +91,16 @@ def check_paths(args: argparse.Namespace) -> None:
         logger.warning("root %s is empty; waiting for the publisher to open it", args.root)
 
 
-def _no_file_above(root: str, given: str) -> None:
-    """Refuse a root below a file (``FILE/sub``): it can never be created, so the daemon's
-    wait for the publisher to create it would never end."""
+def _no_file_above(path: str, given: str, option: str = "--root") -> None:
+    """Refuse a root (or checkpoint) below a file (``FILE/sub``): it can never be created, so
+    the daemon's wait for the publisher to create it would never end."""
     try:
-        os.stat(root)
+        os.stat(path)
     except NotADirectoryError:
-        above = os.path.dirname(root)
+        above = os.path.dirname(path)
         while above != os.path.dirname(above) and not os.path.exists(above):
             above = os.path.dirname(above)  # (the deepest part that exists: the file)
-        raise ConfigError(f"--root {given}: {above} is a file, not a directory") from None
+        raise ConfigError(f"{option} {given}: {above} is a file, not a directory") from None
     except OSError:
         pass  # missing (waited for), or unreadable: said when it is read
 

@@ -111,6 +111,32 @@ def test_checkpoint_inside_or_equal_to_the_root_is_refused(
     assert sorted(p.name for p in root.iterdir()) == []
 
 
+@pytest.mark.parametrize("what", ["file", "fifo", "dangling", "below_a_file"])
+def test_a_checkpoint_that_is_no_directory_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    """``--checkpoint`` naming a file, a FIFO, a symlink to nothing, or a path below a file:
+    one line saying so (attack-89). Before: ``FileExistsError: [Errno 17] File exists`` (or
+    ``NotADirectoryError``) from the engine's mkdir."""
+    root = tmp_path / "root"
+    root.mkdir()
+    ckpt = tmp_path / "ckpt"
+    if what == "file":
+        ckpt.write_bytes(b"x")
+    elif what == "fifo":
+        os.mkfifo(ckpt)
+    elif what == "dangling":
+        ckpt.symlink_to(tmp_path / "nowhere")
+    else:
+        (tmp_path / "f").write_bytes(b"x")
+        ckpt = tmp_path / "f" / "ckpt"
+    argv = ["--root", str(root), "--engine-id", "e", "--checkpoint", str(ckpt), "--once"]
+    assert receiver_main(argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"--checkpoint {ckpt}" in err and "not a directory" in err
+
+
 def test_a_missing_root_is_refused_by_once_and_logged_by_the_daemon(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
