@@ -303,9 +303,9 @@ class TorchModule(Engine):
         tensor of it was replaced or resized in the module since it was last known to hold it
         (``ids``: the tensors now) and no longer has its bytes; a copy of the same bytes (a
         ``module.to()``) is taken."""
-        if self._ps.version is None:
-            return
         was = self._ids
+        if self._ps.version is None or ids == was:  # (one C comparison: the usual case)
+            return
         moved = [n for n in self._ps.checksums if ids.get(n) != was.get(n)]
         if not moved:
             return
