@@ -33,14 +33,16 @@ async def _at_v0(root: Path) -> AsyncIterator[tuple[Publisher, ReceiverAgent, Ho
             yield pub, a, mod
 
 
+@pytest.mark.parametrize("zero_diff", [False, True])
 async def test_a_tensor_replaced_in_the_module_is_checked_before_the_next_delta(
-    tmp_path: Path,
+    tmp_path: Path, zero_diff: bool
 ) -> None:
-    """Before: v1 (which does not touch ``REBOUND``) was committed and acked over the new
-    tensor's bytes, the module serving what no version ever was."""
+    """Before: v1 (which does not touch ``REBOUND``; with ``zero_diff`` no tensor) was
+    committed and acked over the new tensor's bytes, the module serving what no version ever
+    was."""
     async with _at_v0(tmp_path) as (pub, a, mod):
         setattr(mod, BUFFER, torch.ones_like(getattr(mod, BUFFER)))  # a new tensor, other bytes
-        v1 = mutate(V0, 0.05, seed=1, names=[CHANGED])
+        v1 = V0 if zero_diff else mutate(V0, 0.05, seed=1, names=[CHANGED])
         await pub.publish(v1)
         assert await a.sync_once() == 1  # from the keyframe again, then v1
         assert_holds(mod.state_dict(), v1)
