@@ -39,6 +39,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
@@ -46,7 +47,14 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from asyncsync.codec import Patch, apply_patch, int_view, patch_and_checksum, raw_view
-from asyncsync.errors import ApplyFailed, AsyncSyncError, ChecksumMismatch, ConfigError, OutOfOrder
+from asyncsync.errors import (
+    ApplyFailed,
+    AsyncSyncError,
+    ChecksumMismatch,
+    ConfigError,
+    LockHeld,
+    OutOfOrder,
+)
 from asyncsync.format import Manifest, TensorEntry
 from asyncsync.format.checksum import checksum_tensor, entry_checksum
 from asyncsync.pipeline import parallel_map
@@ -61,6 +69,14 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _AliasKey = tuple[Any, ...]
+
+# the open TorchModule that applies versions to each module: one agent per engine (a
+# checkpoint's lock says the same); two over one module undid each other's XOR deltas. Weak
+# both ways: a module or an engine dropped unclosed holds nothing once collected
+_DRIVEN: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[TorchModule]] = (
+    weakref.WeakKeyDictionary()
+)
+_DRIVEN_LOCK = threading.Lock()
 
 
 def _alias_key(name: str, t: torch.Tensor) -> _AliasKey:
@@ -183,10 +199,20 @@ class TorchModule(Engine):
         return await self._run(self._open)
 
     async def close(self) -> None:
-        if self._txn is not None:
-            await self.abort()
-        if self._store is not None:  # after a thread still at work (a cancelled open's)
-            await self._run(self._store.close)
+        try:
+            if self._txn is not None:
+                await self.abort()
+        finally:  # after a thread still at work (a cancelled open's): the lock, the module
+            await self._run(self._let_go)
+
+    def _let_go(self) -> None:
+        try:
+            if self._store is not None:
+                self._store.close()
+        finally:
+            with _DRIVEN_LOCK:
+                if (ref := _DRIVEN.get(self.module)) is not None and ref() is self:
+                    del _DRIVEN[self.module]
 
     async def begin(self, manifest: Manifest, mode: Literal["delta", "full"]) -> None:
         await self._run(self._begin, manifest, mode)
@@ -243,6 +269,16 @@ class TorchModule(Engine):
 
     # -- open -----------------------------------------------------------------------------------
     def _open(self) -> EngineState:
+        with _DRIVEN_LOCK:
+            other = (ref := _DRIVEN.get(self.module)) and ref()
+            if other is None:
+                _DRIVEN[self.module] = weakref.ref(self)
+        if other is not None and other is not self:
+            raise LockHeld(
+                f"{self!r}: the module is applied to by {other!r}, open in another receiver "
+                "agent of this process: one agent per engine; close that one, or give this "
+                "one a module of its own"
+            )
         if self._store is None or self._store.locked:
             return self.state
         ps = self._store.open()
