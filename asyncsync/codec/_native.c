@@ -51,6 +51,14 @@
  *     the high bitvector, the high bitvector has exactly n set bits, and the decoded positions
  *     are strictly increasing within [0, numel). Messages match asyncsync.codec.ef's NumPy decoder.
  *
+ * xef_decode_many(positions, values, counts, numels, width, pos_out, val_out) -> None
+ *     The receiver's decode of many small sparse xef deltas in one call: piece j's positions
+ *     blob (its header byte L, then the uncompressed payload) as ef_decode, its values (the
+ *     decompressed byte planes of counts[j] elements) as unplanes, each into pos_out / val_out
+ *     after the pieces before it; every value must be non-zero (a listed position changed).
+ *     ValueError naming the first piece that is not valid: the caller then decodes the pieces
+ *     one by one, whose errors say what is wrong.
+ *
  * patch_hash(flat, width, positions, values, is_xor, lo, hi, hasher) -> None
  *     Patch the element range [lo, hi) of flat (positions: int64, strictly increasing within
  *     [lo, hi), or None for every element of the range, `values` then holding hi - lo
@@ -175,6 +183,64 @@ static Py_ssize_t int64s(Py_buffer *v, const char *name) {
         return -1;
     }
     return v->len / 8;
+}
+
+/* Two sequences of as many buffer objects (diff_many's olds and news, xef_decode_many's
+ * positions and values): their views taken in order, item j of seq[0] then of seq[1] at
+ * views[2 j] and views[2 j + 1], and released all at once by pairs_close. */
+typedef struct {
+    PyObject *seq[2];
+    const char *name[2];
+    Py_buffer *views;
+    Py_ssize_t k, held;
+} Pairs;
+
+/* -1 with an exception when either is not a sequence or their lengths differ. */
+static int pairs_open(Pairs *p, PyObject *first, PyObject *second, const char *names[2]) {
+    *p = (Pairs){.name = {names[0], names[1]}};
+    if (!(p->seq[0] = PySequence_Fast(first, "expected a sequence of buffers")) ||
+        !(p->seq[1] = PySequence_Fast(second, "expected a sequence of buffers"))) {
+        return -1;
+    }
+    p->k = PySequence_Fast_GET_SIZE(p->seq[0]);
+    if (PySequence_Fast_GET_SIZE(p->seq[1]) != p->k) {
+        PyErr_Format(PyExc_ValueError, "%zd %s but %zd %s", p->k, names[0],
+                     PySequence_Fast_GET_SIZE(p->seq[1]), names[1]);
+        return -1;
+    }
+    if (p->k && !(p->views = PyMem_Calloc((size_t)(2 * p->k), sizeof(Py_buffer)))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* The next view: item j of seq[side], C-contiguous (and writable if asked); NULL with an
+ * exception. */
+static Py_buffer *pairs_take(Pairs *p, Py_ssize_t j, int side, int writable) {
+    Py_buffer *v = &p->views[p->held];
+    if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(p->seq[side], j), v, PyBUF_FULL_RO) < 0) {
+        return NULL;
+    }
+    p->held++;
+    if (!PyBuffer_IsContiguous(v, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s[%zd] must be a C-contiguous buffer", p->name[side], j);
+        return NULL;
+    }
+    if (writable && v->readonly) {
+        PyErr_Format(PyExc_TypeError, "%s[%zd] must be a writable buffer", p->name[side], j);
+        return NULL;
+    }
+    return v;
+}
+
+static void pairs_close(Pairs *p) {
+    while (p->held > 0) {
+        PyBuffer_Release(&p->views[--p->held]);
+    }
+    PyMem_Free(p->views);
+    Py_XDECREF(p->seq[0]);
+    Py_XDECREF(p->seq[1]);
 }
 
 /* The IndexError of a position outside the tensor (found by first_out_of_bounds). */
@@ -654,44 +720,21 @@ static PyObject *diff_many(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "bits must be 0, 64 or 128, not %d", bits);
         return NULL;
     }
-    PyObject *olds = NULL, *news = NULL, *result = NULL;
-    Py_buffer *views = NULL;
-    Py_ssize_t held = 0, k = 0, total = 0, count = 0;
+    static const char *names[2] = {"olds", "news"};
+    PyObject *result = NULL;
+    Pairs pairs;
+    Py_ssize_t k = 0, total = 0, count = 0;
     XXH3_state_t *state = NULL;
     char *made = NULL;
     Buffers b = {.held = 0};
-    if (!(olds = PySequence_Fast(olds_o, "olds must be a sequence")) ||
-        !(news = PySequence_Fast(news_o, "news must be a sequence"))) {
+    if (pairs_open(&pairs, olds_o, news_o, names) < 0) {
         goto done;
     }
-    k = PySequence_Fast_GET_SIZE(olds);
-    if (PySequence_Fast_GET_SIZE(news) != k) {
-        PyErr_Format(PyExc_ValueError, "%zd olds but %zd news", k,
-                     PySequence_Fast_GET_SIZE(news));
-        goto done;
-    }
-    if (k && !(views = PyMem_Calloc((size_t)(2 * k), sizeof(Py_buffer)))) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    k = pairs.k;
+    Py_buffer *views = pairs.views;
     for (Py_ssize_t j = 0; j < k; j++) {
-        for (int side = 0; side < 2; side++) {
-            PyObject *o = side ? PySequence_Fast_GET_ITEM(news, j)
-                               : PySequence_Fast_GET_ITEM(olds, j);
-            Py_buffer *v = &views[held];
-            if (PyObject_GetBuffer(o, v, PyBUF_FULL_RO) < 0) {
-                goto done;
-            }
-            held++;
-            if (!PyBuffer_IsContiguous(v, 'C')) {
-                PyErr_Format(PyExc_ValueError, "%s[%zd] must be a C-contiguous buffer",
-                             side ? "news" : "olds", j);
-                goto done;
-            }
-            if (!side && advance && v->readonly) {
-                PyErr_Format(PyExc_TypeError, "olds[%zd] must be a writable buffer", j);
-                goto done;
-            }
+        if (!pairs_take(&pairs, j, 0, advance) || !pairs_take(&pairs, j, 1, 0)) {
+            goto done;
         }
         Py_buffer *ov = &views[2 * j], *nw = &views[2 * j + 1];
         if (ov->len != nw->len) {
@@ -781,12 +824,7 @@ done:
     }
     PyMem_RawFree(made);
     release_all(&b);
-    while (held > 0) {
-        PyBuffer_Release(&views[--held]);
-    }
-    PyMem_Free(views);
-    Py_XDECREF(olds);
-    Py_XDECREF(news);
+    pairs_close(&pairs);
     return result;
 }
 
@@ -1971,6 +2009,144 @@ fail:
     return NULL;
 }
 
+/* The values of one sparse xef patch from their byte planes (n elements of width bytes, src
+ * n * width bytes) into out; returns how many elements are zero (all bytes). unplanes' loops,
+ * for the batched decode. */
+static Py_ssize_t unplane_count(const unsigned char *src, Py_ssize_t n, Py_ssize_t width,
+                                unsigned char *out) {
+    Py_ssize_t zeros = 0;
+    for (Py_ssize_t k = 0; k < width; k++) {
+        const unsigned char *from = src + k * n;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            out[i * width + k] = from[i];
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char any = 0;
+        for (Py_ssize_t k = 0; k < width; k++) {
+            any |= out[i * width + k];
+        }
+        zeros += any == 0;
+    }
+    return zeros;
+}
+
+/* The low bits L of n positions in [0, numel): floor(log2(numel // n)), 1 <= n <= numel. */
+static int ef_low_bits(Py_ssize_t n, Py_ssize_t numel) {
+    uint64_t q = (uint64_t)(numel / n);
+    int L = -1;
+    while (q) {
+        q >>= 1;
+        L++;
+    }
+    return L;
+}
+
+/* xef_decode_many: see the method table. The pieces are checked in order; the first one that
+ * is not valid stops the call (ValueError naming it): the caller then decodes them one by one,
+ * whose errors say what is wrong. */
+static PyObject *xef_decode_many(PyObject *self, PyObject *args) {
+    PyObject *pos_o, *val_o, *counts_o, *numels_o, *pout_o, *vout_o;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "OOOOnOO:xef_decode_many", &pos_o, &val_o, &counts_o,
+                          &numels_o, &width, &pout_o, &vout_o)) {
+        return NULL;
+    }
+    if (check_width(width) < 0) {
+        return NULL;
+    }
+    static const char *names[2] = {"positions", "values"};
+    PyObject *result = NULL;
+    Pairs pairs;
+    Py_ssize_t k = 0, total = 0, bad = -1;
+    const char *why = NULL;
+    Buffers b = {.held = 0};
+    if (pairs_open(&pairs, pos_o, val_o, names) < 0) {
+        goto done;
+    }
+    k = pairs.k;
+    Py_buffer *views = pairs.views;
+    Py_buffer *counts, *numels, *pout, *vout;
+    if (!(counts = acquire(&b, counts_o, "counts", 0)) ||
+        !(numels = acquire(&b, numels_o, "numels", 0)) ||
+        !(pout = acquire(&b, pout_o, "pos_out", 1)) || !(vout = acquire(&b, vout_o, "val_out", 1))) {
+        goto done;
+    }
+    if (counts->len != 8 * k || numels->len != 8 * k) {
+        PyErr_Format(PyExc_ValueError, "counts/numels (%zd/%zd bytes) must hold %zd int64",
+                     counts->len, numels->len, k);
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (!pairs_take(&pairs, j, 0, 0) || !pairs_take(&pairs, j, 1, 0)) {
+            goto done;
+        }
+        int64_t n;
+        memcpy(&n, (const char *)counts->buf + 8 * j, 8);
+        if (n < 1 || n > PY_SSIZE_T_MAX / 8 - total) {
+            PyErr_Format(PyExc_ValueError, "piece %zd: %lld positions", j, (long long)n);
+            goto done;
+        }
+        total += (Py_ssize_t)n;
+    }
+    if (pout->len != 8 * total || vout->len / width != total || vout->len % width) {
+        PyErr_Format(PyExc_ValueError,
+                     "pos_out/val_out (%zd/%zd bytes) must hold exactly %zd elements", pout->len,
+                     vout->len, total);
+        goto done;
+    }
+    {
+        char *pp = pout->buf;
+        unsigned char *pv = vout->buf;
+        NOGIL_BEGIN(total * (8 + width));
+        Py_ssize_t at = 0;
+        for (Py_ssize_t j = 0; j < k && !why; j++) {
+            const Py_buffer *pb = &views[2 * j], *vb = &views[2 * j + 1];
+            const unsigned char *blob = pb->buf;
+            int64_t n, numel;
+            memcpy(&n, (const char *)counts->buf + 8 * j, 8);
+            memcpy(&numel, (const char *)numels->buf + 8 * j, 8);
+            EfLayout lay;
+            Py_ssize_t count = 0;
+            int L;
+            bad = j;
+            if (numel < n || numel > PY_SSIZE_T_MAX) {
+                why = "changed exceeds numel";
+            } else if (pb->len < 1 || blob[0] != (L = ef_low_bits((Py_ssize_t)n, (Py_ssize_t)numel))) {
+                why = "Elias-Fano header (compressed payloads come uncompressed)";
+            } else if (vb->len != n * width) {
+                why = "values are not changed * width bytes";
+            } else {
+                /* ef_layout cannot fail here (1 <= n <= numel, L <= 62): both sizes fit */
+                lay.low_bits = (uint64_t)n * (uint64_t)L;
+                lay.high_bits = (uint64_t)n + ((uint64_t)numel >> L) + 1;
+                lay.low_len = (Py_ssize_t)(lay.low_bits / 8 + (lay.low_bits % 8 != 0));
+                lay.high_len = (Py_ssize_t)(lay.high_bits / 8 + (lay.high_bits % 8 != 0));
+                if (pb->len - 1 != lay.low_len + lay.high_len) {
+                    why = "positions blob size";
+                } else if (ef_unpack(blob + 1, blob + 1 + lay.low_len, &lay, (Py_ssize_t)n,
+                                     (uint64_t)numel, L, pp + 8 * at, &count) != EF_OK) {
+                    why = "Elias-Fano payload";
+                } else if (unplane_count(vb->buf, (Py_ssize_t)n, width, pv + width * at)) {
+                    why = "a zero XOR";
+                }
+            }
+            at += (Py_ssize_t)n;
+        }
+        NOGIL_END;
+    }
+    if (why) {
+        PyErr_Format(PyExc_ValueError, "piece %zd: %s", bad, why);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release_all(&b);
+    pairs_close(&pairs);
+    return result;
+}
+
 /* simd(enabled=None) -> bool: whether the AVX2 diff is used; True/False switch it (True only
  * where the CPU has it: else ValueError). */
 static PyObject *simd(PyObject *self, PyObject *args) {
@@ -2122,6 +2298,13 @@ static PyMethodDef methods[] = {
      "populate_write(buffer, start, length) -> None\n\n"
      "madvise(MADV_POPULATE_WRITE) over that byte range of a writable buffer (an mmap; start at\n"
      "a page boundary), the GIL released; OSError where the kernel refuses it."},
+    {"xef_decode_many", xef_decode_many, METH_VARARGS,
+     "xef_decode_many(positions, values, counts, numels, width, pos_out, val_out) -> None\n\n"
+     "Decode many small sparse xef patches in one call: piece j's positions blob (its header\n"
+     "byte, uncompressed Elias-Fano) and values (its byte planes, decompressed) into pos_out and\n"
+     "val_out after the pieces before it, counts[j] (int64) elements of a tensor of numels[j];\n"
+     "each checked as ef_decode and unplanes are (every value not zero). ValueError naming the\n"
+     "first piece that is not valid."},
     {"ef_decode", ef_decode, METH_VARARGS,
      "ef_decode(payload, n, numel, low_bits, out_positions) -> None\n\n"
      "Decode an Elias-Fano payload into n int64 positions; ValueError if it is not valid."},
