@@ -19,7 +19,13 @@ import torch
 from asyncsync import codec
 from asyncsync.codec import int_dtype
 from asyncsync.codec.shards import ShardData, parse_delta_shard, parse_shard
-from asyncsync.errors import ChecksumMismatch, FormatError, IncompleteVersion, ManifestError
+from asyncsync.errors import (
+    ChecksumMismatch,
+    ConfigError,
+    FormatError,
+    IncompleteVersion,
+    ManifestError,
+)
 from asyncsync.format import (
     DTYPE_SIZES,
     Manifest,
@@ -29,8 +35,9 @@ from asyncsync.format import (
     version_dir,
 )
 from asyncsync.format.checksum import checksum_bytes
+from asyncsync.format.names import dtype_from_name
 from asyncsync.fsio import UnsafePath, read_bytes
-from asyncsync.pipeline import pack_cap, parallel_map, threads
+from asyncsync.pipeline import SMALL_WORK_BYTES, pack_cap, parallel_map, threads
 from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
 
@@ -211,10 +218,54 @@ def decode_pieces(
     m: Manifest, mode: str, tensors: ShardData, pieces: list[Piece], where: str
 ) -> list[TensorUpdate | PartUpdate]:
     """The updates of ``pieces`` from a parsed shard; a part of a tensor in parts is a
-    PartUpdate (see receiver.parts). Anything malformed raises FormatError."""
-    return parallel_map(
-        lambda piece: _decode_piece(m, mode, tensors, piece, where), pieces, cost=_tensor_bytes
+    PartUpdate (see receiver.parts). Anything malformed raises FormatError.
+
+    The small sparse xef pieces are decoded many to a C call first (:func:`_decode_small`),
+    the rest one by one on the pool; either way the first piece in order that is not valid
+    raises its own error."""
+    done = _decode_small(m, tensors, pieces) if mode == "delta" and m.encoding == "xef" else {}
+    rest = parallel_map(
+        lambda piece: _decode_piece(m, mode, tensors, piece, where),
+        [piece for i, piece in enumerate(pieces) if i not in done] if done else pieces,
+        cost=_tensor_bytes,
     )
+    if not done:
+        return rest
+    others = iter(rest)
+    return [done[i] if i in done else next(others) for i in range(len(pieces))]
+
+
+def _decode_small(
+    m: Manifest, tensors: ShardData, pieces: list[Piece]
+) -> dict[int, TensorUpdate | PartUpdate]:
+    """The updates of the sparse pieces under :data:`SMALL_WORK_BYTES` (those the pool would
+    decode in the calling thread, one by one), by index in ``pieces``: each dtype's decoded in
+    one call (:func:`asyncsync.codec.decode_xef_many`). Empty when any of them is not valid:
+    every piece is then decoded alone, and the first that is not valid says what is wrong."""
+    by_dtype: dict[str, list[tuple[int, Any]]] = {}
+    for i, (e, part, ref) in enumerate(pieces):
+        if ref.mode != "sparse":
+            continue
+        numel, changed = (e.numel, e.changed) if part is None else (part.numel, part.changed)
+        if numel * DTYPE_SIZES[e.dtype] >= SMALL_WORK_BYTES:
+            continue
+        pos_b, val_b = tensors.get(ref.positions), tensors.get(ref.values)
+        if not isinstance(pos_b, memoryview) or not isinstance(val_b, memoryview):
+            return {}
+        by_dtype.setdefault(e.dtype, []).append((i, (pos_b, val_b, changed, numel)))
+    done: dict[int, TensorUpdate | PartUpdate] = {}
+    for dtype, todo in by_dtype.items():
+        try:  # (an unknown dtype: the pieces decoded alone raise it, in their order)
+            view = int_dtype(dtype_from_name(dtype))
+        except (ConfigError, ManifestError):
+            return {}
+        patches = codec.decode_xef_many([d for _, d in todo], view)
+        if patches is None:
+            return {}
+        for (i, _), patch in zip(todo, patches, strict=True):
+            e, part, _ = pieces[i]
+            done[i] = TensorUpdate(e, patch=patch) if part is None else PartUpdate(e, part, patch)
+    return done
 
 
 def _decode_piece(

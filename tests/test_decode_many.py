@@ -11,6 +11,9 @@ raises the very error (type and message) it raised before, for the first bad pie
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,10 @@ from asyncsync import codec
 from asyncsync.codec import Patch, native
 from asyncsync.codec.delta import _EF_ZSTD
 from asyncsync.errors import FormatError
+from asyncsync.format import Manifest, version_dir
+from asyncsync.publish.publisher import Publisher
+from receiver import shard_reader
+from receiver.shard_reader import decode_pieces, open_shard, pieces_in
 
 needs_kernel = pytest.mark.skipif(
     not codec.NATIVE, reason="asyncsync.codec._native is not built (or ASYNCSYNC_NATIVE=0)"
@@ -226,6 +233,123 @@ def _tail_case() -> tuple[bytes, bytes, int]:
 def test_without_the_kernel_the_batch_is_not_made(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "kernels", None)
     assert codec.decode_xef_many([_delta(torch.bfloat16, 64, 3, 0, 0)], torch.int16) is None
+
+
+# -- decode_pieces over a real shard -----------------------------------------------------------
+
+
+def _publish(root: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, torch.Tensor] = {}
+    for i, (dtype, numel) in enumerate(
+        [(torch.bfloat16, 2048), (torch.float32, 1000), (torch.uint8, 4096), (torch.bfloat16, 7),
+         (torch.int64, 300), (torch.bfloat16, 600_000), (torch.float16, 3000), (torch.bfloat16, 2)]
+    ):  # fmt: skip
+        raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
+        sd[f"t{i}"] = raw.view(dtype)
+
+    async def go() -> None:
+        async with Publisher(root, keyframe_interval=0) as pub:
+            await pub.seed(sd)
+            for k, t in enumerate(sd.values()):
+                flat = t.view(-1).view(codec.int_dtype(t.dtype))
+                flat[k % 3 :: 29] ^= 1
+            await pub.publish(sd)
+
+    asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory: pytest.TempPathFactory) -> tuple[Manifest, int, bytes]:
+    root = tmp_path_factory.mktemp("root")
+    _publish(root)
+    vd = version_dir(root, 1)
+    m = Manifest.from_json((vd / "manifest.json").read_bytes())
+    assert m.kind == "delta" and m.encoding == "xef"
+    (idx,) = [i for i, s in enumerate(m.shards) if s.role == "delta"]
+    return m, idx, m.shard_path(vd, m.shards[idx]).read_bytes()
+
+
+def _outcome(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # (compared by type and message)
+        return (type(exc), str(exc))
+
+
+def _per_tensor(m: Manifest, tensors: Any, pieces: list[Any]) -> list[Any]:
+    """decode_pieces as it was: each piece by decode_delta, the first error in order raised."""
+    return [shard_reader._decode_piece(m, "delta", tensors, p, "w") for p in pieces]
+
+
+def _compare(m: Manifest, tensors: Any, pieces: list[Any]) -> None:
+    got = _outcome(lambda: decode_pieces(m, "delta", tensors, pieces, "w"))
+    want = _outcome(lambda: _per_tensor(m, tensors, pieces))
+    if isinstance(want, tuple):
+        assert got == want
+        return
+    assert isinstance(got, list) and len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert type(a) is type(b) and a.entry is b.entry
+        if b.patch.positions is None:
+            assert a.patch.positions is None
+            assert torch.equal(a.patch.values, b.patch.values)
+        else:
+            _same(a.patch, b.patch)
+
+
+@needs_kernel
+def test_decode_pieces_of_a_shard_is_the_per_tensor_paths(
+    shard: tuple[Manifest, int, bytes],
+) -> None:
+    m, idx, data = shard
+    tensors = open_shard(m, m.shards[idx], data, "w")
+    pieces = pieces_in(m, "delta", idx)
+    assert len(pieces) == 8
+    batched = shard_reader._decode_small(m, tensors, pieces)
+    assert len(batched) == 7  # all but the 1.2 MB bf16 tensor
+    _compare(m, tensors, pieces)
+
+
+@needs_kernel
+@given(st.integers(0, 1 << 30), st.integers(1, 255))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_corrupt_shard_raises_the_per_tensor_paths_error(
+    shard: tuple[Manifest, int, bytes], at: int, how: int
+) -> None:
+    """A byte of the shard's blobs changed after its checksum (a hostile or corrupt shard):
+    decode_pieces raises what the per-tensor path raises, or decodes what it decodes."""
+    m, idx, data = shard
+    header = 8 + int.from_bytes(data[:8], "little")
+    buf = bytearray(data)
+    buf[header + at % (len(data) - header)] ^= how
+    tensors = open_shard(m, m.shards[idx], bytes(buf), "w")
+    _compare(m, tensors, pieces_in(m, "delta", idx))
+
+
+@needs_kernel
+@pytest.mark.parametrize("field", ["changed", "numel", "missing blob", "dtype"])
+def test_a_manifest_that_disagrees_with_the_shard_raises_the_per_tensor_paths_error(
+    shard: tuple[Manifest, int, bytes], field: str
+) -> None:
+    m, idx, data = shard
+    tensors = open_shard(m, m.shards[idx], data, "w")
+    pieces = pieces_in(m, "delta", idx)
+    for j in (0, 3, 7):  # a piece first, in the middle, last
+        e, part, ref = pieces[j]
+        if field == "changed":
+            bad = (dataclasses.replace(e, changed=e.changed + 1), part, ref)
+        elif field == "numel":
+            bad = (dataclasses.replace(e, shape=(e.numel * 3,)), part, ref)
+        elif field == "missing blob":
+            bad = (e, part, dataclasses.replace(ref, values="nowhere"))
+        else:  # a 2-byte tensor said to be 4-byte: the values' size is wrong
+            bad = (
+                dataclasses.replace(e, dtype="float32" if e.dtype != "float32" else "bfloat16"),
+                part,
+                ref,
+            )
+        _compare(m, tensors, [*pieces[:j], bad, *pieces[j + 1 :]])
 
 
 @needs_kernel
