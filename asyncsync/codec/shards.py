@@ -24,6 +24,7 @@ from asyncsync.codec.views import from_safetensors
 from asyncsync.errors import FormatError, PublishError
 from asyncsync.format.checksum import checksum_bytes, checksum_tensor, tensor_bytes
 from asyncsync.format.names import SAFETENSORS_CODES, dtype_name
+from asyncsync.memory import gc_paused
 from asyncsync.pipeline import parallel_map
 
 __all__ = [
@@ -401,8 +402,17 @@ def parse_delta_shard(
     What :func:`parse_shard` would give as 1-D ``uint8`` tensors, without copying each blob into
     a tensor (~15 us a blob: a version of thousands of small tensors spent more on that than on
     decoding them). Every entry must be a 1-D ``U8`` tensor, and the entries' byte ranges must
-    tile the data after the header exactly, as safetensors requires; else FormatError.
+    tile the data after the header exactly, as safetensors requires; else FormatError. The
+    header's dicts and lists (three per blob) are made and freed with the cyclic garbage
+    collector paused (:func:`asyncsync.memory.gc_paused`).
     """
+    with gc_paused():
+        return _delta_blobs(data, where, version, run_id)
+
+
+def _delta_blobs(
+    data: bytes, where: str, version: int | None, run_id: str | None
+) -> dict[str, memoryview]:
     header = read_header(data, where=where)
     _check_metadata(header, where, version, run_id, "delta")
     (n,) = struct.unpack("<Q", bytes(data[:8]))

@@ -41,6 +41,7 @@ from asyncsync.format.names import (
     MAX_VERSION,
     READ_FORMAT_VERSIONS,
 )
+from asyncsync.memory import gc_paused
 
 __all__ = ["Manifest", "Totals", "fingerprint"]
 
@@ -161,6 +162,14 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "manifest") -> Manifest:
+        """The manifest ``text`` holds, checked (ManifestError). Parsed with the cyclic garbage
+        collector paused (:func:`asyncsync.memory.gc_paused`): a MoE model's manifest is tens of
+        thousands of JSON dicts and lists, freed as soon as its records are made."""
+        with gc_paused():
+            return cls._from_json(text, where)
+
+    @classmethod
+    def _from_json(cls, text: str | bytes, where: str) -> Manifest:
         d = load_json(text, where)
         if d.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not an asyncsync manifest (format={d.get('format')!r})")
