@@ -1011,9 +1011,9 @@ async def test_a_failed_flush_refuses_the_next_commit(
     await ck.close()
 
 
-async def test_reopen_after_a_crash_before_the_flush(tmp_path: Path) -> None:
-    """state.json says committed but not synced: a process crash (page cache intact) keeps the
-    version; lost pages (the machine went down) wipe it so the receiver re-seeds."""
+async def _v1_committed_not_synced(tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checkpoint at v1 whose state.json says committed, not synced (as if killed between
+    the commit and the background flush): (v1's state dict, the state.json written)."""
     sd0 = mixed_state(0)
     ck = await init_checkpoint(tmp_path, sd0)
     sd1 = mutate(sd0, 0.05, seed=1)
@@ -1021,8 +1021,15 @@ async def test_reopen_after_a_crash_before_the_flush(tmp_path: Path) -> None:
     await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
     await ck.close()
     st = _state(tmp_path)
-    st["synced"] = False  # as if killed between the commit and the background flush
+    st["synced"] = False
     (tmp_path / ".asyncsync" / "state.json").write_text(json.dumps(st))
+    return sd1, st
+
+
+async def test_reopen_after_a_crash_before_the_flush(tmp_path: Path) -> None:
+    """state.json says committed but not synced: a process crash (page cache intact) keeps the
+    version; lost pages (the machine went down) wipe it so the receiver re-seeds."""
+    sd1, st = await _v1_committed_not_synced(tmp_path)
     ck = LocalCheckpoint(tmp_path)
     assert (await ck.open()).version == 1  # the bytes still match: kept, and now durable
     assert _state(tmp_path).get("synced", True) is True
@@ -1049,15 +1056,7 @@ async def test_reopen_after_a_crash_before_the_flush_refuses_a_fifo_as_a_running
     removed it with the files (and re-initialised), where a running engine's check refuses it
     and leaves it (``_refuse_unsafe``). One rule now: refused, named, left, never opened; once
     it is removed the open re-initialises as for a lost file."""
-    sd0 = mixed_state(0)
-    ck = await init_checkpoint(tmp_path, sd0)
-    sd1 = mutate(sd0, 0.05, seed=1)
-    m1 = build_manifest(sd1, 1, base=sd0)
-    await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
-    await ck.close()
-    st = _state(tmp_path)
-    st["synced"] = False  # as if killed between the commit and the background flush
-    (tmp_path / ".asyncsync" / "state.json").write_text(json.dumps(st))
+    await _v1_committed_not_synced(tmp_path)
     data = tmp_path / "model-00001-of-00002.safetensors"
     data.unlink()
     os.mkfifo(data)
