@@ -181,6 +181,20 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
+def _no_pause_in_child() -> None:
+    """A forked child runs none of its parent's blocks (their threads are not in it): its
+    collector back as it was before them, not off for good (an engine forks its workers)."""
+    global _gc_lock, _gc_pauses
+    _gc_lock = threading.Lock()  # (the fork may have caught another thread holding it)
+    if _gc_pauses:
+        _gc_pauses = 0
+        if _gc_was_enabled:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_no_pause_in_child)
+
+
 class ScratchPool:
     """Best-fit reuse of at most ``limit`` bytes of NumPy buffers (thread-safe).
 

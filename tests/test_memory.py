@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +141,26 @@ _SMALL_MANIFEST = (  # a delta version's manifest, its tensors replaced below
 )
 
 
+@contextlib.contextmanager
+def _paused_in_another_thread() -> Iterator[None]:
+    """A gc_paused block running in another thread for the with block (a receiver's parse)."""
+    entered, leave = threading.Event(), threading.Event()
+
+    def parse() -> None:
+        with memory.gc_paused():
+            entered.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=parse)
+    t.start()
+    try:
+        assert entered.wait(30)
+        yield
+    finally:
+        leave.set()
+        t.join(30)
+
+
 def test_gc_paused_holds_the_collector_off_until_the_last_block_ends() -> None:
     """Nested and overlapping blocks (threads): on again only after the last; an error inside
     ends the block too; a collector that was off before stays off."""
@@ -151,23 +174,10 @@ def test_gc_paused_holds_the_collector_off_until_the_last_block_ends() -> None:
     with pytest.raises(KeyError), memory.gc_paused():
         raise KeyError("x")
     assert gc.isenabled()
-    entered, leave = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with memory.gc_paused():
-            entered.set()
-            leave.wait(30)
-
-    t = threading.Thread(target=other)
-    t.start()
-    try:
-        assert entered.wait(30)
+    with _paused_in_another_thread():
         with memory.gc_paused():
             pass
         assert not gc.isenabled()  # the other thread's block still runs
-    finally:
-        leave.set()
-        t.join(30)
     assert gc.isenabled()
     gc.disable()
     try:
@@ -176,6 +186,22 @@ def test_gc_paused_holds_the_collector_off_until_the_last_block_ends() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_process_forked_during_a_pause_collects() -> None:
+    """A child forked while another thread parses (an engine's workers: vLLM forks them) has
+    no block running: its collector is on, as the parent's was; before, it inherited the
+    pause and its count, and never collected a cycle again."""
+    with _paused_in_another_thread():
+        pid = os.fork()
+        if pid == 0:  # the child: 0 when its collector is on, with and after a block of its own
+            with memory.gc_paused():
+                paused = not gc.isenabled()
+            os._exit(0 if paused and gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not gc.isenabled()  # the parent's block still runs
+    assert gc.isenabled()
 
 
 def test_a_moe_models_records_parse_without_a_collection() -> None:
