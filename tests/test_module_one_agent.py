@@ -13,6 +13,7 @@ import pytest
 from asyncsync import LockHeld, Publisher
 from receiver import ReceiverAgent
 from receiver.engines.torch_module import TorchModule
+from receiver.state import StateStore
 from tests.conftest import Holder, assert_holds, mixed_state, mutate
 
 
@@ -51,3 +52,24 @@ async def test_an_engine_dropped_unclosed_holds_the_module_until_it_is_collected
     second = TorchModule(mod)
     await second.open()
     await second.close()
+
+
+async def test_an_engine_whose_open_failed_does_not_hold_the_module(tmp_path: Path) -> None:
+    """An open refused by the state directory's lock (another receiver holds it) leaves the
+    module free: a new engine over it opens while the failed one is still referenced (here by
+    the error's traceback, as a retry inside ``except`` has it). Before, the failed one kept
+    the module, and the new one was refused as if another agent applied to it."""
+    mod = Holder(mixed_state(0))
+    held = StateStore(tmp_path / "state")
+    held.open()
+    first = TorchModule(mod, state_dir=tmp_path / "state")
+    try:
+        with pytest.raises(LockHeld) as refused:
+            await first.open()
+        assert "one agent per engine" not in str(refused.value)  # the directory's lock
+    finally:
+        held.close()
+    second = TorchModule(mod, state_dir=tmp_path / "other")
+    await second.open()
+    await second.close()
+    assert refused.value.__traceback__ is not None  # the failed engine was alive throughout

@@ -281,8 +281,8 @@ class TorchModule(Engine):
             )
         if self._store is None or self._store.locked:
             return self.state
-        ps = self._store.open()
-        try:
+        try:  # (a failed open leaves the module free too: another engine may open over it)
+            ps = self._store.open()
             if ps is None:
                 ps = PersistedState()
             elif ps.applying:
@@ -308,7 +308,7 @@ class TorchModule(Engine):
             self._set(ps)
             self._ids = _ids(self.tensors())
         except BaseException:
-            self._store.close()
+            self._let_go()
             raise
         return self.state
 
