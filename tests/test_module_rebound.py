@@ -57,15 +57,19 @@ async def test_a_tensor_replaced_in_the_module_is_checked_before_the_next_delta(
         assert a.status().applied == 4  # v2 alone: no keyframe again
 
 
+@pytest.mark.parametrize(
+    ("name", "shape"), [(REBOUND, (7,)), ("model.empty", (0, 7))], ids=["elements", "empty"]
+)
 async def test_a_tensor_resized_in_place_leaves_no_ack_of_a_version_it_lost(
-    tmp_path: Path,
+    tmp_path: Path, name: str, shape: tuple[int, ...]
 ) -> None:
     """Before: v1 was refused as a bad version ("the engine holds float16[7]") while the ack
-    still named v0, which the module no longer held."""
+    still named v0, which the module no longer held; an empty tensor (no bytes to compare, but
+    a shape: [0, 5] -> [0, 7]) so until attack-90."""
     async with _at_v0(tmp_path) as (pub, a, mod):
-        getattr(mod, BUFFER).resize_(7)
+        getattr(mod, f"b{list(V0).index(name)}").resize_(*shape)
         await pub.publish(mutate(V0, 0.05, seed=1, names=[CHANGED]))
-        with pytest.raises(ApplyFailed, match=REBOUND.replace(".", r"\.")):
+        with pytest.raises(ApplyFailed, match=name.replace(".", r"\.")):
             await a.sync_once()  # the keyframe cannot go in either: the module's shape is named
         assert a.version is None and a.status().bad_versions == ()
         ack = read_acks(tmp_path).get("m1")

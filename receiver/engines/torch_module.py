@@ -80,9 +80,10 @@ _DRIVEN_LOCK = threading.Lock()
 
 
 def _alias_key(name: str, t: torch.Tensor) -> _AliasKey:
-    """Equal for two names that view the very same elements (tied weights)."""
+    """Equal for two names that view the very same elements (tied weights); an empty tensor's
+    is its own, with its form (no bytes to compare: a resize keeps no version's tensor)."""
     if t.numel() == 0:
-        return ("empty", name)
+        return ("empty", name, t.dtype, tuple(t.shape))
     return (
         t.device,
         t.untyped_storage().data_ptr(),
