@@ -6,6 +6,7 @@ A size is checked against the file (``fstat``) and sane limits before anything i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -384,3 +385,23 @@ async def test_a_state_subdirectory_that_is_no_directory_is_named_with_the_fix(
     assert len(errors) == 1, r.stderr
     assert f"{path} is {what}, not the engine's own directory" in errors[0]
     assert "remove it" in errors[0]
+
+
+def test_a_redo_symlink_is_never_followed_without_a_redo_log(tmp_path: Path) -> None:
+    """``.asyncsync/redo`` a symlink to another directory (moved to a bigger disk by hand) and
+    the receiver run without ``--checkpoint-redo-log``: refused by name, as with a redo log,
+    and the directory it points to is left alone. Before, its open followed the link and
+    removed every file there as a redo record no state names."""
+    root = asyncio.run(_root(tmp_path))
+    ck, elsewhere = tmp_path / "ck", tmp_path / "elsewhere"
+    args = ("--root", str(root), "--engine-id", "e1", "--checkpoint", str(ck), "--once")
+    assert _run_receiver(*args, "--checkpoint-redo-log", "2").returncode == 0
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_bytes(b"not the receiver's")
+    redo = ck / ".asyncsync" / "redo"
+    redo.rmdir()
+    redo.symlink_to(elsewhere)
+    r = _run_receiver(*args)
+    assert (elsewhere / "keep.txt").read_bytes() == b"not the receiver's"
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"{redo} is a symlink, not the engine's own directory" in r.stderr

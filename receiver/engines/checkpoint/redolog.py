@@ -145,7 +145,7 @@ class RedoLog(Recovery):
         """At open: records no state names removed (written, not committed: the version was
         never acknowledged), then those it names compacted."""
         d = self._store.redo_dir
-        if self.redo_log:
+        if self.redo_log or fsio.lstat(d) is not None:  # (a symlink there: never followed)
             own_dir(d)
         if d.is_dir():
             named = {record_name(v) for v, _ in self._ps.redo}
