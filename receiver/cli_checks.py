@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import stat
 from pathlib import Path
 
 from asyncsync import fsio
@@ -74,7 +75,9 @@ def check_paths(args: argparse.Namespace) -> None:
     _no_file_above(root, args.root)
     # a file, a FIFO, a symlink to nothing there: the engine's mkdir said only "File exists"
     if os.path.lexists(args.checkpoint) and not os.path.isdir(args.checkpoint):
-        what = "a symlink to nothing" if os.path.islink(args.checkpoint) else "a file"
+        kinds = {stat.S_IFLNK: "a symlink to nothing", stat.S_IFIFO: "a FIFO",
+                 stat.S_IFREG: "a regular file"}  # fmt: skip
+        what = kinds.get(stat.S_IFMT(os.lstat(args.checkpoint).st_mode), "a special file")
         raise ConfigError(
             f"--checkpoint {args.checkpoint} is {what}, not a directory: give the engine's "
             "checkpoint directory (made where missing)"

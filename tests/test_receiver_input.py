@@ -136,6 +136,8 @@ def test_a_checkpoint_that_is_no_directory_is_refused_up_front(
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert f"--checkpoint {ckpt}" in err and "not a directory" in err
+    said = {"file": "is a regular file", "fifo": "is a FIFO", "dangling": "a symlink to nothing"}
+    assert said.get(what, "is a file, not a directory") in err, err
 
 
 def test_a_missing_root_is_refused_by_once_and_logged_by_the_daemon(
