@@ -277,8 +277,9 @@ class TorchModule(Engine):
         if other is not None and other is not self:
             raise LockHeld(
                 f"{self!r}: the module is applied to by {other!r}, open in another receiver "
-                "agent of this process: one agent per engine; close that one, or give this "
-                "one a module of its own"
+                "agent of this process: one agent per engine; close that one (one dropped "
+                "unclosed holds it until the garbage collector frees it), or give this one a "
+                "module of its own"
             )
         if self._store is None or self._store.locked:
             return self.state
