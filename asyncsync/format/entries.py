@@ -180,34 +180,48 @@ class TensorEntry:
         where = f"{where} ({name!r})"
         dtype = _get(d, "dtype", str, where)
         check_dtype_name(dtype)
-        shape_raw = _get(d, "shape", list, where)
-        if len(shape_raw) > MAX_RANK or not all(
-            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_INT for s in shape_raw
-        ):
-            raise ManifestError(
-                f"{where}: shape must be a list of non-negative ints, got {shape_raw!r}"
-            )
-        shape = tuple(int(s) for s in shape_raw)
-        if math.prod(shape) > MAX_INT:
+        shape = _shape(_get(d, "shape", list, where), where)
+        numel = math.prod(shape)
+        if numel > MAX_INT:
             raise ManifestError(f"{where}: shape {shape} is too large")
+        delta, full, parts = d.get("delta"), d.get("full"), d.get("parts")
         entry = cls(
             name=name,
             dtype=dtype,
             shape=shape,
             checksum=_hex(d, "checksum", where),
             changed=_int(d, "changed", where),
-            delta=None if d.get("delta") is None else DeltaRef.from_dict(d["delta"], where),
-            full=None if d.get("full") is None else FullRef.from_dict(d["full"], where),
-            parts=None if d.get("parts") is None else _parts(d["parts"], where),
+            delta=None if delta is None else DeltaRef.from_dict(delta, where),
+            full=None if full is None else FullRef.from_dict(full, where),
+            parts=None if parts is None else _parts(parts, where),
         )
-        if entry.changed > entry.numel:
-            raise ManifestError(f"{where}: changed={entry.changed} exceeds numel={entry.numel}")
+        if entry.changed > numel:
+            raise ManifestError(f"{where}: changed={entry.changed} exceeds numel={numel}")
         if entry.parts is not None and (entry.delta is not None or entry.full is not None):
             raise ManifestError(f"{where}: a tensor in parts has its delta/full in its parts")
         for p in entry.parts or ():
-            if p.offset + p.numel > entry.numel:
-                raise ManifestError(f"{where}: part at {p.offset} runs past numel={entry.numel}")
+            if p.offset + p.numel > numel:
+                raise ManifestError(f"{where}: part at {p.offset} runs past numel={numel}")
         return entry
+
+
+def _shape(raw: list[Any], where: str) -> tuple[int, ...]:
+    """A shape: at most MAX_RANK ints in 0..MAX_INT, never a bool (a loop, not a generator:
+    a manifest holds one per tensor and most have one or two dimensions)."""
+    ok = len(raw) <= MAX_RANK
+    exact = True
+    for s in raw:
+        if type(s) is not int:
+            exact = False
+            if not isinstance(s, int) or isinstance(s, bool):
+                ok = False
+                break
+        if not 0 <= s <= MAX_INT:
+            ok = False
+            break
+    if not ok:
+        raise ManifestError(f"{where}: shape must be a list of non-negative ints, got {raw!r}")
+    return tuple(raw) if exact else tuple(int(s) for s in raw)
 
 
 def _parts(v: object, where: str) -> tuple[TensorPart, ...]:

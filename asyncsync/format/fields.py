@@ -14,11 +14,15 @@ from typing import Any
 from asyncsync.errors import ManifestError, ManifestUnreadable
 from asyncsync.format.names import _HEX_RE, MAX_INT
 
+_MISSING: Any = object()
+
 
 def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in d:
+    v = d.get(key, _MISSING)
+    if type(v) is kind:  # the common case, first: exactly the type asked (a bool is not an int)
+        return v
+    if v is _MISSING:
         raise ManifestError(f"{where}: missing field {key!r}")
-    v = d[key]
     # bool is an int subclass; never accept it where a number is meant.
     if isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
         raise ManifestError(f"{where}: field {key!r} must be {kind}, got a bool")

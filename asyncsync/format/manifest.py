@@ -19,6 +19,7 @@ from asyncsync.format.checksum import ALGORITHMS, checksum_bytes, parts_checksum
 from asyncsync.format.entries import (
     ShardInfo,
     TensorEntry,
+    TensorPart,
     _plain,
 )
 from asyncsync.format.fields import (
@@ -238,37 +239,46 @@ class Manifest:
             raise ManifestError(f"{where}: duplicate tensor names")
         keys: set[tuple[int, str]] = set()
         for t in self.tensors:
-            w = f"{where} tensor {t.name!r}"
             if t.parts is not None:
-                self._check_parts(t, w)
-            for p in t.spans:
-                if t.parts is not None:
-                    w = f"{where} tensor {t.name!r} part at {p.offset}"
+                self._check_parts(t, f"{where} tensor {t.name!r}")
+            # a tensor not in parts is its own one span (``t.spans`` would make a TensorPart
+            # of each); the place an error names is formatted only when there is one
+            for p in t.parts if t.parts is not None else (t,):
                 if self.kind == "full" and p.full is None:
-                    raise ManifestError(f"{w}: a full version must give every tensor's full data")
+                    raise ManifestError(
+                        f"{_at(where, t, p)}: a full version must give every tensor's full data"
+                    )
                 if self.kind == "delta" and p.full is not None:
-                    raise ManifestError(f"{w}: a delta version carries no full data")
+                    raise ManifestError(f"{_at(where, t, p)}: a delta version carries no full data")
                 if p.delta is not None:
                     if self.base_version is None:
-                        raise ManifestError(f"{w}: delta data without a base_version")
+                        raise ManifestError(
+                            f"{_at(where, t, p)}: delta data without a base_version"
+                        )
                     if p.changed == 0:
-                        raise ManifestError(f"{w}: delta data for an unchanged tensor")
-                    self._check_ref(p.delta.shard, "delta", w)
+                        raise ManifestError(
+                            f"{_at(where, t, p)}: delta data for an unchanged tensor"
+                        )
+                    self._check_ref(p.delta.shard, "delta", where, t, p)
                     for k in (p.delta.positions, p.delta.values):
                         if (p.delta.shard, k) in keys:
-                            raise ManifestError(f"{w}: shard key {k!r} used twice")
+                            raise ManifestError(f"{_at(where, t, p)}: shard key {k!r} used twice")
                         keys.add((p.delta.shard, k))
                 elif self.base_version is not None and p.changed > 0:
-                    raise ManifestError(f"{w}: changed={p.changed} but no delta data")
+                    raise ManifestError(
+                        f"{_at(where, t, p)}: changed={p.changed} but no delta data"
+                    )
                 if self.base_version is None and p.changed != p.numel:
                     raise ManifestError(
-                        f"{w}: changed={p.changed}, but with no base every element is new "
-                        f"(changed must be numel={p.numel})"
+                        f"{_at(where, t, p)}: changed={p.changed}, but with no base every element "
+                        f"is new (changed must be numel={p.numel})"
                     )
                 if p.full is not None:
-                    self._check_ref(p.full.shard, "full", w)
+                    self._check_ref(p.full.shard, "full", where, t, p)
                     if (p.full.shard, p.full.key) in keys:
-                        raise ManifestError(f"{w}: shard key {p.full.key!r} used twice")
+                        raise ManifestError(
+                            f"{_at(where, t, p)}: shard key {p.full.key!r} used twice"
+                        )
                     keys.add((p.full.shard, p.full.key))
         self._check_digests(where)
         if self.fingerprint != fingerprint(self.tensors, self.checksum_algorithm):
@@ -298,19 +308,28 @@ class Manifest:
     def _check_digests(self, where: str) -> None:
         """Every checksum has the length of a digest of the manifest's algorithm."""
         n = len(checksum_bytes(b"", self.checksum_algorithm))
-        digests = [("fingerprint", self.fingerprint)]
-        digests += [(f"shard {s.file!r}", s.checksum) for s in self.shards]
+        bad = self._bad_digest(n)
+        if bad is not None:
+            what, digest = bad
+            raise ManifestError(
+                f"{where}: {what}: checksum {digest!r} is not a {self.checksum_algorithm} "
+                f"digest ({n} hex digits)"
+            )
+
+    def _bad_digest(self, n: int) -> tuple[str, str] | None:
+        """The first checksum (what names it, the digest) that is not ``n`` hex digits long."""
+        if len(self.fingerprint) != n:
+            return "fingerprint", self.fingerprint
+        for s in self.shards:
+            if len(s.checksum) != n:
+                return f"shard {s.file!r}", s.checksum
         for t in self.tensors:
-            digests.append((f"tensor {t.name!r}", t.checksum))
-            digests += [
-                (f"tensor {t.name!r} part at {p.offset}", p.checksum) for p in t.parts or ()
-            ]
-        for what, digest in digests:
-            if len(digest) != n:
-                raise ManifestError(
-                    f"{where}: {what}: checksum {digest!r} is not a {self.checksum_algorithm} "
-                    f"digest ({n} hex digits)"
-                )
+            if len(t.checksum) != n:
+                return f"tensor {t.name!r}", t.checksum
+            for p in t.parts or ():
+                if len(p.checksum) != n:
+                    return f"tensor {t.name!r} part at {p.offset}", p.checksum
+        return None
 
     def _check_parts(self, t: TensorEntry, where: str) -> None:
         """A tensor in parts: format 2, parts tile it in offset order, sums and checksum agree."""
@@ -338,11 +357,13 @@ class Manifest:
         if t.checksum != want:
             raise ManifestError(f"{where}: checksum is not the composite of its parts' checksums")
 
-    def _check_ref(self, shard: int, role: str, where: str) -> None:
+    def _check_ref(
+        self, shard: int, role: str, where: str, t: TensorEntry, p: TensorEntry | TensorPart
+    ) -> None:
         if not 0 <= shard < len(self.shards):
-            raise ManifestError(f"{where}: shard index {shard} out of range")
+            raise ManifestError(f"{_at(where, t, p)}: shard index {shard} out of range")
         if self.shards[shard].role != role:
-            raise ManifestError(f"{where}: shard {shard} is not a {role} shard")
+            raise ManifestError(f"{_at(where, t, p)}: shard {shard} is not a {role} shard")
 
     def log_record(self) -> dict[str, Any]:
         """The one-line summary appended to ``log.jsonl``."""
@@ -360,6 +381,13 @@ class Manifest:
             "fingerprint": self.fingerprint,
             "committed_at": self.committed_at,
         }
+
+
+def _at(where: str, t: TensorEntry, p: TensorEntry | TensorPart) -> str:
+    """Where in a manifest an error of tensor ``t``'s span ``p`` lies (formatted on raising)."""
+    if p is t:
+        return f"{where} tensor {t.name!r}"
+    return f"{where} tensor {t.name!r} part at {p.offset}"  # type: ignore[union-attr]
 
 
 def fingerprint(tensors: list[TensorEntry] | tuple[TensorEntry, ...], algorithm: str) -> str:
