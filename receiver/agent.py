@@ -46,7 +46,7 @@ from asyncsync.format.names import root_path
 from asyncsync.format.store import is_committed
 from asyncsync.fsio import check_throttle_env
 from asyncsync.memory import check_env as check_memory_env
-from asyncsync.memory import release_large_buffers, trim_free_memory
+from asyncsync.memory import gc_paused, release_large_buffers, trim_free_memory
 from asyncsync.pipeline import LoopLock, check_threads_env, run_pipeline
 from receiver.acking import RootPresence
 from receiver.badversions import BadVersions
@@ -496,11 +496,12 @@ class ReceiverAgent:
             if mode == "delta" and not shards and early is None:
                 await self.engine.bump(m)
             else:
-                if early is None:
-                    await self.engine.begin(m, mode)
-                rest = [(i, s) for i, s in shards if early is None or s.file not in early]
-                await self._stream(m, mode, rest)
-                await self.engine.commit()
+                with gc_paused():  # the version's records, patches and views: see gc_paused
+                    if early is None:
+                        await self.engine.begin(m, mode)
+                    rest = [(i, s) for i, s in shards if early is None or s.file not in early]
+                    await self._stream(m, mode, rest)
+                    await self.engine.commit()
         except BaseException:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.engine.abort())

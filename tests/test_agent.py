@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import shutil
@@ -506,3 +507,29 @@ async def test_a_stop_during_a_catch_up_stops_after_the_version_in_flight(
         assert agent.version == 2
     assert read_acks(tmp_path)["s1"].version == 2
     assert_holds(LocalCheckpoint(tmp_path / "c").load_state_dict(), states[2])
+
+
+class _GcWatch(LocalCheckpoint):
+    """Records whether the cyclic collector was on at each apply."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.enabled: list[bool] = []
+
+    async def apply(self, updates: list[TensorUpdate]) -> None:
+        self.enabled.append(gc.isenabled())
+        await super().apply(updates)
+
+
+async def test_a_version_is_applied_with_the_collector_paused(tmp_path: Path) -> None:
+    """Issue 26: the collector's passes over what a version keeps alive were a tenth to a
+    quarter of a small tensor's apply; the agent pauses it over each version's apply (begin, stream,
+    commit), and it is on again once the version is applied."""
+    assert gc.isenabled()
+    states = await publish_chain(tmp_path / "root", 2, keyframe_interval=0)
+    engine = _GcWatch(tmp_path / "ckpt")
+    async with ReceiverAgent(tmp_path / "root", engine, "e1", use_inotify=False) as agent:
+        assert await agent.sync_once() == 2
+        assert gc.isenabled()
+        assert len(engine.enabled) >= 3 and not any(engine.enabled)
+    assert_holds(LocalCheckpoint(tmp_path / "ckpt").load_state_dict(), states[2])
