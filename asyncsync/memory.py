@@ -170,7 +170,7 @@ def gc_paused() -> Iterator[None]:
     The receiver's agent also applies a version in it (begin, stream, commit): the version's
     records, patches and blob views are acyclic and live until the version is applied, and
     the collector's passes over them (~200-300 young, ~20-30 middle and 1-2 full collections
-    a version of 10,000 small tensors) were 7-14 us of a tensor with the startup objects
+    a version of 10,000 small tensors) were 7-21 us of a tensor with the startup objects
     frozen, 23-31 without (of ~75-105). The collector takes up its schedule again after the
     pause: what a version leaves does not pile up across versions (BENCHMARKS.md, helper-91:
     the RSS over 50 versions). The pause lasts the apply: for a process that serves beside the
