@@ -267,11 +267,8 @@ def decode_xef_many(
             if changed < 1 or not positions:
                 return None
             if positions[0] & _EF_ZSTD:  # (the kernel takes the payload after its header)
-                bits = ef.low_bits(changed, numel)
-                size = sum(ef.sizes(changed, numel, bits))
-                positions = bytes([positions[0] & ~_EF_ZSTD]) + _unzstd(
-                    positions[1:], (size,), "positions"
-                )
+                payload = _ef_payload(positions, changed, numel, ef.low_bits(changed, numel))
+                positions = bytes([positions[0] & ~_EF_ZSTD]) + payload
             blobs.append(positions)
             raws.append(_unzstd(values, (changed * width,), "values"))
         counts = np.array([d[2] for d in deltas], np.int64)
@@ -429,10 +426,15 @@ def _ef_decode(blob: bytes | memoryview, n: int, numel: int) -> _Int64Array:
     low_bits = ef.low_bits(n, numel)
     if not blob or blob[0] & ~_EF_ZSTD != low_bits:
         raise FormatError(f"Elias-Fano header {bytes(blob[:1])!r} does not match L={low_bits}")
-    payload: bytes | memoryview = memoryview(blob)[1:]
+    return ef.decode(_ef_payload(blob, n, numel, low_bits), n, numel)
+
+
+def _ef_payload(blob: bytes | memoryview, n: int, numel: int, low_bits: int) -> bytes | memoryview:
+    """The Elias-Fano payload after an xef positions blob's header byte, decompressed where the
+    header says zstd (to the size ``n`` positions in ``[0, numel)`` take)."""
     if blob[0] & _EF_ZSTD:
-        payload = _unzstd(blob[1:], (sum(ef.sizes(n, numel, low_bits)),), "positions")
-    return ef.decode(payload, n, numel)
+        return _unzstd(blob[1:], (sum(ef.sizes(n, numel, low_bits)),), "positions")
+    return memoryview(blob)[1:]
 
 
 def _baseline_positions(encoding: str, blob: bytes | memoryview, n: int, numel: int) -> _Int64Array:
