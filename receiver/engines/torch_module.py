@@ -94,6 +94,12 @@ def _alias_key(name: str, t: torch.Tensor) -> _AliasKey:
     )
 
 
+def _same_form(a: _AliasKey | None, b: _AliasKey | None) -> bool:
+    """Whether two non-empty tensors' alias keys give one dtype and shape (a copy, a ``.to()``:
+    its bytes then tell whether it still holds the version)."""
+    return a is not None and b is not None and len(a) == len(b) == 6 and a[3:5] == b[3:5]
+
+
 def _ids(tensors: dict[str, torch.Tensor]) -> dict[str, _AliasKey]:
     return {n: _alias_key(n, t) for n, t in tensors.items()}
 
@@ -347,8 +353,7 @@ class TorchModule(Engine):
         moved = [n for n in self._ps.checksums if ids.get(n) != was.get(n)]
         if not moved:
             return
-        form = [n for n in moved if n in ids and len(ids[n]) == len(was.get(n, ())) == 6]
-        same = [n for n in form if ids[n][3:5] == was[n][3:5]]  # dtype and shape
+        same = [n for n in moved if _same_form(ids.get(n), was.get(n))]
         bad = sorted(set(moved) - set(same)) + self._mismatches(self._ps, same)
         if not bad:
             self._ids = ids
