@@ -502,6 +502,7 @@ def test_profile_writes_both_sides_and_unwraps(tmp_path: Path) -> None:
     ]
     apply_text = (out / "profile_apply_2m.txt").read_text()
     labels = ("journal record created", "patch", "verify tensors", "read shard", "top 25 by self")
+    labels += ("pool workers (asyncsync-cpu), measured per thread",)
     for label in labels:
         assert label in apply_text, label
     assert "diff (C kernel" in (out / "profile_publish_2m.txt").read_text()
@@ -568,6 +569,24 @@ def test_the_run_queue_reader_reopens_a_dead_threads_descriptor_under_a_reused_i
         assert not math.isnan(rq()) and not math.isnan(rq())
     finally:
         rq.close()
+
+
+def test_profile_measures_the_pool_workers_glue_apart_from_their_items() -> None:
+    """The sampler charges a waiting frame (the pool's ``_worker``) the CPU of the work before
+    it, so the pool workers' CPU between their items is measured per thread instead: every
+    item on the pool is counted, and its CPU is inside the workers' own."""
+    from asyncsync.ops.bench.profile import StackSampler
+    from asyncsync.pipeline import SMALL_WORK_BYTES, run_all, set_threads
+
+    set_threads(2)
+    try:
+        with StackSampler() as s:
+            done = run_all(_profile_spins, [0.02] * 4, cost=lambda _: SMALL_WORK_BYTES)
+    finally:
+        set_threads(None)
+    assert done == [None] * 4
+    assert s.pool_items == 4
+    assert 0.08 <= s.pool_items_cpu <= s.pool_cpu
 
 
 def _profile_sleeps(seconds: float) -> None:

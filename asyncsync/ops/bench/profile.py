@@ -25,6 +25,7 @@ Two views of each side, written as small text files (``profile_publish_<size>.tx
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread
 import contextlib
 import ctypes
 import functools
@@ -256,7 +257,15 @@ class StageTimers:
 
 
 class StackSampler:
-    """Charges each thread's CPU time to its Python stack, sampled every ``interval`` s."""
+    """Charges each thread's CPU time to its Python stack, sampled every ``interval`` s.
+
+    The sampler needs the GIL, so it mostly runs just as a thread lets go of it: when a pool
+    worker finishes an item and waits for the next (``thread.py(_worker)``), when a thread
+    waits on a condition, at a torch call (every torch op lets go of it: ``int_view``'s
+    ``view``). Such a frame is charged the CPU the thread used since the previous sample,
+    the tail of the work before it. So the pool workers' CPU between their work items is
+    measured here too, per thread (:attr:`pool_cpu`, :attr:`pool_items_cpu`), not sampled.
+    """
 
     def __init__(self, interval: float = 0.001):
         self.interval = interval
@@ -264,16 +273,43 @@ class StackSampler:
         self.total_cpu: dict[str, float] = defaultdict(float)
         self.cpu = 0.0
         self.samples = 0
+        self.pool_cpu = 0.0  # the pool workers' thread CPU in the window
+        self.pool_items_cpu = 0.0  # of which inside their work items
+        self.pool_items = 0
+        self._pool_start: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        self._lock = threading.Lock()
 
     def __enter__(self) -> StackSampler:
+        self._pool_start = _pool_cpu()
+        item = concurrent.futures.thread._WorkItem  # (the pool's item: the task and its result)
+        self._saved_run = item.run
+        item.run = self._timed_run(item.run)  # type: ignore[method-assign,assignment]
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        concurrent.futures.thread._WorkItem.run = self._saved_run  # type: ignore[method-assign]
+        end = _pool_cpu()
+        self.pool_cpu = sum(cpu - self._pool_start.get(i, 0.0) for i, cpu in end.items())
+
+    def _timed_run(self, run: Callable[[Any], None]) -> Callable[[Any], None]:
+        def timed(item: Any) -> None:
+            if not threading.current_thread().name.startswith(_POOL_PREFIX):
+                return run(item)
+            c0 = time.thread_time()
+            try:
+                return run(item)
+            finally:
+                used = time.thread_time() - c0
+                with self._lock:
+                    self.pool_items_cpu += used
+                    self.pool_items += 1
+
+        return timed
 
     def _run(self) -> None:
         me = threading.get_ident()
@@ -306,6 +342,19 @@ class StackSampler:
                     f = f.f_back
 
 
+_POOL_PREFIX = "asyncsync-cpu"  # (asyncsync.pipeline's thread_name_prefix)
+
+
+def _pool_cpu() -> dict[int, float]:
+    """Thread CPU seconds so far of each live pool worker, by thread id."""
+    out = {}
+    for t in threading.enumerate():
+        if t.name.startswith(_POOL_PREFIX) and t.ident is not None:
+            with contextlib.suppress(OSError, ValueError):  # (one that has just ended)
+                out[t.ident] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+    return out
+
+
 def _stage_table(timers: StageTimers, versions: int, total_label: str) -> list[str]:
     total = timers.tallies[total_label].wall / versions if total_label in timers.tallies else 0
     lines = [
@@ -330,7 +379,17 @@ def _stage_table(timers: StageTimers, versions: int, total_label: str) -> list[s
 
 
 def _sample_table(s: StackSampler, n: int) -> list[str]:
-    lines = [f"sampled CPU: {s.cpu * 1e3:.0f} ms in {s.samples} samples", ""]
+    lines = [
+        f"sampled CPU: {s.cpu * 1e3:.0f} ms in {s.samples} samples",
+        f"pool workers ({_POOL_PREFIX}), measured per thread, not sampled: "
+        f"{s.pool_cpu * 1e3:.1f} ms CPU, {s.pool_items_cpu * 1e3:.1f} ms of it inside "
+        f"{s.pool_items} work items, {(s.pool_cpu - s.pool_items_cpu) * 1e3:.1f} ms between "
+        "them (the pool's own glue)",
+        "(a frame where a thread lets go of the GIL is charged the CPU of the work before it: "
+        "thread.py(_worker), threading.py(wait) and a torch call such as int_view's are "
+        "mostly that work's tail, not their own)",
+        "",
+    ]
     for title, table in (("self", s.self_cpu), ("total (self + callees)", s.total_cpu)):
         lines.append(f"top {n} by {title} CPU:")
         lines.append(f"{'CPU ms':>8} {'%':>5}  function")
