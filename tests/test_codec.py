@@ -964,7 +964,8 @@ def test_xef_values_at_level_1_leave_out_chance_matches() -> None:
     """At level 1 (the publisher's default) the xef values' planes are compressed with zstd's
     smallest match table (delta._VALUES_LEVEL1): at ~3 % of a bf16 tensor changed, by an
     Adam-like step or by the bench's one-ulp moves, the frame is smaller than level 1's own of
-    the same planes, and it is one frame of declared size that any zstd reader decodes."""
+    the same planes, and it is one frame of declared size that any zstd reader decodes. A dense
+    xef's values keep level 1's own parameters."""
     w = torch.randn(N_REAL, generator=torch.Generator().manual_seed(0)) * 0.02
     old = w.bfloat16()
     ulp = int_view(old.clone())
@@ -981,3 +982,10 @@ def test_xef_values_at_level_1_leave_out_chance_matches() -> None:
         assert encode_delta(o, n, pos, "xef", level=3).values == (
             zstandard.ZstdCompressor(level=3).compress(planes)
         )  # (another level: zstd's own parameters)
+    dense_new = _adam_step(w, 1e-3, 2).bfloat16()  # (dense: level 1's own, its decode cheaper)
+    [pos] = changed_positions([old], [dense_new])
+    o, n = int_view(old), int_view(dense_new)
+    enc = encode_delta(o, n, pos, "xef", level=1)
+    assert enc.mode == "dense"
+    plain = zstandard.ZstdCompressor(level=1).compress(bytes(codec_delta._planes(o ^ n)))
+    assert enc.values == plain

@@ -48,13 +48,14 @@ _EF_ZSTD_LEVEL = 1
 _EF_SAMPLE = 16 << 10  # bytes of an xef positions payload tried with zstd before all of it
 _EF_SAMPLE_GAIN = 0.02
 _DELTAS_ZSTD_LEVEL = 1
-#: The xef values' zstd parameters at level 1 (the publisher's default): level 1's, with the
-#: smallest hash table zstd allows. Byte planes of XORs are short-lived noise (a bf16 Adam
-#: step's low plane: ~2 bits of entropy a byte, geometric) in which level 1's 8192-slot table
-#: finds chance matches of 6 bytes that cost more than the literals they replace; 64 slots
-#: find the runs that pay (the high plane's zeros) and skip the rest. Measured at 3 % (the
-#: bench's state, BENCHMARKS.md, 26th session): values 14 % smaller, their zstd ~27 % less
-#: CPU, the decompression no dearer. Any reader decodes the frame (FORMAT.md 4.2: any level).
+#: The sparse xef values' zstd parameters at level 1 (the publisher's default): level 1's,
+#: with the smallest hash table zstd allows. Byte planes of XORs are short-lived noise (a bf16
+#: Adam step's low plane: ~2 bits of entropy a byte, geometric) in which level 1's 8192-slot
+#: table finds chance matches of 6 bytes that cost more than the literals they replace; 64
+#: slots find the runs that pay (the high plane's zeros) and skip the rest. Measured at 3 %
+#: (the bench's state, BENCHMARKS.md, 26th session): values 14 % smaller, their zstd ~27 %
+#: less CPU, the decompression no dearer. Any reader decodes the frame (FORMAT.md 4.2: any
+#: level). Not for dense: there it gained ~1 % and its decode measured up to ~12 % dearer.
 _VALUES_LEVEL1 = {"hash_log": 6}
 
 _Int64Array = NDArray[np.int64]
@@ -195,7 +196,7 @@ def _dense(dense: torch.Tensor, level: int) -> EncodedDelta:
     """The dense xef of a whole tensor's ``old ^ new``."""
     n = int(torch.count_nonzero(dense))  # exact even if positions held unchanged elements
     raw = dense.numel() * dense.element_size()
-    return EncodedDelta("xef", "dense", n, b"", _zstd(_planes(dense), level, values=True), raw)
+    return EncodedDelta("xef", "dense", n, b"", _zstd(_planes(dense), level), raw)
 
 
 def _check_level(level: int) -> None:
@@ -324,7 +325,7 @@ _contexts = threading.local()  # each thread's zstd contexts (one per level; not
 
 
 def _zstd(data: bytes | memoryview, level: int, *, values: bool = False) -> bytes:
-    """One zstd frame of ``data`` (``values``: xef values' byte planes, at level 1 with
+    """One zstd frame of ``data`` (``values``: a sparse xef's values, at level 1 with
     :data:`_VALUES_LEVEL1`). A compressor is kept per thread and level: making one per call
     cost ~15 us, ~10 ms per GiB of a model's deltas (hundreds of tensors, two calls each)."""
     by_level = getattr(_contexts, "compressors", None)
