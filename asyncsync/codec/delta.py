@@ -321,7 +321,7 @@ def _check_encoding(encoding: str) -> None:
         raise ConfigError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
 
 
-_contexts = threading.local()  # each thread's zstd contexts (one per level; not thread-safe)
+_contexts = threading.local()  # each thread's zstd contexts (by level and kind: not thread-safe)
 
 
 def _zstd(data: bytes | memoryview, level: int, *, values: bool = False) -> bytes:
