@@ -9,6 +9,7 @@ up to 2**62. The kernels' own argument handling is in test_native.py.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -325,3 +326,113 @@ def test_decode_takes_any_buffer_and_returns_a_fresh_array(path: str) -> None:
     a, b = ef.decode(blob, 4, 10_000), ef.decode(blob, 4, 10_000)
     a[0] = 7
     assert b[0] == 2
+
+
+# ------------------------------------------- the kernels' fast loops, for any L, against the spec
+
+
+def _spec_decode(payload: bytes, n: int, numel: int, bits: int) -> list[int] | str:
+    """What ``ef_decode`` must answer for ``payload`` with any L: the positions, or the message
+    of the first check that fails (checks in the order the module docstring lists them)."""
+    low_len, high_bits = -(-n * bits // 8), n + (numel >> bits) + 1
+    if len(payload) != low_len + -(-high_bits // 8):
+        return f"positions blob is {len(payload)} bytes, want {low_len + -(-high_bits // 8)}"
+    low, high = int.from_bytes(payload[:low_len], "little"), payload[low_len:]
+    if low >> (n * bits):
+        return f"Elias-Fano low part has bits set past its {n * bits} bits"
+    if int.from_bytes(high, "little") >> high_bits:
+        return f"Elias-Fano high part has bits set past its {high_bits} bits"
+    ones = np.flatnonzero(np.unpackbits(np.frombuffer(high, np.uint8), bitorder="little"))
+    if ones.size != n:
+        return f"Elias-Fano high bits hold {ones.size} positions, want {n}"
+    mask = (1 << bits) - 1
+    got = [(int(b) - k) << bits | (low >> (k * bits)) & mask for k, b in enumerate(ones)]
+    if got[-1] >= numel or any(b <= a for a, b in pairwise(got)):
+        return f"positions not strictly increasing within [0, {numel})"
+    return got
+
+
+def _kernel_decode(payload: bytes, n: int, numel: int, bits: int) -> list[int] | str:
+    out = np.full(n, -7, np.int64)
+    try:
+        native.kernels.ef_decode(payload, n, numel, bits, out)
+    except ValueError as exc:
+        return str(exc)
+    return [int(p) for p in out]
+
+
+def _kernel_cases(seed: int) -> list[tuple[np.ndarray, int, int]]:
+    """Positions, numel and L (any, not only the rule's) with payloads long enough for the
+    kernels' fast loops (low part and high part past 8 bytes) and their ends."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for bits in range(64):
+        n = int(rng.choice([1, 2, 9, 63, 64, 65, 200, 777, 3000]))
+        spare = int(rng.choice([0, 1, 2 ** int(rng.integers(1, 16))]))  # numel >> bits: small
+        numel = min((n + spare) << bits, 2**63 - 1) - int(rng.integers(0, 2))
+        if not 1 <= n <= numel:
+            continue
+        if rng.random() < 0.5 or numel < 4 * n:
+            idx = np.sort(rng.choice(numel, size=n, replace=False)) if numel < 10**6 else None
+        else:
+            idx = None
+        if idx is None:
+            idx = np.unique(rng.integers(0, numel, size=n, dtype=np.int64))
+        if rng.random() < 0.3:  # the ends of the tensor
+            idx = np.unique(np.r_[idx, 0, numel - 1]).astype(np.int64)
+        cases.append((idx.astype(np.int64), int(numel), bits))
+    return cases
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernels_any_low_bits_and_damage_against_the_spec(seed: int) -> None:
+    """Every L from 0 to 63 over payloads of up to ~3000 positions: the payload is the spec's,
+    it decodes back, and every damaged payload (1-3 bits flipped anywhere, or the low part's
+    fields shuffled so that order breaks inside the fast loop) gets exactly the spec's answer:
+    the same positions or the same message."""
+    if native.kernels is None:
+        pytest.skip("asyncsync.codec._native is not built")
+    rng = np.random.default_rng(1000 + seed)
+    for idx, numel, bits in _kernel_cases(seed):
+        payload = native.kernels.ef_encode(idx, numel, bits)
+        assert payload == reference_payload(idx.tolist(), numel, bits)
+        assert _kernel_decode(payload, idx.size, numel, bits) == idx.tolist()
+        damaged = []
+        for _ in range(12):
+            bad = bytearray(payload)
+            for bit in rng.integers(0, 8 * len(bad), size=int(rng.integers(1, 4))):
+                bad[bit // 8] ^= 1 << int(bit % 8)
+            damaged.append(bytes(bad))
+        if idx.size > 2 and bits:  # swap two low fields: the high bits stay valid
+            j = int(rng.integers(0, idx.size - 1))
+            swapped = idx.copy()
+            hi, lo = swapped >> bits, swapped & ((1 << bits) - 1)
+            lo[[j, j + 1]] = lo[[j + 1, j]]
+            damaged.append(reference_payload((hi << bits | lo).tolist(), numel, bits))
+        for bad in damaged:
+            assert _kernel_decode(bad, idx.size, numel, bits) == _spec_decode(
+                bad, idx.size, numel, bits
+            )
+
+
+@pytest.mark.parametrize("at", [0, 1, 63, 64, 500, 997, 998, 999])
+@pytest.mark.parametrize("kind", ["negative", "repeat", "decrease", "numel", "far"])
+def test_kernel_encode_names_the_first_bad_position_anywhere(at: int, kind: str) -> None:
+    """The encode's refusal where its loop stores whole high words and where it keeps the
+    last, partial one: the first bad index and value, whatever follows."""
+    if native.kernels is None:
+        pytest.skip("asyncsync.codec._native is not built")
+    numel, bits = 1000 << 5, 5
+    idx = np.arange(1000, dtype=np.int64) * 32 + 7
+    bad = {
+        "negative": -3,
+        "repeat": idx[at - 1] if at else -1,
+        "decrease": idx[at - 1] - 1 if at else -2,
+        "numel": numel,
+        "far": 2**62,
+    }[kind]
+    idx[at] = bad
+    if at + 1 < idx.size:
+        idx[at + 1] = 0  # a second bad one after it is never named
+    with pytest.raises(ValueError, match=rf"positions\[{at}\] = {bad}: .*\[0, {numel}\)"):
+        native.kernels.ef_encode(idx, numel, bits)
