@@ -1785,6 +1785,18 @@ static int ef_layout(Py_ssize_t n, Py_ssize_t numel, int L, EfLayout *lay) {
     return 0;
 }
 
+/* The Elias-Fano loops stream tens of MB (the int64 positions, the payload) and on the 2-core
+ * Xeon of BENCHMARKS.md the hardware prefetcher alone left them waiting on memory: half of
+ * the encode's ~65 ms for 16M positions (1 GiB of bf16 at 3 %), gone with a hint EF_AHEAD
+ * bytes ahead of each stream. A hint never faults; its address is formed as an integer, so
+ * no pointer runs past its buffer. */
+#if defined(__GNUC__) || defined(__clang__)
+#define EF_PREFETCH(p, rw) __builtin_prefetch((const void *)((uintptr_t)(p) + EF_AHEAD), rw)
+#else
+#define EF_PREFETCH(p, rw) ((void)0)
+#endif
+#define EF_AHEAD 2048
+
 /* Encode n int64 positions into low (lay->low_len bytes) and high (lay->high_len bytes).
  * Returns -1, or the index of the first position that is not strictly increasing within
  * [0, numel) (its value in *bad; the output is then incomplete). */
@@ -1792,16 +1804,19 @@ static Py_ssize_t ef_pack(const char *pos, Py_ssize_t n, uint64_t numel, int L,
                           const EfLayout *lay, unsigned char *low, unsigned char *high,
                           int64_t *bad) {
     const uint64_t mask = ((uint64_t)1 << L) - 1; /* L <= 63 */
+    const uint64_t words = (uint64_t)lay->high_len / 8; /* whole 64-bit words of high */
     uint64_t acc = 0;                              /* low bits not yet stored */
     unsigned fill = 0;                             /* how many (< 64) */
     int64_t prev = -1;
-    /* The high part's current 64-bit word, kept in a register (its bits come in increasing
-     * order): stored when a bit lands in a later word, which leaves every word before that
-     * one whole inside high (the words skipped stay zero). */
+    /* The high part's current 64-bit word hword (word hat; its bits come in increasing order),
+     * stored after every position while it is a whole word of high: no branch on the word
+     * changing, which mispredicted once per ~30 positions. The words skipped stay zero; the
+     * last, partial word is stored byte by byte at the end. */
     uint64_t hword = 0, hat = 0;
     memset(high, 0, (size_t)lay->high_len);
     for (Py_ssize_t j = 0; j < n; j++) {
         int64_t p;
+        EF_PREFETCH(pos + j * 8, 0);
         memcpy(&p, pos + j * 8, 8);
         if (p <= prev || (uint64_t)p >= numel) {
             *bad = p;
@@ -1818,19 +1833,21 @@ static Py_ssize_t ef_pack(const char *pos, Py_ssize_t n, uint64_t numel, int L,
             acc = v >> (L - fill); /* L - fill = 64 - old fill, in [1, 63] as L <= 63 */
         }
         const uint64_t bit = ((uint64_t)p >> L) + (uint64_t)j; /* < lay->high_bits */
-        if (bit >> 6 != hat) {
-            store_le64(high + hat * 8, hword);
-            hword = 0;
-            hat = bit >> 6;
+        const uint64_t w = bit >> 6;
+        hword = (w == hat ? hword : 0) | (uint64_t)1 << (bit & 63);
+        hat = w;
+        if (w < words) {
+            store_le64(high + w * 8, hword);
         }
-        hword |= (uint64_t)1 << (bit & 63);
     }
     for (; fill > 0; fill = fill > 8 ? fill - 8 : 0) {
         *low++ = (unsigned char)acc;
         acc >>= 8;
     }
-    for (uint64_t q = hat * 8; hword; q++, hword >>= 8) { /* the last word: its bytes in high */
-        high[q] = (unsigned char)hword;
+    if (hat >= words) { /* the partial last word: its bytes in high */
+        for (uint64_t q = hat * 8; hword; q++, hword >>= 8) {
+            high[q] = (unsigned char)hword;
+        }
     }
     return -1;
 }
