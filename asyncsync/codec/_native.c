@@ -1854,8 +1854,56 @@ static Py_ssize_t ef_pack(const char *pos, Py_ssize_t n, uint64_t numel, int L,
 
 enum { EF_OK, EF_LOW_TAIL, EF_HIGH_TAIL, EF_COUNT, EF_ORDER };
 
+/* Where a decode stands: the high part's word w (its bits not yet decoded in word), i
+ * positions decoded, the last one prev and its high part hi. */
+typedef struct {
+    Py_ssize_t w, i;
+    uint64_t word, prev, hi;
+} EfCursor;
+
+/* The first positions of a payload whose high bits are counted, fast: each low part read with
+ * one 8-byte load at its bit offset i*L (L <= 56), for the positions whose load stays inside
+ * the low part (i < safe <= n), and the order checked by a flag. Stops at i == safe or at the
+ * end of the high part, leaving *c there. Returns nonzero if any position is not above the one
+ * before; the caller also checks c->hi and c->prev against numel (both only grow). */
+static uint64_t ef_unpack_fast(const unsigned char *low, const unsigned char *high,
+                               Py_ssize_t words, Py_ssize_t tail, Py_ssize_t safe, int L,
+                               char *out, EfCursor *c) {
+    const uint64_t mask = ((uint64_t)1 << L) - 1;
+    uint64_t word = 0, at = 0, hi = 0, p = 0, next = 0, bad = 0; /* at: i * L */
+    Py_ssize_t w = 0, i = 0;
+    for (; w <= words; w++) {
+        word = w < words ? load_le64(high + w * 8) : load_le_tail(high + w * 8, tail);
+        EF_PREFETCH(high + w * 8, 0);
+        EF_PREFETCH(low + at / 8, 0);
+        while (word) {
+            if (i >= safe) {
+                goto stop;
+            }
+            EF_PREFETCH(out + i * 8, 1);
+            hi = (uint64_t)w * 64 + CTZ64(word) - (uint64_t)i;
+            word &= word - 1;
+            p = hi << L | (load_le64(low + at / 8) >> (at % 8) & mask); /* at % 8 + L <= 63 */
+            at += (unsigned)L;
+            bad |= p < next;
+            next = p + 1;
+            memcpy(out + i * 8, &p, 8);
+            i++;
+        }
+    }
+stop:
+    c->w = w;
+    c->word = word;
+    c->i = i;
+    c->prev = p;
+    c->hi = hi;
+    return bad;
+}
+
 /* Decode into out (n int64). Never reads or writes outside the given lengths, whatever the
- * bytes (even if they change meanwhile). *count: set bits of the high part (for EF_COUNT). */
+ * bytes (even if they change meanwhile). *count: set bits of the high part (for EF_COUNT).
+ * The positions up to the last 8 bytes of the low part go through ef_unpack_fast; if its
+ * checks fail, all are decoded again here one by one, whose first failed check is the error. */
 static int ef_unpack(const unsigned char *low, const unsigned char *high, const EfLayout *lay,
                      Py_ssize_t n, uint64_t numel, int L, char *out, Py_ssize_t *count) {
     const unsigned low_tail = (unsigned)(lay->low_bits % 8);
@@ -1869,6 +1917,7 @@ static int ef_unpack(const unsigned char *low, const unsigned char *high, const 
     const Py_ssize_t words = lay->high_len / 8, tail = lay->high_len % 8;
     Py_ssize_t c = 0;
     for (Py_ssize_t w = 0; w < words; w++) {
+        EF_PREFETCH(high + w * 8, 0);
         c += POPCOUNT64(load_le64(high + w * 8));
     }
     c += POPCOUNT64(load_le_tail(high + words * 8, tail));
@@ -1877,18 +1926,40 @@ static int ef_unpack(const unsigned char *low, const unsigned char *high, const 
         return EF_COUNT;
     }
     const uint64_t mask = ((uint64_t)1 << L) - 1, top = numel >> L;
-    const unsigned char *src = low, *src_end = low + lay->low_len;
-    uint64_t acc = 0, prev = 0; /* acc: the next `have` low bits, already loaded */
+    EfCursor cur = {.w = 0, .i = 0, .prev = 0, .hi = 0};
+    cur.word = words ? load_le64(high) : load_le_tail(high, tail);
+    if (L >= 1 && L <= 56 && lay->low_len >= 8) {
+        /* the loads at bit i*L <= (low_len - 8) * 8 stay inside; low_bits < 2**64: no wrap */
+        const uint64_t fit = (uint64_t)(lay->low_len - 8) * 8 / (uint64_t)L + 1;
+        const Py_ssize_t safe = fit < (uint64_t)n ? (Py_ssize_t)fit : n;
+        EfCursor fast;
+        /* fit < n (L <= 56): the last position is always decoded below, which would catch
+         * a high part past top or a position past numel too; checked here all the same */
+        if (!ef_unpack_fast(low, high, words, tail, safe, L, out, &fast) && fast.hi <= top &&
+            fast.prev < numel) { /* then no shift overflowed and every position is in range */
+            cur = fast;
+        }
+    }
+    /* the rest one by one, from cur */
+    const uint64_t at = (uint64_t)cur.i * (uint64_t)L; /* < low_bits */
+    const unsigned char *src = low + at / 8, *src_end = low + lay->low_len;
+    uint64_t acc = 0, prev = cur.prev; /* acc: the next `have` low bits, already loaded */
     unsigned have = 0;
-    Py_ssize_t i = 0;
-    for (Py_ssize_t w = 0; w <= words; w++) {
-        uint64_t word = w < words ? load_le64(high + w * 8) : load_le_tail(high + w * 8, tail);
+    if (at % 8) {
+        acc = (uint64_t)(*src++ >> (at % 8));
+        have = 8 - (unsigned)(at % 8);
+    }
+    Py_ssize_t i = cur.i, w = cur.w;
+    uint64_t word = cur.word;
+    for (;;) {
+        EF_PREFETCH(src, 0);
         while (word) {
             const uint64_t hi = (uint64_t)w * 64 + CTZ64(word) - (uint64_t)i;
             word &= word - 1;
             if (i >= n) {
                 return EF_COUNT; /* the buffer changed since it was counted */
             }
+            EF_PREFETCH(out + i * 8, 1);
             uint64_t lo = 0;
             if (have >= (unsigned)L) {
                 lo = acc & mask;
@@ -1920,6 +1991,10 @@ static int ef_unpack(const unsigned char *low, const unsigned char *high, const 
             prev = p;
             i++;
         }
+        if (++w > words) {
+            break;
+        }
+        word = w < words ? load_le64(high + w * 8) : load_le_tail(high + w * 8, tail);
     }
     return i == n ? EF_OK : EF_COUNT;
 }
