@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -198,10 +200,10 @@ async def test_an_open_cancelled_while_it_takes_the_lock_leaves_the_server_free(
     inside, go, released = threading.Event(), threading.Event(), threading.Event()
     real_open, real_release = server_lock._open, ServerLock.release
 
-    def held_open(path: Path) -> tuple[int, bool]:  # the lock file's open, held at a gate
+    def held_open(path: Path, dir_fd: int | None = None) -> tuple[int, bool]:  # held at a gate
         inside.set()
         assert go.wait(120)
-        return real_open(path)
+        return real_open(path, dir_fd)
 
     def release(lock: ServerLock) -> None:
         held = lock.fd is not None
@@ -256,3 +258,91 @@ async def test_a_close_cancelled_midway_releases_the_server(tmp_path: Path) -> N
             await closing
         assert _taken_by_another_process(srv.url) == "took"
         await engine.close()  # (the resume call cancelled and awaited)
+
+
+def _taker(url: str, tmpdir: Path, checkpoint: str) -> subprocess.Popen[str]:
+    """tests/server_lock_taker in a process of its own, its temporary directory ``tmpdir``."""
+    code = "import sys; from tests.server_lock_taker import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, url, checkpoint], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+    )  # fmt: skip
+
+
+def _tmpfiles_clean(tmpdir: Path) -> None:
+    """The real systemd-tmpfiles' age-based cleanup of ``tmpdir``, as a distribution's
+    ``tmp.conf`` runs it on /tmp every day, with every file and directory in it aged 30 days
+    (by access and modification time: the change time cannot be set back, so the rule ages by
+    the other two, systemd 250 and later)."""
+    old = time.time() - 30 * 86400
+    for path in [*tmpdir.rglob("*")]:
+        os.utime(path, (old, old), follow_symlinks=False)
+    conf = tmpdir.parent / "tmpfiles.conf"
+    conf.write_text(f"e {tmpdir} - - - am:10d\n")
+    proc = subprocess.run(
+        ["systemd-tmpfiles", "--clean", str(conf)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemd-tmpfiles") is None, reason="needs systemd-tmpfiles")
+def test_a_lock_held_for_weeks_survives_the_cleanup_of_the_temporary_directory(
+    tmp_path: Path,
+) -> None:
+    """(the lead, 26th session) systemd-tmpfiles removes the files of /tmp unused for 10 days
+    (most distributions): the lock file of a receiver up for longer went, and a second receiver
+    on the same server made a new one and took the server. The lock file lives in a directory
+    the holder keeps locked shared, which the cleanup skips; once the holder is gone, the
+    cleanup removes its files as before."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    url = f"http://127.0.0.1:{62000 + os.getpid() % 500}"
+    holder = _taker(url, tmpdir, "/ck-first")
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "took\n"
+        _tmpfiles_clean(tmpdir)
+        second = _taker(url, tmpdir, "/ck-second")
+        out, err = second.communicate("\n", timeout=120)
+        assert out.startswith("refused: "), (out, err)
+        assert f"pid {holder.pid}, checkpoint /ck-first" in out, out
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert holder.returncode == 0
+    _tmpfiles_clean(tmpdir)
+    assert not [p for p in tmpdir.rglob("*") if p.is_file()]
+    third = _taker(url, tmpdir, "/ck-third")
+    out, err = third.communicate("\n", timeout=120)
+    assert out == "took\n", (out, err)
+
+
+def test_the_lock_directory_is_refused_when_it_is_not_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(the lead, 26th session) A symlink or a file where the lock files' directory goes (a
+    shared temporary directory) is refused in one line, never followed; the directory made is
+    mode 1777 whatever the umask, so every uid's receivers can make their lock files there."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    url = URL(f"http://127.0.0.1:{61000 + os.getpid() % 500}")
+    where = tmp_path / server_lock.DIR_NAME
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where.symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match=rf"{where} is not a directory \(a symbolic link or a"):
+        ServerLock.take("sglang", url, "/ck")
+    assert not list(elsewhere.iterdir())
+    where.unlink()
+    where.write_text("")
+    with pytest.raises(ConfigError, match=rf"{where} is not a directory"):
+        ServerLock.take("sglang", url, "/ck")
+    where.unlink()
+    old = os.umask(0o077)
+    try:
+        lock = ServerLock.take("sglang", url, "/ck")
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(where.stat().st_mode) == 0o1777
+        assert lock.path is not None and lock.path.parent == where
+    finally:
+        lock.release()

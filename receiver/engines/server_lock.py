@@ -7,13 +7,19 @@ reload its own checkpoint, every second or two, for as long as both ran, the ser
 at each. The second one to open the server is refused now, with one line naming the receiver
 that holds it.
 
-The lock is ``flock`` on ``<tempdir>/asyncsync-server-<hash>.lock`` (``$TMPDIR``, else
-``/tmp``), held while the engine is open: the kernel releases it when its process dies,
+The lock is ``flock`` on ``<tempdir>/asyncsync-servers/server-<hash>.lock`` (``$TMPDIR``,
+else ``/tmp``), held while the engine is open: the kernel releases it when its process dies,
 SIGKILL included, so a replacement starts at once after the holder is gone. The file holds
-the holder's pid and checkpoint (read for the message only). It binds the receivers of one
-host (and one temporary directory) only: the names ``localhost``, ``127.0.0.1`` and ``::1``
-are one server; another name of the same server (its host's address, a DNS alias), or a
-receiver on another host, is not seen.
+the holder's pid and checkpoint (read for the message only). Its directory (mode 1777) is held
+shared (``flock LOCK_SH``) meanwhile: systemd-tmpfiles' age-based cleanup of the temporary
+directory (files unused for 10 days on most distributions) skips a directory it cannot lock,
+and it removed a lock file held by a receiver up for longer than that, so a second receiver
+took the server (checked with the real systemd-tmpfiles: tests/test_server_lock.py). The lock
+of earlier releases, ``<tempdir>/asyncsync-server-<hash>.lock``, is taken as well, so a
+receiver of an earlier release on the same host is refused, and refuses. It binds the
+receivers of one host (and one temporary directory) only: the names ``localhost``,
+``127.0.0.1`` and ``::1`` are one server; another name of the same server (its host's
+address, a DNS alias), or a receiver on another host, is not seen.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import stat
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from yarl import URL
@@ -35,6 +43,13 @@ from yarl import URL
 from asyncsync.errors import ConfigError, LockHeld
 
 __all__ = ["ServerLock", "server_key"]
+
+logger = logging.getLogger(__name__)
+
+#: The lock files' directory in the temporary directory, and how long a take waits for a
+#: process that holds it exclusively (systemd-tmpfiles cleaning it) to let go.
+DIR_NAME = "asyncsync-servers"
+LOCK_DIR_WAIT = 10.0
 
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
 
@@ -50,9 +65,12 @@ def server_key(url: URL) -> str:
 class ServerLock:
     """This process's hold on one server (:meth:`take`; :meth:`release` when closed)."""
 
-    def __init__(self, fd: int | None = None, path: Path | None = None) -> None:
+    def __init__(
+        self, fd: int | None = None, path: Path | None = None, others: tuple[int, ...] = ()
+    ) -> None:
         self.fd = fd  # None: not held
         self.path = path
+        self._others = others  # the directory's shared lock, the earlier releases' lock
 
     @classmethod
     def take(cls, kind: str, url: URL, checkpoint: str) -> ServerLock:
@@ -60,27 +78,32 @@ class ServerLock:
         receiver that holds it."""
         key = server_key(url)
         digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-        path = Path(tempfile.gettempdir()) / f"asyncsync-server-{digest}.lock"
-        fd, writable = _open(path)
+        top = Path(tempfile.gettempdir())
+        held: list[int] = []
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise LockHeld(
-                f"{kind} at {url} is driven by another receiver on this host ({holder}; lock "
-                f"{path}): two receivers on one server reload it against each other; stop that "
-                "one, or give this one its own server"
-            ) from None
+            held.append(dfd := _lock_dir(top / DIR_NAME))
+            path = top / DIR_NAME / f"server-{digest}.lock"
+            for at, dir_fd in ((path, dfd), (top / f"asyncsync-server-{digest}.lock", None)):
+                fd, writable = _open(at, dir_fd)
+                held.append(fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise LockHeld(
+                        f"{kind} at {url} is driven by another receiver on this host "
+                        f"({_read_holder(fd)}; lock {at}): two receivers on one server reload "
+                        "it against each other; stop that one, or give this one its own server"
+                    ) from None
+                if writable:  # who holds it, for the message of the next one (best effort)
+                    me = {"pid": os.getpid(), "checkpoint": checkpoint, "server": key}
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, 0)
+                        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
         except BaseException:
-            os.close(fd)
+            for fd in held:
+                os.close(fd)
             raise
-        if writable:  # who holds it, for the message of the next one (best effort)
-            me = {"pid": os.getpid(), "checkpoint": checkpoint, "server": key}
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        return cls(fd, path)
+        return cls(held[1], path, (held[0], held[2]))
 
     @classmethod
     async def take_in_thread(cls, kind: str, url: URL, checkpoint: str) -> ServerLock:
@@ -111,21 +134,85 @@ class ServerLock:
     def release(self) -> None:
         """Let another receiver take the server (idempotent; the fd closed releases it)."""
         fd, self.fd = self.fd, None
+        others, self._others = self._others, ()
         if fd is not None:
+            os.close(fd)
+        for other in others:
+            os.close(other)
+
+
+def _lock_dir(path: Path) -> int:
+    """The lock files' directory, opened and held shared (``flock LOCK_SH``): made mode 1777
+    where missing (every uid's receivers make their files there; none removes another's). A
+    shared lock is refused only while another process holds it exclusively: systemd-tmpfiles,
+    for as long as it cleans the directory (when no receiver holds it), so that is waited for."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(3):
+        try:
+            dfd = os.open(path, flags)
+        except FileNotFoundError:
+            _make_dir(path, flags)
+            continue
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ConfigError(
+                    f"{path} is not a directory (a symbolic link or a file): remove it"
+                ) from exc
+            if isinstance(exc, PermissionError):
+                raise ConfigError(_unreadable(path, exc, "directory")) from exc
+            raise
+        deadline = time.monotonic() + LOCK_DIR_WAIT
+        while True:
+            try:
+                fcntl.flock(dfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return dfd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(dfd)
+                    raise ConfigError(
+                        f"{path} is locked exclusively by another process for more than "
+                        f"{LOCK_DIR_WAIT:g} s (a cleanup of the temporary directory would take "
+                        "less): find it with `fuser` or `lsof` on that directory"
+                    ) from None
+                time.sleep(0.05)
+            except OSError as exc:  # a filesystem without flock on directories: the lock
+                logger.debug("no shared lock on %s: %s", path, exc)  # file's own still holds
+                return dfd
+    raise ConfigError(f"cannot open {path}: it keeps appearing and vanishing")
+
+
+def _make_dir(path: Path, flags: int) -> None:
+    """``path`` made mode 1777 (past the umask), unless another process made it first."""
+    try:
+        os.mkdir(path, 0o1777)
+    except FileExistsError:
+        return
+    except PermissionError as exc:
+        raise ConfigError(
+            f"cannot create {path} ({exc.strerror}): this receiver (uid {os.geteuid()}) cannot "
+            f"write {path.parent}; set TMPDIR to a directory it can write"
+        ) from exc
+    with contextlib.suppress(OSError):  # gone or replaced meanwhile: the open after says
+        fd = os.open(path, flags)
+        try:
+            os.fchmod(fd, 0o1777)
+        finally:
             os.close(fd)
 
 
-def _open(path: Path) -> tuple[int, bool]:
-    """The lock file's fd, and whether it is writable. Created 0666 (another uid's receiver
-    writes its own pid there); a file of another uid that is not writable is locked read-only
-    (flock needs no write access); a symlink there is refused (a shared temporary directory)."""
+def _open(path: Path, dir_fd: int | None = None) -> tuple[int, bool]:
+    """The lock file's fd (``dir_fd``: the directory ``path``'s name is opened in), and
+    whether it is writable. Created 0666 (another uid's receiver writes its own pid there); a
+    file of another uid that is not writable is locked read-only (flock needs no write
+    access); a symlink there is refused (a shared temporary directory)."""
     flags = os.O_CLOEXEC | os.O_NOFOLLOW
+    at = path if dir_fd is None else path.name
     for _ in range(3):
         try:
             try:
-                return os.open(path, flags | os.O_RDWR), True
+                return os.open(at, flags | os.O_RDWR, dir_fd=dir_fd), True
             except PermissionError:
-                return os.open(path, flags | os.O_RDONLY), False
+                return os.open(at, flags | os.O_RDONLY, dir_fd=dir_fd), False
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -137,26 +224,31 @@ def _open(path: Path) -> tuple[int, bool]:
                 raise ConfigError(_unreadable(path, exc)) from exc
             raise
         try:
-            fd = os.open(path, flags | os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            fd = os.open(at, flags | os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
         except FileExistsError:
             continue  # another receiver made it meanwhile: opened as its
+        except PermissionError as exc:  # a directory of another uid, not writable by this one
+            raise ConfigError(
+                _unreadable(path.parent, exc, "directory", "create the lock file in")
+            ) from exc
         with contextlib.suppress(OSError):
             os.fchmod(fd, 0o666)  # (past the umask)
         return fd, True
     raise ConfigError(f"cannot open the lock file {path}: it keeps appearing and vanishing")
 
 
-def _unreadable(path: Path, exc: OSError) -> str:
-    """Why the lock file at ``path`` cannot be opened, and the fix."""
+def _unreadable(path: Path, exc: OSError, what: str = "file", verb: str = "open") -> str:
+    """Why the lock ``what`` (file or directory) at ``path`` cannot be used, and the fix."""
     try:
         st = os.lstat(path)
-        what = f"it belongs to uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):04o})"
+        owner = f"it belongs to uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):04o})"
     except OSError as why:
-        what = f"its owner cannot be read ({why.strerror})"
+        owner = f"its owner cannot be read ({why.strerror})"
+    mode = "0666" if what == "file" else "1777"
     return (
-        f"cannot open the lock file {path} ({exc.strerror}): {what}, this receiver runs as "
-        f"uid {os.geteuid()}; remove it (the next receiver makes it anew, mode 0666) or let "
-        "every receiver's uid read it"
+        f"cannot {verb} the lock {what} {path} ({exc.strerror}): {owner}, this receiver runs "
+        f"as uid {os.geteuid()}; remove it (the next receiver makes it anew, mode {mode}) or "
+        f"let every receiver's uid {'read' if what == 'file' else 'write'} it"
     )
 
 
