@@ -32,7 +32,7 @@ from receiver.engines import TensorUpdate
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.test_engines import REPO, apply_version, assert_same, build_manifest, xef_batches
 
-N = 2_000_000  # bf16: four one-MiB journal chunks
+N = 2_000_000  # bf16: sixteen 256 KiB journal chunks
 FAULTS = [
     "other-positions",  # valid and increasing, but not the blob's (nor the values')
     "other-blob",  # a blob of another delta with as many positions

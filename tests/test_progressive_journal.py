@@ -142,7 +142,7 @@ def test_journal_patch_is_the_hashed_pass_without_its_hash(
 @needs_kernel
 def test_kernel_write_failure_patches_nothing_more(tmp_path: Path) -> None:
     """The first chunk's old values cannot be saved (a read-only fd): OSError, flat unchanged;
-    bad positions are refused before anything is written."""
+    bad positions in the first chunk are refused before anything is written."""
     flat = np.arange(300_000, dtype=np.int16)
     pos = np.arange(0, 300_000, 7, dtype=np.int64)
     vals = np.ones(pos.size, np.int16)
@@ -157,7 +157,7 @@ def test_kernel_write_failure_patches_nothing_more(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "rw", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         bad = pos.copy()
-        bad[-1] = bad[-2]  # not strictly increasing
+        bad[2] = bad[1]  # not strictly increasing, in the first chunk
         with pytest.raises(ValueError, match="strictly increasing"):
             K.journal_patch_hash(flat, 2, bad, vals, True, 0, flat.size, None, fd, 0, 0, 0)
         with pytest.raises(ValueError, match=">= 0"):
@@ -179,13 +179,13 @@ def test_kernel_bad_position_midway_stops_with_what_it_wrote_saved(
     that is bad in a later chunk stops the kernel (ValueError) before that chunk writes; every
     chunk before it is patched, and its old values and their count are in the file, so
     writing the saved values back restores the tensor exactly. Nothing after is touched."""
-    n, lo, hi = 3_000_000, 0, 2_900_000  # int16: ~6 one-MiB chunks
+    n, lo, hi = 3_000_000, 0, 2_900_000  # int16: ~22 chunks of 256 KiB
     rng = np.random.default_rng(7)
     flat = rng.integers(-(2**15), 2**15, n, dtype=np.int16)
     orig = flat.copy()
     pos = np.arange(3, hi, 5, dtype=np.int64)
     vals = np.full(pos.size, 0x55, np.int16)
-    j = int(np.searchsorted(pos, 2_000_000))  # in the fourth chunk
+    j = int(np.searchsorted(pos, 2_000_000))  # in a later chunk
     if fault == "repeated":
         pos[j] = pos[j - 1]
     elif fault == "descending":
@@ -209,6 +209,41 @@ def test_kernel_bad_position_midway_stops_with_what_it_wrote_saved(
     saved = np.frombuffer(data[16 : 16 + count * 2], np.int16)
     flat[pos[:count]] = saved
     assert np.array_equal(flat, orig)
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [2, 4])
+def test_kernel_stops_at_the_start_of_the_chunk_with_the_bad_position(
+    tmp_path: Path, width: int
+) -> None:
+    """The chunks are the tensor's JOURNAL_CHUNK_BYTES at a time, aligned to multiples of it:
+    a bad position leaves exactly the positions of the chunks before its own saved, counted
+    and patched (the count is not a chunk behind, nor a chunk ahead), whatever chunk it is in,
+    the range starting mid-chunk or not."""
+    chunk = K.JOURNAL_CHUNK_BYTES // width
+    n = 9 * chunk + 77
+    rng = np.random.default_rng(width)
+    orig = rng.integers(-(2**15), 2**15, n, dtype=DT[width])
+    for lo, at in ((0, 0), (0, 1), (chunk // 3, 3), (5, 8)):
+        flat = orig.copy()
+        pos = np.sort(rng.choice(np.arange(lo, n), n // 40, replace=False)).astype(np.int64)
+        j = int(np.searchsorted(pos, at * chunk + chunk // 2))  # mid-chunk `at`
+        pos[j] = pos[j - 1] if j else -1
+        vals = np.full(pos.size, 0x55, DT[width])
+        path = tmp_path / f"j{lo}-{at}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            with pytest.raises(ValueError, match=rf"positions\[{j}\] = "):
+                K.journal_patch_hash(flat, width, pos, vals, True, lo, n, None, fd, 16, 8, 0)
+        finally:
+            os.close(fd)
+        data = path.read_bytes() if path.stat().st_size else bytes(16)
+        count = int.from_bytes(data[8:16], "little")
+        want = int(np.searchsorted(pos[:j], max(lo, at * chunk)))  # those below its chunk
+        assert count == want, (lo, at)
+        assert np.array_equal(np.flatnonzero(flat != orig), pos[:count])
+        saved = np.frombuffer(data[16 : 16 + count * width], DT[width])
+        assert np.array_equal(saved, orig[pos[:count]])
 
 
 # ------------------------------------------------------------------------------ the record

@@ -77,7 +77,8 @@
  *     fails, ValueError at a position not strictly increasing within [lo, hi): each chunk's
  *     positions are checked as its old values are saved (one pass), so either stops the
  *     kernel before that chunk writes anything, with every chunk before it saved, counted and
- *     patched (the caller undoes them from the file).
+ *     patched (the caller undoes them from the file). JOURNAL_CHUNK_BYTES (a module constant,
+ *     256 KiB): the bytes of the tensor per chunk, the chunks aligned to multiples of it.
  *
  * planes(src, width, out) / unplanes(src, width, out) -> None
  *     The byte planes of the xef values (all byte 0s of the width-byte elements, then all byte
@@ -1240,19 +1241,20 @@ static Py_ssize_t positions_below(const char *pp, Py_ssize_t from, Py_ssize_t to
 /* Patch [i, end) of flat (n elements) block by block, each block fed to hasher (if any) right
  * after it is patched: positions [at, stop) (checked, increasing, inside [i, end)) with their
  * values (and old values saved) at the same index, or, without positions, every element, its
- * value and old value at its index less lo. -1, or the index of a position found outside the
- * tensor as it was written (changed since its check: see DEFINE_PATCH). */
+ * value and old value at its index less lo. touch: bring each hashed block's lines in first
+ * (0 where the caller just did, for the whole range). -1, or the index of a position found
+ * outside the tensor as it was written (changed since its check: see DEFINE_PATCH). */
 static Py_ssize_t patch_blocks(Py_ssize_t width, char *pf, Py_ssize_t n, const char *pp,
                                const char *pv, char *po, Py_ssize_t lo, Py_ssize_t i,
                                Py_ssize_t end, Py_ssize_t at, Py_ssize_t stop, int is_xor,
-                               Xxh3Object *hasher) {
+                               Xxh3Object *hasher, int touch) {
     const Py_ssize_t block = PATCH_BLOCK_BYTES / width;
     while (i < end) {
         Py_ssize_t bend = (i / block + 1) * block;
         bend = bend < end ? bend : end;
         if (pp) {
             Py_ssize_t s = positions_below(pp, at, stop, (int64_t)bend);
-            if (hasher && s > at) {
+            if (touch && hasher && s > at) {
                 touch_lines(pf + i * width, (bend - i) * width);
             }
             Py_ssize_t done = patch_any(width, pf, n, pp + at * 8, pv + at * width,
@@ -1316,7 +1318,7 @@ static PyObject *patch_hash(PyObject *self, PyObject *args) {
         bad_at = first_unordered(pp, k, lo, hi, &bad);
         if (bad_at < 0) {
             moved = patch_blocks(width, pf, flat->len / width, pp, pv, po, lo, lo, hi, 0, k,
-                                 is_xor, hasher);
+                                 is_xor, hasher, 1);
         }
         NOGIL_END;
     }
@@ -1418,8 +1420,13 @@ fail:
 /* ------------------------------------------------------------- journalled patch kernel */
 
 /* Bytes of the tensor whose old values are saved to the journal and then patched at a time:
- * a few blocks, still in a core's L2 when the patch reads them again. */
-#define JOURNAL_CHUNK_BYTES (16 * PATCH_BLOCK_BYTES)
+ * a few blocks, brought into the cache once (touch_lines) for the save, the patch and the
+ * hash. 256 KiB rather than 1 MiB: on the Xeon of BENCHMARKS.md (2 MiB of L2 per core), the
+ * journal of 1 GiB of bf16 at 3 % cost 41-50 ms of thread CPU over patch + hash alone with
+ * 1 MiB chunks (each block's lines brought in a second time) and 9-16 ms with 256 KiB ones
+ * (touched once), nearly all of it the record's pwrites: 4x as many cost less than the cache
+ * misses of the bigger chunk. */
+#define JOURNAL_CHUNK_BYTES (4 * PATCH_BLOCK_BYTES)
 
 /* Save flat[p] into out for the positions from pos on that are below end (at most k), each
  * checked first to be above the one before (*prev, updated): the count saved, or -1 - the
@@ -1574,7 +1581,7 @@ static PyObject *journal_patch_hash(PyObject *self, PyObject *args) {
             }
             /* 2. patch, then hash, block by block (the chunk's lines are still cached) */
             moved = patch_blocks(width, pf, flat->len / width, pp, pv, NULL, lo, i, cend, at,
-                                 stop, is_xor, hasher);
+                                 stop, is_xor, hasher, 0); /* its lines brought in above */
             if (moved >= 0) {
                 break;
             }
@@ -2424,6 +2431,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_INCREF(&Xxh3Type);
     if (PyModule_AddObject(m, "Xxh3", (PyObject *)&Xxh3Type) < 0) {
         Py_DECREF(&Xxh3Type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "JOURNAL_CHUNK_BYTES", JOURNAL_CHUNK_BYTES) < 0) {
         Py_DECREF(m);
         return NULL;
     }
