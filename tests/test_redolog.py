@@ -22,6 +22,7 @@ from asyncsync.errors import ApplyFailed
 from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint, inplace, verify_checkpoint
+from receiver.engines.checkpoint.redo import Record
 from receiver.plugins.clean_load import load_whole_version
 from receiver.plugins.held import Unverified, checkpoint_snapshot
 from receiver.state import PersistedState, StateStore
@@ -354,6 +355,52 @@ async def test_a_compaction_over_a_wrong_base_is_wiped_and_reinitialised(
         assert (await eng.open()).version is None  # the records compacted: a mismatch, wiped
     assert "not the base the records apply on" in caplog.text and _PATCHED in caplog.text
     assert _state(ck)["version"] is None and not list(ck.glob("model*.safetensors"))
+    assert await _sync(root, eng) == 4
+    assert verify_checkpoint(ck, read_manifest(root, 4)) == []
+    assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])
+
+
+def _damage_record(redo: Path, how: str) -> None:
+    """A record in ``redo`` damaged on disk, its trailer still whole JSON: one xef-coded patch
+    of v2's, or the trailer of the newest (v4), which gives the merged files' checksums."""
+    path = sorted(redo.iterdir())[3 if how in ("algorithm", "names") else 1]
+    rec = Record.open(path)
+    try:
+        at = next(e.pos_at for e in rec.entries.values() if e.enc == "xef")
+    finally:
+        rec.close()
+    data = path.read_bytes()
+    if how == "positions":  # the Elias-Fano blob's header byte: the decoder refuses it
+        data = data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :]
+    elif how == "coding":  # the chunk header's name of its coding: an unknown one
+        data = data.replace(b'"xef"', b'"hef"', 1)
+    elif how == "algorithm":  # the trailer's checksum algorithm: an unknown one
+        data = data.replace(b'"xxh3-', b'"hxh3-', 1)
+    else:  # a tensor's name in the trailer's checksums: another tensor set
+        data = data.replace(b'"model.scalar":', b'"model.scalaR":', 1)
+    assert data != path.read_bytes()
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("how", ["positions", "coding", "algorithm", "names"])
+async def test_a_record_damaged_on_disk_is_wiped_not_merged_again_for_ever(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A record whose trailer reads but one of whose patches does not decode, or whose trailer
+    names an unknown checksum algorithm or other tensors (a bit flipped on the local disk):
+    the compaction at open was rolled back ("the records are kept and merged again later") or
+    refused, and every open after it failed the same way: the receiver could never start
+    again. It is a record that cannot be read: the files are removed and the receiver
+    re-initialises them from a keyframe, bit-exact."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    sds = await _four_records(root, ck)
+    _damage_record(ck / ".asyncsync" / "redo", how)
+    eng = LocalCheckpoint(ck)
+    with caplog.at_level(logging.ERROR):
+        assert (await eng.open()).version is None
+    assert "a redo record cannot be read" in caplog.text and ".rec" in caplog.text
+    assert _state(ck)["version"] is None and not list(ck.glob("model*.safetensors"))
+    assert not list((ck / ".asyncsync" / "redo").iterdir())
     assert await _sync(root, eng) == 4
     assert verify_checkpoint(ck, read_manifest(root, 4)) == []
     assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])

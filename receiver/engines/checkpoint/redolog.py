@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncsync import fsio
-from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError
+from asyncsync.errors import ApplyFailed, ChecksumMismatch, FormatError
 from asyncsync.format import Manifest, TensorEntry
+from asyncsync.format.checksum import new_hasher
 from receiver.engines.base import TensorUpdate
 from receiver.engines.checkpoint import inplace
 from receiver.engines.checkpoint.recovery import Recovery, own_dir
@@ -71,6 +72,46 @@ def check_redo_log(redo_log: object, compact_idle: object) -> tuple[int, float]:
     ):
         raise ValueError(f"compact_idle must be a positive number of seconds, got {compact_idle!r}")
     return redo_log, float(compact_idle)
+
+
+class _Unreadable(Exception):
+    """A record's patch that cannot be read back (damaged on disk): never merged again."""
+
+
+@dataclass(frozen=True)
+class _Head:
+    """What the newest record says of its version, the files' once the records are merged
+    (read before anything is written: a trailer damaged on disk is a record that cannot be
+    read, not a compaction that fails at every open)."""
+
+    version: int
+    algo: str
+    checksums: dict[str, str]
+    parts: dict[str, list[tuple[int, int]]]
+    fingerprint: str
+    run_id: str
+
+    @classmethod
+    def of(cls, rec: Record, names: Collection[str]) -> _Head:
+        """ValueError naming ``rec`` where its trailer is not a whole one of the tensors
+        ``names``."""
+        m = rec.meta
+        try:
+            new_hasher(m["checksum_algorithm"])  # ConfigError, a ValueError: unknown
+            checksums = dict(m["checksums"])
+            if set(checksums) != set(names):
+                raise ValueError(f"v{rec.version}'s record names other tensors")
+            parts = {str(k): [(int(a), int(b)) for a, b in v] for k, v in m["parts"].items()}
+            texts = (m["checksum_algorithm"], m["fingerprint"], m["run_id"], *checksums.values())
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("a field of another type")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"{rec.path}: not a whole trailer ({type(exc).__name__}: {exc})"
+            ) from exc
+        return cls(
+            rec.version, m["checksum_algorithm"], checksums, parts, m["fingerprint"], m["run_id"]
+        )
 
 
 @dataclass
@@ -216,11 +257,12 @@ class RedoLog(Recovery):
         records: list[Record] = []
         try:
             try:
-                for v, _ in ps.redo:
+                for v, fingerprint in ps.redo:
                     rec = Record.open(self._store.redo_dir / record_name(v))
                     records.append(rec)
-                    if rec.version != v:
-                        raise ValueError(f"{rec.path} holds v{rec.version}")
+                    if (rec.version, rec.meta.get("fingerprint")) != (v, fingerprint):
+                        raise ValueError(f"{rec.path} holds v{rec.version}, not the one named")
+                head = _Head.of(records[-1], self._layout)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 logger.error(
                     "%s: a redo record cannot be read (%s); removing the files so the "
@@ -228,7 +270,7 @@ class RedoLog(Recovery):
                 )  # fmt: skip
                 self._wipe()
                 return
-            self._merge_into_files(records, why)
+            self._merge_into_files(records, head, why)
         finally:
             for rec in records:
                 rec.close()
@@ -245,13 +287,9 @@ class RedoLog(Recovery):
             path.unlink(missing_ok=True)
         fsio.fsync_dir(self._store.redo_dir)
 
-    def _merge_into_files(self, records: list[Record], why: str) -> None:
-        ps, head = self._ps, records[-1].meta
-        version, algo = int(head["version"]), str(head["checksum_algorithm"])
-        checksums: dict[str, str] = dict(head["checksums"])
-        parts = {k: [(int(a), int(b)) for a, b in v] for k, v in head["parts"].items()}
-        if set(checksums) != set(self._layout):
-            raise EngineStateError(f"{self.directory}: v{version}'s record names other tensors")
+    def _merge_into_files(self, records: list[Record], head: _Head, why: str) -> None:
+        ps, version, algo = self._ps, head.version, head.algo
+        checksums, parts = head.checksums, head.parts
         self._set(ps.begin(version, "delta", progressive=not self.sync_before_ack))
         maps = FileMaps(self.directory)
         try:
@@ -262,8 +300,8 @@ class RedoLog(Recovery):
             maps.sync()
             self._set(
                 replace(
-                    ps.clean(), version=version, fingerprint=head["fingerprint"],
-                    run_id=head["run_id"], checksum_algorithm=algo, checksums=checksums,
+                    ps.clean(), version=version, fingerprint=head.fingerprint,
+                    run_id=head.run_id, checksum_algorithm=algo, checksums=checksums,
                     parts=parts, synced=True, redo=(),
                 )
             )  # fmt: skip
@@ -271,6 +309,12 @@ class RedoLog(Recovery):
             logger.error("%s: compaction (%s): %s; the files were not the base the records "
                          "apply on: removing them so the receiver re-initialises from a "
                          "keyframe", self.directory, why, exc)  # fmt: skip
+            self._wipe()
+            return
+        except _Unreadable as exc:  # as one whose trailer cannot be read (_compact)
+            logger.error("%s: compaction (%s): a redo record cannot be read (%s); removing the "
+                         "files so the receiver re-initialises from a keyframe",
+                         self.directory, why, exc)  # fmt: skip
             self._wipe()
             return
         except BaseException as exc:
@@ -327,9 +371,12 @@ class RedoLog(Recovery):
                 if name not in rec.entries:
                     continue
                 flat = maps.flat(loc)
-                patch = check_patch(
-                    rec.as_patch(name, loc.int_dtype), flat, name, kernels_check=True
-                )
+                try:  # damaged on disk: kept, every later compaction (each open) failed again
+                    patch = check_patch(
+                        rec.as_patch(name, loc.int_dtype), flat, name, kernels_check=True
+                    )
+                except (FormatError, ApplyFailed, ValueError, LookupError, TypeError) as exc:
+                    raise _Unreadable(f"{rec.path}: tensor {name!r}: {exc}") from exc
                 work.append((name, loc, flat, patch))
                 size += patch.values.nbytes
                 if size >= _GROUP_BYTES:
