@@ -485,3 +485,30 @@ async def test_a_rollback_on_a_disk_filled_meanwhile_needs_no_new_block(
                 (mnt / "ballast").unlink()
                 assert await agent.sync_once() == 1  # the same agent, once there is room
             assert verify_checkpoint(mnt / "ck", read_manifest(root, 1)) == []
+
+
+async def test_a_checkpoint_with_redo_records_opens_on_its_full_disk(tmp_path: Path) -> None:
+    """A receiver with a redo log (re)started while it holds records and its checkpoint's disk
+    is full: the compaction at open could not write (the state, the undo records) and failed
+    the open, so the receiver could not start to serve the version it had acknowledged, where
+    one without a log opens (test_a_checkpoint_opens_on_its_full_disk). The records are kept,
+    as at close, and merged once space is back; the files are untouched meanwhile."""
+    from tests.test_redolog import _four_records
+
+    root = tmp_path / "root"
+    with tmpfs(tmp_path / "small", "8m") as mnt:
+        ck = mnt / "ck"
+        await _four_records(root, ck)
+        before = {p.name: p.read_bytes() for p in ck.glob("*.safetensors")}
+        fill(mnt, 0)
+        eng = LocalCheckpoint(ck, redo_log=10, compact_idle=1e9)
+        assert (await eng.open()).version == 4  # was: ApplyFailed, No space left on device
+        assert (
+            eng.redo_held == 4
+            and {p.name: p.read_bytes() for p in ck.glob("*.safetensors")} == before
+        )
+        (mnt / "ballast").unlink()
+        await eng.close()  # merged at close, now that there is room
+        st = json.loads((ck / ".asyncsync" / "state.json").read_text())
+        assert st["version"] == 4 and "redo" not in st
+        assert verify_checkpoint(ck, read_manifest(root, 4)) == []

@@ -195,7 +195,11 @@ class RedoLog(Recovery):
                 logger.warning("%s: removing redo record %s (no state names it)", d, p.name)
                 p.unlink(missing_ok=True)
         if self._ps.redo:
-            self._compact("open")
+            try:
+                self._compact("open")
+            except (ApplyFailed, OSError) as exc:  # a full disk: kept, merged later (as at
+                # close); the open goes on, the version acknowledged held as records
+                logger.warning("%s: compaction at open failed: %s", self.directory, exc)
 
     # -- delta --------------------------------------------------------------------------
     def _begin_redo(self, manifest: Manifest) -> Writing:
