@@ -404,3 +404,44 @@ async def test_a_record_damaged_on_disk_is_wiped_not_merged_again_for_ever(
     assert await _sync(root, eng) == 4
     assert verify_checkpoint(ck, read_manifest(root, 4)) == []
     assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])
+
+
+async def test_a_compaction_after_one_whose_rollback_failed_undoes_it_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compaction failed midway (a full disk) and its rollback failed too (the files half
+    patched, its undo records kept for a retry): the next compaction cleared those undo
+    records and patched the records over the half-patched files, found a mismatch and wiped
+    the checkpoint (the whole model shipped again). It finishes the rollback first, then
+    merges: the files end at the version acknowledged, bit-exact."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    sds = await _four_records(root, ck)
+    real = inplace.journal_and_patch
+    calls: list[int] = []
+
+    def patch_then_fail(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        out = real(*args, **kw)
+        if len(calls) == 2:  # two groups patched, then the disk is full
+            raise OSError(28, "injected: no space left")
+        return out
+
+    eng = LocalCheckpoint(ck, redo_log=10, compact_idle=1e9)
+    real_undo = eng._undo
+
+    def undo_fails_once(*args: Any, **kw: Any) -> None:
+        if len(calls) <= 2:
+            calls.append(1)
+            raise OSError(5, "injected: the undo failed")
+        real_undo(*args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr("receiver.engines.checkpoint.redolog._GROUP_BYTES", 1)  # a group a tensor
+        m.setattr(inplace, "journal_and_patch", patch_then_fail)
+        m.setattr(eng, "_undo", undo_fails_once)
+        assert (await eng.open()).version == 4  # the compaction at open failed: kept
+        assert eng._undo_pending is not None and eng.redo_held == 4
+    await eng.close()  # compacted at close
+    assert _state(ck)["version"] == 4 and "redo" not in _state(ck)  # was: None (wiped)
+    assert verify_checkpoint(ck, read_manifest(root, 4)) == []
+    assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])

@@ -254,9 +254,12 @@ class RedoLog(Recovery):
     # -- compaction ---------------------------------------------------------------------
     def _compact(self, why: str) -> None:
         """Merge every record held into the files (see the module docstring)."""
-        ps = self._ps
-        if not ps.redo:
+        if not self._ps.redo:
             return
+        # a compaction's rollback that failed (a full disk) done first: its undo records are
+        # cleared by this one, which merged over files half patched (a mismatch: wiped)
+        self._finish_rollback()
+        ps = self._ps
         t0 = time.perf_counter()
         records: list[Record] = []
         try:
