@@ -445,3 +445,21 @@ async def test_a_compaction_after_one_whose_rollback_failed_undoes_it_first(
     assert _state(ck)["version"] == 4 and "redo" not in _state(ck)  # was: None (wiped)
     assert verify_checkpoint(ck, read_manifest(root, 4)) == []
     assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])
+
+
+async def test_a_directory_in_the_redo_directory_is_removed_at_open(tmp_path: Path) -> None:
+    """Anything in ``redo/`` no state names is removed at open (a record cut short by a kill,
+    ``.redo-*.part``): a directory there (``mkdir redo/old``, a copy put back) failed every
+    open with IsADirectoryError, the receiver never started. It goes as in journal/ and
+    staging/ (StateStore.clear_dir); the records named are merged."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    sds = await _four_records(root, ck)
+    redo = ck / ".asyncsync" / "redo"
+    (redo / "old").mkdir()
+    (redo / "old" / "redo-000000000001.rec").write_bytes(b"junk")
+    (redo / ".redo-000000000005.rec.part").write_bytes(b"cut short")
+    eng = LocalCheckpoint(ck)
+    assert (await eng.open()).version == 4  # was: ApplyFailed, IsADirectoryError
+    assert not list(redo.iterdir()) and "redo" not in _state(ck)
+    assert_holds(eng.load_state_dict(), sds[4])
+    await eng.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
@@ -193,7 +194,10 @@ class RedoLog(Recovery):
             stale = [p for p in d.iterdir() if p.name not in named]
             for p in stale:
                 logger.warning("%s: removing redo record %s (no state names it)", d, p.name)
-                p.unlink(missing_ok=True)
+                if p.is_dir() and not p.is_symlink():  # as clear_dir does: the open failed
+                    shutil.rmtree(p, ignore_errors=True)  # (IsADirectoryError) at every start
+                else:
+                    p.unlink(missing_ok=True)
         if self._ps.redo:
             try:
                 self._compact("open")
