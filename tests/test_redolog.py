@@ -463,3 +463,37 @@ async def test_a_directory_in_the_redo_directory_is_removed_at_open(tmp_path: Pa
     assert not list(redo.iterdir()) and "redo" not in _state(ck)
     assert_holds(eng.load_state_dict(), sds[4])
     await eng.close()
+
+
+async def test_records_kept_at_open_with_the_log_off_are_merged_before_a_delta(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records held, the receiver restarted without a redo log and the compaction at open
+    failed (a full disk: the records kept): the next delta was patched in place over the
+    files, which held an older version than its base (a mismatch, the model shipped again
+    from a keyframe). A delta's begin merges records held first whatever the log's N."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        sds = await _publish(pub, [], 3)
+        eng = LocalCheckpoint(ck, redo_log=10, compact_idle=1e9)
+        async with ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent:
+            assert await agent.sync_once() == 3
+            eng._store.close()  # a kill: nothing merged at close
+            eng._ps = PersistedState()
+        real = LocalCheckpoint._compact
+        with monkeypatch.context() as m:
+
+            def no_room(self: LocalCheckpoint, why: str) -> None:
+                raise ApplyFailed("injected: no space left")
+
+            m.setattr(LocalCheckpoint, "_compact", no_room)
+            eng = LocalCheckpoint(ck)  # redo_log=0
+            assert (await eng.open()).version == 3 and eng.redo_held == 3
+        assert LocalCheckpoint._compact is real
+        await _publish(pub, sds, 4)
+        with caplog.at_level(logging.WARNING):
+            assert await _sync(root, eng) == 4
+        assert "does not apply" not in caplog.text  # was: a mismatch, re-seeded
+        assert "redo" not in _state(ck) and _state(ck)["version"] == 4
+    assert verify_checkpoint(ck, read_manifest(root, 4)) == []
+    assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])

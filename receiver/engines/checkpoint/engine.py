@@ -163,7 +163,9 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         else:
             await self.flushed()  # a full version replaces the files the flush writes
         self._note_begin()
-        if self.redo_log and mode == "delta" and self.redo_held >= self.redo_log:
+        # with the log off, records still held (a compaction at open failed): merged first, or
+        # the delta was patched in place over the files' older version (a mismatch, re-seeded)
+        if mode == "delta" and self.redo_held >= (self.redo_log or 1):
             await self._run(self._compact, f"{self.redo_held} records held")
             if self.state.version is None:
                 raise self._base_removed(manifest)
