@@ -190,3 +190,39 @@ async def _flip_between_versions(
         proc.terminate()
         proc.wait(timeout=60)
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.slow
+async def test_a_record_damaged_while_the_receiver_was_down_is_wiped_at_restart(
+    tmp_path: Path,
+) -> None:
+    """A receiver killed with two records held (mid-compaction), one of which then has a byte
+    of its Elias-Fano positions flipped on disk: every restart failed ("rolled back, the
+    records are kept and merged again later", exit 1), for good. The restart removes the
+    files and re-initialises them from the keyframe, and ends bit-exact at the newest."""
+    from tests.test_redolog import _damage_record
+
+    root, ck, log = tmp_path / "root", tmp_path / "ck", tmp_path / "log"
+    sds: list[dict[str, torch.Tensor]] = []
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await _publish(pub, sds, 3)
+        with open(log, "wb") as out:
+            killed = subprocess.run(
+                [sys.executable, str(REPO / "tests" / "redo_killer.py"), "mid-compaction",
+                 *_args(root, ck, "--once")],
+                stdout=out, stderr=out, cwd=REPO, env=ENV, timeout=300,
+            )  # fmt: skip
+        assert killed.returncode == -9, log.read_text()[-3000:]
+        assert [r["version"] for r in _state(ck)["redo"]] == [1, 2]
+        _damage_record(ck / ".asyncsync" / "redo", "positions")
+        await _publish(pub, sds, 4)
+    for _ in range(2):  # the first run re-initialises; the second finds nothing to do
+        with open(log, "ab") as out:
+            again = subprocess.run(
+                [sys.executable, "-m", "receiver.cli", *_args(root, ck, "--once")],
+                stdout=out, stderr=out, cwd=REPO, env=ENV, timeout=300,
+            )  # fmt: skip
+        assert again.returncode == 0, log.read_text()[-3000:]  # was: 1, at every restart
+    assert "a redo record cannot be read" in log.read_text()
+    assert read_acks(root)["e"].version == 4
+    await _exact(root, ck, sds[4], 4)
