@@ -497,3 +497,32 @@ async def test_records_kept_at_open_with_the_log_off_are_merged_before_a_delta(
         assert "redo" not in _state(ck) and _state(ck)["version"] == 4
     assert verify_checkpoint(ck, read_manifest(root, 4)) == []
     assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])
+
+
+async def test_an_unopened_checkpoint_does_not_load_files_older_than_its_records(
+    tmp_path: Path,
+) -> None:
+    """``LocalCheckpoint(dir).load_state_dict()`` without ``open()`` (a script reading what a
+    receiver left, as ``asyncsync demo`` does) over a checkpoint holding redo records (its
+    receiver killed): it returned the files' older version, v0, while the state and the ack
+    named v4, without a word. It refuses (EngineStateError naming the records and what to do),
+    as it does a version being applied; opened, the records are merged and v4 returned."""
+    from asyncsync.errors import EngineStateError
+
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    sds = await _four_records(root, ck)
+    with pytest.raises(EngineStateError, match="4 redo records"):
+        LocalCheckpoint(ck).load_state_dict()
+    st = _state(ck)
+    (ck / ".asyncsync" / "state.json").write_text(
+        json.dumps({**{k: v for k, v in st.items() if k != "redo"}, "format_version": 1,
+                    "status": "applying", "target_version": 1, "mode": "delta"})
+    )  # fmt: skip
+    with pytest.raises(EngineStateError, match="being applied"):
+        LocalCheckpoint(ck).load_state_dict()
+    (ck / ".asyncsync" / "state.json").write_text(json.dumps(st))
+    eng = LocalCheckpoint(ck)
+    await eng.open()
+    assert_holds(eng.load_state_dict(), sds[4])
+    await eng.close()
+    assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])  # merged: loadable as it lies

@@ -295,6 +295,17 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         if self._ps.redo:
             with self._mutex:
                 self._compact("load_state_dict")
+        elif not self._store.locked and (ps := self._store.load()) is not None:
+            # not opened: the files as they lie, which are no version mid-apply or while
+            # records are held (v0 was returned where the state and the ack named v4)
+            why = "a version is being applied" if ps.applying else None
+            if ps.redo:
+                why = f"{len(ps.redo)} redo records (to v{ps.head_version}) are not merged yet"
+            if why is not None:
+                raise EngineStateError(
+                    f"{self.directory}: {why}: the files hold no version; open() the "
+                    "checkpoint first (its receiver stopped: run it, or open it here)"
+                )
         return self.files.load_state_dict()
 
     # -- plumbing -----------------------------------------------------------------------------
