@@ -526,3 +526,23 @@ async def test_an_unopened_checkpoint_does_not_load_files_older_than_its_records
     assert_holds(eng.load_state_dict(), sds[4])
     await eng.close()
     assert_holds(LocalCheckpoint(ck).load_state_dict(), sds[4])  # merged: loadable as it lies
+
+
+async def test_a_load_whose_merge_removed_the_files_raises_not_an_empty_dict(
+    tmp_path: Path,
+) -> None:
+    """An open engine holding records, one damaged on disk since: ``load_state_dict`` merges
+    first, which finds it and removes the files (the receiver re-initialises them); the load
+    then returned ``{}``, a model of no tensors. It raises EngineStateError saying so."""
+    from asyncsync.errors import EngineStateError
+
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await _publish(pub, [], 2)
+    eng = LocalCheckpoint(ck, redo_log=10, compact_idle=1e9)
+    async with ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent:
+        assert await agent.sync_once() == 2 and eng.redo_held == 2
+        _damage_record(ck / ".asyncsync" / "redo", "coding")
+        with pytest.raises(EngineStateError, match="removed"):
+            eng.load_state_dict()  # was: {}
+        assert eng.state.version is None

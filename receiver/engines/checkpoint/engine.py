@@ -295,6 +295,11 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         if self._ps.redo:
             with self._mutex:
                 self._compact("load_state_dict")
+            if self.state.version is None:  # a record or the files damaged: wiped, not {}
+                raise EngineStateError(
+                    f"{self.directory}: merging the redo records found them or the files "
+                    "damaged: the files were removed (the receiver re-initialises them)"
+                )
         elif not self._store.locked and (ps := self._store.load()) is not None:
             # not opened: the files as they lie, which are no version mid-apply or while
             # records are held (v0 was returned where the state and the ack named v4)
