@@ -4,6 +4,8 @@ receiver processes on one fake SGLang server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -346,3 +348,43 @@ def test_the_lock_directory_is_refused_when_it_is_not_one(
         assert lock.path is not None and lock.path.parent == where
     finally:
         lock.release()
+
+
+def test_a_lock_directory_removed_while_a_receiver_waits_for_it_is_made_anew(
+    tmp_path: Path,
+) -> None:
+    """(attack-98, 26th session) systemd-tmpfiles removes an aged, empty lock directory while
+    it holds it exclusively: a receiver that had opened it meanwhile and waited for its shared
+    lock got that lock on a directory no longer there, and its lock file could not be made in
+    it (FileNotFoundError: the receiver died). It opens the directory again (made anew)."""
+    tmpdir = tmp_path / "tmp"
+    where = tmpdir / server_lock.DIR_NAME
+    where.mkdir(parents=True)
+    url = f"http://127.0.0.1:{63000 + os.getpid() % 500}"
+    cleanup = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(cleanup, fcntl.LOCK_EX)
+        taker = _taker(url, tmpdir, "/ck")
+        try:  # (wait until the taker holds the directory open, its shared lock refused)
+            while taker.poll() is None and str(where) not in _open_paths(taker.pid):
+                time.sleep(0.02)
+            assert taker.poll() is None, taker.communicate()
+            where.rmdir()
+        finally:
+            os.close(cleanup)  # (the cleanup done: its lock released)
+        out, err = taker.communicate("\n", timeout=120)
+    finally:
+        if taker.poll() is None:
+            taker.kill()
+    assert out == "took\n", (out, err)
+    assert taker.returncode == 0, err
+    assert where.is_dir()
+
+
+def _open_paths(pid: int) -> set[str]:
+    """The paths ``pid``'s open fds name (the ones readable now)."""
+    paths = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            paths.add(os.readlink(fd))
+    return paths

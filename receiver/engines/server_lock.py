@@ -145,7 +145,8 @@ def _lock_dir(path: Path) -> int:
     """The lock files' directory, opened and held shared (``flock LOCK_SH``): made mode 1777
     where missing (every uid's receivers make their files there; none removes another's). A
     shared lock is refused only while another process holds it exclusively: systemd-tmpfiles,
-    for as long as it cleans the directory (when no receiver holds it), so that is waited for."""
+    for as long as it cleans the directory (when no receiver holds it), so that is waited for;
+    a directory it removed meanwhile (aged and empty) is opened again, made anew."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(3):
         try:
@@ -165,7 +166,7 @@ def _lock_dir(path: Path) -> int:
         while True:
             try:
                 fcntl.flock(dfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return dfd
+                break
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     os.close(dfd)
@@ -177,8 +178,21 @@ def _lock_dir(path: Path) -> int:
                 time.sleep(0.05)
             except OSError as exc:  # a filesystem without flock on directories: the lock
                 logger.debug("no shared lock on %s: %s", path, exc)  # file's own still holds
-                return dfd
+                break
+        if _still_at(dfd, path):
+            return dfd
+        os.close(dfd)  # removed (by the cleanup that held it) while this waited: anew
     raise ConfigError(f"cannot open {path}: it keeps appearing and vanishing")
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether the directory open at ``fd`` is still the one at ``path`` (not removed, nor
+    replaced, since it was opened)."""
+    try:
+        st, now = os.fstat(fd), os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino) and st.st_nlink > 0
 
 
 def _make_dir(path: Path, flags: int) -> None:
