@@ -388,3 +388,43 @@ def _open_paths(pid: int) -> set[str]:
         with contextlib.suppress(OSError):
             paths.add(os.readlink(fd))
     return paths
+
+
+def test_a_receiver_of_another_uid_starting_as_the_lock_directory_is_made_can_use_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(attack-98, 26th session) The first receiver made the lock directory with mkdir (mode
+    0755 under the usual umask 022, 0700 under 077), then set it 1777: a receiver of another
+    uid starting between the two (two services at boot on a fresh /tmp) could not make its
+    lock file there, or not even open it, and stopped with a ConfigError. The directory is
+    made under another name, set 1777, then moved into place: it appears whole."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another uid")
+    tmpdir = Path(tempfile.mkdtemp(prefix="attack98-", dir="/tmp"))
+    tmpdir.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    base = 60000 + os.getpid() % 500
+    outs: list[tuple[str, str]] = []
+    fchmod = os.fchmod
+
+    def nobody_starts_meanwhile(fd: int, mode: int) -> None:
+        if not outs and stat.S_ISDIR(os.fstat(fd).st_mode):  # (root's directory, as made)
+            proc = subprocess.run(
+                [sys.executable, "-m", "tests.as_user", "65534", "65534",
+                 "tests.server_lock_taker", f"http://127.0.0.1:{base + 1}", "/ck-nobody"],
+                input="\n", capture_output=True, text=True, cwd=REPO, timeout=120,
+                env={**os.environ, "TMPDIR": str(tmpdir)},
+            )  # fmt: skip
+            outs.append((proc.stdout, proc.stderr))
+        fchmod(fd, mode)
+
+    monkeypatch.setattr(os, "fchmod", nobody_starts_meanwhile)
+    try:
+        lock = ServerLock.take("sglang", URL(f"http://127.0.0.1:{base}"), "/ck-root")
+        lock.release()
+        assert outs and outs[0][0] == "took\n", outs
+        where = tmpdir / server_lock.DIR_NAME
+        assert stat.S_IMODE(where.stat().st_mode) == 0o1777
+        assert not [p for p in tmpdir.iterdir() if p.name.startswith(".")]  # (none left)
+    finally:
+        shutil.rmtree(tmpdir)

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import secrets
 import stat
 import tempfile
 import threading
@@ -50,6 +52,8 @@ logger = logging.getLogger(__name__)
 #: process that holds it exclusively (systemd-tmpfiles cleaning it) to let go.
 DIR_NAME = "asyncsync-servers"
 LOCK_DIR_WAIT = 10.0
+
+_AT_FDCWD, _NOREPLACE = -100, 1  # renameat2's "the working directory" and RENAME_NOREPLACE
 
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
 
@@ -196,22 +200,59 @@ def _still_at(fd: int, path: Path) -> bool:
 
 
 def _make_dir(path: Path, flags: int) -> None:
-    """``path`` made mode 1777 (past the umask), unless another process made it first."""
+    """``path`` made mode 1777 (past the umask), unless another process made it first. Made
+    under another name, set 1777, then moved into place: a mkdir at ``path`` would show
+    another uid's receiver starting meanwhile a directory of the umask's mode, one it cannot
+    make its lock file in (0755) or open (0700)."""
+    made = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        os.mkdir(path, 0o1777)
-    except FileExistsError:
-        return
+        os.mkdir(made, 0o700)
     except PermissionError as exc:
         raise ConfigError(
             f"cannot create {path} ({exc.strerror}): this receiver (uid {os.geteuid()}) cannot "
             f"write {path.parent}; set TMPDIR to a directory it can write"
         ) from exc
+    moved: bool | None = False
+    try:
+        fd = os.open(made, flags)
+        try:
+            os.fchmod(fd, 0o1777)
+        finally:
+            os.close(fd)
+        moved = _rename_noreplace(made, path)  # False: another process made it first
+    finally:
+        if not moved:
+            with contextlib.suppress(OSError):
+                os.rmdir(made)
+    if moved is not None:
+        return
+    try:  # (no renameat2 here: made in place, 1777 a moment later)
+        os.mkdir(path, 0o1777)
+    except FileExistsError:
+        return
     with contextlib.suppress(OSError):  # gone or replaced meanwhile: the open after says
         fd = os.open(path, flags)
         try:
             os.fchmod(fd, 0o1777)
         finally:
             os.close(fd)
+
+
+def _rename_noreplace(src: Path, dst: Path) -> bool | None:
+    """``src`` renamed ``dst`` unless something is there (``renameat2`` RENAME_NOREPLACE):
+    True, False where something is, None where the C library, kernel or filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        return False
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return None
+    raise OSError(err, os.strerror(err), str(dst))
 
 
 def _open(path: Path, dir_fd: int | None = None) -> tuple[int, bool]:
