@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
 import signal
@@ -426,5 +427,34 @@ def test_a_receiver_of_another_uid_starting_as_the_lock_directory_is_made_can_us
         where = tmpdir / server_lock.DIR_NAME
         assert stat.S_IMODE(where.stat().st_mode) == 0o1777
         assert not [p for p in tmpdir.iterdir() if p.name.startswith(".")]  # (none left)
+    finally:
+        shutil.rmtree(tmpdir)
+
+
+def test_a_fifo_in_place_of_the_lock_file_is_refused_not_waited_on() -> None:
+    """(attack-98, 26th session) Any uid can make a file in the lock directory (mode 1777), its
+    name known from the server's address: a FIFO there, which another uid's receiver may not
+    write, was opened read-only, and that open waits for a writer: the receiver hung at its
+    engine's open, saying nothing. It is refused in one line, as a directory there is."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another uid")
+    tmpdir = Path(tempfile.mkdtemp(prefix="attack98-", dir="/tmp"))
+    try:
+        tmpdir.chmod(0o1777)
+        url = f"http://127.0.0.1:{59000 + os.getpid() % 500}"
+        where = tmpdir / server_lock.DIR_NAME
+        where.mkdir(mode=0o1777)
+        where.chmod(0o1777)
+        digest = hashlib.sha256(server_key(URL(url)).encode()).hexdigest()[:24]
+        fifo = where / f"server-{digest}.lock"
+        os.mkfifo(fifo, 0o644)  # root's: nobody may read it, not write it
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.as_user", "65534", "65534", "tests.server_lock_taker",
+             url, "/ck-nobody"],
+            input="\n", capture_output=True, text=True, cwd=REPO, timeout=120,
+            env={**os.environ, "TMPDIR": str(tmpdir)},
+        )  # fmt: skip
+        assert proc.stdout.startswith(f"error: {fifo} is not a regular file"), proc
+        assert "Traceback" not in proc.stderr, proc.stderr
     finally:
         shutil.rmtree(tmpdir)

@@ -260,14 +260,14 @@ def _open(path: Path, dir_fd: int | None = None) -> tuple[int, bool]:
     whether it is writable. Created 0666 (another uid's receiver writes its own pid there); a
     file of another uid that is not writable is locked read-only (flock needs no write
     access); a symlink there is refused (a shared temporary directory)."""
-    flags = os.O_CLOEXEC | os.O_NOFOLLOW
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # (a FIFO's open waits: refused)
     at = path if dir_fd is None else path.name
     for _ in range(3):
         try:
             try:
-                return os.open(at, flags | os.O_RDWR, dir_fd=dir_fd), True
+                return _regular(os.open(at, flags | os.O_RDWR, dir_fd=dir_fd), path), True
             except PermissionError:
-                return os.open(at, flags | os.O_RDONLY, dir_fd=dir_fd), False
+                return _regular(os.open(at, flags | os.O_RDONLY, dir_fd=dir_fd), path), False
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -290,6 +290,15 @@ def _open(path: Path, dir_fd: int | None = None) -> tuple[int, bool]:
             os.fchmod(fd, 0o666)  # (past the umask)
         return fd, True
     raise ConfigError(f"cannot open the lock file {path}: it keeps appearing and vanishing")
+
+
+def _regular(fd: int, path: Path) -> int:
+    """``fd``, a regular file's, else closed and a ConfigError (a FIFO, a device: any uid
+    can make one in the directory, the lock file's name known from the server's address)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{path} is not a regular file (a FIFO, a device...): remove it")
+    return fd
 
 
 def _unreadable(path: Path, exc: OSError, what: str = "file", verb: str = "open") -> str:
