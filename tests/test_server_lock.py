@@ -458,3 +458,24 @@ def test_a_fifo_in_place_of_the_lock_file_is_refused_not_waited_on() -> None:
         assert "Traceback" not in proc.stderr, proc.stderr
     finally:
         shutil.rmtree(tmpdir)
+
+
+def test_a_hard_link_in_place_of_the_lock_file_is_refused_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(attack-98, 26th session) The lock file is truncated and written (the holder's pid): a
+    hard link there to another file (made by any uid in the 1777 directory where
+    fs.protected_hardlinks is 0, the kernel's default without systemd) had a receiver
+    running as root empty that file and write its pid into it. A lock file with other
+    links is refused, never written."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    url = URL(f"http://127.0.0.1:{58000 + os.getpid() % 500}")
+    where = tmp_path / server_lock.DIR_NAME
+    where.mkdir(mode=0o1777)
+    precious = tmp_path / "passwd"
+    precious.write_text("root:x:0:0::/root:/bin/sh\n")
+    digest = hashlib.sha256(server_key(url).encode()).hexdigest()[:24]
+    os.link(precious, where / f"server-{digest}.lock")
+    with pytest.raises(ConfigError, match=r"server-.*\.lock has 2 links"):
+        ServerLock.take("sglang", url, "/ck")
+    assert precious.read_text() == "root:x:0:0::/root:/bin/sh\n"

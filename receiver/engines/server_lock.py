@@ -293,11 +293,17 @@ def _open(path: Path, dir_fd: int | None = None) -> tuple[int, bool]:
 
 
 def _regular(fd: int, path: Path) -> int:
-    """``fd``, a regular file's, else closed and a ConfigError (a FIFO, a device: any uid
-    can make one in the directory, the lock file's name known from the server's address)."""
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    """``fd``, a regular file's with no other link, else closed and a ConfigError (a FIFO, a
+    device, a hard link to another file, which the holder's pid would be written over: any
+    uid can make one in the directory, the lock file's name known from the server's
+    address)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
         os.close(fd)
-        raise ConfigError(f"{path} is not a regular file (a FIFO, a device...): remove it")
+        what = "is not a regular file (a FIFO, a device...)"
+        raise ConfigError(
+            f"{path} {f'has {st.st_nlink} links' if stat.S_ISREG(st.st_mode) else what}: remove it"
+        )
     return fd
 
 
