@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -405,21 +406,9 @@ def test_a_receiver_of_another_uid_starting_as_the_lock_directory_is_made_can_us
     tmpdir.chmod(0o1777)
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
     base = 60000 + os.getpid() % 500
-    outs: list[tuple[str, str]] = []
-    fchmod = os.fchmod
-
-    def nobody_starts_meanwhile(fd: int, mode: int) -> None:
-        if not outs and stat.S_ISDIR(os.fstat(fd).st_mode):  # (root's directory, as made)
-            proc = subprocess.run(
-                [sys.executable, "-m", "tests.as_user", "65534", "65534",
-                 "tests.server_lock_taker", f"http://127.0.0.1:{base + 1}", "/ck-nobody"],
-                input="\n", capture_output=True, text=True, cwd=REPO, timeout=120,
-                env={**os.environ, "TMPDIR": str(tmpdir)},
-            )  # fmt: skip
-            outs.append((proc.stdout, proc.stderr))
-        fchmod(fd, mode)
-
-    monkeypatch.setattr(os, "fchmod", nobody_starts_meanwhile)
+    outs = _nobody_takes_at_first_fchmod(  # (of root's directory, as made)
+        monkeypatch, stat.S_ISDIR, f"http://127.0.0.1:{base + 1}", tmpdir
+    )
     try:
         lock = ServerLock.take("sglang", URL(f"http://127.0.0.1:{base}"), "/ck-root")
         lock.release()
@@ -479,3 +468,58 @@ def test_a_hard_link_in_place_of_the_lock_file_is_refused_not_written(
     with pytest.raises(ConfigError, match=r"server-.*\.lock has 2 links"):
         ServerLock.take("sglang", url, "/ck")
     assert precious.read_text() == "root:x:0:0::/root:/bin/sh\n"
+
+
+def test_a_receiver_of_another_uid_starting_as_the_lock_file_is_made_is_not_told_to_remove_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(attack-98, 26th session) The lock file was made with the umask's mode (0600 under 077)
+    and set 0666 a moment later: a receiver of another uid on the same server starting in
+    between could not open it and stopped with a ConfigError telling the operator to remove
+    it (which lets a third receiver take a server a live one drives). Made 0666 under another
+    name, then moved into place, it is one the other receiver opens: it takes or is refused."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another uid")
+    tmpdir = Path(tempfile.mkdtemp(prefix="attack98-", dir="/tmp"))
+    tmpdir.chmod(0o1777)
+    (tmpdir / server_lock.DIR_NAME).mkdir(mode=0o1777)
+    (tmpdir / server_lock.DIR_NAME).chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    url = f"http://127.0.0.1:{57000 + os.getpid() % 500}"
+    outs = _nobody_takes_at_first_fchmod(monkeypatch, stat.S_ISREG, url, tmpdir)  # (the file's)
+    old = os.umask(0o077)
+    try:
+        lock = ServerLock.take("sglang", URL(url), "/ck-root")
+        lock.release()
+        assert outs and outs[0][0].startswith(("took\n", "refused: ")), outs
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o666 for p in tmpdir.rglob("*.lock")), list(
+            tmpdir.rglob("*")
+        )
+        assert not [p for p in tmpdir.rglob(".*")]  # (none left)
+    finally:
+        os.umask(old)
+        shutil.rmtree(tmpdir)
+
+
+def _nobody_takes_at_first_fchmod(
+    monkeypatch: pytest.MonkeyPatch, kind: Callable[[int], bool], url: str, tmpdir: Path
+) -> list[tuple[str, str]]:
+    """Where this process first sets the mode of a ``kind`` (a directory, a file): made, its
+    mode the umask's still, tests/server_lock_taker run under nobody on ``url`` (to its end),
+    its stdout and stderr in the list returned."""
+    outs: list[tuple[str, str]] = []
+    fchmod = os.fchmod
+
+    def nobody_starts_meanwhile(fd: int, mode: int) -> None:
+        if not outs and kind(os.fstat(fd).st_mode):
+            proc = subprocess.run(
+                [sys.executable, "-m", "tests.as_user", "65534", "65534",
+                 "tests.server_lock_taker", url, "/ck-nobody"],
+                input="\n", capture_output=True, text=True, cwd=REPO, timeout=120,
+                env={**os.environ, "TMPDIR": str(tmpdir)},
+            )  # fmt: skip
+            outs.append((proc.stdout, proc.stderr))
+        fchmod(fd, mode)
+
+    monkeypatch.setattr(os, "fchmod", nobody_starts_meanwhile)
+    return outs

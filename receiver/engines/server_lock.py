@@ -238,14 +238,16 @@ def _make_dir(path: Path, flags: int) -> None:
             os.close(fd)
 
 
-def _rename_noreplace(src: Path, dst: Path) -> bool | None:
-    """``src`` renamed ``dst`` unless something is there (``renameat2`` RENAME_NOREPLACE):
-    True, False where something is, None where the C library, kernel or filesystem cannot."""
+def _rename_noreplace(src: Path | str, dst: Path | str, dir_fd: int | None = None) -> bool | None:
+    """``src`` renamed ``dst`` (both in ``dir_fd`` where given) unless something is there
+    (``renameat2`` RENAME_NOREPLACE): True, False where something is, None where the C
+    library, kernel or filesystem cannot."""
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (AttributeError, OSError):
         return None
-    if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _NOREPLACE) == 0:
+    d = _AT_FDCWD if dir_fd is None else dir_fd
+    if renameat2(d, os.fsencode(src), d, os.fsencode(dst), _NOREPLACE) == 0:
         return True
     err = ctypes.get_errno()
     if err == errno.EEXIST:
@@ -278,17 +280,31 @@ def _open(path: Path, dir_fd: int | None = None) -> tuple[int, bool]:
             if isinstance(exc, PermissionError):  # not even readable (flock needs no more)
                 raise ConfigError(_unreadable(path, exc)) from exc
             raise
-        try:
-            fd = os.open(at, flags | os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
-        except FileExistsError:
-            continue  # another receiver made it meanwhile: opened as its
-        except PermissionError as exc:  # a directory of another uid, not writable by this one
-            raise ConfigError(
-                _unreadable(path.parent, exc, "directory", "create the lock file in")
-            ) from exc
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o666)  # (past the umask)
-        return fd, True
+        made = f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        made = made if dir_fd is not None else str(path.parent / made)
+        for name in (made, at):  # made 0666 under another name, moved into place: another
+            try:  # uid's receiver never sees it 0600 (umask 077), which it could not open
+                fd = os.open(name, flags | os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
+            except PermissionError as exc:  # a directory of another uid, not writable
+                raise ConfigError(
+                    _unreadable(path.parent, exc, "directory", "create the lock file in")
+                ) from exc
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o666)  # (past the umask)
+            if name == at:  # (no renameat2 here: made in place, 0666 a moment later)
+                return fd, True
+            try:
+                moved = _rename_noreplace(made, at, dir_fd)
+            except BaseException:
+                os.close(fd)
+                os.unlink(made, dir_fd=dir_fd)
+                raise
+            if moved:
+                return fd, True
+            os.close(fd)
+            os.unlink(made, dir_fd=dir_fd)
+            if moved is False:
+                break  # another receiver made it meanwhile: opened as its
     raise ConfigError(f"cannot open the lock file {path}: it keeps appearing and vanishing")
 
 
