@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import json
 import logging
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -363,7 +364,13 @@ async def test_a_compaction_over_a_wrong_base_is_wiped_and_reinitialised(
 def _damage_record(redo: Path, how: str) -> None:
     """A record in ``redo`` damaged on disk, its trailer still whole JSON: one xef-coded patch
     of v2's, or the trailer of the newest (v4), which gives the merged files' checksums."""
-    path = sorted(redo.iterdir())[3 if how in ("algorithm", "names") else 1]
+    path = sorted(redo.iterdir())[3 if how in ("algorithm", "names", "nested") else 1]
+    if how == "nested":  # the trailer whole JSON nested too deeply to parse (RecursionError)
+        data = path.read_bytes()
+        tlen, magic = struct.unpack("<Q8s", data[-16:])
+        trailer = b"[" * 100_000 + b"]" * 100_000
+        path.write_bytes(data[: -16 - tlen] + trailer + struct.pack("<Q8s", len(trailer), magic))
+        return
     rec = Record.open(path)
     try:
         at = next(e.pos_at for e in rec.entries.values() if e.enc == "xef")
@@ -382,12 +389,13 @@ def _damage_record(redo: Path, how: str) -> None:
     path.write_bytes(data)
 
 
-@pytest.mark.parametrize("how", ["positions", "coding", "algorithm", "names"])
+@pytest.mark.parametrize("how", ["positions", "coding", "algorithm", "names", "nested"])
 async def test_a_record_damaged_on_disk_is_wiped_not_merged_again_for_ever(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
     """A record whose trailer reads but one of whose patches does not decode, or whose trailer
-    names an unknown checksum algorithm or other tensors (a bit flipped on the local disk):
+    names an unknown checksum algorithm or other tensors (a bit flipped on the local disk), or
+    is JSON nested too deeply to parse (a RecursionError, which no handler took: the lead):
     the compaction at open was rolled back ("the records are kept and merged again later") or
     refused, and every open after it failed the same way: the receiver could never start
     again. It is a record that cannot be read: the files are removed and the receiver

@@ -177,6 +177,9 @@ class Record:
             os.close(fd)
         try:
             return cls._parse(path, mm)
+        except RecursionError:  # JSON nested too deeply: a record that cannot be read
+            mm.close()
+            raise ValueError(f"{path}: its JSON is nested too deeply") from None
         except BaseException:
             mm.close()
             raise
