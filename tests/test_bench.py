@@ -385,6 +385,49 @@ def test_peers_run_every_system_interleaved(tmp_path: Path) -> None:
     assert "--peers" in s["command"] and "--threads 1" in s["command"]
 
 
+async def test_peers_receiver_looks_for_the_next_turn_only_between_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peers bench's receiver runs one system's engine side per window: while a window is
+    open it reads no turn (nor starts another system's loop), even when the next is announced;
+    the next is handed over once the window closes, and ``done`` ends the dispatch."""
+    import asyncio
+
+    from asyncsync.ops.bench import peers
+
+    reads: list[tuple[str, int] | None] = []
+    real = peers._read_turn
+
+    def counted(root: Path) -> tuple[str, int] | None:
+        reads.append(turn := real(root))
+        return turn
+
+    monkeypatch.setattr(peers, "_read_turn", counted)
+    opened, release = asyncio.Event(), asyncio.Event()
+    windows: list[tuple[str, int, int]] = []
+
+    async def window(system: str, version: int) -> None:
+        windows.append((system, version, len(reads)))
+        if system == "gen1":
+            opened.set()
+            await release.wait()
+            assert len(reads) == windows[-1][2]  # no turn read while it was open
+
+    peers._announce(tmp_path, "gen1", 1)
+    task = asyncio.create_task(peers._dispatch(tmp_path, window))
+    await opened.wait()
+    peers._announce(tmp_path, "ours", 1)  # announced while gen1's window is open
+    for _ in range(3):
+        await asyncio.sleep(peers._POLL)  # a dispatcher that polled would have read it
+    assert [w[:2] for w in windows] == [("gen1", 1)]
+    release.set()
+    while len(windows) < 2:
+        await asyncio.sleep(peers._POLL)
+    peers._announce(tmp_path, peers._DONE, 1)
+    await asyncio.wait_for(task, 30)
+    assert [w[:2] for w in windows] == [("gen1", 1), ("ours", 1)]
+
+
 def test_peer_appliers_reproduce_the_new_state(tmp_path: Path) -> None:
     from asyncsync.ops.bench import peers
     from asyncsync.ops.bench.scale import make_state, step_state

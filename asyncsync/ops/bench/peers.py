@@ -28,10 +28,12 @@ left out of the medians: in three runs at 1 GiB before it was, version 1 was the
 system's three in 11 of 15 cases (the first touch of each system's buffers). Between two systems
 the machine's dirty pages are written back (``sync``) and it settles (:func:`_quiesce`): without
 that the full checkpoint's unsynced gigabyte, or our checkpoint's flush after its ack, fell into
-the next system's window. The shared root is throttled like the rest of the bench
-(``--throttle``, or none with ``--throttle none``), in both processes. The peers' files are
-written with :func:`asyncsync.fsio.atomic_write` and read with
-:func:`asyncsync.fsio.read_bytes`, the throttled calls ours uses.
+the next system's window. In the receiver process one system's engine side runs per window
+(:func:`_dispatch`: the publisher announces each turn before that pause): the peers' poll loops
+no longer run through every other system's window, ours included. The shared root is
+throttled like the rest of the bench (``--throttle``, or none with ``--throttle none``), in both
+processes. The peers' files are written with :func:`asyncsync.fsio.atomic_write` and read
+with :func:`asyncsync.fsio.read_bytes`, the throttled calls ours uses.
 
 As the real ones do (audit-35 read slime's code), the peers' per-tensor work runs on a pool, this
 project's (:func:`asyncsync.pipeline.parallel_map`, one worker per core, as ours): slime's
@@ -53,7 +55,7 @@ import os
 import struct
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +245,8 @@ async def run_peer_publish(job: Job) -> dict[str, Any]:
             step_state(sd, v, job.density, job.seed)
             fsio.set_throttle(_throttle(job))
             for system in _order(v):
+                await asyncio.to_thread(_announce, root, system, v)
+                await _quiesce(job)  # (the receiver sees the turn meanwhile: see _dispatch)
                 t0 = time.perf_counter()
                 if system in pubs:
                     res = await pubs[system].publish(sd)
@@ -258,10 +262,10 @@ async def run_peer_publish(job: Job) -> dict[str, Any]:
                 t2 = time.perf_counter()
                 row = {"version": v, "write": t1 - t0, "e2e": t2 - t0}
                 out[system].append({**row, "warmup": True} if v == 1 else row)
-                await _quiesce(job)
             fsio.set_throttle(None)
             for k, t in sd.items():
                 old[k].copy_(t)
+        await asyncio.to_thread(_announce, root, _DONE, _last(job))
     return {"systems": out, "rss": rss(), "model_bytes": sum(t.nbytes for t in sd.values())}
 
 
@@ -285,9 +289,13 @@ async def run_peer_receive(job: Job) -> dict[str, Any]:
         fsio.set_throttle(_throttle(job))
         Path(job.ready).write_text("ready\n")
         stop = asyncio.Event()
+        go: dict[str, asyncio.Queue[int]] = {s: asyncio.Queue() for s in _APPLIERS}
+        done: dict[str, asyncio.Queue[int]] = {s: asyncio.Queue() for s in _APPLIERS}
 
         async def peer(system: str) -> None:
             for v in range(1, _last(job) + 1):
+                if await go[system].get() != v:
+                    raise RuntimeError(f"{system}: turns out of order (v{v} expected)")
                 path = _file(root, system, v)
                 while not await asyncio.to_thread(path.exists):
                     await asyncio.sleep(_POLL)
@@ -298,20 +306,26 @@ async def run_peer_receive(job: Job) -> dict[str, Any]:
                 applies[system].append(time.perf_counter() - t0)
                 text = json.dumps({"version": v})
                 await asyncio.to_thread(fsio.atomic_write, _ack(root, system), text.encode())
+                done[system].put_nowait(v)
 
-        async def our_side() -> None:
-            while True:
-                mine = [(await asyncio.to_thread(acks.read_acks, a.root)).get(a.engine_id)
-                        for a in agents]  # fmt: skip
-                if all(m is not None and m.version >= _last(job) for m in mine):
-                    stop.set()
-                    return
-                await asyncio.sleep(0.01)
+        async def window(system: str, version: int) -> None:
+            if system in _APPLIERS:
+                go[system].put_nowait(version)
+                while await done[system].get() < version:
+                    pass
+                return
+            agent = agents[_OURS.index(system)]
+            while agent.version is None or agent.version < version:
+                await asyncio.sleep(_OURS_CHECK)  # in memory: no thread, no file
+
+        async def turns() -> None:
+            await _dispatch(root, window)
+            stop.set()  # every system acked the last version (the publisher saw each ack)
 
         async with asyncio.TaskGroup() as tg:
             for agent in agents:
                 tg.create_task(agent.run(stop=stop))
-            tg.create_task(our_side())
+            tg.create_task(turns())
             for system in _APPLIERS:
                 tg.create_task(peer(system))
         fsio.set_throttle(None)
@@ -336,6 +350,49 @@ def _module(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
 def _last(job: Job) -> int:
     """The last version: the warm-up round (version 1) and then ``job.versions`` timed."""
     return job.versions + 1
+
+
+_TURN = "turn.json"
+_DONE = "done"
+_OURS_CHECK = 0.005  # how often the receiver looks at our agent's version (in memory)
+
+
+def _announce(root: Path, system: str, version: int) -> None:
+    """The publisher's word of whose window comes next (``_DONE`` after the last)."""
+    text = json.dumps({"system": system, "version": version})
+    fsio.atomic_write(root / _TURN, text.encode(), sync_dir=False)
+
+
+def _read_turn(root: Path) -> tuple[str, int] | None:
+    try:
+        turn = json.loads((root / _TURN).read_text())
+        return str(turn["system"]), int(turn["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+async def _dispatch(root: Path, window: Callable[[str, int], Awaitable[None]]) -> None:
+    """Hand each turn the publisher announces to ``window`` and look for the next one only
+    once that window closed (its system applied the version), until ``_DONE``.
+
+    So that in a system's window the receiver process runs that system's engine side alone,
+    as a deployment's engine process does: before, the three peers' poll loops (a stat in a
+    thread every 2 ms each, ~25 % of a core together) and a loop reading both our agents' ack
+    files every 10 ms ran through every other system's window, and ours, the shortest and the
+    most CPU-bound on this 2-core host, lost the most to them. The publisher announces a turn
+    before the sync and settle that precede its window (:func:`_quiesce`), so the turn is seen
+    (a poll every 2 ms) before the window opens. Our agents are not held back: they run
+    throughout, their idle watch and lease beat included, as in a deployment."""
+    seen: tuple[str, int] | None = None
+    while True:
+        turn = await asyncio.to_thread(_read_turn, root)
+        if turn is not None and turn != seen:
+            seen = turn
+            if turn[0] == _DONE:
+                return
+            await window(*turn)
+            continue
+        await asyncio.sleep(_POLL)
 
 
 async def _quiesce(job: Job) -> None:
