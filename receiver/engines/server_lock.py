@@ -214,11 +214,7 @@ def _make_dir(path: Path, flags: int) -> None:
         ) from exc
     moved: bool | None = False
     try:
-        fd = os.open(made, flags)
-        try:
-            os.fchmod(fd, 0o1777)
-        finally:
-            os.close(fd)
+        _chmod_1777(made, flags)
         moved = _rename_noreplace(made, path)  # False: another process made it first
     finally:
         if not moved:
@@ -231,11 +227,16 @@ def _make_dir(path: Path, flags: int) -> None:
     except FileExistsError:
         return
     with contextlib.suppress(OSError):  # gone or replaced meanwhile: the open after says
-        fd = os.open(path, flags)
-        try:
-            os.fchmod(fd, 0o1777)
-        finally:
-            os.close(fd)
+        _chmod_1777(path, flags)
+
+
+def _chmod_1777(path: Path, flags: int) -> None:
+    """The directory ``path`` set mode 1777, through a descriptor (no symlink followed)."""
+    fd = os.open(path, flags)
+    try:
+        os.fchmod(fd, 0o1777)
+    finally:
+        os.close(fd)
 
 
 def _rename_noreplace(src: Path | str, dst: Path | str, dir_fd: int | None = None) -> bool | None:
