@@ -15,15 +15,24 @@ audit all go through):
   the next ``load_weights`` call first flips the lowest bit of that parameter's first element
   (through NumPy, below torch: nothing of the project sees the write), and the file is
   removed: memory that no longer holds what was loaded, for the audit to find.
+* ``$ASYNCSYNC_TEST_HOLD_AFTER_BASELINE`` names a file prefix P; right after the scheduler
+  takes its memory baseline (the free memory its KV-cache check later compares against), it
+  writes ``P.baseline`` and waits until ``P.go`` exists: another process (``tests.sglang_env.
+  memhog``) allocates exactly between the baseline and the check, as one that happened to
+  allocate during a start did.
 """
 
 import os
 import threading
+import time
 from pathlib import Path
 
 MARKER_ENV = "ASYNCSYNC_TEST_FAIL_LOAD_WEIGHTS"
 CORRUPT_ENV = "ASYNCSYNC_TEST_CORRUPT_PARAM"
+HOLD_ENV = "ASYNCSYNC_TEST_HOLD_AFTER_BASELINE"
 TARGET = "sglang.srt.models.llama.LlamaForCausalLM.load_weights"
+BASELINE = "sglang.srt.distributed.bootstrap.measure_pre_model_load_memory"
+HOLD_TIMEOUT = 300.0
 
 
 def _corrupt(model):
@@ -66,10 +75,25 @@ def _around(original, self, weights, *args, **kwargs):
     return original(self, weights, *args, **kwargs)
 
 
+def _hold_after_baseline(original, *args, **kwargs):
+    baseline = original(*args, **kwargs)
+    prefix = os.environ.get(HOLD_ENV)
+    if prefix:
+        Path(prefix + ".baseline").write_text(str(baseline))
+        end = time.monotonic() + HOLD_TIMEOUT
+        while not os.path.exists(prefix + ".go"):
+            if time.monotonic() > end:
+                raise RuntimeError(f"{prefix}.go did not appear (asyncsync test fault plugin)")
+            time.sleep(0.05)
+        print(f"asyncsync test fault plugin: held after the memory baseline {baseline}", flush=True)
+    return baseline
+
+
 def register():
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _around, HookType.AROUND)
+    HookRegistry.register(BASELINE, _hold_after_baseline, HookType.AROUND)
     # the in-place apply of a planned tensor calls no load_weights (receiver.plugins.scatter):
     # its per-tensor apply_plan counts toward the same N-th call
     try:
