@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -207,6 +208,33 @@ def _ack_notices_uncapped() -> Any:
 
     acks._capped.reset()
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The suite's own temporary directory, ``$TMPDIR`` of this process and of every process it
+    starts (receivers, servers), removed at the end: each receiver that opens a server takes a
+    lock file named after the server's address in the temporary directory and leaves it there
+    (``receiver/engines/server_lock.py``), hundreds a run, one per port, which piled up in the
+    host's /tmp. Made in the host's temporary directory (pytest's own is under a 0700
+    directory), mode 1777 like it, for the processes run as another uid."""
+    tmp_path_factory.getbasetemp()  # pytest's own stays where it was, not in here
+    # so does this process's multiprocessing directory (made on first use, removed by
+    # multiprocessing at exit: after this fixture, which would have removed it first)
+    multiprocessing.util.get_temp_dir()
+    d = Path(tempfile.mkdtemp(prefix="asyncsync-tests-"))
+    os.chmod(d, 0o1777)
+    old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(d), None  # (gettempdir() reads it again)
+    try:
+        yield d
+    finally:
+        if old_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old_env
+        tempfile.tempdir = old_dir
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
