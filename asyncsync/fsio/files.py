@@ -1,40 +1,19 @@
-"""Filesystem primitives: safe access to a shared root, atomic durable writes, locks.
-
-Any host that runs a receiver can write a root, so any name in it may be a symlink, a FIFO, a
-socket or a hard link (FORMAT.md 11.1). Below ``root=`` nothing is followed: each directory is
-opened ``O_NOFOLLOW | O_DIRECTORY`` from its parent's descriptor (the root, as the caller
-names it, is trusted; without ``root`` only the last component is not followed). Reading opens
-through :func:`open_file` only (``O_NOFOLLOW | O_NONBLOCK``, ``fstat``: regular files, within a
-``limit``), writing through :func:`_open_write` only (temp names ``O_EXCL | O_NOFOLLOW``
-renamed into place by :func:`atomic_write`; a file written in place, the log or a lock, must be
-a regular file with one link); removal, listing, ``lstat`` and ``mkdir`` go by descriptor too.
-A crash leaves the old or the complete new file of an :func:`atomic_write`, plus at most a temp
-file (:data:`TMP_PREFIX`, ignored by readers). Blocking: async callers use ``to_thread``. A
-:class:`Throttle` (``ASYNCSYNC_THROTTLE=200MB/s,5ms``) simulates a slow shared filesystem."""
+"""Safe access to a shared root (the rules: :mod:`asyncsync.fsio`): walking it by descriptor,
+reading (:func:`open_file`), writing (:func:`atomic_write`, :func:`append_line`) and removing."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
-import re
 import secrets
 import shutil
 import stat
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path, PurePath
 
-from asyncsync.errors import ConfigError
-
-__all__ = [
-    "TMP_PREFIX", "FileLock", "Throttle", "UnsafePath", "append_bytes", "append_line",
-    "atomic_write", "check_throttle_env", "fs_now", "fsync_dir", "get_throttle", "is_temp_name",
-    "lstat", "make_dir", "open_dir", "open_file", "read_bytes", "read_file", "remove",
-    "remove_temp_files", "remove_tree", "scan", "set_throttle",
-]  # fmt: skip
+from asyncsync.fsio.throttle import _throttled
 
 TMP_PREFIX = ".tmp."
 # Errors that mean "this filesystem cannot fsync a directory", not "the data is lost":
@@ -59,87 +38,6 @@ class UnsafePath(OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
-
-
-# --------------------------------------------------------------------------- the throttle
-
-_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "KI": 1024, "MI": 1 << 20, "GI": 1 << 30}
-
-
-@dataclass(frozen=True)
-class Throttle:
-    """A simulated slow filesystem: ``bandwidth`` bytes/s (None: unlimited) and ``latency``
-    seconds per file operation, for files under ``root`` (None: every file)."""
-
-    bandwidth: float | None = None
-    latency: float = 0.0
-    root: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.bandwidth is not None and self.bandwidth <= 0:
-            raise ValueError(f"throttle bandwidth must be > 0, got {self.bandwidth}")
-        if self.latency < 0:
-            raise ValueError(f"throttle latency must be >= 0, got {self.latency}")
-
-    @classmethod
-    def parse(cls, text: str) -> Throttle:
-        """``"200MB/s,5ms"``, ``"1GiB/s"``, ``"10ms@/shared/root"`` -> Throttle."""
-        bw: float | None = None
-        lat = 0.0
-        text, _, root = text.partition("@")
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            m = re.fullmatch(r"([\d.]+)\s*([KMG]I?)?B/S", part.upper())
-            if m:
-                bw = float(m.group(1)) * _UNITS[m.group(2) or ""]
-                continue
-            m = re.fullmatch(r"([\d.]+)\s*(MS|S|US)", part.upper())
-            if m:
-                lat = float(m.group(1)) * {"S": 1.0, "MS": 1e-3, "US": 1e-6}[m.group(2)]
-                continue
-            raise ValueError(f"cannot parse throttle {text!r}: use e.g. '200MB/s,5ms@/root'")
-        return cls(bw, lat, os.path.abspath(root) if root else None)
-
-    def applies_to(self, path: _Path) -> bool:
-        if self.root is None:
-            return True
-        p = os.path.abspath(path)
-        return p == self.root or p.startswith(self.root.rstrip(os.sep) + os.sep)
-
-    def cost(self, nbytes: int) -> float:
-        """Seconds one file operation of ``nbytes`` takes on this filesystem."""
-        return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
-
-
-def check_throttle_env() -> Throttle | None:
-    """``ASYNCSYNC_THROTTLE`` (None: unset); a ConfigError for one that does not parse, said
-    where a Publisher, a receiver's agent or bench starts (at import: no throttle, no error)."""
-    try:
-        return Throttle.parse(env) if (env := os.environ.get("ASYNCSYNC_THROTTLE")) else None
-    except ValueError as exc:
-        raise ConfigError(f"ASYNCSYNC_THROTTLE={env!r}: {exc}") from None
-
-
-_throttle: Throttle | None = None
-with contextlib.suppress(ConfigError):
-    _throttle = check_throttle_env()
-
-
-def set_throttle(throttle: Throttle | None) -> None:
-    """Simulate a slow filesystem in this process (None: off)."""
-    global _throttle
-    _throttle = throttle
-
-
-def get_throttle() -> Throttle | None:
-    return _throttle
-
-
-def _throttled(path: _Path, nbytes: int, started: float) -> None:
-    t = _throttle
-    if t is not None and t.applies_to(path):
-        remaining = t.cost(nbytes) - (time.perf_counter() - started)
-        if remaining > 0:
-            time.sleep(remaining)
 
 
 def is_temp_name(name: str) -> bool:
@@ -529,71 +427,3 @@ def remove_temp_files(directory: _Path, *, root: _Root = None) -> list[Path]:
     for p in removed:
         remove(p, root=directory if root is None else root)
     return removed
-
-
-# --------------------------------------------------------------------------- the lock
-
-
-class FileLock:
-    """An exclusive, non-blocking ``flock`` held for the life of the object (the kernel drops it
-    when the process dies); a lock file that is a symlink, a FIFO or hard-linked: UnsafePath.
-
-    The file names its holder, ``pid host token`` (the token is this lock's own: two of one
-    process differ), and :meth:`intact` reads it back: an ``flock`` holds the inode it opened,
-    so a directory wiped (or the file replaced) under a holder let a second taker lock a new
-    file there, and both wrote beside each other. A holder checks it before each write that
-    must be its alone (a publisher's manifest, a receiver's state). Not the inode number: FUSE
-    filesystems need not keep one stable."""
-
-    text = b""  # what the file held when this lock took it
-
-    def __init__(self, path: _Path, *, root: _Root = None):
-        self.path = Path(path)
-        self.root = root
-        self._fd: int | None = None
-
-    def acquire(self) -> bool:
-        with _parent(self.path, self.root) as (dfd, name):
-            fd = _open_write(dfd, name, os.O_RDWR | os.O_CREAT, self.path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        text = f"{os.getpid()} {os.uname().nodename} {secrets.token_hex(8)}\n".encode()
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, text)
-        except OSError:
-            os.close(fd)  # closing drops the lock too
-            raise
-        self._fd, self.text = fd, text
-        return True
-
-    def intact(self) -> bool:
-        """Whether the file at the path is still the one this lock holds (False when it is
-        not held, or the file was removed or replaced since it was taken)."""
-        if self._fd is None:
-            return False
-        try:
-            return read_bytes(self.path, limit=4096, root=self.root) == self.text
-        except (FileNotFoundError, UnsafePath, ValueError):  # removed, or something else there
-            return False
-
-    def holder(self) -> str:
-        try:
-            text = read_bytes(self.path, limit=4096, root=self.root).decode(errors="replace")
-        except (OSError, ValueError):
-            return "unknown"
-        return text.strip() or "unknown"
-
-    def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
