@@ -4,7 +4,7 @@ On CPU, SGLang measures the host's available memory before it loads the weights 
 and again before it sizes the KV cache, and refuses to start ("Loaded weights leave no GPU
 memory for the KV cache") when the second is below ``(1 - mem_fraction_static)`` times the
 first: any other process allocating more than that fraction of the free memory meanwhile
-makes the start fail. The tests' flags (``server.CPU_FLAGS``) leave half of it; the KV pool
+makes the start fail. The tests' flags (``server.CPU_FLAGS``) leave 90% of it; the KV pool
 itself stays bounded by ``--max-total-tokens``. Here a helper process allocates exactly in
 that window (the test fault plugin holds the server after its baseline until the memory is
 taken), and the server must still start and serve.
@@ -39,7 +39,7 @@ def available_bytes() -> int:
 def test_a_server_starts_while_another_process_allocates_memory(tmp_path: Path) -> None:
     env = require_env()
     # 2 GiB (a bench's tensors), or a quarter of what is free on a small host: more than the
-    # 5% the old flags left, less than the half the flags leave now
+    # 5% the old flags left, well within the 90% the flags leave now
     nbytes = min(HOG_MAX, available_bytes() // 4)
     prefix = str(tmp_path / "hog")
     hog = Process(
