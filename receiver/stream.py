@@ -31,9 +31,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from asyncsync import fsio
 from asyncsync.codec.shards import ShardData, parse_delta_shard
@@ -120,9 +122,11 @@ class StreamApplier:
         self.stalled: int | None = None  # it timed out waiting for this shard (a stall)
         self.first: tuple[int, int] | None = None  # (inode, mtime) of the shard 0 it read
         self._provisional: Manifest | None = None
+        self._shard0: StreamHeader | None = None  # the header of the first shard taken
         self._names: set[str] = set()
         self._stop = asyncio.Event()
-        self._applying = False  # a shard is being applied (progress: no idle timeout)
+        self._applying = False  # a shard is being checked and decoded (progress: no idle timeout)
+        self._pending: asyncio.Future[None] | None = None  # the engine's apply in flight
         self._progressed = 0.0  # when the last shard's apply ended (monotonic)
         self._base_entries = base.tensor_map()
         self._limit = shard_limit(base)
@@ -209,31 +213,19 @@ class StreamApplier:
     # ------------------------------------------------------------------ the task
     async def run(self) -> None:
         """Apply shards as they land until the manifest appears or :meth:`finish`: the next
-        shard is read (and its data checked) while the engine applies this one, so a slow
-        filesystem's transfer overlaps the apply instead of adding to it."""
+        shard is read (and its data checked) while this one is decoded, and checked and decoded
+        while the engine applies this one's last group, so neither a slow filesystem's transfer
+        nor the decode adds to the apply."""
         ready: asyncio.Queue[tuple[Path, bytes, StreamHeader]] = asyncio.Queue(maxsize=1)
         reader = asyncio.create_task(self._read_ahead(ready), name=f"read v{self.version}")
         try:
-            while True:
-                took = asyncio.ensure_future(ready.get())
-                try:
-                    await asyncio.wait({took, reader}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if not took.done():
-                        took.cancel()
-                if took.done() and not took.cancelled():
-                    shard = took.result()
-                elif not ready.empty():  # read just before the reader ended
-                    shard = ready.get_nowait()
-                else:
-                    reader.result()  # the reader's error, if any
-                    return  # the manifest, finish(), or a publisher of format 2
-                ready.task_done()  # the reader may read the next one now
+            while (shard := await self._next(ready, reader)) is not None:
                 self._applying = True
                 try:  # also after finish(): read and checked, so the agent need not read it again
                     await self._apply(*shard)
                 finally:
                     self._applying, self._progressed = False, time.monotonic()
+            await self._settle()  # the manifest, finish(), or a publisher of format 2
         except asyncio.CancelledError:
             await asyncio.shield(self._abort("cancelled"))
             raise
@@ -249,6 +241,33 @@ class StreamApplier:
                 reader.cancel()
                 with contextlib.suppress(BaseException):
                     await reader
+
+    async def _next(
+        self, ready: asyncio.Queue[tuple[Path, bytes, StreamHeader]], reader: asyncio.Task[None]
+    ) -> tuple[Path, bytes, StreamHeader] | None:
+        """The next shard read, or None once the reader has ended (its error raised); the
+        error of the apply in flight is raised as soon as it ends."""
+        took = asyncio.ensure_future(ready.get())
+        try:
+            while not (took.done() or reader.done()):
+                waits: set[asyncio.Future[Any]] = {took, reader}
+                if self._pending is not None:
+                    waits.add(self._pending)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if self._pending is not None and self._pending.done():
+                    await self._settle()
+        finally:
+            if not took.done():
+                took.cancel()
+        if took.done() and not took.cancelled():
+            shard = took.result()
+        elif not ready.empty():  # read just before the reader ended
+            shard = ready.get_nowait()
+        else:
+            reader.result()  # the reader's error, if any
+            return None
+        ready.task_done()  # the reader may read the next one now
+        return shard
 
     async def _read_ahead(self, ready: asyncio.Queue[tuple[Path, bytes, StreamHeader]]) -> None:
         """Poll for the shards in order and queue each complete one (one ahead of the apply);
@@ -270,7 +289,7 @@ class StreamApplier:
                     self.gone = True
                     raise StreamAbandoned(await asyncio.to_thread(self._gone_why))
                 idle = time.monotonic() - max(last, self._progressed)
-                if self.txn_open and not self._applying and idle > self.idle_timeout:
+                if self.txn_open and not self._busy() and idle > self.idle_timeout:
                     self.stalled = k
                     raise StreamAbandoned(
                         f"no shard nor manifest of v{self.version} for "
@@ -340,6 +359,7 @@ class StreamApplier:
 
     async def _abort(self, why: str) -> None:
         self.failed = why
+        await self._quiesce()  # never under an apply still running
         if self.txn_open:
             try:
                 with contextlib.suppress(Exception):
@@ -378,10 +398,8 @@ class StreamApplier:
             raise StreamAbandoned(f"{where}: applies to another base than v{base.version}")
         if (state.version, state.fingerprint) != (base.version, base.fingerprint):
             raise StreamAbandoned(f"{where}: the engine no longer holds v{base.version}")
-        if self.applied and (hdr.encoding, hdr.algorithm) != (
-            self._header(0).encoding,
-            self._header(0).algorithm,
-        ):
+        first = self._shard0  # (self.applied may not hold it yet: its apply may be in flight)
+        if first is not None and (hdr.encoding, hdr.algorithm) != (first.encoding, first.algorithm):
             raise StreamAbandoned(f"{where}: another encoding or algorithm than shard 0")
         new_hasher(hdr.algorithm)  # ConfigError (an AsyncSyncError) for an unknown one
         pieces: list[Piece] = []
@@ -398,6 +416,7 @@ class StreamApplier:
             parse_delta_shard, data, where=where, version=self.version, run_id=base.run_id
         )
         if not self.txn_open:
+            self._shard0 = hdr
             self._provisional = replace(
                 base,
                 version=self.version,
@@ -419,28 +438,60 @@ class StreamApplier:
         self._names.update(e.name for e in hdr.entries)
         checksum = await asyncio.to_thread(checksum_bytes, data, hdr.algorithm)
         assert self._provisional is not None
-        await self._apply_groups(self._provisional, tensors, pieces, where)
-        self.applied.append(AppliedShard(path.name, len(data), checksum, hdr))
-        logger.debug("streamed %s of v%d (%d tensors)", path.name, self.version, len(pieces))
+        done = AppliedShard(path.name, len(data), checksum, hdr)
+        await self._apply_groups(self._provisional, tensors, pieces, where, done)
 
     async def _apply_groups(
-        self, m: Manifest, tensors: ShardData, pieces: list[Piece], where: str
+        self, m: Manifest, tensors: ShardData, pieces: list[Piece], where: str, done: AppliedShard
     ) -> None:
-        """Decode group g+1 while the engine applies group g (a queue of one)."""
-        pending: asyncio.Task[None] | None = None
-        try:
-            for group in group_pieces(pieces, self.group_bytes, threads()):
-                updates = await asyncio.to_thread(decode_pieces, m, "delta", tensors, group, where)
-                if pending is not None:
-                    await pending
-                pending = asyncio.ensure_future(self.engine.apply(updates))  # type: ignore[arg-type]
-            if pending is not None:
-                await pending
-        except BaseException:
-            if pending is not None and not pending.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(pending)
-            raise
+        """Decode group g+1 while the engine applies group g, across shards: the last group's
+        apply is left in flight (:attr:`_pending`) while the next shard is checked and decoded,
+        so at most one decoded group waits for the engine. ``done`` is recorded once the last
+        group's apply has returned."""
+        groups = group_pieces(pieces, self.group_bytes, threads())
+        if not groups:  # (no tensor: nothing to apply)
+            await self._settle()
+            self._applied(done)
+        for g, group in enumerate(groups):
+            updates = await asyncio.to_thread(decode_pieces, m, "delta", tensors, group, where)
+            await self._settle()  # the previous group's apply, perhaps of the previous shard
+            applying = self.engine.apply(updates)  # type: ignore[arg-type]
+            last = done if g == len(groups) - 1 else None
+            self._pending = asyncio.ensure_future(self._apply_group(applying, last))
+
+    async def _apply_group(self, applying: Awaitable[None], last: AppliedShard | None) -> None:
+        await applying
+        if last is not None:
+            self._applied(last)
+
+    def _applied(self, shard: AppliedShard) -> None:
+        self.applied.append(shard)
+        self._progressed = time.monotonic()
+        logger.debug("streamed %s of v%d (%d tensors)", shard.file, self.version,
+                     len(shard.header.entries))  # fmt: skip
+
+    def _busy(self) -> bool:
+        """A shard is being checked or decoded, or an apply is in flight: progress."""
+        return self._applying or (self._pending is not None and not self._pending.done())
+
+    async def _settle(self) -> None:
+        """Wait for the apply in flight (its error raised). Shielded: a cancelled caller leaves
+        it running, and :meth:`_abort` waits for it (:meth:`_quiesce`) before rolling back."""
+        if (pending := self._pending) is not None:
+            await asyncio.shield(pending)
+            self._pending = None
+
+    async def _quiesce(self) -> None:
+        """Wait for the apply in flight to end, whatever it raises and however often the caller
+        is cancelled meanwhile (the engine's thread cannot be stopped)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        while not pending.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(pending)
+        if not pending.cancelled():
+            pending.exception()  # retrieved: the failure that stopped the stream is what counts
 
 
 async def early_reader(

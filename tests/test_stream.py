@@ -108,7 +108,8 @@ async def test_the_next_shard_is_read_while_the_engine_applies_this_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A slow filesystem's transfer overlaps the apply: while the engine still applies shard 0,
-    shard 1 has been read and its data checked; shard 2 not yet (one shard ahead, no more)."""
+    shard 1 has been read, checked and decoded (tests/test_stream_overlap.py) and shard 2 read
+    and its data checked; shard 3 not yet (one shard read ahead of the one decoded, no more)."""
     import receiver.stream as stream_mod
 
     reads: list[str] = []
@@ -135,14 +136,16 @@ async def test_the_next_shard_is_read_while_the_engine_applies_this_one(
         monkeypatch.setattr(engine, "apply", held_apply)
 
         async def hook(vdir: Path) -> None:  # every shard written, the manifest not yet
-            assert len(_delta_files(vdir)) > 2
+            assert len(_delta_files(vdir)) > 3
             await eventually(
-                lambda: applying.is_set() and "delta-00001.safetensors" in reads,
-                "shard 1 read while shard 0 is being applied",
+                lambda: applying.is_set() and "delta-00002.safetensors" in reads,
+                "shard 2 read while shard 0 is being applied",
             )
             await asyncio.sleep(0.2)  # time enough to read further, were it to
-            assert "delta-00002.safetensors" not in reads
-            gate.set()
+            try:
+                assert "delta-00003.safetensors" not in reads
+            finally:  # (the stream's abort waits for the apply held here)
+                gate.set()
 
         pub.pre_commit_hook = hook
         res = await pub.publish(sd2)
