@@ -1,0 +1,122 @@
+"""A full version's staged files (receiver.engines.checkpoint.staging): the bytes
+``safetensors.torch.save_file`` writes, written in spans aligned to the file's offsets, so
+that the page cache holds the files in large folios that a later delta maps writable cheaply
+(see the module's docstring)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from asyncsync.format import TensorEntry
+from asyncsync.format.checksum import entry_checksum
+from receiver.engines.checkpoint import staging
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(1000, 13, generator=g).to(torch.bfloat16),
+        "layers.0.w": torch.randn(3001, generator=g),
+        "layers.0.b": torch.randn(7, generator=g).to(torch.float16),
+        "step": torch.tensor(5, dtype=torch.int64),
+        "empty": torch.zeros(0, 4),
+        "mask": torch.arange(9) % 2 == 0,
+        "é.unicode": torch.randint(0, 255, (4099,), generator=g, dtype=torch.uint8),
+        "fp8": torch.randn(33, generator=g).to(torch.float8_e4m3fn),
+    }
+
+
+def _entries(sd: dict[str, torch.Tensor]) -> list[tuple[TensorEntry, torch.Tensor]]:
+    out = []
+    for name, t in sd.items():
+        e = TensorEntry(
+            name=name, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
+            checksum="", changed=t.numel(),
+        )  # fmt: skip
+        out.append((e, t))
+    return out
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(offset, bytes) of every writev the staging makes."""
+    seen: list[tuple[int, int]] = []
+    real = os.writev
+
+    def spy(fd: int, buffers: list[memoryview]) -> int:
+        at = os.lseek(fd, 0, os.SEEK_CUR)
+        n = real(fd, buffers)
+        seen.append((at, n))
+        return n
+
+    monkeypatch.setattr(os, "writev", spy)
+    return seen
+
+
+@pytest.mark.parametrize("span", [4096, 8192, 1 << 20])
+def test_a_staged_file_is_save_files_bytes_written_in_aligned_spans(
+    tmp_path: Path, writes: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch, span: int
+) -> None:
+    monkeypatch.setattr(staging, "WRITE_SPAN", span)
+    sd = _state()
+    sums = staging.stage_part(tmp_path, "part.safetensors", _entries(sd), "xxh3-128")
+    safetensors.torch.save_file(sd, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    data = (tmp_path / "part.safetensors").read_bytes()
+    assert data == (tmp_path / "ref.safetensors").read_bytes()
+    assert sums == {e.name: entry_checksum(e, t, "xxh3-128") for e, t in _entries(sd)}
+    # every write but the last one whole span, each at a multiple of it, in order, all of it
+    assert writes, "the file was not written through the aligned writes"
+    assert [at for at, _ in writes] == [k * span for k in range(len(writes))]
+    assert all(n == span for _, n in writes[:-1])
+    assert sum(n for _, n in writes) == len(data)
+
+
+def test_many_small_tensors_in_one_span_are_written_aligned(
+    tmp_path: Path, writes: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More pieces in one span than one writev takes (a MoE's small experts): joined first."""
+    monkeypatch.setattr(staging, "WRITE_SPAN", 1 << 20)
+    g = torch.Generator().manual_seed(1)
+    sd = {f"expert.{i}": torch.randn(i % 5 + 1, generator=g) for i in range(1500)}
+    staging.stage_part(tmp_path, "part.safetensors", _entries(sd), "xxh3-128")
+    safetensors.torch.save_file(sd, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    data = (tmp_path / "part.safetensors").read_bytes()
+    assert data == (tmp_path / "ref.safetensors").read_bytes()
+    assert writes == [(0, len(data))]
+
+
+def test_a_short_writev_is_written_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.writev
+
+    def short(fd: int, buffers: list[memoryview]) -> int:  # at most 1000 bytes a call
+        left, out = 1000, []
+        for b in buffers:
+            out.append(b[:left])
+            left -= len(out[-1])
+            if not left:
+                break
+        return real(fd, out)
+
+    monkeypatch.setattr(os, "writev", short)
+    monkeypatch.setattr(staging, "WRITE_SPAN", 4096)
+    sd = _state(2)
+    staging.stage_part(tmp_path, "part.safetensors", _entries(sd), "xxh3-128")
+    safetensors.torch.save_file(sd, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "part.safetensors").read_bytes() == (
+        tmp_path / "ref.safetensors"
+    ).read_bytes()
+
+
+def test_a_dtype_it_does_not_list_is_left_to_save_file(
+    tmp_path: Path, writes: list[tuple[int, int]]
+) -> None:
+    sd = {"a": torch.randn(5), "z": torch.zeros(3, dtype=torch.float8_e5m2fnuz)}
+    staging.stage_part(tmp_path, "part.safetensors", _entries(sd), "xxh3-128")
+    assert not writes
+    back = safetensors.torch.load_file(tmp_path / "part.safetensors")
+    assert set(back) == {"a", "z"} and torch.equal(back["a"], sd["a"])
