@@ -225,6 +225,7 @@ async def test_delta_bit_exact(tmp_path: Path, op: Op, dense: bool) -> None:
     assert_same(ck.load_state_dict(), sd1)
     assert verify_checkpoint(tmp_path, m1) == []
     assert verify_checkpoint(tmp_path, build_manifest(sd0, 0)) != []
+    await ck.acknowledged()  # the undo records go after the ack
     assert list((tmp_path / ".asyncsync" / "journal").iterdir()) == []
     # a second delta on top, then reopen
     sd2 = mutate(sd1, 0.01, seed=2)

@@ -424,12 +424,12 @@ async def test_the_spare_note_is_made_again_once_used(
         m1 = build_manifest(sd1, 1, base=sd0)
         await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
 
-        def failed(self: FileMaps) -> None:
+        def failed(self: FileMaps) -> None:  # the disk full when the flush fails (filled
+            fill(mnt, 0)  # after the ack cleared the undo records, which gives room back)
             raise OSError(errno.EIO, "Input/output error")
 
         with monkeypatch.context() as m:
             m.setattr(FileMaps, "sync", failed)
-            fill(mnt, 0)
             await ck.acknowledged()
             await ck.flushed()
         assert (state / FAILED_NAME).exists() and not (state / SPARE_NAME).exists()

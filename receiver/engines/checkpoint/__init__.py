@@ -32,8 +32,10 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   crash keeps the page cache, so a progressive record holds every value saved before it).
 * durability after the ack (default): a delta commits once every touched tensor's bytes match
   the manifest's checksums *in the page cache*; ``state.json`` then says ``clean`` at the new
-  version with ``synced: false`` and the receiver acknowledges it; then (``acknowledged``)
-  ``fsync`` of the data files runs in the background (on Linux it writes back the pages dirtied
+  version with ``synced: false`` and the receiver acknowledges it (the HF index written
+  before); then (``acknowledged``) the delta's undo records are removed (stale since the
+  commit: an ``open`` finding them beside a clean state removes them too), and ``fsync`` of
+  the data files runs in the background (on Linux it writes back the pages dirtied
   through the mappings, and unlike ``mmap.flush`` it releases the GIL; elsewhere ``msync``
   first), and ``synced`` becomes true. On Linux the flush holds the files' descriptors, not
   their mappings (dropped when it is submitted: the pages they dirtied stay dirty in the page

@@ -109,6 +109,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         self.sync_before_ack = sync_before_ack
         self._flusher = Flusher(f"flush {self.directory.name}", self._flush, self._store.directory)
         self._unflushed: tuple[FileMaps, int] | None = None  # committed, flush not yet started
+        self._stale_journal = False  # a committed delta's undo records, cleared after its ack
         self._letting_go: asyncio.Future[None] | None = None  # the lock's release, at close
         self.state = EngineState()
 
@@ -239,6 +240,8 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         """Start flushing the delta just committed (in the background): after the ack, so the
         ack's own small write is not queued behind the flush on the same disk. The flush runs
         beside the next delta (it does not hold the engine's lock), after the flush before it."""
+        if self._stale_journal:  # the committed delta's undo records, off the ack's path
+            await self._run(self._clear_journal)
         if self._unflushed is not None:
             maps, version = self._unflushed
             self._unflushed = None
@@ -390,6 +393,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
             self._txn = txn
             return True
         self._store.clear_dir(self._store.journal_dir)
+        self._stale_journal = False
         self._set(self._ps.begin(manifest.version, "delta", progressive=not self.sync_before_ack))
         txn.maps = FileMaps(self.directory)
         txn.digest_on_patch = inplace.disjoint(self._layout)
@@ -485,7 +489,8 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         self._txn = None
         if self.sync_before_ack:
             txn.maps.close()
-        self._after_commit(m.version)
+        self._stale_journal = True  # cleared after the ack: stale once state.json holds m
+        self._after_commit(m.version, journal=False)
         logger.info("%s: committed delta v%s", self.directory, m.version)
         return m.fingerprint
 
@@ -561,12 +566,25 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         self._set(bumped(self._ps, manifest))
         self._after_commit(manifest.version)
 
-    def _after_commit(self, version: int) -> None:
-        """Housekeeping once state.json holds ``version``: never fails the committed version."""
+    def _after_commit(self, version: int, *, journal: bool = True) -> None:
+        """Housekeeping once state.json holds ``version``: never fails the committed version.
+        The HF index before the ack (a reloading engine's server reads it); the undo records
+        (``journal``) then, or after the ack (:meth:`_clear_journal`)."""
         try:
-            self._store.clear_dir(self._store.journal_dir)  # also cleared by open and begin
+            if journal:
+                self._store.clear_dir(self._store.journal_dir)  # also cleared by open and begin
             self._write_index(version)
         except OSError as exc:
             logger.warning(
                 "%s: v%s committed, but housekeeping failed: %s", self.directory, version, exc
             )
+
+    def _clear_journal(self) -> None:
+        """The undo records of the delta committed last, after its ack: stale since state.json
+        holds it (an open finding them with a clean state clears them; a begin clears them)."""
+        if self._stale_journal and self._txn is None:
+            self._stale_journal = False
+            try:
+                self._store.clear_dir(self._store.journal_dir)
+            except (OSError, AsyncSyncError) as exc:  # left for the next begin or open
+                logger.warning("%s: clearing the undo records failed: %s", self.directory, exc)

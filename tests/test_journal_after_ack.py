@@ -1,0 +1,87 @@
+"""A committed delta's undo records are cleared after its ack, not before it (off the ack's
+path: the HF index stays before it), and a receiver killed with SIGKILL between its commit
+and that clear reopens at the committed version, bit for bit, the stale records cleared."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from receiver.engines.checkpoint import LocalCheckpoint
+from tests import test_engines as te
+from tests.conftest import mixed_state, mutate
+
+
+def _records(ckdir: Path) -> list[str]:
+    return sorted(p.name for p in (ckdir / ".asyncsync" / "journal").iterdir())
+
+
+@pytest.mark.parametrize("durable", [False, True], ids=["progressive", "durable"])
+async def test_the_undo_records_are_cleared_after_the_ack(tmp_path: Path, durable: bool) -> None:
+    sd0 = mixed_state(0)
+    ck = await te.init_checkpoint(tmp_path, sd0)
+    ck.sync_before_ack = durable
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = te.build_manifest(sd1, 1, base=sd0)
+    await te.apply_version(ck, m1, te.delta_batches(m1, sd0, sd1, "xor"), "delta")
+    assert _records(tmp_path)  # committed, not yet acked: still there
+    index = (tmp_path / "model.safetensors.index.json").read_text()
+    assert '"asyncsync_version": 1' in index  # the index is written before the ack
+    await ck.acknowledged()
+    assert _records(tmp_path) == []
+    # the next delta's begin clears them itself where nobody called acknowledged()
+    sd2 = mutate(sd1, 0.05, seed=2)
+    m2 = te.build_manifest(sd2, 2, base=sd1)
+    await te.apply_version(ck, m2, te.delta_batches(m2, sd1, sd2, "xor"), "delta")
+    sd3 = mutate(sd2, 0.05, seed=3)
+    m3 = te.build_manifest(sd3, 3, base=sd2)
+    await ck.begin(m3, "delta")
+    assert _records(tmp_path) == []
+    await ck.abort()  # undoes nothing of v2
+    te.assert_same(ck.load_state_dict(), sd2)
+    await ck.close()
+
+
+_CHILD = """
+import asyncio, sys, time
+from tests import test_engines as te
+from tests.conftest import mixed_state, mutate
+async def main():
+    sd0 = mixed_state(0)
+    ck = await te.init_checkpoint(sys.argv[1], sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = te.build_manifest(sd1, 1, base=sd0)
+    await te.apply_version(ck, m1, te.delta_batches(m1, sd0, sd1, "xor"), "delta")
+    print("committed", flush=True)  # then killed before acknowledged() clears the records
+    time.sleep(600)
+asyncio.run(main())
+"""
+
+
+async def test_a_receiver_killed_between_the_commit_and_the_clear_reopens_at_the_version(
+    tmp_path: Path,
+) -> None:
+    ckdir, log = tmp_path / "c", tmp_path / "child.log"
+    env = {**os.environ, "PYTHONPATH": str(te.REPO)}
+    with open(log, "w") as err, subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(ckdir)], env=env, cwd=te.REPO,
+        stdout=subprocess.PIPE, stderr=err, text=True,
+    ) as proc:  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "committed\n", log.read_text()
+            assert _records(ckdir)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    ck = LocalCheckpoint(ckdir)
+    assert (await ck.open()).version == 1
+    assert _records(ckdir) == []
+    te.assert_same(ck.load_state_dict(), mutate(mixed_state(0), 0.05, seed=1))
+    await ck.close()
