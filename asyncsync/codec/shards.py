@@ -322,27 +322,44 @@ class DeltaPacker:
     one shard per bucket would make many small files, and each file costs a round trip on a
     network filesystem. A shard therefore collects buckets' blobs until adding the next
     bucket would pass ``limit`` (a bucket whose delta alone exceeds it is a shard of its own).
+
+    Told where the version stands (:meth:`add`'s ``model`` and ``left``: model bytes), a
+    packer for a receiver that applies shards as they land (FORMAT.md 4.3) also cuts the
+    first bucket that has blobs into a shard of its own, so the receiver starts early, and
+    a shard once it holds as many model bytes as the buckets still to come, so the version's
+    last shards halve down to one bucket and what a receiver has left to apply after the
+    last shard lands is one bucket's delta, not a whole shard's: about log2(limit / a
+    bucket's delta) more files in all.
     """
 
     limit: int
     blobs: dict[str, bytes] = field(default_factory=dict)
     nbytes: int = 0
+    model: int = 0  # model bytes of the buckets whose blobs are held
+    taken: int = 0  # shards cut so far
 
-    def add(self, blobs: dict[str, bytes]) -> list[dict[str, bytes]]:
-        """Take one bucket's blobs; return the groups now complete (in order), each a shard."""
+    def add(
+        self, blobs: dict[str, bytes], *, model: int = 0, left: int | None = None
+    ) -> list[dict[str, bytes]]:
+        """Take one bucket's blobs (``model``: the bytes of its tensors; ``left``: of the
+        buckets still to come, None where unknown: the size limit alone cuts); return the
+        groups now complete (in order), each a shard."""
         size = sum(len(b) for b in blobs.values())
         out = []
         if self.blobs and self.nbytes + size > self.limit:
             out.append(self.take())
         self.blobs.update(blobs)
         self.nbytes += size
-        if self.nbytes >= self.limit:
+        self.model += model
+        early = left is not None and bool(self.blobs) and (not self.taken or self.model >= left)
+        if self.nbytes >= self.limit or early:
             out.append(self.take())
         return out
 
     def take(self) -> dict[str, bytes]:
         """The blobs collected so far (possibly none), emptying the packer."""
-        out, self.blobs, self.nbytes = self.blobs, {}, 0
+        out, self.blobs, self.nbytes, self.model = self.blobs, {}, 0, 0
+        self.taken += bool(out)
         return out
 
 

@@ -57,6 +57,19 @@ class ShardSizer:
             return self.fixed
         return adaptive_shard_bytes(self.last_delta, state_dict, self.ceiling)
 
+    def tapers(self, state_dict: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the next delta's plan leads with a small bucket and its shards taper
+        (:class:`~asyncsync.publish.writer.VersionWriter`'s ``taper``): at the default size,
+        when the delta is expected to fill two shards or more (the last delta's bytes, or the
+        model's / 64 before the first); a smaller one stays one or two files, and a given
+        ``delta_shard_bytes`` is a size, nothing else."""
+        if self.fixed is not None:
+            return False
+        expected = self.last_delta
+        if expected is None:
+            expected = sum(t.numel() * t.element_size() for t in state_dict.values()) // 64
+        return expected >= 2 * self.next(state_dict)
+
     def committed(self, manifest: Manifest) -> None:
         """Note a committed version (for a rank of a group: the merged one, every rank's shards,
         so its next estimate errs large, within the ceiling)."""

@@ -126,6 +126,8 @@ class Publisher:
         delta_shard_bytes: delta shard size (default: ~1/8 of the last delta, 1 MiB to
             ``min(bucket_bytes, 4 MiB)``: :class:`~asyncsync.publish.options.ShardSizer`); a single
             publisher's are self-describing (FORMAT.md 4.3): receivers apply each as it lands.
+            At the default size, a delta of two shards or more leads with a small bucket whose
+            shard comes first, and its last shards halve down to one bucket's.
 
     Attributes:
         stale: the tensors whose snapshot is not what was shipped (its copy after the commit
@@ -383,11 +385,13 @@ class Publisher:
         created = time.time()
         streams = delta and not self._committer.ranked and bool(self._base.fingerprint)  # 4.3
         stream = (version - 1, self._base.fingerprint, secrets.token_hex(6), self.encoding)
+        taper = streams and self._shards.tapers(state_dict)  # receivers apply as shards land
         acc = VersionWriter(
             vdir=vdir, algorithm=self.checksum, version=version, run_id=self._run_id,
             shard_bytes=self._shards.next(state_dict),
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
             slices=sl, prefix=rnd.prefix, stream=stream if streams else None,
+            taper=taper,
         )  # fmt: skip
         stage_ref = ["prepare"]
         self._in_flight = 0
@@ -419,7 +423,9 @@ class Publisher:
             await finish_thread(claim_version_dir, self.root, vdir, rnd.shared_dir)
             snap = self._base.tensors if delta else None
             sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
-            buckets = snapshot.plan_for(state_dict, sizes, self.bucket_bytes, advance and not full)
+            buckets = snapshot.plan_for(
+                state_dict, sizes, self.bucket_bytes, advance and not full, lead=taper
+            )
             codec.scratch.fit(sum(sizes))  # the diff's temporaries: by the model's size
 
             def diff(bucket: list[int]) -> DiffedBucket:

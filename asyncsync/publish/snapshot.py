@@ -46,7 +46,13 @@ __all__ = [
 ]
 
 
-def plan_buckets(sizes: Sequence[int], bucket_bytes: int, spread: int = 1) -> list[list[int]]:
+#: a tapered delta's first bucket holds at most bucket_bytes / this (:func:`plan_for`)
+FIRST_BUCKET_FRACTION = 4
+
+
+def plan_buckets(
+    sizes: Sequence[int], bucket_bytes: int, spread: int = 1, first: int | None = None
+) -> list[list[int]]:
     """Consecutive indices of ``sizes`` (bytes per tensor) grouped into buckets of about
     ``bucket_bytes``; a tensor larger than that is a bucket of its own.
 
@@ -58,9 +64,16 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int, spread: int = 1) -> li
     version's last shards hold the small tensors, which a receiver applies on every core. A pack
     holds at most ``max(spread * bucket_bytes, 2 * the largest tensor)`` bytes: a bucket's
     memory stays within twice what the largest tensor's own bucket would hold.
+
+    ``first`` (a delta a receiver applies shard by shard as it lands): the version begins
+    with a bucket of at most ``first`` bytes (or one tensor) of the first small tensors,
+    ahead of any large one, so that its shard, and the receiver, start early; the rest of
+    the bucket it came from stays where it was.
     """
     if spread < 1:
         raise ValueError(f"spread must be >= 1, got {spread}")
+    if first is not None and first < 1:
+        raise ValueError(f"first must be >= 1, got {first}")
     big = [i for i, n in enumerate(sizes) if n > bucket_bytes] if spread > 1 else []
     cap = pack_cap(sizes, bucket_bytes, spread)
     packs: dict[int, list[int]] = {}
@@ -90,17 +103,43 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int, spread: int = 1) -> li
         size += nbytes
     if cur:
         buckets.append(cur)
+    if first is not None:
+        return _first_small(buckets, sizes, bucket_bytes, first)
     return buckets
 
 
+def _first_small(
+    buckets: list[list[int]], sizes: Sequence[int], bucket_bytes: int, first: int
+) -> list[list[int]]:
+    """``buckets`` led by at most ``first`` bytes (or one tensor) of the first bucket of small
+    tensors, cut from its front."""
+    k = next((k for k, b in enumerate(buckets) if all(sizes[i] <= bucket_bytes for i in b)), None)
+    if k is None:
+        return buckets
+    b, n, size = buckets[k], 1, sizes[buckets[k][0]]
+    while n < len(b) and size + sizes[b[n]] <= first:
+        size += sizes[b[n]]
+        n += 1
+    return [b[:n], *buckets[:k], *([b[n:]] if n < len(b) else []), *buckets[k + 1 :]]
+
+
 def plan_for(
-    state_dict: Mapping[str, torch.Tensor], sizes: Sequence[int], bucket_bytes: int, changes: bool
+    state_dict: Mapping[str, torch.Tensor],
+    sizes: Sequence[int],
+    bucket_bytes: int,
+    changes: bool,
+    *,
+    lead: bool = False,
 ) -> list[list[int]]:
     """The publisher's buckets: :func:`plan_buckets`, with the large tensors spread over the
-    pool's workers when the buckets hold only changes (``changes``: a delta, no full data) of
-    CPU tensors (a GPU tensor is copied to the host a bucket at a time: not two large ones)."""
+    pool's workers when the buckets hold only changes (``changes``: a single publisher's
+    delta, no full data, which receivers apply as its shards land) of CPU tensors (a GPU
+    tensor is copied to the host a bucket at a time: not two large ones). ``lead`` (a delta
+    whose shards taper): led by a bucket of a quarter of ``bucket_bytes`` of small tensors,
+    whose shard lands early."""
     cpu = changes and all(t.device.type == "cpu" for t in state_dict.values())
-    return plan_buckets(sizes, bucket_bytes, threads() if cpu else 1)
+    first = max(1, bucket_bytes // FIRST_BUCKET_FRACTION) if lead and changes else None
+    return plan_buckets(sizes, bucket_bytes, threads() if cpu else 1, first)
 
 
 def same_schema(snap: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]) -> bool:

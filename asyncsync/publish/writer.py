@@ -2,15 +2,18 @@
 
 A :class:`VersionWriter` lives for one publish. An encoded bucket's full tensors (keyframes)
 become one full shard; its deltas join those of the buckets before it until they fill a delta
-shard of about ``shard_bytes`` (:class:`~asyncsync.codec.shards.DeltaPacker`), and :meth:`finish`
-writes the last one. Every shard is written atomically (temp + fsync + rename; the directory is
-synced once before the commit), and the writer records each shard's size and checksum and each
-tensor's manifest entry, so that when every bucket is written the manifest can be built from
-it. It also collects the snapshot updates that the publisher applies after the commit.
+shard of about ``shard_bytes`` (:class:`~asyncsync.codec.shards.DeltaPacker`; with ``taper``,
+shard 0 is the first bucket's alone and the last shards halve down to one bucket), and
+:meth:`finish` writes the last one. Every shard is written atomically (temp + fsync + rename;
+the directory is synced once before the commit), and the writer records each shard's size and
+checksum and each tensor's manifest entry, so that when every bucket is written the manifest
+can be built from it. It also collects the snapshot updates that the publisher applies after
+the commit.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +27,7 @@ from asyncsync.codec.shards import (
     delta_shard_parts,
 )
 from asyncsync.codec.stream_shard import StreamEntry, stream_metadata
-from asyncsync.format import DeltaRef, FullRef, ShardInfo, TensorEntry
+from asyncsync.format import DeltaRef, FullRef, ShardInfo, TensorEntry, dtype_from_name
 from asyncsync.format.checksum import new_hasher
 from asyncsync.fsio import atomic_write
 from asyncsync.publish.merge import TensorSlice, as_part
@@ -50,6 +53,10 @@ class VersionWriter:
     # (base version, base fingerprint, attempt, encoding): write self-describing delta shards
     # that a receiver may apply before the manifest (format 3, FORMAT.md 4.3); None: plain ones
     stream: tuple[int, str, str, str] | None = None
+    # with ``stream``: shard 0 is the first bucket alone and the last shards halve (about
+    # log2(shard_bytes / a bucket's delta) more files: the default, adaptive size's way;
+    # DeltaPacker): a receiver applying shards as they land starts early and ends soon after
+    taper: bool = False
     shards: list[ShardInfo] = field(default_factory=list)
     entries: dict[int, TensorEntry] = field(default_factory=dict)
     pending: list[PendingUpdate] = field(default_factory=list)
@@ -62,6 +69,11 @@ class VersionWriter:
     def __post_init__(self) -> None:
         self._packer = DeltaPacker(self.shard_bytes)
         self._waiting: list[tuple[ItemResult, int | None]] = []  # (item, its full shard)
+        self._nbytes = {  # each tensor's model bytes, and those of the buckets to come
+            name: math.prod(shape) * dtype_from_name(dtype).itemsize
+            for name, (dtype, shape) in self.meta.items()
+        }
+        self._left = sum(self._nbytes.values())
 
     def write(self, enc: EncodedBucket) -> None:
         """Take one encoded bucket: write its full shard now and its deltas when a shard fills."""
@@ -73,7 +85,10 @@ class VersionWriter:
                 self._record(it, None, full_shard)
             else:
                 self._waiting.append((it, full_shard))
-        for group in self._packer.add(enc.delta_blobs):
+        model = sum(self._nbytes[it.name] for it in enc.items)
+        self._left -= model
+        left = self._left if self.taper and self.stream is not None else None
+        for group in self._packer.add(enc.delta_blobs, model=model, left=left):
             self._write_deltas(group)
         self.pending.extend(enc.pending)
         self.raw_bytes += enc.raw_bytes
