@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -226,3 +228,43 @@ async def test_a_small_delta_does_not_taper(tmp_path: Path) -> None:
         r1 = await pub.publish(sd1)  # ~300 KB of delta: one shard
         r2 = await pub.publish(mutate(sd1, 0.03, seed=2))
     assert r1.shards == r2.shards == 1
+
+
+async def test_the_lead_bucket_is_encoded_before_the_next_bucket_is_diffed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tapered delta's lead bucket is encoded before the next bucket's diff starts (that
+    diff spreads the large tensors over every worker of the pool, where the lead's encode
+    would wait behind it and its shard land late). The lead's encode here waits (up to 2 s)
+    for the large tensors' diff to start, as an encode queued behind it does: without the
+    gate that diff starts first."""
+    from asyncsync.publish import publisher as mod
+
+    events: list[tuple[str, tuple[str, ...]]] = []
+    big_diff = threading.Event()
+    real_diff, real_encode = mod.diff_bucket, mod.encode_bucket
+
+    def diff(items: Any, **kw: Any) -> Any:
+        names = tuple(it.name for it in items)
+        events.append(("diff", names))
+        if names == ("l0",):  # a tapered version's lead bucket
+            big_diff.clear()
+        if "embed" in names:
+            big_diff.set()
+        return real_diff(items, **kw)
+
+    def encode(d: Any, **kw: Any) -> Any:
+        names = tuple(it.name for it in d.items)
+        if names == ("l0",):
+            big_diff.wait(2.0)
+        out = real_encode(d, **kw)
+        events.append(("encoded", names))
+        return out
+
+    monkeypatch.setattr(mod, "diff_bucket", diff)
+    monkeypatch.setattr(mod, "encode_bucket", encode)
+    assert (await publish_two(tmp_path))[0] == ["l0"]  # the last version was tapered
+    lead = [k for k, e in enumerate(events) if e == ("encoded", ("l0",))]
+    big = [k for k, (what, names) in enumerate(events) if what == "diff" and "embed" in names]
+    assert lead and big
+    assert lead[-1] < big[-1], events  # in the last version

@@ -450,12 +450,30 @@ class Publisher:
                 label, done, total = self._progress or ("", 0, 0)
                 self._progress = (label, done + 1, total)
 
+            # A tapered delta's lead bucket is encoded before the next bucket's diff takes the
+            # pool (the large tensors, spread over every worker): its shard lands first
+            lead = asyncio.Event()
+
+            async def diff_after_lead(bucket: list[int]) -> DiffedBucket:
+                if taper and len(buckets) > 1 and bucket is buckets[1]:
+                    t_wait = time.perf_counter()
+                    await lead.wait()  # (not the diff's time: the stage's timer counts it)
+                    waited = time.perf_counter() - t_wait
+                    acc.seconds["diff"] = acc.seconds.get("diff", 0.0) - waited
+                return await finish_thread(diff, bucket)
+
+            async def encode_lead_first(d: DiffedBucket) -> EncodedBucket:
+                try:
+                    return await finish_thread(encode, d)
+                finally:
+                    lead.set()
+
             kind = "full" if full and not delta else "keyframe" if full else "delta"
             self._progress = (f"publish v{version} ({kind})", 0, len(buckets))
             stage_ref[0] = "diff/encode/write"
             await run_pipeline(
                 buckets,
-                [("diff", diff), ("encode", encode), ("write", write)],
+                [("diff", diff_after_lead), ("encode", encode_lead_first), ("write", write)],
                 maxsize=self.max_in_flight,
                 pipelined=self.pipelined,
                 seconds=acc.seconds,
