@@ -18,7 +18,7 @@ import pytest
 
 import receiver.stream as stream_mod
 from asyncsync import Publisher
-from asyncsync.errors import FormatError
+from asyncsync.errors import ApplyFailed, FormatError
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.stream import StreamApplier
@@ -245,4 +245,64 @@ async def test_a_stream_cancelled_between_a_decode_and_its_apply_aborts_after_th
     agent = ReceiverAgent(tmp_path / "root", engine, "e1", use_inotify=False, poll_interval=0.02)
     async with agent:
         await agent.sync_once()
+        assert agent.version == 2 and _holds(engine, sd2)
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+async def test_an_engine_apply_raising_while_the_stream_goes_on_rolls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    """The engine's apply of a shard raises after patching its bytes: shard 0's while shard 1
+    is checked and decoded, or the last shard's while the stream waits for the manifest. The
+    stream fails and rolls the engine back to v1 (no transaction left), the agent applies v2
+    after its manifest, and a reopen holds v2 (attack-104)."""
+    sd2 = _state(2)
+
+    async def body(
+        pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint, stop: asyncio.Event
+    ) -> None:
+        rec = Recorder(monkeypatch, engine)
+        inner = engine.apply
+        n_box: list[int] = []
+        raised: list[int] = []
+
+        def apply(updates: Any) -> Any:
+            k = rec.shard_of.get(updates[0].entry.name, -1)
+            coro = inner(updates)
+            bad = k == 0 if which == "first" else (bool(n_box) and k == n_box[0] - 1)
+            bad = bad and not raised
+            if bad:
+                raised.append(k)
+
+            async def go() -> None:
+                await coro  # the bytes patched, then the engine fails
+                if bad:
+                    raise ApplyFailed(f"injected failure applying shard {k}")
+
+            return go()
+
+        monkeypatch.setattr(engine, "apply", apply)
+
+        async def hook(vdir: Path) -> None:
+            n_box.append(len(_delta_files(vdir)))
+            if which == "first":
+                await rec.wait(rec.decoded, 1)
+            rec.release.set()
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and bool(s.failed) and not s.txn_open,
+                "the stream to fail and roll back",
+            )
+            s = _streamer(agent)
+            assert s is not None and s.failed is not None and "injected" in s.failed, s.failed
+            assert engine._txn is None and raised == [0 if which == "first" else n_box[0] - 1]
+            assert engine.state.version == 1 and _holds(engine, _state(1))
+
+        pub.pre_commit_hook = hook
+        await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2)
+
+    await _publish_into_running_agent(tmp_path, body)
+    engine = LocalCheckpoint(tmp_path / "ck")
+    async with ReceiverAgent(tmp_path / "root", engine, "e1", use_inotify=False) as agent:
         assert agent.version == 2 and _holds(engine, sd2)
