@@ -270,8 +270,9 @@ class StreamApplier:
         return shard
 
     async def _read_ahead(self, ready: asyncio.Queue[tuple[Path, bytes, StreamHeader]]) -> None:
-        """Poll for the shards in order and queue each complete one (one ahead of the apply);
-        return at the manifest, at :meth:`finish`, or at a first shard of format 2."""
+        """Poll for the shards in order and queue each complete one (one ahead of the shard
+        being checked and decoded); return at the manifest, at :meth:`finish`, or at a first
+        shard of format 2."""
         k = 0
         attempt: str | None = None
         last = time.monotonic()
