@@ -386,12 +386,13 @@ class Publisher:
         streams = delta and not self._committer.ranked and bool(self._base.fingerprint)  # 4.3
         stream = (version - 1, self._base.fingerprint, secrets.token_hex(6), self.encoding)
         taper = streams and self._shards.tapers(state_dict)  # receivers apply as shards land
+        sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
         acc = VersionWriter(
             vdir=vdir, algorithm=self.checksum, version=version, run_id=self._run_id,
             shard_bytes=self._shards.next(state_dict),
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
             slices=sl, prefix=rnd.prefix, stream=stream if streams else None,
-            taper=taper,
+            taper=taper, sizes=sizes,
         )  # fmt: skip
         stage_ref = ["prepare"]
         self._in_flight = 0
@@ -422,7 +423,6 @@ class Publisher:
                 raise PublishError(rnd.refuse)
             await finish_thread(claim_version_dir, self.root, vdir, rnd.shared_dir)
             snap = self._base.tensors if delta else None
-            sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
             buckets = snapshot.plan_for(
                 state_dict, sizes, self.bucket_bytes, advance and not full, lead=taper
             )

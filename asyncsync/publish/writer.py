@@ -13,8 +13,7 @@ the commit.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from asyncsync.codec.shards import (
     delta_shard_parts,
 )
 from asyncsync.codec.stream_shard import StreamEntry, stream_metadata
-from asyncsync.format import DeltaRef, FullRef, ShardInfo, TensorEntry, dtype_from_name
+from asyncsync.format import DeltaRef, FullRef, ShardInfo, TensorEntry
 from asyncsync.format.checksum import new_hasher
 from asyncsync.fsio import atomic_write
 from asyncsync.publish.merge import TensorSlice, as_part
@@ -57,6 +56,7 @@ class VersionWriter:
     # log2(shard_bytes / a bucket's delta) more files: the default, adaptive size's way;
     # DeltaPacker): a receiver applying shards as they land starts early and ends soon after
     taper: bool = False
+    sizes: Sequence[int] = ()  # with ``taper``: each tensor's model bytes, by its index
     shards: list[ShardInfo] = field(default_factory=list)
     entries: dict[int, TensorEntry] = field(default_factory=dict)
     pending: list[PendingUpdate] = field(default_factory=list)
@@ -69,11 +69,8 @@ class VersionWriter:
     def __post_init__(self) -> None:
         self._packer = DeltaPacker(self.shard_bytes)
         self._waiting: list[tuple[ItemResult, int | None]] = []  # (item, its full shard)
-        self._nbytes = {  # each tensor's model bytes, and those of the buckets to come
-            name: math.prod(shape) * dtype_from_name(dtype).itemsize
-            for name, (dtype, shape) in self.meta.items()
-        }
-        self._left = sum(self._nbytes.values())
+        self._tapers = self.taper and self.stream is not None
+        self._left = sum(self.sizes) if self._tapers else 0  # model bytes of the buckets to come
 
     def write(self, enc: EncodedBucket) -> None:
         """Take one encoded bucket: write its full shard now and its deltas when a shard fills."""
@@ -85,9 +82,11 @@ class VersionWriter:
                 self._record(it, None, full_shard)
             else:
                 self._waiting.append((it, full_shard))
-        model = sum(self._nbytes[it.name] for it in enc.items)
-        self._left -= model
-        left = self._left if self.taper and self.stream is not None else None
+        model, left = 0, None
+        if self._tapers:
+            model = sum(self.sizes[it.index] for it in enc.items)
+            self._left -= model
+            left = self._left
         for group in self._packer.add(enc.delta_blobs, model=model, left=left):
             self._write_deltas(group)
         self.pending.extend(enc.pending)
