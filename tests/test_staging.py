@@ -14,6 +14,7 @@ import torch
 
 from asyncsync.format import TensorEntry
 from asyncsync.format.checksum import entry_checksum
+from asyncsync.format.names import DTYPES
 from receiver.engines.checkpoint import staging
 
 
@@ -112,10 +113,68 @@ def test_a_short_writev_is_written_on(tmp_path: Path, monkeypatch: pytest.Monkey
     ).read_bytes()
 
 
-def test_a_dtype_it_does_not_list_is_left_to_save_file(
+def _every_dtype(n: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    """A tensor of ``n`` elements (random bytes) of every dtype the format carries, named in
+    the reverse of safetensors' own order: the layout is the file's, not the names'."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (name, dtype) in enumerate(sorted(DTYPES.items())):
+        raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
+        out[f"{99 - i}.{name}"] = raw.view(dtype)
+    return out
+
+
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_every_dtype_is_staged_as_save_file_writes_it(
+    tmp_path: Path, writes: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """Each dtype the format carries ranked where safetensors puts it (and 0-element tensors,
+    which take no bytes), written by the aligned writes, not left to ``save_file``."""
+    monkeypatch.setattr(staging, "WRITE_SPAN", 4096)
+    sd = _every_dtype(n)
+    staging.stage_part(tmp_path, "part.safetensors", _entries(sd), "xxh3-128")
+    safetensors.torch.save_file(sd, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    assert writes, "left to save_file"
+    assert (tmp_path / "part.safetensors").read_bytes() == (
+        tmp_path / "ref.safetensors"
+    ).read_bytes()
+
+
+def test_names_beyond_ascii_are_written_as_save_file_writes_them(
     tmp_path: Path, writes: list[tuple[int, int]]
 ) -> None:
-    sd = {"a": torch.randn(5), "z": torch.zeros(3, dtype=torch.float8_e5m2fnuz)}
+    """UTF-8 in the header, not ``\\u`` escapes (the delta shards' header escapes them),
+    sorted as safetensors sorts them (by bytes), quotes and backslashes escaped as it does."""
+    names = [
+        "é.w",
+        "e.w",
+        "z\\u00e9",
+        "tab\tctl\x01",
+        'q"uote',
+        "back\\slash",
+        "日本.w",
+        "😀.bias",
+        "ÿ",
+        "Ā",
+    ]
+    sd = {name: torch.full((i + 1,), float(i)) for i, name in enumerate(names)}
+    sd["empty.é"] = torch.zeros(0, 3, dtype=torch.bfloat16)
+    staging.stage_part(tmp_path, "part.safetensors", _entries(sd), "xxh3-128")
+    safetensors.torch.save_file(sd, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    assert writes, "left to save_file"
+    data = (tmp_path / "part.safetensors").read_bytes()
+    assert data == (tmp_path / "ref.safetensors").read_bytes()
+    assert "日本.w".encode() in data
+
+
+def test_a_dtype_it_does_not_rank_is_left_to_save_file(
+    tmp_path: Path, writes: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dtype the format gained that the rank list does not place yet: ``save_file`` writes
+    the file, never a layout of a guessed order."""
+    ranks = {dt: r for dt, r in staging._RANK_OF.items() if dt != torch.float8_e5m2}
+    monkeypatch.setattr(staging, "_RANK_OF", ranks)
+    sd = {"a": torch.randn(5), "z": torch.zeros(3, dtype=torch.float8_e5m2)}
     staging.stage_part(tmp_path, "part.safetensors", _entries(sd), "xxh3-128")
     assert not writes
     back = safetensors.torch.load_file(tmp_path / "part.safetensors")

@@ -260,12 +260,17 @@ def _full_blob(
 
 
 def safetensors_parts(
-    meta: dict[str, str], entries: Sequence[tuple[str, torch.Tensor | None, bytes | memoryview]]
+    meta: dict[str, str],
+    entries: Sequence[tuple[str, torch.Tensor | None, bytes | memoryview]],
+    *,
+    ensure_ascii: bool = True,
 ) -> list[bytes | memoryview]:
     """A safetensors file as the pieces to write one after another: its header (metadata
     ``meta``; each entry's dtype and shape, a 1-D ``U8`` where the entry has no tensor; the
     data offsets in ``entries``' order, with no hole), then each entry's bytes. The header is
-    padded with spaces to a multiple of 8 bytes, as safetensors' own writer does."""
+    padded with spaces to a multiple of 8 bytes, as safetensors' own writer does; its names are
+    ``\\u``-escaped unless ``ensure_ascii`` is False (UTF-8, as safetensors writes them: the
+    checkpoint's staging writes ``save_file``'s bytes)."""
     header: dict[str, object] = {"__metadata__": meta}
     offset = 0
     for key, t, data in entries:
@@ -276,7 +281,7 @@ def safetensors_parts(
             "data_offsets": [offset, offset + n],
         }
         offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=ensure_ascii).encode()
     text += b" " * (-(8 + len(text)) % 8)
     return [struct.pack("<Q", len(text)) + text, *(data for _, _, data in entries)]
 

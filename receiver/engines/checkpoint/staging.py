@@ -14,11 +14,10 @@ range, the header) is faulted page by page, each fault walking all of the folio'
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import safetensors.torch
@@ -26,9 +25,12 @@ import torch
 
 from asyncsync import fsio
 from asyncsync.codec import raw_view
+from asyncsync.codec.shards import safetensors_parts
 from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError, IncompatibleVersion
 from asyncsync.format import TensorEntry
 from asyncsync.format.checksum import entry_checksum
+from asyncsync.format.names import DTYPES, SAFETENSORS_CODES
+from asyncsync.memory import gc_paused
 from receiver.engines.st_layout import TensorLocation, read_layout
 
 __all__ = ["check_staged", "stage_part", "staged_layout"]
@@ -72,14 +74,17 @@ def stage_part(
 #: a staged file is written in writes of this many bytes, at offsets that are multiples of it
 #: (a multiple of the largest folio, 2 MiB on x86-64)
 WRITE_SPAN = 16 << 20
-#: the dtypes :func:`write_safetensors` writes, in the order safetensors lays them out
-_ST_DTYPES = {
-    torch.uint64: "U64", torch.int64: "I64", torch.float64: "F64", torch.float32: "F32",
-    torch.uint32: "U32", torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16",
-    torch.uint16: "U16", torch.int16: "I16", torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
-_RANK = {dtype: i for i, dtype in enumerate(_ST_DTYPES)}
+#: the safetensors dtype codes in the order ``save_file`` lays tensors out (widest first; its
+#: ``Dtype``'s order, reversed): each tensor starts at a multiple of its element size
+_ST_ORDER = [
+    "U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16",
+    "F8_E5M2FNUZ", "F8_E4M3FNUZ", "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL",
+]  # fmt: skip
+_RANK = {code: i for i, code in enumerate(_ST_ORDER)}
+#: each torch dtype's place in that order (a lookup per tensor: its name is slower to get)
+_RANK_OF = {
+    dt: _RANK[SAFETENSORS_CODES[n]] for n, dt in DTYPES.items() if SAFETENSORS_CODES[n] in _RANK
+}
 _IOV_MAX = 512  # buffers one writev takes at most (Linux: 1024); more are joined first
 
 
@@ -87,31 +92,25 @@ def write_safetensors(
     path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]
 ) -> bool:
     """Write ``tensors`` (contiguous CPU tensors) as the safetensors file ``path``, the bytes
-    ``safetensors.torch.save_file`` writes, in :data:`WRITE_SPAN`-aligned writes (see the module
+    ``safetensors.torch.save_file`` writes (:func:`~asyncsync.codec.shards.safetensors_parts`,
+    in its order, names not escaped), in :data:`WRITE_SPAN`-aligned writes (see the module
     docstring). False, nothing written, where it leaves the file to ``save_file`` (a dtype not
-    listed above, a tensor named like the header's metadata key)."""
-    if "__metadata__" in tensors or any(t.dtype not in _RANK for t in tensors.values()):
+    ranked above, a tensor named like the header's metadata key). The header's dicts and lists
+    (a few per tensor, alive together) are made with the cyclic collector paused."""
+    ranks = {n: _RANK_OF.get(t.dtype) for n, t in tensors.items()}
+    if "__metadata__" in tensors or None in ranks.values():
         return False
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    pieces: list[memoryview] = []
-    end = 0
-    for name in sorted(tensors, key=lambda n: (_RANK[tensors[n].dtype], n)):
-        t = tensors[name]
-        data = raw_view(t).reshape(-1).numpy().view(np.uint8)
-        header[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [end, end + data.nbytes],
-        }
-        end += data.nbytes
-        if data.nbytes:
-            pieces.append(data.data)
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)  # as safetensors pads it
-    pieces.insert(0, memoryview(struct.pack("<Q", len(text)) + text))
+    with gc_paused():
+        entries = [
+            (n, tensors[n], raw_view(tensors[n]).reshape(-1).numpy().view(np.uint8).data)
+            for n in sorted(tensors, key=lambda n: (ranks[n], n))
+        ]
+        header, *data = safetensors_parts(metadata, entries, ensure_ascii=False)
+        del entries
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, fsio.FILE_MODE)
     try:
-        _write_spans(fd, pieces, WRITE_SPAN)
+        # the tensors' bytes as the views made above: only the header wrapped
+        _write_spans(fd, cast("list[memoryview]", [memoryview(header), *data]), WRITE_SPAN)
     finally:
         os.close(fd)
     return True
