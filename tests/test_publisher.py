@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -923,3 +924,36 @@ async def test_delta_shards_are_sized_by_the_last_delta(tmp_path: Path) -> None:
         step()
         r = await p.publish(sd)
     assert len(shard_sizes(fixed, r.version)) <= 5
+
+
+async def test_a_delta_reads_each_tensors_size_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publisher reads each tensor's byte size once per version (its ``sizes``, which the
+    plan takes) and sizes the shards and their taper from those: before the first delta the
+    shard sizer summed the state's tensors three times more (``tapers`` twice, ``next`` once)."""
+    publish_dir = Path(snapshot.__file__).parent
+    reads: list[str] = []
+    element_size = torch.Tensor.element_size
+
+    def counted(t: torch.Tensor) -> int:
+        where = Path(sys._getframe(1).f_code.co_filename)
+        if where.parent == publish_dir:
+            reads.append(where.name)
+        return element_size(t)
+
+    gen = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(4096, generator=gen) for i in range(24)}
+    async with Publisher(tmp_path / "root", bucket_bytes=32 << 10) as pub:
+        await pub.seed(sd)
+        for t in sd.values():
+            t[::5] += 1
+        monkeypatch.setattr(torch.Tensor, "element_size", counted)
+        first = await pub.publish(sd)  # the first delta: the model's bytes estimate the shards
+        assert sorted(reads) == ["publisher.py"] * len(sd)
+        reads.clear()
+        for t in sd.values():
+            t[1::5] += 1
+        await pub.publish(sd)  # the last delta's bytes estimate them
+        assert sorted(reads) == ["publisher.py"] * len(sd)
+    assert len(read_manifest(tmp_path / "root", first.version).shards) >= 1

@@ -7,8 +7,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from asyncsync import codec, fsio, memory, pipeline
 from asyncsync.errors import ConfigError, check_bytes, check_number
 from asyncsync.format import Manifest
@@ -26,38 +24,37 @@ MIN_DELTA_SHARD_BYTES = 1 << 20
 MAX_DELTA_SHARD_BYTES = 4 << 20
 
 
-def adaptive_shard_bytes(
-    last_delta: int | None, state_dict: Mapping[str, torch.Tensor], ceiling: int
-) -> int:
+def adaptive_shard_bytes(last_delta: int | None, model_bytes: int, ceiling: int) -> int:
     """A delta shard size of about an eighth of the last delta's bytes (the model's bytes / 512
     before the first: ~1.6 % of bf16 changes at ~3 % density) within [1 MiB, ``ceiling``].
 
     Small enough that a receiver applies most shards while the rest are written (at 256 MiB,
     4 MiB shards made a version two shards, the first landing late), large enough to keep
     files few (each costs a round trip on a network filesystem)."""
-    if last_delta is None:  # the model's size is summed only then (once per publisher)
-        estimate = sum(t.numel() * t.element_size() for t in state_dict.values()) // 512
-    else:
-        estimate = last_delta // SHARDS_PER_DELTA
+    estimate = model_bytes // 512 if last_delta is None else last_delta // SHARDS_PER_DELTA
     return max(min(estimate, ceiling), min(MIN_DELTA_SHARD_BYTES, ceiling))
 
 
 class ShardSizer:
     """A publisher's delta shard size: ``fixed`` when given, else :func:`adaptive_shard_bytes`
-    of the last delta committed, up to ``min(bucket_bytes, MAX_DELTA_SHARD_BYTES)``."""
+    of the last delta committed, up to ``min(bucket_bytes, MAX_DELTA_SHARD_BYTES)``.
+
+    Given the model's bytes (``model_bytes``: the sum of the sizes the publisher reads once per
+    version for its plan), not the state: it summed the tensors again, three passes per version
+    before the first delta (~12 ms each per 100,000 tensors)."""
 
     def __init__(self, fixed: int | None, bucket_bytes: int) -> None:
         self.fixed = fixed
         self.ceiling = fixed or min(bucket_bytes, MAX_DELTA_SHARD_BYTES)
         self.last_delta: int | None = None  # the shard bytes of the last delta committed
 
-    def next(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """The shard size of the next version of ``state_dict``."""
+    def next(self, model_bytes: int) -> int:
+        """The shard size of the next version of a model of ``model_bytes``."""
         if self.fixed is not None:
             return self.fixed
-        return adaptive_shard_bytes(self.last_delta, state_dict, self.ceiling)
+        return adaptive_shard_bytes(self.last_delta, model_bytes, self.ceiling)
 
-    def tapers(self, state_dict: Mapping[str, torch.Tensor]) -> bool:
+    def tapers(self, model_bytes: int) -> bool:
         """Whether the next delta's plan leads with a small bucket and its shards taper
         (:class:`~asyncsync.publish.writer.VersionWriter`'s ``taper``): at the default size,
         when the delta is expected to fill two shards or more (the last delta's bytes, or the
@@ -65,10 +62,8 @@ class ShardSizer:
         ``delta_shard_bytes`` is a size, nothing else."""
         if self.fixed is not None:
             return False
-        expected = self.last_delta
-        if expected is None:
-            expected = sum(t.numel() * t.element_size() for t in state_dict.values()) // 64
-        return expected >= 2 * self.next(state_dict)
+        expected = model_bytes // 64 if self.last_delta is None else self.last_delta
+        return expected >= 2 * self.next(model_bytes)
 
     def committed(self, manifest: Manifest) -> None:
         """Note a committed version (for a rank of a group: the merged one, every rank's shards,

@@ -385,11 +385,12 @@ class Publisher:
         created = time.time()
         streams = delta and not self._committer.ranked and bool(self._base.fingerprint)  # 4.3
         stream = (version - 1, self._base.fingerprint, secrets.token_hex(6), self.encoding)
-        taper = streams and self._shards.tapers(state_dict)  # receivers apply as shards land
         sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
+        model = sum(sizes)  # the model's bytes: the shard size, the taper, the diff's scratch
+        taper = streams and self._shards.tapers(model)  # receivers apply as shards land
         acc = VersionWriter(
             vdir=vdir, algorithm=self.checksum, version=version, run_id=self._run_id,
-            shard_bytes=self._shards.next(state_dict),
+            shard_bytes=self._shards.next(model),
             meta={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()},
             slices=sl, prefix=rnd.prefix, stream=stream if streams else None,
             taper=taper, sizes=sizes,
@@ -426,7 +427,7 @@ class Publisher:
             buckets = snapshot.plan_for(
                 state_dict, sizes, self.bucket_bytes, advance and not full, lead=taper
             )
-            codec.scratch.fit(sum(sizes))  # the diff's temporaries: by the model's size
+            codec.scratch.fit(model)  # the diff's temporaries: by the model's size
 
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(
