@@ -6,7 +6,10 @@ Usage: ``python tests/redo_killer.py POINT RECEIVER-ARGS...``; POINT is one of
 * ``record``: a delta's record durable and renamed into place, the state not naming it yet;
 * ``mid-compaction``: the first tensor of a compaction patched (each tensor a group of its own);
 * ``before-state``: a compaction's files patched and flushed, ``state.json`` not written;
-* ``after-state``: ``state.json`` at the merged version, the records not removed yet.
+* ``after-state``: ``state.json`` at the merged version, the records not removed yet;
+* ``stale-undo``: the first compaction's undo records not removed after its commit (an
+  injected EIO: kept, a warning), then the next compaction's ``applying`` state saved, its
+  journal not cleared yet: the earlier compaction's records beside it.
 """
 
 from __future__ import annotations
@@ -85,6 +88,25 @@ def main() -> int:
 
         StateStore.save = save  # type: ignore[method-assign]
         redolog.RedoLog._remove_records = remove_records  # type: ignore[method-assign]
+    elif point == "stale-undo":
+        real_save, real_clear = StateStore.save, StateStore.clear_dir
+        merged = [0]
+
+        def save_then(self: StateStore, state: PersistedState, *, spare: bool = False) -> Any:
+            out = real_save(self, state, spare=spare)
+            if merging[0] and state.applying and merged[0]:
+                _die()  # the second compaction begun, its journal not cleared
+            if merging[0] and not state.applying and not state.redo:
+                merged[0] += 1
+            return out
+
+        def clear_dir(self: StateStore, path: Path) -> None:
+            if path == self.journal_dir and merged[0] == 1 and merging[0]:
+                raise OSError(5, "injected: the compaction's undo records not removed")
+            real_clear(self, path)
+
+        StateStore.save = save_then  # type: ignore[method-assign]
+        StateStore.clear_dir = clear_dir  # type: ignore[method-assign]
     else:
         raise SystemExit(f"unknown point {point!r}")
     return cli.main(args)

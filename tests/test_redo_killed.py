@@ -77,6 +77,29 @@ async def _exact(root: Path, ck: Path, sd: dict[str, torch.Tensor], version: int
         assert torch.equal(got[k].view(torch.int16), sd[k].view(torch.int16)), k
 
 
+def _killed(root: Path, ck: Path, log: Path, point: str) -> None:
+    """A receiver run (``--once``) by tests/redo_killer.py until it kills itself at ``point``."""
+    with open(log, "wb") as out:
+        killed = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "redo_killer.py"), point,
+             *_args(root, ck, "--once")],
+            stdout=out, stderr=out, cwd=REPO, env=ENV, timeout=300,
+        )  # fmt: skip
+    assert killed.returncode == -9, log.read_text()[-3000:]  # the point was reached
+
+
+def _restarted(root: Path, ck: Path, log: Path) -> str:
+    """A plain receiver run (``--once``) after it; the log so far."""
+    with open(log, "ab") as out:
+        again = subprocess.run(
+            [sys.executable, "-m", "receiver.cli", *_args(root, ck, "--once")],
+            stdout=out, stderr=out, cwd=REPO, env=ENV, timeout=300,
+        )  # fmt: skip
+    text = log.read_text()
+    assert again.returncode == 0, text[-3000:]
+    return text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["record", "mid-compaction", "before-state", "after-state"])
 async def test_killed_in_the_redo_log_then_restarted_is_bit_exact(
@@ -93,14 +116,7 @@ async def test_killed_in_the_redo_log_then_restarted_is_bit_exact(
 async def _kill_and_restart(
     root: Path, ck: Path, log: Path, pub: Publisher, sds: list[dict[str, torch.Tensor]], point: str
 ) -> None:
-    with open(log, "wb") as out:
-        killed = subprocess.run(
-            [sys.executable, str(REPO / "tests" / "redo_killer.py"), point,
-             *_args(root, ck, "--once")],
-            stdout=out, stderr=out, cwd=REPO, env=ENV, timeout=300,
-        )  # fmt: skip
-    text = log.read_text()
-    assert killed.returncode == -9, text[-3000:]  # the point was reached
+    _killed(root, ck, log, point)
     st = _state(ck)
     records = sorted(p.name for p in (ck / ".asyncsync" / "redo").iterdir())
     if point == "record":  # v1's record written, not named: never acknowledged
@@ -114,13 +130,7 @@ async def _kill_and_restart(
         assert st["status"] == "applying" and len(records) == 2
         assert read_acks(root)["e"].version == 2
     await _publish(pub, sds, 4)
-    with open(log, "ab") as out:
-        again = subprocess.run(
-            [sys.executable, "-m", "receiver.cli", *_args(root, ck, "--once")],
-            stdout=out, stderr=out, cwd=REPO, env=ENV, timeout=300,
-        )  # fmt: skip
-    text = log.read_text()
-    assert again.returncode == 0, text[-3000:]
+    text = _restarted(root, ck, log)
     if point in ("record", "after-state"):
         assert "no state names it" in text
     else:
@@ -128,6 +138,31 @@ async def _kill_and_restart(
         assert "compacted 2 redo records into v2 (open)" in text
     assert "re-initialises" not in text  # repaired, not wiped
     assert read_acks(root)["e"].version == 4
+
+
+@pytest.mark.slow
+async def test_killed_beside_an_earlier_compactions_undo_records_is_not_wiped(
+    tmp_path: Path,
+) -> None:
+    """The first compaction's undo records kept (their removal failed), the receiver killed
+    with SIGKILL once the next compaction's state says ``applying`` and before it clears the
+    journal: the restart undoes that compaction without writing the earlier records' old bytes
+    back (they were: the files mixed, found by the re-check, the checkpoint wiped)."""
+    root, ck, log = tmp_path / "root", tmp_path / "ck", tmp_path / "log"
+    sds: list[dict[str, torch.Tensor]] = []
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await _publish(pub, sds, 3)
+        _killed(root, ck, log, "stale-undo")
+        st = _state(ck)
+        assert (st["status"], st["version"], st["target_version"]) == ("applying", 2, 3), st
+        assert [p for p in (ck / ".asyncsync" / "journal").iterdir()], "no record kept"
+        await _publish(pub, sds, 4)
+    text = _restarted(root, ck, log)
+    assert "interrupted delta to v3; undoing" in text
+    assert "re-initialises" not in text  # repaired, not wiped
+    assert "is of v2, not of v3 being undone" in text
+    assert read_acks(root)["e"].version == 4
+    await _exact(root, ck, sds[4], 4)
 
 
 @pytest.mark.slow
@@ -206,23 +241,12 @@ async def test_a_record_damaged_while_the_receiver_was_down_is_wiped_at_restart(
     sds: list[dict[str, torch.Tensor]] = []
     async with Publisher(root, keyframe_interval=0) as pub:
         await _publish(pub, sds, 3)
-        with open(log, "wb") as out:
-            killed = subprocess.run(
-                [sys.executable, str(REPO / "tests" / "redo_killer.py"), "mid-compaction",
-                 *_args(root, ck, "--once")],
-                stdout=out, stderr=out, cwd=REPO, env=ENV, timeout=300,
-            )  # fmt: skip
-        assert killed.returncode == -9, log.read_text()[-3000:]
+        _killed(root, ck, log, "mid-compaction")
         assert [r["version"] for r in _state(ck)["redo"]] == [1, 2]
         _damage_record(ck / ".asyncsync" / "redo", "positions")
         await _publish(pub, sds, 4)
     for _ in range(2):  # the first run re-initialises; the second finds nothing to do
-        with open(log, "ab") as out:
-            again = subprocess.run(
-                [sys.executable, "-m", "receiver.cli", *_args(root, ck, "--once")],
-                stdout=out, stderr=out, cwd=REPO, env=ENV, timeout=300,
-            )  # fmt: skip
-        assert again.returncode == 0, log.read_text()[-3000:]  # was: 1, at every restart
+        _restarted(root, ck, log)  # was: exit 1, at every restart
     assert "a redo record cannot be read" in log.read_text()
     assert read_acks(root)["e"].version == 4
     await _exact(root, ck, sds[4], 4)

@@ -59,12 +59,14 @@ __all__ = [
     "encode",
     "encode_parts",
     "read",
+    "target_version",
 ]
 
 JOURNAL_FORMAT = "asyncsync-journal"
 #: file name suffix of a progressive record (``undo-NNNNNN.progressive``)
 PROGRESSIVE_SUFFIX = ".progressive"
 _RECORD_LIMIT = 1 << 46  # a record holds at most one apply group's old values
+_HEADER_LIMIT = 100 << 20  # as safetensors' own (a header names each tensor of a group)
 
 Work = list[tuple[str, TensorLocation, torch.Tensor, Patch]]  # name, location, flat view, patch
 
@@ -291,6 +293,27 @@ def decode_positions(enc: str, blob: bytes, n: int, numel: int) -> NDArray[np.in
 def align8(nbytes: int) -> int:
     """Each tensor's old bytes start 8-aligned in ``values``, so they view as their dtype."""
     return -(-nbytes // 8) * 8
+
+
+def target_version(path: Path) -> int | None:
+    """The version the apply that wrote the record ``path`` moved to: its header's
+    ``target_version`` (every record has named it, both layouts). None where the header does
+    not read or say it: such a record is left to :func:`read`, which refuses it as before."""
+    try:
+        fd = fsio.open_file(path)  # a FIFO or a device: refused, never read
+        try:
+            (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            if hlen > _HEADER_LIMIT:
+                return None
+            header = json.loads(os.pread(fd, hlen, 8))
+        finally:
+            os.close(fd)
+        meta = header if path.name.endswith(PROGRESSIVE_SUFFIX) else header["__metadata__"]
+        if meta.get("format") != JOURNAL_FORMAT:
+            return None
+        return int(meta["target_version"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+        return None
 
 
 def read(path: Path) -> list[tuple[str, torch.Tensor | None, torch.Tensor]]:

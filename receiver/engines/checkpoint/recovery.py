@@ -22,7 +22,7 @@ from asyncsync import fsio
 from asyncsync.errors import EngineStateError
 from asyncsync.format import Manifest
 from receiver.engines.base import AuditReport, EngineState
-from receiver.engines.checkpoint import inplace
+from receiver.engines.checkpoint import inplace, journal
 from receiver.engines.checkpoint.files import CheckpointFiles, verify_checkpoint
 from receiver.engines.checkpoint.flusher import Flusher
 from receiver.engines.checkpoint.stamps import Stamps
@@ -369,6 +369,7 @@ class Recovery:
         not ``synced`` (durably, before its records go: a crash of the machine may have cost
         pages the records cannot restore, so the bytes are checked before they are trusted);
         in the process the page cache is whole and the undo's sync makes it durable."""
+        self._drop_stale_records()
         progressive = inplace.undo(self._store.journal_dir, self._layout, maps, sync=False)
         lost = at_open and (progressive or self._ps.progressive)
         clean = replace(self._ps.clean(), synced=self._ps.synced and not lost)
@@ -386,6 +387,29 @@ class Recovery:
             self._set(clean, spare=True)  # first (open() then finds an interrupted delta
             # without records)
         self._store.clear_dir(self._store.journal_dir)
+
+    def _drop_stale_records(self) -> None:
+        """Remove the undo records of another version than the one being undone: each is of
+        an apply that ended (committed: the files hold its new bytes), left where its removal
+        failed; written back, its old bytes (of a version before the files' base) would mix the
+        files (RELIABILITY.md, the checkpoint's redo log).
+        A redo log's compaction marks the state ``applying`` before it clears the journal, so a
+        crash between the two met them. Raises where one cannot be removed (undone again)."""
+        target, jdir = self._ps.target_version, self._store.journal_dir
+        if target is None or not jdir.is_dir() or jdir.is_symlink():
+            return
+        stale = [
+            (p, v)
+            for p in jdir.iterdir()
+            if p.name.startswith("undo-") and (v := journal.target_version(p)) not in (None, target)
+        ]
+        for path, version in stale:
+            logger.warning("%s: undo record %s is of v%s, not of v%s being undone: stale (its "
+                           "apply ended), removed", self.directory, path.name, version,
+                           target)  # fmt: skip
+            path.unlink()
+        if stale:
+            fsio.fsync_dir(jdir)
 
     def _undone_unsynced(self, clean: PersistedState, exc: OSError) -> None:
         """A rollback written back whose data sync failed (a disk that cannot write the

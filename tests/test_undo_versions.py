@@ -1,0 +1,73 @@
+"""An undo record is written back only by the apply that wrote it: each record names the
+version its apply moved to (``target_version``), and an undo (at open after a crash, or a
+rollback) removes, never replays, a record of another version than the one ``state.json``
+says is being applied. Such a record is stale: its apply committed (the files hold its new
+bytes), and its old values are of a version before the files' base.
+
+A compaction of the redo log marks the state ``applying`` before it clears the journal, so a
+crash between the two (or a failed rollback there) met the records of the compaction before
+it wherever their clearing after its commit had failed: they were written back, the files
+became a mix of versions, and the checkpoint was wiped (progressive: the re-check at open;
+durable: the next compaction's checksums)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncsync import Publisher
+from receiver import ReceiverAgent
+from receiver.engines.checkpoint import LocalCheckpoint
+from tests.conftest import assert_holds
+from tests.test_redolog import _publish
+
+
+def _state(ck: Path) -> dict[str, Any]:
+    st: dict[str, Any] = json.loads((ck / ".asyncsync" / "state.json").read_text())
+    return st
+
+
+@pytest.mark.parametrize("durable", [False, True], ids=["progressive", "durable"])
+async def test_a_crash_beside_an_earlier_versions_undo_records_does_not_write_them_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    """v1's compaction committed and the removal of its undo records failed (kept, a warning);
+    v2's compaction marked the state ``applying`` v2 and a crash came before it cleared the
+    journal (a copy of the directory: a killed process keeps the page cache). The open undoes
+    v2 (nothing of it written) without writing v1's old bytes back, merges v2's redo record,
+    and holds v2 bit-exact; it was wiped."""
+    root, ck, crashed = tmp_path / "root", tmp_path / "ck", tmp_path / "crashed"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        sds = await _publish(pub, [], 2)
+    eng = LocalCheckpoint(ck, redo_log=1, compact_idle=1e9, sync_before_ack=durable)
+    journal, real_clear = eng._store.journal_dir, eng._store.clear_dir
+    seen: list[list[str]] = []
+
+    def clear_dir(path: Path) -> None:
+        ps = eng._ps
+        if path == journal and ps.applying and ps.target_version == 2 and not seen:
+            seen.append(sorted(p.name for p in journal.iterdir()))
+            shutil.copytree(ck, crashed)  # the crash: v2's compaction begun, v1's records kept
+        elif path == journal and not ps.applying and (ps.version, ps.redo) == (1, ()):
+            raise OSError(errno.EIO, "injected: v1's undo records not removed")
+        real_clear(path)
+
+    monkeypatch.setattr(eng._store, "clear_dir", clear_dir)
+    async with ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent:
+        assert await agent.sync_once() == 2
+    assert seen and seen[0], "v1's compaction left no undo record"
+    st = _state(crashed)
+    assert (st["status"], st["version"], st["target_version"]) == ("applying", 1, 2)
+    again = LocalCheckpoint(crashed)
+    assert (await again.open()).version == 2  # was: None (wiped)
+    try:
+        assert _state(crashed)["version"] == 2 and "redo" not in _state(crashed)
+        assert not list((crashed / ".asyncsync" / "journal").iterdir())
+        assert_holds(again.load_state_dict(), sds[2])
+    finally:
+        await again.close()
