@@ -159,6 +159,26 @@ def test_diff_extract_every_byte_of_a_word_counts(diff_loop: str) -> None:
                 assert got[0].tolist() == [byte // width]
 
 
+@pytest.mark.parametrize("density", [0.001, 0.0039, 0.004, 0.03, 0.06, 0.2, 0.9, 1.0])
+def test_diff_extract_long_runs_at_every_density(density: float, diff_loop: str) -> None:
+    """Runs of 32768 2-byte lanes at densities either side of where the AVX2 pass lists a
+    run's changed lanes before writing them (1 a word of 64 in 4), with lists that fill more
+    than once a run (above ~12 %), and words of more than four changes: the reference's
+    outputs, with room for all of them, with room that ends mid-run, and advanced in the pass."""
+    n = 3 * 32768 + 77
+    old, new = _pair(np.random.default_rng(int(density * 1e4)), 2, n, density)
+    ref = _reference(old, new)
+    for cap in (n, max(1, ref[0].size // 3 + 5)):
+        got = _extract_all(old, new, 2, cap)
+        for g, r in zip(got, ref, strict=True):
+            assert np.array_equal(g, r)
+    adv = old.copy()
+    pos, vals, xor = np.empty(n, np.int64), np.empty(n, DT[2]), np.empty(n, DT[2])
+    count, end = native.diff_extract(adv, new, 2, 0, pos, vals, xor, None, True)
+    assert end == n and np.array_equal(pos[:count], ref[0]) and np.array_equal(adv, new)
+    assert np.array_equal(xor[:count], ref[2])
+
+
 def test_simd_switch() -> None:
     """simd() says whether the AVX2 diff is used; it switches; ASYNCSYNC_SIMD=0 turns it off at
     import."""

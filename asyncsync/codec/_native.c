@@ -483,15 +483,65 @@ DEFINE_DIFF(uint64_t, 8)
 /* The 2-byte diff (bf16, fp16: what trainers ship) with AVX2 where the CPU has it, chosen at run
  * time so the build stays portable. Two passes over each run of 32768 elements (64 KiB, in
  * cache for the second): the first compares 16 elements per step and keeps one bit per
- * element, without a branch; the second writes each differing element found by those bits.
- * The word loop above instead branches on every 8 bytes, which at a few % density is a
- * mispredicted branch every ~10 words, and writes all 4 lanes of a differing word. Its outputs
- * are the word loop's, byte for byte (tests/test_native.py runs every diff test both ways). */
+ * element, without a branch; the second writes each differing element found by those bits
+ * (where the CPU has AVX-512 VBMI2 and the run has 1 change in 256 elements or more, from a
+ * list of their offsets that list_lanes compresses out of the bits, again without a branch:
+ * 3 % of 1 GiB of bf16 in 175 ms against 196, BENCHMARKS.md, 28th session). The word loop
+ * above instead branches on every 8 bytes, which at a few % density is a mispredicted branch
+ * every ~10 words, and writes all 4 lanes of a differing word. Its outputs are the word
+ * loop's, byte for byte (tests/test_native.py runs every diff test both ways). */
 #ifdef HAVE_SIMD
 #define HAVE_DIFF_AVX2 1
 
 /* Lanes whose changed-bit words are built before any is emitted: one diff block. */
 #define AVX2_RUN 32768
+/* The offsets in a run of the changed lanes listed before their elements are written. */
+#define AVX2_LIST 4096
+
+/* Set at import when the CPU has AVX-512 VBMI2 (and BW): the AVX2 diff's runs (simd_enabled)
+ * list their changed lanes by list_lanes before they write them. */
+static int list_enabled = 0;
+
+/* The offsets from a run's start of the set bits of bits[0 .. words) (<= 64 words, the first
+ * at offset base), in order, into list (room for words * 64 + 32: each step stores 32). No
+ * branch on the bits: a loop over each word's bits mispredicts its exit about once a word. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt"))) static Py_ssize_t
+list_lanes(const uint64_t *bits, Py_ssize_t words, Py_ssize_t base, uint16_t *list) {
+    static const uint16_t iota[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10,
+                                      11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                      22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+    const __m512i step = _mm512_set1_epi16(32);
+    __m512i at = _mm512_add_epi16(_mm512_loadu_si512(iota), _mm512_set1_epi16((short)base));
+    Py_ssize_t k = 0;
+    for (Py_ssize_t w = 0; w < words; w++) {
+        const __mmask32 lo = (__mmask32)bits[w], hi = (__mmask32)(bits[w] >> 32);
+        _mm512_storeu_si512(list + k, _mm512_maskz_compress_epi16(lo, at));
+        k += __builtin_popcount(lo);
+        at = _mm512_add_epi16(at, step);
+        _mm512_storeu_si512(list + k, _mm512_maskz_compress_epi16(hi, at));
+        k += __builtin_popcount(hi);
+        at = _mm512_add_epi16(at, step);
+    }
+    return k;
+}
+
+/* One changed lane (offset e from the run's start i) into slot c of the outputs. */
+#define EMIT_2(e_, c_)                                                                        \
+    do {                                                                                      \
+        const int64_t p_ = (int64_t)(e_);                                                     \
+        uint16_t ea_, eb_, ex_;                                                               \
+        memcpy(&ea_, o + (e_) * 2, 2);                                                        \
+        memcpy(&eb_, nw + (e_) * 2, 2);                                                       \
+        ex_ = (uint16_t)(ea_ ^ eb_);                                                          \
+        memcpy(pos + (c_) * 8, &p_, 8);                                                       \
+        if (nv) {                                                                             \
+            memcpy(nv + (c_) * 2, &eb_, 2);                                                   \
+            memcpy(xv + (c_) * 2, &ex_, 2);                                                   \
+        }                                                                                     \
+        if (adv) {                                                                            \
+            memcpy(adv + (e_) * 2, &eb_, 2);                                                  \
+        }                                                                                     \
+    } while (0)
 
 __attribute__((target("avx2,bmi,popcnt"))) static Py_ssize_t
 diff_2_avx2(const char *o, const char *nw, Py_ssize_t n, Py_ssize_t i, char *pos, char *nv,
@@ -520,25 +570,24 @@ diff_2_avx2(const char *o, const char *nw, Py_ssize_t n, Py_ssize_t i, char *pos
             break; /* the word loop below fills the outputs exactly */
         }
         /* 2. each differing lane, in order: the run's bytes are still in cache */
-        for (Py_ssize_t w = 0; w < words; w++) {
-            uint64_t m = bits[w];
-            while (m) {
-                const Py_ssize_t e = i + w * 64 + __builtin_ctzll(m);
-                const int64_t p = (int64_t)e;
-                uint16_t ea, eb, ex;
-                memcpy(&ea, o + e * 2, 2);
-                memcpy(&eb, nw + e * 2, 2);
-                ex = (uint16_t)(ea ^ eb);
-                memcpy(pos + c * 8, &p, 8);
-                if (nv) {
-                    memcpy(nv + c * 2, &eb, 2);
-                    memcpy(xv + c * 2, &ex, 2);
+        if (!list_enabled || total * 4 < words) { /* a loop over each word's bits */
+            for (Py_ssize_t w = 0; w < words; w++) {
+                for (uint64_t m = bits[w]; m; m &= m - 1) {
+                    EMIT_2(i + w * 64 + __builtin_ctzll(m), c);
+                    c++;
                 }
-                if (adv) {
-                    memcpy(adv + e * 2, &eb, 2);
+            }
+        } else { /* listed first, 64 words at a time: that loop's exit, taken after a
+                  * different count in each word, mispredicted about once a word (~1 in 40
+                  * elements at 3 %) */
+            uint16_t list[AVX2_LIST + 32];
+            for (Py_ssize_t w = 0; w < words; w += AVX2_LIST / 64) {
+                const Py_ssize_t k = list_lanes(bits + w, (words - w < AVX2_LIST / 64)
+                                                              ? words - w : AVX2_LIST / 64,
+                                                w * 64, list);
+                for (Py_ssize_t q = 0; q < k; q++, c++) {
+                    EMIT_2(i + list[q], c);
                 }
-                c++;
-                m &= m - 1;
             }
         }
         i += words * 64;
@@ -555,6 +604,9 @@ static void simd_init(void) {
     simd_enabled = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
                    !(env && strcmp(env, "0") == 0);
     ef_bmi2 = __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+
+    list_enabled = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vbmi2");
 }
 #else
 static void simd_init(void) {}
