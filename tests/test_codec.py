@@ -625,6 +625,59 @@ def test_encode_bucket_same_bytes_native_and_numpy() -> None:
             assert a.positions is None or torch.equal(a.positions, b.positions)
 
 
+def _xef_reference(positions: torch.Tensor, xor: torch.Tensor, numel: int, level: int) -> Any:
+    """The sparse xef blobs of a change as the publisher wrote them at badf3dc (the positions'
+    payload, then its header byte prepended; the XORs' planes in one zstd frame)."""
+    idx = positions.numpy()
+    payload, bits = codec.ef.encode(idx, numel)
+    blob = bytes([bits]) + payload
+    sample_size = codec_delta._EF_SAMPLE
+    if len(payload) > 2 * sample_size:
+        low, half = codec.ef.sizes(idx.size, numel, bits)[0], sample_size // 2
+        sample = payload[: min(half, low)] + payload[low : low + half]
+        if len(codec_delta._zstd(sample, 1)) > (1 - codec_delta._EF_SAMPLE_GAIN) * len(sample):
+            return blob, codec_delta._zstd(codec_delta._planes(xor), level, values=True)
+    packed = codec_delta._zstd(payload, 1)
+    if len(packed) < len(payload):
+        blob = bytes([bits | 0x80]) + packed
+    return blob, codec_delta._zstd(codec_delta._planes(xor), level, values=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+def test_xef_encode_is_the_old_paths_bytes(dtype: torch.dtype, kernel: str) -> None:
+    """encode_change of a diff's change: the same blobs as the old path (:func:`_xef_reference`)
+    for every width, at 0, 1 and every changed element, either side of the dense threshold,
+    below and above the positions' zstd sample (raw and compressed), and for tensors small
+    enough for the NumPy planes."""
+    rng = np.random.default_rng(dtype.itemsize)
+    width, sampled = dtype.itemsize, set()
+    for numel in (1, 5, 300, 20_000, 2_000_000):
+        edge = int(codec_delta.DENSE_THRESHOLD * numel)
+        for changed, runs in {(0, False), (1, False), (numel // 30, False), (numel // 3, False),
+                              (numel // 3, True), (edge, False), (edge + 1, False),
+                              (numel, False)}:  # fmt: skip
+            changed = min(changed, numel)
+            old = torch.from_numpy(rng.integers(0, 256, numel * width, dtype=np.uint8))
+            new = old.clone()
+            # scattered positions (a payload zstd cannot shrink) or one run (one it can)
+            at = np.arange(changed) if runs else rng.choice(numel, changed, replace=False)
+            flips = torch.from_numpy(rng.integers(1, 256, changed, dtype=np.uint8))
+            new.view(-1, width)[torch.from_numpy(at), 0] ^= flips
+            ov, nv = int_view(old.view(dtype)), int_view(new.view(dtype))
+            (change,) = codec.diff_tensors([ov], [nv])
+            enc = codec.encode_change(
+                change.positions, change.values, change.xor, numel, "xef", level=1
+            )
+            assert enc.changed == changed
+            if enc.mode == "dense" or not changed:
+                continue
+            want = _xef_reference(change.positions, change.xor, numel, 1)
+            assert (enc.positions, enc.values) == want, (numel, changed, runs)
+            if enc.raw_bytes - changed * width > 2 * codec_delta._EF_SAMPLE:
+                sampled.add(bool(enc.positions[0] & 0x80))
+    assert sampled == {False, True}  # the sample said raw, and said zstd
+
+
 # ------------------------------------------------------------------------------ hostile input
 
 

@@ -192,6 +192,19 @@ def test_huge_universes(path: str) -> None:
             _check(np.array(idx, dtype=np.int64), numel)
 
 
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 65_536])
+def test_headed_encode_is_the_header_then_the_payload(path: str, n: int) -> None:
+    """``headed=True`` gives one byte L, then exactly the payload ``encode`` gives without it,
+    for every L (dense and sparse), on both paths; bad positions are refused the same way."""
+    rng = np.random.default_rng(n)
+    for numel in sorted({n, n + 1, 2 * n, 3 * n + 1, 64 * n, 2**40}):
+        idx = _random(rng, n, numel) if numel < 2**40 else np.unique(rng.integers(0, numel, n))
+        payload, bits = ef.encode(idx, numel)
+        assert ef.encode(idx, numel, headed=True) == (bytes([bits]) + payload, bits)
+    with pytest.raises(ConfigError, match=r"positions\[1\] = 1: "):
+        ef.encode(np.array([1, 1], dtype=np.int64), 10, headed=True)
+
+
 def test_encode_accepts_a_strided_view(path: str) -> None:
     idx = np.arange(0, 4000, 3, dtype=np.int64)
     _check(idx[::2], 4000)

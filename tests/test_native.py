@@ -476,6 +476,10 @@ def test_ef_encode_rejects_bad_arguments() -> None:
         native.ef_encode(np.arange(10, dtype=np.int64)[::2], 10, 0)
     with pytest.raises(OverflowError):
         native.ef_encode(idx, 2**63, 0)
+    for header in (-2, 256):
+        with pytest.raises(ValueError, match="header"):
+            native.ef_encode(idx, 10, 1, header)
+    assert native.ef_encode(idx, 10, 1, 0x81) == b"\x81" + native.ef_encode(idx, 10, 1)
 
 
 def test_ef_decode_rejects_bad_arguments() -> None:

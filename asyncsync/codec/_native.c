@@ -43,7 +43,9 @@
  *     positions, which must be strictly increasing within [0, numel) (ValueError naming the
  *     first bad index otherwise): the low parts `p & (2**L - 1)` as an L-bit LSB-first field
  *     array (ceil(n*L/8) bytes), then the high bitvector of n + (numel >> L) + 1 bits with bit
- *     (p[i] >> L) + i set (LSB-first, ceil(bits/8) bytes). 0 <= low_bits <= 63.
+ *     (p[i] >> L) + i set (LSB-first, ceil(bits/8) bytes). 0 <= low_bits <= 63. With
+ *     header (0..255), the payload follows that one byte (an xef positions blob's header) in
+ *     the bytes returned: no copy of the payload to prepend it.
  *
  * ef_decode(payload, n, numel, low_bits, out_positions) -> None
  *     The inverse, into a writable buffer of exactly n int64. ValueError unless the payload has
@@ -2092,12 +2094,17 @@ static int ef_unpack(const unsigned char *low, const unsigned char *high, const 
 static PyObject *ef_encode(PyObject *self, PyObject *args) {
     PyObject *pos_o, *out = NULL;
     Py_ssize_t numel, n, bad_at = -1;
-    int L;
+    int L, header = -1;
     int64_t bad = 0;
     EfLayout lay;
-    if (!PyArg_ParseTuple(args, "Oni:ef_encode", &pos_o, &numel, &L)) {
+    if (!PyArg_ParseTuple(args, "Oni|i:ef_encode", &pos_o, &numel, &L, &header)) {
         return NULL;
     }
+    if (header < -1 || header > 255) {
+        PyErr_Format(PyExc_ValueError, "header must be a byte (0..255) or -1, not %d", header);
+        return NULL;
+    }
+    const Py_ssize_t head = header >= 0; /* bytes before the payload */
     Buffers b = {.held = 0};
     Py_buffer *pos;
     if (!(pos = acquire(&b, pos_o, "positions", 0))) {
@@ -2109,11 +2116,18 @@ static PyObject *ef_encode(PyObject *self, PyObject *args) {
     if (ef_layout(n, numel, L, &lay) < 0) {
         goto fail;
     }
-    if (!(out = PyBytes_FromStringAndSize(NULL, lay.low_len + lay.high_len))) {
+    if (lay.low_len + lay.high_len > PY_SSIZE_T_MAX - head) {
+        PyErr_SetString(PyExc_OverflowError, "Elias-Fano payload too large");
+        goto fail;
+    }
+    if (!(out = PyBytes_FromStringAndSize(NULL, head + lay.low_len + lay.high_len))) {
         goto fail;
     }
     {
-        unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+        unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out) + head;
+        if (head) {
+            dst[-1] = (unsigned char)header;
+        }
         const char *pp = pos->buf;
         NOGIL_BEGIN(pos->len);
         bad_at = ef_pack(pp, n, (uint64_t)numel, L, &lay, dst, dst + lay.low_len, &bad);
@@ -2475,8 +2489,9 @@ static PyMethodDef methods[] = {
      "0), and the Elias-Fano decode's BMI2 loop where the CPU has BMI2; True/False switch\n"
      "them. Results never depend on it."},
     {"ef_encode", ef_encode, METH_VARARGS,
-     "ef_encode(positions, numel, low_bits) -> bytes\n\n"
-     "The uncompressed Elias-Fano payload of strictly increasing int64 positions in [0, numel)."},
+     "ef_encode(positions, numel, low_bits, header=-1) -> bytes\n\n"
+     "The uncompressed Elias-Fano payload of strictly increasing int64 positions in [0, numel)\n"
+     "(after the one byte header, when 0 <= header <= 255)."},
     {"populate_write", populate_write, METH_VARARGS,
      "populate_write(buffer, start, length) -> None\n\n"
      "madvise(MADV_POPULATE_WRITE) over that byte range of a writable buffer (an mmap; start at\n"

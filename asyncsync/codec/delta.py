@@ -424,17 +424,18 @@ def _ef_encode(idx: _Int64Array, numel: int) -> tuple[bytes, int]:
     ~40 % of the Elias-Fano encode: above ``2 * _EF_SAMPLE`` bytes, a sample of each part
     (the start of the low fields, the start of the high bitvector) is tried first, and the
     whole payload only when the sample shrank by ``_EF_SAMPLE_GAIN`` or more."""
-    payload, low_bits = ef.encode(idx, numel)
+    blob, low_bits = ef.encode(idx, numel, headed=True)  # (the uncompressed blob)
+    payload = memoryview(blob)[1:]
     if len(payload) > 2 * _EF_SAMPLE:
         low = ef.sizes(len(idx), numel, low_bits)[0]
         half = _EF_SAMPLE // 2
-        sample = payload[: min(half, low)] + payload[low : low + half]
+        sample = b"".join((payload[: min(half, low)], payload[low : low + half]))
         if len(_zstd(sample, _EF_ZSTD_LEVEL)) > (1 - _EF_SAMPLE_GAIN) * len(sample):
-            return bytes([low_bits]) + payload, len(payload)
+            return blob, len(payload)
     packed = _zstd(payload, _EF_ZSTD_LEVEL)
     if len(packed) < len(payload):
         return bytes([low_bits | _EF_ZSTD]) + packed, len(payload)
-    return bytes([low_bits]) + payload, len(payload)
+    return blob, len(payload)
 
 
 def _ef_decode(blob: bytes | memoryview, n: int, numel: int) -> _Int64Array:
