@@ -606,7 +606,6 @@ static void simd_init(void) {
     simd_enabled = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
                    !(env && strcmp(env, "0") == 0);
     ef_bmi2 = __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
-
     list_enabled = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vbmi2");
 }
