@@ -59,10 +59,10 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
 
 @pytest.fixture(params=["bmi2", "baseline"])
-def decode_loop(request: pytest.FixtureRequest) -> Any:
-    """A kernel test runs twice: with the SIMD kernels on (the decode's fast loop compiled for
-    BMI1/BMI2, where the CPU has them; skipped where the build or CPU has no AVX2 kernels)
-    and off (the baseline loop); both must give the spec's answers."""
+def ef_loop(request: pytest.FixtureRequest) -> Any:
+    """A kernel test runs twice: with the SIMD kernels on (the encode's loop and the decode's
+    fast loop compiled for BMI1/BMI2, where the CPU has them; skipped where the build or CPU
+    has no AVX2 kernels) and off (the baseline loops); both must give the spec's answers."""
     if native.kernels is None:
         pytest.skip("asyncsync.codec._native is not built (or ASYNCSYNC_NATIVE=0)")
     before = native.kernels.simd()
@@ -163,12 +163,13 @@ def test_roundtrip_millions(path: str, density: float, shape: str) -> None:
 
 
 @pytest.mark.parametrize("density", [1e-3, 0.03, 0.3])
-def test_decode_loops_agree_at_scale(density: float, decode_loop: str) -> None:
+def test_ef_loops_agree_at_scale(density: float, ef_loop: str) -> None:
     """Millions of positions (past the fast loop's first words and its prefetch distance)
     decode to the same positions with either loop."""
     numel = 3_000_017
     idx = _random(np.random.default_rng(5), int(numel * density), numel)
     payload, bits = ef.encode(idx, numel)
+    assert payload == reference_payload(idx.tolist(), numel, bits)
     out = np.full(idx.size, -1, np.int64)
     native.kernels.ef_decode(payload, idx.size, numel, bits, out)
     assert np.array_equal(out, idx)
@@ -426,7 +427,7 @@ def _kernel_cases(seed: int) -> list[tuple[np.ndarray, int, int]]:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_kernels_any_low_bits_and_damage_against_the_spec(seed: int, decode_loop: str) -> None:
+def test_kernels_any_low_bits_and_damage_against_the_spec(seed: int, ef_loop: str) -> None:
     """Every L from 0 to 63 over payloads of up to ~3000 positions: the payload is the spec's,
     it decodes back, and every damaged payload (1-3 bits flipped anywhere, or the low part's
     fields shuffled so that order breaks inside the fast loop) gets exactly the spec's answer:
@@ -456,11 +457,11 @@ def test_kernels_any_low_bits_and_damage_against_the_spec(seed: int, decode_loop
 
 @pytest.mark.parametrize("at", [0, 1, 63, 64, 500, 997, 998, 999])
 @pytest.mark.parametrize("kind", ["negative", "repeat", "decrease", "numel", "far"])
-def test_kernel_encode_names_the_first_bad_position_anywhere(at: int, kind: str) -> None:
+def test_kernel_encode_names_the_first_bad_position_anywhere(
+    at: int, kind: str, ef_loop: str
+) -> None:
     """The encode's refusal where its loop stores whole high words and where it keeps the
-    last, partial one: the first bad index and value, whatever follows."""
-    if native.kernels is None:
-        pytest.skip("asyncsync.codec._native is not built")
+    last, partial one: the first bad index and value, whatever follows, with either loop."""
     numel, bits = 1000 << 5, 5
     idx = np.arange(1000, dtype=np.int64) * 32 + 7
     bad = {

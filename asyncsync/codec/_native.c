@@ -111,7 +111,7 @@
 #include <immintrin.h>
 #endif
 static int simd_enabled = 0; /* set at import: the CPU has AVX2 and BMI1, ASYNCSYNC_SIMD != 0 */
-static int ef_bmi2 = 0;      /* set at import: the CPU has BMI1 and BMI2 (the Elias-Fano decode) */
+static int ef_bmi2 = 0;      /* set at import: the CPU has BMI1 and BMI2 (the Elias-Fano encode, decode) */
 
 #define XXH_INLINE_ALL
 #define XXH_STATIC_LINKING_ONLY
@@ -1862,9 +1862,14 @@ static int ef_layout(Py_ssize_t n, Py_ssize_t numel, int L, EfLayout *lay) {
 /* Encode n int64 positions into low (lay->low_len bytes) and high (lay->high_len bytes).
  * Returns -1, or the index of the first position that is not strictly increasing within
  * [0, numel) (its value in *bad; the output is then incomplete). */
-static Py_ssize_t ef_pack(const char *pos, Py_ssize_t n, uint64_t numel, int L,
-                          const EfLayout *lay, unsigned char *low, unsigned char *high,
-                          int64_t *bad) {
+#if defined(__GNUC__) || defined(__clang__)
+#define EF_INLINE static inline __attribute__((always_inline))
+#else
+#define EF_INLINE static inline
+#endif
+EF_INLINE Py_ssize_t ef_pack_body(const char *pos, Py_ssize_t n, uint64_t numel, int L,
+                                  const EfLayout *lay, unsigned char *low, unsigned char *high,
+                                  int64_t *bad) {
     const uint64_t mask = ((uint64_t)1 << L) - 1; /* L <= 63 */
     const uint64_t words = (uint64_t)lay->high_len / 8; /* whole 64-bit words of high */
     uint64_t acc = 0;                              /* low bits not yet stored */
@@ -1914,6 +1919,39 @@ static Py_ssize_t ef_pack(const char *pos, Py_ssize_t n, uint64_t numel, int L,
     return -1;
 }
 
+/* The loop above compiled for BMI1/BMI2 too (shlx/shrx for the shifts by L and fill, bzhi for
+ * the mask), used where the CPU has them and the SIMD kernels are on, as the decode's
+ * (ef_unpack_fast): the same bytes and the same refusals. */
+#ifdef HAVE_SIMD
+__attribute__((target("bmi,bmi2"))) static Py_ssize_t
+ef_pack_bmi2(const char *pos, Py_ssize_t n, uint64_t numel, int L, const EfLayout *lay,
+             unsigned char *low, unsigned char *high, int64_t *bad) {
+    return ef_pack_body(pos, n, numel, L, lay, low, high, bad);
+}
+#endif
+
+/* The baseline build of the loop, kept out of line: inlined into the dispatch below, GCC
+ * compiled it ~30 % slower (1 GiB of bf16 at 3 %: 28.6 -> 37.6 ms). */
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((noinline))
+#endif
+static Py_ssize_t
+ef_pack_base(const char *pos, Py_ssize_t n, uint64_t numel, int L, const EfLayout *lay,
+             unsigned char *low, unsigned char *high, int64_t *bad) {
+    return ef_pack_body(pos, n, numel, L, lay, low, high, bad);
+}
+
+static Py_ssize_t ef_pack(const char *pos, Py_ssize_t n, uint64_t numel, int L,
+                          const EfLayout *lay, unsigned char *low, unsigned char *high,
+                          int64_t *bad) {
+#ifdef HAVE_SIMD
+    if (simd_enabled && ef_bmi2) {
+        return ef_pack_bmi2(pos, n, numel, L, lay, low, high, bad);
+    }
+#endif
+    return ef_pack_base(pos, n, numel, L, lay, low, high, bad);
+}
+
 enum { EF_OK, EF_LOW_TAIL, EF_HIGH_TAIL, EF_COUNT, EF_ORDER };
 
 /* Where a decode stands: the high part's word w (its bits not yet decoded in word), i
@@ -1928,11 +1966,6 @@ typedef struct {
  * the low part (i < safe <= n), and the order checked by a flag. Stops at i == safe or at the
  * end of the high part, leaving *c there. Returns nonzero if any position is not above the one
  * before; the caller also checks c->hi and c->prev against numel (both only grow). */
-#if defined(__GNUC__) || defined(__clang__)
-#define EF_INLINE static inline __attribute__((always_inline))
-#else
-#define EF_INLINE static inline
-#endif
 EF_INLINE uint64_t ef_unpack_fast_body(const unsigned char *low, const unsigned char *high,
                                        Py_ssize_t words, Py_ssize_t tail, Py_ssize_t safe,
                                        int L, char *out, EfCursor *c) {
@@ -2485,8 +2518,9 @@ static PyMethodDef methods[] = {
      "simd(enabled=None) -> bool\n\n"
      "Whether the AVX2 kernels are used: diff_extract's runs for 2-byte elements and XXH3's\n"
      "accumulate loop (chosen at import: the CPU has AVX2 and BMI1 and ASYNCSYNC_SIMD is not\n"
-     "0), and the Elias-Fano decode's BMI2 loop where the CPU has BMI2; True/False switch\n"
-     "them. Results never depend on it."},
+     "0), with their AVX-512 VBMI2 listing of a run's changed lanes where the CPU has it,\n"
+     "and the Elias-Fano encode's and decode's BMI2 loops where the CPU has BMI2; True/False\n"
+     "switch them. Results never depend on it."},
     {"ef_encode", ef_encode, METH_VARARGS,
      "ef_encode(positions, numel, low_bits, header=-1) -> bytes\n\n"
      "The uncompressed Elias-Fano payload of strictly increasing int64 positions in [0, numel)\n"
