@@ -85,3 +85,26 @@ async def test_a_receiver_killed_between_the_commit_and_the_clear_reopens_at_the
     assert _records(ckdir) == []
     te.assert_same(ck.load_state_dict(), mutate(mixed_state(0), 0.05, seed=1))
     await ck.close()
+
+
+async def test_a_failed_clear_of_the_records_still_writes_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The housekeeping after a commit that clears the journal (a zero-diff bump here) writes
+    the HF index even where the clear fails: the clear is retried by the next begin or open,
+    but an index left at the version before would name a version the files no longer hold
+    (a reloading engine's server reads it)."""
+    sd0 = mixed_state(0)
+    ck = await te.init_checkpoint(tmp_path, sd0)
+    store = ck._store
+
+    def fail(path: Path) -> None:
+        raise OSError(5, "Input/output error", str(path))
+
+    monkeypatch.setattr(store, "clear_dir", fail)
+    await ck.bump(te.build_manifest(sd0, 1, base=sd0))
+    assert ck.state.version == 1
+    index = (tmp_path / "model.safetensors.index.json").read_text()
+    assert '"asyncsync_version": 1' in index
+    monkeypatch.undo()
+    await ck.close()

@@ -569,15 +569,20 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
     def _after_commit(self, version: int, *, journal: bool = True) -> None:
         """Housekeeping once state.json holds ``version``: never fails the committed version.
         The HF index before the ack (a reloading engine's server reads it); the undo records
-        (``journal``) then, or after the ack (:meth:`_clear_journal`)."""
-        try:
-            if journal:
-                self._store.clear_dir(self._store.journal_dir)  # also cleared by open and begin
-            self._write_index(version)
-        except OSError as exc:
-            logger.warning(
-                "%s: v%s committed, but housekeeping failed: %s", self.directory, version, exc
-            )
+        (``journal``) then, or after the ack (:meth:`_clear_journal`); each tried whatever
+        the other did (a failed clear is retried by the next open or begin)."""
+
+        def tried(step: Callable[[], None]) -> None:
+            try:
+                step()
+            except OSError as exc:
+                logger.warning(
+                    "%s: v%s committed, but housekeeping failed: %s", self.directory, version, exc
+                )
+
+        if journal:
+            tried(lambda: self._store.clear_dir(self._store.journal_dir))
+        tried(lambda: self._write_index(version))
 
     def _clear_journal(self) -> None:
         """The undo records of the delta committed last, after its ack: stale since state.json
