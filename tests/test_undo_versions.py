@@ -24,6 +24,7 @@ from asyncsync import Publisher
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import assert_holds
+from tests.test_progressive_journal import _crashed_mid_delta, needs_kernel
 from tests.test_redolog import _publish
 
 
@@ -71,3 +72,49 @@ async def test_a_crash_beside_an_earlier_versions_undo_records_does_not_write_th
         assert_holds(again.load_state_dict(), sds[2])
     finally:
         await again.close()
+
+
+def _hostile(record: Path, header: str) -> None:
+    """Beside the real record ``record`` (its header rewritten in its own length, its data
+    kept): ``nested``, a record whose header nests past the JSON parser's depth; ``inf``, the
+    real record saying its version is ``1e999`` (a number no int holds), all else intact."""
+    data = record.read_bytes()
+    hlen = int.from_bytes(data[:8], "little")
+    if header == "nested":
+        text = b"[" * 100_000 + b"]" * 100_000
+        (record.parent / "undo-000009.progressive").write_bytes(
+            len(text).to_bytes(8, "little") + text
+        )
+        return
+    meta = json.loads(data[8 : 8 + hlen])
+    text = (
+        json.dumps(meta, separators=(",", ":"))
+        .replace(f'"target_version":"{meta["target_version"]}"', '"target_version":1e999')
+        .encode()
+    )
+    assert b"1e999" in text and len(text) <= hlen
+    record.write_bytes(data[:8] + text.ljust(hlen) + data[8 + hlen :])
+
+
+@needs_kernel
+@pytest.mark.parametrize("header", ["nested", "inf"])
+async def test_a_record_whose_header_is_hostile_is_left_to_the_undo(
+    tmp_path: Path, header: str
+) -> None:
+    """The version check reads each record's header: one it cannot read is left to the undo,
+    as before it (``nested``: unreadable, the files wiped for a keyframe; ``inf``: read and
+    written back, v0 held). It raised RecursionError / OverflowError out of ``open()``, at
+    every restart."""
+    sd0, record = await _crashed_mid_delta(tmp_path)
+    _hostile(record, header)
+    ck = LocalCheckpoint(tmp_path / "c")
+    try:
+        state = await ck.open()
+        if header == "nested":
+            assert state.version is None
+        else:
+            assert state.version == 0
+            assert_holds(ck.load_state_dict(), sd0)
+        assert not list((tmp_path / "c" / ".asyncsync" / "journal").iterdir())
+    finally:
+        await ck.close()

@@ -298,7 +298,8 @@ def align8(nbytes: int) -> int:
 def target_version(path: Path) -> int | None:
     """The version the apply that wrote the record ``path`` moved to: its header's
     ``target_version`` (every record has named it, both layouts). None where the header does
-    not read or say it: such a record is left to :func:`read`, which refuses it as before."""
+    not read or say it (a header nested past the parser's depth, a version no int holds
+    included): such a record is left to :func:`read`, which refuses it as before."""
     try:
         fd = fsio.open_file(path)  # a FIFO or a device: refused, never read
         try:
@@ -312,7 +313,8 @@ def target_version(path: Path) -> int | None:
         if meta.get("format") != JOURNAL_FORMAT:
             return None
         return int(meta["target_version"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error,
+            RecursionError, OverflowError):  # fmt: skip
         return None
 
 
