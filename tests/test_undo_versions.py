@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from asyncsync import Publisher
 from receiver import ReceiverAgent
@@ -116,5 +117,55 @@ async def test_a_record_whose_header_is_hostile_is_left_to_the_undo(
             assert state.version == 0
             assert_holds(ck.load_state_dict(), sd0)
         assert not list((tmp_path / "c" / ".asyncsync" / "journal").iterdir())
+    finally:
+        await ck.close()
+
+
+async def _crashed_mid_durable_delta(tmp_path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """A checkpoint at v0 (durable records: ``sync_before_ack``) whose delta to v1 was
+    interrupted after its first group (a real child process, os._exit at the second patch
+    call): state ``applying`` v1, the first group's record durable, its patch written."""
+    from tests.test_engines import (
+        build_manifest,
+        init_checkpoint,
+        mixed_state,
+        mutate,
+        run_crashing_child,
+        xef_batches,
+    )
+
+    sd0 = mixed_state(0)
+    ck = await init_checkpoint(tmp_path / "c", sd0)
+    await ck.close()
+    sd1 = mutate(sd0, 0.2, seed=1)
+    m1 = build_manifest(sd1, 1, base=sd0)
+    run_crashing_child(
+        tmp_path, tmp_path / "c", m1, xef_batches(m1, sd0, sd1), "delta", durable=True
+    )
+    records = sorted((tmp_path / "c" / ".asyncsync" / "journal").glob("undo-*.safetensors"))
+    assert records
+    return sd0, records[0]
+
+
+@needs_kernel
+async def test_a_needed_record_whose_version_digit_flipped_is_still_written_back(
+    tmp_path: Path,
+) -> None:
+    """A durable record of the delta being undone, one bit of its header's ``target_version``
+    flipped (``"1"`` -> ``"0"``, bit rot): the version check took it for a stale record and
+    removed it, so its group's new bytes stayed in the files, served as v0 (a durable undo is
+    trusted, not re-checked). Before the check the record was read and written back; now a
+    removal at open makes the files checked against v0's checksums: wiped, not served."""
+    sd0, record = await _crashed_mid_durable_delta(tmp_path)
+    data = bytearray(record.read_bytes())
+    at = data.index(b'"target_version":"1"') + len(b'"target_version":"')
+    data[at] ^= 0x01  # "1" -> "0"
+    record.write_bytes(bytes(data))
+    ck = LocalCheckpoint(tmp_path / "c", sync_before_ack=True)
+    try:
+        state = await ck.open()
+        assert state.version in (0, None)  # exact, or wiped: never v1's bytes as v0's
+        if state.version == 0:
+            assert_holds(ck.load_state_dict(), sd0)
     finally:
         await ck.close()

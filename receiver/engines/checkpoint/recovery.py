@@ -369,9 +369,10 @@ class Recovery:
         not ``synced`` (durably, before its records go: a crash of the machine may have cost
         pages the records cannot restore, so the bytes are checked before they are trusted);
         in the process the page cache is whole and the undo's sync makes it durable."""
-        self._drop_stale_records()
+        dropped = self._drop_stale_records()  # at open, checked as lost pages are: a record
+        # taken for stale by its header alone may be one of this apply's, its header damaged
         progressive = inplace.undo(self._store.journal_dir, self._layout, maps, sync=False)
-        lost = at_open and (progressive or self._ps.progressive)
+        lost = at_open and (progressive or self._ps.progressive or dropped)
         clean = replace(self._ps.clean(), synced=self._ps.synced and not lost)
         try:
             maps.sync()
@@ -388,16 +389,17 @@ class Recovery:
             # without records)
         self._store.clear_dir(self._store.journal_dir)
 
-    def _drop_stale_records(self) -> None:
+    def _drop_stale_records(self) -> bool:
         """Remove the undo records of another version than the one being undone: each is of
         an apply that ended (committed: the files hold its new bytes), left where its removal
         failed; written back, its old bytes (of a version before the files' base) would mix the
         files (RELIABILITY.md, the checkpoint's redo log).
         A redo log's compaction marks the state ``applying`` before it clears the journal, so a
-        crash between the two met them. Raises where one cannot be removed (undone again)."""
+        crash between the two met them. Raises where one cannot be removed (undone again);
+        returns whether any was removed."""
         target, jdir = self._ps.target_version, self._store.journal_dir
         if target is None or not jdir.is_dir() or jdir.is_symlink():
-            return
+            return False
         stale = [
             (p, v)
             for p in jdir.iterdir()
@@ -410,6 +412,7 @@ class Recovery:
             path.unlink()
         if stale:
             fsio.fsync_dir(jdir)
+        return bool(stale)
 
     def _undone_unsynced(self, clean: PersistedState, exc: OSError) -> None:
         """A rollback written back whose data sync failed (a disk that cannot write the
