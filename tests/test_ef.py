@@ -163,9 +163,9 @@ def test_roundtrip_millions(path: str, density: float, shape: str) -> None:
 
 
 @pytest.mark.parametrize("density", [1e-3, 0.03, 0.3])
-def test_ef_loops_agree_at_scale(density: float, ef_loop: str) -> None:
+def test_loops_agree_at_scale(density: float, ef_loop: str) -> None:
     """Millions of positions (past the fast loop's first words and its prefetch distance)
-    decode to the same positions with either loop."""
+    encode to the spec's payload and decode to the same positions with either loop."""
     numel = 3_000_017
     idx = _random(np.random.default_rng(5), int(numel * density), numel)
     payload, bits = ef.encode(idx, numel)
