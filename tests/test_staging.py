@@ -179,3 +179,18 @@ def test_a_dtype_it_does_not_rank_is_left_to_save_file(
     assert not writes
     back = safetensors.torch.load_file(tmp_path / "part.safetensors")
     assert set(back) == {"a", "z"} and torch.equal(back["a"], sd["a"])
+
+
+@pytest.mark.parametrize("metadata", [{}, {"format": "pt"}, {"format": "pt", "k": "é"}])
+def test_write_safetensors_is_save_files_bytes_whatever_the_metadata(
+    tmp_path: Path, metadata: dict[str, str]
+) -> None:
+    """The writer's own contract, beside the staging's one caller (which passes
+    ``{"format": "pt"}``): no metadata writes no ``__metadata__`` key, as ``save_file`` with
+    none writes it."""
+    sd = {"a": torch.arange(5, dtype=torch.float32), "b": torch.zeros(3, dtype=torch.bfloat16)}
+    assert staging.write_safetensors(tmp_path / "x.safetensors", sd, metadata)
+    safetensors.torch.save_file(sd, tmp_path / "ref.safetensors", metadata=metadata or None)
+    assert (tmp_path / "x.safetensors").read_bytes() == (
+        tmp_path / "ref.safetensors"
+    ).read_bytes()

@@ -270,8 +270,9 @@ def safetensors_parts(
     data offsets in ``entries``' order, with no hole), then each entry's bytes. The header is
     padded with spaces to a multiple of 8 bytes, as safetensors' own writer does; its names are
     ``\\u``-escaped unless ``ensure_ascii`` is False (UTF-8, as safetensors writes them: the
-    checkpoint's staging writes ``save_file``'s bytes)."""
-    header: dict[str, object] = {"__metadata__": meta}
+    checkpoint's staging writes ``save_file``'s bytes); no ``__metadata__`` where ``meta`` is
+    empty, as safetensors writes none (a shard always has it)."""
+    header: dict[str, object] = {"__metadata__": meta} if meta else {}
     offset = 0
     for key, t, data in entries:
         n = len(data)
