@@ -191,6 +191,4 @@ def test_write_safetensors_is_save_files_bytes_whatever_the_metadata(
     sd = {"a": torch.arange(5, dtype=torch.float32), "b": torch.zeros(3, dtype=torch.bfloat16)}
     assert staging.write_safetensors(tmp_path / "x.safetensors", sd, metadata)
     safetensors.torch.save_file(sd, tmp_path / "ref.safetensors", metadata=metadata or None)
-    assert (tmp_path / "x.safetensors").read_bytes() == (
-        tmp_path / "ref.safetensors"
-    ).read_bytes()
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
