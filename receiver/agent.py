@@ -70,7 +70,7 @@ from receiver.shard_reader import (
 )
 from receiver.status import AgentStatus, Counters
 from receiver.stream import STREAM_TIMEOUT
-from receiver.watch import Repeats, first_of, wakeups
+from receiver.watch import Repeats, first_of, inotify_wanted, wakeups
 
 __all__ = ["VERIFY_DEADLINE", "AgentStatus", "ReceiverAgent"]
 
@@ -155,7 +155,8 @@ class ReceiverAgent:
         self.prefetch_bytes = prefetch_bytes
         self.apply_group_bytes = apply_group_bytes
         self.stream_timeout = stream_timeout
-        self._early = EarlyRead(self.root, self.engine_id)  # the next version, before its manifest
+        # the next version, before its manifest
+        self._early = EarlyRead(self.root, self.engine_id, use_inotify=inotify_wanted(use_inotify))
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None  # run()'s: checked between versions
         self._bad = BadVersions(self.root, self.engine_id, verify_deadline)

@@ -38,9 +38,10 @@ RESTREAM_DELAY = 1.0
 class EarlyRead:
     """At most one early read at a time, and its task."""
 
-    def __init__(self, root: Path, engine_id: str) -> None:
+    def __init__(self, root: Path, engine_id: str, *, use_inotify: bool = True) -> None:
         self.root = root
         self.engine_id = engine_id
+        self.use_inotify = use_inotify  # a stream wakes as its shards land (this host's writes)
         self.reader: Prefetcher | StreamApplier | None = None
         self.task: asyncio.Task[None] | None = None
         self._restreams = (-1, 0, 0.0)  # (version, streams started again, when the last)
@@ -72,6 +73,7 @@ class EarlyRead:
         self.reader = await early_reader(
             self.root, engine, cur, wake, prefetch_bytes=prefetch_bytes,
             group_bytes=group_bytes, idle_timeout=idle_timeout, verify_deadline=verify_deadline,
+            use_inotify=self.use_inotify,
         )  # fmt: skip
         self.task = asyncio.create_task(self.reader.run(), name=f"prefetch v{nxt} {self.engine_id}")
 

@@ -13,6 +13,7 @@ a symlink among them (FORMAT.md: nothing below the root is followed).
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import errno
@@ -23,7 +24,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["DirectoryWatch", "available"]
+__all__ = ["DirectoryWatch", "available", "nap"]
 
 _IN_MODIFY = 0x00000002
 _IN_ATTRIB = 0x00000004
@@ -38,6 +39,7 @@ _IN_UNMOUNT = 0x00002000
 _IN_Q_OVERFLOW = 0x00004000
 _IN_IGNORED = 0x00008000
 _IN_ONLYDIR = 0x01000000
+_IN_DONT_FOLLOW = 0x02000000
 _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
 
@@ -78,7 +80,7 @@ class DirectoryWatch:
     instance or watch limit reached: EMFILE, ENOSPC; not a directory: ENOTDIR).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, follow: bool = True) -> None:
         libc = _libc()
         if libc is None:
             raise OSError(errno.ENOSYS, "inotify is not available here")
@@ -86,7 +88,8 @@ class DirectoryWatch:
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"inotify_init1: {os.strerror(err)}")
-        if libc.inotify_add_watch(fd, os.fsencode(directory), _MASK) < 0:
+        mask = _MASK if follow else _MASK | _IN_DONT_FOLLOW  # (not: a symlink is refused)
+        if libc.inotify_add_watch(fd, os.fsencode(directory), mask) < 0:
             err = ctypes.get_errno()
             os.close(fd)
             raise OSError(err, f"inotify_add_watch {directory}: {os.strerror(err)}")
@@ -119,3 +122,33 @@ class DirectoryWatch:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+async def nap(watch: DirectoryWatch | None, seconds: float, stop: asyncio.Event) -> None:
+    """Sleep ``seconds`` or less: until ``stop``, or an entry of ``watch``'s directory (where
+    one was made) is created, written or renamed in, other than a hidden one (a temporary
+    file). The events are read and dropped: the caller looks at the directory itself."""
+    if stop.is_set():
+        return
+    loop = asyncio.get_running_loop()
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        assert watch is not None
+        try:
+            wanted, gone = watch.read(lambda name: not name.startswith("."))
+        except OSError:
+            wanted, gone = True, True
+        if (wanted or gone) and not woken.done():
+            woken.set_result(None)
+
+    stopped = asyncio.ensure_future(stop.wait())
+    if watch is not None:
+        loop.add_reader(watch.fd, ready)
+    try:
+        await asyncio.wait((woken, stopped), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if watch is not None:
+            loop.remove_reader(watch.fd)
+        stopped.cancel()
+        woken.cancel()

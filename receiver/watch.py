@@ -36,7 +36,7 @@ from asyncsync.format import ACKS_DIR
 from asyncsync.format.names import LEASES_DIR
 from receiver import inotify
 
-__all__ = ["REPEAT_LOG_SECONDS", "Repeats", "first_of", "wakeups"]
+__all__ = ["REPEAT_LOG_SECONDS", "Repeats", "first_of", "inotify_wanted", "wakeups"]
 
 REPEAT_LOG_SECONDS = 60.0  # a failure that recurs is logged again after this long
 INOTIFY_PAUSE = 0.005  # s between two reads of the root's events (the first wakes at once)
@@ -44,7 +44,8 @@ INOTIFY_PAUSE = 0.005  # s between two reads of the root's events (the first wak
 logger = logging.getLogger(__name__)
 
 
-def _inotify_wanted(use_inotify: bool | None) -> bool:
+def inotify_wanted(use_inotify: bool | None) -> bool:
+    """Whether to use inotify: ``use_inotify`` if given, else unless ASYNCSYNC_FORCE_POLLING."""
     if use_inotify is not None:
         return use_inotify
     return os.environ.get("ASYNCSYNC_FORCE_POLLING", "").lower() not in ("1", "true", "yes")
@@ -174,7 +175,7 @@ async def wakeups(
     stop = asyncio.Event()
     task: asyncio.Task[bool] | None = None
     watched: tuple[int, int] | None = None  # (st_dev, st_ino) of the directory watched
-    wanted = _inotify_wanted(use_inotify)
+    wanted = inotify_wanted(use_inotify)
 
     def arm() -> None:
         """Watch the directory the root's path names now, where no watch of it runs and one
