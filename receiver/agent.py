@@ -155,11 +155,13 @@ class ReceiverAgent:
         self.prefetch_bytes = prefetch_bytes
         self.apply_group_bytes = apply_group_bytes
         self.stream_timeout = stream_timeout
-        # the next version, before its manifest
-        self._early = EarlyRead(self.root, self.engine_id, use_inotify=inotify_wanted(use_inotify))
+        self._bad = BadVersions(self.root, self.engine_id, verify_deadline)
+        self._early = EarlyRead(  # the next version, before its manifest
+            self.root, self.engine_id, use_inotify=inotify_wanted(use_inotify),
+            manifests=self._bad.manifests,
+        )  # fmt: skip
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None  # run()'s: checked between versions
-        self._bad = BadVersions(self.root, self.engine_id, verify_deadline)
         self._presence = RootPresence(
             self.root, self.engine_id, engine, lease_ttl=lease_ttl, lease_settle=lease_settle
         )

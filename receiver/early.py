@@ -16,7 +16,7 @@ from collections.abc import Container
 from pathlib import Path
 
 from asyncsync.format import Manifest, ShardInfo
-from asyncsync.format.store import is_committed
+from asyncsync.format.store import ManifestCache, is_committed
 from receiver.engines.base import Engine
 from receiver.plan import Mode
 from receiver.prefetch import Prefetcher, being_written
@@ -38,10 +38,19 @@ RESTREAM_DELAY = 1.0
 class EarlyRead:
     """At most one early read at a time, and its task."""
 
-    def __init__(self, root: Path, engine_id: str, *, use_inotify: bool = True) -> None:
+    def __init__(
+        self,
+        root: Path,
+        engine_id: str,
+        *,
+        use_inotify: bool = True,
+        manifests: ManifestCache | None = None,
+    ) -> None:
         self.root = root
         self.engine_id = engine_id
         self.use_inotify = use_inotify  # a stream wakes as its shards land (this host's writes)
+        # the agent's: the base a stream checks against is the version just applied (parsed)
+        self.manifests = manifests or ManifestCache()
         self.reader: Prefetcher | StreamApplier | None = None
         self.task: asyncio.Task[None] | None = None
         self._restreams = (-1, 0, 0.0)  # (version, streams started again, when the last)
@@ -73,7 +82,7 @@ class EarlyRead:
         self.reader = await early_reader(
             self.root, engine, cur, wake, prefetch_bytes=prefetch_bytes,
             group_bytes=group_bytes, idle_timeout=idle_timeout, verify_deadline=verify_deadline,
-            use_inotify=self.use_inotify,
+            use_inotify=self.use_inotify, read=self.manifests.get,
         )  # fmt: skip
         self.task = asyncio.create_task(self.reader.run(), name=f"prefetch v{nxt} {self.engine_id}")
 

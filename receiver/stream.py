@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -287,8 +287,7 @@ class StreamApplier:
 
     def _watch(self) -> inotify.DirectoryWatch | None:
         """An inotify watch of the version's directory where one can be made, else None
-        (polling only: a shard was seen up to ~20 ms late, the poll backed off while the
-        next shard's diff ran)."""
+        (polling only: a shard was seen up to ~20 ms late, as the poll backed off)."""
         if not (self.use_inotify and inotify.available()):
             return None
         try:
@@ -534,6 +533,7 @@ async def early_reader(
     idle_timeout: float,
     verify_deadline: float,
     use_inotify: bool = True,
+    read: Callable[[Path, int], Manifest] = read_manifest,
 ) -> StreamApplier | Prefetcher:
     """What reads version ``held + 1`` before its manifest: a :class:`StreamApplier` when the
     engine ``streams`` and holds ``held`` as the root's manifest says (fingerprint), else a
@@ -541,7 +541,7 @@ async def early_reader(
     base = None
     if engine.streams:
         with contextlib.suppress(AsyncSyncError, OSError):
-            base = await asyncio.to_thread(read_manifest, root, held)
+            base = await asyncio.to_thread(read, root, held)  # (the agent's cache: parsed)
     if base is None or base.fingerprint != engine.state.fingerprint:
         return Prefetcher(root, held + 1, on_manifest=wake, max_bytes=prefetch_bytes)
     return StreamApplier(

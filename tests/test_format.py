@@ -199,6 +199,45 @@ async def test_manifest_cache_rereads_only_a_changed_file(tmp_path: Path) -> Non
         cache.get(tmp_path, 0)
 
 
+async def test_manifest_cache_is_shared_by_threads(tmp_path: Path) -> None:
+    """A receiver's syncs and its stream read manifests through one cache from several
+    threads at once: gets of more versions than it keeps, from 8 threads, each returning the
+    version asked for, none failing. A guard: unlocked, two evictions of one version could
+    meet (KeyError), or ``min`` iterate the dict while another thread grew it; this run did
+    not make that happen on the unlocked cache (a GIL switch mid-eviction is rare)."""
+    import threading
+
+    from asyncsync import Publisher
+    from asyncsync.format.store import ManifestCache
+    from tests.conftest import mixed_state, mutate
+
+    sd = mixed_state(0)
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        for v in range(1, 6):
+            await pub.publish(mutate(sd, 0.05, seed=v))
+    cache = ManifestCache(size=2)
+    errors: list[BaseException] = []
+    go = threading.Barrier(8)
+
+    def hammer(k: int) -> None:
+        go.wait()
+        try:
+            for i in range(300):
+                v = (k + i) % 6
+                assert cache.get(tmp_path, v).version == v
+        except BaseException as exc:  # reported below, by the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(cache._entries) <= 2
+
+
 def test_unknown_fields_are_ignored_and_integers_are_json_integers() -> None:
     """FORMAT.md 11.3: a later writer may add fields (ignored by every reader, in every
     record); an integer field written with a fraction or an exponent is refused."""
