@@ -7,11 +7,12 @@ roots written by format 2 (no streaming metadata) are read as before."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,21 @@ def _agent(tmp: Path, **agent_kw: Any) -> tuple[LocalCheckpoint, ReceiverAgent]:
         tmp / "root", engine, "e1", use_inotify=False, poll_interval=0.02, **agent_kw
     )
     return engine, agent
+
+
+@contextlib.asynccontextmanager
+async def _engine_at_v1(tmp: Path) -> AsyncIterator[tuple[Publisher, LocalCheckpoint]]:
+    """A publisher of ``tmp/root`` at v1 and a checkpoint ``tmp/ck`` synced to it by an agent
+    closed again (no run(): nothing takes a stream of v2 over)."""
+    engine = LocalCheckpoint(tmp / "ck")
+    async with Publisher(
+        tmp / "root", bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        async with ReceiverAgent(tmp / "root", engine, "e1", use_inotify=False) as agent:
+            assert await agent.sync_once() == 1
+        yield pub, engine
 
 
 def _streamer(agent: ReceiverAgent) -> StreamApplier | None:
@@ -519,14 +535,7 @@ async def test_a_streamed_version_retention_removed_is_not_called_abandoned(
     from asyncsync.publish.retention import RetentionPolicy
 
     root = tmp_path / "root"
-    engine = LocalCheckpoint(tmp_path / "ck")
-    async with Publisher(
-        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
-    ) as pub:
-        await pub.seed(_state(0))
-        await pub.publish(_state(1))
-        async with ReceiverAgent(root, engine, "e1", use_inotify=False) as agent:
-            assert await agent.sync_once() == 1  # (no run(): nothing takes the stream over)
+    async with _engine_at_v1(tmp_path) as (pub, engine):
         ack = ack_path(root, "e1")
         os.utime(ack, (ack.stat().st_atime, ack.stat().st_mtime - 7200))  # acked 2 h ago
         await engine.open()
@@ -760,14 +769,7 @@ async def test_a_stream_wakes_as_its_shard_lands_not_at_its_next_poll(
     from receiver import inotify
 
     root = tmp_path / "root"
-    engine = LocalCheckpoint(tmp_path / "ck")
-    async with Publisher(
-        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
-    ) as pub:
-        await pub.seed(_state(0))
-        await pub.publish(_state(1))
-        async with ReceiverAgent(root, engine, "e1", use_inotify=False) as agent:
-            assert await agent.sync_once() == 1
+    async with _engine_at_v1(tmp_path) as (pub, engine):
         await engine.open()
         gate, napping = threading.Event(), asyncio.Event()
         real_write, real_nap = VersionWriter._write_shard, inotify.nap
