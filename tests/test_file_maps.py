@@ -356,3 +356,39 @@ def test_a_prefault_the_kernel_cannot_do_is_an_error_only_for_efault(
         assert info.value.errno == raised and info.value.filename == str(tmp_path / loc.file)
     finally:
         maps.close()
+
+
+def _vm_flags(path: Path) -> list[str]:
+    """The VmFlags of this process's mappings of ``path`` (/proc/self/smaps)."""
+    out: list[list[str]] = []
+    name = os.path.realpath(path)
+    with open("/proc/self/smaps") as f:
+        mine = False
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                mine = head[-1] == name
+            elif mine and line.startswith("VmFlags:"):
+                out.append(head[1:])
+    return [flag for flags in out for flag in flags] if out else []
+
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not _THP.exists() or "[never]" in _THP.read_text(), reason="no transparent huge pages here"
+)
+def test_the_mappings_ask_for_huge_folios(tmp_path: Path) -> None:
+    """A data file is mapped with MADV_HUGEPAGE: its pages faulted in through the map come as
+    PMD-sized folios whatever the device's read-ahead (at 128 KiB a cold 256 MiB file's
+    populate cost 49 ms of CPU against 15.5 with it, and every version after ~15 % more)."""
+    loc = _file(tmp_path, 4 << 20)
+    maps = FileMaps(tmp_path)
+    try:
+        maps.flat(loc)[:1] = 1  # mapped (the first touch maps the file)
+        flags = _vm_flags(tmp_path / loc.file)
+        assert flags, "the file is not mapped"
+        assert "hg" in flags, flags
+    finally:
+        maps.close()
