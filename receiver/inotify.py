@@ -18,13 +18,14 @@ import ctypes
 import ctypes.util
 import errno
 import functools
+import logging
 import os
 import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["DirectoryWatch", "available", "nap"]
+__all__ = ["DirectoryWatch", "available", "nap", "watch_or_none"]
 
 _IN_MODIFY = 0x00000002
 _IN_ATTRIB = 0x00000004
@@ -48,11 +49,18 @@ _MASK = (
     _IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE
     | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR
 )  # fmt: skip
+#: entries arriving whole (created, renamed in, closed after a write), the directory gone: not
+#: each write (a file being made: a shard's temporary, or one written in a loop by anyone)
+_ARRIVALS = (
+    _IN_CREATE | _IN_MOVED_TO | _IN_CLOSE_WRITE | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR
+)
 #: the watched directory itself went away (removed, moved, its filesystem unmounted)
 _GONE = _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_UNMOUNT | _IN_IGNORED
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
 #: bytes of events read at once: ~1,000 events with names of the root's kind
 READ_BYTES = 32 * 1024
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -80,7 +88,7 @@ class DirectoryWatch:
     instance or watch limit reached: EMFILE, ENOSPC; not a directory: ENOTDIR).
     """
 
-    def __init__(self, directory: Path, *, follow: bool = True) -> None:
+    def __init__(self, directory: Path, *, follow: bool = True, arrivals: bool = False) -> None:
         libc = _libc()
         if libc is None:
             raise OSError(errno.ENOSYS, "inotify is not available here")
@@ -88,7 +96,8 @@ class DirectoryWatch:
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"inotify_init1: {os.strerror(err)}")
-        mask = _MASK if follow else _MASK | _IN_DONT_FOLLOW  # (not: a symlink is refused)
+        mask = _ARRIVALS if arrivals else _MASK
+        mask |= 0 if follow else _IN_DONT_FOLLOW  # (not: a symlink is refused)
         if libc.inotify_add_watch(fd, os.fsencode(directory), mask) < 0:
             err = ctypes.get_errno()
             os.close(fd)
@@ -124,10 +133,30 @@ class DirectoryWatch:
             self.fd = -1
 
 
-async def nap(watch: DirectoryWatch | None, seconds: float, stop: asyncio.Event) -> None:
+def watch_or_none(directory: Path, use_inotify: bool) -> DirectoryWatch | None:
+    """A watch of the entries arriving in ``directory`` (a symlink refused) where inotify is
+    wanted and one can be made, else None: the caller polls only (no inotify here, the
+    per-user instance or watch limit reached, the directory gone)."""
+    if not (use_inotify and available()):
+        return None
+    try:
+        return DirectoryWatch(directory, follow=False, arrivals=True)
+    except OSError as exc:
+        logger.debug("no inotify watch of %s (%s): polling only", directory, exc)
+        return None
+
+
+async def nap(
+    watch: DirectoryWatch | None,
+    seconds: float,
+    stop: asyncio.Event,
+    keep: Callable[[str], bool] = lambda name: not name.startswith("."),
+) -> None:
     """Sleep ``seconds`` or less: until ``stop``, or an entry of ``watch``'s directory (where
-    one was made) is created, written or renamed in, other than a hidden one (a temporary
-    file). The events are read and dropped: the caller looks at the directory itself."""
+    one was made) that ``keep`` wants (by default any but a hidden one: a temporary file) is
+    created, written or renamed in or out, or the directory goes. The events are read and
+    dropped (the caller looks at the directory itself); those of other entries wake nothing:
+    a flood of them (a process writing other files there in a loop) must not spin a core."""
     if stop.is_set():
         return
     loop = asyncio.get_running_loop()
@@ -136,7 +165,7 @@ async def nap(watch: DirectoryWatch | None, seconds: float, stop: asyncio.Event)
     def ready() -> None:
         assert watch is not None
         try:
-            wanted, gone = watch.read(lambda name: not name.startswith("."))
+            wanted, gone = watch.read(keep)
         except OSError:
             wanted, gone = True, True
         if (wanted or gone) and not woken.done():

@@ -278,23 +278,12 @@ class StreamApplier:
         """Poll for the shards in order and queue each complete one (one ahead of the shard
         being checked and decoded); return at the manifest, at :meth:`finish`, or at a first
         shard of format 2."""
-        watch = self._watch()
+        watch = inotify.watch_or_none(self.dir, self.use_inotify)  # else polling only
         try:
             await self._read_each(ready, watch)
         finally:
             if watch is not None:
                 watch.close()
-
-    def _watch(self) -> inotify.DirectoryWatch | None:
-        """An inotify watch of the version's directory where one can be made, else None
-        (polling only: a shard was seen up to ~20 ms late, as the poll backed off)."""
-        if not (self.use_inotify and inotify.available()):
-            return None
-        try:
-            return inotify.DirectoryWatch(self.dir, follow=False)
-        except OSError as exc:
-            logger.debug("no inotify watch of %s (%s): polling only", self.dir, exc)
-            return None
 
     async def _read_each(
         self,
@@ -324,7 +313,8 @@ class StreamApplier:
                         f"no shard nor manifest of v{self.version} for "
                         f"{self.idle_timeout:g}s: the publish was abandoned"
                     )
-                await inotify.nap(watch, delay, self._stop)
+                wanted = (path.name, MANIFEST_NAME)  # not other files (a flood of them)
+                await inotify.nap(watch, delay, self._stop, wanted.__contains__)
                 delay = min(delay * 1.25, 0.1)  # an abandoned write must not spin the CPU
                 continue
             if k == 0:  # before the read: a file replaced meanwhile only restarts a failed one

@@ -72,21 +72,6 @@ def _agent(tmp: Path, **agent_kw: Any) -> tuple[LocalCheckpoint, ReceiverAgent]:
     return engine, agent
 
 
-@contextlib.asynccontextmanager
-async def _engine_at_v1(tmp: Path) -> AsyncIterator[tuple[Publisher, LocalCheckpoint]]:
-    """A publisher of ``tmp/root`` at v1 and a checkpoint ``tmp/ck`` synced to it by an agent
-    closed again (no run(): nothing takes a stream of v2 over)."""
-    engine = LocalCheckpoint(tmp / "ck")
-    async with Publisher(
-        tmp / "root", bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
-    ) as pub:
-        await pub.seed(_state(0))
-        await pub.publish(_state(1))
-        async with ReceiverAgent(tmp / "root", engine, "e1", use_inotify=False) as agent:
-            assert await agent.sync_once() == 1
-        yield pub, engine
-
-
 def _streamer(agent: ReceiverAgent) -> StreamApplier | None:
     s = agent._early.reader
     return s if isinstance(s, StreamApplier) else None
@@ -535,7 +520,7 @@ async def test_a_streamed_version_retention_removed_is_not_called_abandoned(
     from asyncsync.publish.retention import RetentionPolicy
 
     root = tmp_path / "root"
-    async with _engine_at_v1(tmp_path) as (pub, engine):
+    async with _at_v1(tmp_path, open_engine=False) as (pub, engine):
         ack = ack_path(root, "e1")
         os.utime(ack, (ack.stat().st_atime, ack.stat().st_mtime - 7200))  # acked 2 h ago
         await engine.open()
@@ -769,8 +754,7 @@ async def test_a_stream_wakes_as_its_shard_lands_not_at_its_next_poll(
     from receiver import inotify
 
     root = tmp_path / "root"
-    async with _engine_at_v1(tmp_path) as (pub, engine):
-        await engine.open()
+    async with _at_v1(tmp_path) as (pub, engine):
         gate, napping = threading.Event(), asyncio.Event()
         real_write, real_nap = VersionWriter._write_shard, inotify.nap
 
@@ -778,10 +762,10 @@ async def test_a_stream_wakes_as_its_shard_lands_not_at_its_next_poll(
             assert gate.wait(30), "the shards were never let through"
             return real_write(self, *a, **kw)
 
-        async def nap(watch: Any, seconds: float, stop: asyncio.Event) -> None:
+        async def nap(watch: Any, seconds: float, stop: asyncio.Event, *a: Any) -> None:
             assert watch is not None and seconds >= 60  # (inotify works here, on local disk)
             napping.set()
-            await real_nap(watch, seconds, stop)
+            await real_nap(watch, seconds, stop, *a)
 
         monkeypatch.setattr(VersionWriter, "_write_shard", held_write)
         monkeypatch.setattr(inotify, "nap", nap)
@@ -832,3 +816,86 @@ async def test_a_streamed_version_parses_each_manifest_once(
         assert sorted(parsed) == [2, 3, 4], parsed
 
     await _with_agent(tmp_path, body)
+
+
+async def test_a_flood_of_other_files_in_the_version_directory_does_not_wake_the_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack (attack-109): the reader woke on an event naming any entry of the version
+    directory but a hidden one, so a process creating, writing or renaming other files there
+    (other ranks' shards, a full shard, a hostile writer) woke it at each event: ~65% of a core
+    while a loop appended to a junk file, 1% polling. It wakes only for the entry it waits for
+    (the next shard, the manifest) and for entries arriving (not each write), polling as before."""
+    from receiver import inotify
+
+    root = tmp_path / "root"
+    async with _at_v1(tmp_path) as (_, engine):
+        pass
+    vdir = version_dir(root, 2)
+    vdir.mkdir()
+    fds: list[int] = []
+    woken: list[str] = []
+    real_nap = inotify.nap
+
+    async def nap(watch: Any, seconds: float, stop: asyncio.Event, *a: Any) -> None:
+        assert watch is not None  # (inotify works here, on local disk)
+        fds.append(watch.fd)
+        await real_nap(watch, 3600, stop, *a)  # no poll: only an event wakes it
+        woken.append("stop" if stop.is_set() else "event")
+
+    monkeypatch.setattr(inotify, "nap", nap)
+    stream = StreamApplier(
+        root, engine, read_manifest(root, 1), on_manifest=asyncio.Event(), group_bytes=1 << 20
+    )
+    streaming = asyncio.create_task(stream.run())
+    try:
+        await eventually(lambda: fds, "the reader asleep, no shard there yet")
+        for i in range(20):
+            junk = vdir / f"r0001-a-delta-{i:05d}.safetensors"
+            junk.write_bytes(b"x")
+            junk.rename(vdir / f"full-{i:05d}.safetensors")
+            await eventually(lambda: _queued_bytes(fds[-1]) == 0, "the events read")
+        with (vdir / "junk").open("ab") as f:  # written in a loop: no arrival, no event
+            await eventually(lambda: _queued_bytes(fds[-1]) == 0, "its creation read")
+            for _ in range(100):
+                f.write(b"x")
+                f.flush()
+                assert _queued_bytes(fds[-1]) == 0
+        await asyncio.sleep(0)
+        assert woken == []  # the events were read and dropped
+        (vdir / "delta-00000.safetensors").mkdir()  # the name it waits for (not a file: no shard)
+        await eventually(lambda: woken == ["event"], "the reader woken by its shard's name")
+    finally:
+        await stream.abandon(streaming, "the test is over")
+        await engine.close()
+
+
+@contextlib.asynccontextmanager
+async def _at_v1(
+    tmp: Path, *, open_engine: bool = True
+) -> AsyncIterator[tuple[Publisher, LocalCheckpoint]]:
+    """A publisher of ``tmp/root`` at v1 (seeded, one delta) and a checkpoint ``tmp/ck``
+    synced to it by an agent closed again (no run(): nothing takes a stream of v2 over),
+    the checkpoint open again unless ``open_engine`` is false."""
+    engine = LocalCheckpoint(tmp / "ck")
+    async with Publisher(
+        tmp / "root", bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        async with ReceiverAgent(pub.root, engine, "e1", use_inotify=False) as agent:
+            assert await agent.sync_once() == 1
+        if open_engine:
+            await engine.open()
+        yield pub, engine
+
+
+def _queued_bytes(fd: int) -> int:
+    """Bytes of events waiting on an inotify descriptor (FIONREAD)."""
+    import array
+    import fcntl
+    import termios
+
+    buf = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, buf, True)
+    return int(buf[0])
