@@ -154,3 +154,62 @@ async def test_the_mappings_are_dropped_off_the_event_loop_and_flushed_once(
     await reopened.open()
     te.assert_same(reopened.load_state_dict(), sd1)
     await reopened.close()
+
+
+async def test_a_second_caller_leaves_the_mappings_to_the_flush_it_did_not_submit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack (attack-109): of two callers at once (the agent's ack, a flushed()), the
+    second unmapped the delta's maps again in the engine's thread after the first had handed
+    them to the flush, which iterates them in its own. A mapping still exported at the first
+    unmap (a view of a patched tensor not yet collected: the apply pauses gc) was dropped by
+    the second while the flush's fsync loop ran over them: "dictionary changed size during
+    iteration" failed the flush, and the engine wrote every data file again at the next begin.
+    The maps are unmapped once; after that they are the flush's."""
+    import asyncio
+    import threading
+
+    from receiver.engines import st_layout
+    from receiver.engines.st_layout import FileMaps
+
+    sd0 = mixed_state(0)
+    ck = await te.init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = te.build_manifest(sd1, 1, base=sd0)
+    await te.apply_version(ck, m1, te.delta_batches(m1, sd0, sd1, "xor"), "delta")
+    assert ck._unflushed is not None
+    maps = ck._unflushed[0]
+    views = [maps.flat(next(iter(ck._layout.values())))]  # still exported at the first unmap
+    in_sync, calls = threading.Event(), []
+    real_fsync, real_unmap = os.fsync, FileMaps.unmap
+
+    def fsync(fd: int) -> None:
+        if threading.current_thread().name.startswith("flush ") and not in_sync.is_set():
+            in_sync.set()  # the flush, inside its loop over the maps
+            assert gate.wait(30)
+        real_fsync(fd)
+
+    def unmap(self: FileMaps) -> None:
+        calls.append(self)
+        if len(calls) == 2:  # the second caller, once the first's flush runs
+            assert in_sync.wait(30)
+            views.clear()  # collected meanwhile
+            try:
+                real_unmap(self)
+            finally:
+                gate.set()
+        else:
+            real_unmap(self)
+
+    gate = threading.Event()
+    monkeypatch.setattr(st_layout.os, "fsync", fsync)
+    monkeypatch.setattr(FileMaps, "unmap", unmap)
+    await asyncio.gather(ck.acknowledged(), ck.flushed())
+    assert len(calls) == 2 and in_sync.is_set()
+    assert ck._broken is None and ck._ps.synced  # the flush did not fail
+    monkeypatch.undo()
+    await ck.close()
+    reopened = LocalCheckpoint(tmp_path)
+    await reopened.open()
+    te.assert_same(reopened.load_state_dict(), sd1)
+    await reopened.close()

@@ -204,6 +204,7 @@ class FileMaps:
         self._open: dict[str, tuple[int, mmap.mmap]] = {}
         self._unmapped: list[int] = []  # descriptors whose mapping :meth:`unmap` dropped
         self._cow: bool | None = None  # overwrites need new space (a copy-on-write filesystem)
+        self._dropped = False  # :meth:`unmap` ran: the maps are the flush's from then on
 
     def _map(self, file: str) -> mmap.mmap:
         if file not in self._open:
@@ -303,9 +304,14 @@ class FileMaps:
         flush kept every page of the files it mapped in this process's RSS while the next
         version mapped them again, so they counted twice: no second copy in memory, but the
         receiver's peak RSS read up to 2x the model where a slow flush overlapped the next
-        apply. Elsewhere (``mmap.flush`` needed) the mappings stay until :meth:`close`."""
-        if not _FSYNC_WRITES_MAPPINGS:
+        apply. Elsewhere (``mmap.flush`` needed) the mappings stay until :meth:`close`.
+
+        Once: a mapping still exported now (a view not yet collected) is closed by
+        :meth:`close`, not by a second call, which may come from another thread while the
+        flush's :meth:`sync` iterates them (two callers of the ack at once)."""
+        if not _FSYNC_WRITES_MAPPINGS or self._dropped:
             return
+        self._dropped = True
         for file, (fd, mm) in list(self._open.items()):
             if _unmap(file, mm):
                 del self._open[file]

@@ -256,7 +256,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         """The undo records cleared and the mappings dropped (mapped, the next version's pages
         counted twice) in the engine's thread: on the event loop a munmap (~25 ms per GiB, ~17 s
         at 700 GB) held everything up. A cancelled caller leaves ``_unflushed``: the next one
-        unmaps again (a no-op) and submits the flush."""
+        submits the flush (``unmap`` runs once: a second caller's would race the flush)."""
         if self._stale_journal and self._txn is None:  # stale since state.json holds it (an
             self._stale_journal = False  # open finding them with a clean state clears them too)
             try:
