@@ -81,6 +81,22 @@ def available() -> bool:
     return _libc() is not None
 
 
+def _watch(directory: Path, mask: int) -> int:
+    """A new inotify descriptor watching ``directory``."""
+    libc = _libc()
+    if libc is None:
+        raise OSError(errno.ENOSYS, "inotify is not available here")
+    fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+    if libc.inotify_add_watch(fd, os.fsencode(directory), mask) < 0:
+        err = ctypes.get_errno()
+        os.close(fd)
+        raise OSError(err, f"inotify_add_watch {directory}: {os.strerror(err)}")
+    return fd
+
+
 class DirectoryWatch:
     """inotify events of ``directory``'s own entries, read without blocking.
 
@@ -89,21 +105,21 @@ class DirectoryWatch:
     """
 
     def __init__(self, directory: Path, *, follow: bool = True, arrivals: bool = False) -> None:
-        libc = _libc()
-        if libc is None:
-            raise OSError(errno.ENOSYS, "inotify is not available here")
-        fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
-        if fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
         mask = _ARRIVALS if arrivals else _MASK
-        mask |= 0 if follow else _IN_DONT_FOLLOW  # (not: a symlink is refused)
-        if libc.inotify_add_watch(fd, os.fsencode(directory), mask) < 0:
-            err = ctypes.get_errno()
-            os.close(fd)
-            raise OSError(err, f"inotify_add_watch {directory}: {os.strerror(err)}")
-        self.fd = fd
+        self._mask = mask | (0 if follow else _IN_DONT_FOLLOW)  # (not: a symlink is refused)
+        self.fd = _watch(directory, self._mask)
         self.directory = directory
+        self.gone = False  # a read saw the directory go (the watch of it is dead)
+
+    def renew(self) -> None:
+        """After the directory went: watch the one its path names now (made again; none
+        there: still gone, tried again at the next call). Raises OSError as the constructor."""
+        try:
+            fd = _watch(self.directory, self._mask)
+        except FileNotFoundError:
+            return
+        os.close(self.fd)
+        self.fd, self.gone = fd, False
 
     def read(self, keep: Callable[[str], bool]) -> tuple[bool, bool]:
         """Read the pending events, at most one buffer of them (a flood of events must not hold
@@ -122,7 +138,7 @@ class DirectoryWatch:
             if mask & _IN_Q_OVERFLOW:
                 wanted = True  # events were lost: look
             elif mask & _GONE:
-                gone = True
+                gone = self.gone = True
             elif name and not wanted and keep(os.fsdecode(name)):
                 wanted = True
         return wanted, gone
@@ -154,11 +170,17 @@ async def nap(
 ) -> None:
     """Sleep ``seconds`` or less: until ``stop``, or an entry of ``watch``'s directory (where
     one was made) that ``keep`` wants (by default any but a hidden one: a temporary file) is
-    created, written or renamed in or out, or the directory goes. The events are read and
-    dropped (the caller looks at the directory itself); those of other entries wake nothing:
-    a flood of them (a process writing other files there in a loop) must not spin a core."""
+    created, written or renamed in or out, or the directory goes (one made again in its place
+    is watched from the next call). The events are read and dropped (the caller looks at the
+    directory itself); those of other entries wake nothing: a flood of them (a process
+    writing other files there in a loop) must not spin a core."""
     if stop.is_set():
         return
+    if watch is not None and watch.gone:  # the directory made again: watched again
+        try:
+            watch.renew()
+        except OSError as exc:  # (a symlink now, the limits reached): polls alone
+            logger.debug("no inotify watch of %s again (%s)", watch.directory, exc)
     loop = asyncio.get_running_loop()
     woken: asyncio.Future[None] = loop.create_future()
 

@@ -870,6 +870,46 @@ async def test_a_flood_of_other_files_in_the_version_directory_does_not_wake_the
         await engine.close()
 
 
+async def test_a_version_directory_made_again_while_the_reader_waits_is_watched_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack (attack-109): the watch was of the directory the reader started on; a
+    publish attempt that failed before its first shard removed it and the next made it again,
+    and the new one's shards were seen by polls alone (the watch of the old one dead). The
+    reader watches the directory its path names again after the old one went."""
+    from receiver import inotify
+
+    async with _at_v1(tmp_path) as (_, engine):
+        pass
+    vdir = version_dir(tmp_path / "root", 2)
+    vdir.mkdir()
+    naps: list[float] = []
+    woken: list[str] = []
+    real_nap = inotify.nap
+
+    async def nap(watch: Any, seconds: float, stop: asyncio.Event, *a: Any) -> None:
+        naps.append(seconds)
+        await real_nap(watch, 3600, stop, *a)  # no poll: only an event wakes it
+        woken.append("stop" if stop.is_set() else "event")
+
+    monkeypatch.setattr(inotify, "nap", nap)
+    stream = StreamApplier(
+        tmp_path / "root", engine, read_manifest(tmp_path / "root", 1),
+        on_manifest=asyncio.Event(), group_bytes=1 << 20,
+    )  # fmt: skip
+    streaming = asyncio.create_task(stream.run())
+    try:
+        await eventually(lambda: naps, "the reader asleep, no shard there yet")
+        vdir.rmdir()
+        vdir.mkdir()  # another attempt's, before the reader saw the first go
+        await eventually(lambda: woken == ["event"], "the reader woken by the directory gone")
+        (vdir / "delta-00000.safetensors").mkdir()  # (not a file: no shard)
+        await eventually(lambda: woken == ["event"] * 2, "the reader woken in the new one")
+    finally:
+        await stream.abandon(streaming, "the test is over")
+        await engine.close()
+
+
 @contextlib.asynccontextmanager
 async def _at_v1(
     tmp: Path, *, open_engine: bool = True
