@@ -59,6 +59,8 @@ _GONE = _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_UNMOUNT | _IN_IGNORED
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
 #: bytes of events read at once: ~1,000 events with names of the root's kind
 READ_BYTES = 32 * 1024
+#: reads of events that wanted nothing after which :func:`nap` reads no more (a flood)
+FUTILE_READS = 4
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +174,10 @@ async def nap(
     one was made) that ``keep`` wants (by default any but a hidden one: a temporary file) is
     created, written or renamed in or out, or the directory goes (one made again in its place
     is watched from the next call). The events are read and dropped (the caller looks at the
-    directory itself); those of other entries wake nothing: a flood of them (a process
-    writing other files there in a loop) must not spin a core."""
+    directory itself); those of other entries wake nothing, and after :data:`FUTILE_READS`
+    reads of them the rest of the nap is a plain sleep: a flood of them (a process writing
+    other files there in a loop) must not spin a core (its events wait in the kernel's queue,
+    or overflow it: the next nap wakes at the overflow)."""
     if stop.is_set():
         return
     if watch is not None and watch.gone:  # the directory made again: watched again
@@ -184,7 +188,10 @@ async def nap(
     loop = asyncio.get_running_loop()
     woken: asyncio.Future[None] = loop.create_future()
 
+    futile = 0  # reads that wanted nothing
+
     def ready() -> None:
+        nonlocal futile
         assert watch is not None
         try:
             wanted, gone = watch.read(keep)
@@ -192,6 +199,8 @@ async def nap(
             wanted, gone = True, True
         if (wanted or gone) and not woken.done():
             woken.set_result(None)
+        elif (futile := futile + 1) >= FUTILE_READS:  # a flood of other entries' events: the
+            loop.remove_reader(watch.fd)  # rest of this nap is a poll (left queued, or lost)
 
     stopped = asyncio.ensure_future(stop.wait())
     if watch is not None:

@@ -850,11 +850,11 @@ async def test_a_flood_of_other_files_in_the_version_directory_does_not_wake_the
     streaming = asyncio.create_task(stream.run())
     try:
         await eventually(lambda: fds, "the reader asleep, no shard there yet")
-        for i in range(20):
+        for i in range(20):  # (at once: read together, not FUTILE_READS reads)
             junk = vdir / f"r0001-a-delta-{i:05d}.safetensors"
             junk.write_bytes(b"x")
             junk.rename(vdir / f"full-{i:05d}.safetensors")
-            await eventually(lambda: _queued_bytes(fds[-1]) == 0, "the events read")
+        await eventually(lambda: _queued_bytes(fds[-1]) == 0, "the events read")
         with (vdir / "junk").open("ab") as f:  # written in a loop: no arrival, no event
             await eventually(lambda: _queued_bytes(fds[-1]) == 0, "its creation read")
             for _ in range(100):
