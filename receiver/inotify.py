@@ -168,10 +168,10 @@ async def nap(
     watch: DirectoryWatch | None,
     seconds: float,
     stop: asyncio.Event,
-    keep: Callable[[str], bool] = lambda name: not name.startswith("."),
+    keep: Callable[[str], bool],
 ) -> None:
     """Sleep ``seconds`` or less: until ``stop``, or an entry of ``watch``'s directory (where
-    one was made) that ``keep`` wants (by default any but a hidden one: a temporary file) is
+    one was made) that ``keep`` wants (the stream's: the next shard, the manifest) is
     created, written or renamed in or out, or the directory goes (one made again in its place
     is watched from the next call). The events are read and dropped (the caller looks at the
     directory itself); those of other entries wake nothing, and after :data:`FUTILE_READS`
