@@ -18,6 +18,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 # Where fsync(fd) also writes back the pages dirtied through shared mappings of the file
 _FSYNC_WRITES_MAPPINGS = sys.platform.startswith("linux")
 
+_WARM_SPAN = 32 << 20  # a warm-up stops within one populate of this many bytes
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 # safetensors code -> torch dtype: every dtype the format carries (FORMAT.md section 11.5)
 _ST_DTYPES: dict[str, torch.dtype] = {SAFETENSORS_CODES[name]: dt for name, dt in DTYPES.items()}
@@ -205,6 +207,8 @@ class FileMaps:
         self._unmapped: list[int] = []  # descriptors whose mapping :meth:`unmap` dropped
         self._cow: bool | None = None  # overwrites need new space (a copy-on-write filesystem)
         self._dropped = False  # :meth:`unmap` ran: the maps are the flush's from then on
+        self._warming: tuple[threading.Thread, threading.Event] | None = None
+        self._warmed: set[str] = set()  # the tensors the warm-up has faulted in
 
     def _map(self, file: str) -> mmap.mmap:
         if file not in self._open:
@@ -240,14 +244,14 @@ class FileMaps:
         naming the file: writing that page through the mapping would have killed the process
         with SIGBUS, in the middle of a patch. XFS is not among them: only its reflinked
         (shared) extents are copied on write, and the receiver makes none, so there a sparse
-        prefault is skipped like on any overwrite-in-place filesystem."""
+        prefault is skipped like on any overwrite-in-place filesystem, as is the whole-range one
+        of a tensor :meth:`warm` has faulted in (True: done)."""
         if loc.nbytes == 0 or not hasattr(mmap.mmap, "madvise"):
             return False
-        if positions is not None and not self._cow:
-            if self._cow is None:
-                self._cow = overwrites_allocate(self.directory)
-            if not self._cow:
-                return False
+        if positions is not None and not self._allocating():
+            return False
+        if positions is None and loc.name in self._warmed and not self._allocating():
+            return True  # (a flush since may have made pages read-only: they fault, no SIGBUS)
         mm = self._map(loc.file)
         if positions is None:
             runs = [(loc.begin - loc.begin % mmap.PAGESIZE, loc.end)]
@@ -271,6 +275,41 @@ class FileMaps:
                 ) from exc
         return True
 
+    def warm(self, locs: Sequence[TensorLocation]) -> None:
+        """Fault the pages of ``locs`` in writable (:meth:`prefault`'s kernel call), in order,
+        on a thread of their own, from now: at a delta's begin, while the trainer is still
+        writing the shards the patch waits for, so the page-cache work of the dense tensors'
+        prefaults is done in that idle time and not inside the apply. Best effort: a failure
+        ends it (the patch's own prefault, which still runs, raises it); :meth:`sync`,
+        :meth:`unmap` and :meth:`close` stop it first. A no-op without the C kernels (Python's
+        ``madvise`` would hold the GIL throughout) or where a warm-up already ran."""
+        k = native.kernels
+        locs = [loc for loc in locs if loc.nbytes]
+        if not locs or self._warming is not None or not hasattr(k, "populate_write"):
+            return
+        try:
+            work = [(self._map(loc.file), loc) for loc in locs]
+        except OSError as exc:  # (the patch's own map raises it)
+            logger.debug("no warm-up of %s: %s", self.directory, exc)
+            return
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=_warm, args=(work, stop, self._warmed), name="asyncsync-warm", daemon=True
+        )
+        self._warming = (thread, stop)
+        thread.start()
+
+    def _allocating(self) -> bool:
+        if self._cow is None:
+            self._cow = overwrites_allocate(self.directory)
+        return self._cow
+
+    def _stop_warm(self) -> None:
+        if self._warming is not None:
+            thread, stop = self._warming
+            stop.set()
+            thread.join()
+
     def checksum(
         self,
         loc: TensorLocation,
@@ -291,6 +330,7 @@ class FileMaps:
         GIL while Python's ``mmap.flush`` holds it for the whole writeback: hundreds of ms per
         GiB during which the rest of the receiver (the next version's apply, its acks) would
         crawl. Elsewhere the mapping is flushed first."""
+        self._stop_warm()
         for fd, mm in self._open.values():
             if not _FSYNC_WRITES_MAPPINGS:
                 mm.flush()
@@ -309,6 +349,7 @@ class FileMaps:
         Once: a mapping still exported now (a view not yet collected) is closed by
         :meth:`close`, not by a second call, which may come from another thread while the
         flush's :meth:`sync` iterates them (two callers of the ack at once)."""
+        self._stop_warm()
         if not _FSYNC_WRITES_MAPPINGS or self._dropped:
             return
         self._dropped = True
@@ -318,6 +359,7 @@ class FileMaps:
                 self._unmapped.append(fd)
 
     def close(self) -> None:
+        self._stop_warm()
         for file, (fd, mm) in self._open.items():
             _unmap(file, mm)
             os.close(fd)
@@ -325,6 +367,26 @@ class FileMaps:
         for fd in self._unmapped:
             os.close(fd)
         self._unmapped.clear()
+
+
+def _warm(
+    work: list[tuple[mmap.mmap, TensorLocation]], stop: threading.Event, warmed: set[str]
+) -> None:
+    """:meth:`FileMaps.warm`'s thread: each range populated writable, a span at a time, its
+    tensor's name added to ``warmed`` once all of it is."""
+    populate = native.kernels.populate_write
+    try:
+        for mm, loc in work:
+            at = loc.begin - loc.begin % mmap.PAGESIZE
+            while at < loc.end:
+                if stop.is_set():
+                    return
+                n = min(_WARM_SPAN, loc.end - at)
+                populate(mm, at, n)  # the GIL released meanwhile
+                at += n
+            warmed.add(loc.name)
+    except (OSError, ValueError) as exc:  # EFAULT (no space to overwrite), EINVAL (an old
+        logger.debug("warm-up stopped at %s: %s", loc.name, exc)  # kernel): the patch's own
 
 
 def _unmap(file: str, mm: mmap.mmap) -> bool:

@@ -31,7 +31,7 @@ import torch
 from asyncsync import fsio
 from asyncsync.codec import JournalPass, Patch, apply_patch, journal_pass, patch_and_checksum
 from asyncsync.errors import EngineStateError
-from asyncsync.format import TensorEntry
+from asyncsync.format import Manifest, TensorEntry
 from asyncsync.pipeline import parallel_map
 from receiver.engines.checkpoint import journal
 from receiver.engines.st_layout import FileMaps, TensorLocation
@@ -42,6 +42,7 @@ __all__ = [
     "disjoint",
     "first_mismatch",
     "journal_and_patch",
+    "likely_dense",
     "mismatched",
     "undo",
     "write_record",
@@ -263,6 +264,21 @@ def disjoint(layout: Mapping[str, TensorLocation]) -> bool:
     one leaves every other tensor's checksum, taken when it was patched, as it is."""
     ranges = sorted((loc.file, loc.begin, loc.end) for loc in layout.values() if loc.nbytes)
     return all(a[0] != b[0] or a[2] <= b[1] for a, b in itertools.pairwise(ranges))
+
+
+def likely_dense(manifest: Manifest, layout: Mapping[str, TensorLocation]) -> list[TensorLocation]:
+    """The tensors a delta begun on ``manifest`` will most likely write on most of their pages
+    (its patch then prefaults them whole), in the manifest's order: those whose entry changed
+    an element per page or more. For a streamed delta the manifest is the provisional one,
+    whose entries are the base's (the step before changed about as much); none when its
+    density says little (a seed or keyframe without a base: every element "changed")."""
+    if not 0 < manifest.totals.density < 0.5:
+        return []
+    return [
+        loc
+        for t in manifest.tensors
+        if (loc := layout.get(t.name)) is not None and t.changed * mmap.PAGESIZE >= loc.nbytes
+    ]
 
 
 def _touches_most_pages(patch: Patch, loc: TensorLocation) -> bool:

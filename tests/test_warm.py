@@ -1,0 +1,211 @@
+"""A delta's begin warms the checkpoint's pages (``FileMaps.warm``): the tensors its patch will
+most likely prefault whole are faulted in writable on a thread of their own from the begin on,
+while the trainer still writes the shards the patch waits for, so that page-cache work is not
+inside the apply. Best effort and bounded: the sparse tensors are left to the patch, a failure
+of the kernel call ends the warm-up quietly, and every way out of the version (commit, abort,
+the flush's sync, the unmap after the ack) stops it before the mappings go."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsync.codec import native
+from receiver.engines.checkpoint import inplace
+from receiver.engines.st_layout import FileMaps, TensorLocation
+from tests import test_engines as te
+from tests.conftest import mutate
+from tests.test_file_maps import _dirty_kb, needs_kernel
+
+_MIB = 1 << 20
+
+
+def _files(tmp_path: Path, *sizes: int) -> list[TensorLocation]:
+    """One file per tensor, each ``size`` bytes (a hole: no page in the cache yet)."""
+    locs = []
+    for i, size in enumerate(sizes):
+        path = tmp_path / f"f{i}.bin"
+        with open(path, "wb") as f:
+            f.truncate(size)
+        locs.append(TensorLocation(f"t{i}", path.name, torch.uint8, (size,), 0, size))
+    return locs
+
+
+def _warmer(maps: FileMaps) -> threading.Thread:
+    assert maps._warming is not None
+    return maps._warming[0]
+
+
+@needs_kernel
+def test_a_warm_up_faults_the_tensors_it_is_given_in_writable(tmp_path: Path) -> None:
+    warm, cold = _files(tmp_path, 8 * _MIB, 8 * _MIB)
+    maps = FileMaps(tmp_path)
+    try:
+        maps.warm([warm])
+        _warmer(maps).join(60)
+        assert not _warmer(maps).is_alive()
+        assert _dirty_kb(tmp_path / warm.file) == 8 * _MIB >> 10  # every page, marked dirty
+        assert _dirty_kb(tmp_path / cold.file) == 0  # not mapped at all
+        maps.warm([cold])  # one warm-up per version: the second call is a no-op
+        assert _dirty_kb(tmp_path / cold.file) == 0
+    finally:
+        maps.close()
+
+
+@needs_kernel
+@pytest.mark.parametrize("way_out", ["close", "unmap", "sync"])
+def test_every_way_out_of_a_version_stops_the_warm_up_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way_out: str
+) -> None:
+    """The warm-up is held inside its first populate until ``way_out`` has been called: that
+    call returns only after the thread has ended (it never populates a mapping being closed),
+    and the thread stops at the next span instead of going on through the rest."""
+    (loc,) = _files(tmp_path, 4 * _MIB)
+    entered, release, calls = threading.Event(), threading.Event(), []
+    real = native.kernels.populate_write
+
+    class Kernels:  # the real module's calls, populate_write held at its first call
+        def __getattr__(self, name: str) -> object:
+            return getattr(real.__self__, name)  # type: ignore[attr-defined]
+
+        @staticmethod
+        def populate_write(mm: object, start: int, length: int) -> None:
+            calls.append(start)
+            entered.set()
+            assert release.wait(60)
+            real(mm, start, length)
+
+    monkeypatch.setattr(native, "kernels", Kernels())
+    monkeypatch.setattr("receiver.engines.st_layout._WARM_SPAN", _MIB)
+    maps = FileMaps(tmp_path)
+    maps.warm([loc])
+    assert entered.wait(60)
+    done = threading.Event()
+
+    def leave() -> None:
+        getattr(maps, way_out)()
+        done.set()
+
+    leaving = threading.Thread(target=leave)
+    leaving.start()
+    assert not done.wait(0.2)  # waits for the populate in flight
+    release.set()
+    leaving.join(60)
+    assert done.is_set() and not _warmer(maps).is_alive()
+    assert calls == [0]  # stopped after its first span of four
+    maps.close()
+
+
+@needs_kernel
+def test_a_warm_up_the_kernel_refuses_ends_quietly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EFAULT (no space to overwrite: a full copy-on-write disk) ends the warm-up without an
+    error of its own: the patch's prefault of that tensor is what raises it, naming the file."""
+    (loc,) = _files(tmp_path, 2 * _MIB)
+    real = native.kernels.populate_write
+    failed: list[BaseException] = []
+
+    class Kernels:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real.__self__, name)  # type: ignore[attr-defined]
+
+        @staticmethod
+        def populate_write(mm: object, start: int, length: int) -> None:
+            raise OSError(errno.EFAULT, "Bad address")
+
+    monkeypatch.setattr(native, "kernels", Kernels())
+    monkeypatch.setattr(threading, "excepthook", lambda args: failed.append(args.exc_value))
+    maps = FileMaps(tmp_path)
+    maps.warm([loc])
+    _warmer(maps).join(60)
+    assert failed == [] and _dirty_kb(tmp_path / loc.file) == 0
+    with pytest.raises(OSError) as info:
+        maps.prefault(loc)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / loc.file)
+    maps.close()
+
+
+@needs_kernel
+@pytest.mark.parametrize("allocating", [False, True], ids=["overwrite-in-place", "copy-on-write"])
+def test_the_patch_prefaults_a_warmed_tensor_again_only_where_overwrites_allocate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, allocating: bool
+) -> None:
+    """Once warmed, a tensor's own prefault is skipped where a write fault cannot fail (a
+    flush in between may make its pages read-only again: they fault back, nothing more); on a
+    copy-on-write filesystem it runs again, so that no page the patch writes can SIGBUS."""
+    (loc,) = _files(tmp_path, 4 * _MIB)
+    monkeypatch.setattr("receiver.engines.st_layout.overwrites_allocate", lambda _d: allocating)
+    maps = FileMaps(tmp_path)
+    maps.warm([loc])
+    _warmer(maps).join(60)
+    real, calls = native.kernels.populate_write, []
+
+    class Kernels:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real.__self__, name)  # type: ignore[attr-defined]
+
+        @staticmethod
+        def populate_write(mm: object, start: int, length: int) -> None:
+            calls.append((start, length))
+            real(mm, start, length)
+
+    monkeypatch.setattr(native, "kernels", Kernels())
+    assert maps.prefault(loc) is True
+    assert calls == ([(0, 4 * _MIB)] if allocating else [])
+    maps.close()
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "dense.weight": torch.randn(1 << 20, generator=g).to(torch.bfloat16),  # 2 MiB
+        "sparse.weight": torch.randn(1 << 20, generator=g).to(torch.bfloat16),
+    }
+
+
+def test_only_the_tensors_that_changed_on_most_pages_are_warmed(tmp_path: Path) -> None:
+    sd0 = _state(0)
+    sd1 = mutate(sd0, 0.03, seed=1, names=["dense.weight"])  # ~61 a page
+    sd1 = mutate(sd1, 0.0001, seed=2, names=["sparse.weight"])  # ~0.2 a page
+    layout = {
+        name: TensorLocation(name, "m.safetensors", t.dtype, tuple(t.shape), 0, t.nbytes)
+        for name, t in sd0.items()
+    }
+    delta = te.build_manifest(sd1, 1, base=sd0)
+    assert [loc.name for loc in inplace.likely_dense(delta, layout)] == ["dense.weight"]
+    assert inplace.likely_dense(te.build_manifest(sd0, 0), layout) == []  # no base: all changed
+    everything = te.build_manifest(mutate(sd0, 0.9, seed=3), 1, base=sd0)
+    assert inplace.likely_dense(everything, layout) == []  # the patch prefaults it as it goes
+
+
+@needs_kernel
+async def test_a_delta_begun_warms_its_dense_tensors_before_any_shard_is_applied(
+    tmp_path: Path,
+) -> None:
+    sd0 = _state(0)
+    ck = await te.init_checkpoint(tmp_path, sd0)
+    sd1 = mutate(sd0, 0.03, seed=1, names=["dense.weight"])
+    sd1 = mutate(sd1, 0.0001, seed=2, names=["sparse.weight"])
+    m1 = te.build_manifest(sd1, 1, base=sd0)
+    await te.apply_version(ck, m1, te.delta_batches(m1, sd0, sd1, "xor"), "delta")
+    await ck.flushed()  # v1 durable: its pages clean, unmapped
+    sd2 = mutate(sd1, 0.03, seed=4, names=["dense.weight"])
+    m2 = te.build_manifest(sd2, 2, base=sd1)
+    await ck.begin(m2, "delta")
+    txn = ck._txn
+    assert txn is not None and txn.maps is not None
+    _warmer(txn.maps).join(60)
+    dense = ck._layout["dense.weight"]
+    file = tmp_path / dense.file
+    assert _dirty_kb(file) >= (dense.nbytes >> 10) - 8  # its pages, before any shard
+    for batch in te.delta_batches(m2, sd1, sd2, "xor"):
+        await ck.apply(batch)
+    await ck.commit()
+    await ck.acknowledged()
+    te.assert_same(ck.load_state_dict(), sd2)
+    await ck.close()
