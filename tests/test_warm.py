@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,59 @@ def test_every_way_out_of_a_version_stops_the_warm_up_first(
     leaving.join(60)
     assert done.is_set() and not _warmer(maps).is_alive()
     assert calls == [0]  # stopped after its first span of four
+    maps.close()
+
+
+@needs_kernel
+def test_a_warm_up_starts_once_the_flush_before_it_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The previous version's flush writes back every dirty page of the files: a page warmed
+    meanwhile would be written twice (by that flush, and after the patch dirtied it again).
+    Until that flush is done the warm-up faults nothing in; stopped meanwhile, it never does."""
+    first, second = _files(tmp_path, 2 * _MIB, 2 * _MIB)
+    populated = threading.Event()
+    real = native.kernels.populate_write
+
+    class Kernels:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real.__self__, name)  # type: ignore[attr-defined]
+
+        @staticmethod
+        def populate_write(mm: object, start: int, length: int) -> None:
+            populated.set()
+            real(mm, start, length)
+
+    monkeypatch.setattr(native, "kernels", Kernels())
+    flush: Future[None] = Future()
+    maps = FileMaps(tmp_path)
+    maps.warm([first], after=flush)
+    assert not populated.wait(0.5)  # (without the wait it populates as its thread starts)
+    flush.set_result(None)
+    assert populated.wait(60)
+    _warmer(maps).join(60)
+    assert _dirty_kb(tmp_path / first.file) == 2 * _MIB >> 10
+    maps.close()
+    populated.clear()
+    never = FileMaps(tmp_path)
+    never.warm([second], after=Future())  # a flush that does not end before the version does
+    never.close()
+    assert not _warmer(never).is_alive() and not populated.is_set()
+
+
+@needs_kernel
+def test_a_warm_up_faults_in_no_more_than_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages warmed long before the patch reaches them would meet the kernel's dirty-page
+    limits first and be written back twice: the warm-up takes the tensors in order while they
+    fit its budget (a tensor larger than what is left is the patch's, as before)."""
+    monkeypatch.setattr("receiver.engines.st_layout._WARM_BYTES", 5 * _MIB)
+    a, big, b, c = _files(tmp_path, 2 * _MIB, 8 * _MIB, 2 * _MIB, 2 * _MIB)
+    maps = FileMaps(tmp_path)
+    maps.warm([a, big, b, c])
+    _warmer(maps).join(60)
+    assert [_dirty_kb(tmp_path / loc.file) >> 10 for loc in (a, big, b, c)] == [2, 0, 2, 0]
     maps.close()
 
 

@@ -20,8 +20,11 @@ import struct
 import sys
 import threading
 from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +49,8 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 _FSYNC_WRITES_MAPPINGS = sys.platform.startswith("linux")
 
 _WARM_SPAN = 32 << 20  # a warm-up stops within one populate of this many bytes
+_WARM_BYTES = 2 << 30  # a warm-up faults in at most this many bytes (the rest: the patch)
+_WARM_POLL = 0.05  # seconds between looks at the stop while the flush before runs
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 # safetensors code -> torch dtype: every dtype the format carries (FORMAT.md section 11.5)
 _ST_DTYPES: dict[str, torch.dtype] = {SAFETENSORS_CODES[name]: dt for name, dt in DTYPES.items()}
@@ -275,27 +280,39 @@ class FileMaps:
                 ) from exc
         return True
 
-    def warm(self, locs: Sequence[TensorLocation]) -> None:
+    def warm(self, locs: Sequence[TensorLocation], after: Future[Any] | None = None) -> None:
         """Fault the pages of ``locs`` in writable (:meth:`prefault`'s kernel call), in order,
-        on a thread of their own, from now: at a delta's begin, while the trainer is still
-        writing the shards the patch waits for, so the page-cache work of the dense tensors'
-        prefaults is done in that idle time and not inside the apply. Best effort: a failure
-        ends it (the patch's own prefault, which still runs, raises it); :meth:`sync`,
+        on a thread of their own, once ``after`` (the previous version's flush) is done: at a
+        delta's begin, while the trainer is still writing the shards the patch waits for, so
+        the page-cache work of the dense tensors' prefaults is done in that idle time and not
+        inside the apply. Not before the flush: it would write the pages dirtied here back
+        before the patch dirties them again. At most :data:`_WARM_BYTES` of them: pages the
+        patch reaches much later would meet the dirty-page limits first (the kernel's
+        writeback then writes them twice); the patch prefaults the rest as before.
+
+        Best effort: a failure ends it (the patch's own prefault raises it); :meth:`sync`,
         :meth:`unmap` and :meth:`close` stop it first. A no-op without the C kernels (Python's
         ``madvise`` would hold the GIL throughout) or where a warm-up already ran."""
         k = native.kernels
-        locs = [loc for loc in locs if loc.nbytes]
-        if not locs or self._warming is not None or not hasattr(k, "populate_write"):
+        if self._warming is not None or not hasattr(k, "populate_write"):
             return
+        todo, room = [], _WARM_BYTES
+        for loc in locs:
+            if 0 < loc.nbytes <= room:
+                todo.append(loc)
+                room -= loc.nbytes
         try:
-            work = [(self._map(loc.file), loc) for loc in locs]
+            work = [(self._map(loc.file), loc) for loc in todo]
         except OSError as exc:  # (the patch's own map raises it)
             logger.debug("no warm-up of %s: %s", self.directory, exc)
             return
+        if not work:
+            return
         stop = threading.Event()
         thread = threading.Thread(
-            target=_warm, args=(work, stop, self._warmed), name="asyncsync-warm", daemon=True
-        )
+            target=_warm, args=(work, stop, self._warmed, after), name="asyncsync-warm",
+            daemon=True,
+        )  # fmt: skip
         self._warming = (thread, stop)
         thread.start()
 
@@ -370,11 +387,19 @@ class FileMaps:
 
 
 def _warm(
-    work: list[tuple[mmap.mmap, TensorLocation]], stop: threading.Event, warmed: set[str]
+    work: list[tuple[mmap.mmap, TensorLocation]],
+    stop: threading.Event,
+    warmed: set[str],
+    after: Future[Any] | None,
 ) -> None:
-    """:meth:`FileMaps.warm`'s thread: each range populated writable, a span at a time, its
-    tensor's name added to ``warmed`` once all of it is."""
+    """:meth:`FileMaps.warm`'s thread: once ``after`` is done, each range populated writable,
+    a span at a time, its tensor's name added to ``warmed`` once all of it is."""
     populate = native.kernels.populate_write
+    while after is not None and not after.done():
+        if stop.is_set():
+            return
+        futures.wait([after], timeout=_WARM_POLL)
+    loc = work[0][1]
     try:
         for mm, loc in work:
             at = loc.begin - loc.begin % mmap.PAGESIZE

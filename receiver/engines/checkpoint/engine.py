@@ -409,7 +409,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         self._stale_journal = False
         self._set(self._ps.begin(manifest.version, "delta", progressive=not self.sync_before_ack))
         txn.maps = FileMaps(self.directory)
-        txn.maps.warm(inplace.likely_dense(manifest, self._layout))  # while the shards land
+        txn.maps.warm(inplace.likely_dense(manifest, self._layout), self._flusher.pending)
         txn.digest_on_patch = inplace.disjoint(self._layout)
         self._txn = txn
         return True
