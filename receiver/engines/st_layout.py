@@ -20,7 +20,6 @@ import struct
 import sys
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,6 @@ _FSYNC_WRITES_MAPPINGS = sys.platform.startswith("linux")
 
 _WARM_SPAN = 32 << 20  # a warm-up stops within one populate of this many bytes
 _WARM_BYTES = 2 << 30  # a warm-up faults in at most this many bytes (the rest: the patch)
-_WARM_POLL = 0.05  # seconds between looks at the stop while the flush before runs
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 # safetensors code -> torch dtype: every dtype the format carries (FORMAT.md section 11.5)
 _ST_DTYPES: dict[str, torch.dtype] = {SAFETENSORS_CODES[name]: dt for name, dt in DTYPES.items()}
@@ -212,7 +210,7 @@ class FileMaps:
         self._unmapped: list[int] = []  # descriptors whose mapping :meth:`unmap` dropped
         self._cow: bool | None = None  # overwrites need new space (a copy-on-write filesystem)
         self._dropped = False  # :meth:`unmap` ran: the maps are the flush's from then on
-        self._warming: tuple[threading.Thread, threading.Event] | None = None
+        self._warming: tuple[threading.Thread, threading.Event, threading.Event] | None = None
         self._warmed: set[str] = set()  # the tensors the warm-up has faulted in
 
     def _map(self, file: str) -> mmap.mmap:
@@ -308,13 +306,16 @@ class FileMaps:
             return
         if not work:
             return
-        stop = threading.Event()
+        stop, go = threading.Event(), threading.Event()  # go: the flush before done, or stop
         thread = threading.Thread(
-            target=_warm, args=(work, stop, self._warmed, after), name="asyncsync-warm",
-            daemon=True,
-        )  # fmt: skip
-        self._warming = (thread, stop)
+            target=_warm, args=(work, stop, go, self._warmed), name="asyncsync-warm", daemon=True
+        )
+        self._warming = (thread, stop, go)
         thread.start()
+        if after is None:
+            go.set()
+        else:  # (at once where it is done already)
+            after.add_done_callback(lambda _done: go.set())
 
     def _allocating(self) -> bool:
         if self._cow is None:
@@ -323,8 +324,9 @@ class FileMaps:
 
     def _stop_warm(self) -> None:
         if self._warming is not None:
-            thread, stop = self._warming
+            thread, stop, go = self._warming
             stop.set()
+            go.set()
             thread.join()
 
     def checksum(
@@ -389,16 +391,13 @@ class FileMaps:
 def _warm(
     work: list[tuple[mmap.mmap, TensorLocation]],
     stop: threading.Event,
+    go: threading.Event,
     warmed: set[str],
-    after: Future[Any] | None,
 ) -> None:
-    """:meth:`FileMaps.warm`'s thread: once ``after`` is done, each range populated writable,
-    a span at a time, its tensor's name added to ``warmed`` once all of it is."""
+    """:meth:`FileMaps.warm`'s thread: once ``go`` is set, each range populated writable, a
+    span at a time (until ``stop``), its tensor's name added to ``warmed`` once all of it is."""
     populate = native.kernels.populate_write
-    while after is not None and not after.done():
-        if stop.is_set():
-            return
-        futures.wait([after], timeout=_WARM_POLL)
+    go.wait()
     loc = work[0][1]
     try:
         for mm, loc in work:
