@@ -7,7 +7,9 @@ the flush's sync, the unmap after the ack) stops it before the mappings go."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -263,3 +265,41 @@ async def test_a_delta_begun_warms_its_dense_tensors_before_any_shard_is_applied
     await ck.acknowledged()
     te.assert_same(ck.load_state_dict(), sd2)
     await ck.close()
+
+
+@needs_kernel
+async def test_a_warm_up_that_cannot_start_its_thread_leaves_the_delta_to_apply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a thread limit (a container's ``pids.max``) ``Thread.start`` raises RuntimeError:
+    the warm-up is best effort, so the delta applies without it (every delta failed, each
+    leaving its descriptors open, where the receiver without the warm-up applied them)."""
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "asyncsync-warm":
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    sd0 = _state(0)
+    ck = await te.init_checkpoint(tmp_path, sd0)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    sd = sd0
+    for v in (1, 2):
+        new = mutate(sd, 0.03, seed=v, names=["dense.weight"])
+        m = te.build_manifest(new, v, base=sd)
+        await te.apply_version(ck, m, te.delta_batches(m, sd, new, "xor"), "delta")
+        await ck.flushed()
+        sd = new
+    te.assert_same(ck.load_state_dict(), sd)
+    await ck.close()
+    assert not [fd for fd in _fds() if Path(fd).parent == tmp_path]  # none left open
+
+
+def _fds() -> list[str]:
+    """Where this process's open descriptors point."""
+    out = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            out.append(os.readlink(fd))
+    return out

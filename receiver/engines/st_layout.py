@@ -310,8 +310,12 @@ class FileMaps:
         thread = threading.Thread(
             target=_warm, args=(work, stop, go, self._warmed), name="asyncsync-warm", daemon=True
         )
+        try:
+            thread.start()
+        except RuntimeError as exc:  # a thread limit (pids.max): the patch prefaults as before
+            logger.debug("no warm-up of %s: %s", self.directory, exc)
+            return
         self._warming = (thread, stop, go)
-        thread.start()
         if after is None:
             go.set()
         else:  # (at once where it is done already)
