@@ -39,7 +39,8 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,6 +62,7 @@ __all__ = [
     "host_chunks",
     "host_copies",
     "host_copy",
+    "page_cache_room",
     "pinned_pool",
     "release_large_buffers",
     "scratch_env",
@@ -119,6 +121,46 @@ def release_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
     _applied = threshold
     logger.debug("malloc: buffers of %d bytes or more are returned to the OS on free", threshold)
     return True
+
+
+def page_cache_room(
+    proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Bytes of file pages this process can bring into memory without pushing others out:
+    the host's ``MemAvailable``, and under a cgroup memory limit (v2 ``memory.max`` of its
+    cgroup and every one above it, v1 ``hierarchical_memory_limit``) that limit less what
+    the cgroup holds that is not file cache. None where nothing can be read (not Linux)."""
+    rooms = []
+    with suppress(OSError, ValueError, IndexError):
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                rooms.append(int(line.split()[1]) << 10)
+    with suppress(OSError):
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+        for line in lines:
+            with suppress(OSError, ValueError, KeyError):  # (a line of another hierarchy)
+                rooms.extend(_cgroup_rooms(cgroups, *line.split(":", 2)[1:]))
+    return max(0, min(rooms)) if rooms else None
+
+
+def _cgroup_rooms(cgroups: Path, controllers: str, path: str) -> Iterator[int]:
+    """Each memory limit over the cgroup ``path``, less what it holds that is not file cache."""
+    if controllers == "":  # v2: the limits from here up
+        at = cgroups / path.lstrip("/")
+        used = int((at / "memory.current").read_text()) - _stat(at / "memory.stat")["file"]
+        while at != cgroups.parent and (at / "memory.max").exists():
+            if (top := (at / "memory.max").read_text().strip()) != "max":
+                yield int(top) - used
+            at = at.parent
+    elif "memory" in controllers.split(","):  # v1 (a limit of ~2**63: none)
+        at = cgroups / "memory" / path.lstrip("/")
+        stat = _stat(at / "memory.stat")
+        if (limit := stat["hierarchical_memory_limit"]) < 1 << 62:
+            yield limit - (int((at / "memory.usage_in_bytes").read_text()) - stat["total_cache"])
+
+
+def _stat(path: Path) -> dict[str, int]:
+    return {k: int(v) for k, v in (line.split() for line in path.read_text().splitlines())}
 
 
 def trim_free_memory() -> bool:

@@ -354,3 +354,35 @@ def test_a_pinned_allocation_that_fails_falls_back_to_plain_memory(
     b = pool.empty(2 * memory.MIN_BYTES, np.uint8)
     assert not np.shares_memory(a, b)
     assert [r.levelname for r in caplog.records if "pinned" in r.message] == ["WARNING"]
+
+
+def _tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_page_cache_room_is_the_tightest_of_the_host_and_the_cgroup_less_its_non_file_use(
+    tmp_path: Path,
+) -> None:
+    gib = 1 << 30
+    meminfo = f"MemTotal: {64 * gib >> 10} kB\nMemAvailable: {16 * gib >> 10} kB\n"
+    _tree(tmp_path / "v2", {  # a 10 GiB limit above a cgroup using 7 GiB, 5 of it file cache
+        "proc/meminfo": meminfo, "proc/self/cgroup": "0::/a/b\n",
+        "cg/a/memory.max": f"{10 * gib}\n", "cg/a/b/memory.max": "max\n",
+        "cg/a/b/memory.current": f"{7 * gib}\n", "cg/a/b/memory.stat": f"anon 1\nfile {5 * gib}\n",
+    })  # fmt: skip
+    v2 = tmp_path / "v2"
+    assert memory.page_cache_room(v2 / "proc", v2 / "cg") == 8 * gib
+    _tree(tmp_path / "v1", {
+        "proc/meminfo": meminfo, "proc/self/cgroup": "5:cpu:/\n4:memory:/x\n",
+        "cg/memory/x/memory.usage_in_bytes": f"{3 * gib}\n",
+        "cg/memory/x/memory.stat": f"total_cache {2 * gib}\nhierarchical_memory_limit {4 * gib}\n",
+    })  # fmt: skip
+    v1 = tmp_path / "v1"
+    assert memory.page_cache_room(v1 / "proc", v1 / "cg") == 3 * gib
+    (v1 / "cg/memory/x/memory.stat").write_text(
+        f"total_cache 0\nhierarchical_memory_limit {2**63 - 4096}\n"
+    )
+    assert memory.page_cache_room(v1 / "proc", v1 / "cg") == 16 * gib  # no limit: the host's
+    assert memory.page_cache_room(tmp_path / "none", tmp_path / "none") is None

@@ -33,6 +33,7 @@ from asyncsync.codec import int_dtype, native
 from asyncsync.errors import EngineStateError
 from asyncsync.format.checksum import checksum_bytes, layout_checksum
 from asyncsync.format.names import DTYPES, SAFETENSORS_CODES
+from asyncsync.memory import page_cache_room
 
 __all__ = ["FileMaps", "TensorLocation", "int_dtype", "read_layout"]
 
@@ -284,9 +285,11 @@ class FileMaps:
         delta's begin, while the trainer is still writing the shards the patch waits for, so
         the page-cache work of the dense tensors' prefaults is done in that idle time and not
         inside the apply. Not before the flush: it would write the pages dirtied here back
-        before the patch dirties them again. At most :data:`_WARM_BYTES` of them: pages the
-        patch reaches much later would meet the dirty-page limits first (the kernel's
-        writeback then writes them twice); the patch prefaults the rest as before.
+        before the patch dirties them again. At most :data:`_WARM_BYTES` of them, and half of
+        what the page cache can hold (:func:`~asyncsync.memory.page_cache_room`, a cgroup's
+        limit included): pages the patch reaches much later would meet the dirty-page limits
+        first, or be pushed out (written back unchanged) before the patch comes to them (a
+        model larger than memory); the patch prefaults the rest as before.
 
         Best effort: a failure ends it (the patch's own prefault raises it); :meth:`sync`,
         :meth:`unmap` and :meth:`close` stop it first. A no-op without the C kernels (Python's
@@ -294,11 +297,12 @@ class FileMaps:
         k = native.kernels
         if self._warming is not None or not hasattr(k, "populate_write"):
             return
-        todo, room = [], _WARM_BYTES
+        room = page_cache_room()
+        todo, left = [], _WARM_BYTES if room is None else min(_WARM_BYTES, room // 2)
         for loc in locs:
-            if 0 < loc.nbytes <= room:
+            if 0 < loc.nbytes <= left:
                 todo.append(loc)
-                room -= loc.nbytes
+                left -= loc.nbytes
         try:
             work = [(self._map(loc.file), loc) for loc in todo]
         except OSError as exc:  # (the patch's own map raises it)
