@@ -26,6 +26,7 @@ from receiver.engines.checkpoint import inplace
 from receiver.engines.st_layout import FileMaps, TensorLocation
 from tests import test_engines as te
 from tests.conftest import mutate
+from tests.mounts import btrfs, fill
 from tests.test_file_maps import _dirty_kb, needs_kernel
 
 _MIB = 1 << 20
@@ -193,17 +194,21 @@ def test_a_warm_up_the_kernel_refuses_ends_quietly(
 
 @needs_kernel
 @pytest.mark.parametrize("allocating", [False, True], ids=["overwrite-in-place", "copy-on-write"])
-def test_the_patch_prefaults_a_warmed_tensor_again_only_where_overwrites_allocate(
+def test_a_warmed_tensor_is_not_prefaulted_again_and_none_where_overwrites_allocate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, allocating: bool
 ) -> None:
     """Once warmed, a tensor's own prefault is skipped where a write fault cannot fail (a
-    flush in between may make its pages read-only again: they fault back, nothing more); on a
-    copy-on-write filesystem it runs again, so that no page the patch writes can SIGBUS."""
+    flush in between may make its pages read-only again: they fault back, nothing more). On a
+    copy-on-write filesystem nothing is warmed (each dirty page would hold new space from the
+    begin on) and the patch prefaults it, so that no page the patch writes can SIGBUS."""
     (loc,) = _files(tmp_path, 4 * _MIB)
     monkeypatch.setattr("receiver.engines.st_layout.overwrites_allocate", lambda _d: allocating)
     maps = FileMaps(tmp_path)
     maps.warm([loc])
-    _warmer(maps).join(60)
+    if allocating:
+        assert maps._warming is None and _dirty_kb(tmp_path / loc.file) == 0
+    else:
+        _warmer(maps).join(60)
     real, calls = native.kernels.populate_write, []
 
     class Kernels:
@@ -390,3 +395,63 @@ async def test_a_warm_up_brings_in_no_more_than_memory_holds(tmp_path: Path) -> 
     assert r.returncode == 0, r.stderr[-2000:]
     # half the room, and the readahead past it (read_ahead_kb): was all 256 MiB, some twice
     assert int(r.stdout.split()[-1]) <= limit
+
+
+_RECEIVE = """
+import asyncio, pickle, sys
+from pathlib import Path
+from asyncsync.errors import ApplyFailed
+from receiver.engines.checkpoint import LocalCheckpoint
+
+async def main(ck_dir, delta):
+    with open(delta, "rb") as f:
+        m, batches = pickle.load(f)
+    ck = LocalCheckpoint(Path(ck_dir))
+    await ck.open()
+    try:
+        await ck.begin(m, "delta")
+        for b in batches:
+            await ck.apply(b)
+        await ck.commit()
+    except ApplyFailed as exc:
+        await ck.abort()  # (raised where the rollback failed)
+        print("refused:", exc)
+    await ck.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize(("leave", "applies"), [(2 << 20, False), (24 << 20, True)])
+async def test_no_warm_up_holds_the_space_of_a_nearly_full_copy_on_write_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leave: int, applies: bool
+) -> None:
+    """Files that are copy-on-write on btrfs (made before the directory was ``chattr +C``, by
+    an older receiver): each page the warm-up dirtied held new space for every dense tensor
+    at once, from the begin on. With 24 MiB free a dense delta of a 32 MiB model applied; it
+    failed there, and with 2 MiB free its rollback failed too (rc 1, where it was refused
+    and rolled back). Never SIGBUS either way; the files hold the version the state names."""
+    monkeypatch.setattr("receiver.engines.checkpoint.recovery.no_copy_on_write", lambda _d: False)
+    g = torch.Generator().manual_seed(0)
+    sd0 = {
+        f"l{i:02d}.weight": torch.randn(1 << 20, generator=g).to(torch.bfloat16) for i in range(16)
+    }  # fmt: skip  (16 x 2 MiB)
+    sd1 = mutate(sd0, 0.03, seed=1)
+    m1 = te.build_manifest(sd1, 1, base=sd0)
+    (tmp_path / "d1.pkl").write_bytes(pickle.dumps((m1, te.delta_batches(m1, sd0, sd1, "xor"))))
+    with btrfs(tmp_path / "cow") as mnt:
+        await (await te.init_checkpoint(mnt / "ck", sd0)).close()
+        fill(mnt, leave)
+        r = subprocess.run(
+            [sys.executable, "-c", _RECEIVE, str(mnt / "ck"), str(tmp_path / "d1.pkl")],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])  # -7 would be SIGBUS
+        assert ("refused:" not in r.stdout) == applies, r.stdout
+        (mnt / "ballast").unlink()
+        ck = te.LocalCheckpoint(mnt / "ck")
+        assert (await ck.open()).version == (1 if applies else 0)
+        te.assert_same(ck.load_state_dict(), sd1 if applies else sd0)
+        await ck.close()

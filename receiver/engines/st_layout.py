@@ -293,10 +293,15 @@ class FileMaps:
 
         Best effort: a failure ends it (the patch's own prefault raises it); :meth:`sync`,
         :meth:`unmap` and :meth:`close` stop it first. A no-op without the C kernels (Python's
-        ``madvise`` would hold the GIL throughout) or where a warm-up already ran."""
+        ``madvise`` would hold the GIL throughout) or where a warm-up already ran. None where
+        overwrites need new space (:func:`overwrites_allocate`): a dirty page holds its new
+        space there until written back, and on a nearly full disk a warm-up holding it for
+        every dense tensor at once failed versions that fit, and their rollbacks."""
         k = native.kernels
         if self._warming is not None or not hasattr(k, "populate_write"):
             return
+        if self._allocating():  # each page it faults in would hold new space from now on
+            return  # (btrfs: the undo record and the rollback then found the disk full)
         room = page_cache_room()
         todo, left = [], _WARM_BYTES if room is None else min(_WARM_BYTES, room // 2)
         for loc in locs:
