@@ -254,8 +254,8 @@ class FileMaps:
             return False
         if positions is not None and not self._allocating():
             return False
-        if positions is None and loc.name in self._warmed and not self._allocating():
-            return True  # (a flush since may have made pages read-only: they fault, no SIGBUS)
+        if positions is None and loc.name in self._warmed:  # (none where overwrites allocate:
+            return True  # pages a flush made read-only since take a write fault, not a SIGBUS)
         mm = self._map(loc.file)
         if positions is None:
             runs = [(loc.begin - loc.begin % mmap.PAGESIZE, loc.end)]
@@ -422,8 +422,8 @@ def _warm(
                 populate(mm, at, n)  # the GIL released meanwhile
                 at += n
             warmed.add(loc.name)
-    except (OSError, ValueError) as exc:  # EFAULT (no space to overwrite), EINVAL (an old
-        logger.debug("warm-up stopped at %s: %s", loc.name, exc)  # kernel): the patch's own
+    except (OSError, ValueError) as exc:  # EFAULT (a page it cannot make writable), EINVAL
+        logger.debug("warm-up stopped at %s: %s", loc.name, exc)  # (an old kernel): the patch
 
 
 def _unmap(file: str, mm: mmap.mmap) -> bool:
