@@ -43,7 +43,7 @@ class EarlyRead:
         root: Path,
         engine_id: str,
         *,
-        use_inotify: bool = True,
+        use_inotify: bool | None = None,
         manifests: ManifestCache | None = None,
     ) -> None:
         self.root = root

@@ -57,6 +57,7 @@ from receiver.shard_reader import (
     group_bytes_for,
     group_pieces,
 )
+from receiver.watch import inotify_wanted
 
 __all__ = ["STREAM_TIMEOUT", "AppliedShard", "StreamApplier", "early_reader"]
 
@@ -93,7 +94,8 @@ class StreamApplier:
         verify_deadline: how long a shard whose data does not match its data checksum yet is
             re-read before the stream gives up.
         use_inotify: also wake as a shard is renamed into the version's directory (where
-            inotify sees it: this host's writes), not only at the next poll.
+            inotify sees it: this host's writes), not only at the next poll (default: unless
+            ASYNCSYNC_FORCE_POLLING=1, as the agent's).
     """
 
     def __init__(
@@ -107,7 +109,7 @@ class StreamApplier:
         idle_timeout: float = STREAM_TIMEOUT,
         verify_deadline: float = VERIFY_DEADLINE,
         interval: float = 0.005,
-        use_inotify: bool = True,
+        use_inotify: bool | None = None,
     ) -> None:
         self.root = root
         self.engine = engine
@@ -119,7 +121,7 @@ class StreamApplier:
         self.idle_timeout = idle_timeout
         self.verify_deadline = verify_deadline
         self.interval = interval
-        self.use_inotify = use_inotify
+        self.use_inotify = inotify_wanted(use_inotify)
         self.applied: list[AppliedShard] = []
         self.txn_open = False  # the engine holds a transaction for self.version
         self.failed: str | None = None
@@ -522,7 +524,7 @@ async def early_reader(
     group_bytes: int | None,
     idle_timeout: float,
     verify_deadline: float,
-    use_inotify: bool = True,
+    use_inotify: bool | None = None,
     read: Callable[[Path, int], Manifest] = read_manifest,
 ) -> StreamApplier | Prefetcher:
     """What reads version ``held + 1`` before its manifest: a :class:`StreamApplier` when the

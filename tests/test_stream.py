@@ -373,6 +373,31 @@ async def test_a_mismatching_manifest_sends_the_version_down_the_ordinary_path(
     await _with_agent(tmp_path, body)
 
 
+@pytest.mark.parametrize(("forced", "expected"), [("1", False), ("", True)])
+def test_a_stream_built_without_use_inotify_follows_force_polling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forced: str, expected: bool
+) -> None:
+    """Left out, ``use_inotify`` is what the agent's is (ASYNCSYNC_FORCE_POLLING): a stream
+    built directly took inotify whatever the operator had said (attack-109's leftover)."""
+
+    async def run() -> None:
+        root = tmp_path / "root"
+        async with Publisher(root) as pub:
+            await pub.seed(_state(0))
+        monkeypatch.setenv("ASYNCSYNC_FORCE_POLLING", forced)
+        engine = LocalCheckpoint(tmp_path / "ck")
+        base = read_manifest(root, 0)
+        s = StreamApplier(root, engine, base, on_manifest=asyncio.Event(), group_bytes=1 << 20)
+        assert s.use_inotify is expected
+        pinned = StreamApplier(
+            root, engine, base, on_manifest=asyncio.Event(), group_bytes=1 << 20,
+            use_inotify=not expected,
+        )  # fmt: skip
+        assert pinned.use_inotify is (not expected)
+
+    asyncio.run(run())
+
+
 def test_mismatch_names_what_differs(tmp_path: Path) -> None:
     """StreamApplier.mismatch compares files, sizes, checksums and entries with the manifest."""
 
