@@ -14,7 +14,7 @@ import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -65,6 +65,25 @@ def test_a_warm_up_faults_the_tensors_it_is_given_in_writable(tmp_path: Path) ->
         maps.close()
 
 
+Populate = Callable[[Callable[[object, int, int], None], object, int, int], None]
+
+
+def _fake_populate(monkeypatch: pytest.MonkeyPatch, populate: Populate) -> None:
+    """The C kernels as they are, but ``populate_write(mm, start, length)`` calls
+    ``populate(real_populate_write, mm, start, length)``."""
+    real = native.kernels.populate_write
+
+    class Kernels:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real.__self__, name)  # type: ignore[attr-defined]
+
+        @staticmethod
+        def populate_write(mm: object, start: int, length: int) -> None:
+            populate(real, mm, start, length)
+
+    monkeypatch.setattr(native, "kernels", Kernels())
+
+
 @needs_kernel
 @pytest.mark.parametrize("way_out", ["close", "unmap", "sync"])
 def test_every_way_out_of_a_version_stops_the_warm_up_first(
@@ -75,20 +94,14 @@ def test_every_way_out_of_a_version_stops_the_warm_up_first(
     and the thread stops at the next span instead of going on through the rest."""
     (loc,) = _files(tmp_path, 4 * _MIB)
     entered, release, calls = threading.Event(), threading.Event(), []
-    real = native.kernels.populate_write
 
-    class Kernels:  # the real module's calls, populate_write held at its first call
-        def __getattr__(self, name: str) -> object:
-            return getattr(real.__self__, name)  # type: ignore[attr-defined]
+    def held(real: Callable[..., None], mm: object, start: int, length: int) -> None:
+        calls.append(start)  # held at its first call
+        entered.set()
+        assert release.wait(60)
+        real(mm, start, length)
 
-        @staticmethod
-        def populate_write(mm: object, start: int, length: int) -> None:
-            calls.append(start)
-            entered.set()
-            assert release.wait(60)
-            real(mm, start, length)
-
-    monkeypatch.setattr(native, "kernels", Kernels())
+    _fake_populate(monkeypatch, held)
     monkeypatch.setattr("receiver.engines.st_layout._WARM_SPAN", _MIB)
     maps = FileMaps(tmp_path)
     maps.warm([loc])
@@ -118,18 +131,12 @@ def test_a_warm_up_starts_once_the_flush_before_it_is_done(
     Until that flush is done the warm-up faults nothing in; stopped meanwhile, it never does."""
     first, second = _files(tmp_path, 2 * _MIB, 2 * _MIB)
     populated = threading.Event()
-    real = native.kernels.populate_write
 
-    class Kernels:
-        def __getattr__(self, name: str) -> object:
-            return getattr(real.__self__, name)  # type: ignore[attr-defined]
+    def seen(real: Callable[..., None], mm: object, start: int, length: int) -> None:
+        populated.set()
+        real(mm, start, length)
 
-        @staticmethod
-        def populate_write(mm: object, start: int, length: int) -> None:
-            populated.set()
-            real(mm, start, length)
-
-    monkeypatch.setattr(native, "kernels", Kernels())
+    _fake_populate(monkeypatch, seen)
     flush: Future[None] = Future()
     maps = FileMaps(tmp_path)
     maps.warm([first], after=flush)
@@ -169,18 +176,12 @@ def test_a_warm_up_the_kernel_refuses_ends_quietly(
     """EFAULT (no space to overwrite: a full copy-on-write disk) ends the warm-up without an
     error of its own: the patch's prefault of that tensor is what raises it, naming the file."""
     (loc,) = _files(tmp_path, 2 * _MIB)
-    real = native.kernels.populate_write
     failed: list[BaseException] = []
 
-    class Kernels:
-        def __getattr__(self, name: str) -> object:
-            return getattr(real.__self__, name)  # type: ignore[attr-defined]
+    def refused(_real: Callable[..., None], _mm: object, _start: int, _length: int) -> None:
+        raise OSError(errno.EFAULT, "Bad address")
 
-        @staticmethod
-        def populate_write(mm: object, start: int, length: int) -> None:
-            raise OSError(errno.EFAULT, "Bad address")
-
-    monkeypatch.setattr(native, "kernels", Kernels())
+    _fake_populate(monkeypatch, refused)
     monkeypatch.setattr(threading, "excepthook", lambda args: failed.append(args.exc_value))
     maps = FileMaps(tmp_path)
     maps.warm([loc])
@@ -209,18 +210,13 @@ def test_a_warmed_tensor_is_not_prefaulted_again_and_none_where_overwrites_alloc
         assert maps._warming is None and _dirty_kb(tmp_path / loc.file) == 0
     else:
         _warmer(maps).join(60)
-    real, calls = native.kernels.populate_write, []
+    calls = []
 
-    class Kernels:
-        def __getattr__(self, name: str) -> object:
-            return getattr(real.__self__, name)  # type: ignore[attr-defined]
+    def counted(real: Callable[..., None], mm: object, start: int, length: int) -> None:
+        calls.append((start, length))
+        real(mm, start, length)
 
-        @staticmethod
-        def populate_write(mm: object, start: int, length: int) -> None:
-            calls.append((start, length))
-            real(mm, start, length)
-
-    monkeypatch.setattr(native, "kernels", Kernels())
+    _fake_populate(monkeypatch, counted)
     assert maps.prefault(loc) is True
     assert calls == ([(0, 4 * _MIB)] if allocating else [])
     maps.close()
