@@ -298,8 +298,8 @@ class FileMaps:
         space there until written back, and on a nearly full disk a warm-up holding it for
         every dense tensor at once failed versions that fit, and their rollbacks."""
         k = native.kernels
-        if self._warming is not None or not hasattr(k, "populate_write"):
-            return
+        if not locs or self._warming is not None or not hasattr(k, "populate_write"):
+            return  # (no statfs nor /proc reads at the begin of a sparse delta)
         if self._allocating():  # each page it faults in would hold new space from now on
             return  # (btrfs: the undo record and the rollback then found the disk full)
         room = page_cache_room()

@@ -277,13 +277,16 @@ def likely_dense(manifest: Manifest, layout: Mapping[str, TensorLocation]) -> li
     return [
         loc
         for t in manifest.tensors
-        if (loc := layout.get(t.name)) is not None and t.changed * mmap.PAGESIZE >= loc.nbytes
+        if (loc := layout.get(t.name)) is not None and _most_pages(t.changed, loc)
     ]
 
 
 def _touches_most_pages(patch: Patch, loc: TensorLocation) -> bool:
     """At least one changed element per page on average (then ~2/3 of the pages or more are
     written): prefaulting the whole range is cheaper than faulting page by page."""
-    if patch.positions is None:
-        return True
-    return patch.positions.numel() * mmap.PAGESIZE >= loc.nbytes
+    return patch.positions is None or _most_pages(patch.positions.numel(), loc)
+
+
+def _most_pages(changed: int, loc: TensorLocation) -> bool:
+    """``changed`` elements are at least one per page of ``loc`` on average."""
+    return changed * mmap.PAGESIZE >= loc.nbytes
