@@ -66,6 +66,7 @@ __all__ = [
     "pinned_pool",
     "release_large_buffers",
     "scratch_env",
+    "size_class",
     "trim_free_memory",
 ]
 
@@ -250,9 +251,10 @@ class ScratchPool:
     """Best-fit reuse of at most ``limit`` bytes of NumPy buffers (thread-safe).
 
     ``alloc(n)`` makes a new buffer of ``n`` bytes (a 1-D uint8 array; ``np.empty`` unless
-    given): the pinned pool's are NumPy views of pinned torch tensors. ``pow2``: new buffers are
-    rounded up to a power of two (torch's caching host allocator pins that much for any
-    request: the pool then counts the bytes pinned, and reuses more). Beyond ``limit``,
+    given): the pinned pool's are NumPy views of pinned torch tensors. New buffers are rounded
+    up to a :func:`size_class`; with ``pow2``, to a power of two (torch's caching host
+    allocator pins that much for any request: the pool then counts the bytes pinned, and
+    reuses more). Beyond ``limit``,
     buffers are plain ``np.empty`` arrays, not pooled."""
 
     def __init__(
@@ -303,7 +305,7 @@ class ScratchPool:
             if over > 0:
                 self.spilled += 1
                 return np.empty(n, dt)
-            size = 1 << (nbytes - 1).bit_length() if self._pow2 else nbytes
+            size = 1 << (nbytes - 1).bit_length() if self._pow2 else size_class(nbytes)
             if self._held + size > self.limit:  # rounded up past the limit: a plain one
                 self.spilled += 1
                 return np.empty(n, dt)
@@ -313,6 +315,17 @@ class ScratchPool:
             bufs.insert(i, buf)
             self._held += size
             return buf[:nbytes].view(dt)
+
+
+def size_class(n: int) -> int:
+    """``n`` bytes rounded up to a multiple of 1/16 of the largest power of two below it (at
+    most 6.25 % more): the size of a new pooled buffer. A version's temporaries are a few
+    elements larger or smaller than the last one's (each tensor's changed count moves), and
+    an exact-size buffer serves no larger request: a pool of exact sizes kept taking fresh
+    buffers, whose first touch is all page faults (50-95 ms per 16 MB buffer in a VM whose
+    host hands back memory it reclaimed: BENCHMARKS.md, issue 26, thirty-first session)."""
+    granule = 1 << max(0, (n - 1).bit_length() - 5)
+    return -(-n // granule) * granule
 
 
 def _refs(bufs: list[NDArray[np.uint8]], i: int) -> int:
