@@ -293,7 +293,8 @@ class ScratchPool:
                 if _refs(bufs, i) <= _FREE:
                     self.reused += 1
                     return bufs[i][:nbytes].view(dt)
-            over = self._held + nbytes - self.limit
+            size = 1 << (nbytes - 1).bit_length() if self._pow2 else size_class(nbytes)
+            over = self._held + size - self.limit
             i = 0
             while over > 0 and i < len(bufs):  # make room: drop free ones, smallest first
                 if _refs(bufs, i) <= _FREE:
@@ -302,11 +303,7 @@ class ScratchPool:
                     del bufs[i]
                 else:
                     i += 1
-            if over > 0:
-                self.spilled += 1
-                return np.empty(n, dt)
-            size = 1 << (nbytes - 1).bit_length() if self._pow2 else size_class(nbytes)
-            if self._held + size > self.limit:  # rounded up past the limit: a plain one
+            if over > 0:  # (also where the rounding up alone passes the limit)
                 self.spilled += 1
                 return np.empty(n, dt)
             buf = self._alloc(size)

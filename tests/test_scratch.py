@@ -83,6 +83,16 @@ def test_requests_a_little_larger_than_a_free_buffer_reuse_it() -> None:
     assert small.shape == (N + 1,) and not _shares(big, small)
 
 
+def test_a_request_rounded_up_past_the_limit_makes_room_before_it_spills() -> None:
+    pool = ScratchPool(MIN_BYTES + (490 << 10))
+    first = pool.empty(N, np.int64)  # MIN_BYTES, held; then free
+    del first
+    n = (480 << 10) + 8  # fits beside it as asked, not once rounded up (496 KiB)
+    a = pool.empty(n, np.uint8)
+    assert a.base is not None and pool.spilled == 0  # pooled: the free one was dropped
+    assert pool.held == 496 << 10
+
+
 def test_small_requests_and_a_zero_limit_are_plain_arrays() -> None:
     pool = ScratchPool(0)
     a = pool.empty(N, np.int64)
