@@ -254,8 +254,7 @@ class ScratchPool:
     given): the pinned pool's are NumPy views of pinned torch tensors. New buffers are rounded
     up to a :func:`size_class`; with ``pow2``, to a power of two (torch's caching host
     allocator pins that much for any request: the pool then counts the bytes pinned, and
-    reuses more). Beyond ``limit``,
-    buffers are plain ``np.empty`` arrays, not pooled."""
+    reuses more). Beyond ``limit``, buffers are plain ``np.empty`` arrays, not pooled."""
 
     def __init__(
         self,
