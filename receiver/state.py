@@ -37,7 +37,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -504,8 +504,11 @@ class StateStore:
         fsio.fsync_dir(self.directory)
         return True
 
-    def clear_dir(self, path: Path) -> None:
+    def clear_dir(self, path: Path, *, keep: Callable[[Path], str | None] | None = None) -> None:
         """Remove every file in ``path`` (one level, e.g. journal/ or staging/) and fsync it.
+
+        ``keep``: the name a file (not a symlink) is renamed to instead of removed, or None to
+        remove it (the journal's spares: ``journal.recycled_name``).
 
         A symlink there is refused (EngineStateError), never followed: clearing through it
         would remove whatever it points to."""
@@ -520,6 +523,8 @@ class StateStore:
         for p in path.iterdir():
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
+            elif keep is not None and not p.is_symlink() and (to := keep(p)) is not None:
+                p.replace(path / to)
             else:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()

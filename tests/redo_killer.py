@@ -100,10 +100,10 @@ def main() -> int:
                 merged[0] += 1
             return out
 
-        def clear_dir(self: StateStore, path: Path) -> None:
+        def clear_dir(self: StateStore, path: Path, **kw: Any) -> None:
             if path == self.journal_dir and merged[0] == 1 and merging[0]:
                 raise OSError(5, "injected: the compaction's undo records not removed")
-            real_clear(self, path)
+            real_clear(self, path, **kw)
 
         StateStore.save = save_then  # type: ignore[method-assign]
         StateStore.clear_dir = clear_dir  # type: ignore[method-assign]

@@ -98,7 +98,7 @@ async def test_an_undo_record_filling_the_disk_rolls_back_and_the_receiver_goes_
             async with agent:
                 assert await agent.sync_once() == 1
                 await agent.engine.flushed()  # type: ignore[attr-defined]
-                nxt = _step(sd, 0.03, 2)
+                nxt = _step(sd, 0.3, 2)  # a record ~10x v1's spare (whose room it reuses)
                 await pub.publish(nxt)
                 fill(mnt, 100_000)  # the record's header fits, its old values do not
                 with pytest.raises(ApplyFailed, match="No space left") as failed:

@@ -330,19 +330,23 @@ def _big_state(seed: int) -> dict[str, torch.Tensor]:
 async def test_sigkill_inside_the_kernel_then_reopen(tmp_path: Path) -> None:
     """A child process applying a delta (progressive records) is killed with SIGKILL at several
     moments while its kernels patch; each time the reopened engine holds the old bytes exactly.
-    At least one kill must land inside a kernel (a record with 0 < count < positions)."""
-    sd0 = _big_state(0)
-    sd1 = {k: v.clone() for k, v in sd0.items()}
-    g = torch.Generator().manual_seed(1)
-    for t in sd1.values():
-        flat = t.view(-1)
-        idx = torch.randint(0, flat.numel(), (flat.numel() // 5,), generator=g)
-        flat[idx] = (flat[idx].float() + 1).to(t.dtype)
-    m1 = build_manifest(sd1, 1, base=sd0)
+    At least one kill must land inside a kernel (a record with 0 < count < positions). The
+    checkpoint holds the spare records of the delta before (journal.recycled_name): the
+    killed apply writes its records over them, their stale old values past each count."""
+    base = _big_state(0)
+    sd0, sd1 = _moved(base, 2), _moved(_moved(base, 2), 1)
+    m1 = build_manifest(sd1, 2, base=sd0)
     payload = tmp_path / "payload.pt"
     torch.save({"manifest": m1, "batches": xef_batches(m1, sd0, sd1, n=1)}, payload)
-    ck = await init_checkpoint(tmp_path / "c", sd0)
+    ck = await init_checkpoint(tmp_path / "c", base)
+    ck.sync_before_ack = False
+    m0 = build_manifest(sd0, 1, base=base)
+    await apply_version(ck, m0, xef_batches(m0, base, sd0, n=1), "delta")
+    await ck.acknowledged()
     await ck.close()
+    assert [p.name for p in (tmp_path / "c" / ".asyncsync" / "journal").iterdir()] == [
+        "spare-000000"
+    ]
 
     def start(ckdir: Path) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
@@ -388,7 +392,7 @@ async def test_sigkill_inside_the_kernel_then_reopen(tmp_path: Path) -> None:
         state = json.loads((ckdir / ".asyncsync" / "state.json").read_text())
         assert state["format_version"] == 2 and state["progressive"] is True
         ck = LocalCheckpoint(ckdir)
-        assert (await ck.open()).version == 0
+        assert (await ck.open()).version == 1
         assert_same(ck.load_state_dict(), sd0)
         await ck.close()
         shutil.rmtree(ckdir)
@@ -398,6 +402,17 @@ async def test_sigkill_inside_the_kernel_then_reopen(tmp_path: Path) -> None:
     await apply_version(ck, m1, delta_batches(m1, sd0, sd1), "delta")
     assert_same(ck.load_state_dict(), sd1)
     await ck.close()
+
+
+def _moved(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """A copy of ``sd`` with a fifth of each tensor's elements (drawn from ``seed``) moved."""
+    out = {k: v.clone() for k, v in sd.items()}
+    g = torch.Generator().manual_seed(seed)
+    for t in out.values():
+        flat = t.view(-1)
+        idx = torch.randint(0, flat.numel(), (flat.numel() // 5,), generator=g)
+        flat[idx] = (flat[idx].float() + 1).to(t.dtype)
+    return out
 
 
 def _counts_of(path: Path) -> dict[str, int]:

@@ -50,14 +50,14 @@ async def test_a_crash_beside_an_earlier_versions_undo_records_does_not_write_th
     journal, real_clear = eng._store.journal_dir, eng._store.clear_dir
     seen: list[list[str]] = []
 
-    def clear_dir(path: Path) -> None:
+    def clear_dir(path: Path, **kw: Any) -> None:
         ps = eng._ps
         if path == journal and ps.applying and ps.target_version == 2 and not seen:
             seen.append(sorted(p.name for p in journal.iterdir()))
             shutil.copytree(ck, crashed)  # the crash: v2's compaction begun, v1's records kept
         elif path == journal and not ps.applying and (ps.version, ps.redo) == (1, ()):
             raise OSError(errno.EIO, "injected: v1's undo records not removed")
-        real_clear(path)
+        real_clear(path, **kw)
 
     monkeypatch.setattr(eng._store, "clear_dir", clear_dir)
     async with ReceiverAgent(root, eng, "e", use_inotify=False, prefetch=False) as agent:

@@ -6,7 +6,8 @@ opened ``O_NOFOLLOW | O_DIRECTORY`` from its parent's descriptor (the root, as t
 names it, is trusted; without ``root`` only the last component is not followed). Reading opens
 through :func:`open_file` only (``O_NOFOLLOW | O_NONBLOCK``, ``fstat``: regular files, within a
 ``limit``), writing through :func:`_open_write` only (temp names ``O_EXCL | O_NOFOLLOW``
-renamed into place by :func:`atomic_write`; a file written in place, the log or a lock, must be
+renamed into place by :func:`atomic_write`, or a spare file rewritten and renamed by
+:func:`rewrite_as`; a file written in place, the log or a lock, must be
 a regular file with one link); removal, listing, ``lstat`` and ``mkdir`` go by descriptor too.
 A crash leaves the old or the complete new file of an :func:`atomic_write`, plus at most a temp
 file (:data:`TMP_PREFIX`, ignored by readers). Blocking: async callers use ``to_thread``. A
@@ -32,6 +33,7 @@ from asyncsync.fsio.files import (
     remove,
     remove_temp_files,
     remove_tree,
+    rewrite_as,
     scan,
 )
 from asyncsync.fsio.lock import FileLock
@@ -41,5 +43,5 @@ __all__ = [
     "DIR_MODE", "FILE_MODE", "TMP_PREFIX", "FileLock", "Throttle", "UnsafePath", "append_bytes",
     "append_line", "atomic_write", "check_throttle_env", "fs_now", "fsync_dir", "get_throttle",
     "is_temp_name", "lstat", "make_dir", "open_dir", "open_file", "read_bytes", "read_file",
-    "remove", "remove_temp_files", "remove_tree", "scan", "set_throttle",
+    "remove", "remove_temp_files", "remove_tree", "rewrite_as", "scan", "set_throttle",
 ]  # fmt: skip

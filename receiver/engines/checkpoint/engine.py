@@ -28,7 +28,7 @@ from asyncsync.errors import (
 )
 from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import AuditReport, Engine, EngineState, TensorUpdate
-from receiver.engines.checkpoint import inplace
+from receiver.engines.checkpoint import inplace, journal
 from receiver.engines.checkpoint.files import CheckpointFiles
 from receiver.engines.checkpoint.flusher import Flusher
 from receiver.engines.checkpoint.fullswap import FullVersions
@@ -259,8 +259,8 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         submits the flush (``unmap`` runs once: a second caller's would race the flush)."""
         if self._stale_journal and self._txn is None:  # stale since state.json holds it (an
             self._stale_journal = False  # open finding them with a clean state clears them too)
-            try:
-                self._store.clear_dir(self._store.journal_dir)
+            try:  # progressive records kept as spares, rewritten by the next version's
+                self._store.clear_dir(self._store.journal_dir, keep=journal.recycled_name)
             except (OSError, AsyncSyncError) as exc:  # left for the next begin or open
                 logger.warning("%s: clearing the undo records failed: %s", self.directory, exc)
         if unflushed is not None:
@@ -405,7 +405,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
             txn.redo = self._begin_redo(manifest)
             self._txn = txn
             return True
-        self._store.clear_dir(self._store.journal_dir)
+        self._store.clear_dir(self._store.journal_dir, keep=journal.recycled_name)
         self._stale_journal = False
         self._set(self._ps.begin(manifest.version, "delta", progressive=not self.sync_before_ack))
         txn.maps = FileMaps(self.directory)

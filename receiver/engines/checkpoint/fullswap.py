@@ -22,7 +22,7 @@ from asyncsync import fsio
 from asyncsync.errors import ApplyFailed, AsyncSyncError
 from asyncsync.format import TensorEntry
 from receiver.engines.base import TensorUpdate
-from receiver.engines.checkpoint import staging
+from receiver.engines.checkpoint import journal, staging
 from receiver.engines.checkpoint.recovery import Recovery
 from receiver.rules import holding
 from receiver.state import PersistedState
@@ -52,6 +52,8 @@ class FullVersions(Recovery):
         if not items:
             return
         part = f"part-{txn.seq:06d}.safetensors"
+        if txn.seq == 0:  # the staged files may need the room of the spare undo records
+            journal.drop_spares(self._store.journal_dir)
         txn.seq += 1
         sums = staging.stage_part(
             self._store.staging_dir, part, items, txn.manifest.checksum_algorithm

@@ -122,7 +122,9 @@ def _journal_in_pass(
     checksummed (by its pass's algorithm: one of None is not) and journaled in one pass (on the
     pool: the tensors are disjoint)."""
     path = journal_dir / f"undo-{seq:06d}{journal.PROGRESSIVE_SUFFIX}"
-    record = journal.create_progressive(path, work, version)
+    record = journal.create_progressive(
+        path, work, version, spare=journal.spare_path(journal_dir, seq)
+    )
     try:
         jobs = list(zip(work, passes, record.values_at, record.progress_at, strict=True))
 

@@ -28,12 +28,22 @@ Undo writes back the first ``count`` values of each tensor: exact after a crash 
 (the page cache keeps every write made before it); after a crash of the machine the record may
 be incomplete, so the engine checks every tensor after undoing one at open and re-initialises
 from a keyframe if any differs.
+
+Once its version is committed, a progressive record is kept as a **spare**
+(``spare-NNNNNN``, :func:`recycled_name`) instead of removed, and the same apply group of the
+next version writes its record over it (:func:`create_progressive`, ``fsio.rewrite_as``):
+header, positions and zero counts over the old bytes, the size set, then the rename to
+``undo-NNNNNN.progressive``; the old values past each count are stale, never read. A new file
+cost its pages' allocation, zeroing and freeing every version (the kernel's small writes of old
+values, ~40 ms of CPU a version at 1 GiB on this VM). Spares are never read; a rollback, an
+interrupted apply's recovery and a full version remove them (their room back).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -53,18 +63,27 @@ from receiver.engines.st_layout import TensorLocation
 __all__ = [
     "JOURNAL_FORMAT",
     "PROGRESSIVE_SUFFIX",
+    "SPARE_BYTES",
+    "SPARE_PREFIX",
     "Progressive",
     "Work",
     "create_progressive",
+    "drop_spares",
     "encode",
     "encode_parts",
     "read",
+    "recycled_name",
+    "spare_path",
     "target_version",
 ]
 
 JOURNAL_FORMAT = "asyncsync-journal"
 #: file name suffix of a progressive record (``undo-NNNNNN.progressive``)
 PROGRESSIVE_SUFFIX = ".progressive"
+#: file name prefix of a recycled progressive record (:func:`recycled_name`): never read
+SPARE_PREFIX = "spare-"
+#: a record larger than this is removed, not kept as a spare
+SPARE_BYTES = 64 << 20
 _RECORD_LIMIT = 1 << 46  # a record holds at most one apply group's old values
 _HEADER_LIMIT = 100 << 20  # as safetensors' own (a header names each tensor of a group)
 
@@ -144,11 +163,17 @@ class Progressive(NamedTuple):
     progress_at: list[int]
 
 
-def create_progressive(path: Path, work: Work, version: int) -> Progressive:
+def create_progressive(
+    path: Path, work: Work, version: int, *, spare: Path | None = None
+) -> Progressive:
     """Create the progressive undo record ``path`` of ``work`` (header, positions and zero
     counts, renamed into place: it exists whole or not at all) and open it for the patch
     kernel, which saves each tensor's old values and count in it as it patches. Not fsynced:
-    see the module docstring. The caller closes ``fd``."""
+    see the module docstring. The caller closes ``fd``.
+
+    ``spare``: a record of an earlier version recycled (:func:`recycled_name`), written over
+    and renamed to ``path`` instead of a new file, where it exists: its size set to the whole
+    record's (values past a tensor's count are the spare's stale bytes, never read)."""
     counts, widths, encs, pos_blobs = _positions(work)
     meta: dict[str, Any] = {
         "format": JOURNAL_FORMAT,
@@ -173,9 +198,51 @@ def create_progressive(path: Path, work: Work, version: int) -> Progressive:
     for b in pos_blobs:  # not copied into one blob: written one after another
         body += [b, bytes(align8(len(b)) - len(b))]
     body.append(bytes(8 * len(work)))
-    fsio.atomic_write(path, body, fsync=False, sync_dir=False)
+    end = offsets["values_at"][-1] + align8(counts[-1] * widths[-1]) if work else head
+    if spare is None or not fsio.rewrite_as(spare, path, body, size=end):
+        fsio.atomic_write(path, body, fsync=False, sync_dir=False)
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     return Progressive(fd, offsets["values_at"], offsets["progress_at"])
+
+
+def recycled_name(path: Path) -> str | None:
+    """The name an entry of the journal directory keeps when the records of a committed
+    version are cleared (:meth:`receiver.state.StateStore.clear_dir`, after the ack, at the
+    next begin, at an open): a progressive record ``undo-NNNNNN.progressive`` becomes the spare
+    ``spare-NNNNNN``, which the same apply group of the next version rewrites
+    (:func:`create_progressive`) instead of making a new file and freeing this one
+    (BENCHMARKS.md, thirty-second session); a spare stays (one per apply group of a version).
+    None (removed): anything else, and a file over :data:`SPARE_BYTES` (a dense delta's record
+    of a whole group is not kept for the sparse ones after it)."""
+    name = path.name
+    if name.startswith(SPARE_PREFIX):
+        seq = name.removeprefix(SPARE_PREFIX)
+    elif name.startswith("undo-") and name.endswith(PROGRESSIVE_SUFFIX):
+        seq = name.removeprefix("undo-").removesuffix(PROGRESSIVE_SUFFIX)
+    else:
+        return None
+    if not (len(seq) == 6 and seq.isascii() and seq.isdigit()):
+        return None
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    kept = stat.S_ISREG(st.st_mode) and st.st_size <= SPARE_BYTES
+    return f"{SPARE_PREFIX}{seq}" if kept else None
+
+
+def drop_spares(journal_dir: Path) -> None:
+    """Remove the spare records (a full version's staged files may need their room)."""
+    if journal_dir.is_symlink() or not journal_dir.is_dir():
+        return
+    for p in journal_dir.iterdir():
+        if p.name.startswith(SPARE_PREFIX) and not p.is_dir():
+            p.unlink(missing_ok=True)
+
+
+def spare_path(journal_dir: Path, seq: int) -> Path:
+    """Where :func:`recycled_name` keeps the spare of the record ``undo-{seq}``."""
+    return journal_dir / f"{SPARE_PREFIX}{seq:06d}"
 
 
 def _positions(work: Work) -> tuple[list[int], list[int], list[str], list[bytes | memoryview]]:

@@ -160,8 +160,8 @@ class Recovery:
                     ps.target_version,
                 )
                 self._wipe()
-            else:
-                self._store.clear_dir(self._store.journal_dir)  # stale: a commit that finished
+            else:  # stale: a commit that finished (a progressive record kept as a spare)
+                self._store.clear_dir(self._store.journal_dir, keep=journal.recycled_name)
                 self._store.clear_dir(self._store.staging_dir)
             if not self._ps.synced and self._ps.version is not None:
                 self._check_unsynced(rewrite)
