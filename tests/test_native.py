@@ -765,10 +765,10 @@ def test_increasing(dtype: Any) -> None:
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("n", [1, 7, 2048, 40_000])
 def test_small_planes_match_the_kernel(width: int, n: int, monkeypatch: Any) -> None:
-    """A tensor below delta._SMALL_PLANES bytes is planed and unplaned by NumPy (a MoE's
-    thousands of 4 KiB experts: the kernel's call and scratch buffer cost more than the bytes);
-    both paths give the same bytes, the same writable tensor and the same count of nonzero
-    elements, whichever path a size takes."""
+    """A tensor below delta._SMALL_PLANES bytes is planed by NumPy (a MoE's thousands of small
+    experts: the kernel's call and scratch buffer cost more than the bytes), one below
+    _SMALL_UNPLANES unplaned by NumPy (none, unless set); both paths give the same bytes, the
+    same writable tensor and the same count of nonzero elements, whichever path a size takes."""
     import torch
 
     from asyncsync.codec import delta
@@ -777,10 +777,10 @@ def test_small_planes_match_the_kernel(width: int, n: int, monkeypatch: Any) -> 
     raw = rng.integers(0, 256, n * width, dtype=np.uint8)
     v = torch.from_numpy(raw.view(delta._NP_BY_WIDTH[width]).copy())
     v[::3] = 0
-    small = n * width < delta._SMALL_PLANES
     got = [bytes(delta._planes(v))]
     back = [delta._unplanes(got[0], n, width)]
-    monkeypatch.setattr(delta, "_SMALL_PLANES", 0 if small else 1 << 62)  # the other path
+    for name in ("_SMALL_PLANES", "_SMALL_UNPLANES"):  # the other path
+        monkeypatch.setattr(delta, name, 0 if n * width < getattr(delta, name) else 1 << 62)
     got.append(bytes(delta._planes(v)))
     back.append(delta._unplanes(got[0], n, width))
     assert got[0] == got[1] == raw_planes(v.numpy().view(np.uint8), width)

@@ -366,9 +366,14 @@ def _unzstd(blob: bytes | memoryview, sizes: tuple[int, ...], what: str) -> byte
     return out
 
 
-#: below this many bytes a CPU tensor's planes are NumPy's transposed copy: the C kernel's
-#: scratch buffer and calls cost ~15 us a tensor, the copy ~5 us at 4 KiB (a MoE's experts)
-_SMALL_PLANES = 64 << 10
+#: below this many bytes a CPU tensor's planes are NumPy's transposed copy (its ``tobytes``):
+#: 1.8 against the C kernel's 2.7 us at 256 bytes, level at 4 KiB, 19.6 against 4.3 us at
+#: 64 KiB (BENCHMARKS.md, thirty-second session)
+_SMALL_PLANES = 4 << 10
+#: ... and values are unplaned by NumPy below this many bytes: none, the kernel (its output
+#: from the scratch pool) is quicker at every size (1.1 against 1.8 us at 256 bytes, 5.7
+#: against 111 us at 64 KiB, where NumPy's was taken: ~20 ms a version at 1 GiB)
+_SMALL_UNPLANES = 0
 
 
 def _planes(v: torch.Tensor) -> bytes | memoryview:
@@ -401,7 +406,7 @@ def _unplanes(raw: bytes, n: int, width: int) -> tuple[torch.Tensor, int]:
 def _unplanes_np(raw: bytes, n: int, width: int) -> tuple[NDArray[Any], int]:
     """:func:`_unplanes` as the NumPy array (the tensor is made from it without a copy)."""
     src = np.frombuffer(raw, np.uint8)
-    if width > 1 and n * width < _SMALL_PLANES:  # (as _planes: NumPy's copy is quicker there)
+    if width > 1 and n * width < _SMALL_UNPLANES:
         small = src.reshape(width, n).T.copy().view(_NP_BY_WIDTH[width])[:, 0]
         return small, int(np.count_nonzero(small))
     out = scratch.empty(n * width, np.uint8)

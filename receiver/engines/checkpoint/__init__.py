@@ -27,8 +27,9 @@ Crash safety (``kill -9`` at any instant leaves a state the next ``open`` repair
   into the record (``undo-NNNNNN.progressive``) just before it patches the chunk, with the
   count saved after them, so the pages are read once, not twice, and nothing is fsynced
   (:mod:`~receiver.engines.checkpoint.journal`; a committed version's records are kept as
-  spares, ``spare-NNNNNN``, which the next version's records are written over: never read). Undo just writes old values back, so it is
-  idempotent: ``abort``, a failed checksum in ``commit`` and ``open`` after a crash all run it,
+  spares, ``spare-NNNNNN``, which the next version's records are written over: never read).
+  Undo just writes old values back, so it is idempotent: ``abort``, a failed checksum in
+  ``commit`` and ``open`` after a crash all run it,
   as often as needed, and the checkpoint is back at the old version bit for bit (a process
   crash keeps the page cache, so a progressive record holds every value saved before it).
 * durability after the ack (default): a delta commits once every touched tensor's bytes match
