@@ -13,6 +13,7 @@ import torch
 
 from asyncsync import fsio
 from asyncsync.codec import int_view
+from asyncsync.errors import ChecksumMismatch
 from receiver.engines.checkpoint import LocalCheckpoint, journal
 from tests import test_engines as te
 from tests.conftest import mixed_state, mutate
@@ -199,4 +200,40 @@ async def test_a_crash_mid_delta_over_spares_reopens_at_the_version(tmp_path: Pa
     ck = LocalCheckpoint(ckdir)
     assert (await ck.open()).version == 1
     te.assert_same(ck.load_state_dict(), sd1)
+    await ck.close()
+
+
+@needs_kernel
+async def test_a_full_version_and_a_rollback_give_the_spares_room_back(tmp_path: Path) -> None:
+    """A full version removes the spares before it stages a file (it may need their room on
+    a full disk); so does a rollback (its state may need it): a version that fails its
+    checksum at commit leaves no spare behind, and the held version exact."""
+    sd0 = mixed_state(0)
+    ck = await te.init_checkpoint(tmp_path, sd0)
+    ck.sync_before_ack = False
+    sd1 = mutate(sd0, 0.05, seed=1)
+    m1 = te.build_manifest(sd1, 1, base=sd0)
+    await te.apply_version(ck, m1, te.xef_batches(m1, sd0, sd1, n=2), "delta")
+    await ck.acknowledged()
+    assert len(list(_journal(tmp_path).iterdir())) == 2
+    sd2 = mutate(sd1, 0.05, seed=2)
+    m2 = te.build_manifest(sd2, 2, base=sd1)
+    await te.apply_version(ck, m2, te.full_batches(m2, sd2), "full")
+    assert list(_journal(tmp_path).iterdir()) == []
+    te.assert_same(ck.load_state_dict(), sd2)
+    sd3 = mutate(sd2, 0.05, seed=3)
+    m3 = te.build_manifest(sd3, 3, base=sd2)
+    await te.apply_version(ck, m3, te.xef_batches(m3, sd2, sd3, n=2), "delta")
+    await ck.acknowledged()
+    assert len(list(_journal(tmp_path).iterdir())) == 2  # spares again
+    sd4 = mutate(sd3, 0.05, seed=4)
+    m4 = te.build_manifest(sd4, 4, base=sd3)
+    wrong = mutate(sd3, 0.05, seed=5)  # patches that do not give v4's bytes
+    await ck.begin(m4, "delta")
+    for batch in te.xef_batches(m4, sd3, wrong, n=2):
+        await ck.apply(batch)
+    with pytest.raises(ChecksumMismatch):
+        await ck.commit()
+    assert list(_journal(tmp_path).iterdir()) == []
+    te.assert_same(ck.load_state_dict(), sd3)
     await ck.close()
