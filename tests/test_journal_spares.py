@@ -24,6 +24,21 @@ def _journal(ckdir: Path) -> Path:
     return ckdir / ".asyncsync" / "journal"
 
 
+async def _acked_delta(
+    ckdir: Path, density: float = 0.05
+) -> tuple[LocalCheckpoint, dict[str, torch.Tensor]]:
+    """A progressive checkpoint at v1 (a delta of two apply groups from v0, acked: its
+    records kept as spares) and v1's state."""
+    sd0 = mixed_state(0)
+    ck = await te.init_checkpoint(ckdir, sd0)
+    ck.sync_before_ack = False
+    sd1 = mutate(sd0, density, seed=1)
+    m1 = te.build_manifest(sd1, 1, base=sd0)
+    await te.apply_version(ck, m1, te.xef_batches(m1, sd0, sd1, n=2), "delta")
+    await ck.acknowledged()
+    return ck, sd1
+
+
 def _work(seed: int, n: int) -> list[tuple[str, None, torch.Tensor, object]]:
     """A progressive record's work: one bf16 tensor of ``n`` elements, a tenth changed."""
     g = torch.Generator().manual_seed(seed)
@@ -144,13 +159,7 @@ async def test_the_next_version_rewrites_the_last_ones_records(tmp_path: Path) -
     """v1's records become spares at its ack; v2's apply groups rewrite them (the same inodes)
     and v2 is exact; a begin that finds v1's records (no ack came) keeps them as spares too;
     an abort undoes v3 from records made over spares, exactly."""
-    sd0 = mixed_state(0)
-    ck = await te.init_checkpoint(tmp_path, sd0)
-    ck.sync_before_ack = False
-    sd1 = mutate(sd0, 0.05, seed=1)
-    m1 = te.build_manifest(sd1, 1, base=sd0)
-    await te.apply_version(ck, m1, te.xef_batches(m1, sd0, sd1, n=2), "delta")
-    await ck.acknowledged()
+    ck, sd1 = await _acked_delta(tmp_path)
     spares = sorted(_journal(tmp_path).iterdir())
     assert [p.name for p in spares] == ["spare-000000", "spare-000001"]
     inodes = [p.stat().st_ino for p in spares]
@@ -181,14 +190,8 @@ async def test_a_crash_mid_delta_over_spares_reopens_at_the_version(tmp_path: Pa
     """A real child process applying v2 over v1's spares exits (``os._exit``) at its fourth
     tensor: the records it made over the spares (stale v1 old values past each count) undo to
     v1 exactly at the reopen."""
-    sd0 = mixed_state(0)
     ckdir = tmp_path / "c"
-    ck = await te.init_checkpoint(ckdir, sd0)
-    ck.sync_before_ack = False
-    sd1 = mutate(sd0, 0.2, seed=1)
-    m1 = te.build_manifest(sd1, 1, base=sd0)
-    await te.apply_version(ck, m1, te.xef_batches(m1, sd0, sd1), "delta")
-    await ck.acknowledged()
+    ck, sd1 = await _acked_delta(ckdir, 0.2)
     await ck.close()
     inodes = {p.stat().st_ino for p in _journal(ckdir).iterdir()}
     assert inodes and all(p.name.startswith("spare-") for p in _journal(ckdir).iterdir())
@@ -208,13 +211,7 @@ async def test_a_full_version_and_a_rollback_give_the_spares_room_back(tmp_path:
     """A full version removes the spares before it stages a file (it may need their room on
     a full disk); so does a rollback (its state may need it): a version that fails its
     checksum at commit leaves no spare behind, and the held version exact."""
-    sd0 = mixed_state(0)
-    ck = await te.init_checkpoint(tmp_path, sd0)
-    ck.sync_before_ack = False
-    sd1 = mutate(sd0, 0.05, seed=1)
-    m1 = te.build_manifest(sd1, 1, base=sd0)
-    await te.apply_version(ck, m1, te.xef_batches(m1, sd0, sd1, n=2), "delta")
-    await ck.acknowledged()
+    ck, sd1 = await _acked_delta(tmp_path)
     assert len(list(_journal(tmp_path).iterdir())) == 2
     sd2 = mutate(sd1, 0.05, seed=2)
     m2 = te.build_manifest(sd2, 2, base=sd1)
