@@ -524,6 +524,8 @@ class StateStore:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             elif keep is not None and not p.is_symlink() and (to := keep(p)) is not None:
+                if to == p.name:  # kept as it is (a spare): nothing to rename or to sync
+                    continue
                 p.replace(path / to)
             else:
                 with contextlib.suppress(FileNotFoundError):

@@ -104,7 +104,7 @@ async def test_a_failed_clear_of_the_records_still_writes_the_index(
     ck = await te.init_checkpoint(tmp_path, sd0)
     store = ck._store
 
-    def fail(path: Path) -> None:
+    def fail(path: Path, **kw: object) -> None:
         raise OSError(5, "Input/output error", str(path))
 
     monkeypatch.setattr(store, "clear_dir", fail)

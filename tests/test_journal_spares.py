@@ -234,3 +234,46 @@ async def test_a_full_version_and_a_rollback_give_the_spares_room_back(tmp_path:
     assert list(_journal(tmp_path).iterdir()) == []
     te.assert_same(ck.load_state_dict(), sd3)
     await ck.close()
+
+
+@needs_kernel
+async def test_a_zero_diff_bump_keeps_the_spares_for_the_delta_after_it(tmp_path: Path) -> None:
+    """A zero-diff version between two deltas keeps v1's spares (the same inodes) rather than
+    removing them, so v3's apply groups rewrite them again; v3 is exact."""
+    ck, sd1 = await _acked_delta(tmp_path)
+    inodes = sorted(p.stat().st_ino for p in _journal(tmp_path).iterdir())
+    await ck.bump(te.build_manifest(sd1, 2, base=sd1))
+    await ck.acknowledged()
+    assert sorted(p.stat().st_ino for p in _journal(tmp_path).iterdir()) == inodes
+    assert all(p.name.startswith("spare-") for p in _journal(tmp_path).iterdir())
+    sd3 = mutate(sd1, 0.05, seed=3)
+    m3 = te.build_manifest(sd3, 3, base=sd1)
+    await ck.begin(m3, "delta")
+    for batch in te.xef_batches(m3, sd1, sd3, n=2):
+        await ck.apply(batch)
+    records = sorted(_journal(tmp_path).iterdir())
+    assert [p.name for p in records] == [f"undo-00000{i}.progressive" for i in (0, 1)]
+    assert sorted(p.stat().st_ino for p in records) == inodes
+    await ck.commit()
+    te.assert_same(ck.load_state_dict(), sd3)
+    await ck.close()
+
+
+async def test_clearing_a_journal_of_spares_renames_and_syncs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A begin or an ack that finds only spares leaves them as they are: no rename onto
+    themselves and no fsync of the directory (each begin finds the last version's spares)."""
+    ck, _ = await _acked_delta(tmp_path)
+    synced: list[Path] = []
+    real = fsio.fsync_dir
+    monkeypatch.setattr(fsio, "fsync_dir", lambda p, *a, **k: (synced.append(p), real(p, *a, **k)))
+    before = {p.name: p.stat().st_ino for p in _journal(tmp_path).iterdir()}
+    ck._store.clear_dir(_journal(tmp_path), keep=journal.recycled_name)
+    assert synced == []
+    assert {p.name: p.stat().st_ino for p in _journal(tmp_path).iterdir()} == before
+    (_journal(tmp_path) / "undo-000007.progressive").write_bytes(b"x" * 64)
+    ck._store.clear_dir(_journal(tmp_path), keep=journal.recycled_name)
+    assert synced == [_journal(tmp_path)]
+    assert sorted(p.name for p in _journal(tmp_path).iterdir()) == sorted([*before, "spare-000007"])
+    await ck.close()

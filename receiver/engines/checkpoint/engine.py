@@ -504,7 +504,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         if self.sync_before_ack:
             txn.maps.close()
         self._stale_journal = True  # cleared after the ack: stale once state.json holds m
-        self._after_commit(m.version, journal=False)
+        self._after_commit(m.version, clear_journal=False)
         logger.info("%s: committed delta v%s", self.directory, m.version)
         return m.fingerprint
 
@@ -580,11 +580,10 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         self._set(bumped(self._ps, manifest))
         self._after_commit(manifest.version)
 
-    def _after_commit(self, version: int, *, journal: bool = True) -> None:
-        """Housekeeping once state.json holds ``version``: never fails the committed version.
-        The HF index before the ack (a reloading engine's server reads it); the undo records
-        (``journal``) then, or after the ack (:meth:`_clear_journal`); each tried whatever
-        the other did (a failed clear is retried by the next open or begin)."""
+    def _after_commit(self, version: int, *, clear_journal: bool = True) -> None:
+        """Housekeeping once state.json holds ``version``, never failing it: the HF index before
+        the ack (a reloading engine's server reads it); the undo records (``clear_journal``,
+        progressive ones kept as spares) then, or after the ack; a failed clear retried later."""
 
         def tried(step: Callable[[], None]) -> None:
             try:
@@ -594,6 +593,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
                     "%s: v%s committed, but housekeeping failed: %s", self.directory, version, exc
                 )
 
-        if journal:
-            tried(lambda: self._store.clear_dir(self._store.journal_dir))
+        if clear_journal:
+            d = self._store.journal_dir
+            tried(lambda: self._store.clear_dir(d, keep=journal.recycled_name))
         tried(lambda: self._write_index(version))
