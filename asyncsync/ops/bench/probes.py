@@ -122,8 +122,12 @@ class RssSampler:
             out["now"] = out["anon"] + out["file"] + out["shmem"]
         return out
 
-    def _sample(self, now: dict[str, int]) -> None:
+    def _sample(self, fd: int) -> None:
+        """One reading, taken under the lock: a :meth:`take` between the reading and its
+        record would have put a reading from before a phase into it (its peak, once: the
+        pages of a mapping closed before the phase began)."""
         with self._lock:
+            now = self.read(fd)
             self._samples += 1
             if now["now"] > self._at_peak.get("now", -1):
                 self._at_peak = now
@@ -144,7 +148,7 @@ class RssSampler:
         try:
             c0 = time.thread_time()
             while not self._stop.is_set():
-                self._sample(self.read(fd))
+                self._sample(fd)
                 with self._lock:
                     self._cpu = time.thread_time() - c0
                 self._stop.wait(self.interval)
@@ -165,7 +169,7 @@ class RssSampler:
         if self._thread is not None:  # one sample now: the phase's end is in it
             fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                self._sample(self.read(fd))
+                self._sample(fd)
             finally:
                 os.close(fd)
         with self._lock:
