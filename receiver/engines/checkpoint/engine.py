@@ -28,7 +28,7 @@ from asyncsync.errors import (
 )
 from asyncsync.format import Manifest, TensorEntry
 from receiver.engines.base import AuditReport, Engine, EngineState, TensorUpdate
-from receiver.engines.checkpoint import inplace, journal
+from receiver.engines.checkpoint import inplace
 from receiver.engines.checkpoint.files import CheckpointFiles
 from receiver.engines.checkpoint.flusher import Flusher
 from receiver.engines.checkpoint.fullswap import FullVersions
@@ -260,7 +260,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
         if self._stale_journal and self._txn is None:  # stale since state.json holds it (an
             self._stale_journal = False  # open finding them with a clean state clears them too)
             try:  # progressive records kept as spares, rewritten by the next version's
-                self._store.clear_dir(self._store.journal_dir, keep=journal.recycled_name)
+                self._recycle_journal()
             except (OSError, AsyncSyncError) as exc:  # left for the next begin or open
                 logger.warning("%s: clearing the undo records failed: %s", self.directory, exc)
         if unflushed is not None:
@@ -405,7 +405,7 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
             txn.redo = self._begin_redo(manifest)
             self._txn = txn
             return True
-        self._store.clear_dir(self._store.journal_dir, keep=journal.recycled_name)
+        self._recycle_journal()
         self._stale_journal = False
         self._set(self._ps.begin(manifest.version, "delta", progressive=not self.sync_before_ack))
         txn.maps = FileMaps(self.directory)
@@ -594,6 +594,5 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
                 )
 
         if clear_journal:
-            d = self._store.journal_dir
-            tried(lambda: self._store.clear_dir(d, keep=journal.recycled_name))
+            tried(self._recycle_journal)
         tried(lambda: self._write_index(version))

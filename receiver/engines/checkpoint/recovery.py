@@ -161,7 +161,7 @@ class Recovery:
                 )
                 self._wipe()
             else:  # stale: a commit that finished (a progressive record kept as a spare)
-                self._store.clear_dir(self._store.journal_dir, keep=journal.recycled_name)
+                self._recycle_journal()
                 self._store.clear_dir(self._store.staging_dir)
             if not self._ps.synced and self._ps.version is not None:
                 self._check_unsynced(rewrite)
@@ -325,6 +325,12 @@ class Recovery:
                            "them so the receiver re-initialises from a keyframe",
                            self.directory, self._ps.version)  # fmt: skip
             self._wipe()
+
+    def _recycle_journal(self) -> None:
+        """Clear undo records that state.json's version has made stale (never undone): the
+        progressive ones are kept as spares that the next records are written over
+        (:func:`journal.recycled_name`), the others removed."""
+        self._store.clear_dir(self._store.journal_dir, keep=journal.recycled_name)
 
     def _recover(self) -> None:
         """After a failed flush, what a reopen does (the held version is not ``synced``): check

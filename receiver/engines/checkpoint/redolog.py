@@ -376,7 +376,7 @@ class RedoLog(Recovery):
                 seq += 1
             work, size = [], 0
 
-        self._store.clear_dir(self._store.journal_dir)
+        self._recycle_journal()  # the records of versions before (a progressive one: a spare)
         for i, rec in enumerate(records):
             for name, loc in self._layout.items():
                 if name not in rec.entries:
