@@ -62,6 +62,7 @@ __all__ = [
     "host_chunks",
     "host_copies",
     "host_copy",
+    "keep_freed_memory",
     "page_cache_room",
     "pinned_pool",
     "release_large_buffers",
@@ -75,6 +76,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_THRESHOLD = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
 _applied: int | None = None
+#: free bytes an arena may keep at its top (:func:`keep_freed_memory`, the publisher's)
+KEEP_FREE = 32 << 20
+_M_TRIM_THRESHOLD = -1  # glibc malloc.h
+_kept: int | None = None
 #: below this, malloc's own free lists serve a buffer without faults: not worth pooling
 MIN_BYTES = 256 << 10
 #: the pinned pool's bytes at most, unless ``ASYNCSYNC_PINNED_MB`` says (0: no pinned buffers)
@@ -121,6 +126,36 @@ def release_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
         return False
     _applied = threshold
     logger.debug("malloc: buffers of %d bytes or more are returned to the OS on free", threshold)
+    return True
+
+
+def keep_freed_memory(limit: int = KEEP_FREE) -> bool:
+    """Let each malloc arena keep up to ``limit`` free bytes at its top (glibc's
+    ``M_TRIM_THRESHOLD``) instead of giving them back to the OS; True when it is in effect.
+    Once per process, as :func:`release_large_buffers`; ``ASYNCSYNC_MALLOPT=0`` leaves malloc
+    alone here too.
+
+    Fixing the mmap threshold (:func:`release_large_buffers`) also fixes glibc's trim threshold
+    at its 128 KiB default: while the mmap threshold moves, glibc keeps the trim threshold at
+    twice it (up to 64 MiB). A publish allocates and frees, bucket after bucket, each tensor's
+    temporaries under the 1 MiB mmap threshold (positions, values and XORs of a few MiB tensor,
+    byte planes, zstd frames); an arena whose top held more than 128 KiB free once a bucket's
+    were freed gave it back, and the next bucket faulted it in again, zeroed page by page: at 1
+    GiB (291 tensors) 3,000-5,000 minor faults a version, 300-600 with 32 MiB kept
+    (BENCHMARKS.md, thirty-fourth session). What stays is bounded by what each arena's threads
+    held at once, in buffers under the mmap threshold; the publisher calls it when it opens."""
+    global _kept
+    if _kept is not None:
+        return _kept == limit
+    mallopt = _malloc_call("mallopt")
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    if mallopt(_M_TRIM_THRESHOLD, int(limit)) != 1:
+        logger.debug("mallopt(M_TRIM_THRESHOLD, %d) was refused", limit)
+        return False
+    _kept = limit
     return True
 
 

@@ -62,7 +62,7 @@ from asyncsync.format import (
 )
 from asyncsync.format.checksum import DEFAULT_ALGORITHM
 from asyncsync.fsio import FileLock
-from asyncsync.memory import release_large_buffers
+from asyncsync.memory import keep_freed_memory, release_large_buffers
 from asyncsync.pipeline import LoopLock, finish_thread, run_pipeline
 from asyncsync.publish import snapshot
 from asyncsync.publish.advance import Base
@@ -206,6 +206,7 @@ class Publisher:
         if self._lock.held:
             return
         release_large_buffers()
+        keep_freed_memory()
         run_id, versions, nxt = await open_root(self.root, self._lock, self._committer)
         latest = versions[-1] if versions else None
         if (latest, run_id) != (self._last_version, self._run_id):  # the root moved on since
