@@ -17,7 +17,7 @@ import torch
 import zstandard
 from numpy.typing import NDArray
 
-from asyncsync.codec import ef, native, scratch
+from asyncsync.codec import ef, native, scratch, zstdlib
 from asyncsync.codec.patch import Patch
 from asyncsync.codec.views import _NP_BY_WIDTH, _WIDTH_BY_INT, gather
 from asyncsync.errors import ConfigError, FormatError
@@ -57,6 +57,19 @@ _DELTAS_ZSTD_LEVEL = 1
 #: less CPU, the decompression no dearer. Any reader decodes the frame (FORMAT.md 4.2: any
 #: level). Not for dense: there it gained ~1 % and its decode measured up to ~12 % dearer.
 _VALUES_LEVEL1 = {"hash_log": 6}
+#: ... and, where the system's libzstd is there (:mod:`asyncsync.codec.zstdlib`), zstd's
+#: acceleration (``target_length`` 8: the match search steps over what does not match) with
+#: the literals still Huffman-coded (which python-zstandard cannot ask for: ``target_length``
+#: alone turned it off, and the frames grew 2-3x): as small, ~1.5x less CPU, decoded ~1.25x
+#: faster (BENCHMARKS.md, thirty-fourth session). From :data:`_LIBZSTD_MIN` bytes of planes.
+_VALUES_LIBZSTD = {
+    zstdlib.COMPRESSION_LEVEL: 1,
+    zstdlib.HASH_LOG: 6,
+    zstdlib.MIN_MATCH: 7,
+    zstdlib.TARGET_LENGTH: 8,
+    zstdlib.LITERAL_MODE: zstdlib.LITERALS_HUFFMAN,
+}
+_LIBZSTD_MIN = 4 << 10
 
 _Int64Array = NDArray[np.int64]
 
@@ -326,12 +339,16 @@ _contexts = threading.local()  # each thread's zstd contexts (by level and kind:
 
 def _zstd(data: bytes | memoryview, level: int, *, values: bool = False) -> bytes:
     """One zstd frame of ``data`` (``values``: a sparse xef's values, at level 1 with
-    :data:`_VALUES_LEVEL1`). A compressor is kept per thread and level: making one per call
-    cost ~15 us, ~10 ms per GiB of a model's deltas (hundreds of tensors, two calls each)."""
+    :data:`_VALUES_LIBZSTD` through libzstd where it loads, else :data:`_VALUES_LEVEL1`;
+    under :data:`_LIBZSTD_MIN` bytes always the latter). A compressor is kept per thread and
+    level: making one per call cost ~15 us, ~10 ms per GiB of a model's deltas (hundreds of
+    tensors, two calls each)."""
     by_level = getattr(_contexts, "compressors", None)
     if by_level is None:
         by_level = _contexts.compressors = {}
     key = (level, values and level == 1)
+    if key[1] and len(data) >= _LIBZSTD_MIN and (fast := zstdlib.compressor(_VALUES_LIBZSTD)):
+        return fast(data)
     c = by_level.get(key)
     if c is None:
         if key[1]:
