@@ -76,10 +76,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_THRESHOLD = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
 _applied: int | None = None
-#: free bytes an arena may keep at its top (:func:`keep_freed_memory`, the publisher's)
-KEEP_FREE = 32 << 20
+#: the most free bytes an arena may keep at its top (:func:`keep_freed_memory`, the publisher's)
+KEEP_FREE_MAX = 32 << 20
+#: ... as a share of the model: 1/32 of its bytes
+KEEP_FREE_SHARE = 32
+_TRIM_DEFAULT = 128 << 10  # glibc's M_TRIM_THRESHOLD
 _M_TRIM_THRESHOLD = -1  # glibc malloc.h
-_kept: int | None = None
+_kept = _TRIM_DEFAULT
 #: below this, malloc's own free lists serve a buffer without faults: not worth pooling
 MIN_BYTES = 256 << 10
 #: the pinned pool's bytes at most, unless ``ASYNCSYNC_PINNED_MB`` says (0: no pinned buffers)
@@ -129,11 +132,12 @@ def release_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
     return True
 
 
-def keep_freed_memory(limit: int = KEEP_FREE) -> bool:
-    """Let each malloc arena keep up to ``limit`` free bytes at its top (glibc's
-    ``M_TRIM_THRESHOLD``) instead of giving them back to the OS; True when it is in effect.
-    Once per process, as :func:`release_large_buffers`; ``ASYNCSYNC_MALLOPT=0`` leaves malloc
-    alone here too.
+def keep_freed_memory(model_bytes: int) -> bool:
+    """Let each malloc arena keep free bytes at its top (glibc's ``M_TRIM_THRESHOLD``) instead
+    of giving them back to the OS, by the size of the model moved: 1/32 of it, between glibc's
+    own 128 KiB and :data:`KEEP_FREE_MAX`; raised for a larger model, never lowered (as the
+    scratch pool's :func:`asyncsync.codec.scratch.fit`). True when in effect;
+    ``ASYNCSYNC_MALLOPT=0`` leaves malloc alone here too. The publisher calls it each version.
 
     Fixing the mmap threshold (:func:`release_large_buffers`) also fixes glibc's trim threshold
     at its 128 KiB default: while the mmap threshold moves, glibc keeps the trim threshold at
@@ -141,12 +145,15 @@ def keep_freed_memory(limit: int = KEEP_FREE) -> bool:
     temporaries under the 1 MiB mmap threshold (positions, values and XORs of a few MiB tensor,
     byte planes, zstd frames); an arena whose top held more than 128 KiB free once a bucket's
     were freed gave it back, and the next bucket faulted it in again, zeroed page by page: at 1
-    GiB (291 tensors) 3,000-5,000 minor faults a version, 300-600 with 32 MiB kept
+    GiB (291 tensors) 1,600-4,900 minor faults a version, 270-620 with 32 MiB kept
     (BENCHMARKS.md, thirty-fourth session). What stays is bounded by what each arena's threads
-    held at once, in buffers under the mmap threshold; the publisher calls it when it opens."""
+    held at once in buffers under the mmap threshold, and by the model: kept whatever the model,
+    32 MiB took a 64 MB receiver (whose bench child opens a publisher to warm up) from 1.16x to
+    1.31-1.43x the model."""
     global _kept
-    if _kept is not None:
-        return _kept == limit
+    limit = min(KEEP_FREE_MAX, max(_TRIM_DEFAULT, model_bytes // KEEP_FREE_SHARE))
+    if limit <= _kept:
+        return _malloc_call("mallopt") is not None
     mallopt = _malloc_call("mallopt")
     if mallopt is None:
         return False

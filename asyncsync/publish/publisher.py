@@ -206,7 +206,6 @@ class Publisher:
         if self._lock.held:
             return
         release_large_buffers()
-        keep_freed_memory()
         run_id, versions, nxt = await open_root(self.root, self._lock, self._committer)
         latest = versions[-1] if versions else None
         if (latest, run_id) != (self._last_version, self._run_id):  # the root moved on since
@@ -429,6 +428,7 @@ class Publisher:
                 state_dict, sizes, self.bucket_bytes, advance and not full, lead=taper
             )
             codec.scratch.fit(model)  # the diff's temporaries: by the model's size
+            keep_freed_memory(model)  # ... and what malloc's arenas keep of the smaller ones
 
             def diff(bucket: list[int]) -> DiffedBucket:
                 items = snapshot.bucket_items(
