@@ -119,16 +119,23 @@ def release_large_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
     global _applied
     if _applied is not None:
         return _applied == threshold
+    if not _mallopt(_M_MMAP_THRESHOLD, threshold, "M_MMAP_THRESHOLD"):
+        return False
+    _applied = threshold
+    logger.debug("malloc: buffers of %d bytes or more are returned to the OS on free", threshold)
+    return True
+
+
+def _mallopt(param: int, value: int, name: str) -> bool:
+    """glibc's ``mallopt(param, value)``; False where there is none or it refuses."""
     mallopt = _malloc_call("mallopt")
     if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    if mallopt(_M_MMAP_THRESHOLD, int(threshold)) != 1:
-        logger.debug("mallopt(M_MMAP_THRESHOLD, %d) was refused", threshold)
+    if mallopt(param, int(value)) != 1:
+        logger.debug("mallopt(%s, %d) was refused", name, value)
         return False
-    _applied = threshold
-    logger.debug("malloc: buffers of %d bytes or more are returned to the OS on free", threshold)
     return True
 
 
@@ -154,13 +161,7 @@ def keep_freed_memory(model_bytes: int) -> bool:
     limit = min(KEEP_FREE_MAX, max(_TRIM_DEFAULT, model_bytes // KEEP_FREE_SHARE))
     if limit <= _kept:
         return _malloc_call("mallopt") is not None
-    mallopt = _malloc_call("mallopt")
-    if mallopt is None:
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    if mallopt(_M_TRIM_THRESHOLD, int(limit)) != 1:
-        logger.debug("mallopt(M_TRIM_THRESHOLD, %d) was refused", limit)
+    if not _mallopt(_M_TRIM_THRESHOLD, limit, "M_TRIM_THRESHOLD"):
         return False
     _kept = limit
     return True
