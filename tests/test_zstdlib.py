@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -62,23 +63,14 @@ def test_each_thread_has_its_own_context() -> None:
     compress = zstdlib.compressor(VALUES)
     assert compress is not None
     want = [compress(d) for d in inputs]
-    got: list[list[bytes]] = [[] for _ in inputs]
-    errors: list[BaseException] = []
 
-    def work(k: int) -> None:
-        try:
-            c = zstdlib.compressor(VALUES)
-            assert c is not None and c is not compress  # (another thread's context)
-            got[k] = [c(inputs[k]) for _ in range(20)]
-        except BaseException as exc:  # (reported below)
-            errors.append(exc)
+    def work(k: int) -> list[bytes]:
+        c = zstdlib.compressor(VALUES)
+        assert c is not None and c is not compress  # (another thread's context)
+        return [c(inputs[k]) for _ in range(20)]
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    with ThreadPoolExecutor(8) as pool:  # (an error in a thread is raised by the map)
+        got = list(pool.map(work, range(8)))
     assert all(frames == [want[k]] * 20 for k, frames in enumerate(got))
 
 
