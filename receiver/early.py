@@ -3,7 +3,7 @@ is being written (no manifest yet), taken by the sync that applies it.
 
 It is a :class:`~receiver.stream.StreamApplier` (shards applied into an engine transaction
 before the manifest, for an engine that ``streams``) or a :class:`~receiver.prefetch.Prefetcher`
-(shard bytes read ahead); :func:`receiver.stream.early_reader` chooses.
+(shard bytes read ahead); :func:`early_reader` chooses.
 """
 
 from __future__ import annotations
@@ -12,17 +12,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from pathlib import Path
 
+from asyncsync.errors import AsyncSyncError
 from asyncsync.format import Manifest, ShardInfo
-from asyncsync.format.store import ManifestCache, is_committed
+from asyncsync.format.store import ManifestCache, is_committed, read_manifest
 from receiver.engines.base import Engine
 from receiver.plan import Mode
 from receiver.prefetch import Prefetcher, being_written
-from receiver.stream import StreamApplier, early_reader
+from receiver.shard_reader import group_bytes_for
+from receiver.stream import StreamApplier
 
-__all__ = ["MAX_RESTREAMS", "RESTREAM_DELAY", "EarlyRead"]
+__all__ = ["MAX_RESTREAMS", "RESTREAM_DELAY", "EarlyRead", "early_reader"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,3 +151,37 @@ class EarlyRead:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def early_reader(
+    root: Path,
+    engine: Engine,
+    held: int,
+    wake: asyncio.Event,
+    *,
+    prefetch_bytes: int,
+    group_bytes: int | None,
+    idle_timeout: float,
+    verify_deadline: float,
+    use_inotify: bool | None = None,
+    read: Callable[[Path, int], Manifest] = read_manifest,
+) -> StreamApplier | Prefetcher:
+    """What reads version ``held + 1`` before its manifest: a :class:`StreamApplier` when the
+    engine ``streams`` and holds ``held`` as the root's manifest says (fingerprint), else a
+    :class:`~receiver.prefetch.Prefetcher` of its bytes."""
+    base = None
+    if engine.streams:
+        with contextlib.suppress(AsyncSyncError, OSError):
+            base = await asyncio.to_thread(read, root, held)  # (the agent's cache: parsed)
+    if base is None or base.fingerprint != engine.state.fingerprint:
+        return Prefetcher(root, held + 1, on_manifest=wake, max_bytes=prefetch_bytes)
+    return StreamApplier(
+        root,
+        engine,
+        base,
+        on_manifest=wake,
+        group_bytes=group_bytes or group_bytes_for(base.totals.model_bytes),
+        idle_timeout=idle_timeout,
+        verify_deadline=verify_deadline,
+        use_inotify=use_inotify,
+    )

@@ -20,7 +20,7 @@ class AgentStatus:
     last_error: str | None
     last_apply_seconds: float | None
     prefetched_shards: int = 0  # shards read before their manifest existed, then verified
-    streamed_shards: int = 0  # shards applied before their manifest existed, then confirmed
+    streamed_shards: int = 0  # shards applied by the stream (receiver.stream), then confirmed
     applying: int | None = None  # the version in flight
     progress: tuple[int, int] | None = None  # its shards applied / to apply
     engine: dict[str, Any] | None = None  # engine-specific facts (Engine.info())

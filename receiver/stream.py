@@ -14,8 +14,9 @@ journals as usual, so a crash undoes it), and decodes and applies it in apply gr
 Nothing is served or acknowledged then: the engine's version changes only in ``commit``, which
 the agent calls once N's manifest exists and validates and the shards applied early match it
 (:meth:`StreamApplier.mismatch`: same files, sizes, checksums, tensors, entries), through the
-engine's ``confirm`` (the manifest replaces the provisional one the transaction began with);
-the shards not applied yet are then applied the ordinary way. A shard of another attempt, of
+engine's ``confirm`` (the manifest replaces the provisional one the transaction began with).
+The shards left when it appears are applied by the stream while the agent reads it (``take``
+waits for them), any not (yet) visible here the ordinary way. A shard of another attempt, of
 another base, damaged, the version directory removed, or no progress for ``idle_timeout``: the
 applier aborts the transaction (the engine rolls back) and the version is applied the ordinary
 way once its manifest exists, or streamed again if it is written anew before that (the
@@ -31,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -44,22 +45,21 @@ from asyncsync.errors import AsyncSyncError, FormatError
 from asyncsync.format import MANIFEST_NAME, DeltaRef, Manifest, TensorEntry, version_dir
 from asyncsync.format.checksum import checksum_bytes, new_hasher
 from asyncsync.format.names import MAX_SHARD_BYTES
-from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.format.store import list_versions
 from asyncsync.fsio import read_bytes
 from asyncsync.pipeline import threads
 from receiver import inotify
 from receiver.engines.base import Engine
-from receiver.prefetch import Prefetcher, being_written, probe
+from receiver.prefetch import being_written, probe
 from receiver.shard_reader import (
     VERIFY_DEADLINE,
     Piece,
     decode_pieces,
-    group_bytes_for,
     group_pieces,
 )
 from receiver.watch import inotify_wanted
 
-__all__ = ["STREAM_TIMEOUT", "AppliedShard", "StreamApplier", "early_reader"]
+__all__ = ["STREAM_TIMEOUT", "AppliedShard", "StreamApplier"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class StreamApplier:
         self._shard0: StreamHeader | None = None  # the header of the first shard taken
         self._names: set[str] = set()
         self._stop = asyncio.Event()
+        self._drain = False  # finish() lets the reader read the shards before the manifest
         self._applying = False  # a shard is being checked and decoded (progress: no idle timeout)
         self._pending: asyncio.Future[None] | None = None  # the engine's apply in flight
         self._progressed = 0.0  # when the last shard's apply ended (monotonic)
@@ -139,9 +140,10 @@ class StreamApplier:
         self._limit = shard_limit(base)
 
     # ------------------------------------------------------------------ the agent's side
-    async def finish(self, task: asyncio.Task[None] | None) -> None:
-        """Read no further shard, apply the one in flight and the one read ahead (if any), and
-        wait for the task (the transaction stays open)."""
+    async def finish(self, task: asyncio.Task[None] | None, *, drain: bool = False) -> None:
+        """Read no further shard (with ``drain``: none after those in place when the manifest
+        is), apply those read, and wait for the task (the transaction stays open)."""
+        self._drain = drain
         self._stop.set()
         if task is not None:
             try:
@@ -154,15 +156,16 @@ class StreamApplier:
     async def take(
         self, task: asyncio.Task[None] | None, m: Manifest, mode: str
     ) -> set[str] | None:
-        """Before the agent applies ``m``: stop, and return the shard files applied into the
-        engine's open transaction for ``m``, now confirmed by it (``engine.confirm``); None when
+        """Before the agent applies ``m``: apply the shards left, stop, and return the shard
+        files applied into the engine's open transaction for ``m``, now confirmed by it
+        (``engine.confirm``); None when
         no transaction is open. A transaction for another version, or one ``m`` does not
         confirm, is aborted (the engine rolls back) and None returned: ``m`` is then applied
         the ordinary way."""
-        await self.finish(task)
+        same = (self.version, mode) == (m.version, "delta")
+        await self.finish(task, drain=same and self.txn_open)
         if not self.txn_open:
             return None
-        same = (self.version, mode) == (m.version, "delta")
         why = self.mismatch(m) if same else "another version"
         if why is None:
             try:
@@ -278,8 +281,9 @@ class StreamApplier:
 
     async def _read_ahead(self, ready: asyncio.Queue[tuple[Path, bytes, StreamHeader]]) -> None:
         """Poll for the shards in order and queue each complete one (one ahead of the shard
-        being checked and decoded); return at the manifest, at :meth:`finish`, or at a first
-        shard of format 2."""
+        being checked and decoded); once the manifest is there, return at the first shard
+        missing (or not the next, or not verified at once); return at :meth:`finish`, or at a
+        first shard of format 2."""
         watch = inotify.watch_or_none(self.dir, self.use_inotify)  # else polling only
         try:
             await self._read_each(ready, watch)
@@ -297,12 +301,17 @@ class StreamApplier:
         last = time.monotonic()
         delay = self.interval
         manifest = self.dir / MANIFEST_NAME
-        while not self._stop.is_set():
-            if await asyncio.to_thread(_seen, manifest, self.root):
-                self.on_manifest.set()
+        committed = False  # the manifest is there: every shard is, read those not read yet
+        while True:
+            if not committed and await asyncio.to_thread(_seen, manifest, self.root):
+                self.on_manifest.set()  # the agent reads it meanwhile, then takes this stream
+                committed = True
+            if self._stop.is_set() and not (committed and self._drain):
                 return
             path = self.dir / f"delta-{k:05d}.safetensors"
             if await asyncio.to_thread(probe, path, self.root) != 1:
+                if committed:  # the last delta shard was read
+                    return
                 if self.txn_open and not await asyncio.to_thread(
                     being_written, self.root, self.version
                 ):
@@ -321,12 +330,14 @@ class StreamApplier:
                 continue
             if k == 0:  # before the read: a file replaced meanwhile only restarts a failed one
                 self.first = await asyncio.to_thread(_identity, path, self.root)
-            got = await self._read(path, first=k == 0)
-            if got is None:  # shard 0 is not self-describing: the agent applies the version
-                return  # after its commit
+            got = await self._read(path, first=k == 0, once=committed)
+            if got is None:  # shard 0 is not self-describing (the agent applies the version
+                return  # after its commit), or one after the manifest not verified at once
             data, hdr = got
             if attempt is None:
                 attempt = hdr.attempt
+            if (hdr.attempt, hdr.shard_index) != (attempt, k) and committed:
+                return  # not one the manifest commits (a leftover?): the agent reads it
             if hdr.attempt != attempt:
                 raise StreamAbandoned(f"{path.name} belongs to another publish attempt")
             if hdr.shard_index != k:
@@ -387,10 +398,13 @@ class StreamApplier:
             finally:
                 self.txn_open = False  # once the engine is back at the base
 
-    async def _read(self, path: Path, *, first: bool) -> tuple[bytes, StreamHeader] | None:
+    async def _read(
+        self, path: Path, *, first: bool, once: bool
+    ) -> tuple[bytes, StreamHeader] | None:
         """The shard's bytes and streaming header once its data checksum matches (re-read with
         backoff until ``verify_deadline``: the file may be visible before its bytes); None
-        for a ``first`` shard that is not self-describing (a publisher of format 2)."""
+        for a ``first`` shard that is not self-describing (a publisher of format 2), and with
+        ``once`` for one not verified at once (the agent then re-reads it, not both of them)."""
         deadline = time.monotonic() + self.verify_deadline
         delay = 0.02
         while True:
@@ -399,7 +413,7 @@ class StreamApplier:
             hdr, ok = await asyncio.to_thread(_check_data, data, str(path))
             if hdr is not None and ok:
                 return data, hdr
-            if hdr is None and first:  # an older publisher: applied after commit
+            if (hdr is None and first) or once:  # an older publisher: applied after commit
                 return None
             # A shard after self-describing ones that is not (yet) one, or whose data does not
             # match: its bytes may not be visible yet (NFS shows a renamed file first)
@@ -512,40 +526,6 @@ class StreamApplier:
                 await asyncio.shield(pending)
         if not pending.cancelled():
             pending.exception()  # retrieved: the failure that stopped the stream is what counts
-
-
-async def early_reader(
-    root: Path,
-    engine: Engine,
-    held: int,
-    wake: asyncio.Event,
-    *,
-    prefetch_bytes: int,
-    group_bytes: int | None,
-    idle_timeout: float,
-    verify_deadline: float,
-    use_inotify: bool | None = None,
-    read: Callable[[Path, int], Manifest] = read_manifest,
-) -> StreamApplier | Prefetcher:
-    """What reads version ``held + 1`` before its manifest: a :class:`StreamApplier` when the
-    engine ``streams`` and holds ``held`` as the root's manifest says (fingerprint), else a
-    :class:`~receiver.prefetch.Prefetcher` of its bytes."""
-    base = None
-    if engine.streams:
-        with contextlib.suppress(AsyncSyncError, OSError):
-            base = await asyncio.to_thread(read, root, held)  # (the agent's cache: parsed)
-    if base is None or base.fingerprint != engine.state.fingerprint:
-        return Prefetcher(root, held + 1, on_manifest=wake, max_bytes=prefetch_bytes)
-    return StreamApplier(
-        root,
-        engine,
-        base,
-        on_manifest=wake,
-        group_bytes=group_bytes or group_bytes_for(base.totals.model_bytes),
-        idle_timeout=idle_timeout,
-        verify_deadline=verify_deadline,
-        use_inotify=use_inotify,
-    )
 
 
 def shard_limit(base: Manifest) -> int:

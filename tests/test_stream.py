@@ -22,7 +22,7 @@ import torch
 from asyncsync import Publisher
 from asyncsync.codec.stream_shard import StreamEntry, stream_header
 from asyncsync.errors import FormatError
-from asyncsync.format import version_dir
+from asyncsync.format import MANIFEST_NAME, version_dir
 from asyncsync.format.acks import ack_path, read_ack
 from asyncsync.format.store import read_manifest
 from receiver import ReceiverAgent
@@ -45,6 +45,36 @@ def _holds(ck: LocalCheckpoint, want: dict[str, torch.Tensor]) -> bool:
 
 def _delta_files(vdir: Path) -> list[Path]:
     return sorted(vdir.glob("delta-*.safetensors"))
+
+
+def _recorded_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files the stream reads (receiver.stream's ``read_bytes``), in order."""
+    import receiver.stream as stream_mod
+
+    reads: list[str] = []
+    real_read = stream_mod.read_bytes
+
+    def recording(path: Path, **kw: Any) -> bytes:
+        data = real_read(path, **kw)
+        reads.append(Path(path).name)
+        return data
+
+    monkeypatch.setattr(stream_mod, "read_bytes", recording)
+    return reads
+
+
+def _apply_after_manifest(
+    monkeypatch: pytest.MonkeyPatch, engine: LocalCheckpoint, root: Path
+) -> None:
+    """The engine applies nothing before v2's manifest is there (slower than the publisher)."""
+    real_apply = engine.apply
+    manifest = version_dir(root, 2) / MANIFEST_NAME
+
+    async def slow_apply(updates: Any) -> None:
+        await eventually(manifest.exists, "v2's manifest")
+        await real_apply(updates)
+
+    monkeypatch.setattr(engine, "apply", slow_apply)
 
 
 async def _with_agent(
@@ -111,17 +141,7 @@ async def test_the_next_shard_is_read_while_the_engine_applies_this_one(
     """A slow filesystem's transfer overlaps the apply: while the engine still applies shard 0,
     shard 1 has been read, checked and decoded (tests/test_stream_overlap.py) and shard 2 read
     and its data checked; shard 3 not yet (one shard read ahead of the one decoded, no more)."""
-    import receiver.stream as stream_mod
-
-    reads: list[str] = []
-    real_read = stream_mod.read_bytes
-
-    def recording(path: Path, **kw: Any) -> bytes:
-        data = real_read(path, **kw)
-        reads.append(Path(path).name)
-        return data
-
-    monkeypatch.setattr(stream_mod, "read_bytes", recording)
+    reads = _recorded_reads(monkeypatch)
     sd2 = _state(2)
 
     async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
@@ -156,6 +176,60 @@ async def test_the_next_shard_is_read_while_the_engine_applies_this_one(
         assert reads == names[: len(reads)]  # each once, in order
 
     await _with_agent(tmp_path, body)
+
+
+async def test_the_shards_left_when_the_manifest_comes_are_applied_by_the_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine slower than the publisher: when the manifest comes, the stream has read three
+    shards and applied none. It reads and applies the shards left while the agent reads the
+    manifest, each once and in order, and the agent takes them all (before, the stream stopped
+    at the manifest and the agent read the rest, after the stream's last apply)."""
+    reads = _recorded_reads(monkeypatch)
+    sd2 = _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        _apply_after_manifest(monkeypatch, engine, pub.root)
+        res = await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2)
+        names = [p.name for p in _delta_files(res.path)]
+        assert len(names) > 3 and reads == names  # each once, in order, by the stream
+        assert agent.status().streamed_shards == res.shards
+
+    await _with_agent(tmp_path, body)
+
+
+@pytest.mark.parametrize("extra", ["another shard's", "damaged"])
+async def test_a_file_after_the_last_shard_ends_the_stream_not_the_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: str
+) -> None:
+    """After the manifest the stream reads on until a shard is missing: a file after the
+    last one (a leftover of a killed attempt: here shard 0's bytes, or them damaged) ends the
+    reading there, once read. Neither rolled back what was streamed nor was re-read until the
+    verify deadline (60 s here) as a shard before the manifest is: the manifest does not name
+    it, and the agent commits what the stream applied."""
+    sd2 = _state(2)
+    seen: dict[str, Any] = {}
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        _apply_after_manifest(monkeypatch, engine, pub.root)  # read up to shard 2, then waits
+
+        async def plant(vdir: Path) -> None:
+            shards = _delta_files(vdir)
+            data = bytearray(shards[0].read_bytes())
+            if extra == "damaged":
+                data[-1] ^= 0xFF  # the data no longer matches the header's data checksum
+            _land(vdir, vdir / f"delta-{len(shards):05d}.safetensors", bytes(data))
+            seen["stream"] = _streamer(agent)
+
+        pub.pre_commit_hook = plant
+        res = await pub.publish(sd2)
+        await eventually(lambda: agent.version == 2, "the agent at v2")
+        assert _holds(engine, sd2) and agent.status().streamed_shards == res.shards > 3
+        assert seen["stream"] is not None and seen["stream"].failed is None
+
+    await _with_agent(tmp_path, body, verify_deadline=60.0)
 
 
 async def test_a_version_whose_manifest_never_comes_is_rolled_back(
