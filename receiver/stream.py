@@ -409,7 +409,12 @@ class StreamApplier:
         delay = 0.02
         while True:
             read = partial(read_bytes, path, limit=self._limit, root=self.root)
-            data = await asyncio.to_thread(read)  # nothing below the root is followed
+            try:
+                data = await asyncio.to_thread(read)  # nothing below the root is followed
+            except (OSError, ValueError):  # (ValueError: larger than any shard can be)
+                if once:  # after the last shard: the agent reads (or refuses) what it names
+                    return None
+                raise
             hdr, ok = await asyncio.to_thread(_check_data, data, str(path))
             if hdr is not None and ok:
                 return data, hdr

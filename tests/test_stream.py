@@ -200,15 +200,16 @@ async def test_the_shards_left_when_the_manifest_comes_are_applied_by_the_stream
     await _with_agent(tmp_path, body)
 
 
-@pytest.mark.parametrize("extra", ["another shard's", "damaged"])
+@pytest.mark.parametrize("extra", ["another shard's", "damaged", "too large", "a FIFO"])
 async def test_a_file_after_the_last_shard_ends_the_stream_not_the_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: str
 ) -> None:
     """After the manifest the stream reads on until a shard is missing: a file after the
-    last one (a leftover of a killed attempt: here shard 0's bytes, or them damaged) ends the
-    reading there, once read. Neither rolled back what was streamed nor was re-read until the
-    verify deadline (60 s here) as a shard before the manifest is: the manifest does not name
-    it, and the agent commits what the stream applied."""
+    last one (a leftover of a killed attempt: here shard 0's bytes, or them damaged; a sparse
+    file larger than any shard; a FIFO) ends the reading there, read once at most. Neither
+    rolled back what was streamed nor was re-read until the verify deadline (60 s here) as a
+    shard before the manifest is: the manifest does not name it, and the agent commits what
+    the stream applied."""
     sd2 = _state(2)
     seen: dict[str, Any] = {}
 
@@ -217,10 +218,17 @@ async def test_a_file_after_the_last_shard_ends_the_stream_not_the_version(
 
         async def plant(vdir: Path) -> None:
             shards = _delta_files(vdir)
+            after = vdir / f"delta-{len(shards):05d}.safetensors"
             data = bytearray(shards[0].read_bytes())
             if extra == "damaged":
                 data[-1] ^= 0xFF  # the data no longer matches the header's data checksum
-            _land(vdir, vdir / f"delta-{len(shards):05d}.safetensors", bytes(data))
+            if extra == "a FIFO":
+                os.mkfifo(after)  # (opened, it would block the reader)
+            elif extra == "too large":
+                with open(after, "wb") as f:
+                    f.truncate(1 << 40)  # sparse: 1 TiB read whole would end the test
+            else:
+                _land(vdir, after, bytes(data))
             seen["stream"] = _streamer(agent)
 
         pub.pre_commit_hook = plant
