@@ -33,7 +33,9 @@ print(ok, memory.release_large_buffers(), memory.trim_free_memory(), kept)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_threshold_is_set_once_and_can_be_disabled() -> None:
-    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK], capture_output=True, text=True, check=True, env={"PATH": ""}
+    )  # (not this process's environment: ASYNCSYNC_MALLOPT=0 there turned it off here too)
     assert out.stdout.split() == ["True"] * 4  # applied, then idempotent; trimmed; kept
     env = {"ASYNCSYNC_MALLOPT": "0", "PATH": ""}
     out = subprocess.run(
@@ -147,9 +149,11 @@ async def test_a_full_apply_leaves_no_freed_temporaries_resident(tmp_path: Path)
     model = sum(t.numel() * t.element_size() for t in state.values())  # 20 MB, 852 KB each
     async with Publisher(tmp_path / "root", keyframe_interval=0) as pub:
         await pub.seed(state)
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCSYNC_MALLOPT"}  # (on: the default)
     out = subprocess.run(
         [sys.executable, "-c", _FULL_APPLY, str(tmp_path / "root"), str(tmp_path / "ckpt")],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+        env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) < 0.25 * model, out.stdout  # 1.0x before
