@@ -303,13 +303,14 @@ class StreamApplier:
         manifest = self.dir / MANIFEST_NAME
         committed = False  # the manifest is there: every shard is, read those not read yet
         while True:
-            if not committed and await asyncio.to_thread(_seen, manifest, self.root):
+            path = self.dir / f"delta-{k:05d}.safetensors"
+            seen, there = await asyncio.to_thread(_look, manifest, path, self.root, committed)
+            if seen and not committed:
                 self.on_manifest.set()  # the agent reads it meanwhile, then takes this stream
                 committed = True
             if self._stop.is_set() and not (committed and self._drain):
                 return
-            path = self.dir / f"delta-{k:05d}.safetensors"
-            if await asyncio.to_thread(probe, path, self.root) != 1:
+            if there != 1:
                 if committed:  # the last delta shard was read
                     return
                 if self.txn_open and not await asyncio.to_thread(
@@ -408,14 +409,12 @@ class StreamApplier:
         deadline = time.monotonic() + self.verify_deadline
         delay = 0.02
         while True:
-            read = partial(read_bytes, path, limit=self._limit, root=self.root)
-            try:
-                data = await asyncio.to_thread(read)  # nothing below the root is followed
+            try:  # nothing below the root is followed
+                data, hdr, ok = await asyncio.to_thread(_read_checked, path, self._limit, self.root)
             except (OSError, ValueError):  # (ValueError: larger than any shard can be)
                 if once:  # after the last shard: the agent reads (or refuses) what it names
                     return None
                 raise
-            hdr, ok = await asyncio.to_thread(_check_data, data, str(path))
             if hdr is not None and ok:
                 return data, hdr
             if (hdr is None and first) or once:  # an older publisher: applied after commit
@@ -451,8 +450,11 @@ class StreamApplier:
             ref = DeltaRef(hdr.shard_index, e.mode, e.positions, e.values)  # type: ignore[arg-type]
             entry = TensorEntry(e.name, e.dtype, e.shape, e.checksum, e.changed, delta=ref)
             pieces.append((entry, None, ref))
-        tensors = await asyncio.to_thread(
+        parse = partial(
             parse_delta_shard, data, where=where, version=self.version, run_id=base.run_id
+        )
+        tensors, checksum = await asyncio.to_thread(  # (one thread hop: a few ms each under load)
+            lambda: (parse(), checksum_bytes(data, hdr.algorithm))
         )
         if not self.txn_open:
             self._shard0 = hdr
@@ -475,7 +477,6 @@ class StreamApplier:
                 raise
             self.txn_open = True
         self._names.update(e.name for e in hdr.entries)
-        checksum = await asyncio.to_thread(checksum_bytes, data, hdr.algorithm)
         assert self._provisional is not None
         done = AppliedShard(path.name, len(data), checksum, hdr)
         await self._apply_groups(self._provisional, tensors, pieces, where, done)
@@ -552,6 +553,18 @@ def _seen(path: Path, root: Path) -> bool:
         return fsio.lstat(path, root=root) is not None
     except OSError as exc:
         raise StreamAbandoned(f"{path} cannot be looked at: {exc}") from exc
+
+
+def _look(manifest: Path, path: Path, root: Path, committed: bool) -> tuple[bool, int | None]:
+    """(whether the manifest is there, unless ``committed``: seen already; :func:`probe` of the
+    next shard) in one thread hop."""
+    return (not committed and _seen(manifest, root)), probe(path, root)
+
+
+def _read_checked(path: Path, limit: int, root: Path) -> tuple[bytes, StreamHeader | None, bool]:
+    """The file's bytes (at most ``limit``) and :func:`_check_data` of them."""
+    data = read_bytes(path, limit=limit, root=root)
+    return (data, *_check_data(data, str(path)))
 
 
 def _identity(path: Path, root: Path) -> tuple[int, int] | None:
