@@ -132,7 +132,7 @@ class StreamApplier:
         self._shard0: StreamHeader | None = None  # the header of the first shard taken
         self._names: set[str] = set()
         self._stop = asyncio.Event()
-        self._drain = False  # finish() lets the reader read the shards before the manifest
+        self._drain = False  # finish() lets the reader go on to the last shard (manifest seen)
         self._applying = False  # a shard is being checked and decoded (progress: no idle timeout)
         self._pending: asyncio.Future[None] | None = None  # the engine's apply in flight
         self._progressed = 0.0  # when the last shard's apply ended (monotonic)
@@ -158,10 +158,9 @@ class StreamApplier:
     ) -> set[str] | None:
         """Before the agent applies ``m``: apply the shards left, stop, and return the shard
         files applied into the engine's open transaction for ``m``, now confirmed by it
-        (``engine.confirm``); None when
-        no transaction is open. A transaction for another version, or one ``m`` does not
-        confirm, is aborted (the engine rolls back) and None returned: ``m`` is then applied
-        the ordinary way."""
+        (``engine.confirm``); None when no transaction is open. A transaction for another
+        version, or one ``m`` does not confirm, is aborted (the engine rolls back) and None
+        returned: ``m`` is then applied the ordinary way."""
         same = (self.version, mode) == (m.version, "delta")
         await self.finish(task, drain=same and self.txn_open)
         if not self.txn_open:
