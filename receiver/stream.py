@@ -330,18 +330,21 @@ class StreamApplier:
                 continue
             if k == 0:  # before the read: a file replaced meanwhile only restarts a failed one
                 self.first = await asyncio.to_thread(_identity, path, self.root)
-            got = await self._read(path, first=k == 0, once=committed)
-            if got is None:  # shard 0 is not self-describing (the agent applies the version
-                return  # after its commit), or one after the manifest not verified at once
-            data, hdr = got
-            if attempt is None:
-                attempt = hdr.attempt
-            if (hdr.attempt, hdr.shard_index) != (attempt, k) and committed:
-                return  # not one the manifest commits (a leftover?): the agent reads it
-            if hdr.attempt != attempt:
-                raise StreamAbandoned(f"{path.name} belongs to another publish attempt")
-            if hdr.shard_index != k:
-                raise StreamAbandoned(f"{path.name} says it is shard {hdr.shard_index}")
+            try:  # (after the manifest: read once, no re-read until the verify deadline)
+                got = await self._read(path, first=k == 0, patience=0.0 if committed else None)
+                if got is None:  # shard 0 is not self-describing: the agent applies the version
+                    return  # after its commit
+                data, hdr = got
+                if attempt is None:
+                    attempt = hdr.attempt
+                if hdr.attempt != attempt:
+                    raise StreamAbandoned(f"{path.name} belongs to another publish attempt")
+                if hdr.shard_index != k:
+                    raise StreamAbandoned(f"{path.name} says it is shard {hdr.shard_index}")
+            except (StreamAbandoned, OSError, ValueError):  # (ValueError: larger than any shard)
+                if committed:  # a file after the last shard (a leftover, damaged, a FIFO): the
+                    return  # agent applies what the manifest names, nothing is rolled back
+                raise
             await ready.put((path, data, hdr))
             await ready.join()  # taken: read the next while this one is applied, not further
             k += 1
@@ -399,24 +402,19 @@ class StreamApplier:
                 self.txn_open = False  # once the engine is back at the base
 
     async def _read(
-        self, path: Path, *, first: bool, once: bool
+        self, path: Path, *, first: bool, patience: float | None = None
     ) -> tuple[bytes, StreamHeader] | None:
         """The shard's bytes and streaming header once its data checksum matches (re-read with
-        backoff until ``verify_deadline``: the file may be visible before its bytes); None
-        for a ``first`` shard that is not self-describing (a publisher of format 2), and with
-        ``once`` for one not verified at once (the agent then re-reads it, not both of them)."""
-        deadline = time.monotonic() + self.verify_deadline
+        backoff for ``patience`` s, by default ``verify_deadline``: the file may be visible
+        before its bytes); None for a ``first`` shard that is not self-describing (a publisher
+        of format 2)."""
+        deadline = time.monotonic() + (self.verify_deadline if patience is None else patience)
         delay = 0.02
-        while True:
-            try:  # nothing below the root is followed
-                data, hdr, ok = await asyncio.to_thread(_read_checked, path, self._limit, self.root)
-            except (OSError, ValueError):  # (ValueError: larger than any shard can be)
-                if once:  # after the last shard: the agent reads (or refuses) what it names
-                    return None
-                raise
+        while True:  # nothing below the root is followed
+            data, hdr, ok = await asyncio.to_thread(_read_checked, path, self._limit, self.root)
             if hdr is not None and ok:
                 return data, hdr
-            if (hdr is None and first) or once:  # an older publisher: applied after commit
+            if hdr is None and first:  # an older publisher: applied after commit
                 return None
             # A shard after self-describing ones that is not (yet) one, or whose data does not
             # match: its bytes may not be visible yet (NFS shows a renamed file first)
