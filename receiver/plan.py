@@ -16,7 +16,7 @@ from typing import Literal
 
 from asyncsync.errors import ChainError, FormatError
 from asyncsync.format import Manifest
-from asyncsync.format.store import is_committed, list_versions, read_manifest
+from asyncsync.format.store import is_committed, list_versions, newest_committed, read_manifest
 from receiver.engines.base import EngineState
 
 __all__ = [
@@ -41,8 +41,7 @@ def latest_version(root: Path, held: int | None) -> int | None:
     Probing ``v{N+1}/manifest.json`` by name is not served from a stale cached listing the way
     a scan is on NFS, so a fresh commit is found even when the listing lags.
     """
-    versions = list_versions(root)
-    latest = versions[-1] if versions else None
+    latest = newest_committed(root)
     known = [v for v in (latest, held) if v is not None]
     probe = max(known) + 1 if known else 0
     while is_committed(root, probe):  # an exact-path lookup; nothing followed

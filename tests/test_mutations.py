@@ -73,7 +73,7 @@ async def test_latest_version_probes_past_a_stale_listing(
     """Mutation: latest_version not probing v{N+1}/manifest.json. The scan is made stale (as a
     network filesystem's cached listing is): only the exact-path probe finds v2 and v3."""
     await _chain(tmp_path, 3)
-    monkeypatch.setattr(plan, "list_versions", lambda root: [0, 1])
+    monkeypatch.setattr(plan, "newest_committed", lambda root: 1)
     assert latest_version(tmp_path, None) == 3
     assert latest_version(tmp_path, 1) == 3
 

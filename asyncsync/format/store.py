@@ -48,6 +48,7 @@ __all__ = [
     "is_committed",
     "is_root",
     "list_versions",
+    "newest_committed",
     "next_version_after",
     "prepare_shared_dirs",
     "ManifestCache",
@@ -270,6 +271,31 @@ def list_versions(root: Path) -> list[int]:
             out.append(v)
     out.sort()
     return out
+
+
+def newest_committed(root: Path) -> int | None:
+    """``list_versions(root)[-1]`` (None where there is none) for a receiver's every poll: the
+    names listed, then looked at newest first until one is committed, one or two ``lstat``
+    pairs instead of one per version the root ever kept. A root without retention keeps them
+    all: at 1,000 versions each poll's scan cost ~50 ms of CPU (BENCHMARKS.md, thirty-sixth
+    session), on a network filesystem as many round trips."""
+    try:
+        fd = fsio.open_dir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        named = [(v, name) for name in os.listdir(fd) if (v := parse_version_dir(name)) is not None]
+        named.sort(reverse=True)
+        for v, name in named:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if _committed(root, name, st):
+                return v
+    finally:
+        os.close(fd)
+    return None
 
 
 def next_version_after(root: Path, versions: list[int]) -> int:
