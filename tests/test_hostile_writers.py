@@ -153,8 +153,11 @@ async def test_an_unreadable_ack_is_said_once_not_at_every_poll(
     (root / "acks" / "other.json").write_text(
         (root / "acks" / "torn.json").read_text() + '"x", "version": 0}'
     )
-    with pytest.raises(AckTimeout):
-        await wait_acked(root, 0, engines=["gpu0"], timeout=1.0)
+    with pytest.raises(AckTimeout):  # a wait for named engines reads their files only
+        await wait_acked(root, 0, engines=["gpu0"], timeout=0.3)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with pytest.raises(AckTimeout):  # a quorum's reads every ack, at every poll
+        await wait_acked(root, 0, quorum=1, timeout=1.0)
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(said) == 2, said  # once for each file
     assert any("torn.json" in m for m in said) and any("other.json" in m for m in said)
