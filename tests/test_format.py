@@ -144,11 +144,14 @@ def test_paths_and_names() -> None:
     assert parse_version_dir("v000000000042") == 42
     assert parse_version_dir("v42") is None
     assert parse_version_dir(".tmp.v000000000042") is None
-    for bad in ["../x", "a/b", "", ".x", "x" * 300, "a\x00b"]:
+    # a final newline ($ matched before it) and other scripts' digits (\d matched them)
+    assert parse_version_dir("v000000000042\n") is None
+    assert parse_version_dir("v" + "\u0660" * 10 + "\u0664\u0662") is None
+    for bad in ["../x", "a/b", "", ".x", "x" * 300, "a\x00b", "a.safetensors\n"]:
         with pytest.raises(ManifestError):
             check_file_name(bad)
     assert check_engine_id("node-1.gpu_0") == "node-1.gpu_0"
-    for bad in ["", "../e", "a/b", "-x", "x" * 200]:
+    for bad in ["", "../e", "a/b", "-x", "x" * 200, "gpu0\n"]:
         with pytest.raises(ManifestError):
             check_engine_id(bad)
 
@@ -158,6 +161,10 @@ def test_ack_round_trip_and_rejection() -> None:
     assert AckRecord.from_json(a.to_json()) == a
     d = json.loads(a.to_json())
     d["engine_id"] = "../evil"
+    with pytest.raises(ManifestError):
+        AckRecord.from_json(json.dumps(d))
+    d = json.loads(a.to_json())
+    d["fingerprint"] = H + "\n"  # (a hex field: $ matched before a final newline)
     with pytest.raises(ManifestError):
         AckRecord.from_json(json.dumps(d))
     d = json.loads(a.to_json())

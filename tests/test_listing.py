@@ -48,7 +48,8 @@ def _layout(root: Path, kind: str) -> None:
     elif kind == "names a version does not have":
         for v in range(3):
             _committed(root, v)
-        for name in ("v1", "v0000000000099", "v00000000009x", "w000000000050", "v000000000050.tmp"):
+        for name in ("v1", "v0000000000099", "v00000000009x", "w000000000050", "v000000000050.tmp",
+                     "v000000000050\n", "v" + "\u0660" * 10 + "\u0665\u0660"):  # fmt: skip
             (root / name).mkdir()
             (root / name / MANIFEST_NAME).write_text("{}")
     else:
@@ -71,6 +72,8 @@ def test_newest_committed_is_the_newest_the_listing_names(tmp_path: Path, kind: 
     _layout(tmp_path, kind)
     listed = list_versions(tmp_path)
     assert newest_committed(tmp_path) == (listed[-1] if listed else None)
+    if kind == "names a version does not have":  # (a final newline, Arabic-Indic digits)
+        assert listed == [0, 1, 2]
 
 
 def test_no_root_has_no_version(tmp_path: Path) -> None:

@@ -40,10 +40,12 @@ MAX_RANK = 64
 # validation, before a reader allocates anything for it.
 MAX_SHARD_BYTES = (1 << 40) - 1
 
-_VERSION_DIR_RE = re.compile(rf"^v(\d{{{VERSION_DIGITS}}})$")
-_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_HEX_RE = re.compile(r"^[0-9a-f]{8,128}$")
+# ASCII digits, and \Z, not $ (which also matches before a final newline: "v000000000005\n",
+# a directory a hostile writer can make, read as version 5; \d matches any script's digits)
+_VERSION_DIR_RE = re.compile(rf"^v([0-9]{{{VERSION_DIGITS}}})\Z")
+_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}\Z")
+_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+_HEX_RE = re.compile(r"^[0-9a-f]{8,128}\Z")
 
 # The dtypes a manifest may name: every dtype that both torch and safetensors name, with its
 # size in bytes and its safetensors code (FORMAT.md section 11.5). The torch dtypes (DTYPES)

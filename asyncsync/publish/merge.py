@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 PART_RECORD = "asyncsync-part"
-_ATTEMPT_RE = re.compile(r"^[0-9a-f]{8,64}$")
+_ATTEMPT_RE = re.compile(r"^[0-9a-f]{8,64}\Z")  # (\Z: $ also matches before a final "\n")
 NOT_A_MAPPING = (
     "the state dict must be a mapping of names to tensors (model.state_dict(), a dict), got {}"
 )
