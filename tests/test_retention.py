@@ -15,7 +15,8 @@ from asyncsync.format.lease import LeaseRecord, lease_path
 from asyncsync.format.liveness import WATCH_LIMIT
 from asyncsync.format.store import list_versions, read_root_info
 from asyncsync.ops.cli import main
-from asyncsync.publish.retention import RetentionPolicy, collect
+from asyncsync.publish import retention
+from asyncsync.publish.retention import ManifestKinds, RetentionPolicy, collect
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
 from tests.conftest import mixed_state, mutate, same_bytes
@@ -107,6 +108,38 @@ async def test_publisher_applies_retention_after_each_commit(tmp_path: Path) -> 
     await chain(tmp_path, 8, keyframe_interval=4, retention=RetentionPolicy(keep_versions=2))
     # keyframes 0, 4, 8: the newest two versions and keyframe 8 survive the last commit
     assert list_versions(tmp_path) == [7, 8]
+
+
+async def test_a_publishers_retention_parses_each_manifest_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retention after each commit looks back to the newest keyframe: it parsed every
+    manifest on the way at every commit (~100 ms a commit at 183 tensors and a keyframe every
+    20 versions). A publisher's parses each once."""
+    parsed: list[int] = []
+    real = retention.read_manifest
+
+    def counted(root: Path, version: int) -> object:
+        parsed.append(version)
+        return real(root, version)
+
+    monkeypatch.setattr(retention, "read_manifest", counted)
+    await chain(tmp_path, 12, keyframe_interval=10, retention=RetentionPolicy(keep_versions=3))
+    assert sorted(parsed) == list(range(13))  # (v0 once, before any commit deleted it)
+    assert list_versions(tmp_path) == [10, 11, 12]
+
+
+async def test_a_manifest_changed_since_its_kind_was_read_is_read_again(tmp_path: Path) -> None:
+    """The kinds are kept by the manifest file's size, mtime and inode: a manifest damaged or
+    replaced after a collect read it is read again, not taken for what it was."""
+    await chain(tmp_path, 7, keyframe_interval=3)  # keyframes 0, 3, 6
+    kinds = ManifestKinds()
+    policy = RetentionPolicy(keep_versions=1, ack_ttl=None)
+    assert collect(tmp_path, policy, kinds=kinds).deleted == (0, 1, 2, 3, 4, 5)
+    (tmp_path / f"v{6:012d}" / "manifest.json").write_text("{")  # the keyframe, damaged
+    r = collect(tmp_path, policy, kinds=kinds)
+    assert r.deleted == () and r.reasons[6] == "unreadable manifest"
+    assert r.reasons[7] == "no keyframe: the whole chain is needed"
 
 
 async def test_gc_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

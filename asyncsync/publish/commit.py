@@ -57,7 +57,7 @@ from asyncsync.format.store import (
 )
 from asyncsync.fsio import FileLock, atomic_write, fsync_dir, make_dir
 from asyncsync.pipeline import finish_thread
-from asyncsync.publish.retention import RetentionPolicy, collect
+from asyncsync.publish.retention import ManifestKinds, RetentionPolicy, collect
 
 __all__ = [
     "PreCommitHook",
@@ -305,7 +305,10 @@ async def run_hook(hook: PreCommitHook, vdir: Path) -> None:
 
 
 async def log_and_collect(
-    root: Path, manifest: Manifest, retention: RetentionPolicy | None
+    root: Path,
+    manifest: Manifest,
+    retention: RetentionPolicy | None,
+    kinds: ManifestKinds | None = None,
 ) -> None:
     """After a commit: append its log line, then apply the retention policy; never fails."""
     try:
@@ -313,13 +316,15 @@ async def log_and_collect(
     except OSError as exc:  # the log is for operators; the version is committed regardless
         logger.error("version %d committed but the log append failed: %s", manifest.version, exc)
     if retention is not None:
-        await collect_garbage(root, retention)
+        await collect_garbage(root, retention, kinds)
 
 
-async def collect_garbage(root: Path, retention: RetentionPolicy) -> None:
+async def collect_garbage(
+    root: Path, retention: RetentionPolicy, kinds: ManifestKinds | None = None
+) -> None:
     """Apply the retention policy after a commit; never fails the commit."""
     try:
-        await asyncio.to_thread(collect, root, retention)
+        await asyncio.to_thread(collect, root, retention, kinds=kinds)
     except (OSError, AsyncSyncError) as exc:
         logger.error("retention on %s failed (retried after the next commit): %s", root, exc)
 

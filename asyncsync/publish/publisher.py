@@ -84,7 +84,7 @@ from asyncsync.publish.hf import checkpoint_path, register_scan
 from asyncsync.publish.merge import TensorSlice
 from asyncsync.publish.options import ShardSizer, check_options, check_round
 from asyncsync.publish.ranked import Committer, RankedCommitter, Round, SoloCommitter, Written
-from asyncsync.publish.retention import RetentionPolicy
+from asyncsync.publish.retention import ManifestKinds, RetentionPolicy
 from asyncsync.publish.stats import PublisherStats, PublishResult, Tally
 from asyncsync.publish.writer import VersionWriter
 
@@ -173,6 +173,7 @@ class Publisher:
         self.zstd_level = zstd_level
         self.pre_commit_hook = pre_commit_hook
         self.retention = retention
+        self._kinds = ManifestKinds()  # (retention's: each manifest parsed once, not per commit)
         self._producer = {"host": socket.gethostname(), "pid": os.getpid(), **(producer or {})}
         self._committer: Committer = SoloCommitter()
         if coordinator is not None:
@@ -541,7 +542,8 @@ class Publisher:
             res = PublishResult.of(manifest, seconds, vdir)  # the log and retention are rank 0's
             self._tally.record(res)
             return self._result(res)
-        _, cancelled = await complete(log_and_collect(self.root, manifest, self.retention))
+        done = log_and_collect(self.root, manifest, self.retention, self._kinds)
+        _, cancelled = await complete(done)
         self._cancel_after_commit |= cancelled
         res = PublishResult.of(manifest, seconds, vdir)
         self._tally.record(res)
