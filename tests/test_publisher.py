@@ -459,16 +459,23 @@ async def test_a_wait_reads_only_the_acks_it_still_waits_for(
 
         monkeypatch.setattr(acks_mod, "_read", counted)
 
-        async def late_ack() -> None:
+        async def late_ack_of(engine: str, version: int = 1) -> None:
             await asyncio.sleep(0.3)
-            acks_mod.write_ack(tmp_path, "e2", 0, "ab" * 16, pub.run_id)
+            acks_mod.write_ack(tmp_path, engine, version, "ab" * 16, pub.run_id)
 
-        t = asyncio.create_task(late_ack())
+        t = asyncio.create_task(late_ack_of("e2", 0))
         got = await pub.wait_acked(0, engines=["e1", "e2", "e1"], timeout=5)
         await t
+        acks_mod.write_ack(tmp_path, "e1", 1, "ab" * 16, pub.run_id)
     assert set(got) == {"e1", "e2"} and got["e2"].version == 0
     assert set(reads) == {"e1.json", "e2.json"}
     assert reads.count("e1.json") == 1 and reads.count("e2.json") >= 3
+    reads.clear()  # a quorum lists them all, and reads each until it is seen holding it
+    t = asyncio.create_task(late_ack_of("e3"))
+    got = await acks_mod.wait_acked(tmp_path, 1, quorum=2, timeout=5)
+    await t
+    assert set(got) == {"e1", "e3"} and all(reads.count(n) == 1 for n in ("e1.json", "e3.json"))
+    assert reads.count("other0.json") >= 3  # (at version 0: read at every poll)
 
 
 async def test_full_mode_publishes_complete_checkpoints(tmp_path: Path) -> None:

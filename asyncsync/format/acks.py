@@ -14,7 +14,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -192,10 +192,13 @@ def read_ack(root: Path, engine_id: str) -> AckRecord | None:
     return rec
 
 
-def read_acks(root: Path, unreadable: dict[Path, str] | None = None) -> dict[str, AckRecord]:
+def read_acks(
+    root: Path, unreadable: dict[Path, str] | None = None, *, skip: Container[str] = ()
+) -> dict[str, AckRecord]:
     """Every readable ack record in the root, by engine id; malformed ones are logged, skipped,
     and put in ``unreadable`` (path -> why), when given, as is ``acks/`` when it cannot be
-    listed (``asyncsync status`` names them; retention deletes nothing for them)."""
+    listed (``asyncsync status`` names them; retention deletes nothing for them). The files
+    of the engines in ``skip`` are not read (a wait has seen them already)."""
     out: dict[str, AckRecord] = {}
     skipped: dict[Path, str] = {} if unreadable is None else unreadable
     d = root / ACKS_DIR
@@ -209,7 +212,7 @@ def read_acks(root: Path, unreadable: dict[Path, str] | None = None) -> dict[str
         _capped.done()
         return out
     for name in names:
-        if is_temp_name(name) or not name.endswith(".json"):
+        if is_temp_name(name) or not name.endswith(".json") or name[:-5] in skip:
             continue
         if (rec := _read_named(root, d, name, skipped)) is not None:
             out[rec.engine_id] = rec
@@ -341,10 +344,11 @@ async def wait_acked(
     """Wait until the named ``engines`` (all of them) or any ``quorum`` engines hold ``version``.
 
     An engine holds it when its ack names ``version`` or a later one (of ``run_id`` when given).
-    Returns the acks that satisfied the wait. With ``engines``, each poll reads their ack
-    files only, and of those only the ones not yet seen holding the version (an engine that
-    held it once did pick it up); a quorum is counted on a listing of every ack. On timeout
-    raises :class:`AckTimeout` naming the engines that are behind and the versions they hold.
+    Returns the acks that satisfied the wait. An engine seen holding the version is not read
+    again (it did pick it up): with ``engines`` each poll reads the files of those of them not
+    yet seen holding it, and nothing else; for a quorum it lists ``acks/`` and reads the files
+    of the engines not yet seen holding it. On timeout raises :class:`AckTimeout` naming the
+    engines that are behind and the versions they hold.
     """
     _check_wait(version, engines, quorum, timeout)
     for name, value in (("poll_interval", poll_interval), ("max_poll_interval", max_poll_interval)):
@@ -361,21 +365,18 @@ async def wait_acked(
         if engines is not None:  # only theirs, and only those not seen holding it yet
             todo = [e for e in dict.fromkeys(engines) if e not in ok]
             acks = await asyncio.to_thread(_read_engines, root, todo)
-        else:
-            acks = await asyncio.to_thread(read_acks, root)
-        held = {
-            e: a
+        else:  # every engine's but those seen holding it
+            acks = await asyncio.to_thread(read_acks, root, skip=frozenset(ok))
+        ok.update(
+            (e, a)
             for e, a in acks.items()
             if a.version >= version and (run_id is None or a.run_id == run_id)
-        }
+        )
         if engines is not None:
-            ok.update(held)
             if all(e in ok for e in engines):
                 return {e: ok[e] for e in engines}
-        else:
-            ok = held
-            if quorum is not None and len(ok) >= quorum:
-                return ok
+        elif quorum is not None and len(ok) >= quorum:
+            return ok
         if deadline is not None and time.monotonic() >= deadline:
             watched = engines if engines is not None else sorted(acks)
             behind = {e: (acks[e].version if e in acks else None) for e in watched if e not in ok}
