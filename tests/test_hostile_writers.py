@@ -22,7 +22,7 @@ import torch
 
 from asyncsync import AckTimeout, ConfigError, Publisher
 from asyncsync.format import LOG_NAME, MANIFEST_NAME, version_dir
-from asyncsync.format.acks import read_acks, wait_acked
+from asyncsync.format.acks import read_acks, wait_acked, write_ack
 from asyncsync.format.store import list_versions
 from asyncsync.publish.rendezvous import FileRendezvous
 from asyncsync.publish.retention import RetentionPolicy, collect
@@ -136,6 +136,29 @@ async def test_a_junk_entry_at_the_next_version_is_removed_not_followed(tmp_path
         assert (await pub.publish(_state(2))).version == 2
     assert list_versions(root) == [0, 1, 2] and not version_dir(root, 1).is_symlink()
     assert _tree(elsewhere.parent) == before  # today's main: v1's shards written into it
+
+
+@pytest.mark.parametrize("wait", ["named", "quorum"])
+async def test_acks_that_is_a_symlink_is_said_by_a_wait_and_never_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, wait: str
+) -> None:
+    """``acks/`` replaced by a symlink to a directory holding a valid-looking ack: a wait
+    never reads through it (it would have taken that ack) and says once why it reads none,
+    whether it reads the named engines' files or lists them all."""
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    async with Publisher(root) as pub:
+        await pub.seed({"w": torch.zeros(100)})
+        run_id = pub.run_id
+    write_ack(root, "gpu0", 0, "ab" * 16, run_id)
+    (root / "acks").rename(elsewhere)
+    (root / "acks").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(AckTimeout):
+        if wait == "named":
+            await wait_acked(root, 0, engines=["gpu0"], timeout=0.5)
+        else:
+            await wait_acked(root, 0, quorum=1, timeout=0.5)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "cannot list acks" in said[0], said
 
 
 async def test_an_unreadable_ack_is_said_once_not_at_every_poll(

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import socket
 import time
 from collections.abc import Container, Iterable, Sequence
@@ -44,6 +45,7 @@ from asyncsync.fsio import (
     fs_now,
     is_temp_name,
     make_dir,
+    open_dir,
     read_file,
     scan,
 )
@@ -206,11 +208,8 @@ def read_acks(
         names = [name for name, _ in scan(d, root=root)]
     except FileNotFoundError:
         return out
-    except OSError as exc:  # acks/ is a file or a symlink: a damaged root, not a crash
-        _say_once(d, f"cannot list acks in {d}: {exc}")
-        skipped[d] = str(exc)
-        _capped.done()
-        return out
+    except OSError as exc:
+        return _unlistable(d, exc, skipped)
     for name in names:
         if is_temp_name(name) or not name.endswith(".json") or name[:-5] in skip:
             continue
@@ -243,11 +242,26 @@ def _read_named(root: Path, d: Path, name: str, skipped: dict[Path, str]) -> Ack
     return rec
 
 
+def _unlistable(d: Path, exc: OSError, skipped: dict[Path, str]) -> dict[str, AckRecord]:
+    """``acks/`` is a file or a symlink (a damaged root, not a crash): said once, none read."""
+    _say_once(d, f"cannot list acks in {d}: {exc}")
+    skipped[d] = str(exc)
+    _capped.done()
+    return {}
+
+
 def _read_engines(root: Path, engines: Iterable[str]) -> dict[str, AckRecord]:
     """The acks of ``engines`` only, each read as :func:`read_acks` reads it: one file an
     engine, no listing of ``acks/`` (which holds every engine's: at 1,000 of them a read of
-    all cost ~85 ms of CPU, and as many opens on a network filesystem)."""
+    all cost ~85 ms of CPU, and as many opens on a network filesystem); ``acks/`` itself
+    opened once, so that one which is a file or a symlink is said as :func:`read_acks` says it."""
     d = root / ACKS_DIR
+    try:
+        os.close(open_dir(d, root=root))
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        return _unlistable(d, exc, {})
     out: dict[str, AckRecord] = {}
     for e in engines:
         if (rec := _read_named(root, d, f"{e}.json", {})) is not None:
