@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from asyncsync import ConfigError, Publisher
+from asyncsync.format import store
 from asyncsync.format.acks import write_ack
 from asyncsync.format.lease import LeaseRecord, lease_path
 from asyncsync.format.liveness import WATCH_LIMIT
 from asyncsync.format.store import list_versions, read_root_info
 from asyncsync.ops.cli import main
-from asyncsync.publish import retention
 from asyncsync.publish.retention import ManifestKinds, RetentionPolicy, collect
 from receiver import ReceiverAgent
 from receiver.engines.checkpoint import LocalCheckpoint
@@ -117,13 +117,13 @@ async def test_a_publishers_retention_parses_each_manifest_once(
     manifest on the way at every commit (~100 ms a commit at 183 tensors and a keyframe every
     20 versions). A publisher's parses each once."""
     parsed: list[int] = []
-    real = retention.read_manifest
+    real = store.read_manifest
 
     def counted(root: Path, version: int) -> object:
         parsed.append(version)
         return real(root, version)
 
-    monkeypatch.setattr(retention, "read_manifest", counted)
+    monkeypatch.setattr(store, "read_manifest", counted)  # (what ManifestKinds reads with)
     await chain(tmp_path, 12, keyframe_interval=10, retention=RetentionPolicy(keep_versions=3))
     assert sorted(parsed) == list(range(13))  # (v0 once, before any commit deleted it)
     assert list_versions(tmp_path) == [10, 11, 12]

@@ -18,8 +18,9 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable, Collection, Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from asyncsync import fsio
 from asyncsync.errors import ConfigError, ManifestError, ManifestUnreadable
@@ -52,11 +53,13 @@ __all__ = [
     "next_version_after",
     "prepare_shared_dirs",
     "ManifestCache",
+    "ManifestFiles",
     "read_manifest",
     "read_root_info",
     "uncommitted_dirs",
 ]
 
+T = TypeVar("T")
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_GID = 0xFFFF_FFFE  # 0xFFFFFFFF is (gid_t)-1: chown reads it as "leave the group unchanged"
 
@@ -142,22 +145,28 @@ def is_committed(root: Path, version: int) -> bool:
     return st is not None and _committed(root, path.name, st)
 
 
-def _entries(root: Path) -> list[tuple[str, os.stat_result]]:
-    """(name, lstat) of the entries of the root named like a version (only those are stat'ed:
-    a root holds acks, leases, the log and whatever else was put there)."""
+def _entries(
+    root: Path, newest_first: bool = False
+) -> Generator[tuple[int, str, os.stat_result], None, None]:
+    """(version, name, lstat) of the entries of the root named like a version, in version
+    order (only those are stat'ed, each as it is reached: a root holds acks, leases, the log
+    and whatever else was put there, and a reader of the newest stops at its first). Close
+    it (``contextlib.closing``) when it is not read to its end."""
     try:
         fd = fsio.open_dir(root)
     except (FileNotFoundError, NotADirectoryError):
-        return []
-    out = []
+        return
     try:
-        for name in os.listdir(fd):
-            if parse_version_dir(name) is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+        named = [(v, name) for name in os.listdir(fd) if (v := parse_version_dir(name)) is not None]
+        named.sort(reverse=newest_first)
+        for v, name in named:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            yield v, name, st
     finally:
         os.close(fd)
-    return out
 
 
 def is_root(root: Path) -> bool:
@@ -264,13 +273,7 @@ def _check_enterable(root: Path, gid: int) -> None:
 
 def list_versions(root: Path) -> list[int]:
     """Committed versions in the root, ascending (a directory scan; may lag on network FS)."""
-    out = []
-    for name, st in _entries(root):
-        v = parse_version_dir(name)
-        if v is not None and _committed(root, name, st):
-            out.append(v)
-    out.sort()
-    return out
+    return [v for v, name, st in _entries(root) if _committed(root, name, st)]
 
 
 def newest_committed(root: Path) -> int | None:
@@ -279,23 +282,8 @@ def newest_committed(root: Path) -> int | None:
     pairs instead of one per version the root ever kept. A root without retention keeps them
     all: at 1,000 versions each poll's scan cost ~50 ms of CPU (BENCHMARKS.md, thirty-sixth
     session), on a network filesystem as many round trips."""
-    try:
-        fd = fsio.open_dir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        named = [(v, name) for name in os.listdir(fd) if (v := parse_version_dir(name)) is not None]
-        named.sort(reverse=True)
-        for v, name in named:
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if _committed(root, name, st):
-                return v
-    finally:
-        os.close(fd)
-    return None
+    with contextlib.closing(_entries(root, newest_first=True)) as entries:
+        return next((v for v, name, st in entries if _committed(root, name, st)), None)
 
 
 def next_version_after(root: Path, versions: list[int]) -> int:
@@ -314,15 +302,11 @@ def next_version_after(root: Path, versions: list[int]) -> int:
 
 def uncommitted_dirs(root: Path) -> list[Path]:
     """Version directories without a manifest (interrupted publishes)."""
-    out = []
-    for name, st in _entries(root):
-        if (
-            parse_version_dir(name) is not None
-            and stat.S_ISDIR(st.st_mode)
-            and not _committed(root, name, st)
-        ):
-            out.append(root / name)
-    return sorted(out)
+    return [
+        root / name
+        for _, name, st in _entries(root)
+        if stat.S_ISDIR(st.st_mode) and not _committed(root, name, st)
+    ]
 
 
 def read_manifest(root: Path, version: int) -> Manifest:
@@ -353,27 +337,26 @@ def read_manifest(root: Path, version: int) -> Manifest:
     return m
 
 
-class ManifestCache:
-    """Parsed manifests by version, re-read only when the file changes (size, mtime, inode).
+class ManifestFiles(Generic[T]):
+    """What ``derive`` makes of each version's manifest, by version, made again only when the
+    file changes (its size, mtime and inode): a republished version is a new file, so the key
+    catches it. ``size``: at most that many versions kept (the lowest dropped first); None:
+    every one until :meth:`keep_only`. Safe to share between threads (a miss parses outside
+    the lock: two threads may both parse)."""
 
-    A receiver polls the newest version every second or so; a manifest lists every tensor, so
-    parsing it again each time would be the largest cost of an idle poll. A republished
-    version is a new file, so the key catches it. Safe to share between threads (a receiver's
-    syncs and its stream read the same manifests: ~10 us per tensor to parse, ~1 s at 100,000).
-    """
-
-    def __init__(self, size: int = 8) -> None:
+    def __init__(self, derive: Callable[[Manifest], T], size: int | None) -> None:
+        self.derive = derive
         self.size = size
-        self._entries: dict[int, tuple[tuple[int, int, int], Manifest]] = {}
-        self._lock = threading.Lock()  # (a miss parses outside it: two threads may both parse)
+        self._entries: dict[int, tuple[tuple[int, int, int], T]] = {}
+        self._lock = threading.Lock()
 
-    def get(self, root: Path, version: int) -> Manifest:
+    def get(self, root: Path, version: int) -> T:
         try:
             st = fsio.lstat(manifest_path(root, version), root=root)
         except OSError:  # a symlinked or unreadable version directory: read_manifest says why
             with self._lock:
                 self._entries.pop(version, None)
-            return read_manifest(root, version)
+            return self.derive(read_manifest(root, version))
         if st is None:
             with self._lock:
                 self._entries.pop(version, None)
@@ -383,9 +366,32 @@ class ManifestCache:
             hit = self._entries.get(version)
         if hit is not None and hit[0] == key:
             return hit[1]
-        m = read_manifest(root, version)
+        made = self.derive(read_manifest(root, version))
         with self._lock:
-            self._entries[version] = (key, m)
-            while len(self._entries) > self.size:
+            self._entries[version] = (key, made)
+            while self.size is not None and len(self._entries) > self.size:
                 del self._entries[min(self._entries)]
-        return m
+        return made
+
+    def keep_only(self, versions: Collection[int]) -> None:
+        """Forget every version not in ``versions`` (those a listing no longer shows)."""
+        with self._lock:
+            for v in [v for v in self._entries if v not in versions]:
+                del self._entries[v]
+
+
+class ManifestCache(ManifestFiles[Manifest]):
+    """Parsed manifests by version, re-read only when the file changes (size, mtime, inode).
+
+    A receiver polls the newest version every second or so; a manifest lists every tensor, so
+    parsing it again each time would be the largest cost of an idle poll. Safe to share between
+    threads (a receiver's syncs and its stream read the same manifests: ~10 us per tensor to
+    parse, ~1 s at 100,000).
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        super().__init__(_itself, size)
+
+
+def _itself(m: Manifest) -> Manifest:
+    return m

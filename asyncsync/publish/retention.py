@@ -32,15 +32,16 @@ import logging
 import os
 import stat
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 from asyncsync import fsio
 from asyncsync.errors import ManifestError, check_bytes, check_number, check_seconds
-from asyncsync.format import ACKS_DIR, MANIFEST_NAME, check_engine_id, manifest_path, version_dir
+from asyncsync.format import ACKS_DIR, MANIFEST_NAME, check_engine_id, version_dir
 from asyncsync.format.acks import ack_ages, read_acks, root_clock
 from asyncsync.format.liveness import ChangeWatch, watch_leases
 from asyncsync.format.log import trim_log
-from asyncsync.format.store import list_versions, read_manifest
+from asyncsync.format.store import ManifestFiles, list_versions
 from asyncsync.fsio import fsync_dir
 
 __all__ = ["GcReport", "ManifestKinds", "RetentionPolicy", "collect"]
@@ -94,38 +95,17 @@ def _dir_bytes(root: Path, path: Path) -> int:
     return sum(st.st_size for _, st in entries if stat.S_ISREG(st.st_mode))
 
 
-class ManifestKinds:
+class ManifestKinds(ManifestFiles[str]):
     """Each version's kind (``full`` or ``delta``) as its manifest says, the manifest read and
-    validated once per file (its size, mtime and inode): a publisher's :func:`collect` after
-    each commit looks back to the newest keyframe, and parsing those manifests again at every
-    commit was most of its cost (~100 ms a commit at 183 tensors and a keyframe every 20
-    versions, at 20,000 tensors seconds). Only the kinds are kept (a parsed manifest of many
-    tensors is megabytes), and only of the versions the last :func:`collect` listed."""
+    validated once per file (:class:`~asyncsync.format.store.ManifestFiles`): a publisher's
+    :func:`collect` after each commit looks back to the newest keyframe, and parsing those
+    manifests again at every commit was most of its cost (~100 ms a commit at 183 tensors and a
+    keyframe every 20 versions, at 20,000 tensors seconds). Only the kinds are kept (a parsed
+    manifest of many tensors is megabytes), and only of the versions the last :func:`collect`
+    listed."""
 
     def __init__(self) -> None:
-        self._kinds: dict[int, tuple[tuple[int, int, int], str]] = {}
-
-    def kind(self, root: Path, version: int) -> str:
-        try:
-            st = fsio.lstat(manifest_path(root, version), root=root)
-        except OSError:  # a symlinked or unreadable version directory: read_manifest says why
-            self._kinds.pop(version, None)
-            return read_manifest(root, version).kind
-        if st is None:
-            self._kinds.pop(version, None)
-            raise FileNotFoundError(manifest_path(root, version))
-        key = (st.st_size, st.st_mtime_ns, st.st_ino)
-        hit = self._kinds.get(version)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        kind = read_manifest(root, version).kind
-        self._kinds[version] = (key, kind)
-        return kind
-
-    def keep_only(self, versions: list[int]) -> None:
-        listed = set(versions)
-        for v in [v for v in self._kinds if v not in listed]:
-            del self._kinds[v]
+        super().__init__(attrgetter("kind"), None)
 
 
 def collect(
@@ -156,7 +136,7 @@ def collect(
     newest_keyframe = None
     for v in reversed(versions):
         try:
-            if kinds.kind(root, v) == "full":
+            if kinds.get(root, v) == "full":
                 newest_keyframe = v
                 break
         except (FileNotFoundError, ManifestError) as exc:
