@@ -35,6 +35,7 @@ __all__ = [
     "Stage",
     "check_threads_env",
     "finish_thread",
+    "GlueGate",
     "pack_cap",
     "parallel_map",
     "run_all",
@@ -205,6 +206,35 @@ async def finish_thread(fn: Callable[..., Any], *args: Any) -> Any:
         if not fut.cancelled():
             fut.exception()  # retrieved: the cancellation is what the caller sees
         raise
+
+
+#: work on tensors that average fewer bytes than this is mostly Python's (:class:`GlueGate`)
+GLUE_BYTES = 128 << 10
+
+
+class GlueGate:
+    """Runs a stage's call in a thread (:func:`finish_thread`), one at a time among the calls
+    whose work is mostly Python: many small tensors, fewer than :data:`GLUE_BYTES` each on
+    average. Two such calls side by side (a bucket's diff beside the last one's encode) hand
+    the GIL back and forth at every call that releases it (zstd, the kernels, torch): a
+    publish of 20,000 tensors of 8 KiB took ~1.5x the CPU and the wall time it takes with
+    its stages one after another (BENCHMARKS.md, issue 26, thirty-seventh session). Calls on
+    larger tensors, whose time is in code that releases the GIL, are not held back, nor held
+    for. Made in the loop that uses it."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    def hold(self, sizes: Sequence[int]) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Held across work on tensors of ``sizes`` bytes each, if it is mostly Python."""
+        if len(sizes) > 1 and sum(sizes) < len(sizes) * GLUE_BYTES:
+            return self._lock
+        return contextlib.nullcontext()
+
+    async def run(self, fn: Callable[[_T], _R], item: _T, sizes: Sequence[int]) -> _R:
+        """``fn(item)`` in a thread; ``sizes``: the bytes of each tensor it works on."""
+        async with self.hold(sizes):
+            return await finish_thread(fn, item)
 
 
 class LoopLock:

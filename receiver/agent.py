@@ -47,7 +47,7 @@ from asyncsync.format.store import is_committed
 from asyncsync.fsio import check_throttle_env
 from asyncsync.memory import check_env as check_memory_env
 from asyncsync.memory import gc_paused, release_large_buffers, trim_free_memory
-from asyncsync.pipeline import LoopLock, check_threads_env, run_pipeline
+from asyncsync.pipeline import GlueGate, LoopLock, check_threads_env, run_pipeline
 from receiver.acking import RootPresence
 from receiver.badversions import BadVersions
 from receiver.early import EarlyRead
@@ -64,8 +64,10 @@ from receiver.shard_reader import (
     decode_pieces,
     group_bytes_for,
     open_shard,
+    pieces_by_shard,
     read_verified,
     shard_source,
+    tensor_bytes,
     verified,
 )
 from receiver.status import AgentStatus, Counters
@@ -375,8 +377,7 @@ class ReceiverAgent:
                 await asyncio.shield(self._reconcile_ack())
         why = await asyncio.to_thread(diverged, self.root, self.engine.state, newest, bad.read)
         if why is not None:
-            # Version numbers say nothing across runs (a wiped root, another trainer), nor about
-            # a version republished with other contents: start over from a keyframe.
+            # another run (a wiped root, another trainer) or contents: start from a keyframe
             logger.warning("agent %s: %s: re-seeding from a keyframe", self.engine_id, why)
             await self._reseed(latest, newest.run_id)
         bad.waiting = None
@@ -525,13 +526,15 @@ class ReceiverAgent:
         """Read+verify each shard once; decode group k+1 while the engine applies group k."""
         parts = PartAssembler(m, mode)  # joins the parts of tensors in parts across shards
         group_bytes = self.apply_group_bytes or group_bytes_for(m.totals.model_bytes)
+        by_shard = pieces_by_shard(m, mode)  # (one pass over the entries, not one per shard)
         work = [
             (idx, shard, group, g == 0, g == len(groups) - 1)
             for idx, shard in shards
-            for groups in [apply_groups(m, mode, idx, group_bytes)]
+            for groups in [apply_groups(m, mode, idx, group_bytes, by_shard=by_shard)]
             for g, group in enumerate(groups)
         ]
         opened: dict[int, ShardData] = {}  # the parsed shard, until its last group
+        gate = GlueGate()  # a group of small tensors decoded and applied one at a time
 
         async def fetch(item: tuple[int, ShardInfo, list[Piece], bool, bool]) -> Any:
             idx, shard, group, first, last = item
@@ -539,17 +542,18 @@ class ReceiverAgent:
             if first:
                 opened[idx] = await self._open_shard(m, idx, shard)
             tensors = opened.pop(idx) if last else opened[idx]
-            updates = await asyncio.to_thread(
-                lambda: parts.add(decode_pieces(m, mode, tensors, group, where))
-            )
-            return updates, last
+            decode = partial(decode_pieces, m, mode, tensors, group, where)
+            async with gate.hold(sizes := [tensor_bytes(piece) for piece in group]):
+                updates = await asyncio.to_thread(lambda: parts.add(decode()))
+            return updates, last, sizes
 
         c = self._c
         c.applying, c.progress, c.progress_logged = m.version, (0, len(shards)), time.monotonic()
 
-        async def apply(item: tuple[list[TensorUpdate], bool]) -> None:
-            updates, last = item
-            await self.engine.apply(updates)
+        async def apply(item: tuple[list[TensorUpdate], bool, list[int]]) -> None:
+            updates, last, sizes = item
+            async with gate.hold(sizes):
+                await self.engine.apply(updates)
             if not last:
                 return
             done = (c.progress[0] + 1) if c.progress else 1

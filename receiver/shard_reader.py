@@ -53,9 +53,11 @@ __all__ = [
     "group_pieces",
     "int_dtype",
     "open_shard",
+    "pieces_by_shard",
     "pieces_in",
     "read_verified",
     "shard_source",
+    "tensor_bytes",
     "verified",
 ]
 
@@ -133,12 +135,21 @@ def verified(data: bytes, path: Path, shard: ShardInfo, algorithm: str) -> bytes
 
 def pieces_in(m: Manifest, mode: str, idx: int) -> list[Piece]:
     """(entry, part or None for a whole tensor, ref) of each piece of data in shard ``idx``."""
-    out: list[Piece] = []
+    return pieces_by_shard(m, mode).get(idx, [])
+
+
+def pieces_by_shard(m: Manifest, mode: str) -> dict[int, list[Piece]]:
+    """:func:`pieces_in` of every shard, in one pass over the manifest's entries. A version's
+    shards each looked at every entry: S shards of N tensors cost S x N looks (~2.5 us each:
+    ~250 ms a version for 20,000 tensors in 5 shards, a minute for a MoE's tens of thousands
+    in the hundreds of 4 MiB shards of a 100 GB model's delta)."""
+    out: dict[int, list[Piece]] = {}
+    delta = mode == "delta"
     for e in m.tensors:
         for p in e.spans:
-            ref = p.delta if mode == "delta" else p.full
-            if ref is not None and ref.shard == idx:
-                out.append((e, p if e.parts is not None else None, ref))
+            ref = p.delta if delta else p.full
+            if ref is not None:
+                out.setdefault(ref.shard, []).append((e, p if e.parts is not None else None, ref))
     return out
 
 
@@ -146,10 +157,10 @@ def _decoded_bytes(piece: Piece) -> int:
     e, part, ref = piece
     if getattr(ref, "mode", "dense") == "sparse":
         return (e.changed if part is None else part.changed) * (8 + DTYPE_SIZES[e.dtype])
-    return _tensor_bytes(piece)
+    return tensor_bytes(piece)
 
 
-def _tensor_bytes(piece: Piece) -> int:
+def tensor_bytes(piece: Piece) -> int:
     """The bytes of the tensor (or part) a piece updates: what its decode's work scales with
     (the pool's cost of it, as the patch's is its tensor's bytes)."""
     e, part, _ = piece
@@ -157,15 +168,21 @@ def _tensor_bytes(piece: Piece) -> int:
 
 
 def apply_groups(
-    m: Manifest, mode: str, idx: int, limit: int = APPLY_GROUP_BYTES
+    m: Manifest,
+    mode: str,
+    idx: int,
+    limit: int = APPLY_GROUP_BYTES,
+    *,
+    by_shard: dict[int, list[Piece]] | None = None,
 ) -> list[list[Piece]]:
     """The pieces of shard ``idx`` in consecutive groups of at most ``limit`` decoded bytes
     (a piece larger than that is a group of its own, or packed with the large ones next to it:
-    :func:`group_pieces`).
+    :func:`group_pieces`). ``by_shard``: :func:`pieces_by_shard` of ``m`` and ``mode``, for a
+    caller that groups every shard of a version (else one pass over the manifest per call).
 
     A full shard is one group (it holds one bucket of whole tensors, already in memory).
     """
-    pieces = pieces_in(m, mode, idx)
+    pieces = pieces_in(m, mode, idx) if by_shard is None else by_shard.get(idx, [])
     if mode != "delta":
         return [pieces] if pieces else []
     return group_pieces(pieces, limit, threads())
@@ -227,7 +244,7 @@ def decode_pieces(
     rest = parallel_map(
         lambda piece: _decode_piece(m, mode, tensors, piece, where),
         [piece for i, piece in enumerate(pieces) if i not in done] if done else pieces,
-        cost=_tensor_bytes,
+        cost=tensor_bytes,
     )
     if not done:
         return rest

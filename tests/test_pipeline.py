@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from asyncsync.pipeline import run_pipeline
+from asyncsync.pipeline import GLUE_BYTES, GlueGate, run_pipeline
 
 
 async def test_items_flow_in_order_through_every_stage() -> None:
@@ -279,3 +280,38 @@ def test_the_kernel_scaling_probe_times_every_stage_and_checks_what_it_timed() -
         (s, n) for n in (1, 2) for s in ("diff", "encode", "decode", "patch")
     ]
     assert all(r[k]["gb_s"] > 0 for r in rows for k in ("bucket", "model"))
+
+
+async def test_a_glue_gate_runs_calls_on_small_tensors_one_at_a_time_and_others_freely() -> None:
+    """Calls mostly in Python (many tensors under GLUE_BYTES on average) run one at a time;
+    calls on larger tensors, or on one tensor, are neither held back nor held for."""
+    gate = GlueGate()
+    lock = threading.Lock()
+    running, peak, order = [0], [0], []
+
+    def work(tag: str) -> str:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+            order.append(tag)
+        return tag
+
+    small, large, one = [4096] * 10, [4 * GLUE_BYTES] * 2, [4096]
+    got = await asyncio.gather(*(gate.run(work, f"s{i}", small) for i in range(3)))
+    assert got == ["s0", "s1", "s2"] and peak[0] == 1
+    peak[0] = 0
+    await asyncio.gather(*(gate.run(work, f"l{i}", large) for i in range(3)))
+    assert peak[0] == 3
+    peak[0] = 0
+    await asyncio.gather(gate.run(work, "s", small), gate.run(work, "l", large),
+                         gate.run(work, "o", one))  # fmt: skip
+    assert peak[0] == 3  # a large (or lone) tensor's call ran beside the small ones'
+    async with gate.hold(small):  # held: a small call waits, a large one does not
+        t = asyncio.ensure_future(gate.run(work, "waits", small))
+        assert await gate.run(work, "free", large) == "free"
+        await asyncio.sleep(0.1)
+        assert not t.done()
+    assert await t == "waits"
