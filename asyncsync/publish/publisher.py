@@ -63,7 +63,7 @@ from asyncsync.format import (
 from asyncsync.format.checksum import DEFAULT_ALGORITHM
 from asyncsync.fsio import FileLock
 from asyncsync.memory import keep_freed_memory, release_large_buffers
-from asyncsync.pipeline import LoopLock, finish_thread, run_pipeline
+from asyncsync.pipeline import GlueGate, LoopLock, finish_thread, run_pipeline
 from asyncsync.publish import snapshot
 from asyncsync.publish.advance import Base
 from asyncsync.publish.commit import (
@@ -455,7 +455,7 @@ class Publisher:
 
             # A tapered delta's lead bucket is encoded before the next bucket's diff takes the
             # pool (the large tensors, spread over every worker): its shard lands first
-            lead = asyncio.Event()
+            lead, gate = asyncio.Event(), GlueGate()  # (small tensors: one stage at a time)
 
             async def diff_after_lead(bucket: list[int]) -> DiffedBucket:
                 if taper and len(buckets) > 1 and bucket is buckets[1]:
@@ -463,11 +463,11 @@ class Publisher:
                     await lead.wait()  # (not the diff's time: the stage's timer counts it)
                     waited = time.perf_counter() - t_wait
                     acc.seconds["diff"] = acc.seconds.get("diff", 0.0) - waited
-                return await finish_thread(diff, bucket)
+                return await gate.run(diff, bucket, [sizes[i] for i in bucket])
 
             async def encode_lead_first(d: DiffedBucket) -> EncodedBucket:
                 try:
-                    return await finish_thread(encode, d)
+                    return await gate.run(encode, d, [sizes[it.index] for it in d.items])
                 finally:
                     lead.set()
 

@@ -71,6 +71,7 @@ class VersionWriter:
         self._waiting: list[tuple[ItemResult, int | None]] = []  # (item, its full shard)
         self._tapers = self.taper and self.stream is not None
         self._left = sum(self.sizes) if self._tapers else 0  # model bytes of the buckets to come
+        self._count = {"delta": 0, "full": 0}  # the shards written of each role
 
     def write(self, enc: EncodedBucket) -> None:
         """Take one encoded bucket: write its full shard now and its deltas when a shard fills."""
@@ -102,7 +103,7 @@ class VersionWriter:
 
     def _write_shard(self, role: str, blob: bytes | list[bytes | memoryview]) -> int:
         """Write one shard (its bytes, or the pieces to write one after another)."""
-        n = sum(1 for s in self.shards if s.role == role)
+        n = self._count[role]
         fname = f"{self.prefix}{role}-{n:05d}.safetensors"
         parts = [blob] if isinstance(blob, bytes) else blob
         size = atomic_write(self.vdir / fname, parts, root=self.vdir.parent, sync_dir=False)
@@ -110,6 +111,7 @@ class VersionWriter:
         for part in parts:
             h.update(part)
         self.shards.append(ShardInfo(fname, role, size, h.hexdigest()))  # type: ignore[arg-type]
+        self._count[role] = n + 1
         return len(self.shards) - 1
 
     def _write_deltas(self, group: dict[str, bytes]) -> None:
@@ -147,7 +149,7 @@ class VersionWriter:
             base_version=base_version,
             base_fingerprint=base_fingerprint,
             attempt=attempt,
-            shard_index=sum(1 for s in self.shards if s.role == "delta"),
+            shard_index=self._count["delta"],
             encoding=encoding,
             algorithm=self.algorithm,
             entries=entries,
