@@ -186,10 +186,12 @@ def create_progressive(
         "positions": encs,
         "position_bytes": [len(b) for b in pos_blobs],
     }
+    # ``json.dumps({**meta, **offsets})``, the meta (the names: most of it) encoded once
+    named = json.dumps(meta)[:-1].encode() + b", "
     head = 8
     while True:  # the offsets depend on the header's size, which depends on their digits
         offsets = _offsets(head, pos_blobs, counts, widths)
-        text = json.dumps({**meta, **offsets}).encode()
+        text = named + json.dumps(offsets)[1:].encode()
         if align8(8 + len(text)) <= head:
             break
         head = align8(8 + len(text))
