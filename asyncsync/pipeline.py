@@ -30,12 +30,12 @@ from typing import Any, TypeVar
 from asyncsync.errors import ConfigError, first_error
 
 __all__ = [
+    "GlueGate",
     "LoopLock",
     "LoopTasks",
     "Stage",
     "check_threads_env",
     "finish_thread",
-    "GlueGate",
     "pack_cap",
     "parallel_map",
     "run_all",
