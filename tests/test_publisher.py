@@ -308,6 +308,29 @@ def test_undo_log_puts_back_what_the_diff_advanced(
     assert all(same_bytes(snap[k], sd1[k]) for k in names)
 
 
+@pytest.mark.parametrize("own", [False, True])
+def test_bucket_items_keep_every_tensors_bytes_and_share_only_when_not_owned(own: bool) -> None:
+    """A bucket's items hold each tensor's bytes (a bool's too, not 0/1: its copy is made as
+    ints), the caller's own tensor where it is contiguous on the CPU and not owned, a copy
+    where ``own`` (a keyframe's bytes read once) or where it is strided."""
+    odd = torch.tensor([0, 1, 2, 255], dtype=torch.uint8).view(torch.bool)  # bytes 2 and 255
+    sd = {
+        "b": odd,
+        "w": torch.randn(4, 6).to(torch.bfloat16),
+        "t": torch.randn(6, 4).t(),  # strided
+        "s": torch.tensor(3.5),  # 0-d
+    }
+    names = list(sd)
+    items = snapshot.bucket_items(list(range(len(names))), names, sd, None, {}, own)
+    for it in items:
+        t = sd[it.name]
+        assert it.new.is_contiguous() and it.new.dtype == t.dtype and it.new.shape == t.shape
+        assert same_bytes(it.new, t), it.name
+        shares = it.new.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        assert shares == (not own and t.is_contiguous()), it.name
+        assert it.owned == own
+
+
 async def test_cancelled_publish_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

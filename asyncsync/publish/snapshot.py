@@ -199,9 +199,9 @@ def bucket_items(
         # a reused pinned buffer (40x fresh pageable memory), the bucket's copies waited for
         # once
         raws = memory.host_copies([codec.raw_view(new) for new in news])
-        raws = [raw.view(new.dtype) for raw, new in zip(raws, news, strict=True)]
-        if own:  # a CPU tensor that host_copies did not copy (contiguous: itself)
+        if own:  # a CPU tensor that host_copies did not copy (contiguous: itself), as ints
             raws = [r.clone() if _shares(r, n) else r for r, n in zip(raws, news, strict=True)]
+        raws = [raw.view(new.dtype) for raw, new in zip(raws, news, strict=True)]
     # a CPU tensor's copy is fresh memory (a clone, or ``contiguous`` of a strided one); a
     # device tensor's may be a reused pinned buffer: never kept
     with_snap = snap is not None
