@@ -21,10 +21,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from asyncsync import Publisher, PublishError, codec, memory
+from asyncsync import Publisher, PublishError, codec
 from asyncsync.codec import native
 from asyncsync.format.checksum import checksum_tensor
 from asyncsync.format.store import list_versions
+from asyncsync.publish import snapshot
 from receiver import ReceiverAgent
 from receiver.engines import LocalCheckpoint
 from tests.test_publish_misuse import checkpoint_tensors, raw_bytes
@@ -170,18 +171,19 @@ async def test_a_trainer_thread_stepping_during_deltas_never_makes_one_engines_r
 
 
 def step_at_the_first_read(monkeypatch: pytest.MonkeyPatch, step: Callable[[], None]) -> None:
-    """``step`` runs when the pipeline first reads tensors of the state dict (a trainer thread
-    that gets there while publish awaits)."""
-    copies = memory.host_copies
+    """``step`` runs when the pipeline first reads tensors of the state dict, as its first
+    bucket's items are taken (a trainer thread that gets there while publish awaits; a CPU
+    state dict's tensors are taken as they are, a device one's through ``host_copies``)."""
+    items = snapshot.bucket_items
     calls: list[int] = []
 
-    def first_read(ts: Any) -> Any:
+    def first_read(*args: Any, **kw: Any) -> Any:
         if not calls:
             calls.append(1)
             step()
-        return copies(ts)
+        return items(*args, **kw)
 
-    monkeypatch.setattr(memory, "host_copies", first_read)
+    monkeypatch.setattr(snapshot, "bucket_items", first_read)
 
 
 def eight() -> dict[str, torch.Tensor]:
