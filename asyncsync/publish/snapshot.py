@@ -204,14 +204,13 @@ def bucket_items(
         raws = [raw.view(new.dtype) for raw, new in zip(raws, news, strict=True)]
     # a CPU tensor's copy is fresh memory (a clone, or ``contiguous`` of a strided one); a
     # device tensor's may be a reused pinned buffer: never kept
-    with_snap = snap is not None
     return [
         BucketItem(
             index=i,
             name=names[i],
             new=raw,
-            old=snap[names[i]] if with_snap else None,  # type: ignore[index]
-            cached_checksum=checksums.get(names[i]) if with_snap else None,
+            old=snap[names[i]] if snap is not None else None,
+            cached_checksum=checksums.get(names[i]) if snap is not None else None,
             owned=own and new.device.type == "cpu",
         )
         for i, new, raw in zip(bucket, news, raws, strict=True)
