@@ -14,6 +14,7 @@ a symlink among them (FORMAT.md: nothing below the root is followed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -25,7 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["DirectoryWatch", "available", "nap", "watch_or_none"]
+__all__ = ["DirectoryWatch", "available", "close_off_loop", "nap", "watch_or_none"]
 
 _IN_MODIFY = 0x00000002
 _IN_ATTRIB = 0x00000004
@@ -120,7 +121,7 @@ class DirectoryWatch:
             fd = _watch(self.directory, self._mask)
         except FileNotFoundError:
             return
-        os.close(self.fd)
+        close_off_loop(self.fd)
         self.fd, self.gone = fd, False
 
     def read(self, keep: Callable[[str], bool]) -> tuple[bool, bool]:
@@ -146,9 +147,36 @@ class DirectoryWatch:
         return wanted, gone
 
     def close(self) -> None:
+        """Close the watch, waiting for the kernel to end the instance (see
+        :func:`close_off_loop`: on the event loop, call :meth:`close_soon`)."""
         if self.fd >= 0:
-            os.close(self.fd)
+            _close_quietly(self.fd)
             self.fd = -1
+
+    def close_soon(self) -> None:
+        """Close the watch without waiting for the kernel (:func:`close_off_loop`); it reads
+        nothing after this call."""
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            close_off_loop(fd)
+
+
+def close_off_loop(fd: int) -> None:
+    """Close inotify instance ``fd`` on the running loop's default executor (no loop, or
+    its executor shut down: here). Closing one waits in the kernel for a grace period
+    (``fsnotify_destroy_group``): 0.1 ms on an idle host, 5-22 ms with both cores busy
+    (measured here), which on the loop held every other task: the stream's watch of each
+    version directory closed in the version's tail, with the engine's last groups and the
+    ack waiting behind it."""
+    try:
+        asyncio.get_running_loop().run_in_executor(None, _close_quietly, fd)
+    except RuntimeError:  # no running loop, or its executor is shut down
+        _close_quietly(fd)
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def watch_or_none(directory: Path, use_inotify: bool) -> DirectoryWatch | None:

@@ -26,7 +26,7 @@ from asyncsync.errors import FormatError
 from asyncsync.format import MANIFEST_NAME, version_dir
 from asyncsync.format.acks import ack_path, read_ack
 from asyncsync.format.store import read_manifest
-from receiver import ReceiverAgent
+from receiver import ReceiverAgent, inotify
 from receiver.engines.checkpoint import LocalCheckpoint
 from receiver.stream import StreamApplier
 from tests.conftest import eventually, mixed_state, mutate, running, same_bytes
@@ -108,6 +108,10 @@ def _agent(tmp: Path, **agent_kw: Any) -> tuple[LocalCheckpoint, ReceiverAgent]:
         tmp / "root", engine, "e1", use_inotify=False, poll_interval=0.02, **agent_kw
     )
     return engine, agent
+
+
+def _at(agent: ReceiverAgent, version: int) -> bool:
+    return agent.version == version
 
 
 def _streamer(agent: ReceiverAgent) -> StreamApplier | None:
@@ -616,6 +620,56 @@ async def test_a_stream_that_ends_without_a_valid_manifest_is_rolled_back(
         await eventually(lambda: json.loads(state.read_text())["status"] == "clean", "the rollback")
         assert engine.state.version == 1 and _holds(engine, _state(1))
         assert read_ack(root, "e1").version == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(not inotify.available(), reason="no inotify here")
+async def test_the_streams_watch_is_closed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a timeline of the bench (the loop's slow callbacks): closing an inotify
+    instance waits in the kernel for a grace period, 5-22 ms with both cores busy; the stream
+    closed its watch of each version directory on the event loop, in the version's tail, with
+    the engine's last groups, the commit and the ack waiting behind it. A close made slow here
+    (1 s) must not hold the loop, and every watch is still closed."""
+    closes: list[float] = []
+    real = inotify._close_quietly
+
+    def slow_close(fd: int) -> None:
+        time.sleep(1.0)
+        real(fd)
+        closes.append(time.monotonic())
+
+    monkeypatch.setattr(inotify, "_close_quietly", slow_close)
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    root = tmp_path / "root"
+    engine = LocalCheckpoint(tmp_path / "ck")
+    agent = ReceiverAgent(root, engine, "e1", use_inotify=True, poll_interval=0.02)
+    async with Publisher(
+        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
+    ) as pub:
+        await pub.seed(_state(0))
+        await pub.publish(_state(1))
+        async with running(agent, 1):
+            ticker = asyncio.create_task(tick())
+            try:
+                for v in (2, 3):
+                    res = await pub.publish(_state(v))
+                    assert res.shards > 1
+                    await eventually(partial(_at, agent, v), f"the agent at v{v}")
+                    assert agent.status().streamed_shards > 0
+                await eventually(lambda: len(closes) >= 2, "the streams' watches closed")
+            finally:
+                ticker.cancel()
+    assert _holds(engine, _state(3))
+    assert max(gaps) < 0.6, f"the loop was held {max(gaps):.2f}s"
 
 
 def test_the_stream_waits_as_long_as_the_agent_for_a_shard_to_verify() -> None:
