@@ -37,13 +37,15 @@ sglang-env:
 vllm-env:
 	$(PYTHON) tests/vllm_env/build.py
 
-# every test but those marked heavy (~20 min on 2 shared cores, the real servers included);
-# the 30 slowest are listed at the end, to keep the run inside its budget
+# every test but those marked heavy (the real servers included): ~26 min on 2 shared cores
+# (2026-12-07), over its ~20 min budget: most of it waits (server starts, timeouts), not
+# computes; the 30 slowest are listed at the end, to keep the run inside its budget
 test: lint sglang-env vllm-env
 	$(VENV)/bin/pytest -q -m 'not heavy' --durations=30
 
-# the tests marked heavy (~5 min): rclone lease takeovers, the 8-receiver load run, the
-# multi-rank model, a SIGKILL inside the kernel, the acceptance script's clean-up; each
+# the tests marked heavy (~9 min): rclone lease takeovers, the 8-receiver load run, the
+# multi-rank model, a SIGKILL inside the kernel, the acceptance script's clean-up, two
+# versions' crash enumeration, a planted own lease (its 30 s ttl), six lease takers; each
 # self-contained (a heavy test must not need a test make test runs); .ci/run runs them after
 test-heavy: $(STAMP) sglang-env vllm-env
 	$(VENV)/bin/pytest -q -m heavy --durations=10

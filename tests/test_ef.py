@@ -162,7 +162,10 @@ def test_roundtrip_millions(path: str, density: float, shape: str) -> None:
     _check(idx, numel, reference=False)
 
 
-@pytest.mark.parametrize("density", [1e-3, 0.03, 0.3])
+@pytest.mark.parametrize(
+    "density",
+    [1e-3, 0.03, pytest.param(0.3, marks=pytest.mark.heavy)],  # 0.3: ~13 s a loop
+)
 def test_loops_agree_at_scale(density: float, ef_loop: str) -> None:
     """Millions of positions (past the fast loop's first words and its prefetch distance)
     encode to the spec's payload and decode to the same positions with either loop."""

@@ -491,6 +491,7 @@ def test_two_receivers_as_pid_1_of_their_own_pid_namespaces_do_not_displace_each
             p.communicate("", timeout=60)
 
 
+@pytest.mark.heavy  # ~22 s on 2 shared cores
 def test_six_concurrent_takers_give_one_winner(tmp_path: Path) -> None:
     for _ in range(2):
         procs = _takers(tmp_path, 6)
