@@ -102,10 +102,11 @@ async def _with_agent(
 
 
 def _agent(tmp: Path, **agent_kw: Any) -> tuple[LocalCheckpoint, ReceiverAgent]:
-    """A checkpoint ``tmp/ck`` and an agent (polling) syncing it from ``tmp/root``."""
+    """A checkpoint ``tmp/ck`` and an agent (polling, unless ``use_inotify=True``) syncing it
+    from ``tmp/root``."""
     engine = LocalCheckpoint(tmp / "ck")
     agent = ReceiverAgent(
-        tmp / "root", engine, "e1", use_inotify=False, poll_interval=0.02, **agent_kw
+        tmp / "root", engine, "e1", poll_interval=0.02, **{"use_inotify": False, **agent_kw}
     )
     return engine, agent
 
@@ -649,26 +650,20 @@ async def test_the_streams_watch_is_closed_off_the_event_loop(
             gaps.append(time.monotonic() - last)
             last = time.monotonic()
 
-    root = tmp_path / "root"
-    engine = LocalCheckpoint(tmp_path / "ck")
-    agent = ReceiverAgent(root, engine, "e1", use_inotify=True, poll_interval=0.02)
-    async with Publisher(
-        root, bucket_bytes=SMALL, delta_shard_bytes=SMALL, keyframe_interval=0
-    ) as pub:
-        await pub.seed(_state(0))
-        await pub.publish(_state(1))
-        async with running(agent, 1):
-            ticker = asyncio.create_task(tick())
-            try:
-                for v in (2, 3):
-                    res = await pub.publish(_state(v))
-                    assert res.shards > 1
-                    await eventually(partial(_at, agent, v), f"the agent at v{v}")
-                    assert agent.status().streamed_shards > 0
-                await eventually(lambda: len(closes) >= 2, "the streams' watches closed")
-            finally:
-                ticker.cancel()
-    assert _holds(engine, _state(3))
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        ticker = asyncio.create_task(tick())
+        try:
+            for v in (2, 3):
+                res = await pub.publish(_state(v))
+                assert res.shards > 1
+                await eventually(partial(_at, agent, v), f"the agent at v{v}")
+                assert agent.status().streamed_shards > 0
+            await eventually(lambda: len(closes) >= 2, "the streams' watches closed")
+        finally:
+            ticker.cancel()
+        assert _holds(engine, _state(3))
+
+    await _with_agent(tmp_path, body, use_inotify=True)
     assert max(gaps) < 0.6, f"the loop was held {max(gaps):.2f}s"
 
 
