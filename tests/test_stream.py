@@ -651,6 +651,7 @@ async def test_the_streams_watch_is_closed_off_the_event_loop(
             last = time.monotonic()
 
     async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        pub.pre_commit_hook = partial(_stream_begun, agent)  # streamed on a loaded host too
         ticker = asyncio.create_task(tick())
         try:
             for v in (2, 3):
