@@ -37,7 +37,7 @@ sglang-env:
 vllm-env:
 	$(PYTHON) tests/vllm_env/build.py
 
-# every test but those marked heavy (the real servers included): ~26 min on 2 shared cores
+# every test but those marked heavy (the real servers included): ~25 min on 2 shared cores
 # (2026-12-07), over its ~20 min budget: most of it waits (server starts, timeouts), not
 # computes; the 30 slowest are listed at the end, to keep the run inside its budget
 test: lint sglang-env vllm-env

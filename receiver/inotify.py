@@ -147,15 +147,9 @@ class DirectoryWatch:
         return wanted, gone
 
     def close(self) -> None:
-        """Close the watch, waiting for the kernel to end the instance (see
-        :func:`close_off_loop`: on the event loop, call :meth:`close_soon`)."""
-        if self.fd >= 0:
-            _close_quietly(self.fd)
-            self.fd = -1
-
-    def close_soon(self) -> None:
-        """Close the watch without waiting for the kernel (:func:`close_off_loop`); it reads
-        nothing after this call."""
+        """Close the watch: it reads nothing after this call. On an event loop the kernel's
+        end of the instance is waited for on the loop's executor (:func:`close_off_loop`),
+        elsewhere here."""
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             close_off_loop(fd)

@@ -288,7 +288,7 @@ class StreamApplier:
             await self._read_each(ready, watch)
         finally:
             if watch is not None:
-                watch.close_soon()  # (the kernel's wait for it off the loop)
+                watch.close()  # (the kernel's wait for it off the loop)
 
     async def _read_each(
         self,

@@ -120,7 +120,7 @@ async def _watch_inotify(root: Path, wake: asyncio.Event, stop: asyncio.Event) -
         for handle in rearm:
             handle.cancel()
         loop.remove_reader(watch.fd)
-        watch.close_soon()
+        watch.close()
     return gone.is_set()
 
 

@@ -348,24 +348,24 @@ async def test_a_nap_stops_reading_a_flood_of_events_it_does_not_want(
         w.close()
 
 
-def test_a_watch_closed_soon_without_a_running_loop_is_closed_at_once(tmp_path: Path) -> None:
-    """``close_soon`` hands the close to the running loop's executor (the kernel's wait for
-    an instance to end held the loop 5-22 ms on a busy host); with no loop running it closes
-    here, and the descriptor is gone when it returns."""
+def test_a_watch_closed_without_a_running_loop_is_closed_at_once(tmp_path: Path) -> None:
+    """``close`` on an event loop hands the kernel's wait to the loop's executor (it held
+    the loop 5-22 ms on a busy host); with no loop running it closes here, and the
+    descriptor is gone when it returns."""
     w = inotify.DirectoryWatch(tmp_path)
     fd = w.fd
     assert "inotify" in os.readlink(f"/proc/self/fd/{fd}")
-    w.close_soon()
+    w.close()
     assert w.fd == -1
     with pytest.raises(OSError):
         os.fstat(fd)
-    w.close_soon()  # a second call does nothing
+    w.close()  # a second call does nothing
 
 
-async def test_a_watch_closed_soon_on_the_loop_is_closed_by_its_executor(tmp_path: Path) -> None:
+async def test_a_watch_closed_on_the_loop_is_closed_by_its_executor(tmp_path: Path) -> None:
     w = inotify.DirectoryWatch(tmp_path)
     fd = w.fd
-    w.close_soon()
+    w.close()
     assert w.fd == -1
     await eventually(lambda: _closed(fd), "the watch closed")
 
