@@ -5,11 +5,12 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from asyncsync import fsio
-from asyncsync.fsio import FileLock, Throttle, atomic_write, fsync_dir, read_bytes
+from asyncsync.fsio import FileLock, Throttle, atomic_write, fsync_dir
 
 
 def test_atomic_write_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
@@ -45,11 +46,38 @@ def test_dir_fsync_unsupported_is_not_an_error(
         fsync_dir(tmp_path)
 
 
-def test_read_bytes_limit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("read", [fsio.read_bytes, fsio.read_buffer])
+def test_read_bytes_limit(tmp_path: Path, read: Any) -> None:
     (tmp_path / "f").write_bytes(b"x" * 10)
-    assert read_bytes(tmp_path / "f", limit=10) == b"x" * 10
+    assert read(tmp_path / "f", limit=10) == b"x" * 10
     with pytest.raises(ValueError):
-        read_bytes(tmp_path / "f", limit=9)
+        read(tmp_path / "f", limit=9)
+    (tmp_path / "e").write_bytes(b"")
+    assert read(tmp_path / "e", limit=0) == b""
+
+
+def test_read_buffer_is_a_private_writable_copy_of_the_whole_file(tmp_path: Path) -> None:
+    """What a full shard's tensors view (parse_shard): a bytearray of exactly the file's bytes,
+    not sharing memory with anything else (writing into it changes neither the file nor a
+    second read)."""
+    data = os.urandom(3 << 20)
+    (tmp_path / "f").write_bytes(data)
+    got = fsio.read_buffer(tmp_path / "f", limit=len(data))
+    assert type(got) is bytearray and got == data
+    got[0] ^= 0xFF
+    again = fsio.read_buffer(tmp_path / "f", limit=len(data))
+    assert again == data == (tmp_path / "f").read_bytes()
+
+
+def test_read_buffer_reads_on_past_a_size_that_lies_up_to_the_limit() -> None:
+    """procfs reports a size of 0 for files that hold bytes: both readers read on, to the
+    limit (one over it raises ValueError)."""
+    want = Path("/proc/self/cmdline").read_bytes()
+    assert want and os.stat("/proc/self/cmdline").st_size == 0
+    for read in (fsio.read_bytes, fsio.read_buffer):
+        assert read("/proc/self/cmdline", limit=1 << 16) == want
+        with pytest.raises(ValueError):
+            read("/proc/self/cmdline", limit=len(want) - 1)
 
 
 def test_file_lock_is_exclusive_and_names_holder(tmp_path: Path) -> None:
@@ -124,6 +152,8 @@ def test_reading_refuses_symlinks_fifos_and_directories_without_blocking(
     for name in ("link", "fifo", "dir", "sub/f"):
         with pytest.raises(fsio.UnsafePath):
             fsio.read_bytes(root / name, limit=100, root=root)
+        with pytest.raises(fsio.UnsafePath):
+            fsio.read_buffer(root / name, limit=100, root=root)
     assert fsio.read_bytes(root / "link", limit=100, follow_symlinks=True) == b"outside\n"
     with pytest.raises(fsio.UnsafePath, match="symlink"):
         fsio.scan(root / "sub", root=root)

@@ -28,6 +28,7 @@ from asyncsync.fsio.files import (
     make_dir,
     open_dir,
     open_file,
+    read_buffer,
     read_bytes,
     read_file,
     remove,
@@ -42,6 +43,7 @@ from asyncsync.fsio.throttle import Throttle, check_throttle_env, get_throttle, 
 __all__ = [
     "DIR_MODE", "FILE_MODE", "TMP_PREFIX", "FileLock", "Throttle", "UnsafePath", "append_bytes",
     "append_line", "atomic_write", "check_throttle_env", "fs_now", "fsync_dir", "get_throttle",
-    "is_temp_name", "lstat", "make_dir", "open_dir", "open_file", "read_bytes", "read_file",
-    "remove", "remove_temp_files", "remove_tree", "rewrite_as", "scan", "set_throttle",
+    "is_temp_name", "lstat", "make_dir", "open_dir", "open_file", "read_buffer", "read_bytes",
+    "read_file", "remove", "remove_temp_files", "remove_tree", "rewrite_as", "scan",
+    "set_throttle",
 ]  # fmt: skip

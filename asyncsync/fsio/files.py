@@ -213,17 +213,8 @@ def read_file(
 ) -> tuple[bytes, os.stat_result]:
     """A whole regular file (see :func:`open_file`) and its ``fstat``; one larger than ``limit``
     raises ValueError (from ``fstat``; one that grew, or procfs's 0, is read on to the limit)."""
-    started = time.perf_counter()
-    with os.fdopen(open_file(path, root=root, follow_symlinks=follow_symlinks), "rb") as f:
-        st = os.fstat(f.fileno())
-        if st.st_size > limit:
-            raise ValueError(f"{path} is larger than {limit} bytes ({st.st_size})")
-        data = f.read(st.st_size + 1)
-        if st.st_size < len(data) <= limit:  # (a read of n allocates n: 64 MiB more at most)
-            data += f.read(min(limit + 1 - len(data), 64 << 20))
-    _throttled(path, len(data), started)
-    if len(data) > limit:
-        raise ValueError(f"{path} is larger than {limit} bytes")
+    data, st = _read(path, limit, root, follow_symlinks, writable=False)
+    assert isinstance(data, bytes)
     return data, st
 
 
@@ -234,7 +225,37 @@ def read_bytes(
     return read_file(path, limit=limit, root=root, follow_symlinks=follow_symlinks)[0]
 
 
-# --------------------------------------------------------------------------- writing
+def read_buffer(
+    path: _Path, *, limit: int, root: _Root = None, follow_symlinks: bool = False
+) -> bytearray:
+    """:func:`read_bytes` into a ``bytearray``: a private, writable buffer that tensors can view
+    without a copy (torch has no read-only tensors; a full shard's, :func:`asyncsync.codec.
+    shards.parse_shard`). Read straight into it (``readinto``): no more CPU than ``read``."""
+    data, _ = _read(path, limit, root, follow_symlinks, writable=True)
+    assert isinstance(data, bytearray)
+    return data
+
+
+def _read(
+    path: _Path, limit: int, root: _Root, follow_symlinks: bool, *, writable: bool
+) -> tuple[bytes | bytearray, os.stat_result]:
+    started = time.perf_counter()
+    data: bytes | bytearray
+    with os.fdopen(open_file(path, root=root, follow_symlinks=follow_symlinks), "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_size > limit:
+            raise ValueError(f"{path} is larger than {limit} bytes ({st.st_size})")
+        if writable:
+            data = bytearray(st.st_size + 1)
+            del data[f.readinto(data) :]  # (shrinking by the spare byte moves nothing)
+        else:
+            data = f.read(st.st_size + 1)
+        if st.st_size < len(data) <= limit:  # (a read of n allocates n: 64 MiB more at most)
+            data += f.read(min(limit + 1 - len(data), 64 << 20))
+    _throttled(path, len(data), started)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    return data, st
 
 
 def fsync_dir(path: _Path, *, root: _Root = None) -> None:
