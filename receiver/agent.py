@@ -580,7 +580,7 @@ class ReceiverAgent:
         path, root = shard_source(self.root, m, shard)  # never follows a symlink in the root
         deadline = time.monotonic() + self._bad.patience(m.version)  # known bad: read once
         delay = 0.05
-        early = self._early.prefetched(m, shard)
+        early: bytes | bytearray | None = self._early.prefetched(m, shard)
         while True:
             try:
                 if early is not None:

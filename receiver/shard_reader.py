@@ -36,7 +36,7 @@ from asyncsync.format import (
 )
 from asyncsync.format.checksum import checksum_bytes
 from asyncsync.format.names import dtype_from_name
-from asyncsync.fsio import UnsafePath, read_bytes
+from asyncsync.fsio import UnsafePath, read_buffer, read_bytes
 from asyncsync.pipeline import SMALL_WORK_BYTES, pack_cap, parallel_map, threads
 from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
@@ -95,17 +95,22 @@ def shard_source(root: Path, m: Manifest, shard: ShardInfo) -> tuple[Path, Path 
     return path, root if inside else None
 
 
-def read_verified(path: Path, shard: ShardInfo, algorithm: str, *, root: Path | None) -> bytes:
+def read_verified(
+    path: Path, shard: ShardInfo, algorithm: str, *, root: Path | None
+) -> bytes | bytearray:
     """The shard's bytes, checked against the manifest's size and checksum.
 
     Read through :func:`asyncsync.fsio.read_bytes`: with ``root`` nothing below it is followed
     (a shard or version directory that is a symlink, a FIFO or not a regular file raises
     ManifestError); without, ``path`` is a registered checkpoint's file, whose symlinks are
     followed but which must still be a regular file. Raises IncompleteVersion (missing,
-    short, unreadable: maybe not yet visible on this host) or ChecksumMismatch.
+    short, unreadable: maybe not yet visible on this host) or ChecksumMismatch. A full shard
+    is read into a ``bytearray`` (:func:`asyncsync.fsio.read_buffer`): its tensors are views of
+    it (:func:`open_shard`), not copies; a delta shard's blobs are read-only views of ``bytes``.
     """
+    read = read_bytes if shard.role == "delta" else read_buffer
     try:  # the size is checked from fstat before anything is allocated for the claim
-        data = read_bytes(path, limit=shard.bytes, root=root, follow_symlinks=root is None)
+        data = read(path, limit=shard.bytes, root=root, follow_symlinks=root is None)
     except FileNotFoundError as exc:
         raise IncompleteVersion(f"{path}: shard named by the manifest is missing") from exc
     except UnsafePath as exc:
@@ -119,7 +124,9 @@ def read_verified(path: Path, shard: ShardInfo, algorithm: str, *, root: Path | 
     return verified(data, path, shard, algorithm)
 
 
-def verified(data: bytes, path: Path, shard: ShardInfo, algorithm: str) -> bytes:
+def verified(
+    data: bytes | bytearray, path: Path, shard: ShardInfo, algorithm: str
+) -> bytes | bytearray:
     """``data`` if its size and checksum are the manifest's, else IncompleteVersion/Mismatch."""
     if len(data) != shard.bytes:
         raise IncompleteVersion(f"{path}: {len(data)} bytes, the manifest says {shard.bytes}")
@@ -216,9 +223,10 @@ def group_pieces(pieces: list[Piece], limit: int, spread: int = 1) -> list[list[
     return groups
 
 
-def open_shard(m: Manifest, shard: ShardInfo, data: bytes, where: str) -> ShardData:
+def open_shard(m: Manifest, shard: ShardInfo, data: bytes | bytearray, where: str) -> ShardData:
     """Parse verified shard bytes; refuse a shard whose metadata names another version/run (a
-    delta shard's blobs come as views of ``data``, a full shard's tensors as tensors)."""
+    delta shard's blobs come as views of ``data``, a full shard's tensors as tensors viewing
+    ``data`` when it is a ``bytearray``: :func:`asyncsync.codec.shards.parse_shard`)."""
     if shard.role == "delta":
         return parse_delta_shard(data, where=where, version=m.version, run_id=m.run_id)
     external = m.shard_dir is not None and shard.role == "full"

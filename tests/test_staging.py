@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,29 @@ def test_write_safetensors_is_save_files_bytes_whatever_the_metadata(
     n = int.from_bytes(ref[:8], "little")
     assert ours[:8] == ref[:8] and ours[8 + n :] == ref[8 + n :]
     assert json.loads(ours[8 : 8 + n]) == json.loads(ref[8 : 8 + n])
+
+
+@pytest.mark.parametrize("ranked", [True, False], ids=["write_safetensors", "save_file"])
+def test_views_of_one_buffer_and_tied_names_are_staged_byte_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranked: bool
+) -> None:
+    """A full shard's tensors are views of one buffer (parse_shard), tied names one tensor, and
+    a bool's bytes need not be 0/1. ``save_file`` (the fallback) refuses shared storage, so
+    those it writes are copied first: their bytes, never a bool's 0/1 copy (a tied bool mask
+    failed its checksum that way: ``clone``)."""
+    if not ranked:  # a dtype the rank list does not place: save_file writes the whole file
+        monkeypatch.setattr(staging, "_RANK_OF", {})
+    buf = bytearray(os.urandom(64))
+    buf[:8] = bytes([0, 1, 2, 3, 255, 128, 7, 1])
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    mask = flat[:8].view(torch.bool)
+    sd = {"mask": mask, "tied.mask": mask, "w": flat[8:40].view(torch.bfloat16)}
+    sd["v"] = flat[40:64].view(torch.int32)
+    items = _entries(sd)
+    items = [(replace(e, checksum=entry_checksum(e, t, "xxh3-128")), t) for e, t in items]
+    sums = staging.stage_part(tmp_path, "part.safetensors", items, "xxh3-128")
+    assert sums == {e.name: e.checksum for e, _ in items}
+    back = {k: v for k, v in safetensors.deserialize((tmp_path / "part.safetensors").read_bytes())}
+    for name, t in sd.items():
+        assert bytes(back[name]["data"]) == bytes(t.reshape(-1).view(torch.uint8).numpy()), name
+    assert bytes(buf[:8]) == bytes([0, 1, 2, 3, 255, 128, 7, 1])  # the source untouched

@@ -11,16 +11,16 @@ shard copied from another version is refused even if its checksum is intact.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import safetensors
 import torch
 
 from asyncsync import codec
-from asyncsync.codec.views import from_safetensors
+from asyncsync.codec.views import BY_CODE
 from asyncsync.errors import FormatError, PublishError
 from asyncsync.format.checksum import checksum_bytes, checksum_tensor, tensor_bytes
 from asyncsync.format.names import SAFETENSORS_CODES, dtype_name
@@ -369,7 +369,7 @@ class DeltaPacker:
         return out
 
 
-def read_header(data: bytes | memoryview, *, where: str) -> dict[str, object]:
+def read_header(data: bytes | bytearray | memoryview, *, where: str) -> dict[str, object]:
     """The JSON header of a safetensors blob (validated for size and shape)."""
     if len(data) < 8:
         raise FormatError(f"{where}: too short to be a safetensors file ({len(data)} bytes)")
@@ -392,7 +392,7 @@ def _no_constant(name: str) -> object:
 
 
 def parse_shard(
-    data: bytes,
+    data: bytes | bytearray,
     *,
     where: str,
     version: int | None = None,
@@ -404,16 +404,107 @@ def parse_shard(
     With ``version``/``run_id``/``role``, a shard whose header names another version, run or
     role is refused (it was copied or renamed from elsewhere). Registered external checkpoints
     carry no asyncsync metadata and are read with those left as None.
+
+    Each tensor is a view of ``data``, not a copy (``safetensors.deserialize`` copied every
+    tensor while holding the GIL: ~0.5 s of CPU and a second copy of the shard in memory a
+    GiB): a ``bytearray`` is viewed as it is (the receiver reads a full shard into one,
+    :func:`asyncsync.fsio.read_buffer`), immutable ``bytes`` are copied once first (torch has
+    no read-only tensors: a consumer could write into them). A tensor at an offset that is not
+    a multiple of its element size is copied (torch views only aligned memory). The views keep
+    ``data`` alive. The header is checked as safetensors checks it: every entry a dtype of the
+    format, a shape of non-negative ints whose bytes are its offsets' span, and the entries'
+    byte ranges tiling the data after the header exactly; else FormatError.
     """
-    _check_metadata(read_header(data, where=where), where, version, run_id, role)
-    try:  # (not safetensors.torch.load: its table lacks codes its writer writes, F8_E8M0)
-        return {name: from_safetensors(v) for name, v in safetensors.deserialize(data)}
-    except Exception as exc:  # safetensors raises its own SafetensorError and others
-        raise FormatError(f"{where}: not a readable safetensors file: {exc}") from exc
+    with gc_paused():  # (the header's dicts and lists: three per tensor)
+        header = read_header(data, where=where)
+        _check_metadata(header, where, version, run_id, role)
+        entries = [_entry(k, info, where) for k, info in header.items() if k != "__metadata__"]
+        start = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
+        _tiled([(e[0], e[1], e[4]) for e in entries], len(data) - start, where, "tensor")
+        if not isinstance(data, bytearray):
+            data = bytearray(data)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+        return {e[4]: _view(flat, start, e, where) for e in entries}
+
+
+_Entry = tuple[int, int, torch.dtype, list[int], str]  # (begin, stop, dtype, shape, key)
+
+
+def _entry(key: str, info: object, where: str) -> _Entry:
+    """One full-shard header entry, checked (see :func:`parse_shard`)."""
+    fields = info if isinstance(info, dict) else {}
+    code, shape, span = fields.get("dtype"), fields.get("shape"), _span(fields)
+    if not (
+        span is not None
+        and type(shape) is list
+        and all(type(d) is int and d >= 0 for d in shape)
+        and type(code) is str
+    ):
+        raise FormatError(f"{where}: tensor {key!r} is not a safetensors entry: {_brief(info)}")
+    begin, stop = span
+    dtype = BY_CODE.get(code)
+    if dtype is None:
+        raise FormatError(
+            f"{where}: tensor {key!r}: dtype {code!r} is not one of the format's "
+            f"({', '.join(BY_CODE)})"
+        )
+    if math.prod(shape) * dtype.itemsize != stop - begin:
+        raise FormatError(
+            f"{where}: tensor {key!r}: {code}{shape} is {math.prod(shape) * dtype.itemsize} "
+            f"bytes, its data_offsets span {stop - begin}"
+        )
+    return begin, stop, dtype, shape, key
+
+
+def _span(fields: dict[str, object]) -> tuple[int, int] | None:
+    """An entry's ``data_offsets`` as (begin, stop): two ints (``type(...) is int``: not True,
+    not 4.0), 0 <= begin <= stop; None when they are not."""
+    offs = fields.get("data_offsets")
+    if (
+        type(offs) is list
+        and len(offs) == 2
+        and type(begin := offs[0]) is int
+        and type(stop := offs[1]) is int
+        and 0 <= begin <= stop
+    ):
+        return begin, stop
+    return None
+
+
+def _brief(info: object) -> str:
+    text = repr(info)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _view(flat: torch.Tensor, start: int, entry: _Entry, where: str) -> torch.Tensor:
+    begin, stop, dtype, shape, key = entry
+    try:  # (a valid file may hold a shape torch cannot make: [0, 2**63])
+        if begin == stop:
+            return torch.empty(shape, dtype=dtype)
+        raw = flat[start + begin : start + stop]
+        if (start + begin) % dtype.itemsize:  # torch views a dtype only at a multiple of its size
+            raw = raw.clone()
+        return raw.view(dtype).reshape(shape)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        raise FormatError(f"{where}: tensor {key!r} of shape {_brief(shape)}: {exc}") from exc
+
+
+def _tiled(ranges: list[tuple[int, int, str]], size: int, where: str, what: str) -> None:
+    """Raise FormatError unless the byte ranges (begin, stop, key), sorted, tile [0, size)."""
+    end = 0
+    for begin, stop, key in sorted(ranges):
+        if begin != end:
+            raise FormatError(f"{where}: {what} {key!r} does not start where the one before ends")
+        end = stop
+    if end != size:
+        noun = what.split()[-1]  # "the blobs hold", "the tensors hold"
+        raise FormatError(
+            f"{where}: the {noun}s hold {end} bytes, the data after the header {size}"
+        )
 
 
 def parse_delta_shard(
-    data: bytes,
+    data: bytes | bytearray,
     *,
     where: str,
     version: int | None = None,
@@ -434,7 +525,7 @@ def parse_delta_shard(
 
 
 def _delta_blobs(
-    data: bytes, where: str, version: int | None, run_id: str | None
+    data: bytes | bytearray, where: str, version: int | None, run_id: str | None
 ) -> dict[str, memoryview]:
     header = read_header(data, where=where)
     _check_metadata(header, where, version, run_id, "delta")
@@ -444,36 +535,21 @@ def _delta_blobs(
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        # (type(...) is int: not True, not 4.0; no generator per blob, two blobs a tensor)
-        offs = info.get("data_offsets") if isinstance(info, dict) else None
+        # (no generator per blob: two blobs a tensor)
+        span = _span(info) if isinstance(info, dict) else None
         shape = info.get("shape") if isinstance(info, dict) else None
         if not (
-            type(offs) is list
-            and len(offs) == 2
-            and type(begin := offs[0]) is int
-            and type(stop := offs[1]) is int
-            and 0 <= begin <= stop
+            span is not None
             and isinstance(info, dict)
             and info.get("dtype") == "U8"
             and type(shape) is list
             and len(shape) == 1
             and type(shape[0]) is int
-            and shape[0] == stop - begin
+            and shape[0] == span[1] - span[0]
         ):
             raise FormatError(f"{where}: delta blob {key!r} is not a 1-D U8 tensor: {info!r}")
-        ranges.append((begin, stop, key))
-    ranges.sort()
-    end = 0
-    for begin, stop, key in ranges:
-        if begin != end:
-            raise FormatError(
-                f"{where}: delta blob {key!r} does not start where the one before ends"
-            )
-        end = stop
-    if end != len(body):
-        raise FormatError(
-            f"{where}: the blobs hold {end} bytes, the data after the header {len(body)}"
-        )
+        ranges.append((span[0], span[1], key))
+    _tiled(ranges, len(body), where, "delta blob")
     return {key: body[begin:stop] for begin, stop, key in ranges}
 
 

@@ -16,7 +16,7 @@ from asyncsync.codec import native
 from asyncsync.errors import ConfigError
 from asyncsync.format.names import DTYPES, SAFETENSORS_CODES
 
-__all__ = ["from_safetensors", "gather", "int_dtype", "int_view", "raw_clone", "raw_view"]
+__all__ = ["BY_CODE", "gather", "int_dtype", "int_view", "raw_clone", "raw_view"]
 
 _INT_BY_WIDTH: dict[int, torch.dtype] = {
     1: torch.uint8,
@@ -84,18 +84,4 @@ def gather(
 
 
 #: safetensors code -> torch dtype, of every dtype the format carries
-_BY_CODE: dict[str, torch.dtype] = {SAFETENSORS_CODES[n]: dt for n, dt in DTYPES.items()}
-
-
-def from_safetensors(view: dict[str, Any]) -> torch.Tensor:
-    """A tensor of ``safetensors.deserialize``'s ``{"dtype", "shape", "data"}``, sharing
-    ``data``; ValueError for a dtype the format does not carry."""
-    dtype = _BY_CODE.get(view["dtype"])
-    if dtype is None:
-        raise ValueError(
-            f"dtype {view['dtype']!r} is not one of the format's ({', '.join(_BY_CODE)})"
-        )
-    raw, shape = view["data"], view["shape"]
-    if not len(raw):
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+BY_CODE: dict[str, torch.dtype] = {SAFETENSORS_CODES[n]: dt for n, dt in DTYPES.items()}

@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 
 from asyncsync import fsio
-from asyncsync.codec import raw_view
+from asyncsync.codec import raw_clone, raw_view
 from asyncsync.codec.shards import safetensors_parts
 from asyncsync.errors import ApplyFailed, ChecksumMismatch, EngineStateError, IncompatibleVersion
 from asyncsync.format import TensorEntry
@@ -42,7 +42,6 @@ def stage_part(
     """Write ``items`` durably as the staged file ``part``; the checksum of each tensor."""
     tensors: dict[str, torch.Tensor] = {}
     sums: dict[str, str] = {}
-    ptrs: set[int] = set()
     for entry, t in items:
         if t.dtype != entry.torch_dtype or tuple(t.shape) != entry.shape:
             raise ApplyFailed(
@@ -51,15 +50,11 @@ def stage_part(
             )
         # copied as ints: a non-contiguous bool's own copy writes 0/1, not its bytes
         t = raw_view(t.detach()).cpu().contiguous().view(t.dtype)
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() and ptr in ptrs:  # safetensors refuses shared storage
-            t = t.clone()
-        ptrs.add(ptr)
         tensors[entry.name] = t
         sums[entry.name] = entry_checksum(entry, t, algorithm)
     path = staging / part
     if not write_safetensors(path, tensors, {"format": "pt"}):
-        safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+        safetensors.torch.save_file(_unshared(tensors), path, metadata={"format": "pt"})
     fd = os.open(path, os.O_RDONLY)
     try:
         # readable by an inference server running as another user (0644 like the index),
@@ -69,6 +64,19 @@ def stage_part(
     finally:
         os.close(fd)
     return sums
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each one whose storage another already has copied (its bytes: a bool's
+    own copy writes 0/1): ``save_file`` refuses shared storage, and a full shard's tensors are
+    views of one buffer, tied names one tensor (:func:`write_safetensors` writes them as they
+    are)."""
+    out, ptrs = {}, set()
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = raw_clone(t) if t.numel() and ptr in ptrs else t
+        ptrs.add(ptr)
+    return out
 
 
 #: a staged file is written in writes of this many bytes, at offsets that are multiples of it
