@@ -720,6 +720,28 @@ def test_pertensor_bench_measures_both_sides(capsys: pytest.CaptureFixture[str])
         assert ei.value.code == 2
 
 
+def test_catchup_bench_applies_a_keyframe_in_fresh_processes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m asyncsync.ops.bench.catchup``: each repeat a process of its own (its own
+    peak RSS) that applies the keyframe into an empty checkpoint; the figures measured."""
+    import re
+
+    from asyncsync.ops.bench import catchup
+
+    res = catchup.measure(5 << 20, 2)
+    assert all(len(xs) == 2 for xs in res.values())
+    assert all(x > 0 for x in res["wall"] + res["cpu"] + res["floor"])
+    assert min(res["peak"]) >= 0  # above the process's peak before the agent starts
+    assert catchup.main(["--size", "2MiB", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"catch-up of a 0\.00 GiB keyframe \(1 repeats\): wall [0-9.]+ \[", out)
+    for bad in (["--size", "1KiB"], ["--size", "lots"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit) as ei:
+            catchup.main(bad)
+        assert ei.value.code == 2
+
+
 def test_profile_runs_on_the_threads_given_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
