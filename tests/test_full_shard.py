@@ -262,3 +262,47 @@ def test_the_receiver_reads_a_full_shard_into_a_buffer_and_a_delta_into_bytes(
         info = ShardInfo(path.name, role, len(data), checksum_bytes(data, DEFAULT_ALGORITHM))  # type: ignore[arg-type]
         got = read_verified(path, info, DEFAULT_ALGORITHM, root=tmp_path)
         assert type(got) is kind and got == data
+
+
+async def test_a_registered_checkpoint_with_misaligned_tensors_is_applied_bit_exact(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint another tool wrote (``Publisher.seed(path)`` registers its files as they
+    are) may place a tensor at any offset; the agent's catch-up copies those and views the
+    rest, and its checkpoint holds every byte, bool bytes that are not 0/1 included."""
+    from asyncsync import Publisher
+    from receiver import ReceiverAgent
+    from receiver.engines import LocalCheckpoint
+
+    mask = torch.frombuffer(bytearray([0, 1, 2, 255, 1, 0, 7]), dtype=torch.uint8)
+    sd = {
+        "a.mask": mask.view(torch.bool),
+        "b.w": _random((5, 3), torch.bfloat16),
+        "c.w": _random((9,), torch.float32),
+        "d.w": _random((4, 4), torch.float16),
+    }
+    entries, body = {}, b""
+    for name, t in sd.items():  # one after another: "b.w" at 7, "c.w" at 37 (misaligned)
+        raw = _raw(t)
+        code = {v: k for k, v in BY_CODE.items()}[t.dtype]
+        entries[name] = {
+            "dtype": code,
+            "shape": list(t.shape),
+            "data_offsets": [len(body), len(body) + len(raw)],
+        }
+        body += raw
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(_file(entries, body, meta={"format": "pt"}))
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    async with Publisher(root) as pub:
+        await pub.seed(hf)
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 0
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    got = {}
+    for f in sorted(set(index["weight_map"].values())):
+        got.update(dict(safetensors.deserialize((ckpt / f).read_bytes())))
+    assert set(got) == set(sd)
+    for name, t in sd.items():
+        assert bytes(got[name]["data"]) == _raw(t), name
