@@ -44,6 +44,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from asyncsync.console.args import (
+    lease_seconds,
     non_negative_float,
     non_negative_int,
     poll_seconds,
@@ -60,6 +61,7 @@ from asyncsync.console.logsetup import (
 )
 from asyncsync.console.progress import Progress, ProgressWatcher
 from asyncsync.errors import AsyncSyncError, ConfigError
+from asyncsync.format.lease import DEFAULT_LEASE_TTL
 from asyncsync.memory import freeze_startup_objects
 from receiver.agent import VERIFY_DEADLINE, ReceiverAgent
 from receiver.audit import receiver_auditor
@@ -184,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
         "section 8.1) may go without a new shard or its manifest before it is rolled back: the "
         "checkpoint holds part of it meanwhile, and a trainer that stalls or dies leaves it so "
         f"that long (default {STREAM_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=lease_seconds,
+        default=DEFAULT_LEASE_TTL,
+        metavar="S",
+        help="seconds another receiver must see this engine id's lease unchanged before it "
+        "takes the id, when no pid check can tell (another host or container); this one "
+        "rewrites it every third of that: how long a restart elsewhere waits for a dead "
+        f"receiver's lease (1-120, default {DEFAULT_LEASE_TTL:g}; docs/FORMAT.md section 7.1)",
     )
     p.add_argument(
         "--lease-settle",
@@ -375,6 +387,7 @@ def _make_agent(args: argparse.Namespace) -> ReceiverAgent:
         poll_interval=args.poll_interval,
         use_inotify=False if args.force_polling else None,
         apply_group_bytes=args.apply_group_bytes,
+        lease_ttl=args.lease_ttl,
         lease_settle=args.lease_settle,
         verify_deadline=args.verify_deadline,
         stream_timeout=args.stream_timeout,
