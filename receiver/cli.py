@@ -44,7 +44,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from asyncsync.console.args import (
-    lease_seconds,
     non_negative_float,
     non_negative_int,
     poll_seconds,
@@ -62,6 +61,7 @@ from asyncsync.console.logsetup import (
 from asyncsync.console.progress import Progress, ProgressWatcher
 from asyncsync.errors import AsyncSyncError, ConfigError
 from asyncsync.format.lease import DEFAULT_LEASE_TTL
+from asyncsync.format.liveness import WATCH_LIMIT
 from asyncsync.memory import freeze_startup_objects
 from receiver.agent import VERIFY_DEADLINE, ReceiverAgent
 from receiver.audit import receiver_auditor
@@ -97,6 +97,19 @@ _STOP_GRACE = 120.0  # seconds a version in flight may take to finish after a st
 SGLANG_AUDIT_WAIT = 120.0
 API_KEY_ENV = "ASYNCSYNC_API_KEY"
 ADMIN_API_KEY_ENV = "ASYNCSYNC_ADMIN_API_KEY"
+
+
+def _lease_ttl(text: str) -> float:
+    """``--lease-ttl``: seconds from 1 to :data:`~asyncsync.format.liveness.WATCH_LIMIT` (120):
+    readers watch a lease for at most that long (FORMAT.md section 7.1), and a shorter ttl
+    rewrites it more than three times a second."""
+    v = positive_float(text)
+    if not 1 <= v <= WATCH_LIMIT:
+        raise argparse.ArgumentTypeError(
+            f"must be from 1 to {WATCH_LIMIT:g} seconds (readers watch a lease for at most "
+            f"{WATCH_LIMIT:g}), got {text}"
+        )
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lease-ttl",
-        type=lease_seconds,
+        type=_lease_ttl,
         default=DEFAULT_LEASE_TTL,
         metavar="S",
         help="seconds another receiver must see this engine id's lease unchanged before it "

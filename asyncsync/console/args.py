@@ -10,12 +10,10 @@ import re
 from collections.abc import Callable
 
 from asyncsync.errors import MAX_BYTES, MAX_SECONDS, MIN_POLL_SECONDS
-from asyncsync.format.liveness import WATCH_LIMIT
 
 __all__ = [
     "env_size",
     "int_at_least",
-    "lease_seconds",
     "non_negative_float",
     "non_negative_int",
     "parse_size",
@@ -101,20 +99,6 @@ def poll_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"must be at least {MIN_POLL_SECONDS:g} seconds (a shorter poll spins a core), "
             f"got {text}"
-        )
-    return v
-
-
-def lease_seconds(text: str) -> float:
-    """An argparse type: a lease's ttl, :func:`positive_float` from 1 to
-    :data:`~asyncsync.format.liveness.WATCH_LIMIT` (120) seconds: readers watch a lease for
-    at most that long (FORMAT.md section 7.1), and a shorter ttl rewrites it more than three
-    times a second."""
-    v = positive_float(text)
-    if not 1 <= v <= WATCH_LIMIT:
-        raise argparse.ArgumentTypeError(
-            f"must be from 1 to {WATCH_LIMIT:g} seconds (readers watch a lease for at most "
-            f"{WATCH_LIMIT:g}), got {text}"
         )
     return v
 

@@ -230,7 +230,8 @@ def read_buffer(
 ) -> bytearray:
     """:func:`read_bytes` into a ``bytearray``: a private, writable buffer that tensors can view
     without a copy (torch has no read-only tensors; a full shard's, :func:`asyncsync.codec.
-    shards.parse_shard`). Read straight into it (``readinto``): no more CPU than ``read``."""
+    shards.parse_shard`). Read straight into it (``readinto``): about the CPU of ``read`` (both
+    mostly the first touch of fresh pages)."""
     data, _ = _read(path, limit, root, follow_symlinks, writable=True)
     assert isinstance(data, bytearray)
     return data
@@ -256,6 +257,9 @@ def _read(
     if len(data) > limit:
         raise ValueError(f"{path} is larger than {limit} bytes")
     return data, st
+
+
+# --------------------------------------------------------------------------- writing
 
 
 def fsync_dir(path: _Path, *, root: _Root = None) -> None:
