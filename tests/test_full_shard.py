@@ -12,6 +12,7 @@ buffer kept alive by its views.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -28,7 +29,7 @@ from hypothesis import strategies as st
 
 from asyncsync.codec.shards import parse_shard
 from asyncsync.codec.views import BY_CODE
-from asyncsync.errors import FormatError
+from asyncsync.errors import FormatError, ManifestError
 from asyncsync.format import ShardInfo
 from asyncsync.format.checksum import DEFAULT_ALGORITHM, checksum_bytes
 from asyncsync.format.names import DTYPES
@@ -306,3 +307,75 @@ async def test_a_registered_checkpoint_with_misaligned_tensors_is_applied_bit_ex
     assert set(got) == set(sd)
     for name, t in sd.items():
         assert bytes(got[name]["data"]) == _raw(t), name
+
+
+def _full_header_edits() -> dict[str, Any]:
+    """Ways to rewrite a full shard's header that safetensors refuses (the delta shard's attack
+    of the twelfth session, tests/test_hostile.py, on the full shard's own parser)."""
+
+    def first(h: dict[str, Any]) -> dict[str, Any]:
+        return h[next(k for k in h if k != "__metadata__")]  # type: ignore[no-any-return]
+
+    def edit(change: Any) -> Any:
+        def rewrite(text: bytes) -> bytes:
+            h = json.loads(text)
+            change(first(h))
+            return json.dumps(h).encode()
+
+        return rewrite
+
+    return {
+        "nested": lambda t: t[:-1] + b', "zz": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "utf16": lambda t: t.decode().encode("utf-16"),
+        "NaN": lambda t: t.replace(b'"__metadata__":{', b'"__metadata__":{"x":NaN,', 1),
+        "float-shape": edit(lambda e: e.update(shape=[float(d) for d in e["shape"]])),
+        "bigger-shape": edit(lambda e: e.update(shape=[*e["shape"], 2])),
+        "dtype": edit(lambda e: e.update(dtype="F4")),
+        "offsets": edit(
+            lambda e: e.update(data_offsets=[e["data_offsets"][0] + 2, e["data_offsets"][1] + 2])
+        ),
+    }
+
+
+@pytest.mark.parametrize("edit", sorted(_full_header_edits()))
+async def test_a_keyframe_shard_header_safetensors_refuses_is_refused(
+    tmp_path: Path, edit: str
+) -> None:
+    """A keyframe's full shard rewritten in a real root (its size and checksum fixed up in the
+    manifest) so that safetensors refuses it: a real agent refuses the version with a
+    FormatError, holds nothing, and applies the next keyframe bit-exact."""
+    from asyncsync import Publisher
+    from asyncsync.format import MANIFEST_NAME, version_dir
+    from asyncsync.format.store import read_manifest
+    from receiver import ReceiverAgent
+    from receiver.engines import LocalCheckpoint
+    from receiver.engines.checkpoint import verify_checkpoint
+    from tests.conftest import mixed_state
+
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    async with Publisher(root) as pub:
+        await pub.seed(mixed_state(0))
+    m0 = read_manifest(root, 0)
+    shard = version_dir(root, 0) / m0.shards[0].file
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    text = _full_header_edits()[edit](data[8 : 8 + n].rstrip())
+    forged = len(text).to_bytes(8, "little") + text + data[8 + n :]
+    shard.write_bytes(forged)
+    path = version_dir(root, 0) / MANIFEST_NAME
+    d = json.loads(path.read_text())
+    d["shards"][0].update(bytes=len(forged), checksum=checksum_bytes(forged))
+    d["totals"]["wire_bytes"] = sum(s["bytes"] for s in d["shards"])
+    path.write_text(json.dumps(d))
+    async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e1", use_inotify=False) as agent:
+        with pytest.raises(FormatError) as info:
+            await asyncio.wait_for(agent.sync_once(), 30)
+        assert not isinstance(info.value, ManifestError), info.value
+        why = str(info.value)
+        assert m0.shards[0].file in why, why
+        assert "tensor" in why or "safetensors header" in why, why
+        assert agent.version is None
+        async with Publisher(root) as pub:  # a restarted trainer seeds a keyframe: v1
+            await pub.seed(mixed_state(1))
+        assert await asyncio.wait_for(agent.sync_once(), 30) == 1
+    assert verify_checkpoint(ckpt, read_manifest(root, 1)) == []
