@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import mmap
 import os
 import sys
@@ -25,7 +26,8 @@ import pytest
 import torch
 
 from asyncsync.codec import native
-from receiver.engines.st_layout import FileMaps, TensorLocation, _page_runs
+from asyncsync.errors import EngineStateError
+from receiver.engines.st_layout import FileMaps, TensorLocation, _page_runs, read_layout
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mm calls")
 
@@ -400,3 +402,28 @@ def test_the_mappings_ask_for_huge_folios(tmp_path: Path) -> None:
         assert "hg" in flags, flags
     finally:
         maps.close()
+
+
+@pytest.mark.parametrize(
+    ("entry", "words"),
+    [
+        ({"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}, "no supported dtype"),
+        ({"dtype": {"F32": 1}, "shape": [2], "data_offsets": [0, 8]}, "no supported dtype"),
+        ({"dtype": "F4", "shape": [2], "data_offsets": [0, 8]}, "no supported dtype"),
+        ({"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}, "invalid shape"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0, True]}, "invalid data_offsets"),
+        ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "does not fit"),
+        ([0, 8], "no supported dtype"),
+    ],
+)
+def test_a_damaged_local_header_is_an_engine_state_error(
+    tmp_path: Path, entry: object, words: str
+) -> None:
+    """The local checkpoint's own files (``st_layout.read_layout``): any damaged entry is one
+    EngineStateError naming the file (a list or dict as the dtype raised TypeError)."""
+    text = json.dumps({"w": entry}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(8))
+    with pytest.raises(EngineStateError, match=words) as info:
+        read_layout(path)
+    assert str(path) in str(info.value)

@@ -30,9 +30,9 @@ import torch
 
 from asyncsync import fsio
 from asyncsync.codec import int_dtype, native
+from asyncsync.codec.views import BY_CODE  # (safetensors code -> torch dtype)
 from asyncsync.errors import EngineStateError
 from asyncsync.format.checksum import checksum_bytes, layout_checksum
-from asyncsync.format.names import DTYPES, SAFETENSORS_CODES
 from asyncsync.memory import page_cache_room
 
 __all__ = ["FileMaps", "TensorLocation", "int_dtype", "read_layout"]
@@ -51,8 +51,6 @@ _FSYNC_WRITES_MAPPINGS = sys.platform.startswith("linux")
 _WARM_SPAN = 32 << 20  # a warm-up stops within one populate of this many bytes
 _WARM_BYTES = 2 << 30  # a warm-up faults in at most this many bytes (the rest: the patch)
 _MAX_HEADER = 100 << 20  # safetensors' own limit
-# safetensors code -> torch dtype: every dtype the format carries (FORMAT.md section 11.5)
-_ST_DTYPES: dict[str, torch.dtype] = {SAFETENSORS_CODES[name]: dt for name, dt in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -169,7 +167,8 @@ def read_layout(path: Path) -> dict[str, TensorLocation]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
+        code = info.get("dtype") if isinstance(info, dict) else None
+        if type(code) is not str or code not in BY_CODE:  # (a list: unhashable, TypeError)
             raise bad(f"tensor {name!r} has no supported dtype")
         shape, offs = info.get("shape"), info.get("data_offsets")
         if not isinstance(shape, list) or not all(
@@ -182,7 +181,7 @@ def read_layout(path: Path) -> dict[str, TensorLocation]:
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
         ):
             raise bad(f"tensor {name!r} has invalid data_offsets {offs!r}")
-        dtype = _ST_DTYPES[info["dtype"]]
+        dtype = BY_CODE[code]
         b, e = data_start + offs[0], data_start + offs[1]
         numel = 1
         for s in shape:
