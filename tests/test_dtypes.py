@@ -104,7 +104,7 @@ def test_the_plugins_dtype_tables_name_every_dtype() -> None:
     """The in-engine readers of safetensors headers (the file maps, the held checkpoint's
     specs) know every code the format writes."""
     for name, code in SAFETENSORS_CODES.items():
-        assert st_layout._ST_DTYPES[code] == dtype_from_name(name)
+        assert st_layout.BY_CODE[code] == dtype_from_name(name)
         assert held._ST_DTYPES[code] == name
 
 
