@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -32,26 +31,13 @@ import torch
 from asyncsync import fsio
 from asyncsync.console.args import parse_size
 from asyncsync.format.names import version_dir
+from asyncsync.ops.bench.probes import cpu_seconds, rss
 from asyncsync.publish.publisher import Publisher
 
 __all__ = ["main", "measure"]
 
 _NUMEL = 16 << 20  # elements of each tensor (32 MiB of bf16)
 _MODULE = "asyncsync.ops.bench.catchup"  # (run as a script, __name__ is __main__)
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _peak() -> int:
-    """This process's peak RSS in bytes: ``VmHWM``, its own memory's high-water mark
-    (``ru_maxrss`` starts at the forking parent's RSS: it is kept across ``execve``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) << 10
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 async def seed(root: Path, size: int) -> None:
@@ -74,13 +60,13 @@ async def _apply(root: Path, checkpoint: Path) -> dict[str, float]:
     from receiver.engines.checkpoint import LocalCheckpoint
 
     files = sorted(version_dir(root, 0).glob("full-*.safetensors"))
-    start = _peak()
-    t, c = time.perf_counter(), _cpu()
+    start = rss()["peak"]  # VmHWM (ru_maxrss starts at the forking parent's RSS)
+    t, c = time.perf_counter(), cpu_seconds()
     async with ReceiverAgent(root, LocalCheckpoint(checkpoint), "catchup") as agent:
         if await agent.sync_once() != 0:
             raise RuntimeError("the keyframe was not applied")
-    wall, cpu, peak = time.perf_counter() - t, _cpu() - c, _peak() - start
-    t, c = time.perf_counter(), _cpu()
+    wall, cpu, peak = time.perf_counter() - t, cpu_seconds() - c, rss()["peak"] - start
+    t = time.perf_counter()
     for f in files:  # the floor: the shards' bytes read once (now from the page cache)
         fsio.read_buffer(f, limit=1 << 40)
     return {"wall": wall, "cpu": cpu, "peak": peak, "floor": time.perf_counter() - t}
