@@ -37,11 +37,14 @@ sglang-env:
 vllm-env:
 	$(PYTHON) tests/vllm_env/build.py
 
-# every test but those marked heavy (the real servers included): ~25 min on 2 shared cores
-# (2026-12-07), over its ~20 min budget: most of it waits (server starts, timeouts), not
-# computes; the 30 slowest are listed at the end, to keep the run inside its budget
+# every test but those marked heavy (the real servers included), on TEST_WORKERS pytest-xdist
+# workers: each module whole on one worker, the modules that start real SGLang/vLLM servers
+# or a Ray cluster one after another on one worker (tests/conftest.py); ~15 min on 2 shared
+# cores (2026-12-07; ~25 min on one worker): much of it waits (server starts, timeouts). The
+# 30 slowest are listed at the end, to keep the run inside its ~20 min budget.
+TEST_WORKERS ?= 2
 test: lint sglang-env vllm-env
-	$(VENV)/bin/pytest -q -m 'not heavy' --durations=30
+	$(VENV)/bin/pytest -q -m 'not heavy' -n $(TEST_WORKERS) --durations=30
 
 # the tests marked heavy (~9 min): rclone lease takeovers, the 8-receiver load run, the
 # multi-rank model, a SIGKILL inside the kernel, the acceptance script's clean-up, two

@@ -181,6 +181,58 @@ async def sync_to(agent: Any, root: Path, version: int) -> None:
             p.with_name("." + p.name).rename(p)
 
 
+# ``make test`` runs the suite on two pytest-xdist workers. Each test module runs whole on one
+# worker (its module-scoped fixtures and the order of its tests kept), and the modules that
+# start real SGLang or vLLM servers or a Ray cluster (:data:`SERIAL_MODULES`) run one after
+# another on one worker, first: two servers at once need twice the memory, and Ray's local
+# clusters share the host's auth token and directories. (A scheduler of our own: xdist's
+# ``xdist_group`` marks no longer reach its scheduler under pytest 9.)
+SERIAL_MODULES = frozenset(
+    {
+        "test_deploy.py",
+        "test_ray.py",
+        "test_ray_cluster.py",
+        "test_ray_status_url.py",
+        "test_real_midapply.py",
+        "test_sglang_faults.py",
+        "test_sglang_real.py",
+        "test_sglang_real_kill.py",
+        "test_sglang_real_plugin.py",
+        "test_sglang_real_qwen2.py",
+        "test_sglang_real_start.py",
+        "test_slime_actor.py",
+        "test_vllm_real.py",
+        "test_vllm_tp.py",
+    }
+)
+#: the marks of the tests that must be in :data:`SERIAL_MODULES` (tests/test_suite_split.py)
+SERIAL_MARKS = frozenset({"sglang_real", "vllm_real", "ray_cluster"})
+SERIAL_UNIT = "real servers"
+
+
+def xdist_unit(nodeid: str) -> str:
+    """The unit of work a test goes to one worker with: its module, or :data:`SERIAL_UNIT`."""
+    module = nodeid.split("::", 1)[0]
+    return SERIAL_UNIT if Path(module).name in SERIAL_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        """A module a unit, the real-server modules one unit handed out first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if SERIAL_UNIT in self.workqueue:  # the longest unit: first, not last
+                self.workqueue.move_to_end(SERIAL_UNIT, last=False)
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _root_logger_restored() -> Any:
     """A command run in-process (``receiver_main``, ``asyncsync.ops.cli.main``) configures the
