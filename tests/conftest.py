@@ -216,6 +216,7 @@ def xdist_unit(nodeid: str) -> str:
     return SERIAL_UNIT if Path(module).name in SERIAL_MODULES else module
 
 
+@pytest.hookimpl(optionalhook=True)  # (a run without pytest-xdist: -p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 

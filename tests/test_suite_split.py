@@ -35,3 +35,21 @@ def test_units_are_modules_and_the_serial_one() -> None:
     assert xdist_unit("tests/test_codec.py::TestA::test_y") == "tests/test_codec.py"
     assert xdist_unit("tests/test_sglang_real.py::test_z") == SERIAL_UNIT
     assert xdist_unit("tests/test_ray.py::test_z[p]") == SERIAL_UNIT
+
+
+def test_the_suite_runs_without_xdist_too() -> None:
+    """The scheduler hook is optional: ``pytest -p no:xdist`` (or a venv without it) runs the
+    tests instead of stopping at an unknown hook."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
+    out = subprocess.run(
+        [*args, f"{Path(__file__).name}::test_the_serial_modules_exist"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 passed" in out.stdout
