@@ -215,7 +215,12 @@ def test_the_rss_sampler_splits_the_peak_by_kind(tmp_path: Path) -> None:
     sampler = RssSampler(interval=0.001).start()
     try:
         before = sampler.take()["at_peak"]
-        anon = torch.full((48 * mib,), 2, dtype=torch.uint8)  # written: resident, no temporary
+        # written: resident. Its own mapping, not malloc's: freed memory an earlier test left
+        # resident in this process's heap (a high trim threshold: ``keep_freed_memory``) would
+        # serve a malloc without growing the RSS (seen under xdist: +16 MiB for 48)
+        anon = mmap.mmap(-1, 48 * mib, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for i in range(0, 48 * mib, mmap.PAGESIZE):
+            anon[i] = 2
         with open(path, "r+b") as f:
             maps = [mmap.mmap(f.fileno(), 0) for _ in range(2)]
             for m in maps:
@@ -225,7 +230,7 @@ def test_the_rss_sampler_splits_the_peak_by_kind(tmp_path: Path) -> None:
                 m.close()
         sampler.take()  # a phase from here on: unmapped before it began
         time.sleep(0.02)  # samples in it (the thread's, beside the stop's own)
-        del anon
+        anon.close()
         after = sampler.stop()
     finally:
         sampler.stop()
