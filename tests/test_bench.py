@@ -712,6 +712,48 @@ def test_passes_bench_arguments(arg: str, capsys: pytest.CaptureFixture[str]) ->
         assert exc.value.code == 2 and "argument elements" in err.err and "Traceback" not in err.err
 
 
+def test_syncfloor_measures_and_checks_every_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m asyncsync.ops.bench.syncfloor`` at 1 MiB: every row, and its passes really
+    made the new state (``measure`` checks the snapshot, the engine and the digests; a pass
+    that wrote other bytes fails it, as shown by breaking the engine's pass)."""
+    from asyncsync.codec import native
+    from asyncsync.ops.bench import syncfloor
+
+    if native.kernels is None:
+        pytest.skip("the C kernels are not built")
+    assert syncfloor.main(["--size", "1MiB", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    for row in ("trainer floor", "1 thread)", "on 2 threads", "engine pass", "at once"):
+        assert row in out, row
+    floors = syncfloor.measure(1 << 20, 1)
+    assert all(len(v) == 1 and v[0] > 0 for v in vars(floors).values())
+
+    real = syncfloor._Passes.engine_pass
+
+    def skips_one(self: object, k: int) -> list[str]:  # a pass that leaves one tensor alone
+        got = real(self, k)  # type: ignore[arg-type]
+        self.engine[0][:] = self.base[0]  # type: ignore[attr-defined]
+        return got
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(syncfloor._Passes, "engine_pass", skips_one)
+        with pytest.raises(AssertionError, match="other bytes"):
+            syncfloor.measure(1 << 20, 1)
+
+
+@pytest.mark.parametrize(
+    "args", [["--size", "1KiB"], ["--size", "lots"], ["--repeats", "0"], ["--repeats", "x"]]
+)
+def test_syncfloor_arguments(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad size or count is a usage error (exit 2) naming the argument, not a run."""
+    from asyncsync.ops.bench import syncfloor
+
+    with pytest.raises(SystemExit) as exc:
+        syncfloor.main(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and args[0] in err and "Traceback" not in err
+
+
 def test_pertensor_bench_measures_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m asyncsync.ops.bench.pertensor``: CPU per tensor of each side, per version."""
     from asyncsync.ops.bench import pertensor
