@@ -252,8 +252,11 @@ def test_a_failing_child_is_reported_with_its_log(tmp_path: Path) -> None:
         states=[str(tmp_path / "missing.safetensors")] * 2,
     )
     proc, log = _start(job, tmp_path, "cost")
-    with pytest.raises(BenchFailed, match=r"(?s)exited 1.*missing\.safetensors"):
+    with pytest.raises(BenchFailed, match=r"(?s)exited 1.*missing\.safetensors") as exc:
         _finish([(proc, log, job)], timeout=120)
+    # the child's exception first, on the error's first line: not a traceback's start
+    first = str(exc.value).split("\n", 1)[0]
+    assert "exited 1: " in first and "Error" in first and "Traceback" not in first, first
 
 
 def _waiting_publisher(tmp_path: Path, timeout: float) -> tuple[Any, Path, Job]:
@@ -515,6 +518,31 @@ def test_scale_flag_validation(capsys: pytest.CaptureFixture[str]) -> None:
     assert "no compaction would fall in the timed versions" in capsys.readouterr().err
 
 
+def test_scale_sizes_memory_cannot_hold_are_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model size whose run needs more memory than the host has available: a ConfigError
+    (exit 1) naming both, before any child starts, for the scale sweep, the peers and the
+    profile; a size that fits is let through."""
+    from asyncsync.ops.bench import cli
+
+    monkeypatch.setattr(cli, "page_cache_room", lambda: 200 << 20)
+    started: list[object] = []
+    monkeypatch.setattr("asyncsync.ops.bench.measure.run_bench", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("asyncsync.ops.bench.profile.main", lambda *a, **k: started.append(a))
+    for argv in (
+        ["bench", "--scale", "--scale-sizes", "64MiB,1GiB"],
+        ["bench", "--peers", "--scale-sizes", "1GiB"],
+        ["bench", "--profile", "/nonexistent", "--scale-sizes", "1GiB"],
+    ):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert "1.0 GiB needs about 3.5 GiB" in err and "200.0 MiB is available" in err, err
+    assert not started
+    cli.check_memory([32 << 20])  # 112 MiB: fits
+    cli.check_memory([])  # nothing to run
+
+
 def test_device_check_runs_on_cpu(tmp_path: Path) -> None:
     """``--device`` is for a GPU; on the CPU the same code checks itself (bit-exact asserts)."""
     argv = ["bench", "--device", "cpu", "--scale-sizes", "2MiB", "--versions", "1"]
@@ -739,6 +767,20 @@ def test_syncfloor_measures_and_checks_every_pass(capsys: pytest.CaptureFixture[
         mp.setattr(syncfloor._Passes, "engine_pass", skips_one)
         with pytest.raises(AssertionError, match="other bytes"):
             syncfloor.measure(1 << 20, 1)
+
+
+def test_syncfloor_refuses_a_size_memory_cannot_hold(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model whose copies do not fit the memory available: exit 1 saying so, before any
+    allocation (not the OOM killer midway)."""
+    from asyncsync.ops.bench import syncfloor
+
+    monkeypatch.setattr(syncfloor, "page_cache_room", lambda: 5 << 20)
+    monkeypatch.setattr(syncfloor, "_Passes", None)  # nothing may be allocated
+    assert syncfloor.main(["--size", "1MiB"]) == 1
+    err = capsys.readouterr().err
+    assert "needs ~6 MiB" in err and "5 MiB is available" in err, err
 
 
 @pytest.mark.parametrize(

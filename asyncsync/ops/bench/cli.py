@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from asyncsync.console.args import int_at_least, parse_size, positive_float
 from asyncsync.errors import ConfigError
 from asyncsync.fsio import Throttle, check_throttle_env
-from asyncsync.ops.cli.common import positive_int
+from asyncsync.memory import page_cache_room
+from asyncsync.ops.cli.common import human_bytes, positive_int
 from asyncsync.pipeline import MAX_THREADS
 
 if TYPE_CHECKING:
@@ -107,6 +108,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+#: memory a run at one model size of the scale sweep, the peers or the profile takes at its
+#: peak, per byte of the model: 3.3x measured at 1 GiB (the host's MemAvailable, lowest against
+#: before: the floors' two states, then the publisher's ~2.1x beside the receiver's ~1.1x)
+MEMORY_PER_MODEL_BYTE = 3.5
+
+
+def check_memory(sizes: tuple[int, ...] | list[int]) -> None:
+    """ConfigError, before any child starts, where the largest of ``sizes`` would need more
+    memory than this host (or its cgroup) has available: the run would otherwise fail late in
+    a child that cannot allocate, or be killed by the OOM killer midway."""
+    room = page_cache_room()
+    if not sizes or room is None:
+        return
+    need = int(MEMORY_PER_MODEL_BYTE * max(sizes))
+    if need > room:
+        raise ConfigError(
+            f"a model of {human_bytes(max(sizes))} needs about {human_bytes(need)} of memory at "
+            f"the run's peak ({MEMORY_PER_MODEL_BYTE}x), and {human_bytes(room)} is available "
+            "here: give smaller --scale-sizes"
+        )
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from asyncsync.ops.bench.measure import run_bench
     from asyncsync.ops.bench.report import markdown, plot, summarise
@@ -117,6 +140,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.profile is not None:
         return _cmd_profile(args)
     cfg = config_from_args(args)
+    check_memory(cfg.scale_sizes)
     t0 = time.perf_counter()
 
     def progress(msg: str) -> None:
@@ -187,6 +211,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from asyncsync.ops.bench.profile import main
 
     size = args.scale_sizes[0] if args.scale_sizes else 1 << 30
+    check_memory([size])
     paths = main(
         size,
         Path(args.profile),

@@ -246,8 +246,14 @@ def _finish(procs: list[tuple[subprocess.Popen[bytes], Path, Job]], timeout: flo
 
 
 def _exited(proc: subprocess.Popen[bytes], log: Path) -> BenchFailed:
+    """The failure of a child: its log's last line first (the exception of a traceback), then
+    the log's end (the error is printed on one line: a traceback's lines escaped in it)."""
     tail = log.read_text(errors="replace")[-2000:]
-    return BenchFailed(f"benchmark child exited {proc.returncode}; {log} ends with:\n{tail}")
+    last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+    return BenchFailed(
+        f"benchmark child exited {proc.returncode}: {last or 'its log is empty'}; {log} (kept "
+        f"with --keep) ends with:\n{tail}"
+    )
 
 
 def _stacks(procs: list[tuple[subprocess.Popen[bytes], Path, Job]]) -> str:

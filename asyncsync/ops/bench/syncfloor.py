@@ -40,12 +40,17 @@ from numpy.typing import NDArray
 
 from asyncsync.codec import int_view, native
 from asyncsync.console.args import parse_size
+from asyncsync.memory import page_cache_room
 from asyncsync.ops.bench.scale import make_state, ne_passes, step_state
 
 __all__ = ["Floors", "main", "measure"]
 
 #: the bench's density (``asyncsync bench --scale``)
 DENSITY = 0.03
+#: bytes of memory a run holds per byte of model: the base, the new state, the snapshot, the
+#: engine's copy (4), two sets of outputs with room for 10 % changed (1.2), the floor's mask
+#: (0.5), and some slack
+MEMORY_PER_BYTE = 6
 _ALGORITHM = "xxh3-128"
 
 
@@ -120,6 +125,10 @@ class _Passes:
             raise AssertionError("the engine's digests differ from the trainer's")
 
 
+def _shown(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n / 2**20:.0f} MiB"
+
+
 def _outputs(cap: int, dtype: Any) -> list[NDArray[Any]]:
     return [np.empty(cap, np.int64), np.empty(cap, dtype), np.empty(cap, dtype)]
 
@@ -169,6 +178,13 @@ def measure(size: int, repeats: int = 5, seed: int = 0) -> Floors:
     """The floors at a model of about ``size`` bytes, ``repeats`` interleaved repetitions."""
     if native.kernels is None or not hasattr(native.kernels, "patch_hash"):
         raise RuntimeError("the C kernels are not built (pip install -e .)")
+    room = page_cache_room()  # MemAvailable, and a cgroup's limit
+    if room is not None and MEMORY_PER_BYTE * size > room:
+        raise RuntimeError(
+            f"a model of {_shown(size)} needs ~{_shown(MEMORY_PER_BYTE * size)} of memory here "
+            f"({MEMORY_PER_BYTE} copies' worth), {_shown(room)} is available: use a smaller "
+            "--size"
+        )
     p = _Passes(size, seed)
     floors = Floors([], [], [], [], [])
     halves = _halves([a.nbytes for a in p.base])
