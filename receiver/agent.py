@@ -46,7 +46,7 @@ from asyncsync.format.names import root_path
 from asyncsync.format.store import is_committed
 from asyncsync.fsio import check_throttle_env
 from asyncsync.memory import check_env as check_memory_env
-from asyncsync.memory import gc_paused, release_large_buffers, trim_free_memory
+from asyncsync.memory import gc_paused, keep_freed_memory, release_large_buffers, trim_free_memory
 from asyncsync.pipeline import GlueGate, LoopLock, check_threads_env, run_pipeline
 from receiver.acking import RootPresence
 from receiver.badversions import BadVersions
@@ -493,6 +493,7 @@ class ReceiverAgent:
     async def _apply_version(self, m: Manifest, mode: Mode) -> None:
         t0 = time.perf_counter()
         scratch.fit(m.totals.model_bytes)  # the decode's temporaries: by the model's size
+        keep_freed_memory(m.totals.model_bytes)  # ... and what malloc's arenas keep of the rest
         shards = [(i, s) for i, s in enumerate(m.shards) if s.role == mode]
         early = await self._early.take_stream(m, mode)
         self._c.streamed += len(early or ())
@@ -564,12 +565,8 @@ class ReceiverAgent:
                             self.engine_id, m.version, mode, done, len(shards))  # fmt: skip
 
         try:
-            await run_pipeline(
-                work,
-                [("fetch", fetch), ("apply", apply)],
-                maxsize=1,
-                pipelined=self.pipelined,
-            )
+            stages: list[tuple[str, Any]] = [("fetch", fetch), ("apply", apply)]
+            await run_pipeline(work, stages, maxsize=1, pipelined=self.pipelined)
             parts.check_done()
         finally:
             c.applying = c.progress = None
@@ -580,7 +577,7 @@ class ReceiverAgent:
         path, root = shard_source(self.root, m, shard)  # never follows a symlink in the root
         deadline = time.monotonic() + self._bad.patience(m.version)  # known bad: read once
         delay = 0.05
-        early: bytes | bytearray | None = self._early.prefetched(m, shard)
+        early: bytes | bytearray | memoryview | None = self._early.prefetched(m, shard)
         while True:
             try:
                 if early is not None:

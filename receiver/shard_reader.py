@@ -14,10 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncsync import codec
-from asyncsync.codec import int_dtype
+from asyncsync.codec import int_dtype, scratch
 from asyncsync.codec.shards import ShardData, parse_delta_shard, parse_shard
 from asyncsync.errors import (
     ChecksumMismatch,
@@ -36,7 +37,7 @@ from asyncsync.format import (
 )
 from asyncsync.format.checksum import checksum_bytes
 from asyncsync.format.names import dtype_from_name
-from asyncsync.fsio import UnsafePath, read_buffer, read_bytes
+from asyncsync.fsio import UnsafePath, read_buffer, read_into
 from asyncsync.pipeline import SMALL_WORK_BYTES, pack_cap, parallel_map, threads
 from receiver.engines.base import TensorUpdate
 from receiver.parts import PartUpdate
@@ -97,7 +98,7 @@ def shard_source(root: Path, m: Manifest, shard: ShardInfo) -> tuple[Path, Path 
 
 def read_verified(
     path: Path, shard: ShardInfo, algorithm: str, *, root: Path | None
-) -> bytes | bytearray:
+) -> bytes | bytearray | memoryview:
     """The shard's bytes, checked against the manifest's size and checksum.
 
     Read through :func:`asyncsync.fsio.read_bytes`: with ``root`` nothing below it is followed
@@ -106,9 +107,10 @@ def read_verified(
     followed but which must still be a regular file. Raises IncompleteVersion (missing,
     short, unreadable: maybe not yet visible on this host) or ChecksumMismatch. A full shard
     is read into a ``bytearray`` (:func:`asyncsync.fsio.read_buffer`): its tensors are views of
-    it (:func:`open_shard`), not copies; a delta shard's blobs are read-only views of ``bytes``.
+    it (:func:`open_shard`), not copies; a delta shard into a buffer of the scratch pool
+    (:func:`asyncsync.fsio.read_into`: pages already faulted in), its blobs read-only views.
     """
-    read = read_bytes if shard.role == "delta" else read_buffer
+    read = _read_pooled if shard.role == "delta" else read_buffer
     try:  # the size is checked from fstat before anything is allocated for the claim
         data = read(path, limit=shard.bytes, root=root, follow_symlinks=root is None)
     except FileNotFoundError as exc:
@@ -124,9 +126,18 @@ def read_verified(
     return verified(data, path, shard, algorithm)
 
 
+def _read_pooled(path: Path, *, limit: int, root: Path | None, follow_symlinks: bool) -> memoryview:
+    return read_into(path, pooled_bytes, limit=limit, root=root, follow_symlinks=follow_symlinks)
+
+
+def pooled_bytes(size: int) -> Any:
+    """A buffer of ``size`` bytes from the scratch pool (reused once nothing refers to it)."""
+    return scratch.empty(size, np.uint8)
+
+
 def verified(
-    data: bytes | bytearray, path: Path, shard: ShardInfo, algorithm: str
-) -> bytes | bytearray:
+    data: bytes | bytearray | memoryview, path: Path, shard: ShardInfo, algorithm: str
+) -> bytes | bytearray | memoryview:
     """``data`` if its size and checksum are the manifest's, else IncompleteVersion/Mismatch."""
     if len(data) != shard.bytes:
         raise IncompleteVersion(f"{path}: {len(data)} bytes, the manifest says {shard.bytes}")
@@ -223,12 +234,16 @@ def group_pieces(pieces: list[Piece], limit: int, spread: int = 1) -> list[list[
     return groups
 
 
-def open_shard(m: Manifest, shard: ShardInfo, data: bytes | bytearray, where: str) -> ShardData:
+def open_shard(
+    m: Manifest, shard: ShardInfo, data: bytes | bytearray | memoryview, where: str
+) -> ShardData:
     """Parse verified shard bytes; refuse a shard whose metadata names another version/run (a
     delta shard's blobs come as views of ``data``, a full shard's tensors as tensors viewing
     ``data`` when it is a ``bytearray``: :func:`asyncsync.codec.shards.parse_shard`)."""
     if shard.role == "delta":
         return parse_delta_shard(data, where=where, version=m.version, run_id=m.run_id)
+    if isinstance(data, memoryview):  # (only a delta shard is read into the scratch pool)
+        data = bytearray(data)
     external = m.shard_dir is not None and shard.role == "full"
     return parse_shard(
         data,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,40 @@ def test_read_buffer_reads_on_past_a_size_that_lies_up_to_the_limit() -> None:
     limit (one over it raises ValueError)."""
     want = Path("/proc/self/cmdline").read_bytes()
     assert want and os.stat("/proc/self/cmdline").st_size == 0
-    for read in (fsio.read_bytes, fsio.read_buffer):
+    pooled = partial(fsio.read_into, alloc=bytearray)
+    for read in (fsio.read_bytes, fsio.read_buffer, pooled):
         assert read("/proc/self/cmdline", limit=1 << 16) == want
         with pytest.raises(ValueError):
             read("/proc/self/cmdline", limit=len(want) - 1)
+
+
+def test_read_into_reads_the_file_into_the_buffer_it_is_given(tmp_path: Path) -> None:
+    """A delta shard's read (a buffer of the scratch pool): exactly the file's bytes, as a
+    read-only view of the buffer ``alloc`` gave (no copy: the buffer's pages are reused), never
+    a larger one than the limit, nothing followed, and a buffer that cannot hold them refused."""
+    data = os.urandom((2 << 20) + 123)
+    (tmp_path / "f").write_bytes(data)
+    given: list[bytearray] = []
+
+    def alloc(n: int) -> bytearray:
+        given.append(bytearray(n + 4096))  # larger than asked: the view is cut to the file
+        return given[-1]
+
+    got = fsio.read_into(tmp_path / "f", alloc, limit=len(data))
+    assert type(got) is memoryview and got.readonly and got == data and len(got) == len(data)
+    given[0][0] ^= 0xFF  # the view is the buffer's bytes
+    assert got[0] == data[0] ^ 0xFF
+    with pytest.raises(ValueError, match="larger than"):
+        fsio.read_into(tmp_path / "f", alloc, limit=len(data) - 1)
+    assert len(given) == 1  # refused before anything was allocated
+    (tmp_path / "link").symlink_to(tmp_path / "f")
+    with pytest.raises(fsio.UnsafePath):
+        fsio.read_into(tmp_path / "link", alloc, limit=len(data))
+    for bad in (lambda n: bytes(n), lambda n: bytearray(n - 1)):
+        with pytest.raises(TypeError, match="no writable buffer"):
+            fsio.read_into(tmp_path / "f", bad, limit=len(data))
+    (tmp_path / "empty").write_bytes(b"")
+    assert fsio.read_into(tmp_path / "empty", alloc, limit=10) == b""
 
 
 def test_file_lock_is_exclusive_and_names_holder(tmp_path: Path) -> None:

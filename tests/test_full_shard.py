@@ -253,16 +253,35 @@ def test_parse_shard_accepts_exactly_what_safetensors_accepts(
 # --------------------------------------------------------------------------- the reader
 
 
-def test_the_receiver_reads_a_full_shard_into_a_buffer_and_a_delta_into_bytes(
+def test_the_receiver_reads_a_full_shard_into_a_buffer_and_a_delta_into_the_pool(
     tmp_path: Path,
 ) -> None:
-    data = safetensors.torch.save({"w": _random((8,), torch.bfloat16)})
-    path = tmp_path / "s.safetensors"
-    path.write_bytes(data)
-    for role, kind in (("full", bytearray), ("delta", bytes)):
-        info = ShardInfo(path.name, role, len(data), checksum_bytes(data, DEFAULT_ALGORITHM))  # type: ignore[arg-type]
-        got = read_verified(path, info, DEFAULT_ALGORITHM, root=tmp_path)
-        assert type(got) is kind and got == data
+    """A full shard into a private ``bytearray`` (its tensors view it); a delta shard into a
+    buffer of the scratch pool, as a read-only view, the same buffer again once the last view
+    of it is gone (its pages already faulted in), never while one is held."""
+    from asyncsync.codec import scratch
+
+    for size in (8, 1 << 20):  # below the pool's smallest buffer, and in it
+        data = safetensors.torch.save({"w": _random((size,), torch.bfloat16)})
+        path = tmp_path / "s.safetensors"
+        path.write_bytes(data)
+        info = {
+            role: ShardInfo(path.name, role, len(data), checksum_bytes(data, DEFAULT_ALGORITHM))  # type: ignore[arg-type]
+            for role in ("full", "delta")
+        }
+        full = read_verified(path, info["full"], DEFAULT_ALGORITHM, root=tmp_path)
+        assert type(full) is bytearray and full == data
+        got = read_verified(path, info["delta"], DEFAULT_ALGORITHM, root=tmp_path)
+        assert type(got) is memoryview and got.readonly and got == data
+        if len(data) < scratch.MIN_BYTES:
+            continue
+        held = read_verified(path, info["delta"], DEFAULT_ALGORITHM, root=tmp_path)
+        assert held.obj.base is not got.obj.base  # a view still held: another buffer
+        del got  # its buffer free again: the next read takes a free one, none made
+        reused, held_bytes = scratch.pool.reused, scratch.pool.held
+        again = read_verified(path, info["delta"], DEFAULT_ALGORITHM, root=tmp_path)
+        assert again == data and held == data
+        assert scratch.pool.reused == reused + 1 and scratch.pool.held == held_bytes
 
 
 async def test_a_registered_checkpoint_with_misaligned_tensors_is_applied_bit_exact(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -106,3 +107,57 @@ def test_a_context_whose_frames_do_not_read_back_is_not_used(
     monkeypatch.setattr(zstdlib._Context, "compress", real)
     monkeypatch.setattr(zstdlib, "_local", threading.local())
     assert zstdlib.compressor(params) is not None
+
+
+@pytest.mark.parametrize("n", [1, 4096, 300_000, 3 << 20])
+def test_decompress_into_reads_exactly_one_frame_into_the_callers_buffer(n: int) -> None:
+    """The decode's large values: one frame (any writer's) into a buffer the caller gives (the
+    scratch pool's); a byte after the frame, a damaged frame, another size or a read-only
+    output refused with ValueError, the output then not to be used."""
+    _lib_or_skip()
+    into = zstdlib.decompressor()
+    assert into is not None
+    data = _data(n, n)
+    for frame in (
+        zstandard.ZstdCompressor(level=3).compress(data),
+        zstdlib.compressor(VALUES)(data),  # type: ignore[misc]
+    ):
+        out = np.empty(len(data), np.uint8)
+        into(memoryview(frame), out)
+        assert out.tobytes() == data
+        bad: list[tuple[bytes, Any]] = [
+            (frame + b"\0", np.empty(len(data), np.uint8)),  # a byte after the frame
+            (frame + frame, np.empty(len(data), np.uint8)),  # a second frame
+            (frame[:-3], np.empty(len(data), np.uint8)),  # cut short
+            (frame, np.empty(len(data) + 1, np.uint8)),  # another size
+            (frame, np.empty(len(data), np.uint8)[::-1]),  # not C-contiguous
+        ]
+        ro = np.empty(len(data), np.uint8)
+        ro.flags.writeable = False
+        bad.append((frame, ro))
+        for blob, dst in bad:  # (len(data) >= 2: two planes)
+            with pytest.raises(ValueError):
+                into(blob, dst)
+
+
+def test_large_values_decode_into_the_scratch_pool_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``delta._unzstd`` from the pool's smallest buffer up: through libzstd into a pooled
+    buffer, the same bytes and the same FormatErrors as python-zstandard's path gives."""
+    from asyncsync.codec import scratch
+    from asyncsync.errors import FormatError
+
+    _lib_or_skip()
+    data = _data(scratch.MIN_BYTES, 7)  # two planes: 2x the pool's smallest buffer
+    frame = zstandard.ZstdCompressor(level=3).compress(data)
+    got = delta._unzstd(frame, (len(data),), "values")
+    assert type(got) is memoryview and got == data
+    for blob in (frame + b"\0", frame[:-3], frame + frame):
+        with pytest.raises(FormatError, match="values"):
+            delta._unzstd(blob, (len(data),), "values")
+    monkeypatch.setattr(zstdlib, "decompressor", lambda: None)  # python-zstandard's path
+    assert delta._unzstd(frame, (len(data),), "values") == data
+    for blob in (frame + b"\0", frame[:-3]):
+        with pytest.raises(FormatError, match="values"):
+            delta._unzstd(blob, (len(data),), "values")

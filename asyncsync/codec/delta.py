@@ -283,7 +283,7 @@ def decode_xef_many(
     if kernels is None or width is None or not hasattr(kernels, "xef_decode_many") or not deltas:
         return None
     blobs: list[bytes | memoryview] = []
-    raws: list[bytes] = []
+    raws: list[bytes | memoryview] = []
     try:
         for positions, values, changed, numel in deltas:
             if changed < 1 or not positions:
@@ -368,19 +368,34 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _unzstd(blob: bytes | memoryview, sizes: tuple[int, ...], what: str) -> bytes:
+def _unzstd(blob: bytes | memoryview, sizes: tuple[int, ...], what: str) -> bytes | memoryview:
     """Decompress one zstd frame whose declared content size must be one of ``sizes``; any
-    byte after the frame is refused (FORMAT.md 4.2)."""
+    byte after the frame is refused (FORMAT.md 4.2). From :data:`scratch.MIN_BYTES
+    <asyncsync.codec.scratch.MIN_BYTES>` bytes out, into a buffer of the scratch pool through
+    libzstd where it loads (a fresh buffer that size is mapped anew and faulted in page by
+    page, ~3 us a page in a VM: ~1,900 faults a version at 1 GiB)."""
     try:
         declared = zstandard.frame_content_size(blob)
         if declared not in sizes:  # also rejects frames of unknown size (-1): unbounded
             raise FormatError(f"{what}: zstd frame declares {declared} bytes, want {sizes}")
+        if declared >= scratch.MIN_BYTES and (into := zstdlib.decompressor()) is not None:
+            return _unzstd_into(into, blob, declared, what)
         out = _decompressor().decompress(blob, allow_extra_data=False) if declared else b""
     except zstandard.ZstdError as exc:
         raise FormatError(f"{what}: corrupt zstd data: {exc}") from exc
     if len(out) != declared:
         raise FormatError(f"{what}: decompressed {len(out)} bytes, frame declares {declared}")
     return out
+
+
+def _unzstd_into(into: Any, blob: bytes | memoryview, size: int, what: str) -> memoryview:
+    """One frame of ``size`` bytes through libzstd into a buffer of the scratch pool."""
+    out = scratch.empty(size, np.uint8)
+    try:
+        into(blob, out)
+    except ValueError as exc:
+        raise FormatError(f"{what}: corrupt zstd data: {exc}") from exc
+    return out.data
 
 
 #: below this many bytes a CPU tensor's planes are NumPy's transposed copy (its ``tobytes``):
@@ -412,7 +427,7 @@ def _planes(v: torch.Tensor) -> bytes | memoryview:
     return u8.cpu().numpy().data
 
 
-def _unplanes(raw: bytes, n: int, width: int) -> tuple[torch.Tensor, int]:
+def _unplanes(raw: bytes | memoryview, n: int, width: int) -> tuple[torch.Tensor, int]:
     """Inverse of :func:`_planes`: a writable (n,) tensor of the int-view dtype that nothing
     else refers to (from the scratch pool), and how many of its elements are not zero (the C
     kernel counts them in its own pass)."""
@@ -420,7 +435,7 @@ def _unplanes(raw: bytes, n: int, width: int) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(arr), nonzero
 
 
-def _unplanes_np(raw: bytes, n: int, width: int) -> tuple[NDArray[Any], int]:
+def _unplanes_np(raw: bytes | memoryview, n: int, width: int) -> tuple[NDArray[Any], int]:
     """:func:`_unplanes` as the NumPy array (the tensor is made from it without a copy)."""
     src = np.frombuffer(raw, np.uint8)
     if width > 1 and n * width < _SMALL_UNPLANES:

@@ -504,7 +504,7 @@ def _tiled(ranges: list[tuple[int, int, str]], size: int, where: str, what: str)
 
 
 def parse_delta_shard(
-    data: bytes | bytearray,
+    data: bytes | bytearray | memoryview,
     *,
     where: str,
     version: int | None = None,
@@ -525,7 +525,7 @@ def parse_delta_shard(
 
 
 def _delta_blobs(
-    data: bytes | bytearray, where: str, version: int | None, run_id: str | None
+    data: bytes | bytearray | memoryview, where: str, version: int | None, run_id: str | None
 ) -> dict[str, memoryview]:
     header = read_header(data, where=where)
     _check_metadata(header, where, version, run_id, "delta")

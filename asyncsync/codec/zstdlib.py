@@ -34,7 +34,7 @@ import zstandard
 from asyncsync.codec import scratch
 
 __all__ = ["COMPRESSION_LEVEL", "HASH_LOG", "LITERAL_MODE", "MIN_MATCH", "TARGET_LENGTH",
-           "compressor", "library"]  # fmt: skip
+           "compressor", "decompressor", "library"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,55 @@ class _Context:
         return out[:n].tobytes()
 
 
+class _DContext:
+    """One thread's ``ZSTD_DCtx``, checked when made on a frame python-zstandard wrote."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        # (set here, not in :func:`library`: a libzstd without them still compresses)
+        lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]
+        lib.ZSTD_getErrorName.restype = ctypes.c_char_p
+        lib.ZSTD_createDCtx.restype = ctypes.c_void_p
+        lib.ZSTD_freeDCtx.argtypes = [ctypes.c_void_p]
+        lib.ZSTD_decompressDCtx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                            ctypes.c_void_p, ctypes.c_size_t]  # fmt: skip
+        lib.ZSTD_decompressDCtx.restype = ctypes.c_size_t
+        lib.ZSTD_findFrameCompressedSize.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.ZSTD_findFrameCompressedSize.restype = ctypes.c_size_t
+        self.ptr = lib.ZSTD_createDCtx()
+        if not self.ptr:
+            raise MemoryError("ZSTD_createDCtx failed")
+        probe = bytes(range(256)) * 64 + bytes(4096)
+        out = np.empty(len(probe), np.uint8)
+        self.decompress_into(zstandard.ZstdCompressor(level=3).compress(probe), out)
+        if out.tobytes() != probe:
+            raise ValueError("libzstd decompresses a frame otherwise than zstandard")
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None):
+            self.lib.ZSTD_freeDCtx(self.ptr)
+
+    def decompress_into(self, frame: bytes | memoryview, out: np.ndarray[Any, Any]) -> None:
+        """Decompress ``frame``, exactly one zstd frame of ``out.nbytes`` bytes, into ``out``
+        (a writable C-contiguous array); ValueError saying what is wrong otherwise (a byte
+        after the frame, a corrupt frame, another size)."""
+        lib = self.lib
+        src = np.frombuffer(frame, np.uint8)
+        size = lib.ZSTD_findFrameCompressedSize(src.ctypes.data, src.size)
+        if lib.ZSTD_isError(size):
+            raise ValueError(lib.ZSTD_getErrorName(size).decode(errors="replace"))
+        if size != src.size:
+            raise ValueError(f"{src.size - size} bytes after the frame")
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise ValueError("the output must be a writable C-contiguous array")
+        got = lib.ZSTD_decompressDCtx(self.ptr, out.ctypes.data, out.nbytes, src.ctypes.data,
+                                      src.size)  # fmt: skip
+        if lib.ZSTD_isError(got):
+            raise ValueError(lib.ZSTD_getErrorName(got).decode(errors="replace"))
+        if got != out.nbytes:
+            raise ValueError(f"decompressed {got} bytes, want {out.nbytes}")
+
+
 _local = threading.local()
 
 
@@ -128,3 +177,21 @@ def compressor(params: Mapping[int, int]) -> Callable[[bytes | memoryview], byte
             made[key] = None
     ctx = made[key]
     return None if ctx is None else ctx.compress
+
+
+def decompressor() -> Callable[[bytes | memoryview, np.ndarray[Any, Any]], None] | None:
+    """This thread's ``decompress_into(frame, out)`` (:meth:`_DContext.decompress_into`: one
+    frame into a buffer of the caller's, e.g. the scratch pool's, whose pages are already
+    faulted in), or None where libzstd is not there or fails its check (then for good)."""
+    lib = library()
+    if lib is None:
+        return None
+    if not hasattr(_local, "dcontext"):
+        made: _DContext | None = None
+        try:
+            made = _DContext(lib)
+        except (ValueError, MemoryError, zstandard.ZstdError, AttributeError) as exc:
+            logger.debug("libzstd not used to decompress: %s", exc)
+        _local.dcontext = made
+    ctx: _DContext | None = _local.dcontext
+    return None if ctx is None else ctx.decompress_into

@@ -31,6 +31,7 @@ from asyncsync.fsio.files import (
     read_buffer,
     read_bytes,
     read_file,
+    read_into,
     remove,
     remove_temp_files,
     remove_tree,
@@ -44,6 +45,6 @@ __all__ = [
     "DIR_MODE", "FILE_MODE", "TMP_PREFIX", "FileLock", "Throttle", "UnsafePath", "append_bytes",
     "append_line", "atomic_write", "check_throttle_env", "fs_now", "fsync_dir", "get_throttle",
     "is_temp_name", "lstat", "make_dir", "open_dir", "open_file", "read_buffer", "read_bytes",
-    "read_file", "remove", "remove_temp_files", "remove_tree", "rewrite_as", "scan",
+    "read_file", "read_into", "remove", "remove_temp_files", "remove_tree", "rewrite_as", "scan",
     "set_throttle",
 ]  # fmt: skip
