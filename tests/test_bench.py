@@ -259,6 +259,23 @@ def test_a_failing_child_is_reported_with_its_log(tmp_path: Path) -> None:
     assert "exited 1: " in first and "Error" in first and "Traceback" not in first, first
 
 
+def test_a_child_killed_by_a_signal_is_reported_as_such(tmp_path: Path) -> None:
+    """A child the OOM killer (or anyone) killed: the error names the signal, not whatever
+    line its log happened to end with."""
+    import subprocess
+
+    from asyncsync.ops.bench.measure import _exited
+
+    log = tmp_path / "log.txt"
+    log.write_text("bench: version 3 published\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc.kill()
+    proc.wait()
+    err = str(_exited(proc, log))
+    assert err.startswith("benchmark child killed by SIGKILL (the OOM killer?)"), err
+    assert "version 3 published" in err  # the log's end still follows
+
+
 def _waiting_publisher(tmp_path: Path, timeout: float) -> tuple[Any, Path, Job]:
     """A real scale publisher child that seeds a 1 MiB model, then waits for a receiver that
     never says it is ready (up to ``timeout``)."""

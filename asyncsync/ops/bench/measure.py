@@ -246,14 +246,18 @@ def _finish(procs: list[tuple[subprocess.Popen[bytes], Path, Job]], timeout: flo
 
 
 def _exited(proc: subprocess.Popen[bytes], log: Path) -> BenchFailed:
-    """The failure of a child: its log's last line first (the exception of a traceback), then
-    the log's end (the error is printed on one line: a traceback's lines escaped in it)."""
+    """The failure of a child: the signal that killed it, or its log's last line (the exception
+    of a traceback), first; then the log's end (the error is printed on one line: a
+    traceback's lines escaped in it)."""
     tail = log.read_text(errors="replace")[-2000:]
+    rc = proc.returncode
     last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
-    return BenchFailed(
-        f"benchmark child exited {proc.returncode}: {last or 'its log is empty'}; {log} (kept "
-        f"with --keep) ends with:\n{tail}"
-    )
+    why = f"exited {rc}: {last or 'its log is empty'}"
+    if rc is not None and rc < 0:  # its log's last line says nothing of a signal
+        with contextlib.suppress(ValueError):
+            why = f"killed by {signal.Signals(-rc).name}"
+            why += " (the OOM killer?)" if -rc == signal.SIGKILL else ""
+    return BenchFailed(f"benchmark child {why}; {log} (kept with --keep) ends with:\n{tail}")
 
 
 def _stacks(procs: list[tuple[subprocess.Popen[bytes], Path, Job]]) -> str:
