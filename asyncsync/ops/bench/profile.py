@@ -91,7 +91,7 @@ APPLY_STAGES: tuple[tuple[int, str, str], ...] = (
         "begin (state.json fsync, journal dir)",
         "receiver.engines.checkpoint.engine:LocalCheckpoint._begin",
     ),
-    (2, "read shard (throttled)", "receiver.shard_reader:read_bytes"),
+    (2, "read shard (throttled)", "receiver.shard_reader:read_into"),
     (2, "verify shard checksum", "receiver.shard_reader:checksum_bytes"),
     (2, "parse shard", "receiver.agent:open_shard"),
     (2, "decode group", "receiver.agent:decode_pieces"),
