@@ -250,39 +250,41 @@ def read_into(
     bytes, at least ``size`` long: a scratch pool's, whose pages are already faulted in), as a
     read-only view of exactly the file's bytes. A fresh buffer of a few MB costs as much in
     first-touch page faults as the read itself (~3 us a page in a VM); a reused one does not.
-    A file that grew after its size was read is read again as :func:`read_bytes` reads it; one
-    that shrank gives the bytes there were."""
-    started = time.perf_counter()
-    with os.fdopen(open_file(path, root=root, follow_symlinks=follow_symlinks), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise ValueError(f"{path} is larger than {limit} bytes ({size})")
-        buf = memoryview(alloc(size))
-        if buf.readonly or buf.ndim != 1 or buf.itemsize != 1 or buf.nbytes < size:
-            raise TypeError(f"alloc({size}) gave no writable buffer of {size} bytes")
-        got = f.readinto(buf[:size]) if size else 0
-        grew = got == size and f.read(1) != b""
-    if grew:
-        return memoryview(read_bytes(path, limit=limit, root=root, follow_symlinks=follow_symlinks))
-    _throttled(path, got, started)
-    return buf[:got].toreadonly()
+    A file that grew after its size was read (or procfs's 0) is read on into ``bytes``, as
+    :func:`read_bytes` reads it; one that shrank gives the bytes there were."""
+    data, _ = _read(path, limit, root, follow_symlinks, writable=False, into=alloc)
+    return data if isinstance(data, memoryview) else memoryview(data)
 
 
 def _read(
-    path: _Path, limit: int, root: _Root, follow_symlinks: bool, *, writable: bool
-) -> tuple[bytes | bytearray, os.stat_result]:
+    path: _Path,
+    limit: int,
+    root: _Root,
+    follow_symlinks: bool,
+    *,
+    writable: bool,
+    into: Callable[[int], Any] | None = None,
+) -> tuple[bytes | bytearray | memoryview, os.stat_result]:
     started = time.perf_counter()
-    data: bytes | bytearray
+    data: bytes | bytearray | memoryview
     with os.fdopen(open_file(path, root=root, follow_symlinks=follow_symlinks), "rb") as f:
         st = os.fstat(f.fileno())
         if st.st_size > limit:
             raise ValueError(f"{path} is larger than {limit} bytes ({st.st_size})")
-        if writable:
+        if into is not None:  # (read_into) exactly the file's bytes, unless it grew
+            buf = memoryview(into(st.st_size))
+            if buf.readonly or buf.ndim != 1 or buf.itemsize != 1 or buf.nbytes < st.st_size:
+                raise TypeError(f"alloc({st.st_size}) gave no writable buffer of that many bytes")
+            got = f.readinto(buf[: st.st_size]) if st.st_size else 0
+            more = f.read(1) if got == st.st_size else b""
+            data = bytes(buf[:got]) + more if more else buf[:got].toreadonly()
+        elif writable:
             data = bytearray(st.st_size + 1)
             del data[f.readinto(data) :]  # (shrinking by the spare byte moves nothing)
         else:
             data = f.read(st.st_size + 1)
-        if st.st_size < len(data) <= limit:  # (a read of n allocates n: 64 MiB more at most)
+        # (a read of n allocates n: 64 MiB more at most; a view of ``into``'s is never more)
+        if st.st_size < len(data) <= limit and not isinstance(data, memoryview):
             data += f.read(min(limit + 1 - len(data), 64 << 20))
     _throttled(path, len(data), started)
     if len(data) > limit:
