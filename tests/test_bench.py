@@ -555,6 +555,7 @@ def test_scale_sizes_memory_cannot_hold_are_refused(
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
         assert "1.0 GiB needs about 3.5 GiB" in err and "200.0 MiB is available" in err, err
+        assert "give smaller --scale-sizes" in err, err
     assert not started
     cli.check_memory([32 << 20])  # 112 MiB: fits
     cli.check_memory([])  # nothing to run
@@ -791,13 +792,14 @@ def test_syncfloor_refuses_a_size_memory_cannot_hold(
 ) -> None:
     """A model whose copies do not fit the memory available: exit 1 saying so, before any
     allocation (not the OOM killer midway)."""
-    from asyncsync.ops.bench import syncfloor
+    from asyncsync.ops.bench import cli, syncfloor
 
-    monkeypatch.setattr(syncfloor, "page_cache_room", lambda: 5 << 20)
+    monkeypatch.setattr(cli, "page_cache_room", lambda: 5 << 20)
     monkeypatch.setattr(syncfloor, "_Passes", None)  # nothing may be allocated
     assert syncfloor.main(["--size", "1MiB"]) == 1
     err = capsys.readouterr().err
-    assert "needs ~6 MiB" in err and "5 MiB is available" in err, err
+    assert "1.0 MiB needs about 6.0 MiB" in err and "5.0 MiB is available" in err, err
+    assert "give a smaller --size" in err, err
 
 
 @pytest.mark.parametrize(

@@ -118,16 +118,24 @@ def check_memory(sizes: tuple[int, ...] | list[int]) -> None:
     """ConfigError, before any child starts, where the largest of ``sizes`` would need more
     memory than this host (or its cgroup) has available: the run would otherwise fail late in
     a child that cannot allocate, or be killed by the OOM killer midway."""
+    if sizes and (
+        why := memory_shortfall(max(sizes), MEMORY_PER_MODEL_BYTE, "smaller --scale-sizes")
+    ):
+        raise ConfigError(why)
+
+
+def memory_shortfall(model: int, factor: float, fix: str) -> str | None:
+    """Why a run whose peak holds ``factor`` times a model of ``model`` bytes cannot run here
+    (the host's, or its cgroup's, available memory: :func:`~asyncsync.memory.page_cache_room`),
+    ending with ``fix``; None where it fits or the room is unknown."""
     room = page_cache_room()
-    if not sizes or room is None:
-        return
-    need = int(MEMORY_PER_MODEL_BYTE * max(sizes))
-    if need > room:
-        raise ConfigError(
-            f"a model of {human_bytes(max(sizes))} needs about {human_bytes(need)} of memory at "
-            f"the run's peak ({MEMORY_PER_MODEL_BYTE}x), and {human_bytes(room)} is available "
-            "here: give smaller --scale-sizes"
-        )
+    need = int(factor * model)
+    if room is None or need <= room:
+        return None
+    return (
+        f"a model of {human_bytes(model)} needs about {human_bytes(need)} of memory at the "
+        f"run's peak ({factor:g}x), and {human_bytes(room)} is available here: give {fix}"
+    )
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ from numpy.typing import NDArray
 
 from asyncsync.codec import int_view, native
 from asyncsync.console.args import parse_size
-from asyncsync.memory import page_cache_room
+from asyncsync.ops.bench.cli import memory_shortfall
 from asyncsync.ops.bench.scale import make_state, ne_passes, step_state
 
 __all__ = ["Floors", "main", "measure"]
@@ -125,10 +125,6 @@ class _Passes:
             raise AssertionError("the engine's digests differ from the trainer's")
 
 
-def _shown(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n / 2**20:.0f} MiB"
-
-
 def _outputs(cap: int, dtype: Any) -> list[NDArray[Any]]:
     return [np.empty(cap, np.int64), np.empty(cap, dtype), np.empty(cap, dtype)]
 
@@ -178,13 +174,8 @@ def measure(size: int, repeats: int = 5, seed: int = 0) -> Floors:
     """The floors at a model of about ``size`` bytes, ``repeats`` interleaved repetitions."""
     if native.kernels is None or not hasattr(native.kernels, "patch_hash"):
         raise RuntimeError("the C kernels are not built (pip install -e .)")
-    room = page_cache_room()  # MemAvailable, and a cgroup's limit
-    if room is not None and MEMORY_PER_BYTE * size > room:
-        raise RuntimeError(
-            f"a model of {_shown(size)} needs ~{_shown(MEMORY_PER_BYTE * size)} of memory here "
-            f"({MEMORY_PER_BYTE} copies' worth), {_shown(room)} is available: use a smaller "
-            "--size"
-        )
+    if why := memory_shortfall(size, MEMORY_PER_BYTE, "a smaller --size"):
+        raise RuntimeError(why)
     p = _Passes(size, seed)
     floors = Floors([], [], [], [], [])
     halves = _halves([a.nbytes for a in p.base])
