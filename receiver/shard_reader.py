@@ -55,6 +55,7 @@ __all__ = [
     "int_dtype",
     "open_shard",
     "pieces_by_shard",
+    "read_pooled",
     "pieces_in",
     "read_verified",
     "shard_source",
@@ -110,7 +111,7 @@ def read_verified(
     it (:func:`open_shard`), not copies; a delta shard into a buffer of the scratch pool
     (:func:`asyncsync.fsio.read_into`: pages already faulted in), its blobs read-only views.
     """
-    read = _read_pooled if shard.role == "delta" else read_buffer
+    read = read_pooled if shard.role == "delta" else read_buffer
     try:  # the size is checked from fstat before anything is allocated for the claim
         data = read(path, limit=shard.bytes, root=root, follow_symlinks=root is None)
     except FileNotFoundError as exc:
@@ -126,12 +127,15 @@ def read_verified(
     return verified(data, path, shard, algorithm)
 
 
-def _read_pooled(path: Path, *, limit: int, root: Path | None, follow_symlinks: bool) -> memoryview:
-    return read_into(path, pooled_bytes, limit=limit, root=root, follow_symlinks=follow_symlinks)
+def read_pooled(
+    path: Path, *, limit: int, root: Path | None, follow_symlinks: bool = False
+) -> memoryview:
+    """:func:`asyncsync.fsio.read_into` a buffer of the scratch pool (reused once nothing refers
+    to it; its pages already faulted in): a delta shard's bytes, by the agent and the stream."""
+    return read_into(path, _pooled, limit=limit, root=root, follow_symlinks=follow_symlinks)
 
 
-def pooled_bytes(size: int) -> Any:
-    """A buffer of ``size`` bytes from the scratch pool (reused once nothing refers to it)."""
+def _pooled(size: int) -> Any:
     return scratch.empty(size, np.uint8)
 
 

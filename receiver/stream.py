@@ -46,7 +46,6 @@ from asyncsync.format import MANIFEST_NAME, DeltaRef, Manifest, TensorEntry, ver
 from asyncsync.format.checksum import checksum_bytes, new_hasher
 from asyncsync.format.names import MAX_SHARD_BYTES
 from asyncsync.format.store import list_versions
-from asyncsync.fsio import read_into
 from asyncsync.pipeline import threads
 from receiver import inotify
 from receiver.engines.base import Engine
@@ -56,7 +55,7 @@ from receiver.shard_reader import (
     Piece,
     decode_pieces,
     group_pieces,
-    pooled_bytes,
+    read_pooled,
 )
 from receiver.watch import inotify_wanted
 
@@ -566,7 +565,7 @@ def _read_checked(
     """The file's bytes (at most ``limit``; a read-only view of a scratch pool's buffer, reused
     once nothing refers to it: a version's shards into fresh buffers were ~5,000 page faults at
     1 GiB, ~10 ms of CPU) and :func:`_check_data` of them."""
-    data = read_into(path, pooled_bytes, limit=limit, root=root)
+    data = read_pooled(path, limit=limit, root=root)
     return (data, *_check_data(data, str(path)))
 
 

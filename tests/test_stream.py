@@ -49,18 +49,18 @@ def _delta_files(vdir: Path) -> list[Path]:
 
 
 def _recorded_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the files the stream reads (receiver.stream's ``read_into``), in order."""
+    """The names of the files the stream reads (receiver.stream's ``read_pooled``), in order."""
     import receiver.stream as stream_mod
 
     reads: list[str] = []
-    real_read = stream_mod.read_into
+    real_read = stream_mod.read_pooled
 
-    def recording(path: Path, alloc: Any, **kw: Any) -> memoryview:
-        data = real_read(path, alloc, **kw)
+    def recording(path: Path, **kw: Any) -> memoryview:
+        data = real_read(path, **kw)
         reads.append(Path(path).name)
         return data
 
-    monkeypatch.setattr(stream_mod, "read_into", recording)
+    monkeypatch.setattr(stream_mod, "read_pooled", recording)
     return reads
 
 
