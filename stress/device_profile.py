@@ -41,7 +41,7 @@ TM = "receiver.engines.torch_module"
 APPLY: tuple[tuple[int, str, str], ...] = (
     (0, "sync_once (discover .. ack)", "receiver.agent:ReceiverAgent._sync"),
     (1, "apply version (begin .. commit)", "receiver.agent:ReceiverAgent._apply_version"),
-    (2, "read shard", "receiver.shard_reader:read_bytes"),
+    (2, "read shard", "receiver.shard_reader:read_into"),
     (2, "verify shard checksum", "receiver.shard_reader:checksum_bytes"),
     (2, "parse shard", "receiver.agent:open_shard"),
     (2, "decode group", "receiver.agent:decode_pieces"),
