@@ -910,3 +910,25 @@ def test_a_terminated_bench_stops_its_children(tmp_path: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(c, signal.SIGKILL)
     assert alive == [], "children left running"
+
+
+def test_every_profile_stage_names_a_function_that_exists() -> None:
+    """The profiles' stage targets (``module:qualname``) are strings: a function renamed or
+    removed is skipped by the timers without a word (as a stage of another code's version), so
+    the table would silently lose that row. Every target of ``asyncsync bench --profile`` and of
+    the GPU machine's ``stress/device_profile.py`` resolves here."""
+    import importlib
+
+    from asyncsync.ops.bench.profile import APPLY_STAGES, PUBLISH_STAGES
+    from stress import device_profile
+
+    missing = []
+    for _, _, target in (*PUBLISH_STAGES, *APPLY_STAGES, *device_profile.APPLY):
+        module, _, qualname = target.partition(":")
+        owner: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            owner = getattr(owner, part, None)
+            if owner is None:
+                missing.append(target)
+                break
+    assert not missing, missing
