@@ -8,9 +8,10 @@ missing required field is a 400, so the tests prove the receiver sends only what
 
 Control from a test:
 
-* ``inject(path, status=..., message=..., delay=..., hold=..., times=...)``: the next calls to
-  ``path`` sleep ``delay`` seconds or wait until the event ``hold`` is set (a server that
-  stalls until the test says), then fail with ``status`` (None: answer normally after it);
+* ``inject(path, status=..., message=..., delay=..., hold=..., times=..., flood=...)``: the
+  next calls to ``path`` sleep ``delay`` seconds or wait until the event ``hold`` is set (a
+  server that stalls until the test says), then fail with ``status`` (None: answer normally
+  after it); ``flood``: answer ``status`` with a body that never ends;
 * ``report_version``: make ``/model_info`` (``/weight_info``) report this instead of the truth;
 * ``running``: requests in flight (a pause decides what happens to them);
 * ``restart()``: stop (in-flight calls are cut) and start on the same port with fresh state,
@@ -23,6 +24,7 @@ Control from a test:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Awaitable, Callable
@@ -70,6 +72,7 @@ class _Fault:
     times: int
     drop: bool = False  # close the connection without an answer (a dying server)
     hold: asyncio.Event | None = None  # answer only once the test sets it
+    flood: bool = False  # answer ``status`` with a body that never ends (not a server's own URL)
 
 
 @dataclass
@@ -190,8 +193,9 @@ class FakeServer:
         times: int = 1,
         drop: bool = False,
         hold: asyncio.Event | None = None,
+        flood: bool = False,
     ) -> None:
-        fault = _Fault(status, message, delay, times, drop, hold)
+        fault = _Fault(status, message, delay, times, drop, hold, flood)
         self._faults.setdefault(path, []).append(fault)
 
     def endpoints(self, *, authorized_only: bool = True) -> list[str]:
@@ -239,6 +243,8 @@ class FakeServer:
             if fault.drop and request.transport is not None:
                 request.transport.abort()
                 return web.Response()
+            if fault.flood:
+                return await _flood(request, fault.status or 200)
             if fault.status is not None:
                 return _json({"success": False, "message": fault.message}, fault.status)
         request[BODY] = body
@@ -250,6 +256,17 @@ class FakeServer:
     def _abort_all(self) -> None:
         self.aborted += self.running + self.waiting
         self.running = self.waiting = 0
+
+
+async def _flood(request: web.Request, status: int) -> web.StreamResponse:
+    """Answer ``status`` and JSON-looking bytes until the client goes away."""
+    resp = web.StreamResponse(status=status, headers={"Content-Type": "application/json"})
+    await resp.prepare(request)
+    chunk = b'{"weight_version": "' + b"9" * (1 << 20)
+    with contextlib.suppress(ConnectionError):
+        while request.transport is not None and not request.transport.is_closing():
+            await resp.write(chunk)
+    return resp
 
 
 class FakeSGLang(FakeServer):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from receiver.engines import SGLang
 from receiver.engines.http_engine import EngineHTTPError
 from receiver.engines.sglang import CACHE_NOT_FLUSHED
 from receiver.server import StatusServer
-from tests.fake_engines import FAST, FAST_RETRY, Chain, FakeSGLang
+from tests.fake_engines import FAST, FAST_RETRY, Chain, FakeSGLang, ServerThread, publish_chain
 
 ADMIN = "admin-key-0123456789"
 USER = "user-key-0123456789"
@@ -395,3 +397,46 @@ async def test_a_full_version_whose_move_into_place_fails_withdraws_the_ack(
             assert acked(chain) is None and engine.state.version is None  # was: 0, 0
             assert await agent.sync_once() == v
             assert acked(chain) == v and srv.weight_version == str(v)
+
+
+async def test_an_answer_that_never_ends_is_refused_at_the_cap_not_held_to_the_deadline(
+    chain: Chain, tmp_path: Path
+) -> None:
+    """Found by attack (forty-third session): a server answering a body that never ends (the
+    URL of something else, a proxy's stream) was read into memory until the call's deadline
+    (6 GB in the 30 s of a control call on a loopback), then called "no answer". Now the
+    answer is refused once it passes MAX_ANSWER_BYTES, saying so; the version is not acked,
+    and the next sync, answered as a server does, applies it."""
+    async with FakeSGLang() as srv:
+        agent = agent_for(chain, engine_for(srv, tmp_path / "ckpt"))
+        async with agent:
+            await chain.next()
+            assert await agent.sync_once() == 0
+            await chain.next()
+            srv.inject("/update_weights_from_disk", status=200, flood=True)
+            with pytest.raises(ApplyFailed, match=r"the answer passed 67,108,864 bytes") as err:
+                await agent.sync_once()
+            assert "server's own URL" in str(err.value)
+            assert acked(chain) == 0 and srv.weight_version == "0"
+            assert not srv.paused  # resumed after the refused reload
+            assert await agent.sync_once() == 1
+            assert acked(chain) == 1 and srv.weight_version == "1"
+
+
+def test_a_receiver_whose_server_answers_without_end_stops_with_one_line(tmp_path: Path) -> None:
+    """The same on a real receiver process at start: its ready path answered without end is a
+    clear, final error (exit 1, one line), not a process growing until the deadline."""
+    publish_chain(tmp_path / "root", 1)
+    with ServerThread(FakeSGLang()) as srv:
+        srv.inject("/model_info", status=200, flood=True, times=100)
+        proc = subprocess.run(
+            [sys.executable, "-m", "receiver.cli", "--root", str(tmp_path / "root"),
+             "--engine-id", "e1", "--checkpoint", str(tmp_path / "c"), "--once",
+             "--sglang-url", srv.url],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "GET /model_info: HTTP 200: the answer passed 67,108,864 bytes" in last, last
+    assert srv.url in last

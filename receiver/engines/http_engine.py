@@ -11,6 +11,8 @@
 * ``Authorization: Bearer <key>`` on every call when a key is given; with an admin key as well
   (SGLang's ``--admin-api-key``), the calls marked ``admin=True`` carry that one instead. A key
   never appears in a log line, an error message or a ``repr``;
+* an answer is read up to :data:`MAX_ANSWER_BYTES`: one that passes it is an error at once, not
+  a body held in memory until the deadline;
 * every failure is an :class:`EngineHTTPError` (an :class:`~asyncsync.errors.ApplyFailed`)
   carrying the endpoint, the HTTP status and the server's own message, with a hint for the
   statuses an operator can act on (401/403: the key; 404: the server version or mode).
@@ -21,6 +23,8 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
+import contextlib
 import json
 import logging
 import math
@@ -40,6 +44,12 @@ __all__ = ["EngineHTTPError", "EngineNotUp", "HttpClient", "RetryPolicy", "Timeo
 logger = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 600  # characters of a server's error body kept in an exception
+
+#: the most bytes of one answer read from a server: the largest a server of ours sends is a
+#: vLLM audit's checksums (about 150 bytes a tensor: 15 MB for 100,000 tensors); a server that
+#: answers more (an endless stream: not the server's own URL) is refused once it passed this,
+#: rather than held in memory until the call's deadline (6 GB in 30 s on a loopback)
+MAX_ANSWER_BYTES = 64 << 20
 
 
 class EngineHTTPError(ApplyFailed):
@@ -208,9 +218,12 @@ class HttpClient:
         retry: RetryPolicy | None = None,
         connect_timeout: float = 10.0,
         name: str = "engine",
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ):
         self.url = check_url(url)
         check_seconds("HttpClient: connect_timeout", connect_timeout, above=True)
+        check_number("HttpClient: max_answer_bytes", max_answer_bytes, integer=True, minimum=1)
+        self.max_answer_bytes = max_answer_bytes
         self.retry = retry or RetryPolicy()
         self.connect_timeout = connect_timeout
         self.name = name
@@ -333,8 +346,9 @@ class HttpClient:
                     allow_redirects=False,
                 ) as resp:
                     status = resp.status
-                    body = await resp.text(errors="replace")
-                self._answered()
+                    data = await _read_capped(resp, self.max_answer_bytes)
+                    charset = _charset(resp)
+                self._answered()  # (closed unread past the cap: a connection not reused)
             except TimeoutError as exc:  # aiohttp's timeouts subclass TimeoutError
                 err = EngineHTTPError(
                     f"{self.name} {endpoint}: no answer within {timeout:g}s",
@@ -355,6 +369,15 @@ class HttpClient:
                 if attempt == attempts:
                     raise err from exc
             else:
+                if data is None:  # the same again on a retry: refused at once
+                    raise EngineHTTPError(
+                        f"{self.name} {endpoint}: HTTP {status}: the answer passed "
+                        f"{self.max_answer_bytes:,} bytes, more than a {self.name} server sends:"
+                        f" is {self.url} the server's own URL?",
+                        endpoint=endpoint,
+                        status=status,
+                    )
+                body = data.decode(charset, errors="replace")
                 if status < 300:
                     return _decode(body)
                 msg = _server_message(body)
@@ -430,6 +453,28 @@ def _bearer(key: str | None, what: str) -> str | None:
     if not key or any(c.isspace() for c in key):
         raise ConfigError(f"the {what} must be non-empty and contain no whitespace")
     return f"Bearer {key}"
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body of ``resp``, or None once it passes ``limit`` bytes (by its Content-Length, or
+    as it arrives: the rest is never read)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _charset(resp: aiohttp.ClientResponse) -> str:
+    """The answer's declared charset when Python knows it, else UTF-8 (JSON's)."""
+    with contextlib.suppress(LookupError, ValueError):
+        return codecs.lookup(resp.charset or "utf-8").name
+    return "utf-8"
 
 
 def _decode(body: str) -> Any:
