@@ -9,7 +9,8 @@
                         a restarted SGLang is not ready until the receiver reloaded it:
                         the readiness gate of the inference container. With an auditor,
                         also 503 from a served-bytes mismatch until it is repaired. Serving
-                        nothing, the body names the last sync's error (``error``)
+                        nothing, the body names the last sync's error (``error``); a root
+                        it cannot read (permissions, a stale NFS handle): 503 saying so
 ``GET /status``         JSON: engine id, applied version, newest version seen, lag, last
                         error, the version in flight and its progress, counters, the
                         audit's last result (``audit``)
@@ -402,14 +403,20 @@ class StatusServer:
             why = f"starting: {self.starting}"
             return web.json_response({"ready": False, "serving": None, "why": why}, status=503)
         agent = self.agent
-        latest = await self._latest()
+        unreadable: str | None = None
+        try:
+            latest = await self._latest()
+        except OSError as exc:  # its permissions changed, a stale NFS handle: the newest unknown
+            latest, unreadable = None, f"cannot read the root {agent.root}: {exc}"
         try:
             async with asyncio.timeout(self.ready_timeout):
                 serving = await agent.engine.serving_version()
         except TimeoutError:
             serving = None
         body: dict[str, Any] = {"serving": serving, "latest": latest}
-        if latest is None:
+        if unreadable is not None:
+            body.update(ready=False, why=unreadable)
+        elif latest is None:
             body.update(ready=False, why="nothing committed yet")
         elif serving is None:
             body.update(ready=False, why="the engine serves no version the receiver applied")

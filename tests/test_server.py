@@ -570,3 +570,59 @@ async def test_resolving_the_status_host_does_not_stall_the_event_loop(
         assert server.url == f"http://slow.test:{server.port}"
     finally:
         await server.stop()
+
+
+async def test_readyz_says_why_when_the_root_cannot_be_read(shared_tmp: Path) -> None:
+    """Found by attack (forty-third session): a receiver process (as nobody) whose root became
+    unreadable (its mode changed, on NFS a stale handle) answered each /readyz with aiohttp's
+    500 "Server got itself in trouble" and logged a traceback per probe. Now 503 saying why,
+    no traceback; ready again once the root reads."""
+    tmp_path = shared_tmp
+    root = tmp_path / "root"
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(mixed_state(0))
+    (tmp_path / "c").mkdir()
+    for d in (root, root / "acks", root / "leases", tmp_path / "c"):
+        d.mkdir(exist_ok=True)
+        d.chmod(0o777)
+    port = free_port()
+    log = tmp_path / "receiver.log"
+    url = f"http://127.0.0.1:{port}/readyz"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.as_user", "65534", "65534", "receiver.cli",
+             "--root", str(root), "--engine-id", "e1", "--checkpoint", str(tmp_path / "c"),
+             "--status-port", str(port), "--poll-interval", "0.2", "--force-polling"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def ready() -> tuple[int, Any]:
+                async with http.get(url) as resp:
+                    return resp.status, await resp.json()
+
+            async def answers(status: int) -> bool:
+                with contextlib.suppress(aiohttp.ClientError):
+                    return (await ready())[0] == status
+                return False
+
+            await eventually_async(lambda: answers(200), "ready at v0", timeout=120)
+            root.chmod(0o700)  # nobody can no longer read it
+            status, body = await ready()
+            assert status == 503, (status, body)  # was 500, text/plain
+            assert body["ready"] is False and body["serving"] == 0, body
+            assert body["why"].startswith(f"cannot read the root {root}: "), body
+            assert "Permission denied" in body["why"], body
+            root.chmod(0o777)
+            await eventually_async(lambda: answers(200), "ready again")
+    finally:
+        root.chmod(0o777)
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text and "Error handling request" not in text, text[-3000:]
