@@ -210,6 +210,39 @@ def test_a_log_over_the_limit_is_one_line_for_tail_and_skipped_by_inspect(
     assert err.startswith("asyncsync inspect: skipped the log:") and "268435456" in err, err
 
 
+@pytest.mark.parametrize("damage", ["fifo", "directory", "symlink", "unreadable"])
+def test_a_log_that_cannot_be_read_is_skipped_by_inspect(
+    root: Path, shared_tmp: Path, damage: str
+) -> None:
+    """Found by attack (forty-third session): a log.jsonl that is a FIFO, a directory or a
+    symlink, or that the operator may not read, made `asyncsync inspect ROOT` fail as a whole
+    (exit 1) although every manifest reads, while a log too large to read was skipped: each
+    is now skipped with one line, and the versions listed from their manifests (a real
+    process; "unreadable" as nobody)."""
+    copy = shared_tmp / "copy"
+    shutil.copytree(root, copy)
+    log = copy / "log.jsonl"
+    if damage != "unreadable":
+        log.unlink()
+    if damage == "fifo":
+        os.mkfifo(log)
+    elif damage == "directory":
+        log.mkdir()
+    elif damage == "symlink":
+        log.symlink_to("/dev/zero")
+    else:
+        log.chmod(0)
+    head = [sys.executable, "-m", "tests.as_user", "65534", "65534", "asyncsync.ops.cli"]
+    r = subprocess.run(
+        [*head, "inspect", str(copy)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in r.stdout.splitlines()[1:]] == ["0", "1", "2", "3"]
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("asyncsync inspect: skipped the log: "), err
+    assert str(log) in err[0], err
+
+
 def test_tail_and_inspect_escape_control_characters_from_the_root(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

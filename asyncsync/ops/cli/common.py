@@ -127,12 +127,13 @@ def version_summaries(
     The log is cheap to read; manifests are read only for versions it lacks (a torn last line,
     a lost append), and log lines of versions no longer on disk are dropped. A manifest that
     cannot be read gives ``{"version", "kind": "bad", "error"}``: the others are still listed.
-    A log that cannot be read whole (larger than ``MAX_LOG_BYTES``) is skipped, one line to
-    ``notice`` saying so: every version is then read from its manifest.
+    A log that cannot be read whole (larger than ``MAX_LOG_BYTES``, not a regular file, not
+    readable by this user) is skipped, one line to ``notice`` saying so: every version is then
+    read from its manifest.
     """
     try:
         log = read_log(root)
-    except FormatError as exc:
+    except (FormatError, OSError) as exc:
         if notice is not None:
             notice(f"skipped the log: {exc}; versions listed from their manifests")
         log = []
