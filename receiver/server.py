@@ -28,7 +28,8 @@ is an explicit decision. The token is compared in constant time and never logged
 reach the port must not be able to starve the receiver of file descriptors: at most
 ``max_connections`` are open at once (more are closed as soon as they are accepted), and a
 connection that has not sent a complete request ``header_timeout`` seconds after it opened or
-after its last response is closed (slow or idle clients).
+after its last response is closed (slow or idle clients), and so is one whose answers could
+not be sent for ``header_timeout`` (a client that sends requests and reads no answer).
 """
 
 from __future__ import annotations
@@ -126,11 +127,15 @@ class _AgentCollector(Collector):
 
 class _Capped(asyncio.Protocol):
     """The HTTP protocol of one connection, or nothing when the server is full: a connection
-    past the cap is closed the moment it is accepted, so its descriptor is freed at once."""
+    past the cap is closed the moment it is accepted, so its descriptor is freed at once. One
+    whose client reads no answer (its answers wait unsent: pipelined requests, never read)
+    is closed once writing to it has stalled for the runner's ``stall_timeout``."""
 
     def __init__(self, runner: _CappedRunner, inner: asyncio.Protocol) -> None:
         self.runner = runner
         self.inner: asyncio.Protocol | None = inner
+        self.transport: asyncio.Transport | None = None
+        self.stall: asyncio.TimerHandle | None = None  # while writing is paused
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         r = self.runner
@@ -146,9 +151,12 @@ class _Capped(asyncio.Protocol):
             cast(asyncio.Transport, transport).abort()
             return
         r.open += 1
+        self.transport = cast(asyncio.Transport, transport)
         self.inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._unstall()
+        self.transport = None
         if self.inner is not None:
             self.runner.open -= 1
             self.inner.connection_lost(exc)
@@ -164,10 +172,32 @@ class _Capped(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.inner is not None:
             self.inner.pause_writing()
+            if self.stall is None and self.transport is not None:
+                loop = asyncio.get_running_loop()
+                self.stall = loop.call_later(self.runner.stall_timeout, self._stalled)
 
     def resume_writing(self) -> None:
+        self._unstall()
         if self.inner is not None:
             self.inner.resume_writing()
+
+    def _unstall(self) -> None:
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+
+    def _stalled(self) -> None:
+        self.stall = None
+        r = self.runner
+        r.stalled += 1
+        if time.monotonic() - r.stall_warned > 60:
+            r.stall_warned = time.monotonic()
+            logger.warning(
+                "status port: closed a connection whose client read no answer for %gs (%d so "
+                "far)", r.stall_timeout, r.stalled,
+            )  # fmt: skip
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class _HttpLog:
@@ -205,12 +235,17 @@ class _HttpLog:
 class _CappedRunner(web.AppRunner):
     """An AppRunner whose sites take at most ``max_connections`` connections at once."""
 
-    def __init__(self, app: web.Application, *, max_connections: int, **kwargs: Any) -> None:
+    def __init__(
+        self, app: web.Application, *, max_connections: int, stall_timeout: float, **kwargs: Any
+    ) -> None:
         super().__init__(app, **kwargs)
         self.max_connections = max_connections
+        self.stall_timeout = stall_timeout
         self.open = 0
         self.refused = 0
         self.warned = 0.0
+        self.stalled = 0
+        self.stall_warned = -float("inf")
 
     @property
     def server(self) -> Any:  # the protocol factory the sites listen with
@@ -343,6 +378,7 @@ class StatusServer:
         self._runner = _CappedRunner(
             app,
             max_connections=self.max_connections,
+            stall_timeout=self.header_timeout,
             access_log=None,
             keepalive_timeout=self.header_timeout,
             logger=_HttpLog(),

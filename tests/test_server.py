@@ -192,6 +192,33 @@ async def test_slow_and_excess_connections_are_closed(tmp_path: Path) -> None:
             assert resp.status == 200
 
 
+async def test_clients_that_read_no_answer_are_closed(tmp_path: Path) -> None:
+    """Found by attack (forty-third session): a client that pipelines requests and never reads
+    the answers kept its connection for good (the idle timeout runs only between requests,
+    and its answers waited unsent), so 64 of them shut the status port (a liveness probe
+    then fails) with no effort. Now a connection whose answers cannot be sent for
+    ``header_timeout`` is closed, and the port answers again."""
+    agent = ReceiverAgent(tmp_path / "root", LocalCheckpoint(tmp_path / "c"), "e1")
+    async with StatusServer(agent, max_connections=4, header_timeout=0.5) as server:
+        readers = []
+        for _ in range(4):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", server.port))
+            with contextlib.suppress(BlockingIOError):
+                s.send(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n" * 20000)
+            readers.append(s)
+        try:
+            await eventually(lambda: server.open_connections == 4, "the 4 readers counted")
+            await eventually(lambda: server.open_connections == 0, "the readers closed")
+            async with aiohttp.ClientSession() as http, http.get(f"{server.url}/healthz") as r:
+                assert r.status == 200
+        finally:
+            for s in readers:
+                s.close()
+
+
 async def test_a_flood_of_idle_connections_never_stops_a_receiver_process(tmp_path: Path) -> None:
     """Finding 8, on a real receiver process limited to 1,024 descriptors: 1,100 idle
     unauthenticated connections to its status port. On today's main it logged "Too many open
