@@ -440,3 +440,21 @@ def test_a_receiver_whose_server_answers_without_end_stops_with_one_line(tmp_pat
     last = proc.stderr.strip().splitlines()[-1]
     assert "GET /model_info: HTTP 200: the answer passed 67,108,864 bytes" in last, last
     assert srv.url in last
+
+
+async def test_the_wait_for_a_server_that_never_answers_ends_at_its_deadline() -> None:
+    """Found by attack (forty-third session): ``--engine-startup-timeout 3`` against a server
+    that takes connections and answers nothing ended after 34 s ("did not come up within 3s"):
+    each call of the wait ran its own 30 s. A call of the wait now ends at the deadline."""
+    from receiver.engines.http_engine import EngineNotUp, HttpClient
+
+    async with FakeSGLang() as srv:
+        srv.inject("/model_info", status=None, hold=asyncio.Event())  # never answered
+        client = HttpClient(srv.url, retry=FAST_RETRY, name="sglang")
+        try:
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(EngineNotUp, match=r"did not come up within 0\.5s"):
+                await client.wait_until_up("/model_info", deadline=0.5, call_timeout=30)
+            assert asyncio.get_running_loop().time() - t0 < 5  # was 30
+        finally:
+            await client.close()

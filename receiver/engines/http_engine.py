@@ -405,13 +405,15 @@ class HttpClient:
 
     async def wait_until_up(self, path: str, *, deadline: float, call_timeout: float) -> Any:
         """GET ``path`` until it answers 2xx (server starting: connection refused, 5xx) or
-        ``deadline`` seconds pass; a 4xx is final at once. Returns the decoded answer."""
+        ``deadline`` seconds pass; a 4xx is final at once. Returns the decoded answer. A call
+        waits ``call_timeout`` at most, and never past the deadline."""
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline
         delay = self.retry.initial or 0.1
         while True:
+            timeout = min(call_timeout, max(end - loop.time(), 0.001))
             try:
-                return await self.request("GET", path, timeout=call_timeout, retries=False)
+                return await self.request("GET", path, timeout=timeout, retries=False)
             except EngineHTTPError as exc:
                 if exc.status is not None and exc.status < 500:
                     raise
