@@ -458,3 +458,36 @@ async def test_the_wait_for_a_server_that_never_answers_ends_at_its_deadline() -
             assert asyncio.get_running_loop().time() - t0 < 5  # was 30
         finally:
             await client.close()
+
+
+@pytest.mark.parametrize("status", [200, 500])
+async def test_an_answer_nested_past_the_parsers_depth_is_an_engine_error(
+    status: int, tmp_path: Path
+) -> None:
+    """Found by attack (forty-third session): a server answering ``[[[[...`` (200,000 deep)
+    ended the receiver with "RecursionError: maximum recursion depth exceeded while decoding a
+    JSON array", no endpoint nor server named. Now such an answer is text: an error of the
+    engine that names the call (a 2xx: not the object expected; a 5xx: its start quoted)."""
+    from aiohttp import web
+
+    async def deep(_request: web.Request) -> web.Response:
+        return web.Response(status=status, body=b"[" * 200_000, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/model_info", deep)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    engine = SGLang(f"http://127.0.0.1:{port}", tmp_path / "c", retry=FAST_RETRY, timeouts=FAST)
+    try:
+        with pytest.raises(EngineHTTPError, match=r"sglang GET /model_info: ") as err:
+            await engine.served_version()
+        assert "RecursionError" not in str(err.value)
+        assert ("expected a JSON object, got str" if status == 200 else "HTTP 500: [[[") in str(
+            err.value
+        )
+    finally:
+        await engine.client.close()
+        await runner.cleanup()

@@ -161,7 +161,7 @@ def _server_message(body: str) -> str:
     """The human part of an error body: JSON ``message``/``error``/``detail``, else the text."""
     try:
         d = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the parser's depth: no server's)
         d = None
     if isinstance(d, dict):
         for key in ("message", "error", "detail"):
@@ -484,5 +484,5 @@ def _decode(body: str) -> Any:
         return None
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested past the parser's depth)
         return body  # some endpoints answer plain text ("OK"); callers check what they need
