@@ -581,3 +581,58 @@ async def test_a_tensor_subclass_without_plain_memory_is_a_config_error(
         if dist.is_initialized():
             dist.destroy_process_group()
     assert list_versions(root) == [0]
+
+
+@pytest.mark.parametrize("step", ["lock", "clean_leftovers"])
+async def test_an_open_cancelled_in_a_step_holds_no_lock_and_leaves_no_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """``open()`` takes the root's lock and removes leftovers in threads. Cancelled meanwhile
+    (``asyncio.timeout`` around it on a slow network root), it returned while the lock's thread
+    went on and took the lock: every other publisher was refused (LockHeld) until this process
+    ended, and this one, reopened, said it was open at version 0 of run '' and refused every
+    seed ("v0 is already committed"). A cancel during the clean-up released the lock while its
+    thread still removed directories (a publisher opening meanwhile could lose its version
+    directory). Both wait for their thread now; the lock is free and a reopen publishes on."""
+    from asyncsync.fsio import FileLock
+    from asyncsync.publish import commit
+
+    root = tmp_path / "root"
+    sd = mixed_state(0)
+    async with Publisher(root) as pub:
+        await pub.seed(sd)
+        await pub.publish(mutate(sd, 0.05, seed=1))
+    started, release, done = threading.Event(), threading.Event(), threading.Event()
+    real = FileLock.acquire if step == "lock" else commit.clean_leftovers
+
+    def slow(*a: Any) -> Any:  # a slow network filesystem
+        started.set()
+        release.wait(10)
+        try:
+            return real(*a)
+        finally:
+            done.set()
+
+    if step == "lock":
+        monkeypatch.setattr(FileLock, "acquire", slow)
+    else:
+        monkeypatch.setattr(commit, "clean_leftovers", slow)
+    pub = Publisher(root)
+    task = asyncio.create_task(pub.open())
+    await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert done.is_set()  # the cancel came out once the thread had ended
+    monkeypatch.undo()
+    async with Publisher(root) as other:  # the lock is free
+        assert other.version == 1
+    await pub.open()
+    try:
+        assert (pub.version, pub.run_id) == (1, read_manifest(root, 1).run_id)
+        assert (await pub.seed(sd)).version == 2
+    finally:
+        await pub.close()
+    assert list_versions(root) == [0, 1, 2]

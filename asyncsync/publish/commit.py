@@ -97,13 +97,18 @@ async def open_root(root: Path, lock: FileLock, committer: Opener) -> tuple[str,
     """Make ``root``, take ``lock``, and (the committer) create the root's record, remove what
     interrupted publishes left and finish the commits a kill interrupted; open ``committer``.
     Returns ``(run_id, committed versions, next version)``, the lock held; on an error the
-    lock is released (ConfigError for an OSError, LockHeld when another publisher holds it)."""
+    lock is released (ConfigError for an OSError, LockHeld when another publisher holds it).
+    Each step's thread is waited for when cancelled (a lock taken by a thread the caller no
+    longer awaited stayed held: other publishers refused, this one opened at version 0)."""
     try:
-        await asyncio.to_thread(make_dir, root, parents=True, exist_ok=True)
-        acquired = await asyncio.to_thread(lock.acquire)
+        await finish_thread(functools.partial(make_dir, root, parents=True, exist_ok=True))
+        acquired = await finish_thread(lock.acquire)
     except OSError as exc:
         fix = _ROOT_FIXES.get(exc.errno or 0, "pass a directory this process can write")
         raise ConfigError(f"cannot open the root {root}: {exc}; {fix}") from exc
+    except BaseException:  # cancelled: the thread has ended, and may have taken the lock
+        lock.release()
+        raise
     if not acquired:
         raise LockHeld(
             f"another publisher holds {lock.path} ({lock.holder()}); one publisher per root"
@@ -112,12 +117,12 @@ async def open_root(root: Path, lock: FileLock, committer: Opener) -> tuple[str,
     try:
         # only the committer creates the root or removes leftovers: other ranks may be
         # writing into an uncommitted version directory right now
-        info = await asyncio.to_thread(ensure_root_info if is_committer else read_root_info, root)
+        info = await finish_thread(ensure_root_info if is_committer else read_root_info, root)
         run_id = info.run_id if info is not None else ""
-        if is_committer:
-            await asyncio.to_thread(clean_leftovers, root)
-            await asyncio.to_thread(finish_interrupted, root)
-        versions = await asyncio.to_thread(list_versions, root)
+        if is_committer:  # (its lock released only once these threads are done)
+            await finish_thread(clean_leftovers, root)
+            await finish_thread(finish_interrupted, root)
+        versions = await finish_thread(list_versions, root)
         nxt = next_version_after(root, versions)  # (the lock is released below)
         await committer.open(root, versions[-1] if versions else None, lock)
     except OSError as exc:  # e.g. fsio.UnsafePath: a symlink where .rendezvous/ should be
