@@ -137,6 +137,8 @@ async def test_publish_needs_seed_and_validates(tmp_path: Path) -> None:
         {"zstd_level": True},
         {"delta_shard_bytes": 2.0},
         {"mode": None},
+        {"pipelined": "no"},  # (was taken as True: it ran pipelined)
+        {"pipelined": None},
     ):
         name = next(iter(bad))
         with pytest.raises(ConfigError, match=name):

@@ -87,6 +87,7 @@ def check_options(
     retention: Any,
     coordinator: Any,
     producer: Any = None,
+    pipelined: Any = True,
 ) -> None:
     """Raise ConfigError for the first option out of its range or of the wrong type (see
     Publisher's Args)."""
@@ -114,6 +115,8 @@ def check_options(
     if not isinstance(encoding, str) or encoding not in codec.ENCODINGS:
         raise ConfigError(f"encoding {encoding!r} unknown; use one of {codec.ENCODINGS}")
     new_hasher(checksum)  # raises ConfigError for an unknown algorithm
+    if not isinstance(pipelined, bool):  # "no" ran pipelined, as keyframe="no" was a keyframe
+        raise ConfigError(f"pipelined must be True or False, got {pipelined!r}")
     if max_in_flight < 1:
         raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if not isinstance(mode, str) or mode not in ("delta", "full"):

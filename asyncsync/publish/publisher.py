@@ -159,6 +159,7 @@ class Publisher:
             delta_shard_bytes=delta_shard_bytes, max_in_flight=max_in_flight, mode=mode,
             keyframe_interval=keyframe_interval, zstd_level=zstd_level, producer=producer,
             pre_commit_hook=pre_commit_hook, retention=retention, coordinator=coordinator,
+            pipelined=pipelined,
         )  # fmt: skip
         self.root = Path(root)
         self.encoding = encoding
