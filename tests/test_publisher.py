@@ -362,6 +362,74 @@ async def test_cancelled_publish_leaves_nothing(
         assert (await pub.publish(mutate(sd0, 0.1, seed=2))).version == 1
 
 
+@pytest.mark.parametrize("during", ["the snapshot's revert", "the directory's removal"])
+async def test_a_publish_cancelled_again_while_it_undoes_returns_once_undone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, during: str
+) -> None:
+    """A cancelled publish undoes its version in threads: the snapshot's revert, the removal of
+    the version's directory. A second cancel meanwhile (a timeout and a shutdown, a task
+    group's abort) came out at once while the thread went on: the next publish diffed against
+    a snapshot the revert was still rewriting, and v1, v2 and every delta after them failed
+    their checksum on every engine (held at v0 until a keyframe); the removal raced the next
+    publish's claim of the same directory. The undo now ends before the cancel comes out."""
+    import threading
+    import time
+
+    from asyncsync import fsio
+
+    root = tmp_path / "root"
+    sd0 = mixed_state(0, scale=4)
+    sd1, sd2 = mutate(sd0, 0.3, seed=1), mutate(sd0, 0.3, seed=2)
+    sd3 = mutate(sd2, 0.3, seed=3)
+    started, undoing, undone = threading.Event(), threading.Event(), threading.Event()
+    real_encode, real_revert, real_remove = shards.encode_bucket, snapshot.UndoLog.revert, None
+
+    def slow_encode(*a: Any, **k: Any) -> shards.EncodedBucket:
+        started.set()
+        time.sleep(0.05)
+        return real_encode(*a, **k)
+
+    def slow(real: Any) -> Any:
+        def undo(*a: Any, **k: Any) -> Any:
+            undoing.set()
+            time.sleep(0.3)
+            try:
+                return real(*a, **k)
+            finally:
+                undone.set()
+
+        return undo
+
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        monkeypatch.setattr("asyncsync.publish.publisher.encode_bucket", slow_encode)
+        if during == "the snapshot's revert":
+            monkeypatch.setattr(snapshot.UndoLog, "revert", slow(real_revert))
+        else:
+            real_remove = fsio.remove_tree
+            monkeypatch.setattr(fsio, "remove_tree", slow(real_remove))
+        task = asyncio.create_task(pub.publish(sd1))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        assert await asyncio.to_thread(undoing.wait, 10)
+        task.cancel()  # again, while it undoes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert undone.is_set()
+        assert list_versions(root) == [0] and not (root / "v000000000001").exists()
+        monkeypatch.undo()
+        assert (await pub.publish(sd2)).version == 1
+        assert (await pub.publish(sd3)).version == 2
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+
+    ckpt = LocalCheckpoint(tmp_path / "ckpt")
+    async with ReceiverAgent(root, ckpt, "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 2
+    held = ckpt.load_state_dict()
+    assert all(same_bytes(held[k], v) for k, v in sd3.items())
+
+
 async def test_leftovers_of_a_crashed_publisher_are_removed(tmp_path: Path) -> None:
     async with Publisher(tmp_path) as pub:
         await pub.seed(mixed_state(0))

@@ -286,7 +286,7 @@ async def discard(vdir: Path, exc: BaseException, version: int, stage: str) -> N
             if fsio.lstat(vdir / MANIFEST_NAME, root=vdir.parent) is None:
                 fsio.remove_tree(vdir, root=vdir.parent)
 
-    await asyncio.shield(asyncio.to_thread(remove))
+    await finish_thread(remove)  # to its end, however often cancelled: a retry claims vdir
     err = first_error(exc)
     if not isinstance(err, Exception) or isinstance(err, ConfigError):
         raise err

@@ -473,7 +473,7 @@ async def _remove_uncommitted(vdir: Path) -> None:
         with contextlib.suppress(OSError):  # never through a symlink (fsio)
             fsio.remove_tree(vdir, root=vdir.parent)
 
-    await asyncio.shield(asyncio.to_thread(remove))
+    await finish_thread(remove)  # to its end, however often cancelled: a retry claims vdir
 
 
 def _remove_unnamed(vdir: Path, m: Manifest) -> None:

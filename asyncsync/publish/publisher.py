@@ -502,7 +502,7 @@ class Publisher:
         except BaseException:
             self._progress = None
             if advanced and not self._renamed:  # unless committed after all: then it is right
-                await asyncio.shield(asyncio.to_thread(advanced.revert, vdir))
+                await finish_thread(advanced.revert, vdir)  # (to its end, however cancelled)
             raise
         self._cancel_after_commit |= cancelled
         # Committed: from here on the version exists for readers.

@@ -383,7 +383,7 @@ class FileRendezvous(RoundRules, Coordinator):
                 with contextlib.suppress(OSError):
                     data = json.dumps(record).encode()
                     write = partial(atomic_write, self._path(step), data, root=self.root)
-                    await asyncio.shield(asyncio.to_thread(write))
+                    await finish_thread(write)
         record = self._plan_record(rkey, chained, nonces, result) if plan else {
             "group": self._group, "job": self.job, "key": rkey, "id": None, "nonces": nonces,
             "body": result}  # fmt: skip
