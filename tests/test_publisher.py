@@ -657,6 +657,62 @@ async def test_cancel_after_the_manifest_rename_keeps_the_version(
         assert same_bytes(held[k], v), k
 
 
+async def test_a_second_cancel_while_it_checks_the_rename_keeps_the_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel during the manifest's write waits for it, then looks whether the rename took
+    place. A second cancel during that look came out at once: v1 committed in the root, the
+    publisher still at v0, and every later publish failed ("version 1 is already committed")
+    until it was reopened and seeded again. The look now ends whatever comes meanwhile."""
+    import threading
+    import time
+
+    from asyncsync import fsio
+
+    sd0 = mixed_state(0)
+    sd1, sd2 = mutate(sd0, 0.05, seed=1), mutate(mutate(sd0, 0.05, seed=1), 0.05, seed=2)
+    writing, looking = threading.Event(), threading.Event()
+    real_write, real_lstat = fsio.atomic_write, fsio.lstat
+
+    def slow_write(path: Path, data: bytes, **kw: Any) -> int:
+        n = real_write(path, data, **kw)
+        if path.name == MANIFEST_NAME and path.parent.name == "v000000000001":
+            writing.set()
+            time.sleep(0.3)  # renamed; the first cancel comes now
+        return n
+
+    def slow_lstat(path: Any, **kw: Any) -> Any:
+        if writing.is_set() and Path(path).name == MANIFEST_NAME:
+            looking.set()
+            time.sleep(0.3)  # the second cancel comes now
+        return real_lstat(path, **kw)
+
+    async with Publisher(tmp_path, keyframe_interval=0) as pub:
+        await pub.seed(sd0)
+        monkeypatch.setattr("asyncsync.publish.commit.atomic_write", slow_write)
+        monkeypatch.setattr(fsio, "lstat", slow_lstat)
+        task = asyncio.create_task(pub.publish(sd1))
+        assert await asyncio.to_thread(writing.wait, 10)
+        task.cancel()
+        assert await asyncio.to_thread(looking.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        monkeypatch.undo()
+        assert list_versions(tmp_path) == [0, 1]
+        assert pub.version == 1
+        r = await pub.publish(sd2)
+        assert (r.version, r.base_version) == (2, 1)
+    from receiver import ReceiverAgent
+    from receiver.engines.checkpoint import LocalCheckpoint
+
+    ckpt = LocalCheckpoint(tmp_path.parent / f"{tmp_path.name}-ckpt")
+    async with ReceiverAgent(tmp_path, ckpt, "e", use_inotify=False) as agent:
+        assert await agent.sync_once() == 2
+    held = ckpt.load_state_dict()
+    assert all(same_bytes(held[k], v) for k, v in sd2.items())
+
+
 @pytest.mark.parametrize("ranked", [False, True])
 async def test_a_cancel_as_the_commit_ends_keeps_the_publisher_at_the_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranked: bool

@@ -240,7 +240,10 @@ async def commit_version(
     try:
         await finish_thread(write)
     except asyncio.CancelledError:
-        if not await asyncio.to_thread(exists):
+        # to its end, however often cancelled: a second cancel here left a committed version
+        # the publisher took for undone (every later publish: "already committed")
+        renamed, _ = await complete(asyncio.to_thread(exists))
+        if not renamed:
             raise  # the rename did not happen: nothing is committed
         return True  # committed: finish the bookkeeping, then cancel
     # The rename is done: the version exists for readers, whatever happens next.
