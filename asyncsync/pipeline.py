@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import inspect
 import logging
 import os
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, MutableMapping, Sequence
 from typing import Any, TypeVar
 
-from asyncsync.errors import ConfigError, first_error
+from asyncsync.errors import ConfigError, PublishError, first_error
 
 __all__ = [
     "GlueGate",
@@ -244,11 +245,16 @@ class LoopLock:
     outlives one ``asyncio.run`` (a publisher) could not be contended under the next one. Taken
     while a task of another loop holds it, it raises ``RuntimeError`` (two loops at once is a
     misuse: the object is not thread-safe).
+
+    ``reentered``: taken again by the work that holds it (a task or thread it started: a
+    publisher's pre-commit hook calling ``publish``), it raises PublishError(``reentered``)
+    instead of waiting for itself for ever.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reentered: str = "") -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = asyncio.Lock()
+        self._reentered = reentered
 
     def _current(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -262,10 +268,21 @@ class LoopLock:
         return self._lock.locked()
 
     async def __aenter__(self) -> None:
+        held = _HELD.get()
+        if self._reentered and id(self) in held:
+            raise PublishError(self._reentered)
         await self._current().acquire()
+        _HELD.set(held | {id(self)})  # (seen by the tasks and threads started meanwhile)
 
     async def __aexit__(self, *exc: object) -> None:
+        _HELD.set(_HELD.get() - {id(self)})
         self._lock.release()
+
+
+#: the LoopLocks the running work holds (ids), as its tasks and threads inherit it
+_HELD: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "asyncsync_held_locks", default=frozenset()
+)
 
 
 class LoopTasks:

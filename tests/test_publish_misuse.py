@@ -636,3 +636,37 @@ async def test_an_open_cancelled_in_a_step_holds_no_lock_and_leaves_no_thread(
     finally:
         await pub.close()
     assert list_versions(root) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("call", ["publish", "close", "publish from a sync hook's thread"])
+async def test_a_pre_commit_hook_calling_its_publisher_is_refused_not_hung(
+    tmp_path: Path, call: str
+) -> None:
+    """A pre-commit hook that calls its own publisher (publish the next step, close it) waited
+    for the publish in flight, which waited for the hook: a hang for ever, found by no timeout
+    but the caller's. The call is refused with PublishError naming the cause; nothing is
+    committed and the publisher goes on."""
+    root = tmp_path / "root"
+    sd = mixed_state(0)
+    armed: list[Publisher] = []
+
+    async def hook(vdir: Path) -> None:
+        if armed:
+            pub = armed.pop()
+            await (pub.close() if call == "close" else pub.publish(mutate(sd, 0.1, seed=9)))
+
+    def sync_hook(vdir: Path) -> None:
+        if armed:
+            pub = armed.pop()
+            asyncio.run_coroutine_threadsafe(pub.publish(sd), loop).result(timeout=10)
+
+    loop = asyncio.get_running_loop()
+    threaded = call.endswith("thread")
+    async with Publisher(root, pre_commit_hook=sync_hook if threaded else hook) as pub:
+        await pub.seed(sd)
+        armed.append(pub)
+        async with asyncio.timeout(30):
+            with pytest.raises(PublishError, match="from inside its own call"):
+                await pub.publish(mutate(sd, 0.1, seed=1))
+        assert list_versions(root) == [0]
+        assert (await pub.publish(mutate(sd, 0.1, seed=1))).version == 1

@@ -93,6 +93,7 @@ __all__ = ["PreCommitHook", "PublishResult", "Publisher", "PublisherStats"]
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = lock_name(0)
+REENTERED = "a publisher called from inside its own call (its pre-commit hook?) waits for itself"
 #: (label, done, total) of the publish in flight, or None (asyncsync.console.progress draws it)
 Progress = tuple[str, int, int] | None
 
@@ -183,7 +184,7 @@ class Publisher:
         rank = self._committer.rank
         lock = self.root / lock_name(rank)
         self._lock = FileLock(lock, root=self.root)
-        self._busy = LoopLock()  # not asyncio.Lock: reusable across asyncio.run calls
+        self._busy = LoopLock(REENTERED)  # not asyncio.Lock: reusable across asyncio.run calls
         self._run_id = ""
         self._next_version = 0
         self._last_version: int | None = None
