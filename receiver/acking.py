@@ -32,7 +32,7 @@ from asyncsync.format.acks import AckRecord, read_ack, write_ack
 from asyncsync.format.lease import DEFAULT_LEASE_TTL, EngineLease
 from asyncsync.format.names import LEASES_DIR
 from asyncsync.format.store import not_a_root
-from asyncsync.pipeline import LoopLock
+from asyncsync.pipeline import LoopLock, finish_thread
 from receiver.engines.base import Engine
 
 __all__ = ["RootPresence", "check_root_for_receiver", "not_writable"]
@@ -165,8 +165,8 @@ class RootPresence:
         if not self.lease.held:
             if not await asyncio.to_thread(check_root_for_receiver, self.root):
                 return  # waiting for the publisher: nothing can be acked there yet
-            try:
-                await asyncio.to_thread(self.lease.acquire)
+            try:  # to its end if cancelled: a take the caller no longer awaited stayed held
+                await finish_thread(self.lease.acquire)
             except PermissionError as exc:
                 raise ConfigError(not_writable(self.root, exc.filename or "", exc.errno)) from exc
             self._renewed = time.monotonic()
@@ -184,7 +184,7 @@ class RootPresence:
             raise LockHeld(self.lost)
         self._retried = now
         try:  # one look at the other lease per try: its watch goes on across the tries
-            await asyncio.to_thread(partial(self.lease.acquire, patience=0.0))
+            await finish_thread(partial(self.lease.acquire, patience=0.0))
         except LockHeld:
             raise LockHeld(self.lost) from None
         logger.warning("agent %s: engine id %r taken again: no live receiver holds it now",
@@ -217,7 +217,7 @@ class RootPresence:
         self._renewed = time.monotonic()
 
     async def release(self) -> None:
-        await asyncio.to_thread(self.lease.release)
+        await finish_thread(self.lease.release)
 
     # -- the ack ---------------------------------------------------------------------------
     async def load(self) -> None:

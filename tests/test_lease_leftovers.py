@@ -4,8 +4,10 @@ lease or ack belongs, a pid no process can have."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -124,6 +126,38 @@ async def test_temp_files_of_a_killed_receiver_are_removed_after_the_next_take(
     assert [p.name for p in old if p.exists()] == []
     assert [p.name for p in kept if not p.exists()] == []
     await presence.release()
+
+
+async def test_a_take_cancelled_in_its_thread_is_released_by_the_release_after_it(
+    tmp_path: Path,
+) -> None:
+    """A receiver stopped (its sync cancelled) while its take of the engine id ran in a thread:
+    the cancel came out at once, the release that followed found nothing held, and the thread
+    then took the lease: the id stayed taken by a receiver that had let it go (another one on
+    another host waits out its ttl; in the same process a later agent found it held). Now the
+    cancel waits for the take, so the release after it lets the id go."""
+    root = tmp_path / "root"
+    await _publish(root, 1)
+    presence = RootPresence(
+        root, "e1", LocalCheckpoint(tmp_path / "ck"), lease_ttl=1.0, lease_settle=0.0
+    )
+    acquire, started = presence.lease.acquire, threading.Event()
+
+    def slow_acquire(**kw: float) -> None:
+        started.set()
+        time.sleep(0.3)
+        acquire(**kw)
+
+    presence.lease.acquire = slow_acquire  # type: ignore[method-assign]
+    task = asyncio.create_task(presence.hold())
+    await asyncio.to_thread(started.wait)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await presence.release()
+    time.sleep(0.5)  # (where the take's thread outlived the cancel, it took the lease here)
+    assert not presence.lease.held
+    assert read_lease(root, "e1") is None
 
 
 def test_a_lease_of_a_live_unrelated_process_waits_for_its_ttl(tmp_path: Path) -> None:
