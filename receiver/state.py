@@ -361,7 +361,9 @@ def check_writable(paths: Iterable[Path], top: Path, exc: OSError | None = None)
     that for ever). ``exc``: a write refused where its path is not known (a file opened by its
     name in its directory), whose kind the error tells; else access(2) says it."""
     for p in paths:
-        if os.path.lexists(p) and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0)):
+        # (a dangling symlink: left to the code that refuses it by name, journal/ or staging/;
+        # statvfs through it raised a bare FileNotFoundError)
+        if os.path.exists(p) and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0)):
             if exc is None:
                 ro = os.statvfs(p).f_flag & os.ST_RDONLY
                 exc = OSError(errno.EROFS if ro else errno.EACCES, "refused")

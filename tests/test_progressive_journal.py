@@ -816,6 +816,30 @@ async def test_a_symlinked_journal_dir_is_refused_not_followed(tmp_path: Path) -
     assert sorted(p.name for p in decoy.iterdir()) == ["precious.txt", "sub"]
 
 
+@pytest.mark.parametrize("name", ["journal", "staging", "redo", "state.json"])
+async def test_a_dangling_symlink_in_the_state_directory_is_named_as_one(
+    tmp_path: Path, name: str
+) -> None:
+    """A symlink to nothing at ``journal``, ``staging``, ``redo`` or ``state.json`` (found by
+    attack with a real receiver): the open's writability check followed it into a bare
+    ``FileNotFoundError: ... journal``, and a dangling ``state.json`` was called "no
+    state.json: point the receiver at an empty directory". Each is refused as the symlink it
+    is, as a live one is."""
+    from tests.test_engines import mixed_state
+
+    ck = await init_checkpoint(tmp_path / "c", mixed_state(0))
+    await ck.close()
+    p = tmp_path / "c" / ".asyncsync" / name
+    if p.is_dir():
+        shutil.rmtree(p)
+    elif p.exists():
+        p.unlink()
+    p.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(EngineStateError, match=f"{name} is a symlink"):
+        await LocalCheckpoint(tmp_path / "c").open()
+    assert p.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
 def test_state_progressive_only_while_a_delta_is_applied() -> None:
     """A state marked progressive but clean (the engine never writes one; a hand edit would
     make open skip the journal and trust half-patched bytes) is refused."""

@@ -118,7 +118,7 @@ class Recovery:
                 raise
             raise refused from exc
         no_copy_on_write(self.directory)  # btrfs: the files it gets from now on (and staging/)
-        if not (self._store.directory / STATE_NAME).exists():
+        if not os.path.lexists(self._store.directory / STATE_NAME):  # (a symlink: load names it)
             self.files.refuse_foreign()
         ps = self._store.open()
         rewrite = bool(self._broken) or self._flusher.failed_before()
