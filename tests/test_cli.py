@@ -318,6 +318,38 @@ def test_verify_against_an_older_version_lists_the_changed_tensors(
     assert main(["verify", str(root), "--checkpoint", str(checkpoint), "--version", "2"]) == 0
 
 
+@pytest.mark.parametrize("receiver", ["killed", "running"])
+def test_verify_of_an_apply_its_receiver_left_says_it_is_undone_at_the_next_open(
+    checkpoint: Path, root: Path, receiver: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint whose receiver was killed mid-apply (its state ``applying``, no process
+    holding its lock: found by attack, SIGKILL of a real receiver): verify said "stop its
+    receiver for a stable answer" (it was stopped) and MISMATCH, as if the files were
+    damaged. It now says the apply was interrupted and is rolled back at the next open; while
+    a receiver holds the lock, what it said before."""
+    from receiver.state import STATE_DIR_NAME, StateStore
+
+    store = StateStore(checkpoint / STATE_DIR_NAME)
+    ps = store.open()
+    assert ps is not None and ps.version == 3
+    store.save(ps.begin(4, "delta"))
+    if receiver == "killed":
+        store.close()  # (as a SIGKILL does: the kernel drops the flock)
+    _flip_byte(checkpoint, FLIPPED)  # a position of v4 already written
+    try:
+        assert main(["verify", str(root), "--checkpoint", str(checkpoint)]) == 1
+    finally:
+        store.close()
+    out, err = capsys.readouterr()
+    assert "MISMATCH" in out and "1 of 16 tensors" in out
+    said = "its apply of v4 was interrupted (no receiver holds it)"
+    if receiver == "killed":
+        assert said in out and "rolls them back to v3" in out, out
+        assert "stop its receiver" not in err, err
+    else:
+        assert said not in out + err and "stop its receiver for a stable answer" in err, err
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from asyncsync.errors import ConfigError
 from asyncsync.format.store import read_manifest
+from asyncsync.fsio import FileLock
 from asyncsync.ops.cli.common import check_root, non_negative_int
 
 __all__ = ["VerifyReport", "cmd_verify", "register", "verify_checkpoint_dir"]
@@ -57,7 +58,7 @@ def verify_checkpoint_dir(
     in ``root``. Read-only and lock-free: run it when no receiver is applying to the directory.
     """
     from receiver.engines.checkpoint import verify_checkpoint
-    from receiver.state import STATE_DIR_NAME, StateStore
+    from receiver.state import LOCK_NAME, STATE_DIR_NAME, StateStore
 
     root, checkpoint = Path(root), Path(checkpoint)
     versions = check_root(root)
@@ -70,13 +71,24 @@ def verify_checkpoint_dir(
             f"{checkpoint} is not an asyncsync checkpoint (no {STATE_DIR_NAME}/state.json and no "
             "model.safetensors.index.json): pass the --checkpoint DIR of a receiver"
         )
-    if version is None:
-        if state is not None and state.applying:
+    note = None
+    if state is not None and state.applying:
+        lock = FileLock(checkpoint / STATE_DIR_NAME / LOCK_NAME)
+        if lock.taken() is False:  # its receiver is gone (killed mid-apply): no answer to wait for
+            note = (
+                f"its apply of v{state.target_version} was interrupted (no receiver holds it): "
+                f"its files may mix v{state.version} and v{state.target_version} until a "
+                f"receiver opens it again, which rolls them back to v{state.version} (then "
+                "verify again)"
+            )
+            logger.warning("%s: %s", checkpoint, note)
+        elif version is None:
             logger.warning(
                 "%s is in the middle of applying version %s: stop its receiver for a stable answer",
                 checkpoint,
                 state.target_version,
             )
+    if version is None:
         if state is not None and state.version is not None:
             version = state.version  # the files' (redo records held on top: not merged yet)
         elif versions:
@@ -95,16 +107,16 @@ def verify_checkpoint_dir(
             f"run {manifest.run_id} (the publisher started over): the checkpoint is of another "
             "run; its receiver re-initialises it from the root's newest keyframe"
         )
-    note = None
     if state is not None and state.redo:
         held = [v for v, _ in state.redo]
-        note = (
+        redo = (
             f"{len(held)} redo records (v{held[0]}..v{held[-1]}) are held beside the files, not "
             f"merged into them yet: the files are at v{state.version}, the receiver holds "
             f"v{held[-1]} (it merges them when idle, at its next start or stop; no server may "
             "load the files meanwhile)"
         )
-        logger.warning("%s: %s", checkpoint, note)
+        logger.warning("%s: %s", checkpoint, redo)
+        note = f"{note}; {redo}" if note else redo
         if version != state.version:
             raise ConfigError(
                 f"{checkpoint}: its files are at v{state.version}, not v{version}: {note}; "
