@@ -404,7 +404,7 @@ class StateStore:
         if not self._lock.held:
             top = self.directory.parent
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                fsio.make_dir(self.directory, parents=True, exist_ok=True)  # 0755 (umask)
                 # its entry durable before anything next to it refers to it (a crash must never
                 # leave the engine's files without the state that says what they hold)
                 fsio.fsync_dir(top)

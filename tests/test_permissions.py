@@ -149,6 +149,46 @@ async def test_a_receiver_under_another_uid_is_told_what_to_make_writable(shared
     assert read_acks(root)["e1"].version == 0
 
 
+@pytest.mark.parametrize("redo_log", ["0", "2"])
+@pytest.mark.parametrize("umask", [0o177, 0o777])
+async def test_a_receiver_under_a_umask_without_the_owners_read_right_keeps_its_own_files(
+    shared_tmp: Path, umask: int, redo_log: str
+) -> None:
+    """A receiver of an unprivileged uid run with umask 0177 (files 0600: a common "private"
+    umask) or 0777 (found by attack): it made ``.asyncsync/`` (and ``journal/``,
+    ``staging/``, the root's ``leases/``) 0600 or 0000, which it could not enter, and failed
+    at every start ("Permission denied: .../lock", or told to chmod what it had just made);
+    with 0777 its staged files and redo records were 0000 too, and a redo record it could not
+    read wiped the checkpoint and re-seeded it at every version, for ever. Every directory is
+    0755 and every file 0644 whatever the umask, and the receiver syncs bit-exact."""
+    from asyncsync.ops.cli import main as cli
+
+    root, ckpt = shared_tmp / "root", shared_tmp / "ckpt"
+    sd = mixed_state(0)
+    async with Publisher(root, bucket_bytes=8192, keyframe_interval=3) as pub:
+        await pub.seed(sd)
+        for i in range(1, 6):  # deltas (journaled, or redo records) and a keyframe
+            sd = mutate(sd, 0.05, seed=i)
+            await pub.publish(sd)
+    ckpt.mkdir()
+    for p in (root, *root.rglob("*"), ckpt):  # the receiver makes acks/ and leases/ itself
+        os.chown(p, NOBODY, NOBODY)
+    old = os.umask(umask)
+    try:
+        r = _as_nobody(
+            "receiver.cli", "--root", str(root), "--engine-id", "e1", "--checkpoint", str(ckpt),
+            "--once", "--force-polling", "--checkpoint-redo-log", redo_log,
+        )  # fmt: skip
+    finally:
+        os.umask(old)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "holds version 5" in r.stdout
+    assert read_acks(root)["e1"].version == 5
+    modes = {p: stat.S_IMODE(p.lstat().st_mode) for p in (*ckpt.rglob("*"), root / "leases")}
+    assert {p: m for p, m in modes.items() if m != (0o755 if p.is_dir() else 0o644)} == {}
+    assert cli(["verify", str(root), "--checkpoint", str(ckpt)]) == 0
+
+
 async def test_a_checkpoint_of_another_uid_is_named_with_both_uids(shared_tmp: Path) -> None:
     """(attack-42) A checkpoint made by root, then a receiver under another uid (the root
     prepared for it): the error was "Permission denied: 'lock'", no path, no fix. It names the

@@ -108,10 +108,35 @@ def _open_subdir(fd: int, name: str, path: object, *, create: bool = False) -> i
         made = True
     except FileExistsError:  # made meanwhile by another writer
         made = False
-    sub = _open_subdir(fd, name, path)
     if made:
-        os.fchmod(sub, DIR_MODE)
-    return sub
+        _chmod_made_dir(fd, name)
+    return _open_subdir(fd, name, path)
+
+
+def _chmod_made_dir(fd: int, name: str) -> None:
+    """Give the directory ``name`` (in ``fd``) just made :data:`DIR_MODE` whatever the umask,
+    without following a symlink swapped in there. Through an ``O_PATH`` descriptor (its
+    ``/proc/self/fd`` link names the directory itself): opening it to read needs the read
+    right a umask such as 0177 or 0777 took away (a non-root process then left a directory it
+    could not enter, mode 0600 or 0000, and failed on it at every start)."""
+    flags = getattr(os, "O_PATH", 0) | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+    if not flags & getattr(os, "O_PATH", 0) or not os.path.isdir("/proc/self/fd"):
+        sub = os.open(name, _DIR_FLAGS, dir_fd=fd)  # (no O_PATH: as before, needs the read right)
+        try:
+            os.fchmod(sub, DIR_MODE)
+        finally:
+            os.close(sub)
+        return
+    try:
+        sub = os.open(name, flags, dir_fd=fd)
+    except OSError as exc:  # swapped for a symlink or a file: the open after names it
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return
+        raise
+    try:
+        os.chmod(f"/proc/self/fd/{sub}", DIR_MODE)
+    finally:
+        os.close(sub)
 
 
 def _entry_kind(fd: int, name: str) -> str:
@@ -366,11 +391,8 @@ def make_dir(
             if not exist_ok:
                 raise
             return path
-        fd = _open_subdir(dfd, name, path)
-        try:
-            os.fchmod(fd, DIR_MODE)
-        finally:
-            os.close(fd)
+        _chmod_made_dir(dfd, name)
+        os.close(_open_subdir(dfd, name, path))  # UnsafePath unless a real directory
     return path
 
 

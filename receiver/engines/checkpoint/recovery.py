@@ -51,7 +51,7 @@ def own_dir(path: Path) -> None:
     """Make the state directory's ``path`` (journal/, staging/, redo/) where missing; anything else
     there (a FIFO, a file: mkdir said only "File exists") is refused by name, never removed."""
     try:
-        path.mkdir()
+        fsio.make_dir(path)  # 0755 whatever the umask (0177: one it could not enter)
     except FileExistsError:
         st = fsio.lstat(path)
         if st is not None and not stat.S_ISDIR(st.st_mode):

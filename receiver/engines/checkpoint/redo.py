@@ -75,6 +75,9 @@ class RecordWriter:
         self._fd: int | None = os.open(
             self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
         )
+        # 0644 whatever the umask: 0777 made it 0000, a record its own reader could not open
+        # (the files wiped as unreadable, re-seeded, and so at every version, for ever)
+        os.fchmod(self._fd, 0o644)
         self._at = 0
         self._chunks: list[int] = []
         self.nbytes = 0  # values and positions written (the record's payload)

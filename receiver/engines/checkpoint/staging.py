@@ -55,11 +55,11 @@ def stage_part(
     path = staging / part
     if not write_safetensors(path, tensors, {"format": "pt"}):
         safetensors.torch.save_file(_unshared(tensors), path, metadata={"format": "pt"})
+    # readable by an inference server running as another user (0644 like the index),
+    # whatever this receiver's umask (0777 made it 0000: not even its own open could read it)
+    os.chmod(path, fsio.FILE_MODE)
     fd = os.open(path, os.O_RDONLY)
     try:
-        # readable by an inference server running as another user (0644 like the index),
-        # whatever this receiver's umask
-        os.fchmod(fd, fsio.FILE_MODE)
         os.fsync(fd)
     finally:
         os.close(fd)
