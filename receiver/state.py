@@ -355,6 +355,16 @@ def unwritable(path: Path, exc: OSError, top: Path) -> EngineStateError | None:
     )
 
 
+def _mode_lets_write(p: Path) -> bool:
+    """Whether ``p``'s mode lets this process write it (root; or its owner, with the owner's
+    write, and search for a directory, bits): access(2) refused it all the same, for another
+    reason than the mode (an immutable attribute, a security module: EPERM's message), not
+    one a chmod fixes (it said "has mode 0644, which does not let its owner write it")."""
+    st = os.stat(p)
+    need = stat.S_IWUSR | (stat.S_IXUSR if stat.S_ISDIR(st.st_mode) else 0)
+    return os.geteuid() == 0 or (st.st_uid == os.geteuid() and st.st_mode & need == need)
+
+
 def check_writable(paths: Iterable[Path], top: Path, exc: OSError | None = None) -> None:
     """Refuse (:func:`unwritable`) the first of ``paths`` (of those that exist) this process
     cannot write: at open, rather than at the first version's first write (a daemon retried
@@ -366,7 +376,8 @@ def check_writable(paths: Iterable[Path], top: Path, exc: OSError | None = None)
         if os.path.exists(p) and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0)):
             if exc is None:
                 ro = os.statvfs(p).f_flag & os.ST_RDONLY
-                exc = OSError(errno.EROFS if ro else errno.EACCES, "refused")
+                code = errno.EPERM if _mode_lets_write(p) else errno.EACCES
+                exc = OSError(errno.EROFS if ro else code, "refused")
             err = unwritable(p, exc, top)
             if err is not None:
                 raise err

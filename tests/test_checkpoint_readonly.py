@@ -117,6 +117,34 @@ async def test_a_state_directory_made_immutable_under_a_running_engine_is_named(
     assert f"lsattr -d {state}" in str(info.value), info.value
 
 
+@pytest.mark.parametrize("what", ["data file", "journal"])
+async def test_an_immutable_file_at_start_is_named_as_such_not_as_a_mode(
+    shared_tmp: Path, what: str
+) -> None:
+    """A data file or ``journal/`` made immutable (``chattr +i``) while the receiver was down
+    (found by attack with a real receiver): its start said "has mode 0644, which does not let
+    its owner write it ... `chmod -R u+w`" (a chmod that changes nothing). Now the one line
+    says the mode is not the cause and names ``lsattr``."""
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr (e2fsprogs)")
+    root = shared_tmp / "root"
+    with tmpfs(shared_tmp / "mnt", "8m") as mnt:  # (a tmpfs takes the attribute since 6.0)
+        ckpt = mnt / "ckpt"
+        await _seed_and_sync(root, ckpt, deltas=1)
+        target = ckpt / ".asyncsync" / "journal"
+        if what == "data file":
+            (target,) = ckpt.glob("*.safetensors")
+        r = subprocess.run(["chattr", "+i", str(target)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"chattr +i refused here: {r.stderr.strip()}")
+        try:
+            line = _one_line(_receiver(root, ckpt))
+        finally:
+            subprocess.run(["chattr", "-i", str(target)], check=True)
+    assert f"cannot write {target}: refused whatever its mode (EPERM)" in line, line
+    assert f"lsattr -d {target}" in line and "chmod" not in line, line
+
+
 @pytest.mark.parametrize("fresh", [False, True], ids=["held", "fresh"])
 async def test_a_0555_checkpoint_of_the_receivers_own_uid_says_chmod(
     shared_tmp: Path, fresh: bool
