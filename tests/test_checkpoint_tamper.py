@@ -194,3 +194,47 @@ async def test_an_edit_while_a_delta_is_flushed_is_not_taken_for_the_receivers_o
             assert engine.state.version is None  # wiped: the agent re-initialises
             assert await agent.sync_once() == 1
     assert _holds(root, tmp_path / "ck", 1)
+
+
+@pytest.mark.parametrize("when", ["commit", "rollback"])
+async def test_a_file_truncated_during_an_apply_is_not_stamped_as_the_receivers_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """A data file truncated while a delta is applied (found by attack: ``truncate`` on the
+    checkpoint of a running receiver), after the begin's check: the commit, or the rollback
+    of a version that failed, stamped the files as they were then, as the receiver's own; a
+    committed version was acknowledged on the cut file, and every later delta failed on it
+    ("ValueError: buffer is smaller than requested size"), its ack kept. A delta never changes
+    a file's inode or size: one that changed keeps the stamps it had, and the next check (a
+    sync with nothing newer, or the next begin) finds it and re-initialises from a keyframe."""
+    from receiver.engines.checkpoint import engine as engine_mod
+
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    real = engine_mod.inplace.first_mismatch
+
+    def cut_then_check(*args, **kwargs):  # type: ignore[no-untyped-def]
+        (data,) = ck.glob("model-*.safetensors")
+        os.truncate(data, data.stat().st_size + 4096)  # (its size changed; longer: no map cut)
+        bad = real(*args, **kwargs)
+        return ("l.0.w", "other bytes") if when == "rollback" else bad
+
+    sd = _model()
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        engine = LocalCheckpoint(ck)
+        async with ReceiverAgent(root, engine, "e", use_inotify=False) as agent:
+            assert await agent.sync_once() == 0
+            await pub.publish(_step(sd, 1))
+            monkeypatch.setattr(engine_mod.inplace, "first_mismatch", cut_then_check)
+            if when == "commit":
+                assert await agent.sync_once() == 1
+            else:
+                with pytest.raises(Exception, match=r"l\.0\.w"):
+                    await agent.sync_once()
+                assert engine.state.version == 0
+            monkeypatch.setattr(engine_mod.inplace, "first_mismatch", real)
+            await engine.flushed()
+            await engine.reconcile()  # a sync with nothing newer: the stamps compared
+            assert engine.state.version is None  # wiped: the agent re-initialises
+            assert await agent.sync_once() == 1
+    assert _holds(root, ck, 1)

@@ -485,8 +485,9 @@ class LocalCheckpoint(RedoLog, FullVersions, Engine):
             bad = inplace.first_mismatch(
                 txn.maps, self._layout, txn.entries, txn.seen, algo, held, txn.digests
             )
-            if bad is None:
-                self._set(holding(self._ps.clean(), m, synced=self.sync_before_ack))
+            if bad is None:  # (a file truncated or replaced meanwhile: not stamped as its own)
+                ps, restamp = self._ps.clean(), self._stamps.only_rewritten()
+                self._set(holding(ps, m, synced=self.sync_before_ack), restamp=restamp)
         except BaseException:
             self._rollback(txn)
             raise

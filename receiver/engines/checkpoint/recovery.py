@@ -387,12 +387,16 @@ class Recovery:
                 raise  # it exactly after a reboot (a check could only wipe it): done again
             self._undone_unsynced(clean, exc)
             return
+        # a file truncated or replaced behind its back meanwhile keeps the stamps it had, so
+        # the next begin checks it (stamped as the undo left it, every later delta failed on
+        # it, "buffer is smaller than requested size", the ack kept on the version before)
+        restamp = self._stamps.only_rewritten()
         try:  # on a full disk over the state's spare (no new block)
-            self._set(clean, spare=True)
+            self._set(clean, spare=True, restamp=restamp)
         except OSError:  # a full disk (no block or inode left), which the records may fill: the
             self._store.clear_dir(self._store.journal_dir)  # old bytes are durable, they can go
-            self._set(clean, spare=True)  # first (open() then finds an interrupted delta
-            # without records)
+            self._set(clean, spare=True, restamp=restamp)  # first (open() then finds an
+            # interrupted delta without records)
         self._store.clear_dir(self._store.journal_dir)
 
     def _drop_stale_records(self) -> bool:

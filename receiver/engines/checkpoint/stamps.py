@@ -65,6 +65,17 @@ class Stamps:
         except OSError as exc:  # a full disk: kept in memory; the next open stamps again
             logger.debug("%s: stamps not saved: %s", self.path, exc)
 
+    def only_rewritten(self) -> bool:
+        """Whether the data files are the ones stamped, at the sizes stamped: all an undo of
+        the engine's own changes is their mtimes (it rewrites bytes in place). False where one
+        was replaced, truncated, added or removed behind its back; True where none recorded."""
+        if self.held is None:
+            return True
+        now = self.files.stamps()
+        return now.keys() == self.held.keys() and all(
+            v[:2] == self.held[n][:2] for n, v in now.items()
+        )
+
     def forget(self) -> None:
         """The engine holds no version: nothing to compare with."""
         self.held = None
