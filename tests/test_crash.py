@@ -101,3 +101,38 @@ async def test_ack_never_outlives_a_full_apply_killed_while_moving_files_in(tmp_
         assert read_acks(root)["e"].version == 2
     finally:
         await agent.close()
+
+
+async def test_a_delta_interrupted_on_a_file_cut_behind_its_back_is_wiped_not_refused(
+    tmp_path: Path,
+) -> None:
+    """Found by attack (``truncate`` on the data file of a running receiver, versions every 50
+    ms): the delta kernel's writes through the mapping past the cut ended the receiver with
+    SIGBUS, and every restart then refused the checkpoint ("tensor ... does not fit its shape
+    or the file; the checkpoint is damaged, remove it to reinit") for good. No undo can mend a
+    cut file: the open wipes it, as it does a lost journal, and the agent re-initialises."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    sd = mixed_state(0)
+    async with Publisher(root, keyframe_interval=0) as pub:
+        await pub.seed(sd)
+        async with ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False) as agent:
+            assert await agent.sync_once() == 0
+        await pub.publish(mutate(sd, 0.05, seed=1))
+    # What the SIGBUS leaves: state "applying" v1 (a delta), one data file cut short.
+    store = StateStore(ckpt / STATE_DIR_NAME)
+    ps = store.open()
+    assert ps is not None and ps.version == 0
+    store.save(ps.begin(1, "delta"))
+    store.close()
+    data = next(ckpt.glob("model-*.safetensors"))
+    os.truncate(data, data.stat().st_size // 2)
+
+    agent = ReceiverAgent(root, LocalCheckpoint(ckpt), "e", use_inotify=False)
+    await agent.open()
+    try:
+        assert agent.version is None  # the cut files were dropped
+        assert "e" not in read_acks(root)  # so no ack claims v0 any more
+        assert await agent.sync_once() == 1
+        assert read_acks(root)["e"].version == 1
+    finally:
+        await agent.close()

@@ -368,6 +368,29 @@ def test_a_prefault_the_kernel_cannot_do_is_an_error_only_for_efault(
         maps.close()
 
 
+def test_a_prefault_past_a_file_cut_behind_its_back_says_so(tmp_path: Path) -> None:
+    """A data file truncated while the receiver has it mapped (found by attack: ``truncate``
+    on a running receiver's checkpoint): the kernel's EFAULT was said as "no space to overwrite
+    them (a full copy-on-write filesystem?)", blaming a full disk. The real kernel call here."""
+    loc = _file(tmp_path, 1 << 20)
+    maps = FileMaps(tmp_path)
+    try:
+        maps.flat(loc)  # mapped at its full size
+        os.truncate(tmp_path / loc.file, 1 << 16)
+        try:
+            done = maps.prefault(loc)
+        except OSError as exc:
+            assert exc.errno == errno.EIO, exc
+            assert "is 65536 bytes now" in str(exc) and "cut behind" in str(exc), exc
+            assert exc.filename == str(tmp_path / loc.file)
+        else:
+            if not done:  # no MADV_POPULATE_WRITE here, or an error other than EFAULT
+                pytest.skip("the kernel did not say EFAULT past the end of the file")
+            pytest.fail("a prefault past the end of the file succeeded")
+    finally:
+        maps.close()
+
+
 def _vm_flags(path: Path) -> list[str]:
     """The VmFlags of this process's mappings of ``path`` (/proc/self/smaps)."""
     out: list[list[str]] = []

@@ -270,6 +270,13 @@ class FileMaps:
             except OSError as exc:
                 if exc.errno != errno.EFAULT:  # EINVAL: an older kernel; ENOMEM, EINTR: the
                     return False  # patch faults the pages in as it goes, as it did before
+                if (now := os.fstat(self._open[loc.file][0]).st_size) < end:  # past its end
+                    raise OSError(
+                        errno.EIO,
+                        f"the file is {now} bytes now, short of {loc.name!r}'s end at {end}: "
+                        "cut behind the receiver's back (its next check re-initialises it)",
+                        str(self.directory / loc.file),
+                    ) from exc
                 raise OSError(
                     errno.ENOSPC,
                     f"the kernel cannot make the pages of {loc.name!r} writable (EFAULT): no "

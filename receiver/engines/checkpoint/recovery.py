@@ -142,16 +142,20 @@ class Recovery:
                 logger.warning(
                     "%s: interrupted delta to v%s; undoing", self.directory, ps.target_version
                 )
-                self._layout = self.files.load_layout()
-                maps = FileMaps(self.directory)
-                try:
-                    self._undo(maps, at_open=True)  # progressive: not synced, checked below
-                except inplace.LostJournal as exc:
-                    logger.warning("%s: %s; removing the files so the receiver re-initialises "
-                                   "from a keyframe", self.directory, exc)  # fmt: skip
-                    self._wipe()
-                finally:
-                    maps.close()
+                try:  # a file cut or replaced behind its back mid-apply (the writes through
+                    # its mapping then end the receiver with SIGBUS): no undo mends that
+                    self._layout = self.files.load_layout()
+                except EngineStateError as exc:  # (a FIFO, a device put there: refused)
+                    self._refuse_unsafe(exc)
+                    self._lost(exc)
+                else:
+                    maps = FileMaps(self.directory)
+                    try:
+                        self._undo(maps, at_open=True)  # progressive: not synced, checked below
+                    except inplace.LostJournal as exc:
+                        self._lost(exc)
+                    finally:
+                        maps.close()
             elif ps.applying:
                 logger.warning(
                     "%s: interrupted full apply of v%s; the files are mixed, removing them so "
@@ -186,6 +190,13 @@ class Recovery:
             raise
         logger.info("%s: open at version %s", self.directory, self.state.version)
         return self.state
+
+    def _lost(self, exc: Exception) -> None:
+        """An interrupted delta that cannot be undone: the files wiped (the receiver
+        re-initialises from a keyframe), not refused for good ("remove it to reinit")."""
+        logger.warning("%s: %s; removing the files so the receiver re-initialises from a "
+                       "keyframe", self.directory, exc)  # fmt: skip
+        self._wipe()
 
     def _written(self) -> list[Path]:
         """The directories and files the engine writes (a data file with other links is
