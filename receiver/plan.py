@@ -90,6 +90,13 @@ def newest_keyframe(
     m = keyframes_in(root, 0, target, run_id, read, skip)
     if m is not None:
         return m
+    if newer := [v for v in list_versions(root) if v > target]:
+        # (found by attack: `asyncsync gc --keep-versions 1` beside a receiver that had just
+        # read the newest version: its advice to publish a keyframe was wrong, one had come)
+        raise ChainError(
+            f"{root}: no keyframe at or below version {target} any more: removed (retention?)"
+            f" while v{newer[-1]} was committed; the next sync looks again from there"
+        )
     raise ChainError(
         f"{root}: no keyframe at or below version {target}"
         + (f" of run {run_id}" if run_id else "")

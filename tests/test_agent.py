@@ -129,6 +129,25 @@ async def test_empty_engine_with_no_keyframe_is_a_chain_error(tmp_path: Path) ->
         assert a.version is None
 
 
+async def test_no_keyframe_left_below_a_newer_version_says_retention_not_publish_one(
+    tmp_path: Path,
+) -> None:
+    """Found by attack (`asyncsync gc --keep-versions 1` in a loop beside a publisher and two
+    receivers): a receiver that read v1 as the newest found its keyframes removed by the time
+    it looked for one, a keyframe v2 having just been committed; its error said to publish a
+    keyframe or keep more versions. It says what happened now; the next sync takes v2."""
+    from receiver.plan import newest_keyframe
+
+    await publish_chain(tmp_path, 2, keyframe_interval=2)  # v0 and v2 full, v1 a delta
+    shutil.rmtree(tmp_path / "v000000000000")
+    with pytest.raises(ChainError, match=r"removed \(retention\?\) while v2 was committed") as info:
+        newest_keyframe(tmp_path, 1)
+    assert "publish one" not in str(info.value)
+    shutil.rmtree(tmp_path / "v000000000002")  # none newer: the advice stands
+    with pytest.raises(ChainError, match=r"publish one"):
+        newest_keyframe(tmp_path, 1)
+
+
 def delta_shard(root: Path, version: int) -> Path:
     m = read_manifest(root, version)
     s = next(s for s in m.shards if s.role == "delta")
