@@ -197,6 +197,26 @@ def test_from_file_missing_and_missing_section(tmp_path: Path) -> None:
         SyncConfig.from_file(_write(tmp_path / "s.toml", 'root = "/x"\n'), section="tool.asyncsync")
 
 
+def test_from_file_fifo_device_directory_refused_not_waited_on(tmp_path: Path) -> None:
+    """A config path that is a FIFO (read_bytes blocked for ever), a symlink to /dev/zero (read
+    without end, memory) or a directory is refused at once; a symlink to a file is followed."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo.toml")
+    (tmp_path / "zero.toml").symlink_to("/dev/zero")
+    (tmp_path / "dir.toml").mkdir()
+    for name in ("fifo.toml", "zero.toml", "dir.toml"):
+        with pytest.raises(ConfigError, match="is not a regular file"):
+            SyncConfig.from_file(tmp_path / name)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        SyncConfig.load(environ={"ASYNCSYNC_CONFIG": str(tmp_path / "fifo.toml")})
+    (tmp_path / "big.toml").write_bytes(b"#" * (2 << 20))
+    with pytest.raises(ConfigError, match="larger than 1 MiB"):
+        SyncConfig.from_file(tmp_path / "big.toml")
+    (tmp_path / "link.toml").symlink_to(_write(tmp_path / "real.toml", f'root = "{tmp_path}"\n'))
+    assert SyncConfig.from_file(tmp_path / "link.toml").root == tmp_path
+
+
 def test_from_env_and_its_errors(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     env = {
         "ASYNCSYNC_ROOT": str(tmp_path),

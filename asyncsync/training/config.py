@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from asyncsync import fsio
 from asyncsync.codec import DEFAULT_ENCODING
 from asyncsync.errors import ConfigError
 from asyncsync.format.checksum import DEFAULT_ALGORITHM
@@ -48,6 +49,7 @@ __all__ = ["ENV_PREFIX", "FIELD_HELP", "SyncConfig", "parse_size"]
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "ASYNCSYNC_"
+MAX_CONFIG_BYTES = 1 << 20  # a settings file larger than this is not one
 
 
 @dataclass(frozen=True)
@@ -348,10 +350,22 @@ def _build(cls: type[SyncConfig], layers: dict[str, tuple[Any, str]]) -> SyncCon
 
 
 def _file_layer(path: Path, section: str | None) -> dict[str, tuple[Any, str]]:
+    # (a regular file, a symlink to one: a FIFO is refused, not waited on; /dev/zero not read
+    # without end)
     try:
-        text = path.read_bytes()
+        text = fsio.read_bytes(path, limit=MAX_CONFIG_BYTES, follow_symlinks=True)
+    except fsio.UnsafePath:
+        raise ConfigError(
+            f"config file {path} is not a regular file (a FIFO, a device or a directory?): "
+            "point it at a .toml or .json file"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except ValueError:  # larger than the limit
+        raise ConfigError(
+            f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: it is not a "
+            "settings file"
+        ) from None
     try:
         if path.suffix == ".toml":
             data: Any = tomllib.loads(text.decode())
