@@ -380,9 +380,20 @@ def test_ack_policy_validation() -> None:
         {"quorum": 0},
         {"timeout": 0},
         {"max_staleness": -1},
+        # (these were taken, or failed as a TypeError: 'e0' was waited for as engines 'e', '0')
+        {"quorum": 2.5},
+        {"quorum": True},
+        {"max_staleness": 1.5},
+        {"max_staleness": None},
+        {"engines": None},
+        {"engines": (1,)},
+        {"engines": ("a b",)},
     ):
         with pytest.raises(ConfigError):
             AckPolicy(**bad)
+    assert AckPolicy(engines="e0").engines == ("e0",)
+    assert AckPolicy(engines="a,b", max_staleness="1").engines == ("a", "b")
+    assert AckPolicy(quorum="2").quorum == 2
     assert "any 2 engine(s)" in AckPolicy(quorum=2).describe()
     assert AckPolicy().describe() == "no ack wait"
 

@@ -57,17 +57,27 @@ class AckPolicy:
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "engines", tuple(self.engines))
+        # (checked as SyncConfig's fields are: engines given as one string 'e0' were waited for
+        # as the engines 'e' and '0'; a quorum or staleness of 2.5 or '2' failed later, or as a
+        # TypeError)
+        from asyncsync.training.settings import FIELD_SPECS, parse_value
+
+        for name, field_name in (
+            ("engines", "ack_engines"),
+            ("quorum", "ack_quorum"),
+            ("max_staleness", "max_staleness"),
+        ):
+            try:
+                value = parse_value(FIELD_SPECS[field_name], getattr(self, name))
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"ack policy: {name} {exc}") from None
+            object.__setattr__(self, name, value)
         if self.engines and self.quorum is not None:
             raise ConfigError(
                 "ack policy: give engines (wait for each named engine) or quorum (wait for any N "
                 "engines), not both"
             )
-        if self.quorum is not None and self.quorum < 1:
-            raise ConfigError(f"ack policy: quorum must be >= 1, got {self.quorum}")
         check_seconds("ack policy: timeout", self.timeout, above=True, optional=True, forever=True)
-        if self.max_staleness < 0:
-            raise ConfigError(f"ack policy: max_staleness must be >= 0, got {self.max_staleness}")
 
     @property
     def waits(self) -> bool:
