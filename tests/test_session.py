@@ -82,3 +82,27 @@ def test_interrupt_cancels_the_publish_and_cleans_up(tmp_path: Path) -> None:
         assert not (tmp_path / "v000000000000").exists()
         release.set()
         assert sync.publish(sd).result.version == 0
+
+
+def test_hostile_wait_acked_policy_and_weights_are_config_errors(tmp_path: Path) -> None:
+    """A version that is not an int (a TypeError, or True waited for as 1), one not published
+    yet (waited for until the timeout, for ever without one), a policy that is not an AckPolicy
+    (taken, then the next publish failed after its commit) and weights that are no state dict
+    (a TypeError) are ConfigErrors at the call, the session still working."""
+    from asyncsync.training.staleness import AckPolicy
+
+    with SyncSession(SyncConfig(root=tmp_path, ack_timeout="none")) as sync:
+        sync.publish({"w": torch.ones(4)})
+        sync.ack_policy = AckPolicy(engines=("e0",), timeout=None)
+        for bad in ("x", 2.5, True):
+            with pytest.raises(ConfigError, match="version must be an int"):
+                sync.wait_acked(bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="version 5 is not published yet"):
+            sync.wait_acked(5)
+        with pytest.raises(ConfigError, match="must be an AckPolicy"):
+            sync.ack_policy = "quorum=2"  # type: ignore[assignment]
+        with pytest.raises(ConfigError, match="got int"):
+            sync.publish(5)  # type: ignore[arg-type]
+        sync.ack_policy = AckPolicy()
+        assert sync.publish({"w": torch.ones(4) * 2}).result.version == 1
+    assert list_versions(tmp_path) == [0, 1]

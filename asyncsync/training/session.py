@@ -59,6 +59,11 @@ def collect_state_dict(weights: Weights) -> dict[str, torch.Tensor]:
     """
     if isinstance(weights, Mapping):
         return dict(weights)
+    if isinstance(weights, str | bytes | torch.Tensor) or not isinstance(weights, Iterable):
+        raise ConfigError(
+            f"weights must be a state dict or an iterable of (name, tensor) pairs; got "
+            f"{type(weights).__name__}"
+        )
     out: dict[str, torch.Tensor] = {}
     for item in weights:
         if not isinstance(item, tuple) or len(item) != 2:
@@ -234,6 +239,12 @@ class SyncSession:
 
     @ack_policy.setter
     def ack_policy(self, policy: AckPolicy) -> None:
+        # (anything else was taken, then failed the next publish after its commit)
+        if not isinstance(policy, AckPolicy):
+            raise ConfigError(
+                f"ack_policy must be an AckPolicy (asyncsync.training.staleness), got "
+                f"{type(policy).__name__}"
+            )
         self._policy = policy
         if self._gate is not None:
             self._gate.policy = policy
@@ -303,11 +314,18 @@ class SyncSession:
         Uses the ack policy's engines or quorum with no staleness allowance; ``timeout``
         defaults to the policy's. Returns at once when the policy waits for nobody.
         """
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise ConfigError(f"wait_acked: version must be an int, got {version!r}")
         with self._lock:
             loop = self._require_loop()
             target = self.version if version is None else version
             if target is None:
                 raise PublishError("nothing published yet: nothing to wait for")
+            if self.version is None or target > self.version:  # (waited for ever: none acks it)
+                raise ConfigError(
+                    f"wait_acked: version {target} is not published yet (the last is "
+                    f"{self.version}): no engine can acknowledge it"
+                )
             policy = AckPolicy(
                 engines=self._policy.engines,
                 quorum=self._policy.quorum,
