@@ -408,3 +408,42 @@ def test_a_ready_timeout_no_wait_can_take_is_refused_at_once(tmp_path: Path, val
             link(str(tmp_path / "root"), str(tmp_path / "ckpt"), ready_timeout=value)
     for fine in (None, float("inf"), 0, 600.0):
         assert RayReceivers("/r", "/c", ready_timeout=fine).ready_timeout == fine
+
+
+def test_updater_misuse_is_a_config_error_and_leaves_the_root_free(tmp_path: Path) -> None:
+    """A rank outside the world, settings with receivers 'ray' and no local checkpoint
+    directory (an AssertionError raised after the session had opened: the root's lock stayed
+    held by a stranded loop thread, every retry in the process refused with LockHeld naming
+    its own pid) and one engine id given as a string (waited for as engines 'e' and '0') are
+    ConfigErrors, and the root stays free."""
+    import dataclasses
+    import threading
+
+    from asyncsync.training.slime import slime_settings
+
+    provider = FakeProvider()
+    args = slime_args(
+        tmp_path,
+        update_weight_mode="delta",
+        update_weight_local_checkpoint_dir="/l",
+        asyncsync_engine_ids="e0",
+    )
+    no_local = dataclasses.replace(slime_settings(args), receivers="ray", local_checkpoint_dir=None)
+    for kw, needle in [
+        ({"settings": no_local}, "local checkpoint directory"),
+        ({"rank": 5, "world_size": 2}, "rank must be an int in 0..1"),
+        ({"rank": 0, "world_size": 0}, "world_size must be an int >= 1"),
+        ({"rank": 1, "world_size": 2}, "needs torch.distributed initialised"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            AsyncSyncWeightUpdater(
+                args, None, provider.state_dict, model_name="m", quantization_config=None, **kw
+            )
+    assert not [t for t in threading.enumerate() if t.name == "asyncsync-root"]
+    with create_weight_updater(
+        args, None, lambda: None, model_name="m", quantization_config=None
+    ) as updater:  # the root's lock is free
+        with pytest.raises(ConfigError, match="got NoneType"):
+            updater.update_weights()
+        updater.connect_rollout_engines([object()], engine_ids="e0")
+        assert updater.session.ack_policy.engines == ("e0",)

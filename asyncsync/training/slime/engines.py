@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncsync.errors import ConfigError, check_seconds
+from asyncsync.training.settings import FIELD_SPECS, parse_value
 from asyncsync.training.staleness import AckPolicy
 
 if TYPE_CHECKING:
@@ -84,8 +85,16 @@ class Sidecars(EngineLink):
 
     kind = "sidecar"
 
-    def __init__(self, engine_ids: Sequence[str] | None) -> None:
-        self.engine_ids = tuple(engine_ids) if engine_ids else None
+    def __init__(self, engine_ids: Sequence[str] | str | None) -> None:
+        # ('e0,e1' as the flag gives them; one string was split into its characters, waited
+        # for as engines 'e' and '0')
+        if not engine_ids:
+            self.engine_ids: tuple[str, ...] | None = None
+            return
+        try:
+            self.engine_ids = parse_value(FIELD_SPECS["ack_engines"], engine_ids)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"engine_ids: {exc}") from None
 
     def connect(self, engines: Sequence[Any], base: AckPolicy) -> AckPolicy:
         if base.waits:

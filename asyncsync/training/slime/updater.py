@@ -41,6 +41,7 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
+from asyncsync.errors import ConfigError
 from asyncsync.format import version_dir
 from asyncsync.format.store import read_manifest
 from asyncsync.publish.distributed import Coordinator, Decide, Message
@@ -157,6 +158,7 @@ class AsyncSyncWeightUpdater:
         r, ws = _dist_rank()
         self.rank = r if rank is None else rank
         self.world_size = ws if world_size is None else world_size
+        Coordinator.check_rank(self.rank, self.world_size)
         self.converter = converter or resolve_converter(self.settings.converter)
         self._hook: Hook | None = None
         if self.settings.hook:
@@ -169,14 +171,21 @@ class AsyncSyncWeightUpdater:
 
             from asyncsync.publish.distributed import TorchDistCoordinator
 
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ConfigError(
+                    f"world_size {self.world_size} with no coordinator needs torch.distributed "
+                    "initialised (init_process_group) on every rank, or pass coordinator="
+                )
             coordinator = TorchDistCoordinator(dist.new_group(backend="gloo"))
         if coordinator is not None and self._hook is not None and self.rank != 0:
             coordinator = _HookedCoordinator(coordinator, self._run_hook_for)
         self._updates = 0
         self._offset: int | None = None
         producer = {"framework": "slime", "model_name": model_name, "rank": self.rank}
-        self._session = SyncSession(config, producer=producer, coordinator=coordinator).open()
+        # (the link before the session opens: one that failed after left the root's lock held
+        # by a stranded loop thread, every retry in the process refused with LockHeld)
         self._link = engine_link if engine_link is not None else self._default_link()
+        self._session = SyncSession(config, producer=producer, coordinator=coordinator).open()
         self._view: Path | None = None
         self.all_engine_actors: list[Any] = []
 
@@ -324,7 +333,11 @@ class AsyncSyncWeightUpdater:
             return Sidecars(s.engine_ids)
         if s.receivers == "slime":
             return SlimeReload(keep_files=s.keep_files)
-        assert s.local_checkpoint_dir is not None  # slime_settings checks it
+        if s.local_checkpoint_dir is None:  # (slime_settings checks it; settings= may not)
+            raise ConfigError(
+                "receivers 'ray' need a local checkpoint directory "
+                "(--update-weight-local-checkpoint-dir): SlimeSettings.local_checkpoint_dir is None"
+            )
         return HostReceivers(str(self.config.root), s.local_checkpoint_dir)
 
     def _version_offset(self) -> int:
