@@ -478,6 +478,14 @@ def test_rendezvous_files_are_read_within_what_they_can_hold(tmp_path: Path) -> 
     assert rendezvous_mod._read_json(d / "commit.json") == {"pad": "x" * (len(big) - 11)}
 
 
+def test_an_absurd_world_size_is_refused(tmp_path: Path) -> None:
+    """A world of 10**12 ranks (a typo) was taken: rank 0's first round raised a bare
+    MemoryError; one of 10**7 polled a file per rank, each poll, well past its timeout."""
+    with pytest.raises(ConfigError, match="world_size must be at most 65536"):
+        FileRendezvous(tmp_path, 0, 10**12, job="j")
+    assert FileRendezvous(tmp_path, 65535, 1 << 16, job="j").world_size == 65536
+
+
 async def test_rank0_puts_back_its_group_file(tmp_path: Path) -> None:
     """A group-v2.json of this job naming another run (written by hand, or by any host that
     writes the root) made every other rank wait for that run's rank 0: every round failed until

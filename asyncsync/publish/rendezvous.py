@@ -57,6 +57,7 @@ RENDEZVOUS_DIR = ".rendezvous"
 #: the run of the group; "-v2": the rendezvous of issue 23 (job tokens, steps, counted calls),
 #: so that a rank of an older asyncsync never joins a group of this one, nor the other way
 GROUP_FILE = "group-v2.json"
+MAX_RANKS = 1 << 16  # rank 0 polls a file per rank: a world larger than this is a typo
 HISTORY = 64  # chained plan rounds rank 0 remembers (a rank further behind rejoins)
 #: the largest rendezvous file read but a commit result (which carries the manifest): a planted
 #: larger one is no message, never read whole at every poll
@@ -103,6 +104,12 @@ class FileRendezvous(RoundRules, Coordinator):
         job: str | None = None,
     ) -> None:
         self.check_rank(rank, world_size)
+        if world_size > MAX_RANKS:  # (rank 0's first round: a bare MemoryError, or a poll per rank
+            # of 10**7 files, each round, well past its timeout)
+            raise ConfigError(
+                f"FileRendezvous world_size must be at most {MAX_RANKS} (rank 0 polls a file per "
+                f"rank), got {world_size}"
+            )
         check_seconds("FileRendezvous timeout", timeout, above=True)
         errors.check_poll_interval(
             "FileRendezvous poll_interval", poll_interval, minimum=errors.MIN_SHORT_POLL_SECONDS
