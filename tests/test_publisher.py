@@ -531,6 +531,22 @@ async def test_wait_acked(tmp_path: Path) -> None:
         await t
 
 
+async def test_an_ack_of_another_run_is_named_as_such_not_as_behind(tmp_path: Path) -> None:
+    """An engine whose ack names version 99 of another run (a receiver still on an earlier run
+    of the root) does not satisfy the wait; the timeout said 'behind: e0 at 99' while waiting
+    for version 1, a version lower than the one it named."""
+    async with Publisher(tmp_path) as pub:
+        r = await pub.seed(mixed_state(0))
+        acks_mod.write_ack(tmp_path, "e0", 99, "ab" * 16, "deadbeefdeadbeef")
+        for kw in ({"engines": ["e0"]}, {"quorum": 1}):
+            with pytest.raises(AckTimeout) as ei:
+                await pub.wait_acked(r.version, timeout=0.2, **kw)  # type: ignore[arg-type]
+            assert "e0 at 99 of another run (deadbeefdeadbeef; this root is on run " in str(
+                ei.value
+            ), ei.value
+            assert ei.value.behind == {"e0": 99}
+
+
 async def test_a_wait_reads_only_the_acks_it_still_waits_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

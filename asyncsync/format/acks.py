@@ -344,6 +344,17 @@ def _whole(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _held(ack: AckRecord | None, run_id: str | None) -> str:
+    """What an engine behind holds, for AckTimeout: an ack of another run (a receiver left from
+    an earlier run of the publisher, or reading another root) says so; its version, higher than
+    the one waited for, read as 'behind' (helper-43e)."""
+    if ack is None:
+        return "no ack"
+    if run_id is not None and ack.run_id != run_id:
+        return f"{ack.version} of another run ({ack.run_id}; this root is on run {run_id})"
+    return str(ack.version)
+
+
 async def wait_acked(
     root: Path,
     version: int,
@@ -394,9 +405,7 @@ async def wait_acked(
         if deadline is not None and time.monotonic() >= deadline:
             watched = engines if engines is not None else sorted(acks)
             behind = {e: (acks[e].version if e in acks else None) for e in watched if e not in ok}
-            desc = ", ".join(
-                f"{e} at {v if v is not None else 'no ack'}" for e, v in behind.items()
-            )
+            desc = ", ".join(f"{e} at {_held(acks.get(e), run_id)}" for e in behind)
             need = f"engines {list(engines)}" if engines is not None else f"a quorum of {quorum}"
             desc = desc or ("no other engine has acked" if ok else "no engine has acked yet")
             raise AckTimeout(
