@@ -106,3 +106,8 @@ def test_hostile_wait_acked_policy_and_weights_are_config_errors(tmp_path: Path)
         sync.ack_policy = AckPolicy()
         assert sync.publish({"w": torch.ones(4) * 2}).result.version == 1
     assert list_versions(tmp_path) == [0, 1]
+    # a mapping of the fields, as create_publisher takes (an AttributeError on 'ack_policy')
+    with SyncSession({"root": str(tmp_path), "max_staleness": "1"}) as sync:
+        assert sync.config.max_staleness == 1 and sync.publish({"w": torch.ones(4)}).seeded
+    with pytest.raises(ConfigError, match="got str"):
+        SyncSession(str(tmp_path))  # type: ignore[arg-type]

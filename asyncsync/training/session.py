@@ -160,7 +160,7 @@ class SyncSession:
     """A publisher for synchronous callers (see the module docstring).
 
     Args:
-        config: the settings; the publisher is built by
+        config: the settings (or a mapping of their fields); the publisher is built by
             :func:`asyncsync.training.factory.create_publisher`.
         producer: extra fields for each manifest's ``producer`` record.
         coordinator: a :class:`~asyncsync.publish.distributed.Coordinator` when this process is
@@ -170,15 +170,18 @@ class SyncSession:
 
     def __init__(
         self,
-        config: SyncConfig,
+        config: SyncConfig | Mapping[str, Any],
         *,
         producer: Mapping[str, Any] | None = None,
         coordinator: Any = None,
         cancel_grace: float = 30.0,
     ) -> None:
-        from asyncsync.training.factory import create_publisher
+        from asyncsync.training.factory import _as_config, create_publisher
 
         check_seconds("cancel_grace", cancel_grace)
+        # (a mapping of the fields, as create_publisher takes: it was taken, then failed with
+        # AttributeError: 'dict' object has no attribute 'ack_policy')
+        config = _as_config(config)
         self.config = config
         self._publisher: Publisher = create_publisher(
             config, producer=producer, coordinator=coordinator
