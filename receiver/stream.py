@@ -332,9 +332,9 @@ class StreamApplier:
             if k == 0:  # before the read: a file replaced meanwhile only restarts a failed one
                 self.first = await asyncio.to_thread(_identity, path, self.root)
             try:  # (after the manifest: read once, no re-read until the verify deadline)
-                got = await self._read(path, first=k == 0, patience=0.0 if committed else None)
-                if got is None:  # shard 0 is not self-describing: the agent applies the version
-                    return  # after its commit
+                got = await self._read(path, first=k == 0, manifest=None if committed else manifest)
+                if got is None:  # shard 0 not self-describing, or the manifest came: the agent
+                    return  # applies the version (the rest of it) after its commit
                 data, hdr = got
                 if attempt is None:
                     attempt = hdr.attempt
@@ -403,13 +403,14 @@ class StreamApplier:
                 self.txn_open = False  # once the engine is back at the base
 
     async def _read(
-        self, path: Path, *, first: bool, patience: float | None = None
+        self, path: Path, *, first: bool, manifest: Path | None
     ) -> tuple[memoryview, StreamHeader] | None:
-        """The shard's bytes and streaming header once its data checksum matches (re-read with
-        backoff for ``patience`` s, by default ``verify_deadline``: the file may be visible
-        before its bytes); None for a ``first`` shard that is not self-describing (a publisher
-        of format 2)."""
-        deadline = time.monotonic() + (self.verify_deadline if patience is None else patience)
+        """The shard's bytes and streaming header once its data checksum matches (re-read for
+        ``verify_deadline`` s: it may show before its bytes; read once when ``manifest`` is
+        None: seen); None for a ``first`` one not self-describing (a format 2 publisher), and
+        as the manifest shows or at :meth:`finish` (a damaged file after the last shard held
+        the commit for the deadline, then rolled every shard streamed back)."""
+        deadline = time.monotonic() + (0.0 if manifest is None else self.verify_deadline)
         delay = 0.02
         while True:  # nothing below the root is followed
             data, hdr, ok = await asyncio.to_thread(_read_checked, path, self._limit, self.root)
@@ -421,6 +422,11 @@ class StreamApplier:
             # match: its bytes may not be visible yet (NFS shows a renamed file first)
             if time.monotonic() >= deadline:
                 raise StreamAbandoned(f"{path}: not a complete self-describing shard in time")
+            if self._stop.is_set() or (
+                manifest is not None and await asyncio.to_thread(_seen, manifest, self.root)
+            ):
+                self.on_manifest.set()  # (the agent applies the rest from the manifest)
+                return None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 

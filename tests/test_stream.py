@@ -255,6 +255,44 @@ async def test_a_file_after_the_last_shard_ends_the_stream_not_the_version(
     await _with_agent(tmp_path, body, verify_deadline=60.0)
 
 
+async def test_a_damaged_file_after_the_last_shard_before_the_manifest_holds_nothing(
+    tmp_path: Path,
+) -> None:
+    """Every shard applied, a damaged file lands in the next shard's place (a hostile or buggy
+    writer) before the manifest: the stream re-reads it (its bytes may not be visible yet),
+    but stops as the manifest shows, which does not name it. Before, it re-read it for the
+    whole verify deadline (60 s here) with the manifest there, then rolled back every shard
+    streamed and the agent applied them all again."""
+    sd2 = _state(2)
+
+    async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        async def plant(vdir: Path) -> None:
+            shards = _delta_files(vdir)
+            await eventually(
+                lambda: (s := _streamer(agent)) is not None and len(s.applied) == len(shards),
+                "every shard applied",
+            )
+            data = bytearray(shards[0].read_bytes())
+            data[-1] ^= 0xFF  # its data no longer matches its header's data checksum
+            _land(vdir, vdir / f"delta-{len(shards):05d}.safetensors", bytes(data))
+            await asyncio.sleep(0.2)  # the stream reads it, and reads it again
+
+        pub.pre_commit_hook = plant
+        stream = None
+
+        def at_v2() -> bool:
+            nonlocal stream
+            stream = stream or _streamer(agent)
+            return agent.version == 2
+
+        res = await pub.publish(sd2)
+        await eventually(at_v2, "the agent at v2 (not after the verify deadline)")
+        assert _holds(engine, sd2) and agent.status().streamed_shards == res.shards > 3
+        assert stream is not None and stream.failed is None
+
+    await _with_agent(tmp_path, body, verify_deadline=60.0)
+
+
 async def test_a_version_whose_manifest_never_comes_is_rolled_back(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
