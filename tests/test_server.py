@@ -28,6 +28,16 @@ from tests.ports import free_port, has_ipv6_loopback, resolving_to
 TOKEN = "s3cret-token-0123456789"
 
 
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 30 s; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 async def test_status_health_metrics_and_guarded_sync(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -270,12 +280,7 @@ async def test_a_flood_of_idle_connections_never_stops_a_receiver_process(tmp_pa
     finally:
         for s in flood:
             s.close()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
     text = log.read_text(errors="replace")
     assert "Too many open files" not in text, text[-3000:]
     assert "refusing more" in text  # the cap said so, once
@@ -645,11 +650,6 @@ async def test_readyz_says_why_when_the_root_cannot_be_read(shared_tmp: Path) ->
             await eventually_async(lambda: answers(200), "ready again")
     finally:
         root.chmod(0o777)
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
     text = log.read_text(errors="replace")
     assert "Traceback" not in text and "Error handling request" not in text, text[-3000:]
