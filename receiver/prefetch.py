@@ -32,7 +32,8 @@ class Prefetcher:
 
     Args:
         on_manifest: set when the version's manifest appears.
-        max_bytes: stop prefetching after this many bytes (the rest is read after commit).
+        max_bytes: the most bytes held prefetched at once (a shard that would pass it is
+            read after the commit instead).
         interval: seconds between polls of the next expected name.
     """
 
@@ -73,10 +74,13 @@ class Prefetcher:
             name = f"delta-{k:05d}.safetensors"
             path = self.dir / name
             if self.bytes < self.max_bytes and await asyncio.to_thread(probe, path, self.root) == 1:
-                read = partial(read_bytes, path, limit=self.max_bytes, root=self.root)
+                # within what is left of the budget (a read to the whole of it went past it by up
+                # to one shard: twice the budget held at once)
+                left = self.max_bytes - self.bytes
+                read = partial(read_bytes, path, limit=left, root=self.root)
                 try:
                     data = await asyncio.to_thread(read)
-                except (OSError, ValueError) as exc:  # vanished or huge: the agent reads it later
+                except (OSError, ValueError) as exc:  # vanished or too large: read after commit
                     logger.debug("prefetch of %s skipped: %s", path, exc)
                 else:
                     self.shards[name] = data

@@ -310,6 +310,28 @@ async def test_prefetched_bytes_are_verified_not_trusted(tmp_path: Path) -> None
         assert_holds(agent.engine.load_state_dict(), states[2])  # type: ignore[attr-defined]
 
 
+async def test_the_prefetch_holds_no_more_than_its_budget(tmp_path: Path) -> None:
+    """Found by attack (forty-third session): the prefetch checked its budget before a read,
+    then read a shard of up to the whole budget, so it held up to twice the budget at once. A
+    shard that would pass what is left is left to the read after the commit now."""
+    from receiver.prefetch import Prefetcher
+
+    vdir = tmp_path / "v000000000001"
+    vdir.mkdir()
+    for k, size in enumerate((600, 600, 300)):
+        (vdir / f"delta-{k:05d}.safetensors").write_bytes(b"x" * size)
+    p = Prefetcher(tmp_path, 1, on_manifest=asyncio.Event(), max_bytes=1000)
+    task = asyncio.create_task(p.run())
+    for _ in range(400):
+        if "delta-00002.safetensors" in p.shards:
+            break
+        await asyncio.sleep(0.01)
+    (vdir / "manifest.json").write_bytes(b"{}")
+    await asyncio.wait_for(task, 10)
+    assert sorted(p.shards) == ["delta-00000.safetensors", "delta-00002.safetensors"]
+    assert p.bytes == 900 <= p.max_bytes
+
+
 async def test_serialized_mode_gives_the_same_result(tmp_path: Path) -> None:
     states = [mixed_state(0)]
     async with Publisher(tmp_path / "r", bucket_bytes=4096, pipelined=False) as pub:
