@@ -243,6 +243,29 @@ def test_a_log_that_cannot_be_read_is_skipped_by_inspect(
     assert str(log) in err[0], err
 
 
+def test_a_root_part_this_user_may_not_read_is_said_with_the_uid(
+    root: Path, shared_tmp: Path
+) -> None:
+    """Found by attack (forty-third session): `asyncsync status ROOT` run by a user who may not
+    read the root's ``acks/`` said only "[Errno 13] Permission denied: 'R/acks'"; the one line
+    names the uid and what to do now (a real process, as nobody)."""
+    copy = shared_tmp / "copy"
+    shutil.copytree(root, copy)
+    (copy / "acks").mkdir(exist_ok=True)
+    (copy / "acks").chmod(0o700)
+    head = [sys.executable, "-m", "tests.as_user", "65534", "65534", "asyncsync.ops.cli"]
+    r = subprocess.run(
+        [*head, "status", str(copy)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("asyncsync status: "), err
+    assert (
+        "Permission denied" in err[0]
+        and "not allowed to uid 65534; run as a user who may read it" in err[0]
+    ), err
+
+
 def test_tail_and_inspect_escape_control_characters_from_the_root(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

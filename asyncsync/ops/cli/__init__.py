@@ -103,7 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit flush
         return 0
     except (AsyncSyncError, OSError) as exc:
-        print_error(f"asyncsync {args.command}", str(exc), args.log_format)
+        why = str(exc)
+        if isinstance(exc, PermissionError):  # (it said only "[Errno 13] Permission denied: P")
+            why += (
+                f": not allowed to uid {os.geteuid()}; run as a user who may read it (and, for "
+                "gc or prepare, write it)"
+            )
+        print_error(f"asyncsync {args.command}", why, args.log_format)
         return 1
     except KeyboardInterrupt:
         return 130
