@@ -266,27 +266,24 @@ async def test_a_damaged_file_after_the_last_shard_before_the_manifest_holds_not
     sd2 = _state(2)
 
     async def body(pub: Publisher, agent: ReceiverAgent, engine: LocalCheckpoint) -> None:
+        stream = None
+
         async def plant(vdir: Path) -> None:
+            nonlocal stream
             shards = _delta_files(vdir)
             await eventually(
                 lambda: (s := _streamer(agent)) is not None and len(s.applied) == len(shards),
                 "every shard applied",
             )
+            stream = _streamer(agent)  # (taken here: gone once the agent has taken over)
             data = bytearray(shards[0].read_bytes())
             data[-1] ^= 0xFF  # its data no longer matches its header's data checksum
             _land(vdir, vdir / f"delta-{len(shards):05d}.safetensors", bytes(data))
             await asyncio.sleep(0.2)  # the stream reads it, and reads it again
 
         pub.pre_commit_hook = plant
-        stream = None
-
-        def at_v2() -> bool:
-            nonlocal stream
-            stream = stream or _streamer(agent)
-            return agent.version == 2
-
         res = await pub.publish(sd2)
-        await eventually(at_v2, "the agent at v2 (not after the verify deadline)")
+        await eventually(lambda: agent.version == 2, "the agent at v2 (not after the deadline)")
         assert _holds(engine, sd2) and agent.status().streamed_shards == res.shards > 3
         assert stream is not None and stream.failed is None
 
